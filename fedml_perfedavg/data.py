@@ -1,0 +1,132 @@
+"""Loading MNIST / CIFAR-10 through torchvision and splitting them over users as in the paper."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from .evaluation import UserSplit
+from .partition import UserPlan, partition_indices, plan_users
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    images_per_class: int  # the paper's ``a``
+    input_shape: Tuple[int, int, int]
+    num_classes: int
+    expected_files: str  # where torchvision looks, relative to data_cache_dir
+
+
+DATASETS: Dict[str, DatasetSpec] = {
+    "mnist": DatasetSpec(196, (1, 28, 28), 10, "MNIST/raw/"),
+    "cifar10": DatasetSpec(68, (3, 32, 32), 10, "cifar-10-batches-py/"),
+}
+
+
+@dataclass
+class FederatedData:
+    """Every user's train/test tensors, plus what FedML needs to see them."""
+
+    users: List[UserSplit]
+    num_classes: int
+    input_shape: Tuple[int, int, int]
+
+    def to(self, device: torch.device) -> "FederatedData":
+        users = [UserSplit(*(t.to(device) for t in u)) for u in self.users]
+        return FederatedData(users, self.num_classes, self.input_shape)
+
+    def describe(self) -> List[Dict[int, Tuple[int, int]]]:
+        """Per user, {class: (train count, test count)}."""
+        out = []
+        for u in self.users:
+            classes = sorted(set(u.train_y.tolist()) | set(u.test_y.tolist()))
+            out.append({c: (int((u.train_y == c).sum()), int((u.test_y == c).sum())) for c in classes})
+        return out
+
+    def as_fedml_dataset(self, batch_size: int) -> list:
+        """FedML's 8-element dataset list; per-client loaders wrap the same tensors."""
+        loader = lambda x, y, shuffle: DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)  # noqa: E731
+        train_local = {i: loader(u.train_x, u.train_y, True) for i, u in enumerate(self.users)}
+        test_local = {i: loader(u.test_x, u.test_y, False) for i, u in enumerate(self.users)}
+        train_num = {i: len(u.train_y) for i, u in enumerate(self.users)}
+        cat = lambda field: torch.cat([u[field] for u in self.users])  # noqa: E731
+        train_global = loader(cat(0), cat(1), True)
+        test_global = loader(cat(2), cat(3), False)
+        return [
+            sum(train_num.values()), sum(len(u.test_y) for u in self.users), train_global, test_global,
+            train_num, train_local, test_local, self.num_classes,
+        ]
+
+
+def default_test_images_per_class(images_per_class: int, train_size: int, test_size: int) -> int:
+    """Test ``a``: the train ``a`` scaled by the test/train size ratio, rounded down to even."""
+    return max(2, 2 * int(images_per_class * test_size / train_size / 2))
+
+
+def load_torchvision(dataset: str, root: str, download: bool) -> Tuple[Tuple[Tensor, Tensor], Tuple[Tensor, Tensor]]:
+    """((train_x, train_y), (test_x, test_y)) as float tensors in [0, 1], shape (N, C, H, W)."""
+    from . import fedml_compat
+
+    fedml_compat.make_torchvision_importable()
+    import torchvision
+
+    if dataset not in DATASETS:
+        raise ValueError(f"data_args.dataset={dataset!r} is not one of {sorted(DATASETS)}")
+    cls = {"mnist": torchvision.datasets.MNIST, "cifar10": torchvision.datasets.CIFAR10}[dataset]
+    splits = []
+    for train in (True, False):
+        try:
+            ds = cls(root=root, train=train, download=download)
+        except RuntimeError as err:
+            expected = os.path.join(os.path.abspath(root), DATASETS[dataset].expected_files)
+            raise FileNotFoundError(
+                f"{dataset} not found: expected its files under {expected} "
+                f"(data_args.data_cache_dir={root!r}, data_args.download={download}). "
+                f"Set data_args.download: true to fetch it, or point data_args.data_cache_dir at a copy. ({err})"
+            ) from None
+        data = torch.as_tensor(np.asarray(ds.data))
+        if data.ndim == 3:  # MNIST: (N, H, W)
+            data = data.unsqueeze(1)
+        else:  # CIFAR: (N, H, W, C)
+            data = data.permute(0, 3, 1, 2)
+        splits.append((data.float().div_(255.0).contiguous(), torch.as_tensor(np.asarray(ds.targets), dtype=torch.long)))
+    return splits[0], splits[1]
+
+
+def split_over_users(
+    train: Tuple[Tensor, Tensor], test: Tuple[Tensor, Tensor], num_users: int, images_per_class: int,
+    test_images_per_class: int, partition: str, seed: int,
+) -> List[UserSplit]:
+    """Apply the paper's partition to a train and a test set (same classes per user)."""
+    train_plans: List[UserPlan] = plan_users(num_users, images_per_class, partition, seed)
+    test_plans = plan_users(num_users, test_images_per_class, partition, seed)
+    train_idx = partition_indices(train[1].numpy(), train_plans, seed)
+    test_idx = partition_indices(test[1].numpy(), test_plans, seed + 1)
+    return [
+        UserSplit(train[0][tr], train[1][tr], test[0][te], test[1][te])
+        for tr, te in zip(map(torch.as_tensor, train_idx), map(torch.as_tensor, test_idx))
+    ]
+
+
+def load_federated(
+    dataset: str, root: str, num_users: int, partition: str, seed: int, download: bool = False,
+    images_per_class: Optional[int] = None, test_images_per_class: Optional[int] = None,
+) -> FederatedData:
+    """Load ``dataset`` and split it over ``num_users`` users with the paper's partition."""
+    spec = DATASETS.get(dataset)
+    if spec is None:
+        raise ValueError(f"data_args.dataset={dataset!r} is not one of {sorted(DATASETS)}")
+    train, test = load_torchvision(dataset, root, download)
+    a = images_per_class or spec.images_per_class
+    a_test = test_images_per_class or default_test_images_per_class(a, len(train[1]), len(test[1]))
+    users = split_over_users(train, test, num_users, a, a_test, partition, seed)
+    logger.info("%s split over %d users (a=%d, test a=%d, %s)", dataset, num_users, a, a_test, partition)
+    return FederatedData(users, spec.num_classes, spec.input_shape)

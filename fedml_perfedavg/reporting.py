@@ -1,0 +1,99 @@
+"""What a run reports: log lines, a progress bar, wandb, the metrics history and summary.json."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+from .evaluation import EvaluationResult
+
+logger = logging.getLogger(__name__)
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    """Write JSON to ``path`` through a temporary file and a rename, so no half file is left."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as stream:
+        json.dump(data, stream, indent=2, sort_keys=False)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(tmp, path)
+
+
+class RunRecorder:
+    """Collects per-round metrics and reports them (logging, tqdm, optional wandb)."""
+
+    def __init__(self, run_dir: str, total_rounds: int, config_sections: Dict[str, Dict[str, Any]],
+                 show_progress: bool = True, wandb_settings: Optional[Dict[str, Any]] = None) -> None:
+        self.run_dir = run_dir
+        self.total_rounds = total_rounds
+        self.config_sections = config_sections
+        self.history: List[Dict[str, Any]] = []
+        self.last: Optional[EvaluationResult] = None
+        self.rounds_done = 0
+        self.started = time.perf_counter()
+        self._bar = None
+        if show_progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_rounds, desc="rounds", unit="round", dynamic_ncols=True)
+        self._wandb = self._init_wandb(wandb_settings) if wandb_settings else None
+
+    def _init_wandb(self, settings: Dict[str, Any]):
+        import wandb
+
+        os.environ.setdefault("WANDB_MODE", "offline")  # never needs an account unless asked
+        return wandb.init(project=settings["project"], group=settings.get("group"), name=settings.get("name"),
+                          dir=self.run_dir, config=self.config_sections, reinit=True)
+
+    def round_finished(self, round_idx: int) -> None:
+        self.rounds_done = round_idx + 1
+        if self._bar is not None:
+            self._bar.update(self.rounds_done - self._bar.n)
+
+    def record_evaluation(self, round_idx: int, result: EvaluationResult) -> None:
+        metrics = {"round": round_idx, **result.metrics(), "wall_seconds": time.perf_counter() - self.started}
+        self.history.append(metrics)
+        self.last = result
+        logger.info("round %d: personalized accuracy %.4f (before adaptation %.4f, std %.4f)", round_idx,
+                    metrics["personalized_accuracy"], metrics["accuracy_before_adaptation"],
+                    metrics["personalized_accuracy_std"])
+        if self._bar is not None:
+            self._bar.set_postfix(pers_acc=f"{metrics['personalized_accuracy']:.4f}")
+        if self._wandb is not None:
+            self._wandb.log({f"eval/{k}": v for k, v in metrics.items() if k != "round"}, step=round_idx)
+
+    def summary(self) -> Dict[str, Any]:
+        """The run's final numbers (last evaluation) and its resolved config."""
+        if self.last is None:
+            raise RuntimeError("no evaluation was recorded; the run did not finish a round")
+        return {
+            "personalized_accuracy": self.last.personalized_accuracy,
+            "accuracy_before_adaptation": self.last.accuracy_before_adaptation,
+            "personalized_accuracy_std": self.last.personalized_accuracy_std,
+            "per_user_accuracy": self.last.per_user_accuracy,
+            "per_user_accuracy_before_adaptation": self.last.per_user_accuracy_before,
+            "rounds": self.rounds_done,
+            "wall_seconds": time.perf_counter() - self.started,
+            "history": self.history,
+            "config": self.config_sections,
+        }
+
+    def finish(self) -> Dict[str, Any]:
+        """Write ``summary.json`` into the run directory and close the bar and wandb."""
+        if self._bar is not None:
+            self._bar.close()
+        summary = self.summary()
+        write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary)
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=["user", "accuracy", "accuracy_before_adaptation"],
+                                data=[[i, a, b] for i, (a, b) in enumerate(zip(self.last.per_user_accuracy,
+                                                                               self.last.per_user_accuracy_before))])
+            self._wandb.log({"final/per_user_accuracy": table})
+            self._wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+            self._wandb.finish()
+        return summary

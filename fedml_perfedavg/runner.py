@@ -1,0 +1,101 @@
+"""Run a configured experiment through FedML and write its results."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+from . import fedml_compat
+from .config import Config, ConfigError, check_against_data
+from .data import FederatedData, load_federated
+from .models import create_model
+from .registry import algorithm_factory
+from .reporting import RunRecorder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """What a finished run produced; ``summary`` is also in ``run_dir/summary.json``."""
+
+    summary: Dict[str, Any]
+    run_dir: str
+    model: torch.nn.Module
+    trainer: Any
+    aggregator: Any
+
+
+def resolve_run_dir(config: Config, run_dir: Optional[str] = None) -> str:
+    """The run's output directory (created): ``run_dir`` or ``output_dir/run_name``."""
+    if run_dir is None:
+        stem = os.path.splitext(os.path.basename(config.source))[0] if config.source else "run"
+        name = config.run_name or f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = os.path.join(config.output_dir, name)
+    os.makedirs(run_dir, exist_ok=True)
+    return os.path.abspath(run_dir)
+
+
+def device_of(config: Config) -> torch.device:
+    """The torch device the config asks for; an error if CUDA is asked for but absent."""
+    if not config.using_gpu:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device_args.using_gpu=True: CUDA is not available on this machine (use false)")
+    if config.gpu_id >= torch.cuda.device_count():
+        raise ConfigError(f"device_args.gpu_id={config.gpu_id!r}: must be < {torch.cuda.device_count()}")
+    return torch.device(f"cuda:{config.gpu_id}")
+
+
+def load_data(config: Config) -> FederatedData:
+    """The federated split the config describes."""
+    return load_federated(config.dataset, config.data_cache_dir, config.client_num_in_total,
+                          config.partition_method, config.random_seed, download=config.download,
+                          images_per_class=config.images_per_class,
+                          test_images_per_class=config.test_images_per_class)
+
+
+def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedData] = None) -> RunResult:
+    """Run the experiment of ``config`` on FedML's single-process simulator."""
+    if config.training_type != "simulation" or config.backend != "sp":
+        raise ConfigError(f"comm_args.backend={config.backend!r} with common_args.training_type="
+                          f"{config.training_type!r}: this entry point runs the single-process simulation "
+                          f"(backend sp, training_type simulation)")
+    run_dir = resolve_run_dir(config, run_dir)
+    device = device_of(config)
+    data = data if data is not None else load_data(config)
+    check_against_data(config, min(len(u.train_y) for u in data.users))
+
+    # FedML only knows its own optimizers: it gets "FedAvg" and the plugin keeps its choice.
+    # wandb is owned by the plugin's recorder (FedML's own wandb.init has no group or dir).
+    args = config.to_fedml_args(federated_optimizer="FedAvg", plugin_algorithm=config.federated_optimizer,
+                                enable_wandb=False, using_mlops=False, run_name=os.path.basename(run_dir))
+    if config.fedml_home == "run_dir":
+        fedml_compat.redirect_fedml_home(os.path.join(run_dir, "fedml"))
+    args = fedml_compat.init_fedml_offline(args, fedml_dir=os.path.join(run_dir, "fedml"))
+
+    torch.manual_seed(config.random_seed)
+    model = create_model(config.model, data.input_shape, data.num_classes, config.hidden_sizes).to(device)
+    wandb_settings = None
+    if config.enable_wandb:
+        wandb_settings = {"project": config.wandb_project, "group": config.wandb_group,
+                          "name": os.path.basename(run_dir)}
+    recorder = RunRecorder(run_dir, config.comm_round, config.sections(), config.show_progress, wandb_settings)
+    trainer, aggregator = algorithm_factory(config.federated_optimizer)(model, config, args, recorder)
+
+    logger.info("run %s: %s (%s) on %s, %d rounds, %d of %d users per round", run_dir,
+                config.federated_optimizer, config.perfedavg_variant, config.dataset, config.comm_round,
+                config.client_num_per_round, config.client_num_in_total)
+    runner = fedml_compat.build_sp_runner(args, device, data.as_fedml_dataset(config.batch_size), model,
+                                          trainer, aggregator)
+    runner.run()
+    torch.save(aggregator.get_model_params(), os.path.join(run_dir, "model.pt"))
+    summary = recorder.finish()
+    logger.info("personalized accuracy %.4f (before adaptation %.4f) after %d rounds in %.1f s; results in %s",
+                summary["personalized_accuracy"], summary["accuracy_before_adaptation"], summary["rounds"],
+                summary["wall_seconds"], run_dir)
+    return RunResult(summary, run_dir, model, trainer, aggregator)

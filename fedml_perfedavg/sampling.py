@@ -1,0 +1,59 @@
+"""Randomness that depends only on (seed, round, client, purpose), never on process layout.
+
+Client sampling and every minibatch are drawn from generators keyed this way, so the
+single-process, MPI and cross-silo runs of one config draw the same numbers.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import List, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .algorithm import LocalBatches
+
+
+class Purpose(IntEnum):
+    CLIENT_SAMPLING = 0
+    LOCAL_TRAINING = 1
+    EVALUATION = 2
+    INITIALISATION = 3
+
+
+def generator_for(seed: int, round_idx: int, client_id: int, purpose: Purpose) -> torch.Generator:
+    """A CPU torch generator seeded from the key (seed, round, client, purpose)."""
+    entropy = np.random.SeedSequence([int(seed), int(round_idx) + 1, int(client_id) + 1, int(purpose)])
+    generator = torch.Generator()
+    generator.manual_seed(int(entropy.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1)))
+    return generator
+
+
+def sample_clients(seed: int, round_idx: int, client_num_in_total: int, client_num_per_round: int) -> List[int]:
+    """Uniformly sample ``client_num_per_round`` distinct clients for a round, sorted."""
+    if client_num_per_round >= client_num_in_total:
+        return list(range(client_num_in_total))
+    generator = generator_for(seed, round_idx, -1, Purpose.CLIENT_SAMPLING)
+    chosen = torch.randperm(client_num_in_total, generator=generator)[:client_num_per_round]
+    return sorted(chosen.tolist())
+
+
+def batch_indices(num_samples: int, steps: int, batch_sizes: Sequence[int], generator: torch.Generator) -> List[Tensor]:
+    """For each batch size, a ``(steps, size)`` index tensor; each row is drawn without
+    replacement and independently of every other row and batch role."""
+    largest = max(batch_sizes)
+    if largest > num_samples:
+        raise ValueError(f"batch size {largest} is larger than the client's {num_samples} training samples")
+    # One argsort of uniform noise gives steps * roles independent permutations at once.
+    permutations = torch.rand(steps, len(batch_sizes), num_samples, generator=generator).argsort(dim=-1)
+    return [permutations[:, role, :size] for role, size in enumerate(batch_sizes)]
+
+
+def sample_local_batches(
+    x: Tensor, y: Tensor, steps: int, batch_sizes: Sequence[int], generator: torch.Generator
+) -> LocalBatches:
+    """Independent minibatches D, D', D'' for each of ``steps`` local steps."""
+    adapt, meta, hessian = batch_indices(len(y), steps, batch_sizes, generator)
+    index = lambda idx: (x[idx.to(x.device)], y[idx.to(y.device)])  # noqa: E731
+    return LocalBatches(*index(adapt), *index(meta), *index(hessian))

@@ -1,0 +1,35 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fedml-perfedavg",
+    version="0.1.0",
+    description="Per-FedAvg (personalized federated learning via meta-learning) as a FedML plugin",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["fedml_perfedavg", "fedml_perfedavg.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "fedml==0.9.6",
+        "torch==2.13.0",
+        "torchvision==0.28.0",
+        # What keeps fedml 0.9.6 importable (see ../shared/FEDML_NOTES.md).
+        "numpy<2",
+        "setuptools<81",
+        "wandb==0.13.2",
+        "requests<2.32",
+        "protobuf<4",
+        "paho-mqtt<2",
+        "chardet<6",
+        "networkx<3.0",
+        "docker==6.1.3",
+        "PyYAML",
+        "tqdm",
+    ],
+    extras_require={
+        "mpi": ["mpi4py", "mpich"],
+        "silo": ["grpcio"],
+        "bench": ["matplotlib"],
+        "test": ["pytest", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["fedml-perfedavg = fedml_perfedavg.cli:main"]},
+)
