@@ -1,0 +1,27 @@
+# Quick start: `make run` and `make test` set up .venv themselves on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SHARED_DATA := ../shared/datasets
+# MNIST from ../shared when it is there, else ./data with a torchvision download.
+DATA_ARGS := $(if $(wildcard $(SHARED_DATA)/MNIST/raw/train-images-idx3-ubyte),--set data_cache_dir=$(SHARED_DATA),--set data_cache_dir=./data --set download=true)
+
+.PHONY: setup run test clean
+setup: $(STAMP)
+
+$(STAMP): setup.py constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt "setuptools<81" wheel
+	# torch is named explicitly (==2.13.0, the CPU wheel) so pip never resolves a CUDA build.
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0 -e ".[mpi,silo,bench,test]"
+	touch $@
+
+run: $(STAMP)
+	$(VENV)/bin/fedml-perfedavg --cf yaml_configs/quickstart_mnist_hf.yaml $(DATA_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs *.egg-info

@@ -1,0 +1,118 @@
+"""Properties of the meta-gradient estimators and the local update (float64, small MLP)."""
+import pytest
+import torch
+
+from fedml_perfedavg.algorithm import (LocalBatches, LocalUpdateConfig, local_update, make_loss_fn, meta_gradient,
+                                       parameters_of)
+from fedml_perfedavg.models import MLP
+
+
+def _problem(seed=0, batch=8, steps=1):
+    torch.manual_seed(seed)
+    model = MLP(6, 3, hidden=(5, 4)).double()
+    make = lambda: (torch.randn(steps, batch, 6, dtype=torch.float64), torch.randint(0, 3, (steps, batch)))  # noqa
+    d, dp, dpp = make(), make(), make()
+    return model, make_loss_fn(model), parameters_of(model), LocalBatches(*d, *dp, *dpp)
+
+
+def _autograd_meta_gradient(loss_fn, params, x_d, y_d, x_dp, y_dp, alpha):
+    """grad of F(w) = f(w - alpha grad f(w; D); D'), by plain autograd through the inner step."""
+    w = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    inner = torch.autograd.grad(loss_fn(w, x_d, y_d), list(w.values()), create_graph=True)
+    adapted = {k: w[k] - alpha * g for k, g in zip(w, inner)}
+    outer = torch.autograd.grad(loss_fn(adapted, x_dp, y_dp), list(w.values()))
+    return dict(zip(w, outer))
+
+
+def _max_diff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_exact_equals_autograd_gradient_of_meta_objective_when_hessian_batch_is_d():
+    model, loss_fn, params, batches = _problem()
+    step = batches.step(0)
+    step = step._replace(hessian_x=step.adapt_x, hessian_y=step.adapt_y)
+    alpha = 0.3
+    expected = _autograd_meta_gradient(loss_fn, params, step.adapt_x, step.adapt_y, step.meta_x, step.meta_y, alpha)
+    got = meta_gradient(loss_fn, params, step, "exact", alpha, delta=1e-3)
+    assert _max_diff(got, expected) < 1e-12
+    # and the Hessian term matters: first order is measurably different
+    fo = meta_gradient(loss_fn, params, step, "fo", alpha, delta=1e-3)
+    assert _max_diff(fo, expected) > 1e-4
+
+
+def test_exact_uses_the_hessian_batch_d_double_prime():
+    model, loss_fn, params, batches = _problem()
+    step = batches.step(0)
+    on_d = meta_gradient(loss_fn, params, step._replace(hessian_x=step.adapt_x, hessian_y=step.adapt_y), "exact",
+                         0.3, 1e-3)
+    on_dpp = meta_gradient(loss_fn, params, step, "exact", 0.3, 1e-3)
+    assert _max_diff(on_d, on_dpp) > 1e-6
+
+
+def test_hf_converges_to_exact_as_delta_shrinks():
+    model, loss_fn, params, batches = _problem()
+    step = batches.step(0)
+    exact = meta_gradient(loss_fn, params, step, "exact", 0.3, delta=1.0)
+    errors = [_max_diff(meta_gradient(loss_fn, params, step, "hf", 0.3, delta=d), exact) for d in (1e-1, 1e-2, 1e-3)]
+    assert errors[0] > errors[1] > errors[2]
+    assert errors[2] < 1e-7  # central differences: error ~ delta^2
+
+
+def test_fo_equals_exact_when_alpha_is_zero():
+    model, loss_fn, params, batches = _problem()
+    step = batches.step(0)
+    fo = meta_gradient(loss_fn, params, step, "fo", 0.0, 1e-3)
+    exact = meta_gradient(loss_fn, params, step, "exact", 0.0, 1e-3)
+    hf = meta_gradient(loss_fn, params, step, "hf", 0.0, 1e-3)
+    assert _max_diff(fo, exact) == 0.0 and _max_diff(hf, exact) == 0.0
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf", "exact"])
+def test_meta_step_starts_from_w_not_from_adapted_point(variant):
+    """Regression: w <- w - beta * grad F(w), never w~ - beta * g."""
+    model, loss_fn, params, batches = _problem()
+    alpha, beta = 0.3, 0.05
+    config = LocalUpdateConfig(method="perfedavg", variant=variant, alpha=alpha, beta=beta, delta=1e-4,
+                               local_steps=1)
+    new = local_update(loss_fn, params, batches, config)
+    step = batches.step(0)
+    direction = meta_gradient(loss_fn, params, step, variant, alpha, 1e-4)
+    from_w = {k: params[k] - beta * direction[k] for k in params}
+    assert _max_diff(new, from_w) < 1e-14
+    grads = torch.func.grad(loss_fn)(params, step.adapt_x, step.adapt_y)
+    adapted = {k: params[k] - alpha * grads[k] for k in params}
+    from_adapted = {k: adapted[k] - beta * direction[k] for k in params}
+    assert _max_diff(new, from_adapted) > 1e-4
+
+
+def test_several_steps_chain_from_the_updated_w():
+    model, loss_fn, params, batches = _problem(steps=3)
+    config = LocalUpdateConfig(method="perfedavg", variant="exact", alpha=0.1, beta=0.05, local_steps=3)
+    got = local_update(loss_fn, params, batches, config)
+    w = params
+    for t in range(3):
+        step = batches.step(t)
+        direction = meta_gradient(loss_fn, w, step, "exact", 0.1, 1e-3)
+        w = {k: w[k] - 0.05 * direction[k] for k in w}
+    assert _max_diff(got, w) < 1e-14
+
+
+def test_fedavg_is_plain_local_sgd_with_step_beta():
+    model, loss_fn, params, batches = _problem(steps=2)
+    config = LocalUpdateConfig(method="fedavg", beta=0.1, local_steps=2)
+    got = local_update(loss_fn, params, batches, config)
+    w = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    opt = torch.optim.SGD(w.values(), lr=0.1)
+    for t in range(2):
+        opt.zero_grad()
+        loss_fn(w, batches.adapt_x[t], batches.adapt_y[t]).backward()
+        opt.step()
+    assert _max_diff(got, {k: v.detach() for k, v in w.items()}) < 1e-14
+
+
+def test_invalid_variant_and_method_are_rejected_with_the_allowed_values():
+    with pytest.raises(ValueError, match="variant='so'.*fo"):
+        LocalUpdateConfig(variant="so")
+    with pytest.raises(ValueError, match="method='sgd'"):
+        LocalUpdateConfig(method="sgd")

@@ -1,0 +1,111 @@
+"""Config loading, validation messages, overrides and the shipped YAMLs."""
+import subprocess
+import sys
+
+import pytest
+
+from fedml_perfedavg.cli import main
+from fedml_perfedavg.config import ConfigError, load, load_yaml, parse_overrides, resolve
+from fedml_perfedavg.registry import algorithm_names
+
+from .conftest import REPO, needs_mnist
+
+CONFIGS = sorted(p for p in (REPO / "yaml_configs").glob("*.yaml") if p.stem.split("_")[0] in ("mnist", "cifar10"))
+
+
+def test_every_table1_cell_has_its_configs():
+    names = {p.stem for p in CONFIGS}
+    cells = ["mnist_tau10_alpha0.01", "mnist_tau4_alpha0.01", "cifar10_tau10_alpha0.001", "cifar10_tau4_alpha0.001",
+             "cifar10_tau4_alpha0.01", "cifar10_tau4_alpha0.01_diffhetero"]
+    for cell in cells:
+        for method in ("fedavg", "fo", "hf") + (("exact",) if cell.startswith("mnist") else ()):
+            assert f"{cell}_{method}" in names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_configs_validate_and_say_what_they_run(path):
+    config = load(str(path))
+    method = path.stem.rsplit("_", 1)[1]
+    assert config.federated_optimizer == ("FedAvg" if method == "fedavg" else "PerFedAvg")
+    if method != "fedavg":
+        assert config.perfedavg_variant == method
+    assert (config.client_num_in_total, config.client_num_per_round, config.comm_round, config.beta) == (50, 10, 1000,
+                                                                                                        0.001)
+    assert config.local_steps == int(path.stem.split("_tau")[1].split("_")[0])
+    assert config.partition_method == ("paper_diff_hetero" if "diffhetero" in path.stem else "paper")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"perfedavg_variant": "so"}, r"train_args.perfedavg_variant='so': must be one of \['fo', 'hf', 'exact'\]"),
+    ({"alpha": -0.1}, r"train_args.alpha=-0.1: must be > 0"),
+    ({"beta": "fast"}, r"train_args.beta='fast': must be of type float"),
+    ({"local_steps": 0}, r"train_args.local_steps=0: must be >= 1"),
+    ({"batch_size": True}, r"train_args.batch_size=True: must be of type int"),
+    ({"client_num_per_round": 60}, r"client_num_per_round=60: must be <= train_args.client_num_in_total \(50\)"),
+    ({"federated_optimizer": "PerFedAvgg"}, r"federated_optimizer='PerFedAvgg'.*did you mean 'PerFedAvg'"),
+    ({"dataset": "mnsit"}, r"data_args.dataset='mnsit'.*did you mean 'mnist'"),
+])
+def test_bad_values_are_rejected_naming_key_value_and_allowed(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve({}, overrides)
+
+
+def test_misspelled_yaml_key_is_an_error_with_a_suggestion():
+    with pytest.raises(ConfigError, match=r"train_args.aplha=0.1: unknown key; did you mean 'alpha'"):
+        resolve({"train_args": {"aplha": 0.1}})
+    with pytest.raises(ConfigError, match=r"belongs in section 'train_args'"):
+        resolve({"data_args": {"alpha": 0.1}})
+
+
+def test_missing_or_broken_config_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load(str(tmp_path / "nope.yaml"))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train_args: [1, 2")
+    with pytest.raises(ConfigError, match="cannot be read as YAML"):
+        load(str(broken))
+
+
+def test_set_overrides_take_yaml_values_and_qualified_names():
+    assert parse_overrides(["comm_round=20", "train_args.alpha=0.05", "enable_wandb=true"]) == {
+        "comm_round": 20, "alpha": 0.05, "enable_wandb": True}
+    with pytest.raises(ConfigError, match="unknown key 'comm_rounds'; did you mean 'comm_round'"):
+        parse_overrides(["comm_rounds=3"])
+    config = load(str(CONFIGS[0]), ["comm_round=7"])
+    assert config.comm_round == 7 and config.sections()["train_args"]["comm_round"] == 7
+
+
+def test_fedml_args_flatten_sections():
+    args = resolve({}).to_fedml_args(federated_optimizer="FedAvg")
+    assert args.federated_optimizer == "FedAvg" and args.alpha == 0.01 and args.backend == "sp"
+
+
+def test_registry_lists_builtins():
+    assert algorithm_names()[:2] == ["PerFedAvg", "FedAvg"]
+
+
+def test_cli_reports_config_errors_without_a_traceback(capsys, tmp_path):
+    assert main(["--cf", str(tmp_path / "missing.yaml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["--set", "alpha=0"]) == 2
+    assert "train_args.alpha=0: must be > 0" in capsys.readouterr().err
+
+
+@needs_mnist
+def test_describe_data_prints_the_paper_counts(mnist_root):
+    out = subprocess.run([sys.executable, "-m", "fedml_perfedavg", "--cf", str(CONFIGS[-1]), "--describe-data",
+                          "--set", f"data_cache_dir={mnist_root}"], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[2].split()[:3] == ["0", "980", "160"]
+    assert lines[2 + 25].split()[:3] == ["25", "490", "80"]
+    assert len(lines) == 2 + 50
+
+
+def test_readme_documents_every_config_key():
+    from fedml_perfedavg.config import SCHEMA
+
+    readme = (REPO / "README.md").read_text()
+    missing = [k.name for k in SCHEMA if f"`{k.name}`" not in readme]
+    assert not missing, f"README's configuration reference lacks {missing}"

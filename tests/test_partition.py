@@ -1,0 +1,95 @@
+"""The paper's split: exact per-user counts, disjointness, determinism."""
+import numpy as np
+import pytest
+import torch
+
+from fedml_perfedavg.data import default_test_images_per_class, load_federated, split_over_users
+from fedml_perfedavg.partition import partition_indices, plan_users
+
+from .conftest import needs_mnist
+
+
+def _check_paper_counts(users, a, diff_hetero=False, train=True):
+    for i, u in enumerate(users):
+        y = (u.train_y if train else u.test_y).tolist()
+        counts = {c: y.count(c) for c in set(y)}
+        if i < len(users) // 2:
+            assert counts == {c: a for c in range(5)}, (i, counts)
+        else:
+            high = [c for c in counts if c >= 5]
+            low = [c for c in counts if c < 5]
+            assert len(high) == 1 and counts[high[0]] == 2 * a, (i, counts)
+            if diff_hetero:
+                assert low == [], (i, counts)
+            else:
+                assert len(low) == 1 and counts[low[0]] == a // 2, (i, counts)
+
+
+@pytest.mark.parametrize("a", [196, 68])
+def test_plans_match_the_paper(a):
+    plans = plan_users(50, a, "paper", seed=0)
+    assert [p.total for p in plans] == [5 * a] * 25 + [a // 2 + 2 * a] * 25
+    # every class of 0-4 and of 5-9 goes to five second-half users
+    lows = [min(p.class_counts) for p in plans[25:]]
+    highs = [max(p.class_counts) for p in plans[25:]]
+    assert sorted(lows) == sorted(list(range(5)) * 5) and sorted(highs) == sorted(list(range(5, 10)) * 5)
+    hetero = plan_users(50, a, "paper_diff_hetero", seed=0)
+    assert [p.total for p in hetero] == [5 * a] * 25 + [2 * a] * 25
+
+
+def test_partition_is_disjoint_deterministic_and_seed_dependent():
+    labels = np.repeat(np.arange(10), 5000)  # CIFAR-10 train label counts
+    plans = plan_users(50, 68, "paper", 0)
+    users = partition_indices(labels, plans, 0)
+    flat = np.concatenate(users)
+    assert len(flat) == len(set(flat.tolist())) == 25 * 340 + 25 * 170
+    for u, p in zip(users, plans):
+        assert {c: int((labels[u] == c).sum()) for c in p.class_counts} == p.class_counts
+    again = partition_indices(labels, plan_users(50, 68, "paper", 0), 0)
+    assert all(np.array_equal(x, y) for x, y in zip(users, again))
+    other = partition_indices(labels, plan_users(50, 68, "paper", 1), 1)
+    assert not all(np.array_equal(x, y) for x, y in zip(users, other))
+
+
+def test_bad_partition_arguments_name_the_key():
+    with pytest.raises(ValueError, match="partition_method='iid'"):
+        plan_users(50, 196, "iid", 0)
+    with pytest.raises(ValueError, match="client_num_in_total=7"):
+        plan_users(7, 196, "paper", 0)
+    with pytest.raises(ValueError, match="images_per_class=5"):
+        plan_users(50, 5, "paper", 0)
+    with pytest.raises(ValueError, match="only .* left"):
+        partition_indices(np.repeat(np.arange(10), 100), plan_users(50, 196, "paper", 0), 0)
+
+
+@needs_mnist
+def test_real_mnist_split_matches_the_paper_exactly(mnist_root):
+    data = load_federated("mnist", mnist_root, 50, "paper", seed=0)
+    assert default_test_images_per_class(196, 60000, 10000) == 32
+    _check_paper_counts(data.users, 196)
+    _check_paper_counts(data.users, 32, train=False)
+    for train_u, test_u in zip(data.users, data.users):
+        assert set(train_u.train_y.tolist()) == set(test_u.test_y.tolist())  # same classes in test
+    again = load_federated("mnist", mnist_root, 50, "paper", seed=0)
+    assert all(torch.equal(u.train_x, v.train_x) and torch.equal(u.test_y, v.test_y)
+               for u, v in zip(data.users, again.users))
+    hetero = load_federated("mnist", mnist_root, 50, "paper_diff_hetero", seed=0)
+    _check_paper_counts(hetero.users, 196, diff_hetero=True)
+    x = data.users[0].train_x
+    assert x.shape[1:] == (1, 28, 28) and float(x.min()) >= 0.0 and float(x.max()) <= 1.0
+
+
+def test_cifar10_path_on_generated_files(fake_cifar_root):
+    data = load_federated("cifar10", fake_cifar_root, 10, "paper", seed=0, images_per_class=8,
+                          test_images_per_class=2)
+    assert data.input_shape == (3, 32, 32) and data.users[0].train_x.shape[1:] == (3, 32, 32)
+    _check_paper_counts(data.users, 8)
+    _check_paper_counts(data.users, 2, train=False)
+    assert default_test_images_per_class(68, 50000, 10000) == 12
+
+
+def test_missing_dataset_says_where_files_were_expected(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"cifar-10-batches-py.*data_args.download"):
+        load_federated("cifar10", str(tmp_path), 10, "paper", seed=0)
+    with pytest.raises(FileNotFoundError, match=r"MNIST/raw"):
+        load_federated("mnist", str(tmp_path), 10, "paper", seed=0)
