@@ -12,7 +12,7 @@ from typing import List, NamedTuple, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad
+from torch.func import functional_call, grad, vmap
 
 from .algorithm import LossFn, Params, axpy
 from .sampling import Purpose, batch_indices, generator_for
@@ -58,6 +58,22 @@ class EvaluationResult:
         }
 
 
+def adaptation_batches(train_x: Tensor, train_y: Tensor, steps: int, batch_size: int,
+                       generator: torch.Generator) -> tuple:
+    """The (steps, batch) minibatches of the user's training data that adaptation uses."""
+    (indices,) = batch_indices(len(train_y), steps, [min(batch_size, len(train_y))], generator)
+    indices = indices.to(train_x.device)
+    return train_x[indices], train_y[indices]
+
+
+def sgd_steps(loss_fn: LossFn, params: Params, batches_x: Tensor, batches_y: Tensor, alpha: float) -> Params:
+    """One alpha-step of SGD per leading index of ``batches_x`` / ``batches_y``."""
+    grad_fn = grad(loss_fn)
+    for t in range(batches_x.shape[0]):
+        params = axpy(-alpha, grad_fn(params, batches_x[t], batches_y[t]), params)
+    return params
+
+
 def adapt(
     loss_fn: LossFn,
     params: Params,
@@ -69,12 +85,7 @@ def adapt(
     generator: torch.Generator,
 ) -> Params:
     """``steps`` SGD steps of size ``alpha`` on minibatches of the user's training data."""
-    grad_fn = grad(loss_fn)
-    (indices,) = batch_indices(len(train_y), steps, [min(batch_size, len(train_y))], generator)
-    for t in range(steps):
-        idx = indices[t].to(train_x.device)
-        params = axpy(-alpha, grad_fn(params, train_x[idx], train_y[idx]), params)
-    return params
+    return sgd_steps(loss_fn, params, *adaptation_batches(train_x, train_y, steps, batch_size, generator), alpha)
 
 
 @torch.no_grad()
@@ -116,4 +127,32 @@ def personalized_evaluation(
         after.append(accuracy)
         before.append(accuracy_before)
         losses.append(loss)
+    return EvaluationResult(after, before, losses)
+
+
+def personalized_evaluation_batched(
+    model: nn.Module,
+    loss_fn: LossFn,
+    params: Params,
+    users: Sequence[UserSplit],
+    alpha: float,
+    adapt_steps: int,
+    batch_size: int,
+    seed: int,
+    round_idx: int,
+) -> EvaluationResult:
+    """Same protocol and numbers as :func:`personalized_evaluation`, with the adaptation of all
+    users as one vmapped computation (needs ``batch_size`` <= every user's training data)."""
+    batches = [adaptation_batches(u.train_x, u.train_y, adapt_steps, batch_size,
+                                  generator_for(seed, round_idx, user_id, Purpose.EVALUATION))
+               for user_id, u in enumerate(users)]
+    xs, ys = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
+    adapted = vmap(lambda bx, by: sgd_steps(loss_fn, params, bx, by, alpha), in_dims=(0, 0))(xs, ys)
+    after, before, losses = [], [], []
+    for user_id, user in enumerate(users):  # test splits differ in size: one forward pass each
+        accuracy, loss = _accuracy_and_loss(model, {k: v[user_id] for k, v in adapted.items()}, user.test_x,
+                                            user.test_y)
+        after.append(accuracy)
+        losses.append(loss)
+        before.append(_accuracy_and_loss(model, params, user.test_x, user.test_y)[0])
     return EvaluationResult(after, before, losses)

@@ -12,6 +12,7 @@ import torch
 from . import fedml_compat
 from .config import Config, ConfigError, check_against_data
 from .data import FederatedData, load_federated
+from .engine import BatchedSimulation
 from .models import create_model
 from .registry import algorithm_factory
 from .reporting import RunRecorder
@@ -60,7 +61,8 @@ def load_data(config: Config) -> FederatedData:
 
 
 def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedData] = None) -> RunResult:
-    """Run the experiment of ``config`` on FedML's single-process simulator."""
+    """Run the experiment of ``config`` as a single-process simulation (batched engine, or
+    FedML's own round loop with ``simulation_engine: fedml``)."""
     if config.training_type != "simulation" or config.backend != "sp":
         raise ConfigError(f"comm_args.backend={config.backend!r} with common_args.training_type="
                           f"{config.training_type!r}: this entry point runs the single-process simulation "
@@ -76,7 +78,10 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
                                 enable_wandb=False, using_mlops=False, run_name=os.path.basename(run_dir))
     if config.fedml_home == "run_dir":
         fedml_compat.redirect_fedml_home(os.path.join(run_dir, "fedml"))
-    args = fedml_compat.init_fedml_offline(args, fedml_dir=os.path.join(run_dir, "fedml"))
+    if config.simulation_engine == "fedml":
+        args = fedml_compat.init_fedml_offline(args, fedml_dir=os.path.join(run_dir, "fedml"))
+    else:
+        fedml_compat.import_fedml()
 
     torch.manual_seed(config.random_seed)
     model = create_model(config.model, data.input_shape, data.num_classes, config.hidden_sizes).to(device)
@@ -87,11 +92,14 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
     recorder = RunRecorder(run_dir, config.comm_round, config.sections(), config.show_progress, wandb_settings)
     trainer, aggregator = algorithm_factory(config.federated_optimizer)(model, config, args, recorder)
 
-    logger.info("run %s: %s (%s) on %s, %d rounds, %d of %d users per round", run_dir,
+    logger.info("run %s: %s (%s) on %s, %d rounds, %d of %d users per round, %s engine", run_dir,
                 config.federated_optimizer, config.perfedavg_variant, config.dataset, config.comm_round,
-                config.client_num_per_round, config.client_num_in_total)
-    runner = fedml_compat.build_sp_runner(args, device, data.as_fedml_dataset(config.batch_size), model,
-                                          trainer, aggregator)
+                config.client_num_per_round, config.client_num_in_total, config.simulation_engine)
+    if config.simulation_engine == "fedml":
+        runner = fedml_compat.build_sp_runner(args, device, data.as_fedml_dataset(config.batch_size), model,
+                                              trainer, aggregator)
+    else:
+        runner = BatchedSimulation(config, data.to(device).users, trainer, aggregator, recorder)
     runner.run()
     torch.save(aggregator.get_model_params(), os.path.join(run_dir, "model.pt"))
     summary = recorder.finish()

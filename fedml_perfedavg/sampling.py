@@ -45,9 +45,11 @@ def batch_indices(num_samples: int, steps: int, batch_sizes: Sequence[int], gene
     largest = max(batch_sizes)
     if largest > num_samples:
         raise ValueError(f"batch size {largest} is larger than the client's {num_samples} training samples")
-    # One argsort of uniform noise gives steps * roles independent permutations at once.
-    permutations = torch.rand(steps, len(batch_sizes), num_samples, generator=generator).argsort(dim=-1)
-    return [permutations[:, role, :size] for role, size in enumerate(batch_sizes)]
+    # The positions of the `largest` smallest of i.i.d. uniform keys are a uniformly random
+    # ordered subset: steps * roles independent draws without replacement in one call.
+    keys = torch.rand(steps, len(batch_sizes), num_samples, generator=generator)
+    chosen = keys.topk(largest, dim=-1, largest=False).indices
+    return [chosen[:, role, :size] for role, size in enumerate(batch_sizes)]
 
 
 def sample_local_batches(

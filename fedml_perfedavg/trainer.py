@@ -12,7 +12,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from fedml.core import ClientTrainer, ServerAggregator
+from .fedml_compat import import_fedml
+
+import_fedml()  # torchvision needs its op schemas before FedML imports it
+from fedml.core import ClientTrainer, ServerAggregator  # noqa: E402
 
 from .algorithm import LocalUpdateConfig, local_update, make_loss_fn
 from .config import Config

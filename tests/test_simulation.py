@@ -17,7 +17,8 @@ HF_YAML = str(REPO / "yaml_configs" / "mnist_tau10_alpha0.01_hf.yaml")
 
 
 def _config(mnist_root, **overrides):
-    base = dict(data_cache_dir=mnist_root, show_progress=False, comm_round=2, frequency_of_the_test=1)
+    base = dict(data_cache_dir=mnist_root, show_progress=False, comm_round=2, frequency_of_the_test=1,
+                simulation_engine="fedml")  # these tests are about FedML's own round loop
     base.update(overrides)
     return resolve(load_yaml(HF_YAML), base, source=HF_YAML)
 
@@ -83,7 +84,8 @@ def test_cifar10_run_on_generated_files(fake_cifar_root, tmp_path):
     config = resolve({"data_args": {"dataset": "cifar10", "data_cache_dir": fake_cifar_root, "images_per_class": 8,
                                     "test_images_per_class": 2}},
                      dict(client_num_in_total=10, client_num_per_round=2, comm_round=2, local_steps=2, batch_size=8,
-                          meta_batch_size=8, hessian_batch_size=8, show_progress=False, frequency_of_the_test=1))
+                          meta_batch_size=8, hessian_batch_size=8, show_progress=False, frequency_of_the_test=1,
+                          simulation_engine="fedml"))
     result = run(config, str(tmp_path / "run"))
     assert result.model.net[1].in_features == 3072
     assert len(result.summary["per_user_accuracy"]) == 10 and result.summary["rounds"] == 2
@@ -125,7 +127,8 @@ def test_short_run_sends_nothing_off_the_machine_and_leaves_home_alone(mnist_roo
     home.mkdir()
     env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-c", NETWORK_GUARD, "--cf", HF_YAML, "--set", f"data_cache_dir={mnist_root}",
-               "--set", "comm_round=2", "--set", "show_progress=false", "--run-dir", str(tmp_path / "run")]
+               "--set", "comm_round=2", "--set", "show_progress=false", "--set", "simulation_engine=fedml",
+               "--run-dir", str(tmp_path / "run")]
     if _unshare_works():
         command = ["unshare", "-n"] + command  # only loopback exists in there
     out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
