@@ -109,3 +109,21 @@ def test_readme_documents_every_config_key():
     readme = (REPO / "README.md").read_text()
     missing = [k.name for k in SCHEMA if f"`{k.name}`" not in readme]
     assert not missing, f"README's configuration reference lacks {missing}"
+
+
+def test_entry_point_algorithms_are_listed_and_loaded(monkeypatch):
+    from fedml_perfedavg import registry
+
+    class FakeEntryPoint:
+        name = "MyAlg"
+
+        def load(self):
+            return registry.algorithm_factory("PerFedAvg")
+
+    monkeypatch.setattr(registry, "entry_points", lambda group: [FakeEntryPoint()] if group == registry.ENTRY_POINT_GROUP
+                        else [])
+    assert registry.algorithm_names() == ["PerFedAvg", "FedAvg", "MyAlg"]
+    assert resolve({}, {"federated_optimizer": "MyAlg"}).federated_optimizer == "MyAlg"
+    assert registry.algorithm_factory("MyAlg") is registry.algorithm_factory("PerFedAvg")
+    with pytest.raises(KeyError, match="must be one of"):
+        registry.algorithm_factory("Nope")

@@ -137,3 +137,16 @@ def test_short_run_sends_nothing_off_the_machine_and_leaves_home_alone(mnist_roo
     assert "personalized_accuracy=" in out.stdout
     assert list(home.iterdir()) == []  # FedML's .fedml files went to the run directory
     assert (tmp_path / "run" / "fedml" / ".fedml").is_dir()
+
+
+def test_wandb_logs_offline_into_the_run_directory(fake_cifar_root, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "run"))
+    config = resolve({"data_args": {"dataset": "cifar10", "data_cache_dir": fake_cifar_root, "images_per_class": 8,
+                                    "test_images_per_class": 2}},
+                     dict(client_num_in_total=10, client_num_per_round=2, comm_round=2, local_steps=1, batch_size=8,
+                          meta_batch_size=8, hessian_batch_size=8, show_progress=False, frequency_of_the_test=1,
+                          enable_wandb=True, wandb_group="test-group"))
+    run(config, str(tmp_path / "run"))
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))

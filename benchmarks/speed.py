@@ -1,0 +1,221 @@
+"""Speed of the per-client path vs the batched engine on the paper's MNIST config.
+
+    python benchmarks/speed.py [--repeats 7] [--full-run] [--device cpu|cuda] [--out benchmarks/results]
+
+Measures training ms/round (fedavg, fo, hf, exact), personalized-evaluation ms (all 50
+users), peak memory, an in-run large-GEMM GFLOP/s figure and the fraction of it each variant
+reaches (FLOPs counted from the model's shapes), and how ms/round scales with clients per
+round and with the number of users. Each (method, path) is measured in its own process so
+peak memory is its own. Writes speed.md and speed.json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fedml_perfedavg.config import resolve  # noqa: E402
+from fedml_perfedavg.data import FederatedData  # noqa: E402
+from fedml_perfedavg.engine import BatchedSimulation  # noqa: E402
+from fedml_perfedavg.evaluation import personalized_evaluation, personalized_evaluation_batched  # noqa: E402
+from fedml_perfedavg.models import create_model  # noqa: E402
+from fedml_perfedavg.registry import algorithm_factory  # noqa: E402
+from fedml_perfedavg.sampling import sample_clients  # noqa: E402
+
+METHODS = {"fedavg": ("FedAvg", "hf"), "fo": ("PerFedAvg", "fo"), "hf": ("PerFedAvg", "hf"),
+           "exact": ("PerFedAvg", "exact")}
+# fwd+bwd passes of one batch per local step; exact's Hessian-vector product (forward-over-reverse)
+# costs about two more fwd+bwd passes.
+PASSES_PER_STEP = {"fedavg": 1, "fo": 2, "hf": 4, "exact": 4}
+MNIST_ROOT = os.environ.get("PERFEDAVG_MNIST_ROOT", str(REPO.parent / "shared" / "datasets"))
+
+
+def median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1000)
+    return statistics.median(samples)
+
+
+def gemm_gflops(device: str, size: int = 2048, repeats: int = 7) -> float:
+    a = torch.randn(size, size, device=device)
+    ms = median_ms(lambda: a @ a, repeats)
+    return 2 * size ** 3 / (ms / 1000) / 1e9
+
+
+def config_for(method: str, clients: int = 10, users: int = 50, device: str = "cpu"):
+    optimizer, variant = METHODS[method]
+    return resolve({}, dict(federated_optimizer=optimizer, perfedavg_variant=variant, client_num_in_total=users,
+                            client_num_per_round=clients, local_steps=10, show_progress=False,
+                            data_cache_dir=MNIST_ROOT, using_gpu=device != "cpu"))
+
+
+def load_users(users: int, device: str):
+    from fedml_perfedavg.runner import load_data
+
+    if (Path(MNIST_ROOT) / "MNIST" / "raw").exists():
+        data = load_data(config_for("hf"))
+        source = "real MNIST, paper split"
+    else:  # same shapes and sizes, random pixels
+        g = torch.Generator().manual_seed(0)
+        from fedml_perfedavg.evaluation import UserSplit
+        split = [UserSplit(torch.rand(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g),
+                           torch.rand(m, 1, 28, 28, generator=g), torch.randint(0, 10, (m,), generator=g))
+                 for n, m in [(980, 160)] * 25 + [(490, 80)] * 25]
+        data = FederatedData(split, 10, (1, 28, 28))
+        source = "synthetic, MNIST shapes"
+    base = data.to(torch.device(device)).users
+    return [base[i % len(base)] for i in range(users)], source  # larger n: users replicated
+
+
+def flops_per_round(model: torch.nn.Module, method: str, clients: int, steps: int = 10, batch: int = 40) -> float:
+    weights = sum(p.numel() for n, p in model.named_parameters() if n.endswith("weight"))
+    forward = 2 * batch * weights
+    return 3 * forward * PASSES_PER_STEP[method] * steps * clients
+
+
+def measure_one(method: str, path: str, repeats: int, device: str, clients: int = 10, users: int = 50) -> dict:
+    """Train ms/round and evaluation ms for one (method, path) in this process."""
+    dev = torch.device(device)
+    config = config_for(method, clients, users, device)
+    user_data, source = load_users(users, device)
+    torch.manual_seed(0)
+    model = create_model("mlp", (1, 28, 28), 10).to(dev)
+    args = config.to_fedml_args()
+    trainer, aggregator = algorithm_factory(config.federated_optimizer)(model, config, args)
+    engine = BatchedSimulation(config, user_data, trainer, aggregator)
+    state = {"round": 0}
+
+    def per_client_round():
+        # What FedML's sp loop does per round: for each sampled client, load w, train, read back.
+        r = state["round"] = state["round"] + 1
+        args.round_idx = r
+        w = aggregator.get_model_params()
+        updates = []
+        for c in sample_clients(0, r, users, clients):
+            trainer.set_model_params(copy.deepcopy(w))
+            trainer.set_id(c)
+            trainer.train((user_data[c].train_x, user_data[c].train_y), dev, args)
+            updates.append((len(user_data[c].train_y), trainer.get_model_params()))
+        aggregator.set_model_params(aggregator.on_after_aggregation(aggregator.aggregate(updates)))
+
+    def batched_round():
+        state["round"] += 1
+        engine.train_round(state["round"])
+
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    evaluate = personalized_evaluation if path == "per_client" else personalized_evaluation_batched
+    train_ms = median_ms(per_client_round if path == "per_client" else batched_round, repeats)
+    eval_ms = median_ms(lambda: evaluate(model, trainer.loss_fn, params, user_data, config.alpha, 1, 40, 0, 0),
+                        max(3, repeats // 2))
+    peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if dev.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return {"method": method, "path": path, "clients": clients, "users": users, "train_ms": train_ms,
+            "eval_ms": eval_ms, "peak_mb": peak, "gflop_per_round": flops_per_round(model, method, clients) / 1e9,
+            "data": source}
+
+
+def run_isolated(method: str, path: str, repeats: int, device: str, clients: int = 10, users: int = 50) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--one", method, path, "--repeats", str(repeats), "--device",
+                          device, "--clients", str(clients), "--users", str(users)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def full_run_seconds(device: str) -> dict:
+    """A 1000-round HF run, evaluation every 10 rounds, through the normal runner."""
+    import tempfile
+
+    from fedml_perfedavg.runner import run
+
+    config = resolve({}, dict(comm_round=1000, frequency_of_the_test=10, data_cache_dir=MNIST_ROOT,
+                              show_progress=False, using_gpu=device != "cpu"))
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run(config, tmp)
+    return {"wall_seconds": time.perf_counter() - start, "personalized_accuracy": result.summary["personalized_accuracy"]}
+
+
+def write_report(results: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "speed.json").write_text(json.dumps(results, indent=2))
+    gemm = results["gemm_gflops"]
+    lines = [f"# Speed: per-client path vs batched engine ({results['device']})", "",
+             f"Measured {results['date']} with `{results['command']}` on {results['machine']}; "
+             f"data: {results['rows'][0]['data']}. Paper MNIST config: n=50, 10 clients/round, tau=10, "
+             f"batches 40, MLP 784-80-60-10. Median of {results['repeats']} after warm-up.",
+             f"In-run large GEMM (2048^2 fp32): **{gemm:.0f} GFLOP/s**.", "",
+             "| method | path | train ms/round | GFLOP/round | GFLOP/s | % of GEMM | eval ms (50 users) | peak MB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results["rows"]:
+        rate = r["gflop_per_round"] / (r["train_ms"] / 1000)
+        lines.append(f"| {r['method']} | {r['path']} | {r['train_ms']:.1f} | {r['gflop_per_round']:.2f} | {rate:.0f} | "
+                     f"{100 * rate / gemm:.0f}% | {r['eval_ms']:.1f} | {r['peak_mb']:.0f} |")
+    lines += ["", "| method | batched speed-up over per-client (train) |", "| --- | --- |"]
+    by = {(r["method"], r["path"]): r for r in results["rows"]}
+    for m in METHODS:
+        if (m, "per_client") in by and (m, "batched") in by:
+            lines.append(f"| {m} | {by[(m, 'per_client')]['train_ms'] / by[(m, 'batched')]['train_ms']:.2f}x |")
+    if results.get("scaling"):
+        lines += ["", "Scaling (HF, batched engine): training cost follows the work (clients per round); "
+                  "evaluation follows n.", "", "| users n | clients/round | train ms/round | ms per client | "
+                  "eval ms (all users) |", "| --- | --- | --- | --- | --- |"]
+        for r in results["scaling"]:
+            lines.append(f"| {r['users']} | {r['clients']} | {r['train_ms']:.1f} | {r['train_ms'] / r['clients']:.1f} | "
+                         f"{r['eval_ms']:.1f} |")
+    if results.get("full_run"):
+        f = results["full_run"]
+        lines += ["", f"Full 1000-round HF run, evaluation every 10 rounds (`make run`-style, batched engine): "
+                  f"**{f['wall_seconds']:.0f} s** wall, final personalized accuracy {f['personalized_accuracy']:.4f}."]
+    (out_dir / "speed.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--full-run", action="store_true", help="also time a 1000-round HF run")
+    parser.add_argument("--no-scaling", action="store_true")
+    parser.add_argument("--one", nargs=2, metavar=("METHOD", "PATH"), help=argparse.SUPPRESS)
+    parser.add_argument("--clients", type=int, default=10, help=argparse.SUPPRESS)
+    parser.add_argument("--users", type=int, default=50, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure_one(*args.one, args.repeats, args.device, args.clients, args.users)))
+        return
+    command = "python benchmarks/speed.py " + " ".join(sys.argv[1:])
+    rows = [run_isolated(m, p, args.repeats, args.device) for m in METHODS for p in ("per_client", "batched")]
+    scaling = [] if args.no_scaling else [
+        run_isolated("hf", "batched", max(3, args.repeats // 2), args.device, clients, users)
+        for users, clients in [(50, 10), (50, 20), (50, 50), (200, 10), (1000, 10)]]
+    results = {"date": time.strftime("%Y-%m-%d"), "command": command.strip(), "device": args.device,
+               "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+               + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
+               "repeats": args.repeats, "gemm_gflops": gemm_gflops(args.device), "rows": rows, "scaling": scaling,
+               "full_run": full_run_seconds(args.device) if args.full_run else None}
+    write_report(results, Path(args.out))
+    print((Path(args.out) / "speed.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

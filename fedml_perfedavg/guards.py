@@ -1,0 +1,53 @@
+"""Checks that keep one bad client or a diverging run from corrupting the global model.
+
+Plain PyTorch; used by the trainer, the batched engine and the aggregator alike.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+
+class DivergenceError(RuntimeError):
+    """Local training produced non-finite values and the policy is to stop."""
+
+
+class RunStopped(RuntimeError):
+    """Too many rounds had no acceptable client update."""
+
+
+def nonfinite_clients(stacked: Dict[str, Tensor]) -> List[int]:
+    """Indices (along dim 0) of the stacked client models that hold a NaN or an infinity."""
+    ok = torch.stack([torch.isfinite(v).flatten(1).all(dim=1) for v in stacked.values()]).all(dim=0)
+    return torch.nonzero(~ok).flatten().tolist()
+
+
+def is_finite(params: Dict[str, Tensor]) -> bool:
+    """True when every tensor of ``params`` is finite."""
+    return all(bool(torch.isfinite(v).all()) for v in params.values() if v.is_floating_point())
+
+
+def update_problem(update: Dict[str, Tensor], reference: Dict[str, Tensor],
+                   max_update_norm: Optional[float] = None) -> Optional[str]:
+    """Why a received client model cannot be averaged into ``reference``, or None if it can."""
+    if not isinstance(update, dict):
+        return f"expected a state dict, got {type(update).__name__}"
+    if set(update) != set(reference):
+        missing, extra = sorted(set(reference) - set(update)), sorted(set(update) - set(reference))
+        return f"keys differ from the global model (missing {missing}, unexpected {extra})"
+    for name, ref in reference.items():
+        value = update[name]
+        if not isinstance(value, Tensor):
+            return f"{name}: not a tensor ({type(value).__name__})"
+        if value.shape != ref.shape or value.dtype != ref.dtype:
+            return f"{name}: shape/dtype {tuple(value.shape)}/{value.dtype}, expected {tuple(ref.shape)}/{ref.dtype}"
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return f"{name}: non-finite values"
+    if max_update_norm is not None:
+        norm = float(torch.sqrt(sum(((update[k].float() - reference[k].float().to(update[k].device)) ** 2).sum()
+                                    for k in reference)))
+        if norm > max_update_norm:
+            return f"update norm {norm:.4g} exceeds train_args.max_update_norm={max_update_norm}"
+    return None
