@@ -8,6 +8,7 @@ import sys
 from typing import List, Optional
 
 from .config import ConfigError, load
+from .guards import DivergenceError, RunStopped
 
 
 class _PluginOrWarning(logging.Filter):
@@ -37,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set comm_round=20 (repeatable)")
     parser.add_argument("--run-dir", help="output directory of this run (default: output_dir/run_name)")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR from its last checkpoint (its config.yaml is used)")
     parser.add_argument("--describe-data", action="store_true",
                         help="print each user's per-class train/test counts and exit")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -61,6 +64,11 @@ def describe_data(config) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.resume:
+            if args.config:
+                raise ConfigError("--resume takes the run's own config.yaml; do not pass --cf as well")
+            args.config = os.path.join(args.resume, "config.yaml")
+            args.run_dir = args.resume
         config = load(args.config, args.overrides)
         if args.describe_data:
             _setup_logging(args.log_level)
@@ -73,7 +81,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         with logging_redirect_tqdm():
-            result = run(config, run_dir)
+            result = run(config, run_dir, resume=bool(args.resume))
         print(f"personalized_accuracy={result.summary['personalized_accuracy']:.4f} "
               f"accuracy_before_adaptation={result.summary['accuracy_before_adaptation']:.4f} "
               f"run_dir={result.run_dir}")
@@ -81,3 +89,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"fedml-perfedavg: error: {err}", file=sys.stderr)
         return 2
+    except (DivergenceError, RunStopped) as err:
+        print(f"fedml-perfedavg: run stopped: {err}", file=sys.stderr)
+        return 1

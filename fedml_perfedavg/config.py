@@ -9,6 +9,7 @@ import argparse
 import copy
 import difflib
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -50,6 +51,8 @@ SCHEMA: List[Key] = [
     _key("common_args", "random_seed", 0, int, "seed of the partition, sampling, init and batches", rule=non_negative),
     _key("common_args", "output_dir", "runs", str, "folder under which each run gets its own directory"),
     _key("common_args", "fedml_home", "run_dir", str, "where FedML writes its .fedml files", ("run_dir", "user")),
+    _key("common_args", "checkpoint_every", 100, int, "checkpoint every this many rounds (0: never; batched "
+         "engine)", rule=non_negative),
     _key("common_args", "run_name", None, str, "run directory name (default: config name + time)", optional=True),
     _key("data_args", "dataset", "mnist", str, "dataset", ("mnist", "cifar10")),
     _key("data_args", "data_cache_dir", "./data", str, "torchvision root holding MNIST/ or cifar-10-batches-py/"),
@@ -77,6 +80,12 @@ SCHEMA: List[Key] = [
     _key("train_args", "hessian_batch_size", 40, int, "|D''|: batch of the Hessian term", rule=at_least_one),
     _key("train_args", "aggregation", "uniform", str, "server average of returned models",
          ("uniform", "sample_weighted")),
+    _key("train_args", "on_divergence", "stop", str,
+         "non-finite values in local training: stop the run, or drop that client's update", ("stop", "skip_client")),
+    _key("train_args", "max_update_norm", None, float, "reject client updates whose L2 distance to the global "
+         "model exceeds this", rule=positive, optional=True),
+    _key("train_args", "max_skipped_rounds", 3, int, "stop after this many rounds without an acceptable update",
+         rule=at_least_one),
     _key("train_args", "simulation_engine", "batched", str,
          "sp round loop: batched (all sampled clients as one vmapped computation) or fedml (FedML's per-client loop)",
          ("batched", "fedml")),
@@ -154,7 +163,7 @@ def _check_value(key: Key, value: Any) -> Any:
         value = float(value)
     if key.kind is int and isinstance(value, bool) or not isinstance(value, key.kind):
         raise ConfigError(f"{where}: must be of type {key.kind.__name__} ({key.help})")
-    if key.kind is float and value != value:  # NaN
+    if key.kind is float and not math.isfinite(value):
         raise ConfigError(f"{where}: must be a finite number")
     if key.choices is not None and value not in key.choices:
         raise ConfigError(f"{where}: must be one of {list(key.choices)}{_suggest(str(value), map(str, key.choices))}")

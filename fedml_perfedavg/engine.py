@@ -9,13 +9,14 @@ give the same model up to floating-point summation order.
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch.func import vmap
 
 from .algorithm import LocalBatches, LocalUpdateConfig, LossFn, Params, local_update
 from .evaluation import UserSplit, personalized_evaluation_batched
+from .guards import nonfinite_clients
 from .sampling import Purpose, generator_for, sample_clients, sample_local_batches
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,10 @@ class BatchedSimulation:
                                 self.batch_sizes)
         with torch.no_grad():
             stacked = self.step(self.global_params(), batches)
+        from .trainer import divergence
+
+        for position in nonfinite_clients(stacked):
+            divergence(config, round_idx, clients[position])
         buffers = {k: b for k, b in self.model.state_dict().items() if k not in stacked}
         updates = [(self.sample_counts[c], {**{k: v[i] for k, v in stacked.items()}, **buffers})
                    for i, c in enumerate(clients)]
@@ -86,11 +91,15 @@ class BatchedSimulation:
             self.recorder.record_evaluation(round_idx, result)
         return result
 
-    def run(self) -> None:
-        """All rounds, evaluating where FedML's sp loop would (round 0, every
-        ``frequency_of_the_test`` rounds, and the last round)."""
+    def run(self, start_round: int = 0, checkpoint: Optional[Callable[[int], None]] = None) -> None:
+        """Rounds ``start_round``.. ``comm_round - 1``, evaluating where FedML's sp loop would
+        (round 0, every ``frequency_of_the_test`` rounds, the last round), and calling
+        ``checkpoint(next_round)`` every ``checkpoint_every`` rounds."""
         last = self.config.comm_round - 1
-        for round_idx in range(self.config.comm_round):
+        every = self.config.checkpoint_every
+        for round_idx in range(start_round, self.config.comm_round):
             self.train_round(round_idx)
             if round_idx == last or round_idx % self.config.frequency_of_the_test == 0:
                 self.evaluate(round_idx)
+            if checkpoint is not None and every and (round_idx + 1) % every == 0 and round_idx != last:
+                checkpoint(round_idx + 1)

@@ -65,29 +65,47 @@ class RunRecorder:
         if self._wandb is not None:
             self._wandb.log({f"eval/{k}": v for k, v in metrics.items() if k != "round"}, step=round_idx)
 
-    def summary(self) -> Dict[str, Any]:
-        """The run's final numbers (last evaluation) and its resolved config."""
+    def state(self) -> Dict[str, Any]:
+        """What a checkpoint needs to continue the record exactly."""
+        last = None if self.last is None else vars(self.last).copy()
+        return {"history": self.history, "last": last, "rounds_done": self.rounds_done,
+                "elapsed": time.perf_counter() - self.started}
+
+    def restore(self, state: Dict[str, Any]) -> None:
+        self.history = list(state["history"])
+        self.last = None if state["last"] is None else EvaluationResult(**state["last"])
+        self.rounds_done = state["rounds_done"]
+        self.started = time.perf_counter() - state["elapsed"]
+        if self._bar is not None:
+            self._bar.update(self.rounds_done - self._bar.n)
+
+    def summary(self, status: str = "finished", error: Optional[str] = None,
+                rejected_updates: Optional[Dict[int, int]] = None) -> Dict[str, Any]:
+        """The run's final numbers (last evaluation), how it ended, and its resolved config."""
+        common = {"status": status, "error": error, "rounds": self.rounds_done,
+                  "wall_seconds": time.perf_counter() - self.started,
+                  "rejected_updates": {str(k): v for k, v in (rejected_updates or {}).items()},
+                  "history": self.history, "config": self.config_sections}
         if self.last is None:
-            raise RuntimeError("no evaluation was recorded; the run did not finish a round")
+            return {"personalized_accuracy": None, "accuracy_before_adaptation": None, "per_user_accuracy": [],
+                    **common}
         return {
             "personalized_accuracy": self.last.personalized_accuracy,
             "accuracy_before_adaptation": self.last.accuracy_before_adaptation,
             "personalized_accuracy_std": self.last.personalized_accuracy_std,
             "per_user_accuracy": self.last.per_user_accuracy,
             "per_user_accuracy_before_adaptation": self.last.per_user_accuracy_before,
-            "rounds": self.rounds_done,
-            "wall_seconds": time.perf_counter() - self.started,
-            "history": self.history,
-            "config": self.config_sections,
+            **common,
         }
 
-    def finish(self) -> Dict[str, Any]:
-        """Write ``summary.json`` into the run directory and close the bar and wandb."""
+    def finish(self, status: str = "finished", error: Optional[str] = None,
+               rejected_updates: Optional[Dict[int, int]] = None) -> Dict[str, Any]:
+        """Write ``summary.json`` (atomically) into the run directory; close the bar and wandb."""
         if self._bar is not None:
             self._bar.close()
-        summary = self.summary()
+        summary = self.summary(status, error, rejected_updates)
         write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary)
-        if self._wandb is not None:
+        if self._wandb is not None and self.last is not None:
             import wandb
 
             table = wandb.Table(columns=["user", "accuracy", "accuracy_before_adaptation"],

@@ -9,10 +9,11 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import fedml_compat
+from . import checkpoint, fedml_compat
 from .config import Config, ConfigError, check_against_data
 from .data import FederatedData, load_federated
 from .engine import BatchedSimulation
+from .guards import DivergenceError, RunStopped
 from .models import create_model
 from .registry import algorithm_factory
 from .reporting import RunRecorder
@@ -60,7 +61,8 @@ def load_data(config: Config) -> FederatedData:
                           test_images_per_class=config.test_images_per_class)
 
 
-def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedData] = None) -> RunResult:
+def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedData] = None,
+        resume: bool = False) -> RunResult:
     """Run the experiment of ``config`` as a single-process simulation (batched engine, or
     FedML's own round loop with ``simulation_engine: fedml``)."""
     if config.training_type != "simulation" or config.backend != "sp":
@@ -68,6 +70,10 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
                           f"{config.training_type!r}: this entry point runs the single-process simulation "
                           f"(backend sp, training_type simulation)")
     run_dir = resolve_run_dir(config, run_dir)
+    if resume and config.simulation_engine != "batched":
+        raise ConfigError("train_args.simulation_engine='fedml': resuming needs the batched engine "
+                          "(FedML's sp loop always starts at round 0)")
+    checkpoint.save_config(run_dir, config.sections())
     device = device_of(config)
     data = data if data is not None else load_data(config)
     check_against_data(config, min(len(u.train_y) for u in data.users))
@@ -95,14 +101,36 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
     logger.info("run %s: %s (%s) on %s, %d rounds, %d of %d users per round, %s engine", run_dir,
                 config.federated_optimizer, config.perfedavg_variant, config.dataset, config.comm_round,
                 config.client_num_per_round, config.client_num_in_total, config.simulation_engine)
-    if config.simulation_engine == "fedml":
-        runner = fedml_compat.build_sp_runner(args, device, data.as_fedml_dataset(config.batch_size), model,
-                                              trainer, aggregator)
-    else:
-        runner = BatchedSimulation(config, data.to(device).users, trainer, aggregator, recorder)
-    runner.run()
+    start_round = 0
+    if resume:
+        state = checkpoint.load(run_dir)
+        if state is None:
+            logger.warning("no checkpoint in %s: starting from round 0", run_dir)
+        else:
+            aggregator.set_model_params(state["model"])
+            recorder.restore(state["recorder"])
+            aggregator.skipped_rounds = state["aggregator"]["skipped_rounds"]
+            aggregator.rejected = dict(state["aggregator"]["rejected"])
+            start_round = state["next_round"]
+            logger.info("resumed %s at round %d", run_dir, start_round)
+
+    def save_checkpoint(next_round: int) -> None:
+        checkpoint.save(run_dir, next_round, aggregator.get_model_params(), recorder.state(),
+                        {"skipped_rounds": aggregator.skipped_rounds, "rejected": aggregator.rejected})
+
+    try:
+        if config.simulation_engine == "fedml":
+            fedml_compat.build_sp_runner(args, device, data.as_fedml_dataset(config.batch_size), model,
+                                         trainer, aggregator).run()
+        else:
+            BatchedSimulation(config, data.to(device).users, trainer, aggregator, recorder).run(
+                start_round, save_checkpoint)
+    except (DivergenceError, RunStopped) as err:
+        # No result is lost: what was measured so far goes to summary.json, then the run stops.
+        recorder.finish(status="stopped", error=str(err), rejected_updates=aggregator.rejected)
+        raise
     torch.save(aggregator.get_model_params(), os.path.join(run_dir, "model.pt"))
-    summary = recorder.finish()
+    summary = recorder.finish(rejected_updates=aggregator.rejected)
     logger.info("personalized accuracy %.4f (before adaptation %.4f) after %d rounds in %.1f s; results in %s",
                 summary["personalized_accuracy"], summary["accuracy_before_adaptation"], summary["rounds"],
                 summary["wall_seconds"], run_dir)

@@ -5,6 +5,7 @@ these classes adapt it to FedML's ``ClientTrainer`` / ``ServerAggregator`` hooks
 """
 from __future__ import annotations
 
+import copy
 import logging
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -20,6 +21,7 @@ from fedml.core import ClientTrainer, ServerAggregator  # noqa: E402
 from .algorithm import LocalUpdateConfig, local_update, make_loss_fn
 from .config import Config
 from .evaluation import UserSplit, evaluate_user, personalized_evaluation
+from .guards import DivergenceError, RunStopped, is_finite, update_problem
 from .reporting import RunRecorder
 from .sampling import Purpose, generator_for, sample_local_batches
 
@@ -79,6 +81,8 @@ class PerFedAvgTrainer(ClientTrainer):
         batches = type(batches)(*(t.to(device) for t in batches))
         params = {k: p.detach() for k, p in self.model.named_parameters()}
         new_params = local_update(self.loss_fn, params, batches, self.update)
+        if not is_finite(new_params):
+            divergence(self.config, round_idx, int(self.id))
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(new_params[name])
@@ -99,6 +103,15 @@ class PerFedAvgTrainer(ClientTrainer):
         total = len(test_y)
         return {"test_correct": accuracy * total, "test_total": total, "test_loss": loss * total,
                 "test_correct_before_adaptation": before * total}
+
+
+def divergence(config: Config, round_idx: int, client: int) -> None:
+    """Apply ``train_args.on_divergence`` to a client whose local training went non-finite."""
+    where = (f"round {round_idx}, client {client}, {config.federated_optimizer} ({config.perfedavg_variant}): "
+             f"non-finite parameters after local training")
+    if config.on_divergence == "stop":
+        raise DivergenceError(f"{where}; stopping (train_args.on_divergence=stop; the last checkpoint is kept)")
+    logger.warning("%s; its update will be dropped (train_args.on_divergence=skip_client)", where)
 
 
 def average(updates: Sequence[Tuple[float, Dict[str, Tensor]]], weighting: str) -> "OrderedDict[str, Tensor]":
@@ -125,6 +138,8 @@ class PerFedAvgAggregator(ServerAggregator):
         self.recorder = recorder
         self.loss_fn = make_loss_fn(model)
         self.aggregate_calls = 0
+        self.skipped_rounds = 0
+        self.rejected: Dict[int, int] = {}  # round -> rejected client updates
 
     def get_model_params(self) -> "OrderedDict[str, Tensor]":
         return _state_dict_copy(self.model)
@@ -132,8 +147,36 @@ class PerFedAvgAggregator(ServerAggregator):
     def set_model_params(self, model_parameters: Dict[str, Tensor]) -> None:
         self.model.load_state_dict(model_parameters)
 
+    def on_before_aggregation(self, raw_client_model_or_grad_list):
+        """Reject client updates that do not fit the global model (keys, shapes, dtypes,
+        finiteness, ``max_update_norm``); the round goes on with the rest."""
+        round_idx = int(getattr(self.args, "round_idx", 0) or 0)
+        reference = self.get_model_params()
+        accepted = []
+        for position, (samples, update) in enumerate(raw_client_model_or_grad_list):
+            problem = update_problem(update, reference, self.config.max_update_norm)
+            if problem is None:
+                accepted.append((samples, update))
+            else:
+                logger.warning("round %d: rejected client update %d: %s", round_idx, position, problem)
+        rejected = len(raw_client_model_or_grad_list) - len(accepted)
+        if rejected:
+            self.rejected[round_idx] = rejected
+        if accepted:
+            return super().on_before_aggregation(accepted)
+        self.skipped_rounds += 1
+        logger.error("round %d: no acceptable client update; the global model is kept (%d such rounds, "
+                     "train_args.max_skipped_rounds=%d)", round_idx, self.skipped_rounds,
+                     self.config.max_skipped_rounds)
+        if self.skipped_rounds >= self.config.max_skipped_rounds:
+            raise RunStopped(f"{self.skipped_rounds} rounds had no acceptable client update "
+                             f"(train_args.max_skipped_rounds={self.config.max_skipped_rounds}); last at round {round_idx}")
+        return [], []
+
     def aggregate(self, raw_client_model_or_grad_list: List[Tuple[float, Dict[str, Tensor]]]):
         self.aggregate_calls += 1
+        if not raw_client_model_or_grad_list:  # every update was rejected: keep the global model
+            return self.get_model_params()
         return average(raw_client_model_or_grad_list, self.config.aggregation)
 
     def on_after_aggregation(self, aggregated_model_or_grad):
@@ -174,7 +217,10 @@ class PerFedAvgAggregator(ServerAggregator):
 
 def _create(model: nn.Module, config: Config, args: Any, recorder: Optional[RunRecorder], method: str):
     update = update_config_of(config, method)
-    return PerFedAvgTrainer(model, args, config, update), PerFedAvgAggregator(model, args, config, recorder)
+    # The trainer gets its own copy: FedML's sp loop trains clients in place, and the aggregator's
+    # model must stay the global model (it is the reference that client updates are checked against).
+    trainer = PerFedAvgTrainer(copy.deepcopy(model), args, config, update)
+    return trainer, PerFedAvgAggregator(model, args, config, recorder)
 
 
 def create_perfedavg(model: nn.Module, config: Config, args: Any, recorder: Optional[RunRecorder] = None):

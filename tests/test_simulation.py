@@ -150,3 +150,24 @@ def test_wandb_logs_offline_into_the_run_directory(fake_cifar_root, tmp_path, mo
     run(config, str(tmp_path / "run"))
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+@needs_mnist
+def test_cli_resume_continues_an_interrupted_run(mnist_root, tmp_path):
+    from fedml_perfedavg.cli import main
+
+    run_dir = tmp_path / "run"
+    common = ["--set", f"data_cache_dir={mnist_root}", "--set", "show_progress=false", "--set", "checkpoint_every=2",
+              "--set", "comm_round=4", "--set", "frequency_of_the_test=2"]
+    assert main(["--cf", HF_YAML, *common, "--run-dir", str(tmp_path / "full")]) == 0
+    # an interrupted run: only the first two rounds' checkpoint was written
+    assert main(["--cf", HF_YAML, *common, "--set", "comm_round=3", "--run-dir", str(run_dir)]) == 0
+    (run_dir / "summary.json").unlink()
+    config_text = (run_dir / "config.yaml").read_text().replace("comm_round: 3", "comm_round: 4")
+    (run_dir / "config.yaml").write_text(config_text)
+    assert main(["--resume", str(run_dir)]) == 0
+    full = json.loads((tmp_path / "full" / "summary.json").read_text())
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["per_user_accuracy"] == full["per_user_accuracy"] and resumed["rounds"] == 4
+    a, b = torch.load(tmp_path / "full" / "model.pt"), torch.load(run_dir / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
