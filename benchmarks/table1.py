@@ -1,0 +1,272 @@
+"""Reproduce Table 1 of Fallah et al. (2020) through the plugin's normal runner.
+
+    python benchmarks/table1.py                       # MNIST cells, 4 methods, 5 seeds, K=1000
+    python benchmarks/table1.py --datasets mnist cifar10 --seeds 3 --rounds 200 --jobs 2
+    python benchmarks/table1.py --report-only         # rebuild CSV/MD/plots from finished runs
+
+Each run is ``fedml_perfedavg.runner.run`` on a YAML of ``yaml_configs/`` (cell x method) with
+the seed and rounds overridden; its directory is ``<out>/runs/<cell>/<method>/seed<k>``. Runs
+whose summary.json says "finished" are skipped, so an interrupted grid resumes. Outputs in
+``<out>``: table1.csv (one row per run), table1.md (mean and 95% interval per cell next to the
+paper, paired gains over FedAvg), plots per cell (accuracy vs round; per-user accuracy at the
+end) and wandb_report.md (offline wandb runs and how to sync them, with --wandb).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+CONFIG_DIR = REPO / "yaml_configs"
+METHODS = ("fedavg", "fo", "hf", "exact")
+METHOD_NAMES = {"fedavg": "FedAvg + update", "fo": "Per-FedAvg (FO)", "hf": "Per-FedAvg (HF)",
+                "exact": "Per-FedAvg (exact)"}
+# Table 1 of the paper: mean per-user accuracy (%) after one local step.
+PAPER = {
+    "mnist_tau10_alpha0.01": {"fedavg": 75.96, "fo": 78.00, "hf": 79.85},
+    "mnist_tau4_alpha0.01": {"fedavg": 60.18, "fo": 64.55, "hf": 70.94},
+    "cifar10_tau10_alpha0.001": {"fedavg": 40.49, "fo": 46.98, "hf": 50.44},
+    "cifar10_tau4_alpha0.001": {"fedavg": 38.38, "fo": 34.04, "hf": 43.73},
+    "cifar10_tau4_alpha0.01": {"fedavg": 35.97, "fo": 25.32, "hf": 46.32},
+    "cifar10_tau4_alpha0.01_diffhetero": {"fedavg": 58.59, "fo": 37.71, "hf": 71.25},
+}
+CSV_COLUMNS = ["cell", "dataset", "method", "seed", "rounds", "personalized_accuracy", "accuracy_before_adaptation",
+               "personalized_accuracy_std", "wall_seconds", "status", "run_dir"]
+
+
+def t_quantile_975(dof: int) -> float:
+    """Two-sided 95% Student-t quantile."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, dof))
+
+
+def mean_ci95(values: Sequence[float]) -> Tuple[float, float]:
+    """(mean, half-width of the 95% t interval); half-width is nan for fewer than 2 values."""
+    values = list(values)
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, float("nan")
+    return mean, t_quantile_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def grid(datasets: Sequence[str], cells: Sequence[str], methods: Sequence[str]) -> List[Tuple[str, str, Path]]:
+    """(cell, method, yaml) for every existing config that matches."""
+    out = []
+    for cell in PAPER:
+        if cell.split("_")[0] not in datasets or (cells and cell not in cells):
+            continue
+        for method in methods:
+            path = CONFIG_DIR / f"{cell}_{method}.yaml"
+            if path.exists():
+                out.append((cell, method, path))
+    return out
+
+
+def run_one(path: str, run_dir: str, seed: int, rounds: int, overrides: Sequence[str], threads: int) -> Dict:
+    """One run through the plugin's runner (in a worker process)."""
+    import logging
+
+    import torch
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING)
+    from fedml_perfedavg.config import load
+    from fedml_perfedavg.runner import run
+
+    config = load(path, [f"random_seed={seed}", f"comm_round={rounds}", "show_progress=false", *overrides])
+    result = run(config, run_dir)
+    return result.summary
+
+
+def finished(run_dir: Path) -> bool:
+    summary = run_dir / "summary.json"
+    return summary.exists() and json.loads(summary.read_text()).get("status", "finished") == "finished"
+
+
+def collect(out: Path) -> List[Dict]:
+    rows = []
+    for summary_path in sorted((out / "runs").glob("*/*/seed*/summary.json")):
+        s = json.loads(summary_path.read_text())
+        cell, method, seed = summary_path.parts[-4], summary_path.parts[-3], int(summary_path.parts[-2][4:])
+        rows.append({"cell": cell, "dataset": cell.split("_")[0], "method": method, "seed": seed,
+                     "rounds": s["rounds"], "personalized_accuracy": s["personalized_accuracy"],
+                     "accuracy_before_adaptation": s["accuracy_before_adaptation"],
+                     "personalized_accuracy_std": s.get("personalized_accuracy_std"),
+                     "wall_seconds": s["wall_seconds"], "status": s.get("status", "finished"),
+                     "run_dir": str(summary_path.parent.relative_to(out)), "_summary": s})
+    return rows
+
+
+def write_csv(rows: List[Dict], path: Path) -> None:
+    with open(path, "w", newline="") as stream:
+        writer = csv.DictWriter(stream, CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _fmt(mean: float, half: float) -> str:
+    return f"{mean:.2f} ± {half:.2f}" if not math.isnan(half) else f"{mean:.2f}"
+
+
+def table_markdown(rows: List[Dict], command: str) -> str:
+    lines = [f"# Table 1: ours vs the paper", "", f"Command: `{command}`; written {time.strftime('%Y-%m-%d')}.",
+             "Mean per-user personalized accuracy (%) after one alpha-step on the user's training data, mean ± "
+             "half-width of the 95% t interval over seeds; `before` is the global model's accuracy without the step.",
+             ""]
+    for cell in PAPER:
+        cell_rows = [r for r in rows if r["cell"] == cell and r["status"] == "finished"]
+        if not cell_rows:
+            continue
+        lines += [f"## {cell}", "", "| method | seeds | rounds | ours | paper | ours - paper | before | "
+                  "paired gain over FedAvg | wall s/run |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        fedavg = {r["seed"]: r["personalized_accuracy"] for r in cell_rows if r["method"] == "fedavg"}
+        for method in METHODS:
+            mr = sorted((r for r in cell_rows if r["method"] == method), key=lambda r: r["seed"])
+            if not mr:
+                continue
+            acc = [100 * r["personalized_accuracy"] for r in mr]
+            mean, half = mean_ci95(acc)
+            before = mean_ci95([100 * r["accuracy_before_adaptation"] for r in mr])
+            paper = PAPER[cell].get(method)
+            diff = f"{mean - paper:+.2f}" if paper is not None else "-"
+            paired = [100 * (r["personalized_accuracy"] - fedavg[r["seed"]]) for r in mr if r["seed"] in fedavg]
+            gain = _fmt(*mean_ci95(paired)) if paired and method != "fedavg" else "-"
+            wall = statistics.mean(r["wall_seconds"] for r in mr)
+            lines.append(f"| {METHOD_NAMES[method]} | {len(mr)} | {mr[0]['rounds']} | {_fmt(mean, half)} | "
+                         f"{paper if paper is not None else '-'} | {diff} | {_fmt(*before)} | {gain} | {wall:.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_cells(rows: List[Dict], out: Path) -> List[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for cell in PAPER:
+        cell_rows = [r for r in rows if r["cell"] == cell and r["status"] == "finished"]
+        if not cell_rows:
+            continue
+        fig, (ax_curve, ax_users) = plt.subplots(1, 2, figsize=(12, 4.5))
+        box_data, box_labels = [], []
+        for method in METHODS:
+            mr = [r for r in cell_rows if r["method"] == method]
+            if not mr:
+                continue
+            histories = [r["_summary"]["history"] for r in mr]
+            rounds = [h["round"] for h in histories[0]]
+            usable = [h for h in histories if [e["round"] for e in h] == rounds]
+            curves = [[100 * e["personalized_accuracy"] for e in h] for h in usable]
+            means = [statistics.mean(c) for c in zip(*curves)]
+            halves = [mean_ci95(c)[1] if len(c) > 1 else 0.0 for c in zip(*curves)]
+            ax_curve.plot(rounds, means, label=METHOD_NAMES[method])
+            ax_curve.fill_between(rounds, [m - h for m, h in zip(means, halves)],
+                                  [m + h for m, h in zip(means, halves)], alpha=0.2)
+            box_data.append([100 * a for r in mr for a in r["_summary"]["per_user_accuracy"]])
+            box_labels.append(method)
+        ax_curve.set(xlabel="round", ylabel="personalized accuracy (%)", title=f"{cell}: mean and 95% band over seeds")
+        ax_curve.legend()
+        ax_users.boxplot(box_data, tick_labels=box_labels, showmeans=True)
+        ax_users.set(ylabel="per-user accuracy at the end (%)", title="who gains: per-user accuracy, all seeds")
+        fig.tight_layout()
+        path = out / f"{cell}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def wandb_report(rows: List[Dict], out: Path) -> None:
+    lines = ["# wandb runs of the Table 1 grid", "",
+             "Each run logged offline into its run directory (project `fedml-perfedavg`, group = cell). To upload:",
+             "", "```", f"wandb sync {out}/runs/*/*/seed*/wandb/offline-run-*", "```", "",
+             "| cell | method | seed | personalized accuracy | wandb run folder |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        folders = sorted((out / r["run_dir"] / "wandb").glob("offline-run-*"))
+        if folders:
+            lines.append(f"| {r['cell']} | {r['method']} | {r['seed']} | {100 * r['personalized_accuracy']:.2f} | "
+                         f"`{folders[-1].relative_to(out)}` |")
+    (out / "wandb_report.md").write_text("\n".join(lines) + "\n")
+
+
+def report(out: Path, command: str) -> str:
+    rows = collect(out)
+    write_csv(rows, out / "table1.csv")
+    markdown = table_markdown(rows, command)
+    (out / "table1.md").write_text(markdown)
+    plot_cells(rows, out)
+    wandb_report(rows, out)
+    return markdown
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--datasets", nargs="+", default=["mnist"], choices=["mnist", "cifar10"])
+    parser.add_argument("--cells", nargs="*", default=[], help="cell names, e.g. mnist_tau4_alpha0.01")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1000)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "table1"))
+    parser.add_argument("--wandb", action="store_true", help="log every run to wandb (offline unless WANDB_MODE)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config override for every run (e.g. data_cache_dir=...)")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/table1.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if not args.report_only:
+        overrides = list(args.overrides) + (["enable_wandb=true"] if args.wandb else [])
+        if args.wandb:
+            os.environ.setdefault("WANDB_MODE", "offline")
+        todo = [(cell, method, path, seed) for cell, method, path in grid(args.datasets, args.cells, args.methods)
+                for seed in range(args.seeds)]
+        pending = [t for t in todo if not finished(out / "runs" / t[0] / t[1] / f"seed{t[3]}")]
+        print(f"{len(todo)} runs in the grid, {len(todo) - len(pending)} already finished, {len(pending)} to run",
+              file=sys.stderr)
+        threads = max(1, (os.cpu_count() or 1) // max(1, args.jobs))
+        failures: List[str] = []
+        from tqdm import tqdm
+
+        def record(cell, method, seed, get_summary):
+            try:
+                summary = get_summary()
+                bar.set_postfix_str(f"{cell} {method} s{seed}: {100 * summary['personalized_accuracy']:.2f}%")
+            except Exception as err:  # keep the grid going; report at the end
+                failures.append(f"{cell} {method} seed {seed}: {err}")
+            bar.update(1)
+
+        with tqdm(total=len(pending), unit="run") as bar:
+            jobs = [(str(path), str(out / "runs" / cell / method / f"seed{seed}"), seed, args.rounds, overrides,
+                     threads, (cell, method, seed)) for cell, method, path, seed in pending]
+            if args.jobs <= 1:  # in this process (also what tests use)
+                for *job, key in jobs:
+                    record(*key, lambda: run_one(*job))
+            else:
+                with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+                    futures = {pool.submit(run_one, *job): key for *job, key in jobs}
+                    for future in as_completed(futures):
+                        record(*futures[future], future.result)
+        for failure in failures:
+            print("FAILED:", failure, file=sys.stderr)
+    print(report(out, command.strip()))
+    return 1 if not args.report_only and failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The Table 1 grid runner and its statistics."""
+import csv
+import importlib.util
+import math
+
+import pytest
+
+from .conftest import REPO, needs_mnist
+
+spec = importlib.util.spec_from_file_location("table1", REPO / "benchmarks" / "table1.py")
+table1 = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(table1)
+
+
+def test_mean_and_95_interval_match_hand_computation():
+    mean, half = table1.mean_ci95([1.0, 2.0, 3.0, 4.0, 5.0])
+    # sd = sqrt(2.5) = 1.58114; t(0.975, 4) = 2.77645; half = 2.77645 * 1.58114 / sqrt(5)
+    assert mean == 3.0 and half == pytest.approx(1.96324, abs=1e-4)
+    assert table1.mean_ci95([0.5, 0.7]) == pytest.approx((0.6, 12.7062 * 0.141421 / math.sqrt(2)), abs=1e-3)
+    assert math.isnan(table1.mean_ci95([0.9])[1])
+
+
+def test_grid_covers_the_paper_cells():
+    cells = {c for c, _, _ in table1.grid(["mnist", "cifar10"], [], table1.METHODS)}
+    assert cells == set(table1.PAPER)
+    mnist = table1.grid(["mnist"], [], table1.METHODS)
+    assert len(mnist) == 8 and all(p.exists() for _, _, p in mnist)
+
+
+@needs_mnist
+def test_tiny_grid_writes_outputs_and_resumes(mnist_root, tmp_path, capsys):
+    args = ["--rounds", "2", "--seeds", "1", "--jobs", "1", "--cells", "mnist_tau4_alpha0.01", "--methods", "fedavg",
+            "hf", "--out", str(tmp_path), "--set", f"data_cache_dir={mnist_root}"]
+    assert table1.main(args) == 0
+    with open(tmp_path / "table1.csv") as stream:
+        rows = list(csv.DictReader(stream))
+    assert [r["method"] for r in rows] == ["fedavg", "hf"] and set(rows[0]) == set(table1.CSV_COLUMNS)
+    assert all(r["rounds"] == "2" and 0.0 < float(r["personalized_accuracy"]) <= 1.0 for r in rows)
+    markdown = (tmp_path / "table1.md").read_text()
+    assert "## mnist_tau4_alpha0.01" in markdown and "70.94" in markdown and "Per-FedAvg (HF)" in markdown
+    assert (tmp_path / "mnist_tau4_alpha0.01.png").stat().st_size > 10_000
+    summary = tmp_path / "runs" / "mnist_tau4_alpha0.01" / "hf" / "seed0" / "summary.json"
+    stamp = summary.stat().st_mtime_ns
+    capsys.readouterr()
+    assert table1.main(args) == 0
+    assert "2 already finished, 0 to run" in capsys.readouterr().err
+    assert summary.stat().st_mtime_ns == stamp
+
+
+def test_cifar10_grid_runs_on_generated_files(fake_cifar_root, tmp_path):
+    args = ["--datasets", "cifar10", "--cells", "cifar10_tau4_alpha0.01_diffhetero", "--methods", "hf", "--rounds", "2",
+            "--seeds", "1", "--jobs", "1", "--out", str(tmp_path), "--set", f"data_cache_dir={fake_cifar_root}",
+            "--set", "client_num_in_total=10", "--set", "client_num_per_round=2", "--set", "images_per_class=8",
+            "--set", "test_images_per_class=2", "--set", "batch_size=8", "--set", "meta_batch_size=8",
+            "--set", "hessian_batch_size=8"]
+    assert table1.main(args) == 0
+    assert "## cifar10_tau4_alpha0.01_diffhetero" in (tmp_path / "table1.md").read_text()
