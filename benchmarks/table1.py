@@ -42,7 +42,12 @@ PAPER = {
     "cifar10_tau4_alpha0.01_diffhetero": {"fedavg": 58.59, "fo": 37.71, "hf": 71.25},
 }
 CSV_COLUMNS = ["cell", "dataset", "method", "seed", "rounds", "personalized_accuracy", "accuracy_before_adaptation",
-               "personalized_accuracy_std", "wall_seconds", "status", "run_dir"]
+               "personalized_accuracy_std", "new_user_personalized_accuracy", "wall_seconds", "status", "run_dir"]
+# Beyond the paper: extra cells, each a paper cell's YAMLs with overrides.
+EXTRAS = {
+    "new_users": [(f"{cell}_newusers", cell, ["new_user_fraction=0.1"]) for cell in PAPER],
+    "alpha_sweep": [(f"mnist_tau4_alpha{a}_sweep", "mnist_tau4_alpha0.01", [f"alpha={a}"]) for a in (0.001, 0.05)],
+}
 
 
 def t_quantile_975(dof: int) -> float:
@@ -61,17 +66,25 @@ def mean_ci95(values: Sequence[float]) -> Tuple[float, float]:
     return mean, t_quantile_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def grid(datasets: Sequence[str], cells: Sequence[str], methods: Sequence[str]) -> List[Tuple[str, str, Path]]:
-    """(cell, method, yaml) for every existing config that matches."""
+def grid(datasets: Sequence[str], cells: Sequence[str], methods: Sequence[str],
+         extras: Sequence[str] = ()) -> List[Tuple[str, str, Path, List[str]]]:
+    """(cell, method, yaml, overrides) for every existing config that matches."""
+    chosen = [(cell, cell, []) for cell in PAPER] + [item for name in extras for item in EXTRAS[name]]
     out = []
-    for cell in PAPER:
-        if cell.split("_")[0] not in datasets or (cells and cell not in cells):
+    for cell, base, overrides in chosen:
+        if base.split("_")[0] not in datasets or (cells and cell not in cells and base not in cells):
             continue
         for method in methods:
-            path = CONFIG_DIR / f"{cell}_{method}.yaml"
+            path = CONFIG_DIR / f"{base}_{method}.yaml"
             if path.exists():
-                out.append((cell, method, path))
+                out.append((cell, method, path, list(overrides)))
     return out
+
+
+def cell_order(rows: List[Dict]) -> List[str]:
+    """Paper cells first, then the extra cells, as far as they have rows."""
+    present = {r["cell"] for r in rows}
+    return [c for c in PAPER if c in present] + sorted(present - set(PAPER))
 
 
 def run_one(path: str, run_dir: str, seed: int, rounds: int, overrides: Sequence[str], threads: int) -> Dict:
@@ -104,6 +117,7 @@ def collect(out: Path) -> List[Dict]:
                      "rounds": s["rounds"], "personalized_accuracy": s["personalized_accuracy"],
                      "accuracy_before_adaptation": s["accuracy_before_adaptation"],
                      "personalized_accuracy_std": s.get("personalized_accuracy_std"),
+                     "new_user_personalized_accuracy": s.get("new_user_personalized_accuracy"),
                      "wall_seconds": s["wall_seconds"], "status": s.get("status", "finished"),
                      "run_dir": str(summary_path.parent.relative_to(out)), "_summary": s})
     return rows
@@ -125,12 +139,13 @@ def table_markdown(rows: List[Dict], command: str) -> str:
              "Mean per-user personalized accuracy (%) after one alpha-step on the user's training data, mean ± "
              "half-width of the 95% t interval over seeds; `before` is the global model's accuracy without the step.",
              ""]
-    for cell in PAPER:
+    for cell in cell_order(rows):
         cell_rows = [r for r in rows if r["cell"] == cell and r["status"] == "finished"]
         if not cell_rows:
             continue
         lines += [f"## {cell}", "", "| method | seeds | rounds | ours | paper | ours - paper | before | "
-                  "paired gain over FedAvg | wall s/run |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "paired gain over FedAvg | new users | wall s/run |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         fedavg = {r["seed"]: r["personalized_accuracy"] for r in cell_rows if r["method"] == "fedavg"}
         for method in METHODS:
             mr = sorted((r for r in cell_rows if r["method"] == method), key=lambda r: r["seed"])
@@ -139,13 +154,16 @@ def table_markdown(rows: List[Dict], command: str) -> str:
             acc = [100 * r["personalized_accuracy"] for r in mr]
             mean, half = mean_ci95(acc)
             before = mean_ci95([100 * r["accuracy_before_adaptation"] for r in mr])
-            paper = PAPER[cell].get(method)
+            paper = PAPER.get(cell, {}).get(method)
             diff = f"{mean - paper:+.2f}" if paper is not None else "-"
             paired = [100 * (r["personalized_accuracy"] - fedavg[r["seed"]]) for r in mr if r["seed"] in fedavg]
             gain = _fmt(*mean_ci95(paired)) if paired and method != "fedavg" else "-"
             wall = statistics.mean(r["wall_seconds"] for r in mr)
+            new = [100 * r["new_user_personalized_accuracy"] for r in mr if r["new_user_personalized_accuracy"] is not None]
+            new_users = _fmt(*mean_ci95(new)) if new else "-"
             lines.append(f"| {METHOD_NAMES[method]} | {len(mr)} | {mr[0]['rounds']} | {_fmt(mean, half)} | "
-                         f"{paper if paper is not None else '-'} | {diff} | {_fmt(*before)} | {gain} | {wall:.0f} |")
+                         f"{paper if paper is not None else '-'} | {diff} | {_fmt(*before)} | {gain} | {new_users} | "
+                         f"{wall:.0f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -157,7 +175,7 @@ def plot_cells(rows: List[Dict], out: Path) -> List[Path]:
     import matplotlib.pyplot as plt
 
     written = []
-    for cell in PAPER:
+    for cell in cell_order(rows):
         cell_rows = [r for r in rows if r["cell"] == cell and r["status"] == "finished"]
         if not cell_rows:
             continue
@@ -225,6 +243,8 @@ def main(argv=None) -> int:
     parser.add_argument("--wandb", action="store_true", help="log every run to wandb (offline unless WANDB_MODE)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for every run (e.g. data_cache_dir=...)")
+    parser.add_argument("--extras", nargs="*", default=[], choices=sorted(EXTRAS),
+                        help="beyond the paper: new_users (10%% of users never trained on), alpha_sweep (MNIST tau=4)")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -234,9 +254,10 @@ def main(argv=None) -> int:
         overrides = list(args.overrides) + (["enable_wandb=true"] if args.wandb else [])
         if args.wandb:
             os.environ.setdefault("WANDB_MODE", "offline")
-        todo = [(cell, method, path, seed) for cell, method, path in grid(args.datasets, args.cells, args.methods)
+        todo = [(cell, method, path, extra, seed)
+                for cell, method, path, extra in grid(args.datasets, args.cells, args.methods, args.extras)
                 for seed in range(args.seeds)]
-        pending = [t for t in todo if not finished(out / "runs" / t[0] / t[1] / f"seed{t[3]}")]
+        pending = [t for t in todo if not finished(out / "runs" / t[0] / t[1] / f"seed{t[4]}")]
         print(f"{len(todo)} runs in the grid, {len(todo) - len(pending)} already finished, {len(pending)} to run",
               file=sys.stderr)
         threads = max(1, (os.cpu_count() or 1) // max(1, args.jobs))
@@ -252,8 +273,8 @@ def main(argv=None) -> int:
             bar.update(1)
 
         with tqdm(total=len(pending), unit="run") as bar:
-            jobs = [(str(path), str(out / "runs" / cell / method / f"seed{seed}"), seed, args.rounds, overrides,
-                     threads, (cell, method, seed)) for cell, method, path, seed in pending]
+            jobs = [(str(path), str(out / "runs" / cell / method / f"seed{seed}"), seed, args.rounds,
+                     overrides + extra, threads, (cell, method, seed)) for cell, method, path, extra, seed in pending]
             if args.jobs <= 1:  # in this process (also what tests use)
                 for *job, key in jobs:
                     record(*key, lambda: run_one(*job))

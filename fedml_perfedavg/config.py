@@ -70,6 +70,8 @@ SCHEMA: List[Key] = [
     _key("train_args", "perfedavg_variant", "hf", str, "meta-gradient estimator", ("fo", "hf", "exact")),
     _key("train_args", "client_num_in_total", 50, int, "n, number of users", rule=at_least_one),
     _key("train_args", "client_num_per_round", 10, int, "r*n, users sampled per round", rule=at_least_one),
+    _key("train_args", "new_user_fraction", 0.0, float, "fraction of users never trained on, reported apart "
+         "as new users", rule=(lambda v: 0 <= v < 1, "in [0, 1)")),
     _key("train_args", "comm_round", 1000, int, "K, number of rounds", rule=at_least_one),
     _key("train_args", "local_steps", 10, int, "tau, local steps per round", rule=at_least_one),
     _key("train_args", "alpha", 0.01, float, "personalization (inner) step size", rule=positive),
@@ -244,6 +246,10 @@ def _check_relations(config: Config) -> None:
     if config.client_num_per_round > config.client_num_in_total:
         raise ConfigError(f"train_args.client_num_per_round={config.client_num_per_round!r}: must be <= "
                           f"train_args.client_num_in_total ({config.client_num_in_total})")
+    trained = config.client_num_in_total - int(round(config.new_user_fraction * config.client_num_in_total))
+    if config.client_num_per_round > trained:
+        raise ConfigError(f"train_args.new_user_fraction={config.new_user_fraction!r}: leaves {trained} training "
+                          f"users, fewer than train_args.client_num_per_round ({config.client_num_per_round})")
 
 
 def load(path: Optional[str], overrides: Sequence[str] = ()) -> Config:

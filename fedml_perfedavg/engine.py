@@ -63,7 +63,7 @@ class BatchedSimulation:
         """One round: sample, train the sampled clients together, aggregate. Returns the clients."""
         config = self.config
         clients = sample_clients(config.random_seed, round_idx, config.client_num_in_total,
-                                 config.client_num_per_round)
+                                 config.client_num_per_round, config.new_user_fraction)
         batches = round_batches(self.users, clients, config.random_seed, round_idx, config.local_steps,
                                 self.batch_sizes)
         with torch.no_grad():

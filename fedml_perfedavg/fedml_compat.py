@@ -152,7 +152,8 @@ def build_sp_runner(args: Any, device: Any, dataset: list, model: Any, trainer: 
 
         def _client_sampling(self, round_idx, client_num_in_total, client_num_per_round):
             self.args.round_idx = round_idx
-            return sample_clients(self.args.random_seed, round_idx, client_num_in_total, client_num_per_round)
+            return sample_clients(self.args.random_seed, round_idx, client_num_in_total, client_num_per_round,
+                                  getattr(self.args, "new_user_fraction", 0.0))
 
         def _aggregate(self, w_locals):
             w_locals, _ = aggregator.on_before_aggregation(w_locals)

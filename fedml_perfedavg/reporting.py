@@ -5,7 +5,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from .evaluation import EvaluationResult
 
@@ -26,8 +26,10 @@ class RunRecorder:
     """Collects per-round metrics and reports them (logging, tqdm, optional wandb)."""
 
     def __init__(self, run_dir: str, total_rounds: int, config_sections: Dict[str, Dict[str, Any]],
-                 show_progress: bool = True, wandb_settings: Optional[Dict[str, Any]] = None) -> None:
+                 show_progress: bool = True, wandb_settings: Optional[Dict[str, Any]] = None,
+                 new_users: Sequence[int] = ()) -> None:
         self.run_dir = run_dir
+        self.new_users = sorted(new_users)
         self.total_rounds = total_rounds
         self.config_sections = config_sections
         self.history: List[Dict[str, Any]] = []
@@ -53,8 +55,20 @@ class RunRecorder:
         if self._bar is not None:
             self._bar.update(self.rounds_done - self._bar.n)
 
+    def _split(self, result: EvaluationResult) -> Dict[str, float]:
+        """Headline metrics over the users trained on; new (held-out) users reported apart."""
+        if not self.new_users:
+            return result.metrics()
+        new = set(self.new_users)
+        pick = lambda values, held: [v for i, v in enumerate(values) if (i in new) == held]  # noqa: E731
+        trained = EvaluationResult(pick(result.per_user_accuracy, False), pick(result.per_user_accuracy_before, False),
+                                   pick(result.per_user_loss, False)).metrics()
+        held = EvaluationResult(pick(result.per_user_accuracy, True), pick(result.per_user_accuracy_before, True))
+        return {**trained, "new_user_personalized_accuracy": held.personalized_accuracy,
+                "new_user_accuracy_before_adaptation": held.accuracy_before_adaptation}
+
     def record_evaluation(self, round_idx: int, result: EvaluationResult) -> None:
-        metrics = {"round": round_idx, **result.metrics(), "wall_seconds": time.perf_counter() - self.started}
+        metrics = {"round": round_idx, **self._split(result), "wall_seconds": time.perf_counter() - self.started}
         self.history.append(metrics)
         self.last = result
         logger.info("round %d: personalized accuracy %.4f (before adaptation %.4f, std %.4f)", round_idx,
@@ -89,10 +103,10 @@ class RunRecorder:
         if self.last is None:
             return {"personalized_accuracy": None, "accuracy_before_adaptation": None, "per_user_accuracy": [],
                     **common}
+        headline = self._split(self.last)
         return {
-            "personalized_accuracy": self.last.personalized_accuracy,
-            "accuracy_before_adaptation": self.last.accuracy_before_adaptation,
-            "personalized_accuracy_std": self.last.personalized_accuracy_std,
+            **{k: v for k, v in headline.items() if k != "personalized_loss"},
+            "new_users": self.new_users,
             "per_user_accuracy": self.last.per_user_accuracy,
             "per_user_accuracy_before_adaptation": self.last.per_user_accuracy_before,
             **common,

@@ -17,6 +17,7 @@ from .guards import DivergenceError, RunStopped
 from .models import create_model
 from .registry import algorithm_factory
 from .reporting import RunRecorder
+from .sampling import held_out_users
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,9 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
     if config.enable_wandb:
         wandb_settings = {"project": config.wandb_project, "group": config.wandb_group,
                           "name": os.path.basename(run_dir)}
-    recorder = RunRecorder(run_dir, config.comm_round, config.sections(), config.show_progress, wandb_settings)
+    new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)
+    recorder = RunRecorder(run_dir, config.comm_round, config.sections(), config.show_progress, wandb_settings,
+                           new_users)
     trainer, aggregator = algorithm_factory(config.federated_optimizer)(model, config, args, recorder)
 
     logger.info("run %s: %s (%s) on %s, %d rounds, %d of %d users per round, %s engine", run_dir,

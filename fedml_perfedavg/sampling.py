@@ -20,6 +20,7 @@ class Purpose(IntEnum):
     LOCAL_TRAINING = 1
     EVALUATION = 2
     INITIALISATION = 3
+    HOLD_OUT = 4
 
 
 def generator_for(seed: int, round_idx: int, client_id: int, purpose: Purpose) -> torch.Generator:
@@ -30,13 +31,27 @@ def generator_for(seed: int, round_idx: int, client_id: int, purpose: Purpose) -
     return generator
 
 
-def sample_clients(seed: int, round_idx: int, client_num_in_total: int, client_num_per_round: int) -> List[int]:
-    """Uniformly sample ``client_num_per_round`` distinct clients for a round, sorted."""
-    if client_num_per_round >= client_num_in_total:
-        return list(range(client_num_in_total))
+def held_out_users(seed: int, client_num_in_total: int, new_user_fraction: float) -> List[int]:
+    """The users kept out of training to measure how the model suits new users (sorted)."""
+    count = int(round(new_user_fraction * client_num_in_total))
+    if count == 0:
+        return []
+    generator = generator_for(seed, -1, -1, Purpose.HOLD_OUT)
+    return sorted(torch.randperm(client_num_in_total, generator=generator)[:count].tolist())
+
+
+def sample_clients(seed: int, round_idx: int, client_num_in_total: int, client_num_per_round: int,
+                   new_user_fraction: float = 0.0) -> List[int]:
+    """Uniformly sample ``client_num_per_round`` distinct training users for a round, sorted.
+
+    Users held out by ``new_user_fraction`` are never sampled."""
+    excluded = set(held_out_users(seed, client_num_in_total, new_user_fraction))
+    pool = [c for c in range(client_num_in_total) if c not in excluded]
+    if client_num_per_round >= len(pool):
+        return pool
     generator = generator_for(seed, round_idx, -1, Purpose.CLIENT_SAMPLING)
-    chosen = torch.randperm(client_num_in_total, generator=generator)[:client_num_per_round]
-    return sorted(chosen.tolist())
+    chosen = torch.randperm(len(pool), generator=generator)[:client_num_per_round]
+    return sorted(pool[i] for i in chosen.tolist())
 
 
 def batch_indices(num_samples: int, steps: int, batch_sizes: Sequence[int], generator: torch.Generator) -> List[Tensor]:

@@ -32,3 +32,13 @@ def test_batches_depend_only_on_seed_round_client():
     assert not torch.equal(make(0, 1, 2).adapt_y, make(0, 2, 2).adapt_y)
     b = make(0, 1, 2)
     assert torch.equal(b.meta_x, x[b.meta_y])
+
+
+def test_held_out_users_are_never_sampled_for_training():
+    from fedml_perfedavg.sampling import held_out_users
+
+    held = held_out_users(0, 50, 0.1)
+    assert len(held) == 5 and held == held_out_users(0, 50, 0.1) and held != held_out_users(1, 50, 0.1)
+    for r in range(300):
+        assert not set(sample_clients(0, r, 50, 10, 0.1)) & set(held)
+    assert sample_clients(0, 3, 50, 10, 0.0) == sample_clients(0, 3, 50, 10)

@@ -21,10 +21,14 @@ def test_mean_and_95_interval_match_hand_computation():
 
 
 def test_grid_covers_the_paper_cells():
-    cells = {c for c, _, _ in table1.grid(["mnist", "cifar10"], [], table1.METHODS)}
+    cells = {c for c, _, _, _ in table1.grid(["mnist", "cifar10"], [], table1.METHODS)}
     assert cells == set(table1.PAPER)
     mnist = table1.grid(["mnist"], [], table1.METHODS)
-    assert len(mnist) == 8 and all(p.exists() for _, _, p in mnist)
+    assert len(mnist) == 8 and all(p.exists() for _, _, p, _ in mnist)
+    extra = table1.grid(["mnist"], [], table1.METHODS, ["new_users", "alpha_sweep"])
+    sweep = {c: o for c, m, _, o in extra if m == "hf" and c.endswith("_sweep")}
+    assert sweep == {"mnist_tau4_alpha0.001_sweep": ["alpha=0.001"], "mnist_tau4_alpha0.05_sweep": ["alpha=0.05"]}
+    assert ("mnist_tau10_alpha0.01_newusers", "fo") in {(c, m) for c, m, _, _ in extra}
 
 
 @needs_mnist
@@ -55,3 +59,15 @@ def test_cifar10_grid_runs_on_generated_files(fake_cifar_root, tmp_path):
             "--set", "hessian_batch_size=8"]
     assert table1.main(args) == 0
     assert "## cifar10_tau4_alpha0.01_diffhetero" in (tmp_path / "table1.md").read_text()
+
+
+@needs_mnist
+def test_new_users_extra_reports_held_out_users(mnist_root, tmp_path):
+    args = ["--rounds", "2", "--seeds", "1", "--jobs", "1", "--cells", "mnist_tau4_alpha0.01_newusers", "--methods",
+            "hf", "--extras", "new_users", "--out", str(tmp_path), "--set", f"data_cache_dir={mnist_root}"]
+    assert table1.main(args) == 0
+    with open(tmp_path / "table1.csv") as stream:
+        (row,) = list(csv.DictReader(stream))
+    assert row["cell"] == "mnist_tau4_alpha0.01_newusers" and 0 < float(row["new_user_personalized_accuracy"]) <= 1
+    summary = (tmp_path / "runs" / "mnist_tau4_alpha0.01_newusers" / "hf" / "seed0" / "summary.json").read_text()
+    assert '"new_users": [' in summary
