@@ -7,7 +7,7 @@ SHARED_DATA := ../shared/datasets
 # MNIST from ../shared when it is there, else ./data with a torchvision download.
 DATA_ARGS := $(if $(wildcard $(SHARED_DATA)/MNIST/raw/train-images-idx3-ubyte),--set data_cache_dir=$(SHARED_DATA),--set data_cache_dir=./data --set download=true)
 
-.PHONY: setup run test bench-speed clean
+.PHONY: setup run test bench-speed table1 clean
 setup: $(STAMP)
 
 $(STAMP): setup.py constraints.txt
@@ -25,6 +25,10 @@ test: $(STAMP)
 
 bench-speed: $(STAMP)
 	$(PY) benchmarks/speed.py --full-run
+
+# Table 1 grid (MNIST cells, 4 methods, 5 seeds, K=1000); resumable. CIFAR-10: add --datasets mnist cifar10.
+table1: $(STAMP)
+	$(PY) benchmarks/table1.py --jobs 2 $(DATA_ARGS)
 
 clean:
 	rm -rf $(VENV) runs *.egg-info
