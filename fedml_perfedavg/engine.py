@@ -16,7 +16,7 @@ from torch.func import vmap
 
 from .algorithm import LocalBatches, LocalUpdateConfig, LossFn, Params, local_update
 from .evaluation import UserSplit, personalized_evaluation_batched
-from .guards import nonfinite_clients
+from .guards import apply_divergence_policy, nonfinite_clients
 from .sampling import Purpose, generator_for, sample_clients, sample_local_batches
 
 logger = logging.getLogger(__name__)
@@ -68,10 +68,8 @@ class BatchedSimulation:
                                 self.batch_sizes)
         with torch.no_grad():
             stacked = self.step(self.global_params(), batches)
-        from .trainer import divergence
-
         for position in nonfinite_clients(stacked):
-            divergence(config, round_idx, clients[position])
+            apply_divergence_policy(config, round_idx, clients[position])
         buffers = {k: b for k, b in self.model.state_dict().items() if k not in stacked}
         updates = [(self.sample_counts[c], {**{k: v[i] for k, v in stacked.items()}, **buffers})
                    for i, c in enumerate(clients)]

@@ -4,10 +4,13 @@ Plain PyTorch; used by the trainer, the batched engine and the aggregator alike.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import logging
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 
 class DivergenceError(RuntimeError):
@@ -51,3 +54,13 @@ def update_problem(update: Dict[str, Tensor], reference: Dict[str, Tensor],
         if norm > max_update_norm:
             return f"update norm {norm:.4g} exceeds train_args.max_update_norm={max_update_norm}"
     return None
+
+
+def apply_divergence_policy(config: Any, round_idx: int, client: int) -> None:
+    """``train_args.on_divergence`` for a client whose local training went non-finite: raise
+    (``stop``), or log it and let the aggregator drop its update (``skip_client``)."""
+    where = (f"round {round_idx}, client {client}, {config.federated_optimizer} ({config.perfedavg_variant}): "
+             f"non-finite parameters after local training")
+    if config.on_divergence == "stop":
+        raise DivergenceError(f"{where}; stopping (train_args.on_divergence=stop; the last checkpoint is kept)")
+    logger.warning("%s; its update will be dropped (train_args.on_divergence=skip_client)", where)

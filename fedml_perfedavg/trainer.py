@@ -21,7 +21,7 @@ from fedml.core import ClientTrainer, ServerAggregator  # noqa: E402
 from .algorithm import LocalUpdateConfig, local_update, make_loss_fn
 from .config import Config
 from .evaluation import UserSplit, evaluate_user, personalized_evaluation
-from .guards import DivergenceError, RunStopped, is_finite, update_problem
+from .guards import RunStopped, apply_divergence_policy, is_finite, update_problem
 from .reporting import RunRecorder
 from .sampling import Purpose, generator_for, sample_local_batches
 
@@ -67,9 +67,6 @@ class PerFedAvgTrainer(ClientTrainer):
     def set_model_params(self, model_parameters: Dict[str, Tensor]) -> None:
         self.model.load_state_dict(model_parameters)
 
-    def update_dataset(self, local_train_dataset, local_test_dataset, local_sample_number) -> None:
-        super().update_dataset(local_train_dataset, local_test_dataset, local_sample_number)
-
     def train(self, train_data, device, args) -> None:
         """``local_steps`` steps from the current global model on this client's data."""
         self.local_train_dataset = train_data
@@ -82,7 +79,7 @@ class PerFedAvgTrainer(ClientTrainer):
         params = {k: p.detach() for k, p in self.model.named_parameters()}
         new_params = local_update(self.loss_fn, params, batches, self.update)
         if not is_finite(new_params):
-            divergence(self.config, round_idx, int(self.id))
+            apply_divergence_policy(self.config, round_idx, int(self.id))
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(new_params[name])
@@ -103,15 +100,6 @@ class PerFedAvgTrainer(ClientTrainer):
         total = len(test_y)
         return {"test_correct": accuracy * total, "test_total": total, "test_loss": loss * total,
                 "test_correct_before_adaptation": before * total}
-
-
-def divergence(config: Config, round_idx: int, client: int) -> None:
-    """Apply ``train_args.on_divergence`` to a client whose local training went non-finite."""
-    where = (f"round {round_idx}, client {client}, {config.federated_optimizer} ({config.perfedavg_variant}): "
-             f"non-finite parameters after local training")
-    if config.on_divergence == "stop":
-        raise DivergenceError(f"{where}; stopping (train_args.on_divergence=stop; the last checkpoint is kept)")
-    logger.warning("%s; its update will be dropped (train_args.on_divergence=skip_client)", where)
 
 
 def average(updates: Sequence[Tuple[float, Dict[str, Tensor]]], weighting: str) -> "OrderedDict[str, Tensor]":
