@@ -18,7 +18,7 @@ class _PluginOrWarning(logging.Filter):
         return record.name.startswith("fedml_perfedavg") or record.levelno >= logging.WARNING
 
 
-def _setup_logging(level: str, run_dir: Optional[str] = None) -> None:
+def _setup_logging(level: str, run_dir: Optional[str] = None, log_name: str = "run.log") -> None:
     root = logging.getLogger()
     root.setLevel(logging.DEBUG if level == "DEBUG" else logging.INFO)
     console = logging.StreamHandler(sys.stderr)
@@ -27,7 +27,7 @@ def _setup_logging(level: str, run_dir: Optional[str] = None) -> None:
     console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root.handlers[:] = [console]
     if run_dir:
-        file_handler = logging.FileHandler(os.path.join(run_dir, "run.log"))
+        file_handler = logging.FileHandler(os.path.join(run_dir, log_name))
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(file_handler)
 
@@ -74,14 +74,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             _setup_logging(args.log_level)
             print(describe_data(config))
             return 0
-        from .runner import resolve_run_dir, run
+        from .runner import mpi_rank, resolve_run_dir, run, shared_run_dir
 
-        run_dir = resolve_run_dir(config, args.run_dir)
-        _setup_logging(args.log_level, run_dir)
+        rank = mpi_rank() if config.backend == "MPI" else 0
+        run_dir = shared_run_dir(config, args.run_dir) if config.backend == "MPI" else resolve_run_dir(config, args.run_dir)
+        _setup_logging(args.log_level, run_dir, "run.log" if rank == 0 else f"run-rank{rank}.log")
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         with logging_redirect_tqdm():
             result = run(config, run_dir, resume=bool(args.resume))
+        if rank != 0:  # an MPI client rank: the server (rank 0) reports
+            return 0
         print(f"personalized_accuracy={result.summary['personalized_accuracy']:.4f} "
               f"accuracy_before_adaptation={result.summary['accuracy_before_adaptation']:.4f} "
               f"run_dir={result.run_dir}")

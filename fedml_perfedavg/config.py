@@ -140,8 +140,10 @@ class Config:
 
     def to_fedml_args(self, **overrides: Any) -> argparse.Namespace:
         """A FedML ``args`` object: every section flattened, FedML's command-line keys set."""
+        # gpu_mapping_*: FedML's MPI path reads them even on CPU.
         args = argparse.Namespace(yaml_config_file=self.source or "", run_id="0", rank=0, local_rank=0,
-                                  node_rank=0, role="client", run_device_id="0", using_mlops=False)
+                                  node_rank=0, role="client", run_device_id="0", using_mlops=False,
+                                  gpu_mapping_file=None, gpu_mapping_key=None)
         for section in self.sections().values():
             for name, value in section.items():
                 setattr(args, name, copy.deepcopy(value))

@@ -173,3 +173,48 @@ def build_sp_runner(args: Any, device: Any, dataset: list, model: Any, trainer: 
     if not isinstance(runner.runner.fl_trainer, PluginFedAvgAPI):
         raise RuntimeError("FedML's sp simulator did not build the plugin's FedAvgAPI; FedML version changed?")
     return runner
+
+
+def build_mpi_runner(args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any):
+    """Run FedML's MPI simulation (simulation/mpi/fedavg) with the plugin's classes really used.
+
+    FedML builds them from module-level names of simulation/mpi/fedavg/FedAvgAPI.py, and:
+    - ``FedAVGAggregator.aggregate`` (FedAVGAggregator.py) does its own sample-weighted
+      average and never calls the ``ServerAggregator``'s aggregation hooks; replaced by the
+      plugin aggregator's three hooks.
+    - ``FedAVGAggregator.client_sampling`` seeds numpy with the round alone; replaced by the
+      plugin's keyed sampler, so MPI samples the same clients as sp.
+    - ``FedAVGTrainer.update_dataset`` (FedAVGTrainer.py) never tells the ``ClientTrainer``
+      which client it now is (``set_id``), so every round a rank would draw its minibatches
+      as the same client; it now does.
+    FedML's MPI loop runs inside the ``FedMLRunner`` constructor (SimulatorMPI), so this
+    returns once the rank's part of the run is over.
+    """
+    import_fedml()
+    import fedml.simulation.mpi.fedavg.FedAvgAPI as mpi_api
+    from fedml import FedMLRunner
+
+    from .sampling import sample_clients
+
+    class PluginFedAVGAggregator(mpi_api.FedAVGAggregator):
+        def aggregate(self):
+            updates = [(self.sample_num_dict[i], self.model_dict[i]) for i in range(self.worker_num)]
+            updates, _ = aggregator.on_before_aggregation(updates)
+            w_global = aggregator.on_after_aggregation(aggregator.aggregate(updates))
+            self.set_global_model_params(w_global)
+            return w_global
+
+        def client_sampling(self, round_idx, client_num_in_total, client_num_per_round):
+            return sample_clients(self.args.random_seed, round_idx, client_num_in_total, client_num_per_round,
+                                  getattr(self.args, "new_user_fraction", 0.0))
+
+    class PluginFedAVGTrainer(mpi_api.FedAVGTrainer):
+        def update_dataset(self, client_index):
+            super().update_dataset(client_index)
+            self.trainer.set_id(client_index)
+
+    if getattr(args, "federated_optimizer", None) != "FedAvg":
+        raise ValueError("FedML must be given federated_optimizer='FedAvg' to build its MPI simulator")
+    with _replaced(mpi_api, "FedAVGAggregator", PluginFedAVGAggregator), \
+            _replaced(mpi_api, "FedAVGTrainer", PluginFedAVGTrainer):
+        return FedMLRunner(args, device, dataset, model, trainer, aggregator)

@@ -94,9 +94,10 @@ class RunRecorder:
             self._bar.update(self.rounds_done - self._bar.n)
 
     def summary(self, status: str = "finished", error: Optional[str] = None,
-                rejected_updates: Optional[Dict[int, int]] = None) -> Dict[str, Any]:
+                rejected_updates: Optional[Dict[int, int]] = None, aggregate_calls: Optional[int] = None
+                ) -> Dict[str, Any]:
         """The run's final numbers (last evaluation), how it ended, and its resolved config."""
-        common = {"status": status, "error": error, "rounds": self.rounds_done,
+        common = {"status": status, "error": error, "rounds": self.rounds_done, "aggregate_calls": aggregate_calls,
                   "wall_seconds": time.perf_counter() - self.started,
                   "rejected_updates": {str(k): v for k, v in (rejected_updates or {}).items()},
                   "history": self.history, "config": self.config_sections}
@@ -113,11 +114,12 @@ class RunRecorder:
         }
 
     def finish(self, status: str = "finished", error: Optional[str] = None,
-               rejected_updates: Optional[Dict[int, int]] = None) -> Dict[str, Any]:
+               rejected_updates: Optional[Dict[int, int]] = None, aggregate_calls: Optional[int] = None
+               ) -> Dict[str, Any]:
         """Write ``summary.json`` (atomically) into the run directory; close the bar and wandb."""
         if self._bar is not None:
             self._bar.close()
-        summary = self.summary(status, error, rejected_updates)
+        summary = self.summary(status, error, rejected_updates, aggregate_calls)
         write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary)
         if self._wandb is not None and self.last is not None:
             import wandb

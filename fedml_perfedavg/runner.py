@@ -54,6 +54,20 @@ def device_of(config: Config) -> torch.device:
     return torch.device(f"cuda:{config.gpu_id}")
 
 
+def mpi_rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def shared_run_dir(config: Config, run_dir: Optional[str]) -> str:
+    """Under MPI: rank 0 picks (and creates) the run directory and tells the other ranks."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    return comm.bcast(resolve_run_dir(config, run_dir) if comm.Get_rank() == 0 else None, root=0)
+
+
 def load_data(config: Config) -> FederatedData:
     """The federated split the config describes."""
     return load_federated(config.dataset, config.data_cache_dir, config.client_num_in_total,
@@ -64,17 +78,22 @@ def load_data(config: Config) -> FederatedData:
 
 def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedData] = None,
         resume: bool = False) -> RunResult:
-    """Run the experiment of ``config`` as a single-process simulation (batched engine, or
-    FedML's own round loop with ``simulation_engine: fedml``)."""
-    if config.training_type != "simulation" or config.backend != "sp":
+    """Run the experiment of ``config``: single-process simulation (batched engine, or FedML's
+    own round loop with ``simulation_engine: fedml``), or FedML's MPI simulation when
+    ``backend: MPI`` (start under ``mpirun -n <client_num_per_round + 1>``)."""
+    if config.training_type != "simulation" or config.backend not in ("sp", "MPI"):
         raise ConfigError(f"comm_args.backend={config.backend!r} with common_args.training_type="
-                          f"{config.training_type!r}: this entry point runs the single-process simulation "
-                          f"(backend sp, training_type simulation)")
-    run_dir = resolve_run_dir(config, run_dir)
-    if resume and config.simulation_engine != "batched":
-        raise ConfigError("train_args.simulation_engine='fedml': resuming needs the batched engine "
-                          "(FedML's sp loop always starts at round 0)")
-    checkpoint.save_config(run_dir, config.sections())
+                          f"{config.training_type!r}: supported are the simulations (backend sp or MPI, "
+                          f"training_type simulation)")
+    mpi = config.backend == "MPI"
+    if resume and (mpi or config.simulation_engine != "batched"):
+        raise ConfigError(f"train_args.simulation_engine={config.simulation_engine!r}, comm_args.backend="
+                          f"{config.backend!r}: resuming needs the batched engine on sp (FedML's loops always "
+                          f"start at round 0)")
+    rank = mpi_rank() if mpi else 0
+    run_dir = shared_run_dir(config, run_dir) if mpi else resolve_run_dir(config, run_dir)
+    if rank == 0:
+        checkpoint.save_config(run_dir, config.sections())
     device = device_of(config)
     data = data if data is not None else load_data(config)
     check_against_data(config, min(len(u.train_y) for u in data.users))
@@ -85,11 +104,15 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
                                 enable_wandb=False, using_mlops=False, run_name=os.path.basename(run_dir))
     if config.fedml_home == "run_dir":
         fedml_compat.redirect_fedml_home(os.path.join(run_dir, "fedml"))
-    if config.simulation_engine == "fedml":
+    if mpi or config.simulation_engine == "fedml":
         args = fedml_compat.init_fedml_offline(args, fedml_dir=os.path.join(run_dir, "fedml"))
     else:
         fedml_compat.import_fedml()
-
+    if mpi and args.worker_num - 1 != config.client_num_per_round:
+        raise ConfigError(f"train_args.client_num_per_round={config.client_num_per_round!r}: under MPI it must equal "
+                          f"the number of ranks - 1 (this is mpirun -n {args.worker_num}, so "
+                          f"{args.worker_num - 1}; or run mpirun -n {config.client_num_per_round + 1})")
+    is_server = rank == 0
     torch.manual_seed(config.random_seed)
     model = create_model(config.model, data.input_shape, data.num_classes, config.hidden_sizes).to(device)
     wandb_settings = None
@@ -97,8 +120,8 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
         wandb_settings = {"project": config.wandb_project, "group": config.wandb_group,
                           "name": os.path.basename(run_dir)}
     new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)
-    recorder = RunRecorder(run_dir, config.comm_round, config.sections(), config.show_progress, wandb_settings,
-                           new_users)
+    recorder = RunRecorder(run_dir, config.comm_round, config.sections(), config.show_progress and is_server,
+                           wandb_settings if is_server else None, new_users) if is_server else None
     trainer, aggregator = algorithm_factory(config.federated_optimizer)(model, config, args, recorder)
 
     logger.info("run %s: %s (%s) on %s, %d rounds, %d of %d users per round, %s engine", run_dir,
@@ -121,6 +144,14 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
         checkpoint.save(run_dir, next_round, aggregator.get_model_params(), recorder.state(),
                         {"skipped_rounds": aggregator.skipped_rounds, "rejected": aggregator.rejected})
 
+    if mpi:
+        fedml_compat.build_mpi_runner(args, device, data.as_fedml_dataset(config.batch_size), model, trainer,
+                                      aggregator)
+        if not is_server:  # a client rank: the server records and writes the results
+            return RunResult({"role": "client", "rank": args.process_id}, run_dir, model, trainer, aggregator)
+        torch.save(aggregator.get_model_params(), os.path.join(run_dir, "model.pt"))
+        summary = recorder.finish(rejected_updates=aggregator.rejected, aggregate_calls=aggregator.aggregate_calls)
+        return RunResult(summary, run_dir, model, trainer, aggregator)
     try:
         if config.simulation_engine == "fedml":
             fedml_compat.build_sp_runner(args, device, data.as_fedml_dataset(config.batch_size), model,
@@ -130,10 +161,11 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
                 start_round, save_checkpoint)
     except (DivergenceError, RunStopped) as err:
         # No result is lost: what was measured so far goes to summary.json, then the run stops.
-        recorder.finish(status="stopped", error=str(err), rejected_updates=aggregator.rejected)
+        recorder.finish(status="stopped", error=str(err), rejected_updates=aggregator.rejected,
+                        aggregate_calls=aggregator.aggregate_calls)
         raise
     torch.save(aggregator.get_model_params(), os.path.join(run_dir, "model.pt"))
-    summary = recorder.finish(rejected_updates=aggregator.rejected)
+    summary = recorder.finish(rejected_updates=aggregator.rejected, aggregate_calls=aggregator.aggregate_calls)
     logger.info("personalized accuracy %.4f (before adaptation %.4f) after %d rounds in %.1f s; results in %s",
                 summary["personalized_accuracy"], summary["accuracy_before_adaptation"], summary["rounds"],
                 summary["wall_seconds"], run_dir)

@@ -1,0 +1,65 @@
+"""FedML's MPI simulation runs the plugin unchanged and gives the single-process model."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedml_perfedavg.config import load_yaml, resolve
+from fedml_perfedavg.runner import run
+
+from .conftest import REPO, needs_mnist
+from .test_simulation import HF_YAML, NETWORK_GUARD, _unshare_works
+
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+needs_mpi = pytest.mark.skipif(MPIRUN is None, reason="mpirun (PyPI mpich) not installed")
+SETTINGS = {"client_num_per_round": 2, "comm_round": 3, "frequency_of_the_test": 1, "show_progress": False,
+            "beta": 0.05}
+
+
+def _mpi_run(mnist_root, run_dir, optimizer="PerFedAvg", variant="hf", extra=()):
+    sets = [f"{k}={v}" for k, v in {**SETTINGS, "backend": "MPI", "data_cache_dir": mnist_root,
+                                     "federated_optimizer": optimizer, "perfedavg_variant": variant}.items()]
+    command = [MPIRUN, "-n", "3", sys.executable, "-c", NETWORK_GUARD, "--cf", HF_YAML, "--run-dir", str(run_dir),
+               *[a for s in sets for a in ("--set", s)], *extra]
+    if _unshare_works():
+        command = ["unshare", "-n"] + command
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stdout.count("NETWORK_ATTEMPTS") == 3  # every rank ran the guard; any attempt fails its exit code
+    return out
+
+
+@needs_mnist
+@needs_mpi
+@pytest.mark.parametrize("optimizer,variant", [("PerFedAvg", "hf"), ("FedAvg", "hf")])
+def test_mpi_three_ranks_equals_single_process(mnist_root, tmp_path, optimizer, variant):
+    _mpi_run(mnist_root, tmp_path / "mpi", optimizer, variant)
+    summary = json.loads((tmp_path / "mpi" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == 3
+    assert summary["aggregate_calls"] == 3  # the plugin's aggregator averaged every round
+    assert [h["round"] for h in summary["history"]] == [0, 1, 2]
+    sp = run(resolve(load_yaml(HF_YAML), {**SETTINGS, "data_cache_dir": mnist_root, "federated_optimizer": optimizer,
+                                          "perfedavg_variant": variant, "simulation_engine": "fedml"}),
+             str(tmp_path / "sp"))
+    mpi_model = torch.load(tmp_path / "mpi" / "model.pt")
+    sp_model = sp.aggregator.get_model_params()
+    for k in sp_model:
+        torch.testing.assert_close(mpi_model[k], sp_model[k], rtol=1e-6, atol=1e-7)
+    assert summary["per_user_accuracy"] == sp.summary["per_user_accuracy"]
+
+
+@needs_mnist
+@needs_mpi
+def test_mpi_rank_count_must_match_clients_per_round(mnist_root, tmp_path):
+    sets = ["backend=MPI", f"data_cache_dir={mnist_root}", "client_num_per_round=4", "comm_round=1"]
+    out = subprocess.run([MPIRUN, "-n", "3", sys.executable, "-m", "fedml_perfedavg", "--cf", HF_YAML,
+                          "--run-dir", str(tmp_path), *[a for s in sets for a in ("--set", s)]],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert out.returncode != 0
+    assert "train_args.client_num_per_round=4: under MPI it must equal the number of ranks - 1" in out.stderr
