@@ -8,7 +8,7 @@ adaptation has finished, and never by it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Sequence
+from typing import Iterable, List, NamedTuple, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -95,15 +95,28 @@ def _accuracy_and_loss(model: nn.Module, params: Params, x: Tensor, y: Tensor) -
     return float((logits.argmax(dim=1) == y).float().mean()), float(loss)
 
 
+def _score(model: nn.Module, params: Params, adapted_per_user: Iterable[Params],
+           users: Sequence[UserSplit]) -> EvaluationResult:
+    """Test each user's adapted model (and the global one) on that user's test split; the
+    adapted models are produced lazily, so each user's adaptation ends before its test data
+    is read."""
+    after, before, losses = [], [], []
+    for adapted, user in zip(adapted_per_user, users):
+        accuracy, loss = _accuracy_and_loss(model, adapted, user.test_x, user.test_y)
+        after.append(accuracy)
+        losses.append(loss)
+        before.append(_accuracy_and_loss(model, params, user.test_x, user.test_y)[0])
+    return EvaluationResult(after, before, losses)
+
+
 def evaluate_user(
     model: nn.Module, loss_fn: LossFn, params: Params, user: UserSplit, alpha: float, steps: int,
     batch_size: int, generator: torch.Generator,
 ) -> tuple:
     """(accuracy after, accuracy before, loss after) for one user."""
     adapted = adapt(loss_fn, params, user.train_x, user.train_y, alpha, steps, batch_size, generator)
-    accuracy, loss = _accuracy_and_loss(model, adapted, user.test_x, user.test_y)
-    before, _ = _accuracy_and_loss(model, params, user.test_x, user.test_y)
-    return accuracy, before, loss
+    result = _score(model, params, [adapted], [user])
+    return result.per_user_accuracy[0], result.per_user_accuracy_before[0], result.per_user_loss[0]
 
 
 def personalized_evaluation(
@@ -118,16 +131,10 @@ def personalized_evaluation(
     round_idx: int,
 ) -> EvaluationResult:
     """Evaluate ``params`` on every user with the personalized protocol (see module doc)."""
-    after, before, losses = [], [], []
-    for user_id, user in enumerate(users):
-        generator = generator_for(seed, round_idx, user_id, Purpose.EVALUATION)
-        accuracy, accuracy_before, loss = evaluate_user(
-            model, loss_fn, params, user, alpha, adapt_steps, batch_size, generator
-        )
-        after.append(accuracy)
-        before.append(accuracy_before)
-        losses.append(loss)
-    return EvaluationResult(after, before, losses)
+    adapted = (adapt(loss_fn, params, u.train_x, u.train_y, alpha, adapt_steps, batch_size,
+                     generator_for(seed, round_idx, user_id, Purpose.EVALUATION))
+               for user_id, u in enumerate(users))
+    return _score(model, params, adapted, users)
 
 
 def personalized_evaluation_batched(
@@ -148,11 +155,5 @@ def personalized_evaluation_batched(
                for user_id, u in enumerate(users)]
     xs, ys = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
     adapted = vmap(lambda bx, by: sgd_steps(loss_fn, params, bx, by, alpha), in_dims=(0, 0))(xs, ys)
-    after, before, losses = [], [], []
-    for user_id, user in enumerate(users):  # test splits differ in size: one forward pass each
-        accuracy, loss = _accuracy_and_loss(model, {k: v[user_id] for k, v in adapted.items()}, user.test_x,
-                                            user.test_y)
-        after.append(accuracy)
-        losses.append(loss)
-        before.append(_accuracy_and_loss(model, params, user.test_x, user.test_y)[0])
-    return EvaluationResult(after, before, losses)
+    # test splits differ in size: one forward pass per user
+    return _score(model, params, ({k: v[i] for k, v in adapted.items()} for i in range(len(users))), users)

@@ -51,6 +51,13 @@ def test_shipped_configs_validate_and_say_what_they_run(path):
     ({"client_num_per_round": 60}, r"client_num_per_round=60: must be <= train_args.client_num_in_total \(50\)"),
     ({"federated_optimizer": "PerFedAvgg"}, r"federated_optimizer='PerFedAvgg'.*did you mean 'PerFedAvg'"),
     ({"dataset": "mnsit"}, r"data_args.dataset='mnsit'.*did you mean 'mnist'"),
+    ({"model": "resnet"}, r"model_args.model='resnet': must be one of \['mlp', 'cnn'\]"),
+    ({"partition_method": "iid"}, r"data_args.partition_method='iid': must be one of \['paper', 'paper_diff_hetero'\]"),
+    ({"backend": "NCCL"}, r"comm_args.backend='NCCL': must be one of"),
+    ({"images_per_class": 195}, r"data_args.images_per_class=195: must be an even number >= 2"),
+    ({"new_user_fraction": 1.0}, r"train_args.new_user_fraction=1.0: must be in \[0, 1\)"),
+    ({"new_user_fraction": 0.9}, r"new_user_fraction=0.9: leaves 5 training users, fewer than"),
+    ({"frequency_of_the_test": 0}, r"validation_args.frequency_of_the_test=0: must be >= 1"),
 ])
 def test_bad_values_are_rejected_naming_key_value_and_allowed(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -134,3 +141,12 @@ def test_entry_point_algorithms_are_listed_and_loaded(monkeypatch):
     assert registry.algorithm_factory("MyAlg") is registry.algorithm_factory("PerFedAvg")
     with pytest.raises(KeyError, match="must be one of"):
         registry.algorithm_factory("Nope")
+
+
+def test_batch_sizes_must_fit_the_smallest_users_data():
+    from fedml_perfedavg.config import check_against_data
+
+    check_against_data(resolve({}), 40)
+    with pytest.raises(ConfigError, match=r"train_args.hessian_batch_size=500: must be <= the smallest user's "
+                                          r"training data \(490 samples\)"):
+        check_against_data(resolve({}, {"hessian_batch_size": 500}), 490)

@@ -112,3 +112,20 @@ def test_batched_engine_matches_fedml_loop_on_mnist(mnist_root, tmp_path):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     assert abs(fedml_run.summary["personalized_accuracy"] - batched_run.summary["personalized_accuracy"]) < 0.005
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (CI has none)")
+@pytest.mark.parametrize("optimizer,variant", CASES)
+def test_batched_engine_on_cuda_equals_per_client_path_on_cpu(optimizer, variant):
+    config, users, model, args = _setup(optimizer, variant)
+    reference = _per_client_rounds(config, users, copy.deepcopy(model), args)
+    _, users, model, args = _setup(optimizer, variant)
+    cuda = torch.device("cuda")
+    users = [UserSplit(*(t.to(cuda) for t in u)) for u in users]
+    trainer, aggregator = algorithm_factory(config.federated_optimizer)(model.to(cuda), config, args)
+    engine = BatchedSimulation(config, users, trainer, aggregator)
+    for r in range(config.comm_round):
+        engine.train_round(r)
+    got = aggregator.get_model_params()
+    for k in got:
+        torch.testing.assert_close(got[k], reference[k], rtol=1e-9, atol=1e-11)
