@@ -18,6 +18,9 @@ from .algorithm import LossFn, Params, axpy
 from .sampling import Purpose, batch_indices, generator_for
 
 
+USERS_PER_CHUNK = 64
+
+
 class UserSplit(NamedTuple):
     """One user's training and test tensors."""
 
@@ -148,12 +151,18 @@ def personalized_evaluation_batched(
     seed: int,
     round_idx: int,
 ) -> EvaluationResult:
-    """Same protocol and numbers as :func:`personalized_evaluation`, with the adaptation of all
-    users as one vmapped computation (needs ``batch_size`` <= every user's training data)."""
-    batches = [adaptation_batches(u.train_x, u.train_y, adapt_steps, batch_size,
-                                  generator_for(seed, round_idx, user_id, Purpose.EVALUATION))
-               for user_id, u in enumerate(users)]
-    xs, ys = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
-    adapted = vmap(lambda bx, by: sgd_steps(loss_fn, params, bx, by, alpha), in_dims=(0, 0))(xs, ys)
+    """Same protocol and numbers as :func:`personalized_evaluation`, with the adaptation of
+    users as vmapped computations over chunks of ``USERS_PER_CHUNK`` users (so memory stays
+    bounded as n grows); needs ``batch_size`` <= every user's training data."""
+
+    def adapted_models():
+        for start in range(0, len(users), USERS_PER_CHUNK):
+            chunk = range(start, min(start + USERS_PER_CHUNK, len(users)))
+            batches = [adaptation_batches(users[i].train_x, users[i].train_y, adapt_steps, batch_size,
+                                          generator_for(seed, round_idx, i, Purpose.EVALUATION)) for i in chunk]
+            xs, ys = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
+            adapted = vmap(lambda bx, by: sgd_steps(loss_fn, params, bx, by, alpha), in_dims=(0, 0))(xs, ys)
+            yield from ({k: v[j] for k, v in adapted.items()} for j in range(len(chunk)))
+
     # test splits differ in size: one forward pass per user
-    return _score(model, params, ({k: v[i] for k, v in adapted.items()} for i in range(len(users))), users)
+    return _score(model, params, adapted_models(), users)
