@@ -60,7 +60,11 @@ def test_batched_engine_equals_per_client_path_float64(optimizer, variant):
         torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)
 
 
-def test_batched_evaluation_equals_per_user_evaluation():
+@pytest.mark.parametrize("chunk", [2, 64])
+def test_batched_evaluation_equals_per_user_evaluation(chunk, monkeypatch):
+    import fedml_perfedavg.evaluation as evaluation
+
+    monkeypatch.setattr(evaluation, "USERS_PER_CHUNK", chunk)
     config, users, model, args = _setup("PerFedAvg", "hf")
     trainer, _ = algorithm_factory("PerFedAvg")(model, config, args)
     params = {k: p.detach() for k, p in model.named_parameters()}
