@@ -51,14 +51,18 @@ def test_tiny_grid_writes_outputs_and_resumes(mnist_root, tmp_path, capsys):
     assert summary.stat().st_mtime_ns == stamp
 
 
-def test_cifar10_grid_runs_on_generated_files(fake_cifar_root, tmp_path):
+def test_cifar10_grid_runs_on_generated_files_with_offline_wandb(fake_cifar_root, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
     args = ["--datasets", "cifar10", "--cells", "cifar10_tau4_alpha0.01_diffhetero", "--methods", "hf", "--rounds", "2",
             "--seeds", "1", "--jobs", "1", "--out", str(tmp_path), "--set", f"data_cache_dir={fake_cifar_root}",
             "--set", "client_num_in_total=10", "--set", "client_num_per_round=2", "--set", "images_per_class=8",
             "--set", "test_images_per_class=2", "--set", "batch_size=8", "--set", "meta_batch_size=8",
-            "--set", "hessian_batch_size=8"]
+            "--set", "hessian_batch_size=8", "--wandb"]
     assert table1.main(args) == 0
     assert "## cifar10_tau4_alpha0.01_diffhetero" in (tmp_path / "table1.md").read_text()
+    report = (tmp_path / "wandb_report.md").read_text()
+    assert "wandb sync" in report and "| cifar10_tau4_alpha0.01_diffhetero | hf | 0 |" in report
+    assert list((tmp_path / "runs" / "cifar10_tau4_alpha0.01_diffhetero" / "hf" / "seed0" / "wandb").glob("offline-run-*"))
 
 
 @needs_mnist
