@@ -91,8 +91,9 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
                           f"{config.backend!r}: resuming needs the batched engine on sp (FedML's loops always "
                           f"start at round 0)")
     rank = mpi_rank() if mpi else 0
+    is_server = rank == 0
     run_dir = shared_run_dir(config, run_dir) if mpi else resolve_run_dir(config, run_dir)
-    if rank == 0:
+    if is_server:
         checkpoint.save_config(run_dir, config.sections())
     device = device_of(config)
     data = data if data is not None else load_data(config)
@@ -112,7 +113,6 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
         raise ConfigError(f"train_args.client_num_per_round={config.client_num_per_round!r}: under MPI it must equal "
                           f"the number of ranks - 1 (this is mpirun -n {args.worker_num}, so "
                           f"{args.worker_num - 1}; or run mpirun -n {config.client_num_per_round + 1})")
-    is_server = rank == 0
     torch.manual_seed(config.random_seed)
     model = create_model(config.model, data.input_shape, data.num_classes, config.hidden_sizes).to(device)
     wandb_settings = None
@@ -120,8 +120,8 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
         wandb_settings = {"project": config.wandb_project, "group": config.wandb_group,
                           "name": os.path.basename(run_dir)}
     new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)
-    recorder = RunRecorder(run_dir, config.comm_round, config.sections(), config.show_progress and is_server,
-                           wandb_settings if is_server else None, new_users) if is_server else None
+    recorder = RunRecorder(run_dir, config.comm_round, config.sections(), config.show_progress, wandb_settings,
+                           new_users) if is_server else None
     trainer, aggregator = algorithm_factory(config.federated_optimizer)(model, config, args, recorder)
 
     logger.info("run %s: %s (%s) on %s, %d rounds, %d of %d users per round, %s engine", run_dir,
@@ -144,16 +144,15 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
         checkpoint.save(run_dir, next_round, aggregator.get_model_params(), recorder.state(),
                         {"skipped_rounds": aggregator.skipped_rounds, "rejected": aggregator.rejected})
 
-    if mpi:
-        fedml_compat.build_mpi_runner(args, device, data.as_fedml_dataset(config.batch_size), model, trainer,
-                                      aggregator)
-        if not is_server:  # a client rank: the server records and writes the results
-            return RunResult({"role": "client", "rank": args.process_id}, run_dir, model, trainer, aggregator)
-        torch.save(aggregator.get_model_params(), os.path.join(run_dir, "model.pt"))
-        summary = recorder.finish(rejected_updates=aggregator.rejected, aggregate_calls=aggregator.aggregate_calls)
-        return RunResult(summary, run_dir, model, trainer, aggregator)
+    def finish(**status) -> Dict[str, Any]:
+        return recorder.finish(rejected_updates=aggregator.rejected, aggregate_calls=aggregator.aggregate_calls,
+                               **status)
+
     try:
-        if config.simulation_engine == "fedml":
+        if mpi:  # FedML's MPI loop runs (and ends) inside the runner's construction
+            fedml_compat.build_mpi_runner(args, device, data.as_fedml_dataset(config.batch_size), model, trainer,
+                                          aggregator)
+        elif config.simulation_engine == "fedml":
             fedml_compat.build_sp_runner(args, device, data.as_fedml_dataset(config.batch_size), model,
                                          trainer, aggregator).run()
         else:
@@ -161,11 +160,13 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
                 start_round, save_checkpoint)
     except (DivergenceError, RunStopped) as err:
         # No result is lost: what was measured so far goes to summary.json, then the run stops.
-        recorder.finish(status="stopped", error=str(err), rejected_updates=aggregator.rejected,
-                        aggregate_calls=aggregator.aggregate_calls)
+        if is_server:
+            finish(status="stopped", error=str(err))
         raise
+    if not is_server:  # an MPI client rank: the server records and writes the results
+        return RunResult({"role": "client", "rank": rank}, run_dir, model, trainer, aggregator)
     torch.save(aggregator.get_model_params(), os.path.join(run_dir, "model.pt"))
-    summary = recorder.finish(rejected_updates=aggregator.rejected, aggregate_calls=aggregator.aggregate_calls)
+    summary = finish()
     logger.info("personalized accuracy %.4f (before adaptation %.4f) after %d rounds in %.1f s; results in %s",
                 summary["personalized_accuracy"], summary["accuracy_before_adaptation"], summary["rounds"],
                 summary["wall_seconds"], run_dir)
