@@ -221,9 +221,13 @@ def wandb_report(rows: List[Dict], out: Path) -> None:
     (out / "wandb_report.md").write_text("\n".join(lines) + "\n")
 
 
-def report(out: Path, command: str) -> str:
+def report(out: Path, command: str, seeds: int = None) -> str:
+    """Write the CSV (every finished run) and the table, plots and wandb report (seeds < ``seeds``,
+    so that every method of a cell is compared on the same seeds)."""
     rows = collect(out)
     write_csv(rows, out / "table1.csv")
+    if seeds is not None:
+        rows = [r for r in rows if r["seed"] < seeds]
     markdown = table_markdown(rows, command)
     (out / "table1.md").write_text(markdown)
     plot_cells(rows, out)
@@ -285,7 +289,7 @@ def main(argv=None) -> int:
                         record(*futures[future], future.result)
         for failure in failures:
             print("FAILED:", failure, file=sys.stderr)
-    print(report(out, command.strip()))
+    print(report(out, command.strip(), args.seeds))
     return 1 if not args.report_only and failures else 0
 
 
