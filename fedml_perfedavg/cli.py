@@ -1,4 +1,8 @@
-"""Command line: ``fedml-perfedavg --cf CONFIG.yaml [--set KEY=VALUE ...]``."""
+"""Command line: ``fedml-perfedavg --cf CONFIG.yaml [--set KEY=VALUE ...]``.
+
+Cross-silo: ``fedml-perfedavg launch-silo --cf CONFIG.yaml`` starts a server and its silos on
+this machine; each process alone is ``fedml-perfedavg --cf ... --rank R --role server|client``.
+"""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue the run in RUN_DIR from its last checkpoint (its config.yaml is used)")
     parser.add_argument("--describe-data", action="store_true",
                         help="print each user's per-class train/test counts and exit")
+    parser.add_argument("--rank", type=int, help="cross-silo: this process's rank (0: server, 1..N: silos)")
+    parser.add_argument("--role", choices=["server", "client"], help="cross-silo: this process's role")
+    parser.add_argument("--run_id", "--run-id", dest="run_id", default="0", help="cross-silo: FedML run id")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
@@ -62,6 +69,11 @@ def describe_data(config) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch-silo"]:
+        from .silo import main as launch_silo
+
+        return launch_silo(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.resume:
@@ -74,16 +86,21 @@ def main(argv: Optional[List[str]] = None) -> int:
             _setup_logging(args.log_level)
             print(describe_data(config))
             return 0
-        from .runner import mpi_rank, resolve_run_dir, run, shared_run_dir
+        from .runner import SiloRole, mpi_rank, resolve_run_dir, run, shared_run_dir
 
-        rank = mpi_rank() if config.backend == "MPI" else 0
+        silo = None
+        if config.training_type == "cross_silo" or args.role is not None:
+            if args.rank is None or args.role is None:
+                raise ConfigError("cross-silo processes need both --rank and --role (or use launch-silo)")
+            silo = SiloRole(args.rank, args.role, str(args.run_id))
+        rank = mpi_rank() if config.backend == "MPI" else silo.rank if silo else 0
         run_dir = shared_run_dir(config, args.run_dir) if config.backend == "MPI" else resolve_run_dir(config, args.run_dir)
         _setup_logging(args.log_level, run_dir, "run.log" if rank == 0 else f"run-rank{rank}.log")
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         with logging_redirect_tqdm():
-            result = run(config, run_dir, resume=bool(args.resume))
-        if rank != 0:  # an MPI client rank: the server (rank 0) reports
+            result = run(config, run_dir, resume=bool(args.resume), silo=silo)
+        if rank != 0:  # an MPI client rank or a silo: the server (rank 0) reports
             return 0
         print(f"personalized_accuracy={result.summary['personalized_accuracy']:.4f} "
               f"accuracy_before_adaptation={result.summary['accuracy_before_adaptation']:.4f} "

@@ -96,7 +96,18 @@ SCHEMA: List[Key] = [
          rule=non_negative),
     _key("device_args", "using_gpu", False, bool, "run on CUDA"),
     _key("device_args", "gpu_id", 0, int, "CUDA device index", rule=non_negative),
-    _key("comm_args", "backend", "sp", str, "FedML backend", ("sp", "MPI", "GRPC")),
+    _key("comm_args", "backend", "sp", str, "FedML backend (sp, MPI: simulation; GRPC: cross_silo)",
+         ("sp", "MPI", "GRPC")),
+    _key("comm_args", "grpc_ipconfig_path", None, str, "cross-silo address file, CSV eid,rank,grpc_server_ip,"
+         "grpc_server_port with a row per rank (launch-silo writes one on 127.0.0.1)", optional=True),
+    _key("comm_args", "connect_timeout", 60.0, float, "cross-silo: seconds processes wait for each other to come "
+         "up (a silo retries an unreachable server with backoff; the server waits for silos to come online)",
+         rule=positive),
+    _key("comm_args", "round_timeout", 600.0, float, "cross-silo: seconds the server waits for a round's silo "
+         "updates (and the final goodbyes) before applying min_clients_per_round", rule=positive),
+    _key("comm_args", "min_clients_per_round", None, int, "cross-silo: after round_timeout, go on without the "
+         "silos that did not answer if at least this many did; else stop naming them (default: all)",
+         rule=at_least_one, optional=True),
     _key("tracking_args", "enable_wandb", False, bool, "log to wandb (offline unless WANDB_MODE says otherwise)"),
     _key("tracking_args", "wandb_project", "fedml-perfedavg", str, "wandb project"),
     _key("tracking_args", "wandb_group", None, str, "wandb group (default: run name)", optional=True),
@@ -109,7 +120,7 @@ BY_NAME: Dict[str, Key] = {k.name: k for k in SCHEMA}
 # FedML's own keys that may appear in a FedML YAML; passed through unchecked.
 FEDML_KEYS = {
     "scenario", "using_mlops", "config_version", "epochs", "learning_rate", "client_optimizer", "weight_decay",
-    "client_id_list", "worker_num", "gpu_mapping_file", "gpu_mapping_key", "grpc_ipconfig_path", "is_mobile",
+    "client_id_list", "worker_num", "gpu_mapping_file", "gpu_mapping_key", "is_mobile",
     "log_file_dir", "enable_tracking", "using_memory_profiler", "server_optimizer", "server_lr", "partition_alpha",
     "test_on_clients", "device_type", "rank", "role", "run_id", "process_id", "federated_optimizer",
 }
@@ -248,6 +259,14 @@ def _check_relations(config: Config) -> None:
     if config.client_num_per_round > config.client_num_in_total:
         raise ConfigError(f"train_args.client_num_per_round={config.client_num_per_round!r}: must be <= "
                           f"train_args.client_num_in_total ({config.client_num_in_total})")
+    platforms = {"simulation": ("sp", "MPI"), "cross_silo": ("GRPC",)}
+    if config.backend not in platforms[config.training_type]:
+        raise ConfigError(f"comm_args.backend={config.backend!r}: with common_args.training_type="
+                          f"{config.training_type!r} it must be one of {list(platforms[config.training_type])}")
+    minimum = config.min_clients_per_round
+    if minimum is not None and minimum > config.client_num_per_round:
+        raise ConfigError(f"comm_args.min_clients_per_round={minimum!r}: must be <= "
+                          f"train_args.client_num_per_round ({config.client_num_per_round})")
     trained = config.client_num_in_total - int(round(config.new_user_fraction * config.client_num_in_total))
     if config.client_num_per_round > trained:
         raise ConfigError(f"train_args.new_user_fraction={config.new_user_fraction!r}: leaves {trained} training "

@@ -18,7 +18,11 @@ class DivergenceError(RuntimeError):
 
 
 class RunStopped(RuntimeError):
-    """Too many rounds had no acceptable client update."""
+    """The run cannot go on (too many rounds without an acceptable update, lost silos, ...)."""
+
+
+class SiloFailure(RunStopped):
+    """Cross-silo: a peer did not answer in time and the failure policy says stop."""
 
 
 def nonfinite_clients(stacked: Dict[str, Tensor]) -> List[int]:

@@ -35,6 +35,7 @@ class RunRecorder:
         self.history: List[Dict[str, Any]] = []
         self.last: Optional[EvaluationResult] = None
         self.rounds_done = 0
+        self.silo_history: List[Dict[str, Any]] = []  # cross-silo: silos' own evaluations
         self.started = time.perf_counter()
         self._bar = None
         if show_progress:
@@ -79,6 +80,13 @@ class RunRecorder:
         if self._wandb is not None:
             self._wandb.log({f"eval/{k}": v for k, v in metrics.items() if k != "round"}, step=round_idx)
 
+    def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
+        """Cross-silo: the silos' own personalized evaluations of the model they received."""
+        self.silo_history.append({"when": label, "mean_accuracy": mean,
+                                  "silos": {str(rank): metrics for rank, metrics in silos.items()}})
+        if self._wandb is not None and label != "final":
+            self._wandb.log({"silo/personalized_accuracy": mean}, step=int(label.split()[-1]))
+
     def state(self) -> Dict[str, Any]:
         """What a checkpoint needs to continue the record exactly."""
         last = None if self.last is None else vars(self.last).copy()
@@ -101,6 +109,8 @@ class RunRecorder:
                   "wall_seconds": time.perf_counter() - self.started,
                   "rejected_updates": {str(k): v for k, v in (rejected_updates or {}).items()},
                   "history": self.history, "config": self.config_sections}
+        if self.silo_history:
+            common["silo_evaluation"] = self.silo_history
         if self.last is None:
             return {"personalized_accuracy": None, "accuracy_before_adaptation": None, "per_user_accuracy": [],
                     **common}

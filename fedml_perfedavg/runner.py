@@ -76,21 +76,52 @@ def load_data(config: Config) -> FederatedData:
                           test_images_per_class=config.test_images_per_class)
 
 
+@dataclass(frozen=True)
+class SiloRole:
+    """Which process of a cross-silo run this is (FedML's ``--rank/--role/--run_id``)."""
+
+    rank: int
+    role: str  # "server" (rank 0) or "client"
+    run_id: str = "0"
+
+
+def check_silo_role(config: Config, silo: Optional[SiloRole]) -> SiloRole:
+    """The cross-silo identity must be given and agree with the config."""
+    if silo is None:
+        raise ConfigError("common_args.training_type='cross_silo': start each process with --rank R --role "
+                          "server|client, or start them all with: fedml-perfedavg launch-silo --cf CONFIG")
+    if silo.role not in ("server", "client"):
+        raise ConfigError(f"--role {silo.role!r}: must be 'server' or 'client'")
+    if (silo.role == "server") != (silo.rank == 0):
+        raise ConfigError(f"--rank {silo.rank} --role {silo.role}: the server is rank 0 and silos are ranks "
+                          f"1..{config.client_num_per_round}")
+    if not 0 <= silo.rank <= config.client_num_per_round:
+        raise ConfigError(f"--rank {silo.rank}: silos are ranks 1..{config.client_num_per_round} "
+                          f"(train_args.client_num_per_round)")
+    if config.grpc_ipconfig_path is None:
+        raise ConfigError("comm_args.grpc_ipconfig_path=None: cross-silo needs the gRPC address file (CSV "
+                          "eid,rank,grpc_server_ip,grpc_server_port); launch-silo writes one")
+    from .silo import read_ipconfig
+
+    read_ipconfig(config.grpc_ipconfig_path, config.client_num_per_round + 1)
+    return silo
+
+
 def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedData] = None,
-        resume: bool = False) -> RunResult:
+        resume: bool = False, silo: Optional[SiloRole] = None) -> RunResult:
     """Run the experiment of ``config``: single-process simulation (batched engine, or FedML's
-    own round loop with ``simulation_engine: fedml``), or FedML's MPI simulation when
-    ``backend: MPI`` (start under ``mpirun -n <client_num_per_round + 1>``)."""
-    if config.training_type != "simulation" or config.backend not in ("sp", "MPI"):
-        raise ConfigError(f"comm_args.backend={config.backend!r} with common_args.training_type="
-                          f"{config.training_type!r}: supported are the simulations (backend sp or MPI, "
-                          f"training_type simulation)")
+    own round loop with ``simulation_engine: fedml``), FedML's MPI simulation when
+    ``backend: MPI`` (start under ``mpirun -n <client_num_per_round + 1>``), or this process's
+    part of a cross-silo run (``training_type: cross_silo``; ``silo`` says which)."""
     mpi = config.backend == "MPI"
-    if resume and (mpi or config.simulation_engine != "batched"):
+    cross_silo = config.training_type == "cross_silo"
+    if resume and (mpi or cross_silo or config.simulation_engine != "batched"):
         raise ConfigError(f"train_args.simulation_engine={config.simulation_engine!r}, comm_args.backend="
                           f"{config.backend!r}: resuming needs the batched engine on sp (FedML's loops always "
                           f"start at round 0)")
-    rank = mpi_rank() if mpi else 0
+    if cross_silo:
+        silo = check_silo_role(config, silo)
+    rank = silo.rank if cross_silo else mpi_rank() if mpi else 0
     is_server = rank == 0
     run_dir = shared_run_dir(config, run_dir) if mpi else resolve_run_dir(config, run_dir)
     if is_server:
@@ -105,7 +136,10 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
                                 enable_wandb=False, using_mlops=False, run_name=os.path.basename(run_dir))
     if config.fedml_home == "run_dir":
         fedml_compat.redirect_fedml_home(os.path.join(run_dir, "fedml"))
-    if mpi or config.simulation_engine == "fedml":
+    if cross_silo:
+        args.rank, args.role, args.run_id = silo.rank, silo.role, silo.run_id
+        args.worker_num, args.scenario, args.test_on_clients = config.client_num_per_round, "horizontal", "no"
+    if mpi or cross_silo or config.simulation_engine == "fedml":
         args = fedml_compat.init_fedml_offline(args, fedml_dir=os.path.join(run_dir, "fedml"))
     else:
         fedml_compat.import_fedml()
@@ -124,9 +158,11 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
                            new_users) if is_server else None
     trainer, aggregator = algorithm_factory(config.federated_optimizer)(model, config, args, recorder)
 
-    logger.info("run %s: %s (%s) on %s, %d rounds, %d of %d users per round, %s engine", run_dir,
+    where = (f"cross-silo rank {rank} ({silo.role})" if cross_silo else "MPI simulation" if mpi
+             else f"{config.simulation_engine} engine")
+    logger.info("run %s: %s (%s) on %s, %d rounds, %d of %d users per round, %s", run_dir,
                 config.federated_optimizer, config.perfedavg_variant, config.dataset, config.comm_round,
-                config.client_num_per_round, config.client_num_in_total, config.simulation_engine)
+                config.client_num_per_round, config.client_num_in_total, where)
     start_round = 0
     if resume:
         state = checkpoint.load(run_dir)
@@ -149,7 +185,13 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
                                **status)
 
     try:
-        if mpi:  # FedML's MPI loop runs (and ends) inside the runner's construction
+        if cross_silo:  # returns when this process's part of the run is over
+            policy = fedml_compat.SiloPolicy(config.connect_timeout, config.round_timeout,
+                                             config.min_clients_per_round or config.client_num_per_round,
+                                             config.random_seed, config.new_user_fraction)
+            fedml_compat.run_silo(args, device, data.as_fedml_dataset(config.batch_size), model, trainer, aggregator,
+                                  policy)
+        elif mpi:  # FedML's MPI loop runs (and ends) inside the runner's construction
             fedml_compat.build_mpi_runner(args, device, data.as_fedml_dataset(config.batch_size), model, trainer,
                                           aggregator)
         elif config.simulation_engine == "fedml":
@@ -163,7 +205,7 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
         if is_server:
             finish(status="stopped", error=str(err))
         raise
-    if not is_server:  # an MPI client rank: the server records and writes the results
+    if not is_server:  # an MPI client rank or a silo: the server records and writes the results
         return RunResult({"role": "client", "rank": rank}, run_dir, model, trainer, aggregator)
     torch.save(aggregator.get_model_params(), os.path.join(run_dir, "model.pt"))
     summary = finish()

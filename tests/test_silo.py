@@ -1,0 +1,177 @@
+"""Cross-silo over gRPC: the launcher, equality with single-process, and lost silos."""
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fedml_perfedavg.algorithm import make_loss_fn
+from fedml_perfedavg.config import ConfigError, load_yaml, resolve
+from fedml_perfedavg.evaluation import evaluate_user
+from fedml_perfedavg.runner import SiloRole, check_silo_role, load_data, run
+from fedml_perfedavg.sampling import Purpose, generator_for, sample_clients
+from fedml_perfedavg.silo import read_ipconfig, write_ipconfig
+
+from .conftest import REPO, needs_mnist
+from .test_simulation import HF_YAML, _unshare_works
+
+SILO_YAML = str(REPO / "yaml_configs" / "mnist_tau10_alpha0.01_hf_silo.yaml")
+SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
+
+
+def _launch(mnist_root, run_dir, settings, extra=(), wait=True):
+    """launch-silo with 2 silos; inside a network namespace with only loopback when possible."""
+    sets = [f"{k}={v}" for k, v in {**SETTINGS, "data_cache_dir": mnist_root, **settings}.items()]
+    command = [sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", SILO_YAML, "--clients", "2",
+               "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)], *extra]
+    if _unshare_works():  # only loopback exists in there, so nothing can leave the machine
+        command = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    if not wait:
+        return process
+    out, _ = process.communicate(timeout=300)
+    return process.returncode, out
+
+
+def _ipconfig_hosts(run_dir):
+    with open(run_dir / "grpc_ipconfig.csv") as stream:
+        return {row["grpc_server_ip"] for row in csv.DictReader(stream)}
+
+
+@needs_mnist
+def test_launcher_with_silos_started_first_equals_single_process(mnist_root, tmp_path):
+    code, out = _launch(mnist_root, tmp_path / "silo", {"comm_round": 3}, extra=["--server-delay", "4"])
+    assert code == 0, out[-5000:]
+    assert "is not reachable yet; retrying" in out  # the silos started first and waited for the server
+    assert _ipconfig_hosts(tmp_path / "silo") == {"127.0.0.1"}
+    summary = json.loads((tmp_path / "silo" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == 3 and summary["aggregate_calls"] == 3
+    assert [h["round"] for h in summary["history"]] == [0, 1, 2]
+
+    config = resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": 3, "data_cache_dir": mnist_root,
+                                          "simulation_engine": "fedml"})
+    sp = run(config, str(tmp_path / "sp"))
+    silo_model = torch.load(tmp_path / "silo" / "model.pt")
+    sp_model = sp.aggregator.get_model_params()
+    for k in sp_model:
+        torch.testing.assert_close(silo_model[k], sp_model[k], rtol=1e-6, atol=1e-7)
+    assert summary["per_user_accuracy"] == sp.summary["per_user_accuracy"]
+
+    # Each silo evaluated the final model on its own user of that (K-th) selection, as documented.
+    final = summary["silo_evaluation"][-1]
+    assert final["when"] == "final"
+    users = sample_clients(config.random_seed, 3, config.client_num_in_total, 2)
+    data = load_data(config)
+    model = sp.model
+    model.load_state_dict(silo_model)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    for rank, user in zip(("1", "2"), users):
+        reported = final["silos"][rank]
+        assert reported["user"] == user and reported["round"] == 3
+        expected, _, _ = evaluate_user(model, make_loss_fn(model), params, data.users[user], config.alpha,
+                                       config.adapt_steps, config.batch_size,
+                                       generator_for(config.random_seed, 3, user, Purpose.EVALUATION))
+        assert reported["accuracy"] == pytest.approx(expected, abs=1e-12)
+    mean = sum(final["silos"][r]["accuracy"] for r in ("1", "2")) / 2
+    assert final["mean_accuracy"] == pytest.approx(mean)
+    assert f"final: silos' own personalized accuracy {mean:.4f} (model they received" in out
+
+
+def _kill_silo_two_mid_run(process, run_dir):
+    log = run_dir / "run.log"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if log.exists() and "round 1: personalized accuracy" in log.read_text():
+            break
+        assert process.poll() is None, process.communicate()[0][-5000:]
+        time.sleep(0.05)
+    else:
+        pytest.fail("the run never reached round 1")
+    pids = json.loads((run_dir / "silo_processes.json").read_text())
+    os.kill(pids["2"], signal.SIGKILL)
+    return time.monotonic()
+
+
+@needs_mnist
+@pytest.mark.parametrize("min_clients", [1, 2])
+def test_killed_silo_ends_within_the_timeout_not_a_hang(mnist_root, tmp_path, min_clients):
+    run_dir = tmp_path / "silo"
+    rounds, timeout = 40, 5
+    process = _launch(mnist_root, run_dir, {"comm_round": rounds, "round_timeout": timeout, "frequency_of_the_test": 1,
+                                            "min_clients_per_round": min_clients}, wait=False)
+    killed_at = _kill_silo_two_mid_run(process, run_dir)
+    out, _ = process.communicate(timeout=120)
+    ended_after = time.monotonic() - killed_at
+    assert process.returncode != 0  # a silo failed; the launcher says so
+    assert "silo rank 2 exited with code -9" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if min_clients == 1:  # the server finished every round with the silo that answered
+        assert "going on without silo rank(s) [2] (sent no update within comm_args.round_timeout=5 s)" in out
+        assert summary["status"] == "finished" and summary["rounds"] == rounds
+        assert summary["aggregate_calls"] == rounds
+        assert "the server exited" not in out
+    else:  # not enough silos left: the server stops and names the missing rank
+        assert summary["status"] == "stopped"
+        # Killed while training (no update) or between rounds (the next model could not be sent).
+        assert ("silo rank(s) [2] sent no update within comm_args.round_timeout=5 s" in summary["error"]
+                or "silo rank(s) [2] unreachable for 5 s" in summary["error"])
+        assert "fewer than comm_args.min_clients_per_round=2" in summary["error"]
+        assert summary["rounds"] < rounds
+        assert "the server exited with code 1" in out
+    # Killed at round >= 1: the server noticed within the timeout, then finished the remaining rounds.
+    assert ended_after < timeout + 60
+
+
+def _silo_config(tmp_path, **overrides):
+    return resolve(load_yaml(SILO_YAML), {"client_num_per_round": 2, **overrides})
+
+
+def test_address_file_needs_a_row_per_rank(tmp_path):
+    path = write_ipconfig(str(tmp_path / "ip.csv"), 2, ports=[9000, 9001])
+    assert read_ipconfig(path, 2) == {0: ("127.0.0.1", 9000), 1: ("127.0.0.1", 9001)}
+    with pytest.raises(ConfigError, match=r"no row for rank\(s\) \[2\].*listen on all interfaces"):
+        read_ipconfig(path, 3)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("eid,rank,grpc_server_ip,grpc_server_port\n0,0,localhost-ish,9000\n")
+    with pytest.raises(ConfigError, match="line 2"):
+        read_ipconfig(str(bad), 1)
+
+
+def test_silo_identity_is_checked(tmp_path):
+    path = write_ipconfig(str(tmp_path / "ip.csv"), 3)
+    config = _silo_config(tmp_path, grpc_ipconfig_path=path)
+    assert check_silo_role(config, SiloRole(1, "client")).rank == 1
+    with pytest.raises(ConfigError, match="--rank R --role"):
+        check_silo_role(config, None)
+    with pytest.raises(ConfigError, match="the server is rank 0"):
+        check_silo_role(config, SiloRole(0, "client"))
+    with pytest.raises(ConfigError, match=r"--rank 3: silos are ranks 1..2"):
+        check_silo_role(config, SiloRole(3, "client"))
+    with pytest.raises(ConfigError, match="grpc_ipconfig_path=None"):
+        check_silo_role(_silo_config(tmp_path), SiloRole(0, "server"))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"backend": "sp"}, "comm_args.backend='sp': with common_args.training_type='cross_silo' it must be one of "
+                        "['GRPC']"),
+    ({"min_clients_per_round": 3}, "comm_args.min_clients_per_round=3: must be <= train_args.client_num_per_round"),
+    ({"round_timeout": 0}, "comm_args.round_timeout=0: must be > 0"),
+])
+def test_cross_silo_keys_are_validated(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        _silo_config(tmp_path, **overrides)
+    assert message in str(err.value)
+
+
+def test_launcher_checks_the_number_of_silos(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", SILO_YAML, "--clients", "3",
+                          "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert out.returncode == 2
+    assert "train_args.client_num_per_round=10: must equal --clients (3)" in out.stderr
