@@ -112,7 +112,9 @@ def test_killed_silo_ends_within_the_timeout_not_a_hang(mnist_root, tmp_path, mi
     assert "silo rank 2 exited with code -9" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     if min_clients == 1:  # the server finished every round with the silo that answered
-        assert "going on without silo rank(s) [2] (sent no update within comm_args.round_timeout=5 s)" in out
+        # Killed while training (no update) or between rounds (the next model could not be sent).
+        assert ("going on without silo rank(s) [2] (sent no update within comm_args.round_timeout=5 s)" in out
+                or "going on without silo rank(s) [2] (unreachable for 5 s" in out), out[-5000:]
         assert summary["status"] == "finished" and summary["rounds"] == rounds
         assert summary["aggregate_calls"] == rounds
         assert "the server exited" not in out
