@@ -27,8 +27,9 @@ from .config import ConfigError, load
 logger = logging.getLogger(__name__)
 
 IPCONFIG_FIELDS = ("eid", "rank", "grpc_server_ip", "grpc_server_port")
-# Forced on every process the launcher starts (the YAML may be a simulation config).
-SILO_SETTINGS = ("training_type=cross_silo", "backend=GRPC")
+# Forced on every process the launcher starts (the YAML may be a simulation config); progress
+# comes from the server's log lines.
+SILO_SETTINGS = ("training_type=cross_silo", "backend=GRPC", "show_progress=false")
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
