@@ -1,5 +1,6 @@
 """Cross-silo over gRPC: the launcher, equality with single-process, and lost silos."""
 import csv
+import importlib.util
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from fedml_perfedavg.silo import read_ipconfig, write_ipconfig
 from .conftest import REPO, needs_mnist
 from .test_simulation import HF_YAML, _unshare_works
 
+needs_grpc = pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="grpcio not installed (.[silo])")
 SILO_YAML = str(REPO / "yaml_configs" / "mnist_tau10_alpha0.01_hf_silo.yaml")
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
 
@@ -45,6 +47,7 @@ def _ipconfig_hosts(run_dir):
 
 
 @needs_mnist
+@needs_grpc
 def test_launcher_with_silos_started_first_equals_single_process(mnist_root, tmp_path):
     code, out = _launch(mnist_root, tmp_path / "silo", {"comm_round": 3}, extra=["--server-delay", "4"])
     assert code == 0, out[-5000:]
@@ -99,6 +102,7 @@ def _kill_silo_two_mid_run(process, run_dir):
 
 
 @needs_mnist
+@needs_grpc
 @pytest.mark.parametrize("min_clients", [1, 2])
 def test_killed_silo_ends_within_the_timeout_not_a_hang(mnist_root, tmp_path, min_clients):
     run_dir = tmp_path / "silo"
