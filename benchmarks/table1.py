@@ -208,16 +208,26 @@ def plot_cells(rows: List[Dict], out: Path) -> List[Path]:
     return written
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it (reports are committed)."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def wandb_report(rows: List[Dict], out: Path) -> None:
     lines = ["# wandb runs of the Table 1 grid", "",
              "Each run logged offline into its run directory (project `fedml-perfedavg`, group = cell). To upload:",
-             "", "```", f"wandb sync {out}/runs/*/*/seed*/wandb/offline-run-*", "```", "",
+             "", "```", f"wandb sync {_shown(out)}/runs/*/*/seed*/wandb/offline-run-*", "```", "",
              "| cell | method | seed | personalized accuracy | wandb run folder |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
         folders = sorted((out / r["run_dir"] / "wandb").glob("offline-run-*"))
         if folders:
             lines.append(f"| {r['cell']} | {r['method']} | {r['seed']} | {100 * r['personalized_accuracy']:.2f} | "
                          f"`{folders[-1].relative_to(out)}` |")
+    if lines[-1].startswith("| ---"):
+        lines.append("| (none: no run here was made with `--wandb`) | | | | |")
     (out / "wandb_report.md").write_text("\n".join(lines) + "\n")
 
 
