@@ -176,6 +176,12 @@ def _check_value(key: Key, value: Any) -> Any:
         raise ConfigError(f"{where}: a value is required ({key.help})")
     if key.kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if key.kind is float and isinstance(value, str):
+        # PyYAML follows YAML 1.1, where 1e-3 (no dot) is a string, not a number.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if key.kind is int and isinstance(value, bool) or not isinstance(value, key.kind):
         raise ConfigError(f"{where}: must be of type {key.kind.__name__} ({key.help})")
     if key.kind is float and not math.isfinite(value):

@@ -89,6 +89,17 @@ def test_set_overrides_take_yaml_values_and_qualified_names():
     assert config.comm_round == 7 and config.sections()["train_args"]["comm_round"] == 7
 
 
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    # YAML 1.1 (PyYAML) reads 1e-3 as a string; a researcher means a number, in --set and in files.
+    assert load(str(CONFIGS[0]), ["beta=1e-3", "alpha=2E-2"]).values["beta"] == 0.001
+    path = tmp_path / "c.yaml"
+    path.write_text("train_args:\n  beta: 5e-4\n  delta: 1e-5\n")
+    config = load(str(path))
+    assert (config.beta, config.delta) == (0.0005, 1e-5)
+    with pytest.raises(ConfigError, match="train_args.beta='fast': must be of type float"):
+        load(str(path), ["beta=fast"])
+
+
 def test_fedml_args_flatten_sections():
     args = resolve({}).to_fedml_args(federated_optimizer="FedAvg")
     assert args.federated_optimizer == "FedAvg" and args.alpha == 0.01 and args.backend == "sp"
