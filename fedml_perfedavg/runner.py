@@ -1,11 +1,12 @@
 """Run a configured experiment through FedML and write its results."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 
@@ -66,6 +67,23 @@ def shared_run_dir(config: Config, run_dir: Optional[str]) -> str:
 
     comm = MPI.COMM_WORLD
     return comm.bcast(resolve_run_dir(config, run_dir) if comm.Get_rank() == 0 else None, root=0)
+
+
+@contextlib.contextmanager
+def mpi_failure_policy(rank: int) -> Iterator[None]:
+    """Under MPI a client rank that fails alone would leave the server waiting forever (FedML's
+    MPI server has no timeout): it logs why and aborts the whole job instead. The server's
+    evaluations up to then are in its run.log; its summary.json is not written."""
+    from mpi4py import MPI
+
+    try:
+        yield
+    except BaseException as err:
+        if rank != 0:
+            logger.error("rank %d failed, aborting the MPI job: %s", rank, err)
+            logging.shutdown()
+            MPI.COMM_WORLD.Abort(1)
+        raise
 
 
 def load_data(config: Config) -> FederatedData:
@@ -192,8 +210,9 @@ def run(config: Config, run_dir: Optional[str] = None, data: Optional[FederatedD
             fedml_compat.run_silo(args, device, data.as_fedml_dataset(config.batch_size), model, trainer, aggregator,
                                   policy)
         elif mpi:  # FedML's MPI loop runs (and ends) inside the runner's construction
-            fedml_compat.build_mpi_runner(args, device, data.as_fedml_dataset(config.batch_size), model, trainer,
-                                          aggregator)
+            with mpi_failure_policy(rank):
+                fedml_compat.build_mpi_runner(args, device, data.as_fedml_dataset(config.batch_size), model,
+                                              trainer, aggregator)
         elif config.simulation_engine == "fedml":
             fedml_compat.build_sp_runner(args, device, data.as_fedml_dataset(config.batch_size), model,
                                          trainer, aggregator).run()

@@ -63,3 +63,17 @@ def test_mpi_rank_count_must_match_clients_per_round(mnist_root, tmp_path):
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert out.returncode != 0
     assert "train_args.client_num_per_round=4: under MPI it must equal the number of ranks - 1" in out.stderr
+
+
+@needs_mnist
+@needs_mpi
+def test_a_failing_client_rank_ends_the_mpi_job_instead_of_hanging(mnist_root, tmp_path):
+    sets = ["backend=MPI", f"data_cache_dir={mnist_root}", "client_num_per_round=2", "comm_round=3",
+            "beta=1e30", "show_progress=false"]  # every client's update goes non-finite; on_divergence: stop
+    out = subprocess.run([MPIRUN, "-n", "3", sys.executable, "-m", "fedml_perfedavg", "--cf", HF_YAML,
+                          "--run-dir", str(tmp_path), *[a for s in sets for a in ("--set", s)]],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    printed = out.stdout + out.stderr
+    assert out.returncode != 0, printed[-4000:]
+    assert "failed, aborting the MPI job: round 0, client" in printed, printed[-4000:]
+    assert "non-finite parameters after local training" in printed
