@@ -1,6 +1,7 @@
 """The CUDA path of the FedML-free core on a GPU: equivalence with the CPU, then speed.
 
     python benchmarks/cuda_check.py [--mnist-root ../shared/datasets] [--rounds 1000] [--out benchmarks/results]
+    python benchmarks/cuda_check.py --compile-only   # torch.compile (CUDA graphs) of the HF round
 
 Needs only torch (+ torchvision for MNIST), not FedML, so it runs on a bare GPU machine:
 1. equivalence, float64: the batched engine on CUDA vs the per-client maths on the CPU
@@ -167,6 +168,35 @@ def speed(users: List[UserSplit], device: torch.device) -> Dict[str, float]:
     return out
 
 
+def compiled_speed(users: List[UserSplit], device: torch.device) -> Dict[str, float]:
+    """HF ms/round with the vmapped local update under ``torch.compile(mode="reduce-overhead")``
+    (CUDA graphs), its compile time, and its distance to the eager result after 3 rounds."""
+    out = {}
+    models = {}
+    for compiled in (False, True):
+        config = config_for("hf")
+        torch.manual_seed(0)
+        model = create_model("mlp", (1, 28, 28), 10, [80, 60]).to(device)
+        engine = engine_for(config, "hf", users, model)
+        if compiled:
+            engine.step = torch.compile(engine.step, mode="reduce-overhead", dynamic=False)
+            start = time.perf_counter()
+            engine.train_round(0)
+            torch.cuda.synchronize(device)
+            out["compiled_hf_first_round_s"] = time.perf_counter() - start
+        else:
+            engine.train_round(0)
+        for r in (1, 2):
+            engine.train_round(r)
+        models[compiled] = {k: p.detach().clone() for k, p in model.named_parameters()}
+        if compiled:
+            counter = iter(range(3, 10 ** 6))
+            out["compiled_hf_ms_per_round"] = timed_ms(lambda: engine.train_round(next(counter)), device)
+    out["compiled_vs_eager_max_abs_diff_after_3_rounds"] = max(float((models[True][k] - models[False][k]).abs().max())
+                                                               for k in models[True])
+    return out
+
+
 def full_run(users: List[UserSplit], device: torch.device, rounds: int) -> Dict[str, float]:
     config = config_for("hf", comm_round=rounds)
     torch.manual_seed(config.random_seed)
@@ -187,6 +217,8 @@ def main() -> int:
     parser.add_argument("--mnist-root", default=str(REPO.parent / "shared" / "datasets"))
     parser.add_argument("--rounds", type=int, default=1000)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--compile-only", action="store_true",
+                        help="only measure torch.compile (CUDA graphs) of the HF round; writes cuda_compile.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("cuda_check: no CUDA device here", file=sys.stderr)
@@ -195,6 +227,12 @@ def main() -> int:
     results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
                "command": " ".join(["python", "benchmarks/cuda_check.py", *sys.argv[1:]])}
+    if args.compile_only:
+        results.update(compiled_speed(mnist_users(args.mnist_root, device), device))
+        os.makedirs(args.out, exist_ok=True)
+        Path(args.out, "cuda_compile.json").write_text(json.dumps(results, indent=1))
+        print(json.dumps(results, indent=1))
+        return 0
     results.update(equivalence(device))
     print(json.dumps(results, indent=1), flush=True)
     users = mnist_users(args.mnist_root, device)

@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from fedml_perfedavg.config import resolve
+from fedml_perfedavg.config import SCHEMA, ConfigError, resolve
 from fedml_perfedavg.engine import BatchedSimulation
 from fedml_perfedavg.evaluation import UserSplit, personalized_evaluation, personalized_evaluation_batched
 from fedml_perfedavg.models import MLP
@@ -58,6 +58,27 @@ def test_batched_engine_equals_per_client_path_float64(optimizer, variant):
     assert any(not torch.allclose(got[k], start[k]) for k in got)  # it did train
     for k in got:
         torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)
+
+
+def test_compiled_local_update_gives_the_eager_result(monkeypatch):
+    calls = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or real_compile(fn, **kw))
+    config, users, model, args = _setup("PerFedAvg", "hf")
+    reference = _per_client_rounds(config, users, copy.deepcopy(model), args)
+    compiled = resolve({}, {**{k.name: config.values[k.name] for k in SCHEMA if k.section == "train_args"},
+                            "frequency_of_the_test": 1, "show_progress": False, "compile_local_update": True})
+    _, users, model, args = _setup("PerFedAvg", "hf")
+    trainer, aggregator = algorithm_factory(compiled.federated_optimizer)(model, compiled, args)
+    engine = BatchedSimulation(compiled, users, trainer, aggregator)
+    assert calls == [{"mode": "default", "dynamic": False}]  # on the CPU; "reduce-overhead" on CUDA
+    for r in range(compiled.comm_round):
+        engine.train_round(r)
+    got = aggregator.get_model_params()
+    for k in got:
+        torch.testing.assert_close(got[k], reference[k], rtol=1e-9, atol=1e-11)
+    with pytest.raises(ConfigError, match="device_args.compile_local_update=True: only the batched engine"):
+        resolve({}, {"compile_local_update": True, "simulation_engine": "fedml"})
 
 
 @pytest.mark.parametrize("chunk", [2, 64])
