@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from fedml_perfedavg.cli import main
-from fedml_perfedavg.config import ConfigError, load, load_yaml, parse_overrides, resolve
+from fedml_perfedavg.config import ConfigError, load, parse_overrides, resolve
 from fedml_perfedavg.registry import algorithm_names
 
 from .conftest import REPO, needs_mnist

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedml_perfedavg.data import default_test_images_per_class, load_federated, split_over_users
+from fedml_perfedavg.data import default_test_images_per_class, load_federated
 from fedml_perfedavg.partition import partition_indices, plan_users
 
 from .conftest import needs_mnist
