@@ -135,7 +135,7 @@ def _fmt(mean: float, half: float) -> str:
 
 
 def table_markdown(rows: List[Dict], command: str) -> str:
-    lines = [f"# Table 1: ours vs the paper", "", f"Command: `{command}`; written {time.strftime('%Y-%m-%d')}.",
+    lines = ["# Table 1: ours vs the paper", "", f"Command: `{command}`; written {time.strftime('%Y-%m-%d')}.",
              "Mean per-user personalized accuracy (%) after one alpha-step on the user's training data, mean ± "
              "half-width of the 95% t interval over seeds; `before` is the global model's accuracy without the step.",
              ""]
