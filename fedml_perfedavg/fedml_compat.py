@@ -253,11 +253,7 @@ class SiloPolicy:
 
 
 class PeerUnreachable(SiloFailure):
-    """A peer stayed unreachable for the whole ``connect_timeout``."""
-
-    def __init__(self, message: str, rank: int) -> None:
-        super().__init__(message)
-        self.rank = rank
+    """A peer stayed unreachable for the whole retry window."""
 
 
 def _grpc_comm_manager_class(policy: SiloPolicy):
@@ -296,8 +292,7 @@ def _grpc_comm_manager_class(policy: SiloPolicy):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise PeerUnreachable(f"rank {receiver} at {where} did not answer rank {self.client_rank} "
-                                              f"for {self.retry_seconds:g} s (comm_args.connect_timeout)",
-                                              receiver) from None
+                                              f"for {self.retry_seconds:g} s (comm_args.connect_timeout)") from None
                     logger.info("rank %d at %s is not reachable yet; retrying in %.1f s", receiver, where, delay)
                     time.sleep(min(delay, left))
                     delay = min(2 * delay, 5.0)
