@@ -31,5 +31,5 @@ setup(
         "bench": ["matplotlib"],
         "test": ["pytest", "hypothesis"],
     },
-    entry_points={"console_scripts": ["fedml-perfedavg = fedml_perfedavg.cli:main"]},
+    entry_points={"console_scripts": ["fedml-perfedavg = fedml_perfedavg.run.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""Models of the paper (MLP 80-60, ELU) and a small CNN option."""
+"""The paper's model (MLP 80-60, ELU) and a small CNN, offered through ``fedml.model.create``."""
 from __future__ import annotations
 
 from typing import Sequence, Tuple
@@ -6,7 +6,7 @@ from typing import Sequence, Tuple
 import torch
 from torch import nn
 
-MODELS = ("mlp", "cnn")
+MODELS = ("mlp", "small_cnn")  # FedML's own names (lr, cnn, resnet56, ...) stay FedML's
 
 
 class MLP(nn.Module):
@@ -45,10 +45,10 @@ class SmallCNN(nn.Module):
 
 def create_model(name: str, input_shape: Tuple[int, int, int], num_classes: int,
                  hidden: Sequence[int] = (80, 60)) -> nn.Module:
-    """Build the model called ``name`` ('mlp' or 'cnn') for images of ``input_shape`` (C, H, W)."""
+    """Build the model called ``name`` ('mlp' or 'small_cnn') for images of ``input_shape`` (C, H, W)."""
     if name == "mlp":
         channels, height, width = input_shape
         return MLP(channels * height * width, num_classes, hidden)
-    if name == "cnn":
+    if name == "small_cnn":
         return SmallCNN(input_shape, num_classes)
     raise ValueError(f"model_args.model={name!r} is not one of {MODELS}")

@@ -9,9 +9,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, TensorDataset
 
-from .evaluation import UserSplit
+from ..core.types import UserSplit
 from .partition import UserPlan, partition_indices, plan_users
 
 logger = logging.getLogger(__name__)
@@ -23,11 +22,15 @@ class DatasetSpec:
     input_shape: Tuple[int, int, int]
     num_classes: int
     expected_files: str  # where torchvision looks, relative to data_cache_dir
+    train_class_counts: Tuple[int, ...]  # images per class in the published training set
+    test_class_counts: Tuple[int, ...]
 
 
 DATASETS: Dict[str, DatasetSpec] = {
-    "mnist": DatasetSpec(196, (1, 28, 28), 10, "MNIST/raw/"),
-    "cifar10": DatasetSpec(68, (3, 32, 32), 10, "cifar-10-batches-py/"),
+    "mnist": DatasetSpec(196, (1, 28, 28), 10, "MNIST/raw/",
+                         (5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949),
+                         (980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009)),
+    "cifar10": DatasetSpec(68, (3, 32, 32), 10, "cifar-10-batches-py/", (5000,) * 10, (1000,) * 10),
 }
 
 
@@ -51,20 +54,6 @@ class FederatedData:
             out.append({c: (int((u.train_y == c).sum()), int((u.test_y == c).sum())) for c in classes})
         return out
 
-    def as_fedml_dataset(self, batch_size: int) -> list:
-        """FedML's 8-element dataset list; per-client loaders wrap the same tensors."""
-        loader = lambda x, y, shuffle: DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)  # noqa: E731
-        train_local = {i: loader(u.train_x, u.train_y, True) for i, u in enumerate(self.users)}
-        test_local = {i: loader(u.test_x, u.test_y, False) for i, u in enumerate(self.users)}
-        train_num = {i: len(u.train_y) for i, u in enumerate(self.users)}
-        cat = lambda field: torch.cat([u[field] for u in self.users])  # noqa: E731
-        train_global = loader(cat(0), cat(1), True)
-        test_global = loader(cat(2), cat(3), False)
-        return [
-            sum(train_num.values()), sum(len(u.test_y) for u in self.users), train_global, test_global,
-            train_num, train_local, test_local, self.num_classes,
-        ]
-
 
 def default_test_images_per_class(images_per_class: int, train_size: int, test_size: int) -> int:
     """Test ``a``: the train ``a`` scaled by the test/train size ratio, rounded down to even."""
@@ -73,9 +62,9 @@ def default_test_images_per_class(images_per_class: int, train_size: int, test_s
 
 def load_torchvision(dataset: str, root: str, download: bool) -> Tuple[Tuple[Tensor, Tensor], Tuple[Tensor, Tensor]]:
     """((train_x, train_y), (test_x, test_y)) as float tensors in [0, 1], shape (N, C, H, W)."""
-    from . import fedml_compat
+    from .torchvision_ops import make_torchvision_importable
 
-    fedml_compat.make_torchvision_importable()
+    make_torchvision_importable()
     import torchvision
 
     if dataset not in DATASETS:

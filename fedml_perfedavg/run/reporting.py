@@ -7,9 +7,11 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from .evaluation import EvaluationResult
+from ..core.evaluation import EvaluationResult
 
 logger = logging.getLogger(__name__)
+# Per-user lines go to run.log; the console shows the means (see run.cli).
+per_user_logger = logging.getLogger(__name__ + ".per_user")
 
 
 def write_json_atomic(path: str, data: Any) -> None:
@@ -41,7 +43,8 @@ class RunRecorder:
         if show_progress:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_rounds, desc="rounds", unit="round", dynamic_ncols=True)
+            # disable=None: no bar when stderr is not a terminal (piped output stays line by line).
+            self._bar = tqdm(total=total_rounds, desc="rounds", unit="round", dynamic_ncols=True, disable=None)
         self._wandb = self._init_wandb(wandb_settings) if wandb_settings else None
 
     def _init_wandb(self, settings: Dict[str, Any]):
@@ -75,10 +78,16 @@ class RunRecorder:
         logger.info("round %d: personalized accuracy %.4f (before adaptation %.4f, std %.4f)", round_idx,
                     metrics["personalized_accuracy"], metrics["accuracy_before_adaptation"],
                     metrics["personalized_accuracy_std"])
+        per_user_logger.info("round %d: per-user accuracy after/before adaptation: %s", round_idx, " ".join(
+            f"{i}:{a:.4f}/{b:.4f}" for i, (a, b) in enumerate(zip(result.per_user_accuracy,
+                                                                   result.per_user_accuracy_before))))
         if self._bar is not None:
             self._bar.set_postfix(pers_acc=f"{metrics['personalized_accuracy']:.4f}")
         if self._wandb is not None:
-            self._wandb.log({f"eval/{k}": v for k, v in metrics.items() if k != "round"}, step=round_idx)
+            import wandb
+
+            self._wandb.log({**{f"eval/{k}": v for k, v in metrics.items() if k != "round"},
+                             "eval/per_user_accuracy": wandb.Histogram(result.per_user_accuracy)}, step=round_idx)
 
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         """Cross-silo: the silos' own personalized evaluations of the model they received."""
@@ -87,13 +96,13 @@ class RunRecorder:
         if self._wandb is not None and label != "final":
             self._wandb.log({"silo/personalized_accuracy": mean}, step=int(label.split()[-1]))
 
-    def state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint needs to continue the record exactly."""
         last = None if self.last is None else vars(self.last).copy()
         return {"history": self.history, "last": last, "rounds_done": self.rounds_done,
                 "elapsed": time.perf_counter() - self.started}
 
-    def restore(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.history = list(state["history"])
         self.last = None if state["last"] is None else EvaluationResult(**state["last"])
         self.rounds_done = state["rounds_done"]
@@ -105,7 +114,9 @@ class RunRecorder:
                 rejected_updates: Optional[Dict[int, int]] = None, aggregate_calls: Optional[int] = None
                 ) -> Dict[str, Any]:
         """The run's final numbers (last evaluation), how it ended, and its resolved config."""
-        common = {"status": status, "error": error, "rounds": self.rounds_done, "aggregate_calls": aggregate_calls,
+        headline_round = self.history[-1]["round"] if self.history else None
+        common = {"status": status, "error": error, "rounds": self.rounds_done, "headline_round": headline_round,
+                  "aggregate_calls": aggregate_calls,
                   "wall_seconds": time.perf_counter() - self.started,
                   "rejected_updates": {str(k): v for k, v in (rejected_updates or {}).items()},
                   "history": self.history, "config": self.config_sections}

@@ -1,16 +1,21 @@
 """Checks that keep one bad client or a diverging run from corrupting the global model.
 
-Plain PyTorch; used by the trainer, the batched engine and the aggregator alike.
+Plain PyTorch; used by every algorithm object, whatever runs its rounds.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A setting has a value the plugin cannot run with; the message names the key, the value
+    and what is allowed."""
 
 
 class DivergenceError(RuntimeError):
@@ -60,11 +65,10 @@ def update_problem(update: Dict[str, Tensor], reference: Dict[str, Tensor],
     return None
 
 
-def apply_divergence_policy(config: Any, round_idx: int, client: int) -> None:
+def apply_divergence_policy(on_divergence: str, round_idx: int, client: int, label: str) -> None:
     """``train_args.on_divergence`` for a client whose local training went non-finite: raise
-    (``stop``), or log it and let the aggregator drop its update (``skip_client``)."""
-    where = (f"round {round_idx}, client {client}, {config.federated_optimizer} ({config.perfedavg_variant}): "
-             f"non-finite parameters after local training")
-    if config.on_divergence == "stop":
+    (``stop``), or log it and let the aggregation drop its update (``skip_client``)."""
+    where = f"round {round_idx}, client {client}, {label}: non-finite parameters after local training"
+    if on_divergence == "stop":
         raise DivergenceError(f"{where}; stopping (train_args.on_divergence=stop; the last checkpoint is kept)")
     logger.warning("%s; its update will be dropped (train_args.on_divergence=skip_client)", where)

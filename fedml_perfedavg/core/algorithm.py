@@ -7,15 +7,13 @@ all clients of a round at once. Nothing here imports FedML.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, NamedTuple
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.func import functional_call, grad, jvp, vmap
+from torch import Tensor
+from torch.func import grad, jvp, vmap
 
-Params = Dict[str, Tensor]
-LossFn = Callable[[Params, Tensor, Tensor], Tensor]
+from .types import LossFn, Params
 
 VARIANTS = ("fo", "hf", "exact")
 METHODS = ("perfedavg", "fedavg")
@@ -60,23 +58,6 @@ class LocalBatches(NamedTuple):
 
     def step(self, t: int) -> "LocalBatches":
         return LocalBatches(*(tensor[t] for tensor in self))
-
-
-def make_loss_fn(model: nn.Module) -> LossFn:
-    """Cross-entropy of ``model`` as a pure function of its parameters."""
-    buffers = {name: b.detach() for name, b in model.named_buffers()}
-
-    def loss_fn(params: Params, x: Tensor, y: Tensor) -> Tensor:
-        logits = functional_call(model, {**params, **buffers}, (x,))
-        # Same value as F.cross_entropy; its nll_loss is slower under vmap than a gather.
-        return -torch.gather(F.log_softmax(logits, dim=-1), 1, y.unsqueeze(1)).mean()
-
-    return loss_fn
-
-
-def parameters_of(model: nn.Module) -> Params:
-    """The model's trainable parameters, detached, as a functional parameter dict."""
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def axpy(scale: float, x: Params, y: Params) -> Params:

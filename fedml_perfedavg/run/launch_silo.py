@@ -22,7 +22,8 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .config import ConfigError, load
+from ..core.guards import ConfigError
+from .config import Config, load
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,26 @@ def read_ipconfig(path: str, ranks: int) -> Dict[int, Tuple[str, int]]:
     return table
 
 
+def check_silo_role(config: Config, rank: Optional[int], role: Optional[str]) -> None:
+    """A cross-silo process's identity (FedML's ``--rank/--role``) must be given and agree
+    with the config and the address file."""
+    if rank is None or role is None:
+        raise ConfigError("common_args.training_type='cross_silo': start each process with --rank R --role "
+                          "server|client, or start them all with: fedml-perfedavg launch-silo --cf CONFIG")
+    if role not in ("server", "client"):
+        raise ConfigError(f"--role {role!r}: must be 'server' or 'client'")
+    if (role == "server") != (rank == 0):
+        raise ConfigError(f"--rank {rank} --role {role}: the server is rank 0 and silos are ranks "
+                          f"1..{config.client_num_per_round}")
+    if not 0 <= rank <= config.client_num_per_round:
+        raise ConfigError(f"--rank {rank}: silos are ranks 1..{config.client_num_per_round} "
+                          f"(train_args.client_num_per_round)")
+    if config.grpc_ipconfig_path is None:
+        raise ConfigError("comm_args.grpc_ipconfig_path=None: cross-silo needs the gRPC address file (CSV "
+                          "eid,rank,grpc_server_ip,grpc_server_port); launch-silo writes one")
+    read_ipconfig(config.grpc_ipconfig_path, config.client_num_per_round + 1)
+
+
 def _wait_listening(address: Tuple[str, int], process: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -130,6 +151,11 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
     addresses = read_ipconfig(ipconfig, clients + 1)
     command = [sys.executable, "-m", "fedml_perfedavg", "--cf", config_path, "--run-dir", run_dir,
                *[a for s in [*overrides, f"grpc_ipconfig_path={os.path.abspath(ipconfig)}"] for a in ("--set", s)]]
+    # The processes share this machine's cores: each gets its share of threads (torch would
+    # otherwise start one per core in every process and they would fight over them).
+    share = str(max(1, (os.cpu_count() or 1) // (clients + 1)))
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", share),
+               "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", share)}
     lock = threading.Lock()
     processes: Dict[int, subprocess.Popen] = {}
     pumps: List[threading.Thread] = []
@@ -138,7 +164,7 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
         role = "server" if rank == 0 else "client"
         processes[rank] = subprocess.Popen(command + ["--rank", str(rank), "--role", role],
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                           env={**os.environ, "PYTHONUNBUFFERED": "1", **threads})
         pumps.append(_stream(processes[rank], "[server]" if rank == 0 else f"[silo {rank}]", lock))
         with open(os.path.join(run_dir, "silo_processes.json"), "w") as stream:
             json.dump({str(r): p.pid for r, p in processes.items()}, stream)
@@ -153,6 +179,10 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
             except subprocess.TimeoutExpired:
                 process.kill()
 
+    def on_sigterm(signum, frame):  # forwarded to every child by stop_all, as SIGINT is
+        raise KeyboardInterrupt
+
+    previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
     logger.info("run %s: server + %d silos on %s", run_dir, clients,
                 ", ".join(f"{ip}:{port}" for ip, port in addresses.values()))
     try:
@@ -172,7 +202,7 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
         while time.monotonic() < deadline and any(p.poll() is None for p in processes.values()):
             time.sleep(0.2)
     except KeyboardInterrupt:
-        logger.warning("interrupted: stopping every process")
+        logger.warning("interrupted (SIGINT or SIGTERM): stopping every process")
         return_code = 130
     except RuntimeError as err:
         logger.error("%s", err)
@@ -183,6 +213,7 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
         stop_all()
         for pump in pumps:
             pump.join(timeout=5)
+        signal.signal(signal.SIGTERM, previous_sigterm)
     failed = {rank: p.returncode for rank, p in sorted(processes.items()) if p.returncode != 0}
     for rank, code in failed.items():
         logger.error("%s exited with code %s", "the server" if rank == 0 else f"silo rank {rank}", code)

@@ -1,7 +1,10 @@
 """Command line: ``fedml-perfedavg --cf CONFIG.yaml [--set KEY=VALUE ...]``.
 
-Cross-silo: ``fedml-perfedavg launch-silo --cf CONFIG.yaml`` starts a server and its silos on
-this machine; each process alone is ``fedml-perfedavg --cf ... --rank R --role server|client``.
+A convenience over FedML's own path: it validates the config, picks the run directory, then
+takes the steps of FedML's example main script (``fedml.init``, ``fedml.device``,
+``fedml.data.load``, ``fedml.model.create``, ``FedMLRunner(...).run()``) with the plugin
+installed. Cross-silo: ``fedml-perfedavg launch-silo --cf CONFIG.yaml`` starts a server and its
+silos on this machine; each process alone is ``fedml-perfedavg --cf ... --rank R --role server|client``.
 """
 from __future__ import annotations
 
@@ -11,33 +14,33 @@ import os
 import sys
 from typing import List, Optional
 
-from .config import ConfigError, load
-from .guards import DivergenceError, RunStopped
+from ..core.guards import ConfigError, DivergenceError, RunStopped
+from .config import load
+from .runner import LOG_FORMAT
 
 
-class _PluginOrWarning(logging.Filter):
+class _ConsoleFilter(logging.Filter):
     # FedML logs chatty INFO lines on the root logger; the console shows the plugin's own
-    # INFO lines and everyone's warnings. The run's log file keeps everything.
+    # INFO lines (not the per-user ones) and everyone's warnings. run.log keeps everything.
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.name.startswith("fedml_perfedavg") or record.levelno >= logging.WARNING
+        if record.levelno >= logging.WARNING:
+            return True
+        return record.name.startswith("fedml_perfedavg") and not record.name.endswith(".per_user")
 
 
-def _setup_logging(level: str, run_dir: Optional[str] = None, log_name: str = "run.log") -> None:
+def setup_console_logging(level: str) -> None:
     root = logging.getLogger()
     root.setLevel(logging.DEBUG if level == "DEBUG" else logging.INFO)
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(getattr(logging, level))
-    console.addFilter(_PluginOrWarning())
-    console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    console.addFilter(_ConsoleFilter())
+    console.setFormatter(logging.Formatter(LOG_FORMAT, "%H:%M:%S"))
     root.handlers[:] = [console]
-    if run_dir:
-        file_handler = logging.FileHandler(os.path.join(run_dir, log_name))
-        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root.addHandler(file_handler)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedml-perfedavg", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fedml-perfedavg", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cf", "--yaml_config_file", dest="config", help="FedML-style YAML config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set comm_round=20 (repeatable)")
@@ -55,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def describe_data(config) -> str:
     """A table of each user's per-class train/test counts."""
-    from .runner import load_data
+    from .runner import load_split
 
-    data = load_data(config)
+    data = load_split(config)
     lines = [f"{config.dataset}, {config.partition_method}, n={config.client_num_in_total}, "
              f"seed={config.random_seed}", "user  train  test  classes (class: train/test)"]
     for user_id, counts in enumerate(data.describe()):
@@ -71,36 +74,44 @@ def describe_data(config) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch-silo"]:
-        from .silo import main as launch_silo
+        from .launch_silo import main as launch_silo
 
         return launch_silo(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         if args.resume:
             if args.config:
                 raise ConfigError("--resume takes the run's own config.yaml; do not pass --cf as well")
             args.config = os.path.join(args.resume, "config.yaml")
+            if not os.path.isfile(args.config):
+                raise ConfigError(f"--resume {args.resume!r}: no config.yaml there; is it a run directory "
+                                  f"(output_dir/run_name)?")
             args.run_dir = args.resume
+        if not args.config:
+            parser.print_usage(sys.stderr)
+            raise ConfigError("--cf CONFIG.yaml is required (e.g. --cf yaml_configs/quickstart_mnist_hf.yaml), "
+                              "or --resume RUN_DIR")
         config = load(args.config, args.overrides)
         if args.describe_data:
-            _setup_logging(args.log_level)
+            setup_console_logging(args.log_level)
             print(describe_data(config))
             return 0
-        from .runner import SiloRole, mpi_rank, resolve_run_dir, run, shared_run_dir
+        from .runner import fedml_args, resolve_run_dir, run_fedml_main, shared_run_dir
 
-        silo = None
         if config.training_type == "cross_silo" or args.role is not None:
-            if args.rank is None or args.role is None:
-                raise ConfigError("cross-silo processes need both --rank and --role (or use launch-silo)")
-            silo = SiloRole(args.rank, args.role, str(args.run_id))
-        rank = mpi_rank() if config.backend == "MPI" else silo.rank if silo else 0
-        run_dir = shared_run_dir(config, args.run_dir) if config.backend == "MPI" else resolve_run_dir(config, args.run_dir)
-        _setup_logging(args.log_level, run_dir, "run.log" if rank == 0 else f"run-rank{rank}.log")
+            from .launch_silo import check_silo_role
+
+            check_silo_role(config, args.rank, args.role)
+        run_dir = shared_run_dir(config, args.run_dir) if config.backend == "MPI" else \
+            resolve_run_dir(config, args.run_dir)
+        setup_console_logging(args.log_level)
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         with logging_redirect_tqdm():
-            result = run(config, run_dir, resume=bool(args.resume), silo=silo)
-        if rank != 0:  # an MPI client rank or a silo: the server (rank 0) reports
+            result = run_fedml_main(fedml_args(config, run_dir, bool(args.resume), args.rank, args.role,
+                                               str(args.run_id)))
+        if result.summary.get("role") == "client":  # an MPI client rank or a silo: the server reports
             return 0
         print(f"personalized_accuracy={result.summary['personalized_accuracy']:.4f} "
               f"accuracy_before_adaptation={result.summary['accuracy_before_adaptation']:.4f} "

@@ -1,0 +1,216 @@
+"""The round protocol every algorithm follows, in the spirit of a Flower ``Strategy``.
+
+An algorithm object owns what happens in a round, with the round number always passed in:
+
+    sample_clients(round)                                  -> client ids
+    client_update(round, client, global_state, x, y)       -> ClientUpdate
+    aggregate(round, updates, global_state)                -> new global state
+    evaluate(round, global_state, users)                   -> EvaluationResult
+
+FedML's sp loop, its MPI simulator, its cross-silo server and client, and the batched engine
+call these and nothing else of the algorithm. A subclass changes the client's maths by
+overriding :meth:`FederatedAlgorithm.local_update` (a pure function, so the batched engine can
+``vmap`` it over the clients of a round) and, if it needs other minibatches,
+:meth:`FederatedAlgorithm.client_batches`.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..core.algorithm import LocalBatches, LocalUpdateConfig
+from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
+from ..core.functional import functional_network, make_loss_fn
+from ..core.guards import RunStopped, apply_divergence_policy, is_finite, update_problem
+from ..core.sampling import Purpose, generator_for, sample_clients, sample_local_batches
+from ..core.types import Params, StateDict, UserSplit
+
+logger = logging.getLogger(__name__)
+
+AGGREGATIONS = ("uniform", "sample_weighted")
+DIVERGENCE_POLICIES = ("stop", "skip_client")
+
+
+@dataclass(frozen=True)
+class AlgorithmSettings:
+    """What an algorithm object needs to know, whatever runs it (typed, no FedML)."""
+
+    seed: int
+    client_num_in_total: int
+    client_num_per_round: int
+    local: LocalUpdateConfig
+    batch_sizes: Tuple[int, int, int]  # |D|, |D'|, |D''|
+    evaluation: EvaluationConfig
+    new_user_fraction: float = 0.0
+    aggregation: str = "uniform"
+    on_divergence: str = "stop"
+    max_update_norm: Optional[float] = None
+    max_skipped_rounds: int = 3
+
+    @classmethod
+    def from_config(cls, config: Any, method: str = "perfedavg") -> "AlgorithmSettings":
+        """The settings a run config (:class:`fedml_perfedavg.run.config.Config`) asks for."""
+        return cls(
+            seed=config.random_seed, client_num_in_total=config.client_num_in_total,
+            client_num_per_round=config.client_num_per_round,
+            local=LocalUpdateConfig(method=method, variant=config.perfedavg_variant, alpha=config.alpha,
+                                    beta=config.beta, delta=config.delta, local_steps=config.local_steps),
+            batch_sizes=config.batch_sizes,
+            evaluation=EvaluationConfig(alpha=config.alpha, adapt_steps=config.adapt_steps,
+                                        batch_size=config.batch_size, seed=config.random_seed),
+            new_user_fraction=config.new_user_fraction, aggregation=config.aggregation,
+            on_divergence=config.on_divergence, max_update_norm=config.max_update_norm,
+            max_skipped_rounds=config.max_skipped_rounds)
+
+
+class RoundDriver(Protocol):
+    """The run's side of a round, called by every backend adapter (FedML's sp loop, its MPI
+    server, its cross-silo server, the batched engine): which clients train (the algorithm's
+    keyed sampling), and what happens once the new global model exists (evaluation on the run's
+    schedule, progress, checkpoints)."""
+
+    def sample_clients(self, round_idx: int) -> List[int]: ...
+
+    def round_finished(self, round_idx: int, global_state: StateDict) -> None: ...
+
+
+class ClientUpdate(NamedTuple):
+    """What one client returns: its sample count and its new model state."""
+
+    num_samples: int
+    state: StateDict
+
+
+def average(updates: Sequence[Tuple[float, StateDict]], weighting: str) -> "OrderedDict[str, Tensor]":
+    """Average of client models: plain (``uniform``, Algorithm 1) or by sample count."""
+    if not updates:
+        raise ValueError("cannot aggregate an empty list of client updates")
+    if weighting == "uniform":
+        weights = [1.0 / len(updates)] * len(updates)
+    elif weighting == "sample_weighted":
+        total = float(sum(n for n, _ in updates))
+        weights = [n / total for n, _ in updates]
+    else:
+        raise ValueError(f"train_args.aggregation={weighting!r} is not one of {list(AGGREGATIONS)}")
+    keys = updates[0][1].keys()
+    return OrderedDict((k, sum(w * sd[k] for w, (_, sd) in zip(weights, updates))) for k in keys)
+
+
+class FederatedAlgorithm:
+    """Base of every algorithm in the registry; the default client update is Per-FedAvg's
+    local update (:func:`fedml_perfedavg.core.algorithm.local_update`) with ``settings.local``.
+
+    The object holds no model weights: global states come in and go out explicitly. Its only
+    state is the aggregation's record (rounds skipped, updates rejected), which checkpoints
+    keep through :meth:`state_dict` / :meth:`load_state_dict`."""
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, model: nn.Module, settings: AlgorithmSettings) -> None:
+        self.settings = settings
+        self.network = functional_network(model)
+        self.loss_fn = make_loss_fn(self.network)
+        self.parameter_names = [name for name, _ in model.named_parameters()]
+        self.skipped_rounds = 0
+        self.rejected: Dict[int, int] = {}  # round -> client updates rejected
+        self.aggregate_calls = 0
+
+    @property
+    def label(self) -> str:
+        """How logs and errors name this algorithm."""
+        return self.name
+
+    # -- sample ---------------------------------------------------------------------------
+    def sample_clients(self, round_idx: int) -> List[int]:
+        """The round's clients, uniformly without replacement, keyed by (seed, round)."""
+        s = self.settings
+        return sample_clients(s.seed, round_idx, s.client_num_in_total, s.client_num_per_round, s.new_user_fraction)
+
+    # -- client update --------------------------------------------------------------------
+    def client_batches(self, round_idx: int, client_id: int, x: Tensor, y: Tensor) -> LocalBatches:
+        """Independent minibatches D, D', D'' for each local step, keyed by (seed, round, client)."""
+        generator = generator_for(self.settings.seed, round_idx, client_id, Purpose.LOCAL_TRAINING)
+        return sample_local_batches(x, y, self.settings.local.local_steps, self.settings.batch_sizes, generator)
+
+    def local_update(self, params: Params, batches: LocalBatches) -> Params:
+        """The client's maths: a pure function of the starting parameters and the minibatches
+        (the batched engine vmaps it over the clients of a round)."""
+        from ..core.algorithm import local_update
+
+        return local_update(self.loss_fn, params, batches, self.settings.local)
+
+    def split_state(self, state: StateDict) -> Tuple[Params, StateDict]:
+        """(trainable parameters, the rest: buffers) of a model state."""
+        params = {k: state[k] for k in self.parameter_names}
+        return params, {k: v for k, v in state.items() if k not in params}
+
+    def check_client_result(self, round_idx: int, client_id: int, params: Params) -> None:
+        """The divergence guard: non-finite parameters stop the run or drop the client."""
+        if not is_finite(params):
+            apply_divergence_policy(self.settings.on_divergence, round_idx, client_id, self.label)
+
+    def client_update(self, round_idx: int, client_id: int, global_state: StateDict, x: Tensor, y: Tensor
+                      ) -> ClientUpdate:
+        """One client's local training from ``global_state`` on its data (x, y)."""
+        params, buffers = self.split_state(global_state)
+        batches = self.client_batches(round_idx, client_id, x, y)
+        with torch.no_grad():  # torch.func computes the gradients; no autograd graph is kept
+            new_params = self.local_update({k: v.detach() for k, v in params.items()}, batches)
+        self.check_client_result(round_idx, client_id, new_params)
+        return ClientUpdate(len(y), OrderedDict((k, new_params[k] if k in new_params else buffers[k])
+                                                for k in global_state))
+
+    # -- aggregate ------------------------------------------------------------------------
+    def aggregate(self, round_idx: int, updates: Sequence[Tuple[float, StateDict]], global_state: StateDict
+                  ) -> StateDict:
+        """The new global model: the average (``settings.aggregation``) of the acceptable
+        updates. Updates that do not fit the global model (keys, shapes, dtypes, finiteness,
+        ``max_update_norm``) are rejected and logged; a round with none left keeps the global
+        model, and ``max_skipped_rounds`` such rounds stop the run."""
+        self.aggregate_calls += 1
+        accepted = []
+        for position, (samples, update) in enumerate(updates):
+            problem = update_problem(update, global_state, self.settings.max_update_norm)
+            if problem is None:
+                accepted.append((samples, update))
+            else:
+                logger.warning("round %d: rejected client update %d: %s", round_idx, position, problem)
+        if len(accepted) < len(updates):
+            self.rejected[round_idx] = len(updates) - len(accepted)
+        if accepted:
+            return average(accepted, self.settings.aggregation)
+        self.skipped_rounds += 1
+        logger.error("round %d: no acceptable client update; the global model is kept (%d such rounds, "
+                     "train_args.max_skipped_rounds=%d)", round_idx, self.skipped_rounds,
+                     self.settings.max_skipped_rounds)
+        if self.skipped_rounds >= self.settings.max_skipped_rounds:
+            raise RunStopped(f"{self.skipped_rounds} rounds had no acceptable client update (train_args."
+                             f"max_skipped_rounds={self.settings.max_skipped_rounds}); last at round {round_idx}")
+        return OrderedDict((k, v.clone()) for k, v in global_state.items())
+
+    # -- evaluate -------------------------------------------------------------------------
+    def evaluate(self, round_idx: int, global_state: StateDict, users: Sequence[UserSplit],
+                 user_ids: Optional[Sequence[int]] = None, batched: bool = True) -> EvaluationResult:
+        """Personalized evaluation (one alpha-step on each user's training data, then its test
+        split), the same for every algorithm."""
+        params, _ = self.split_state(global_state)
+        config = self.settings.evaluation
+        if config.batched != batched:
+            config = EvaluationConfig(config.alpha, config.adapt_steps, config.batch_size, config.seed, batched)
+        return evaluate(self.network, params, users, config, round_idx, user_ids, self.loss_fn)
+
+    # -- checkpoint state -----------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The aggregation's record, for checkpoints."""
+        return {"skipped_rounds": self.skipped_rounds, "rejected": dict(self.rejected),
+                "aggregate_calls": self.aggregate_calls}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.skipped_rounds = int(state["skipped_rounds"])
+        self.rejected = {int(k): int(v) for k, v in state["rejected"].items()}
+        self.aggregate_calls = int(state.get("aggregate_calls", 0))

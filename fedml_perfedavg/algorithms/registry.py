@@ -1,0 +1,70 @@
+"""The algorithm registry (FedML 0.9.6 has none): ``train_args.federated_optimizer`` names.
+
+Built-ins are ``PerFedAvg`` and ``FedAvgUpdate`` (the paper's "FedAvg + update"). An
+algorithm is a :class:`~fedml_perfedavg.algorithms.base.FederatedAlgorithm` subclass with a
+``from_config(model, config)`` classmethod. Add one from code with :func:`register`, or from
+another package with an entry point in the group ``fedml_perfedavg.algorithms``::
+
+    entry_points={"fedml_perfedavg.algorithms": ["MyAlg = my_pkg.my_alg:MyAlg"]}
+
+Names FedML itself runs (``FedAvg``, ``FedProx``, ...) cannot be registered: with the plugin
+imported they still mean FedML's own algorithms.
+"""
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Dict, List, Type
+
+from torch import nn
+
+from .base import FederatedAlgorithm
+
+ENTRY_POINT_GROUP = "fedml_perfedavg.algorithms"
+# simulation/simulator.py, cross_silo/fedml_server.py: the names FedML 0.9.6 dispatches on itself.
+FEDML_OWN = ("FedAvg", "FedOpt", "FedNova", "FedDyn", "FedProx", "SCAFFOLD", "Mime", "HierarchicalFL",
+             "TurboAggregate", "classical_vertical", "FedAvg_seq", "FedOpt_seq", "base", "FedGKT", "FedNAS",
+             "FedGAN", "split_nn", "decentralized_fl", "Async_FedAvg", "LSA", "SA", "FedSeg")
+
+_BUILTIN: Dict[str, str] = {
+    "PerFedAvg": "fedml_perfedavg.algorithms.perfedavg:PerFedAvg",
+    "FedAvgUpdate": "fedml_perfedavg.algorithms.fedavg_update:FedAvgUpdate",
+}
+_REGISTERED: Dict[str, Type[FederatedAlgorithm]] = {}
+
+
+def register(name: str, cls: Type[FederatedAlgorithm]) -> None:
+    """Make ``federated_optimizer: name`` run ``cls`` (a FederatedAlgorithm subclass)."""
+    if name in FEDML_OWN:
+        raise ValueError(f"{name!r} is FedML's own algorithm name; register under another name")
+    if not (isinstance(cls, type) and issubclass(cls, FederatedAlgorithm)):
+        raise TypeError(f"{cls!r} is not a FederatedAlgorithm subclass")
+    _REGISTERED[name] = cls
+
+
+def _entry_points() -> Dict[str, object]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def algorithm_names() -> List[str]:
+    """Every name ``federated_optimizer`` may use for a plugin algorithm, built-ins first."""
+    extra = (set(_REGISTERED) | set(_entry_points())) - set(_BUILTIN)
+    return list(_BUILTIN) + sorted(n for n in extra if n not in FEDML_OWN)
+
+
+def algorithm_class(name: str) -> Type[FederatedAlgorithm]:
+    """The class registered as ``name``."""
+    if name in _BUILTIN:
+        module, attr = _BUILTIN[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    points = _entry_points()
+    if name in points and name not in FEDML_OWN:
+        return points[name].load()
+    raise KeyError(f"train_args.federated_optimizer={name!r}: must be one of {algorithm_names()}")
+
+
+def create_algorithm(name: str, model: nn.Module, config) -> FederatedAlgorithm:
+    """The algorithm object ``name`` for ``model`` and a run config."""
+    return algorithm_class(name).from_config(model, config)

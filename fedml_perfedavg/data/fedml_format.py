@@ -1,0 +1,80 @@
+"""FedML's data format, both ways.
+
+FedML hands algorithms an 8-element list ``[train_num, test_num, train_global, test_global,
+train_num_dict, train_dict, test_dict, class_num]`` whose per-client entries are DataLoaders
+over any Dataset (FedML's CIFAR-10 loaders) or lists of (x, y) batches (FedML's MNIST/LEAF
+loaders). The algorithms work on each client's whole data as two tensors; these functions
+convert, and :func:`to_fedml_dataset` builds FedML's list from the paper's split.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from ..core.types import UserSplit
+
+
+def client_tensors(data: Any) -> Tuple[Tensor, Tensor]:
+    """(x, y) of all of one client's samples, from any of FedML's per-client formats: a
+    DataLoader (over a ``TensorDataset`` or any map-style Dataset of (x, y) items), a list of
+    (x, y) batches, a Dataset, or an (x, y) pair of tensors."""
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, Tensor) for t in data):
+        return data[0], data[1]
+    if isinstance(data, DataLoader):
+        data = data.dataset
+    if isinstance(data, TensorDataset) and len(data.tensors) == 2:
+        return data.tensors[0], data.tensors[1]
+    if isinstance(data, Dataset):
+        try:
+            batches = list(DataLoader(data, batch_size=1024, shuffle=False))
+        except Exception as err:  # noqa: BLE001 - any failure to iterate is the same problem for the user
+            raise TypeError(f"cannot read (x, y) samples from {type(data).__name__}: {err}") from None
+        return _concatenate(batches, type(data).__name__)
+    if isinstance(data, list):
+        return _concatenate(data, "list")
+    raise TypeError(f"expected a client's data in one of FedML's formats (a DataLoader, a list of (x, y) "
+                    f"batches, a Dataset or an (x, y) pair), got {type(data).__name__}")
+
+
+def _concatenate(batches: Sequence[Any], what: str) -> Tuple[Tensor, Tensor]:
+    if not batches:
+        raise ValueError(f"a client's data ({what}) holds no samples")
+    xs, ys = [], []
+    for batch in batches:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError(f"expected (x, y) batches in the client's {what}, got {type(batch).__name__}")
+        x, y = batch
+        xs.append(torch.as_tensor(x))
+        ys.append(torch.as_tensor(y))
+    return torch.cat(xs), torch.cat(ys).long()
+
+
+def users_from_fedml_dataset(dataset: Sequence[Any], device: Optional[torch.device] = None) -> List[UserSplit]:
+    """Every client's train and test tensors from FedML's 8-element dataset list, by client id."""
+    train_dict, test_dict = dataset[5], dataset[6]
+    if sorted(train_dict) != list(range(len(train_dict))):
+        raise ValueError(f"FedML's per-client data must be keyed 0..N-1, got keys {sorted(train_dict)[:10]}...")
+    users = []
+    for client in range(len(train_dict)):
+        if client not in test_dict:
+            raise ValueError(f"client {client} has training data but no test data in FedML's dataset")
+        tensors = (*client_tensors(train_dict[client]), *client_tensors(test_dict[client]))
+        users.append(UserSplit(*(t.to(device) if device is not None else t for t in tensors)))
+    return users
+
+
+def to_fedml_dataset(users: Sequence[UserSplit], num_classes: int, batch_size: int) -> list:
+    """FedML's 8-element dataset list over ``users``; per-client loaders wrap the same tensors."""
+    def loader(x: Tensor, y: Tensor, shuffle: bool) -> DataLoader:
+        return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
+
+    train_local = {i: loader(u.train_x, u.train_y, True) for i, u in enumerate(users)}
+    test_local = {i: loader(u.test_x, u.test_y, False) for i, u in enumerate(users)}
+    train_num = {i: len(u.train_y) for i, u in enumerate(users)}
+    train_global = loader(torch.cat([u.train_x for u in users]), torch.cat([u.train_y for u in users]), True)
+    test_global = loader(torch.cat([u.test_x for u in users]), torch.cat([u.test_y for u in users]), False)
+    return [sum(train_num.values()), sum(len(u.test_y) for u in users), train_global, test_global,
+            train_num, train_local, test_local, num_classes]

@@ -1,0 +1,91 @@
+"""Batched single-process simulation: a round's sampled clients train as one computation.
+
+The algorithm object's :meth:`~fedml_perfedavg.algorithms.base.FederatedAlgorithm.local_update`
+(a pure function) is vmapped over the clients of a round: all start from the same w (no
+copies), their minibatches gathered from tensors put on the device once. Sampling,
+minibatches, aggregation and evaluation are the algorithm's own, exactly as on FedML's
+per-client loops, so both give the same model up to floating-point summation order. A model
+``torch.func.vmap`` cannot batch (data-dependent control flow, in-place updates of captured
+tensors, ...) runs the per-client path instead, with a log line saying why.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from torch.func import vmap
+
+from ..algorithms.base import FederatedAlgorithm
+from ..core.algorithm import LocalBatches
+from ..core.guards import nonfinite_clients
+from ..core.types import Params, StateDict, UserSplit
+from ..algorithms.base import RoundDriver
+
+logger = logging.getLogger(__name__)
+
+
+def stack_batches(batches: Sequence[LocalBatches]) -> LocalBatches:
+    """Stack per-client ``LocalBatches`` along a new leading client dimension."""
+    return LocalBatches(*(torch.stack(tensors) for tensors in zip(*batches)))
+
+
+class BatchedSimulation:
+    """The round loop of the batched engine over an algorithm object and a round driver."""
+
+    def __init__(self, algorithm: FederatedAlgorithm, users: Sequence[UserSplit], global_state: StateDict,
+                 driver: RoundDriver, compile_local_update: bool = False) -> None:
+        self.algorithm = algorithm
+        self.users = users
+        self.state: StateDict = OrderedDict(global_state)
+        self.driver = driver
+        self.batched = True
+        self.step: Callable[[Params, LocalBatches], Params] = vmap(algorithm.local_update, in_dims=(None, 0))
+        if compile_local_update:
+            # The round is thousands of tiny kernels: on a GPU, CUDA graphs ("reduce-overhead")
+            # replay them without per-kernel launch cost. Shapes are the same every round.
+            on_cuda = next(iter(global_state.values())).is_cuda
+            self.step = torch.compile(self.step, mode="reduce-overhead" if on_cuda else "default", dynamic=False)
+        self.sample_counts = [len(u.train_y) for u in users]
+
+    def _batched_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
+        params, buffers = self.algorithm.split_state(self.state)
+        batches = stack_batches([self.algorithm.client_batches(round_idx, c, self.users[c].train_x,
+                                                               self.users[c].train_y) for c in clients])
+        with torch.no_grad():
+            stacked = self.step({k: v.detach() for k, v in params.items()}, batches)
+        for position in nonfinite_clients(stacked):
+            self.algorithm.check_client_result(round_idx, clients[position],
+                                               {k: v[position] for k, v in stacked.items()})
+        return [(self.sample_counts[c], OrderedDict((k, stacked[k][i] if k in stacked else buffers[k])
+                                                    for k in self.state)) for i, c in enumerate(clients)]
+
+    def _per_client_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
+        return [tuple(self.algorithm.client_update(round_idx, c, self.state, self.users[c].train_x,
+                                                   self.users[c].train_y)) for c in clients]
+
+    def train_round(self, round_idx: int) -> List[int]:
+        """One round: sample, train the sampled clients (together where vmap allows),
+        aggregate, report. Returns the round's clients."""
+        clients = self.driver.sample_clients(round_idx)
+        if self.batched:
+            try:
+                updates = self._batched_updates(round_idx, clients)
+            except (RuntimeError, NotImplementedError, ValueError) as err:
+                if "vmap" not in str(err) and "functorch" not in str(err) and "batched" not in str(err).lower():
+                    raise
+                logger.warning("batched engine: %s cannot be vmapped (%s); using the per-client path",
+                               type(self.algorithm.network).__name__, str(err).splitlines()[0])
+                self.batched = False
+        if not self.batched:
+            updates = self._per_client_updates(round_idx, clients)
+        self.state = self.algorithm.aggregate(round_idx, updates, self.state)
+        self.driver.round_finished(round_idx, self.state)
+        return clients
+
+    def run(self, start_round: int, rounds: int) -> StateDict:
+        """Rounds ``start_round`` .. ``rounds - 1``; returns the final global state."""
+        for round_idx in range(start_round, rounds):
+            self.train_round(round_idx)
+        return self.state

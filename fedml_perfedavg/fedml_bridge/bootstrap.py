@@ -1,0 +1,132 @@
+"""Making FedML 0.9.6 importable, offline and tidy: torchvision's op schemas, no cloud calls
+from ``fedml.init()`` when ``using_mlops`` is off, FedML's ``~/.fedml`` files where the user
+says. Each replacement names the FedML file it works around and why.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import platform
+import sys
+import warnings
+from typing import Any, Callable, Iterator, Optional
+
+from ..data.torchvision_ops import make_torchvision_importable
+
+logger = logging.getLogger(__name__)
+
+
+def import_fedml():
+    """``import fedml`` after making torchvision importable (PyPI's torchvision wheels are CUDA
+    builds; FedML imports torchvision through core/alg_frame/client_trainer.py ->
+    core/security/..., so a CPU torch breaks ``import fedml`` without this)."""
+    make_torchvision_importable()
+    with warnings.catch_warnings():
+        # computing/scheduler/comm_utils/sys_utils.py imports the deprecated pkg_resources.
+        warnings.filterwarnings("ignore", message="pkg_resources is deprecated", category=UserWarning)
+        import fedml
+
+    return fedml
+
+
+@contextlib.contextmanager
+def replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name = value`` for the duration of a ``with`` block."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def offline_fetch_config(fedml_dir: str) -> Callable[..., bool]:
+    """A stand-in for core/mlops/mlops_configs.py ``fetch_config``: the same attributes on
+    ``args``, without its 5 POSTs to FedML's cloud config service."""
+
+    def fetch_config(args: Any, version: str = "release") -> bool:
+        os.makedirs(fedml_dir, exist_ok=True)
+        args.current_running_dir = fedml_dir
+        args.os_name = "MacOS" if platform.system() == "Darwin" else platform.system()
+        args.version = version
+        args.log_file_dir = getattr(args, "log_file_dir", None) or os.path.join(fedml_dir, "logs")
+        args.device_id = f"local-{getattr(args, 'rank', 0)}"
+        args.config_version = version
+        args.cloud_region = ""
+        return False
+
+    return fetch_config
+
+
+# Modules that write under ``expanduser("~")/.fedml`` during a run: fedml/runner.py
+# (``log_runner_result``: fedml_trace/<pid>), computing/scheduler/slave/client_constants.py and
+# master/server_constants.py (global_services/.env, written by ``fedml.init``'s
+# ``set_env_version``), computing/scheduler/comm_utils/sys_utils.py.
+_HOME_WRITERS = (
+    "fedml.runner",
+    "fedml.computing.scheduler.slave.client_constants",
+    "fedml.computing.scheduler.master.server_constants",
+    "fedml.computing.scheduler.comm_utils.sys_utils",
+)
+
+
+def redirect_fedml_home(home: Optional[str]) -> None:
+    """Make FedML write its ``~/.fedml`` files under ``home`` (None: the user's home again).
+
+    Those modules call ``os.path.expanduser`` through a module-level name, so only their view
+    of ``~`` changes; wandb and everything else still see the real home."""
+    import_fedml()
+    if home is None:
+        for name in _HOME_WRITERS:
+            importlib.import_module(name).expanduser = os.path.expanduser
+        return
+    home = os.path.abspath(home)
+
+    def expanduser(path: str) -> str:
+        return home + path[1:] if path == "~" or path.startswith("~/") else os.path.expanduser(path)
+
+    for name in _HOME_WRITERS:
+        importlib.import_module(name).expanduser = expanduser
+
+
+def init_fedml_offline(args: Any, fedml_dir: str, should_init_logs: bool = False) -> Any:
+    """``fedml.init`` with no traffic leaving the machine and FedML's files under ``fedml_dir``.
+
+    fedml/__init__.py -> core/mlops/__init__.py ``init`` always calls ``fetch_config``, which
+    POSTs to FedML's cloud whatever the YAML says; it is replaced for the call.
+    ``check_env=False`` stops cross-silo's probe of FedML's hosts (collect_env.py).
+    ``should_init_logs=False`` (the plugin's command line) keeps FedML from replacing the root
+    logger and ``sys.stdout.write`` (core/mlops/mlops_runtime_log.py ``init_logs``).
+    ``sys_perf_profiling=False``: its profiler (mlops_profiler_event.py) is for FedML's cloud."""
+    fedml = import_fedml()
+    from fedml.core import mlops as mlops_module
+
+    args.sys_perf_profiling = False
+    init = getattr(fedml.init, "__wrapped__", fedml.init)  # FedML's own, under the plugin's wrapper
+    with replaced(mlops_module, "fetch_config", offline_fetch_config(fedml_dir)):
+        return init(args, check_env=False, should_init_logs=should_init_logs)
+
+
+class _PluginRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith("fedml_perfedavg") and not record.name.endswith(".per_user")
+
+
+def keep_plugin_logs_visible() -> None:
+    """core/mlops/mlops_runtime_log.py ``init_logs`` (``fedml.init``'s default) replaces
+    ``logging.root`` with a logger of its own; module loggers created before still propagate
+    to the original root, which has no handler, so the plugin's lines would vanish. The
+    original root gets a console handler for the plugin's records (FedML's own records reach
+    it too, by propagation, and are already shown by FedML's handler)."""
+    real_root = logging.Logger.manager.root
+    if logging.root is real_root or any(isinstance(f, _PluginRecords) for h in real_root.handlers
+                                        for f in h.filters):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_PluginRecords())
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    real_root.addHandler(handler)
+    if real_root.level == logging.NOTSET or real_root.level > logging.INFO:
+        real_root.setLevel(logging.INFO)

@@ -1,0 +1,62 @@
+"""``FedMLRunner`` (fedml/runner.py) choosing the plugin where FedML cannot.
+
+FedML dispatches on ``federated_optimizer`` with a hard-coded if/elif per backend
+(simulation/simulator.py; cross_silo/fedml_server.py, fedml_client.py), raising a bare
+``Exception`` for other names, and its sp simulator ignores a trainer/aggregator handed to
+``FedMLRunner`` (its MPI simulator skips the aggregation hooks). With the plugin installed:
+- a plugin algorithm's name goes to the plugin's runner (every backend);
+- a trainer/aggregator pair with FedML's ``FedAvg`` is really used: on sp by FedML's loop
+  calling them (:mod:`.sp`), on MPI with the aggregation hooks called (:mod:`.mpi`); FedML's
+  cross-silo already calls every hook;
+- a pair with another FedML algorithm, which FedML's simulators would drop, is an error;
+- everything else is FedML's own path, unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+from ..core.guards import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def dispatching_init(original_init: Callable, is_plugin_algorithm: Callable[[str], bool],
+                     build_plugin_runner: Callable[..., Any]) -> Callable:
+    """A replacement for ``FedMLRunner.__init__`` (see the module doc)."""
+
+    @functools.wraps(original_init)
+    def __init__(self, args, device, dataset, model, client_trainer=None, server_aggregator=None,
+                 algorithm_flow=None):
+        if algorithm_flow is not None:
+            return original_init(self, args, device, dataset, model, client_trainer, server_aggregator,
+                                 algorithm_flow)
+        optimizer = getattr(args, "federated_optimizer", None)
+        if is_plugin_algorithm(optimizer):
+            self.runner = build_plugin_runner(args, device, dataset, model, client_trainer, server_aggregator)
+            return None
+        if client_trainer is None and server_aggregator is None:
+            return original_init(self, args, device, dataset, model)
+        training_type, backend = getattr(args, "training_type", None), getattr(args, "backend", None)
+        if training_type == "simulation" and backend in ("sp", "MPI"):
+            if optimizer != "FedAvg":
+                raise ConfigError(f"train_args.federated_optimizer={optimizer!r}: FedML's {backend} simulation of "
+                                  f"this algorithm ignores a trainer/aggregator handed to FedMLRunner; hand them "
+                                  f"with federated_optimizer 'FedAvg', or register your algorithm with "
+                                  f"fedml_perfedavg.algorithms.register")
+            from .mpi import MPISimulation
+            from .sp import SPSimulation
+
+            simulation = SPSimulation if backend == "sp" else MPISimulation
+            logger.info("FedML %s simulation runs the given %s / %s", backend, type(client_trainer).__name__,
+                        type(server_aggregator).__name__)
+            self.runner = simulation(args, device, dataset, model, client_trainer, server_aggregator)
+            return None
+        if training_type == "cross_silo" and optimizer != "FedAvg":
+            raise ConfigError(f"train_args.federated_optimizer={optimizer!r}: FedML's cross-silo {optimizer} builds "
+                              f"its own trainer and aggregator and would ignore the ones handed to FedMLRunner")
+        return original_init(self, args, device, dataset, model, client_trainer, server_aggregator)
+
+    __init__.__wrapped__ = original_init
+    return __init__

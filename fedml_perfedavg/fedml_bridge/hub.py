@@ -1,0 +1,88 @@
+"""``fedml.data.load`` and ``fedml.model.create`` knowing the paper's split and model.
+
+fedml/data/data_loader.py ``load`` knows FedML's own partitions (and downloads MNIST from
+FedML's servers); fedml/model/model_hub.py ``create`` raises a bare ``Exception`` for names it
+does not know. With the plugin installed, ``partition_method: paper`` (or
+``paper_diff_hetero``) loads the paper's split from ``data_cache_dir`` offline, and
+``model: mlp`` (the paper's MLP) or ``small_cnn`` are created; every other request is FedML's.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..core.guards import ConfigError
+from ..data.fedml_format import to_fedml_dataset
+from ..data.loading import FederatedData
+from ..models import MODELS, create_model
+
+logger = logging.getLogger(__name__)
+
+
+def input_layout(model_name: str, dataset: str, input_shape: Tuple[int, int, int]) -> Tuple[int, ...]:
+    """The shape of one sample FedML's own model ``model_name`` expects: FedML's MNIST
+    loaders give flat 784-vectors (``lr``) and CNN_DropOut unsqueezes (28, 28) images (``cnn``)."""
+    if dataset == "mnist" and model_name == "lr":
+        return (input_shape[0] * input_shape[1] * input_shape[2],)
+    if dataset == "mnist" and model_name == "cnn":
+        return input_shape[1:]
+    return input_shape
+
+
+def reshaped(data: FederatedData, layout: Tuple[int, ...]) -> FederatedData:
+    """The split with every sample reshaped to ``layout``."""
+    if tuple(layout) == tuple(data.input_shape):
+        return data
+    from ..core.types import UserSplit
+
+    users = [UserSplit(u.train_x.reshape(len(u.train_y), *layout), u.train_y,
+                       u.test_x.reshape(len(u.test_y), *layout), u.test_y) for u in data.users]
+    return FederatedData(users, data.num_classes, data.input_shape)
+
+
+def loading_with_paper_split(original_load: Callable, load_split: Callable[[Any], Optional[FederatedData]]
+                             ) -> Callable:
+    """A replacement for ``fedml.data.load``: the paper's split where ``load_split`` gives one."""
+
+    @functools.wraps(original_load)
+    def load(args):
+        data = load_split(args)
+        if data is None:
+            return original_load(args)
+        data = reshaped(data, input_layout(getattr(args, "model", ""), args.dataset, data.input_shape))
+        return to_fedml_dataset(data.users, data.num_classes, int(args.batch_size)), data.num_classes
+
+    load.__wrapped__ = original_load
+    return load
+
+
+def creating_paper_models(original_create: Callable) -> Callable:
+    """A replacement for ``fedml.model.create``: the plugin's models by name, else FedML's,
+    with FedML's bare ``Exception`` for an unknown name turned into a clear error."""
+
+    @functools.wraps(original_create)
+    def create(args, output_dim) -> nn.Module:
+        name = getattr(args, "model", None)
+        # The same initial model in every process of a run (sp, MPI ranks, silos).
+        torch.manual_seed(int(getattr(args, "random_seed", 0)))
+        if name in MODELS:
+            shape = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}.get(getattr(args, "dataset", None))
+            if shape is None:
+                raise ConfigError(f"model_args.model={name!r}: the plugin's models are built for data_args.dataset "
+                                  f"mnist or cifar10, not {getattr(args, 'dataset', None)!r}")
+            return create_model(name, shape, int(output_dim), getattr(args, "hidden_sizes", None) or (80, 60))
+        try:
+            return original_create(args, output_dim)
+        except Exception as err:
+            if type(err) is not Exception:
+                raise
+            raise ConfigError(f"model_args.model={name!r}: FedML has no such model for data_args.dataset="
+                              f"{getattr(args, 'dataset', None)!r} ({err}); the plugin adds {list(MODELS)}, and FedML "
+                              f"knows e.g. lr, cnn (mnist), resnet56, mobilenet") from None
+
+    create.__wrapped__ = original_create
+    return create

@@ -1,0 +1,96 @@
+"""The one place the plugin is installed into FedML: :func:`install`.
+
+``import fedml_perfedavg`` calls it. Afterwards FedML's own entry points run the plugin's
+algorithms when the YAML names one (``federated_optimizer: PerFedAvg``):
+``FedMLRunner(args, device, dataset, model).run()``, ``fedml.run_simulation(backend=...)``,
+``fedml.run_cross_silo_server()`` / ``run_cross_silo_client()``. What it replaces, each in its
+own module that names the FedML file and why:
+
+- ``fedml.init``: no cloud calls and FedML's files where the user says (:mod:`.bootstrap`);
+- ``FedMLRunner.__init__``: plugin algorithms, and trainer/aggregator pairs really used
+  (:mod:`.dispatch`, then :mod:`.sp`, :mod:`.mpi`, :mod:`.cross_silo`);
+- ``fedml.data.load`` / ``fedml.model.create``: the paper's split and MLP (:mod:`.hub`).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any, Optional, Protocol
+
+from .bootstrap import import_fedml, keep_plugin_logs_visible, offline_fetch_config, redirect_fedml_home, replaced
+
+logger = logging.getLogger(__name__)
+_installed: Optional["PluginEntry"] = None
+
+
+class PluginEntry(Protocol):
+    """What the run layer gives the bridge (the bridge never imports the run layer)."""
+
+    def is_plugin_algorithm(self, name: Optional[str]) -> bool:
+        """True for names in the plugin's registry."""
+
+    def fedml_files_dir(self, args: Any) -> Optional[str]:
+        """Where FedML's ``~/.fedml`` files go for this run (None: the user's home)."""
+
+    def load_split(self, args: Any):
+        """The paper's split for ``fedml.data.load`` (a FederatedData), or None if not asked for."""
+
+    def build_runner(self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any):
+        """The object ``FedMLRunner.run()`` runs for a plugin algorithm."""
+
+
+def offline_init(original_init, entry: PluginEntry):
+    """A replacement for ``fedml.init`` (fedml/__init__.py): with ``using_mlops`` off (FedML's
+    default), core/mlops/mlops_configs.py ``fetch_config`` (5 POSTs to FedML's cloud, whatever
+    the YAML says) is replaced by a local stand-in, cross-silo's probe of FedML's hosts
+    (collect_env.py) is skipped, and FedML's ``~/.fedml`` files go where ``entry`` says."""
+
+    @functools.wraps(original_init)
+    def init(args=None, check_env=True, should_init_logs=True):
+        import fedml
+        from fedml.arguments import load_arguments
+        from fedml.core import mlops as mlops_module
+
+        if args is None:
+            args = load_arguments(fedml._global_training_type, fedml._global_comm_backend)
+        if getattr(args, "using_mlops", False):
+            args = original_init(args, check_env=check_env, should_init_logs=should_init_logs)
+            keep_plugin_logs_visible()
+            return args
+        files_dir = entry.fedml_files_dir(args)
+        redirect_fedml_home(files_dir)
+        fedml_dir = os.path.join(files_dir or os.path.expanduser("~"), ".fedml")
+        args.sys_perf_profiling = False
+        with replaced(mlops_module, "fetch_config", offline_fetch_config(fedml_dir)):
+            args = original_init(args, check_env=False, should_init_logs=should_init_logs)
+        keep_plugin_logs_visible()
+        return args
+
+    init.__wrapped__ = original_init
+    return init
+
+
+def install(entry: PluginEntry) -> None:
+    """Install the plugin into FedML (idempotent; see the module doc)."""
+    global _installed
+    if _installed is not None:
+        return
+    fedml = import_fedml()
+    import fedml.data
+    import fedml.model
+    from fedml.runner import FedMLRunner
+
+    from .dispatch import dispatching_init
+    from .hub import creating_paper_models, loading_with_paper_split
+
+    fedml.init = offline_init(fedml.init, entry)
+    FedMLRunner.__init__ = dispatching_init(FedMLRunner.__init__, entry.is_plugin_algorithm, entry.build_runner)
+    fedml.data.load = loading_with_paper_split(fedml.data.load, entry.load_split)
+    fedml.model.create = creating_paper_models(fedml.model.create)
+    _installed = entry
+    logger.debug("fedml-perfedavg installed into FedML %s", getattr(fedml, "__version__", "?"))
+
+
+def is_installed() -> bool:
+    return _installed is not None

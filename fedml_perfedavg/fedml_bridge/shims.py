@@ -1,0 +1,150 @@
+"""FedML's ``ClientTrainer`` / ``ServerAggregator`` as thin shims over an algorithm object.
+
+FedML's loops call these hooks; each forwards to the algorithm object with the round number
+read in one place, :func:`round_of`, from ``args.round_idx``: FedML's own convention
+(cross_silo/client/fedml_trainer.py and simulation/mpi/fedavg/FedAVGTrainer.py set it before
+``train``; the bridge's sp and cross-silo adapters set it where FedML forgets).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..algorithms.base import FederatedAlgorithm
+from ..core.evaluation import EvaluationResult
+from ..core.types import StateDict
+from ..data.fedml_format import client_tensors, users_from_fedml_dataset
+from .bootstrap import import_fedml
+
+import_fedml()  # torchvision needs its op schemas before FedML imports it
+from fedml.core import ClientTrainer, ServerAggregator  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+def round_of(args: Any) -> int:
+    """The current round, as FedML's loops publish it (``args.round_idx``)."""
+    round_idx = getattr(args, "round_idx", None)
+    if round_idx is None:
+        raise RuntimeError("args.round_idx is not set: the FedML loop running this trainer did not say which round "
+                           "it is (the plugin's adapters set it; a custom loop must set args.round_idx)")
+    return int(round_idx)
+
+
+def state_copy(model: nn.Module) -> "OrderedDict[str, Tensor]":
+    """A detached CPU copy of the model's state (what FedML sends)."""
+    return OrderedDict((k, v.detach().cpu().clone()) for k, v in model.state_dict().items())
+
+
+class AlgorithmClientTrainer(ClientTrainer):
+    """FedML's client side of any plugin algorithm: ``train`` is one ``client_update``."""
+
+    def __init__(self, model: nn.Module, args: Any, algorithm: FederatedAlgorithm) -> None:
+        super().__init__(model, args)
+        self.algorithm = algorithm
+        self.train_calls = 0
+        self._tensors: Dict[int, Tuple[Tensor, Tensor]] = {}  # id(FedML data) -> (x, y), read once
+        self.local_train_dataset = None
+
+    def get_model_params(self) -> "OrderedDict[str, Tensor]":
+        return state_copy(self.model)
+
+    def set_model_params(self, model_parameters: Dict[str, Tensor]) -> None:
+        self.model.load_state_dict(model_parameters)
+
+    def tensors(self, data: Any, device: torch.device) -> Tuple[Tensor, Tensor]:
+        """(x, y) of a client's FedML data on ``device``, converted once per data object."""
+        key = id(data)
+        if key not in self._tensors:
+            x, y = client_tensors(data)
+            self._tensors[key] = (x.to(device), y.to(device))
+        return self._tensors[key]
+
+    def train(self, train_data, device, args) -> None:
+        """The algorithm's client update of this client (``self.id``) from the current model."""
+        self.local_train_dataset = train_data
+        x, y = self.tensors(train_data, device)
+        state = {k: v.to(device) for k, v in self.model.state_dict().items()}
+        update = self.algorithm.client_update(round_of(args), int(self.id), state, x, y)
+        self.model.load_state_dict(update.state)
+        self.train_calls += 1
+
+    def test(self, test_data, device, args) -> Dict[str, float]:
+        """Personalized test of this client (adapt on its training data, then test): the model
+        received at the start of round ``args.round_idx``."""
+        if self.local_train_dataset is None:
+            raise RuntimeError("test() needs the client's training data: call update_dataset() or train() first")
+        train_x, train_y = self.tensors(self.local_train_dataset, device)
+        test_x, test_y = self.tensors(test_data, device)
+        from ..core.types import UserSplit
+
+        state = {k: v.to(device) for k, v in self.model.state_dict().items()}
+        result = self.algorithm.evaluate(round_of(args), state, [UserSplit(train_x, train_y, test_x, test_y)],
+                                         user_ids=[int(self.id)], batched=False)
+        total = len(test_y)
+        return {"test_correct": result.per_user_accuracy[0] * total, "test_total": total,
+                "test_loss": result.per_user_loss[0] * total,
+                "test_correct_before_adaptation": result.per_user_accuracy_before[0] * total}
+
+
+class AlgorithmServerAggregator(ServerAggregator):
+    """FedML's server side of any plugin algorithm: ``aggregate`` is the algorithm's
+    ``aggregate`` (update checks included), ``test_all`` its personalized evaluation."""
+
+    def __init__(self, model: nn.Module, args: Any, algorithm: FederatedAlgorithm,
+                 on_evaluation: Optional[Callable[[int, EvaluationResult], None]] = None) -> None:
+        super().__init__(model, args)
+        self.algorithm = algorithm
+        self.on_evaluation = on_evaluation
+
+    def get_model_params(self) -> "OrderedDict[str, Tensor]":
+        return state_copy(self.model)
+
+    def set_model_params(self, model_parameters: Dict[str, Tensor]) -> None:
+        self.model.load_state_dict(model_parameters)
+
+    def on_before_aggregation(self, raw_client_model_or_grad_list):
+        # The algorithm checks every update inside ``aggregate``; FedML's defaults (attacks,
+        # defences, differential privacy) are off unless its own YAML keys turn them on.
+        return super().on_before_aggregation(raw_client_model_or_grad_list)
+
+    def aggregate(self, raw_client_model_or_grad_list: List[Tuple[float, StateDict]]) -> StateDict:
+        return self.algorithm.aggregate(round_of(self.args), raw_client_model_or_grad_list,
+                                        self.get_model_params())
+
+    def test(self, test_data, device, args) -> Dict[str, float]:
+        """Accuracy of the global model (no personalization) on ``test_data``."""
+        x, y = client_tensors(test_data)
+        self.model.to(device).eval()
+        with torch.no_grad():
+            logits = self.model(x.to(device))
+            loss = torch.nn.functional.cross_entropy(logits, y.to(device), reduction="sum")
+        return {"test_correct": float((logits.argmax(1) == y.to(device)).sum()), "test_total": len(y),
+                "test_loss": float(loss)}
+
+    def test_all(self, train_data_local_dict, test_data_local_dict, device, args) -> bool:
+        """Personalized evaluation of every client, reported to ``on_evaluation``."""
+        dataset = [None] * 5 + [train_data_local_dict, test_data_local_dict]
+        users = users_from_fedml_dataset(dataset, device)
+        state = {k: v.to(device) for k, v in self.model.state_dict().items()}
+        result = self.algorithm.evaluate(round_of(args), state, users)
+        if self.on_evaluation is not None:
+            self.on_evaluation(round_of(args), result)
+        return True
+
+
+def create_fedml_pair(algorithm: FederatedAlgorithm, model: nn.Module, args: Any,
+                      on_evaluation: Optional[Callable[[int, EvaluationResult], None]] = None
+                      ) -> Tuple[AlgorithmClientTrainer, AlgorithmServerAggregator]:
+    """The (ClientTrainer, ServerAggregator) pair FedML's loops call for ``algorithm``.
+
+    The trainer gets its own copy of the model: FedML's sp loop trains clients in place, and
+    the aggregator's model must stay the global model."""
+    import copy
+
+    return (AlgorithmClientTrainer(copy.deepcopy(model), args, algorithm),
+            AlgorithmServerAggregator(model, args, algorithm, on_evaluation))

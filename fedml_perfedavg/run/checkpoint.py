@@ -1,0 +1,78 @@
+"""Checkpoints of a run: written atomically, the previous one kept, enough to continue exactly.
+
+All the run's randomness is drawn from generators keyed by (seed, round, client, purpose)
+(:mod:`fedml_perfedavg.core.sampling`), so the global model, the next round index and the
+state of the objects that own the rest (the algorithm's aggregation record, the recorder's
+history) are the whole state; torch's global RNG is saved as well for code that uses it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Optional
+
+import torch
+import yaml
+
+from ..core.guards import ConfigError
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.pt"
+PREVIOUS = "checkpoint.prev.pt"
+CONFIG = "config.yaml"
+
+
+def save(run_dir: str, next_round: int, model_state: Dict[str, torch.Tensor], states: Dict[str, Dict[str, Any]]
+         ) -> str:
+    """Write ``run_dir/checkpoint.pt`` through a temporary file and a rename, keeping the one
+    before as ``checkpoint.prev.pt`` (``states``: each owner's ``state_dict()`` by name)."""
+    path = os.path.join(run_dir, CHECKPOINT)
+    tmp = path + ".tmp"
+    torch.save({"next_round": next_round, "model": model_state, "states": states,
+                "torch_rng": torch.get_rng_state()}, tmp)
+    with open(tmp, "rb") as stream:
+        os.fsync(stream.fileno())
+    if os.path.exists(path):
+        os.replace(path, os.path.join(run_dir, PREVIOUS))
+    os.replace(tmp, path)
+    return path
+
+
+def _read(path: str) -> Dict[str, Any]:
+    state = torch.load(path, weights_only=False)
+    if not isinstance(state, dict) or not {"next_round", "model", "states", "torch_rng"} <= set(state):
+        raise ValueError("not a checkpoint of this plugin")
+    return state
+
+
+def load(run_dir: str) -> Optional[Dict[str, Any]]:
+    """The run's latest readable checkpoint, or None when it has none. A damaged latest one is
+    reported and the previous one used; if both are damaged, the error names them."""
+    damaged = []
+    for name in (CHECKPOINT, PREVIOUS):
+        path = os.path.join(run_dir, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            state = _read(path)
+        except Exception as err:  # noqa: BLE001 - a truncated zip, an empty file, a foreign pickle: all damaged
+            damaged.append(f"{path} ({type(err).__name__}: {err})")
+            continue
+        if damaged:
+            logger.warning("checkpoint %s is damaged; resuming from the previous one, %s (round %d)", damaged[0],
+                           path, state["next_round"])
+        torch.set_rng_state(state["torch_rng"])
+        return state
+    if damaged:
+        raise ConfigError(f"--resume {run_dir}: no readable checkpoint: {'; '.join(damaged)}. Start the run again "
+                          f"without --resume (or restore the file)")
+    return None
+
+
+def save_config(run_dir: str, sections: Dict[str, Dict[str, Any]]) -> None:
+    """The resolved config, so ``--resume RUN_DIR`` needs nothing else."""
+    tmp = os.path.join(run_dir, CONFIG + ".tmp")
+    with open(tmp, "w") as stream:
+        yaml.safe_dump(sections, stream, sort_keys=False)
+    os.replace(tmp, os.path.join(run_dir, CONFIG))

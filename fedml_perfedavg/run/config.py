@@ -1,0 +1,447 @@
+"""The run's configuration: FedML's sectioned YAML read into one typed, frozen dataclass.
+
+:class:`Config` is the one source of every key's section, type, default, allowed values and
+help text (the README's table is generated from it, :func:`markdown_table`), and of the rules
+that relate keys (:data:`RULES`). Choices come from the modules that own them. Errors name
+``section.key=value`` and what is allowed. FedML's own keys are read as FedML means them
+(:data:`FEDML_KEYS`): ``learning_rate`` is beta, ``batch_size`` is |D|; keys Per-FedAvg does
+not use are named in a warning.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import difflib
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import yaml
+
+from ..algorithms.base import AGGREGATIONS, DIVERGENCE_POLICIES
+from ..algorithms.registry import FEDML_OWN, algorithm_names
+from ..core.algorithm import VARIANTS
+from ..core.guards import ConfigError
+from ..data.loading import DATASETS, default_test_images_per_class
+from ..data.partition import PARTITIONS, plan_users
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Config", "ConfigError", "load", "load_yaml", "parse_overrides", "resolve", "from_fedml_args",
+           "markdown_table", "SECTIONS"]
+
+SECTIONS = ("common_args", "data_args", "model_args", "train_args", "validation_args", "device_args",
+            "comm_args", "tracking_args")
+TRAINING_TYPES = ("simulation", "cross_silo")
+BACKENDS = {"simulation": ("sp", "MPI"), "cross_silo": ("GRPC",)}
+ENGINES = ("batched", "fedml")
+FEDML_HOME = "run_dir, user, or a folder"
+
+
+def _setting(section: str, kind: type, default: Any, help: str, choices: Optional[Sequence[Any]] = None,
+             rule: Optional[Tuple[Callable[[Any], bool], str]] = None, optional: bool = False) -> Any:
+    metadata = {"section": section, "kind": kind, "help": help, "choices": tuple(choices) if choices else None,
+                "check": rule[0] if rule else None, "rule": rule[1] if rule else "", "optional": optional}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+_positive = (lambda v: v > 0, "> 0")
+_at_least_one = (lambda v: v >= 1, ">= 1")
+_non_negative = (lambda v: v >= 0, ">= 0")
+_even = (lambda v: v >= 2 and v % 2 == 0, "an even number >= 2")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated run configuration (FedML flattens its YAML sections; so does this)."""
+
+    # common_args
+    training_type: str = _setting("common_args", str, "simulation", "FedML platform", TRAINING_TYPES)
+    random_seed: int = _setting("common_args", int, 0, "seed of the partition, sampling, init and batches",
+                                rule=_non_negative)
+    output_dir: str = _setting("common_args", str, "runs", "folder under which each run gets its own directory")
+    fedml_home: str = _setting("common_args", str, "run_dir", "where FedML writes its .fedml files: the run "
+                               "directory, the user's home (FedML's default), or a folder")
+    checkpoint_every: int = _setting("common_args", int, 100, "checkpoint every this many rounds (0: never; "
+                                     "batched engine)", rule=_non_negative)
+    run_name: Optional[str] = _setting("common_args", str, None, "run directory name (default: config name + "
+                                       "time)", optional=True)
+    # data_args
+    dataset: str = _setting("data_args", str, "mnist", "dataset: mnist or cifar10 for the paper's split, or any "
+                            "dataset fedml.data.load knows")
+    data_cache_dir: str = _setting("data_args", str, "./data", "torchvision root holding MNIST/ or "
+                                   "cifar-10-batches-py/")
+    download: bool = _setting("data_args", bool, False, "download the dataset through torchvision if missing")
+    partition_method: str = _setting("data_args", str, "paper", "user split: paper, paper_diff_hetero (the "
+                                     "paper's), or one of FedML's (e.g. hetero)")
+    images_per_class: Optional[int] = _setting("data_args", int, None, "the paper's a (default 196 MNIST, 68 "
+                                               "CIFAR-10)", rule=_even, optional=True)
+    test_images_per_class: Optional[int] = _setting("data_args", int, None, "test a (default: a scaled by "
+                                                    "test/train size)", rule=_even, optional=True)
+    # model_args
+    model: str = _setting("model_args", str, "mlp", "model: the plugin's mlp (the paper's) or small_cnn, or any "
+                          "name fedml.model.create knows (lr, cnn, resnet56, ...)")
+    hidden_sizes: List[int] = _setting("model_args", list, [80, 60], "MLP hidden layer widths",
+                                       rule=(lambda v: len(v) > 0 and all(isinstance(h, int) and not isinstance(
+                                           h, bool) and h > 0 for h in v), "a non-empty list of positive integers"))
+    # train_args
+    federated_optimizer: str = _setting("train_args", str, "PerFedAvg", "algorithm: a name in the plugin's "
+                                        "registry (PerFedAvg, FedAvgUpdate, ...)")
+    perfedavg_variant: str = _setting("train_args", str, "hf", "meta-gradient estimator", VARIANTS)
+    client_num_in_total: int = _setting("train_args", int, 50, "n, number of users", rule=_at_least_one)
+    client_num_per_round: int = _setting("train_args", int, 10, "r*n, users sampled per round", rule=_at_least_one)
+    new_user_fraction: float = _setting("train_args", float, 0.0, "fraction of users never trained on, reported "
+                                        "apart as new users", rule=(lambda v: 0 <= v < 1, "in [0, 1)"))
+    comm_round: int = _setting("train_args", int, 1000, "K, number of rounds", rule=_at_least_one)
+    local_steps: int = _setting("train_args", int, 10, "tau, local steps per round", rule=_at_least_one)
+    alpha: float = _setting("train_args", float, 0.01, "personalization (inner) step size", rule=_positive)
+    beta: float = _setting("train_args", float, 0.001, "meta step size; FedAvgUpdate's local SGD step size "
+                           "(FedML's learning_rate means the same)", rule=_positive)
+    delta: float = _setting("train_args", float, 0.001, "finite-difference width of the HF variant", rule=_positive)
+    batch_size: int = _setting("train_args", int, 40, "|D|: batch of the inner step (and of FedAvgUpdate)",
+                               rule=_at_least_one)
+    meta_batch_size: Optional[int] = _setting("train_args", int, None, "|D'|: batch of the outer gradient "
+                                              "(default: batch_size)", rule=_at_least_one, optional=True)
+    hessian_batch_size: Optional[int] = _setting("train_args", int, None, "|D''|: batch of the Hessian term "
+                                                 "(default: batch_size)", rule=_at_least_one, optional=True)
+    aggregation: str = _setting("train_args", str, "uniform", "server average of returned models", AGGREGATIONS)
+    on_divergence: str = _setting("train_args", str, "stop", "non-finite values in local training: stop the run, "
+                                  "or drop that client's update", DIVERGENCE_POLICIES)
+    max_update_norm: Optional[float] = _setting("train_args", float, None, "reject client updates whose L2 "
+                                                "distance to the global model exceeds this", rule=_positive,
+                                                optional=True)
+    max_skipped_rounds: int = _setting("train_args", int, 3, "stop after this many rounds without an acceptable "
+                                       "update", rule=_at_least_one)
+    simulation_engine: str = _setting("train_args", str, "batched", "sp round loop: batched (all sampled clients "
+                                      "as one vmapped computation) or fedml (FedML's per-client loop)", ENGINES)
+    # validation_args
+    frequency_of_the_test: int = _setting("validation_args", int, 10, "evaluate every this many rounds (and the "
+                                          "first and last round)", rule=_at_least_one)
+    adapt_steps: int = _setting("validation_args", int, 1, "alpha-steps of personalization at evaluation",
+                                rule=_non_negative)
+    # device_args
+    using_gpu: bool = _setting("device_args", bool, False, "run on CUDA")
+    gpu_id: int = _setting("device_args", int, 0, "CUDA device index", rule=_non_negative)
+    compile_local_update: bool = _setting("device_args", bool, False, "batched engine: torch.compile the vmapped "
+                                          "local update (CUDA graphs on GPU, ~8x faster rounds after about a "
+                                          "minute of compiling; rarely pays on CPU)")
+    # comm_args
+    backend: str = _setting("comm_args", str, "sp", "FedML backend (sp, MPI: simulation; GRPC: cross_silo)",
+                            ("sp", "MPI", "GRPC"))
+    grpc_ipconfig_path: Optional[str] = _setting("comm_args", str, None, "cross-silo address file, CSV eid,rank,"
+                                                 "grpc_server_ip,grpc_server_port with a row per rank (launch-silo "
+                                                 "writes one on 127.0.0.1)", optional=True)
+    connect_timeout: float = _setting("comm_args", float, 60.0, "cross-silo: seconds processes wait for each other "
+                                      "to come up (a silo retries an unreachable server with backoff; the server "
+                                      "waits for silos to come online)", rule=_positive)
+    round_timeout: float = _setting("comm_args", float, 600.0, "cross-silo: seconds the server waits for a round's "
+                                    "silo updates (and the final goodbyes) before applying min_clients_per_round",
+                                    rule=_positive)
+    min_clients_per_round: Optional[int] = _setting("comm_args", int, None, "cross-silo: after round_timeout, go "
+                                                    "on without the silos that did not answer if at least this "
+                                                    "many did; else stop naming them (default: all)",
+                                                    rule=_at_least_one, optional=True)
+    # tracking_args
+    enable_wandb: bool = _setting("tracking_args", bool, False, "log to wandb (offline unless WANDB_MODE says "
+                                  "otherwise)")
+    wandb_project: str = _setting("tracking_args", str, "fedml-perfedavg", "wandb project")
+    wandb_group: Optional[str] = _setting("tracking_args", str, None, "wandb group (default: run name)",
+                                          optional=True)
+    show_progress: bool = _setting("tracking_args", bool, True, "tqdm progress bar over rounds (on a terminal)")
+
+    # Not settings: where the config came from, and FedML keys that ride along unchecked.
+    source: Optional[str] = field(default=None, compare=False, metadata={"internal": True})
+    extra: Dict[str, Tuple[str, Any]] = field(default_factory=dict, compare=False, metadata={"internal": True})
+
+    @property
+    def batch_sizes(self) -> Tuple[int, int, int]:
+        """(|D|, |D'|, |D''|), the two last defaulting to |D|."""
+        return (self.batch_size, self.meta_batch_size or self.batch_size, self.hessian_batch_size or self.batch_size)
+
+    @property
+    def values(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in settings()}
+
+    def sections(self) -> Dict[str, Dict[str, Any]]:
+        """The config as FedML-style nested sections (what ``summary.json`` and config.yaml record)."""
+        out: Dict[str, Dict[str, Any]] = {s: {} for s in SECTIONS}
+        for f in settings():
+            out[f.metadata["section"]][f.name] = copy.deepcopy(getattr(self, f.name))
+        for name, (section, value) in self.extra.items():
+            out.setdefault(section, {})[name] = value
+        return out
+
+    def to_fedml_args(self, **overrides: Any) -> argparse.Namespace:
+        """A FedML ``args`` object: every section flattened, FedML's command-line keys set."""
+        # gpu_mapping_*: FedML's MPI path reads them even on CPU.
+        args = argparse.Namespace(yaml_config_file=self.source or "", run_id="0", rank=0, local_rank=0,
+                                  node_rank=0, role="client", run_device_id="0", using_mlops=False,
+                                  gpu_mapping_file=None, gpu_mapping_key=None)
+        for section in self.sections().values():
+            for name, value in section.items():
+                setattr(args, name, copy.deepcopy(value))
+        for name, value in overrides.items():
+            setattr(args, name, value)
+        return args
+
+
+def settings() -> List[dataclasses.Field]:
+    """The fields of :class:`Config` that are settings, in table order."""
+    return [f for f in dataclasses.fields(Config) if not f.metadata.get("internal")]
+
+
+BY_NAME: Dict[str, dataclasses.Field] = {f.name: f for f in settings()}
+
+# FedML's own keys: read as FedML means them, or named in a warning when Per-FedAvg does not
+# use them (``None``: passed through silently, they configure FedML itself).
+FEDML_KEYS: Dict[str, Optional[str]] = {
+    "learning_rate": "read as train_args.beta (the step size applied to the model)",
+    "epochs": "not used: each sampled user takes train_args.local_steps (tau) steps per round",
+    "client_optimizer": "not used: Per-FedAvg's steps are its own (alpha inner step, beta outer step)",
+    "weight_decay": "not used: Per-FedAvg's steps have no weight decay",
+    "server_optimizer": "not used: the server averages the returned models (train_args.aggregation)",
+    "server_lr": "not used: the server averages the returned models (train_args.aggregation)",
+    "partition_alpha": "not used: the paper's split has no Dirichlet parameter",
+    "momentum": "not used: Per-FedAvg's steps have no momentum",
+}
+FEDML_PASSTHROUGH = {
+    "scenario", "using_mlops", "config_version", "client_id_list", "worker_num", "gpu_mapping_file",
+    "gpu_mapping_key", "is_mobile", "log_file_dir", "enable_tracking", "using_memory_profiler", "test_on_clients",
+    "device_type", "rank", "role", "run_id", "process_id", "run_device_id", "local_rank", "node_rank",
+}
+
+
+def _suggest(name: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _check_value(f: dataclasses.Field, value: Any) -> Any:
+    meta = f.metadata
+    kind = meta["kind"]
+    where = f"{meta['section']}.{f.name}={value!r}"
+    if value is None:
+        if meta["optional"]:
+            return None
+        raise ConfigError(f"{where}: a value is required ({meta['help']})")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is float and isinstance(value, str):
+        # PyYAML follows YAML 1.1, where 1e-3 (no dot) is a string, not a number.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
+        raise ConfigError(f"{where}: must be of type {kind.__name__} ({meta['help']})")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"{where}: must be a finite number")
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ConfigError(f"{where}: must be one of {list(meta['choices'])}"
+                          f"{_suggest(str(value), map(str, meta['choices']))}")
+    if meta["check"] is not None and not meta["check"](value):
+        raise ConfigError(f"{where}: must be {meta['rule']}")
+    return value
+
+
+# -- rules that relate keys -------------------------------------------------------------------
+def _rule_algorithm(c: Config) -> None:
+    names = algorithm_names()
+    if c.federated_optimizer in names:
+        return
+    if c.federated_optimizer in FEDML_OWN:
+        raise ConfigError(f"train_args.federated_optimizer={c.federated_optimizer!r}: that is FedML's own algorithm "
+                          f"(run it with FedML's own main script); the plugin runs {names} (the paper's FedAvg "
+                          f"baseline is FedAvgUpdate)")
+    raise ConfigError(f"train_args.federated_optimizer={c.federated_optimizer!r}: must be one of "
+                      f"{names}{_suggest(c.federated_optimizer, names)}")
+
+
+def _rule_clients(c: Config) -> None:
+    if c.client_num_per_round > c.client_num_in_total:
+        raise ConfigError(f"train_args.client_num_per_round={c.client_num_per_round!r}: must be <= "
+                          f"train_args.client_num_in_total ({c.client_num_in_total})")
+    trained = c.client_num_in_total - int(round(c.new_user_fraction * c.client_num_in_total))
+    if c.client_num_per_round > trained:
+        raise ConfigError(f"train_args.new_user_fraction={c.new_user_fraction!r}: leaves {trained} training users, "
+                          f"fewer than train_args.client_num_per_round ({c.client_num_per_round})")
+
+
+def _rule_platform(c: Config) -> None:
+    if c.backend not in BACKENDS[c.training_type]:
+        raise ConfigError(f"comm_args.backend={c.backend!r}: with common_args.training_type={c.training_type!r} "
+                          f"it must be one of {list(BACKENDS[c.training_type])}")
+    if c.compile_local_update and (c.training_type != "simulation" or c.backend != "sp"
+                                   or c.simulation_engine != "batched"):
+        raise ConfigError("device_args.compile_local_update=True: only the batched engine compiles (comm_args."
+                          "backend sp, train_args.simulation_engine batched)")
+    if c.min_clients_per_round is not None and c.min_clients_per_round > c.client_num_per_round:
+        raise ConfigError(f"comm_args.min_clients_per_round={c.min_clients_per_round!r}: must be <= "
+                          f"train_args.client_num_per_round ({c.client_num_per_round})")
+
+
+def _rule_split(c: Config) -> None:
+    """The paper's split needs an even n and enough images of each class; batches are drawn
+    without replacement, so they must fit in the smallest user's training data."""
+    if c.partition_method not in PARTITIONS:
+        return  # FedML's own loaders: checked against the data once it is loaded
+    if c.dataset not in DATASETS:
+        raise ConfigError(f"data_args.dataset={c.dataset!r}: the paper's split (data_args.partition_method="
+                          f"{c.partition_method!r}) is defined for {list(DATASETS)}")
+    if c.client_num_in_total < 2 or c.client_num_in_total % 2:
+        raise ConfigError(f"train_args.client_num_in_total={c.client_num_in_total!r}: the paper's split "
+                          f"(data_args.partition_method={c.partition_method!r}) needs an even number >= 2")
+    spec = DATASETS[c.dataset]
+    a = c.images_per_class or spec.images_per_class
+    a_test = c.test_images_per_class or default_test_images_per_class(a, sum(spec.train_class_counts),
+                                                                     sum(spec.test_class_counts))
+    for key, count, available in (("images_per_class", a, spec.train_class_counts),
+                                  ("test_images_per_class", a_test, spec.test_class_counts)):
+        plans = plan_users(c.client_num_in_total, count, c.partition_method, c.random_seed)
+        for cls, have in enumerate(available):
+            need = sum(p.class_counts.get(cls, 0) for p in plans)
+            if need > have:
+                raise ConfigError(f"data_args.{key}={count!r}: {c.client_num_in_total} users would need {need} "
+                                  f"images of class {cls}, but {c.dataset}'s {'training' if key == 'images_per_class' else 'test'} "
+                                  f"set has {have}; lower it or train_args.client_num_in_total")
+    smallest = min(p.total for p in plan_users(c.client_num_in_total, a, c.partition_method, c.random_seed))
+    for name, value in zip(("batch_size", "meta_batch_size", "hessian_batch_size"), c.batch_sizes):
+        if value > smallest:
+            raise ConfigError(f"train_args.{name}={value!r}: must be <= the smallest user's training data "
+                              f"({smallest} samples)")
+
+
+RULES: List[Callable[[Config], None]] = [_rule_algorithm, _rule_clients, _rule_platform, _rule_split]
+
+
+# -- reading ----------------------------------------------------------------------------------
+def load_yaml(path: str) -> Dict[str, Dict[str, Any]]:
+    """Read a FedML-style YAML; unlike FedML, a missing or unreadable file is an error."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--cf {path!r}: no such file")
+    try:
+        with open(path) as stream:
+            data = yaml.safe_load(stream)
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"--cf {path!r}: cannot be read as YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(v, dict) or v is None for v in data.values()):
+        raise ConfigError(f"--cf {path!r}: must map section names (e.g. train_args) to mappings of keys")
+    return {section: dict(values or {}) for section, values in data.items()}
+
+
+def parse_overrides(pairs: Sequence[str]) -> Dict[str, Any]:
+    """``["comm_round=20", "train_args.alpha=0.05"]`` -> {"comm_round": 20, "alpha": 0.05}."""
+    out = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set comm_round=20")
+        name = name.split(".")[-1]
+        if name not in BY_NAME and name not in FEDML_KEYS and name not in FEDML_PASSTHROUGH:
+            raise ConfigError(f"--set {pair!r}: unknown key {name!r}{_suggest(name, BY_NAME)}")
+        out[name] = yaml.safe_load(raw)
+    return out
+
+
+def _fedml_key_meanings(given: Dict[str, Any], where: Dict[str, str]) -> None:
+    """FedML's keys as FedML means them: ``learning_rate`` is beta; the unused ones warned."""
+    if "learning_rate" in given:
+        lr = given["learning_rate"]
+        if "beta" in given and _check_value(BY_NAME["beta"], given["beta"]) != _check_value(BY_NAME["beta"], lr):
+            raise ConfigError(f"{where.get('learning_rate', 'train_args')}.learning_rate={lr!r} and train_args.beta="
+                              f"{given['beta']!r} both set the step size applied to the model; give one, or the "
+                              f"same value")
+        given.setdefault("beta", lr)
+    for name, meaning in FEDML_KEYS.items():
+        if name == "learning_rate" or name not in given:
+            continue
+        value = given[name]
+        if name == "client_optimizer" and str(value).lower() == "sgd":
+            continue  # plain gradient steps are what Per-FedAvg takes
+        if name in ("weight_decay", "momentum") and not value:
+            continue
+        logger.warning("%s.%s=%r is %s", where.get(name, "train_args"), name, value, meaning)
+
+
+def resolve(sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, Any]] = None,
+            source: Optional[str] = None) -> Config:
+    """Merge YAML sections, defaults and overrides into a validated :class:`Config`."""
+    given: Dict[str, Any] = {}
+    where: Dict[str, str] = {}
+    extra: Dict[str, Tuple[str, Any]] = {}
+    for section, values in sections.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"section {section!r}: unknown; allowed: {list(SECTIONS)}{_suggest(section, SECTIONS)}")
+        for name, value in values.items():
+            f = BY_NAME.get(name)
+            if f is None:
+                suggestion = _suggest(name, BY_NAME)
+                known = name in FEDML_KEYS or name in FEDML_PASSTHROUGH
+                if not known and suggestion:
+                    raise ConfigError(f"{section}.{name}={value!r}: unknown key{suggestion}")
+                if not known:
+                    logger.warning("%s.%s: not a key of this plugin; passed to FedML unchecked", section, name)
+                extra[name] = (section, value)
+                where[name] = section
+                if name in FEDML_KEYS:
+                    given[name] = value
+            elif f.metadata["section"] != section:
+                raise ConfigError(f"{section}.{name}={value!r}: belongs in section {f.metadata['section']!r}")
+            else:
+                given[name] = value
+    given.update(overrides or {})
+    _fedml_key_meanings(given, where)
+    values = {name: _check_value(f, copy.deepcopy(given.get(name, f.default if f.default is not dataclasses.MISSING
+                                                               else f.default_factory())))
+              for name, f in BY_NAME.items()}
+    for name in set(given) - set(BY_NAME):
+        extra[name] = (extra.get(name, (where.get(name, "train_args"), None))[0], given[name])
+    config = Config(**values, source=source, extra=extra)
+    for rule in RULES:
+        rule(config)
+    return config
+
+
+def load(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
+    """Load, override (``--set`` pairs) and validate a config file."""
+    sections = load_yaml(path) if path else {}
+    return resolve(sections, parse_overrides(overrides), source=path)
+
+
+def from_fedml_args(args: Any) -> Config:
+    """The config of a run started from FedML's entry points: the YAML FedML read
+    (``args.yaml_config_file``, for sections and FedML's keys) with ``args``' current values,
+    which a user's script may have changed."""
+    path = getattr(args, "yaml_config_file", "") or ""
+    sections = load_yaml(path) if path else {}
+    current = {name: getattr(args, name) for name in BY_NAME if hasattr(args, name)}
+    for values in sections.values():
+        for name in list(values):
+            if name in current:
+                values[name] = current.pop(name)
+            elif hasattr(args, name):
+                values[name] = getattr(args, name)
+    return resolve(sections, current, source=path or None)
+
+
+def markdown_table() -> str:
+    """The README's configuration table, generated from :class:`Config`."""
+    rows = ["| section | key | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
+    for f in settings():
+        meta = f.metadata
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if meta["choices"]:
+            allowed = ", ".join(map(str, meta["choices"]))
+        elif meta["rule"]:
+            allowed = meta["rule"] + (" or null" if meta["optional"] else "")
+        else:
+            allowed = meta["kind"].__name__ + (" or null" if meta["optional"] else "")
+        rows.append(f"| {meta['section']} | `{f.name}` | `{default}` | {allowed} | {meta['help']} |")
+    return "\n".join(rows)

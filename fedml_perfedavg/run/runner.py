@@ -1,0 +1,392 @@
+"""A plugin run, in stages: prepare -> restore -> execute -> finish.
+
+Every run goes through FedML's own main-script steps (``fedml.init``, ``fedml.device``,
+``fedml.data.load``, ``fedml.model.create``, ``FedMLRunner(...).run()``): the command line and
+:func:`run` build FedML's ``args`` from the typed config and take those steps, and a FedML
+user's own script takes them itself. The installed bridge hands a plugin algorithm to
+:class:`PluginRun` (through :class:`Entry`), which owns the rest: the algorithm object, the
+backend adapter (batched engine, FedML's sp loop, MPI, cross-silo), evaluation on the run's
+schedule, checkpoints, and the run directory (config.yaml, run.log, summary.json, model.pt).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..algorithms.base import FederatedAlgorithm
+from ..algorithms.registry import algorithm_names, create_algorithm
+from ..core.guards import ConfigError, DivergenceError, RunStopped
+from ..core.sampling import held_out_users
+from ..core.types import StateDict, UserSplit
+from ..data.fedml_format import users_from_fedml_dataset
+from ..data.loading import DATASETS, FederatedData, load_federated
+from ..data.partition import PARTITIONS
+from . import checkpoint
+from .config import BY_NAME, Config, from_fedml_args
+from .reporting import RunRecorder
+
+logger = logging.getLogger(__name__)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass
+class RunResult:
+    """What a finished run produced; ``summary`` is also in ``run_dir/summary.json``."""
+
+    summary: Dict[str, Any]
+    run_dir: str
+    algorithm: FederatedAlgorithm
+    final_state: Optional[StateDict]
+    trainer: Any = None
+    aggregator: Any = None
+
+
+# -- values computed once per run ---------------------------------------------------------------
+def resolve_run_dir(config: Config, run_dir: Optional[str] = None, create: bool = True) -> str:
+    """The run's output directory: ``run_dir`` or ``output_dir/run_name`` (default: the config
+    file's name and the start time)."""
+    if run_dir is None:
+        stem = os.path.splitext(os.path.basename(config.source))[0] if config.source else "run"
+        name = config.run_name or f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = os.path.join(config.output_dir, name)
+    if create:
+        os.makedirs(run_dir, exist_ok=True)
+    return os.path.abspath(run_dir)
+
+
+def shared_run_dir(config: Config, run_dir: Optional[str]) -> str:
+    """Under MPI, rank 0 picks (and creates) the run directory and tells the other ranks."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    return comm.bcast(resolve_run_dir(config, run_dir) if comm.Get_rank() == 0 else None, root=0)
+
+
+def run_dir_of(config: Config, args: Any) -> str:
+    """The run directory, chosen once per run and kept on ``args`` (FedML carries ``args``
+    from ``fedml.init`` to ``FedMLRunner``)."""
+    chosen = getattr(args, "perfedavg_run_dir", None)
+    if chosen is None:
+        requested = getattr(args, "run_dir", None)
+        chosen = shared_run_dir(config, requested) if config.backend == "MPI" else resolve_run_dir(config, requested)
+        args.perfedavg_run_dir = chosen
+    return chosen
+
+
+def rank_of(config: Config, args: Any) -> int:
+    """This process's rank: 0 on sp; FedML's MPI rank; the cross-silo ``--rank``."""
+    if config.training_type == "cross_silo":
+        return int(args.rank)
+    if config.backend == "MPI":
+        return int(getattr(args, "process_id", 0))
+    return 0
+
+
+def default_of(name: str) -> Any:
+    """The default of a config key (the one source: :class:`~.config.Config`)."""
+    field = BY_NAME[name]
+    return field.default if field.default is not dataclasses.MISSING else field.default_factory()
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_split(dataset: str, root: str, users: int, partition: str, seed: int, download: bool,
+                  a: Optional[int], a_test: Optional[int]) -> FederatedData:
+    return load_federated(dataset, root, users, partition, seed, download=download, images_per_class=a,
+                          test_images_per_class=a_test)
+
+
+def load_split(config: Config) -> FederatedData:
+    """The paper's split the config describes (cached: a grid or a test suite loads it once)."""
+    return _cached_split(config.dataset, os.path.abspath(config.data_cache_dir), config.client_num_in_total,
+                         config.partition_method, config.random_seed, config.download, config.images_per_class,
+                         config.test_images_per_class)
+
+
+# -- what the bridge calls ------------------------------------------------------------------------
+class Entry:
+    """The run layer's side of :class:`fedml_perfedavg.fedml_bridge.install.PluginEntry`."""
+
+    def is_plugin_algorithm(self, name: Optional[str]) -> bool:
+        return name in algorithm_names()
+
+    def fedml_files_dir(self, args: Any) -> Optional[str]:
+        home = getattr(args, "fedml_home", default_of("fedml_home"))
+        if home == "user":
+            return None
+        if home != "run_dir":
+            return os.path.abspath(os.path.expanduser(home))
+        if not self.is_plugin_algorithm(getattr(args, "federated_optimizer", None)):
+            return None  # FedML's own algorithms have no plugin run directory: FedML's default
+        return os.path.join(run_dir_of(from_fedml_args(args), args), "fedml")
+
+    def load_split(self, args: Any) -> Optional[FederatedData]:
+        partition = getattr(args, "partition_method", None)
+        if partition not in PARTITIONS or getattr(args, "dataset", None) not in DATASETS:
+            return None
+        get = lambda name: getattr(args, name, default_of(name))  # noqa: E731
+        return _cached_split(args.dataset, os.path.abspath(get("data_cache_dir")), int(get("client_num_in_total")),
+                             partition, int(get("random_seed")), bool(get("download")), get("images_per_class"),
+                             get("test_images_per_class"))
+
+    def build_runner(self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any
+                     ) -> "PluginRun":
+        return PluginRun(args, device, dataset, model, trainer, aggregator)
+
+
+# -- the run --------------------------------------------------------------------------------------
+class PluginRun:
+    """``FedMLRunner``'s runner for a plugin algorithm: built by FedML's entry points (prepare),
+    ``run()`` restores, executes and finishes."""
+
+    def __init__(self, args: Any, device: Any, dataset: list, model: torch.nn.Module, trainer: Any = None,
+                 aggregator: Any = None) -> None:
+        self.args, self.device, self.dataset, self.model = args, device, dataset, model
+        self.prepare(trainer, aggregator)
+
+    # -- prepare ----------------------------------------------------------------------------------
+    def prepare(self, trainer: Any, aggregator: Any) -> None:
+        from ..fedml_bridge.shims import AlgorithmClientTrainer, AlgorithmServerAggregator, create_fedml_pair
+
+        args = self.args
+        self.config = config = from_fedml_args(args)
+        if config.training_type == "cross_silo" and getattr(args, "worker_num", None) is None:
+            args.worker_num = config.client_num_per_round
+        self.run_dir = run_dir_of(config, args)
+        self.rank = rank_of(config, args)
+        self.is_server = self.rank == 0
+        self._log_handler = _file_log(self.run_dir, "run.log" if self.is_server else f"run-rank{self.rank}.log")
+        self._check_layout()
+        self.users = users_from_fedml_dataset(self.dataset, self.device)
+        self._check_data()
+        if (trainer, aggregator) != (None, None):
+            if not (isinstance(trainer, AlgorithmClientTrainer) and isinstance(aggregator, AlgorithmServerAggregator)
+                    and trainer.algorithm is aggregator.algorithm):
+                raise ConfigError(f"train_args.federated_optimizer={config.federated_optimizer!r} builds its own "
+                                  f"trainer and aggregator; FedMLRunner was handed {type(trainer).__name__} / "
+                                  f"{type(aggregator).__name__}. Hand your own pair with federated_optimizer FedAvg, "
+                                  f"or the pair from fedml_perfedavg.create_fedml_pair")
+            self.algorithm = trainer.algorithm
+        else:
+            self.algorithm = create_algorithm(config.federated_optimizer, self.model, config)
+            trainer, aggregator = create_fedml_pair(self.algorithm, self.model, args)
+        self.trainer, self.aggregator = trainer, aggregator
+        self.global_state: StateDict = aggregator.get_model_params()
+        self.recorder: Optional[RunRecorder] = None
+        if self.is_server:
+            checkpoint.save_config(self.run_dir, config.sections())
+            wandb_settings = None
+            if config.enable_wandb:
+                wandb_settings = {"project": config.wandb_project, "group": config.wandb_group,
+                                  "name": os.path.basename(self.run_dir)}
+            new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)
+            self.recorder = RunRecorder(self.run_dir, config.comm_round, config.sections(), config.show_progress,
+                                        wandb_settings, new_users)
+        self.start_round = 0
+        self.backend = self._backend()
+        logger.info("run %s: %s on %s, %d rounds, %d of %d users per round, %s", self.run_dir, self.algorithm.label,
+                    config.dataset, config.comm_round, config.client_num_per_round, config.client_num_in_total,
+                    self.where)
+
+    def _check_layout(self) -> None:
+        config, args = self.config, self.args
+        if config.backend == "MPI" and args.worker_num - 1 != config.client_num_per_round:
+            raise ConfigError(f"train_args.client_num_per_round={config.client_num_per_round!r}: under MPI it must "
+                              f"equal the number of ranks - 1 (this is mpirun -n {args.worker_num}, so "
+                              f"{args.worker_num - 1}; or run mpirun -n {config.client_num_per_round + 1})")
+        if config.training_type == "cross_silo":
+            from .launch_silo import check_silo_role
+
+            check_silo_role(config, int(args.rank), str(args.role))
+
+    def _check_data(self) -> None:
+        config = self.config
+        if len(self.users) != config.client_num_in_total:
+            raise ConfigError(f"train_args.client_num_in_total={config.client_num_in_total!r}: the dataset has "
+                              f"{len(self.users)} clients")
+        smallest = min(len(u.train_y) for u in self.users)
+        for name, value in zip(("batch_size", "meta_batch_size", "hessian_batch_size"), config.batch_sizes):
+            if value > smallest:
+                raise ConfigError(f"train_args.{name}={value!r}: must be <= the smallest client's training data "
+                                  f"({smallest} samples)")
+
+    def _backend(self):
+        config, args = self.config, self.args
+        if config.training_type == "cross_silo":
+            from ..fedml_bridge.cross_silo import CrossSiloProcess, SiloPolicy
+
+            self.where = f"cross-silo rank {self.rank} ({args.role})"
+            policy = SiloPolicy(config.connect_timeout, config.round_timeout,
+                                config.min_clients_per_round or config.client_num_per_round)
+            return CrossSiloProcess(args, self.device, self.dataset, self.model, self.trainer, self.aggregator,
+                                    policy, self)
+        if config.backend == "MPI":
+            from ..fedml_bridge.mpi import MPISimulation
+
+            self.where = "FedML's MPI simulation"
+            return MPISimulation(args, self.device, self.dataset, self.model, self.trainer, self.aggregator, self)
+        if config.simulation_engine == "fedml":
+            from ..fedml_bridge.sp import SPSimulation
+
+            self.where = "FedML's sp loop"
+            return SPSimulation(args, self.device, self.dataset, self.model, self.trainer, self.aggregator, self)
+        from ..engine.batched import BatchedSimulation
+
+        self.where = "the batched engine"
+        return BatchedSimulation(self.algorithm, self.users, self.global_state, self, config.compile_local_update)
+
+    # -- the round driver (called by every backend adapter) ----------------------------------------
+    def sample_clients(self, round_idx: int) -> List[int]:
+        return self.algorithm.sample_clients(round_idx)
+
+    def round_finished(self, round_idx: int, global_state: StateDict) -> None:
+        self.global_state = global_state
+        config = self.config
+        last = round_idx == config.comm_round - 1
+        if self.recorder is not None:
+            self.recorder.round_finished(round_idx)
+            if last or round_idx % config.frequency_of_the_test == 0:
+                state = {k: v.to(self.device) for k, v in global_state.items()}
+                self.recorder.record_evaluation(round_idx, self.algorithm.evaluate(round_idx, state, self.users))
+        every = config.checkpoint_every
+        if self.is_server and self._resumable() and every and (round_idx + 1) % every == 0 and not last:
+            self.save_checkpoint(round_idx + 1)
+
+    def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
+        if self.recorder is not None:
+            self.recorder.record_silo_evaluation(label, mean, silos)
+
+    # -- restore ----------------------------------------------------------------------------------
+    def _resumable(self) -> bool:
+        return (self.config.training_type == "simulation" and self.config.backend == "sp"
+                and self.config.simulation_engine == "batched")
+
+    def save_checkpoint(self, next_round: int) -> None:
+        checkpoint.save(self.run_dir, next_round, {k: v.detach().cpu() for k, v in self.global_state.items()},
+                        {"algorithm": self.algorithm.state_dict(), "recorder": self.recorder.state_dict()})
+
+    def restore(self) -> None:
+        if not getattr(self.args, "perfedavg_resume", False):
+            return
+        if not self._resumable():
+            raise ConfigError(f"train_args.simulation_engine={self.config.simulation_engine!r}, comm_args.backend="
+                              f"{self.config.backend!r}: resuming needs the batched engine on sp (FedML's loops "
+                              f"always start at round 0)")
+        state = checkpoint.load(self.run_dir)
+        if state is None:
+            logger.warning("no checkpoint in %s: starting from round 0", self.run_dir)
+            return
+        self.global_state = {k: v.to(self.device) for k, v in state["model"].items()}
+        self.backend.state = dict(self.global_state)
+        self.algorithm.load_state_dict(state["states"]["algorithm"])
+        self.recorder.load_state_dict(state["states"]["recorder"])
+        self.start_round = state["next_round"]
+        logger.info("resumed %s at round %d", self.run_dir, self.start_round)
+
+    # -- execute and finish -------------------------------------------------------------------------
+    def execute(self) -> None:
+        from ..engine.batched import BatchedSimulation
+
+        if isinstance(self.backend, BatchedSimulation):
+            self.global_state = self.backend.run(self.start_round, self.config.comm_round)
+        else:
+            self.backend.run()
+
+    def finish(self, status: str = "finished", error: Optional[str] = None) -> Dict[str, Any]:
+        """The server writes model.pt (the last global model, also of a stopped run) and summary.json."""
+        if not self.is_server:
+            return {"role": "client", "rank": self.rank, "status": status, "error": error}
+        torch.save({k: v.detach().cpu() for k, v in self.global_state.items()}, os.path.join(self.run_dir, "model.pt"))
+        summary = self.recorder.finish(status=status, error=error, rejected_updates=self.algorithm.rejected,
+                                       aggregate_calls=self.algorithm.aggregate_calls)
+        if summary["personalized_accuracy"] is not None:
+            logger.info("personalized accuracy %.4f (before adaptation %.4f) at round %s of %d; %.1f s; results in %s",
+                        summary["personalized_accuracy"], summary["accuracy_before_adaptation"],
+                        summary["headline_round"], summary["rounds"], summary["wall_seconds"], self.run_dir)
+        return summary
+
+    def run(self) -> RunResult:
+        try:
+            self.restore()
+            self.execute()
+        except (DivergenceError, RunStopped) as err:
+            # No result is lost: what was measured so far goes to summary.json, then the run stops.
+            self.finish(status="stopped", error=str(err))
+            self._close()
+            raise
+        except BaseException:
+            self._close()
+            raise
+        summary = self.finish()
+        self._close()
+        self.result = RunResult(summary, self.run_dir, self.algorithm, self.global_state, self.trainer,
+                                self.aggregator)
+        return self.result
+
+    def _close(self) -> None:
+        if self._log_handler is not None:
+            logging.getLogger().removeHandler(self._log_handler)
+            self._log_handler.close()
+            self._log_handler = None
+
+
+def _file_log(run_dir: str, name: str) -> Optional[logging.Handler]:
+    """Every log line of the run (FedML's and the per-user lines included) into the run directory."""
+    path = os.path.join(run_dir, name)
+    root = logging.Logger.manager.root  # the real root, even where FedML's init_logs swapped logging.root
+    if any(isinstance(h, logging.FileHandler) and h.baseFilename == path for h in root.handlers):
+        return None
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.setLevel(logging.DEBUG)
+    root.addHandler(handler)
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    return handler
+
+
+def install() -> None:
+    """Install the plugin into FedML with this run layer behind it (what ``import
+    fedml_perfedavg`` does)."""
+    from ..fedml_bridge import install as install_bridge
+
+    install_bridge(Entry())
+
+
+# -- FedML's main-script steps, for the command line and library calls --------------------------------
+def fedml_args(config: Config, run_dir: Optional[str] = None, resume: bool = False, rank: Optional[int] = None,
+               role: Optional[str] = None, run_id: str = "0") -> argparse.Namespace:
+    """FedML's ``args`` for ``config`` (what ``fedml.init()`` would read from the YAML)."""
+    args = config.to_fedml_args(run_dir=run_dir, perfedavg_resume=resume)
+    if config.training_type == "cross_silo":
+        args.rank, args.role, args.run_id = rank, role, run_id
+        args.worker_num, args.scenario = config.client_num_per_round, "horizontal"
+    return args
+
+
+def run_fedml_main(args: argparse.Namespace) -> RunResult:
+    """What FedML's example main script does, returning the plugin run's result."""
+    install()
+    import fedml
+    from fedml import FedMLRunner
+
+    args = fedml.init(args, should_init_logs=False)
+    device = fedml.device.get_device(args)
+    dataset, output_dim = fedml.data.load(args)
+    model = fedml.model.create(args, output_dim)
+    runner = FedMLRunner(args, device, dataset, model)
+    runner.run()
+    return runner.runner.result
+
+
+def run(config: Config, run_dir: Optional[str] = None, resume: bool = False) -> RunResult:
+    """Run ``config`` through FedML's entry points (sp: the batched engine or FedML's loop; MPI
+    under ``mpirun``); returns when this process's part is over."""
+    return run_fedml_main(fedml_args(config, run_dir, resume))
