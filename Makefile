@@ -7,7 +7,7 @@ SHARED_DATA := ../shared/datasets
 # MNIST from ../shared when it is there, else ./data with a torchvision download.
 DATA_ARGS := $(if $(wildcard $(SHARED_DATA)/MNIST/raw/train-images-idx3-ubyte),--set data_cache_dir=$(SHARED_DATA),--set data_cache_dir=./data --set download=true)
 
-.PHONY: setup run test bench-speed table1 clean
+.PHONY: setup run test test-fast bench-speed table1 clean
 setup: $(STAMP)
 
 $(STAMP): setup.py constraints.txt
@@ -22,6 +22,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Unit and property tests only (no FedML loops, MPI or gRPC runs): about a minute.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m fast tests
 
 bench-speed: $(STAMP)
 	$(PY) benchmarks/speed.py --full-run

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_check import REPO, config_for, engine_for  # noqa: E402
 
-from fedml_perfedavg.evaluation import UserSplit  # noqa: E402
+from fedml_perfedavg.core.types import UserSplit  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 
 VARIANTS = ("ours", "normalized_inputs", "xavier_init")
@@ -40,7 +40,7 @@ def checkpoints(rounds: int) -> List[int]:
 
 def one_run(job) -> Dict:
     variant, method, seed, mnist_root, device_name, rounds = job
-    from fedml_perfedavg.data import load_federated
+    from fedml_perfedavg.data.loading import load_federated
 
     torch.set_num_threads(1)
     device = torch.device(device_name)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from fedml_perfedavg.algorithm import LocalUpdateConfig, local_update, make_loss_fn  # noqa: E402
 from fedml_perfedavg.config import load_yaml, resolve  # noqa: E402
 from fedml_perfedavg.engine import BatchedSimulation  # noqa: E402
-from fedml_perfedavg.evaluation import UserSplit, personalized_evaluation, personalized_evaluation_batched  # noqa: E402
+from fedml_perfedavg.core.types import UserSplit, personalized_evaluation, personalized_evaluation_batched  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 from fedml_perfedavg.sampling import Purpose, generator_for, sample_clients, sample_local_batches  # noqa: E402
 
@@ -136,7 +136,7 @@ def equivalence(device: torch.device) -> Dict[str, float]:
 
 
 def mnist_users(root: str, device: torch.device) -> List[UserSplit]:
-    from fedml_perfedavg.data import load_federated
+    from fedml_perfedavg.data.loading import load_federated
 
     return load_federated("mnist", root, 50, "paper", 0).to(device).users
 

@@ -27,15 +27,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedml_perfedavg.config import resolve  # noqa: E402
-from fedml_perfedavg.data import FederatedData  # noqa: E402
-from fedml_perfedavg.engine import BatchedSimulation  # noqa: E402
-from fedml_perfedavg.evaluation import personalized_evaluation, personalized_evaluation_batched  # noqa: E402
+from fedml_perfedavg.algorithms.registry import create_algorithm  # noqa: E402
+from fedml_perfedavg.core.types import UserSplit  # noqa: E402
+from fedml_perfedavg.data.loading import FederatedData  # noqa: E402
+from fedml_perfedavg.engine.batched import BatchedSimulation  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
-from fedml_perfedavg.registry import algorithm_factory  # noqa: E402
-from fedml_perfedavg.sampling import sample_clients  # noqa: E402
+from fedml_perfedavg.run.config import resolve  # noqa: E402
 
-METHODS = {"fedavg": ("FedAvg", "hf"), "fo": ("PerFedAvg", "fo"), "hf": ("PerFedAvg", "hf"),
+METHODS = {"fedavg": ("FedAvgUpdate", "hf"), "fo": ("PerFedAvg", "fo"), "hf": ("PerFedAvg", "hf"),
            "exact": ("PerFedAvg", "exact")}
 # fwd+bwd passes of one batch per local step; exact's Hessian-vector product (forward-over-reverse)
 # costs about two more fwd+bwd passes.
@@ -70,14 +69,13 @@ def config_for(method: str, clients: int = 10, users: int = 50, device: str = "c
 
 
 def load_users(users: int, device: str):
-    from fedml_perfedavg.runner import load_data
+    from fedml_perfedavg.run.runner import load_split
 
     if (Path(MNIST_ROOT) / "MNIST" / "raw").exists():
-        data = load_data(config_for("hf"))
+        data = load_split(config_for("hf"))
         source = "real MNIST, paper split"
     else:  # same shapes and sizes, random pixels
         g = torch.Generator().manual_seed(0)
-        from fedml_perfedavg.evaluation import UserSplit
         split = [UserSplit(torch.rand(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g),
                            torch.rand(m, 1, 28, 28, generator=g), torch.randint(0, 10, (m,), generator=g))
                  for n, m in [(980, 160)] * 25 + [(490, 80)] * 25]
@@ -100,9 +98,20 @@ def measure_one(method: str, path: str, repeats: int, device: str, clients: int 
     user_data, source = load_users(users, device)
     torch.manual_seed(0)
     model = create_model("mlp", (1, 28, 28), 10).to(dev)
+    from fedml_perfedavg.fedml_bridge.shims import create_fedml_pair
+
     args = config.to_fedml_args()
-    trainer, aggregator = algorithm_factory(config.federated_optimizer)(model, config, args)
-    engine = BatchedSimulation(config, user_data, trainer, aggregator)
+    algorithm = create_algorithm(config.federated_optimizer, model, config)
+    trainer, aggregator = create_fedml_pair(algorithm, model, args)
+
+    class Driver:
+        def sample_clients(self, round_idx):
+            return algorithm.sample_clients(round_idx)
+
+        def round_finished(self, round_idx, global_state):
+            pass
+
+    engine = BatchedSimulation(algorithm, user_data, model.state_dict(), Driver())
     state = {"round": 0}
 
     def per_client_round():
@@ -111,7 +120,7 @@ def measure_one(method: str, path: str, repeats: int, device: str, clients: int 
         args.round_idx = r
         w = aggregator.get_model_params()
         updates = []
-        for c in sample_clients(0, r, users, clients):
+        for c in algorithm.sample_clients(r):
             trainer.set_model_params(copy.deepcopy(w))
             trainer.set_id(c)
             trainer.train((user_data[c].train_x, user_data[c].train_y), dev, args)
@@ -122,11 +131,10 @@ def measure_one(method: str, path: str, repeats: int, device: str, clients: int 
         state["round"] += 1
         engine.train_round(state["round"])
 
-    params = {k: p.detach() for k, p in model.named_parameters()}
-    evaluate = personalized_evaluation if path == "per_client" else personalized_evaluation_batched
-    train_ms = median_ms(per_client_round if path == "per_client" else batched_round, repeats)
-    eval_ms = median_ms(lambda: evaluate(model, trainer.loss_fn, params, user_data, config.alpha, 1, 40, 0, 0),
+    state_dict = model.state_dict()
+    eval_ms = median_ms(lambda: algorithm.evaluate(0, state_dict, user_data, batched=path != "per_client"),
                         max(3, repeats // 2))
+    train_ms = median_ms(per_client_round if path == "per_client" else batched_round, repeats)
     peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if dev.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return {"method": method, "path": path, "clients": clients, "users": users, "train_ms": train_ms,
@@ -145,7 +153,7 @@ def full_run_seconds(device: str) -> dict:
     """A 1000-round HF run, evaluation every 10 rounds, through the normal runner."""
     import tempfile
 
-    from fedml_perfedavg.runner import run
+    from fedml_perfedavg.run.runner import run
 
     config = resolve({}, dict(comm_round=1000, frequency_of_the_test=10, data_cache_dir=MNIST_ROOT,
                               show_progress=False, using_gpu=device != "cpu"))

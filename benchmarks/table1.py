@@ -4,7 +4,7 @@
     python benchmarks/table1.py --datasets mnist cifar10 --seeds 3 --rounds 200 --jobs 2
     python benchmarks/table1.py --report-only         # rebuild CSV/MD/plots from finished runs
 
-Each run is ``fedml_perfedavg.runner.run`` on a YAML of ``yaml_configs/`` (cell x method) with
+Each run is ``fedml_perfedavg.run.runner.run`` on a YAML of ``yaml_configs/`` (cell x method) with
 the seed and rounds overridden; its directory is ``<out>/runs/<cell>/<method>/seed<k>``. Runs
 whose summary.json says "finished" are skipped, so an interrupted grid resumes. Outputs in
 ``<out>``: table1.csv (one row per run), table1.md (mean and 95% interval per cell next to the
@@ -95,8 +95,8 @@ def run_one(path: str, run_dir: str, seed: int, rounds: int, overrides: Sequence
 
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING)
-    from fedml_perfedavg.config import load
-    from fedml_perfedavg.runner import run
+    from fedml_perfedavg.run.config import load
+    from fedml_perfedavg.run.runner import run
 
     config = load(path, [f"random_seed={seed}", f"comm_round={rounds}", "show_progress=false", *overrides])
     result = run(config, run_dir)

@@ -1,20 +1,19 @@
 import os
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-MNIST_ROOT = os.environ.get("PERFEDAVG_MNIST_ROOT", str(REPO.parent / "shared" / "datasets"))
+from tests.helpers import MNIST_ROOT, mnist_available
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-def mnist_available() -> bool:
-    return (Path(MNIST_ROOT) / "MNIST" / "raw" / "train-images-idx3-ubyte").exists()
-
-
-needs_mnist = pytest.mark.skipif(not mnist_available(), reason=f"real MNIST not found under {MNIST_ROOT}")
+def pytest_collection_modifyitems(config, items):
+    # Backend runs (subprocesses, FedML's loops, MPI, gRPC) are marked "backend"; the rest
+    # "fast": `pytest -m fast` runs those alone in about a minute.
+    for item in items:
+        slow = "/backends/" in str(item.fspath) or item.get_closest_marker("backend") is not None
+        item.add_marker(pytest.mark.backend if slow else pytest.mark.fast)
 
 
 @pytest.fixture(scope="session")
@@ -27,9 +26,9 @@ def mnist_root() -> str:
 @pytest.fixture
 def fake_cifar_root(tmp_path, monkeypatch):
     """Small generated CIFAR-10 files in torchvision's layout; md5 checks relaxed for them only."""
-    from fedml_perfedavg.fedml_compat import make_torchvision_importable
+    from fedml_perfedavg.data.torchvision_ops import make_torchvision_importable
 
-    from .cifar_files import write_fake_cifar10
+    from tests.helpers_cifar import write_fake_cifar10
 
     make_torchvision_importable()
     import torchvision

@@ -13,6 +13,6 @@ def test_paper_mlp_shapes_and_elu():
 
 
 def test_cnn_option():
-    model = create_model("cnn", (3, 32, 32), 10)
+    model = create_model("small_cnn", (3, 32, 32), 10)
     assert isinstance(model, SmallCNN) and model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
     assert isinstance(create_model("mlp", (1, 28, 28), 10, hidden=(5,)), MLP)

@@ -30,8 +30,9 @@ class PluginEntry(Protocol):
     def is_plugin_algorithm(self, name: Optional[str]) -> bool:
         """True for names in the plugin's registry."""
 
-    def fedml_files_dir(self, args: Any) -> Optional[str]:
-        """Where FedML's ``~/.fedml`` files go for this run (None: the user's home)."""
+    def before_fedml_init(self, args: Any) -> Optional[str]:
+        """Called before FedML's ``init``; returns where FedML's ``~/.fedml`` files go (None:
+        the user's home)."""
 
     def load_split(self, args: Any):
         """The paper's split for ``fedml.data.load`` (a FederatedData), or None if not asked for."""
@@ -58,7 +59,7 @@ def offline_init(original_init, entry: PluginEntry):
             args = original_init(args, check_env=check_env, should_init_logs=should_init_logs)
             keep_plugin_logs_visible()
             return args
-        files_dir = entry.fedml_files_dir(args)
+        files_dir = entry.before_fedml_init(args)
         redirect_fedml_home(files_dir)
         fedml_dir = os.path.join(files_dir or os.path.expanduser("~"), ".fedml")
         args.sys_perf_profiling = False

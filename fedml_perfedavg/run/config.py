@@ -292,7 +292,7 @@ def _rule_split(c: Config) -> None:
         return  # FedML's own loaders: checked against the data once it is loaded
     if c.dataset not in DATASETS:
         raise ConfigError(f"data_args.dataset={c.dataset!r}: the paper's split (data_args.partition_method="
-                          f"{c.partition_method!r}) is defined for {list(DATASETS)}")
+                          f"{c.partition_method!r}) is defined for {list(DATASETS)}{_suggest(c.dataset, DATASETS)}")
     if c.client_num_in_total < 2 or c.client_num_in_total % 2:
         raise ConfigError(f"train_args.client_num_in_total={c.client_num_in_total!r}: the paper's split "
                           f"(data_args.partition_method={c.partition_method!r}) needs an even number >= 2")
@@ -422,6 +422,8 @@ def from_fedml_args(args: Any) -> Config:
     path = getattr(args, "yaml_config_file", "") or ""
     sections = load_yaml(path) if path else {}
     current = {name: getattr(args, name) for name in BY_NAME if hasattr(args, name)}
+    if hasattr(args, "perfedavg_enable_wandb"):  # FedML's own wandb.init was kept off (run.runner.Entry)
+        current["enable_wandb"] = args.perfedavg_enable_wandb
     for values in sections.values():
         for name in list(values):
             if name in current:

@@ -117,7 +117,15 @@ class Entry:
     def is_plugin_algorithm(self, name: Optional[str]) -> bool:
         return name in algorithm_names()
 
-    def fedml_files_dir(self, args: Any) -> Optional[str]:
+    def before_fedml_init(self, args: Any) -> Optional[str]:
+        """Validates a plugin run's config before FedML starts, chooses its run directory, keeps
+        FedML's own ``wandb.init`` (fedml/__init__.py ``_manage_profiling_args``: no group, files
+        in the working directory) off for it, since the run's recorder owns wandb; returns
+        where FedML's ``~/.fedml`` files go."""
+        if self.is_plugin_algorithm(getattr(args, "federated_optimizer", None)):
+            from_fedml_args(args)  # a bad value stops the run here, before FedML starts anything
+            args.perfedavg_enable_wandb = bool(getattr(args, "enable_wandb", False))
+            args.enable_wandb = False
         home = getattr(args, "fedml_home", default_of("fedml_home"))
         if home == "user":
             return None
@@ -371,22 +379,37 @@ def fedml_args(config: Config, run_dir: Optional[str] = None, resume: bool = Fal
     return args
 
 
-def run_fedml_main(args: argparse.Namespace) -> RunResult:
-    """What FedML's example main script does, returning the plugin run's result."""
+def run_fedml_main(args: argparse.Namespace, data: Optional[FederatedData] = None,
+                   model: Optional[torch.nn.Module] = None) -> RunResult:
+    """What FedML's example main script does, returning the plugin run's result. ``data``
+    (and ``model``) replace ``fedml.data.load`` (and ``fedml.model.create``) for a split the
+    caller already holds."""
     install()
     import fedml
     from fedml import FedMLRunner
 
+    from ..data.fedml_format import to_fedml_dataset
+    from ..models import create_model
+
     args = fedml.init(args, should_init_logs=False)
     device = fedml.device.get_device(args)
-    dataset, output_dim = fedml.data.load(args)
-    model = fedml.model.create(args, output_dim)
+    if data is None:
+        dataset, output_dim = fedml.data.load(args)
+    else:
+        dataset, output_dim = to_fedml_dataset(data.users, data.num_classes, int(args.batch_size)), data.num_classes
+        if model is None:
+            torch.manual_seed(int(args.random_seed))
+            model = create_model(args.model, data.input_shape, data.num_classes, args.hidden_sizes)
+    if model is None:
+        model = fedml.model.create(args, output_dim)
     runner = FedMLRunner(args, device, dataset, model)
     runner.run()
     return runner.runner.result
 
 
-def run(config: Config, run_dir: Optional[str] = None, resume: bool = False) -> RunResult:
+def run(config: Config, run_dir: Optional[str] = None, resume: bool = False, data: Optional[FederatedData] = None,
+        model: Optional[torch.nn.Module] = None) -> RunResult:
     """Run ``config`` through FedML's entry points (sp: the batched engine or FedML's loop; MPI
-    under ``mpirun``); returns when this process's part is over."""
-    return run_fedml_main(fedml_args(config, run_dir, resume))
+    under ``mpirun``); returns when this process's part is over. ``data``/``model``: see
+    :func:`run_fedml_main`."""
+    return run_fedml_main(fedml_args(config, run_dir, resume), data, model)

@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedml_perfedavg.data import default_test_images_per_class, load_federated
-from fedml_perfedavg.partition import partition_indices, plan_users
+from fedml_perfedavg.data.loading import default_test_images_per_class, load_federated
+from fedml_perfedavg.data.partition import partition_indices, plan_users
 
-from .conftest import needs_mnist
+from tests.helpers import needs_mnist
 
 
 def _check_paper_counts(users, a, diff_hetero=False, train=True):

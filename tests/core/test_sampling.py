@@ -1,6 +1,6 @@
 import torch
 
-from fedml_perfedavg.sampling import Purpose, batch_indices, generator_for, sample_clients, sample_local_batches
+from fedml_perfedavg.core.sampling import Purpose, batch_indices, generator_for, sample_clients, sample_local_batches
 
 
 def test_client_sampling_is_uniform_without_replacement_and_keyed_by_seed_and_round():
@@ -35,7 +35,7 @@ def test_batches_depend_only_on_seed_round_client():
 
 
 def test_held_out_users_are_never_sampled_for_training():
-    from fedml_perfedavg.sampling import held_out_users
+    from fedml_perfedavg.core.sampling import held_out_users
 
     held = held_out_users(0, 50, 0.1)
     assert len(held) == 5 and held == held_out_users(0, 50, 0.1) and held != held_out_users(1, 50, 0.1)

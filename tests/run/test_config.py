@@ -4,11 +4,11 @@ import sys
 
 import pytest
 
-from fedml_perfedavg.cli import main
-from fedml_perfedavg.config import ConfigError, load, parse_overrides, resolve
-from fedml_perfedavg.registry import algorithm_names
+from fedml_perfedavg.run.cli import main
+from fedml_perfedavg.run.config import ConfigError, load, parse_overrides, resolve
+from fedml_perfedavg.algorithms.registry import algorithm_names
 
-from .conftest import REPO, needs_mnist
+from tests.helpers import REPO, needs_mnist
 
 CONFIGS = sorted(p for p in (REPO / "yaml_configs").glob("*.yaml") if p.stem.split("_")[0] in ("mnist", "cifar10") and not p.stem.endswith(("_mpi", "_silo")))
 
@@ -26,7 +26,7 @@ def test_every_table1_cell_has_its_configs():
 def test_shipped_configs_validate_and_say_what_they_run(path):
     config = load(str(path))
     method = path.stem.rsplit("_", 1)[1]
-    assert config.federated_optimizer == ("FedAvg" if method == "fedavg" else "PerFedAvg")
+    assert config.federated_optimizer == ("FedAvgUpdate" if method == "fedavg" else "PerFedAvg")
     if method != "fedavg":
         assert config.perfedavg_variant == method
     assert (config.client_num_in_total, config.client_num_per_round, config.comm_round, config.beta) == (50, 10, 1000,
@@ -51,8 +51,11 @@ def test_shipped_configs_validate_and_say_what_they_run(path):
     ({"client_num_per_round": 60}, r"client_num_per_round=60: must be <= train_args.client_num_in_total \(50\)"),
     ({"federated_optimizer": "PerFedAvgg"}, r"federated_optimizer='PerFedAvgg'.*did you mean 'PerFedAvg'"),
     ({"dataset": "mnsit"}, r"data_args.dataset='mnsit'.*did you mean 'mnist'"),
-    ({"model": "resnet"}, r"model_args.model='resnet': must be one of \['mlp', 'cnn'\]"),
-    ({"partition_method": "iid"}, r"data_args.partition_method='iid': must be one of \['paper', 'paper_diff_hetero'\]"),
+    ({"client_num_in_total": 7, "client_num_per_round": 2}, r"train_args.client_num_in_total=7: the paper's split .* needs an even number"),
+    ({"images_per_class": 2000}, r"data_args.images_per_class=2000: 50 users would need 55000 images of class 0, "
+                                 r"but mnist's training set has 5923"),
+    ({"federated_optimizer": "FedAvg"}, r"federated_optimizer='FedAvg': that is FedML's own algorithm .* FedAvgUpdate"),
+    ({"learning_rate": 0.1, "beta": 0.2}, r"train_args.learning_rate=0.1 and train_args.beta=0.2 both set the step"),
     ({"backend": "NCCL"}, r"comm_args.backend='NCCL': must be one of"),
     ({"images_per_class": 195}, r"data_args.images_per_class=195: must be an even number >= 2"),
     ({"new_user_fraction": 1.0}, r"train_args.new_user_fraction=1.0: must be in \[0, 1\)"),
@@ -85,7 +88,8 @@ def test_set_overrides_take_yaml_values_and_qualified_names():
         "comm_round": 20, "alpha": 0.05, "enable_wandb": True}
     with pytest.raises(ConfigError, match="unknown key 'comm_rounds'; did you mean 'comm_round'"):
         parse_overrides(["comm_rounds=3"])
-    config = load(str(CONFIGS[0]), ["comm_round=7"])
+    config = load(str(CONFIGS[0]), ["comm_round=7", "data_args.data_cache_dir=/d"])
+    assert config.data_cache_dir == "/d"
     assert config.comm_round == 7 and config.sections()["train_args"]["comm_round"] == 7
 
 
@@ -106,14 +110,33 @@ def test_fedml_args_flatten_sections():
 
 
 def test_registry_lists_builtins():
-    assert algorithm_names()[:2] == ["PerFedAvg", "FedAvg"]
+    assert algorithm_names()[:2] == ["PerFedAvg", "FedAvgUpdate"]
+
+
+def test_fedml_keys_mean_what_they_mean_in_fedml(caplog):
+    with caplog.at_level("WARNING"):
+        config = resolve({"train_args": {"learning_rate": 0.03, "epochs": 5, "client_optimizer": "adam",
+                                         "weight_decay": 0.001, "batch_size": 20}})
+    assert config.beta == 0.03 and config.batch_sizes == (20, 20, 20)  # learning_rate is beta; batch_size is |D|
+    for name in ("train_args.epochs=5 is not used", "train_args.client_optimizer='adam' is not used",
+                 "train_args.weight_decay=0.001 is not used"):
+        assert name in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert resolve({"train_args": {"learning_rate": 0.001, "beta": 0.001, "client_optimizer": "sgd"}}).beta == 0.001
+    assert "not used" not in caplog.text  # sgd is what Per-FedAvg does; equal values agree
 
 
 def test_cli_reports_config_errors_without_a_traceback(capsys, tmp_path):
     assert main(["--cf", str(tmp_path / "missing.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
     assert main(["--set", "alpha=0"]) == 2
+    err = capsys.readouterr().err
+    assert "--cf CONFIG.yaml is required" in err and "usage: fedml-perfedavg" in err
+    assert main(["--cf", str(CONFIGS[0]), "--set", "alpha=0"]) == 2
     assert "train_args.alpha=0: must be > 0" in capsys.readouterr().err
+    assert main(["--resume", str(tmp_path / "nowhere")]) == 2
+    assert "no config.yaml there; is it a run directory" in capsys.readouterr().err
 
 
 @needs_mnist
@@ -128,36 +151,37 @@ def test_describe_data_prints_the_paper_counts(mnist_root):
     assert len(lines) == 2 + 50
 
 
-def test_readme_documents_every_config_key():
-    from fedml_perfedavg.config import SCHEMA
+def test_readme_config_table_is_generated_from_the_config():
+    from fedml_perfedavg.run.config import markdown_table
 
     readme = (REPO / "README.md").read_text()
-    missing = [k.name for k in SCHEMA if f"`{k.name}`" not in readme]
-    assert not missing, f"README's configuration reference lacks {missing}"
+    assert markdown_table() in readme, "README's configuration table is stale: paste run.config.markdown_table()"
 
 
 def test_entry_point_algorithms_are_listed_and_loaded(monkeypatch):
-    from fedml_perfedavg import registry
+    from fedml_perfedavg.algorithms import registry
+    from fedml_perfedavg.algorithms.perfedavg import PerFedAvg
 
     class FakeEntryPoint:
         name = "MyAlg"
 
         def load(self):
-            return registry.algorithm_factory("PerFedAvg")
+            return PerFedAvg
 
     monkeypatch.setattr(registry, "entry_points", lambda group: [FakeEntryPoint()] if group == registry.ENTRY_POINT_GROUP
                         else [])
-    assert registry.algorithm_names() == ["PerFedAvg", "FedAvg", "MyAlg"]
+    monkeypatch.setattr(registry, "_REGISTERED", {})  # algorithms other tests registered
+    assert registry.algorithm_names() == ["PerFedAvg", "FedAvgUpdate", "MyAlg"]
     assert resolve({}, {"federated_optimizer": "MyAlg"}).federated_optimizer == "MyAlg"
-    assert registry.algorithm_factory("MyAlg") is registry.algorithm_factory("PerFedAvg")
+    assert registry.algorithm_class("MyAlg") is PerFedAvg
     with pytest.raises(KeyError, match="must be one of"):
-        registry.algorithm_factory("Nope")
+        registry.algorithm_class("Nope")
+    with pytest.raises(ValueError, match="FedML's own algorithm name"):
+        registry.register("FedAvg", PerFedAvg)
 
 
 def test_batch_sizes_must_fit_the_smallest_users_data():
-    from fedml_perfedavg.config import check_against_data
-
-    check_against_data(resolve({}), 40)
+    resolve({}, {"hessian_batch_size": 490})
     with pytest.raises(ConfigError, match=r"train_args.hessian_batch_size=500: must be <= the smallest user's "
                                           r"training data \(490 samples\)"):
-        check_against_data(resolve({}, {"hessian_batch_size": 500}), 490)
+        resolve({}, {"hessian_batch_size": 500})

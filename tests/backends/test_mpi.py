@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedml_perfedavg.config import load_yaml, resolve
-from fedml_perfedavg.runner import run
+from fedml_perfedavg.run.config import load_yaml, resolve
+from fedml_perfedavg.run.runner import run
 
-from .conftest import REPO, needs_mnist
-from .test_simulation import HF_YAML, NETWORK_GUARD, _unshare_works
+from tests.helpers import HF_YAML, NETWORK_GUARD, REPO, needs_mnist, unshare_works
 
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 needs_mpi = pytest.mark.skipif(MPIRUN is None, reason="mpirun (PyPI mpich) not installed")
@@ -26,7 +25,7 @@ def _mpi_run(mnist_root, run_dir, optimizer="PerFedAvg", variant="hf", extra=())
                                      "federated_optimizer": optimizer, "perfedavg_variant": variant}.items()]
     command = [MPIRUN, "-n", "3", sys.executable, "-c", NETWORK_GUARD, "--cf", HF_YAML, "--run-dir", str(run_dir),
                *[a for s in sets for a in ("--set", s)], *extra]
-    if _unshare_works():
+    if unshare_works():
         command = ["unshare", "-n"] + command
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
     out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
@@ -37,7 +36,7 @@ def _mpi_run(mnist_root, run_dir, optimizer="PerFedAvg", variant="hf", extra=())
 
 @needs_mnist
 @needs_mpi
-@pytest.mark.parametrize("optimizer,variant", [("PerFedAvg", "hf"), ("FedAvg", "hf")])
+@pytest.mark.parametrize("optimizer,variant", [("PerFedAvg", "hf"), ("FedAvgUpdate", "hf")])
 def test_mpi_three_ranks_equals_single_process(mnist_root, tmp_path, optimizer, variant):
     _mpi_run(mnist_root, tmp_path / "mpi", optimizer, variant)
     summary = json.loads((tmp_path / "mpi" / "summary.json").read_text())
@@ -48,7 +47,7 @@ def test_mpi_three_ranks_equals_single_process(mnist_root, tmp_path, optimizer, 
                                           "perfedavg_variant": variant, "simulation_engine": "fedml"}),
              str(tmp_path / "sp"))
     mpi_model = torch.load(tmp_path / "mpi" / "model.pt")
-    sp_model = sp.aggregator.get_model_params()
+    sp_model = sp.final_state
     for k in sp_model:
         torch.testing.assert_close(mpi_model[k], sp_model[k], rtol=1e-6, atol=1e-7)
     assert summary["per_user_accuracy"] == sp.summary["per_user_accuracy"]

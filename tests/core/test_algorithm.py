@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fedml_perfedavg.algorithm import (LocalBatches, LocalUpdateConfig, local_update, make_loss_fn, meta_gradient,
-                                       parameters_of)
+from fedml_perfedavg.core.functional import make_loss_fn, parameters_of
+from fedml_perfedavg.core.algorithm import LocalBatches, LocalUpdateConfig, local_update, meta_gradient
 from fedml_perfedavg.models import MLP
 
 

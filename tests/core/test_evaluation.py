@@ -1,10 +1,21 @@
 """The personalized evaluation protocol: adapt on train data only, then test."""
 import torch
 
-from fedml_perfedavg.algorithm import make_loss_fn, parameters_of
-from fedml_perfedavg.evaluation import UserSplit, adapt, personalized_evaluation
+from fedml_perfedavg.core.evaluation import EvaluationConfig, adaptation_batches, evaluate, sgd_steps
+from fedml_perfedavg.core.functional import make_loss_fn, parameters_of
+from fedml_perfedavg.core.sampling import Purpose, generator_for
+from fedml_perfedavg.core.types import UserSplit
 from fedml_perfedavg.models import MLP
-from fedml_perfedavg.sampling import Purpose, generator_for
+
+
+def personalized_evaluation(model, loss_fn, params, users, alpha, adapt_steps, batch_size, seed, round_idx,
+                            batched=False):
+    config = EvaluationConfig(alpha, adapt_steps, batch_size, seed, batched)
+    return evaluate(model, params, users, config, round_idx, loss_fn=loss_fn)
+
+
+def adapt(loss_fn, params, train_x, train_y, alpha, steps, batch_size, generator):
+    return sgd_steps(loss_fn, params, *adaptation_batches(train_x, train_y, steps, batch_size, generator), alpha)
 
 EVENTS = []
 
@@ -83,3 +94,25 @@ def test_zero_adaptation_steps_gives_the_accuracy_before_adaptation():
     result = personalized_evaluation(model, make_loss_fn(model), parameters_of(model), _users(3), alpha=0.5,
                                      adapt_steps=0, batch_size=8, seed=0, round_idx=0)
     assert result.per_user_accuracy == result.per_user_accuracy_before
+
+
+def test_batched_and_one_by_one_evaluation_agree():
+    torch.manual_seed(3)
+    model = MLP(6, 3, (5,))
+    users = _users(5)
+    args = dict(alpha=0.3, adapt_steps=2, batch_size=8, seed=1, round_idx=2)
+    a = personalized_evaluation(model, make_loss_fn(model), parameters_of(model), users, **args)
+    b = personalized_evaluation(model, make_loss_fn(model), parameters_of(model), users, batched=True, **args)
+    assert a.per_user_accuracy == b.per_user_accuracy and a.per_user_accuracy_before == b.per_user_accuracy_before
+
+
+def test_user_ids_key_the_adaptation_batches():
+    """A silo evaluating user 7 alone draws what the server's evaluation of all users draws for it."""
+    torch.manual_seed(4)
+    model = MLP(6, 3, (5,))
+    users = _users(8)
+    config = EvaluationConfig(0.5, 1, 8, 0, batched=False)
+    everyone = evaluate(model, parameters_of(model), users, config, 3)
+    alone = evaluate(model, parameters_of(model), [users[7]], config, 3, user_ids=[7])
+    assert alone.per_user_accuracy == [everyone.per_user_accuracy[7]]
+    assert alone.per_user_loss == [everyone.per_user_loss[7]]

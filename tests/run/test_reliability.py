@@ -8,13 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedml_perfedavg.config import SCHEMA, ConfigError, resolve
-from fedml_perfedavg.data import FederatedData
-from fedml_perfedavg.engine import BatchedSimulation
-from fedml_perfedavg.evaluation import UserSplit
-from fedml_perfedavg.guards import DivergenceError, RunStopped, update_problem
-from fedml_perfedavg.partition import partition_indices, plan_users
-from fedml_perfedavg.runner import run
+from fedml_perfedavg.run.config import ConfigError, resolve
+from fedml_perfedavg.run.config import settings as config_settings
+from fedml_perfedavg.data.loading import FederatedData
+from fedml_perfedavg.engine.batched import BatchedSimulation
+from fedml_perfedavg.core.types import UserSplit
+from fedml_perfedavg.core.guards import DivergenceError, RunStopped, update_problem
+from fedml_perfedavg.data.partition import partition_indices, plan_users
+from fedml_perfedavg.run.runner import run
 
 
 def _data(num_users=6, seed=0, nan_user=None):
@@ -51,21 +52,19 @@ def test_skip_client_policy_drops_that_update_and_goes_on(tmp_path, engine):
                  data=_data(nan_user=4))
     assert result.summary["status"] == "finished" and result.summary["rounds"] == 6
     assert result.summary["rejected_updates"] == {str(r): 1 for r in range(6)}  # user 4 is in every round
-    assert all(torch.isfinite(v).all() for v in result.aggregator.get_model_params().values())
+    assert all(torch.isfinite(v).all() for v in result.final_state.values())
 
 
-def _aggregator(**overrides):
-    from fedml_perfedavg.registry import algorithm_factory
+def _algorithm(**overrides):
+    from fedml_perfedavg.algorithms.registry import create_algorithm
     from fedml_perfedavg.models import create_model
 
-    config = _config(**overrides)
     model = create_model("mlp", (1, 4, 4), 3, (5,))
-    return algorithm_factory("PerFedAvg")(model, config, config.to_fedml_args())[1]
+    return create_algorithm("PerFedAvg", model, _config(**overrides)), model.state_dict()
 
 
-def test_aggregator_rejects_bad_updates_and_averages_the_rest():
-    aggregator = _aggregator(max_update_norm=5.0)
-    good = aggregator.get_model_params()
+def test_aggregation_rejects_bad_updates_and_averages_the_rest():
+    algorithm, good = _algorithm(max_update_norm=5.0)
     shifted = OrderedDict((k, v + 0.01) for k, v in good.items())
     nan = OrderedDict((k, v.clone()) for k, v in good.items())
     nan["net.1.bias"][0] = float("nan")
@@ -74,9 +73,8 @@ def test_aggregator_rejects_bad_updates_and_averages_the_rest():
     far = OrderedDict((k, v + 10.0) for k, v in good.items())
     missing = OrderedDict(list(good.items())[:-1])
     updates = [(10, shifted), (10, nan), (10, wrong_shape), (10, far), (10, missing), (10, good)]
-    accepted, _ = aggregator.on_before_aggregation(updates)
-    assert len(accepted) == 2 and aggregator.rejected == {0: 4}
-    averaged = aggregator.aggregate(accepted)
+    averaged = algorithm.aggregate(0, updates, good)
+    assert algorithm.rejected == {0: 4}
     assert all(torch.allclose(averaged[k], good[k] + 0.005) for k in good)
     assert "non-finite" in update_problem(nan, good)
     assert "shape" in update_problem(wrong_shape, good)
@@ -85,13 +83,28 @@ def test_aggregator_rejects_bad_updates_and_averages_the_rest():
 
 
 def test_rounds_without_acceptable_updates_are_skipped_then_the_run_stops():
-    aggregator = _aggregator(max_skipped_rounds=2)
-    before = aggregator.get_model_params()
+    algorithm, before = _algorithm(max_skipped_rounds=2)
     bad = OrderedDict((k, torch.full_like(v, float("inf"))) for k, v in before.items())
-    accepted, _ = aggregator.on_before_aggregation([(1, bad)])
-    assert accepted == [] and all(torch.equal(aggregator.aggregate(accepted)[k], before[k]) for k in before)
+    kept = algorithm.aggregate(0, [(1, bad)], before)
+    assert all(torch.equal(kept[k], before[k]) for k in before)
     with pytest.raises(RunStopped, match="2 rounds had no acceptable client update"):
-        aggregator.on_before_aggregation([(1, bad)])
+        algorithm.aggregate(1, [(1, bad)], before)
+    assert algorithm.state_dict()["skipped_rounds"] == 2
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one_or_names_the_files(tmp_path, caplog):
+    from fedml_perfedavg.run import checkpoint
+
+    model = {"w": torch.ones(2)}
+    checkpoint.save(str(tmp_path), 2, model, {"algorithm": {}})
+    checkpoint.save(str(tmp_path), 4, model, {"algorithm": {}})
+    (tmp_path / "checkpoint.pt").write_bytes((tmp_path / "checkpoint.pt").read_bytes()[:100])  # truncated
+    with caplog.at_level("WARNING"):
+        assert checkpoint.load(str(tmp_path))["next_round"] == 2
+    assert "is damaged; resuming from the previous one" in caplog.text
+    (tmp_path / "checkpoint.prev.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"no readable checkpoint: .*checkpoint.pt .*checkpoint.prev.pt"):
+        checkpoint.load(str(tmp_path))
 
 
 def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, monkeypatch):
@@ -111,7 +124,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, monkeypatch)
     assert not list((tmp_path / "resumed").glob("*.tmp"))
     monkeypatch.setattr(BatchedSimulation, "train_round", original)
     resumed = run(_config(), str(tmp_path / "resumed"), data=data, resume=True)
-    a, b = full.aggregator.get_model_params(), resumed.aggregator.get_model_params()
+    a, b = full.final_state, resumed.final_state
     assert all(torch.equal(a[k], b[k]) for k in a)
     strip = lambda h: [{k: v for k, v in e.items() if k != "wall_seconds"} for e in h]  # noqa: E731
     assert strip(full.summary["history"]) == strip(resumed.summary["history"])
@@ -121,10 +134,10 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, monkeypatch)
 def test_same_config_and_seed_give_bit_identical_results(tmp_path):
     a = run(_config(), str(tmp_path / "a"), data=_data())
     b = run(_config(), str(tmp_path / "b"), data=_data())
-    pa, pb = a.aggregator.get_model_params(), b.aggregator.get_model_params()
+    pa, pb = a.final_state, b.final_state
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     c = run(_config(random_seed=1), str(tmp_path / "c"), data=_data())
-    assert not all(torch.equal(pa[k], c.aggregator.get_model_params()[k]) for k in pa)
+    assert not all(torch.equal(pa[k], c.final_state[k]) for k in pa)
 
 
 @settings(max_examples=60, deadline=None)
@@ -142,7 +155,7 @@ def test_partition_properties_for_any_seed(seed, half, a, partition):
         assert set(labels[idx].tolist()) == set(plan.class_counts)
 
 
-NUMERIC_OR_CHOICE = [k for k in SCHEMA if k.kind in (int, float, bool) or k.choices]
+NUMERIC_OR_CHOICE = [f for f in config_settings() if f.metadata["kind"] in (int, float, bool) or f.metadata["choices"]]
 
 
 @settings(max_examples=300, deadline=None)
@@ -151,6 +164,40 @@ NUMERIC_OR_CHOICE = [k for k in SCHEMA if k.kind in (int, float, bool) or k.choi
                        st.integers(-10 ** 6, 10 ** 6), st.booleans(), st.none(), st.lists(st.integers(), max_size=3)))
 def test_random_config_values_are_accepted_or_rejected_with_a_clear_message(key, value):
     try:
-        resolve({}, {key.name: value})
+        config = resolve({}, {key.name: value})
     except ConfigError as err:
-        assert key.name in str(err) or "client_num" in str(err)
+        assert key.name in str(err) or "client_num" in str(err) or "batch_size" in str(err)
+    else:
+        assert getattr(config, key.name) == value or (value is None and key.default is None) or \
+            float(getattr(config, key.name)) == float(value)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.fixed_dictionaries({}, optional={
+    "client_num_in_total": st.integers(-2, 120), "client_num_per_round": st.integers(-1, 60),
+    "images_per_class": st.one_of(st.none(), st.integers(-2, 2000)), "batch_size": st.integers(-1, 1200),
+    "hessian_batch_size": st.one_of(st.none(), st.integers(0, 600)), "new_user_fraction": st.floats(-0.5, 1.5),
+    "partition_method": st.sampled_from(["paper", "paper_diff_hetero", "hetero"]),
+    "dataset": st.sampled_from(["mnist", "cifar10", "femnist"]), "backend": st.sampled_from(["sp", "MPI", "GRPC"]),
+    "training_type": st.sampled_from(["simulation", "cross_silo"]), "min_clients_per_round": st.integers(0, 12),
+    "federated_optimizer": st.sampled_from(["PerFedAvg", "FedAvgUpdate", "FedAvg", "PerFedAv"]),
+    "beta": st.floats(-1, 1), "learning_rate": st.floats(0, 1)}))
+def test_whole_configs_are_valid_run_setups_or_one_clean_error(values):
+    """Drawn whole configs: either every rule holds (the split fits the dataset, batches fit the
+    smallest user) or the error names a key."""
+    from fedml_perfedavg.data.loading import DATASETS
+    from fedml_perfedavg.data.partition import plan_users
+
+    try:
+        config = resolve({}, dict(values))
+    except ConfigError as err:
+        assert "=" in str(err)  # section.key=value
+        return
+    assert 1 <= config.client_num_per_round <= config.client_num_in_total
+    if config.partition_method in ("paper", "paper_diff_hetero"):
+        spec = DATASETS[config.dataset]
+        plans = plan_users(config.client_num_in_total, config.images_per_class or spec.images_per_class,
+                           config.partition_method, config.random_seed)
+        assert max(config.batch_sizes) <= min(p.total for p in plans)
+        for cls, have in enumerate(spec.train_class_counts):
+            assert sum(p.class_counts.get(cls, 0) for p in plans) <= have

@@ -11,18 +11,15 @@ import time
 import pytest
 import torch
 
-from fedml_perfedavg.algorithm import make_loss_fn
-from fedml_perfedavg.config import ConfigError, load_yaml, resolve
-from fedml_perfedavg.evaluation import evaluate_user
-from fedml_perfedavg.runner import SiloRole, check_silo_role, load_data, run
-from fedml_perfedavg.sampling import Purpose, generator_for, sample_clients
-from fedml_perfedavg.silo import read_ipconfig, write_ipconfig
+from fedml_perfedavg.core.sampling import sample_clients
+from fedml_perfedavg.run.config import ConfigError, load_yaml, resolve
+from fedml_perfedavg.run.launch_silo import check_silo_role, read_ipconfig, write_ipconfig
+from fedml_perfedavg.run.runner import load_split, run
 
-from .conftest import REPO, needs_mnist
-from .test_simulation import HF_YAML, _unshare_works
+from tests.helpers import HF_YAML, REPO, needs_mnist, unshare_works
 
 needs_grpc = pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="grpcio not installed (.[silo])")
-SILO_YAML = str(REPO / "yaml_configs" / "mnist_tau10_alpha0.01_hf_silo.yaml")
+from tests.helpers import SILO_YAML  # noqa: E402
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
 
 
@@ -31,7 +28,7 @@ def _launch(mnist_root, run_dir, settings, extra=(), wait=True):
     sets = [f"{k}={v}" for k, v in {**SETTINGS, "data_cache_dir": mnist_root, **settings}.items()]
     command = [sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", SILO_YAML, "--clients", "2",
                "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)], *extra]
-    if _unshare_works():  # only loopback exists in there, so nothing can leave the machine
+    if unshare_works():  # only loopback exists in there, so nothing can leave the machine
         command = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -61,7 +58,7 @@ def test_launcher_with_silos_started_first_equals_single_process(mnist_root, tmp
                                           "simulation_engine": "fedml"})
     sp = run(config, str(tmp_path / "sp"))
     silo_model = torch.load(tmp_path / "silo" / "model.pt")
-    sp_model = sp.aggregator.get_model_params()
+    sp_model = sp.final_state
     for k in sp_model:
         torch.testing.assert_close(silo_model[k], sp_model[k], rtol=1e-6, atol=1e-7)
     assert summary["per_user_accuracy"] == sp.summary["per_user_accuracy"]
@@ -70,17 +67,12 @@ def test_launcher_with_silos_started_first_equals_single_process(mnist_root, tmp
     final = summary["silo_evaluation"][-1]
     assert final["when"] == "final"
     users = sample_clients(config.random_seed, 3, config.client_num_in_total, 2)
-    data = load_data(config)
-    model = sp.model
-    model.load_state_dict(silo_model)
-    params = {k: p.detach() for k, p in model.named_parameters()}
+    data = load_split(config)
     for rank, user in zip(("1", "2"), users):
         reported = final["silos"][rank]
         assert reported["user"] == user and reported["round"] == 3
-        expected, _, _ = evaluate_user(model, make_loss_fn(model), params, data.users[user], config.alpha,
-                                       config.adapt_steps, config.batch_size,
-                                       generator_for(config.random_seed, 3, user, Purpose.EVALUATION))
-        assert reported["accuracy"] == pytest.approx(expected, abs=1e-12)
+        expected = sp.algorithm.evaluate(3, silo_model, [data.users[user]], user_ids=[user], batched=False)
+        assert reported["accuracy"] == pytest.approx(expected.per_user_accuracy[0], abs=1e-12)
     mean = sum(final["silos"][r]["accuracy"] for r in ("1", "2")) / 2
     assert final["mean_accuracy"] == pytest.approx(mean)
     assert f"final: silos' own personalized accuracy {mean:.4f} (model they received" in out
@@ -152,15 +144,15 @@ def test_address_file_needs_a_row_per_rank(tmp_path):
 def test_silo_identity_is_checked(tmp_path):
     path = write_ipconfig(str(tmp_path / "ip.csv"), 3)
     config = _silo_config(tmp_path, grpc_ipconfig_path=path)
-    assert check_silo_role(config, SiloRole(1, "client")).rank == 1
+    check_silo_role(config, 1, "client")
     with pytest.raises(ConfigError, match="--rank R --role"):
-        check_silo_role(config, None)
+        check_silo_role(config, None, None)
     with pytest.raises(ConfigError, match="the server is rank 0"):
-        check_silo_role(config, SiloRole(0, "client"))
+        check_silo_role(config, 0, "client")
     with pytest.raises(ConfigError, match=r"--rank 3: silos are ranks 1..2"):
-        check_silo_role(config, SiloRole(3, "client"))
+        check_silo_role(config, 3, "client")
     with pytest.raises(ConfigError, match="grpc_ipconfig_path=None"):
-        check_silo_role(_silo_config(tmp_path), SiloRole(0, "server"))
+        check_silo_role(_silo_config(tmp_path), 0, "server")
 
 
 @pytest.mark.parametrize("overrides,message", [

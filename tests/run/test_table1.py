@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from .conftest import REPO, needs_mnist
+from tests.helpers import REPO, needs_mnist
 
 spec = importlib.util.spec_from_file_location("table1", REPO / "benchmarks" / "table1.py")
 table1 = importlib.util.module_from_spec(spec)

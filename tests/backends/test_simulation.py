@@ -7,12 +7,10 @@ import sys
 import pytest
 import torch
 
-from fedml_perfedavg.config import load_yaml, resolve
-from fedml_perfedavg.runner import load_data, run
+from fedml_perfedavg.run.config import load_yaml, resolve
+from fedml_perfedavg.run.runner import load_split, run
 
-from .conftest import REPO, needs_mnist
-
-HF_YAML = str(REPO / "yaml_configs" / "mnist_tau10_alpha0.01_hf.yaml")
+from tests.helpers import HF_YAML, NETWORK_GUARD, REPO, needs_mnist, unshare_works
 
 
 def _config(mnist_root, **overrides):
@@ -24,26 +22,26 @@ def _config(mnist_root, **overrides):
 
 @pytest.fixture(scope="module")
 def mnist_data(mnist_root):
-    return load_data(_config(mnist_root))
+    return load_split(_config(mnist_root))
 
 
 @needs_mnist
 def test_sp_run_uses_plugin_classes_and_learns(mnist_root, mnist_data, tmp_path, monkeypatch):
-    from fedml_perfedavg import trainer as trainer_module
+    from fedml_perfedavg.algorithms import base as algorithm_module
 
     aggregated = []
-    original = trainer_module.average
+    original = algorithm_module.average
 
     def spy(updates, weighting):
         out = original(updates, weighting)
         aggregated.append((updates, out))
         return out
 
-    monkeypatch.setattr(trainer_module, "average", spy)
+    monkeypatch.setattr(algorithm_module, "average", spy)
     config = _config(mnist_root, comm_round=10, beta=0.05, frequency_of_the_test=5)
     result = run(config, str(tmp_path / "run"), data=mnist_data)
 
-    assert result.trainer.train_calls == 10 * 10 and result.aggregator.aggregate_calls == 10
+    assert result.trainer.train_calls == 10 * 10 and result.algorithm.aggregate_calls == 10
     # the server's model is the plain (uniform) average, although users hold 980 or 490 samples
     updates, out = aggregated[-1]
     mean = {k: sum(sd[k] for _, sd in updates) / len(updates) for k in out}
@@ -53,7 +51,7 @@ def test_sp_run_uses_plugin_classes_and_learns(mnist_root, mnist_data, tmp_path,
     u, o = mixed[0]
     weighted = {k: sum(n * sd[k] for n, sd in u) / sum(n for n, _ in u) for k in o}
     assert not all(torch.allclose(o[k], weighted[k], atol=1e-7) for k in o)
-    final = {k: v for k, v in result.aggregator.get_model_params().items()}
+    final = result.final_state
     assert all(torch.equal(final[k], out[k]) for k in out)
 
     history = result.summary["history"]
@@ -70,13 +68,13 @@ def test_sp_run_uses_plugin_classes_and_learns(mnist_root, mnist_data, tmp_path,
 
 
 @needs_mnist
-@pytest.mark.parametrize("optimizer,variant", [("FedAvg", "hf"), ("PerFedAvg", "fo"), ("PerFedAvg", "exact")])
+@pytest.mark.parametrize("optimizer,variant", [("FedAvgUpdate", "hf"), ("PerFedAvg", "fo"), ("PerFedAvg", "exact")])
 def test_every_method_runs(mnist_root, mnist_data, tmp_path, optimizer, variant):
     config = _config(mnist_root, federated_optimizer=optimizer, perfedavg_variant=variant, client_num_per_round=3,
                      local_steps=2)
     result = run(config, str(tmp_path), data=mnist_data)
     assert result.summary["rounds"] == 2 and result.trainer.train_calls == 6
-    assert result.trainer.update.method == ("fedavg" if optimizer == "FedAvg" else "perfedavg")
+    assert result.algorithm.settings.local.method == ("fedavg" if optimizer == "FedAvgUpdate" else "perfedavg")
 
 
 def test_cifar10_run_on_generated_files(fake_cifar_root, tmp_path):
@@ -86,38 +84,8 @@ def test_cifar10_run_on_generated_files(fake_cifar_root, tmp_path):
                           meta_batch_size=8, hessian_batch_size=8, show_progress=False, frequency_of_the_test=1,
                           simulation_engine="fedml"))
     result = run(config, str(tmp_path / "run"))
-    assert result.model.net[1].in_features == 3072
+    assert result.final_state["net.1.weight"].shape[1] == 3072
     assert len(result.summary["per_user_accuracy"]) == 10 and result.summary["rounds"] == 2
-
-
-NETWORK_GUARD = r"""
-import ipaddress, socket, sys
-attempts = []
-def hook(event, args):
-    if event in ("socket.connect", "socket.sendto", "socket.sendmsg"):
-        address = args[1] if len(args) > 1 else None
-        host = address[0] if isinstance(address, tuple) else None
-        try:
-            loopback = host is not None and ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback and not isinstance(address, (str, bytes)):
-            attempts.append((event, address))
-    elif event == "socket.getaddrinfo" and args[0] not in ("localhost", "127.0.0.1", "::1", None):
-        attempts.append((event, args[0]))
-sys.addaudithook(hook)
-from fedml_perfedavg.cli import main
-code = main(sys.argv[1:])
-print("NETWORK_ATTEMPTS", attempts)
-sys.exit(code or (3 if attempts else 0))
-"""
-
-
-def _unshare_works() -> bool:
-    try:
-        return subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
-    except FileNotFoundError:
-        return False
 
 
 @needs_mnist
@@ -128,7 +96,7 @@ def test_short_run_sends_nothing_off_the_machine_and_leaves_home_alone(mnist_roo
     command = [sys.executable, "-c", NETWORK_GUARD, "--cf", HF_YAML, "--set", f"data_cache_dir={mnist_root}",
                "--set", "comm_round=2", "--set", "show_progress=false", "--set", "simulation_engine=fedml",
                "--run-dir", str(tmp_path / "run")]
-    if _unshare_works():
+    if unshare_works():
         command = ["unshare", "-n"] + command  # only loopback exists in there
     out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -153,7 +121,7 @@ def test_wandb_logs_offline_into_the_run_directory(fake_cifar_root, tmp_path, mo
 
 @needs_mnist
 def test_cli_resume_continues_an_interrupted_run(mnist_root, tmp_path):
-    from fedml_perfedavg.cli import main
+    from fedml_perfedavg.run.cli import main
 
     run_dir = tmp_path / "run"
     common = ["--set", f"data_cache_dir={mnist_root}", "--set", "show_progress=false", "--set", "checkpoint_every=2",

@@ -1,0 +1,23 @@
+"""A test-only algorithm, one file: local steps follow the sign of the gradient."""
+import torch
+from torch.func import grad
+
+from fedml_perfedavg.algorithms import AlgorithmSettings, FederatedAlgorithm, register
+
+
+class SignSGD(FederatedAlgorithm):
+    name = "SignSGD"
+
+    def local_update(self, params, batches):
+        grad_fn = grad(self.loss_fn)
+        for t in range(self.settings.local.local_steps):
+            g = grad_fn(params, batches.adapt_x[t], batches.adapt_y[t])
+            params = {k: params[k] - self.settings.local.beta * torch.sign(g[k]) for k in params}
+        return params
+
+    @classmethod
+    def from_config(cls, model, config):
+        return cls(model, AlgorithmSettings.from_config(config, "fedavg"))
+
+
+register("SignSGD", SignSGD)

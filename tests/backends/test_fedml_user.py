@@ -1,0 +1,146 @@
+"""As a FedML user works: FedML's own step-by-step main script plus one import, a FedML YAML
+switched to PerFedAvg with FedML's `lr` model, in a subprocess, offline (a network namespace
+with only loopback, and an audit hook that records any other socket use); sp (batched engine
+and FedML's loop), MPI (3 ranks) and cross-silo gRPC (server + 2 silos) give the same model."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import EXAMPLE, NETWORK_GUARD, REPO, needs_mnist, offline
+
+SCRIPT = str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_example.py")
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+SETTINGS = {"comm_round": 3, "client_num_per_round": 2, "frequency_of_the_test": 1}
+
+
+def _yaml(tmp_path, name, mnist_root, run_name, **edits):
+    config = yaml.safe_load((EXAMPLE / name).read_text())
+    config["data_args"]["data_cache_dir"] = mnist_root
+    config["common_args"]["output_dir"] = str(tmp_path / "runs")
+    config["common_args"]["run_name"] = run_name
+    for key, value in {**SETTINGS, **edits}.items():
+        section = next((s for s, keys in config.items() if key in keys), "train_args")
+        config[section][key] = value
+    path = tmp_path / f"{run_name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def _env(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)}
+
+
+def _summary(tmp_path, run_name):
+    run_dir = tmp_path / "runs" / run_name
+    return json.loads((run_dir / "summary.json").read_text()), torch.load(run_dir / "model.pt")
+
+
+def _check(out, processes=1):
+    printed = out.stdout + out.stderr
+    assert out.returncode == 0, printed[-5000:]
+    assert printed.count("NETWORK_ATTEMPTS []") == processes, printed[-3000:]
+
+
+@needs_mnist
+def test_fedml_stock_main_runs_perfedavg_on_every_backend_with_one_model(mnist_root, tmp_path):
+    runs = {}
+    for engine in ("batched", "fedml"):
+        path = _yaml(tmp_path, "fedml_config.yaml", mnist_root, f"sp-{engine}", simulation_engine=engine)
+        out = subprocess.run(offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
+                             capture_output=True, text=True, env=_env(tmp_path), timeout=300)
+        _check(out)
+        assert "round 2: personalized accuracy" in out.stderr  # the plugin's evaluation reaches the console
+        runs[engine] = _summary(tmp_path, f"sp-{engine}")
+    if MPIRUN is not None:
+        path = _yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi")
+        out = subprocess.run(offline([MPIRUN, "-n", "3", sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT,
+                                      "--cf", path]), capture_output=True, text=True, env=_env(tmp_path), timeout=300)
+        _check(out, processes=3)
+        runs["mpi"] = _summary(tmp_path, "mpi")
+    (tmp_path / "ipconfig.csv").write_text("eid,rank,grpc_server_ip,grpc_server_port\n"
+                                           + "".join(f"{r},{r},127.0.0.1,{19370 + r}\n" for r in range(3)))
+    path = _yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo",
+                 grpc_ipconfig_path=str(tmp_path / "ipconfig.csv"))
+    script = " & ".join(f"{sys.executable} -c \"$GUARD\" --script {SCRIPT} --cf {path} --rank {r} --role "
+                        f"{'server' if r == 0 else 'client'} --run_id 5" for r in range(3)) + " & wait"
+    out = subprocess.run(offline(["sh", "-c", script]), capture_output=True, text=True, timeout=300,
+                         env={**_env(tmp_path), "GUARD": NETWORK_GUARD})
+    _check(out, processes=3)
+    runs["silo"] = _summary(tmp_path, "silo")
+
+    reference_summary, reference_model = runs["fedml"]
+    for backend, (summary, model) in runs.items():
+        assert summary["status"] == "finished" and summary["rounds"] == 3, backend
+        assert summary["aggregate_calls"] == 3, backend  # the plugin's algorithm aggregated every round
+        assert [h["round"] for h in summary["history"]] == [0, 1, 2], backend
+        assert summary["config"]["model_args"]["model"] == "lr"
+        for k in reference_model:
+            torch.testing.assert_close(model[k], reference_model[k], rtol=1e-5, atol=1e-6, msg=backend)
+        assert summary["per_user_accuracy"] == pytest.approx(reference_summary["per_user_accuracy"], abs=1e-6)
+    assert not any((tmp_path / "home").iterdir())  # FedML's files went to the run directories
+
+
+@needs_mnist
+def test_a_trainer_handed_to_fedmlrunner_is_really_used(mnist_root, tmp_path):
+    """FedML's sp simulator would silently run its own trainer; with the plugin imported the
+    user's pair runs, hooks included."""
+    import fedml_perfedavg  # noqa: F401
+    import fedml
+    from fedml import FedMLRunner
+    from fedml.core import ClientTrainer, ServerAggregator
+
+    calls = {"train": 0, "aggregate": 0, "test_all": 0}
+
+    class MyTrainer(ClientTrainer):
+        def get_model_params(self):
+            return {k: v.clone() for k, v in self.model.state_dict().items()}
+
+        def set_model_params(self, params):
+            self.model.load_state_dict(params)
+
+        def train(self, train_data, device, args):
+            calls["train"] += 1
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(1.0)
+
+    class MyAggregator(ServerAggregator):
+        def get_model_params(self):
+            return {k: v.clone() for k, v in self.model.state_dict().items()}
+
+        def set_model_params(self, params):
+            self.model.load_state_dict(params)
+
+        def aggregate(self, updates):
+            calls["aggregate"] += 1
+            return super().aggregate(updates)
+
+        def test(self, test_data, device, args):
+            return {}
+
+        def test_all(self, train_data_local_dict, test_data_local_dict, device, args):
+            calls["test_all"] += 1
+            return True
+
+    path = _yaml(tmp_path, "fedml_config.yaml", mnist_root, "mine", federated_optimizer="FedAvg", epochs=1,
+                 client_optimizer="sgd")
+    args = fedml.init(yaml.safe_load(open(path)) and __import__("fedml").arguments.Arguments(
+        __import__("argparse").Namespace(yaml_config_file=path, run_id="0", rank=0, local_rank=0, node_rank=0,
+                                         role="client", run_device_id="0", using_mlops=False)),
+        should_init_logs=False)
+    device = fedml.device.get_device(args)
+    dataset, output_dim = fedml.data.load(args)
+    model = fedml.model.create(args, output_dim)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    FedMLRunner(args, device, dataset, model, MyTrainer(model, args), MyAggregator(model, args)).run()
+    assert calls == {"train": 3 * 2, "aggregate": 3, "test_all": 3}
+    assert all(torch.allclose(model.state_dict()[k], start[k] + 3.0) for k in start)  # +1 per round, averaged

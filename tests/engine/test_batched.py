@@ -1,0 +1,148 @@
+"""The batched engine gives the per-client path's model and evaluation (float64, and on MNIST)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fedml_perfedavg.algorithms.registry import create_algorithm
+from fedml_perfedavg.core.types import UserSplit
+from fedml_perfedavg.engine.batched import BatchedSimulation
+from fedml_perfedavg.models import MLP
+from fedml_perfedavg.run.config import ConfigError, resolve
+
+CASES = [("FedAvgUpdate", "hf"), ("PerFedAvg", "fo"), ("PerFedAvg", "hf"), ("PerFedAvg", "exact")]
+SMALL = dict(client_num_in_total=6, client_num_per_round=3, local_steps=3, batch_size=5, meta_batch_size=4,
+             hessian_batch_size=6, alpha=0.2, beta=0.1, delta=1e-4, comm_round=3, frequency_of_the_test=1,
+             show_progress=False)
+
+
+class Driver:
+    """A round driver that samples with the algorithm and records the global states."""
+
+    def __init__(self, algorithm):
+        self.algorithm, self.states = algorithm, []
+
+    def sample_clients(self, round_idx):
+        return self.algorithm.sample_clients(round_idx)
+
+    def round_finished(self, round_idx, state):
+        self.states.append(state)
+
+
+def _setup(optimizer, variant, seed=0, **overrides):
+    torch.manual_seed(seed)
+    users = [UserSplit(torch.randn(n, 6, dtype=torch.float64), torch.randint(0, 3, (n,)),
+                       torch.randn(9, 6, dtype=torch.float64), torch.randint(0, 3, (9,)))
+             for n in (20, 24, 30, 20, 26, 22)]
+    config = resolve({}, dict(SMALL, federated_optimizer=optimizer, perfedavg_variant=variant, **overrides))
+    model = MLP(6, 3, (5, 4)).double()
+    return config, users, model
+
+
+def per_client_rounds(algorithm, users, state, rounds):
+    """Reference: every client updated alone, one after the other."""
+    for r in range(rounds):
+        updates = [algorithm.client_update(r, c, state, users[c].train_x, users[c].train_y)
+                   for c in algorithm.sample_clients(r)]
+        state = algorithm.aggregate(r, updates, state)
+    return state
+
+
+@pytest.mark.parametrize("optimizer,variant", CASES)
+def test_batched_engine_equals_per_client_path_float64(optimizer, variant):
+    config, users, model = _setup(optimizer, variant)
+    algorithm = create_algorithm(optimizer, model, config)
+    start = copy.deepcopy(model.state_dict())
+    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    engine = BatchedSimulation(create_algorithm(optimizer, model, config), users, start, Driver(algorithm))
+    got = engine.run(0, config.comm_round)
+    assert engine.batched
+    assert any(not torch.allclose(got[k], start[k]) for k in got)  # it did train
+    for k in got:
+        torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.backend  # torch.compile takes about 40 s here
+def test_compiled_local_update_gives_the_eager_result(monkeypatch):
+    calls = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or real_compile(fn, **kw))
+    config, users, model = _setup("PerFedAvg", "hf", compile_local_update=True)
+    algorithm = create_algorithm("PerFedAvg", model, config)
+    start = copy.deepcopy(model.state_dict())
+    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    engine = BatchedSimulation(algorithm, users, start, Driver(algorithm), compile_local_update=True)
+    assert calls == [{"mode": "default", "dynamic": False}]  # on the CPU; "reduce-overhead" on CUDA
+    got = engine.run(0, config.comm_round)
+    for k in got:
+        torch.testing.assert_close(got[k], reference[k], rtol=1e-9, atol=1e-11)
+    with pytest.raises(ConfigError, match="device_args.compile_local_update=True: only the batched engine"):
+        resolve({}, {"compile_local_update": True, "simulation_engine": "fedml"})
+
+
+class DataDependent(nn.Module):
+    """A model vmap cannot batch: Python control flow on a tensor's value."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out if float(out.detach().sum()) > -1e9 else -out
+
+
+def test_a_model_vmap_cannot_batch_falls_back_to_the_per_client_path(caplog):
+    config, users, _ = _setup("PerFedAvg", "fo")
+    model = DataDependent().double()
+    algorithm = create_algorithm("PerFedAvg", model, config)
+    start = copy.deepcopy(model.state_dict())
+    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    engine = BatchedSimulation(algorithm, users, start, Driver(algorithm))
+    with caplog.at_level("WARNING"):
+        got = engine.run(0, config.comm_round)
+    assert not engine.batched
+    assert "DataDependent cannot be vmapped" in caplog.text and "using the per-client path" in caplog.text
+    for k in got:
+        torch.testing.assert_close(got[k], reference[k], rtol=1e-12, atol=1e-14)
+
+
+def test_engine_makes_no_dataloader_or_deep_copy_per_step(monkeypatch):
+    calls = {"DataLoader": 0, "deepcopy": 0}
+
+    class CountingLoader(torch.utils.data.DataLoader):
+        def __init__(self, *a, **k):
+            calls["DataLoader"] += 1
+            super().__init__(*a, **k)
+
+    real_deepcopy = copy.deepcopy
+
+    def counting_deepcopy(*a, **k):
+        calls["deepcopy"] += 1
+        return real_deepcopy(*a, **k)
+
+    config, users, model = _setup("PerFedAvg", "hf")
+    algorithm = create_algorithm("PerFedAvg", model, config)
+    engine = BatchedSimulation(algorithm, users, copy.deepcopy(model.state_dict()), Driver(algorithm))
+    monkeypatch.setattr(torch.utils.data, "DataLoader", CountingLoader)
+    monkeypatch.setattr(copy, "deepcopy", counting_deepcopy)
+    engine.run(0, config.comm_round)
+    assert calls == {"DataLoader": 0, "deepcopy": 0}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (CI has none)")
+@pytest.mark.parametrize("optimizer,variant", CASES)
+def test_batched_engine_on_cuda_equals_per_client_path_on_cpu(optimizer, variant):
+    config, users, model = _setup(optimizer, variant)
+    algorithm = create_algorithm(optimizer, model, config)
+    start = copy.deepcopy(model.state_dict())
+    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    cuda = torch.device("cuda")
+    users = [UserSplit(*(t.to(cuda) for t in u)) for u in users]
+    cuda_algorithm = create_algorithm(optimizer, model.to(cuda), config)
+    engine = BatchedSimulation(cuda_algorithm, users, {k: v.to(cuda) for k, v in start.items()},
+                               Driver(cuda_algorithm))
+    got = engine.run(0, config.comm_round)
+    for k in got:
+        torch.testing.assert_close(got[k].cpu(), reference[k], rtol=1e-9, atol=1e-11)

@@ -1,0 +1,67 @@
+"""Helpers shared by the tests (fixtures live in conftest.py)."""
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MNIST_ROOT = os.environ.get("PERFEDAVG_MNIST_ROOT", str(REPO.parent / "shared" / "datasets"))
+HF_YAML = str(REPO / "yaml_configs" / "mnist_tau10_alpha0.01_hf.yaml")
+SILO_YAML = str(REPO / "yaml_configs" / "mnist_tau10_alpha0.01_hf_silo.yaml")
+EXAMPLE = REPO / "examples" / "fedml_step_by_step"
+
+
+def mnist_available() -> bool:
+    return (Path(MNIST_ROOT) / "MNIST" / "raw" / "train-images-idx3-ubyte").exists()
+
+
+needs_mnist = pytest.mark.skipif(not mnist_available(), reason=f"real MNIST not found under {MNIST_ROOT}")
+
+
+def unshare_works() -> bool:
+    """Whether this machine lets a test run a command in a network namespace with only loopback."""
+    try:
+        return subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+def offline(command):
+    """``command`` inside a network namespace with only loopback up, where possible."""
+    if unshare_works():
+        return ["unshare", "-n", "sh", "-c", 'ip link set lo up 2>/dev/null; exec "$@"', "sh", *command]
+    return list(command)
+
+
+# Run inside the child: records every socket attempt that leaves loopback.
+NETWORK_GUARD = r"""
+import ipaddress, runpy, socket, sys
+attempts = []
+def hook(event, args):
+    if event in ("socket.connect", "socket.sendto", "socket.sendmsg"):
+        address = args[1] if len(args) > 1 else None
+        host = address[0] if isinstance(address, tuple) else None
+        try:
+            loopback = host is not None and ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback and not isinstance(address, (str, bytes)):
+            attempts.append((event, address))
+    elif event == "socket.getaddrinfo" and args[0] not in ("localhost", "127.0.0.1", "::1", None):
+        attempts.append((event, args[0]))
+sys.addaudithook(hook)
+code = 0
+if sys.argv[1] == "--script":
+    script = sys.argv[2]
+    sys.argv = sys.argv[2:]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code or 0
+else:
+    from fedml_perfedavg.run.cli import main
+    code = main(sys.argv[1:])
+sys.__stdout__.write(f"NETWORK_ATTEMPTS {attempts}\n"); sys.__stdout__.flush()  # FedML rewrites sys.stdout.write
+sys.exit(code or (3 if attempts else 0))
+"""
