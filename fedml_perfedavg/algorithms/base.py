@@ -110,8 +110,12 @@ class FederatedAlgorithm:
     keep through :meth:`state_dict` / :meth:`load_state_dict`."""
 
     name: ClassVar[str] = "base"
+    method: ClassVar[str] = "perfedavg"  # the LocalUpdateConfig.method its settings must carry
 
     def __init__(self, model: nn.Module, settings: AlgorithmSettings) -> None:
+        if settings.local.method != self.method:
+            raise ValueError(f"{self.name} needs LocalUpdateConfig(method={self.method!r}), "
+                             f"got {settings.local.method!r}")
         self.settings = settings
         self.network = functional_network(model)
         self.loss_fn = make_loss_fn(self.network)
@@ -119,6 +123,11 @@ class FederatedAlgorithm:
         self.skipped_rounds = 0
         self.rejected: Dict[int, int] = {}  # round -> client updates rejected
         self.aggregate_calls = 0
+
+    @classmethod
+    def from_config(cls, model: nn.Module, config: Any) -> "FederatedAlgorithm":
+        """The algorithm for ``model`` as a run config asks for it."""
+        return cls(model, AlgorithmSettings.from_config(config, cls.method))
 
     @property
     def label(self) -> str:

@@ -7,21 +7,11 @@ personalization; with the plugin imported, ``federated_optimizer: FedAvg`` still
 """
 from __future__ import annotations
 
-from torch import nn
-
-from .base import AlgorithmSettings, FederatedAlgorithm
+from .base import FederatedAlgorithm
 
 
 class FedAvgUpdate(FederatedAlgorithm):
     """FedAvg + one-step personalization at evaluation (the paper's comparison)."""
 
     name = "FedAvgUpdate"
-
-    def __init__(self, model: nn.Module, settings: AlgorithmSettings) -> None:
-        if settings.local.method != "fedavg":
-            raise ValueError(f"FedAvgUpdate needs LocalUpdateConfig(method='fedavg'), got {settings.local.method!r}")
-        super().__init__(model, settings)
-
-    @classmethod
-    def from_config(cls, model: nn.Module, config) -> "FedAvgUpdate":
-        return cls(model, AlgorithmSettings.from_config(config, "fedavg"))
+    method = "fedavg"

@@ -2,11 +2,12 @@
 import torch
 from torch.func import grad
 
-from fedml_perfedavg.algorithms import AlgorithmSettings, FederatedAlgorithm, register
+from fedml_perfedavg.algorithms import FederatedAlgorithm, register
 
 
 class SignSGD(FederatedAlgorithm):
     name = "SignSGD"
+    method = "fedavg"  # its settings: beta and tau, no meta-gradient
 
     def local_update(self, params, batches):
         grad_fn = grad(self.loss_fn)
@@ -14,10 +15,6 @@ class SignSGD(FederatedAlgorithm):
             g = grad_fn(params, batches.adapt_x[t], batches.adapt_y[t])
             params = {k: params[k] - self.settings.local.beta * torch.sign(g[k]) for k in params}
         return params
-
-    @classmethod
-    def from_config(cls, model, config):
-        return cls(model, AlgorithmSettings.from_config(config, "fedavg"))
 
 
 register("SignSGD", SignSGD)
