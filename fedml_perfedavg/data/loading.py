@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..core.guards import ConfigError
 from ..core.types import UserSplit
 from .partition import UserPlan, partition_indices, plan_users
 
@@ -68,7 +69,7 @@ def load_torchvision(dataset: str, root: str, download: bool) -> Tuple[Tuple[Ten
     import torchvision
 
     if dataset not in DATASETS:
-        raise ValueError(f"data_args.dataset={dataset!r} is not one of {sorted(DATASETS)}")
+        raise ConfigError(f"data_args.dataset={dataset!r} is not one of {sorted(DATASETS)}")
     cls = {"mnist": torchvision.datasets.MNIST, "cifar10": torchvision.datasets.CIFAR10}[dataset]
     splits = []
     for train in (True, False):
@@ -97,8 +98,10 @@ def split_over_users(
     """Apply the paper's partition to a train and a test set (same classes per user)."""
     train_plans: List[UserPlan] = plan_users(num_users, images_per_class, partition, seed)
     test_plans = plan_users(num_users, test_images_per_class, partition, seed)
-    train_idx = partition_indices(train[1].numpy(), train_plans, seed)
-    test_idx = partition_indices(test[1].numpy(), test_plans, seed + 1)
+    train_idx = partition_indices(train[1].numpy(), train_plans, seed,
+                                  f"data_args.images_per_class={images_per_class}")
+    test_idx = partition_indices(test[1].numpy(), test_plans, seed + 1,
+                                 f"data_args.test_images_per_class={test_images_per_class}")
     return [
         UserSplit(train[0][tr], train[1][tr], test[0][te], test[1][te])
         for tr, te in zip(map(torch.as_tensor, train_idx), map(torch.as_tensor, test_idx))
@@ -112,7 +115,7 @@ def load_federated(
     """Load ``dataset`` and split it over ``num_users`` users with the paper's partition."""
     spec = DATASETS.get(dataset)
     if spec is None:
-        raise ValueError(f"data_args.dataset={dataset!r} is not one of {sorted(DATASETS)}")
+        raise ConfigError(f"data_args.dataset={dataset!r} is not one of {sorted(DATASETS)}")
     train, test = load_torchvision(dataset, root, download)
     a = images_per_class or spec.images_per_class
     a_test = test_images_per_class or default_test_images_per_class(a, len(train[1]), len(test[1]))

@@ -14,6 +14,8 @@ from typing import Dict, List
 
 import numpy as np
 
+from ..core.guards import ConfigError
+
 PARTITIONS = ("paper", "paper_diff_hetero")
 LOW_CLASSES = (0, 1, 2, 3, 4)
 HIGH_CLASSES = (5, 6, 7, 8, 9)
@@ -33,11 +35,11 @@ class UserPlan:
 def plan_users(num_users: int, images_per_class: int, partition: str, seed: int) -> List[UserPlan]:
     """The per-user class counts of the paper's split (no data needed)."""
     if partition not in PARTITIONS:
-        raise ValueError(f"data_args.partition_method={partition!r} is not one of {PARTITIONS}")
+        raise ConfigError(f"data_args.partition_method={partition!r} is not one of {PARTITIONS}")
     if num_users < 2 or num_users % 2:
-        raise ValueError(f"train_args.client_num_in_total={num_users!r}: the paper's split needs an even number >= 2")
+        raise ConfigError(f"train_args.client_num_in_total={num_users!r}: the paper's split needs an even number >= 2")
     if images_per_class < 2 or images_per_class % 2:
-        raise ValueError(f"data_args.images_per_class={images_per_class!r}: must be an even number >= 2 (a/2 is used)")
+        raise ConfigError(f"data_args.images_per_class={images_per_class!r}: must be an even number >= 2 (a/2 is used)")
     a, half = images_per_class, num_users // 2
     rng = np.random.default_rng([seed, 7])
     low = rng.permutation(np.resize(LOW_CLASSES, half))
@@ -51,8 +53,10 @@ def plan_users(num_users: int, images_per_class: int, partition: str, seed: int)
     return plans
 
 
-def partition_indices(labels: np.ndarray, plans: List[UserPlan], seed: int) -> List[np.ndarray]:
-    """Draw disjoint sample indices for each user's plan from ``labels``."""
+def partition_indices(labels: np.ndarray, plans: List[UserPlan], seed: int,
+                      key: str = "data_args.images_per_class") -> List[np.ndarray]:
+    """Draw disjoint sample indices for each user's plan from ``labels``; ``key`` names the
+    setting that sized the plans, for the error when the data holds too few images."""
     rng = np.random.default_rng([seed, 11])
     pools = {c: list(rng.permutation(np.flatnonzero(labels == c))) for c in range(int(labels.max()) + 1)}
     users = []
@@ -61,9 +65,10 @@ def partition_indices(labels: np.ndarray, plans: List[UserPlan], seed: int) -> L
         for cls, count in plan.class_counts.items():
             pool = pools.get(cls, [])
             if len(pool) < count:
-                raise ValueError(
-                    f"user {user_id} needs {count} images of class {cls} but only {len(pool)} are left; "
-                    f"lower data_args.images_per_class"
+                held = int((labels == cls).sum())
+                raise ConfigError(
+                    f"{key}: user {user_id} needs {count} images of class {cls} but the data holds {held} of "
+                    f"that class for {len(plans)} users and only {len(pool)} are left; lower it"
                 )
             chosen.extend(pool[:count])
             del pool[:count]

@@ -93,3 +93,14 @@ def test_missing_dataset_says_where_files_were_expected(tmp_path):
         load_federated("cifar10", str(tmp_path), 10, "paper", seed=0)
     with pytest.raises(FileNotFoundError, match=r"MNIST/raw"):
         load_federated("mnist", str(tmp_path), 10, "paper", seed=0)
+
+
+def test_too_few_images_is_a_config_error_naming_the_key_and_the_data(fake_cifar_root):
+    from fedml_perfedavg.core.guards import ConfigError
+
+    # the generated files hold 50 training images per class; 10 users with a=40 need 200 of class 0-4
+    with pytest.raises(ConfigError, match=r"data_args.images_per_class=40: user \d+ needs \d+ images of class \d "
+                                          r"but the data holds 50 of that class for 10 users"):
+        load_federated("cifar10", fake_cifar_root, 10, "paper", 0, images_per_class=40, test_images_per_class=2)
+    with pytest.raises(ConfigError, match=r"data_args.test_images_per_class=30: .* holds 20 of that class"):
+        load_federated("cifar10", fake_cifar_root, 10, "paper", 0, images_per_class=4, test_images_per_class=30)

@@ -81,6 +81,39 @@ def test_compiled_local_update_gives_the_eager_result(monkeypatch):
         resolve({}, {"compile_local_update": True, "simulation_engine": "fedml"})
 
 
+class ConvBatchNorm(nn.Module):
+    """A small model with BatchNorm, as FedML's resnets have."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten())
+        self.head = nn.Linear(3 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.head(self.features(x.reshape(-1, 1, 6, 6)))
+
+
+@pytest.mark.parametrize("optimizer,variant", CASES)
+def test_batchnorm_model_batched_equals_per_client_and_keeps_its_buffers(optimizer, variant):
+    config, users, _ = _setup(optimizer, variant)
+    users = [UserSplit(u.train_x.repeat(1, 6), u.train_y, u.test_x.repeat(1, 6), u.test_y) for u in users]
+    model = ConvBatchNorm().double()
+    algorithm = create_algorithm(optimizer, model, config)
+    start = copy.deepcopy(model.state_dict())
+    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    engine = BatchedSimulation(create_algorithm(optimizer, model, config), users, start, Driver(algorithm))
+    got = engine.run(0, config.comm_round)
+    assert engine.batched
+    for k in got:
+        torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)
+    for k in ("features.1.running_mean", "features.1.running_var", "features.1.num_batches_tracked"):
+        assert torch.equal(got[k], start[k])  # batch statistics are used; running ones travel unchanged
+    assert not torch.allclose(got["features.1.weight"], start["features.1.weight"])
+    batched = algorithm.evaluate(0, got, users, batched=True)
+    per_user = algorithm.evaluate(0, got, users, batched=False)
+    assert batched.per_user_accuracy == per_user.per_user_accuracy
+
+
 class DataDependent(nn.Module):
     """A model vmap cannot batch: Python control flow on a tensor's value."""
 

@@ -1,0 +1,116 @@
+"""FedML's other entry points, as a user would call them: ``fedml.run_simulation(backend=...)``
+and ``fedml.run_cross_silo_server()`` / ``run_cross_silo_client()`` with ``PerFedAvg``; and a
+user's own trainer/aggregator pair handed to ``FedMLRunner`` (FedML's ``FedAvg``), which must
+really run on sp, MPI and cross-silo rather than be silently replaced by FedML's classes."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import EXAMPLE, REPO, needs_mnist, offline, write_address_file
+
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+OWN_PAIR = str(Path(__file__).with_name("own_pair_main.py"))
+SETTINGS = {"comm_round": 3, "client_num_per_round": 2, "frequency_of_the_test": 1}
+
+
+def _yaml(tmp_path, name, mnist_root, run_name, **edits):
+    config = yaml.safe_load((EXAMPLE / name).read_text())
+    config["data_args"]["data_cache_dir"] = mnist_root
+    config["common_args"]["output_dir"] = str(tmp_path / run_name)
+    config["common_args"]["run_name"] = run_name
+    for key, value in {**SETTINGS, **edits}.items():
+        section = next((s for s, keys in config.items() if key in keys), "train_args")
+        config[section][key] = value
+    path = tmp_path / f"{run_name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def _run(command, tmp_path, timeout=300):
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    out = subprocess.run(offline(command), capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)})
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    return out
+
+
+def _silo_command(script_args, path):
+    return ["sh", "-c", " & ".join(f"{sys.executable} {script_args} --cf {path} --rank {r} --role "
+                                   f"{'server' if r == 0 else 'client'} --run_id 7" for r in range(3)) + " & wait"]
+
+
+ONE_LINE = {"sp": "fedml.run_simulation()", "MPI": "fedml.run_simulation(backend='MPI')",
+            "server": "fedml.run_cross_silo_server()", "client": "fedml.run_cross_silo_client()"}
+
+
+def _one_line(call):
+    return f"-c \"import fedml_perfedavg, fedml; {ONE_LINE[call]}\""
+
+
+@needs_mnist
+def test_fedml_one_line_entry_points_run_perfedavg(mnist_root, tmp_path):
+    runs = {}
+    path = _yaml(tmp_path, "fedml_config.yaml", mnist_root, "sp")
+    _run(["sh", "-c", f"{sys.executable} {_one_line('sp')} --cf {path}"], tmp_path)
+    runs["sp"] = tmp_path / "sp" / "sp"
+    if MPIRUN is not None:
+        path = _yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi")
+        _run([MPIRUN, "-n", "3", "sh", "-c", f"{sys.executable} {_one_line('MPI')} --cf {path}"], tmp_path)
+        runs["mpi"] = tmp_path / "mpi" / "mpi"
+    address_file = write_address_file(tmp_path / "ipconfig.csv", 3)
+    path = _yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", grpc_ipconfig_path=address_file)
+    script = " & ".join(f"{sys.executable} {_one_line('server' if r == 0 else 'client')} --cf {path} --rank {r} "
+                        f"--role {'server' if r == 0 else 'client'} --run_id 7" for r in range(3)) + " & wait"
+    _run(["sh", "-c", script], tmp_path)
+    runs["silo"] = tmp_path / "silo" / "silo"
+
+    reference = torch.load(runs["sp"] / "model.pt")
+    for backend, run_dir in runs.items():
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "finished" and summary["aggregate_calls"] == 3, backend
+        assert summary["config"]["train_args"]["federated_optimizer"] == "PerFedAvg"
+        assert [h["round"] for h in summary["history"]] == [0, 1, 2], backend
+        model = torch.load(run_dir / "model.pt")
+        for k in reference:
+            torch.testing.assert_close(model[k], reference[k], rtol=1e-5, atol=1e-6, msg=backend)
+
+
+def _own_pair_results(output_dir, ranks):
+    return [json.loads((Path(output_dir) / f"own_pair_rank{r}.json").read_text()) for r in range(ranks)]
+
+
+OWN_PAIR_EDITS = dict(federated_optimizer="FedAvg", epochs=1, client_optimizer="sgd")
+
+
+@needs_mnist
+def test_own_trainer_and_aggregator_run_on_sp_mpi_and_cross_silo(mnist_root, tmp_path):
+    path = _yaml(tmp_path, "fedml_config.yaml", mnist_root, "sp", **OWN_PAIR_EDITS)
+    _run([sys.executable, OWN_PAIR, "--cf", path], tmp_path)
+    [sp] = _own_pair_results(tmp_path / "sp", 1)
+    assert sp["runner"] == "SPSimulation"
+    assert sp["calls"]["train"] == 3 * 2 and sp["calls"]["aggregate"] == 3 and sp["calls"]["test_all"] == 3
+    assert sp["shift"] == pytest.approx([3.0] * len(sp["shift"]))  # +1 per round, averaged: really its train()
+
+    distributed = {}
+    if MPIRUN is not None:
+        path = _yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", **OWN_PAIR_EDITS)
+        _run([MPIRUN, "-n", "3", sys.executable, OWN_PAIR, "--cf", path], tmp_path)
+        distributed["mpi"] = _own_pair_results(tmp_path / "mpi", 3)
+    address_file = write_address_file(tmp_path / "ipconfig.csv", 3)
+    path = _yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", grpc_ipconfig_path=address_file,
+                 **OWN_PAIR_EDITS)
+    _run(_silo_command(OWN_PAIR, path), tmp_path)
+    distributed["silo"] = _own_pair_results(tmp_path / "silo", 3)
+
+    for backend, (server, *clients) in distributed.items():
+        assert server["calls"]["aggregate"] == 3 and server["calls"]["before_aggregation"] == 3, backend
+        assert server["shift"] == pytest.approx([3.0] * len(server["shift"])), backend
+        assert sum(c["calls"]["train"] for c in clients) == 3 * 2, backend
