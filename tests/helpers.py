@@ -66,23 +66,3 @@ sys.__stdout__.write(f"NETWORK_ATTEMPTS {attempts}\n"); sys.__stdout__.flush()  
 sys.exit(code or (3 if attempts else 0))
 """
 
-
-def free_ports(count: int) -> list:
-    """``count`` loopback TCP ports free right now (for a test's gRPC address file)."""
-    import socket
-
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def write_address_file(path, ranks: int) -> str:
-    """FedML's grpc_ipconfig.csv for ``ranks`` processes on loopback."""
-    rows = "".join(f"{r},{r},127.0.0.1,{port}\n" for r, port in enumerate(free_ports(ranks)))
-    Path(path).write_text("eid,rank,grpc_server_ip,grpc_server_port\n" + rows)
-    return str(path)

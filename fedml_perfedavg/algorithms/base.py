@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Protocol, Se
 import torch
 from torch import Tensor, nn
 
+from ..core import algorithm as client_maths
 from ..core.algorithm import LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
@@ -149,9 +150,7 @@ class FederatedAlgorithm:
     def local_update(self, params: Params, batches: LocalBatches) -> Params:
         """The client's maths: a pure function of the starting parameters and the minibatches
         (the batched engine vmaps it over the clients of a round)."""
-        from ..core.algorithm import local_update
-
-        return local_update(self.loss_fn, params, batches, self.settings.local)
+        return client_maths.local_update(self.loss_fn, params, batches, self.settings.local)
 
     def split_state(self, state: StateDict) -> Tuple[Params, StateDict]:
         """(trainable parameters, the rest: buffers) of a model state."""

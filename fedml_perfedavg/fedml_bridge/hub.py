@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..core.guards import ConfigError
+from ..core.types import UserSplit
 from ..data.fedml_format import to_fedml_dataset
 from ..data.loading import FederatedData
 from ..models import MODELS, create_model
@@ -37,8 +38,6 @@ def reshaped(data: FederatedData, layout: Tuple[int, ...]) -> FederatedData:
     """The split with every sample reshaped to ``layout``."""
     if tuple(layout) == tuple(data.input_shape):
         return data
-    from ..core.types import UserSplit
-
     users = [UserSplit(u.train_x.reshape(len(u.train_y), *layout), u.train_y,
                        u.test_x.reshape(len(u.test_y), *layout), u.test_y) for u in data.users]
     return FederatedData(users, data.num_classes, data.input_shape)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..algorithms.base import FederatedAlgorithm
 from ..core.evaluation import EvaluationResult
-from ..core.types import StateDict
+from ..core.types import StateDict, UserSplit
 from ..data.fedml_format import client_tensors, users_from_fedml_dataset
 from .bootstrap import import_fedml
 
@@ -80,8 +80,6 @@ class AlgorithmClientTrainer(ClientTrainer):
             raise RuntimeError("test() needs the client's training data: call update_dataset() or train() first")
         train_x, train_y = self.tensors(self.local_train_dataset, device)
         test_x, test_y = self.tensors(test_data, device)
-        from ..core.types import UserSplit
-
         state = {k: v.to(device) for k, v in self.model.state_dict().items()}
         result = self.algorithm.evaluate(round_of(args), state, [UserSplit(train_x, train_y, test_x, test_y)],
                                          user_ids=[int(self.id)], batched=False)

@@ -100,7 +100,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .runner import fedml_args, resolve_run_dir, run_fedml_main, shared_run_dir
 
         if config.training_type == "cross_silo" or args.role is not None:
-            from .launch_silo import check_silo_role
+            from .silo_addresses import check_silo_role
 
             check_silo_role(config, args.rank, args.role)
         run_dir = shared_run_dir(config, args.run_dir) if config.backend == "MPI" else \

@@ -32,6 +32,7 @@ from ..data.partition import PARTITIONS
 from . import checkpoint
 from .config import BY_NAME, Config, from_fedml_args
 from .reporting import RunRecorder
+from .silo_addresses import check_silo_role
 
 logger = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -210,8 +211,6 @@ class PluginRun:
                               f"equal the number of ranks - 1 (this is mpirun -n {args.worker_num}, so "
                               f"{args.worker_num - 1}; or run mpirun -n {config.client_num_per_round + 1})")
         if config.training_type == "cross_silo":
-            from .launch_silo import check_silo_role
-
             check_silo_role(config, int(args.rank), str(args.role))
 
     def _check_data(self) -> None:

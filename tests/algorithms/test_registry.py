@@ -2,19 +2,11 @@
 batched engine, with the same result on both."""
 import torch
 
-from fedml_perfedavg.core.types import UserSplit
-from fedml_perfedavg.data.loading import FederatedData
 from fedml_perfedavg.run.config import resolve
 from fedml_perfedavg.run.runner import run
 
 from tests.algorithms import sign_sgd  # noqa: F401  registers SignSGD
-
-
-def _data():
-    g = torch.Generator().manual_seed(0)
-    users = [UserSplit(torch.rand(24, 1, 4, 4, generator=g), torch.randint(0, 3, (24,), generator=g),
-                       torch.rand(8, 1, 4, 4, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(6)]
-    return FederatedData(users, 3, (1, 4, 4))
+from tests.helpers_tiny import tiny_data
 
 
 def test_a_registered_algorithm_runs_on_fedml_sp_loop_and_the_batched_engine(tmp_path):
@@ -23,7 +15,7 @@ def test_a_registered_algorithm_runs_on_fedml_sp_loop_and_the_batched_engine(tmp
         config = resolve({}, dict(federated_optimizer="SignSGD", client_num_in_total=6, client_num_per_round=3,
                                   comm_round=3, local_steps=2, batch_size=8, beta=0.01, hidden_sizes=[5],
                                   frequency_of_the_test=1, show_progress=False, simulation_engine=engine))
-        results[engine] = run(config, str(tmp_path / engine), data=_data())
+        results[engine] = run(config, str(tmp_path / engine), data=tiny_data())
     fedml, batched = results["fedml"], results["batched"]
     assert type(fedml.algorithm).__name__ == "SignSGD" and fedml.trainer.train_calls == 9
     assert fedml.summary["aggregate_calls"] == batched.summary["aggregate_calls"] == 3

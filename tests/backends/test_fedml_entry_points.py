@@ -13,7 +13,9 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import EXAMPLE, REPO, needs_mnist, offline, write_address_file
+from fedml_perfedavg.run.silo_addresses import write_ipconfig
+
+from tests.helpers import EXAMPLE, REPO, needs_mnist, offline
 
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 OWN_PAIR = str(Path(__file__).with_name("own_pair_main.py"))
@@ -65,7 +67,7 @@ def test_fedml_one_line_entry_points_run_perfedavg(mnist_root, tmp_path):
         path = _yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi")
         _run([MPIRUN, "-n", "3", "sh", "-c", f"{sys.executable} {_one_line('MPI')} --cf {path}"], tmp_path)
         runs["mpi"] = tmp_path / "mpi" / "mpi"
-    address_file = write_address_file(tmp_path / "ipconfig.csv", 3)
+    address_file = write_ipconfig(str(tmp_path / "ipconfig.csv"), 3)
     path = _yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", grpc_ipconfig_path=address_file)
     script = " & ".join(f"{sys.executable} {_one_line('server' if r == 0 else 'client')} --cf {path} --rank {r} "
                         f"--role {'server' if r == 0 else 'client'} --run_id 7" for r in range(3)) + " & wait"
@@ -104,7 +106,7 @@ def test_own_trainer_and_aggregator_run_on_sp_mpi_and_cross_silo(mnist_root, tmp
         path = _yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", **OWN_PAIR_EDITS)
         _run([MPIRUN, "-n", "3", sys.executable, OWN_PAIR, "--cf", path], tmp_path)
         distributed["mpi"] = _own_pair_results(tmp_path / "mpi", 3)
-    address_file = write_address_file(tmp_path / "ipconfig.csv", 3)
+    address_file = write_ipconfig(str(tmp_path / "ipconfig.csv"), 3)
     path = _yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", grpc_ipconfig_path=address_file,
                  **OWN_PAIR_EDITS)
     _run(_silo_command(OWN_PAIR, path), tmp_path)

@@ -13,7 +13,7 @@ import torch
 
 from fedml_perfedavg.core.sampling import sample_clients
 from fedml_perfedavg.run.config import ConfigError, load_yaml, resolve
-from fedml_perfedavg.run.launch_silo import check_silo_role, read_ipconfig, write_ipconfig
+from fedml_perfedavg.run.silo_addresses import check_silo_role, read_ipconfig, write_ipconfig
 from fedml_perfedavg.run.runner import load_split, run
 
 from tests.helpers import HF_YAML, REPO, needs_mnist, unshare_works

@@ -1,14 +1,11 @@
 """Config loading, validation messages, overrides and the shipped YAMLs."""
-import subprocess
-import sys
 
 import pytest
 
-from fedml_perfedavg.run.cli import main
 from fedml_perfedavg.run.config import ConfigError, load, parse_overrides, resolve
 from fedml_perfedavg.algorithms.registry import algorithm_names
 
-from tests.helpers import REPO, needs_mnist
+from tests.helpers import REPO
 
 CONFIGS = sorted(p for p in (REPO / "yaml_configs").glob("*.yaml") if p.stem.split("_")[0] in ("mnist", "cifar10") and not p.stem.endswith(("_mpi", "_silo")))
 
@@ -125,30 +122,6 @@ def test_fedml_keys_mean_what_they_mean_in_fedml(caplog):
     with caplog.at_level("WARNING"):
         assert resolve({"train_args": {"learning_rate": 0.001, "beta": 0.001, "client_optimizer": "sgd"}}).beta == 0.001
     assert "not used" not in caplog.text  # sgd is what Per-FedAvg does; equal values agree
-
-
-def test_cli_reports_config_errors_without_a_traceback(capsys, tmp_path):
-    assert main(["--cf", str(tmp_path / "missing.yaml")]) == 2
-    assert "no such file" in capsys.readouterr().err
-    assert main(["--set", "alpha=0"]) == 2
-    err = capsys.readouterr().err
-    assert "--cf CONFIG.yaml is required" in err and "usage: fedml-perfedavg" in err
-    assert main(["--cf", str(CONFIGS[0]), "--set", "alpha=0"]) == 2
-    assert "train_args.alpha=0: must be > 0" in capsys.readouterr().err
-    assert main(["--resume", str(tmp_path / "nowhere")]) == 2
-    assert "no config.yaml there; is it a run directory" in capsys.readouterr().err
-
-
-@needs_mnist
-def test_describe_data_prints_the_paper_counts(mnist_root):
-    out = subprocess.run([sys.executable, "-m", "fedml_perfedavg", "--cf", str(CONFIGS[-1]), "--describe-data",
-                          "--set", f"data_cache_dir={mnist_root}"], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert lines[2].split()[:3] == ["0", "980", "160"]
-    assert lines[2 + 25].split()[:3] == ["25", "490", "80"]
-    assert len(lines) == 2 + 50
 
 
 def test_readme_config_table_is_generated_from_the_config():

@@ -1,0 +1,58 @@
+"""Checkpoints: a damaged one falls back, a resumed run equals an uninterrupted one, and a
+seed gives bit-identical results."""
+import pytest
+import torch
+
+from fedml_perfedavg.engine.batched import BatchedSimulation
+from fedml_perfedavg.run.config import ConfigError
+from fedml_perfedavg.run.runner import run
+
+from tests.helpers_tiny import tiny_config, tiny_data
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one_or_names_the_files(tmp_path, caplog):
+    from fedml_perfedavg.run import checkpoint
+
+    model = {"w": torch.ones(2)}
+    checkpoint.save(str(tmp_path), 2, model, {"algorithm": {}})
+    checkpoint.save(str(tmp_path), 4, model, {"algorithm": {}})
+    (tmp_path / "checkpoint.pt").write_bytes((tmp_path / "checkpoint.pt").read_bytes()[:100])  # truncated
+    with caplog.at_level("WARNING"):
+        assert checkpoint.load(str(tmp_path))["next_round"] == 2
+    assert "is damaged; resuming from the previous one" in caplog.text
+    (tmp_path / "checkpoint.prev.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"no readable checkpoint: .*checkpoint.pt .*checkpoint.prev.pt"):
+        checkpoint.load(str(tmp_path))
+
+
+def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, monkeypatch):
+    data = tiny_data()
+    full = run(tiny_config(), str(tmp_path / "full"), data=data)
+    original = BatchedSimulation.train_round
+
+    def crash_at_round_3(self, round_idx):
+        if round_idx == 3:
+            raise KeyboardInterrupt("simulated kill")
+        return original(self, round_idx)
+
+    monkeypatch.setattr(BatchedSimulation, "train_round", crash_at_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny_config(), str(tmp_path / "resumed"), data=data)
+    assert (tmp_path / "resumed" / "checkpoint.pt").exists()
+    assert not list((tmp_path / "resumed").glob("*.tmp"))
+    monkeypatch.setattr(BatchedSimulation, "train_round", original)
+    resumed = run(tiny_config(), str(tmp_path / "resumed"), data=data, resume=True)
+    a, b = full.final_state, resumed.final_state
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda h: [{k: v for k, v in e.items() if k != "wall_seconds"} for e in h]  # noqa: E731
+    assert strip(full.summary["history"]) == strip(resumed.summary["history"])
+    assert resumed.summary["per_user_accuracy"] == full.summary["per_user_accuracy"]
+
+
+def test_same_config_and_seed_give_bit_identical_results(tmp_path):
+    a = run(tiny_config(), str(tmp_path / "a"), data=tiny_data())
+    b = run(tiny_config(), str(tmp_path / "b"), data=tiny_data())
+    pa, pb = a.final_state, b.final_state
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    c = run(tiny_config(random_seed=1), str(tmp_path / "c"), data=tiny_data())
+    assert not all(torch.equal(pa[k], c.final_state[k]) for k in pa)

@@ -1,0 +1,79 @@
+"""The folders tell the architecture: the core, data, algorithms and engine never import FedML
+or the run layer; the FedML bridge never imports the run layer; no import cycles, including
+imports inside functions."""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "fedml_perfedavg"
+FEDML_FREE = ("core", "data", "algorithms", "engine", "models")
+LAYERS = {"core": 0, "models": 0, "data": 1, "algorithms": 2, "engine": 3, "fedml_bridge": 3, "run": 4}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path):
+    """Every module ``path`` imports, anywhere in the file (absolute names)."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module
+            yield name
+            yield from (f"{name}.{alias.name}" for alias in node.names)
+
+
+def _graph():
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {m: {i for i in _imports(p) if i in modules and i != m} for m, p in modules.items()}, modules
+
+
+def _area(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "package"
+
+
+def test_fedml_free_folders_never_import_fedml_or_the_layers_above():
+    graph, modules = _graph()
+    for module, path in modules.items():
+        area = _area(module)
+        if area not in LAYERS:
+            continue
+        external = set(_imports(path))
+        if area in FEDML_FREE:
+            assert not any(i == "fedml" or i.startswith("fedml.") for i in external), module
+        for target in graph[module]:
+            if _area(target) in LAYERS and target.split(".")[1] != "__init__":
+                assert LAYERS[_area(target)] <= LAYERS[area] or _area(target) == area, f"{module} imports {target}"
+
+
+def test_no_import_cycles_between_modules():
+    graph, modules = _graph()
+    packages = {m for m, p in modules.items() if p.name == "__init__.py"}
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for target in graph[node]:
+            if target in packages and node.startswith(target + "."):
+                continue  # a module importing from its own package's __init__ (which re-exports it)
+            if state.get(target) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(target):] + [target]))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
