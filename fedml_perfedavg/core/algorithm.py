@@ -7,7 +7,7 @@ all clients of a round at once. Nothing here imports FedML.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -60,53 +60,72 @@ class LocalBatches(NamedTuple):
         return LocalBatches(*(tensor[t] for tensor in self))
 
 
+class Gradients(Protocol):
+    """How the local update gets gradients of the loss: ``grad(params, x, y)``, and
+    ``grad_pair`` at two parameter points at once (a leading dimension of 2), which the HF
+    estimator uses for w + delta g and w - delta g."""
+
+    def grad(self, params: Params, x: Tensor, y: Tensor) -> Params: ...
+
+    def grad_pair(self, params: Params, x: Tensor, y: Tensor) -> Params: ...
+
+
+class FunctionalGradients:
+    """Gradients of any loss by ``torch.func`` (the default; vmappable)."""
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        self.grad = grad(loss_fn)
+
+    def grad_pair(self, params: Params, x: Tensor, y: Tensor) -> Params:
+        # one vmapped call with twice the work instead of two small passes
+        return vmap(self.grad, in_dims=(0, None, None))(params, x, y)
+
+
 def axpy(scale: float, x: Params, y: Params) -> Params:
     """``y + scale * x`` for parameter dicts."""
     return {k: y[k] + scale * x[k] for k in y}
 
 
 def meta_gradient(
-    loss_fn: LossFn, params: Params, batches: LocalBatches, variant: str, alpha: float, delta: float
+    loss_fn: LossFn, params: Params, batches: LocalBatches, variant: str, alpha: float, delta: float,
+    gradients: Optional[Gradients] = None,
 ) -> Params:
     """Estimate of grad F_i(w) = grad of f_i(w - alpha grad f_i(w; D); D') at ``params``.
 
     fo: g; hf: g - alpha * finite-difference Hessian(D'') @ g; exact: g - alpha * H(D'') @ g,
     where g = grad f_i(w~; D') and w~ = w - alpha grad f_i(w; D). ``batches`` holds one step.
+    ``gradients`` defaults to ``torch.func`` on ``loss_fn``.
     """
-    grad_fn = grad(loss_fn)
-    adapted = axpy(-alpha, grad_fn(params, batches.adapt_x, batches.adapt_y), params)
-    g = grad_fn(adapted, batches.meta_x, batches.meta_y)
+    gradients = gradients or FunctionalGradients(loss_fn)
+    adapted = axpy(-alpha, gradients.grad(params, batches.adapt_x, batches.adapt_y), params)
+    g = gradients.grad(adapted, batches.meta_x, batches.meta_y)
     if variant == "fo":
         return g
     if variant == "hf":
-        hessian_g = _finite_difference_hvp(grad_fn, params, g, batches.hessian_x, batches.hessian_y, delta)
+        plus_minus = {k: torch.stack((p + delta * g[k], p - delta * g[k])) for k, p in params.items()}
+        grads = gradients.grad_pair(plus_minus, batches.hessian_x, batches.hessian_y)
+        hessian_g = {k: (v[0] - v[1]) / (2.0 * delta) for k, v in grads.items()}
     elif variant == "exact":
-        _, hessian_g = jvp(lambda p: grad_fn(p, batches.hessian_x, batches.hessian_y), (params,), (g,))
+        _, hessian_g = jvp(lambda p: gradients.grad(p, batches.hessian_x, batches.hessian_y), (params,), (g,))
     else:
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
     return axpy(-alpha, hessian_g, g)
 
 
-def _finite_difference_hvp(grad_fn, params: Params, g: Params, x: Tensor, y: Tensor, delta: float) -> Params:
-    # Both gradient evaluations (at w + delta g and w - delta g) run as one vmapped call:
-    # one pass with twice the batch instead of two small passes.
-    plus_minus = {k: torch.stack((p + delta * g[k], p - delta * g[k])) for k, p in params.items()}
-    grads = vmap(grad_fn, in_dims=(0, None, None))(plus_minus, x, y)
-    return {k: (v[0] - v[1]) / (2.0 * delta) for k, v in grads.items()}
-
-
-def local_update(loss_fn: LossFn, params: Params, batches: LocalBatches, config: LocalUpdateConfig) -> Params:
+def local_update(loss_fn: LossFn, params: Params, batches: LocalBatches, config: LocalUpdateConfig,
+                 gradients: Optional[Gradients] = None) -> Params:
     """Run one client's ``config.local_steps`` steps from ``params`` and return the new params.
 
     Each step starts from the current w (never from the adapted point w~), as in
-    Algorithm 1 of Fallah et al. (2020).
+    Algorithm 1 of Fallah et al. (2020). ``gradients`` defaults to ``torch.func`` on ``loss_fn``;
+    :class:`fedml_perfedavg.core.stacked.StackedGradients` runs all clients of a round at once.
     """
-    grad_fn = grad(loss_fn)
+    gradients = gradients or FunctionalGradients(loss_fn)
     for t in range(config.local_steps):
         step = batches.step(t)
         if config.method == "fedavg":
-            direction = grad_fn(params, step.adapt_x, step.adapt_y)
+            direction = gradients.grad(params, step.adapt_x, step.adapt_y)
         else:
-            direction = meta_gradient(loss_fn, params, step, config.variant, config.alpha, config.delta)
+            direction = meta_gradient(loss_fn, params, step, config.variant, config.alpha, config.delta, gradients)
         params = axpy(-config.beta, direction, params)
     return params

@@ -18,7 +18,9 @@ import torch
 from torch.func import vmap
 
 from ..algorithms.base import FederatedAlgorithm
+from ..core import algorithm as client_maths
 from ..core.algorithm import LocalBatches
+from ..core.stacked import StackedGradients
 from ..core.guards import nonfinite_clients
 from ..core.types import Params, StateDict, UserSplit
 from ..algorithms.base import RoundDriver
@@ -35,19 +37,48 @@ class BatchedSimulation:
     """The round loop of the batched engine over an algorithm object and a round driver."""
 
     def __init__(self, algorithm: FederatedAlgorithm, users: Sequence[UserSplit], global_state: StateDict,
-                 driver: RoundDriver, compile_local_update: bool = False) -> None:
+                 driver: RoundDriver, compile_local_update: bool = False, fast_path: bool = True) -> None:
         self.algorithm = algorithm
         self.users = users
         self.state: StateDict = OrderedDict(global_state)
         self.driver = driver
         self.batched = True
         self.step: Callable[[Params, LocalBatches], Params] = vmap(algorithm.local_update, in_dims=(None, 0))
+        stacked, why = (None, "device_args.compile_local_update compiles the generic path") if compile_local_update \
+            else self._stacked_gradients(fast_path)
+        if stacked is not None:
+            self.step = self._stacked_step(stacked)
+            logger.info("batched engine: %s is a chain of Linear layers and activations; its clients' gradients "
+                        "are hand-batched matrix products (fedml_perfedavg.core.stacked)", type(algorithm.network).__name__)
+        else:
+            logger.info("batched engine: the clients' updates vmapped with torch.func (hand-batched gradients do not "
+                        "apply: %s)", why)
         if compile_local_update:
             # The round is thousands of tiny kernels: on a GPU, CUDA graphs ("reduce-overhead")
             # replay them without per-kernel launch cost. Shapes are the same every round.
             on_cuda = next(iter(global_state.values())).is_cuda
             self.step = torch.compile(self.step, mode="reduce-overhead" if on_cuda else "default", dynamic=False)
         self.sample_counts = [len(u.train_y) for u in users]
+
+    def _stacked_gradients(self, fast_path: bool):
+        """Hand-batched gradients where they compute exactly what the algorithm's own
+        ``local_update`` would (Per-FedAvg's or FedAvg's update on a Linear chain), else why not."""
+        if not fast_path:
+            return None, "turned off"
+        if type(self.algorithm).local_update is not FederatedAlgorithm.local_update:
+            return None, f"{type(self.algorithm).__name__} has its own local_update"
+        return StackedGradients.for_network(self.algorithm.network, tuple(self.users[0].train_x.shape[1:]))
+
+    def _stacked_step(self, stacked: StackedGradients) -> Callable[[Params, LocalBatches], Params]:
+        settings, loss_fn = self.algorithm.settings.local, self.algorithm.loss_fn
+
+        def step(params: Params, batches: LocalBatches) -> Params:
+            clients = batches.adapt_x.shape[0]
+            start = {k: v.unsqueeze(0).expand(clients, *v.shape).clone() for k, v in params.items()}
+            by_step = LocalBatches(*(t.transpose(0, 1) for t in batches))  # (steps, clients, batch, ...)
+            return client_maths.local_update(loss_fn, start, by_step, settings, stacked)
+
+        return step
 
     def _batched_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
         params, buffers = self.algorithm.split_state(self.state)

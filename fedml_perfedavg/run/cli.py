@@ -5,37 +5,30 @@ takes the steps of FedML's example main script (``fedml.init``, ``fedml.device``
 ``fedml.data.load``, ``fedml.model.create``, ``FedMLRunner(...).run()``) with the plugin
 installed. Cross-silo: ``fedml-perfedavg launch-silo --cf CONFIG.yaml`` starts a server and its
 silos on this machine; each process alone is ``fedml-perfedavg --cf ... --rank R --role server|client``.
+``fedml-perfedavg show RUN_DIR [RUN_DIR ...]`` prints a finished run's summary and per-user
+table, or compares runs.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import shutil
+import signal
 import sys
-from typing import List, Optional
+import threading
+from typing import Iterator, List, Optional
 
 from ..core.guards import ConfigError, DivergenceError, RunStopped
 from .config import load
-from .runner import LOG_FORMAT
-
-
-class _ConsoleFilter(logging.Filter):
-    # FedML logs chatty INFO lines on the root logger; the console shows the plugin's own
-    # INFO lines (not the per-user ones) and everyone's warnings. run.log keeps everything.
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.WARNING:
-            return True
-        return record.name.startswith("fedml_perfedavg") and not record.name.endswith(".per_user")
+from .reporting import console_handler
 
 
 def setup_console_logging(level: str) -> None:
     root = logging.getLogger()
     root.setLevel(logging.DEBUG if level == "DEBUG" else logging.INFO)
-    console = logging.StreamHandler(sys.stderr)
-    console.setLevel(getattr(logging, level))
-    console.addFilter(_ConsoleFilter())
-    console.setFormatter(logging.Formatter(LOG_FORMAT, "%H:%M:%S"))
-    root.handlers[:] = [console]
+    root.handlers[:] = [console_handler(getattr(logging, level))]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,14 +64,49 @@ def describe_data(config) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends the run as Ctrl-C does: what was measured so far is written, not lost."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _remove_failed_start(run_dir: Optional[str], existed: bool) -> None:
+    """A run that failed before it measured anything leaves no directory behind."""
+    if run_dir and not existed and os.path.isdir(run_dir) and \
+            not os.path.exists(os.path.join(run_dir, "summary.json")):
+        root = logging.Logger.manager.root
+        for handler in list(root.handlers):  # run.log is closed before its folder goes
+            if isinstance(handler, logging.FileHandler) and handler.baseFilename.startswith(run_dir + os.sep):
+                root.removeHandler(handler)
+                handler.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch-silo"]:
         from .launch_silo import main as launch_silo
 
         return launch_silo(argv[1:])
+    if argv[:1] == ["show"]:
+        from .show import main as show
+
+        return show(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    run_dir: Optional[str] = None
+    existed = True
     try:
         if args.resume:
             if args.config:
@@ -103,12 +131,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .silo_addresses import check_silo_role
 
             check_silo_role(config, args.rank, args.role)
+        planned = resolve_run_dir(config, args.run_dir, create=False)
+        existed = os.path.isdir(planned)
         run_dir = shared_run_dir(config, args.run_dir) if config.backend == "MPI" else \
             resolve_run_dir(config, args.run_dir)
         setup_console_logging(args.log_level)
         from tqdm.contrib.logging import logging_redirect_tqdm
 
-        with logging_redirect_tqdm():
+        with logging_redirect_tqdm(), sigterm_as_interrupt():
             result = run_fedml_main(fedml_args(config, run_dir, bool(args.resume), args.rank, args.role,
                                                str(args.run_id)))
         if result.summary.get("role") == "client":  # an MPI client rank or a silo: the server reports
@@ -118,8 +148,14 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"run_dir={result.run_dir}")
         return 0
     except (ConfigError, FileNotFoundError) as err:
+        _remove_failed_start(run_dir, existed)
         print(f"fedml-perfedavg: error: {err}", file=sys.stderr)
         return 2
     except (DivergenceError, RunStopped) as err:
-        print(f"fedml-perfedavg: run stopped: {err}", file=sys.stderr)
+        where = f"; what was measured is in {run_dir}/summary.json" if run_dir else ""
+        print(f"fedml-perfedavg: run stopped: {err}{where}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        where = f"; what was measured so far is in {run_dir}/summary.json" if run_dir else ""
+        print(f"fedml-perfedavg: interrupted{where}", file=sys.stderr)
+        return 130

@@ -140,8 +140,12 @@ class Config:
                                       "to come up (a silo retries an unreachable server with backoff; the server "
                                       "waits for silos to come online)", rule=_positive)
     round_timeout: float = _setting("comm_args", float, 600.0, "cross-silo: seconds the server waits for a round's "
-                                    "silo updates (and the final goodbyes) before applying min_clients_per_round",
-                                    rule=_positive)
+                                    "silo updates (and the final goodbyes) before applying min_clients_per_round; "
+                                    "the ceiling of the adaptive deadline", rule=_positive)
+    round_timeout_factor: float = _setting("comm_args", float, 10.0, "cross-silo: after two rounds the deadline is "
+                                           "this many times the slowest round so far (at least 5 s, at most "
+                                           "round_timeout), so a dead silo costs seconds; 0: always round_timeout",
+                                           rule=(lambda v: v == 0 or v >= 1, "0 or >= 1"))
     min_clients_per_round: Optional[int] = _setting("comm_args", int, None, "cross-silo: after round_timeout, go "
                                                     "on without the silos that did not answer if at least this "
                                                     "many did; else stop naming them (default: all)",

@@ -3,8 +3,10 @@
     fedml-perfedavg launch-silo --cf CONFIG.yaml [--clients N] [--set KEY=VALUE ...]
 
 starts one server and N silo processes (``fedml-perfedavg --rank R --role server|client``) on
-127.0.0.1, waits until the server listens before starting the silos, prefixes each line of
-their output with its rank, and exits non-zero if any process failed.
+127.0.0.1, waits until the server says it listens before starting the silos, prefixes each
+line of their output with its rank, and exits non-zero if any process failed. A silo that
+fails is reported at once; SIGINT and SIGTERM are forwarded to every process, which write what
+they measured before they end.
 """
 from __future__ import annotations
 
@@ -13,17 +15,17 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 from ..core.guards import ConfigError
 from .config import load
 from .runner import resolve_run_dir
-from .silo_addresses import write_ipconfig
+from .silo_addresses import read_ipconfig, write_ipconfig
+from ..fedml_bridge.cross_silo.transport import READY_MESSAGE, TRAINING_STARTED
 
 logger = logging.getLogger(__name__)
 
@@ -32,22 +34,34 @@ logger = logging.getLogger(__name__)
 SILO_SETTINGS = ("training_type=cross_silo", "backend=GRPC", "show_progress=false")
 
 
-def _wait_listening(address: Tuple[str, int], process: subprocess.Popen, timeout: float) -> None:
+def _wait_ready(ready: threading.Event, process: subprocess.Popen, what: str, timeout: float) -> None:
+    """Until the server says it listens (its own log line, not any listener on the port)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while not ready.wait(0.1):
         if process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {process.returncode} before it listened")
-        try:
-            with socket.create_connection(address, timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"the server did not listen on {address[0]}:{address[1]} within {timeout:g} s")
+            raise RuntimeError(f"the server exited with code {process.returncode} before it listened on {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not listen on {what} within {timeout:g} s (comm_args.connect_timeout)")
 
 
-def _stream(process: subprocess.Popen, prefix: str, lock: threading.Lock) -> threading.Thread:
+def _end_with_parent() -> None:
+    """In a child: SIGTERM when the launcher dies, even by SIGKILL, so no process is left behind
+    (Linux's PR_SET_PDEATHSIG; elsewhere only SIGINT and SIGTERM are forwarded)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def _stream(process: subprocess.Popen, prefix: str, lock: threading.Lock,
+            events: Optional[Dict[str, threading.Event]] = None) -> threading.Thread:
+    """Copy the process's lines to stdout with ``prefix``; set ``events[marker]`` when a line
+    holds ``marker``."""
     def pump() -> None:
         for line in process.stdout:
+            for marker, event in (events or {}).items():
+                if marker in line:
+                    event.set()
             with lock:
                 sys.stdout.write(f"{prefix} {line}")
                 sys.stdout.flush()
@@ -81,13 +95,18 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
     lock = threading.Lock()
     processes: Dict[int, subprocess.Popen] = {}
     pumps: List[threading.Thread] = []
+    server_ready, training_started = threading.Event(), threading.Event()
+    server_address = "%s:%d" % addresses[0]
+    server_events = {READY_MESSAGE % ((0,) + addresses[0]): server_ready, TRAINING_STARTED: training_started}
 
     def start(rank: int) -> None:
         role = "server" if rank == 0 else "client"
         processes[rank] = subprocess.Popen(command + ["--rank", str(rank), "--role", role],
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                           env={**os.environ, "PYTHONUNBUFFERED": "1", **threads})
-        pumps.append(_stream(processes[rank], "[server]" if rank == 0 else f"[silo {rank}]", lock))
+                                           env={**os.environ, "PYTHONUNBUFFERED": "1", **threads},
+                                           preexec_fn=_end_with_parent)
+        pumps.append(_stream(processes[rank], "[server]" if rank == 0 else f"[silo {rank}]", lock,
+                             server_events if rank == 0 else None))
         with open(os.path.join(run_dir, "silo_processes.json"), "w") as stream:
             json.dump({str(r): p.pid for r, p in processes.items()}, stream)
 
@@ -110,7 +129,7 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
     try:
         if server_delay is None:
             start(0)
-            _wait_listening(addresses[0], processes[0], config.connect_timeout)
+            _wait_ready(server_ready, processes[0], server_address, config.connect_timeout)
             for rank in range(1, clients + 1):
                 start(rank)
         else:  # silos first: they retry until the server listens
@@ -118,7 +137,7 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
                 start(rank)
             time.sleep(server_delay)
             start(0)
-        processes[0].wait()
+        _watch(processes, config.min_clients_per_round or clients, training_started)
         # Silos end on their own after a finished run; after a failed one they may wait in vain.
         deadline = time.monotonic() + (grace_seconds if processes[0].returncode == 0 else 5.0)
         while time.monotonic() < deadline and any(p.poll() is None for p in processes.values()):
@@ -142,6 +161,25 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
     if return_code == 0 and not failed:
         logger.info("all %d processes finished; results in %s", len(processes), run_dir)
     return return_code or (1 if failed else 0)
+
+
+def _watch(processes: Dict[int, subprocess.Popen], min_clients: int, training_started: threading.Event) -> None:
+    """Until the server exits. A silo that fails is reported at once. Before training starts
+    (the server would wait comm_args.connect_timeout for it), a failure that leaves fewer silos
+    than the run needs stops the run at once; later the server's round deadline handles it and
+    records the silo as lost."""
+    failed: Dict[int, int] = {}
+    silos = len(processes) - 1
+    while processes[0].poll() is None:
+        for rank, process in processes.items():
+            code = process.poll()
+            if rank and code not in (None, 0) and rank not in failed:
+                failed[rank] = code
+                logger.error("silo rank %d exited with code %s while the server runs", rank, code)
+                if not training_started.is_set() and silos - len(failed) < min_clients:
+                    raise RuntimeError(f"silo rank(s) {sorted(failed)} failed at start; {silos - len(failed)} left, "
+                                       f"fewer than comm_args.min_clients_per_round={min_clients}: stopping the run")
+        time.sleep(0.2)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -24,6 +25,27 @@ def write_json_atomic(path: str, data: Any) -> None:
     os.replace(tmp, path)
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _ConsoleFilter(logging.Filter):
+    # FedML logs chatty INFO lines on the root logger; the console shows the plugin's own
+    # INFO lines (not the per-user ones) and everyone's warnings. run.log keeps everything.
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        return record.name.startswith("fedml_perfedavg") and not record.name.endswith(".per_user")
+
+
+def console_handler(level: int = logging.INFO) -> logging.Handler:
+    """The console's log handler: the plugin's progress lines and everyone's warnings."""
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(level)
+    console.addFilter(_ConsoleFilter())
+    console.setFormatter(logging.Formatter(LOG_FORMAT, "%H:%M:%S"))
+    return console
+
+
 class RunRecorder:
     """Collects per-round metrics and reports them (logging, tqdm, optional wandb)."""
 
@@ -38,6 +60,7 @@ class RunRecorder:
         self.last: Optional[EvaluationResult] = None
         self.rounds_done = 0
         self.silo_history: List[Dict[str, Any]] = []  # cross-silo: silos' own evaluations
+        self.lost_silos: List[Dict[str, Any]] = []  # cross-silo: silos the server went on without
         self.started = time.perf_counter()
         self._bar = None
         if show_progress:
@@ -96,6 +119,10 @@ class RunRecorder:
         if self._wandb is not None and label != "final":
             self._wandb.log({"silo/personalized_accuracy": mean}, step=int(label.split()[-1]))
 
+    def record_lost_silos(self, round_idx: int, ranks: Sequence[int], why: str) -> None:
+        """Cross-silo: the server gave up on these silos in this round."""
+        self.lost_silos.extend({"rank": int(rank), "round": round_idx, "why": why} for rank in ranks)
+
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint needs to continue the record exactly."""
         last = None if self.last is None else vars(self.last).copy()
@@ -122,6 +149,8 @@ class RunRecorder:
                   "history": self.history, "config": self.config_sections}
         if self.silo_history:
             common["silo_evaluation"] = self.silo_history
+        if self.lost_silos:
+            common["lost_silos"] = self.lost_silos
         if self.last is None:
             return {"personalized_accuracy": None, "accuracy_before_adaptation": None, "per_user_accuracy": [],
                     **common}

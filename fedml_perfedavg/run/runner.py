@@ -31,11 +31,10 @@ from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
 from . import checkpoint
 from .config import BY_NAME, Config, from_fedml_args
-from .reporting import RunRecorder
+from .reporting import LOG_FORMAT, RunRecorder, console_handler
 from .silo_addresses import check_silo_role
 
 logger = logging.getLogger(__name__)
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass
@@ -231,7 +230,8 @@ class PluginRun:
 
             self.where = f"cross-silo rank {self.rank} ({args.role})"
             policy = SiloPolicy(config.connect_timeout, config.round_timeout,
-                                config.min_clients_per_round or config.client_num_per_round)
+                                config.min_clients_per_round or config.client_num_per_round,
+                                config.round_timeout_factor)
             return CrossSiloProcess(args, self.device, self.dataset, self.model, self.trainer, self.aggregator,
                                     policy, self)
         if config.backend == "MPI":
@@ -269,6 +269,10 @@ class PluginRun:
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         if self.recorder is not None:
             self.recorder.record_silo_evaluation(label, mean, silos)
+
+    def record_lost_silos(self, round_idx: int, ranks: List[int], why: str) -> None:
+        if self.recorder is not None:
+            self.recorder.record_lost_silos(round_idx, ranks, why)
 
     # -- restore ----------------------------------------------------------------------------------
     def _resumable(self) -> bool:
@@ -326,6 +330,10 @@ class PluginRun:
         except (DivergenceError, RunStopped) as err:
             # No result is lost: what was measured so far goes to summary.json, then the run stops.
             self.finish(status="stopped", error=str(err))
+            self._close()
+            raise
+        except KeyboardInterrupt:
+            self.finish(status="interrupted", error="interrupted (SIGINT or SIGTERM)")
             self._close()
             raise
         except BaseException:
@@ -411,4 +419,17 @@ def run(config: Config, run_dir: Optional[str] = None, resume: bool = False, dat
     """Run ``config`` through FedML's entry points (sp: the batched engine or FedML's loop; MPI
     under ``mpirun``); returns when this process's part is over. ``data``/``model``: see
     :func:`run_fedml_main`."""
+    _show_progress_lines()
     return run_fedml_main(fedml_args(config, run_dir, resume), data, model)
+
+
+def _show_progress_lines() -> None:
+    """A library call in a script or notebook that configured no logging shows the run's
+    progress lines and warnings, as the command line does; configured logging is left alone.
+    (Set up before FedML's import, whose ``logging.basicConfig`` would print everything.)"""
+    root = logging.Logger.manager.root
+    if root.handlers:
+        return
+    root.addHandler(console_handler())
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)

@@ -45,8 +45,13 @@ def _run(command, tmp_path, timeout=300):
 
 
 def _silo_command(script_args, path):
-    return ["sh", "-c", " & ".join(f"{sys.executable} {script_args} --cf {path} --rank {r} --role "
-                                   f"{'server' if r == 0 else 'client'} --run_id 7" for r in range(3)) + " & wait"]
+    """Server first; the silos once it listens (FedML's own gRPC client gives up at once on an
+    unreachable server, so its silos must not start before it)."""
+    server = f"{sys.executable} {script_args} --cf {path} --rank 0 --role server --run_id 7"
+    silos = " & ".join(f"{sys.executable} {script_args} --cf {path} --rank {r} --role client --run_id 7"
+                       for r in (1, 2))
+    return ["sh", "-c", f"{server} > server.log 2>&1 & until grep -q 'Started gRPC server' server.log; do "
+                        f"sleep 0.2; done; {silos} & wait; cat server.log"]
 
 
 ONE_LINE = {"sp": "fedml.run_simulation()", "MPI": "fedml.run_simulation(backend='MPI')",
@@ -109,7 +114,7 @@ def test_own_trainer_and_aggregator_run_on_sp_mpi_and_cross_silo(mnist_root, tmp
     address_file = write_ipconfig(str(tmp_path / "ipconfig.csv"), 3)
     path = _yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", grpc_ipconfig_path=address_file,
                  **OWN_PAIR_EDITS)
-    _run(_silo_command(OWN_PAIR, path), tmp_path)
+    _run(_silo_command(OWN_PAIR, path), tmp_path, timeout=180)
     distributed["silo"] = _own_pair_results(tmp_path / "silo", 3)
 
     for backend, (server, *clients) in distributed.items():

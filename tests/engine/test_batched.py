@@ -49,13 +49,17 @@ def per_client_rounds(algorithm, users, state, rounds):
     return state
 
 
+@pytest.mark.parametrize("fast_path", [True, False], ids=["hand-batched", "vmap"])
 @pytest.mark.parametrize("optimizer,variant", CASES)
-def test_batched_engine_equals_per_client_path_float64(optimizer, variant):
+def test_batched_engine_equals_per_client_path_float64(optimizer, variant, fast_path, caplog):
     config, users, model = _setup(optimizer, variant)
     algorithm = create_algorithm(optimizer, model, config)
     start = copy.deepcopy(model.state_dict())
     reference = per_client_rounds(algorithm, users, start, config.comm_round)
-    engine = BatchedSimulation(create_algorithm(optimizer, model, config), users, start, Driver(algorithm))
+    with caplog.at_level("INFO"):
+        engine = BatchedSimulation(create_algorithm(optimizer, model, config), users, start, Driver(algorithm),
+                                   fast_path=fast_path)
+    assert ("hand-batched matrix products" in caplog.text) == fast_path  # the MLP is a Linear/ELU chain
     got = engine.run(0, config.comm_round)
     assert engine.batched
     assert any(not torch.allclose(got[k], start[k]) for k in got)  # it did train

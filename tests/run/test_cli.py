@@ -31,3 +31,51 @@ def test_describe_data_prints_the_paper_counts(mnist_root):
     assert lines[2].split()[:3] == ["0", "980", "160"]
     assert lines[2 + 25].split()[:3] == ["25", "490", "80"]
     assert len(lines) == 2 + 50
+
+
+def test_a_failed_start_leaves_no_run_directory(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["--cf", str(REPO / "yaml_configs" / "quickstart_mnist_hf.yaml"), "--set",
+                 f"data_cache_dir={tmp_path / 'nowhere'}", "--run-dir", str(run_dir)]) == 2
+    assert "mnist not found: expected its files under" in capsys.readouterr().err
+    assert not run_dir.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()  # a directory the user made is never removed
+    assert main(["--cf", str(REPO / "yaml_configs" / "quickstart_mnist_hf.yaml"), "--set",
+                 f"data_cache_dir={tmp_path / 'nowhere'}", "--run-dir", str(kept)]) == 2
+    assert kept.exists()
+
+
+def _summary(**overrides):
+    summary = {"status": "finished", "error": None, "rounds": 4, "headline_round": 3, "wall_seconds": 2.5,
+               "personalized_accuracy": 0.75, "accuracy_before_adaptation": 0.5, "personalized_accuracy_std": 0.25,
+               "per_user_accuracy": [0.5, 1.0], "per_user_accuracy_before_adaptation": [0.25, 0.75], "new_users": [1],
+               "config": {"train_args": {"federated_optimizer": "PerFedAvg", "perfedavg_variant": "hf"}}}
+    summary.update(overrides)
+    return summary
+
+
+def test_show_prints_a_run_and_compares_runs(tmp_path, capsys):
+    import json
+
+    for name, summary in {"a": _summary(), "b": _summary(status="stopped", error="silo rank(s) [2] sent no update",
+                                                         lost_silos=[{"rank": 2, "round": 1, "why": "gone"}],
+                                                         config={"train_args": {"federated_optimizer": "FedAvgUpdate"}},
+                                                         personalized_accuracy=0.6)}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    assert main(["show", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "PerFedAvg (hf), finished, 4 rounds" in out
+    assert "personalized accuracy 75.00% (before adaptation 50.00%) at round 3" in out
+    assert "     0   50.00    25.00\n" in out and "     1  100.00    75.00  (new user)" in out
+    assert main(["show", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "ended by: silo rank(s) [2] sent no update" in out and "lost silo rank 2 in round 1: gone" in out
+    assert main(["show", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["run", "method", "status", "rounds", "after%", "before%", "std%"]
+    assert lines[1].split()[1:] == ["PerFedAvg", "(hf)", "finished", "4", "75.00", "50.00", "25.00"]
+    assert lines[2].split()[1:4] == ["FedAvgUpdate", "stopped", "4"]
+    assert main(["show", str(tmp_path / "missing")]) == 2
+    assert "no summary.json there" in capsys.readouterr().err

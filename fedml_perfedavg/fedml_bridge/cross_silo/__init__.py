@@ -13,14 +13,14 @@ from typing import Any, List
 
 from ..bootstrap import import_fedml, replaced
 from ...algorithms.base import RoundDriver
-from .transport import PeerUnreachable, SiloPolicy, with_retry
+from .transport import READY_MESSAGE, PeerUnreachable, PortUnavailable, SiloPolicy, with_retry
 
 import_fedml()
 import fedml.core.distributed.communication.grpc.grpc_comm_manager as grpc_module  # noqa: E402
 import fedml.cross_silo.client.client_initializer as client_init  # noqa: E402
 import fedml.cross_silo.server.server_initializer as server_init  # noqa: E402
 
-__all__ = ["CrossSiloProcess", "PeerUnreachable", "SiloPolicy"]
+__all__ = ["CrossSiloProcess", "PeerUnreachable", "PortUnavailable", "READY_MESSAGE", "SiloPolicy"]
 
 
 class CrossSiloProcess:

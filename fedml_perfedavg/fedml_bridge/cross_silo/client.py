@@ -11,9 +11,10 @@ from typing import Any, Dict, Optional, Tuple
 
 from ...core.guards import SiloFailure
 from ..bootstrap import import_fedml
-from .transport import SILO_METRICS, SiloPolicy
+from .transport import SILO_METRICS, PeerUnreachable, SiloPolicy, no_retry
 
 import_fedml()
+import grpc  # noqa: E402
 from fedml.core.distributed.communication.message import Message  # noqa: E402
 from fedml.cross_silo.client.fedml_client_master_manager import ClientMasterManager  # noqa: E402
 from fedml.cross_silo.client.fedml_trainer import FedMLTrainer  # noqa: E402
@@ -60,22 +61,35 @@ class PluginTrainerDistAdapter(TrainerDistAdapter):
 class PluginClientMasterManager(ClientMasterManager):
     """fedml_client_master_manager.py: a silo waits for the server forever, and its
     evaluations never reach the server. Here a silo that hears nothing from the server for
-    ``2 * round_timeout + connect_timeout`` stops, and its evaluation of the model it received
-    rides on its upload (and on its goodbye, for the final model)."""
+    ``SiloPolicy.client_idle_deadline`` (adaptive, see there) stops, and its evaluation of the
+    model it received rides on its upload (and on its goodbye, for the final model)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.last_heard = time.monotonic()
+        self.last_model: Optional[float] = None
+        self.slowest_gap: Optional[float] = None  # between two models from the server
+        self.gaps_measured = 0
 
     def receive_message(self, msg_type, msg_params) -> None:
-        self.last_heard = time.monotonic()
+        now = self.last_heard = time.monotonic()
+        if msg_type == MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT and self.last_model is not None:
+            self.slowest_gap = max(now - self.last_model, self.slowest_gap or 0.0)
+            self.gaps_measured += 1
+        if msg_type in (MyMessage.MSG_TYPE_S2C_INIT_CONFIG, MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT):
+            self.last_model = now
+            # An upload to a server that was up and is gone is retried no longer than it is waited for.
+            limit = self.policy.client_idle_deadline(self.slowest_gap, self.gaps_measured)
+            self.com_manager.retry_seconds = min(self.policy.connect_timeout, limit)
         super().receive_message(msg_type, msg_params)
 
     def on_idle(self) -> None:
-        if time.monotonic() - self.last_heard > self.policy.client_idle_limit:
+        limit = self.policy.client_idle_deadline(self.slowest_gap, self.gaps_measured)
+        if time.monotonic() - self.last_heard > limit:
             self.com_manager.stop_receive_message()
-            raise SiloFailure(f"silo rank {self.rank}: nothing from the server for {self.policy.client_idle_limit:g} s "
-                              f"(2 x comm_args.round_timeout + comm_args.connect_timeout)")
+            raise SiloFailure(f"silo rank {self.rank}: nothing from the server for {limit:.1f} s (comm_args."
+                              f"round_timeout_factor x the slowest round so far; before two rounds: 2 x comm_args."
+                              f"round_timeout + comm_args.connect_timeout); is the server gone?")
 
     def handle_message_finish(self, msg_params):
         logger.warning("silo rank %d: the server ended the run early", self.rank)
@@ -95,9 +109,17 @@ class PluginClientMasterManager(ClientMasterManager):
         message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self.client_real_id, receive_id)
         message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, status)
         message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_OS, platform.system())
-        if status == ClientMasterManager.RUN_FINISHED_STATUS_FLAG:
-            message.add_params(SILO_METRICS, self._metrics())
-        self.send_message(message)
+        if status != ClientMasterManager.RUN_FINISHED_STATUS_FLAG:
+            self.send_message(message)
+            return
+        message.add_params(SILO_METRICS, self._metrics())
+        # The goodbye of a finished run: a server that has already ended is not waited for.
+        with no_retry(self):
+            try:
+                self.send_message(message)
+            except (PeerUnreachable, grpc.RpcError) as err:
+                logger.info("silo rank %d: the server has already ended (%s); this silo is done", self.rank,
+                            type(err).__name__)
 
 
 def client_classes(policy: SiloPolicy) -> Tuple[type, type]:

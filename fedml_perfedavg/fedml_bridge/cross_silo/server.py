@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ...core.guards import ConfigError, SiloFailure
 from ..bootstrap import import_fedml
 from ...algorithms.base import RoundDriver
-from .transport import SILO_METRICS, PeerUnreachable, SiloPolicy, no_retry
+from .transport import SILO_METRICS, TRAINING_STARTED, PeerUnreachable, SiloPolicy, no_retry
 
 import_fedml()
 from fedml.core.distributed.communication.message import Message  # noqa: E402
@@ -79,14 +79,28 @@ class PluginServerManager(FedMLServerManager):
         self.deadline: Optional[float] = None
         self.finished: set = set()
         self.silo_metrics: Dict[int, Dict[str, Any]] = {}  # silo -> its last evaluation
-        
+        self.round_started: Optional[float] = None
+        self.slowest_round: Optional[float] = None  # of the rounds every silo answered in time
+        self.rounds_measured = 0
+        self.adaptive_logged = False
 
     # -- phases ---------------------------------------------------------------------------
     def _open_phase(self, phase: str) -> None:
         self.phase = phase
         # Coming online includes the silos' start-up (imports, data): connect_timeout.
-        wait = self.policy.connect_timeout if phase == "online" else self.policy.round_timeout
-        self.deadline = time.monotonic() + wait
+        if phase == "online":
+            wait = self.policy.connect_timeout
+        else:
+            wait = self.policy.round_deadline(self.slowest_round, self.rounds_measured)
+            if wait < self.policy.round_timeout and not self.adaptive_logged:
+                self.adaptive_logged = True
+                logger.info("round deadline now %.1f s: %g x the slowest round so far (%.2f s; comm_args."
+                            "round_timeout_factor), at most comm_args.round_timeout=%g s", wait,
+                            self.policy.round_timeout_factor, self.slowest_round, self.policy.round_timeout)
+            # A silo that was up and stops answering is given the round deadline, no more.
+            self.com_manager.retry_seconds = min(self.policy.connect_timeout, wait)
+        self.round_started = time.monotonic()
+        self.deadline = self.round_started + wait
 
     def _select(self) -> None:
         self.client_id_list_in_this_round = self.aggregator.client_selection(
@@ -112,7 +126,7 @@ class PluginServerManager(FedMLServerManager):
         self.is_initialized = True
         # From now on a silo that cannot be reached was up before: give it round_timeout at most.
         self.com_manager.retry_seconds = min(self.policy.connect_timeout, self.policy.round_timeout)
-        logger.info("silos %s online; round 0 starts", self.client_id_list_in_this_round)
+        logger.info("silos %s %s", self.client_id_list_in_this_round, TRAINING_STARTED)
         self._send_models(MyMessage.MSG_TYPE_S2C_INIT_CONFIG)
         self._open_phase("training")
 
@@ -130,18 +144,24 @@ class PluginServerManager(FedMLServerManager):
                 logger.warning("%s", err)
                 unreachable.append(silo)
         if unreachable:
-            self._give_up_on(unreachable, f"unreachable for {self.com_manager.retry_seconds:g} s (comm_args."
-                                          f"connect_timeout and round_timeout)")
+            self._give_up_on(unreachable, f"unreachable for {self.com_manager.retry_seconds:.1f} s (the round "
+                                          f"deadline, see comm_args.round_timeout_factor)")
 
     def _give_up_on(self, silos: List[int], why: str) -> None:
         live = [s for s in self.client_id_list_in_this_round if s not in silos]
         if len(live) < self.policy.min_clients:
+            record = getattr(self.driver, "record_lost_silos", None)
+            if record is not None:
+                record(self.args.round_idx, sorted(silos), why)
             self._stop(f"round {self.args.round_idx}: silo rank(s) {sorted(silos)} {why}; {len(live)} left, "
                        f"fewer than comm_args.min_clients_per_round={self.policy.min_clients}")
         logger.warning("round %d: going on without silo rank(s) %s (%s); %d left, comm_args."
                        "min_clients_per_round=%d", self.args.round_idx, sorted(silos), why, len(live),
                        self.policy.min_clients)
         self.aggregator.lost.update(silos)
+        record = getattr(self.driver, "record_lost_silos", None)
+        if record is not None:
+            record(self.args.round_idx, sorted(silos), why)
         keep = [i for i, s in enumerate(self.client_id_list_in_this_round) if s not in silos]
         self.client_id_list_in_this_round = [self.client_id_list_in_this_round[i] for i in keep]
         self.data_silo_index_list = [self.data_silo_index_list[i] for i in keep]
@@ -169,11 +189,12 @@ class PluginServerManager(FedMLServerManager):
             what = f"did not come online within comm_args.connect_timeout={self.policy.connect_timeout:g} s"
         elif self.phase == "training":
             answered = [self.client_real_ids[p] for p in self.aggregator.updates]
-            what = f"sent no update within comm_args.round_timeout={self.policy.round_timeout:g} s"
+            wait = self.policy.round_deadline(self.slowest_round, self.rounds_measured)
+            what = f"sent no update within {wait:.1f} s (the round deadline, see comm_args.round_timeout_factor)"
         else:
             answered = [s for s in expected if s in self.finished]
-            logger.warning("no goodbye from silo rank(s) %s within comm_args.round_timeout=%g s; the run is "
-                           "complete", sorted(set(expected) - set(answered)), self.policy.round_timeout)
+            logger.warning("no goodbye from silo rank(s) %s within the round deadline; the run is complete",
+                           sorted(set(expected) - set(answered)))
             self._complete()
             return
         missing = [s for s in expected if s not in answered]
@@ -213,6 +234,10 @@ class PluginServerManager(FedMLServerManager):
                                                  msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS),
                                                  msg_params.get(MyMessage.MSG_ARG_KEY_NUM_SAMPLES))
         if self.aggregator.check_whether_all_receive():
+            # Only rounds every silo answered in time measure what a round takes.
+            elapsed = time.monotonic() - self.round_started
+            self.slowest_round = max(elapsed, self.slowest_round or 0.0)
+            self.rounds_measured += 1
             self._finish_round()
 
     def _finish_round(self) -> None:

@@ -1,0 +1,82 @@
+"""``fedml-perfedavg show RUN_DIR [RUN_DIR ...]``: a finished run's summary and per-user table,
+or several runs side by side."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+from ..core.guards import ConfigError
+
+
+def read_summary(path: str) -> Dict[str, Any]:
+    """The summary.json of a run directory (or the file itself)."""
+    file = os.path.join(path, "summary.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as stream:
+            return json.load(stream)
+    except FileNotFoundError:
+        raise ConfigError(f"{path!r}: no summary.json there; give a run directory (output_dir/run_name)") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{file!r}: not a readable summary ({err})") from None
+
+
+def _percent(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.2f}"
+
+
+def _method(summary: Dict[str, Any]) -> str:
+    train = summary.get("config", {}).get("train_args", {})
+    name = train.get("federated_optimizer", "?")
+    return f"{name} ({train.get('perfedavg_variant')})" if name == "PerFedAvg" else name
+
+
+def describe_run(path: str, summary: Dict[str, Any]) -> str:
+    """One run: how it ended, its headline figures and the per-user table."""
+    lines = [f"{path}: {_method(summary)}, {summary.get('status')}, {summary.get('rounds')} rounds, "
+             f"{summary.get('wall_seconds', 0):.1f} s"]
+    if summary.get("error"):
+        lines.append(f"  ended by: {summary['error']}")
+    lines.append(f"  personalized accuracy {_percent(summary.get('personalized_accuracy'))}% "
+                 f"(before adaptation {_percent(summary.get('accuracy_before_adaptation'))}%) "
+                 f"at round {summary.get('headline_round')}")
+    for lost in summary.get("lost_silos", []):
+        lines.append(f"  lost silo rank {lost['rank']} in round {lost['round']}: {lost['why']}")
+    after = summary.get("per_user_accuracy") or []
+    before = summary.get("per_user_accuracy_before_adaptation") or [None] * len(after)
+    new = set(summary.get("new_users") or [])
+    if after:
+        lines.append("  user  after%  before%")
+        lines.extend(f"  {user:4d}  {_percent(a):>6}  {_percent(b):>7}{'  (new user)' if user in new else ''}"
+                     for user, (a, b) in enumerate(zip(after, before)))
+    return "\n".join(lines)
+
+
+def compare_runs(paths: List[str], summaries: List[Dict[str, Any]]) -> str:
+    """Several runs side by side."""
+    rows = [("run", "method", "status", "rounds", "after%", "before%", "std%")]
+    for path, s in zip(paths, summaries):
+        rows.append((path, _method(s), str(s.get("status")), str(s.get("rounds")),
+                     _percent(s.get("personalized_accuracy")), _percent(s.get("accuracy_before_adaptation")),
+                     _percent(s.get("personalized_accuracy_std"))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fedml-perfedavg show",
+                                     description="Print a run's summary and per-user table, or compare runs.")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    args = parser.parse_args(argv)
+    try:
+        summaries = [read_summary(path) for path in args.runs]
+    except ConfigError as err:
+        print(f"fedml-perfedavg show: error: {err}", file=sys.stderr)
+        return 2
+    if len(summaries) == 1:
+        print(describe_run(args.runs[0], summaries[0]))
+    else:
+        print(compare_runs(args.runs, summaries))
+    return 0

@@ -1,0 +1,170 @@
+"""Cross-silo faults end cleanly, in bounded time, with nothing left running and what was
+measured on disk: a busy port, a second server on one address file, a silo that dies at start,
+SIGTERM and SIGKILL of the launcher, a damaged checkpoint on --resume."""
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fedml_perfedavg.run.silo_addresses import write_ipconfig
+
+from tests.helpers import HF_YAML, REPO, SILO_YAML, needs_mnist
+
+SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False}
+
+
+def _launcher(mnist_root, run_dir, settings):
+    sets = [f"{k}={v}" for k, v in {**SETTINGS, "data_cache_dir": mnist_root, **settings}.items()]
+    command = [sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", SILO_YAML, "--clients", "2",
+               "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _ports(path):
+    with open(path) as stream:
+        return {int(row["rank"]): int(row["grpc_server_port"]) for row in csv.DictReader(stream)}
+
+
+def _occupy(port):
+    """A program that is not part of the run listening on ``port``."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    return holder
+
+
+def _alive(run_dir):
+    alive = []
+    for rank, pid in json.loads((run_dir / "silo_processes.json").read_text()).items():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.append(int(rank))
+    return alive
+
+
+def test_a_second_server_on_one_address_file_and_a_busy_port_are_refused(tmp_path):
+    from fedml_perfedavg.fedml_bridge.cross_silo.transport import PluginGRPCCommManager, PortUnavailable
+
+    path = write_ipconfig(str(tmp_path / "ip.csv"), 2)
+    ports = _ports(path)
+    first = PluginGRPCCommManager(path, client_rank=0, client_num=1)
+    try:  # gRPC's default SO_REUSEPORT would let this one share the port and half the messages
+        with pytest.raises(PortUnavailable, match=rf"rank 0 cannot listen on 127.0.0.1:{ports[0]} .*the port is in "
+                                                  rf"use.*another port in the address file"):
+            PluginGRPCCommManager(path, client_rank=0, client_num=1)
+    finally:
+        first.grpc_server.stop(None)
+    holder = _occupy(ports[1])
+    try:
+        with pytest.raises(PortUnavailable, match=rf"rank 1 cannot listen on 127.0.0.1:{ports[1]}"):
+            PluginGRPCCommManager(path, client_rank=1, client_num=1)
+    finally:
+        holder.close()
+
+
+@needs_mnist
+@pytest.mark.parametrize("busy_rank", [0, 2])
+def test_a_busy_port_ends_the_launch_at_once_naming_rank_and_address(mnist_root, tmp_path, busy_rank):
+    """The server's port busy: it fails before it listens and the launcher says so (it waits for
+    the server's own readiness, not for whatever listens there). A silo's port busy: that silo
+    dies at start and the launcher stops the run then, not after connect_timeout (60 s)."""
+    run_dir = tmp_path / "run"
+    path = write_ipconfig(str(tmp_path / "ip.csv"), 3)
+    port = _ports(path)[busy_rank]
+    holder = _occupy(port)
+    try:
+        started = time.monotonic()
+        process = _launcher(mnist_root, run_dir, {"comm_round": 3, "grpc_ipconfig_path": path})
+        out, _ = process.communicate(timeout=120)
+        took = time.monotonic() - started
+    finally:
+        holder.close()
+    assert process.returncode != 0
+    assert f"rank {busy_rank} cannot listen on 127.0.0.1:{port}" in out and "Traceback" not in out, out[-4000:]
+    if busy_rank == 0:
+        assert f"the server exited with code 1 before it listened on 127.0.0.1:{port}" in out
+    else:
+        assert "silo rank(s) [2] failed at start" in out
+    assert took < 45  # well under connect_timeout (60 s)
+    assert _alive(run_dir) == []
+
+
+@needs_mnist
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_the_launcher_stops_every_process_and_keeps_what_was_measured(mnist_root, tmp_path, how):
+    run_dir = tmp_path / "run"
+    process = _launcher(mnist_root, run_dir, {"comm_round": 400})
+    log = run_dir / "run.log"
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "round 2: personalized accuracy" in log.read_text()):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0][-4000:]
+        time.sleep(0.05)
+    process.send_signal(how)
+    process.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while _alive(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(run_dir) == []  # SIGTERM: forwarded; SIGKILL: the children's parent-death signal
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and 2 <= summary["headline_round"] < 400
+    assert summary["per_user_accuracy"] and (run_dir / "model.pt").exists()
+
+
+@needs_mnist
+def test_resume_on_damaged_checkpoints_names_the_files(mnist_root, tmp_path, capsys):
+    from fedml_perfedavg.run.cli import main
+
+    run_dir = tmp_path / "run"
+    assert main(["--cf", HF_YAML, "--set", f"data_cache_dir={mnist_root}", "--set", "comm_round=4", "--set",
+                 "checkpoint_every=1", "--set", "show_progress=false", "--run-dir", str(run_dir)]) == 0
+    for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+        (run_dir / name).write_bytes((run_dir / name).read_bytes()[:200])  # truncated, as by a crash
+    capsys.readouterr()
+    assert main(["--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "no readable checkpoint" in err and "checkpoint.pt" in err and "checkpoint.prev.pt" in err
+    assert "Traceback" not in err
+
+
+@needs_mnist
+def test_silos_whose_server_was_killed_end_within_seconds(mnist_root, tmp_path):
+    """Started by hand (no launcher to stop them): each silo gives up on its own, after twice
+    the adaptive round deadline, not 2 x round_timeout + connect_timeout (21 minutes)."""
+    run_dir = tmp_path / "run"
+    path = write_ipconfig(str(tmp_path / "ip.csv"), 3)
+    sets = [f"{k}={v}" for k, v in {**SETTINGS, "data_cache_dir": mnist_root, "comm_round": 400,
+                                    "grpc_ipconfig_path": path}.items()]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")}
+    processes = [subprocess.Popen([sys.executable, "-m", "fedml_perfedavg", "--cf", SILO_YAML, "--run-dir",
+                                   str(run_dir), *[a for s in sets for a in ("--set", s)], "--rank", str(rank),
+                                   "--role", "server" if rank == 0 else "client"], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(3)]
+    try:
+        log = run_dir / "run.log"
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "round 3: personalized accuracy" in log.read_text()):
+            assert time.monotonic() < deadline and processes[0].poll() is None
+            time.sleep(0.05)
+        processes[0].kill()
+        killed = time.monotonic()
+        outs = [p.communicate(timeout=60)[0] for p in processes[1:]]
+        took = time.monotonic() - killed
+    finally:
+        for p in processes:
+            p.kill()
+    for silo in processes[1:]:
+        assert silo.returncode == 1
+    for out in outs:
+        # waiting for the next model, or retrying its upload: either way it names the cause and ends
+        assert "nothing from the server for" in out or "did not answer rank" in out, out[-3000:]
+        assert "gone?" in out and "Traceback" not in out
+    assert took < 40

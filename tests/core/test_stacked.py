@@ -1,0 +1,83 @@
+"""Hand-batched gradients equal torch.func's (float64) on every chain they accept, and refuse
+what they cannot compute exactly, saying why."""
+import pytest
+import torch
+from torch import nn
+from torch.func import grad, jvp, vmap
+
+from fedml_perfedavg.core.functional import functional_network, make_loss_fn, parameters_of
+from fedml_perfedavg.core.stacked import StackedGradients
+from fedml_perfedavg.models import MLP, SmallCNN
+
+CHAINS = {
+    "paper_mlp": lambda: MLP(12, 3, (5, 4)),
+    "relu_no_bias": lambda: nn.Sequential(nn.Flatten(), nn.Linear(12, 6, bias=False), nn.ReLU(), nn.Linear(6, 3)),
+    "tanh_sigmoid_output": lambda: nn.Sequential(nn.Linear(12, 4), nn.Tanh(), nn.Linear(4, 3), nn.Sigmoid()),
+    "logistic": lambda: nn.Sequential(nn.Flatten(), nn.Linear(12, 3)),
+}
+
+
+@pytest.mark.parametrize("name", CHAINS)
+def test_gradients_and_hessian_vector_products_equal_torch_func(name):
+    torch.manual_seed(0)
+    model = CHAINS[name]().double()
+    network = functional_network(model)
+    stacked, why = StackedGradients.for_network(network, (12,))
+    assert stacked is not None, why
+    loss_fn = make_loss_fn(network)
+    clients = 4
+    params = {k: v.expand(clients, *v.shape) + 0.1 * torch.randn(clients, *v.shape, dtype=torch.float64)
+              for k, v in parameters_of(model).items()}
+    x, y = torch.randn(clients, 7, 12, dtype=torch.float64), torch.randint(0, 3, (clients, 7))
+    expected = vmap(grad(loss_fn))(params, x, y)
+    got = stacked.grad(params, x, y)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-12, atol=1e-14)
+    tangent = {k: torch.randn_like(v) for k, v in params.items()}
+    _, hvp = jvp(lambda p: stacked.grad(p, x, y), (params,), (tangent,))
+    _, expected_hvp = vmap(lambda p, t, xx, yy: jvp(lambda q: grad(loss_fn)(q, xx, yy), (p,), (t,)))(
+        params, tangent, x, y)
+    for k in hvp:
+        torch.testing.assert_close(hvp[k], expected_hvp[k], rtol=1e-10, atol=1e-12)
+    pair = {k: torch.stack((v, 2 * v)) for k, v in params.items()}
+    both = stacked.grad_pair(pair, x, y)
+    for k in both:
+        torch.testing.assert_close(both[k][1], stacked.grad({q: 2 * v for q, v in params.items()}, x, y)[k])
+
+
+class Shortcut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(12, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.second(x + torch.relu(self.first(x)))
+
+
+@pytest.mark.parametrize("model,reason", [
+    (SmallCNN((1, 4, 4), 3), "neither an nn.Sequential nor a wrapper of one"),
+    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3)), "not a chain of Linear and ELU/ReLU/Tanh/Sigmoid (Conv2d)"),
+    (nn.Sequential(nn.Linear(16, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)), "(BatchNorm1d)"),
+    (nn.Sequential(nn.Linear(16, 4), nn.ELU(), nn.ELU(), nn.Linear(4, 3)), "not a chain"),
+    (Shortcut(), "neither an nn.Sequential nor a wrapper of one"),
+])
+def test_what_is_not_a_plain_chain_is_refused_with_a_reason(model, reason):
+    shape = (1, 4, 4) if not isinstance(model, Shortcut) else (12,)
+    stacked, why = StackedGradients.for_network(functional_network(model), shape)
+    assert stacked is None and reason in why
+
+
+class Doubling(nn.Module):
+    """Wraps one Sequential but does more than call it: caught by the probe."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
+
+    def forward(self, x):
+        return 2 * self.net(x)
+
+
+def test_a_wrapper_that_changes_the_chains_output_is_refused():
+    stacked, why = StackedGradients.for_network(functional_network(Doubling()), (12,))
+    assert stacked is None and why == "its forward pass is not the chain of its layers"
