@@ -28,7 +28,7 @@ from ..core.algorithm import LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
 from ..core.guards import RunStopped, apply_divergence_policy, is_finite, update_problem
-from ..core.sampling import Purpose, generator_for, sample_clients, sample_local_batches
+from ..core.sampling import Purpose, batch_indices, generator_for, sample_clients, sample_local_batches
 from ..core.types import Params, StateDict, UserSplit
 
 logger = logging.getLogger(__name__)
@@ -146,6 +146,12 @@ class FederatedAlgorithm:
         """Independent minibatches D, D', D'' for each local step, keyed by (seed, round, client)."""
         generator = generator_for(self.settings.seed, round_idx, client_id, Purpose.LOCAL_TRAINING)
         return sample_local_batches(x, y, self.settings.local.local_steps, self.settings.batch_sizes, generator)
+
+    def client_batch_indices(self, round_idx: int, client_id: int, num_samples: int) -> List[Tensor]:
+        """The sample indices of :meth:`client_batches` (D, D', D''; each ``(steps, size)``), so
+        an engine can gather every client's batches at once."""
+        generator = generator_for(self.settings.seed, round_idx, client_id, Purpose.LOCAL_TRAINING)
+        return batch_indices(num_samples, self.settings.local.local_steps, self.settings.batch_sizes, generator)
 
     def local_update(self, params: Params, batches: LocalBatches) -> Params:
         """The client's maths: a pure function of the starting parameters and the minibatches

@@ -24,20 +24,22 @@ from torch import Tensor, nn
 from .functional import logits_of, parameters_of
 from .types import Params
 
-# activation -> (forward, derivative from (pre-activation z, output h))
-Activation = Tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]
+# activation -> (forward, backward: (upstream gradient, pre-activation z, output h) -> gradient at z),
+# the backward as PyTorch's own fused kernels (which also have forward-mode derivatives)
+Activation = Tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor, Tensor], Tensor]]
 
 
 def _activation(module: nn.Module) -> Optional[Activation]:
+    aten = torch.ops.aten
     if type(module) is nn.ELU:
         alpha = float(module.alpha)
-        return (lambda z: F.elu(z, alpha)), (lambda z, h: torch.where(z > 0, torch.ones_like(z), h + alpha))
+        return (lambda z: F.elu(z, alpha)), (lambda d, z, h: aten.elu_backward(d, alpha, 1, 1, False, z))
     if type(module) is nn.ReLU:
-        return torch.relu, (lambda z, h: (z > 0).to(z.dtype))
+        return torch.relu, (lambda d, z, h: aten.threshold_backward(d, z, 0))
     if type(module) is nn.Tanh:
-        return torch.tanh, (lambda z, h: 1 - h * h)
+        return torch.tanh, (lambda d, z, h: aten.tanh_backward(d, h))
     if type(module) is nn.Sigmoid:
-        return torch.sigmoid, (lambda z, h: h * (1 - h))
+        return torch.sigmoid, (lambda d, z, h: aten.sigmoid_backward(d, h))
     return None
 
 
@@ -95,41 +97,48 @@ class StackedGradients:
             return None, "its forward pass is not the chain of its layers"
         return stacked, ""
 
-    def _forward(self, params: Params, x: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
-        """Inputs of each layer and its pre-activations; the last pre-activation is the logits."""
-        h = x.reshape(x.shape[0], x.shape[1], -1)
+    def _forward(self, params: Params, h: Tensor, start: int = 0) -> Tuple[List[Tensor], List[Tensor], Tensor]:
+        """From layer ``start`` on: each layer's input, its pre-activation, and the logits."""
         inputs, pre = [], []
-        for layer in self.layers:
+        for layer in self.layers[start:]:
             inputs.append(h)
-            weight = params[layer.weight]
-            z = torch.bmm(h, weight.transpose(1, 2))
-            if layer.bias is not None:
-                z = z + params[layer.bias].unsqueeze(1)
+            weight = params[layer.weight].transpose(1, 2)
+            z = torch.bmm(h, weight) if layer.bias is None else torch.baddbmm(params[layer.bias].unsqueeze(1), h, weight)
             pre.append(z)
             h = z if layer.activation is None else layer.activation[0](z)
-        return inputs, pre + [h]
+        return inputs, pre, h
+
+    def _backward(self, params: Params, inputs: List[Tensor], pre: List[Tensor], logits: Tensor, y: Tensor,
+                  start: int = 0) -> Tuple[Dict[str, Tensor], Tensor]:
+        """Gradients of layers ``start``.. and the gradient at layer ``start``'s pre-activation."""
+        # d(mean cross-entropy)/d(logits) = (softmax - one-hot) / B
+        delta = (torch.softmax(logits, dim=-1) - F.one_hot(y, logits.shape[-1]).to(logits.dtype)) / y.shape[1]
+        grads: Dict[str, Tensor] = {}
+        for position in range(len(inputs) - 1, -1, -1):
+            layer = self.layers[start + position]
+            if layer.activation is not None:
+                output = inputs[position + 1] if position + 1 < len(inputs) else logits
+                delta = layer.activation[1](delta, pre[position], output)
+            if position == 0:
+                break
+            grads[layer.weight] = torch.bmm(delta.transpose(1, 2), inputs[position])
+            if layer.bias is not None:
+                grads[layer.bias] = delta.sum(dim=1)
+            delta = torch.bmm(delta, params[layer.weight])
+        return grads, delta
 
     def logits(self, params: Params, x: Tensor) -> Tensor:
         """The network's outputs, (C, B, classes)."""
-        return self._forward(params, x)[1][-1]
+        return self._forward(params, x.reshape(x.shape[0], x.shape[1], -1))[2]
 
     def grad(self, params: Params, x: Tensor, y: Tensor) -> Params:
-        inputs, outputs = self._forward(params, x)
-        pre, logits = outputs[:-1], outputs[-1]
-        batch = y.shape[1]
-        # d(mean cross-entropy)/d(logits) = (softmax - one-hot) / B
-        delta = (torch.softmax(logits, dim=-1) - F.one_hot(y, logits.shape[-1]).to(logits.dtype)) / batch
-        grads: Dict[str, Tensor] = {}
-        for index in range(len(self.layers) - 1, -1, -1):
-            layer = self.layers[index]
-            if layer.activation is not None:
-                output = inputs[index + 1] if index + 1 < len(self.layers) else logits
-                delta = delta * layer.activation[1](pre[index], output)
-            grads[layer.weight] = torch.bmm(delta.transpose(1, 2), inputs[index])
-            if layer.bias is not None:
-                grads[layer.bias] = delta.sum(dim=1)
-            if index:
-                delta = torch.bmm(delta, params[layer.weight])
+        h = x.reshape(x.shape[0], x.shape[1], -1)
+        inputs, pre, logits = self._forward(params, h)
+        grads, delta = self._backward(params, inputs, pre, logits, y)
+        first = self.layers[0]
+        grads[first.weight] = torch.bmm(delta.transpose(1, 2), h)
+        if first.bias is not None:
+            grads[first.bias] = delta.sum(dim=1)
         return {k: grads[k] for k in params}
 
     def grad_pair(self, params: Params, x: Tensor, y: Tensor) -> Params:
@@ -137,3 +146,49 @@ class StackedGradients:
         flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in params.items()}
         grads = self.grad(flat, torch.cat((x, x)), torch.cat((y, y)))
         return {k: v.reshape(2, -1, *v.shape[1:]) for k, v in grads.items()}
+
+    def finite_difference_hvp(self, params: Params, direction: Params, x: Tensor, y: Tensor,
+                              delta: float) -> Params:
+        """(grad(w + delta v) - grad(w - delta v)) / (2 delta), the HF estimator's Hessian-vector
+        product, without copying the inputs or the first layer: both points share the input x,
+        so the first layer's pre-activations are x W^T +- delta x V^T, and its gradient
+        difference is one product of x with the difference of the two backward signals."""
+        if len(self.layers) < 2:  # a single layer: the two points as 2C clients
+            pair = self.grad_pair({k: torch.stack((p + delta * direction[k], p - delta * direction[k]))
+                                   for k, p in params.items()}, x, y)
+            return {k: (v[0] - v[1]) / (2.0 * delta) for k, v in pair.items()}
+        clients = x.shape[0]
+        h = x.reshape(clients, x.shape[1], -1)
+        first = self.layers[0]
+        base = torch.bmm(h, params[first.weight].transpose(1, 2))
+        shift = torch.bmm(h, direction[first.weight].transpose(1, 2))
+        if first.bias is not None:
+            base = base + params[first.bias].unsqueeze(1)
+            shift = shift + direction[first.bias].unsqueeze(1)
+        z = torch.cat((torch.add(base, shift, alpha=delta), torch.add(base, shift, alpha=-delta)))
+        h1 = z if first.activation is None else first.activation[0](z)
+        rest = {k: torch.cat((torch.add(params[k], direction[k], alpha=delta),
+                              torch.add(params[k], direction[k], alpha=-delta)))
+                for layer in self.layers[1:] for k in (layer.weight, layer.bias) if k}
+        inputs, pre, logits = self._forward(rest, h1, start=1)
+        grads, signal = self._backward_from_second(rest, h1, z, inputs, pre, logits, torch.cat((y, y)))
+        hvp = {k: (v[:clients] - v[clients:]) / (2.0 * delta) for k, v in grads.items()}
+        difference = (signal[:clients] - signal[clients:]) / (2.0 * delta)
+        hvp[first.weight] = torch.bmm(difference.transpose(1, 2), h)
+        if first.bias is not None:
+            hvp[first.bias] = difference.sum(dim=1)
+        return {k: hvp[k] for k in params}
+
+    def _backward_from_second(self, rest: Params, h1: Tensor, z1: Tensor, inputs: List[Tensor],
+                              pre: List[Tensor], logits: Tensor, y: Tensor) -> Tuple[Dict[str, Tensor], Tensor]:
+        """Gradients of layers 1.. and the gradient at the first layer's pre-activation."""
+        grads, delta = self._backward(rest, inputs, pre, logits, y, start=1)
+        second = self.layers[1]
+        grads[second.weight] = torch.bmm(delta.transpose(1, 2), h1)
+        if second.bias is not None:
+            grads[second.bias] = delta.sum(dim=1)
+        delta = torch.bmm(delta, rest[second.weight])
+        first = self.layers[0]
+        if first.activation is not None:
+            delta = first.activation[1](delta, z1, h1)
+        return grads, delta

@@ -59,6 +59,15 @@ class BatchedSimulation:
             on_cuda = next(iter(global_state.values())).is_cuda
             self.step = torch.compile(self.step, mode="reduce-overhead" if on_cuda else "default", dynamic=False)
         self.sample_counts = [len(u.train_y) for u in users]
+        # Every user's training data in one tensor: a round's minibatches are one gather per
+        # role (the same keyed indices as client_batches), not one per client and a stack.
+        self._gather = type(algorithm).client_batches is FederatedAlgorithm.client_batches
+        if self._gather:
+            self._all_x = torch.cat([u.train_x for u in users])
+            self._all_y = torch.cat([u.train_y for u in users])
+            self._offsets = [0]
+            for count in self.sample_counts[:-1]:
+                self._offsets.append(self._offsets[-1] + count)
 
     def _stacked_gradients(self, fast_path: bool):
         """Hand-batched gradients where they compute exactly what the algorithm's own
@@ -80,10 +89,22 @@ class BatchedSimulation:
 
         return step
 
+    def _round_batches(self, round_idx: int, clients: List[int]) -> LocalBatches:
+        """The round's minibatches, stacked (clients, steps, batch, ...)."""
+        if not self._gather:
+            return stack_batches([self.algorithm.client_batches(round_idx, c, self.users[c].train_x,
+                                                                self.users[c].train_y) for c in clients])
+        per_client = [self.algorithm.client_batch_indices(round_idx, c, self.sample_counts[c]) for c in clients]
+        tensors = []
+        for role in range(len(per_client[0])):
+            index = torch.stack([idx[role] + self._offsets[c] for idx, c in zip(per_client, clients)])
+            index = index.to(self._all_x.device)
+            tensors += [self._all_x[index], self._all_y[index]]
+        return LocalBatches(*tensors)
+
     def _batched_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
         params, buffers = self.algorithm.split_state(self.state)
-        batches = stack_batches([self.algorithm.client_batches(round_idx, c, self.users[c].train_x,
-                                                               self.users[c].train_y) for c in clients])
+        batches = self._round_batches(round_idx, clients)
         with torch.no_grad():
             stacked = self.step({k: v.detach() for k, v in params.items()}, batches)
         for position in nonfinite_clients(stacked):

@@ -81,3 +81,21 @@ class Doubling(nn.Module):
 def test_a_wrapper_that_changes_the_chains_output_is_refused():
     stacked, why = StackedGradients.for_network(functional_network(Doubling()), (12,))
     assert stacked is None and why == "its forward pass is not the chain of its layers"
+
+
+@pytest.mark.parametrize("name", CHAINS)
+def test_fused_finite_difference_hvp_equals_the_two_gradients(name):
+    torch.manual_seed(1)
+    model = CHAINS[name]().double()
+    network = functional_network(model)
+    stacked, _ = StackedGradients.for_network(network, (12,))
+    clients, delta = 3, 1e-3
+    params = {k: v.expand(clients, *v.shape) + 0.1 * torch.randn(clients, *v.shape, dtype=torch.float64)
+              for k, v in parameters_of(model).items()}
+    direction = {k: torch.randn_like(v) for k, v in params.items()}
+    x, y = torch.randn(clients, 5, 12, dtype=torch.float64), torch.randint(0, 3, (clients, 5))
+    plus = stacked.grad({k: v + delta * direction[k] for k, v in params.items()}, x, y)
+    minus = stacked.grad({k: v - delta * direction[k] for k, v in params.items()}, x, y)
+    got = stacked.finite_difference_hvp(params, direction, x, y, delta)
+    for k in params:
+        torch.testing.assert_close(got[k], (plus[k] - minus[k]) / (2 * delta), rtol=1e-8, atol=1e-10)
