@@ -1,3 +1,4 @@
+import logging
 import os
 
 import pytest
@@ -37,3 +38,13 @@ def fake_cifar_root(tmp_path, monkeypatch):
     # Generated files cannot match CIFAR-10's published md5s; the rest is torchvision's real path.
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))
     return root
+
+
+@pytest.fixture(autouse=True)
+def restore_logging_root():
+    """FedML's ``fedml.init()`` (mlops_runtime_log.py) replaces ``logging.root``; a test that
+    runs FedML's stock main in this process must not leave that to the next test's caplog."""
+    root, level = logging.Logger.manager.root, logging.Logger.manager.root.level
+    yield
+    logging.root = logging.Logger.root = root
+    root.setLevel(level)
