@@ -66,3 +66,37 @@ sys.__stdout__.write(f"NETWORK_ATTEMPTS {attempts}\n"); sys.__stdout__.flush()  
 sys.exit(code or (3 if attempts else 0))
 """
 
+
+
+EXAMPLE_SETTINGS = {"comm_round": 3, "client_num_per_round": 2, "frequency_of_the_test": 1}
+
+
+def example_yaml(tmp_path, name: str, mnist_root: str, run_name: str, output_dir, **edits) -> str:
+    """One of examples/fedml_step_by_step/'s FedML YAMLs, short (3 rounds of 2 clients), with
+    ``edits`` (key -> value, put in the section that already has the key, else train_args)."""
+    import yaml
+
+    config = yaml.safe_load((EXAMPLE / name).read_text())
+    config["data_args"]["data_cache_dir"] = mnist_root
+    config["common_args"]["output_dir"] = str(output_dir)
+    config["common_args"]["run_name"] = run_name
+    for key, value in {**EXAMPLE_SETTINGS, **edits}.items():
+        section = next((s for s, keys in config.items() if key in keys), "train_args")
+        config[section][key] = value
+    path = tmp_path / f"{run_name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def launched_alive(run_dir) -> list:
+    """The ranks launch-silo started (its silo_processes.json) that still run."""
+    import json
+
+    alive = []
+    for rank, pid in json.loads((Path(run_dir) / "silo_processes.json").read_text()).items():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.append(int(rank))
+    return alive

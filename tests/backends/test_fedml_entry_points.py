@@ -11,30 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from fedml_perfedavg.run.silo_addresses import write_ipconfig
 
-from tests.helpers import EXAMPLE, REPO, needs_mnist, offline
+from tests.helpers import REPO, example_yaml, needs_mnist, offline
 
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 OWN_PAIR = str(Path(__file__).with_name("own_pair_main.py"))
-SETTINGS = {"comm_round": 3, "client_num_per_round": 2, "frequency_of_the_test": 1}
-
-
-def _yaml(tmp_path, name, mnist_root, run_name, **edits):
-    config = yaml.safe_load((EXAMPLE / name).read_text())
-    config["data_args"]["data_cache_dir"] = mnist_root
-    config["common_args"]["output_dir"] = str(tmp_path / run_name)
-    config["common_args"]["run_name"] = run_name
-    for key, value in {**SETTINGS, **edits}.items():
-        section = next((s for s, keys in config.items() if key in keys), "train_args")
-        config[section][key] = value
-    path = tmp_path / f"{run_name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
-
-
 def _run(command, tmp_path, timeout=300):
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
@@ -65,15 +48,16 @@ def _one_line(call):
 @needs_mnist
 def test_fedml_one_line_entry_points_run_perfedavg(mnist_root, tmp_path):
     runs = {}
-    path = _yaml(tmp_path, "fedml_config.yaml", mnist_root, "sp")
+    path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "sp", tmp_path / "sp")
     _run(["sh", "-c", f"{sys.executable} {_one_line('sp')} --cf {path}"], tmp_path)
     runs["sp"] = tmp_path / "sp" / "sp"
     if MPIRUN is not None:
-        path = _yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi")
+        path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "mpi")
         _run([MPIRUN, "-n", "3", "sh", "-c", f"{sys.executable} {_one_line('MPI')} --cf {path}"], tmp_path)
         runs["mpi"] = tmp_path / "mpi" / "mpi"
     address_file = write_ipconfig(str(tmp_path / "ipconfig.csv"), 3)
-    path = _yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", grpc_ipconfig_path=address_file)
+    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "silo",
+                        grpc_ipconfig_path=address_file)
     script = " & ".join(f"{sys.executable} {_one_line('server' if r == 0 else 'client')} --cf {path} --rank {r} "
                         f"--role {'server' if r == 0 else 'client'} --run_id 7" for r in range(3)) + " & wait"
     _run(["sh", "-c", script], tmp_path)
@@ -99,7 +83,7 @@ OWN_PAIR_EDITS = dict(federated_optimizer="FedAvg", epochs=1, client_optimizer="
 
 @needs_mnist
 def test_own_trainer_and_aggregator_run_on_sp_mpi_and_cross_silo(mnist_root, tmp_path):
-    path = _yaml(tmp_path, "fedml_config.yaml", mnist_root, "sp", **OWN_PAIR_EDITS)
+    path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "sp", tmp_path / "sp", **OWN_PAIR_EDITS)
     _run([sys.executable, OWN_PAIR, "--cf", path], tmp_path)
     [sp] = _own_pair_results(tmp_path / "sp", 1)
     assert sp["runner"] == "SPSimulation"
@@ -108,11 +92,13 @@ def test_own_trainer_and_aggregator_run_on_sp_mpi_and_cross_silo(mnist_root, tmp
 
     distributed = {}
     if MPIRUN is not None:
-        path = _yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", **OWN_PAIR_EDITS)
+        path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "mpi",
+                            **OWN_PAIR_EDITS)
         _run([MPIRUN, "-n", "3", sys.executable, OWN_PAIR, "--cf", path], tmp_path)
         distributed["mpi"] = _own_pair_results(tmp_path / "mpi", 3)
     address_file = write_ipconfig(str(tmp_path / "ipconfig.csv"), 3)
-    path = _yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", grpc_ipconfig_path=address_file,
+    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "silo",
+                        grpc_ipconfig_path=address_file,
                  **OWN_PAIR_EDITS)
     _run(_silo_command(OWN_PAIR, path), tmp_path, timeout=180)
     distributed["silo"] = _own_pair_results(tmp_path / "silo", 3)

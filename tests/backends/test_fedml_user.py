@@ -13,26 +13,10 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import EXAMPLE, NETWORK_GUARD, REPO, needs_mnist, offline
+from tests.helpers import EXAMPLE, NETWORK_GUARD, REPO, example_yaml, needs_mnist, offline
 
 SCRIPT = str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_example.py")
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
-SETTINGS = {"comm_round": 3, "client_num_per_round": 2, "frequency_of_the_test": 1}
-
-
-def _yaml(tmp_path, name, mnist_root, run_name, **edits):
-    config = yaml.safe_load((EXAMPLE / name).read_text())
-    config["data_args"]["data_cache_dir"] = mnist_root
-    config["common_args"]["output_dir"] = str(tmp_path / "runs")
-    config["common_args"]["run_name"] = run_name
-    for key, value in {**SETTINGS, **edits}.items():
-        section = next((s for s, keys in config.items() if key in keys), "train_args")
-        config[section][key] = value
-    path = tmp_path / f"{run_name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
-
-
 def _env(tmp_path):
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
@@ -54,21 +38,22 @@ def _check(out, processes=1):
 def test_fedml_stock_main_runs_perfedavg_on_every_backend_with_one_model(mnist_root, tmp_path):
     runs = {}
     for engine in ("batched", "fedml"):
-        path = _yaml(tmp_path, "fedml_config.yaml", mnist_root, f"sp-{engine}", simulation_engine=engine)
+        path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, f"sp-{engine}", tmp_path / "runs",
+                            simulation_engine=engine)
         out = subprocess.run(offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
                              capture_output=True, text=True, env=_env(tmp_path), timeout=300)
         _check(out)
         assert "round 2: personalized accuracy" in out.stderr  # the plugin's evaluation reaches the console
         runs[engine] = _summary(tmp_path, f"sp-{engine}")
     if MPIRUN is not None:
-        path = _yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi")
+        path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "runs")
         out = subprocess.run(offline([MPIRUN, "-n", "3", sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT,
                                       "--cf", path]), capture_output=True, text=True, env=_env(tmp_path), timeout=300)
         _check(out, processes=3)
         runs["mpi"] = _summary(tmp_path, "mpi")
     (tmp_path / "ipconfig.csv").write_text("eid,rank,grpc_server_ip,grpc_server_port\n"
                                            + "".join(f"{r},{r},127.0.0.1,{19370 + r}\n" for r in range(3)))
-    path = _yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo",
+    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "runs",
                  grpc_ipconfig_path=str(tmp_path / "ipconfig.csv"))
     script = " & ".join(f"{sys.executable} -c \"$GUARD\" --script {SCRIPT} --cf {path} --rank {r} --role "
                         f"{'server' if r == 0 else 'client'} --run_id 5" for r in range(3)) + " & wait"
@@ -131,7 +116,8 @@ def test_a_trainer_handed_to_fedmlrunner_is_really_used(mnist_root, tmp_path):
             calls["test_all"] += 1
             return True
 
-    path = _yaml(tmp_path, "fedml_config.yaml", mnist_root, "mine", federated_optimizer="FedAvg", epochs=1,
+    path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "mine", tmp_path / "runs",
+                        federated_optimizer="FedAvg", epochs=1,
                  client_optimizer="sgd")
     args = fedml.init(yaml.safe_load(open(path)) and __import__("fedml").arguments.Arguments(
         __import__("argparse").Namespace(yaml_config_file=path, run_id="0", rank=0, local_rank=0, node_rank=0,

@@ -16,7 +16,7 @@ from fedml_perfedavg.run.config import ConfigError, load_yaml, resolve
 from fedml_perfedavg.run.silo_addresses import check_silo_role, read_ipconfig, write_ipconfig
 from fedml_perfedavg.run.runner import load_split, run
 
-from tests.helpers import HF_YAML, REPO, needs_mnist, unshare_works
+from tests.helpers import HF_YAML, REPO, launched_alive, needs_mnist, unshare_works
 
 needs_grpc = pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="grpcio not installed (.[silo])")
 from tests.helpers import SILO_YAML  # noqa: E402
@@ -125,19 +125,10 @@ def test_killed_silo_costs_seconds_with_the_default_timeouts_and_is_recorded(mni
         assert (run_dir / "model.pt").exists()
         assert "the server exited with code 1" in out
     assert ended_after < 60
-    assert _alive(run_dir) == []
+    assert launched_alive(run_dir) == []
 
 
-def _alive(run_dir):
-    """The processes the launcher started that still run."""
-    alive = []
-    for rank, pid in json.loads((run_dir / "silo_processes.json").read_text()).items():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        alive.append(int(rank))
-    return alive
+
 
 
 def _silo_config(tmp_path, **overrides):

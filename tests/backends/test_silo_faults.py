@@ -14,7 +14,7 @@ import pytest
 
 from fedml_perfedavg.run.silo_addresses import write_ipconfig
 
-from tests.helpers import HF_YAML, REPO, SILO_YAML, needs_mnist
+from tests.helpers import HF_YAML, REPO, SILO_YAML, launched_alive, needs_mnist
 
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False}
 
@@ -40,15 +40,7 @@ def _occupy(port):
     return holder
 
 
-def _alive(run_dir):
-    alive = []
-    for rank, pid in json.loads((run_dir / "silo_processes.json").read_text()).items():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        alive.append(int(rank))
-    return alive
+
 
 
 def test_a_second_server_on_one_address_file_and_a_busy_port_are_refused(tmp_path):
@@ -95,7 +87,7 @@ def test_a_busy_port_ends_the_launch_at_once_naming_rank_and_address(mnist_root,
     else:
         assert "silo rank(s) [2] failed at start" in out
     assert took < 45  # well under connect_timeout (60 s)
-    assert _alive(run_dir) == []
+    assert launched_alive(run_dir) == []
 
 
 @needs_mnist
@@ -111,9 +103,9 @@ def test_stopping_the_launcher_stops_every_process_and_keeps_what_was_measured(m
     process.send_signal(how)
     process.communicate(timeout=60)
     deadline = time.monotonic() + 30
-    while _alive(run_dir) and time.monotonic() < deadline:
+    while launched_alive(run_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _alive(run_dir) == []  # SIGTERM: forwarded; SIGKILL: the children's parent-death signal
+    assert launched_alive(run_dir) == []  # SIGTERM: forwarded; SIGKILL: the children's parent-death signal
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and 2 <= summary["headline_round"] < 400
     assert summary["per_user_accuracy"] and (run_dir / "model.pt").exists()

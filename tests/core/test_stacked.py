@@ -17,6 +17,12 @@ CHAINS = {
 }
 
 
+def _client_params(model, clients):
+    """The model's parameters for ``clients`` clients, each slightly perturbed."""
+    return {k: v.expand(clients, *v.shape) + 0.1 * torch.randn(clients, *v.shape, dtype=torch.float64)
+            for k, v in parameters_of(model).items()}
+
+
 @pytest.mark.parametrize("name", CHAINS)
 def test_gradients_and_hessian_vector_products_equal_torch_func(name):
     torch.manual_seed(0)
@@ -26,8 +32,7 @@ def test_gradients_and_hessian_vector_products_equal_torch_func(name):
     assert stacked is not None, why
     loss_fn = make_loss_fn(network)
     clients = 4
-    params = {k: v.expand(clients, *v.shape) + 0.1 * torch.randn(clients, *v.shape, dtype=torch.float64)
-              for k, v in parameters_of(model).items()}
+    params = _client_params(model, clients)
     x, y = torch.randn(clients, 7, 12, dtype=torch.float64), torch.randint(0, 3, (clients, 7))
     expected = vmap(grad(loss_fn))(params, x, y)
     got = stacked.grad(params, x, y)
@@ -56,7 +61,8 @@ class Shortcut(nn.Module):
 
 @pytest.mark.parametrize("model,reason", [
     (SmallCNN((1, 4, 4), 3), "neither an nn.Sequential nor a wrapper of one"),
-    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3)), "not a chain of Linear and ELU/ReLU/Tanh/Sigmoid (Conv2d)"),
+    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3)),
+     "not a chain of Linear and ELU/ReLU/Tanh/Sigmoid (Conv2d)"),
     (nn.Sequential(nn.Linear(16, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)), "(BatchNorm1d)"),
     (nn.Sequential(nn.Linear(16, 4), nn.ELU(), nn.ELU(), nn.Linear(4, 3)), "not a chain"),
     (Shortcut(), "neither an nn.Sequential nor a wrapper of one"),
@@ -90,8 +96,7 @@ def test_fused_finite_difference_hvp_equals_the_two_gradients(name):
     network = functional_network(model)
     stacked, _ = StackedGradients.for_network(network, (12,))
     clients, delta = 3, 1e-3
-    params = {k: v.expand(clients, *v.shape) + 0.1 * torch.randn(clients, *v.shape, dtype=torch.float64)
-              for k, v in parameters_of(model).items()}
+    params = _client_params(model, clients)
     direction = {k: torch.randn_like(v) for k, v in params.items()}
     x, y = torch.randn(clients, 5, 12, dtype=torch.float64), torch.randint(0, 3, (clients, 5))
     plus = stacked.grad({k: v + delta * direction[k] for k, v in params.items()}, x, y)
