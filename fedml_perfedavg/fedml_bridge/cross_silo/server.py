@@ -149,19 +149,16 @@ class PluginServerManager(FedMLServerManager):
 
     def _give_up_on(self, silos: List[int], why: str) -> None:
         live = [s for s in self.client_id_list_in_this_round if s not in silos]
+        record = getattr(self.driver, "record_lost_silos", None)
+        if record is not None:
+            record(self.args.round_idx, sorted(silos), why)
         if len(live) < self.policy.min_clients:
-            record = getattr(self.driver, "record_lost_silos", None)
-            if record is not None:
-                record(self.args.round_idx, sorted(silos), why)
             self._stop(f"round {self.args.round_idx}: silo rank(s) {sorted(silos)} {why}; {len(live)} left, "
                        f"fewer than comm_args.min_clients_per_round={self.policy.min_clients}")
         logger.warning("round %d: going on without silo rank(s) %s (%s); %d left, comm_args."
                        "min_clients_per_round=%d", self.args.round_idx, sorted(silos), why, len(live),
                        self.policy.min_clients)
         self.aggregator.lost.update(silos)
-        record = getattr(self.driver, "record_lost_silos", None)
-        if record is not None:
-            record(self.args.round_idx, sorted(silos), why)
         keep = [i for i, s in enumerate(self.client_id_list_in_this_round) if s not in silos]
         self.client_id_list_in_this_round = [self.client_id_list_in_this_round[i] for i in keep]
         self.data_silo_index_list = [self.data_silo_index_list[i] for i in keep]
