@@ -37,9 +37,10 @@ test-fast: $(STAMP)
 bench-speed: $(STAMP)
 	$(PY) benchmarks/speed.py --full-run
 
-# Table 1 grid (MNIST cells, 4 methods, 5 seeds, K=1000); resumable. CIFAR-10: add --datasets mnist cifar10.
+# Table 1 grid (MNIST cells, 4 methods + FedAvg+ARUBA where its YAML is, 5 seeds, K=1000), logged to
+# offline wandb runs, with the stationarity measure; resumable. CIFAR-10: add --datasets mnist cifar10.
 table1: $(STAMP)
-	$(PY) benchmarks/table1.py --jobs 2 $(DATA_ARGS)
+	$(PY) benchmarks/table1.py --jobs 2 --wandb --set stationarity_every=100 $(DATA_ARGS)
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

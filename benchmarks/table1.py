@@ -8,8 +8,8 @@ Each run is ``fedml_perfedavg.run.runner.run`` on a YAML of ``yaml_configs/`` (c
 the seed and rounds overridden; its directory is ``<out>/runs/<cell>/<method>/seed<k>``. Runs
 whose summary.json says "finished" are skipped, so an interrupted grid resumes. Outputs in
 ``<out>``: table1.csv (one row per run), table1.md (mean and 95% interval per cell next to the
-paper, paired gains over FedAvg), plots per cell (accuracy vs round; per-user accuracy at the
-end) and wandb_report.md (offline wandb runs and how to sync them, with --wandb).
+paper, paired gains over FedAvg), plots per cell (accuracy against rounds and against training
+time, the stationarity measure where logged, per-user accuracy at the end) and wandb_report.md (offline wandb runs and how to sync them, with --wandb).
 """
 from __future__ import annotations
 
@@ -29,20 +29,21 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 CONFIG_DIR = REPO / "yaml_configs"
-METHODS = ("fedavg", "fo", "hf", "exact")
+METHODS = ("fedavg", "fo", "hf", "exact", "aruba")
 METHOD_NAMES = {"fedavg": "FedAvg + update", "fo": "Per-FedAvg (FO)", "hf": "Per-FedAvg (HF)",
-                "exact": "Per-FedAvg (exact)"}
+                "exact": "Per-FedAvg (exact)", "aruba": "FedAvg + ARUBA"}
 # Table 1 of the paper: mean per-user accuracy (%) after one local step.
 PAPER = {
     "mnist_tau10_alpha0.01": {"fedavg": 75.96, "fo": 78.00, "hf": 79.85},
     "mnist_tau4_alpha0.01": {"fedavg": 60.18, "fo": 64.55, "hf": 70.94},
     "cifar10_tau10_alpha0.001": {"fedavg": 40.49, "fo": 46.98, "hf": 50.44},
-    "cifar10_tau4_alpha0.001": {"fedavg": 38.38, "fo": 34.04, "hf": 43.73},
+    "cifar10_tau4_alpha0.001": {"fedavg": 38.38, "fo": 34.04, "hf": 43.73, "aruba": 36.74},  # aruba: appendix
     "cifar10_tau4_alpha0.01": {"fedavg": 35.97, "fo": 25.32, "hf": 46.32},
     "cifar10_tau4_alpha0.01_diffhetero": {"fedavg": 58.59, "fo": 37.71, "hf": 71.25},
 }
 CSV_COLUMNS = ["cell", "dataset", "method", "seed", "rounds", "personalized_accuracy", "accuracy_before_adaptation",
-               "personalized_accuracy_std", "new_user_personalized_accuracy", "wall_seconds", "status", "run_dir"]
+               "personalized_accuracy_std", "new_user_personalized_accuracy", "stationarity", "train_seconds",
+               "wall_seconds", "status", "run_dir"]
 # Beyond the paper: extra cells, each a paper cell's YAMLs with overrides.
 EXTRAS = {
     "new_users": [(f"{cell}_newusers", cell, ["new_user_fraction=0.1"]) for cell in PAPER],
@@ -118,6 +119,8 @@ def collect(out: Path) -> List[Dict]:
                      "accuracy_before_adaptation": s["accuracy_before_adaptation"],
                      "personalized_accuracy_std": s.get("personalized_accuracy_std"),
                      "new_user_personalized_accuracy": s.get("new_user_personalized_accuracy"),
+                     "stationarity": (s["history"] or [{}])[-1].get("stationarity"),
+                     "train_seconds": (s["history"] or [{}])[-1].get("train_seconds"),
                      "wall_seconds": s["wall_seconds"], "status": s.get("status", "finished"),
                      "run_dir": str(summary_path.parent.relative_to(out)), "_summary": s})
     return rows
@@ -144,8 +147,8 @@ def table_markdown(rows: List[Dict], command: str) -> str:
         if not cell_rows:
             continue
         lines += [f"## {cell}", "", "| method | seeds | rounds | ours | paper | ours - paper | before | "
-                  "paired gain over FedAvg | new users | wall s/run |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "paired gain over FedAvg | new users | ||grad F(w)||^2 at the end | train s/run | wall s/run |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         fedavg = {r["seed"]: r["personalized_accuracy"] for r in cell_rows if r["method"] == "fedavg"}
         for method in METHODS:
             mr = sorted((r for r in cell_rows if r["method"] == method), key=lambda r: r["seed"])
@@ -161,14 +164,32 @@ def table_markdown(rows: List[Dict], command: str) -> str:
             wall = statistics.mean(r["wall_seconds"] for r in mr)
             new = [100 * r["new_user_personalized_accuracy"] for r in mr if r["new_user_personalized_accuracy"] is not None]
             new_users = _fmt(*mean_ci95(new)) if new else "-"
+            stationarity = [r["stationarity"] for r in mr if r["stationarity"] is not None]
+            stationary = f"{statistics.mean(stationarity):.3g}" if stationarity else "-"
+            trained = [r["train_seconds"] for r in mr if r["train_seconds"] is not None]
+            train = f"{statistics.mean(trained):.0f}" if trained else "-"
             lines.append(f"| {METHOD_NAMES[method]} | {len(mr)} | {mr[0]['rounds']} | {_fmt(mean, half)} | "
                          f"{paper if paper is not None else '-'} | {diff} | {_fmt(*before)} | {gain} | {new_users} | "
-                         f"{wall:.0f} |")
+                         f"{stationary} | {train} | {wall:.0f} |")
         lines.append("")
     return "\n".join(lines)
 
 
+def _band(histories: List[List[Dict]], key: str) -> Tuple[List[float], List[float], List[float]]:
+    """(rounds, mean, 95% half-width) of ``key`` over runs whose evaluations fall on the same rounds."""
+    rounds = [h["round"] for h in histories[0]]
+    usable = [h for h in histories if [e["round"] for e in h] == rounds and all(key in e for e in h)]
+    if not usable:
+        return [], [], []
+    curves = [[e[key] for e in h] for h in usable]
+    means = [statistics.mean(c) for c in zip(*curves)]
+    halves = [mean_ci95(c)[1] if len(c) > 1 else 0.0 for c in zip(*curves)]
+    return rounds, means, halves
+
+
 def plot_cells(rows: List[Dict], out: Path) -> List[Path]:
+    """Per cell: accuracy against rounds and against training time (mean and 95% band over
+    seeds), the stationarity measure where it was logged, and per-user accuracy at the end."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,25 +200,42 @@ def plot_cells(rows: List[Dict], out: Path) -> List[Path]:
         cell_rows = [r for r in rows if r["cell"] == cell and r["status"] == "finished"]
         if not cell_rows:
             continue
-        fig, (ax_curve, ax_users) = plt.subplots(1, 2, figsize=(12, 4.5))
+        has_stationarity = any("stationarity" in e for r in cell_rows for e in r["_summary"]["history"])
+        fig, axes = plt.subplots(1, 4 if has_stationarity else 3, figsize=(22 if has_stationarity else 17, 4.5))
+        ax_curve, ax_time, ax_users = axes[0], axes[1], axes[-1]
         box_data, box_labels = [], []
         for method in METHODS:
             mr = [r for r in cell_rows if r["method"] == method]
             if not mr:
                 continue
             histories = [r["_summary"]["history"] for r in mr]
-            rounds = [h["round"] for h in histories[0]]
-            usable = [h for h in histories if [e["round"] for e in h] == rounds]
-            curves = [[100 * e["personalized_accuracy"] for e in h] for h in usable]
-            means = [statistics.mean(c) for c in zip(*curves)]
-            halves = [mean_ci95(c)[1] if len(c) > 1 else 0.0 for c in zip(*curves)]
+            rounds, means, halves = _band(histories, "personalized_accuracy")
+            means, halves = [100 * m for m in means], [100 * h for h in halves]
+            low, high = [m - h for m, h in zip(means, halves)], [m + h for m, h in zip(means, halves)]
             ax_curve.plot(rounds, means, label=METHOD_NAMES[method])
-            ax_curve.fill_between(rounds, [m - h for m, h in zip(means, halves)],
-                                  [m + h for m, h in zip(means, halves)], alpha=0.2)
+            ax_curve.fill_between(rounds, low, high, alpha=0.2)
+            # x: the mean over seeds of the training time (evaluation excluded) at each evaluation
+            _, seconds, _ = _band(histories, "train_seconds")
+            if seconds:
+                ax_time.plot(seconds, means, label=METHOD_NAMES[method])
+                ax_time.fill_between(seconds, low, high, alpha=0.2)
+            if has_stationarity:
+                s_rounds, s_means, s_halves = _band(histories, "stationarity")
+                if s_rounds:
+                    axes[2].plot(s_rounds, s_means, label=METHOD_NAMES[method])
+                    axes[2].fill_between(s_rounds, [max(m - h, 1e-12) for m, h in zip(s_means, s_halves)],
+                                         [m + h for m, h in zip(s_means, s_halves)], alpha=0.2)
             box_data.append([100 * a for r in mr for a in r["_summary"]["per_user_accuracy"]])
             box_labels.append(method)
         ax_curve.set(xlabel="round", ylabel="personalized accuracy (%)", title=f"{cell}: mean and 95% band over seeds")
         ax_curve.legend()
+        ax_time.set(xlabel="training time (s, evaluation excluded; this engine and machine)",
+                    ylabel="personalized accuracy (%)", title="accuracy against training time")
+        ax_time.legend()
+        if has_stationarity:
+            axes[2].set(xlabel="round", ylabel="||grad F(w)||^2", yscale="log",
+                        title="stationarity measure (exact, full data)")
+            axes[2].legend()
         ax_users.boxplot(box_data, tick_labels=box_labels, showmeans=True)
         ax_users.set(ylabel="per-user accuracy at the end (%)", title="who gains: per-user accuracy, all seeds")
         fig.tight_layout()
@@ -217,9 +255,16 @@ def _shown(path: Path) -> str:
 
 
 def wandb_report(rows: List[Dict], out: Path) -> None:
+    """wandb_report.md: every run's offline wandb folder and the one command that uploads them."""
     lines = ["# wandb runs of the Table 1 grid", "",
-             "Each run logged offline into its run directory (project `fedml-perfedavg`, group = cell). To upload:",
-             "", "```", f"wandb sync {_shown(out)}/runs/*/*/seed*/wandb/offline-run-*", "```", "",
+             "Each run logged offline into its run directory: project `fedml-perfedavg`, group = the cell, tags = "
+             "method (with the variant), seed and dataset. One command uploads them all (from the repository root, "
+             "after `wandb login`):", "",
+             "```", f"wandb sync {_shown(out)}/runs/*/*/seed*/wandb/offline-run-*", "```", "",
+             "In wandb's UI, group the runs table by `Group` (one row per cell) and then by tag, or filter one tag "
+             "per method: the panels of `eval/personalized_accuracy` then show each cell's mean and band over seeds, "
+             "which is Table 1; `eval/train_seconds` as the x-axis gives accuracy against training time, and "
+             "`final/per_user_accuracy` is the per-user table of each run.", "",
              "| cell | method | seed | personalized accuracy | wandb run folder |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
         folders = sorted((out / r["run_dir"] / "wandb").glob("offline-run-*"))

@@ -11,10 +11,14 @@ FedML's sp loop, its MPI simulator, its cross-silo server and client, and the ba
 call these and nothing else of the algorithm. A subclass changes the client's maths by
 overriding :meth:`FederatedAlgorithm.local_update` (a pure function, so the batched engine can
 ``vmap`` it over the clients of a round) and, if it needs other minibatches,
-:meth:`FederatedAlgorithm.client_batches`.
+:meth:`FederatedAlgorithm.client_batches`. Clients that send back more than a model override
+:meth:`FederatedAlgorithm.local_training` (the whole state, buffers included), the server's
+side :meth:`FederatedAlgorithm.combine`, and a learned personalization step
+:meth:`FederatedAlgorithm.refinement_step_sizes` (FedAvgARUBA does all three).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -155,8 +159,20 @@ class FederatedAlgorithm:
 
     def local_update(self, params: Params, batches: LocalBatches) -> Params:
         """The client's maths: a pure function of the starting parameters and the minibatches
-        (the batched engine vmaps it over the clients of a round)."""
-        return client_maths.local_update(self.loss_fn, params, batches, self.settings.local)
+        (the batched engine vmaps it over the clients of a round), one step per leading index
+        of ``batches`` (``local_steps`` of them; fewer give the iterate after that many steps)."""
+        steps = batches.adapt_x.shape[0]
+        local = self.settings.local
+        config = local if steps == local.local_steps else dataclasses.replace(local, local_steps=steps)
+        return client_maths.local_update(self.loss_fn, params, batches, config)
+
+    def local_training(self, state: StateDict, batches: LocalBatches) -> StateDict:
+        """The client's whole update as a pure function of its starting state (parameters and
+        buffers). The default trains the parameters with :meth:`local_update` and returns the
+        buffers as received; an algorithm that sends more than a model back (per-client
+        statistics kept in buffers, as FedAvgARUBA) overrides this."""
+        params, buffers = self.split_state(state)
+        return {**buffers, **self.local_update(params, batches)}
 
     def split_state(self, state: StateDict) -> Tuple[Params, StateDict]:
         """(trainable parameters, the rest: buffers) of a model state."""
@@ -171,13 +187,23 @@ class FederatedAlgorithm:
     def client_update(self, round_idx: int, client_id: int, global_state: StateDict, x: Tensor, y: Tensor
                       ) -> ClientUpdate:
         """One client's local training from ``global_state`` on its data (x, y)."""
-        params, buffers = self.split_state(global_state)
         batches = self.client_batches(round_idx, client_id, x, y)
         with torch.no_grad():  # torch.func computes the gradients; no autograd graph is kept
-            new_params = self.local_update({k: v.detach() for k, v in params.items()}, batches)
-        self.check_client_result(round_idx, client_id, new_params)
-        return ClientUpdate(len(y), OrderedDict((k, new_params[k] if k in new_params else buffers[k])
-                                                for k in global_state))
+            new_state = self.local_training({k: v.detach() for k, v in global_state.items()}, batches)
+        self.check_client_result(round_idx, client_id, {k: new_state[k] for k in self.parameter_names})
+        return ClientUpdate(len(y), OrderedDict((k, new_state[k]) for k in global_state))
+
+    def client_iterate(self, round_idx: int, client_id: int, global_state: StateDict, x: Tensor, y: Tensor,
+                       steps: int) -> StateDict:
+        """The client's state after the first ``steps`` of this round's local update (the same
+        minibatches as :meth:`client_update`; 0 is the global state itself)."""
+        if steps == 0:
+            return OrderedDict((k, v.clone()) for k, v in global_state.items())
+        batches = self.client_batches(round_idx, client_id, x, y)
+        with torch.no_grad():
+            new_state = self.local_training({k: v.detach() for k, v in global_state.items()},
+                                            LocalBatches(*(t[:steps] for t in batches)))
+        return OrderedDict((k, new_state[k]) for k in global_state)
 
     # -- aggregate ------------------------------------------------------------------------
     def aggregate(self, round_idx: int, updates: Sequence[Tuple[float, StateDict]], global_state: StateDict
@@ -189,7 +215,7 @@ class FederatedAlgorithm:
         self.aggregate_calls += 1
         accepted = []
         for position, (samples, update) in enumerate(updates):
-            problem = update_problem(update, global_state, self.settings.max_update_norm)
+            problem = update_problem(update, global_state, self.settings.max_update_norm, self.parameter_names)
             if problem is None:
                 accepted.append((samples, update))
             else:
@@ -197,7 +223,7 @@ class FederatedAlgorithm:
         if len(accepted) < len(updates):
             self.rejected[round_idx] = len(updates) - len(accepted)
         if accepted:
-            return average(accepted, self.settings.aggregation)
+            return self.combine(round_idx, accepted, global_state)
         self.skipped_rounds += 1
         logger.error("round %d: no acceptable client update; the global model is kept (%d such rounds, "
                      "train_args.max_skipped_rounds=%d)", round_idx, self.skipped_rounds,
@@ -207,6 +233,12 @@ class FederatedAlgorithm:
                              f"max_skipped_rounds={self.settings.max_skipped_rounds}); last at round {round_idx}")
         return OrderedDict((k, v.clone()) for k, v in global_state.items())
 
+    def combine(self, round_idx: int, accepted: Sequence[Tuple[float, StateDict]], global_state: StateDict
+                ) -> StateDict:
+        """The new global state from the accepted updates (at least one): their average
+        (``settings.aggregation``; Algorithm 1's plain average by default)."""
+        return average(accepted, self.settings.aggregation)
+
     # -- evaluate -------------------------------------------------------------------------
     def evaluate(self, round_idx: int, global_state: StateDict, users: Sequence[UserSplit],
                  user_ids: Optional[Sequence[int]] = None, batched: bool = True) -> EvaluationResult:
@@ -215,8 +247,18 @@ class FederatedAlgorithm:
         params, _ = self.split_state(global_state)
         config = self.settings.evaluation
         if config.batched != batched:
-            config = EvaluationConfig(config.alpha, config.adapt_steps, config.batch_size, config.seed, batched)
-        return evaluate(self.network, params, users, config, round_idx, user_ids, self.loss_fn)
+            config = dataclasses.replace(config, batched=batched)
+        return evaluate(self.network, params, users, config, round_idx, user_ids, self.loss_fn,
+                        self.refinement_step_sizes(global_state))
+
+    def refinement_step_sizes(self, global_state: StateDict) -> Optional[Params]:
+        """Per-coordinate step sizes of the personalization step at evaluation, or None for
+        alpha (every method but one that learns its own, as FedAvgARUBA)."""
+        return None
+
+    def describe(self, global_state: StateDict) -> Dict[str, float]:
+        """Extra scalars about the algorithm's state, logged with each evaluation (none here)."""
+        return {}
 
     # -- checkpoint state -----------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

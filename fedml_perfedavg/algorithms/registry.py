@@ -1,6 +1,7 @@
 """The algorithm registry (FedML 0.9.6 has none): ``train_args.federated_optimizer`` names.
 
-Built-ins are ``PerFedAvg`` and ``FedAvgUpdate`` (the paper's "FedAvg + update"). An
+Built-ins are ``PerFedAvg``, ``FedAvgUpdate`` (the paper's "FedAvg + update") and ``FedAvgARUBA``
+(its appendix's FedAvg + ARUBA). An
 algorithm is a :class:`~fedml_perfedavg.algorithms.base.FederatedAlgorithm` subclass with a
 ``from_config(model, config)`` classmethod. Add one from code with :func:`register`, or from
 another package with an entry point in the group ``fedml_perfedavg.algorithms``::
@@ -29,6 +30,7 @@ FEDML_OWN = ("FedAvg", "FedOpt", "FedNova", "FedDyn", "FedProx", "SCAFFOLD", "Mi
 _BUILTIN: Dict[str, str] = {
     "PerFedAvg": "fedml_perfedavg.algorithms.perfedavg:PerFedAvg",
     "FedAvgUpdate": "fedml_perfedavg.algorithms.fedavg_update:FedAvgUpdate",
+    "FedAvgARUBA": "fedml_perfedavg.algorithms.fedavg_aruba:FedAvgARUBA",
 }
 _REGISTERED: Dict[str, Type[FederatedAlgorithm]] = {}
 

@@ -8,7 +8,7 @@ user's adaptation has finished, and never by it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, List, Optional, Sequence
+from typing import Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -82,11 +82,17 @@ def adaptation_batches(train_x: Tensor, train_y: Tensor, steps: int, batch_size:
     return train_x[indices], train_y[indices]
 
 
-def sgd_steps(loss_fn: LossFn, params: Params, batches_x: Tensor, batches_y: Tensor, alpha: float) -> Params:
-    """One alpha-step of SGD per leading index of ``batches_x`` / ``batches_y``."""
+def sgd_steps(loss_fn: LossFn, params: Params, batches_x: Tensor, batches_y: Tensor,
+              alpha: Union[float, Params]) -> Params:
+    """One step of SGD per leading index of ``batches_x`` / ``batches_y``, of size ``alpha``
+    (a number, or per-coordinate sizes by parameter name)."""
     grad_fn = grad(loss_fn)
     for t in range(batches_x.shape[0]):
-        params = axpy(-alpha, grad_fn(params, batches_x[t], batches_y[t]), params)
+        g = grad_fn(params, batches_x[t], batches_y[t])
+        if isinstance(alpha, dict):
+            params = {k: params[k] - alpha[k] * g[k] for k in params}
+        else:
+            params = axpy(-alpha, g, params)
     return params
 
 
@@ -98,16 +104,16 @@ def _accuracy_and_loss(network: nn.Module, params: Params, x: Tensor, y: Tensor)
 
 
 def _adapted_one_by_one(loss_fn: LossFn, params: Params, users: Sequence[UserSplit], user_ids: Sequence[int],
-                        config: EvaluationConfig, round_idx: int) -> Iterator[Params]:
+                        config: EvaluationConfig, round_idx: int, step: Union[float, Params]) -> Iterator[Params]:
     for user_id, user in zip(user_ids, users):
         generator = generator_for(config.seed, round_idx, user_id, Purpose.EVALUATION)
         batches = adaptation_batches(user.train_x, user.train_y, config.adapt_steps, config.batch_size, generator)
-        yield sgd_steps(loss_fn, params, *batches, config.alpha)
+        yield sgd_steps(loss_fn, params, *batches, step)
 
 
 def _adapted_in_chunks(loss_fn: LossFn, params: Params, users: Sequence[UserSplit], user_ids: Sequence[int],
-                       config: EvaluationConfig, round_idx: int) -> Iterator[Params]:
-    step = vmap(lambda bx, by: sgd_steps(loss_fn, params, bx, by, config.alpha), in_dims=(0, 0))
+                       config: EvaluationConfig, round_idx: int, step_size: Union[float, Params]) -> Iterator[Params]:
+    step = vmap(lambda bx, by: sgd_steps(loss_fn, params, bx, by, step_size), in_dims=(0, 0))
     for start in range(0, len(users), USERS_PER_CHUNK):
         chunk = range(start, min(start + USERS_PER_CHUNK, len(users)))
         batches = [adaptation_batches(users[i].train_x, users[i].train_y, config.adapt_steps, config.batch_size,
@@ -131,17 +137,19 @@ def _score(network: nn.Module, params: Params, adapted_per_user: Iterable[Params
 
 
 def evaluate(network: nn.Module, params: Params, users: Sequence[UserSplit], config: EvaluationConfig,
-             round_idx: int, user_ids: Optional[Sequence[int]] = None, loss_fn: Optional[LossFn] = None
-             ) -> EvaluationResult:
+             round_idx: int, user_ids: Optional[Sequence[int]] = None, loss_fn: Optional[LossFn] = None,
+             step_sizes: Optional[Params] = None) -> EvaluationResult:
     """Personalized evaluation of ``params`` on ``users`` (see the module doc).
 
     ``network`` is a functional network (:func:`fedml_perfedavg.core.functional.functional_network`);
     ``user_ids`` key each user's adaptation batches (default 0..len(users)-1), so one silo
-    evaluating user 7 draws what the server's evaluation of all users draws for user 7."""
+    evaluating user 7 draws what the server's evaluation of all users draws for user 7.
+    ``step_sizes`` replaces alpha with per-coordinate step sizes (an algorithm that learns them)."""
     user_ids = list(range(len(users))) if user_ids is None else list(user_ids)
+    step = config.alpha if step_sizes is None else {k: step_sizes[k] for k in params}
     if len(user_ids) != len(users):
         raise ValueError(f"{len(user_ids)} user ids for {len(users)} users")
     loss_fn = loss_fn if loss_fn is not None else make_loss_fn(network)
     stackable = len(users) > 1 and all(len(u.train_y) >= config.batch_size for u in users)
     adapt = _adapted_in_chunks if config.batched and stackable else _adapted_one_by_one
-    return _score(network, params, adapt(loss_fn, params, users, user_ids, config, round_idx), users)
+    return _score(network, params, adapt(loss_fn, params, users, user_ids, config, round_idx, step), users)

@@ -42,8 +42,9 @@ def is_finite(params: Dict[str, Tensor]) -> bool:
 
 
 def update_problem(update: Dict[str, Tensor], reference: Dict[str, Tensor],
-                   max_update_norm: Optional[float] = None) -> Optional[str]:
-    """Why a received client model cannot be averaged into ``reference``, or None if it can."""
+                   max_update_norm: Optional[float] = None, norm_keys: Optional[List[str]] = None) -> Optional[str]:
+    """Why a received client model cannot be averaged into ``reference``, or None if it can;
+    ``max_update_norm`` bounds the distance over ``norm_keys`` (default: every key)."""
     if not isinstance(update, dict):
         return f"expected a state dict, got {type(update).__name__}"
     if set(update) != set(reference):
@@ -59,7 +60,7 @@ def update_problem(update: Dict[str, Tensor], reference: Dict[str, Tensor],
             return f"{name}: non-finite values"
     if max_update_norm is not None:
         norm = float(torch.sqrt(sum(((update[k].float() - reference[k].float().to(update[k].device)) ** 2).sum()
-                                    for k in reference)))
+                                    for k in (norm_keys if norm_keys is not None else reference))))
         if norm > max_update_norm:
             return f"update norm {norm:.4g} exceeds train_args.max_update_norm={max_update_norm}"
     return None

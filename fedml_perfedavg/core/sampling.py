@@ -21,6 +21,7 @@ class Purpose(IntEnum):
     EVALUATION = 2
     INITIALISATION = 3
     HOLD_OUT = 4
+    RANDOM_ITERATE = 5
 
 
 def generator_for(seed: int, round_idx: int, client_id: int, purpose: Purpose) -> torch.Generator:
@@ -52,6 +53,13 @@ def sample_clients(seed: int, round_idx: int, client_num_in_total: int, client_n
     generator = generator_for(seed, round_idx, -1, Purpose.CLIENT_SAMPLING)
     chosen = torch.randperm(len(pool), generator=generator)[:client_num_per_round]
     return sorted(pool[i] for i in chosen.tolist())
+
+
+def random_iterate_step(seed: int, round_idx: int, local_steps: int) -> int:
+    """t_k, uniform on 0..local_steps-1: the local step whose iterates the server averages in
+    the paper's remark after Theorem 4.5 (keyed by (seed, round))."""
+    generator = generator_for(seed, round_idx, -1, Purpose.RANDOM_ITERATE)
+    return int(torch.randint(local_steps, (1,), generator=generator))
 
 
 def batch_indices(num_samples: int, steps: int, batch_sizes: Sequence[int], generator: torch.Generator) -> List[Tensor]:

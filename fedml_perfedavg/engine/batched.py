@@ -44,6 +44,11 @@ class BatchedSimulation:
         self.driver = driver
         self.batched = True
         self.step: Callable[[Params, LocalBatches], Params] = vmap(algorithm.local_update, in_dims=(None, 0))
+        # An algorithm whose clients send back more than parameters (its own local_training)
+        # is vmapped over whole states: parameters and buffers per client.
+        self.whole_state = type(algorithm).local_training is not FederatedAlgorithm.local_training
+        if self.whole_state:
+            self.step = vmap(algorithm.local_training, in_dims=(None, 0))
         stacked, why = (None, "device_args.compile_local_update compiles the generic path") if compile_local_update \
             else self._stacked_gradients(fast_path)
         if stacked is not None:
@@ -74,8 +79,8 @@ class BatchedSimulation:
         ``local_update`` would (Per-FedAvg's or FedAvg's update on a Linear chain), else why not."""
         if not fast_path:
             return None, "turned off"
-        if type(self.algorithm).local_update is not FederatedAlgorithm.local_update:
-            return None, f"{type(self.algorithm).__name__} has its own local_update"
+        if type(self.algorithm).local_update is not FederatedAlgorithm.local_update or self.whole_state:
+            return None, f"{type(self.algorithm).__name__} has its own local_update or local_training"
         return StackedGradients.for_network(self.algorithm.network, tuple(self.users[0].train_x.shape[1:]))
 
     def _stacked_step(self, stacked: StackedGradients) -> Callable[[Params, LocalBatches], Params]:
@@ -106,8 +111,12 @@ class BatchedSimulation:
         params, buffers = self.algorithm.split_state(self.state)
         batches = self._round_batches(round_idx, clients)
         with torch.no_grad():
-            stacked = self.step({k: v.detach() for k, v in params.items()}, batches)
-        for position in nonfinite_clients(stacked):
+            if self.whole_state:
+                stacked = self.step({k: v.detach() for k, v in self.state.items()}, batches)
+                buffers, stacked = {}, {k: v for k, v in stacked.items()}
+            else:
+                stacked = self.step({k: v.detach() for k, v in params.items()}, batches)
+        for position in nonfinite_clients({k: stacked[k] for k in params}):
             self.algorithm.check_client_result(round_idx, clients[position],
                                                {k: v[position] for k, v in stacked.items()})
         return [(self.sample_counts[c], OrderedDict((k, stacked[k][i] if k in stacked else buffers[k])

@@ -91,7 +91,7 @@ class Config:
                                            h, bool) and h > 0 for h in v), "a non-empty list of positive integers"))
     # train_args
     federated_optimizer: str = _setting("train_args", str, "PerFedAvg", "algorithm: a name in the plugin's "
-                                        "registry (PerFedAvg, FedAvgUpdate, ...)")
+                                        "registry (PerFedAvg, FedAvgUpdate, FedAvgARUBA, ...)")
     perfedavg_variant: str = _setting("train_args", str, "hf", "meta-gradient estimator", VARIANTS)
     client_num_in_total: int = _setting("train_args", int, 50, "n, number of users", rule=_at_least_one)
     client_num_per_round: int = _setting("train_args", int, 10, "r*n, users sampled per round", rule=_at_least_one)
@@ -117,6 +117,13 @@ class Config:
                                                 optional=True)
     max_skipped_rounds: int = _setting("train_args", int, 3, "stop after this many rounds without an acceptable "
                                        "update", rule=_at_least_one)
+    aruba_epsilon: float = _setting("train_args", float, 0.03, "FedAvgARUBA: epsilon; the learned per-coordinate "
+                                    "step starts at aruba_epsilon / aruba_zeta (0.03 / 0.1: tuned on MNIST tau=4, "
+                                    "benchmarks/results/aruba_tuning.md)", rule=_positive)
+    aruba_zeta: float = _setting("train_args", float, 0.1, "FedAvgARUBA: zeta, the prior on the squared-gradient "
+                                 "sum", rule=_positive)
+    aruba_p: float = _setting("train_args", float, 1.0, "FedAvgARUBA: epsilon^2 decays as (tasks + 1)^-p",
+                              rule=_non_negative)
     simulation_engine: str = _setting("train_args", str, "batched", "sp round loop: batched (all sampled clients "
                                       "as one vmapped computation) or fedml (FedML's per-client loop)", ENGINES)
     # validation_args
@@ -124,6 +131,14 @@ class Config:
                                           "first and last round)", rule=_at_least_one)
     adapt_steps: int = _setting("validation_args", int, 1, "alpha-steps of personalization at evaluation",
                                 rule=_non_negative)
+    stationarity_every: int = _setting("validation_args", int, 0, "log ||grad F(w)||^2, the paper's stationarity "
+                                       "measure (exact Hessian-vector products, every training user's full data), "
+                                       "with the evaluations of every this many rounds and the last; a multiple of "
+                                       "frequency_of_the_test (0: never; it costs several evaluations)",
+                                       rule=_non_negative)
+    random_iterate: bool = _setting("validation_args", bool, False, "also evaluate the average of the round's "
+                                    "clients' iterates at a step t_k drawn uniformly from 0..tau-1 (the paper's "
+                                    "remark after Theorem 4.5); simulation")
     # device_args
     using_gpu: bool = _setting("device_args", bool, False, "run on CUDA")
     gpu_id: int = _setting("device_args", int, 0, "CUDA device index", rule=_non_negative)
@@ -284,6 +299,13 @@ def _rule_platform(c: Config) -> None:
                                    or c.simulation_engine != "batched"):
         raise ConfigError("device_args.compile_local_update=True: only the batched engine compiles (comm_args."
                           "backend sp, train_args.simulation_engine batched)")
+    if c.stationarity_every % c.frequency_of_the_test:
+        raise ConfigError(f"validation_args.stationarity_every={c.stationarity_every!r}: must be a multiple of "
+                          f"validation_args.frequency_of_the_test ({c.frequency_of_the_test}), so it falls on "
+                          f"evaluations (or 0: never)")
+    if c.random_iterate and c.training_type != "simulation":
+        raise ConfigError("validation_args.random_iterate=True: only in simulation (common_args.training_type "
+                          "simulation), where the server holds every user's data to recompute the iterates")
     if c.min_clients_per_round is not None and c.min_clients_per_round > c.client_num_per_round:
         raise ConfigError(f"comm_args.min_clients_per_round={c.min_clients_per_round!r}: must be <= "
                           f"train_args.client_num_per_round ({c.client_num_per_round})")

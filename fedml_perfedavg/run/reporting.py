@@ -62,6 +62,7 @@ class RunRecorder:
         self.silo_history: List[Dict[str, Any]] = []  # cross-silo: silos' own evaluations
         self.lost_silos: List[Dict[str, Any]] = []  # cross-silo: silos the server went on without
         self.started = time.perf_counter()
+        self.evaluation_seconds = 0.0  # spent evaluating: not training time
         self._bar = None
         if show_progress:
             from tqdm.auto import tqdm
@@ -75,12 +76,16 @@ class RunRecorder:
 
         os.environ.setdefault("WANDB_MODE", "offline")  # never needs an account unless asked
         return wandb.init(project=settings["project"], group=settings.get("group"), name=settings.get("name"),
-                          dir=self.run_dir, config=self.config_sections, reinit=True)
+                          tags=settings.get("tags"), dir=self.run_dir, config=self.config_sections, reinit=True)
 
     def round_finished(self, round_idx: int) -> None:
         self.rounds_done = round_idx + 1
         if self._bar is not None:
             self._bar.update(self.rounds_done - self._bar.n)
+
+    def headline(self, result: EvaluationResult) -> Dict[str, float]:
+        """The metrics of ``result`` as the run reports them (training users; new users apart)."""
+        return self._split(result)
 
     def _split(self, result: EvaluationResult) -> Dict[str, float]:
         """Headline metrics over the users trained on; new (held-out) users reported apart."""
@@ -94,13 +99,24 @@ class RunRecorder:
         return {**trained, "new_user_personalized_accuracy": held.personalized_accuracy,
                 "new_user_accuracy_before_adaptation": held.accuracy_before_adaptation}
 
-    def record_evaluation(self, round_idx: int, result: EvaluationResult) -> None:
-        metrics = {"round": round_idx, **self._split(result), "wall_seconds": time.perf_counter() - self.started}
+    def record_evaluation(self, round_idx: int, result: EvaluationResult, extra: Optional[Dict[str, float]] = None,
+                          evaluation_started: Optional[float] = None) -> None:
+        """One evaluation: its metrics, ``extra`` scalars (stationarity, ...), the wall time and
+        the training time so far (wall time less every evaluation's, this one from
+        ``evaluation_started`` on: what the accuracy-against-time plots use)."""
+        now = time.perf_counter()
+        evaluation_started = now if evaluation_started is None else evaluation_started
+        metrics = {"round": round_idx, **self._split(result), **(extra or {}),
+                   "train_seconds": evaluation_started - self.started - self.evaluation_seconds,
+                   "wall_seconds": now - self.started}
+        self.evaluation_seconds += now - evaluation_started
         self.history.append(metrics)
         self.last = result
         logger.info("round %d: personalized accuracy %.4f (before adaptation %.4f, std %.4f)", round_idx,
                     metrics["personalized_accuracy"], metrics["accuracy_before_adaptation"],
                     metrics["personalized_accuracy_std"])
+        if "stationarity" in metrics:
+            logger.info("round %d: ||grad F(w)||^2 = %.4g", round_idx, metrics["stationarity"])
         per_user_logger.info("round %d: per-user accuracy after/before adaptation: %s", round_idx, " ".join(
             f"{i}:{a:.4f}/{b:.4f}" for i, (a, b) in enumerate(zip(result.per_user_accuracy,
                                                                    result.per_user_accuracy_before))))
@@ -127,13 +143,14 @@ class RunRecorder:
         """What a checkpoint needs to continue the record exactly."""
         last = None if self.last is None else vars(self.last).copy()
         return {"history": self.history, "last": last, "rounds_done": self.rounds_done,
-                "elapsed": time.perf_counter() - self.started}
+                "elapsed": time.perf_counter() - self.started, "evaluation_seconds": self.evaluation_seconds}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.history = list(state["history"])
         self.last = None if state["last"] is None else EvaluationResult(**state["last"])
         self.rounds_done = state["rounds_done"]
         self.started = time.perf_counter() - state["elapsed"]
+        self.evaluation_seconds = float(state.get("evaluation_seconds", 0.0))
         if self._bar is not None:
             self._bar.update(self.rounds_done - self._bar.n)
 

@@ -21,10 +21,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..algorithms.base import FederatedAlgorithm
+from ..algorithms.base import FederatedAlgorithm, average
 from ..algorithms.registry import algorithm_names, create_algorithm
 from ..core.guards import ConfigError, DivergenceError, RunStopped
-from ..core.sampling import held_out_users
+from ..core.sampling import held_out_users, random_iterate_step
+from ..core.stationarity import stationarity
 from ..core.types import StateDict, UserSplit
 from ..data.fedml_format import users_from_fedml_dataset
 from ..data.loading import DATASETS, FederatedData, load_federated
@@ -193,7 +194,7 @@ class PluginRun:
             wandb_settings = None
             if config.enable_wandb:
                 wandb_settings = {"project": config.wandb_project, "group": config.wandb_group,
-                                  "name": os.path.basename(self.run_dir)}
+                                  "name": os.path.basename(self.run_dir), "tags": wandb_tags(config)}
             new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)
             self.recorder = RunRecorder(self.run_dir, config.comm_round, config.sections(), config.show_progress,
                                         wandb_settings, new_users)
@@ -254,17 +255,47 @@ class PluginRun:
         return self.algorithm.sample_clients(round_idx)
 
     def round_finished(self, round_idx: int, global_state: StateDict) -> None:
-        self.global_state = global_state
+        previous, self.global_state = self.global_state, global_state
         config = self.config
         last = round_idx == config.comm_round - 1
         if self.recorder is not None:
             self.recorder.round_finished(round_idx)
             if last or round_idx % config.frequency_of_the_test == 0:
+                started = time.perf_counter()  # evaluation time is not training time
                 state = {k: v.to(self.device) for k, v in global_state.items()}
-                self.recorder.record_evaluation(round_idx, self.algorithm.evaluate(round_idx, state, self.users))
+                result = self.algorithm.evaluate(round_idx, state, self.users)
+                every = config.stationarity_every
+                measure = bool(every) and (last or round_idx % every == 0)
+                extra = {**self.algorithm.describe(state), **self._measures(state, "", measure)}
+                if config.random_iterate:
+                    start = {k: v.to(self.device) for k, v in previous.items()}
+                    extra.update(self._random_iterate(round_idx, start, measure))
+                self.recorder.record_evaluation(round_idx, result, extra, started)
         every = config.checkpoint_every
         if self.is_server and self._resumable() and every and (round_idx + 1) % every == 0 and not last:
             self.save_checkpoint(round_idx + 1)
+
+    def _measures(self, state: StateDict, prefix: str, measure: bool) -> Dict[str, float]:
+        """The stationarity measure of ``state`` where ``measure`` (validation_args.
+        stationarity_every), over the users training covers."""
+        if not measure:
+            return {}
+        trained = [i for i in range(len(self.users)) if i not in set(self.recorder.new_users)]
+        params, _ = self.algorithm.split_state(state)
+        return {f"{prefix}stationarity": stationarity(self.algorithm.loss_fn, params, self.users, self.config.alpha,
+                                                      trained)}
+
+    def _random_iterate(self, round_idx: int, start: StateDict, measure: bool) -> Dict[str, float]:
+        """The paper's remark after Theorem 4.5: the average of the round's clients' iterates at
+        a uniform step t_k (recomputed from the round's start, with the round's own batches)."""
+        step = random_iterate_step(self.config.random_seed, round_idx, self.config.local_steps)
+        clients = self.algorithm.sample_clients(round_idx)
+        iterates = [(1.0, self.algorithm.client_iterate(round_idx, c, start, self.users[c].train_x,
+                                                        self.users[c].train_y, step)) for c in clients]
+        state = average(iterates, "uniform")
+        metrics = self.recorder.headline(self.algorithm.evaluate(round_idx, state, self.users))
+        return {"random_iterate_step": step, **{f"random_iterate_{k}": metrics[k] for k in (
+            "personalized_accuracy", "accuracy_before_adaptation")}, **self._measures(state, "random_iterate_", measure)}
 
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         if self.recorder is not None:
@@ -350,6 +381,15 @@ class PluginRun:
             logging.getLogger().removeHandler(self._log_handler)
             self._log_handler.close()
             self._log_handler = None
+
+
+def wandb_tags(config: Config) -> List[str]:
+    """A run's wandb tags: its method (with the variant), seed and dataset, so that a grouped
+    grid (group = cell) can be filtered and compared per method and seed in wandb's UI."""
+    method = config.federated_optimizer
+    if method == "PerFedAvg":
+        method = f"PerFedAvg-{config.perfedavg_variant}"
+    return [method, f"seed{config.random_seed}", config.dataset]
 
 
 def _file_log(run_dir: str, name: str) -> Optional[logging.Handler]:

@@ -42,3 +42,15 @@ def test_held_out_users_are_never_sampled_for_training():
     for r in range(300):
         assert not set(sample_clients(0, r, 50, 10, 0.1)) & set(held)
     assert sample_clients(0, 3, 50, 10, 0.0) == sample_clients(0, 3, 50, 10)
+
+
+def test_random_iterate_step_is_keyed_and_uniform_over_the_local_steps():
+    from collections import Counter
+
+    from fedml_perfedavg.core.sampling import random_iterate_step
+
+    draws = [random_iterate_step(0, r, 4) for r in range(4000)]
+    assert draws == [random_iterate_step(0, r, 4) for r in range(4000)]  # same key, same t_k
+    counts = Counter(draws)
+    assert set(counts) == {0, 1, 2, 3} and all(900 < n < 1100 for n in counts.values())
+    assert draws != [random_iterate_step(1, r, 4) for r in range(4000)]

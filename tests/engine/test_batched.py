@@ -85,6 +85,28 @@ def test_compiled_local_update_gives_the_eager_result(monkeypatch):
         resolve({}, {"compile_local_update": True, "simulation_engine": "fedml"})
 
 
+@pytest.mark.parametrize("model_kind", ["mlp", "batchnorm"])
+def test_fedavg_aruba_batched_equals_per_client_path_float64(model_kind, caplog):
+    # Its clients send back squared-gradient sums in buffers: the engine vmaps whole states.
+    config, users, model = _setup("FedAvgARUBA", "hf", aruba_epsilon=0.05, aruba_zeta=0.5)
+    if model_kind == "batchnorm":
+        users = [UserSplit(u.train_x.repeat(1, 6), u.train_y, u.test_x.repeat(1, 6), u.test_y) for u in users]
+        model = ConvBatchNorm().double()
+    algorithm = create_algorithm("FedAvgARUBA", model, config)
+    start = copy.deepcopy(model.state_dict())
+    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    with caplog.at_level("INFO"):
+        engine = BatchedSimulation(algorithm, users, start, Driver(algorithm))
+    assert "has its own local_update or local_training" in caplog.text
+    got = engine.run(0, config.comm_round)
+    assert engine.batched
+    for k in got:
+        torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)
+    lr = [k for k in got if k.startswith("aruba_lr__")]
+    assert lr and all(not torch.allclose(got[k], start[k]) for k in lr)  # the rates were learned
+    assert float(got["aruba_tasks"]) == 3 * config.comm_round
+
+
 class ConvBatchNorm(nn.Module):
     """A small model with BatchNorm, as FedML's resnets have."""
 

@@ -23,8 +23,11 @@ def test_every_table1_cell_has_its_configs():
 def test_shipped_configs_validate_and_say_what_they_run(path):
     config = load(str(path))
     method = path.stem.rsplit("_", 1)[1]
-    assert config.federated_optimizer == ("FedAvgUpdate" if method == "fedavg" else "PerFedAvg")
-    if method != "fedavg":
+    expected = {"fedavg": "FedAvgUpdate", "aruba": "FedAvgARUBA"}.get(method, "PerFedAvg")
+    assert config.federated_optimizer == expected
+    if expected == "FedAvgARUBA":
+        assert (config.aruba_epsilon, config.aruba_zeta, config.aruba_p) == (0.03, 0.1, 1.0)
+    elif method != "fedavg":
         assert config.perfedavg_variant == method
     assert (config.client_num_in_total, config.client_num_per_round, config.comm_round, config.beta) == (50, 10, 1000,
                                                                                                         0.001)
@@ -107,7 +110,7 @@ def test_fedml_args_flatten_sections():
 
 
 def test_registry_lists_builtins():
-    assert algorithm_names()[:2] == ["PerFedAvg", "FedAvgUpdate"]
+    assert algorithm_names()[:3] == ["PerFedAvg", "FedAvgUpdate", "FedAvgARUBA"]
 
 
 def test_fedml_keys_mean_what_they_mean_in_fedml(caplog):
@@ -144,7 +147,7 @@ def test_entry_point_algorithms_are_listed_and_loaded(monkeypatch):
     monkeypatch.setattr(registry, "entry_points", lambda group: [FakeEntryPoint()] if group == registry.ENTRY_POINT_GROUP
                         else [])
     monkeypatch.setattr(registry, "_REGISTERED", {})  # algorithms other tests registered
-    assert registry.algorithm_names() == ["PerFedAvg", "FedAvgUpdate", "MyAlg"]
+    assert registry.algorithm_names() == ["PerFedAvg", "FedAvgUpdate", "FedAvgARUBA", "MyAlg"]
     assert resolve({}, {"federated_optimizer": "MyAlg"}).federated_optimizer == "MyAlg"
     assert registry.algorithm_class("MyAlg") is PerFedAvg
     with pytest.raises(KeyError, match="must be one of"):

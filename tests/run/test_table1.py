@@ -24,7 +24,8 @@ def test_grid_covers_the_paper_cells():
     cells = {c for c, _, _, _ in table1.grid(["mnist", "cifar10"], [], table1.METHODS)}
     assert cells == set(table1.PAPER)
     mnist = table1.grid(["mnist"], [], table1.METHODS)
-    assert len(mnist) == 8 and all(p.exists() for _, _, p, _ in mnist)
+    assert len(mnist) == 9 and all(p.exists() for _, _, p, _ in mnist)  # 4 methods x 2 cells + ARUBA (tau=4)
+    assert [c for c, m, _, _ in mnist if m == "aruba"] == ["mnist_tau4_alpha0.01"]
     extra = table1.grid(["mnist"], [], table1.METHODS, ["new_users", "alpha_sweep"])
     sweep = {c: o for c, m, _, o in extra if m == "hf" and c.endswith("_sweep")}
     assert sweep == {"mnist_tau4_alpha0.001_sweep": ["alpha=0.001"], "mnist_tau4_alpha0.05_sweep": ["alpha=0.05"]}

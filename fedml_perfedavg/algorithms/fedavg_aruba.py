@@ -1,0 +1,150 @@
+"""FedAvg + ARUBA (Khodak, Balcan, Talwalkar 2019, "Adaptive Gradient-Based Meta-Learning
+Methods", the federated variant), the comparison of Fallah et al. (2020)'s appendix.
+
+ARUBA learns a per-coordinate learning rate eta across tasks (here: each client's round is a
+task), from how far the tasks' solutions move from the shared initialization (b) and how large
+their gradients are (g). Multiplication, division and square root are coordinate-wise:
+
+    client i, from the global w:   theta <- theta - eta * grad f_i(theta; D_s)   for s = 1..tau
+                                   sends theta_i and G_i = sum_s grad f_i(theta_s; D_s)^2
+    server, t = client tasks seen: w     <- mean_i theta_i                      (Algorithm 1's average)
+                                   b     <- b + sum_i (w_old - theta_i)^2 / 2
+                                   g     <- g + sum_i G_i
+                                   eta   <- sqrt((epsilon^2 (t + 1)^-p + b) / (zeta^2 + g))
+
+so eta starts at epsilon / zeta. At evaluation each user refines the global model with one
+step of the learned eta on its training data (``theta = w - eta * grad f_i(w; D)``), where the
+other methods take an alpha-step; the batches and the test protocol are the same.
+
+eta, b, g, the client's G and t live in buffers registered on the model (``aruba_*``), so they
+travel with the model state on every backend (sp, MPI, cross-silo) and are in ``model.pt``.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Dict, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.func import grad
+
+from ..core.algorithm import LocalBatches
+from ..core.types import Params, StateDict
+from .base import AlgorithmSettings, FederatedAlgorithm, average
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("lr", "b", "g", "grad_sq")
+TASKS = "aruba_tasks"
+
+
+@dataclass(frozen=True)
+class ArubaSettings:
+    """ARUBA's hyper-parameters: eta starts at epsilon / zeta; epsilon^2 (t + 1)^-p keeps eta from
+    collapsing while few tasks have been seen."""
+
+    epsilon: float = 0.03
+    zeta: float = 0.1
+    p: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("epsilon", "zeta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"train_args.aruba_{name}={getattr(self, name)!r}: must be > 0")
+        if not self.p >= 0:
+            raise ValueError(f"train_args.aruba_p={self.p!r}: must be >= 0")
+
+
+def buffer_name(role: str, parameter: str) -> str:
+    """The buffer holding ARUBA's ``role`` statistic of ``parameter`` (dots are not allowed)."""
+    return f"aruba_{role}__{parameter.replace('.', '__')}"
+
+
+class FedAvgARUBA(FederatedAlgorithm):
+    """FedAvg whose local and refinement steps use ARUBA's learned per-coordinate rates."""
+
+    name = "FedAvgARUBA"
+    method = "fedavg"
+
+    def __init__(self, model: nn.Module, settings: AlgorithmSettings, aruba: ArubaSettings = ArubaSettings()
+                 ) -> None:
+        self.aruba = aruba
+        names = [n for n, _ in model.named_parameters()]
+        eta0 = aruba.epsilon / aruba.zeta
+        for parameter, value in model.named_parameters():
+            for role in ROLES:
+                start = torch.full_like(value.detach(), eta0 if role == "lr" else 0.0)
+                model.register_buffer(buffer_name(role, parameter), start)
+        model.register_buffer(TASKS, torch.zeros((), dtype=torch.float64))
+        super().__init__(model, settings)
+        self.buffers = {role: {n: buffer_name(role, n) for n in names} for role in ROLES}
+        logger.info("FedAvgARUBA: local and refinement steps take learned per-coordinate rates starting at "
+                    "aruba_epsilon / aruba_zeta = %.4g; train_args.beta and alpha do not set them (alpha still "
+                    "defines F for the stationarity measure)", eta0)
+
+    @classmethod
+    def from_config(cls, model: nn.Module, config: Any) -> "FedAvgARUBA":
+        return cls(model, AlgorithmSettings.from_config(config, cls.method),
+                   ArubaSettings(config.aruba_epsilon, config.aruba_zeta, config.aruba_p))
+
+    @property
+    def label(self) -> str:
+        return "FedAvg + ARUBA"
+
+    def learning_rates(self, state: StateDict) -> Params:
+        """eta, per parameter, as held in a model state."""
+        return {n: state[b] for n, b in self.buffers["lr"].items()}
+
+    # -- client -----------------------------------------------------------------------------
+    def local_training(self, state: StateDict, batches: LocalBatches) -> StateDict:
+        """tau steps of size eta on batches of D; the state sent back carries G_i."""
+        params, _ = self.split_state(state)
+        eta = self.learning_rates(state)
+        grad_fn = grad(self.loss_fn)
+        squares = {n: torch.zeros_like(v) for n, v in params.items()}
+        for t in range(batches.adapt_x.shape[0]):
+            g = grad_fn(params, batches.adapt_x[t], batches.adapt_y[t])
+            squares = {n: squares[n] + g[n] * g[n] for n in params}
+            params = {n: params[n] - eta[n] * g[n] for n in params}
+        out: Dict[str, torch.Tensor] = dict(state)
+        out.update(params)
+        out.update({self.buffers["grad_sq"][n]: squares[n] for n in params})
+        return out
+
+    def local_update(self, params: Params, batches: LocalBatches) -> Params:
+        raise NotImplementedError("FedAvgARUBA's client step needs its learning rates: call local_training(state, "
+                                  "batches) with the whole model state")
+
+    # -- server -----------------------------------------------------------------------------
+    def combine(self, round_idx: int, accepted: Sequence[Tuple[float, StateDict]], global_state: StateDict
+                ) -> StateDict:
+        new = average(accepted, self.settings.aggregation)
+        device = next(iter(global_state.values())).device
+        tasks = float(global_state[TASKS]) + len(accepted)
+        s = self.aruba
+        decay = s.epsilon ** 2 * (tasks + 1.0) ** (-s.p)
+        for n in self.parameter_names:
+            old = global_state[n]
+            moved = sum((old - update[n].to(device)) ** 2 for _, update in accepted) / 2.0
+            squares = sum(update[self.buffers["grad_sq"][n]].to(device) for _, update in accepted)
+            b = global_state[self.buffers["b"][n]] + moved
+            g = global_state[self.buffers["g"][n]] + squares
+            new[self.buffers["b"][n]] = b
+            new[self.buffers["g"][n]] = g
+            new[self.buffers["lr"][n]] = torch.sqrt((decay + b) / (s.zeta ** 2 + g))
+            new[self.buffers["grad_sq"][n]] = torch.zeros_like(old)
+        new[TASKS] = torch.tensor(tasks, dtype=global_state[TASKS].dtype, device=global_state[TASKS].device)
+        return OrderedDict((k, new[k]) for k in global_state)
+
+    # -- evaluation -------------------------------------------------------------------------
+    def refinement_step_sizes(self, global_state: StateDict) -> Params:
+        """The refinement step at evaluation takes eta (the rates learned so far), not alpha."""
+        return self.learning_rates(global_state)
+
+    def describe(self, global_state: StateDict) -> Dict[str, float]:
+        """Summary statistics of the learned rates (logged with each evaluation)."""
+        rates = torch.cat([v.flatten() for v in self.learning_rates(global_state).values()])
+        return {"aruba_lr_mean": float(rates.mean()), "aruba_lr_min": float(rates.min()),
+                "aruba_lr_max": float(rates.max()), "aruba_tasks": float(global_state[TASKS])}

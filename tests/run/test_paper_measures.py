@@ -1,0 +1,76 @@
+"""What each evaluation records beyond accuracy: training time, the stationarity measure and
+the paper's randomly-stepped averaged iterate."""
+import pytest
+import torch
+
+from fedml_perfedavg.algorithms.base import average
+from fedml_perfedavg.core.guards import ConfigError
+from fedml_perfedavg.core.sampling import random_iterate_step
+from fedml_perfedavg.core.stationarity import stationarity
+from fedml_perfedavg.run.runner import run
+
+from tests.helpers_tiny import tiny_config, tiny_data
+
+
+@pytest.mark.parametrize("engine", ["batched", "fedml"])
+def test_each_evaluation_records_training_time_stationarity_and_the_random_iterate(tmp_path, engine):
+    config = tiny_config(stationarity_every=2, random_iterate=True, local_steps=3, simulation_engine=engine,
+                         checkpoint_every=0)
+    data = tiny_data()
+    result = run(config, str(tmp_path), data=data)
+    history = result.summary["history"]
+    assert [h["round"] for h in history] == [0, 2, 4, 5]
+    train = [h["train_seconds"] for h in history]
+    assert all(0 < t <= h["wall_seconds"] for t, h in zip(train, history)) and train == sorted(train)
+    # evaluation time is left out: the wall clock grows faster than the training clock
+    assert history[-1]["wall_seconds"] - history[-1]["train_seconds"] > history[0]["wall_seconds"] - train[0]
+    algorithm = result.algorithm
+    params, _ = algorithm.split_state(result.final_state)
+    assert history[-1]["stationarity"] == pytest.approx(
+        stationarity(algorithm.loss_fn, params, data.users, config.alpha), rel=1e-6)
+    for h in history:
+        assert h["random_iterate_step"] == random_iterate_step(config.random_seed, h["round"], 3)
+        assert 0 <= h["random_iterate_personalized_accuracy"] <= 1 and h["random_iterate_stationarity"] > 0
+
+
+def test_the_random_iterate_is_the_average_of_the_clients_truncated_updates(tmp_path):
+    # Round 0 starts from the initial model; recompute its iterates by hand and compare.
+    data = tiny_data()
+    config = tiny_config(random_iterate=True, local_steps=4, comm_round=1, checkpoint_every=0, stationarity_every=2)
+    step = random_iterate_step(config.random_seed, 0, 4)
+    from fedml_perfedavg.algorithms.registry import create_algorithm
+    from fedml_perfedavg.models import create_model
+
+    torch.manual_seed(config.random_seed)
+    model = create_model("mlp", (1, 4, 4), 3, (5,))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    result = run(config, str(tmp_path), data=data, model=model)
+    algorithm = create_algorithm("PerFedAvg", create_model("mlp", (1, 4, 4), 3, (5,)), config)
+    iterates = [(1.0, algorithm.client_iterate(0, c, start, data.users[c].train_x, data.users[c].train_y, step))
+                for c in algorithm.sample_clients(0)]
+    averaged = average(iterates, "uniform")
+    expected = algorithm.evaluate(0, averaged, data.users).personalized_accuracy
+    recorded = result.summary["history"][0]
+    assert recorded["random_iterate_step"] == step
+    assert recorded["random_iterate_personalized_accuracy"] == pytest.approx(expected)
+    params, _ = algorithm.split_state(averaged)
+    assert recorded["random_iterate_stationarity"] == pytest.approx(
+        stationarity(algorithm.loss_fn, params, data.users, config.alpha), rel=1e-6)
+    # the full update is the iterate after all tau steps
+    full = algorithm.client_iterate(0, 0, start, data.users[0].train_x, data.users[0].train_y, 4)
+    update = algorithm.client_update(0, 0, start, data.users[0].train_x, data.users[0].train_y).state
+    assert all(torch.equal(full[k], update[k]) for k in full)
+
+
+def test_random_iterate_needs_simulation():
+    with pytest.raises(ConfigError, match="validation_args.random_iterate=True: only in simulation"):
+        tiny_config(random_iterate=True, training_type="cross_silo", backend="GRPC")
+
+
+def test_stationarity_is_measured_on_its_own_schedule_and_the_last_round(tmp_path):
+    result = run(tiny_config(stationarity_every=4, checkpoint_every=0), str(tmp_path), data=tiny_data())
+    measured = [h["round"] for h in result.summary["history"] if "stationarity" in h]
+    assert measured == [0, 4, 5]
+    with pytest.raises(ConfigError, match=r"validation_args.stationarity_every=3: must be a multiple of "
+                                          r"validation_args.frequency_of_the_test \(2\)"):
+        tiny_config(stationarity_every=3)

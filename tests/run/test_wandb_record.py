@@ -1,0 +1,55 @@
+"""An offline wandb run read back with wandb's own reader: config, tags and group, one history
+row per evaluation, and the per-user table."""
+import json
+
+import pytest
+
+from fedml_perfedavg.run.runner import run
+
+from tests.helpers_tiny import tiny_config, tiny_data
+
+
+def _records(path):
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal.datastore import DataStore
+
+    store = DataStore()
+    store.open_for_scan(str(path))
+    while True:
+        data = store.scan_data()
+        if data is None:
+            return
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        yield record
+
+
+@pytest.mark.backend  # wandb's offline writer is a separate process
+def test_offline_run_reads_back_with_wandbs_reader(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = tiny_config(enable_wandb=True, wandb_group="mnist_tau4_alpha0.01", random_seed=3, stationarity_every=2,
+                         checkpoint_every=0)
+    result = run(config, str(tmp_path / "run"), data=tiny_data())
+    (folder,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    (log,) = folder.glob("*.wandb")
+    records = list(_records(log))
+    (header,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert header.run_group == "mnist_tau4_alpha0.01" and header.project == "fedml-perfedavg"
+    assert list(header.tags) == ["PerFedAvg-hf", "seed3", "mnist"]
+    logged_config = {item.key: json.loads(item.value_json) for item in header.config.update}
+    assert logged_config["train_args"]["alpha"] == config.alpha
+    assert logged_config["common_args"]["random_seed"] == 3
+
+    rows = [{item.key: item.value_json for item in r.history.item} for r in records
+            if r.WhichOneof("record_type") == "history"]
+    evaluations = result.summary["history"]
+    assert [int(row["_step"]) for row in rows] == [h["round"] for h in evaluations] == [0, 2, 4, 5]
+    for row, expected in zip(rows, evaluations):
+        for key in ("personalized_accuracy", "accuracy_before_adaptation", "stationarity", "train_seconds"):
+            assert float(row[f"eval/{key}"]) == pytest.approx(expected[key])
+
+    (table_file,) = (folder / "files").rglob("per_user_accuracy_*.table.json")
+    table = json.loads(table_file.read_text())
+    assert table["columns"] == ["user", "accuracy", "accuracy_before_adaptation"]
+    assert [row[1] for row in table["data"]] == pytest.approx(result.summary["per_user_accuracy"])
+    assert [row[0] for row in table["data"]] == list(range(6))
