@@ -36,7 +36,7 @@ def _mpi_run(mnist_root, run_dir, optimizer="PerFedAvg", variant="hf", extra=())
 
 @needs_mnist
 @needs_mpi
-@pytest.mark.parametrize("optimizer,variant", [("PerFedAvg", "hf"), ("FedAvgUpdate", "hf")])
+@pytest.mark.parametrize("optimizer,variant", [("PerFedAvg", "hf"), ("FedAvgUpdate", "hf"), ("FedAvgARUBA", "hf")])
 def test_mpi_three_ranks_equals_single_process(mnist_root, tmp_path, optimizer, variant):
     _mpi_run(mnist_root, tmp_path / "mpi", optimizer, variant)
     summary = json.loads((tmp_path / "mpi" / "summary.json").read_text())

@@ -68,13 +68,14 @@ def test_sp_run_uses_plugin_classes_and_learns(mnist_root, mnist_data, tmp_path,
 
 
 @needs_mnist
-@pytest.mark.parametrize("optimizer,variant", [("FedAvgUpdate", "hf"), ("PerFedAvg", "fo"), ("PerFedAvg", "exact")])
+@pytest.mark.parametrize("optimizer,variant", [("FedAvgUpdate", "hf"), ("PerFedAvg", "fo"), ("PerFedAvg", "exact"),
+                                              ("FedAvgARUBA", "hf")])
 def test_every_method_runs(mnist_root, mnist_data, tmp_path, optimizer, variant):
     config = _config(mnist_root, federated_optimizer=optimizer, perfedavg_variant=variant, client_num_per_round=3,
                      local_steps=2)
     result = run(config, str(tmp_path), data=mnist_data)
     assert result.summary["rounds"] == 2 and result.trainer.train_calls == 6
-    assert result.algorithm.settings.local.method == ("fedavg" if optimizer == "FedAvgUpdate" else "perfedavg")
+    assert result.algorithm.settings.local.method == ("perfedavg" if optimizer == "PerFedAvg" else "fedavg")
 
 
 def test_cifar10_run_on_generated_files(fake_cifar_root, tmp_path):
