@@ -45,7 +45,8 @@ def offline_init(original_init, entry: PluginEntry):
     """A replacement for ``fedml.init`` (fedml/__init__.py): with ``using_mlops`` off (FedML's
     default), core/mlops/mlops_configs.py ``fetch_config`` (5 POSTs to FedML's cloud, whatever
     the YAML says) is replaced by a local stand-in, cross-silo's probe of FedML's hosts
-    (collect_env.py) is skipped, and FedML's ``~/.fedml`` files go where ``entry`` says."""
+    (collect_env.py) is skipped, and FedML's ``~/.fedml`` files (its ``logs`` folder included,
+    which it would create in the working directory) go where ``entry`` says."""
 
     @functools.wraps(original_init)
     def init(args=None, check_env=True, should_init_logs=True):
@@ -63,6 +64,10 @@ def offline_init(original_init, entry: PluginEntry):
         redirect_fedml_home(files_dir)
         fedml_dir = os.path.join(files_dir or os.path.expanduser("~"), ".fedml")
         args.sys_perf_profiling = False
+        # core/mlops/mlops_runtime_log.py creates args.log_file_dir, "./logs" when unset, before
+        # fetch_config would set it: an empty folder in the user's working directory.
+        if not getattr(args, "log_file_dir", None):
+            args.log_file_dir = os.path.join(fedml_dir, "logs")
         with replaced(mlops_module, "fetch_config", offline_fetch_config(fedml_dir)):
             args = original_init(args, check_env=False, should_init_logs=should_init_logs)
         keep_plugin_logs_visible()

@@ -11,7 +11,8 @@ simulation/mpi/fedavg/FedAvgAPI.py, and:
   client it now is (``set_id``), so every round a rank would draw minibatches as the same
   client; it now does.
 - FedML's MPI server has no timeout: a client rank that fails alone would leave the server
-  waiting forever, so it logs why and aborts the whole job.
+  waiting forever, so it logs why, marks the run's summary.json ``aborted`` (the server keeps
+  it current after every evaluation) and aborts the whole job.
 FedML runs the MPI loop inside ``FedMLRunner``'s constructor; here it runs in ``run()``.
 """
 from __future__ import annotations
@@ -81,6 +82,9 @@ class MPISimulation:
             except BaseException as err:
                 if args.process_id != 0:
                     logger.error("rank %d failed, aborting the MPI job: %s", args.process_id, err)
+                    record_failure = getattr(self.driver, "record_failure", None)
+                    if record_failure is not None:  # MPI_Abort kills the server: the run's record says why
+                        record_failure(f"MPI rank {args.process_id} failed, the job was aborted: {err}")
                     logging.shutdown()
                     args.comm.Abort(1)
                 raise

@@ -15,6 +15,18 @@ logger = logging.getLogger(__name__)
 per_user_logger = logging.getLogger(__name__ + ".per_user")
 
 
+def record_failure(run_dir: str, why: str) -> None:
+    """Mark the run's summary.json ``aborted`` with ``why`` (another process, such as a failing
+    MPI rank, ends the run), keeping the evaluations it holds."""
+    path = os.path.join(run_dir, "summary.json")
+    summary: Dict[str, Any] = {"personalized_accuracy": None, "history": []}
+    if os.path.exists(path):
+        with open(path) as stream:
+            summary = json.load(stream)
+    summary.update(status="aborted", error=why)
+    write_json_atomic(path, summary)
+
+
 def write_json_atomic(path: str, data: Any) -> None:
     """Write JSON to ``path`` through a temporary file and a rename, so no half file is left."""
     tmp = f"{path}.tmp"
@@ -122,6 +134,8 @@ class RunRecorder:
                                                                    result.per_user_accuracy_before))))
         if self._bar is not None:
             self._bar.set_postfix(pers_acc=f"{metrics['personalized_accuracy']:.4f}")
+        # Kept current, so a process killed without warning (SIGKILL, MPI_Abort) loses nothing measured.
+        write_json_atomic(os.path.join(self.run_dir, "summary.json"), self.summary(status="running"))
         if self._wandb is not None:
             import wandb
 

@@ -32,7 +32,7 @@ from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
 from . import checkpoint
 from .config import BY_NAME, Config, from_fedml_args
-from .reporting import LOG_FORMAT, RunRecorder, console_handler
+from .reporting import LOG_FORMAT, RunRecorder, console_handler, record_failure
 from .silo_addresses import check_silo_role
 
 logger = logging.getLogger(__name__)
@@ -300,6 +300,10 @@ class PluginRun:
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         if self.recorder is not None:
             self.recorder.record_silo_evaluation(label, mean, silos)
+
+    def record_failure(self, why: str) -> None:
+        """Another rank ends the run (a failing MPI client): summary.json says so."""
+        record_failure(self.run_dir, why)
 
     def record_lost_silos(self, round_idx: int, ranks: List[int], why: str) -> None:
         if self.recorder is not None:

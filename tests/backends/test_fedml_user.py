@@ -41,14 +41,15 @@ def test_fedml_stock_main_runs_perfedavg_on_every_backend_with_one_model(mnist_r
         path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, f"sp-{engine}", tmp_path / "runs",
                             simulation_engine=engine)
         out = subprocess.run(offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
-                             capture_output=True, text=True, env=_env(tmp_path), timeout=300)
+                             capture_output=True, text=True, env=_env(tmp_path), timeout=300, cwd=tmp_path)
         _check(out)
         assert "round 2: personalized accuracy" in out.stderr  # the plugin's evaluation reaches the console
         runs[engine] = _summary(tmp_path, f"sp-{engine}")
     if MPIRUN is not None:
         path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "runs")
         out = subprocess.run(offline([MPIRUN, "-n", "3", sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT,
-                                      "--cf", path]), capture_output=True, text=True, env=_env(tmp_path), timeout=300)
+                                      "--cf", path]), capture_output=True, text=True, env=_env(tmp_path), timeout=300,
+                             cwd=tmp_path)
         _check(out, processes=3)
         runs["mpi"] = _summary(tmp_path, "mpi")
     (tmp_path / "ipconfig.csv").write_text("eid,rank,grpc_server_ip,grpc_server_port\n"
@@ -58,7 +59,7 @@ def test_fedml_stock_main_runs_perfedavg_on_every_backend_with_one_model(mnist_r
     script = " & ".join(f"{sys.executable} -c \"$GUARD\" --script {SCRIPT} --cf {path} --rank {r} --role "
                         f"{'server' if r == 0 else 'client'} --run_id 5" for r in range(3)) + " & wait"
     out = subprocess.run(offline(["sh", "-c", script]), capture_output=True, text=True, timeout=300,
-                         env={**_env(tmp_path), "GUARD": NETWORK_GUARD})
+                         env={**_env(tmp_path), "GUARD": NETWORK_GUARD}, cwd=tmp_path)
     _check(out, processes=3)
     runs["silo"] = _summary(tmp_path, "silo")
 
@@ -72,6 +73,7 @@ def test_fedml_stock_main_runs_perfedavg_on_every_backend_with_one_model(mnist_r
             torch.testing.assert_close(model[k], reference_model[k], rtol=1e-5, atol=1e-6, msg=backend)
         assert summary["per_user_accuracy"] == pytest.approx(reference_summary["per_user_accuracy"], abs=1e-6)
     assert not any((tmp_path / "home").iterdir())  # FedML's files went to the run directories
+    assert not (tmp_path / "logs").exists()  # nor did FedML leave a logs folder in the working directory
 
 
 @needs_mnist

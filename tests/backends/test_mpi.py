@@ -76,3 +76,6 @@ def test_a_failing_client_rank_ends_the_mpi_job_instead_of_hanging(mnist_root, t
     assert out.returncode != 0, printed[-4000:]
     assert "failed, aborting the MPI job: round 0, client" in printed, printed[-4000:]
     assert "non-finite parameters after local training" in printed
+    summary = json.loads((tmp_path / "summary.json").read_text())  # the record says how the run ended
+    assert summary["status"] == "aborted"
+    assert summary["error"].startswith("MPI rank ") and "round 0, client" in summary["error"]

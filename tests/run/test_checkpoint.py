@@ -56,3 +56,26 @@ def test_same_config_and_seed_give_bit_identical_results(tmp_path):
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     c = run(tiny_config(random_seed=1), str(tmp_path / "c"), data=tiny_data())
     assert not all(torch.equal(pa[k], c.final_state[k]) for k in pa)
+
+
+class _HardKill(BaseException):
+    """Stands in for SIGKILL: no handler in the run gets to write anything more."""
+
+
+def test_a_run_killed_without_warning_keeps_every_evaluation_in_summary_json(tmp_path, monkeypatch):
+    import json
+
+    original = BatchedSimulation.train_round
+
+    def killed_at_round_5(self, round_idx):
+        if round_idx == 5:
+            raise _HardKill()
+        return original(self, round_idx)
+
+    monkeypatch.setattr(BatchedSimulation, "train_round", killed_at_round_5)
+    with pytest.raises(_HardKill):
+        run(tiny_config(), str(tmp_path), data=tiny_data())
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "running" and summary["headline_round"] == 4
+    assert [h["round"] for h in summary["history"]] == [0, 2, 4]
+    assert summary["per_user_accuracy"] and not list(tmp_path.glob("*.tmp"))
