@@ -302,8 +302,13 @@ class PluginRun:
             self.recorder.record_silo_evaluation(label, mean, silos)
 
     def record_failure(self, why: str) -> None:
-        """Another rank ends the run (a failing MPI client): summary.json says so."""
-        record_failure(self.run_dir, why)
+        """Another rank ends the run (a failing MPI client): summary.json says so. Never raises:
+        the caller is on its way to aborting the job (a rank on another machine may not see the
+        run directory)."""
+        try:
+            record_failure(self.run_dir, why)
+        except Exception as err:  # noqa: BLE001 - the abort must still happen
+            logger.warning("could not mark %s/summary.json aborted: %s", self.run_dir, err)
 
     def record_lost_silos(self, round_idx: int, ranks: List[int], why: str) -> None:
         if self.recorder is not None:
