@@ -1,9 +1,11 @@
-"""The CUDA path of the FedML-free core on a GPU: equivalence with the CPU, then speed.
+"""The batched engine on a GPU: equivalence with the CPU, then speed.
 
     python benchmarks/cuda_check.py [--mnist-root ../shared/datasets] [--rounds 1000] [--out benchmarks/results]
-    python benchmarks/cuda_check.py --compile-only   # torch.compile (CUDA graphs) of the HF round
+    python benchmarks/cuda_check.py --compile-only   # torch.compile (CUDA graphs) of the HF round; run it
+                                                     # twice: the second run reuses the compiler's cache
+    python benchmarks/cuda_check.py --device cpu --synthetic --rounds 3   # the same code on the CPU (tests)
 
-Needs only torch (+ torchvision for MNIST), not FedML, so it runs on a bare GPU machine:
+Uses the plugin's algorithm objects and batched engine directly (no FedML loop):
 1. equivalence, float64: the batched engine on CUDA vs the per-client maths on the CPU
    (``algorithm.local_update`` per sampled client, plain average), 3 rounds, FedAvg/FO/HF/exact;
    and the batched personalized evaluation on CUDA vs the per-user one on the CPU;
@@ -24,7 +26,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Dict, List
 
 import torch
@@ -32,81 +33,57 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedml_perfedavg.algorithm import LocalUpdateConfig, local_update, make_loss_fn  # noqa: E402
-from fedml_perfedavg.config import load_yaml, resolve  # noqa: E402
-from fedml_perfedavg.engine import BatchedSimulation  # noqa: E402
-from fedml_perfedavg.core.types import UserSplit, personalized_evaluation, personalized_evaluation_batched  # noqa: E402
+from fedml_perfedavg.algorithms.registry import create_algorithm  # noqa: E402
+from fedml_perfedavg.core.types import UserSplit  # noqa: E402
+from fedml_perfedavg.engine.batched import BatchedSimulation  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
-from fedml_perfedavg.sampling import Purpose, generator_for, sample_clients, sample_local_batches  # noqa: E402
+from fedml_perfedavg.run.config import load_yaml, resolve  # noqa: E402
 
 HF_YAML = REPO / "yaml_configs" / "mnist_tau10_alpha0.01_hf.yaml"
-METHODS = {"fedavg": "fedavg", "fo": "perfedavg", "hf": "perfedavg", "exact": "perfedavg"}
+METHODS = ("fedavg", "fo", "hf", "exact")
 
 
-class UniformAggregator:
-    """The hooks the batched engine calls, with the plugin's default (uniform) average."""
+class Driver:
+    """The engine's round driver: the algorithm's sampling, nothing at the end of a round."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.args = SimpleNamespace(round_idx=0)
+    def __init__(self, algorithm) -> None:
+        self.algorithm = algorithm
 
-    def on_before_aggregation(self, updates):
-        return updates, list(range(len(updates)))
+    def sample_clients(self, round_idx: int) -> List[int]:
+        return self.algorithm.sample_clients(round_idx)
 
-    def aggregate(self, updates):
-        return {k: sum(sd[k] for _, sd in updates) / len(updates) for k in updates[0][1]}
-
-    def on_after_aggregation(self, state):
-        return state
-
-    def set_model_params(self, state):
-        self.model.load_state_dict(state)
+    def round_finished(self, round_idx: int, state) -> None:
+        pass
 
 
 def config_for(method: str, **overrides):
-    variant = method if method != "fedavg" else "hf"
-    return resolve(load_yaml(str(HF_YAML)), {"federated_optimizer": "FedAvg" if method == "fedavg" else "PerFedAvg",
-                                             "perfedavg_variant": variant, "show_progress": False, **overrides})
+    return resolve(load_yaml(str(HF_YAML)), {"federated_optimizer": "FedAvgUpdate" if method == "fedavg" else
+                                             "PerFedAvg", "perfedavg_variant": "hf" if method == "fedavg" else method,
+                                             "show_progress": False, **overrides})
 
 
-def engine_for(config, method: str, users: List[UserSplit], model: torch.nn.Module) -> BatchedSimulation:
-    update = LocalUpdateConfig(method=METHODS[method], variant=config.perfedavg_variant, alpha=config.alpha,
-                               beta=config.beta, delta=config.delta, local_steps=config.local_steps)
-    trainer = SimpleNamespace(loss_fn=make_loss_fn(model), update=update,
-                              batch_sizes=(config.batch_size, config.meta_batch_size, config.hessian_batch_size))
-    return BatchedSimulation(config, users, trainer, UniformAggregator(model))
+def engine_for(config, users: List[UserSplit], model: torch.nn.Module, device: torch.device, fast_path: bool = True,
+               compile_local_update: bool = False):
+    algorithm = create_algorithm(config.federated_optimizer, model, config)
+    state = {k: v.to(device) for k, v in model.state_dict().items()}
+    engine = BatchedSimulation(algorithm, users, state, Driver(algorithm), compile_local_update, fast_path)
+    return algorithm, engine
 
 
 def synthetic_users(n: int, samples: int, dtype: torch.dtype) -> List[UserSplit]:
     g = torch.Generator().manual_seed(0)
-    users = []
-    for _ in range(n):
-        users.append(UserSplit(torch.rand(samples, 1, 28, 28, generator=g, dtype=dtype),
-                               torch.randint(0, 10, (samples,), generator=g),
-                               torch.rand(samples // 4, 1, 28, 28, generator=g, dtype=dtype),
-                               torch.randint(0, 10, (samples // 4,), generator=g)))
-    return users
+    return [UserSplit(torch.rand(samples, 1, 28, 28, generator=g, dtype=dtype),
+                      torch.randint(0, 10, (samples,), generator=g),
+                      torch.rand(samples // 4, 1, 28, 28, generator=g, dtype=dtype),
+                      torch.randint(0, 10, (samples // 4,), generator=g)) for _ in range(n)]
 
 
-def per_client_rounds(config, method: str, users: List[UserSplit], model: torch.nn.Module, rounds: int):
-    """Reference: each sampled client's local update one by one on the CPU, plain average."""
-    update = LocalUpdateConfig(method=METHODS[method], variant=config.perfedavg_variant, alpha=config.alpha,
-                               beta=config.beta, delta=config.delta, local_steps=config.local_steps)
-    loss_fn = make_loss_fn(model)
-    sizes = (config.batch_size, config.meta_batch_size, config.hessian_batch_size)
-    params = {k: p.detach().clone() for k, p in model.named_parameters()}
-    for r in range(rounds):
-        clients = sample_clients(config.random_seed, r, config.client_num_in_total, config.client_num_per_round)
-        new = []
-        for c in clients:
-            batches = sample_local_batches(users[c].train_x, users[c].train_y, config.local_steps, sizes,
-                                           generator_for(config.random_seed, r, c, Purpose.LOCAL_TRAINING))
-            new.append(local_update(loss_fn, params, batches, update))
-        params = {k: sum(p[k] for p in new) / len(new) for k in params}
-    return params
+def on(users: List[UserSplit], device: torch.device) -> List[UserSplit]:
+    return [UserSplit(*(t.to(device) for t in u)) for u in users]
 
 
 def equivalence(device: torch.device) -> Dict[str, float]:
+    """float64: the engine on ``device`` (both paths) against each client updated alone on the CPU."""
     out = {}
     users = synthetic_users(10, 80, torch.float64)
     for method in METHODS:
@@ -114,138 +91,152 @@ def equivalence(device: torch.device) -> Dict[str, float]:
                             batch_size=16, meta_batch_size=16, hessian_batch_size=16)
         torch.manual_seed(0)
         model = create_model("mlp", (1, 28, 28), 10, [80, 60]).double()
-        reference = per_client_rounds(config, method, users, copy.deepcopy(model), 3)
-        gpu_model = copy.deepcopy(model).to(device)
-        engine = engine_for(config, method, [UserSplit(*(t.to(device) for t in u)) for u in users], gpu_model)
+        algorithm = create_algorithm(config.federated_optimizer, model, config)
+        reference = {k: v.clone() for k, v in model.state_dict().items()}
         for r in range(3):
-            engine.train_round(r)
-        got = dict(gpu_model.named_parameters())
-        out[f"train_{method}_max_abs_diff"] = max(float((got[k].detach().cpu() - reference[k]).abs().max())
-                                                  for k in reference)
+            updates = [algorithm.client_update(r, c, reference, users[c].train_x, users[c].train_y)
+                       for c in algorithm.sample_clients(r)]
+            reference = algorithm.aggregate(r, updates, reference)
+        for fast_path in (True, False):
+            _, engine = engine_for(config, on(users, device), model, device, fast_path)
+            got = engine.run(0, 3)
+            path = "default" if fast_path else "vmap"
+            out[f"train_{method}_{path}_max_abs_diff"] = max(float((got[k].cpu() - reference[k]).abs().max())
+                                                             for k in reference)
         if method == "hf":
-            cpu_model = copy.deepcopy(gpu_model).cpu()
-            cpu = personalized_evaluation(cpu_model, make_loss_fn(cpu_model), dict(cpu_model.named_parameters()),
-                                          users, config.alpha, 1, config.batch_size, 0, 3)
-            gpu = personalized_evaluation_batched(gpu_model, make_loss_fn(gpu_model),
-                                                  {k: p.detach() for k, p in gpu_model.named_parameters()},
-                                                  engine.users, config.alpha, 1, config.batch_size, 0, 3)
-            out["evaluation_per_user_accuracy_equal"] = cpu.per_user_accuracy == gpu.per_user_accuracy
+            cpu = algorithm.evaluate(0, reference, users, batched=False)
+            dev = algorithm.evaluate(0, {k: v.to(device) for k, v in reference.items()}, on(users, device))
+            out["evaluation_per_user_accuracy_equal"] = cpu.per_user_accuracy == dev.per_user_accuracy
             out["evaluation_max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(cpu.per_user_loss,
-                                                                                gpu.per_user_loss))
+                                                                                dev.per_user_loss))
     return out
 
 
 def mnist_users(root: str, device: torch.device) -> List[UserSplit]:
     from fedml_perfedavg.data.loading import load_federated
 
-    return load_federated("mnist", root, 50, "paper", 0).to(device).users
+    return on(load_federated("mnist", root, 50, "paper", 0).users, device)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def timed_ms(fn, device: torch.device, repeats: int = 20, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize(device)
+    synchronize(device)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize(device)
+        synchronize(device)
         samples.append((time.perf_counter() - start) * 1000)
     return statistics.median(samples)
 
 
-def speed(users: List[UserSplit], device: torch.device) -> Dict[str, float]:
+def speed(users: List[UserSplit], device: torch.device, repeats: int = 20) -> Dict[str, float]:
+    """float32 ms per training round of each method on both engine paths, and one evaluation."""
     out = {}
     for method in METHODS:
-        config = config_for(method)
-        torch.manual_seed(0)
-        model = create_model("mlp", (1, 28, 28), 10, [80, 60]).to(device)
-        engine = engine_for(config, method, users, model)
-        counter = iter(range(10 ** 6))
-        out[f"train_{method}_ms_per_round"] = timed_ms(lambda: engine.train_round(next(counter)), device)
-        if method == "hf":
-            out["evaluation_50_users_ms"] = timed_ms(lambda: engine.evaluate(0), device, repeats=10)
+        for fast_path in (True, False):
+            config = config_for(method)
+            torch.manual_seed(0)
+            model = create_model("mlp", (1, 28, 28), 10, [80, 60])
+            algorithm, engine = engine_for(config, users, model, device, fast_path)
+            counter = iter(range(10 ** 6))
+            path = "default" if fast_path else "vmap"
+            out[f"train_{method}_{path}_ms_per_round"] = timed_ms(lambda: engine.train_round(next(counter)), device,
+                                                                  repeats)
+            if method == "hf" and fast_path:
+                out["evaluation_50_users_ms"] = timed_ms(lambda: algorithm.evaluate(0, engine.state, users), device,
+                                                         max(2, repeats // 2))
     return out
 
 
-def compiled_speed(users: List[UserSplit], device: torch.device) -> Dict[str, float]:
-    """HF ms/round with the vmapped local update under ``torch.compile(mode="reduce-overhead")``
-    (CUDA graphs), its compile time, and its distance to the eager result after 3 rounds."""
-    out = {}
-    models = {}
+def compiled_speed(users: List[UserSplit], device: torch.device, repeats: int = 20) -> Dict[str, float]:
+    """HF with ``device_args.compile_local_update`` (CUDA graphs on a GPU): the first round's
+    seconds (compiling; shorter when the compiler's on-disk cache holds this graph), then ms per
+    round, and the distance to the eager result after 3 rounds."""
+    out, states = {}, {}
     for compiled in (False, True):
         config = config_for("hf")
         torch.manual_seed(0)
-        model = create_model("mlp", (1, 28, 28), 10, [80, 60]).to(device)
-        engine = engine_for(config, "hf", users, model)
+        model = create_model("mlp", (1, 28, 28), 10, [80, 60])
+        _, engine = engine_for(config, users, model, device, compile_local_update=compiled)
+        start = time.perf_counter()
+        engine.train_round(0)
+        synchronize(device)
         if compiled:
-            engine.step = torch.compile(engine.step, mode="reduce-overhead", dynamic=False)
-            start = time.perf_counter()
-            engine.train_round(0)
-            torch.cuda.synchronize(device)
             out["compiled_hf_first_round_s"] = time.perf_counter() - start
-        else:
-            engine.train_round(0)
         for r in (1, 2):
             engine.train_round(r)
-        models[compiled] = {k: p.detach().clone() for k, p in model.named_parameters()}
+        states[compiled] = {k: v.detach().clone() for k, v in engine.state.items()}
         if compiled:
             counter = iter(range(3, 10 ** 6))
-            out["compiled_hf_ms_per_round"] = timed_ms(lambda: engine.train_round(next(counter)), device)
-    out["compiled_vs_eager_max_abs_diff_after_3_rounds"] = max(float((models[True][k] - models[False][k]).abs().max())
-                                                               for k in models[True])
+            out["compiled_hf_ms_per_round"] = timed_ms(lambda: engine.train_round(next(counter)), device, repeats)
+    out["compiled_vs_eager_max_abs_diff_after_3_rounds"] = max(float((states[True][k] - states[False][k]).abs().max())
+                                                               for k in states[True])
     return out
 
 
 def full_run(users: List[UserSplit], device: torch.device, rounds: int) -> Dict[str, float]:
+    """Per-FedAvg (HF), tau=10: K rounds with the evaluation every 10 rounds, wall time and accuracy."""
     config = config_for("hf", comm_round=rounds)
     torch.manual_seed(config.random_seed)
-    model = create_model("mlp", (1, 28, 28), 10, [80, 60]).to(device)
-    engine = engine_for(config, "hf", users, model)
+    model = create_model("mlp", (1, 28, 28), 10, [80, 60])
+    algorithm, engine = engine_for(config, users, model, device)
     start = time.perf_counter()
-    engine.run()
-    torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    result = engine.evaluate(rounds - 1)
-    return {"full_run_rounds": rounds, "full_run_seconds": seconds,
+    for r in range(rounds):
+        engine.train_round(r)
+        if r % 10 == 0 or r == rounds - 1:
+            result = algorithm.evaluate(r, engine.state, users)
+    synchronize(device)
+    return {"full_run_rounds": rounds, "full_run_seconds": time.perf_counter() - start,
             "full_run_personalized_accuracy": result.personalized_accuracy,
             "full_run_accuracy_before_adaptation": result.accuracy_before_adaptation}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mnist-root", default=str(REPO.parent / "shared" / "datasets"))
     parser.add_argument("--rounds", type=int, default=1000)
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu: the same checks on the CPU")
+    parser.add_argument("--synthetic", action="store_true", help="synthetic users instead of MNIST (tests)")
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--compile-only", action="store_true",
-                        help="only measure torch.compile (CUDA graphs) of the HF round; writes cuda_compile.json")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("cuda_check: no CUDA device here", file=sys.stderr)
+                        help="only measure device_args.compile_local_update on HF; writes cuda_compile.json")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("cuda_check: no CUDA device here (--device cpu runs the same checks on the CPU)", file=sys.stderr)
         return 2
-    device = torch.device("cuda")
-    results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
-               "command": " ".join(["python", "benchmarks/cuda_check.py", *sys.argv[1:]])}
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    prefix = "cuda" if device.type == "cuda" else "cpu_check"
+    results = {"device": name, "torch": torch.__version__, "python": platform.python_version(),
+               "date": time.strftime("%Y-%m-%d"),
+               "command": " ".join(["python", "benchmarks/cuda_check.py", *(argv if argv is not None else sys.argv[1:])])}
+    users = (on(synthetic_users(50, 200, torch.float32), device) if args.synthetic
+             else mnist_users(args.mnist_root, device))
+    os.makedirs(args.out, exist_ok=True)
     if args.compile_only:
-        results.update(compiled_speed(mnist_users(args.mnist_root, device), device))
-        os.makedirs(args.out, exist_ok=True)
-        Path(args.out, "cuda_compile.json").write_text(json.dumps(results, indent=1))
+        results.update(compiled_speed(users, device, args.repeats))
+        Path(args.out, f"{prefix}_compile.json").write_text(json.dumps(results, indent=1))
         print(json.dumps(results, indent=1))
         return 0
     results.update(equivalence(device))
     print(json.dumps(results, indent=1), flush=True)
-    users = mnist_users(args.mnist_root, device)
-    results.update(speed(users, device))
+    results.update(speed(users, device, args.repeats))
     print(json.dumps(results, indent=1), flush=True)
     results.update(full_run(users, device, args.rounds))
-    os.makedirs(args.out, exist_ok=True)
-    Path(args.out, "cuda.json").write_text(json.dumps(results, indent=1))
+    Path(args.out, f"{prefix}.json").write_text(json.dumps(results, indent=1))
     lines = [f"# CUDA check ({results['date']}, {results['device']}, torch {results['torch']})", "",
              f"Command: `{results['command']}`", "", "| measure | value |", "| --- | --- |"]
     lines += [f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in results.items()
               if k not in ("device", "torch", "python", "date", "command")]
-    Path(args.out, "cuda.md").write_text("\n".join(lines) + "\n")
+    Path(args.out, f"{prefix}.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(results, indent=1))
     return 0
 
