@@ -104,6 +104,24 @@ def run_one(path: str, run_dir: str, seed: int, rounds: int, overrides: Sequence
     return result.summary
 
 
+def run_group(path: str, run_dirs: Sequence[str], seeds: Sequence[int], rounds: int, overrides: Sequence[str],
+              threads: int) -> List[Dict]:
+    """Grid mode: the seeds of one cell and method in one process, their clients trained as one
+    computation per round (``fedml_perfedavg.run.runner.run_grid``)."""
+    import logging
+
+    import torch
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING)
+    from fedml_perfedavg.run.config import load
+    from fedml_perfedavg.run.runner import run_grid
+
+    configs = [load(path, [f"random_seed={seed}", f"comm_round={rounds}", "show_progress=false", *overrides])
+               for seed in seeds]
+    return [result.summary for result in run_grid(configs, list(run_dirs))]
+
+
 def finished(run_dir: Path) -> bool:
     summary = run_dir / "summary.json"
     return summary.exists() and json.loads(summary.read_text()).get("status", "finished") == "finished"
@@ -305,6 +323,9 @@ def main(argv=None) -> int:
     parser.add_argument("--extras", nargs="*", default=[], choices=sorted(EXTRAS),
                         help="beyond the paper: new_users (10%% of users never trained on), alpha_sweep (MNIST tau=4)")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--grid-mode", action="store_true",
+                        help="run the seeds of each cell and method in one process, their clients trained as one "
+                             "computation per round (same results per run; --jobs processes over the groups)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -331,10 +352,36 @@ def main(argv=None) -> int:
                 failures.append(f"{cell} {method} seed {seed}: {err}")
             bar.update(1)
 
+        started = time.time()
         with tqdm(total=len(pending), unit="run") as bar:
             jobs = [(str(path), str(out / "runs" / cell / method / f"seed{seed}"), seed, args.rounds,
                      overrides + extra, threads, (cell, method, seed)) for cell, method, path, extra, seed in pending]
-            if args.jobs <= 1:  # in this process (also what tests use)
+            if args.grid_mode:
+                groups: Dict[Tuple[str, str], list] = {}
+                for job in jobs:
+                    groups.setdefault(job[-1][:2], []).append(job)
+
+                def record_group(group, get_summaries):
+                    try:
+                        summaries = get_summaries()
+                    except Exception as err:  # keep the grid going; report at the end
+                        failures.extend(f"{c} {m} seed {k}: {err}" for c, m, k in (job[-1] for job in group))
+                        bar.update(len(group))
+                        return
+                    for job, summary in zip(group, summaries):
+                        record(*job[-1], lambda summary=summary: summary)
+
+                group_jobs = [(group, (group[0][0], [j[1] for j in group], [j[2] for j in group], args.rounds,
+                                       group[0][4], threads)) for group in groups.values()]
+                if args.jobs <= 1:  # in this process (also what tests use)
+                    for group, call in group_jobs:
+                        record_group(group, lambda call=call: run_group(*call))
+                else:
+                    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+                        futures = {pool.submit(run_group, *call): group for group, call in group_jobs}
+                        for future in as_completed(futures):
+                            record_group(futures[future], future.result)
+            elif args.jobs <= 1:  # in this process (also what tests use)
                 for *job, key in jobs:
                     record(*key, lambda: run_one(*job))
             else:
@@ -344,6 +391,12 @@ def main(argv=None) -> int:
                         record(*futures[future], future.result)
         for failure in failures:
             print("FAILED:", failure, file=sys.stderr)
+        mode = "grid mode (the seeds of a cell and method as one computation)" if args.grid_mode else \
+            "one process per run"
+        timing = {"command": command.strip(), "date": time.strftime("%Y-%m-%d"), "runs": len(pending), "mode": mode,
+                  "jobs": args.jobs, "wall_seconds": time.time() - started}
+        (out / "grid_timing.json").write_text(json.dumps(timing, indent=2))
+        print(f"{len(pending)} runs in {timing['wall_seconds']:.0f} s ({mode}, {args.jobs} jobs)", file=sys.stderr)
     print(report(out, command.strip(), args.seeds))
     return 1 if not args.report_only and failures else 0
 

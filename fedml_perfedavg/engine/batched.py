@@ -51,8 +51,9 @@ class BatchedSimulation:
             self.step = vmap(algorithm.local_training, in_dims=(None, 0))
         stacked, why = (None, "device_args.compile_local_update compiles the generic path") if compile_local_update \
             else self._stacked_gradients(fast_path)
+        self.stacked: Optional[StackedGradients] = stacked
         if stacked is not None:
-            self.step = self._stacked_step(stacked)
+            self.step = self._stacked_step()
             logger.info("batched engine: %s is a chain of Linear layers and activations; its clients' gradients "
                         "are hand-batched matrix products (fedml_perfedavg.core.stacked)", type(algorithm.network).__name__)
         else:
@@ -83,18 +84,22 @@ class BatchedSimulation:
             return None, f"{type(self.algorithm).__name__} has its own local_update or local_training"
         return StackedGradients.for_network(self.algorithm.network, tuple(self.users[0].train_x.shape[1:]))
 
-    def _stacked_step(self, stacked: StackedGradients) -> Callable[[Params, LocalBatches], Params]:
-        settings, loss_fn = self.algorithm.settings.local, self.algorithm.loss_fn
-
+    def _stacked_step(self) -> Callable[[Params, LocalBatches], Params]:
         def step(params: Params, batches: LocalBatches) -> Params:
             clients = batches.adapt_x.shape[0]
-            start = {k: v.unsqueeze(0).expand(clients, *v.shape).clone() for k, v in params.items()}
-            by_step = LocalBatches(*(t.transpose(0, 1) for t in batches))  # (steps, clients, batch, ...)
-            return client_maths.local_update(loss_fn, start, by_step, settings, stacked)
+            return self.train_from({k: v.unsqueeze(0).expand(clients, *v.shape).clone() for k, v in params.items()},
+                                   batches)
 
         return step
 
-    def _round_batches(self, round_idx: int, clients: List[int]) -> LocalBatches:
+    def train_from(self, start: Params, batches: LocalBatches) -> Params:
+        """Hand-batched path: every client's local update from its own starting parameters
+        (``start`` and ``batches`` have the client first), e.g. the clients of several runs."""
+        by_step = LocalBatches(*(t.transpose(0, 1) for t in batches))  # (steps, clients, batch, ...)
+        return client_maths.local_update(self.algorithm.loss_fn, start, by_step, self.algorithm.settings.local,
+                                         self.stacked)
+
+    def round_batches(self, round_idx: int, clients: List[int]) -> LocalBatches:
         """The round's minibatches, stacked (clients, steps, batch, ...)."""
         if not self._gather:
             return stack_batches([self.algorithm.client_batches(round_idx, c, self.users[c].train_x,
@@ -109,18 +114,28 @@ class BatchedSimulation:
 
     def _batched_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
         params, buffers = self.algorithm.split_state(self.state)
-        batches = self._round_batches(round_idx, clients)
+        batches = self.round_batches(round_idx, clients)
         with torch.no_grad():
             if self.whole_state:
                 stacked = self.step({k: v.detach() for k, v in self.state.items()}, batches)
                 buffers, stacked = {}, {k: v for k, v in stacked.items()}
             else:
                 stacked = self.step({k: v.detach() for k, v in params.items()}, batches)
-        for position in nonfinite_clients({k: stacked[k] for k in params}):
+        return self.client_updates(round_idx, clients, stacked, buffers)
+
+    def client_updates(self, round_idx: int, clients: List[int], stacked: StateDict, buffers: StateDict
+                       ) -> List[tuple]:
+        """(samples, state) per client from the stacked results (the divergence guard applied)."""
+        for position in nonfinite_clients({k: stacked[k] for k in self.algorithm.parameter_names}):
             self.algorithm.check_client_result(round_idx, clients[position],
                                                {k: v[position] for k, v in stacked.items()})
         return [(self.sample_counts[c], OrderedDict((k, stacked[k][i] if k in stacked else buffers[k])
                                                     for k in self.state)) for i, c in enumerate(clients)]
+
+    def finish_round(self, round_idx: int, updates: List[tuple]) -> None:
+        """Aggregate the round's updates and hand the new global model to the driver."""
+        self.state = self.algorithm.aggregate(round_idx, updates, self.state)
+        self.driver.round_finished(round_idx, self.state)
 
     def _per_client_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
         return [tuple(self.algorithm.client_update(round_idx, c, self.state, self.users[c].train_x,
@@ -141,8 +156,7 @@ class BatchedSimulation:
                 self.batched = False
         if not self.batched:
             updates = self._per_client_updates(round_idx, clients)
-        self.state = self.algorithm.aggregate(round_idx, updates, self.state)
-        self.driver.round_finished(round_idx, self.state)
+        self.finish_round(round_idx, updates)
         return clients
 
     def run(self, start_round: int, rounds: int) -> StateDict:

@@ -81,7 +81,11 @@ class RunRecorder:
 
             # disable=None: no bar when stderr is not a terminal (piped output stays line by line).
             self._bar = tqdm(total=total_rounds, desc="rounds", unit="round", dynamic_ncols=True, disable=None)
-        self._wandb = self._init_wandb(wandb_settings) if wandb_settings else None
+        # deferred: several runs share this process (grid mode) and wandb keeps one live run per
+        # process, so the run's wandb record is written from its history when it finishes.
+        self._wandb_settings = wandb_settings
+        self._wandb_deferred: Optional[List[tuple]] = [] if wandb_settings and wandb_settings.get("deferred") else None
+        self._wandb = self._init_wandb(wandb_settings) if wandb_settings and self._wandb_deferred is None else None
 
     def _init_wandb(self, settings: Dict[str, Any]):
         import wandb
@@ -137,10 +141,15 @@ class RunRecorder:
         # Kept current, so a process killed without warning (SIGKILL, MPI_Abort) loses nothing measured.
         write_json_atomic(os.path.join(self.run_dir, "summary.json"), self.summary(status="running"))
         if self._wandb is not None:
-            import wandb
+            self._log_to_wandb(round_idx, metrics, result.per_user_accuracy)
+        elif self._wandb_deferred is not None:
+            self._wandb_deferred.append((round_idx, metrics, list(result.per_user_accuracy)))
 
-            self._wandb.log({**{f"eval/{k}": v for k, v in metrics.items() if k != "round"},
-                             "eval/per_user_accuracy": wandb.Histogram(result.per_user_accuracy)}, step=round_idx)
+    def _log_to_wandb(self, round_idx: int, metrics: Dict[str, Any], per_user: List[float]) -> None:
+        import wandb
+
+        self._wandb.log({**{f"eval/{k}": v for k, v in metrics.items() if k != "round"},
+                         "eval/per_user_accuracy": wandb.Histogram(per_user)}, step=round_idx)
 
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         """Cross-silo: the silos' own personalized evaluations of the model they received."""
@@ -202,13 +211,18 @@ class RunRecorder:
             self._bar.close()
         summary = self.summary(status, error, rejected_updates, aggregate_calls)
         write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary)
-        if self._wandb is not None and self.last is not None:
+        if self._wandb_deferred is not None:
+            self._wandb = self._init_wandb(self._wandb_settings)
+            for round_idx, metrics, per_user in self._wandb_deferred:
+                self._log_to_wandb(round_idx, metrics, per_user)
+        if self._wandb is not None:
             import wandb
 
-            table = wandb.Table(columns=["user", "accuracy", "accuracy_before_adaptation"],
-                                data=[[i, a, b] for i, (a, b) in enumerate(zip(self.last.per_user_accuracy,
-                                                                               self.last.per_user_accuracy_before))])
-            self._wandb.log({"final/per_user_accuracy": table})
+            if self.last is not None:
+                table = wandb.Table(columns=["user", "accuracy", "accuracy_before_adaptation"],
+                                    data=[[i, a, b] for i, (a, b) in enumerate(zip(
+                                        self.last.per_user_accuracy, self.last.per_user_accuracy_before))])
+                self._wandb.log({"final/per_user_accuracy": table})
             self._wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
             self._wandb.finish()
         return summary

@@ -194,7 +194,8 @@ class PluginRun:
             wandb_settings = None
             if config.enable_wandb:
                 wandb_settings = {"project": config.wandb_project, "group": config.wandb_group,
-                                  "name": os.path.basename(self.run_dir), "tags": wandb_tags(config)}
+                                  "name": os.path.basename(self.run_dir), "tags": wandb_tags(config),
+                                  "deferred": bool(getattr(args, "perfedavg_grid", False))}
             new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)
             self.recorder = RunRecorder(self.run_dir, config.comm_round, config.sections(), config.show_progress,
                                         wandb_settings, new_users)
@@ -435,11 +436,11 @@ def fedml_args(config: Config, run_dir: Optional[str] = None, resume: bool = Fal
     return args
 
 
-def run_fedml_main(args: argparse.Namespace, data: Optional[FederatedData] = None,
-                   model: Optional[torch.nn.Module] = None) -> RunResult:
-    """What FedML's example main script does, returning the plugin run's result. ``data``
-    (and ``model``) replace ``fedml.data.load`` (and ``fedml.model.create``) for a split the
-    caller already holds."""
+def prepare_fedml_run(args: argparse.Namespace, data: Optional[FederatedData] = None,
+                      model: Optional[torch.nn.Module] = None):
+    """FedML's example main script up to ``FedMLRunner(...)`` (``fedml.init``, device, data,
+    model): the runner, not yet run. ``data`` (and ``model``) replace ``fedml.data.load`` (and
+    ``fedml.model.create``) for a split the caller already holds."""
     install()
     import fedml
     from fedml import FedMLRunner
@@ -458,7 +459,13 @@ def run_fedml_main(args: argparse.Namespace, data: Optional[FederatedData] = Non
             model = create_model(args.model, data.input_shape, data.num_classes, args.hidden_sizes)
     if model is None:
         model = fedml.model.create(args, output_dim)
-    runner = FedMLRunner(args, device, dataset, model)
+    return FedMLRunner(args, device, dataset, model)
+
+
+def run_fedml_main(args: argparse.Namespace, data: Optional[FederatedData] = None,
+                   model: Optional[torch.nn.Module] = None) -> RunResult:
+    """What FedML's example main script does, returning the plugin run's result."""
+    runner = prepare_fedml_run(args, data, model)
     runner.run()
     return runner.runner.result
 
@@ -482,3 +489,47 @@ def _show_progress_lines() -> None:
     root.addHandler(console_handler())
     if root.level > logging.INFO or root.level == logging.NOTSET:
         root.setLevel(logging.INFO)
+
+
+def run_grid(configs: List[Config], run_dirs: List[str], data: Optional[List[FederatedData]] = None
+             ) -> List[RunResult]:
+    """Several runs of one cell (its seeds) in this process, their clients' local training one
+    computation per round (:class:`~fedml_perfedavg.engine.grid.GridSimulation`); each run gets
+    its own run directory and outputs, as if run alone. Runs that cannot share a computation
+    (other client maths, the vmap path) run one after the other, with a log line saying why."""
+    from ..engine.batched import BatchedSimulation
+    from ..engine.grid import GridSimulation, why_not_together
+
+    _show_progress_lines()
+    data = data or [None] * len(configs)
+    runs = []
+    for config, run_dir, split in zip(configs, run_dirs, data):
+        if config.backend != "sp" or config.simulation_engine != "batched" or config.training_type != "simulation":
+            raise ConfigError(f"train_args.simulation_engine={config.simulation_engine!r}: grid mode runs the "
+                              f"batched engine on sp only")
+        args = fedml_args(config, run_dir)
+        args.perfedavg_grid = True  # wandb written at the end (one live wandb run per process)
+        runs.append(prepare_fedml_run(args, split).runner)
+    why = why_not_together([r.backend for r in runs if isinstance(r.backend, BatchedSimulation)])
+    if why is not None or len({c.comm_round for c in configs}) != 1:
+        logger.warning("grid: runs one after the other (%s)", why or "different comm_round")
+        return [r.run() for r in runs]
+    try:
+        GridSimulation([r.backend for r in runs]).run(0, configs[0].comm_round)
+    except (DivergenceError, RunStopped) as err:
+        for r in runs:
+            r.global_state = r.backend.state
+            r.finish(status="stopped", error=str(err))
+            r._close()
+        raise
+    except BaseException:
+        for r in runs:
+            r._close()
+        raise
+    results = []
+    for r in runs:
+        r.global_state = r.backend.state
+        summary = r.finish()
+        r._close()
+        results.append(RunResult(summary, r.run_dir, r.algorithm, r.global_state, r.trainer, r.aggregator))
+    return results

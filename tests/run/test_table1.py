@@ -76,3 +76,23 @@ def test_new_users_extra_reports_held_out_users(mnist_root, tmp_path):
     assert row["cell"] == "mnist_tau4_alpha0.01_newusers" and 0 < float(row["new_user_personalized_accuracy"]) <= 1
     summary = (tmp_path / "runs" / "mnist_tau4_alpha0.01_newusers" / "hf" / "seed0" / "summary.json").read_text()
     assert '"new_users": [' in summary
+
+
+def test_grid_mode_gives_every_run_the_results_of_one_process_per_run(fake_cifar_root, tmp_path):
+    common = ["--datasets", "cifar10", "--cells", "cifar10_tau4_alpha0.001", "--methods", "hf", "fedavg",
+              "--rounds", "3", "--seeds", "2", "--jobs", "1", "--set", f"data_cache_dir={fake_cifar_root}",
+              "--set", "client_num_in_total=10", "--set", "client_num_per_round=2", "--set", "images_per_class=8",
+              "--set", "test_images_per_class=2", "--set", "batch_size=8", "--set", "meta_batch_size=8",
+              "--set", "hessian_batch_size=8", "--set", "frequency_of_the_test=1"]
+    assert table1.main([*common, "--out", str(tmp_path / "separate")]) == 0
+    assert table1.main([*common, "--out", str(tmp_path / "grid"), "--grid-mode"]) == 0
+    rows = {}
+    for mode in ("separate", "grid"):
+        with open(tmp_path / mode / "table1.csv") as stream:
+            rows[mode] = {(r["method"], r["seed"]): r for r in csv.DictReader(stream)}
+    assert set(rows["grid"]) == set(rows["separate"]) == {("hf", "0"), ("hf", "1"), ("fedavg", "0"), ("fedavg", "1")}
+    for key, row in rows["separate"].items():
+        assert float(rows["grid"][key]["personalized_accuracy"]) == pytest.approx(float(row["personalized_accuracy"]),
+                                                                                abs=1e-6)
+    timing = (tmp_path / "grid" / "grid_timing.json").read_text()
+    assert "grid mode" in timing

@@ -53,3 +53,22 @@ def test_offline_run_reads_back_with_wandbs_reader(tmp_path, monkeypatch):
     assert table["columns"] == ["user", "accuracy", "accuracy_before_adaptation"]
     assert [row[1] for row in table["data"]] == pytest.approx(result.summary["per_user_accuracy"])
     assert [row[0] for row in table["data"]] == list(range(6))
+
+
+@pytest.mark.backend
+def test_grid_mode_runs_write_the_same_wandb_records_at_the_end(tmp_path, monkeypatch):
+    from fedml_perfedavg.run.runner import run_grid
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    configs = [tiny_config(enable_wandb=True, wandb_group="cell", random_seed=s, checkpoint_every=0) for s in (0, 1)]
+    results = run_grid(configs, [str(tmp_path / f"seed{s}") for s in (0, 1)], [tiny_data(seed=s) for s in (0, 1)])
+    for seed, result in zip((0, 1), results):
+        (log,) = (tmp_path / f"seed{seed}" / "wandb").glob("offline-run-*/*.wandb")
+        records = list(_records(log))
+        (header,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        assert list(header.tags) == ["PerFedAvg-hf", f"seed{seed}", "mnist"] and header.run_group == "cell"
+        rows = [{i.key: i.value_json for i in r.history.item} for r in records
+                if r.WhichOneof("record_type") == "history"]
+        assert [int(row["_step"]) for row in rows] == [0, 2, 4, 5]
+        assert [float(row["eval/personalized_accuracy"]) for row in rows] == pytest.approx(
+            [h["personalized_accuracy"] for h in result.summary["history"]])

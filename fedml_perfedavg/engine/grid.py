@@ -1,0 +1,80 @@
+"""Several runs as one computation: the seeds of a Table 1 cell, round by round.
+
+Each run keeps everything of its own (algorithm object, keyed sampling and minibatches, data
+split, global model, aggregation, evaluation, run directory): only the local training of all
+runs' sampled clients is one hand-batched computation per round (clients of every run stacked
+along the leading dimension, each starting from its own run's global model). So each run gets
+what it would get alone, up to the floating-point order of the batched products (tested equal
+in float64). It needs every run on the batched engine's hand-batched path with the same client
+maths (method, variant, alpha, beta, delta, tau, batch sizes) and parameter shapes: the seeds
+of one cell and method.
+"""
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..core.algorithm import LocalBatches
+from .batched import BatchedSimulation
+
+logger = logging.getLogger(__name__)
+
+
+def why_not_together(engines: Sequence[BatchedSimulation]) -> Optional[str]:
+    """Why these engines cannot train as one computation, or None if they can."""
+    if not engines:
+        return "no runs"
+    first = engines[0]
+    for position, engine in enumerate(engines):
+        if engine.stacked is None or not engine.batched:
+            return f"run {position} is not on the hand-batched path"
+        if engine.algorithm.settings.local != first.algorithm.settings.local:
+            return f"run {position} has other client maths ({engine.algorithm.settings.local})"
+        if engine.algorithm.settings.batch_sizes != first.algorithm.settings.batch_sizes:
+            return f"run {position} has other batch sizes"
+        if repr(engine.algorithm.network) != repr(first.algorithm.network):
+            return f"run {position} has another network"
+        if any(engine.state[k].shape != first.state[k].shape for k in first.algorithm.parameter_names):
+            return f"run {position} has other parameter shapes"
+    return None
+
+
+class GridSimulation:
+    """The rounds of several batched-engine runs, their clients' local training stacked."""
+
+    def __init__(self, engines: Sequence[BatchedSimulation]) -> None:
+        why = why_not_together(engines)
+        if why is not None:
+            raise ValueError(f"these runs cannot train as one computation: {why}")
+        self.engines = list(engines)
+
+    def train_round(self, round_idx: int) -> None:
+        """One round of every run: each samples its clients and draws its batches; all clients
+        train together; each run aggregates and evaluates its own."""
+        chosen, starts, batches = [], [], []
+        for engine in self.engines:
+            clients = engine.driver.sample_clients(round_idx)
+            params, _ = engine.algorithm.split_state(engine.state)
+            chosen.append(clients)
+            starts.append({k: v.detach().unsqueeze(0).expand(len(clients), *v.shape) for k, v in params.items()})
+            batches.append(engine.round_batches(round_idx, clients))
+        names = starts[0].keys()
+        start = {k: torch.cat([s[k] for s in starts]) for k in names}
+        together = LocalBatches(*(torch.cat(tensors) for tensors in zip(*batches)))
+        with torch.no_grad():
+            trained = self.engines[0].train_from(start, together)
+        offset = 0
+        for engine, clients in zip(self.engines, chosen):
+            mine = {k: v[offset:offset + len(clients)] for k, v in trained.items()}
+            offset += len(clients)
+            _, buffers = engine.algorithm.split_state(engine.state)
+            engine.finish_round(round_idx, engine.client_updates(round_idx, clients, mine, buffers))
+
+    def run(self, start_round: int, rounds: int) -> List[dict]:
+        """Rounds ``start_round`` .. ``rounds - 1`` of every run; returns their final states."""
+        logger.info("grid: %d runs' clients train as one computation per round", len(self.engines))
+        for round_idx in range(start_round, rounds):
+            self.train_round(round_idx)
+        return [engine.state for engine in self.engines]
