@@ -43,6 +43,11 @@ MNIST_ROOT = os.environ.get("PERFEDAVG_MNIST_ROOT", str(REPO.parent / "shared" /
 
 
 def median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    return statistics.median(samples_ms(fn, repeats, warmup))
+
+
+def samples_ms(fn, repeats: int, warmup: int = 2) -> list:
+    """Milliseconds of each of ``repeats`` calls after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -52,7 +57,7 @@ def median_ms(fn, repeats: int, warmup: int = 2) -> float:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         samples.append((time.perf_counter() - start) * 1000)
-    return statistics.median(samples)
+    return samples
 
 
 def gemm_gflops(device: str, size: int = 2048, repeats: int = 7) -> float:
@@ -136,10 +141,12 @@ def measure_one(method: str, path: str, repeats: int, device: str, clients: int 
     state_dict = model.state_dict()
     eval_ms = median_ms(lambda: algorithm.evaluate(0, state_dict, user_data, batched=path != "per_client"),
                         max(3, repeats // 2))
-    train_ms = median_ms(per_client_round if path == "per_client" else batched_round, repeats)
+    train_samples = samples_ms(per_client_round if path == "per_client" else batched_round, repeats)
+    train_ms = statistics.median(train_samples)
     peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if dev.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return {"method": method, "path": path, "clients": clients, "users": users, "train_ms": train_ms,
+            "train_ms_min": min(train_samples), "train_ms_max": max(train_samples),
             "eval_ms": eval_ms, "peak_mb": peak, "gflop_per_round": flops_per_round(model, method, clients) / 1e9,
             "data": source}
 
@@ -174,11 +181,13 @@ def write_report(results: dict, out_dir: Path) -> None:
              f"data: {results['rows'][0]['data']}. Paper MNIST config: n=50, 10 clients/round, tau=10, "
              f"batches 40, MLP 784-80-60-10. Median of {results['repeats']} after warm-up.",
              f"In-run large GEMM (2048^2 fp32): **{gemm:.0f} GFLOP/s**.", "",
-             "| method | path | train ms/round | GFLOP/round | GFLOP/s | % of GEMM | eval ms (50 users) | peak MB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| method | path | train ms/round | spread (min-max) | GFLOP/round | GFLOP/s | % of GEMM | "
+             "eval ms (50 users) | peak MB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results["rows"]:
         rate = r["gflop_per_round"] / (r["train_ms"] / 1000)
-        lines.append(f"| {r['method']} | {r['path']} | {r['train_ms']:.1f} | {r['gflop_per_round']:.2f} | {rate:.0f} | "
+        spread = f"{r['train_ms_min']:.1f}-{r['train_ms_max']:.1f}" if "train_ms_min" in r else "-"
+        lines.append(f"| {r['method']} | {r['path']} | {r['train_ms']:.1f} | {spread} | {r['gflop_per_round']:.2f} | {rate:.0f} | "
                      f"{100 * rate / gemm:.0f}% | {r['eval_ms']:.1f} | {r['peak_mb']:.0f} |")
     lines += ["", "Paths: `per_client` is FedML's loop (one client after the other); `vmap` the batched engine with "
               "torch.func's vmap over the clients (any model); `batched` the default engine, which for a chain of "
