@@ -235,7 +235,10 @@ def plot_cells(rows: List[Dict], out: Path) -> List[Path]:
             # x: the mean over seeds of the training time (evaluation excluded) at each evaluation
             _, seconds, _ = _band(histories, "train_seconds")
             if seconds:
-                ax_time.plot(seconds, means, label=METHOD_NAMES[method])
+                # FedAvg + ARUBA trains on the engine's vmap path (its clients send statistics back),
+                # the others on the hand-batched one: its time axis is not comparable with theirs.
+                path_note = " (vmap path)" if method == "aruba" else ""
+                ax_time.plot(seconds, means, label=METHOD_NAMES[method] + path_note)
                 ax_time.fill_between(seconds, low, high, alpha=0.2)
             if has_stationarity:
                 s_rounds, s_means, s_halves = _band(histories, "stationarity")
