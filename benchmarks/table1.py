@@ -194,10 +194,11 @@ def table_markdown(rows: List[Dict], command: str) -> str:
 
 
 def _band(histories: List[List[Dict]], key: str) -> Tuple[List[float], List[float], List[float]]:
-    """(rounds, mean, 95% half-width) of ``key`` over runs whose evaluations fall on the same rounds."""
-    rounds = [h["round"] for h in histories[0]]
-    usable = [h for h in histories if [e["round"] for e in h] == rounds and all(key in e for e in h)]
-    if not usable:
+    """(rounds, mean, 95% half-width) of ``key`` over runs that logged it on the same rounds."""
+    measured = [[e for e in h if key in e] for h in histories]  # some keys are logged on their own schedule
+    rounds = [e["round"] for e in measured[0]]
+    usable = [h for h in measured if [e["round"] for e in h] == rounds]
+    if not rounds or not usable:
         return [], [], []
     curves = [[e[key] for e in h] for h in usable]
     means = [statistics.mean(c) for c in zip(*curves)]
@@ -244,7 +245,7 @@ def plot_cells(rows: List[Dict], out: Path) -> List[Path]:
                 s_rounds, s_means, s_halves = _band(histories, "stationarity")
                 if s_rounds:
                     axes[2].plot(s_rounds, s_means, label=METHOD_NAMES[method])
-                    axes[2].fill_between(s_rounds, [max(m - h, 1e-12) for m, h in zip(s_means, s_halves)],
+                    axes[2].fill_between(s_rounds, [max(m - h, m / 10) for m, h in zip(s_means, s_halves)],
                                          [m + h for m, h in zip(s_means, s_halves)], alpha=0.2)
             box_data.append([100 * a for r in mr for a in r["_summary"]["per_user_accuracy"]])
             box_labels.append(method)
