@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
+from torch import Tensor
 from torch.func import vmap
 
 from ..algorithms.base import FederatedAlgorithm
@@ -104,12 +105,28 @@ class BatchedSimulation:
         if not self._gather:
             return stack_batches([self.algorithm.client_batches(round_idx, c, self.users[c].train_x,
                                                                 self.users[c].train_y) for c in clients])
+        return self.gather(self.batch_index(round_idx, clients))
+
+    @property
+    def gathers(self) -> bool:
+        """Whether a round's minibatches are gathered from all users' data in one tensor."""
+        return self._gather
+
+    def batch_index(self, round_idx: int, clients: List[int]) -> List[Tensor]:
+        """Per role (D, D', D''), the round's sample indices into all users' data concatenated,
+        ``(clients, steps, size)``: the keyed indices of ``client_batch_indices``."""
         per_client = [self.algorithm.client_batch_indices(round_idx, c, self.sample_counts[c]) for c in clients]
+        return [torch.stack([idx[role] + self._offsets[c] for idx, c in zip(per_client, clients)])
+                for role in range(len(per_client[0]))]
+
+    def gather(self, index: List[Tensor], data: Optional[Tuple[Tensor, Tensor]] = None) -> LocalBatches:
+        """The minibatches at ``index`` (one gather per role) from ``data`` (default: this run's
+        users, concatenated)."""
+        x, y = data if data is not None else (self._all_x, self._all_y)
         tensors = []
-        for role in range(len(per_client[0])):
-            index = torch.stack([idx[role] + self._offsets[c] for idx, c in zip(per_client, clients)])
-            index = index.to(self._all_x.device)
-            tensors += [self._all_x[index], self._all_y[index]]
+        for role_index in index:
+            role_index = role_index.to(x.device)
+            tensors += [x[role_index], y[role_index]]
         return LocalBatches(*tensors)
 
     def _batched_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:

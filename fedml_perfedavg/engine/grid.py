@@ -49,20 +49,34 @@ class GridSimulation:
         if why is not None:
             raise ValueError(f"these runs cannot train as one computation: {why}")
         self.engines = list(engines)
+        # All runs' training data in one tensor, so a round's minibatches of every run are one
+        # gather per role (concatenating per-run batches would copy them all again).
+        self._data = None
+        if all(engine.gathers for engine in self.engines):
+            self._data = (torch.cat([e._all_x for e in self.engines]), torch.cat([e._all_y for e in self.engines]))
+            self._run_offsets, offset = [], 0
+            for engine in self.engines:
+                self._run_offsets.append(offset)
+                offset += len(engine._all_y)
 
     def train_round(self, round_idx: int) -> None:
         """One round of every run: each samples its clients and draws its batches; all clients
         train together; each run aggregates and evaluates its own."""
         chosen, starts, batches = [], [], []
-        for engine in self.engines:
+        for position, engine in enumerate(self.engines):
             clients = engine.driver.sample_clients(round_idx)
             params, _ = engine.algorithm.split_state(engine.state)
             chosen.append(clients)
             starts.append({k: v.detach().unsqueeze(0).expand(len(clients), *v.shape) for k, v in params.items()})
-            batches.append(engine.round_batches(round_idx, clients))
-        names = starts[0].keys()
-        start = {k: torch.cat([s[k] for s in starts]) for k in names}
-        together = LocalBatches(*(torch.cat(tensors) for tensors in zip(*batches)))
+            if self._data is not None:
+                batches.append([i + self._run_offsets[position] for i in engine.batch_index(round_idx, clients)])
+            else:
+                batches.append(engine.round_batches(round_idx, clients))
+        start = {k: torch.cat([s[k] for s in starts]) for k in starts[0]}
+        if self._data is not None:
+            together = self.engines[0].gather([torch.cat(role) for role in zip(*batches)], self._data)
+        else:
+            together = LocalBatches(*(torch.cat(tensors) for tensors in zip(*batches)))
         with torch.no_grad():
             trained = self.engines[0].train_from(start, together)
         offset = 0
