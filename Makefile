@@ -34,8 +34,11 @@ test: $(STAMP) data/MNIST
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m fast tests
 
+# Per-client path, vmap and default engine paths (with spread), scaling, a 1000-round run; then grid
+# mode against separate runs. Results in benchmarks/results/speed.md and grid_speed.md.
 bench-speed: $(STAMP)
 	$(PY) benchmarks/speed.py --full-run
+	$(PY) benchmarks/grid_speed.py
 
 # Table 1 grid (MNIST cells, 4 methods + FedAvg+ARUBA where its YAML is, 5 seeds, K=1000), logged to
 # offline wandb runs, with the stationarity measure; resumable. CIFAR-10: add --datasets mnist cifar10.
