@@ -66,6 +66,12 @@ class BatchedSimulation:
             on_cuda = next(iter(global_state.values())).is_cuda
             self.step = torch.compile(self.step, mode="reduce-overhead" if on_cuda else "default", dynamic=False)
         self.sample_counts = [len(u.train_y) for u in users]
+        # Roles (D, D', D'') the client maths reads: Per-FedAvg's own update never reads D'' in
+        # FO, nor FedAvg's D' and D''; those are not gathered (the keyed indices stay the same).
+        local = algorithm.settings.local
+        own_maths = type(algorithm).local_update is FederatedAlgorithm.local_update and not self.whole_state
+        self._roles_read = ({0} if local.method == "fedavg" else {0, 1} if local.variant == "fo" else {0, 1, 2}) \
+            if own_maths else {0, 1, 2}
         # Every user's training data in one tensor: a round's minibatches are one gather per
         # role (the same keyed indices as client_batches), not one per client and a stack.
         self._gather = type(algorithm).client_batches is FederatedAlgorithm.client_batches
@@ -124,7 +130,10 @@ class BatchedSimulation:
         users, concatenated)."""
         x, y = data if data is not None else (self._all_x, self._all_y)
         tensors = []
-        for role_index in index:
+        for role, role_index in enumerate(index):
+            if role not in self._roles_read:  # never read: D's tensors stand in
+                tensors += tensors[:2]
+                continue
             role_index = role_index.to(x.device)
             tensors += [x[role_index], y[role_index]]
         return LocalBatches(*tensors)

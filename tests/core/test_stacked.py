@@ -44,6 +44,9 @@ def test_gradients_and_hessian_vector_products_equal_torch_func(name):
         params, tangent, x, y)
     for k in hvp:
         torch.testing.assert_close(hvp[k], expected_hvp[k], rtol=1e-10, atol=1e-12)
+    by_hand = stacked.hessian_vector_product(params, tangent, x, y)  # the R-operator the exact variant uses
+    for k in by_hand:
+        torch.testing.assert_close(by_hand[k], expected_hvp[k], rtol=1e-10, atol=1e-12)
     pair = {k: torch.stack((v, 2 * v)) for k, v in params.items()}
     both = stacked.grad_pair(pair, x, y)
     for k in both:
