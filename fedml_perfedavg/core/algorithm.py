@@ -63,7 +63,8 @@ class LocalBatches(NamedTuple):
 class Gradients(Protocol):
     """How the local update gets gradients of the loss: ``grad(params, x, y)``, and
     ``grad_pair`` at two parameter points at once (a leading dimension of 2), which the HF
-    estimator uses for w + delta g and w - delta g."""
+    estimator uses for w + delta g and w - delta g. A specialised oracle may also offer
+    ``finite_difference_hvp`` (HF) and ``hessian_vector_product`` (exact), used when present."""
 
     def grad(self, params: Params, x: Tensor, y: Tensor) -> Params: ...
 

@@ -3,9 +3,10 @@
 The batched engine's round is thousands of tiny operators when ``torch.func`` vmaps a generic
 network; for a plain chain (``Flatten``, ``Linear``, ``ELU``/``ReLU``/``Tanh``/``Sigmoid``, as
 the paper's MLP) the forward and backward pass of every client of a round is a handful of
-batched matrix products instead (``torch.bmm`` over a leading client dimension). The
-gradients are plain differentiable PyTorch, so the exact variant's Hessian-vector product is
-forward-over-reverse (``torch.func.jvp`` of this backward pass).
+batched matrix products instead (``torch.bmm`` over a leading client dimension). The exact
+variant's Hessian-vector product is written out too (Pearlmutter's R-operator,
+:meth:`StackedGradients.hessian_vector_product`); the gradients are plain differentiable
+PyTorch, so ``torch.func.jvp`` of them gives the same (the tests compare both with torch.func).
 
 :meth:`StackedGradients.for_network` accepts a network only if it is an ``nn.Sequential`` (or
 wraps exactly one) whose leaves form such a chain, and its output equals the chain's on a
