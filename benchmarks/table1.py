@@ -280,8 +280,9 @@ def wandb_report(rows: List[Dict], out: Path) -> None:
     """wandb_report.md: every run's offline wandb folder and the one command that uploads them."""
     lines = ["# wandb runs of the Table 1 grid", "",
              "Each run logged offline into its run directory: project `fedml-perfedavg`, group = the cell, tags = "
-             "method (with the variant), seed and dataset. One command uploads them all (from the repository root, "
-             "after `wandb login`):", "",
+             "method (with the variant), seed and dataset. The folders stay on the machine that ran the grid (git "
+             "ignores wandb run folders); there, one command uploads them all (from the repository root, after "
+             "`wandb login`):", "",
              "```", f"wandb sync {_shown(out)}/runs/*/*/seed*/wandb/offline-run-*", "```", "",
              "In wandb's UI, group the runs table by `Group` (one row per cell) and then by tag, or filter one tag "
              "per method: the panels of `eval/personalized_accuracy` then show each cell's mean and band over seeds, "
