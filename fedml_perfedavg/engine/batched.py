@@ -118,6 +118,11 @@ class BatchedSimulation:
         """Whether a round's minibatches are gathered from all users' data in one tensor."""
         return self._gather
 
+    @property
+    def training_data(self) -> Tuple[Tensor, Tensor]:
+        """All users' training data, concatenated (x, y), where :attr:`gathers`."""
+        return self._all_x, self._all_y
+
     def batch_index(self, round_idx: int, clients: List[int]) -> List[Tensor]:
         """Per role (D, D', D''), the round's sample indices into all users' data concatenated,
         ``(clients, steps, size)``: the keyed indices of ``client_batch_indices``."""

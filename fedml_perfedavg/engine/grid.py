@@ -53,11 +53,12 @@ class GridSimulation:
         # gather per role (concatenating per-run batches would copy them all again).
         self._data = None
         if all(engine.gathers for engine in self.engines):
-            self._data = (torch.cat([e._all_x for e in self.engines]), torch.cat([e._all_y for e in self.engines]))
+            xs, ys = zip(*(engine.training_data for engine in self.engines))
+            self._data = (torch.cat(xs), torch.cat(ys))
             self._run_offsets, offset = [], 0
-            for engine in self.engines:
+            for y in ys:
                 self._run_offsets.append(offset)
-                offset += len(engine._all_y)
+                offset += len(y)
 
     def train_round(self, round_idx: int) -> None:
         """One round of every run: each samples its clients and draws its batches; all clients

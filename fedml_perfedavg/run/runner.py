@@ -11,13 +11,14 @@ schedule, checkpoints, and the run directory (config.yaml, run.log, summary.json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -281,7 +282,8 @@ class PluginRun:
         stationarity_every), over the users training covers."""
         if not measure:
             return {}
-        trained = [i for i in range(len(self.users)) if i not in set(self.recorder.new_users)]
+        held_out = set(self.recorder.new_users)
+        trained = [i for i in range(len(self.users)) if i not in held_out]
         params, _ = self.algorithm.split_state(state)
         return {f"{prefix}stationarity": stationarity(self.algorithm.loss_fn, params, self.users, self.config.alpha,
                                                       trained)}
@@ -365,11 +367,18 @@ class PluginRun:
         return summary
 
     def run(self) -> RunResult:
-        try:
+        with self.ending():
             self.restore()
             self.execute()
+        return self.conclude()
+
+    @contextlib.contextmanager
+    def ending(self) -> Iterator[None]:
+        """How a run that raises ends: no result is lost (summary.json and model.pt say what was
+        measured and why it stopped), and the run's log file is closed."""
+        try:
+            yield
         except (DivergenceError, RunStopped) as err:
-            # No result is lost: what was measured so far goes to summary.json, then the run stops.
             self.finish(status="stopped", error=str(err))
             self._close()
             raise
@@ -380,6 +389,9 @@ class PluginRun:
         except BaseException:
             self._close()
             raise
+
+    def conclude(self) -> RunResult:
+        """A run that went through: summary.json and model.pt, the log closed, the result."""
         summary = self.finish()
         self._close()
         self.result = RunResult(summary, self.run_dir, self.algorithm, self.global_state, self.trainer,
@@ -497,7 +509,6 @@ def run_grid(configs: List[Config], run_dirs: List[str], data: Optional[List[Fed
     computation per round (:class:`~fedml_perfedavg.engine.grid.GridSimulation`); each run gets
     its own run directory and outputs, as if run alone. Runs that cannot share a computation
     (other client maths, the vmap path) run one after the other, with a log line saying why."""
-    from ..engine.batched import BatchedSimulation
     from ..engine.grid import GridSimulation, why_not_together
 
     _show_progress_lines()
@@ -510,26 +521,13 @@ def run_grid(configs: List[Config], run_dirs: List[str], data: Optional[List[Fed
         args = fedml_args(config, run_dir)
         args.perfedavg_grid = True  # wandb written at the end (one live wandb run per process)
         runs.append(prepare_fedml_run(args, split).runner)
-    why = why_not_together([r.backend for r in runs if isinstance(r.backend, BatchedSimulation)])
+    why = why_not_together([r.backend for r in runs])
     if why is not None or len({c.comm_round for c in configs}) != 1:
         logger.warning("grid: runs one after the other (%s)", why or "different comm_round")
         return [r.run() for r in runs]
-    try:
+    # Each run ends as it would alone (round_finished keeps every run's global state current).
+    with contextlib.ExitStack() as stack:
+        for r in runs:
+            stack.enter_context(r.ending())
         GridSimulation([r.backend for r in runs]).run(0, configs[0].comm_round)
-    except (DivergenceError, RunStopped) as err:
-        for r in runs:
-            r.global_state = r.backend.state
-            r.finish(status="stopped", error=str(err))
-            r._close()
-        raise
-    except BaseException:
-        for r in runs:
-            r._close()
-        raise
-    results = []
-    for r in runs:
-        r.global_state = r.backend.state
-        summary = r.finish()
-        r._close()
-        results.append(RunResult(summary, r.run_dir, r.algorithm, r.global_state, r.trainer, r.aggregator))
-    return results
+    return [r.conclude() for r in runs]

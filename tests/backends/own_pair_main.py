@@ -15,8 +15,8 @@ from fedml.core import ClientTrainer, ServerAggregator
 CALLS = {"train": 0, "set_id": 0, "aggregate": 0, "before_aggregation": 0, "test_all": 0}
 
 
-class PlusOneTrainer(ClientTrainer):
-    """Adds 1 to every parameter: the global model after k rounds is the start plus k."""
+class StateDictParams:
+    """get/set_model_params as a state_dict, for both sides of the pair."""
 
     def get_model_params(self):
         # an OrderedDict, as state_dict() gives: FedML's cross-silo server reads a plain dict as one model per silo
@@ -24,6 +24,10 @@ class PlusOneTrainer(ClientTrainer):
 
     def set_model_params(self, params):
         self.model.load_state_dict(params)
+
+
+class PlusOneTrainer(StateDictParams, ClientTrainer):
+    """Adds 1 to every parameter: the global model after k rounds is the start plus k."""
 
     def set_id(self, trainer_id):
         CALLS["set_id"] += 1
@@ -36,13 +40,8 @@ class PlusOneTrainer(ClientTrainer):
                 p.add_(1.0)
 
 
-class CountingAggregator(ServerAggregator):
-    def get_model_params(self):
-        # an OrderedDict, as state_dict() gives: FedML's cross-silo server reads a plain dict as one model per silo
-        return OrderedDict((k, v.clone()) for k, v in self.model.state_dict().items())
-
-    def set_model_params(self, params):
-        self.model.load_state_dict(params)
+class CountingAggregator(StateDictParams, ServerAggregator):
+    """FedML's default aggregation, counting the hooks FedML calls."""
 
     def on_before_aggregation(self, updates):
         CALLS["before_aggregation"] += 1

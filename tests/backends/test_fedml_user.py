@@ -83,41 +83,10 @@ def test_a_trainer_handed_to_fedmlrunner_is_really_used(mnist_root, tmp_path):
     import fedml_perfedavg  # noqa: F401
     import fedml
     from fedml import FedMLRunner
-    from fedml.core import ClientTrainer, ServerAggregator
 
-    calls = {"train": 0, "aggregate": 0, "test_all": 0}
+    from tests.backends.own_pair_main import CALLS, CountingAggregator, PlusOneTrainer
 
-    class MyTrainer(ClientTrainer):
-        def get_model_params(self):
-            return {k: v.clone() for k, v in self.model.state_dict().items()}
-
-        def set_model_params(self, params):
-            self.model.load_state_dict(params)
-
-        def train(self, train_data, device, args):
-            calls["train"] += 1
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    p.add_(1.0)
-
-    class MyAggregator(ServerAggregator):
-        def get_model_params(self):
-            return {k: v.clone() for k, v in self.model.state_dict().items()}
-
-        def set_model_params(self, params):
-            self.model.load_state_dict(params)
-
-        def aggregate(self, updates):
-            calls["aggregate"] += 1
-            return super().aggregate(updates)
-
-        def test(self, test_data, device, args):
-            return {}
-
-        def test_all(self, train_data_local_dict, test_data_local_dict, device, args):
-            calls["test_all"] += 1
-            return True
-
+    CALLS.update({k: 0 for k in CALLS})
     path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "mine", tmp_path / "runs",
                         federated_optimizer="FedAvg", epochs=1,
                  client_optimizer="sgd")
@@ -129,6 +98,7 @@ def test_a_trainer_handed_to_fedmlrunner_is_really_used(mnist_root, tmp_path):
     dataset, output_dim = fedml.data.load(args)
     model = fedml.model.create(args, output_dim)
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    FedMLRunner(args, device, dataset, model, MyTrainer(model, args), MyAggregator(model, args)).run()
+    FedMLRunner(args, device, dataset, model, PlusOneTrainer(model, args), CountingAggregator(model, args)).run()
+    calls = {k: CALLS[k] for k in ("train", "aggregate", "test_all")}
     assert calls == {"train": 3 * 2, "aggregate": 3, "test_all": 3}
     assert all(torch.allclose(model.state_dict()[k], start[k] + 3.0) for k in start)  # +1 per round, averaged

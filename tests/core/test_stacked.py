@@ -23,17 +23,22 @@ def _client_params(model, clients):
             for k, v in parameters_of(model).items()}
 
 
-@pytest.mark.parametrize("name", CHAINS)
-def test_gradients_and_hessian_vector_products_equal_torch_func(name):
-    torch.manual_seed(0)
+def _chain(name, seed, clients, batch):
+    """(stacked gradients, functional network, per-client parameters, x, y) for a chain of CHAINS."""
+    torch.manual_seed(seed)
     model = CHAINS[name]().double()
     network = functional_network(model)
     stacked, why = StackedGradients.for_network(network, (12,))
     assert stacked is not None, why
-    loss_fn = make_loss_fn(network)
-    clients = 4
     params = _client_params(model, clients)
-    x, y = torch.randn(clients, 7, 12, dtype=torch.float64), torch.randint(0, 3, (clients, 7))
+    x, y = torch.randn(clients, batch, 12, dtype=torch.float64), torch.randint(0, 3, (clients, batch))
+    return stacked, network, params, x, y
+
+
+@pytest.mark.parametrize("name", CHAINS)
+def test_gradients_and_hessian_vector_products_equal_torch_func(name):
+    stacked, network, params, x, y = _chain(name, seed=0, clients=4, batch=7)
+    loss_fn = make_loss_fn(network)
     expected = vmap(grad(loss_fn))(params, x, y)
     got = stacked.grad(params, x, y)
     for k in expected:
@@ -94,14 +99,9 @@ def test_a_wrapper_that_changes_the_chains_output_is_refused():
 
 @pytest.mark.parametrize("name", CHAINS)
 def test_fused_finite_difference_hvp_equals_the_two_gradients(name):
-    torch.manual_seed(1)
-    model = CHAINS[name]().double()
-    network = functional_network(model)
-    stacked, _ = StackedGradients.for_network(network, (12,))
-    clients, delta = 3, 1e-3
-    params = _client_params(model, clients)
+    stacked, _, params, x, y = _chain(name, seed=1, clients=3, batch=5)
+    delta = 1e-3
     direction = {k: torch.randn_like(v) for k, v in params.items()}
-    x, y = torch.randn(clients, 5, 12, dtype=torch.float64), torch.randint(0, 3, (clients, 5))
     plus = stacked.grad({k: v + delta * direction[k] for k, v in params.items()}, x, y)
     minus = stacked.grad({k: v - delta * direction[k] for k, v in params.items()}, x, y)
     got = stacked.finite_difference_hvp(params, direction, x, y, delta)

@@ -35,3 +35,23 @@ def test_runs_that_cannot_share_a_computation_run_one_after_the_other(tmp_path, 
         results = run_grid(configs, [str(tmp_path / v) for v in ("hf", "fo")], [tiny_data(), tiny_data()])
     assert "grid: runs one after the other (run 1 has other client maths" in caplog.text
     assert [r.summary["status"] for r in results] == ["finished", "finished"]
+
+
+def test_an_interrupted_grid_ends_every_run_as_an_interrupted_run_alone(tmp_path, monkeypatch):
+    from fedml_perfedavg.engine.grid import GridSimulation
+
+    original = GridSimulation.train_round
+
+    def interrupted_at_round_3(self, round_idx):
+        if round_idx == 3:
+            raise KeyboardInterrupt
+        return original(self, round_idx)
+
+    monkeypatch.setattr(GridSimulation, "train_round", interrupted_at_round_3)
+    configs = [tiny_config(random_seed=s, checkpoint_every=0) for s in (0, 1)]
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(configs, [str(tmp_path / f"seed{s}") for s in (0, 1)], [tiny_data(seed=s) for s in (0, 1)])
+    for seed in (0, 1):
+        written = json.loads((tmp_path / f"seed{seed}" / "summary.json").read_text())
+        assert written["status"] == "interrupted" and written["headline_round"] == 2
+        assert (tmp_path / f"seed{seed}" / "model.pt").exists()
