@@ -97,10 +97,17 @@ class PluginServerManager(FedMLServerManager):
                 logger.info("round deadline now %.1f s: %g x the slowest round so far (%.2f s; comm_args."
                             "round_timeout_factor), at most comm_args.round_timeout=%g s", wait,
                             self.policy.round_timeout_factor, self.slowest_round, self.policy.round_timeout)
-            # A silo that was up and stops answering is given the round deadline, no more.
-            self.com_manager.retry_seconds = min(self.policy.connect_timeout, wait)
+            self._limit_retries()
         self.round_started = time.monotonic()
         self.deadline = self.round_started + wait
+
+    def _limit_retries(self) -> None:
+        """A silo that was up and stops answering is given the round deadline, no more: the
+        deadline as of the rounds measured so far (sending a round's models comes before its
+        phase opens, and must not wait by an older, longer deadline while the live silos give up
+        on a silent server)."""
+        wait = self.policy.round_deadline(self.slowest_round, self.rounds_measured)
+        self.com_manager.retry_seconds = min(self.policy.connect_timeout, wait)
 
     def _select(self) -> None:
         self.client_id_list_in_this_round = self.aggregator.client_selection(
@@ -244,6 +251,7 @@ class PluginServerManager(FedMLServerManager):
         self._log_silo_metrics(f"round {round_idx}")
         self.args.round_idx = round_idx + 1
         self._select()
+        self._limit_retries()
         self._send_models(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT)
         self._open_phase("training" if self.args.round_idx < self.round_num else "finishing")
 
