@@ -3,6 +3,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,12 +108,19 @@ def test_killed_silo_costs_seconds_with_the_default_timeouts_and_is_recorded(mni
     ended_after = time.monotonic() - killed_at
     assert process.returncode != 0  # a silo failed; the launcher says so
     assert "silo rank 2 exited with code -9" in out
-    assert "round deadline now 5.0 s" in out  # 10 x the slowest round, at least 5 s, not 600
+    # 10 x the slowest round, at least 5 s, not round_timeout's 600 (a loaded machine's rounds
+    # can take over 0.5 s, so the figure itself is not fixed).
+    adapted = re.search(r"round deadline now (\d+\.\d) s: 10 x the slowest round so far", out)
+    assert adapted, out[-5000:]
+    assert 5.0 <= float(adapted.group(1)) < 30
     summary = json.loads((run_dir / "summary.json").read_text())
     [lost] = summary["lost_silos"]
     assert lost["rank"] == 2 and 1 <= lost["round"] < rounds
-    # Killed while training (no update) or between rounds (the next model could not be sent).
-    assert lost["why"].startswith(("sent no update within 5.0 s", "unreachable for 5.0 s")), lost
+    # Killed while training (no update) or between rounds (the next model could not be sent),
+    # after the adapted deadline (it may have grown since it was logged, if a later round was slower).
+    waited = re.match(r"(sent no update within|unreachable for) (\d+\.\d) s \(the round deadline", lost["why"])
+    assert waited, lost
+    assert float(adapted.group(1)) <= float(waited.group(2)) < 30
     if min_clients == 1:  # the server finished every round with the silo that answered
         assert "going on without silo rank(s) [2]" in out
         assert summary["status"] == "finished" and summary["rounds"] == rounds

@@ -91,23 +91,28 @@ class PluginServerManager(FedMLServerManager):
         if phase == "online":
             wait = self.policy.connect_timeout
         else:
-            wait = self.policy.round_deadline(self.slowest_round, self.rounds_measured)
-            if wait < self.policy.round_timeout and not self.adaptive_logged:
-                self.adaptive_logged = True
-                logger.info("round deadline now %.1f s: %g x the slowest round so far (%.2f s; comm_args."
-                            "round_timeout_factor), at most comm_args.round_timeout=%g s", wait,
-                            self.policy.round_timeout_factor, self.slowest_round, self.policy.round_timeout)
+            wait = self._round_deadline()
             self._limit_retries()
         self.round_started = time.monotonic()
         self.deadline = self.round_started + wait
+
+    def _round_deadline(self) -> float:
+        """The round deadline as of the rounds measured so far; logged the first time it adapts
+        (whichever use comes first: sending a round's models or waiting for its updates)."""
+        wait = self.policy.round_deadline(self.slowest_round, self.rounds_measured)
+        if wait < self.policy.round_timeout and not self.adaptive_logged:
+            self.adaptive_logged = True
+            logger.info("round deadline now %.1f s: %g x the slowest round so far (%.2f s; comm_args."
+                        "round_timeout_factor), at most comm_args.round_timeout=%g s", wait,
+                        self.policy.round_timeout_factor, self.slowest_round, self.policy.round_timeout)
+        return wait
 
     def _limit_retries(self) -> None:
         """A silo that was up and stops answering is given the round deadline, no more: the
         deadline as of the rounds measured so far (sending a round's models comes before its
         phase opens, and must not wait by an older, longer deadline while the live silos give up
         on a silent server)."""
-        wait = self.policy.round_deadline(self.slowest_round, self.rounds_measured)
-        self.com_manager.retry_seconds = min(self.policy.connect_timeout, wait)
+        self.com_manager.retry_seconds = min(self.policy.connect_timeout, self._round_deadline())
 
     def _select(self) -> None:
         self.client_id_list_in_this_round = self.aggregator.client_selection(
@@ -193,7 +198,7 @@ class PluginServerManager(FedMLServerManager):
             what = f"did not come online within comm_args.connect_timeout={self.policy.connect_timeout:g} s"
         elif self.phase == "training":
             answered = [self.client_real_ids[p] for p in self.aggregator.updates]
-            wait = self.policy.round_deadline(self.slowest_round, self.rounds_measured)
+            wait = self._round_deadline()
             what = f"sent no update within {wait:.1f} s (the round deadline, see comm_args.round_timeout_factor)"
         else:
             answered = [s for s in expected if s in self.finished]
