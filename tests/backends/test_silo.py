@@ -104,15 +104,16 @@ def test_killed_silo_costs_seconds_with_the_default_timeouts_and_is_recorded(mni
     process = _launch(mnist_root, run_dir, {"comm_round": rounds, "frequency_of_the_test": 1,
                                             "min_clients_per_round": min_clients}, wait=False)
     killed_at = _kill_silo_two_mid_run(process, run_dir)
-    out, _ = process.communicate(timeout=180)
+    out, _ = process.communicate(timeout=300)
     ended_after = time.monotonic() - killed_at
     assert process.returncode != 0  # a silo failed; the launcher says so
     assert "silo rank 2 exited with code -9" in out
-    # 10 x the slowest round, at least 5 s, not round_timeout's 600 (a loaded machine's rounds
-    # can take over 0.5 s, so the figure itself is not fixed).
-    adapted = re.search(r"round deadline now (\d+\.\d) s: 10 x the slowest round so far", out)
+    # The deadline follows the rule: 10 x the slowest round measured, at least 5 s, not
+    # round_timeout's 600 (the rounds' own time depends on the machine's load).
+    adapted = re.search(r"round deadline now (\d+\.\d) s: 10 x the slowest round so far \((\d+\.\d+) s", out)
     assert adapted, out[-5000:]
-    assert 5.0 <= float(adapted.group(1)) < 30
+    deadline, slowest = float(adapted.group(1)), float(adapted.group(2))
+    assert deadline == pytest.approx(max(5.0, 10 * slowest), abs=0.1) and deadline < 600
     summary = json.loads((run_dir / "summary.json").read_text())
     [lost] = summary["lost_silos"]
     assert lost["rank"] == 2 and 1 <= lost["round"] < rounds
@@ -120,19 +121,24 @@ def test_killed_silo_costs_seconds_with_the_default_timeouts_and_is_recorded(mni
     # after the adapted deadline (it may have grown since it was logged, if a later round was slower).
     waited = re.match(r"(sent no update within|unreachable for) (\d+\.\d) s \(the round deadline", lost["why"])
     assert waited, lost
-    assert float(adapted.group(1)) <= float(waited.group(2)) < 30
+    waited = float(waited.group(2))
+    assert deadline <= waited < 600
     if min_clients == 1:  # the server finished every round with the silo that answered
         assert "going on without silo rank(s) [2]" in out
         assert summary["status"] == "finished" and summary["rounds"] == rounds
         assert summary["aggregate_calls"] == rounds
         assert "the server exited" not in out
+        # The dead silo cost the round in which it was lost the deadline, and no more.
+        wall = {e["round"]: e["wall_seconds"] for e in summary["history"]}
+        lost_round_took = wall[lost["round"]] - wall[lost["round"] - 1]
+        assert waited - 1 < lost_round_took < waited + 15, (lost_round_took, waited)
     else:  # not enough silos left: the server stops, names the missing rank and keeps its model
         assert summary["status"] == "stopped" and "silo rank(s) [2]" in summary["error"]
         assert "fewer than comm_args.min_clients_per_round=2" in summary["error"]
         assert summary["rounds"] < rounds and summary["headline_round"] == summary["rounds"] - 1
         assert (run_dir / "model.pt").exists()
         assert "the server exited with code 1" in out
-    assert ended_after < 60
+        assert ended_after < waited + 30  # the deadline, then the server and the live silo end
     assert launched_alive(run_dir) == []
 
 

@@ -4,6 +4,7 @@ SIGTERM and SIGKILL of the launcher, a damaged checkpoint on --resume."""
 import csv
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -148,15 +149,23 @@ def test_silos_whose_server_was_killed_end_within_seconds(mnist_root, tmp_path):
             time.sleep(0.05)
         processes[0].kill()
         killed = time.monotonic()
-        outs = [p.communicate(timeout=60)[0] for p in processes[1:]]
+        outs = [p.communicate(timeout=300)[0] for p in processes[1:]]
         took = time.monotonic() - killed
     finally:
         for p in processes:
             p.kill()
     for silo in processes[1:]:
         assert silo.returncode == 1
+    waits = []
     for out in outs:
         # waiting for the next model, or retrying its upload: either way it names the cause and ends
-        assert "nothing from the server for" in out or "did not answer rank" in out, out[-3000:]
+        said = re.search(r"(nothing from the server for|did not answer rank \d for) (\d+\.\d) s", out)
+        assert said, out[-3000:]
         assert "gone?" in out and "Traceback" not in out
-    assert took < 40
+        waits.append(float(said.group(2)))
+    # The wait follows the measured rounds (10 x the slowest gap between models + 5 s, so it
+    # depends on the machine's load), not the 21 minutes (2 x round_timeout + connect_timeout)
+    # of a silo that has measured no rounds yet...
+    assert all(5.0 <= wait < 120 for wait in waits), waits
+    # ... and the silos end once it is over.
+    assert took < max(waits) + 20, (took, waits)
