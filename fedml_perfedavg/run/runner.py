@@ -423,9 +423,14 @@ def _file_log(run_dir: str, name: str) -> Optional[logging.Handler]:
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     handler.setLevel(logging.DEBUG)
-    root.addHandler(handler)
     if root.level > logging.INFO or root.level == logging.NOTSET:
+        # The file needs INFO through the root; the caller's own handlers keep showing only what
+        # the root let through before (e.g. a script's ``logging.basicConfig(level=WARNING)``).
+        for existing in root.handlers:
+            if existing.level == logging.NOTSET and root.level != logging.NOTSET:
+                existing.setLevel(root.level)
         root.setLevel(logging.INFO)
+    root.addHandler(handler)
     return handler
 
 
