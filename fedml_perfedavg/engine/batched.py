@@ -70,8 +70,12 @@ class BatchedSimulation:
         # FO, nor FedAvg's D' and D''; those are not gathered (the keyed indices stay the same).
         local = algorithm.settings.local
         own_maths = type(algorithm).local_update is FederatedAlgorithm.local_update and not self.whole_state
-        self._roles_read = ({0} if local.method == "fedavg" else {0, 1} if local.variant == "fo" else {0, 1, 2}) \
-            if own_maths else {0, 1, 2}
+        if not own_maths:
+            self._roles_read = {0, 1, 2}
+        elif local.method == "fedavg":
+            self._roles_read = {0}
+        else:
+            self._roles_read = {0, 1} if local.variant == "fo" else {0, 1, 2}
         # Every user's training data in one tensor: a round's minibatches are one gather per
         # role (the same keyed indices as client_batches), not one per client and a stack.
         self._gather = type(algorithm).client_batches is FederatedAlgorithm.client_batches

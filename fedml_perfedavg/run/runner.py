@@ -423,12 +423,13 @@ def _file_log(run_dir: str, name: str) -> Optional[logging.Handler]:
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     handler.setLevel(logging.DEBUG)
-    if root.level > logging.INFO or root.level == logging.NOTSET:
+    previous = root.level
+    if previous > logging.INFO or previous == logging.NOTSET:
         # The file needs INFO through the root; the caller's own handlers keep showing only what
         # the root let through before (e.g. a script's ``logging.basicConfig(level=WARNING)``).
-        for existing in root.handlers:
-            if existing.level == logging.NOTSET and root.level != logging.NOTSET:
-                existing.setLevel(root.level)
+        for existing in root.handlers if previous != logging.NOTSET else ():
+            if existing.level == logging.NOTSET:
+                existing.setLevel(previous)
         root.setLevel(logging.INFO)
     root.addHandler(handler)
     return handler

@@ -90,9 +90,8 @@ class PluginServerManager(FedMLServerManager):
         # Coming online includes the silos' start-up (imports, data): connect_timeout.
         if phase == "online":
             wait = self.policy.connect_timeout
-        else:
+        else:  # the retry window was set to this deadline before the round's models were sent
             wait = self._round_deadline()
-            self._limit_retries()
         self.round_started = time.monotonic()
         self.deadline = self.round_started + wait
 
@@ -136,8 +135,8 @@ class PluginServerManager(FedMLServerManager):
 
     def _start_training(self) -> None:
         self.is_initialized = True
-        # From now on a silo that cannot be reached was up before: give it round_timeout at most.
-        self.com_manager.retry_seconds = min(self.policy.connect_timeout, self.policy.round_timeout)
+        # From now on a silo that cannot be reached was up before: give it the round deadline at most.
+        self._limit_retries()
         logger.info("silos %s %s", self.client_id_list_in_this_round, TRAINING_STARTED)
         self._send_models(MyMessage.MSG_TYPE_S2C_INIT_CONFIG)
         self._open_phase("training")
