@@ -27,7 +27,7 @@ setup(
     ],
     extras_require={
         "mpi": ["mpi4py", "mpich"],
-        "silo": ["grpcio"],
+        "silo": ["grpcio", "cryptography", "safetensors"],
         "bench": ["matplotlib"],
         "test": ["pytest", "hypothesis"],
     },

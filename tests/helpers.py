@@ -80,12 +80,23 @@ def example_yaml(tmp_path, name: str, mnist_root: str, run_name: str, output_dir
     config["data_args"]["data_cache_dir"] = mnist_root
     config["common_args"]["output_dir"] = str(output_dir)
     config["common_args"]["run_name"] = run_name
+    if config["common_args"].get("training_type") == "cross_silo" and "tls_dir" not in edits:
+        edits["tls_dir"] = make_tls(tmp_path / "tls", 2)
     for key, value in {**EXAMPLE_SETTINGS, **edits}.items():
         section = next((s for s, keys in config.items() if key in keys), "train_args")
         config[section][key] = value
     path = tmp_path / f"{run_name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
+
+
+def make_tls(out_dir, clients: int) -> str:
+    """A run CA and certificates for ranks 0..clients, as ``fedml-perfedavg certs`` makes them."""
+    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
+
+    if not (Path(out_dir) / "ca.pem").exists():
+        make_certificates(str(out_dir), clients)
+    return str(out_dir)
 
 
 def launched_alive(run_dir) -> list:

@@ -83,6 +83,15 @@ class RoundDriver(Protocol):
 
     def round_finished(self, round_idx: int, global_state: StateDict) -> None: ...
 
+    def record_failure(self, why: str) -> None:
+        """Another process ends the run (a failing MPI rank): the run's record says so."""
+
+    def record_lost_silos(self, round_idx: int, ranks: List[int], why: str) -> None:
+        """Cross-silo: the server went on without these silos from this round."""
+
+    def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
+        """Cross-silo: the silos' own personalized evaluations of the model they received."""
+
 
 class ClientUpdate(NamedTuple):
     """What one client returns: its sample count and its new model state."""

@@ -23,6 +23,9 @@ def import_fedml():
     builds; FedML imports torchvision through core/alg_frame/client_trainer.py ->
     core/security/..., so a CPU torch breaks ``import fedml`` without this)."""
     make_torchvision_importable()
+    # gRPC's core prints connection chatter (GOAWAY at a run's end) at INFO on stderr; its
+    # errors (a refused TLS handshake) still print. A user's own setting wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     with warnings.catch_warnings():
         # computing/scheduler/comm_utils/sys_utils.py imports the deprecated pkg_resources.
         warnings.filterwarnings("ignore", message="pkg_resources is deprecated", category=UserWarning)

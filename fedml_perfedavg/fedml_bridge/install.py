@@ -9,7 +9,9 @@ own module that names the FedML file and why:
 - ``fedml.init``: no cloud calls and FedML's files where the user says (:mod:`.bootstrap`);
 - ``FedMLRunner.__init__``: plugin algorithms, and trainer/aggregator pairs really used
   (:mod:`.dispatch`, then :mod:`.sp`, :mod:`.mpi`, :mod:`.cross_silo`);
-- ``fedml.data.load`` / ``fedml.model.create``: the paper's split and MLP (:mod:`.hub`).
+- ``fedml.data.load`` / ``fedml.model.create``: the paper's split and MLP (:mod:`.hub`);
+- FedML's gRPC communication manager, for every cross-silo run in the process, FedML's own
+  optimizers included: it unpickles what any peer sends (:mod:`.cross_silo.transport`).
 """
 from __future__ import annotations
 
@@ -94,8 +96,30 @@ def install(entry: PluginEntry) -> None:
     FedMLRunner.__init__ = dispatching_init(FedMLRunner.__init__, entry.is_plugin_algorithm, entry.build_runner)
     fedml.data.load = loading_with_paper_split(fedml.data.load, entry.load_split)
     fedml.model.create = creating_paper_models(fedml.model.create)
+    _install_transport()
     _installed = entry
     logger.debug("fedml-perfedavg installed into FedML %s", getattr(fedml, "__version__", "?"))
+
+
+def _install_transport() -> None:
+    """fedml_comm_manager.py imports ``GRPCCommManager`` from its module when a manager is built,
+    so replacing the module's name reaches every cross-silo gRPC run. Fails closed: without the
+    transport's own packages, a cross-silo process refuses to start instead of unpickling."""
+    try:
+        import fedml.core.distributed.communication.grpc.grpc_comm_manager as fedml_grpc
+    except ImportError:
+        return  # no grpcio: FedML's gRPC backend cannot start either, and says so itself
+    try:
+        from .cross_silo.transport import SecureGRPCCommManager
+    except ImportError as err:
+        missing = str(err)
+
+        def SecureGRPCCommManager(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - stands in for a class
+            from ..core.guards import ConfigError
+
+            raise ConfigError(f"comm_args.backend='GRPC' needs the plugin's secure transport, which cannot be "
+                              f"imported ({missing}); pip install 'fedml-perfedavg[silo]'")
+    fedml_grpc.GRPCCommManager = SecureGRPCCommManager
 
 
 def is_installed() -> bool:

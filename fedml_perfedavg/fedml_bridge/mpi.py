@@ -82,9 +82,8 @@ class MPISimulation:
             except BaseException as err:
                 if args.process_id != 0:
                     logger.error("rank %d failed, aborting the MPI job: %s", args.process_id, err)
-                    record_failure = getattr(self.driver, "record_failure", None)
-                    if record_failure is not None:  # MPI_Abort kills the server: the run's record says why
-                        record_failure(f"MPI rank {args.process_id} failed, the job was aborted: {err}")
+                    if self.driver is not None:  # MPI_Abort kills the server: the run's record says why
+                        self.driver.record_failure(f"MPI rank {args.process_id} failed, the job was aborted: {err}")
                     logging.shutdown()
                     args.comm.Abort(1)
                 raise

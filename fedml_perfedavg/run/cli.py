@@ -4,7 +4,8 @@ A convenience over FedML's own path: it validates the config, picks the run dire
 takes the steps of FedML's example main script (``fedml.init``, ``fedml.device``,
 ``fedml.data.load``, ``fedml.model.create``, ``FedMLRunner(...).run()``) with the plugin
 installed. Cross-silo: ``fedml-perfedavg launch-silo --cf CONFIG.yaml`` starts a server and its
-silos on this machine; each process alone is ``fedml-perfedavg --cf ... --rank R --role server|client``.
+silos on this machine; each process alone is ``fedml-perfedavg --cf ... --rank R --role server|client``,
+with certificates from ``fedml-perfedavg certs --out DIR --clients N`` (``comm_args.tls_dir``).
 ``fedml-perfedavg show RUN_DIR [RUN_DIR ...]`` prints a finished run's summary and per-user
 table, or compares runs.
 """
@@ -99,6 +100,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .launch_silo import main as launch_silo
 
         return launch_silo(argv[1:])
+    if argv[:1] == ["certs"]:
+        from .certs import main as certs
+
+        return certs(argv[1:])
     if argv[:1] == ["show"]:
         from .show import main as show
 

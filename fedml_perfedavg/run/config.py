@@ -27,6 +27,7 @@ from ..core.algorithm import VARIANTS
 from ..core.guards import ConfigError
 from ..data.loading import DATASETS, default_test_images_per_class
 from ..data.partition import PARTITIONS, plan_users
+from ..fedml_bridge.cross_silo.credentials import check_security
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,14 @@ class Config:
                                                     "on without the silos that did not answer if at least this "
                                                     "many did; else stop naming them (default: all)",
                                                     rule=_at_least_one, optional=True)
+    tls_dir: Optional[str] = _setting("comm_args", str, None, "cross-silo: folder with the run CA (ca.pem) and this "
+                                      "rank's rank-R.pem and rank-R.key (fedml-perfedavg certs makes them); mutual "
+                                      "TLS, each rank bound to its certificate", optional=True)
+    insecure: bool = _setting("comm_args", bool, False, "cross-silo without tls_dir: plaintext and unauthenticated "
+                              "(messages are still never unpickled); only on a network you trust")
+    max_message_bytes: Optional[int] = _setting("comm_args", int, None, "cross-silo: refuse a message larger than "
+                                                "this before decoding it (default: 2 x the model's bytes + 1 MiB)",
+                                                rule=(lambda v: v >= 1024, ">= 1024"), optional=True)
     # tracking_args
     enable_wandb: bool = _setting("tracking_args", bool, False, "log to wandb (offline unless WANDB_MODE says "
                                   "otherwise)")
@@ -306,6 +315,8 @@ def _rule_platform(c: Config) -> None:
     if c.random_iterate and c.training_type != "simulation":
         raise ConfigError("validation_args.random_iterate=True: only in simulation (common_args.training_type "
                           "simulation), where the server holds every user's data to recompute the iterates")
+    if c.training_type == "cross_silo":
+        check_security(c.tls_dir, c.insecure)
     if c.min_clients_per_round is not None and c.min_clients_per_round > c.client_num_per_round:
         raise ConfigError(f"comm_args.min_clients_per_round={c.min_clients_per_round!r}: must be <= "
                           f"train_args.client_num_per_round ({c.client_num_per_round})")

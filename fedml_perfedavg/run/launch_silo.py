@@ -19,13 +19,15 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from typing import Dict, List, Optional, Sequence
 
 from ..core.guards import ConfigError
-from .config import load
+from ..fedml_bridge.cross_silo.credentials import make_certificates
+from .config import load, load_yaml, parse_overrides
 from .runner import resolve_run_dir
 from .silo_addresses import read_ipconfig, write_ipconfig
-from ..fedml_bridge.cross_silo.transport import READY_MESSAGE, TRAINING_STARTED
+from ..fedml_bridge.cross_silo import READY_MESSAGE, TRAINING_STARTED
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +79,25 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
     """Start a server and ``clients`` silos on this machine, stream their output, and return 0
     if every process succeeded (1 otherwise)."""
     overrides = [*overrides, *SILO_SETTINGS]
-    config = load(config_path, overrides)
+    given = {k: v for section in load_yaml(config_path).values() for k, v in section.items()}
+    given.update(parse_overrides(overrides))
+    make_certs = not given.get("tls_dir") and not given.get("insecure")
+    config = load(config_path, [*overrides, "tls_dir=made-below"] if make_certs else overrides)
     clients = config.client_num_per_round if clients is None else clients
     if clients != config.client_num_per_round:
         raise ConfigError(f"train_args.client_num_per_round={config.client_num_per_round!r}: must equal --clients "
                           f"({clients}): each silo trains one sampled user per round")
     run_dir = resolve_run_dir(config, run_dir)
+    if make_certs:  # one command still: this run's own CA and certificates, in its run directory
+        tls_dir = os.path.join(run_dir, "tls")
+        make_certificates(tls_dir, clients, overwrite=True)
+        overrides = [*overrides, f"tls_dir={tls_dir}"]
+        logger.info("certificates for ranks 0..%d made in %s (comm_args.tls_dir)", clients, tls_dir)
     ipconfig = config.grpc_ipconfig_path or write_ipconfig(os.path.join(run_dir, "grpc_ipconfig.csv"), clients + 1)
     addresses = read_ipconfig(ipconfig, clients + 1)
     command = [sys.executable, "-m", "fedml_perfedavg", "--cf", config_path, "--run-dir", run_dir,
-               *[a for s in [*overrides, f"grpc_ipconfig_path={os.path.abspath(ipconfig)}"] for a in ("--set", s)]]
+               *[a for s in [*overrides, f"grpc_ipconfig_path={os.path.abspath(ipconfig)}"] for a in ("--set", s)],
+               "--run_id", uuid.uuid4().hex[:16]]  # a message of another run (another launch) is refused
     # The processes share this machine's cores: each gets its share of threads (torch would
     # otherwise start one per core in every process and they would fight over them).
     share = str(max(1, (os.cpu_count() or 1) // (clients + 1)))

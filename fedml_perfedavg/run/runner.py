@@ -229,7 +229,8 @@ class PluginRun:
     def _backend(self):
         config, args = self.config, self.args
         if config.training_type == "cross_silo":
-            from ..fedml_bridge.cross_silo import CrossSiloProcess, SiloPolicy
+            from ..fedml_bridge.cross_silo.policy import SiloPolicy
+            from ..fedml_bridge.cross_silo.process import CrossSiloProcess
 
             self.where = f"cross-silo rank {self.rank} ({args.role})"
             policy = SiloPolicy(config.connect_timeout, config.round_timeout,

@@ -33,7 +33,7 @@ def _silo_command(script_args, path):
     server = f"{sys.executable} {script_args} --cf {path} --rank 0 --role server --run_id 7"
     silos = " & ".join(f"{sys.executable} {script_args} --cf {path} --rank {r} --role client --run_id 7"
                        for r in (1, 2))
-    return ["sh", "-c", f"{server} > server.log 2>&1 & until grep -q 'Started gRPC server' server.log; do "
+    return ["sh", "-c", f"{server} > server.log 2>&1 & until grep -q 'rank 0 listening on' server.log; do "
                         f"sleep 0.2; done; {silos} & wait; cat server.log"]
 
 

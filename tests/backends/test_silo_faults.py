@@ -15,7 +15,7 @@ import pytest
 
 from fedml_perfedavg.run.silo_addresses import write_ipconfig
 
-from tests.helpers import HF_YAML, REPO, SILO_YAML, launched_alive, needs_mnist
+from tests.helpers import HF_YAML, REPO, SILO_YAML, launched_alive, make_tls, needs_mnist
 
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False}
 
@@ -45,21 +45,24 @@ def _occupy(port):
 
 
 def test_a_second_server_on_one_address_file_and_a_busy_port_are_refused(tmp_path):
-    from fedml_perfedavg.fedml_bridge.cross_silo.transport import PluginGRPCCommManager, PortUnavailable
+    from argparse import Namespace
+
+    from fedml_perfedavg.fedml_bridge.cross_silo.transport import PortUnavailable, SecureGRPCCommManager
 
     path = write_ipconfig(str(tmp_path / "ip.csv"), 2)
     ports = _ports(path)
-    first = PluginGRPCCommManager(path, client_rank=0, client_num=1)
+    args = Namespace(insecure=True, run_id="r", max_message_bytes=1 << 20)
+    first = SecureGRPCCommManager(path, client_rank=0, client_num=1, args=args)
     try:  # gRPC's default SO_REUSEPORT would let this one share the port and half the messages
         with pytest.raises(PortUnavailable, match=rf"rank 0 cannot listen on 127.0.0.1:{ports[0]} .*the port is in "
                                                   rf"use.*another port in the address file"):
-            PluginGRPCCommManager(path, client_rank=0, client_num=1)
+            SecureGRPCCommManager(path, client_rank=0, client_num=1, args=args)
     finally:
-        first.grpc_server.stop(None)
+        first.stop_receive_message()
     holder = _occupy(ports[1])
     try:
         with pytest.raises(PortUnavailable, match=rf"rank 1 cannot listen on 127.0.0.1:{ports[1]}"):
-            PluginGRPCCommManager(path, client_rank=1, client_num=1)
+            SecureGRPCCommManager(path, client_rank=1, client_num=1, args=args)
     finally:
         holder.close()
 
@@ -135,7 +138,7 @@ def test_silos_whose_server_was_killed_end_within_seconds(mnist_root, tmp_path):
     run_dir = tmp_path / "run"
     path = write_ipconfig(str(tmp_path / "ip.csv"), 3)
     sets = [f"{k}={v}" for k, v in {**SETTINGS, "data_cache_dir": mnist_root, "comm_round": 400,
-                                    "grpc_ipconfig_path": path}.items()]
+                                    "grpc_ipconfig_path": path, "tls_dir": make_tls(tmp_path / "tls", 2)}.items()]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")}
     processes = [subprocess.Popen([sys.executable, "-m", "fedml_perfedavg", "--cf", SILO_YAML, "--run-dir",
                                    str(run_dir), *[a for s in sets for a in ("--set", s)], "--rank", str(rank),
@@ -159,7 +162,8 @@ def test_silos_whose_server_was_killed_end_within_seconds(mnist_root, tmp_path):
     waits = []
     for out in outs:
         # waiting for the next model, or retrying its upload: either way it names the cause and ends
-        said = re.search(r"(nothing from the server for|did not answer rank \d for) (\d+\.\d) s", out)
+        said = re.search(r"(nothing from the server for|did not take a message from rank \d within) (\d+\.\d) s",
+                         out)
         assert said, out[-3000:]
         assert "gone?" in out and "Traceback" not in out
         waits.append(float(said.group(2)))

@@ -7,14 +7,15 @@ from __future__ import annotations
 import logging
 import platform
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 from ...core.guards import SiloFailure
 from ..bootstrap import import_fedml
-from .transport import SILO_METRICS, PeerUnreachable, SiloPolicy, no_retry
+from .policy import SiloPolicy
+from .transport import PeerUnreachable
+from .wire import SILO_METRICS
 
 import_fedml()
-import grpc  # noqa: E402
 from fedml.core.distributed.communication.message import Message  # noqa: E402
 from fedml.cross_silo.client.fedml_client_master_manager import ClientMasterManager  # noqa: E402
 from fedml.cross_silo.client.fedml_trainer import FedMLTrainer  # noqa: E402
@@ -64,8 +65,12 @@ class PluginClientMasterManager(ClientMasterManager):
     ``SiloPolicy.client_idle_deadline`` (adaptive, see there) stops, and its evaluation of the
     model it received rides on its upload (and on its goodbye, for the final model)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    GOODBYE_SECONDS = 2.0  # a finished run's goodbye: a server that has already ended is not waited for
+
+    def __init__(self, args: Any, trainer_dist_adapter: Any, comm: Any = None, rank: int = 0, size: int = 0,
+                 backend: str = "GRPC", *, policy: SiloPolicy) -> None:
+        super().__init__(args, trainer_dist_adapter, comm, rank, size, backend)
+        self.policy = policy
         self.last_heard = time.monotonic()
         self.last_model: Optional[float] = None
         self.slowest_gap: Optional[float] = None  # between two models from the server
@@ -113,16 +118,7 @@ class PluginClientMasterManager(ClientMasterManager):
             self.send_message(message)
             return
         message.add_params(SILO_METRICS, self._metrics())
-        # The goodbye of a finished run: a server that has already ended is not waited for.
-        with no_retry(self):
-            try:
-                self.send_message(message)
-            except (PeerUnreachable, grpc.RpcError) as err:
-                logger.info("silo rank %d: the server has already ended (%s); this silo is done", self.rank,
-                            type(err).__name__)
-
-
-def client_classes(policy: SiloPolicy) -> Tuple[type, type]:
-    """(trainer adapter class, client manager class) bound to one run's policy."""
-    return PluginTrainerDistAdapter, type("PluginClientMasterManager", (PluginClientMasterManager,),
-                                          {"policy": policy})
+        try:
+            self.com_manager.send_message(message, deadline=time.monotonic() + self.GOODBYE_SECONDS)
+        except PeerUnreachable as err:
+            logger.info("silo rank %d: the server has already ended (%s); this silo is done", self.rank, err)

@@ -1,14 +1,27 @@
-"""The cross-silo server: FedML's aggregator and server manager (cross_silo/server/) with
-deadlines, a minimum of clients, keyed client sampling, and the silos' own evaluations.
+"""The cross-silo server as a state machine over FedML's server manager and aggregator
+(cross_silo/server/fedml_server_manager.py, fedml_aggregator.py).
 
-fedml_aggregator.py keeps one upload slot per silo forever, averages all of them (stale ones
-too, once a silo is gone) and samples with ``np.random.seed(round)``; fedml_server_manager.py
-waits for every silo in every phase with no limit (one dead silo hangs the server), selects
-round r+1's silos with round r's seed, and sleeps 5 s before finishing. The subclasses below
-fix each of these; ``server_classes`` binds them to one run's policy and driver.
+FedML's server waits for every silo in every phase with no limit (one dead silo hangs it),
+averages every upload slot it ever filled (stale ones too, once a silo is gone), selects round
+r+1's silos with round r's seed, samples with ``np.random.seed(round)`` and sleeps 5 s before
+finishing. Here a run goes through these phases, each with one deadline::
+
+    ONLINE ----> TRAINING --(round < K)--> TRAINING
+                    |
+                    +------(round = K)--> FINISHING ----> DONE
+
+- ONLINE: waiting for the silos to announce themselves (deadline: ``connect_timeout``).
+- TRAINING: a round's models were sent to its silos, waiting for their updates (deadline: the
+  round deadline of :class:`~.policy.SiloPolicy`, which also bounds sending the models).
+- FINISHING: the final model was sent, waiting for the silos' goodbyes (their own evaluations).
+
+At a deadline the silos that did not answer are given up on; the run goes on if at least
+``min_clients`` are left (:meth:`SiloPolicy.after_deadline`), else it stops naming them. The
+k-th silo trains the k-th user of the algorithm's keyed sample, as the k-th client of an sp round.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -16,7 +29,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from ...core.guards import ConfigError, SiloFailure
 from ..bootstrap import import_fedml
 from ...algorithms.base import RoundDriver
-from .transport import SILO_METRICS, TRAINING_STARTED, PeerUnreachable, SiloPolicy, no_retry
+from .policy import SiloPolicy
+from . import TRAINING_STARTED
+from .transport import ROUND_KEY
+from .wire import SILO_METRICS
 
 import_fedml()
 from fedml.core.distributed.communication.message import Message  # noqa: E402
@@ -27,35 +43,31 @@ from fedml.cross_silo.server.message_define import MyMessage  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
+class Phase(enum.Enum):
+    STARTING = "starting"
+    ONLINE = "coming online"
+    TRAINING = "training"
+    FINISHING = "finishing"
+    DONE = "done"
+
+
+# DONE is also where a stopped run goes, from any phase.
+TRANSITIONS = {Phase.STARTING: {Phase.ONLINE, Phase.DONE}, Phase.ONLINE: {Phase.TRAINING, Phase.DONE},
+               Phase.TRAINING: {Phase.TRAINING, Phase.FINISHING, Phase.DONE}, Phase.FINISHING: {Phase.DONE},
+               Phase.DONE: set()}
+
+
 class PluginFedMLAggregator(FedMLAggregator):
-    """fedml_aggregator.py keeps one upload slot per silo forever and averages all of them
-    (stale ones too if a silo is gone), and samples with ``np.random.seed(round)``. Here the
-    round's users come from the plugin's keyed sampler (silo k trains the k-th sampled user, as
-    the k-th client of an sp round), and only this round's uploads are averaged."""
+    """Keeps only the open round's uploads, by the silo's position in the round."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, driver: RoundDriver, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.lost: set = set()  # silo ids given up on
-        self.updates: Dict[int, Tuple[float, Any]] = {}  # position -> upload of the open round
-        self.live_positions: List[int] = []
+        self.driver = driver
+        self.updates: Dict[int, Tuple[float, Any]] = {}  # position -> (sample count, model)
 
-    def client_selection(self, round_idx, client_id_list_in_total, client_num_per_round):
-        ids = list(client_id_list_in_total)
-        if len(ids) != client_num_per_round:
-            raise ConfigError(f"train_args.client_num_per_round={client_num_per_round!r}: must equal the number "
-                              f"of silos ({len(ids)}): each silo trains one sampled user per round")
-        self.live_positions = [p for p, silo in enumerate(ids) if silo not in self.lost]
-        return [ids[p] for p in self.live_positions]
-
-    def data_silo_selection(self, round_idx, client_num_in_total, client_num_per_round):
+    def users_of_round(self, round_idx: int, positions: List[int]) -> List[int]:
         users = self.driver.sample_clients(round_idx)
-        return [int(users[p]) for p in self.live_positions]
-
-    def add_local_trained_result(self, index, model_params, sample_num):
-        self.updates[index] = (sample_num, model_params)
-
-    def check_whether_all_receive(self):
-        return all(p in self.updates for p in self.live_positions)
+        return [int(users[p]) for p in positions]
 
     def aggregate(self):
         model_list = [self.updates[p] for p in sorted(self.updates)]  # sp's order of sampled users
@@ -65,39 +77,44 @@ class PluginFedMLAggregator(FedMLAggregator):
         self.set_global_model_params(averaged)
         return averaged, model_list, model_list_idxes
 
-class PluginServerManager(FedMLServerManager):
-    """fedml_server_manager.py waits for every silo in every phase with no limit, so one dead
-    silo hangs the server forever; selects round r+1's silos with round r's seed; and sleeps 5 s
-    before finishing. Here each phase has a deadline (silos coming online: ``connect_timeout``;
-    a round's uploads and the final goodbyes: ``round_timeout``): then the server goes on with
-    the silos that answered if at least ``min_clients`` did, or stops naming the missing ranks.
-    Silos' own personalized evaluations ride on their messages and are logged."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.phase = "online"
-        self.deadline: Optional[float] = None
+class PluginServerManager(FedMLServerManager):
+    """The phases of the module doc. ``policy`` decides deadlines and when to stop; ``driver``
+    samples each round's users and takes each new global model (evaluation, checkpoints)."""
+
+    def __init__(self, args: Any, aggregator: PluginFedMLAggregator, comm: Any = None, client_rank: int = 0,
+                 client_num: int = 0, backend: str = "GRPC", *, policy: SiloPolicy, driver: RoundDriver) -> None:
+        super().__init__(args, aggregator, comm, client_rank, client_num, backend)
+        if len(self.client_real_ids) != args.client_num_per_round:
+            raise ConfigError(f"train_args.client_num_per_round={args.client_num_per_round!r}: must equal the number "
+                              f"of silos ({len(self.client_real_ids)}): each silo trains one sampled user per round")
+        self.policy, self.driver = policy, driver
+        self.phase = Phase.STARTING
+        self.deadline: Optional[float] = None  # the one deadline of the open phase (time.monotonic())
+        self.phase_opened = 0.0
+        self.live: List[int] = list(self.client_real_ids)  # silos not given up on, in position order
+        self.users: Dict[int, int] = {}  # silo -> its user in the open round
+        self.online: set = set()
         self.finished: set = set()
         self.silo_metrics: Dict[int, Dict[str, Any]] = {}  # silo -> its last evaluation
-        self.round_started: Optional[float] = None
         self.slowest_round: Optional[float] = None  # of the rounds every silo answered in time
         self.rounds_measured = 0
         self.adaptive_logged = False
 
-    # -- phases ---------------------------------------------------------------------------
-    def _open_phase(self, phase: str) -> None:
-        self.phase = phase
-        # Coming online includes the silos' start-up (imports, data): connect_timeout.
-        if phase == "online":
-            wait = self.policy.connect_timeout
-        else:  # the retry window was set to this deadline before the round's models were sent
-            wait = self._round_deadline()
-        self.round_started = time.monotonic()
-        self.deadline = self.round_started + wait
+    @property
+    def round_idx(self) -> int:
+        return self.args.round_idx  # FedML's own counter, which the transport stamps on messages
 
-    def _round_deadline(self) -> float:
-        """The round deadline as of the rounds measured so far; logged the first time it adapts
-        (whichever use comes first: sending a round's models or waiting for its updates)."""
+    # -- phases and the deadline --------------------------------------------------------------------
+    def _enter(self, phase: Phase, seconds: Optional[float] = None) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise RuntimeError(f"cross-silo server: no transition from {self.phase.name} to {phase.name}")
+        self.phase = phase
+        self.phase_opened = time.monotonic()
+        self.deadline = None if seconds is None else self.phase_opened + seconds
+
+    def _round_seconds(self) -> float:
+        """The round deadline as of the rounds measured so far; logged the first time it adapts."""
         wait = self.policy.round_deadline(self.slowest_round, self.rounds_measured)
         if wait < self.policy.round_timeout and not self.adaptive_logged:
             self.adaptive_logged = True
@@ -106,114 +123,134 @@ class PluginServerManager(FedMLServerManager):
                         self.policy.round_timeout_factor, self.slowest_round, self.policy.round_timeout)
         return wait
 
-    def _limit_retries(self) -> None:
-        """A silo that was up and stops answering is given the round deadline, no more: the
-        deadline as of the rounds measured so far (sending a round's models comes before its
-        phase opens, and must not wait by an older, longer deadline while the live silos give up
-        on a silent server)."""
-        self.com_manager.retry_seconds = min(self.policy.connect_timeout, self._round_deadline())
-
-    def _select(self) -> None:
-        self.client_id_list_in_this_round = self.aggregator.client_selection(
-            self.args.round_idx, self.client_real_ids, self.args.client_num_per_round)
-        self.data_silo_index_list = self.aggregator.data_silo_selection(
-            self.args.round_idx, self.args.client_num_in_total, len(self.client_id_list_in_this_round))
-
-    def handle_message_connection_ready(self, msg_params):
-        # FedML pings every silo here and swallows the errors; silos announce themselves
-        # (retrying until the server listens), so the server only starts its clock.
-        if self.client_id_list_in_this_round is None:
-            self._select()
-            self._open_phase("online")
-            logger.info("server listening; waiting for silos %s", self.client_id_list_in_this_round)
-
-    def process_online_status(self, client_status, msg_params):
-        self.client_online_mapping[str(msg_params.get_sender_id())] = True
-        if self.phase == "online" and all(self.client_online_mapping.get(str(s), False)
-                                          for s in self.client_id_list_in_this_round):
-            self._start_training()
-
-    def _start_training(self) -> None:
-        self.is_initialized = True
-        # From now on a silo that cannot be reached was up before: give it the round deadline at most.
-        self._limit_retries()
-        logger.info("silos %s %s", self.client_id_list_in_this_round, TRAINING_STARTED)
-        self._send_models(MyMessage.MSG_TYPE_S2C_INIT_CONFIG)
-        self._open_phase("training")
-
-    def _send_models(self, msg_type: str) -> None:
-        params = self.aggregator.get_global_model_params()
-        unreachable = []
-        for silo, user in zip(list(self.client_id_list_in_this_round), list(self.data_silo_index_list)):
-            message = Message(msg_type, self.get_sender_id(), silo)
-            message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, params)
-            message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_INDEX, str(user))
-            message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_OS, "PythonClient")
-            try:
-                self.send_message(message)
-            except PeerUnreachable as err:
-                logger.warning("%s", err)
-                unreachable.append(silo)
-        if unreachable:
-            self._give_up_on(unreachable, f"unreachable for {self.com_manager.retry_seconds:.1f} s (the round "
-                                          f"deadline, see comm_args.round_timeout_factor)")
-
-    def _give_up_on(self, silos: List[int], why: str) -> None:
-        live = [s for s in self.client_id_list_in_this_round if s not in silos]
-        record = getattr(self.driver, "record_lost_silos", None)
-        if record is not None:
-            record(self.args.round_idx, sorted(silos), why)
-        if len(live) < self.policy.min_clients:
-            self._stop(f"round {self.args.round_idx}: silo rank(s) {sorted(silos)} {why}; {len(live)} left, "
-                       f"fewer than comm_args.min_clients_per_round={self.policy.min_clients}")
-        logger.warning("round %d: going on without silo rank(s) %s (%s); %d left, comm_args."
-                       "min_clients_per_round=%d", self.args.round_idx, sorted(silos), why, len(live),
-                       self.policy.min_clients)
-        self.aggregator.lost.update(silos)
-        keep = [i for i, s in enumerate(self.client_id_list_in_this_round) if s not in silos]
-        self.client_id_list_in_this_round = [self.client_id_list_in_this_round[i] for i in keep]
-        self.data_silo_index_list = [self.data_silo_index_list[i] for i in keep]
-        self.aggregator.live_positions = [p for p in self.aggregator.live_positions
-                                          if self.client_real_ids[p] not in silos]
-
-    def _stop(self, reason: str) -> None:
-        # Tell the silos still there to end, without waiting on any that do not answer.
-        with no_retry(self):
-            for silo, user in zip(list(self.client_id_list_in_this_round), list(self.data_silo_index_list)):
-                try:
-                    self.send_message_finish(silo, user)
-                except Exception:  # noqa: BLE001 - a silo that is gone cannot be told
-                    pass
-        self.com_manager.stop_receive_message()
-        raise SiloFailure(reason)
-
     def on_idle(self) -> None:
+        """The transport's tick while no message comes: act on a passed deadline."""
         if self.deadline is None or time.monotonic() < self.deadline:
             return
         self.deadline = None
-        expected = list(self.client_id_list_in_this_round)
-        if self.phase == "online":
-            answered = [s for s in expected if self.client_online_mapping.get(str(s), False)]
-            what = f"did not come online within comm_args.connect_timeout={self.policy.connect_timeout:g} s"
-        elif self.phase == "training":
-            answered = [self.client_real_ids[p] for p in self.aggregator.updates]
-            wait = self._round_deadline()
-            what = f"sent no update within {wait:.1f} s (the round deadline, see comm_args.round_timeout_factor)"
-        else:
-            answered = [s for s in expected if s in self.finished]
-            logger.warning("no goodbye from silo rank(s) %s within the round deadline; the run is complete",
-                           sorted(set(expected) - set(answered)))
-            self._complete()
-            return
-        missing = [s for s in expected if s not in answered]
-        self._give_up_on(missing, what)
-        if self.phase == "online":
+        if self.phase is Phase.ONLINE:
+            self._give_up_after_deadline(self.online, f"did not come online within comm_args.connect_timeout="
+                                                      f"{self.policy.connect_timeout:g} s")
             self._start_training()
-        else:
+        elif self.phase is Phase.TRAINING:
+            answered = {self.client_real_ids[p] for p in self.aggregator.updates}
+            self._give_up_after_deadline(answered, f"sent no update within {self._round_seconds():.1f} s (the "
+                                                   f"round deadline, see comm_args.round_timeout_factor)")
+            self._finish_round()
+        elif self.phase is Phase.FINISHING:
+            logger.warning("no goodbye from silo rank(s) %s within the round deadline; the run is complete",
+                           sorted(set(self.live) - self.finished))
+            self._complete()
+
+    def _give_up_after_deadline(self, answered: set, why: str) -> None:
+        go_on, missing = self.policy.after_deadline(self.live, sorted(answered))
+        if missing:
+            self._give_up_on(missing, why, go_on)
+
+    def _give_up_on(self, silos: List[int], why: str, go_on: bool) -> None:
+        self.driver.record_lost_silos(self.round_idx, sorted(silos), why)
+        left = len(self.live) - len(silos)
+        if not go_on:
+            self._stop(f"round {self.round_idx}: silo rank(s) {sorted(silos)} {why}; {left} left, fewer than "
+                       f"comm_args.min_clients_per_round={self.policy.min_clients}")
+        logger.warning("round %d: going on without silo rank(s) %s (%s); %d left, comm_args.min_clients_per_round=%d",
+                       self.round_idx, sorted(silos), why, left, self.policy.min_clients)
+        self.live = [s for s in self.live if s not in silos]
+        for silo in silos:
+            self.users.pop(silo, None)
+
+    def _stop(self, reason: str) -> None:
+        """End the run early: tell the silos still there (without waiting on any that do not answer)."""
+        if self.phase is not Phase.DONE:
+            self._enter(Phase.DONE)
+        finish = [self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo) for silo in self.live]
+        self.com_manager.send_all(finish, time.monotonic() + 1.0)
+        self.com_manager.stop_receive_message()
+        raise SiloFailure(reason)
+
+    # -- messages -----------------------------------------------------------------------------------
+    def register_message_receive_handlers(self) -> None:
+        self.register_message_receive_handler(MyMessage.MSG_TYPE_CONNECTION_IS_READY, self._on_listening)
+        self.register_message_receive_handler(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self._on_status)
+        self.register_message_receive_handler(MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER, self._on_update)
+
+    def _message(self, msg_type: int, silo: int, model: Any = None) -> Message:
+        message = Message(msg_type, self.get_sender_id(), silo)
+        if model is not None:
+            message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, model)
+        message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_INDEX, str(self.users.get(silo, 0)))
+        return message
+
+    def _on_listening(self, msg_params: Message) -> None:
+        # FedML pings every silo here; silos announce themselves (retrying until the server
+        # listens), so the server only starts its clock.
+        self._enter(Phase.ONLINE, self.policy.connect_timeout)
+        logger.info("server listening; waiting for silos %s", self.live)
+
+    def _on_status(self, msg_params: Message) -> None:
+        silo = int(msg_params.get_sender_id())
+        status = msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_STATUS)
+        if status == self.ONLINE_STATUS_FLAG:
+            self.online.add(silo)
+            if self.phase is Phase.ONLINE and all(s in self.online for s in self.live):
+                self._start_training()
+        elif status == self.RUN_FINISHED_STATUS_FLAG:
+            self.finished.add(silo)
+            self._note_silo_metrics(msg_params)
+            if self.phase is Phase.FINISHING and all(s in self.finished for s in self.live):
+                self._complete()
+
+    def _on_update(self, msg_params: Message) -> None:
+        silo = int(msg_params.get_sender_id())
+        stamped = msg_params.get(ROUND_KEY)
+        if self.phase is not Phase.TRAINING or silo not in self.live or stamped != self.round_idx:
+            logger.warning("ignored an update from silo rank %d for round %s (the server is %s round %d)", silo,
+                           stamped, self.phase.value, self.round_idx)
+            return
+        self._note_silo_metrics(msg_params)
+        self.aggregator.updates[self.client_real_ids.index(silo)] = (
+            msg_params.get(MyMessage.MSG_ARG_KEY_NUM_SAMPLES), msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
+        if all(self.client_real_ids.index(s) in self.aggregator.updates for s in self.live):
+            # Only rounds every silo answered in time measure what a round takes.
+            self.slowest_round = max(time.monotonic() - self.phase_opened, self.slowest_round or 0.0)
+            self.rounds_measured += 1
             self._finish_round()
 
-    # -- rounds ---------------------------------------------------------------------------
-    def _note_silo_metrics(self, msg_params) -> None:
+    # -- rounds ---------------------------------------------------------------------------------------
+    def _start_training(self) -> None:
+        self.is_initialized = True
+        logger.info("silos %s %s", self.live, TRAINING_STARTED)
+        self._send_round(MyMessage.MSG_TYPE_S2C_INIT_CONFIG, Phase.TRAINING)
+
+    def _send_round(self, msg_type: int, phase: Phase) -> None:
+        """Open ``phase`` and send the round's model to its silos, all within the round's deadline."""
+        positions = [self.client_real_ids.index(s) for s in self.live]
+        self.users = dict(zip(self.live, self.aggregator.users_of_round(self.round_idx, positions)))
+        self._enter(phase, self._round_seconds())
+        params = self.aggregator.get_global_model_params()
+        unreachable = self.com_manager.send_all([self._message(msg_type, s, params) for s in self.live], self.deadline)
+        for silo, err in sorted(unreachable.items()):
+            logger.warning("%s", err)
+        if unreachable:
+            go_on, _ = self.policy.after_deadline(self.live, [s for s in self.live if s not in unreachable])
+            self._give_up_on(sorted(unreachable), f"unreachable for {self.deadline - self.phase_opened:.1f} s (the "
+                                                  f"round deadline, see comm_args.round_timeout_factor)", go_on)
+
+    def _finish_round(self) -> None:
+        round_idx = self.round_idx
+        self.aggregator.aggregate()
+        self.driver.round_finished(round_idx, self.aggregator.get_global_model_params())
+        self._log_silo_metrics(f"round {round_idx}")
+        self.args.round_idx = round_idx + 1
+        self._send_round(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT,
+                         Phase.TRAINING if self.args.round_idx < self.round_num else Phase.FINISHING)
+
+    def _complete(self) -> None:
+        self._log_silo_metrics("final")
+        self._enter(Phase.DONE)
+        self.finish()
+
+    def _note_silo_metrics(self, msg_params: Message) -> None:
         metrics = msg_params.get(SILO_METRICS)
         if metrics is not None:
             self.silo_metrics[int(msg_params.get_sender_id())] = metrics
@@ -224,55 +261,7 @@ class PluginServerManager(FedMLServerManager):
             return
         mean = sum(e["accuracy"] for e in entries) / len(entries)
         logger.info("%s: silos' own personalized accuracy %.4f (model they received, mean of %d silos, each on "
-                    "its user: %s)", label,
-                    mean, len(entries), ", ".join(f"rank {s} user {e['user']} {e['accuracy']:.4f}"
-                                                  for s, e in sorted(self.silo_metrics.items())))
-        record = getattr(self.driver, "record_silo_evaluation", None)
-        if record is not None:
-            record(label, mean, dict(self.silo_metrics))
+                    "its user: %s)", label, mean, len(entries),
+                    ", ".join(f"rank {s} user {e['user']} {e['accuracy']:.4f}" for s, e in sorted(self.silo_metrics.items())))
+        self.driver.record_silo_evaluation(label, mean, dict(self.silo_metrics))
         self.silo_metrics = {}
-
-    def handle_message_receive_model_from_client(self, msg_params):
-        sender = int(msg_params.get(MyMessage.MSG_ARG_KEY_SENDER))
-        if self.phase != "training" or sender not in self.client_id_list_in_this_round:
-            logger.warning("ignored an update from silo rank %d (not expected now)", sender)
-            return
-        self._note_silo_metrics(msg_params)
-        self.aggregator.add_local_trained_result(self.client_real_ids.index(sender),
-                                                 msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS),
-                                                 msg_params.get(MyMessage.MSG_ARG_KEY_NUM_SAMPLES))
-        if self.aggregator.check_whether_all_receive():
-            # Only rounds every silo answered in time measure what a round takes.
-            elapsed = time.monotonic() - self.round_started
-            self.slowest_round = max(elapsed, self.slowest_round or 0.0)
-            self.rounds_measured += 1
-            self._finish_round()
-
-    def _finish_round(self) -> None:
-        round_idx = self.args.round_idx
-        self.aggregator.aggregate()
-        self.driver.round_finished(round_idx, self.aggregator.get_global_model_params())
-        self._log_silo_metrics(f"round {round_idx}")
-        self.args.round_idx = round_idx + 1
-        self._select()
-        self._limit_retries()
-        self._send_models(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT)
-        self._open_phase("training" if self.args.round_idx < self.round_num else "finishing")
-
-    def process_finished_status(self, client_status, msg_params):
-        self.finished.add(int(msg_params.get_sender_id()))
-        self._note_silo_metrics(msg_params)
-        if self.phase == "finishing" and all(s in self.finished for s in self.client_id_list_in_this_round):
-            self._complete()
-
-    def _complete(self) -> None:
-        self._log_silo_metrics("final")
-        self.deadline = None
-        self.finish()
-
-
-def server_classes(policy: SiloPolicy, driver: RoundDriver) -> Tuple[type, type]:
-    """(aggregator class, server manager class) bound to one run's policy and driver."""
-    aggregator = type("PluginFedMLAggregator", (PluginFedMLAggregator,), {"driver": driver})
-    manager = type("PluginServerManager", (PluginServerManager,), {"policy": policy, "driver": driver})
-    return aggregator, manager

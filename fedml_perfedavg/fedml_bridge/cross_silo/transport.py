@@ -1,170 +1,388 @@
-"""Cross-silo transport: FedML's gRPC communication manager with three defects fixed
-(core/distributed/communication/grpc/grpc_comm_manager.py):
+"""Cross-silo transport: FedML's gRPC communication manager
+(core/distributed/communication/grpc/grpc_comm_manager.py) replaced, for every cross-silo run in
+a process that imported the plugin (FedML's own optimizers too), because FedML's:
 
-- ``send_message`` dies on the first ``UNAVAILABLE``, so a silo started before the server
-  crashes; here it retries with exponential backoff for ``connect_timeout`` seconds.
-- ``message_handling_subroutine`` polls ``message_q.qsize()`` with its sleep outside the loop,
-  so every waiting process spins a core; here it blocks on the queue and gives observers an
-  ``on_idle`` tick, where deadlines are checked.
-- it learns the address of any unknown sender from the message itself; here messages from
-  ranks that are not in the address file are dropped.
-- its gRPC server binds with gRPC's default ``SO_REUSEPORT``, so a second process given the
-  same address file (a leftover run) silently shares the port and part of the messages, and
-  a port held by another program ends in a raw ``Failed to bind`` traceback; here the port is
-  exclusive and a bind failure is :class:`PortUnavailable`, naming the rank and the address.
-  Once bound, each rank logs :data:`READY_MESSAGE`, which ``launch-silo`` waits for.
+- calls ``pickle.loads`` on every message, so anyone who reaches a port runs code in the process;
+  here messages are :mod:`.wire` data, checked against the protocol's schema and a size cap;
+- binds with ``add_insecure_port`` and believes the sender rank written in the message; here
+  ranks talk over mutual TLS (``comm_args.tls_dir``), a message's sender must be the rank in the
+  peer's certificate, a silo takes messages from the server's certificate only, and a sender
+  checks that the receiver's certificate names the rank it meant to reach;
+- has no notion of replays; here each message carries the run id, the round and a per-peer
+  sequence number, and an upload must answer the last model sent to that silo, once;
+- ``send_message`` has no timeout (a frozen peer blocks the sender) and dies on the first
+  ``UNAVAILABLE``; here every send has a deadline and retries an unreachable peer with backoff
+  until it;
+- busy-spins a core while it waits; here the receive loop blocks, with an ``on_idle`` tick
+  where the managers check their deadlines;
+- shares its port (gRPC's default ``SO_REUSEPORT``); here the port is exclusive and a bind
+  failure is :class:`PortUnavailable`, naming the rank and the address.
+
+Without ``tls_dir`` a process refuses to start unless ``comm_args.insecure: true`` (plaintext and
+unauthenticated: still no pickle, with a warning).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import pickle
 import queue
+import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from ...core.guards import SiloFailure
-from ..bootstrap import import_fedml, replaced
+from ...core.guards import ConfigError, SiloFailure
+from ..bootstrap import import_fedml
+from . import READY_MESSAGE, wire
+from .addresses import read_ipconfig
+from .credentials import Credentials, check_security, load_credentials, rank_name, rank_of_names
 
 import_fedml()
 import grpc  # noqa: E402
-from fedml.core.distributed.communication.grpc import grpc_comm_manager as grpc_module  # noqa: E402
+from fedml.core.distributed.communication.base_com_manager import BaseCommunicationManager  # noqa: E402
+from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as pb2  # noqa: E402
+from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc  # noqa: E402
+from fedml.core.distributed.communication.message import Message  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-SILO_METRICS = "plugin_silo_metrics"  # message parameter: a silo's own personalized evaluation
 IDLE_TICK_SECONDS = 0.2
-READY_MESSAGE = "gRPC rank %d listening on %s:%d"  # logged once the port is bound
-TRAINING_STARTED = "online; round 0 starts"  # the server's log line once every silo came online
-
-
-@dataclass(frozen=True)
-class SiloPolicy:
-    """How cross-silo processes wait for each other and what they do when a peer is gone.
-
-    Deadlines follow the run: once ``ADAPT_AFTER_ROUNDS`` rounds were measured, the server
-    waits ``round_timeout_factor`` times the slowest round so far (at least
-    ``MIN_ADAPTIVE_SECONDS``, at most ``round_timeout``), and a silo gives up on a server it
-    has not heard from for the factor times the slowest gap between the server's models."""
-
-    connect_timeout: float  # keep retrying a peer that is not listening this long
-    round_timeout: float  # the server waits this long for silos in any phase (the ceiling)
-    min_clients: int  # after the deadline, go on if at least this many silos answered
-    round_timeout_factor: float = 0.0  # 0: always round_timeout
-
-    ADAPT_AFTER_ROUNDS = 2
-    MIN_ADAPTIVE_SECONDS = 5.0
-
-    def round_deadline(self, slowest_round: Optional[float], rounds_measured: int) -> float:
-        """Seconds the server waits for a round's updates."""
-        if not self.round_timeout_factor or slowest_round is None or rounds_measured < self.ADAPT_AFTER_ROUNDS:
-            return self.round_timeout
-        return min(self.round_timeout, max(self.MIN_ADAPTIVE_SECONDS, self.round_timeout_factor * slowest_round))
-
-    @property
-    def client_idle_limit(self) -> float:
-        """A silo that hears nothing from the server this long gives up (before it has measured rounds)."""
-        return 2 * self.round_timeout + self.connect_timeout
-
-    def client_idle_deadline(self, slowest_gap: Optional[float], gaps_measured: int) -> float:
-        """A silo's wait for the server: the factor times the slowest gap between the server's
-        models (a gap holds a whole round and the server's evaluation, so this outlasts the
-        server's own deadline for a round with a dead silo), plus a margin."""
-        if not self.round_timeout_factor or slowest_gap is None or gaps_measured < self.ADAPT_AFTER_ROUNDS:
-            return self.client_idle_limit
-        return min(self.client_idle_limit, max(self.MIN_ADAPTIVE_SECONDS, self.round_timeout_factor * slowest_gap)
-                   + self.MIN_ADAPTIVE_SECONDS)
+ROUND_KEY = "round"  # the round an incoming message was stamped with, on the FedML Message
+FALLBACK_SIZE_CAP = 256 << 20  # where no model told the transport its size (see message_size_cap)
+_PROTOBUF_SLACK = 4096  # gRPC's own cap sits this far above ours, so our log sees what is a little over
 
 
 class PeerUnreachable(SiloFailure):
-    """A peer stayed unreachable for the whole retry window."""
+    """A peer did not take a message before its deadline."""
 
 
 class PortUnavailable(SiloFailure):
     """A rank cannot listen on the address the address file gives it."""
 
 
-class PluginGRPCCommManager(grpc_module.GRPCCommManager):
-    """FedML's gRPC transport with retry, a blocking receive loop, a sender check and an
-    exclusive port."""
+@dataclass(frozen=True)
+class TransportSettings:
+    """What the transport needs from FedML's ``args``, checked once."""
 
-    retry_seconds: float = 60.0  # set per run from comm_args.connect_timeout (see ``with_retry``)
+    run_id: str
+    credentials: Optional[Credentials]  # None: comm_args.insecure
+    size_cap: int
+    connect_timeout: float
+
+
+def _flag(args: Any, name: str) -> bool:
+    value = getattr(args, name, False)
+    if value in (None, False, "false", "False", 0):
+        return False
+    if value in (True, "true", "True", 1):
+        return True
+    raise ConfigError(f"comm_args.{name}={value!r}: must be true or false")
+
+
+def transport_settings(args: Any, rank: int) -> TransportSettings:
+    """The transport's settings from FedML's ``args``; refuses to run without TLS unless told."""
+    tls_dir = getattr(args, "tls_dir", None)
+    insecure = _flag(args, "insecure")
+    check_security(tls_dir, insecure)
+    credentials = load_credentials(str(tls_dir), rank) if tls_dir else None
+    cap = getattr(args, "max_message_bytes", None)
+    if cap is None:
+        cap = FALLBACK_SIZE_CAP
+        logger.info("comm_args.max_message_bytes not set and no model known: messages are capped at %d bytes", cap)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1024:
+        raise ConfigError(f"comm_args.max_message_bytes={cap!r}: must be an integer >= 1024")
+    timeout = float(getattr(args, "connect_timeout", 60.0) or 60.0)
+    return TransportSettings(str(getattr(args, "run_id", "0")), credentials, cap, timeout)
+
+
+class _Servicer:
+    """gRPC's side of receiving: every message is checked here, in gRPC's threads, before it is
+    queued for the managers; a refusal is logged with the peer's address and told to the sender."""
+
+    def __init__(self, transport: "SecureGRPCCommManager") -> None:
+        self.transport = transport
+
+    def sendMessage(self, request, context):  # noqa: N802 - FedML's service method name
+        try:
+            self.transport.accept(request.message, context)
+        except wire.Rejected as err:
+            logger.warning("rank %d refused a message from %s: %s", self.transport.rank, context.peer(), err)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"refused: {err}")
+        return pb2.CommResponse()
+
+    def handleReceiveMessage(self, request, context):  # noqa: N802 - FedML's service declares it
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "not used")
+
+
+class SecureGRPCCommManager(BaseCommunicationManager):
+    """A FedML communication manager (``BaseCommunicationManager``'s methods) over gRPC with the
+    checks in the module doc. Built by FedML's ``FedMLCommManager`` for ``backend: GRPC`` with
+    FedML's arguments."""
+
+    retry_seconds: float  # a send without its own deadline gets this long (the managers shorten it)
 
     def __init__(self, grpc_ipconfig_path, topic="fedml", client_rank=0, client_num=0, args=None):
-        shared_server = grpc.server
+        self.rank = int(client_rank)
+        self.client_num = int(client_num)
+        self.args = args
+        self.settings = transport_settings(args, self.rank)
+        self.retry_seconds = self.settings.connect_timeout
+        self.addresses = read_ipconfig(grpc_ipconfig_path)
+        self.grpc_ipconfig_path = grpc_ipconfig_path
+        if self.rank not in self.addresses:
+            raise ConfigError(f"comm_args.grpc_ipconfig_path={grpc_ipconfig_path!r}: no row for rank {self.rank}; "
+                              f"FedML would listen on every interface")
+        self._observers: List[Any] = []
+        self._queue: "queue.Queue[wire.Envelope]" = queue.Queue()
+        self._lock = threading.Lock()
+        self._sent_seq: Dict[int, int] = {}  # receiver -> last seq sent
+        self._seen_seq: Dict[int, int] = {}  # sender -> last seq accepted
+        self._open_model: Dict[int, Tuple[int, int]] = {}  # silo -> (seq, round) of the model it should answer
+        self._last_model: Tuple[int, int] = (-1, 0)  # a silo: (seq, round) of the server's last model
+        self._channels: Dict[int, Any] = {}
+        self.rejected = 0
+        self.is_running = False
+        ip, port = self.addresses[self.rank]
+        limit = self.settings.size_cap + _PROTOBUF_SLACK
+        self._options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
+                         ("grpc.enable_http_proxy", 0), ("grpc.so_reuseport", 0),
+                         ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                         ("grpc.max_reconnect_backoff_ms", 1000)]
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max(4, self.client_num + 2)),
+                                   options=self._options)
+        pb2_grpc.add_gRPCCommManagerServicer_to_server(_Servicer(self), self._server)
+        address = f"{ip}:{port}"
+        credentials = self.settings.credentials
+        try:
+            if credentials is None:
+                bound = self._server.add_insecure_port(address)
+            else:
+                bound = self._server.add_secure_port(address, grpc.ssl_server_credentials(
+                    [(credentials.key, credentials.cert)], root_certificates=credentials.ca,
+                    require_client_auth=True))
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise PortUnavailable(
+                f"rank {self.rank} cannot listen on {address} (comm_args.grpc_ipconfig_path={grpc_ipconfig_path!r}): "
+                f"the port is in use, maybe by a process of an earlier run, or the address is not this host's; stop "
+                f"it (`ss -ltnp | grep {port}` shows which) or give rank {self.rank} another port in the address file")
+        self._server.start()
+        self.is_running = True
+        if credentials is None:
+            logger.warning("rank %d: comm_args.insecure: plaintext and unauthenticated; any process that reaches "
+                           "%s can speak for any rank (messages are still never unpickled)", self.rank, address)
+        logger.info(READY_MESSAGE, self.rank, ip, port)
 
-        def exclusive_server(*server_args, options=(), **kwargs):
-            return shared_server(*server_args, options=[*(options or ()), ("grpc.so_reuseport", 0)], **kwargs)
+    # -- receiving --------------------------------------------------------------------------------
+    def _peer_rank(self, context) -> Optional[int]:
+        """The rank the peer's certificate names (None on an insecure transport)."""
+        if self.settings.credentials is None:
+            return None
+        auth = context.auth_context() or {}
+        names = [n.decode("utf-8", "replace") for n in auth.get("x509_subject_alternative_name", [])]
+        rank = rank_of_names(names)
+        if rank is None:
+            raise wire.Rejected(f"the peer's certificate names no rank (DNS names {names})")
+        return rank
 
-        with replaced(grpc, "server", exclusive_server):
-            try:
-                super().__init__(grpc_ipconfig_path, topic, client_rank, client_num, args)
-            except RuntimeError as err:
-                if "bind" not in str(err).lower():
-                    raise
-                mapping = self.grpc_mappings.get(client_rank)
-                where = f"{mapping.grpc_server_ip}:{mapping.grpc_server_port}" if mapping else "its address"
-                raise PortUnavailable(
-                    f"rank {client_rank} cannot listen on {where} (comm_args.grpc_ipconfig_path="
-                    f"{grpc_ipconfig_path!r}): the port is in use, maybe by a process of an earlier run; stop it "
-                    f"(`ss -ltnp | grep {where.rsplit(':', 1)[-1]}` shows which) or give rank {client_rank} "
-                    f"another port in the address file") from None
-        mapping = self.grpc_mappings[client_rank]
-        logger.info(READY_MESSAGE, client_rank, mapping.grpc_server_ip, mapping.grpc_server_port)
+    def accept(self, data: bytes, context) -> None:
+        """Check one message (bytes from the wire) and queue it; :class:`wire.Rejected` if it is
+        not one this rank takes now."""
+        try:
+            peer_rank = self._peer_rank(context)
+            envelope = wire.decode(data, self.settings.size_cap)
+            self._check(envelope, peer_rank)
+        except wire.Rejected:
+            with self._lock:
+                self.rejected += 1
+            raise
+        self._queue.put(envelope)
 
-    def send_message(self, msg):
-        deadline = time.monotonic() + self.retry_seconds
-        delay = 0.1
-        while True:
-            try:
-                return super().send_message(msg)
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                receiver = int(msg.get_receiver_id())
-                mapping = self.grpc_mappings[receiver]
-                where = f"{mapping.grpc_server_ip}:{mapping.grpc_server_port}"
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerUnreachable(f"rank {receiver} at {where} did not answer rank {self.client_rank} "
-                                          f"for {self.retry_seconds:.1f} s (comm_args.connect_timeout, or the "
-                                          f"adaptive round deadline once the run is under way); is it gone?") from None
-                logger.info("rank %d at %s is not reachable yet; retrying in %.1f s", receiver, where, delay)
-                time.sleep(min(delay, left))
-                delay = min(2 * delay, 5.0)
+    def _check(self, envelope: wire.Envelope, peer_rank: Optional[int]) -> None:
+        sender, kind = envelope.sender, envelope.type
+        if peer_rank is not None and sender != peer_rank:
+            raise wire.Rejected(f"type {kind} claims sender rank {sender}, but the peer's certificate is rank "
+                                f"{peer_rank}'s")
+        if envelope.receiver != self.rank:
+            raise wire.Rejected(f"type {kind} is addressed to rank {envelope.receiver}, this is rank {self.rank}")
+        if self.rank == 0:
+            if kind not in wire.FROM_SILO or sender == 0 or sender not in self.addresses:
+                raise wire.Rejected(f"the server takes no message of type {kind} from rank {sender}")
+        elif kind not in wire.FROM_SERVER or sender != 0:
+            raise wire.Rejected(f"a silo takes messages from the server (rank 0) only; got type {kind} from rank "
+                                f"{sender}")
+        if envelope.run_id != self.settings.run_id:
+            raise wire.Rejected(f"type {kind} from rank {sender} is for run {envelope.run_id!r}, not this run "
+                                f"({self.settings.run_id!r})")
+        with self._lock:
+            last = self._seen_seq.get(sender, -1)
+            if envelope.seq <= last:
+                raise wire.Rejected(f"type {kind} from rank {sender} is a replay (sequence {envelope.seq}, "
+                                    f"already at {last})")
+            if kind == wire.UPLOAD:
+                expected = self._open_model.get(sender)
+                if expected is None or envelope.reply_to != expected[0]:
+                    raise wire.Rejected(f"an upload from rank {sender} for round {envelope.round} answers no open "
+                                        f"model (a round already closed, or a second upload in one round)")
+                del self._open_model[sender]
+            self._seen_seq[sender] = envelope.seq
+            if kind in wire.MODEL_MESSAGES:
+                self._last_model = (envelope.seq, envelope.round)
 
-    def message_handling_subroutine(self):
+    def _to_message(self, envelope: wire.Envelope):
+        message = Message(envelope.type, envelope.sender, envelope.receiver)
+        for key, value in envelope.params.items():
+            message.add_params(key, value)
+        if envelope.model is not None:
+            message.add_params(wire.MODEL_KEY, envelope.model)
+        message.add_params(ROUND_KEY, envelope.round)
+        return message
+
+    def handle_receive_message(self) -> None:
+        self._notify_connection_ready()
+        self.message_handling_subroutine()
+
+    def message_handling_subroutine(self) -> None:
         while self.is_running:
             try:
-                msg_pkl = self.grpc_servicer.message_q.get(timeout=IDLE_TICK_SECONDS)
+                envelope = self._queue.get(timeout=IDLE_TICK_SECONDS)
             except queue.Empty:
                 for observer in list(self._observers):
                     on_idle = getattr(observer, "on_idle", None)
                     if on_idle is not None:
                         on_idle()
                 continue
-            msg = pickle.loads(msg_pkl)  # only trusted silos may connect (README)
-            sender = int(msg.get_sender_id())
-            if sender not in self.grpc_mappings:
-                logger.warning("dropped a message from rank %d, which is not in %s", sender, self.grpc_ipconfig_path)
-                continue
+            message = self._to_message(envelope)
             for observer in list(self._observers):
-                observer.receive_message(msg.get_type(), msg)
+                observer.receive_message(message.get_type(), message)
 
+    def _notify_connection_ready(self) -> None:
+        message = Message(0, self.rank, self.rank)  # FedML's MSG_TYPE_CONNECTION_IS_READY
+        for observer in list(self._observers):
+            observer.receive_message(0, message)
 
-def with_retry(policy: SiloPolicy) -> type:
-    """The transport class for one run: retries for ``policy.connect_timeout``."""
-    return type("PluginGRPCCommManager", (PluginGRPCCommManager,), {"retry_seconds": policy.connect_timeout})
+    # -- sending ----------------------------------------------------------------------------------
+    def _envelope(self, message) -> wire.Envelope:
+        params = dict(message.get_params())
+        kind = int(params.pop("msg_type"))
+        sender, receiver = int(params.pop("sender")), int(params.pop("receiver"))
+        if sender != self.rank:
+            raise ValueError(f"rank {self.rank} cannot send a message as rank {sender}")
+        model = params.pop(wire.MODEL_KEY, None)
+        params.pop(ROUND_KEY, None)
+        for key in [k for k, v in params.items() if v is None]:
+            del params[key]
+        for key, value in params.items():  # numpy and 0-dim tensor scalars travel as plain numbers
+            if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+                params[key] = value.item()
+        if self.rank == 0:
+            round_idx, reply_to = int(getattr(self.args, "round_idx", 0) or 0), -1
+        else:
+            reply_to, round_idx = self._last_model if kind == wire.UPLOAD else (-1, self._last_model[1])
+        with self._lock:
+            seq = self._sent_seq.get(receiver, -1) + 1
+            self._sent_seq[receiver] = seq
+            if kind in wire.MODEL_MESSAGES:
+                self._open_model[receiver] = (seq, round_idx)  # before sending: the answer may come first
+        return wire.Envelope(type=kind, sender=sender, receiver=receiver, run_id=self.settings.run_id,
+                             round=round_idx, seq=seq, params=params, model=model, reply_to=reply_to)
 
+    def send_message(self, message, deadline: Optional[float] = None) -> None:
+        """Send ``message`` (a FedML ``Message``) before ``deadline`` (``time.monotonic()``; default:
+        ``retry_seconds`` from now), retrying an unreachable receiver with backoff until then.
+        :class:`PeerUnreachable` when it did not take it in time. A receiver that refuses the
+        message is logged, not raised: it logged why, and the protocol's deadlines go on."""
+        envelope = self._envelope(message)
+        self.send_bytes(envelope.receiver, wire.encode(envelope),
+                        time.monotonic() + self.retry_seconds if deadline is None else deadline)
 
-@contextlib.contextmanager
-def no_retry(manager: Any) -> Iterator[None]:
-    """Within the block, ``manager``'s sends fail at once on an unreachable peer."""
-    comm = manager.com_manager
-    saved = comm.retry_seconds
-    comm.retry_seconds = 0.0
-    try:
-        yield
-    finally:
-        comm.retry_seconds = saved
+    def send_all(self, messages: Iterable[Any], deadline: float) -> Dict[int, PeerUnreachable]:
+        """Send to several receivers at once, each before ``deadline``: one that does not answer
+        costs the others nothing. Returns the receivers that were unreachable."""
+        prepared = [(self._envelope(m)) for m in messages]
+        encoded = [(e.receiver, wire.encode(e)) for e in prepared]
+        failed: Dict[int, PeerUnreachable] = {}
+        if not encoded:
+            return failed
+        with futures.ThreadPoolExecutor(max_workers=len(encoded)) as pool:
+            jobs = {pool.submit(self.send_bytes, receiver, data, deadline): receiver for receiver, data in encoded}
+            for job in futures.as_completed(jobs):
+                try:
+                    job.result()
+                except PeerUnreachable as err:
+                    failed[jobs[job]] = err
+        return failed
+
+    def _channel(self, receiver: int):
+        channel = self._channels.get(receiver)
+        if channel is None:
+            if receiver not in self.addresses:
+                raise ConfigError(f"comm_args.grpc_ipconfig_path={self.grpc_ipconfig_path!r}: no row for rank "
+                                  f"{receiver}")
+            ip, port = self.addresses[receiver]
+            credentials = self.settings.credentials
+            if credentials is None:
+                channel = grpc.insecure_channel(f"{ip}:{port}", options=self._options)
+            else:
+                # The receiver's certificate must name the rank we mean to reach, whatever its address.
+                channel = grpc.secure_channel(f"{ip}:{port}", grpc.ssl_channel_credentials(
+                    credentials.ca, credentials.key, credentials.cert),
+                    options=[*self._options, ("grpc.ssl_target_name_override", rank_name(receiver))])
+            self._channels[receiver] = channel
+        return channel
+
+    def send_bytes(self, receiver: int, data: bytes, deadline: float) -> None:
+        """Deliver encoded bytes to ``receiver`` before ``deadline`` (see :meth:`send_message`)."""
+        with self._lock:
+            stub = pb2_grpc.gRPCCommManagerStub(self._channel(receiver))
+        request = pb2.CommRequest(client_id=self.rank, message=data)
+        ip, port = self.addresses[receiver]
+        delay, last_error, window = 0.1, "no answer", max(0.0, deadline - time.monotonic())
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerUnreachable(f"rank {receiver} at {ip}:{port} did not take a message from rank {self.rank} "
+                                      f"within {window:.1f} s ({last_error}); is it gone?")
+            try:
+                stub.sendMessage(request, timeout=left)
+                return
+            except grpc.RpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    last_error = "it accepted no message before the deadline"
+                    continue
+                if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
+                    logger.warning("rank %d at %s:%d refused a message from rank %d: %s", receiver, ip, port,
+                                   self.rank, err.details())
+                    return
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                last_error = err.details() or "unavailable"
+            logger.info("rank %d at %s:%d is not reachable yet; retrying in %.1f s (%s)", receiver, ip, port, delay,
+                        last_error)
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(2 * delay, 2.0)
+
+    # -- FedML's BaseCommunicationManager, the rest ---------------------------------------------------
+    def add_observer(self, observer) -> None:
+        self._observers.append(observer)
+
+    def remove_observer(self, observer) -> None:
+        self._observers.remove(observer)
+
+    def notify(self, message) -> None:
+        for observer in list(self._observers):
+            observer.receive_message(message.get_type(), message)
+
+    def stop_receive_message(self) -> None:
+        if not self.is_running:
+            return
+        self.is_running = False
+        self._server.stop(None)
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+

@@ -1,0 +1,78 @@
+"""FedML's gRPC address file (grpc_ipconfig.csv: ``eid,rank,grpc_server_ip,grpc_server_port``,
+a row per rank), read strictly: FedML's reader (grpc_comm_manager.py ``_init_grpc_mappings``)
+lets a later row silently replace an earlier one and binds a rank without a row to 0.0.0.0."""
+from __future__ import annotations
+
+import csv
+import ipaddress
+import socket
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ...core.guards import ConfigError
+
+IPCONFIG_FIELDS = ("eid", "rank", "grpc_server_ip", "grpc_server_port")
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
+    """``count`` distinct TCP ports that are free on ``host`` right now."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def write_ipconfig(path: str, ranks: int, host: str = "127.0.0.1", ports: Optional[Sequence[int]] = None,
+                   hosts: Optional[Sequence[str]] = None) -> str:
+    """Write FedML's gRPC address file: rank r (0 = server) listens on ``hosts[r]:ports[r]``
+    (``host`` for every rank when ``hosts`` is not given)."""
+    hosts = list(hosts) if hosts is not None else [host] * ranks
+    ports = list(ports) if ports is not None else free_ports(ranks, host)
+    with open(path, "w", newline="") as stream:
+        writer = csv.writer(stream)
+        writer.writerow(IPCONFIG_FIELDS)
+        for rank in range(ranks):
+            writer.writerow([rank, rank, hosts[rank], ports[rank]])
+    return path
+
+
+def read_ipconfig(path: str, ranks: Optional[int] = None) -> Dict[int, Tuple[str, int]]:
+    """rank -> (ip, port) from the address file. Every rank 0..ranks-1 must have a row (when
+    ``ranks`` is given); a rank given twice, or two ranks on one address, are refused, naming the
+    lines."""
+    where = f"comm_args.grpc_ipconfig_path={path!r}"
+    try:
+        with open(path, newline="") as stream:
+            rows = list(csv.DictReader(stream))
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise ConfigError(f"{where}: cannot be read ({err})") from None
+    if not rows or not set(IPCONFIG_FIELDS) <= set(rows[0]):
+        raise ConfigError(f"{where}: must be a CSV with the header {','.join(IPCONFIG_FIELDS)}")
+    table: Dict[int, Tuple[str, int]] = {}
+    line_of: Dict[int, int] = {}
+    rank_at: Dict[Tuple[str, int], int] = {}
+    for number, row in enumerate(rows, start=2):
+        try:
+            eid, ip, port = int(row["eid"]), str(ipaddress.ip_address((row["grpc_server_ip"] or "").strip())), \
+                int(row["grpc_server_port"])
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{where}: line {number}: {err}") from None
+        if not 0 < port < 65536:
+            raise ConfigError(f"{where}: line {number}: port {port} is not in 1..65535")
+        if eid in table:
+            raise ConfigError(f"{where}: lines {line_of[eid]} and {number} both give rank {eid}; give each rank "
+                              f"one row")
+        if (ip, port) in rank_at:
+            raise ConfigError(f"{where}: line {number}: rank {eid} and rank {rank_at[ip, port]} (line "
+                              f"{line_of[rank_at[ip, port]]}) share {ip}:{port}; give each rank its own port")
+        table[eid], line_of[eid], rank_at[ip, port] = (ip, port), number, eid
+    missing = [r for r in range(ranks or 0) if r not in table]
+    if missing:
+        raise ConfigError(f"{where}: no row for rank(s) {missing}; a row is needed for the server (0) and every "
+                          f"silo (1..{ranks - 1}), or FedML would listen on all interfaces")
+    return table

@@ -1,0 +1,181 @@
+"""Who is who in a cross-silo run: a run CA, a certificate and key per rank, and the rank a
+peer's certificate names.
+
+Files in ``comm_args.tls_dir`` (what ``fedml-perfedavg certs --out DIR --clients N`` writes):
+
+    ca.pem            the CA certificate: every rank needs it
+    ca.key            the CA's private key: keep it off the training hosts (it issues certificates)
+    rank-R.pem        rank R's certificate (0 = the server, 1..N = silos)
+    rank-R.key        rank R's private key: only the host of rank R needs it
+
+A rank's certificate names the rank in a DNS subject alternative name ``rank-R.fedml-perfedavg``
+(:func:`rank_name`); an organization's own CA works the same way when it issues certificates with
+that name. Private keys are written mode 0600.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import stat
+from dataclasses import dataclass
+from typing import Iterable, List, Optional
+
+from ...core.guards import ConfigError
+
+DOMAIN = "fedml-perfedavg"
+_RANK_NAME = re.compile(r"^rank-(\d{1,6})\." + re.escape(DOMAIN) + r"$")
+CA_CERT, CA_KEY = "ca.pem", "ca.key"
+
+
+def rank_name(rank: int) -> str:
+    """The DNS name a rank's certificate carries (and the name a sender expects of its receiver)."""
+    return f"rank-{rank}.{DOMAIN}"
+
+
+def rank_of_names(names: Iterable[str]) -> Optional[int]:
+    """The rank named by a certificate's DNS names, or None when none (or several) name one."""
+    ranks = {int(m.group(1)) for m in (_RANK_NAME.match(n) for n in names) if m}
+    return ranks.pop() if len(ranks) == 1 else None
+
+
+def cert_file(rank: int) -> str:
+    return f"rank-{rank}.pem"
+
+
+def key_file(rank: int) -> str:
+    return f"rank-{rank}.key"
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """PEM bytes for one rank: the CA certificate, its own certificate and private key."""
+
+    rank: int
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+
+def _write(path: str, data: bytes, private: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = os.open(path, flags, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as stream:
+        stream.write(data)
+    os.chmod(path, 0o600 if private else 0o644)  # an existing file keeps its mode through O_CREAT
+
+
+def make_certificates(out_dir: str, clients: int, days: int = 30, overwrite: bool = False) -> List[str]:
+    """A new CA and a certificate and key for ranks 0..clients in ``out_dir``; returns the files."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if clients < 1:
+        raise ConfigError(f"--clients {clients}: must be >= 1")
+    os.makedirs(out_dir, exist_ok=True)
+    names = [CA_CERT, CA_KEY] + [f for r in range(clients + 1) for f in (cert_file(r), key_file(r))]
+    existing = [n for n in names if os.path.exists(os.path.join(out_dir, n))]
+    if existing and not overwrite:
+        raise ConfigError(f"--out {out_dir!r}: already holds {existing[:3]}; give an empty folder (or --overwrite "
+                          f"to replace them, which ends every run that uses the old ones)")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+
+    def pem_key(key) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{DOMAIN} run CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    _write(os.path.join(out_dir, CA_CERT), ca.public_bytes(serialization.Encoding.PEM), private=False)
+    _write(os.path.join(out_dir, CA_KEY), pem_key(ca_key), private=True)
+    for rank in range(clients + 1):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, rank_name(rank))]))
+                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(start).not_valid_after(end)
+                .add_extension(x509.SubjectAlternativeName([x509.DNSName(rank_name(rank))]), critical=False)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        _write(os.path.join(out_dir, cert_file(rank)), cert.public_bytes(serialization.Encoding.PEM), private=False)
+        _write(os.path.join(out_dir, key_file(rank)), pem_key(key), private=True)
+    return [os.path.join(out_dir, n) for n in names]
+
+
+def _read(tls_dir: str, name: str, what: str) -> bytes:
+    path = os.path.join(tls_dir, name)
+    try:
+        with open(path, "rb") as stream:
+            return stream.read()
+    except OSError as err:
+        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: cannot read {name} ({what}): {err.strerror}; make "
+                          f"certificates with: fedml-perfedavg certs --out {tls_dir} --clients N") from None
+
+
+def load_credentials(tls_dir: str, rank: int) -> Credentials:
+    """Rank ``rank``'s credentials from ``tls_dir``, checked: its certificate names that rank, is
+    signed by the CA in the folder, is valid now, and its key is readable by its owner alone."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+
+    ca_pem = _read(tls_dir, CA_CERT, "the CA certificate")
+    cert_pem = _read(tls_dir, cert_file(rank), f"rank {rank}'s certificate")
+    key_path = os.path.join(tls_dir, key_file(rank))
+    key_pem = _read(tls_dir, key_file(rank), f"rank {rank}'s private key")
+    mode = stat.S_IMODE(os.stat(key_path).st_mode)
+    if mode & 0o077:
+        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {key_file(rank)} is readable by others (mode "
+                          f"{mode:o}); chmod 600 {key_path}")
+    try:
+        ca = x509.load_pem_x509_certificate(ca_pem)
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as err:
+        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {CA_CERT} or {cert_file(rank)} is not a PEM "
+                          f"certificate ({err})") from None
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName)
+    except x509.ExtensionNotFound:
+        names = []
+    named = rank_of_names(names)
+    if named != rank:
+        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} names rank {named} (DNS names "
+                          f"{names}), not rank {rank}; a rank's certificate must carry the name {rank_name(rank)}")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} is valid from "
+                          f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} to {cert.not_valid_after_utc:%Y-%m-%d %H:%M} "
+                          f"UTC, not now; make new certificates")
+    public = ca.public_key()
+    try:
+        if isinstance(public, ec.EllipticCurvePublicKey):
+            public.verify(cert.signature, cert.tbs_certificate_bytes, ec.ECDSA(cert.signature_hash_algorithm))
+        elif isinstance(public, rsa.RSAPublicKey):
+            public.verify(cert.signature, cert.tbs_certificate_bytes, padding.PKCS1v15(), cert.signature_hash_algorithm)
+    except Exception:  # noqa: BLE001 - cryptography's InvalidSignature and key-type errors alike
+        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} is not signed by {CA_CERT}; the "
+                          f"folder must hold the run's CA certificate and this rank's certificate from it") from None
+    return Credentials(rank=rank, ca=ca_pem, cert=cert_pem, key=key_pem)
+
+
+def check_security(tls_dir: Optional[str], insecure: bool) -> None:
+    """A cross-silo process needs ``comm_args.tls_dir`` or an explicit ``comm_args.insecure``."""
+    if tls_dir and insecure:
+        raise ConfigError(f"comm_args.tls_dir={tls_dir!r} and comm_args.insecure=True: give one")
+    if not tls_dir and not insecure:
+        raise ConfigError("comm_args.tls_dir is not set: a cross-silo process does not start without TLS; give "
+                          "comm_args.tls_dir (make certificates with: fedml-perfedavg certs --out DIR --clients N), "
+                          "or set comm_args.insecure: true for plaintext without authentication on a network you "
+                          "trust")

@@ -1,0 +1,206 @@
+"""An outsider, and an insider with the wrong certificate, against live cross-silo transports on
+loopback (a server, rank 0, and silo 1, with mutual TLS): what each attack sends, what is refused
+and logged, and that nothing of it reaches the protocol while genuine messages still do."""
+import logging
+import pickle
+from argparse import Namespace
+
+import grpc
+import pytest
+import torch
+
+from fedml_perfedavg.fedml_bridge.cross_silo import wire
+from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
+from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates, rank_name
+from fedml_perfedavg.fedml_bridge.cross_silo.transport import SecureGRPCCommManager
+from fedml_perfedavg.core.guards import ConfigError
+
+from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as pb2
+from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc
+from fedml.core.distributed.communication.message import Message
+
+CAP = 64 * 1024
+MODEL = {"w": torch.ones(4, 3), "b": torch.zeros(4)}
+
+
+class WritesAFile:
+    """A pickle that, once unpickled, writes a file: what FedML's own transport would run."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').write('owned')",))
+
+
+@pytest.fixture
+def world(tmp_path):
+    tls, other = tmp_path / "tls", tmp_path / "other-ca"
+    make_certificates(str(tls), 2)
+    make_certificates(str(other), 2)
+    path = write_ipconfig(str(tmp_path / "ip.csv"), 3)
+    args = Namespace(tls_dir=str(tls), run_id="run-A", max_message_bytes=CAP, connect_timeout=5.0, round_idx=0)
+    server = SecureGRPCCommManager(path, client_rank=0, client_num=2, args=args)
+    silo = SecureGRPCCommManager(path, client_rank=1, client_num=2, args=args)
+    yield Namespace(tls=tls, other=other, server=server, silo=silo, marker=tmp_path / "owned", path=path)
+    server.stop_receive_message()
+    silo.stop_receive_message()
+
+
+def _pem(folder, name):
+    return (folder / name).read_bytes()
+
+
+def raw_send(transport, data, tls_dir=None, as_rank=None, ca_dir=None, timeout=5.0):
+    """Bytes sent straight to ``transport``'s port: plaintext (no ``ca_dir``), TLS without a client
+    certificate (``ca_dir`` only), or TLS with ``as_rank``'s certificate from ``tls_dir``.
+    Returns "delivered" or gRPC's status code."""
+    ip, port = transport.addresses[transport.rank]
+    if ca_dir is None:
+        channel = grpc.insecure_channel(f"{ip}:{port}")
+    else:
+        key = _pem(tls_dir, f"rank-{as_rank}.key") if as_rank is not None else None
+        cert = _pem(tls_dir, f"rank-{as_rank}.pem") if as_rank is not None else None
+        channel = grpc.secure_channel(f"{ip}:{port}", grpc.ssl_channel_credentials(_pem(ca_dir, "ca.pem"), key, cert),
+                                      options=[("grpc.ssl_target_name_override", rank_name(transport.rank))])
+    try:
+        pb2_grpc.gRPCCommManagerStub(channel).sendMessage(pb2.CommRequest(client_id=1, message=data), timeout=timeout)
+        return "delivered"
+    except grpc.RpcError as err:
+        return err.code()
+    finally:
+        channel.close()
+
+
+def _encoded(kind, sender, receiver, seq=1000, run_id="run-A", reply_to=-1, model=None, **params):
+    return wire.encode(wire.Envelope(type=kind, sender=sender, receiver=receiver, run_id=run_id, round=0, seq=seq,
+                                     params=params, model=model, reply_to=reply_to))
+
+
+def _drain(transport):
+    out = []
+    while not transport._queue.empty():
+        out.append(transport._queue.get_nowait())
+    return out
+
+
+def _model_to_silo(world):
+    message = Message(wire.SYNC_MODEL, 0, 1)
+    message.add_params(wire.MODEL_KEY, MODEL)
+    message.add_params("client_idx", "7")
+    world.server.send_message(message)
+    [received] = _drain(world.silo)
+    return received
+
+
+def _upload_from_silo(world):
+    message = Message(wire.UPLOAD, 1, 0)
+    message.add_params(wire.MODEL_KEY, {k: v + 1 for k, v in MODEL.items()})
+    message.add_params("num_samples", 40)
+    world.silo.send_message(message)
+
+
+def test_genuine_messages_go_both_ways(world):
+    received = _model_to_silo(world)
+    assert received.sender == 0 and received.params == {"client_idx": "7"}
+    assert torch.equal(received.model["w"], MODEL["w"])
+    _upload_from_silo(world)
+    [upload] = _drain(world.server)
+    assert upload.sender == 1 and upload.reply_to == received.seq and torch.equal(upload.model["w"], MODEL["w"] + 1)
+
+
+def test_a_pickle_sent_to_every_port_runs_nothing(world, caplog):
+    payload = pickle.dumps(WritesAFile(world.marker))
+    for transport in (world.server, world.silo):
+        # An outsider: plaintext, and TLS without a client certificate; both end in the handshake.
+        assert raw_send(transport, payload) == grpc.StatusCode.UNAVAILABLE
+        assert raw_send(transport, payload, ca_dir=world.tls) == grpc.StatusCode.UNAVAILABLE
+    # An insider with a valid certificate gets through TLS, and the bytes are refused undecoded.
+    with caplog.at_level(logging.WARNING):
+        assert raw_send(world.server, payload, world.tls, 2, world.tls) == grpc.StatusCode.PERMISSION_DENIED
+    assert "rank 0 refused a message from ipv4:127.0.0.1:" in caplog.text and "(a pickle" in caplog.text
+    assert not world.marker.exists()
+    assert _drain(world.server) == [] and _drain(world.silo) == []
+    assert world.server.rejected == 1
+
+
+def test_an_insecure_transport_still_never_unpickles(tmp_path, caplog):
+    path = write_ipconfig(str(tmp_path / "ip.csv"), 2)
+    server = SecureGRPCCommManager(path, client_rank=0, client_num=1,
+                                   args=Namespace(insecure=True, run_id="r", max_message_bytes=CAP))
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert raw_send(server, pickle.dumps(WritesAFile(tmp_path / "owned"))) == grpc.StatusCode.PERMISSION_DENIED
+        assert not (tmp_path / "owned").exists() and _drain(server) == []
+        assert "refused a message" in caplog.text
+    finally:
+        server.stop_receive_message()
+
+
+def test_no_tls_and_no_insecure_flag_refuses_to_start(tmp_path):
+    path = write_ipconfig(str(tmp_path / "ip.csv"), 2)
+    with pytest.raises(ConfigError, match="does not start without TLS.*fedml-perfedavg certs --out DIR"):
+        SecureGRPCCommManager(path, client_rank=0, client_num=1, args=Namespace(run_id="r"))
+
+
+def test_silo_two_cannot_speak_for_silo_one_or_the_server(world, caplog):
+    status = _encoded(wire.CLIENT_STATUS, sender=1, receiver=0, client_status="ONLINE")
+    finish_as_server = _encoded(wire.FINISH, sender=0, receiver=1, client_idx="0")
+    finish_as_itself = _encoded(wire.FINISH, sender=2, receiver=1, client_idx="0")
+    with caplog.at_level(logging.WARNING):
+        assert raw_send(world.server, status, world.tls, 2, world.tls) == grpc.StatusCode.PERMISSION_DENIED
+        assert raw_send(world.silo, finish_as_server, world.tls, 2, world.tls) == grpc.StatusCode.PERMISSION_DENIED
+        assert raw_send(world.silo, finish_as_itself, world.tls, 2, world.tls) == grpc.StatusCode.PERMISSION_DENIED
+    assert "claims sender rank 1, but the peer's certificate is rank 2's" in caplog.text
+    assert "claims sender rank 0, but the peer's certificate is rank 2's" in caplog.text
+    assert "a silo takes messages from the server (rank 0) only; got type 7 from rank 2" in caplog.text
+    assert _drain(world.server) == [] and _drain(world.silo) == []
+    # The server's own certificate may tell a silo to finish.
+    assert raw_send(world.silo, finish_as_server, world.tls, 0, world.tls) == "delivered"
+    assert [m.type for m in _drain(world.silo)] == [wire.FINISH]
+
+
+def test_a_certificate_from_another_ca_is_refused_in_the_handshake(world):
+    status = _encoded(wire.CLIENT_STATUS, sender=1, receiver=0, client_status="ONLINE")
+    # its own CA's root: it cannot even trust the server; the run's root: the server refuses its certificate
+    assert raw_send(world.server, status, world.other, 1, world.other) == grpc.StatusCode.UNAVAILABLE
+    assert raw_send(world.server, status, world.other, 1, world.tls) == grpc.StatusCode.UNAVAILABLE
+    assert _drain(world.server) == []
+
+
+def test_messages_over_the_size_cap_are_refused(world, caplog):
+    _model_to_silo(world)
+    big = {"w": torch.zeros(CAP // 4)}  # just over the cap once encoded
+    huge = {"w": torch.zeros(CAP)}  # 4 x the cap: gRPC refuses it before reading it
+    with caplog.at_level(logging.WARNING):
+        assert raw_send(world.server, _encoded(wire.UPLOAD, 1, 0, model=big, num_samples=1, reply_to=0), world.tls, 1,
+                        world.tls) == grpc.StatusCode.PERMISSION_DENIED
+    assert f"over the size cap of {CAP}" in caplog.text
+    assert raw_send(world.server, _encoded(wire.UPLOAD, 1, 0, model=huge, num_samples=1, reply_to=0), world.tls, 1,
+                    world.tls) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _drain(world.server) == []
+
+
+def test_replays_other_runs_and_second_uploads_are_dropped(world, caplog):
+    sent = []
+    original = world.silo.send_bytes
+    world.silo.send_bytes = lambda receiver, data, deadline: (sent.append(data), original(receiver, data, deadline))
+    _model_to_silo(world)
+    _upload_from_silo(world)
+    assert len(_drain(world.server)) == 1
+    with caplog.at_level(logging.WARNING):
+        # the very bytes again (as one who recorded them would send them)
+        assert raw_send(world.server, sent[0], world.tls, 1, world.tls) == grpc.StatusCode.PERMISSION_DENIED
+        # a second upload in the same round, with a new sequence number
+        _upload_from_silo(world)
+        # an upload for another run
+        other_run = _encoded(wire.UPLOAD, 1, 0, seq=10 ** 6, run_id="run-B", model=MODEL, num_samples=1, reply_to=0)
+        assert raw_send(world.server, other_run, world.tls, 1, world.tls) == grpc.StatusCode.PERMISSION_DENIED
+    assert "is a replay (sequence 0, already at 0)" in caplog.text
+    assert "answers no open model (a round already closed, or a second upload in one round)" in caplog.text
+    assert "is for run 'run-B', not this run ('run-A')" in caplog.text
+    assert _drain(world.server) == []
+    # The next round's model opens the next upload.
+    _model_to_silo(world)
+    _upload_from_silo(world)
+    assert len(_drain(world.server)) == 1
