@@ -111,3 +111,31 @@ def launched_alive(run_dir) -> list:
             continue
         alive.append(int(rank))
     return alive
+
+
+def raw_send(address, data: bytes, tls_dir=None, as_rank=None, ca_dir=None, to_rank=0, timeout: float = 5.0):
+    """Bytes sent straight to a cross-silo port (``address`` = (ip, port)), as an attacker would:
+    plaintext (no ``ca_dir``), TLS without a client certificate (``ca_dir`` only), or TLS with
+    ``as_rank``'s certificate from ``tls_dir``. Returns "delivered" or gRPC's status code."""
+    import grpc
+    from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as pb2
+    from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc
+
+    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import rank_name
+
+    target = "%s:%d" % tuple(address)
+    if ca_dir is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        read = lambda folder, name: (Path(folder) / name).read_bytes()  # noqa: E731
+        key = read(tls_dir, f"rank-{as_rank}.key") if as_rank is not None else None
+        cert = read(tls_dir, f"rank-{as_rank}.pem") if as_rank is not None else None
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(read(ca_dir, "ca.pem"), key, cert),
+                                      options=[("grpc.ssl_target_name_override", rank_name(to_rank))])
+    try:
+        pb2_grpc.gRPCCommManagerStub(channel).sendMessage(pb2.CommRequest(client_id=1, message=data), timeout=timeout)
+        return "delivered"
+    except grpc.RpcError as err:
+        return err.code()
+    finally:
+        channel.close()

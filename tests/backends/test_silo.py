@@ -146,7 +146,7 @@ def test_killed_silo_costs_seconds_with_the_default_timeouts_and_is_recorded(mni
 
 
 def _silo_config(tmp_path, **overrides):
-    return resolve(load_yaml(SILO_YAML), {"client_num_per_round": 2, **overrides})
+    return resolve(load_yaml(SILO_YAML), {"client_num_per_round": 2, "tls_dir": str(tmp_path / "tls"), **overrides})
 
 
 def test_address_file_needs_a_row_per_rank(tmp_path):
@@ -179,6 +179,10 @@ def test_silo_identity_is_checked(tmp_path):
                         "['GRPC']"),
     ({"min_clients_per_round": 3}, "comm_args.min_clients_per_round=3: must be <= train_args.client_num_per_round"),
     ({"round_timeout": 0}, "comm_args.round_timeout=0: must be > 0"),
+    ({"tls_dir": None}, "comm_args.tls_dir is not set: a cross-silo process does not start without TLS; give "
+                        "comm_args.tls_dir (make certificates with: fedml-perfedavg certs --out DIR --clients N)"),
+    ({"insecure": True}, "comm_args.tls_dir="),
+    ({"max_message_bytes": 10}, "comm_args.max_message_bytes=10: must be >= 1024"),
 ])
 def test_cross_silo_keys_are_validated(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -11,13 +11,13 @@ import torch
 
 from fedml_perfedavg.fedml_bridge.cross_silo import wire
 from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
-from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates, rank_name
+from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
 from fedml_perfedavg.fedml_bridge.cross_silo.transport import SecureGRPCCommManager
 from fedml_perfedavg.core.guards import ConfigError
 
-from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as pb2
-from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc
 from fedml.core.distributed.communication.message import Message
+
+from tests.helpers import raw_send as send_raw
 
 CAP = 64 * 1024
 MODEL = {"w": torch.ones(4, 3), "b": torch.zeros(4)}
@@ -47,29 +47,8 @@ def world(tmp_path):
     silo.stop_receive_message()
 
 
-def _pem(folder, name):
-    return (folder / name).read_bytes()
-
-
-def raw_send(transport, data, tls_dir=None, as_rank=None, ca_dir=None, timeout=5.0):
-    """Bytes sent straight to ``transport``'s port: plaintext (no ``ca_dir``), TLS without a client
-    certificate (``ca_dir`` only), or TLS with ``as_rank``'s certificate from ``tls_dir``.
-    Returns "delivered" or gRPC's status code."""
-    ip, port = transport.addresses[transport.rank]
-    if ca_dir is None:
-        channel = grpc.insecure_channel(f"{ip}:{port}")
-    else:
-        key = _pem(tls_dir, f"rank-{as_rank}.key") if as_rank is not None else None
-        cert = _pem(tls_dir, f"rank-{as_rank}.pem") if as_rank is not None else None
-        channel = grpc.secure_channel(f"{ip}:{port}", grpc.ssl_channel_credentials(_pem(ca_dir, "ca.pem"), key, cert),
-                                      options=[("grpc.ssl_target_name_override", rank_name(transport.rank))])
-    try:
-        pb2_grpc.gRPCCommManagerStub(channel).sendMessage(pb2.CommRequest(client_id=1, message=data), timeout=timeout)
-        return "delivered"
-    except grpc.RpcError as err:
-        return err.code()
-    finally:
-        channel.close()
+def raw_send(transport, data, tls_dir=None, as_rank=None, ca_dir=None):
+    return send_raw(transport.addresses[transport.rank], data, tls_dir, as_rank, ca_dir, to_rank=transport.rank)
 
 
 def _encoded(kind, sender, receiver, seq=1000, run_id="run-A", reply_to=-1, model=None, **params):

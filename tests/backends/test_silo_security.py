@@ -1,0 +1,130 @@
+"""A cross-silo run as the plugin's command line starts it (launch-silo: mutual TLS with its own
+run CA), attacked while it trains, and a silo frozen mid-run (SIGSTOP)."""
+import csv
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from fedml_perfedavg.fedml_bridge.cross_silo import wire
+from fedml_perfedavg.run.config import load_yaml, resolve
+from fedml_perfedavg.run.runner import run
+
+from tests.helpers import HF_YAML, REPO, SILO_YAML, needs_mnist, raw_send
+
+SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
+
+
+class WritesAFile:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').write('owned')",))
+
+
+def _launch(mnist_root, run_dir, settings):
+    sets = [f"{k}={v}" for k, v in {**SETTINGS, "data_cache_dir": mnist_root, **settings}.items()]
+    command = [sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", SILO_YAML, "--clients", "2",
+               "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _wait_for(path, process, text=None, seconds=120):
+    deadline = time.monotonic() + seconds
+    while not (path.exists() and (text is None or text in path.read_text())):
+        assert time.monotonic() < deadline and process.poll() is None, f"never saw {text or path}"
+        time.sleep(0.05)
+
+
+def _attack(run_dir, marker, stop, tally):
+    """Every outsider's and wrong-certificate attack, at every port, until ``stop``."""
+    with open(run_dir / "grpc_ipconfig.csv") as stream:
+        addresses = {int(r["rank"]): (r["grpc_server_ip"], int(r["grpc_server_port"])) for r in csv.DictReader(stream)}
+    tls = run_dir / "tls"
+    payload = pickle.dumps(WritesAFile(marker))
+    claim_silo_1 = wire.encode(wire.Envelope(type=wire.CLIENT_STATUS, sender=1, receiver=0, run_id="?", round=0,
+                                             seq=10 ** 9, params={"client_status": "FINISHED"}))
+    finish = wire.encode(wire.Envelope(type=wire.FINISH, sender=0, receiver=1, run_id="?", round=0, seq=10 ** 9,
+                                       params={"client_idx": "0"}))
+    huge = wire.encode(wire.Envelope(type=wire.UPLOAD, sender=2, receiver=0, run_id="?", round=0, seq=10 ** 9,
+                                     params={"num_samples": 1}, model={"w": torch.zeros(2_000_000)}))
+    while not stop.is_set():
+        for rank, address in addresses.items():
+            tally.append(("plaintext pickle", raw_send(address, payload, timeout=2)))
+            tally.append(("TLS pickle, no certificate", raw_send(address, payload, ca_dir=tls, to_rank=rank,
+                                                                  timeout=2)))
+        tally.append(("silo 2 claims rank 1", raw_send(addresses[0], claim_silo_1, tls, 2, tls, timeout=2)))
+        tally.append(("silo 2 sends finish", raw_send(addresses[1], finish, tls, 2, tls, to_rank=1, timeout=2)))
+        tally.append(("silo 2 sends a pickle", raw_send(addresses[0], payload, tls, 2, tls, timeout=2)))
+        tally.append(("over the cap", raw_send(addresses[0], huge, tls, 2, tls, timeout=2)))
+        stop.wait(0.3)
+
+
+@needs_mnist
+def test_attacks_during_a_tls_run_change_nothing(mnist_root, tmp_path):
+    run_dir, marker = tmp_path / "silo", tmp_path / "owned"
+    process = _launch(mnist_root, run_dir, {"comm_round": 12})
+    _wait_for(run_dir / "tls" / "rank-2.pem", process)
+    _wait_for(run_dir / "grpc_ipconfig.csv", process)
+    stop, tally = threading.Event(), []
+    attacker = threading.Thread(target=_attack, args=(run_dir, marker, stop, tally), daemon=True)
+    attacker.start()
+    try:
+        out, _ = process.communicate(timeout=300)
+    finally:
+        stop.set()
+        attacker.join(timeout=30)
+    assert process.returncode == 0, out[-5000:]
+    assert not marker.exists()
+    codes = {}
+    for what, code in tally:
+        codes.setdefault(what, set()).add(code)
+    assert "delivered" not in set().union(*codes.values()), codes
+    assert codes["silo 2 claims rank 1"] >= {grpc.StatusCode.PERMISSION_DENIED}, codes
+    assert codes["silo 2 sends finish"] >= {grpc.StatusCode.PERMISSION_DENIED}, codes
+    assert "claims sender rank 1, but the peer's certificate is rank 2's" in out
+    assert "rank 1 refused a message from" in out  # the forged finish, at silo 1
+    assert "claims sender rank 0, but the peer's certificate is rank 2's" in out
+    assert "(a pickle" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == 12 and "lost_silos" not in summary
+    config = resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": 12, "data_cache_dir": mnist_root,
+                                          "simulation_engine": "fedml"})
+    sp = run(config, str(tmp_path / "sp"))
+    model = torch.load(run_dir / "model.pt", weights_only=True)
+    for k, v in sp.final_state.items():
+        torch.testing.assert_close(model[k], v, rtol=1e-6, atol=1e-7)
+
+
+@needs_mnist
+def test_a_frozen_silo_costs_one_round_its_deadline_and_the_healthy_one_stays(mnist_root, tmp_path):
+    run_dir, rounds = tmp_path / "silo", 30
+    process = _launch(mnist_root, run_dir, {"comm_round": rounds, "min_clients_per_round": 1})
+    _wait_for(run_dir / "run.log", process, "round 2: personalized accuracy")
+    frozen = json.loads((run_dir / "silo_processes.json").read_text())["2"]
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        _wait_for(run_dir / "summary.json", process, '"status": "finished"', seconds=180)
+    finally:
+        os.kill(frozen, signal.SIGKILL)
+    out, _ = process.communicate(timeout=120)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds"] == rounds and summary["aggregate_calls"] == rounds
+    [lost] = summary["lost_silos"]
+    assert lost["rank"] == 2 and lost["round"] >= 2
+    waited = float(lost["why"].split(" within ")[-1].split(" s")[0]) if "within" in lost["why"] else \
+        float(lost["why"].split(" for ")[1].split(" s")[0])
+    wall = {e["round"]: e["wall_seconds"] for e in summary["history"]}
+    took = wall[lost["round"]] - wall[lost["round"] - 1]
+    assert waited - 1 < took < waited + 10, (took, waited, lost)
+    assert "going on without silo rank(s) [2]" in out
