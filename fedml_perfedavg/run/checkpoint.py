@@ -40,7 +40,7 @@ def save(run_dir: str, next_round: int, model_state: Dict[str, torch.Tensor], st
 
 
 def _read(path: str) -> Dict[str, Any]:
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=True)  # a checkpoint is data: never code from whoever wrote the file
     if not isinstance(state, dict) or not {"next_round", "model", "states", "torch_rng"} <= set(state):
         raise ValueError("not a checkpoint of this plugin")
     return state

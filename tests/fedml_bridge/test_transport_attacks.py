@@ -183,3 +183,22 @@ def test_replays_other_runs_and_second_uploads_are_dropped(world, caplog):
     _model_to_silo(world)
     _upload_from_silo(world)
     assert len(_drain(world.server)) == 1
+
+
+@pytest.mark.parametrize("bad,problem", [
+    ({"w": torch.ones(3, 4), "b": torch.zeros(4)}, "shape/dtype"),
+    ({"w": torch.full((4, 3), float("nan")), "b": torch.zeros(4)}, "non-finite"),
+    ({"w": torch.full((4, 3), 1e6), "b": torch.zeros(4)}, "exceeds train_args.max_update_norm"),
+])
+def test_a_silos_own_bad_model_is_delivered_and_rejected_by_the_update_checks(world, bad, problem):
+    """A certificate proves who sent a model, not that the model is good: that is the update
+    checks' part (wrong shape, NaN, a huge norm), as for any client."""
+    from fedml_perfedavg.core.guards import update_problem
+
+    _model_to_silo(world)
+    message = Message(wire.UPLOAD, 1, 0)
+    message.add_params(wire.MODEL_KEY, bad)
+    message.add_params("num_samples", 40)
+    world.silo.send_message(message)
+    [upload] = _drain(world.server)
+    assert problem in update_problem(dict(upload.model), MODEL, max_update_norm=100.0)

@@ -79,3 +79,23 @@ def test_a_run_killed_without_warning_keeps_every_evaluation_in_summary_json(tmp
     assert summary["status"] == "running" and summary["headline_round"] == 4
     assert [h["round"] for h in summary["history"]] == [0, 2, 4]
     assert summary["per_user_accuracy"] and not list(tmp_path.glob("*.tmp"))
+
+
+class _WritesAFile:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').write('owned')",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    """A checkpoint is data: one written by someone else cannot run code when a run resumes."""
+    from fedml_perfedavg.run import checkpoint
+
+    marker = tmp_path / "owned"
+    torch.save({"next_round": 1, "model": {}, "states": _WritesAFile(marker), "torch_rng": torch.zeros(1)},
+               tmp_path / "checkpoint.pt")
+    with pytest.raises(ConfigError, match="checkpoint.pt"):
+        checkpoint.load(str(tmp_path))
+    assert not marker.exists()
