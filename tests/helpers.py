@@ -139,3 +139,14 @@ def raw_send(address, data: bytes, tls_dir=None, as_rank=None, ca_dir=None, to_r
         return err.code()
     finally:
         channel.close()
+
+
+def lost_round_cost(summary: dict):
+    """Cross-silo: (the lost silo's record, the deadline it was given, what its round took) from
+    a summary.json with one lost silo."""
+    import re
+
+    [lost] = summary["lost_silos"]
+    waited = float(re.search(r"(?:within|for) (\d+\.\d) s \(the round deadline", lost["why"]).group(1))
+    wall = {e["round"]: e["wall_seconds"] for e in summary["history"]}
+    return lost, waited, wall[lost["round"]] - wall[lost["round"] - 1]

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from fedml_perfedavg.fedml_bridge.cross_silo import wire
+from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
 from fedml_perfedavg.run.config import load_yaml, resolve
 from fedml_perfedavg.run.runner import run
 
-from tests.helpers import HF_YAML, REPO, SILO_YAML, needs_mnist, raw_send
+from tests.helpers import HF_YAML, REPO, SILO_YAML, lost_round_cost, needs_mnist, raw_send
 
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
 
@@ -46,7 +47,7 @@ def _wait_for(path, process, text=None, seconds=120):
         time.sleep(0.05)
 
 
-def _attack(run_dir, marker, stop, tally):
+def _attack(run_dir, other, marker, stop, tally):
     """Every outsider's and wrong-certificate attack, at every port, until ``stop``."""
     with open(run_dir / "grpc_ipconfig.csv") as stream:
         addresses = {int(r["rank"]): (r["grpc_server_ip"], int(r["grpc_server_port"])) for r in csv.DictReader(stream)}
@@ -67,17 +68,19 @@ def _attack(run_dir, marker, stop, tally):
         tally.append(("silo 2 sends finish", raw_send(addresses[1], finish, tls, 2, tls, to_rank=1, timeout=2)))
         tally.append(("silo 2 sends a pickle", raw_send(addresses[0], payload, tls, 2, tls, timeout=2)))
         tally.append(("over the cap", raw_send(addresses[0], huge, tls, 2, tls, timeout=2)))
+        tally.append(("another CA's rank 1", raw_send(addresses[0], claim_silo_1, other, 1, tls, timeout=2)))
         stop.wait(0.3)
 
 
 @needs_mnist
 def test_attacks_during_a_tls_run_change_nothing(mnist_root, tmp_path):
-    run_dir, marker = tmp_path / "silo", tmp_path / "owned"
+    run_dir, marker, other = tmp_path / "silo", tmp_path / "owned", tmp_path / "other-ca"
+    make_certificates(str(other), 2)
     process = _launch(mnist_root, run_dir, {"comm_round": 12})
     _wait_for(run_dir / "tls" / "rank-2.pem", process)
     _wait_for(run_dir / "grpc_ipconfig.csv", process)
     stop, tally = threading.Event(), []
-    attacker = threading.Thread(target=_attack, args=(run_dir, marker, stop, tally), daemon=True)
+    attacker = threading.Thread(target=_attack, args=(run_dir, other, marker, stop, tally), daemon=True)
     attacker.start()
     try:
         out, _ = process.communicate(timeout=300)
@@ -92,6 +95,7 @@ def test_attacks_during_a_tls_run_change_nothing(mnist_root, tmp_path):
     assert "delivered" not in set().union(*codes.values()), codes
     assert codes["silo 2 claims rank 1"] >= {grpc.StatusCode.PERMISSION_DENIED}, codes
     assert codes["silo 2 sends finish"] >= {grpc.StatusCode.PERMISSION_DENIED}, codes
+    assert codes["another CA's rank 1"] == {grpc.StatusCode.UNAVAILABLE}, codes  # refused in the handshake
     assert "claims sender rank 1, but the peer's certificate is rank 2's" in out
     assert "rank 1 refused a message from" in out  # the forged finish, at silo 1
     assert "claims sender rank 0, but the peer's certificate is rank 2's" in out
@@ -120,11 +124,7 @@ def test_a_frozen_silo_costs_one_round_its_deadline_and_the_healthy_one_stays(mn
     out, _ = process.communicate(timeout=120)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == rounds and summary["aggregate_calls"] == rounds
-    [lost] = summary["lost_silos"]
+    lost, waited, took = lost_round_cost(summary)
     assert lost["rank"] == 2 and lost["round"] >= 2
-    waited = float(lost["why"].split(" within ")[-1].split(" s")[0]) if "within" in lost["why"] else \
-        float(lost["why"].split(" for ")[1].split(" s")[0])
-    wall = {e["round"]: e["wall_seconds"] for e in summary["history"]}
-    took = wall[lost["round"]] - wall[lost["round"] - 1]
     assert waited - 1 < took < waited + 10, (took, waited, lost)
     assert "going on without silo rank(s) [2]" in out

@@ -202,3 +202,20 @@ def test_a_silos_own_bad_model_is_delivered_and_rejected_by_the_update_checks(wo
     world.silo.send_message(message)
     [upload] = _drain(world.server)
     assert problem in update_problem(dict(upload.model), MODEL, max_update_norm=100.0)
+
+
+def test_an_upload_may_answer_an_earlier_model_still_open_but_only_once(world, caplog):
+    """FedML's own server sends a silo its first model twice when the silo reports online twice;
+    the silo answers the first. That answer is taken, and closes both."""
+    first = _model_to_silo(world)
+    second = _model_to_silo(world)
+    message = Message(wire.UPLOAD, 1, 0)
+    message.add_params(wire.MODEL_KEY, MODEL)
+    message.add_params("num_samples", 40)
+    world.silo._last_model = (first.seq, first.round)  # the silo answers the model it trained on
+    world.silo.send_message(message)
+    assert [u.reply_to for u in _drain(world.server)] == [first.seq]
+    world.silo._last_model = (second.seq, second.round)
+    with caplog.at_level(logging.WARNING):
+        world.silo.send_message(message)
+    assert _drain(world.server) == [] and "answers no open model" in caplog.text

@@ -68,6 +68,8 @@ def test_bytes_that_are_not_a_message_are_rejected_without_running_anything(data
     (lambda h: h.update(run_id=["x"]), "run_id"),
     (lambda h: h["params"].update(evil="__import__('os')"), "unexpected parameter 'evil'"),
     (lambda h: h["params"].update(num_samples="40"), "num_samples='40' has the wrong type"),
+    (lambda h: h["params"].update(num_samples=float("nan")), "num_samples=nan has the wrong type"),
+    (lambda h: h["params"].update(num_samples=-1), "num_samples=-1 has the wrong type"),
     (lambda h: h["params"].pop("num_samples"), "missing parameter"),
     (lambda h: h["params"].update(plugin_silo_metrics={"accuracy": 2}), "plugin_silo_metrics"),
     (lambda h: h.update(tensors=["w", "b"]), "tensor names in the header and in the tensors differ"),

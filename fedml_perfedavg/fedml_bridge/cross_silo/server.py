@@ -203,12 +203,15 @@ class PluginServerManager(FedMLServerManager):
     def _on_update(self, msg_params: Message) -> None:
         silo = int(msg_params.get_sender_id())
         stamped = msg_params.get(ROUND_KEY)
-        if self.phase is not Phase.TRAINING or silo not in self.live or stamped != self.round_idx:
-            logger.warning("ignored an update from silo rank %d for round %s (the server is %s round %d)", silo,
-                           stamped, self.phase.value, self.round_idx)
+        position = self.client_real_ids.index(silo) if silo in self.client_real_ids else None
+        if self.phase is not Phase.TRAINING or silo not in self.live or stamped != self.round_idx or \
+                position in self.aggregator.updates:
+            logger.warning("ignored an update from silo rank %d for round %s (the server is %s round %d%s)", silo,
+                           stamped, self.phase.value, self.round_idx,
+                           "; it already sent one" if position in self.aggregator.updates else "")
             return
         self._note_silo_metrics(msg_params)
-        self.aggregator.updates[self.client_real_ids.index(silo)] = (
+        self.aggregator.updates[position] = (
             msg_params.get(MyMessage.MSG_ARG_KEY_NUM_SAMPLES), msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
         if all(self.client_real_ids.index(s) in self.aggregator.updates for s in self.live):
             # Only rounds every silo answered in time measure what a round takes.

@@ -137,7 +137,9 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self._lock = threading.Lock()
         self._sent_seq: Dict[int, int] = {}  # receiver -> last seq sent
         self._seen_seq: Dict[int, int] = {}  # sender -> last seq accepted
-        self._open_model: Dict[int, Tuple[int, int]] = {}  # silo -> (seq, round) of the model it should answer
+        # silo -> seqs of the models sent to it and not answered yet. Usually one; FedML's own server
+        # sends a silo its first model twice when the silo reports online twice (it has no guard).
+        self._open_models: Dict[int, set] = {}
         self._last_model: Tuple[int, int] = (-1, 0)  # a silo: (seq, round) of the server's last model
         self._channels: Dict[int, Any] = {}
         self.rejected = 0
@@ -221,11 +223,10 @@ class SecureGRPCCommManager(BaseCommunicationManager):
                 raise wire.Rejected(f"type {kind} from rank {sender} is a replay (sequence {envelope.seq}, "
                                     f"already at {last})")
             if kind == wire.UPLOAD:
-                expected = self._open_model.get(sender)
-                if expected is None or envelope.reply_to != expected[0]:
+                if envelope.reply_to not in self._open_models.get(sender, ()):
                     raise wire.Rejected(f"an upload from rank {sender} for round {envelope.round} answers no open "
                                         f"model (a round already closed, or a second upload in one round)")
-                del self._open_model[sender]
+                self._open_models[sender] = set()  # one answer closes every model sent before it
             self._seen_seq[sender] = envelope.seq
             if kind in wire.MODEL_MESSAGES:
                 self._last_model = (envelope.seq, envelope.round)
@@ -283,8 +284,8 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         with self._lock:
             seq = self._sent_seq.get(receiver, -1) + 1
             self._sent_seq[receiver] = seq
-            if kind in wire.MODEL_MESSAGES:
-                self._open_model[receiver] = (seq, round_idx)  # before sending: the answer may come first
+            if kind in wire.MODEL_MESSAGES:  # before sending: the answer may come first
+                self._open_models.setdefault(receiver, set()).add(seq)
         return wire.Envelope(type=kind, sender=sender, receiver=receiver, run_id=self.settings.run_id,
                              round=round_idx, seq=seq, params=params, model=model, reply_to=reply_to)
 

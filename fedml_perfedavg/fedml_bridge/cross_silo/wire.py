@@ -49,6 +49,10 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _count(value: Any) -> bool:  # a sample count weighs the average: finite and not negative
+    return _number(value) and math.isfinite(value) and value >= 0
+
+
 def _text(value: Any) -> bool:
     return isinstance(value, str) and len(value) <= 64
 
@@ -74,7 +78,7 @@ SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
     SYNC_MODEL: {"client_idx": (_digits, True), "client_os": (_text, False)},
     CHECK_STATUS: {"client_idx": (_digits, True)},
     FINISH: {"client_idx": (_digits, True)},
-    UPLOAD: {"num_samples": (_number, True), SILO_METRICS: (_metrics, False)},
+    UPLOAD: {"num_samples": (_count, True), SILO_METRICS: (_metrics, False)},
     CLIENT_STATUS: {"client_status": (_status, True), "client_os": (_text, False), SILO_METRICS: (_metrics, False)},
 }
 CARRIES_MODEL = frozenset({INIT_CONFIG, SYNC_MODEL, UPLOAD})
