@@ -54,6 +54,18 @@ def algorithm_names() -> List[str]:
     return list(_BUILTIN) + sorted(n for n in extra if n not in FEDML_OWN)
 
 
+def canonical_name(name: object) -> "str | None":
+    """The plugin algorithm ``name`` means, matched case-insensitively (``perfedavg`` is
+    ``PerFedAvg``), or None when it names none."""
+    if not isinstance(name, str):
+        return None
+    names = algorithm_names()
+    if name in names:
+        return name
+    matches = [n for n in names if n.lower() == name.lower()]
+    return matches[0] if len(matches) == 1 else None
+
+
 def algorithm_class(name: str) -> Type[FederatedAlgorithm]:
     """The class registered as ``name``."""
     if name in _BUILTIN:

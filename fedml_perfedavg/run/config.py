@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import yaml
 
 from ..algorithms.base import AGGREGATIONS, DIVERGENCE_POLICIES
-from ..algorithms.registry import FEDML_OWN, algorithm_names
+from ..algorithms.registry import FEDML_OWN, algorithm_names, canonical_name
 from ..core.algorithm import VARIANTS
 from ..core.guards import ConfigError
 from ..data.loading import DATASETS, default_test_images_per_class
@@ -245,8 +245,10 @@ FEDML_PASSTHROUGH = {
 
 
 def _suggest(name: str, candidates: Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.75)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    """"; did you mean X?" for the closest candidate (case-insensitive), or ""."""
+    by_lower = {c.lower(): c for c in candidates}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.75)
+    return f"; did you mean {by_lower[close[0]]!r}?" if close else ""
 
 
 def _check_value(f: dataclasses.Field, value: Any) -> Any:
@@ -288,6 +290,24 @@ def _rule_algorithm(c: Config) -> None:
                           f"baseline is FedAvgUpdate)")
     raise ConfigError(f"train_args.federated_optimizer={c.federated_optimizer!r}: must be one of "
                       f"{names}{_suggest(c.federated_optimizer, names)}")
+
+
+def check_algorithm_name(args: Any) -> None:
+    """``args.federated_optimizer`` made the registry's spelling when it names a plugin algorithm
+    in another case; left alone when it is one of FedML's own; else an error listing the names
+    (FedML itself would raise a bare ``Exception`` only after the data has loaded)."""
+    name = getattr(args, "federated_optimizer", None)
+    canonical = canonical_name(name)
+    if canonical is not None:
+        if canonical != name:
+            logger.info("train_args.federated_optimizer=%r read as %r", name, canonical)
+            args.federated_optimizer = canonical
+        return
+    if name is None or name in FEDML_OWN:
+        return
+    names = algorithm_names()
+    raise ConfigError(f"train_args.federated_optimizer={name!r}: neither a plugin algorithm ({names}) nor one of "
+                      f"FedML's own ({list(FEDML_OWN)}){_suggest(str(name), [*names, *FEDML_OWN])}")
 
 
 def _rule_clients(c: Config) -> None:
@@ -387,6 +407,17 @@ def parse_overrides(pairs: Sequence[str]) -> Dict[str, Any]:
     return out
 
 
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    """A config warning, once per process: a run reads its config more than once (the command
+    line, ``fedml.init``, the runner), and the same words each time help nobody."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning("%s", message)
+
+
 def _fedml_key_meanings(given: Dict[str, Any], where: Dict[str, str]) -> None:
     """FedML's keys as FedML means them: ``learning_rate`` is beta; the unused ones warned."""
     if "learning_rate" in given:
@@ -404,7 +435,7 @@ def _fedml_key_meanings(given: Dict[str, Any], where: Dict[str, str]) -> None:
             continue  # plain gradient steps are what Per-FedAvg takes
         if name in ("weight_decay", "momentum") and not value:
             continue
-        logger.warning("%s.%s=%r is %s", where.get(name, "train_args"), name, value, meaning)
+        _warn_once(f"{where.get(name, 'train_args')}.{name}={value!r} is {meaning}")
 
 
 def resolve(sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, Any]] = None,
@@ -424,7 +455,7 @@ def resolve(sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, A
                 if not known and suggestion:
                     raise ConfigError(f"{section}.{name}={value!r}: unknown key{suggestion}")
                 if not known:
-                    logger.warning("%s.%s: not a key of this plugin; passed to FedML unchecked", section, name)
+                    _warn_once(f"{section}.{name}: not a key of this plugin; passed to FedML unchecked")
                 extra[name] = (section, value)
                 where[name] = section
                 if name in FEDML_KEYS:
@@ -434,6 +465,8 @@ def resolve(sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, A
             else:
                 given[name] = value
     given.update(overrides or {})
+    if canonical_name(given.get("federated_optimizer")) is not None:  # plugin names in any case
+        given["federated_optimizer"] = canonical_name(given["federated_optimizer"])
     _fedml_key_meanings(given, where)
     values = {name: _check_value(f, copy.deepcopy(given.get(name, f.default if f.default is not dataclasses.MISSING
                                                                else f.default_factory())))

@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 
 from ..algorithms.base import FederatedAlgorithm, average
-from ..algorithms.registry import algorithm_names, create_algorithm
+from ..algorithms.registry import canonical_name, create_algorithm
 from ..core.guards import ConfigError, DivergenceError, RunStopped
 from ..core.sampling import held_out_users, random_iterate_step
 from ..core.stationarity import stationarity
@@ -32,7 +32,7 @@ from ..data.fedml_format import users_from_fedml_dataset
 from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
 from . import checkpoint
-from .config import BY_NAME, Config, from_fedml_args
+from .config import BY_NAME, Config, check_algorithm_name, from_fedml_args
 from .reporting import LOG_FORMAT, RunRecorder, console_handler, record_failure
 from .silo_addresses import check_silo_role
 
@@ -117,13 +117,15 @@ class Entry:
     """The run layer's side of :class:`fedml_perfedavg.fedml_bridge.install.PluginEntry`."""
 
     def is_plugin_algorithm(self, name: Optional[str]) -> bool:
-        return name in algorithm_names()
+        return canonical_name(name) is not None
 
     def before_fedml_init(self, args: Any) -> Optional[str]:
-        """Validates a plugin run's config before FedML starts, chooses its run directory, keeps
-        FedML's own ``wandb.init`` (fedml/__init__.py ``_manage_profiling_args``: no group, files
-        in the working directory) off for it, since the run's recorder owns wandb; returns
-        where FedML's ``~/.fedml`` files go."""
+        """Validates a plugin run's config before FedML starts (a plugin name in any case is made
+        the registry's; a name neither the plugin nor FedML runs is an error here, before data
+        loads), chooses its run directory, keeps FedML's own ``wandb.init`` (fedml/__init__.py
+        ``_manage_profiling_args``: no group, files in the working directory) off for it, since
+        the run's recorder owns wandb; returns where FedML's ``~/.fedml`` files go."""
+        check_algorithm_name(args)
         if self.is_plugin_algorithm(getattr(args, "federated_optimizer", None)):
             from_fedml_args(args)  # a bad value stops the run here, before FedML starts anything
             args.perfedavg_enable_wandb = bool(getattr(args, "enable_wandb", False))
@@ -194,7 +196,7 @@ class PluginRun:
             checkpoint.save_config(self.run_dir, config.sections())
             wandb_settings = None
             if config.enable_wandb:
-                wandb_settings = {"project": config.wandb_project, "group": config.wandb_group,
+                wandb_settings = {"project": config.wandb_project, "group": config.wandb_group or os.path.basename(self.run_dir),
                                   "name": os.path.basename(self.run_dir), "tags": wandb_tags(config),
                                   "deferred": bool(getattr(args, "perfedavg_grid", False))}
             new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)

@@ -161,3 +161,20 @@ def test_batch_sizes_must_fit_the_smallest_users_data():
     with pytest.raises(ConfigError, match=r"train_args.hessian_batch_size=500: must be <= the smallest user's "
                                           r"training data \(490 samples\)"):
         resolve({}, {"hessian_batch_size": 500})
+
+
+def test_plugin_algorithm_names_match_in_any_case_and_typos_are_named():
+    from fedml_perfedavg.run.config import resolve
+
+    assert resolve({"train_args": {"federated_optimizer": "fedavgupdate"}}).federated_optimizer == "FedAvgUpdate"
+    with pytest.raises(ConfigError, match="did you mean 'FedAvgARUBA'"):
+        resolve({"train_args": {"federated_optimizer": "FedAvgAruba2"}})
+
+
+def test_config_warnings_print_once_however_often_the_config_is_read(caplog):
+    from fedml_perfedavg.run.config import resolve
+
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            resolve({"train_args": {"momentum": 0.123}})
+    assert caplog.text.count("momentum=0.123") == 1

@@ -72,3 +72,13 @@ def test_grid_mode_runs_write_the_same_wandb_records_at_the_end(tmp_path, monkey
         assert [int(row["_step"]) for row in rows] == [0, 2, 4, 5]
         assert [float(row["eval/personalized_accuracy"]) for row in rows] == pytest.approx(
             [h["personalized_accuracy"] for h in result.summary["history"]])
+
+
+@pytest.mark.backend  # wandb's offline writer is a separate process
+def test_the_wandb_group_defaults_to_the_run_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run(tiny_config(enable_wandb=True, checkpoint_every=0, comm_round=1), str(tmp_path / "my-run"), data=tiny_data())
+    (folder,) = (tmp_path / "my-run" / "wandb").glob("offline-run-*")
+    (log,) = folder.glob("*.wandb")
+    (header,) = [r.run for r in _records(log) if r.WhichOneof("record_type") == "run"]
+    assert header.run_group == "my-run"
