@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from ..core.guards import ConfigError
 from ..core.types import UserSplit
 
 
@@ -49,20 +50,79 @@ def _concatenate(batches: Sequence[Any], what: str) -> Tuple[Tensor, Tensor]:
         x, y = batch
         xs.append(torch.as_tensor(x))
         ys.append(torch.as_tensor(y))
-    return torch.cat(xs), torch.cat(ys).long()
+    return torch.cat(xs), torch.cat(ys)
+
+
+def as_images(x: Tensor, where: str) -> Tensor:
+    """Inputs the model can take: uint8 images scaled to [0, 1] as torchvision's ``ToTensor`` does;
+    floating point kept; other integer inputs refused (their scale is unknown)."""
+    if x.dtype == torch.uint8:
+        return x.float().div(255)
+    if x.is_floating_point():
+        return x
+    raise ConfigError(f"{where}: inputs of dtype {x.dtype}; give floating point inputs, or uint8 images (scaled to "
+                      f"[0, 1] as torchvision's ToTensor does)")
+
+
+def as_labels(y: Tensor, where: str) -> Tensor:
+    """Integer class labels (int64), the same in every format: integer dtypes, or floats that hold
+    whole numbers; anything else is refused, never truncated."""
+    y = y.reshape(-1) if y.dim() > 1 and y.shape[-1] == 1 else y
+    if y.dim() != 1:
+        raise ConfigError(f"{where}: labels of shape {tuple(y.shape)}; expected one class index per sample")
+    if y.is_floating_point():
+        if not bool(torch.isfinite(y).all()) or not bool((y == y.round()).all()):
+            raise ConfigError(f"{where}: labels are not whole numbers (e.g. {y[y != y.round()][:3].tolist()}); "
+                              f"expected class indices")
+    elif y.dtype == torch.bool or y.is_complex():
+        raise ConfigError(f"{where}: labels of dtype {y.dtype}; expected class indices")
+    y = y.long()
+    if y.numel() and int(y.min()) < 0:
+        raise ConfigError(f"{where}: negative labels (e.g. {int(y.min())}); expected class indices 0..C-1")
+    return y
+
+
+def client_samples(data: Any, where: str) -> Tuple[Tensor, Tensor]:
+    """(inputs, class labels) of one client's FedML data, converted as :func:`as_images` and
+    :func:`as_labels` say; ``where`` names the client in errors."""
+    try:
+        x, y = client_tensors(data)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return as_images(x, where), as_labels(y, where)
 
 
 def users_from_fedml_dataset(dataset: Sequence[Any], device: Optional[torch.device] = None) -> List[UserSplit]:
-    """Every client's train and test tensors from FedML's 8-element dataset list, by client id."""
+    """Every client's train and test tensors from FedML's 8-element dataset list, by client id,
+    checked per client (samples on both sides, class labels, image dtypes), naming the client."""
     train_dict, test_dict = dataset[5], dataset[6]
     if sorted(train_dict) != list(range(len(train_dict))):
-        raise ValueError(f"FedML's per-client data must be keyed 0..N-1, got keys {sorted(train_dict)[:10]}...")
-    users = []
+        raise ConfigError(f"FedML's per-client data must be keyed 0..N-1, got keys {sorted(train_dict)[:10]}...")
+    users, without_test = [], []
     for client in range(len(train_dict)):
-        if client not in test_dict:
-            raise ValueError(f"client {client} has training data but no test data in FedML's dataset")
-        tensors = (*client_tensors(train_dict[client]), *client_tensors(test_dict[client]))
-        users.append(UserSplit(*(t.to(device) if device is not None else t for t in tensors)))
+        tensors = []
+        for split, data in (("training", train_dict[client]), ("test", test_dict.get(client))):
+            where = f"client {client}'s {split} data"
+            try:
+                x, y = client_tensors(data) if data is not None else (torch.empty(0), torch.empty(0))
+            except ValueError:  # an empty list or Dataset
+                x, y = torch.empty(0), torch.empty(0)
+            except TypeError as err:
+                raise ConfigError(f"{where}: {err}") from None
+            if len(y) != len(x):
+                raise ConfigError(f"{where}: {len(x)} inputs but {len(y)} labels")
+            if len(y) == 0:
+                if split == "training":
+                    raise ConfigError(f"client {client} has no training samples; every client trains when sampled, "
+                                      f"so each needs training data (or leave it out of the dataset)")
+                without_test.append(client)
+                continue
+            tensors += [as_images(x, where), as_labels(y, where)]
+        if len(tensors) == 4:
+            users.append(UserSplit(*(t.to(device) if device is not None else t for t in tensors)))
+    if without_test:
+        raise ConfigError(f"client(s) {without_test} have no test samples: the personalized accuracy is each user's "
+                          f"accuracy on its own test split after one alpha-step, so each user needs test data")
     return users
 
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from ..algorithms.base import FederatedAlgorithm
 from ..core.evaluation import EvaluationResult
 from ..core.types import StateDict, UserSplit
-from ..data.fedml_format import client_tensors, users_from_fedml_dataset
+from ..data.fedml_format import client_samples, users_from_fedml_dataset
 from .bootstrap import import_fedml
 
 import_fedml()  # torchvision needs its op schemas before FedML imports it
@@ -47,7 +47,8 @@ class AlgorithmClientTrainer(ClientTrainer):
         super().__init__(model, args)
         self.algorithm = algorithm
         self.train_calls = 0
-        self._tensors: Dict[int, Tuple[Tensor, Tensor]] = {}  # id(FedML data) -> (x, y), read once
+        # id(FedML data) -> (data, x, y), read once; holding ``data`` keeps its id from being reused.
+        self._tensors: Dict[int, Tuple[Any, Tensor, Tensor]] = {}
         self.local_train_dataset = None
 
     def get_model_params(self) -> "OrderedDict[str, Tensor]":
@@ -60,9 +61,9 @@ class AlgorithmClientTrainer(ClientTrainer):
         """(x, y) of a client's FedML data on ``device``, converted once per data object."""
         key = id(data)
         if key not in self._tensors:
-            x, y = client_tensors(data)
-            self._tensors[key] = (x.to(device), y.to(device))
-        return self._tensors[key]
+            x, y = client_samples(data, f"client {self.id}'s training data")
+            self._tensors[key] = (data, x.to(device), y.to(device))
+        return self._tensors[key][1:]
 
     def train(self, train_data, device, args) -> None:
         """The algorithm's client update of this client (``self.id``) from the current model."""
@@ -116,7 +117,7 @@ class AlgorithmServerAggregator(ServerAggregator):
 
     def test(self, test_data, device, args) -> Dict[str, float]:
         """Accuracy of the global model (no personalization) on ``test_data``."""
-        x, y = client_tensors(test_data)
+        x, y = client_samples(test_data, "test data")
         self.model.to(device).eval()
         with torch.no_grad():
             logits = self.model(x.to(device))

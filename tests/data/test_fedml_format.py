@@ -44,3 +44,68 @@ def test_fedml_dataset_round_trip_and_clear_errors():
         client_tensors([X, Y, X])
     with pytest.raises(ValueError, match="keyed 0..N-1"):
         users_from_fedml_dataset([0, 0, None, None, {}, {1: (X, Y)}, {1: (X, Y)}, 3])
+
+
+def _as_format(x, y, kind):
+    """One client's (x, y) in one of FedML's formats."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    if kind == "loader":
+        return DataLoader(TensorDataset(x, y), batch_size=3)
+    if kind == "list":
+        return [(x[i:i + 3], y[i:i + 3]) for i in range(0, len(y), 3)]
+    return (x, y)
+
+
+def _dataset(train, test):
+    return [None] * 5 + [dict(enumerate(train)), dict(enumerate(test))]
+
+
+FORMATS = ["loader", "list", "pair"]
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_labels_and_images_are_converted_the_same_way_in_every_format(kind):
+    import torch
+
+    from fedml_perfedavg.data.fedml_format import users_from_fedml_dataset
+
+    images = torch.arange(5 * 4, dtype=torch.uint8).reshape(5, 4)
+    labels = torch.tensor([0.0, 1.0, 2.0, 1.0, 0.0])
+    [user] = users_from_fedml_dataset(_dataset([_as_format(images, labels, kind)], [_as_format(images, labels, kind)]))
+    assert user.train_y.dtype == torch.int64 and user.train_y.tolist() == [0, 1, 2, 1, 0]
+    assert user.train_x.dtype == torch.float32
+    torch.testing.assert_close(user.train_x, images.float() / 255)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("labels,images,message", [
+    ([0.0, 1.5, 2.0, 1.0, 0.0], None, r"client 1's training data: labels are not whole numbers \(e.g. \[1.5\]\)"),
+    ([0, -1, 2, 1, 0], None, "client 1's training data: negative labels"),
+    (None, "int32", "client 1's training data: inputs of dtype torch.int32"),
+])
+def test_labels_and_inputs_the_model_cannot_take_are_refused_naming_the_client(kind, labels, images, message):
+    import torch
+
+    from fedml_perfedavg.core.guards import ConfigError
+    from fedml_perfedavg.data.fedml_format import users_from_fedml_dataset
+
+    good_x, good_y = torch.rand(5, 4), torch.tensor([0, 1, 2, 1, 0])
+    x = good_x if images is None else torch.ones(5, 4, dtype=getattr(torch, images))
+    y = good_y if labels is None else torch.tensor(labels)
+    clients = [_as_format(good_x, good_y, kind), _as_format(x, y, kind)]
+    with pytest.raises(ConfigError, match=message):
+        users_from_fedml_dataset(_dataset(clients, [_as_format(good_x, good_y, kind)] * 2))
+
+
+def test_clients_without_training_or_test_samples_are_named():
+    import torch
+
+    from fedml_perfedavg.core.guards import ConfigError
+    from fedml_perfedavg.data.fedml_format import users_from_fedml_dataset
+
+    full = (torch.rand(5, 4), torch.tensor([0, 1, 2, 1, 0]))
+    with pytest.raises(ConfigError, match="client 1 has no training samples"):
+        users_from_fedml_dataset(_dataset([full, []], [full, full]))
+    with pytest.raises(ConfigError, match=r"client\(s\) \[0, 2\] have no test samples"):
+        users_from_fedml_dataset(_dataset([full, full, full], [[], full, (torch.empty(0, 4), torch.empty(0))]))
