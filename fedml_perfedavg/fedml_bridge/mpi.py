@@ -18,6 +18,7 @@ FedML runs the MPI loop inside ``FedMLRunner``'s constructor; here it runs in ``
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Optional
 
 from .bootstrap import import_fedml, replaced
@@ -70,6 +71,13 @@ class MPISimulation:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model
         self.trainer, self.aggregator, self.driver = trainer, aggregator, driver
 
+    INTERRUPT_GRACE_SECONDS = 10.0
+
+    def end_job(self, code: int) -> None:
+        """End every rank of the job (FedML's MPI receive threads would keep the processes alive)."""
+        logging.shutdown()
+        self.args.comm.Abort(code)
+
     def run(self) -> None:
         aggregator_cls = type("PluginFedAVGAggregator", (PluginFedAVGAggregator,), {"driver": self.driver})
         args = self.args
@@ -79,6 +87,13 @@ class MPISimulation:
                 mpi_api.FedML_FedAvg_distributed(args, args.process_id, args.worker_num, args.comm, self.device,
                                                  self.dataset, self.model, client_trainer=self.trainer,
                                                  server_aggregator=self.aggregator)
+            except KeyboardInterrupt:  # the job is being stopped (SIGINT/SIGTERM to every rank): not a failure
+                if args.process_id != 0:
+                    # Rank 0 records the interrupted run, then ends the job (:meth:`end_job`); this rank
+                    # ends it only if rank 0 has not within the grace period.
+                    time.sleep(self.INTERRUPT_GRACE_SECONDS)
+                    self.end_job(130)
+                raise
             except BaseException as err:
                 if args.process_id != 0:
                     logger.error("rank %d failed, aborting the MPI job: %s", args.process_id, err)

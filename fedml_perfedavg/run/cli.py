@@ -12,14 +12,11 @@ table, or compares runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import shutil
-import signal
 import sys
-import threading
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
 from ..core.guards import ConfigError, DivergenceError, RunStopped
 from .config import load
@@ -63,23 +60,6 @@ def describe_data(config) -> str:
         detail = " ".join(f"{c}:{tr}/{te}" for c, (tr, te) in counts.items())
         lines.append(f"{user_id:4d}  {train:5d}  {test:4d}  {detail}")
     return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM ends the run as Ctrl-C does: what was measured so far is written, not lost."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _remove_failed_start(run_dir: Optional[str], existed: bool) -> None:
@@ -130,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             setup_console_logging(args.log_level)
             print(describe_data(config))
             return 0
-        from .runner import fedml_args, resolve_run_dir, run_fedml_main, shared_run_dir
+        from .runner import fedml_args, resolve_run_dir, run_fedml_main, shared_run_dir, sigterm_as_interrupt
 
         if config.training_type == "cross_silo" or args.role is not None:
             from .silo_addresses import check_silo_role

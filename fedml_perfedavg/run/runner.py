@@ -16,6 +16,8 @@ import dataclasses
 import functools
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
@@ -370,7 +372,7 @@ class PluginRun:
         return summary
 
     def run(self) -> RunResult:
-        with self.ending():
+        with sigterm_as_interrupt(), self.ending():
             self.restore()
             self.execute()
         return self.conclude()
@@ -388,6 +390,8 @@ class PluginRun:
         except KeyboardInterrupt:
             self.finish(status="interrupted", error="interrupted (SIGINT or SIGTERM)")
             self._close()
+            if self.config.backend == "MPI" and self.is_server:
+                self.backend.end_job(130)  # the record is written: now every rank ends
             raise
         except BaseException:
             self._close()
@@ -406,6 +410,24 @@ class PluginRun:
             logging.getLogger().removeHandler(self._log_handler)
             self._log_handler.close()
             self._log_handler = None
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends the run as Ctrl-C does (``PluginRun.ending`` writes what was measured), in the
+    plugin's command line and in a FedML user's own main script alike."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def wandb_tags(config: Config) -> List[str]:

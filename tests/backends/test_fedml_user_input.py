@@ -2,12 +2,20 @@
 subprocess): algorithm names in any case, and a name nobody runs stopped in ``fedml.init``."""
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
 
 from tests.helpers import EXAMPLE, REPO, example_yaml, needs_mnist
 
 SCRIPT = str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_example.py")
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 
 
 def _main(tmp_path, path):
@@ -35,3 +43,78 @@ def test_plugin_names_match_in_any_case_and_unknown_ones_stop_in_fedml_init(mnis
     assert "did you mean 'PerFedAvg'?" in out.stderr
     assert "in init" in out.stderr and "load(" not in out.stderr  # raised in fedml.init, before data loads
     assert not (tmp_path / "runs" / "typo").exists()
+
+
+def _wait_for(path, text, process, seconds=120):
+    deadline = time.monotonic() + seconds
+    while not (path.exists() and text in path.read_text()):
+        assert time.monotonic() < deadline and process.poll() is None, (process.poll(), text)
+        time.sleep(0.05)
+
+
+@needs_mnist
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
+def test_fedml_main_script_stopped_by_a_signal_keeps_its_record(mnist_root, tmp_path, how):
+    path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "stopped", tmp_path / "runs", comm_round=5000)
+    home = tmp_path / "home"
+    home.mkdir()
+    process = subprocess.Popen([sys.executable, SCRIPT, "--cf", path], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                               env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)})
+    run_dir = tmp_path / "runs" / "stopped"
+    _wait_for(run_dir / "run.log", "round 3: personalized accuracy", process)
+    process.send_signal(how)
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode != 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["rounds"] >= 4, out[-3000:]
+    model = torch.load(run_dir / "model.pt", weights_only=True)
+    assert set(model) == {"linear.weight", "linear.bias"}
+
+
+@needs_mnist
+def test_fedml_cross_silo_server_stopped_by_sigterm_keeps_its_record_and_stops_its_silos(mnist_root, tmp_path):
+    from fedml_perfedavg.run.silo_addresses import write_ipconfig
+
+    address_file = write_ipconfig(str(tmp_path / "ip.csv"), 3)
+    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "runs", comm_round=5000,
+                        grpc_ipconfig_path=address_file)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)}
+    processes = [subprocess.Popen([sys.executable, SCRIPT, "--cf", path, "--rank", str(r), "--role",
+                                   "server" if r == 0 else "client", "--run_id", "9"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env) for r in range(3)]
+    try:
+        run_dir = tmp_path / "runs" / "silo"
+        _wait_for(run_dir / "run.log", "round 3: personalized accuracy", processes[0])
+        processes[0].send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        outs = [p.communicate(timeout=60)[0] for p in processes]
+        took = time.monotonic() - stopped
+    finally:
+        for p in processes:
+            p.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and (run_dir / "model.pt").exists(), outs[0][-3000:]
+    for out in outs[1:]:
+        assert "the server ended the run early" in out
+    assert took < 20
+
+
+@needs_mnist
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (.[mpi])")
+def test_fedml_mpi_job_stopped_by_sigterm_keeps_its_record(mnist_root, tmp_path):
+    path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "runs", comm_round=5000)
+    home = tmp_path / "home"
+    home.mkdir()
+    process = subprocess.Popen([MPIRUN, "-n", "3", sys.executable, SCRIPT, "--cf", path], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                               env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)})
+    run_dir = tmp_path / "runs" / "mpi"
+    _wait_for(run_dir / "run.log", "round 3: personalized accuracy", process)
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=60)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["rounds"] >= 4, out[-3000:]
+    assert torch.load(run_dir / "model.pt", weights_only=True)

@@ -159,14 +159,25 @@ class PluginServerManager(FedMLServerManager):
         for silo in silos:
             self.users.pop(silo, None)
 
+    def run(self) -> None:
+        try:
+            super().run()
+        except KeyboardInterrupt:  # SIGINT or SIGTERM (the run layer writes what was measured)
+            self._tell_silos_to_stop()
+            raise
+
     def _stop(self, reason: str) -> None:
-        """End the run early: tell the silos still there (without waiting on any that do not answer)."""
+        """End the run early, naming why."""
+        self._tell_silos_to_stop()
+        raise SiloFailure(reason)
+
+    def _tell_silos_to_stop(self) -> None:
+        """Tell the silos still there that the run is over (without waiting on any that do not answer)."""
         if self.phase is not Phase.DONE:
             self._enter(Phase.DONE)
         finish = [self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo) for silo in self.live]
         self.com_manager.send_all(finish, time.monotonic() + 1.0)
         self.com_manager.stop_receive_message()
-        raise SiloFailure(reason)
 
     # -- messages -----------------------------------------------------------------------------------
     def register_message_receive_handlers(self) -> None:

@@ -143,6 +143,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self._last_model: Tuple[int, int] = (-1, 0)  # a silo: (seq, round) of the server's last model
         self._channels: Dict[int, Any] = {}
         self.rejected = 0
+        self.finish_received = False  # a silo: the server said the run is over (sends stop retrying)
         self.is_running = False
         ip, port = self.addresses[self.rank]
         limit = self.settings.size_cap + _PROTOBUF_SLACK
@@ -228,6 +229,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
                                         f"model (a round already closed, or a second upload in one round)")
                 self._open_models[sender] = set()  # one answer closes every model sent before it
             self._seen_seq[sender] = envelope.seq
+            self.finish_received |= kind == wire.FINISH
             if kind in wire.MODEL_MESSAGES:
                 self._last_model = (envelope.seq, envelope.round)
 
@@ -341,6 +343,9 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         ip, port = self.addresses[receiver]
         delay, last_error, window = 0.1, "no answer", max(0.0, deadline - time.monotonic())
         while True:
+            if self.finish_received:  # its finish waits in the queue; the server is not listening any more
+                logger.info("rank %d: the server ended the run; a message to rank %d is not sent", self.rank, receiver)
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PeerUnreachable(f"rank {receiver} at {ip}:{port} did not take a message from rank {self.rank} "
