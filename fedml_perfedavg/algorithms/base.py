@@ -134,6 +134,8 @@ class FederatedAlgorithm:
         self.network = functional_network(model)
         self.loss_fn = make_loss_fn(self.network)
         self.parameter_names = [name for name, _ in model.named_parameters()]
+        self.vmappable = True  # see :meth:`check_model`; False: client maths and evaluation never call vmap
+        self.forward_ad = True  # see :meth:`check_model`; False: the exact variant's HVP is reverse-over-reverse
         self.skipped_rounds = 0
         self.rejected: Dict[int, int] = {}  # round -> client updates rejected
         self.aggregate_calls = 0
@@ -147,6 +149,27 @@ class FederatedAlgorithm:
     def label(self) -> str:
         """How logs and errors name this algorithm."""
         return self.name
+
+    def check_model(self, global_state: StateDict, x: Tensor, y: Tensor) -> List[str]:
+        """Probe once (on a sample ``x, y``) what the model's autodiff allows: if vmap cannot batch
+        its gradients, every client update and evaluation runs client by client; if its operators
+        have no forward-mode derivative, the exact variant's HVP is reverse-over-reverse. Returns a
+        line for each such fallback, saying why."""
+        params, _ = self.split_state({k: v.detach() for k, v in global_state.items()})
+        notes = []
+        with torch.no_grad():
+            if self.settings.local.variant == "exact":
+                why = client_maths.forward_ad_problem(self.loss_fn, params, x, y)
+                self.forward_ad = why is None
+                if why is not None:
+                    notes.append(f"no forward-mode derivative ({why}); the exact Hessian-vector product is "
+                                 f"reverse-over-reverse")
+            why = client_maths.vmap_problem(self.loss_fn, params, x, y, reverse_hvp=not self.forward_ad)
+            self.vmappable = why is None
+            if why is not None:
+                notes.append(f"torch.func.vmap cannot batch its gradients ({why}); every client trains and is "
+                             f"evaluated one by one (the per-client path)")
+        return notes
 
     # -- sample ---------------------------------------------------------------------------
     def sample_clients(self, round_idx: int) -> List[int]:
@@ -173,7 +196,9 @@ class FederatedAlgorithm:
         steps = batches.adapt_x.shape[0]
         local = self.settings.local
         config = local if steps == local.local_steps else dataclasses.replace(local, local_steps=steps)
-        return client_maths.local_update(self.loss_fn, params, batches, config)
+        oracle = client_maths.FunctionalGradients if self.forward_ad else client_maths.ReverseModeGradients
+        gradients = oracle(self.loss_fn, pair_by_vmap=self.vmappable)
+        return client_maths.local_update(self.loss_fn, params, batches, config, gradients)
 
     def local_training(self, state: StateDict, batches: LocalBatches) -> StateDict:
         """The client's whole update as a pure function of its starting state (parameters and
@@ -255,6 +280,7 @@ class FederatedAlgorithm:
         split), the same for every algorithm."""
         params, _ = self.split_state(global_state)
         config = self.settings.evaluation
+        batched = batched and self.vmappable
         if config.batched != batched:
             config = dataclasses.replace(config, batched=batched)
         return evaluate(self.network, params, users, config, round_idx, user_ids, self.loss_fn,

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional, Protocol
 
 import torch
 from torch import Tensor
-from torch.func import grad, jvp, vmap
+from torch.func import grad, jvp, vjp, vmap
 
 from .types import LossFn, Params
 
@@ -72,14 +72,56 @@ class Gradients(Protocol):
 
 
 class FunctionalGradients:
-    """Gradients of any loss by ``torch.func`` (the default; vmappable)."""
+    """Gradients of any loss by ``torch.func`` (the default). ``pair_by_vmap=False`` never calls
+    ``vmap``: the path for a model vmap cannot batch (data-dependent control flow, ...)."""
 
-    def __init__(self, loss_fn: LossFn) -> None:
+    def __init__(self, loss_fn: LossFn, pair_by_vmap: bool = True) -> None:
         self.grad = grad(loss_fn)
+        self.pair_by_vmap = pair_by_vmap
 
     def grad_pair(self, params: Params, x: Tensor, y: Tensor) -> Params:
-        # one vmapped call with twice the work instead of two small passes
-        return vmap(self.grad, in_dims=(0, None, None))(params, x, y)
+        if self.pair_by_vmap:  # one vmapped call with twice the work instead of two small passes
+            return vmap(self.grad, in_dims=(0, None, None))(params, x, y)
+        first, second = (self.grad({k: v[i] for k, v in params.items()}, x, y) for i in (0, 1))
+        return {k: torch.stack((first[k], second[k])) for k in first}
+
+
+class ReverseModeGradients(FunctionalGradients):
+    """:class:`FunctionalGradients` whose exact Hessian-vector product is reverse-over-reverse
+    (a vjp of the gradient; the Hessian is symmetric), for models with operators that have no
+    forward-mode derivative (PyTorch's CPU LSTM kernel, for one)."""
+
+    def hessian_vector_product(self, params: Params, v: Params, x: Tensor, y: Tensor) -> Params:
+        # Under no_grad, PyTorch's CPU LSTM runs its inference kernel, which keeps no workspace
+        # for a second backward pass; torch.func keeps no graph beyond this call either way.
+        with torch.enable_grad():
+            _, pullback = vjp(lambda p: self.grad(p, x, y), params)
+            (hessian_v,) = pullback(v)
+        return hessian_v
+
+
+def forward_ad_problem(loss_fn: LossFn, params: Params, x: Tensor, y: Tensor) -> Optional[str]:
+    """Why forward-mode AD over ``loss_fn``'s gradient fails (a probe on one sample), or None."""
+    try:
+        jvp(lambda p: grad(loss_fn)(p, x[:1], y[:1]), (params,), ({k: torch.zeros_like(v) for k, v in params.items()},))
+    except Exception as err:  # noqa: BLE001 - whatever it raises, the answer is "use reverse mode"
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def vmap_problem(loss_fn: LossFn, params: Params, x: Tensor, y: Tensor, reverse_hvp: bool = False) -> Optional[str]:
+    """Why ``torch.func.vmap`` cannot batch gradients of ``loss_fn`` over clients (a probe on two
+    copies of one sample; with ``reverse_hvp``, :class:`ReverseModeGradients`' Hessian-vector
+    product too), or None when it can."""
+    xs, ys = torch.stack((x[:1], x[:1])), torch.stack((y[:1], y[:1]))
+    try:
+        vmap(grad(loss_fn), in_dims=(None, 0, 0))(params, xs, ys)
+        if reverse_hvp:
+            hvp = ReverseModeGradients(loss_fn).hessian_vector_product
+            vmap(lambda bx, by: hvp(params, params, bx, by), in_dims=(0, 0))(xs, ys)
+    except Exception as err:  # noqa: BLE001 - whatever vmap raises, the answer is "not batchable"
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
 
 
 def axpy(scale: float, x: Params, y: Params) -> Params:

@@ -55,13 +55,14 @@ def _concatenate(batches: Sequence[Any], what: str) -> Tuple[Tensor, Tensor]:
 
 def as_images(x: Tensor, where: str) -> Tensor:
     """Inputs the model can take: uint8 images scaled to [0, 1] as torchvision's ``ToTensor`` does;
-    floating point kept; other integer inputs refused (their scale is unknown)."""
+    other dtypes as given (floating point inputs; integer token ids for embedding models such as
+    FedML's ``rnn``); booleans and complex numbers refused."""
     if x.dtype == torch.uint8:
         return x.float().div(255)
-    if x.is_floating_point():
-        return x
-    raise ConfigError(f"{where}: inputs of dtype {x.dtype}; give floating point inputs, or uint8 images (scaled to "
-                      f"[0, 1] as torchvision's ToTensor does)")
+    if x.dtype == torch.bool or x.is_complex():
+        raise ConfigError(f"{where}: inputs of dtype {x.dtype}; give floating point inputs, integer token ids, or "
+                          f"uint8 images (scaled to [0, 1] as torchvision's ToTensor does)")
+    return x
 
 
 def as_labels(y: Tensor, where: str) -> Tensor:

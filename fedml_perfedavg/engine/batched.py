@@ -43,7 +43,8 @@ class BatchedSimulation:
         self.users = users
         self.state: StateDict = OrderedDict(global_state)
         self.driver = driver
-        self.batched = True
+        # Decided once by a probe (FederatedAlgorithm.check_vmap), not by a round's error.
+        self.batched = algorithm.vmappable
         self.step: Callable[[Params, LocalBatches], Params] = vmap(algorithm.local_update, in_dims=(None, 0))
         # An algorithm whose clients send back more than parameters (its own local_training)
         # is vmapped over whole states: parameters and buffers per client.
@@ -53,7 +54,9 @@ class BatchedSimulation:
         stacked, why = (None, "device_args.compile_local_update compiles the generic path") if compile_local_update \
             else self._stacked_gradients(fast_path)
         self.stacked: Optional[StackedGradients] = stacked
-        if stacked is not None:
+        if not self.batched:
+            logger.info("batched engine: clients one by one (the model cannot be vmapped)")
+        elif stacked is not None:
             self.step = self._stacked_step()
             logger.info("batched engine: %s is a chain of Linear layers and activations; its clients' gradients "
                         "are hand-batched matrix products (fedml_perfedavg.core.stacked)", type(algorithm.network).__name__)
@@ -181,15 +184,8 @@ class BatchedSimulation:
         aggregate, report. Returns the round's clients."""
         clients = self.driver.sample_clients(round_idx)
         if self.batched:
-            try:
-                updates = self._batched_updates(round_idx, clients)
-            except (RuntimeError, NotImplementedError, ValueError) as err:
-                if "vmap" not in str(err) and "functorch" not in str(err) and "batched" not in str(err).lower():
-                    raise
-                logger.warning("batched engine: %s cannot be vmapped (%s); using the per-client path",
-                               type(self.algorithm.network).__name__, str(err).splitlines()[0])
-                self.batched = False
-        if not self.batched:
+            updates = self._batched_updates(round_idx, clients)
+        else:
             updates = self._per_client_updates(round_idx, clients)
         self.finish_round(round_idx, updates)
         return clients

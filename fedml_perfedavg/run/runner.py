@@ -193,6 +193,9 @@ class PluginRun:
             trainer, aggregator = create_fedml_pair(self.algorithm, self.model, args)
         self.trainer, self.aggregator = trainer, aggregator
         self.global_state: StateDict = aggregator.get_model_params()
+        sample = self.users[0]
+        for note in self.algorithm.check_model(self.global_state, sample.train_x[:1], sample.train_y[:1]):
+            logger.warning("%s: %s", type(self.model).__name__, note)
         self.recorder: Optional[RunRecorder] = None
         if self.is_server:
             checkpoint.save_config(self.run_dir, config.sections())

@@ -116,3 +116,26 @@ def test_invalid_variant_and_method_are_rejected_with_the_allowed_values():
         LocalUpdateConfig(variant="so")
     with pytest.raises(ValueError, match="method='sgd'"):
         LocalUpdateConfig(method="sgd")
+
+
+def test_reverse_mode_hvp_and_the_sequential_pair_equal_the_default_oracle_float64():
+    """The fallbacks for models without forward-mode AD or vmap give the same numbers."""
+    import torch
+    from torch import nn
+
+    from fedml_perfedavg.core.algorithm import FunctionalGradients, ReverseModeGradients, meta_gradient
+    from fedml_perfedavg.core.functional import functional_network, make_loss_fn
+    from fedml_perfedavg.core.sampling import sample_local_batches
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    loss_fn = make_loss_fn(functional_network(model))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(30, 5, dtype=torch.float64), torch.randint(0, 3, (30,))
+    step = sample_local_batches(x, y, 1, (6, 6, 6), torch.Generator().manual_seed(1)).step(0)
+    for variant in ("hf", "exact"):
+        reference = meta_gradient(loss_fn, params, step, variant, 0.1, 1e-3, FunctionalGradients(loss_fn))
+        for oracle in (ReverseModeGradients(loss_fn), FunctionalGradients(loss_fn, pair_by_vmap=False)):
+            got = meta_gradient(loss_fn, params, step, variant, 0.1, 1e-3, oracle)
+            for k in reference:
+                torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)

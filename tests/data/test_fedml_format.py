@@ -76,13 +76,16 @@ def test_labels_and_images_are_converted_the_same_way_in_every_format(kind):
     assert user.train_y.dtype == torch.int64 and user.train_y.tolist() == [0, 1, 2, 1, 0]
     assert user.train_x.dtype == torch.float32
     torch.testing.assert_close(user.train_x, images.float() / 255)
+    tokens = torch.randint(0, 80, (5, 7))  # an embedding model's inputs stay integer ids
+    [user] = users_from_fedml_dataset(_dataset([_as_format(tokens, labels, kind)], [_as_format(tokens, labels, kind)]))
+    assert torch.equal(user.train_x, tokens)
 
 
 @pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("labels,images,message", [
     ([0.0, 1.5, 2.0, 1.0, 0.0], None, r"client 1's training data: labels are not whole numbers \(e.g. \[1.5\]\)"),
     ([0, -1, 2, 1, 0], None, "client 1's training data: negative labels"),
-    (None, "int32", "client 1's training data: inputs of dtype torch.int32"),
+    (None, "bool", "client 1's training data: inputs of dtype torch.bool"),
 ])
 def test_labels_and_inputs_the_model_cannot_take_are_refused_naming_the_client(kind, labels, images, message):
     import torch
