@@ -8,14 +8,19 @@ does not know. With the plugin installed, ``partition_method: paper`` (or
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import logging
-from typing import Any, Callable, Optional, Tuple
+import os
+import socket
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..core.guards import ConfigError
+from .bootstrap import replaced
 from ..core.types import UserSplit
 from ..data.fedml_format import to_fedml_dataset
 from ..data.loading import FederatedData
@@ -43,6 +48,47 @@ def reshaped(data: FederatedData, layout: Tuple[int, ...]) -> FederatedData:
     return FederatedData(users, data.num_classes, data.input_shape)
 
 
+@contextlib.contextmanager
+def offline_fedml_loader(args: Any) -> Iterator[None]:
+    """FedML's own loaders (fedml/data/data_loader.py), offline unless ``data_args.download``.
+
+    FedML's MNIST loader calls ``download_mnist`` (MNIST/data_loader.py), which wgets MNIST.zip
+    from FedML's server whenever that zip is missing, even beside the extracted LEAF files it
+    then reads: with those files present the download is skipped; without them, and without
+    ``download: true``, the run stops here naming the files. Any other loader that opens a
+    connection without ``download: true`` is stopped before it connects."""
+    if bool(getattr(args, "download", False)):
+        yield
+        return
+    import fedml.data.data_loader as fedml_loader
+
+    root = os.path.abspath(str(getattr(args, "data_cache_dir", ".")))
+    dataset = getattr(args, "dataset", None)
+    stack = contextlib.ExitStack()
+    if dataset == "mnist":
+        leaf = [os.path.join(root, "MNIST", split) for split in ("train", "test")]
+        if not all(glob.glob(os.path.join(folder, "*.json")) for folder in leaf):
+            raise ConfigError(f"data_args.dataset='mnist' with data_args.partition_method="
+                              f"{getattr(args, 'partition_method', None)!r} is FedML's MNIST loader, which reads LEAF's "
+                              f"JSON files from {leaf[0]}/*.json and {leaf[1]}/*.json (FedML's MNIST.zip, extracted "
+                              f"into {root}) and would download them: put them there, set data_args.download: true to "
+                              f"let FedML download them, or use partition_method: paper (the paper's split, from "
+                              f"torchvision's MNIST files)")
+        stack.enter_context(replaced(fedml_loader, "download_mnist", lambda data_cache_dir: None))
+    original_connect = socket.socket.connect
+
+    def refuse(sock, address):
+        family = getattr(sock, "family", None)
+        if family in (socket.AF_INET, socket.AF_INET6):
+            raise ConfigError(f"data_args.dataset={dataset!r}: FedML's loader tried to download it (a connection to "
+                             f"{address}); put its files under data_args.data_cache_dir={root!r}, or set "
+                             f"data_args.download: true")
+        return original_connect(sock, address)
+
+    with stack, replaced(socket.socket, "connect", refuse):
+        yield
+
+
 def loading_with_paper_split(original_load: Callable, load_split: Callable[[Any], Optional[FederatedData]]
                              ) -> Callable:
     """A replacement for ``fedml.data.load``: the paper's split where ``load_split`` gives one."""
@@ -51,7 +97,8 @@ def loading_with_paper_split(original_load: Callable, load_split: Callable[[Any]
     def load(args):
         data = load_split(args)
         if data is None:
-            return original_load(args)
+            with offline_fedml_loader(args):
+                return original_load(args)
         data = reshaped(data, input_layout(getattr(args, "model", ""), args.dataset, data.input_shape))
         return to_fedml_dataset(data.users, data.num_classes, int(args.batch_size)), data.num_classes
 

@@ -234,10 +234,10 @@ FEDML_KEYS: Dict[str, Optional[str]] = {
     "weight_decay": "not used: Per-FedAvg's steps have no weight decay",
     "server_optimizer": "not used: the server averages the returned models (train_args.aggregation)",
     "server_lr": "not used: the server averages the returned models (train_args.aggregation)",
-    "partition_alpha": "not used: the paper's split has no Dirichlet parameter",
     "momentum": "not used: Per-FedAvg's steps have no momentum",
 }
 FEDML_PASSTHROUGH = {
+    "partition_alpha",  # FedML's Dirichlet split: used by its loaders except MNIST's (see _fedml_key_meanings)
     "scenario", "using_mlops", "config_version", "client_id_list", "worker_num", "gpu_mapping_file",
     "gpu_mapping_key", "is_mobile", "log_file_dir", "enable_tracking", "using_memory_profiler", "test_on_clients",
     "device_type", "rank", "role", "run_id", "process_id", "run_device_id", "local_rank", "node_rank",
@@ -427,6 +427,17 @@ def _fedml_key_meanings(given: Dict[str, Any], where: Dict[str, str]) -> None:
                               f"{given['beta']!r} both set the step size applied to the model; give one, or the "
                               f"same value")
         given.setdefault("beta", lr)
+    partition, dataset = given.get("partition_method", "paper"), given.get("dataset", "mnist")
+    if partition not in PARTITIONS and dataset == "mnist":
+        _warn_once(f"data_args.partition_method={partition!r} is not used: FedML's MNIST loader reads LEAF's fixed "
+                   f"per-writer split (fedml/data/MNIST/data_loader.py); partition_method paper gives the paper's")
+    if "partition_alpha" in given:
+        if partition in PARTITIONS:
+            _warn_once(f"data_args.partition_alpha={given['partition_alpha']!r} is not used: the paper's split "
+                       f"(partition_method {partition!r}) has no Dirichlet parameter")
+        elif dataset == "mnist":
+            _warn_once(f"data_args.partition_alpha={given['partition_alpha']!r} is not used: FedML's MNIST loader "
+                       f"reads LEAF's fixed per-writer split")
     for name, meaning in FEDML_KEYS.items():
         if name == "learning_rate" or name not in given:
             continue
@@ -458,7 +469,7 @@ def resolve(sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, A
                     _warn_once(f"{section}.{name}: not a key of this plugin; passed to FedML unchecked")
                 extra[name] = (section, value)
                 where[name] = section
-                if name in FEDML_KEYS:
+                if name in FEDML_KEYS or name == "partition_alpha":  # read by _fedml_key_meanings
                     given[name] = value
             elif f.metadata["section"] != section:
                 raise ConfigError(f"{section}.{name}={value!r}: belongs in section {f.metadata['section']!r}")

@@ -118,3 +118,47 @@ def test_fedml_mpi_job_stopped_by_sigterm_keeps_its_record(mnist_root, tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["rounds"] >= 4, out[-3000:]
     assert torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def _leaf_mnist(root, users=4, train=48, test=12):
+    """FedML's MNIST in LEAF's JSON layout (what FedML's MNIST.zip holds), small and random."""
+    g = torch.Generator().manual_seed(0)
+    for split, count in (("train", train), ("test", test)):
+        folder = root / "MNIST" / split
+        folder.mkdir(parents=True)
+        data = {f"w{u}": {"x": torch.rand(count, 784, generator=g).round(decimals=3).tolist(),
+                          "y": torch.randint(0, 10, (count,), generator=g).tolist()} for u in range(users)}
+        (folder / "part.json").write_text(json.dumps({"users": list(data), "num_samples": [count] * users,
+                                                     "user_data": data}))
+
+
+@needs_mnist
+def test_fedml_own_mnist_split_runs_offline_from_its_files_or_stops_naming_them(mnist_root, tmp_path):
+    from tests.helpers import NETWORK_GUARD, offline
+
+    edits = dict(partition_method="hetero", partition_alpha=0.5, client_num_in_total=4, client_num_per_round=2,
+                 batch_size=10)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)}
+    path = example_yaml(tmp_path, "fedml_config.yaml", str(empty), "missing", tmp_path / "runs", **edits)
+    out = subprocess.run(offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode != 0 and "NETWORK_ATTEMPTS [(" not in out.stdout, (out.stdout + out.stderr)[-3000:]
+    assert f"reads LEAF's JSON files from {empty}/MNIST/train/*.json and {empty}/MNIST/test/*.json" in out.stderr
+    assert "set data_args.download: true" in out.stderr
+    assert not (empty / "MNIST.zip").exists()
+
+    leaf = tmp_path / "leaf"
+    _leaf_mnist(leaf)
+    path = example_yaml(tmp_path, "fedml_config.yaml", str(leaf), "leaf", tmp_path / "runs", **edits)
+    out = subprocess.run(offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 0 and "NETWORK_ATTEMPTS []" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
+    summary = json.loads((tmp_path / "runs" / "leaf" / "summary.json").read_text())
+    assert summary["status"] == "finished" and len(summary["per_user_accuracy"]) == 4
+    assert out.stderr.count("data_args.partition_method='hetero' is not used: FedML's MNIST loader") == 1
+    assert "partition_alpha=0.5 is not used: FedML's MNIST loader" in out.stderr
+    assert "the paper's split" not in out.stderr.split("partition_alpha=0.5")[1][:80]
