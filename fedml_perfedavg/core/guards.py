@@ -26,6 +26,11 @@ class RunStopped(RuntimeError):
     """The run cannot go on (too many rounds without an acceptable update, lost silos, ...)."""
 
 
+class OutputError(RuntimeError):
+    """A run's file cannot be written (a full or read-only disk, a missing folder, ...); the
+    message names the file, the folder and the cause."""
+
+
 class SiloFailure(RunStopped):
     """Cross-silo: a peer did not answer in time and the failure policy says stop."""
 

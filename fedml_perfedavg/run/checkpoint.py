@@ -12,9 +12,9 @@ import os
 from typing import Any, Dict, Optional
 
 import torch
-import yaml
 
 from ..core.guards import ConfigError
+from .files import write_atomic, write_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -28,14 +28,8 @@ def save(run_dir: str, next_round: int, model_state: Dict[str, torch.Tensor], st
     """Write ``run_dir/checkpoint.pt`` through a temporary file and a rename, keeping the one
     before as ``checkpoint.prev.pt`` (``states``: each owner's ``state_dict()`` by name)."""
     path = os.path.join(run_dir, CHECKPOINT)
-    tmp = path + ".tmp"
-    torch.save({"next_round": next_round, "model": model_state, "states": states,
-                "torch_rng": torch.get_rng_state()}, tmp)
-    with open(tmp, "rb") as stream:
-        os.fsync(stream.fileno())
-    if os.path.exists(path):
-        os.replace(path, os.path.join(run_dir, PREVIOUS))
-    os.replace(tmp, path)
+    state = {"next_round": next_round, "model": model_state, "states": states, "torch_rng": torch.get_rng_state()}
+    write_atomic(path, lambda stream: torch.save(state, stream), previous=os.path.join(run_dir, PREVIOUS))
     return path
 
 
@@ -72,7 +66,4 @@ def load(run_dir: str) -> Optional[Dict[str, Any]]:
 
 def save_config(run_dir: str, sections: Dict[str, Dict[str, Any]]) -> None:
     """The resolved config, so ``--resume RUN_DIR`` needs nothing else."""
-    tmp = os.path.join(run_dir, CONFIG + ".tmp")
-    with open(tmp, "w") as stream:
-        yaml.safe_dump(sections, stream, sort_keys=False)
-    os.replace(tmp, os.path.join(run_dir, CONFIG))
+    write_yaml(os.path.join(run_dir, CONFIG), sections)

@@ -18,7 +18,7 @@ import shutil
 import sys
 from typing import List, Optional
 
-from ..core.guards import ConfigError, DivergenceError, RunStopped
+from ..core.guards import ConfigError, DivergenceError, OutputError, RunStopped
 from .config import load
 from .reporting import console_handler
 
@@ -37,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override a config key, e.g. --set comm_round=20 (repeatable)")
     parser.add_argument("--run-dir", help="output directory of this run (default: output_dir/run_name)")
     parser.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR from its last checkpoint (its config.yaml is used)")
+                        help="continue the run in RUN_DIR from its last checkpoint (its config.yaml is used; a "
+                             "finished run continues only with a larger --set comm_round)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start the run even where --run-dir holds one, replacing its results")
     parser.add_argument("--describe-data", action="store_true",
                         help="print each user's per-class train/test counts and exit")
     parser.add_argument("--rank", type=int, help="cross-silo: this process's rank (0: server, 1..N: silos)")
@@ -60,6 +63,27 @@ def describe_data(config) -> str:
         detail = " ".join(f"{c}:{tr}/{te}" for c, (tr, te) in counts.items())
         lines.append(f"{user_id:4d}  {train:5d}  {test:4d}  {detail}")
     return "\n".join(lines)
+
+
+def _already_finished(run_dir: str, comm_round: int) -> bool:
+    """``--resume`` on a run that finished all of ``comm_round`` rounds: say so (nothing to train)."""
+    import json
+
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as stream:
+            summary = json.load(stream)
+    except (OSError, ValueError):
+        return False
+    if summary.get("status") != "finished":
+        return False
+    rounds = summary.get("rounds")
+    if isinstance(rounds, int) and rounds >= comm_round:
+        print(f"fedml-perfedavg: {run_dir} finished all {rounds} rounds already; nothing to train (to train more, "
+              f"--resume {run_dir} --set comm_round=N with N > {rounds})")
+        return True
+    print(f"fedml-perfedavg: {run_dir} finished {rounds} rounds; continuing it to comm_round={comm_round}",
+          file=sys.stderr)
+    return False
 
 
 def _remove_failed_start(run_dir: Optional[str], existed: bool) -> None:
@@ -105,7 +129,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser.print_usage(sys.stderr)
             raise ConfigError("--cf CONFIG.yaml is required (e.g. --cf yaml_configs/quickstart_mnist_hf.yaml), "
                               "or --resume RUN_DIR")
-        config = load(args.config, args.overrides)
+        config = load(args.config, [*args.overrides, *(["overwrite=true"] if args.overwrite else [])])
+        if args.resume and _already_finished(args.resume, config.comm_round):
+            return 0
         if args.describe_data:
             setup_console_logging(args.log_level)
             print(describe_data(config))
@@ -116,10 +142,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .silo_addresses import check_silo_role
 
             check_silo_role(config, args.rank, args.role)
-        planned = resolve_run_dir(config, args.run_dir, create=False)
+        owner = args.role != "client"  # silos share the server's run directory
+        resume = bool(args.resume)
+        planned = resolve_run_dir(config, args.run_dir, create=False, resume=resume, owner=owner)
         existed = os.path.isdir(planned)
-        run_dir = shared_run_dir(config, args.run_dir) if config.backend == "MPI" else \
-            resolve_run_dir(config, args.run_dir)
+        run_dir = shared_run_dir(config, args.run_dir, resume) if config.backend == "MPI" else \
+            resolve_run_dir(config, args.run_dir, resume=resume, owner=owner)
         setup_console_logging(args.log_level)
         from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -136,6 +164,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         _remove_failed_start(run_dir, existed)
         print(f"fedml-perfedavg: error: {err}", file=sys.stderr)
         return 2
+    except OutputError as err:
+        print(f"fedml-perfedavg: error: {err}", file=sys.stderr)
+        return 1
     except (DivergenceError, RunStopped) as err:
         where = f"; what was measured is in {run_dir}/summary.json" if run_dir else ""
         print(f"fedml-perfedavg: run stopped: {err}{where}", file=sys.stderr)

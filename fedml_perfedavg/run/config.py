@@ -70,6 +70,8 @@ class Config:
                                "directory, the user's home (FedML's default), or a folder")
     checkpoint_every: int = _setting("common_args", int, 100, "checkpoint every this many rounds (0: never; "
                                      "batched engine)", rule=_non_negative)
+    overwrite: bool = _setting("common_args", bool, False, "start a new run in a run directory that holds one, "
+                               "replacing its results (without it that is an error; --resume continues it instead)")
     run_name: Optional[str] = _setting("common_args", str, None, "run directory name (default: config name + "
                                        "time)", optional=True)
     # data_args

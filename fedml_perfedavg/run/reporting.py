@@ -9,6 +9,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..core.evaluation import EvaluationResult
+from .files import write_json
 
 logger = logging.getLogger(__name__)
 # Per-user lines go to run.log; the console shows the means (see run.cli).
@@ -24,17 +25,7 @@ def record_failure(run_dir: str, why: str) -> None:
         with open(path) as stream:
             summary = json.load(stream)
     summary.update(status="aborted", error=why)
-    write_json_atomic(path, summary)
-
-
-def write_json_atomic(path: str, data: Any) -> None:
-    """Write JSON to ``path`` through a temporary file and a rename, so no half file is left."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as stream:
-        json.dump(data, stream, indent=2, sort_keys=False)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
+    write_json(path, summary)
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -139,7 +130,7 @@ class RunRecorder:
         if self._bar is not None:
             self._bar.set_postfix(pers_acc=f"{metrics['personalized_accuracy']:.4f}")
         # Kept current, so a process killed without warning (SIGKILL, MPI_Abort) loses nothing measured.
-        write_json_atomic(os.path.join(self.run_dir, "summary.json"), self.summary(status="running"))
+        write_json(os.path.join(self.run_dir, "summary.json"), self.summary(status="running"))
         if self._wandb is not None:
             self._log_to_wandb(round_idx, metrics, result.per_user_accuracy)
         elif self._wandb_deferred is not None:
@@ -210,7 +201,7 @@ class RunRecorder:
         if self._bar is not None:
             self._bar.close()
         summary = self.summary(status, error, rejected_updates, aggregate_calls)
-        write_json_atomic(os.path.join(self.run_dir, "summary.json"), summary)
+        write_json(os.path.join(self.run_dir, "summary.json"), summary)
         if self._wandb_deferred is not None:
             self._wandb = self._init_wandb(self._wandb_settings)
             for round_idx, metrics, per_user in self._wandb_deferred:

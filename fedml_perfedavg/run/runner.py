@@ -26,7 +26,7 @@ import torch
 
 from ..algorithms.base import FederatedAlgorithm, average
 from ..algorithms.registry import canonical_name, create_algorithm
-from ..core.guards import ConfigError, DivergenceError, RunStopped
+from ..core.guards import ConfigError, DivergenceError, OutputError, RunStopped
 from ..core.sampling import held_out_users, random_iterate_step
 from ..core.stationarity import stationarity
 from ..core.types import StateDict, UserSplit
@@ -34,6 +34,7 @@ from ..data.fedml_format import users_from_fedml_dataset
 from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
 from . import checkpoint
+from .files import make_dir, write_torch
 from .config import BY_NAME, Config, check_algorithm_name, from_fedml_args
 from .reporting import LOG_FORMAT, RunRecorder, console_handler, record_failure
 from .silo_addresses import check_silo_role
@@ -54,24 +55,50 @@ class RunResult:
 
 
 # -- values computed once per run ---------------------------------------------------------------
-def resolve_run_dir(config: Config, run_dir: Optional[str] = None, create: bool = True) -> str:
+RUN_FILES = ("summary.json", "config.yaml", "model.pt", checkpoint.CHECKPOINT, checkpoint.PREVIOUS)
+
+
+def resolve_run_dir(config: Config, run_dir: Optional[str] = None, create: bool = True, resume: bool = False,
+                    owner: bool = True) -> str:
     """The run's output directory: ``run_dir`` or ``output_dir/run_name`` (default: the config
-    file's name and the start time)."""
+    file's name and the start time). The process that owns the run's record (``owner``: sp,
+    MPI rank 0, the cross-silo server) never starts a new run in a directory that holds one:
+    that is an error unless ``resume`` (continue it) or ``common_args.overwrite`` (its run files
+    are removed first)."""
     if run_dir is None:
         stem = os.path.splitext(os.path.basename(config.source))[0] if config.source else "run"
         name = config.run_name or f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         run_dir = os.path.join(config.output_dir, name)
+    run_dir = os.path.abspath(run_dir)
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"run directory {run_dir!r} is a file; give another --run-dir (or common_args.run_name)")
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))] if owner and not resume else []
+    if held and not config.overwrite:
+        raise ConfigError(f"run directory {run_dir!r} holds a run ({', '.join(held)}); give another --run-dir (or "
+                          f"common_args.run_name), --resume {run_dir} to continue it, or --overwrite "
+                          f"(common_args.overwrite: true) to replace it")
     if create:
-        os.makedirs(run_dir, exist_ok=True)
-    return os.path.abspath(run_dir)
+        make_dir(run_dir)
+        for name in held:  # overwrite: the old run's files go, so nothing of it is mistaken for the new one's
+            os.remove(os.path.join(run_dir, name))
+    return run_dir
 
 
-def shared_run_dir(config: Config, run_dir: Optional[str]) -> str:
+def shared_run_dir(config: Config, run_dir: Optional[str], resume: bool = False) -> str:
     """Under MPI, rank 0 picks (and creates) the run directory and tells the other ranks."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    return comm.bcast(resolve_run_dir(config, run_dir) if comm.Get_rank() == 0 else None, root=0)
+    chosen, error = None, None
+    if comm.Get_rank() == 0:
+        try:
+            chosen = resolve_run_dir(config, run_dir, resume=resume)
+        except (ConfigError, OutputError) as err:
+            error = err
+    chosen, error = comm.bcast((chosen, error), root=0)  # every rank ends with rank 0's error
+    if error is not None:
+        raise error
+    return chosen
 
 
 def run_dir_of(config: Config, args: Any) -> str:
@@ -80,7 +107,11 @@ def run_dir_of(config: Config, args: Any) -> str:
     chosen = getattr(args, "perfedavg_run_dir", None)
     if chosen is None:
         requested = getattr(args, "run_dir", None)
-        chosen = shared_run_dir(config, requested) if config.backend == "MPI" else resolve_run_dir(config, requested)
+        resume = bool(getattr(args, "perfedavg_resume", False))
+        if config.backend == "MPI":
+            chosen = shared_run_dir(config, requested, resume)
+        else:
+            chosen = resolve_run_dir(config, requested, resume=resume, owner=rank_of(config, args) == 0)
         args.perfedavg_run_dir = chosen
     return chosen
 
@@ -208,6 +239,7 @@ class PluginRun:
             self.recorder = RunRecorder(self.run_dir, config.comm_round, config.sections(), config.show_progress,
                                         wandb_settings, new_users)
         self.start_round = 0
+        self._checkpoint_failed = False
         self.backend = self._backend()
         logger.info("run %s: %s on %s, %d rounds, %d of %d users per round, %s", self.run_dir, self.algorithm.label,
                     config.dataset, config.comm_round, config.client_num_per_round, config.client_num_in_total,
@@ -282,8 +314,9 @@ class PluginRun:
                     extra.update(self._random_iterate(round_idx, start, measure))
                 self.recorder.record_evaluation(round_idx, result, extra, started)
         every = config.checkpoint_every
-        if self.is_server and self._resumable() and every and (round_idx + 1) % every == 0 and not last:
-            self.save_checkpoint(round_idx + 1)
+        # The last round's too: --resume with a larger comm_round continues a finished run.
+        if self.is_server and self._resumable() and every and ((round_idx + 1) % every == 0 or last):
+            self._checkpoint(round_idx + 1)
 
     def _measures(self, state: StateDict, prefix: str, measure: bool) -> Dict[str, float]:
         """The stationarity measure of ``state`` where ``measure`` (validation_args.
@@ -330,6 +363,20 @@ class PluginRun:
         return (self.config.training_type == "simulation" and self.config.backend == "sp"
                 and self.config.simulation_engine == "batched")
 
+    def _checkpoint(self, next_round: int) -> None:
+        """A checkpoint is a convenience: one that cannot be written is a warning and the run goes
+        on; if the next one fails too the disk is not recovering, and the run stops now (summary.json
+        ``failed``, model.pt tried once more) rather than lose everything at its end."""
+        try:
+            self.save_checkpoint(next_round)
+        except OutputError as err:
+            if self._checkpoint_failed:
+                raise OutputError(f"{err}; the checkpoint before failed too, so the run stops here") from None
+            self._checkpoint_failed = True
+            logger.warning("%s; the run goes on (a second failed checkpoint in a row stops it)", err)
+        else:
+            self._checkpoint_failed = False
+
     def save_checkpoint(self, next_round: int) -> None:
         checkpoint.save(self.run_dir, next_round, {k: v.detach().cpu() for k, v in self.global_state.items()},
                         {"algorithm": self.algorithm.state_dict(), "recorder": self.recorder.state_dict()})
@@ -362,12 +409,20 @@ class PluginRun:
             self.backend.run()
 
     def finish(self, status: str = "finished", error: Optional[str] = None) -> Dict[str, Any]:
-        """The server writes model.pt (the last global model, also of a stopped run) and summary.json."""
+        """The server writes model.pt (the last global model, also of a stopped run) and summary.json.
+        If model.pt cannot be written, summary.json says ``failed`` and why, and the error is raised."""
         if not self.is_server:
             return {"role": "client", "rank": self.rank, "status": status, "error": error}
-        torch.save({k: v.detach().cpu() for k, v in self.global_state.items()}, os.path.join(self.run_dir, "model.pt"))
+        lost: Optional[OutputError] = None
+        try:
+            write_torch(os.path.join(self.run_dir, "model.pt"),
+                        {k: v.detach().cpu() for k, v in self.global_state.items()})
+        except OutputError as err:
+            lost, status, error = err, "failed", f"{error}; {err}" if error else str(err)
         summary = self.recorder.finish(status=status, error=error, rejected_updates=self.algorithm.rejected,
                                        aggregate_calls=self.algorithm.aggregate_calls)
+        if lost is not None:
+            raise lost
         if summary["personalized_accuracy"] is not None:
             logger.info("personalized accuracy %.4f (before adaptation %.4f) at round %s of %d; %.1f s; results in %s",
                         summary["personalized_accuracy"], summary["accuracy_before_adaptation"],
@@ -396,7 +451,11 @@ class PluginRun:
             if self.config.backend == "MPI" and self.is_server:
                 self.backend.end_job(130)  # the record is written: now every rank ends
             raise
-        except BaseException:
+        except BaseException as err:  # any other end is recorded too: `running` only while a process lives
+            try:
+                self.finish(status="failed", error=f"{type(err).__name__}: {err}")
+            except OutputError as again:
+                logger.error("%s", again)
             self._close()
             raise
 

@@ -62,7 +62,7 @@ class _HardKill(BaseException):
     """Stands in for SIGKILL: no handler in the run gets to write anything more."""
 
 
-def test_a_run_killed_without_warning_keeps_every_evaluation_in_summary_json(tmp_path, monkeypatch):
+def test_a_run_that_crashes_mid_round_is_recorded_failed_with_every_evaluation(tmp_path, monkeypatch):
     import json
 
     original = BatchedSimulation.train_round
@@ -76,7 +76,8 @@ def test_a_run_killed_without_warning_keeps_every_evaluation_in_summary_json(tmp
     with pytest.raises(_HardKill):
         run(tiny_config(), str(tmp_path), data=tiny_data())
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "running" and summary["headline_round"] == 4
+    assert summary["status"] == "failed" and summary["error"].startswith("_HardKill") and summary["headline_round"] == 4
+    assert (tmp_path / "model.pt").exists()
     assert [h["round"] for h in summary["history"]] == [0, 2, 4]
     assert summary["per_user_accuracy"] and not list(tmp_path.glob("*.tmp"))
 

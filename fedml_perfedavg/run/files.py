@@ -1,0 +1,79 @@
+"""Every file a run writes, written whole or not at all: a temporary name beside the target,
+flushed and fsynced, then renamed over it; a failed write leaves the previous good file and no
+temporary behind, and says which file, which folder, and why (a full disk, a read-only one, ...)."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+from typing import IO, Any, Callable, Optional
+
+import torch
+import yaml
+
+from ..core.guards import OutputError
+
+_WHY = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+        errno.EROFS: "the file system is read-only", errno.EACCES: "no permission to write there",
+        errno.EPERM: "no permission to write there", errno.EFBIG: "the file is larger than allowed",
+        errno.ENOTDIR: "a part of the path is a file, not a folder", errno.ENOENT: "the folder does not exist"}
+
+
+def explain(err: OSError, path: str) -> str:
+    """A sentence naming the file, its folder and the cause of ``err``."""
+    why = _WHY.get(err.errno, err.strerror or str(err))
+    return f"cannot write {os.path.basename(path)} in {os.path.dirname(os.path.abspath(path))}: {why}"
+
+
+def write_atomic(path: str, write: Callable[[IO[bytes]], None], previous: Optional[str] = None) -> None:
+    """Write ``path`` whole through ``write(stream)``, or raise :class:`OutputError` leaving the
+    previous file (if any) as it was and no temporary file. With ``previous``, the file replaced
+    is kept under that name."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as stream:
+            write(stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        if previous is not None and os.path.exists(path):
+            os.replace(path, previous)
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        cause = _os_error(err)
+        if cause is None:
+            raise
+        raise OutputError(explain(cause, path)) from None
+
+
+def _os_error(err: Optional[BaseException]) -> Optional[OSError]:
+    """The OSError behind ``err`` (torch.save reports a full disk as a RuntimeError raised while
+    handling it: "basic_ios::clear: iostream error")."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, OSError):
+            return err
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
+
+
+def write_json(path: str, data: Any) -> None:
+    write_atomic(path, lambda stream: stream.write(json.dumps(data, indent=2, sort_keys=False).encode()))
+
+
+def write_yaml(path: str, data: Any) -> None:
+    write_atomic(path, lambda stream: stream.write(yaml.safe_dump(data, sort_keys=False).encode()))
+
+
+def write_torch(path: str, obj: Any) -> None:
+    write_atomic(path, lambda stream: torch.save(obj, stream))
+
+
+def make_dir(path: str) -> None:
+    """``os.makedirs`` with the same clear error."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise OutputError(explain(err, os.path.join(path, ".")).replace("cannot write . in", "cannot create")) from None
