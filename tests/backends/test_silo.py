@@ -179,7 +179,7 @@ def test_silo_identity_is_checked(tmp_path):
                         "['GRPC']"),
     ({"min_clients_per_round": 3}, "comm_args.min_clients_per_round=3: must be <= train_args.client_num_per_round"),
     ({"round_timeout": 0}, "comm_args.round_timeout=0: must be > 0"),
-    ({"tls_dir": None}, "comm_args.tls_dir is not set: a cross-silo process does not start without TLS; give "
+    ({"tls_dir": None}, "comm_args.tls_dir=None: a cross-silo process does not start without TLS; give "
                         "comm_args.tls_dir (make certificates with: fedml-perfedavg certs --out DIR --clients N)"),
     ({"insecure": True}, "comm_args.tls_dir="),
     ({"max_message_bytes": 10}, "comm_args.max_message_bytes=10: must be >= 1024"),

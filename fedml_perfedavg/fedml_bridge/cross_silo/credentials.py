@@ -175,7 +175,7 @@ def check_security(tls_dir: Optional[str], insecure: bool) -> None:
     if tls_dir and insecure:
         raise ConfigError(f"comm_args.tls_dir={tls_dir!r} and comm_args.insecure=True: give one")
     if not tls_dir and not insecure:
-        raise ConfigError("comm_args.tls_dir is not set: a cross-silo process does not start without TLS; give "
+        raise ConfigError("comm_args.tls_dir=None: a cross-silo process does not start without TLS; give "
                           "comm_args.tls_dir (make certificates with: fedml-perfedavg certs --out DIR --clients N), "
                           "or set comm_args.insecure: true for plaintext without authentication on a network you "
                           "trust")
