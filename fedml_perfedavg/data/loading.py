@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -72,22 +73,36 @@ def load_torchvision(dataset: str, root: str, download: bool) -> Tuple[Tuple[Ten
         raise ConfigError(f"data_args.dataset={dataset!r} is not one of {sorted(DATASETS)}")
     cls = {"mnist": torchvision.datasets.MNIST, "cifar10": torchvision.datasets.CIFAR10}[dataset]
     splits = []
+    expected = os.path.join(os.path.abspath(root), DATASETS[dataset].expected_files)
     for train in (True, False):
         try:
             ds = cls(root=root, train=train, download=download)
         except RuntimeError as err:
-            expected = os.path.join(os.path.abspath(root), DATASETS[dataset].expected_files)
+            if "not found" not in str(err).lower() and "download=true" not in str(err).lower():
+                raise ConfigError(f"{dataset} under {expected} cannot be read ({err}); the files may be damaged: "
+                                  f"replace them (data_args.data_cache_dir={root!r})") from None
             raise FileNotFoundError(
                 f"{dataset} not found: expected its files under {expected} "
                 f"(data_args.data_cache_dir={root!r}, data_args.download={download}). "
                 f"Set data_args.download: true to fetch it, or point data_args.data_cache_dir at a copy. ({err})"
             ) from None
+        except (AssertionError, ValueError, EOFError, OSError, pickle.UnpicklingError) as err:
+            # torchvision asserts on an IDX file's magic number and size; CIFAR's batches are pickles
+            raise ConfigError(f"{dataset} under {expected} is damaged or not {dataset} "
+                              f"({type(err).__name__}: {err or 'a file has the wrong header or size'}); replace "
+                              f"the files (data_args.data_cache_dir={root!r})") from None
+        labels = torch.as_tensor(np.asarray(ds.targets), dtype=torch.long)
+        classes = DATASETS[dataset].num_classes
+        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+            raise ConfigError(f"{dataset} under {expected}: the {'training' if train else 'test'} labels hold "
+                              f"{int(labels.min())}..{int(labels.max())}, outside the {classes} classes 0..{classes - 1}; "
+                              f"the labels file is damaged or not {dataset}'s")
         data = torch.as_tensor(np.asarray(ds.data))
         if data.ndim == 3:  # MNIST: (N, H, W)
             data = data.unsqueeze(1)
         else:  # CIFAR: (N, H, W, C)
             data = data.permute(0, 3, 1, 2)
-        splits.append((data.float().div_(255.0).contiguous(), torch.as_tensor(np.asarray(ds.targets), dtype=torch.long)))
+        splits.append((data.float().div_(255.0).contiguous(), labels))
     return splits[0], splits[1]
 
 

@@ -65,6 +65,14 @@ def describe_data(config) -> str:
     return "\n".join(lines)
 
 
+def _record_of(run_dir: Optional[str], what: str) -> str:
+    """"; <what> is in RUN_DIR/summary.json" where this process's run wrote one (a silo, or a run
+    that stopped before it started, has none)."""
+    if run_dir and os.path.isfile(os.path.join(run_dir, "summary.json")):
+        return f"; {what} is in {run_dir}/summary.json"
+    return ""
+
+
 def _already_finished(run_dir: str, comm_round: int) -> bool:
     """``--resume`` on a run that finished all of ``comm_round`` rounds: say so (nothing to train)."""
     import json
@@ -168,10 +176,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"fedml-perfedavg: error: {err}", file=sys.stderr)
         return 1
     except (DivergenceError, RunStopped) as err:
-        where = f"; what was measured is in {run_dir}/summary.json" if run_dir else ""
-        print(f"fedml-perfedavg: run stopped: {err}{where}", file=sys.stderr)
+        print(f"fedml-perfedavg: run stopped: {err}{_record_of(run_dir, 'what was measured')}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        where = f"; what was measured so far is in {run_dir}/summary.json" if run_dir else ""
-        print(f"fedml-perfedavg: interrupted{where}", file=sys.stderr)
+        print(f"fedml-perfedavg: interrupted{_record_of(run_dir, 'what was measured so far')}", file=sys.stderr)
         return 130

@@ -381,6 +381,8 @@ RULES: List[Callable[[Config], None]] = [_rule_algorithm, _rule_clients, _rule_p
 # -- reading ----------------------------------------------------------------------------------
 def load_yaml(path: str) -> Dict[str, Dict[str, Any]]:
     """Read a FedML-style YAML; unlike FedML, a missing or unreadable file is an error."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--cf {path!r}: is a folder; give a YAML file (e.g. yaml_configs/quickstart_mnist_hf.yaml)")
     if not os.path.isfile(path):
         raise ConfigError(f"--cf {path!r}: no such file")
     try:
@@ -424,6 +426,11 @@ def _fedml_key_meanings(given: Dict[str, Any], where: Dict[str, str]) -> None:
     """FedML's keys as FedML means them: ``learning_rate`` is beta; the unused ones warned."""
     if "learning_rate" in given:
         lr = given["learning_rate"]
+        try:
+            _check_value(BY_NAME["beta"], lr)
+        except ConfigError as err:
+            raise ConfigError(str(err).replace(f"train_args.beta={lr!r}", f"{where.get('learning_rate', 'train_args')}"
+                                               f".learning_rate={lr!r} (read as train_args.beta)")) from None
         if "beta" in given and _check_value(BY_NAME["beta"], given["beta"]) != _check_value(BY_NAME["beta"], lr):
             raise ConfigError(f"{where.get('learning_rate', 'train_args')}.learning_rate={lr!r} and train_args.beta="
                               f"{given['beta']!r} both set the step size applied to the model; give one, or the "

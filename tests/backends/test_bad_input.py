@@ -1,0 +1,95 @@
+"""Bad input through the command line, one row each: the exit code, no traceback, and words that
+name the file or key, the value and what to do."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import MNIST_ROOT, REPO, needs_mnist
+
+QUICK = str(REPO / "yaml_configs" / "quickstart_mnist_hf.yaml")
+RAW = Path(MNIST_ROOT) / "MNIST" / "raw"
+FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+def _mnist_copy(root: Path, damage=None) -> str:
+    """MNIST's raw files linked under ``root``; ``damage(name, data) -> bytes`` rewrites one."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in FILES:
+        if damage is not None and damage(name, None) is not None:
+            (raw / name).write_bytes(damage(name, (RAW / name).read_bytes()))
+        else:
+            os.symlink(RAW / name, raw / name)
+    return str(root)
+
+
+def _truncated_images(name, data):
+    if name != "train-images-idx3-ubyte":
+        return None
+    return b"" if data is None else data[:100_000]
+
+
+def _bad_magic_labels(name, data):
+    if name != "train-labels-idx1-ubyte":
+        return None
+    return b"" if data is None else b"\x00\x00\x09\x99" + data[4:]
+
+
+def _labels_out_of_range(name, data):
+    if name != "t10k-labels-idx1-ubyte":
+        return None
+    return b"" if data is None else data[:8] + bytes([12]) + data[9:]
+
+
+def _address_file(tmp_path, rows):
+    path = tmp_path / "ip.csv"
+    path.write_text("eid,rank,grpc_server_ip,grpc_server_port\n" + "".join(f"{r}\n" for r in rows))
+    return str(path)
+
+
+CASES = {
+    "learning_rate inf": (lambda t: ["--set", "learning_rate=.inf"], 2,
+                          ["train_args.learning_rate=inf (read as train_args.beta): must be a finite number"]),
+    "--cf a folder": (lambda t: ["--cf", str(t)], 2, ["is a folder; give a YAML file"]),
+    "unknown algorithm": (lambda t: ["--set", "federated_optimizer=PerFedAvgg"], 2, ["did you mean 'PerFedAvg'?"]),
+    "truncated images": (lambda t: ["--set", f"data_cache_dir={_mnist_copy(t / 'd', _truncated_images)}"], 2,
+                         ["mnist under", "damaged", "replace"]),
+    "labels with a bad magic number": (lambda t: ["--set", f"data_cache_dir={_mnist_copy(t / 'd', _bad_magic_labels)}"],
+                                       2, ["mnist under", "damaged or not mnist"]),
+    "labels out of range": (lambda t: ["--set", f"data_cache_dir={_mnist_copy(t / 'd', _labels_out_of_range)}"], 2,
+                            ["the test labels hold 0..12, outside the 10 classes 0..9"]),
+    "run directory under a file": (lambda t: (t / "f").write_text("x") and ["--run-dir", str(t / "f" / "run")], 1,
+                                   ["a part of the path is a file"]),
+    "output_dir under a file": (lambda t: (t / "f").write_text("x") and ["--set", f"output_dir={t / 'f' / 'out'}"], 1,
+                                ["a part of the path is a file"]),
+    "a rank twice in the address file": (
+        lambda t: ["--set", "training_type=cross_silo", "--set", "backend=GRPC", "--set", "client_num_per_round=1",
+                   "--set", "insecure=true", "--set", "grpc_ipconfig_path=" + _address_file(
+                       t, ["0,0,127.0.0.1,9100", "1,1,127.0.0.1,9101", "1,1,127.0.0.1,9102"]),
+                   "--rank", "0", "--role", "server"], 2, ["lines 3 and 4 both give rank 1"]),
+    "two ranks on one port": (
+        lambda t: ["--set", "training_type=cross_silo", "--set", "backend=GRPC", "--set", "client_num_per_round=1",
+                   "--set", "insecure=true", "--set", "grpc_ipconfig_path=" + _address_file(
+                       t, ["0,0,127.0.0.1,9100", "1,1,127.0.0.1,9100"]),
+                   "--rank", "0", "--role", "server"], 2, ["rank 1 and rank 0 (line 2) share 127.0.0.1:9100"]),
+}
+
+
+@needs_mnist
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_ends_in_a_clean_message(tmp_path, case):
+    make_args, code, words = CASES[case]
+    args = make_args(tmp_path)
+    command = [sys.executable, "-m", "fedml_perfedavg", "--cf", QUICK, "--set", f"data_cache_dir={MNIST_ROOT}",
+               "--set", "comm_round=2", "--set", "output_dir=" + str(tmp_path / "runs"), *args]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")})
+    assert out.returncode == code, (out.stdout + out.stderr)[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    for word in words:
+        assert word in out.stderr, (word, out.stderr[-2000:])
+    shutil.rmtree(tmp_path / "d", ignore_errors=True)
