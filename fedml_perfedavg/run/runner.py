@@ -204,11 +204,11 @@ class PluginRun:
         self.config = config = from_fedml_args(args)
         if config.training_type == "cross_silo" and getattr(args, "worker_num", None) is None:
             args.worker_num = config.client_num_per_round
+        self._check_layout()  # before any rank opens a file in a run directory a failed start removes
         self.run_dir = run_dir_of(config, args)
         self.rank = rank_of(config, args)
         self.is_server = self.rank == 0
         self._log_handler = _file_log(self.run_dir, "run.log" if self.is_server else f"run-rank{self.rank}.log")
-        self._check_layout()
         self.users = users_from_fedml_dataset(self.dataset, self.device)
         self._check_data()
         if (trainer, aggregator) != (None, None):
