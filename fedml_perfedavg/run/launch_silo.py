@@ -11,7 +11,6 @@ they measured before they end.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -22,9 +21,10 @@ import time
 import uuid
 from typing import Dict, List, Optional, Sequence
 
-from ..core.guards import ConfigError
+from ..core.guards import ConfigError, OutputError
 from ..fedml_bridge.cross_silo.credentials import make_certificates
 from .config import load, load_yaml, parse_overrides
+from .files import write_json
 from .runner import resolve_run_dir
 from .silo_addresses import read_ipconfig, write_ipconfig
 from ..fedml_bridge.cross_silo import READY_MESSAGE, TRAINING_STARTED
@@ -118,8 +118,7 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
                                            preexec_fn=_end_with_parent)
         pumps.append(_stream(processes[rank], "[server]" if rank == 0 else f"[silo {rank}]", lock,
                              server_events if rank == 0 else None))
-        with open(os.path.join(run_dir, "silo_processes.json"), "w") as stream:
-            json.dump({str(r): p.pid for r, p in processes.items()}, stream)
+        write_json(os.path.join(run_dir, "silo_processes.json"), {str(r): p.pid for r, p in processes.items()})
 
     def stop_all() -> None:
         for process in processes.values():
@@ -216,3 +215,6 @@ def main(argv: Sequence[str]) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"fedml-perfedavg launch-silo: error: {err}", file=sys.stderr)
         return 2
+    except OutputError as err:
+        print(f"fedml-perfedavg launch-silo: error: {err}", file=sys.stderr)
+        return 1
