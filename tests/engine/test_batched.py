@@ -184,7 +184,14 @@ def test_engine_makes_no_dataloader_or_deep_copy_per_step(monkeypatch):
     config, users, model = _setup("PerFedAvg", "hf")
     algorithm = create_algorithm("PerFedAvg", model, config)
     engine = BatchedSimulation(algorithm, users, copy.deepcopy(model.state_dict()), Driver(algorithm))
-    monkeypatch.setattr(torch.utils.data, "DataLoader", CountingLoader)
+    # The name wherever it is bound: modules that imported it (``from torch.utils.data import
+    # DataLoader``, as data/fedml_format.py does) would not see a patch of torch's module alone.
+    import sys
+
+    real_loader = torch.utils.data.DataLoader
+    for module in [torch.utils.data, *(m for n, m in list(sys.modules.items()) if n.startswith("fedml_perfedavg"))]:
+        if getattr(module, "DataLoader", None) is real_loader:
+            monkeypatch.setattr(module, "DataLoader", CountingLoader)
     monkeypatch.setattr(copy, "deepcopy", counting_deepcopy)
     engine.run(0, config.comm_round)
     assert calls == {"DataLoader": 0, "deepcopy": 0}

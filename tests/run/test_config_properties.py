@@ -42,7 +42,13 @@ def test_whole_configs_are_valid_run_setups_or_one_clean_error(values):
     try:
         config = resolve({}, dict(values))
     except ConfigError as err:
-        assert "=" in str(err)  # section.key=value
+        # section.key=value of a key the config knows, first thing in the message
+        import re
+
+        from fedml_perfedavg.run.config import BY_NAME, FEDML_KEYS
+
+        named = re.match(r"^(\w+_args)\.(\w+)=", str(err))
+        assert named and (named.group(2) in BY_NAME or named.group(2) in FEDML_KEYS), str(err)
         return
     assert 1 <= config.client_num_per_round <= config.client_num_in_total
     if config.partition_method in ("paper", "paper_diff_hetero"):

@@ -56,10 +56,22 @@ def test_the_random_iterate_is_the_average_of_the_clients_truncated_updates(tmp_
     params, _ = algorithm.split_state(averaged)
     assert recorded["random_iterate_stationarity"] == pytest.approx(
         stationarity(algorithm.loss_fn, params, data.users, config.alpha), rel=1e-6)
-    # the full update is the iterate after all tau steps
-    full = algorithm.client_iterate(0, 0, start, data.users[0].train_x, data.users[0].train_y, 4)
-    update = algorithm.client_update(0, 0, start, data.users[0].train_x, data.users[0].train_y).state
-    assert all(torch.equal(full[k], update[k]) for k in full)
+    # Independent of client_iterate's own code: the iterate after `step` steps, continued with the
+    # remaining steps' minibatches, is exactly the client's full update (a wrong start point or
+    # wrong minibatches in the iterate would break this), and after all tau steps it is the update.
+    from fedml_perfedavg.core.algorithm import LocalBatches
+
+    for c in algorithm.sample_clients(0):
+        x, y = data.users[c].train_x, data.users[c].train_y
+        update = algorithm.client_update(0, c, start, x, y).state
+        iterate = dict(algorithm.client_iterate(0, c, start, x, y, step))
+        rest = LocalBatches(*(t[step:] for t in algorithm.client_batches(0, c, x, y)))
+        params, _ = algorithm.split_state(iterate)
+        with torch.no_grad():
+            continued = algorithm.local_update(params, rest) if step < 4 else params
+        assert all(torch.equal(continued[k], update[k]) for k in continued)
+        full = algorithm.client_iterate(0, c, start, x, y, 4)
+        assert all(torch.equal(full[k], update[k]) for k in full)
 
 
 def test_random_iterate_needs_simulation():

@@ -1,5 +1,6 @@
 """The Table 1 grid runner and its statistics."""
 import csv
+import re
 import importlib.util
 import math
 
@@ -42,7 +43,14 @@ def test_tiny_grid_writes_outputs_and_resumes(mnist_root, tmp_path, capsys):
     assert [r["method"] for r in rows] == ["fedavg", "hf"] and set(rows[0]) == set(table1.CSV_COLUMNS)
     assert all(r["rounds"] == "2" and 0.0 < float(r["personalized_accuracy"]) <= 1.0 for r in rows)
     markdown = (tmp_path / "table1.md").read_text()
-    assert "## mnist_tau4_alpha0.01" in markdown and "70.94" in markdown and "Per-FedAvg (HF)" in markdown
+    # Each row shows the paper's figure beside ours: Per-FedAvg (HF)'s 70.94% in Table 1 of the paper,
+    # which the cell's shipped YAML states too (the two sources must agree).
+    paper_hf = re.search(r"Paper, Table 1: ([\d.]+)%", (REPO / "yaml_configs" / "mnist_tau4_alpha0.01_hf.yaml")
+                         .read_text()).group(1)
+    assert paper_hf == "70.94" == f"{table1.PAPER['mnist_tau4_alpha0.01']['hf']:.2f}"
+    assert "## mnist_tau4_alpha0.01" in markdown and "Per-FedAvg (HF)" in markdown
+    hf_row = next(line for line in markdown.splitlines() if "Per-FedAvg (HF)" in line)
+    assert paper_hf in hf_row
     assert (tmp_path / "mnist_tau4_alpha0.01.png").stat().st_size > 10_000
     summary = tmp_path / "runs" / "mnist_tau4_alpha0.01" / "hf" / "seed0" / "summary.json"
     stamp = summary.stat().st_mtime_ns
