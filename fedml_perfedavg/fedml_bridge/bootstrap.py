@@ -94,24 +94,6 @@ def redirect_fedml_home(home: Optional[str]) -> None:
         importlib.import_module(name).expanduser = expanduser
 
 
-def init_fedml_offline(args: Any, fedml_dir: str, should_init_logs: bool = False) -> Any:
-    """``fedml.init`` with no traffic leaving the machine and FedML's files under ``fedml_dir``.
-
-    fedml/__init__.py -> core/mlops/__init__.py ``init`` always calls ``fetch_config``, which
-    POSTs to FedML's cloud whatever the YAML says; it is replaced for the call.
-    ``check_env=False`` stops cross-silo's probe of FedML's hosts (collect_env.py).
-    ``should_init_logs=False`` (the plugin's command line) keeps FedML from replacing the root
-    logger and ``sys.stdout.write`` (core/mlops/mlops_runtime_log.py ``init_logs``).
-    ``sys_perf_profiling=False``: its profiler (mlops_profiler_event.py) is for FedML's cloud."""
-    fedml = import_fedml()
-    from fedml.core import mlops as mlops_module
-
-    args.sys_perf_profiling = False
-    init = getattr(fedml.init, "__wrapped__", fedml.init)  # FedML's own, under the plugin's wrapper
-    with replaced(mlops_module, "fetch_config", offline_fetch_config(fedml_dir)):
-        return init(args, check_env=False, should_init_logs=should_init_logs)
-
-
 class _PluginRecords(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return record.name.startswith("fedml_perfedavg") and not record.name.endswith(".per_user")

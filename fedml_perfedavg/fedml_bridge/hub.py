@@ -110,11 +110,7 @@ def creating_paper_models(original_create: Callable) -> Callable:
     """A replacement for ``fedml.model.create``: the plugin's models by name, else FedML's,
     with FedML's bare ``Exception`` for an unknown name turned into a clear error."""
 
-    @functools.wraps(original_create)
-    def create(args, output_dim) -> nn.Module:
-        name = getattr(args, "model", None)
-        # The same initial model in every process of a run (sp, MPI ranks, silos).
-        torch.manual_seed(int(getattr(args, "random_seed", 0)))
+    def _create(name: Any, args: Any, output_dim: int) -> nn.Module:
         if name in MODELS:
             shape = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}.get(getattr(args, "dataset", None))
             if shape is None:
@@ -129,6 +125,16 @@ def creating_paper_models(original_create: Callable) -> Callable:
             raise ConfigError(f"model_args.model={name!r}: FedML has no such model for data_args.dataset="
                               f"{getattr(args, 'dataset', None)!r} ({err}); the plugin adds {list(MODELS)}, and FedML "
                               f"knows e.g. lr, cnn (mnist), resnet56, mobilenet") from None
+
+
+    @functools.wraps(original_create)
+    def create(args, output_dim) -> nn.Module:
+        name = getattr(args, "model", None)
+        # The same initial model in every process of a run (sp, MPI ranks, silos), without
+        # reseeding the caller's global RNG as a side effect.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(getattr(args, "random_seed", 0)))
+            return _create(name, args, output_dim)
 
     create.__wrapped__ = original_create
     return create

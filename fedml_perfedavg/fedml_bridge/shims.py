@@ -106,11 +106,6 @@ class AlgorithmServerAggregator(ServerAggregator):
     def set_model_params(self, model_parameters: Dict[str, Tensor]) -> None:
         self.model.load_state_dict(model_parameters)
 
-    def on_before_aggregation(self, raw_client_model_or_grad_list):
-        # The algorithm checks every update inside ``aggregate``; FedML's defaults (attacks,
-        # defences, differential privacy) are off unless its own YAML keys turn them on.
-        return super().on_before_aggregation(raw_client_model_or_grad_list)
-
     def aggregate(self, raw_client_model_or_grad_list: List[Tuple[float, StateDict]]) -> StateDict:
         return self.algorithm.aggregate(round_of(self.args), raw_client_model_or_grad_list,
                                         self.get_model_params())

@@ -5,7 +5,7 @@ fedml/simulation/simulator.py ``SimulatorSingleProcess`` ignores ``client_traine
 own trainer and sample-weighted ``_aggregate``. :class:`PluginFedAvgAPI` keeps FedML's round
 loop (``FedAvgAPI.train``) and redirects what it calls: the trainer, aggregation (through the
 aggregator's three hooks), and, for a plugin algorithm, client sampling and evaluation (the
-run's :class:`~.driver.RoundDriver`). FedML also leaves ``args.round_idx`` unset in sp; it is
+run's :class:`~fedml_perfedavg.algorithms.base.RoundDriver`). FedML also leaves ``args.round_idx`` unset in sp; it is
 set here, where the round is known.
 """
 from __future__ import annotations

@@ -227,9 +227,9 @@ def settings() -> List[dataclasses.Field]:
 
 BY_NAME: Dict[str, dataclasses.Field] = {f.name: f for f in settings()}
 
-# FedML's own keys: read as FedML means them, or named in a warning when Per-FedAvg does not
-# use them (``None``: passed through silently, they configure FedML itself).
-FEDML_KEYS: Dict[str, Optional[str]] = {
+# FedML's own keys Per-FedAvg reads as FedML means them (learning_rate), or names in a warning
+# because it does not use them; FEDML_PASSTHROUGH below lists those that configure FedML itself.
+FEDML_KEYS: Dict[str, str] = {
     "learning_rate": "read as train_args.beta (the step size applied to the model)",
     "epochs": "not used: each sampled user takes train_args.local_steps (tau) steps per round",
     "client_optimizer": "not used: Per-FedAvg's steps are its own (alpha inner step, beta outer step)",

@@ -71,3 +71,18 @@ def test_models_vmap_cannot_batch_or_that_are_unusual_train_and_evaluate(tmp_pat
         assert "cannot batch" not in caplog.text
     if kind == "fedml_rnn" and variant == "exact":
         assert "no forward-mode derivative" in caplog.text and "reverse-over-reverse" in caplog.text
+
+
+def test_fedml_model_create_seeds_the_model_without_reseeding_the_callers_rng():
+    from argparse import Namespace
+
+    import fedml
+
+    args = Namespace(model="mlp", dataset="mnist", random_seed=0, hidden_sizes=[5])
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    first = fedml.model.create(args, 10)
+    assert torch.equal(torch.rand(3), expected)  # the caller's stream goes on as if nothing happened
+    second = fedml.model.create(args, 10)
+    assert all(torch.equal(v, second.state_dict()[k]) for k, v in first.state_dict().items())  # same model each time
