@@ -30,7 +30,7 @@ run: $(STAMP) data/MNIST
 test: $(STAMP) data/MNIST
 	$(PY) -m pytest -q tests
 
-# Unit and property tests only (no FedML loops, MPI or gRPC runs): about a minute.
+# Unit and property checks only (no FedML loops, MPI, gRPC, subprocesses or real datasets): about 20 s.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m fast tests
 

@@ -9,11 +9,20 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+# Whole tests that are slow by what they do (real MNIST, generated CIFAR files, whole grids).
+SLOW_FIXTURES = {"mnist_root", "fake_cifar_root"}
+
+
 def pytest_collection_modifyitems(config, items):
-    # Backend runs (subprocesses, FedML's loops, MPI, gRPC) are marked "backend"; the rest
-    # "fast": `pytest -m fast` runs those alone in about a minute.
+    """Tests are marked by what they do: "backend" for runs through FedML's loops, MPI, gRPC,
+    subprocesses, real datasets or whole grids; "fast" for unit and property checks, which
+    `pytest -m fast` runs alone in well under a minute. A test's own marker decides; without one,
+    a test that uses a real dataset, or lives in tests/backends/, is "backend"."""
     for item in items:
-        slow = "/backends/" in str(item.fspath) or item.get_closest_marker("backend") is not None
+        if item.get_closest_marker("fast") is not None:
+            continue
+        slow = item.get_closest_marker("backend") is not None or "/backends/" in str(item.fspath) \
+            or bool(SLOW_FIXTURES & set(getattr(item, "fixturenames", ())))
         item.add_marker(pytest.mark.backend if slow else pytest.mark.fast)
 
 

@@ -1,5 +1,6 @@
 """An algorithm added as one file plus a registry entry runs on FedML's sp loop and the
 batched engine, with the same result on both."""
+import pytest
 import torch
 
 from fedml_perfedavg.models import create_model
@@ -9,6 +10,8 @@ from fedml_perfedavg.run.runner import run
 from tests.algorithms import sign_sgd  # noqa: F401  registers SignSGD
 from tests.helpers_tiny import tiny_data
 
+
+pytestmark = pytest.mark.backend  # FedML's own sp loop and the batched engine, whole runs
 
 def test_a_registered_algorithm_runs_on_fedml_sp_loop_and_the_batched_engine(tmp_path):
     results = {}

@@ -44,6 +44,7 @@ def test_shipped_yaml_runs_through_fedml_stock_main(path, request, tmp_path, mon
     assert 0.0 <= summary["personalized_accuracy"] <= 1.0
 
 
+@pytest.mark.fast  # a pure check, though filed beside the runs it guards
 @pytest.mark.parametrize("path", [p for p in YAMLS if p not in SP_YAMLS], ids=lambda p: p.stem)
 def test_mpi_and_silo_yamls_are_their_sp_cell_launched_differently(path):
     twin = yaml.safe_load(Path(str(path).rsplit("_", 1)[0] + ".yaml").read_text())

@@ -149,6 +149,7 @@ def _silo_config(tmp_path, **overrides):
     return resolve(load_yaml(SILO_YAML), {"client_num_per_round": 2, "tls_dir": str(tmp_path / "tls"), **overrides})
 
 
+@pytest.mark.fast  # a pure check, though filed beside the runs it guards
 def test_address_file_needs_a_row_per_rank(tmp_path):
     path = write_ipconfig(str(tmp_path / "ip.csv"), 2, ports=[9000, 9001])
     assert read_ipconfig(path, 2) == {0: ("127.0.0.1", 9000), 1: ("127.0.0.1", 9001)}
@@ -160,6 +161,7 @@ def test_address_file_needs_a_row_per_rank(tmp_path):
         read_ipconfig(str(bad), 1)
 
 
+@pytest.mark.fast  # a pure check, though filed beside the runs it guards
 def test_silo_identity_is_checked(tmp_path):
     path = write_ipconfig(str(tmp_path / "ip.csv"), 3)
     config = _silo_config(tmp_path, grpc_ipconfig_path=path)
@@ -184,6 +186,7 @@ def test_silo_identity_is_checked(tmp_path):
     ({"insecure": True}, "comm_args.tls_dir="),
     ({"max_message_bytes": 10}, "comm_args.max_message_bytes=10: must be >= 1024"),
 ])
+@pytest.mark.fast  # a pure check, though filed beside the runs it guards
 def test_cross_silo_keys_are_validated(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as err:
         _silo_config(tmp_path, **overrides)

@@ -9,6 +9,8 @@ from fedml_perfedavg.run.runner import run, run_grid
 from tests.helpers_tiny import tiny_config, tiny_data
 
 
+pytestmark = pytest.mark.backend  # whole grids of runs through FedML's entry points
+
 def _strip(history):
     return [{k: v for k, v in e.items() if not k.endswith("_seconds")} for e in history]
 
