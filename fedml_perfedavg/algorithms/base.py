@@ -22,7 +22,7 @@ import dataclasses
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Any, ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -171,6 +171,37 @@ class FederatedAlgorithm:
                              f"evaluated one by one (the per-client path)")
         return notes
 
+    # -- what an engine needs to know (declared here, not guessed by the engine) ---------------
+    @property
+    def uses_standard_maths(self) -> bool:
+        """True when the client update is this base class's Per-FedAvg/FedAvg maths on
+        ``settings.local`` (an engine may compute it its own way, e.g. hand-batched)."""
+        return type(self).local_update is FederatedAlgorithm.local_update and not self.returns_whole_state
+
+    @property
+    def returns_whole_state(self) -> bool:
+        """True when a client returns its whole state, buffers included (:meth:`local_training`
+        overridden, as FedAvgARUBA does), not only its parameters."""
+        return type(self).local_training is not FederatedAlgorithm.local_training
+
+    @property
+    def uses_standard_batches(self) -> bool:
+        """True when the minibatches are :meth:`client_batches`' keyed draws (an engine may gather
+        every client's at once by :meth:`client_batch_indices`)."""
+        return type(self).client_batches is FederatedAlgorithm.client_batches
+
+    def batch_roles_read(self) -> FrozenSet[int]:
+        """The minibatches (0: D, 1: D', 2: D'') the client maths reads; an engine gathers only
+        these (the keyed indices are drawn all the same). The standard maths read D alone for
+        FedAvg's update, D and D' for FO, all three for HF and exact; an algorithm with maths of
+        its own reads all three unless it says otherwise."""
+        if not self.uses_standard_maths:
+            return frozenset({0, 1, 2})
+        local = self.settings.local
+        if local.method == "fedavg":
+            return frozenset({0})
+        return frozenset({0, 1} if local.variant == "fo" else {0, 1, 2})
+
     # -- sample ---------------------------------------------------------------------------
     def sample_clients(self, round_idx: int) -> List[int]:
         """The round's clients, uniformly without replacement, keyed by (seed, round)."""
@@ -283,8 +314,8 @@ class FederatedAlgorithm:
         batched = batched and self.vmappable
         if config.batched != batched:
             config = dataclasses.replace(config, batched=batched)
-        return evaluate(self.network, params, users, config, round_idx, user_ids, self.loss_fn,
-                        self.refinement_step_sizes(global_state))
+        return evaluate(self.network, params, users, config, round_idx, user_ids=user_ids, loss_fn=self.loss_fn,
+                        step_sizes=self.refinement_step_sizes(global_state))
 
     def refinement_step_sizes(self, global_state: StateDict) -> Optional[Params]:
         """Per-coordinate step sizes of the personalization step at evaluation, or None for

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -98,6 +98,10 @@ class FedAvgARUBA(FederatedAlgorithm):
         return {n: state[b] for n, b in self.buffers["lr"].items()}
 
     # -- client -----------------------------------------------------------------------------
+    def batch_roles_read(self) -> FrozenSet[int]:
+        """Its local steps read D alone (FedAvg's steps with learned step sizes)."""
+        return frozenset({0})
+
     def local_training(self, state: StateDict, batches: LocalBatches) -> StateDict:
         """tau steps of size eta on batches of D; the state sent back carries G_i."""
         params, _ = self.split_state(state)

@@ -43,12 +43,12 @@ class BatchedSimulation:
         self.users = users
         self.state: StateDict = OrderedDict(global_state)
         self.driver = driver
-        # Decided once by a probe (FederatedAlgorithm.check_vmap), not by a round's error.
+        # Decided once by a probe (FederatedAlgorithm.check_model), not by a round's error.
         self.batched = algorithm.vmappable
         self.step: Callable[[Params, LocalBatches], Params] = vmap(algorithm.local_update, in_dims=(None, 0))
         # An algorithm whose clients send back more than parameters (its own local_training)
         # is vmapped over whole states: parameters and buffers per client.
-        self.whole_state = type(algorithm).local_training is not FederatedAlgorithm.local_training
+        self.whole_state = algorithm.returns_whole_state
         if self.whole_state:
             self.step = vmap(algorithm.local_training, in_dims=(None, 0))
         stacked, why = (None, "device_args.compile_local_update compiles the generic path") if compile_local_update \
@@ -69,19 +69,11 @@ class BatchedSimulation:
             on_cuda = next(iter(global_state.values())).is_cuda
             self.step = torch.compile(self.step, mode="reduce-overhead" if on_cuda else "default", dynamic=False)
         self.sample_counts = [len(u.train_y) for u in users]
-        # Roles (D, D', D'') the client maths reads: Per-FedAvg's own update never reads D'' in
-        # FO, nor FedAvg's D' and D''; those are not gathered (the keyed indices stay the same).
-        local = algorithm.settings.local
-        own_maths = type(algorithm).local_update is FederatedAlgorithm.local_update and not self.whole_state
-        if not own_maths:
-            self._roles_read = {0, 1, 2}
-        elif local.method == "fedavg":
-            self._roles_read = {0}
-        else:
-            self._roles_read = {0, 1} if local.variant == "fo" else {0, 1, 2}
+        # Roles (D, D', D'') the client maths never reads are not gathered (the algorithm says which).
+        self._roles_read = algorithm.batch_roles_read()
         # Every user's training data in one tensor: a round's minibatches are one gather per
         # role (the same keyed indices as client_batches), not one per client and a stack.
-        self._gather = type(algorithm).client_batches is FederatedAlgorithm.client_batches
+        self._gather = algorithm.uses_standard_batches
         if self._gather:
             self._all_x = torch.cat([u.train_x for u in users])
             self._all_y = torch.cat([u.train_y for u in users])
@@ -94,7 +86,7 @@ class BatchedSimulation:
         ``local_update`` would (Per-FedAvg's or FedAvg's update on a Linear chain), else why not."""
         if not fast_path:
             return None, "turned off"
-        if type(self.algorithm).local_update is not FederatedAlgorithm.local_update or self.whole_state:
+        if not self.algorithm.uses_standard_maths:
             return None, f"{type(self.algorithm).__name__} has its own local_update or local_training"
         return StackedGradients.for_network(self.algorithm.network, tuple(self.users[0].train_x.shape[1:]))
 

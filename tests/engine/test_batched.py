@@ -212,3 +212,25 @@ def test_batched_engine_on_cuda_equals_per_client_path_on_cpu(optimizer, variant
     got = engine.run(0, config.comm_round)
     for k in got:
         torch.testing.assert_close(got[k].cpu(), reference[k], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("optimizer,variant,roles,whole", [
+    ("PerFedAvg", "fo", {0, 1}, False), ("PerFedAvg", "hf", {0, 1, 2}, False), ("PerFedAvg", "exact", {0, 1, 2}, False),
+    ("FedAvgUpdate", "hf", {0}, False), ("FedAvgARUBA", "hf", {0}, True)])
+def test_the_algorithm_declares_what_the_engine_gathers_and_returns(optimizer, variant, roles, whole):
+    config, users, model = _setup(optimizer, variant)
+    algorithm = create_algorithm(optimizer, model, config)
+    assert algorithm.batch_roles_read() == roles and algorithm.returns_whole_state is whole
+    engine = BatchedSimulation(algorithm, users, copy.deepcopy(model.state_dict()), Driver(algorithm))
+    index = algorithm.client_batch_indices(0, 0, len(users[0].train_y))
+    batches = engine.gather(index)
+    for role in (1, 2):  # a role never read is D's tensors, not a gather of its own
+        assert (batches[2 * role] is batches[0]) is (role not in roles)
+
+
+def test_an_algorithm_with_its_own_maths_gets_every_role_unless_it_says_otherwise():
+    from tests.algorithms import sign_sgd  # noqa: F401  registers SignSGD
+
+    config, _, model = _setup("PerFedAvg", "fo")
+    algorithm = create_algorithm("SignSGD", model, resolve({}, dict(SMALL, federated_optimizer="SignSGD")))
+    assert not algorithm.uses_standard_maths and algorithm.batch_roles_read() == {0, 1, 2}
