@@ -25,28 +25,45 @@ from torch import Tensor, nn
 from .functional import logits_of, parameters_of
 from .types import Params
 
-# activation -> (forward, backward: (upstream gradient d, pre-activation z, output h) -> d * s'(z),
-# curvature: (d, z, h) -> d * s''(z)); the backward as PyTorch's own fused kernels (which also have
-# forward-mode derivatives), the curvature for the hand-written Hessian-vector product
-Activation = Tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor, Tensor], Tensor],
-                   Callable[[Tensor, Tensor, Tensor], Tensor]]
+@dataclass(frozen=True)
+class Activation:
+    """An elementwise activation s, as the hand-written passes need it. Each takes the upstream
+    gradient ``d`` (any shape), the pre-activation ``z`` and the output ``h = s(z)`` (same shape)."""
+
+    forward: Callable[[Tensor], Tensor]  # z -> s(z)
+    backward: Callable[[Tensor, Tensor, Tensor], Tensor]  # (d, z, h) -> d * s'(z), PyTorch's fused kernel
+    curvature: Callable[[Tensor, Tensor, Tensor], Tensor]  # (d, z, h) -> d * s''(z), for the exact HVP
 
 
+# The backward passes call PyTorch's own fused backward kernels (aten.*_backward: one kernel
+# instead of several elementwise ops, with forward-mode derivatives of their own, so jvp over
+# these gradients works). Their schemas, from aten/src/ATen/native/native_functions.yaml:
+#   elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_result): with
+#     is_result=False, self_or_result is the input z and the result is d * elu'(z)
+#   threshold_backward(grad_output, self, threshold): d where z > threshold, else 0 (ReLU's)
+#   tanh_backward(grad_output, output), sigmoid_backward(grad_output, output): from the output h
 def _activation(module: nn.Module) -> Optional[Activation]:
     aten = torch.ops.aten
     if type(module) is nn.ELU:
         alpha = float(module.alpha)
         # z <= 0: s = alpha (e^z - 1), s' = s'' = alpha e^z = h + alpha; z > 0: s'' = 0
-        return ((lambda z: F.elu(z, alpha)), (lambda d, z, h: aten.elu_backward(d, alpha, 1, 1, False, z)),
-                (lambda d, z, h: torch.where(z > 0, 0.0, d * (h + alpha))))
+        return Activation(
+            forward=lambda z: F.elu(z, alpha),
+            backward=lambda d, z, h: aten.elu_backward(d, alpha=alpha, scale=1, input_scale=1, is_result=False,
+                                                       self_or_result=z),
+            curvature=lambda d, z, h: torch.where(z > 0, 0.0, d * (h + alpha)))
     if type(module) is nn.ReLU:
-        return torch.relu, (lambda d, z, h: aten.threshold_backward(d, z, 0)), (lambda d, z, h: torch.zeros_like(d))
+        return Activation(forward=torch.relu,
+                          backward=lambda d, z, h: aten.threshold_backward(d, z, threshold=0),
+                          curvature=lambda d, z, h: torch.zeros_like(d))
     if type(module) is nn.Tanh:
-        return (torch.tanh, (lambda d, z, h: aten.tanh_backward(d, h)),
-                (lambda d, z, h: -2.0 * d * h * (1.0 - h * h)))
+        return Activation(forward=torch.tanh,
+                          backward=lambda d, z, h: aten.tanh_backward(d, output=h),
+                          curvature=lambda d, z, h: -2.0 * d * h * (1.0 - h * h))
     if type(module) is nn.Sigmoid:
-        return (torch.sigmoid, (lambda d, z, h: aten.sigmoid_backward(d, h)),
-                (lambda d, z, h: d * h * (1.0 - h) * (1.0 - 2.0 * h)))
+        return Activation(forward=torch.sigmoid,
+                          backward=lambda d, z, h: aten.sigmoid_backward(d, output=h),
+                          curvature=lambda d, z, h: d * h * (1.0 - h) * (1.0 - 2.0 * h))
     return None
 
 
@@ -55,6 +72,13 @@ class _Layer:
     weight: str
     bias: Optional[str]
     activation: Optional[Activation]
+
+    def add_gradients(self, grads: Dict[str, Tensor], delta: Tensor, inputs: Tensor) -> None:
+        """This Linear layer's gradients into ``grads``, from the gradient at its pre-activation
+        ``delta`` (C, B, out) and its inputs (C, B, in): dW = delta^T x, db = sum over the batch."""
+        grads[self.weight] = torch.bmm(delta.transpose(1, 2), inputs)
+        if self.bias is not None:
+            grads[self.bias] = delta.sum(dim=1)
 
 
 class StackedGradients:
@@ -112,7 +136,7 @@ class StackedGradients:
             weight = params[layer.weight].transpose(1, 2)
             z = torch.bmm(h, weight) if layer.bias is None else torch.baddbmm(params[layer.bias].unsqueeze(1), h, weight)
             pre.append(z)
-            h = z if layer.activation is None else layer.activation[0](z)
+            h = z if layer.activation is None else layer.activation.forward(z)
         return inputs, pre, h
 
     def _backward(self, params: Params, inputs: List[Tensor], pre: List[Tensor], logits: Tensor, y: Tensor,
@@ -125,12 +149,10 @@ class StackedGradients:
             layer = self.layers[start + position]
             if layer.activation is not None:
                 output = inputs[position + 1] if position + 1 < len(inputs) else logits
-                delta = layer.activation[1](delta, pre[position], output)
+                delta = layer.activation.backward(delta, pre[position], output)
             if position == 0:
                 break
-            grads[layer.weight] = torch.bmm(delta.transpose(1, 2), inputs[position])
-            if layer.bias is not None:
-                grads[layer.bias] = delta.sum(dim=1)
+            layer.add_gradients(grads, delta, inputs[position])
             delta = torch.bmm(delta, params[layer.weight])
         return grads, delta
 
@@ -142,10 +164,7 @@ class StackedGradients:
         h = x.reshape(x.shape[0], x.shape[1], -1)
         inputs, pre, logits = self._forward(params, h)
         grads, delta = self._backward(params, inputs, pre, logits, y)
-        first = self.layers[0]
-        grads[first.weight] = torch.bmm(delta.transpose(1, 2), h)
-        if first.bias is not None:
-            grads[first.bias] = delta.sum(dim=1)
+        self.layers[0].add_gradients(grads, delta, h)
         return {k: grads[k] for k in params}
 
     def hessian_vector_product(self, params: Params, direction: Params, x: Tensor, y: Tensor) -> Params:
@@ -167,10 +186,10 @@ class StackedGradients:
             r_pre.append(r_z)
             if position + 1 < len(self.layers):
                 r_inputs.append(r_z if layer.activation is None else
-                                layer.activation[1](r_z, pre[position], outputs[position]))
+                                layer.activation.backward(r_z, pre[position], outputs[position]))
         # the last layer's output: logits, or its activation's (as in the gradient)
         last = self.layers[-1]
-        r_logits = r_pre[-1] if last.activation is None else last.activation[1](r_pre[-1], pre[-1], logits)
+        r_logits = r_pre[-1] if last.activation is None else last.activation.backward(r_pre[-1], pre[-1], logits)
         probs = torch.softmax(logits, dim=-1)
         delta = (probs - F.one_hot(y, logits.shape[-1]).to(logits.dtype)) / y.shape[1]
         r_delta = (probs * r_logits - probs * (probs * r_logits).sum(dim=-1, keepdim=True)) / y.shape[1]
@@ -180,9 +199,9 @@ class StackedGradients:
             if layer.activation is not None:
                 z, out = pre[position], outputs[position]
                 # R(s'(z) d) = s'(z) R(d) + s''(z) Rz d
-                r_delta = torch.add(layer.activation[1](r_delta, z, out),
-                                    layer.activation[2](delta * r_pre[position], z, out))
-                delta = layer.activation[1](delta, z, out)
+                r_delta = torch.add(layer.activation.backward(r_delta, z, out),
+                                    layer.activation.curvature(delta * r_pre[position], z, out))
+                delta = layer.activation.backward(delta, z, out)
             # R(dW_l) = R(delta)^T h_{l-1} + delta^T Rh_{l-1};  R(db_l) = sum R(delta)
             product = torch.bmm(r_delta.transpose(1, 2), inputs[position])
             if r_inputs[position] is not None:
@@ -221,17 +240,14 @@ class StackedGradients:
             base = base + params[first.bias].unsqueeze(1)
             shift = shift + direction[first.bias].unsqueeze(1)
         z = torch.cat((torch.add(base, shift, alpha=delta), torch.add(base, shift, alpha=-delta)))
-        h1 = z if first.activation is None else first.activation[0](z)
+        h1 = z if first.activation is None else first.activation.forward(z)
         rest = {k: torch.cat((torch.add(params[k], direction[k], alpha=delta),
                               torch.add(params[k], direction[k], alpha=-delta)))
                 for layer in self.layers[1:] for k in (layer.weight, layer.bias) if k}
         inputs, pre, logits = self._forward(rest, h1, start=1)
         grads, signal = self._backward_from_second(rest, h1, z, inputs, pre, logits, torch.cat((y, y)))
         hvp = {k: (v[:clients] - v[clients:]) / (2.0 * delta) for k, v in grads.items()}
-        difference = (signal[:clients] - signal[clients:]) / (2.0 * delta)
-        hvp[first.weight] = torch.bmm(difference.transpose(1, 2), h)
-        if first.bias is not None:
-            hvp[first.bias] = difference.sum(dim=1)
+        first.add_gradients(hvp, (signal[:clients] - signal[clients:]) / (2.0 * delta), h)
         return {k: hvp[k] for k in params}
 
     def _backward_from_second(self, rest: Params, h1: Tensor, z1: Tensor, inputs: List[Tensor],
@@ -239,11 +255,9 @@ class StackedGradients:
         """Gradients of layers 1.. and the gradient at the first layer's pre-activation."""
         grads, delta = self._backward(rest, inputs, pre, logits, y, start=1)
         second = self.layers[1]
-        grads[second.weight] = torch.bmm(delta.transpose(1, 2), h1)
-        if second.bias is not None:
-            grads[second.bias] = delta.sum(dim=1)
+        second.add_gradients(grads, delta, h1)
         delta = torch.bmm(delta, rest[second.weight])
         first = self.layers[0]
         if first.activation is not None:
-            delta = first.activation[1](delta, z1, h1)
+            delta = first.activation.backward(delta, z1, h1)
         return grads, delta
