@@ -505,15 +505,16 @@ def load(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
     return resolve(sections, parse_overrides(overrides), source=path)
 
 
-def from_fedml_args(args: Any) -> Config:
+def from_fedml_args(args: Any, enable_wandb: Optional[bool] = None) -> Config:
     """The config of a run started from FedML's entry points: the YAML FedML read
     (``args.yaml_config_file``, for sections and FedML's keys) with ``args``' current values,
-    which a user's script may have changed."""
+    which a user's script may have changed. ``enable_wandb`` replaces ``args.enable_wandb``
+    (which the run layer turns off for FedML's own wandb.init)."""
     path = getattr(args, "yaml_config_file", "") or ""
     sections = load_yaml(path) if path else {}
     current = {name: getattr(args, name) for name in BY_NAME if hasattr(args, name)}
-    if hasattr(args, "perfedavg_enable_wandb"):  # FedML's own wandb.init was kept off (run.runner.Entry)
-        current["enable_wandb"] = args.perfedavg_enable_wandb
+    if enable_wandb is not None:
+        current["enable_wandb"] = enable_wandb
     for values in sections.values():
         for name in list(values):
             if name in current:

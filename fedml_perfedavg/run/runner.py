@@ -54,6 +54,45 @@ class RunResult:
     aggregator: Any = None
 
 
+# -- what a run is, beside FedML's args ------------------------------------------------------------
+CONTEXT = "perfedavg"  # the one attribute the run layer keeps on FedML's args
+
+
+@dataclass(repr=False)
+class RunContext:
+    """What the run layer knows of a run beyond FedML's flattened ``args``, kept on them as
+    ``args.perfedavg``: the typed config, resolved once, and how the run was asked for."""
+
+    config: Config
+    requested_run_dir: Optional[str] = None  # --run-dir (None: output_dir/run_name)
+    resume: bool = False  # --resume: continue the run in the run directory
+    grid: bool = False  # one of several runs in this process: wandb records written at the end
+    run_dir: Optional[str] = None  # chosen once (MPI: by rank 0) and kept
+
+    def __repr__(self) -> str:  # FedML logs its whole args: keep this line short
+        return f"RunContext(run_dir={self.run_dir!r}, resume={self.resume}, grid={self.grid})"
+
+
+def context_of(args: Any) -> RunContext:
+    """The run's context on FedML's ``args``, made (the config resolved) the first time. A
+    user's script may change ``args`` between ``fedml.init`` and ``FedMLRunner``: then the config
+    is resolved again from them, and the log says which keys changed."""
+    context = getattr(args, CONTEXT, None)
+    if context is None:
+        context = RunContext(from_fedml_args(args))
+        setattr(args, CONTEXT, context)
+        return context
+    config = context.config
+    changed = sorted(name for name in BY_NAME if name != "enable_wandb" and hasattr(args, name)
+                     and getattr(args, name) != getattr(config, name))
+    if changed:
+        context.config = from_fedml_args(args, enable_wandb=config.enable_wandb)
+        changed = [n for n in changed if getattr(context.config, n) != getattr(config, n)]
+        if changed:
+            logger.info("FedML's args changed after fedml.init (%s): the run uses the new values", ", ".join(changed))
+    return context
+
+
 # -- values computed once per run ---------------------------------------------------------------
 RUN_FILES = ("summary.json", "config.yaml", "model.pt", checkpoint.CHECKPOINT, checkpoint.PREVIOUS)
 
@@ -101,19 +140,17 @@ def shared_run_dir(config: Config, run_dir: Optional[str], resume: bool = False)
     return chosen
 
 
-def run_dir_of(config: Config, args: Any) -> str:
-    """The run directory, chosen once per run and kept on ``args`` (FedML carries ``args``
+def run_dir_of(context: RunContext, args: Any) -> str:
+    """The run directory, chosen once per run and kept in its context (FedML carries ``args``
     from ``fedml.init`` to ``FedMLRunner``)."""
-    chosen = getattr(args, "perfedavg_run_dir", None)
-    if chosen is None:
-        requested = getattr(args, "run_dir", None)
-        resume = bool(getattr(args, "perfedavg_resume", False))
+    if context.run_dir is None:
+        config, requested = context.config, context.requested_run_dir
         if config.backend == "MPI":
-            chosen = shared_run_dir(config, requested, resume)
+            context.run_dir = shared_run_dir(config, requested, context.resume)
         else:
-            chosen = resolve_run_dir(config, requested, resume=resume, owner=rank_of(config, args) == 0)
-        args.perfedavg_run_dir = chosen
-    return chosen
+            context.run_dir = resolve_run_dir(config, requested, resume=context.resume,
+                                              owner=rank_of(config, args) == 0)
+    return context.run_dir
 
 
 def rank_of(config: Config, args: Any) -> int:
@@ -160,9 +197,8 @@ class Entry:
         the run's recorder owns wandb; returns where FedML's ``~/.fedml`` files go."""
         check_algorithm_name(args)
         if self.is_plugin_algorithm(getattr(args, "federated_optimizer", None)):
-            from_fedml_args(args)  # a bad value stops the run here, before FedML starts anything
-            args.perfedavg_enable_wandb = bool(getattr(args, "enable_wandb", False))
-            args.enable_wandb = False
+            context_of(args)  # resolved once; a bad value stops the run here, before FedML starts anything
+            args.enable_wandb = False  # the typed config keeps the user's value
         home = getattr(args, "fedml_home", default_of("fedml_home"))
         if home == "user":
             return None
@@ -170,7 +206,7 @@ class Entry:
             return os.path.abspath(os.path.expanduser(home))
         if not self.is_plugin_algorithm(getattr(args, "federated_optimizer", None)):
             return None  # FedML's own algorithms have no plugin run directory: FedML's default
-        return os.path.join(run_dir_of(from_fedml_args(args), args), "fedml")
+        return os.path.join(run_dir_of(context_of(args), args), "fedml")
 
     def load_split(self, args: Any) -> Optional[FederatedData]:
         partition = getattr(args, "partition_method", None)
@@ -201,11 +237,12 @@ class PluginRun:
         from ..fedml_bridge.shims import AlgorithmClientTrainer, AlgorithmServerAggregator, create_fedml_pair
 
         args = self.args
-        self.config = config = from_fedml_args(args)
+        self.context = context_of(args)
+        self.config = config = self.context.config
         if config.training_type == "cross_silo" and getattr(args, "worker_num", None) is None:
             args.worker_num = config.client_num_per_round
         self._check_layout()  # before any rank opens a file in a run directory a failed start removes
-        self.run_dir = run_dir_of(config, args)
+        self.run_dir = run_dir_of(self.context, args)
         self.rank = rank_of(config, args)
         self.is_server = self.rank == 0
         self._log_handler = _file_log(self.run_dir, "run.log" if self.is_server else f"run-rank{self.rank}.log")
@@ -234,7 +271,7 @@ class PluginRun:
             if config.enable_wandb:
                 wandb_settings = {"project": config.wandb_project, "group": config.wandb_group or os.path.basename(self.run_dir),
                                   "name": os.path.basename(self.run_dir), "tags": wandb_tags(config),
-                                  "deferred": bool(getattr(args, "perfedavg_grid", False))}
+                                  "deferred": self.context.grid}
             new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)
             self.recorder = RunRecorder(self.run_dir, config.comm_round, config.sections(), config.show_progress,
                                         wandb_settings, new_users)
@@ -382,7 +419,7 @@ class PluginRun:
                         {"algorithm": self.algorithm.state_dict(), "recorder": self.recorder.state_dict()})
 
     def restore(self) -> None:
-        if not getattr(self.args, "perfedavg_resume", False):
+        if not self.context.resume:
             return
         if not self._resumable():
             raise ConfigError(f"train_args.simulation_engine={self.config.simulation_engine!r}, comm_args.backend="
@@ -534,7 +571,8 @@ def install() -> None:
 def fedml_args(config: Config, run_dir: Optional[str] = None, resume: bool = False, rank: Optional[int] = None,
                role: Optional[str] = None, run_id: str = "0") -> argparse.Namespace:
     """FedML's ``args`` for ``config`` (what ``fedml.init()`` would read from the YAML)."""
-    args = config.to_fedml_args(run_dir=run_dir, perfedavg_resume=resume)
+    args = config.to_fedml_args()
+    setattr(args, CONTEXT, RunContext(config, requested_run_dir=run_dir, resume=resume))
     if config.training_type == "cross_silo":
         args.rank, args.role, args.run_id = rank, role, run_id
         args.worker_num, args.scenario = config.client_num_per_round, "horizontal"
@@ -612,7 +650,7 @@ def run_grid(configs: List[Config], run_dirs: List[str], data: Optional[List[Fed
             raise ConfigError(f"train_args.simulation_engine={config.simulation_engine!r}: grid mode runs the "
                               f"batched engine on sp only")
         args = fedml_args(config, run_dir)
-        args.perfedavg_grid = True  # wandb written at the end (one live wandb run per process)
+        getattr(args, CONTEXT).grid = True  # wandb written at the end (one live wandb run per process)
         runs.append(prepare_fedml_run(args, split).runner)
     why = why_not_together([r.backend for r in runs])
     if why is not None or len({c.comm_round for c in configs}) != 1:

@@ -126,7 +126,8 @@ def test_resume_on_damaged_checkpoints_names_the_files(mnist_root, tmp_path, cap
     for name in ("checkpoint.pt", "checkpoint.prev.pt"):
         (run_dir / name).write_bytes((run_dir / name).read_bytes()[:200])  # truncated, as by a crash
     capsys.readouterr()
-    assert main(["--resume", str(run_dir)]) == 2
+    # A finished run continues only to a larger comm_round: that needs its checkpoints.
+    assert main(["--resume", str(run_dir), "--set", "comm_round=6"]) == 2
     err = capsys.readouterr().err
     assert "no readable checkpoint" in err and "checkpoint.pt" in err and "checkpoint.prev.pt" in err
     assert "Traceback" not in err
