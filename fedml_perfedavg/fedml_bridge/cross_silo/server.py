@@ -176,7 +176,10 @@ class PluginServerManager(FedMLServerManager):
         if self.phase is not Phase.DONE:
             self._enter(Phase.DONE)
         finish = [self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo) for silo in self.live]
-        self.com_manager.send_all(finish, time.monotonic() + 1.0)
+        try:
+            self.com_manager.send_all(finish, time.monotonic() + 1.0)
+        except Exception as err:  # noqa: BLE001 - best effort: the run is ending either way, for its own reason
+            logger.warning("could not tell every silo to stop: %s", err)
         self.com_manager.stop_receive_message()
 
     # -- messages -----------------------------------------------------------------------------------

@@ -315,6 +315,8 @@ class SecureGRPCCommManager(BaseCommunicationManager):
                     job.result()
                 except PeerUnreachable as err:
                     failed[jobs[job]] = err
+                except grpc.RpcError as err:  # e.g. CANCELLED while the peer shuts down: not delivered
+                    failed[jobs[job]] = PeerUnreachable(f"rank {jobs[job]}: {err.code().name}: {err.details()}")
         return failed
 
     def _channel(self, receiver: int):
