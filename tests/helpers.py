@@ -150,3 +150,18 @@ def lost_round_cost(summary: dict):
     waited = float(re.search(r"(?:within|for) (\d+\.\d) s \(the round deadline", lost["why"]).group(1))
     wall = {e["round"]: e["wall_seconds"] for e in summary["history"]}
     return lost, waited, wall[lost["round"]] - wall[lost["round"] - 1]
+
+
+def launch_silo(run_dir, settings: dict, extra=(), loopback_only: bool = False):
+    """``fedml-perfedavg launch-silo`` with 2 silos on the silo YAML and ``settings`` (key ->
+    value, as --set), started as a subprocess (stdout and stderr together). With
+    ``loopback_only``, inside a network namespace with only loopback when the machine allows it."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", SILO_YAML, "--clients", "2",
+               "--run-dir", str(run_dir), *[a for k, v in settings.items() for a in ("--set", f"{k}={v}")], *extra]
+    if loopback_only and unshare_works():  # only loopback exists in there, so nothing can leave the machine
+        command = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(Path(run_dir).parent / "home")}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -20,10 +20,13 @@ _WHY = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used 
         errno.ENOTDIR: "a part of the path is a file, not a folder", errno.ENOENT: "the folder does not exist"}
 
 
+def _why(err: OSError) -> str:
+    return _WHY.get(err.errno, err.strerror or str(err))
+
+
 def explain(err: OSError, path: str) -> str:
     """A sentence naming the file, its folder and the cause of ``err``."""
-    why = _WHY.get(err.errno, err.strerror or str(err))
-    return f"cannot write {os.path.basename(path)} in {os.path.dirname(os.path.abspath(path))}: {why}"
+    return f"cannot write {os.path.basename(path)} in {os.path.dirname(os.path.abspath(path))}: {_why(err)}"
 
 
 def write_atomic(path: str, write: Callable[[IO[bytes]], None], previous: Optional[str] = None) -> None:
@@ -76,4 +79,4 @@ def make_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as err:
-        raise OutputError(explain(err, os.path.join(path, ".")).replace("cannot write . in", "cannot create")) from None
+        raise OutputError(f"cannot create {os.path.abspath(path)}: {_why(err)}") from None

@@ -29,7 +29,7 @@ from ..algorithms.registry import canonical_name, create_algorithm
 from ..core.guards import ConfigError, DivergenceError, OutputError, RunStopped
 from ..core.sampling import held_out_users, random_iterate_step
 from ..core.stationarity import stationarity
-from ..core.types import StateDict, UserSplit
+from ..core.types import StateDict
 from ..data.fedml_format import users_from_fedml_dataset
 from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
@@ -489,8 +489,9 @@ class PluginRun:
                 self.backend.end_job(130)  # the record is written: now every rank ends
             raise
         except BaseException as err:  # any other end is recorded too: `running` only while a process lives
+            status = "interrupted" if STOP_SIGNALLED.is_set() else "failed"  # a stop the code around it re-raised
             try:
-                self.finish(status="failed", error=f"{type(err).__name__}: {err}")
+                self.finish(status=status, error=f"{type(err).__name__}: {err}")
             except OutputError as again:
                 logger.error("%s", again)
             self._close()
@@ -511,22 +512,31 @@ class PluginRun:
             self._log_handler = None
 
 
+STOP_SIGNALLED = threading.Event()  # SIGTERM or SIGINT reached this process during the current run
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM ends the run as Ctrl-C does (``PluginRun.ending`` writes what was measured), in the
-    plugin's command line and in a FedML user's own main script alike."""
+    plugin's command line and in a FedML user's own main script alike. Either signal is noted
+    (:data:`STOP_SIGNALLED`): code the interrupt lands in (a gRPC call, say) may turn it into an
+    error of its own, and the run still ends as interrupted."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum, frame):
+        STOP_SIGNALLED.set()
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    STOP_SIGNALLED.clear()  # a run of its own: an earlier run's stop in this process does not count
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
 
 
 def wandb_tags(config: Config) -> List[str]:

@@ -17,7 +17,7 @@ from fedml_perfedavg.run.config import ConfigError, load_yaml, resolve
 from fedml_perfedavg.run.silo_addresses import check_silo_role, read_ipconfig, write_ipconfig
 from fedml_perfedavg.run.runner import load_split, run
 
-from tests.helpers import HF_YAML, REPO, launched_alive, needs_mnist, unshare_works
+from tests.helpers import HF_YAML, REPO, launch_silo, launched_alive, needs_mnist
 
 needs_grpc = pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="grpcio not installed (.[silo])")
 from tests.helpers import SILO_YAML  # noqa: E402
@@ -26,13 +26,7 @@ SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progres
 
 def _launch(mnist_root, run_dir, settings, extra=(), wait=True):
     """launch-silo with 2 silos; inside a network namespace with only loopback when possible."""
-    sets = [f"{k}={v}" for k, v in {**SETTINGS, "data_cache_dir": mnist_root, **settings}.items()]
-    command = [sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", SILO_YAML, "--clients", "2",
-               "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)], *extra]
-    if unshare_works():  # only loopback exists in there, so nothing can leave the machine
-        command = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    process = launch_silo(run_dir, {**SETTINGS, "data_cache_dir": mnist_root, **settings}, extra, loopback_only=True)
     if not wait:
         return process
     out, _ = process.communicate(timeout=300)

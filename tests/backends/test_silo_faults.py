@@ -15,17 +15,13 @@ import pytest
 
 from fedml_perfedavg.run.silo_addresses import write_ipconfig
 
-from tests.helpers import HF_YAML, REPO, SILO_YAML, launched_alive, make_tls, needs_mnist
+from tests.helpers import HF_YAML, REPO, SILO_YAML, launch_silo, launched_alive, make_tls, needs_mnist
 
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False}
 
 
 def _launcher(mnist_root, run_dir, settings):
-    sets = [f"{k}={v}" for k, v in {**SETTINGS, "data_cache_dir": mnist_root, **settings}.items()]
-    command = [sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", SILO_YAML, "--clients", "2",
-               "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return launch_silo(run_dir, {**SETTINGS, "data_cache_dir": mnist_root, **settings})
 
 
 def _ports(path):

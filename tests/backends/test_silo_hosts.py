@@ -86,6 +86,13 @@ def _start(names, tmp_path, mnist_root, settings, tls_dirs):
     return processes
 
 
+def _one_ca(tmp_path):
+    """A run CA and every rank's certificate from it: each rank's tls_dir."""
+    tls = str(tmp_path / "tls")
+    make_certificates(tls, 2)
+    return {rank: tls for rank in (0, 1, 2)}
+
+
 def _finish(processes, timeout=240):
     outs = {}
     try:
@@ -101,9 +108,7 @@ def _finish(processes, timeout=240):
 @needs_netns
 def test_tls_across_hosts_gives_the_single_process_model(hosts, tmp_path, mnist_root):
     names, _ = hosts
-    tls = str(tmp_path / "tls")
-    make_certificates(tls, 2)
-    outs = _finish(_start(names, tmp_path, mnist_root, {"comm_round": 3}, {r: tls for r in (0, 1, 2)}))
+    outs = _finish(_start(names, tmp_path, mnist_root, {"comm_round": 3}, _one_ca(tmp_path)))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-3000:]
     assert f"gRPC rank 0 listening on {SERVER}:50551" in outs[0]
@@ -142,11 +147,8 @@ def test_a_silo_with_a_certificate_from_another_ca_is_refused_and_named(hosts, t
 @needs_netns
 def test_a_silo_whose_packets_are_dropped_costs_one_round_its_deadline(hosts, tmp_path, mnist_root):
     names, links = hosts
-    tls = str(tmp_path / "tls")
-    make_certificates(tls, 2)
     rounds = 30
-    processes = _start(names, tmp_path, mnist_root, {"comm_round": rounds, "min_clients_per_round": 1},
-                       {r: tls for r in (0, 1, 2)})
+    processes = _start(names, tmp_path, mnist_root, {"comm_round": rounds, "min_clients_per_round": 1}, _one_ca(tmp_path))
     log = tmp_path / "run" / "run.log"
     deadline = time.monotonic() + 120
     while not (log.exists() and "round 3: personalized accuracy" in log.read_text()):

@@ -5,13 +5,10 @@ import json
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import grpc
-import pytest
 import torch
 
 from fedml_perfedavg.fedml_bridge.cross_silo import wire
@@ -19,7 +16,7 @@ from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificate
 from fedml_perfedavg.run.config import load_yaml, resolve
 from fedml_perfedavg.run.runner import run
 
-from tests.helpers import HF_YAML, REPO, SILO_YAML, lost_round_cost, needs_mnist, raw_send
+from tests.helpers import HF_YAML, launch_silo, lost_round_cost, needs_mnist, raw_send
 
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
 
@@ -33,11 +30,7 @@ class WritesAFile:
 
 
 def _launch(mnist_root, run_dir, settings):
-    sets = [f"{k}={v}" for k, v in {**SETTINGS, "data_cache_dir": mnist_root, **settings}.items()]
-    command = [sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", SILO_YAML, "--clients", "2",
-               "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return launch_silo(run_dir, {**SETTINGS, "data_cache_dir": mnist_root, **settings})
 
 
 def _wait_for(path, process, text=None, seconds=120):

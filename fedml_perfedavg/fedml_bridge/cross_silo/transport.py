@@ -303,8 +303,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
     def send_all(self, messages: Iterable[Any], deadline: float) -> Dict[int, PeerUnreachable]:
         """Send to several receivers at once, each before ``deadline``: one that does not answer
         costs the others nothing. Returns the receivers that were unreachable."""
-        prepared = [(self._envelope(m)) for m in messages]
-        encoded = [(e.receiver, wire.encode(e)) for e in prepared]
+        encoded = [(e.receiver, wire.encode(e)) for e in map(self._envelope, messages)]
         failed: Dict[int, PeerUnreachable] = {}
         if not encoded:
             return failed
