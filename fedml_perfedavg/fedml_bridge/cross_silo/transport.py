@@ -300,22 +300,42 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self.send_bytes(envelope.receiver, wire.encode(envelope),
                         time.monotonic() + self.retry_seconds if deadline is None else deadline)
 
+    SEND_GRACE_SECONDS = 2.0  # past a send's deadline, before it is counted as not delivered
+
     def send_all(self, messages: Iterable[Any], deadline: float) -> Dict[int, PeerUnreachable]:
         """Send to several receivers at once, each before ``deadline``: one that does not answer
-        costs the others nothing. Returns the receivers that were unreachable."""
+        costs the others nothing. Returns the receivers that were unreachable. The deadline is
+        held by this clock too: a send still running just after it (a gRPC call over a link that
+        drops every packet did not always return at its own deadline) counts as not delivered,
+        and closing the transport cancels it."""
         encoded = [(e.receiver, wire.encode(e)) for e in map(self._envelope, messages)]
+        outcome: Dict[int, Optional[BaseException]] = {}
+
+        def deliver(receiver: int, data: bytes) -> None:
+            try:
+                self.send_bytes(receiver, data, deadline)
+                outcome[receiver] = None
+            except grpc.RpcError as err:  # e.g. CANCELLED while the peer shuts down: not delivered
+                outcome[receiver] = PeerUnreachable(f"rank {receiver}: {err.code().name}: {err.details()}")
+            except Exception as err:  # noqa: BLE001 - handed to the caller below
+                outcome[receiver] = err
+
+        threads = [threading.Thread(target=deliver, args=item, daemon=True, name=f"send-to-rank-{item[0]}")
+                   for item in encoded]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()) + self.SEND_GRACE_SECONDS)
         failed: Dict[int, PeerUnreachable] = {}
-        if not encoded:
-            return failed
-        with futures.ThreadPoolExecutor(max_workers=len(encoded)) as pool:
-            jobs = {pool.submit(self.send_bytes, receiver, data, deadline): receiver for receiver, data in encoded}
-            for job in futures.as_completed(jobs):
-                try:
-                    job.result()
-                except PeerUnreachable as err:
-                    failed[jobs[job]] = err
-                except grpc.RpcError as err:  # e.g. CANCELLED while the peer shuts down: not delivered
-                    failed[jobs[job]] = PeerUnreachable(f"rank {jobs[job]}: {err.code().name}: {err.details()}")
+        for receiver, _ in encoded:
+            if receiver not in outcome:
+                ip, port = self.addresses[receiver]
+                failed[receiver] = PeerUnreachable(f"rank {receiver} at {ip}:{port} did not take a message from rank "
+                                                   f"{self.rank} by the deadline; is it gone?")
+            elif isinstance(outcome[receiver], PeerUnreachable):
+                failed[receiver] = outcome[receiver]
+            elif outcome[receiver] is not None:
+                raise outcome[receiver]
         return failed
 
     def _channel(self, receiver: int):
