@@ -22,7 +22,7 @@ import dataclasses
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -93,6 +93,51 @@ class RoundDriver(Protocol):
         """Cross-silo: the silos' own personalized evaluations of the model they received."""
 
 
+class RoundHooks:
+    """What may act on a round between the algorithm's own steps, the same on every backend:
+    FedML's differential privacy, attacks and defenses
+    (:class:`fedml_perfedavg.fedml_bridge.safeguards.FedMLSafeguards`). This default changes
+    nothing. Client hooks run wherever the client trains; server hooks inside
+    :meth:`FederatedAlgorithm.aggregate`."""
+
+    #: True when :meth:`client_labels` may change labels (an engine must then call it).
+    poisons_labels: bool = False
+    #: True when :meth:`client_result` may change a client's model.
+    changes_client_results: bool = False
+
+    def client_labels(self, round_idx: int, client_id: int, y: Tensor) -> Tensor:
+        """The labels a client trains on this round (a data-poisoning attack flips them)."""
+        return y
+
+    def client_result(self, round_idx: int, client_id: int, state: StateDict) -> StateDict:
+        """What a client sends after training (local DP adds noise to it)."""
+        return state
+
+    def before_aggregation(self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict
+                           ) -> List[Tuple[float, StateDict]]:
+        """The updates as the server's aggregation sees them (a model attack replaces some;
+        central DP clips them); runs before the update checks."""
+        return updates
+
+    def filter_updates(self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict
+                       ) -> List[Tuple[float, StateDict]]:
+        """The accepted updates a defense keeps (or reshapes) before they are combined."""
+        return updates
+
+    def combine(self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict,
+                base: "Callable[[List[Tuple[float, StateDict]]], StateDict]") -> StateDict:
+        """The new global state from the kept updates: ``base`` (the algorithm's own average)
+        unless a defense aggregates its own way."""
+        return base(updates)
+
+    def after_aggregation(self, round_idx: int, state: StateDict, global_state: StateDict) -> StateDict:
+        """The new global model as published (central DP adds noise to it)."""
+        return state
+
+
+NO_HOOKS = RoundHooks()
+
+
 class ClientUpdate(NamedTuple):
     """What one client returns: its sample count and its new model state."""
 
@@ -131,6 +176,7 @@ class FederatedAlgorithm:
             raise ValueError(f"{self.name} needs LocalUpdateConfig(method={self.method!r}), "
                              f"got {settings.local.method!r}")
         self.settings = settings
+        self.hooks: RoundHooks = NO_HOOKS
         self.network = functional_network(model)
         self.loss_fn = make_loss_fn(self.network)
         self.parameter_names = [name for name, _ in model.named_parameters()]
@@ -144,6 +190,11 @@ class FederatedAlgorithm:
     def from_config(cls, model: nn.Module, config: Any) -> "FederatedAlgorithm":
         """The algorithm for ``model`` as a run config asks for it."""
         return cls(model, AlgorithmSettings.from_config(config, cls.method))
+
+    def use_hooks(self, hooks: RoundHooks) -> None:
+        """Act on every round with ``hooks`` (the run layer sets FedML's DP, attacks and
+        defenses here, for whichever backend runs the algorithm)."""
+        self.hooks = hooks
 
     @property
     def label(self) -> str:
@@ -251,12 +302,15 @@ class FederatedAlgorithm:
 
     def client_update(self, round_idx: int, client_id: int, global_state: StateDict, x: Tensor, y: Tensor
                       ) -> ClientUpdate:
-        """One client's local training from ``global_state`` on its data (x, y)."""
+        """One client's local training from ``global_state`` on its data (x, y), then what the
+        round's hooks do to what it sends (local DP)."""
+        y = self.hooks.client_labels(round_idx, client_id, y)
         batches = self.client_batches(round_idx, client_id, x, y)
         with torch.no_grad():  # torch.func computes the gradients; no autograd graph is kept
             new_state = self.local_training({k: v.detach() for k, v in global_state.items()}, batches)
         self.check_client_result(round_idx, client_id, {k: new_state[k] for k in self.parameter_names})
-        return ClientUpdate(len(y), OrderedDict((k, new_state[k]) for k in global_state))
+        state = OrderedDict((k, new_state[k]) for k in global_state)
+        return ClientUpdate(len(y), self.hooks.client_result(round_idx, client_id, state))
 
     def client_iterate(self, round_idx: int, client_id: int, global_state: StateDict, x: Tensor, y: Tensor,
                        steps: int) -> StateDict:
@@ -264,7 +318,7 @@ class FederatedAlgorithm:
         minibatches as :meth:`client_update`; 0 is the global state itself)."""
         if steps == 0:
             return OrderedDict((k, v.clone()) for k, v in global_state.items())
-        batches = self.client_batches(round_idx, client_id, x, y)
+        batches = self.client_batches(round_idx, client_id, x, self.hooks.client_labels(round_idx, client_id, y))
         with torch.no_grad():
             new_state = self.local_training({k: v.detach() for k, v in global_state.items()},
                                             LocalBatches(*(t[:steps] for t in batches)))
@@ -278,6 +332,7 @@ class FederatedAlgorithm:
         ``max_update_norm``) are rejected and logged; a round with none left keeps the global
         model, and ``max_skipped_rounds`` such rounds stop the run."""
         self.aggregate_calls += 1
+        updates = self.hooks.before_aggregation(round_idx, list(updates), global_state)
         accepted = []
         for position, (samples, update) in enumerate(updates):
             problem = update_problem(update, global_state, self.settings.max_update_norm, self.parameter_names)
@@ -288,7 +343,10 @@ class FederatedAlgorithm:
         if len(accepted) < len(updates):
             self.rejected[round_idx] = len(updates) - len(accepted)
         if accepted:
-            return self.combine(round_idx, accepted, global_state)
+            accepted = self.hooks.filter_updates(round_idx, accepted, global_state)
+            combined = self.hooks.combine(round_idx, accepted, global_state,
+                                          lambda kept: self.combine(round_idx, kept, global_state))
+            return self.hooks.after_aggregation(round_idx, combined, global_state)
         self.skipped_rounds += 1
         logger.error("round %d: no acceptable client update; the global model is kept (%d such rounds, "
                      "train_args.max_skipped_rounds=%d)", round_idx, self.skipped_rounds,

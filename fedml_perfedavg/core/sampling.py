@@ -5,8 +5,10 @@ single-process, MPI and cross-silo runs of one config draw the same numbers.
 """
 from __future__ import annotations
 
+import contextlib
+import random
 from enum import IntEnum
-from typing import List, Sequence
+from typing import Iterator, List, Sequence
 
 import numpy as np
 import torch
@@ -22,14 +24,42 @@ class Purpose(IntEnum):
     INITIALISATION = 3
     HOLD_OUT = 4
     RANDOM_ITERATE = 5
+    # Draws made by code that uses the global generators (FedML's DP mechanisms, attacks and
+    # defenses), run inside :func:`keyed_global_randomness`.
+    LOCAL_PRIVACY = 6
+    CENTRAL_PRIVACY = 7
+    ATTACK = 8
+    DEFENSE = 9
+
+
+def _key(seed: int, round_idx: int, client_id: int, purpose: Purpose) -> int:
+    entropy = np.random.SeedSequence([int(seed), int(round_idx) + 1, int(client_id) + 1, int(purpose)])
+    return int(entropy.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
 def generator_for(seed: int, round_idx: int, client_id: int, purpose: Purpose) -> torch.Generator:
     """A CPU torch generator seeded from the key (seed, round, client, purpose)."""
-    entropy = np.random.SeedSequence([int(seed), int(round_idx) + 1, int(client_id) + 1, int(purpose)])
     generator = torch.Generator()
-    generator.manual_seed(int(entropy.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1)))
+    generator.manual_seed(_key(seed, round_idx, client_id, purpose))
     return generator
+
+
+@contextlib.contextmanager
+def keyed_global_randomness(seed: int, round_idx: int, client_id: int, purpose: Purpose) -> Iterator[None]:
+    """Run code that draws from the global generators (torch's CPU generator, numpy's, Python's
+    ``random``) with all three seeded from the key, and restore them afterwards: FedML's DP
+    mechanisms and attacks draw that way, and keyed they draw the same on every backend."""
+    key = _key(seed, round_idx, client_id, purpose)
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(key)  # the CPU generator alone, as fork_rng saved
+        np.random.seed(key % (2 ** 32))
+        random.seed(key)
+        try:
+            yield
+        finally:
+            np.random.set_state(numpy_state)
+            random.setstate(python_state)
 
 
 def held_out_users(seed: int, client_num_in_total: int, new_user_fraction: float) -> List[int]:

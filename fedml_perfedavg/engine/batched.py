@@ -107,10 +107,17 @@ class BatchedSimulation:
 
     def round_batches(self, round_idx: int, clients: List[int]) -> LocalBatches:
         """The round's minibatches, stacked (clients, steps, batch, ...)."""
+        hooks = self.algorithm.hooks
         if not self._gather:
-            return stack_batches([self.algorithm.client_batches(round_idx, c, self.users[c].train_x,
-                                                                self.users[c].train_y) for c in clients])
-        return self.gather(self.batch_index(round_idx, clients))
+            return stack_batches([self.algorithm.client_batches(
+                round_idx, c, self.users[c].train_x, hooks.client_labels(round_idx, c, self.users[c].train_y))
+                for c in clients])
+        batches = self.gather(self.batch_index(round_idx, clients))
+        if hooks.poisons_labels:  # a label map commutes with the gather: flip each client's gathered rows
+            batches = batches._replace(**{role: torch.stack([hooks.client_labels(round_idx, c, labels[i])
+                                                             for i, c in enumerate(clients)])
+                                          for role, labels in batches._asdict().items() if role.endswith("_y")})
+        return batches
 
     @property
     def gathers(self) -> bool:
@@ -159,8 +166,9 @@ class BatchedSimulation:
         for position in nonfinite_clients({k: stacked[k] for k in self.algorithm.parameter_names}):
             self.algorithm.check_client_result(round_idx, clients[position],
                                                {k: v[position] for k, v in stacked.items()})
-        return [(self.sample_counts[c], OrderedDict((k, stacked[k][i] if k in stacked else buffers[k])
-                                                    for k in self.state)) for i, c in enumerate(clients)]
+        hooks = self.algorithm.hooks
+        return [(self.sample_counts[c], hooks.client_result(round_idx, c, OrderedDict(
+            (k, stacked[k][i] if k in stacked else buffers[k]) for k in self.state))) for i, c in enumerate(clients)]
 
     def finish_round(self, round_idx: int, updates: List[tuple]) -> None:
         """Aggregate the round's updates and hand the new global model to the driver."""

@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..core.algorithm import LocalBatches
+from ..algorithms.base import NO_HOOKS
 from .batched import BatchedSimulation
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ def why_not_together(engines: Sequence[BatchedSimulation]) -> Optional[str]:
     for position, engine in enumerate(engines):
         if engine.stacked is None or not engine.batched:
             return f"run {position} is not on the hand-batched path"
+        if engine.algorithm.hooks is not NO_HOOKS:
+            return f"run {position} applies FedML's DP, attacks or defenses (round hooks)"
         if engine.algorithm.settings.local != first.algorithm.settings.local:
             return f"run {position} has other client maths ({engine.algorithm.settings.local})"
         if engine.algorithm.settings.batch_sizes != first.algorithm.settings.batch_sizes:

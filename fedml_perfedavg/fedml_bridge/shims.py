@@ -19,6 +19,7 @@ from ..core.evaluation import EvaluationResult
 from ..core.types import StateDict, UserSplit
 from ..data.fedml_format import client_samples, users_from_fedml_dataset
 from .bootstrap import import_fedml
+from .safeguards import without_safeguards
 
 import_fedml()  # torchvision needs its op schemas before FedML imports it
 from fedml.core import ClientTrainer, ServerAggregator  # noqa: E402
@@ -44,7 +45,8 @@ class AlgorithmClientTrainer(ClientTrainer):
     """FedML's client side of any plugin algorithm: ``train`` is one ``client_update``."""
 
     def __init__(self, model: nn.Module, args: Any, algorithm: FederatedAlgorithm) -> None:
-        super().__init__(model, args)
+        super().__init__(model, without_safeguards(args))  # FedML's singletons off: the algorithm applies them
+        self.args = args
         self.algorithm = algorithm
         self.train_calls = 0
         # id(FedML data) -> (data, x, y), read once; holding ``data`` keeps its id from being reused.
@@ -56,6 +58,19 @@ class AlgorithmClientTrainer(ClientTrainer):
 
     def set_model_params(self, model_parameters: Dict[str, Tensor]) -> None:
         self.model.load_state_dict(model_parameters)
+
+    # FedML's ClientTrainer poisons data in update_dataset and adds local DP noise in
+    # on_after_local_training (core/alg_frame/client_trainer.py), through process-wide singletons
+    # that FedML's own trainers re-enable; the algorithm's round hooks do both, on every backend.
+    def update_dataset(self, local_train_dataset, local_test_dataset, local_sample_number) -> None:
+        self.local_train_dataset, self.local_test_dataset = local_train_dataset, local_test_dataset
+        self.local_sample_number = local_sample_number
+
+    def on_before_local_training(self, train_data, device, args) -> None:
+        pass
+
+    def on_after_local_training(self, train_data, device, args) -> None:
+        pass
 
     def tensors(self, data: Any, device: torch.device) -> Tuple[Tensor, Tensor]:
         """(x, y) of a client's FedML data on ``device``, converted once per data object."""
@@ -96,7 +111,8 @@ class AlgorithmServerAggregator(ServerAggregator):
 
     def __init__(self, model: nn.Module, args: Any, algorithm: FederatedAlgorithm,
                  on_evaluation: Optional[Callable[[int, EvaluationResult], None]] = None) -> None:
-        super().__init__(model, args)
+        super().__init__(model, without_safeguards(args))  # FedML's singletons off: the algorithm applies them
+        self.args = args
         self.algorithm = algorithm
         self.on_evaluation = on_evaluation
 
@@ -105,6 +121,15 @@ class AlgorithmServerAggregator(ServerAggregator):
 
     def set_model_params(self, model_parameters: Dict[str, Tensor]) -> None:
         self.model.load_state_dict(model_parameters)
+
+    # FedML's ServerAggregator applies DP clipping and noise, model attacks and defenses in
+    # on_before/on_after_aggregation (core/alg_frame/server_aggregator.py); here the algorithm's
+    # aggregate does, through its round hooks, the same on every backend.
+    def on_before_aggregation(self, raw_client_model_or_grad_list: List[Tuple[float, StateDict]]):
+        return raw_client_model_or_grad_list, list(range(len(raw_client_model_or_grad_list)))
+
+    def on_after_aggregation(self, aggregated_model_or_grad: StateDict) -> StateDict:
+        return aggregated_model_or_grad
 
     def aggregate(self, raw_client_model_or_grad_list: List[Tuple[float, StateDict]]) -> StateDict:
         return self.algorithm.aggregate(round_of(self.args), raw_client_model_or_grad_list,

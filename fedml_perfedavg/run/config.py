@@ -27,6 +27,7 @@ from ..core.algorithm import VARIANTS
 from ..core.guards import ConfigError
 from ..data.loading import DATASETS, default_test_images_per_class
 from ..data.partition import PARTITIONS, plan_users
+from ..fedml_bridge import safeguards as fedml_safeguards
 from ..fedml_bridge.cross_silo.credentials import check_security
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ __all__ = ["Config", "ConfigError", "load", "load_yaml", "parse_overrides", "res
 
 SECTIONS = ("common_args", "data_args", "model_args", "train_args", "validation_args", "device_args",
             "comm_args", "tracking_args")
+# FedML's DP, attack and defense sections: their keys go to FedML's own classes, section by
+# section (fedml_bridge/safeguards.py), so dp_args.delta is not train_args.delta.
+SAFEGUARD_SECTIONS = fedml_safeguards.SECTIONS
 TRAINING_TYPES = ("simulation", "cross_silo")
 BACKENDS = {"simulation": ("sp", "MPI"), "cross_silo": ("GRPC",)}
 ENGINES = ("batched", "fedml")
@@ -187,6 +191,8 @@ class Config:
     # Not settings: where the config came from, and FedML keys that ride along unchecked.
     source: Optional[str] = field(default=None, compare=False, metadata={"internal": True})
     extra: Dict[str, Tuple[str, Any]] = field(default_factory=dict, compare=False, metadata={"internal": True})
+    # dp_args, attack_args, defense_args as given: FedML's keys for its own DP/attack/defense classes.
+    safeguards: Dict[str, Dict[str, Any]] = field(default_factory=dict, metadata={"internal": True})
 
     @property
     def batch_sizes(self) -> Tuple[int, int, int]:
@@ -200,6 +206,8 @@ class Config:
     def sections(self) -> Dict[str, Dict[str, Any]]:
         """The config as FedML-style nested sections (what ``summary.json`` and config.yaml record)."""
         out: Dict[str, Dict[str, Any]] = {s: {} for s in SECTIONS}
+        for section, values in self.safeguards.items():
+            out[section] = copy.deepcopy(values)
         for f in settings():
             out[f.metadata["section"]][f.name] = copy.deepcopy(getattr(self, f.name))
         for name, (section, value) in self.extra.items():
@@ -212,8 +220,11 @@ class Config:
         args = argparse.Namespace(yaml_config_file=self.source or "", run_id="0", rank=0, local_rank=0,
                                   node_rank=0, role="client", run_device_id="0", using_mlops=False,
                                   gpu_mapping_file=None, gpu_mapping_key=None)
-        for section in self.sections().values():
-            for name, value in section.items():
+        # FedML flattens every section into one namespace: the safeguard sections go first, so a
+        # name they share with the plugin (delta, alpha, beta) reads as the plugin's on ``args``.
+        sections = self.sections()
+        for section in sorted(sections, key=lambda name: name not in SAFEGUARD_SECTIONS):
+            for name, value in sections[section].items():
                 setattr(args, name, copy.deepcopy(value))
         for name, value in overrides.items():
             setattr(args, name, value)
@@ -251,6 +262,17 @@ def _suggest(name: str, candidates: Iterable[str]) -> str:
     by_lower = {c.lower(): c for c in candidates}
     close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.75)
     return f"; did you mean {by_lower[close[0]]!r}?" if close else ""
+
+
+def _yaml_number(value: Any) -> Any:
+    """``1e-5`` as a float: PyYAML follows YAML 1.1, where an exponent without a dot is a string."""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return number if math.isfinite(number) and any(c.isdigit() for c in value) else value
+    return value
 
 
 def _check_value(f: dataclasses.Field, value: Any) -> Any:
@@ -375,7 +397,12 @@ def _rule_split(c: Config) -> None:
                               f"({smallest} samples)")
 
 
-RULES: List[Callable[[Config], None]] = [_rule_algorithm, _rule_clients, _rule_platform, _rule_split]
+def _rule_safeguards(c: Config) -> None:
+    fedml_safeguards.check(c.safeguards, fedml_safeguards.run_facts(c))
+
+
+RULES: List[Callable[[Config], None]] = [_rule_algorithm, _rule_clients, _rule_platform, _rule_split,
+                                         _rule_safeguards]
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -404,7 +431,14 @@ def parse_overrides(pairs: Sequence[str]) -> Dict[str, Any]:
         name, sep, raw = pair.partition("=")
         if not sep or not name:
             raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set comm_round=20")
-        name = name.split(".")[-1]
+        section, _, short = name.rpartition(".")
+        if section in SAFEGUARD_SECTIONS:  # kept with its section: dp_args.delta is not train_args.delta
+            out[name] = yaml.safe_load(raw)
+            continue
+        name = short
+        if name in fedml_safeguards.HOME_SECTION:
+            out[f"{fedml_safeguards.HOME_SECTION[name]}.{name}"] = yaml.safe_load(raw)
+            continue
         if name not in BY_NAME and name not in FEDML_KEYS and name not in FEDML_PASSTHROUGH:
             raise ConfigError(f"--set {pair!r}: unknown key {name!r}{_suggest(name, BY_NAME)}")
         out[name] = yaml.safe_load(raw)
@@ -464,10 +498,20 @@ def resolve(sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, A
     given: Dict[str, Any] = {}
     where: Dict[str, str] = {}
     extra: Dict[str, Tuple[str, Any]] = {}
+    safeguards: Dict[str, Dict[str, Any]] = {}
+    overrides = dict(overrides or {})
+    for dotted in [k for k in overrides if "." in k]:  # --set dp_args.epsilon=0.5
+        section, _, name = dotted.partition(".")
+        sections = {**sections, section: {**sections.get(section, {}), name: overrides.pop(dotted)}}
     for section, values in sections.items():
-        if section not in SECTIONS:
-            raise ConfigError(f"section {section!r}: unknown; allowed: {list(SECTIONS)}{_suggest(section, SECTIONS)}")
+        if section not in SECTIONS + SAFEGUARD_SECTIONS:
+            allowed = list(SECTIONS + SAFEGUARD_SECTIONS)
+            raise ConfigError(f"section {section!r}: unknown; allowed: {allowed}{_suggest(section, allowed)}")
         for name, value in values.items():
+            home = section if section in SAFEGUARD_SECTIONS else fedml_safeguards.HOME_SECTION.get(name)
+            if home is not None:
+                safeguards.setdefault(home, {})[name] = _yaml_number(value)
+                continue
             f = BY_NAME.get(name)
             if f is None:
                 suggestion = _suggest(name, BY_NAME)
@@ -484,7 +528,7 @@ def resolve(sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, A
                 raise ConfigError(f"{section}.{name}={value!r}: belongs in section {f.metadata['section']!r}")
             else:
                 given[name] = value
-    given.update(overrides or {})
+    given.update(overrides)
     if canonical_name(given.get("federated_optimizer")) is not None:  # plugin names in any case
         given["federated_optimizer"] = canonical_name(given["federated_optimizer"])
     _fedml_key_meanings(given, where)
@@ -493,7 +537,7 @@ def resolve(sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, A
               for name, f in BY_NAME.items()}
     for name in set(given) - set(BY_NAME):
         extra[name] = (extra.get(name, (where.get(name, "train_args"), None))[0], given[name])
-    config = Config(**values, source=source, extra=extra)
+    config = Config(**values, source=source, extra=extra, safeguards=safeguards)
     for rule in RULES:
         rule(config)
     return config
@@ -512,11 +556,20 @@ def from_fedml_args(args: Any, enable_wandb: Optional[bool] = None) -> Config:
     (which the run layer turns off for FedML's own wandb.init)."""
     path = getattr(args, "yaml_config_file", "") or ""
     sections = load_yaml(path) if path else {}
-    current = {name: getattr(args, name) for name in BY_NAME if hasattr(args, name)}
+    # A name in two sections (train_args.delta and dp_args.delta) is one attribute of FedML's
+    # flattened args, holding whichever came last: those are read from the YAML, section by section.
+    seen: Dict[str, int] = {}
+    for values in sections.values():
+        for name in values:
+            seen[name] = seen.get(name, 0) + 1
+    shared = {name for name, count in seen.items() if count > 1}
+    current = {name: getattr(args, name) for name in BY_NAME if hasattr(args, name) and name not in shared}
     if enable_wandb is not None:
         current["enable_wandb"] = enable_wandb
     for values in sections.values():
         for name in list(values):
+            if name in shared:
+                continue
             if name in current:
                 values[name] = current.pop(name)
             elif hasattr(args, name):

@@ -33,6 +33,7 @@ from ..core.types import StateDict
 from ..data.fedml_format import users_from_fedml_dataset
 from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
+from ..fedml_bridge import safeguards as fedml_safeguards
 from . import checkpoint
 from .files import make_dir, write_torch
 from .config import BY_NAME, Config, check_algorithm_name, from_fedml_args
@@ -260,6 +261,10 @@ class PluginRun:
             self.algorithm = create_algorithm(config.federated_optimizer, self.model, config)
             trainer, aggregator = create_fedml_pair(self.algorithm, self.model, args)
         self.trainer, self.aggregator = trainer, aggregator
+        safeguards = fedml_safeguards.for_config(config)
+        if safeguards is not None:
+            self.algorithm.use_hooks(safeguards)
+            logger.info("FedML's %s: applied by %s's round hooks", safeguards.describe(), self.algorithm.label)
         self.global_state: StateDict = aggregator.get_model_params()
         sample = self.users[0]
         for note in self.algorithm.check_model(self.global_state, sample.train_x[:1], sample.train_y[:1]):
