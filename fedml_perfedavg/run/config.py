@@ -549,13 +549,15 @@ def load(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
     return resolve(sections, parse_overrides(overrides), source=path)
 
 
-def from_fedml_args(args: Any, enable_wandb: Optional[bool] = None) -> Config:
+def from_fedml_args(args: Any, enable_wandb: Optional[bool] = None,
+                    sections: Optional[Dict[str, Dict[str, Any]]] = None) -> Config:
     """The config of a run started from FedML's entry points: the YAML FedML read
     (``args.yaml_config_file``, for sections and FedML's keys) with ``args``' current values,
     which a user's script may have changed. ``enable_wandb`` replaces ``args.enable_wandb``
-    (which the run layer turns off for FedML's own wandb.init)."""
+    (which the run layer turns off for FedML's own wandb.init); ``sections`` replace the YAML
+    (a config already resolved, ``--set`` values included)."""
     path = getattr(args, "yaml_config_file", "") or ""
-    sections = load_yaml(path) if path else {}
+    sections = copy.deepcopy(sections) if sections is not None else load_yaml(path) if path else {}
     # A name in two sections (train_args.delta and dp_args.delta) is one attribute of FedML's
     # flattened args, holding whichever came last: those are read from the YAML, section by section.
     seen: Dict[str, int] = {}

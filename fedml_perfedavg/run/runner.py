@@ -87,7 +87,7 @@ def context_of(args: Any) -> RunContext:
     changed = sorted(name for name in BY_NAME if name != "enable_wandb" and hasattr(args, name)
                      and getattr(args, name) != getattr(config, name))
     if changed:
-        context.config = from_fedml_args(args, enable_wandb=config.enable_wandb)
+        context.config = from_fedml_args(args, enable_wandb=config.enable_wandb, sections=config.sections())
         changed = [n for n in changed if getattr(context.config, n) != getattr(config, n)]
         if changed:
             logger.info("FedML's args changed after fedml.init (%s): the run uses the new values", ", ".join(changed))

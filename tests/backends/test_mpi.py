@@ -79,3 +79,39 @@ def test_a_failing_client_rank_ends_the_mpi_job_instead_of_hanging(mnist_root, t
     summary = json.loads((tmp_path / "summary.json").read_text())  # the record says how the run ended
     assert summary["status"] == "aborted"
     assert summary["error"].startswith("MPI rank ") and "round 0, client" in summary["error"]
+
+
+SAFEGUARDS = {
+    "ldp+flipping+byzantine+clipping": {
+        "dp_args.enable_dp": True, "dp_args.dp_solution_type": "ldp", "dp_args.mechanism_type": "laplace",
+        "dp_args.epsilon": 2.0, "dp_args.delta": 0.0, "dp_args.sensitivity": 0.001,
+        "attack_args.enable_attack": True, "attack_args.attack_type": "byzantine", "attack_args.attack_mode": "random",
+        "attack_args.byzantine_client_num": 1, "defense_args.enable_defense": True,
+        "defense_args.defense_type": "norm_diff_clipping", "defense_args.norm_bound": 0.5},
+    "cdp+flipping+median": {
+        "dp_args.enable_dp": True, "dp_args.dp_solution_type": "cdp", "dp_args.mechanism_type": "gaussian",
+        "dp_args.epsilon": 0.5, "dp_args.delta": 1e-5, "dp_args.sensitivity": 0.001,
+        "attack_args.enable_attack": True, "attack_args.attack_type": "label_flipping",
+        "attack_args.original_class_list": "[0,1,2,3,4]", "attack_args.target_class_list": "[5,6,7,8,9]",
+        "attack_args.ratio_of_poisoned_client": 0.5, "defense_args.enable_defense": True,
+        "defense_args.defense_type": "wise_median"},
+}
+
+
+@needs_mnist
+@needs_mpi
+@pytest.mark.parametrize("combination", list(SAFEGUARDS))
+def test_fedmls_dp_attacks_and_defenses_give_the_single_process_model_under_mpi(mnist_root, tmp_path, combination):
+    sets = SAFEGUARDS[combination]
+    _mpi_run(mnist_root, tmp_path / "mpi", extra=[a for k, v in sets.items() for a in ("--set", f"{k}={v}")])
+    summary = json.loads((tmp_path / "mpi" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == 3
+    from fedml_perfedavg.run.config import parse_overrides
+
+    overrides = {**SETTINGS, "data_cache_dir": mnist_root, **parse_overrides([f"{k}={v}" for k, v in sets.items()])}
+    batched = run(resolve(load_yaml(HF_YAML), overrides), str(tmp_path / "batched"))
+    plain = run(resolve(load_yaml(HF_YAML), {**SETTINGS, "data_cache_dir": mnist_root}), str(tmp_path / "plain"))
+    mpi_model = torch.load(tmp_path / "mpi" / "model.pt")
+    for k in mpi_model:
+        torch.testing.assert_close(mpi_model[k], batched.final_state[k], rtol=1e-5, atol=1e-6)
+    assert max(float((mpi_model[k] - plain.final_state[k]).abs().max()) for k in mpi_model) > 1e-3

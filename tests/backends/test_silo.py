@@ -193,3 +193,27 @@ def test_launcher_checks_the_number_of_silos(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert out.returncode == 2
     assert "train_args.client_num_per_round=10: must equal --clients (3)" in out.stderr
+
+
+@needs_mnist
+@needs_grpc
+def test_fedmls_dp_attack_and_defense_give_the_single_process_model_across_silos(mnist_root, tmp_path):
+    sets = {"dp_args.enable_dp": True, "dp_args.dp_solution_type": "ldp", "dp_args.mechanism_type": "gaussian",
+            "dp_args.epsilon": 0.5, "dp_args.delta": 1e-5, "dp_args.sensitivity": 0.001,
+            "attack_args.enable_attack": True, "attack_args.attack_type": "label_flipping",
+            "attack_args.original_class_list": "[0,1,2,3,4]", "attack_args.target_class_list": "[5,6,7,8,9]",
+            "attack_args.ratio_of_poisoned_client": 0.5, "defense_args.enable_defense": True,
+            "defense_args.defense_type": "norm_diff_clipping", "defense_args.norm_bound": 0.3}
+    code, out = _launch(mnist_root, tmp_path / "silo", {"comm_round": 2, **sets})
+    assert code == 0, out[-5000:]
+    from fedml_perfedavg.run.config import parse_overrides
+
+    overrides = {**SETTINGS, "comm_round": 2, "data_cache_dir": mnist_root,
+                 **parse_overrides([f"{k}={v}" for k, v in sets.items()])}
+    batched = run(resolve(load_yaml(HF_YAML), overrides), str(tmp_path / "batched"))
+    plain = run(resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": 2, "data_cache_dir": mnist_root}),
+                str(tmp_path / "plain"))
+    silo_model = torch.load(tmp_path / "silo" / "model.pt")
+    for k in silo_model:
+        torch.testing.assert_close(silo_model[k], batched.final_state[k], rtol=1e-5, atol=1e-6)
+    assert max(float((silo_model[k] - plain.final_state[k]).abs().max()) for k in silo_model) > 1e-3

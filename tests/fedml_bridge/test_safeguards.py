@@ -32,6 +32,9 @@ COMBINATIONS = {
     "ldp+byzantine+clipping": {"dp_args": LDP, "attack_args": BYZANTINE, "defense_args": CLIPPING},
     "cdp-laplace+flipping+median": {"dp_args": CDP, "attack_args": FLIPPING, "defense_args": MEDIAN},
     "byzantine+krum": {"attack_args": BYZANTINE, "defense_args": KRUM},
+    "model_replacement+geo_median": {"attack_args": {"enable_attack": True, "attack_type": "model_replacement"},
+                                     "defense_args": {"enable_defense": True, "defense_type": "geo_median",
+                                                      "byzantine_client_num": 1, "batch_num": 1}},
 }
 
 
