@@ -89,10 +89,19 @@ def applied_defenses() -> List[str]:
 
 @contextlib.contextmanager
 def _fedml_prints() -> Iterator[None]:
-    """FedML's DP and attack code print() what they do (every round); to the debug log instead."""
+    """FedML's DP and attack code print() what they do (every round): to the debug log instead.
+    Its module-level ``logging.info`` calls would also configure the root logger (``basicConfig``)
+    when it has no handler yet, doubling every later line: a handler stands in meanwhile."""
     captured = io.StringIO()
-    with contextlib.redirect_stdout(captured):
-        yield
+    stand_in = logging.NullHandler() if not logging.root.handlers else None
+    if stand_in is not None:
+        logging.root.addHandler(stand_in)
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:
+        if stand_in is not None:
+            logging.root.removeHandler(stand_in)
     if captured.getvalue().strip():
         logger.debug("FedML printed: %s", captured.getvalue().strip())
 
@@ -131,7 +140,8 @@ class FedMLSafeguards(RoundHooks):
     def __init__(self, sections: Dict[str, Dict[str, Any]], run: Dict[str, Any]) -> None:
         from .bootstrap import import_fedml
 
-        import_fedml()
+        with _fedml_prints():
+            import_fedml()
         self.seed = int(run["random_seed"])
         self.view = fedml_view(sections, run)
         self.dp = self._build_dp(sections.get("dp_args", {}))
@@ -199,7 +209,8 @@ class FedMLSafeguards(RoundHooks):
                                   f"as original_class_list={section['original_class_list']!r}")
         attacker = FedMLAttacker()
         try:
-            attacker.init(self.view)
+            with _fedml_prints():
+                attacker.init(self.view)
         except AttributeError as err:
             raise _missing_key(err, "attack_args", f"attack_type {kind!r}") from None
         return attacker
@@ -217,7 +228,8 @@ class FedMLSafeguards(RoundHooks):
                               f"fedml_defender.py is_defense_*_aggregation); others FedML never calls there")
         defender = FedMLDefender()
         try:
-            defender.init(self.view)
+            with _fedml_prints():
+                defender.init(self.view)
         except AttributeError as err:
             raise _missing_key(err, "defense_args", f"defense_type {kind!r}") from None
         except (ValueError, TypeError) as err:

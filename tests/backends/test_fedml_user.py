@@ -102,3 +102,36 @@ def test_a_trainer_handed_to_fedmlrunner_is_really_used(mnist_root, tmp_path):
     calls = {k: CALLS[k] for k in ("train", "aggregate", "test_all")}
     assert calls == {"train": 3 * 2, "aggregate": 3, "test_all": 3}
     assert all(torch.allclose(model.state_dict()[k], start[k] + 3.0) for k in start)  # +1 per round, averaged
+
+
+@needs_mnist
+def test_fedml_stock_main_applies_fedmls_dp_attack_and_defense_sections_alike_on_both_sp_engines(mnist_root, tmp_path):
+    """A FedML user's YAML with dp_args (its delta after train_args' delta: FedML's flat args hold
+    DP's), attack_args and defense_args: one model on both engines, unlike the run without them."""
+    runs = {}
+    for engine, sections in (("batched", True), ("fedml", True), ("plain", False)):
+        path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, f"sp-{engine}", tmp_path / "runs",
+                            simulation_engine="batched" if engine == "plain" else engine)
+        config = yaml.safe_load(Path(path).read_text())
+        assert config["train_args"].get("delta", 0.001) == 0.001
+        config["train_args"]["delta"] = 0.001
+        if sections:
+            config["dp_args"] = {"enable_dp": True, "dp_solution_type": "ldp", "mechanism_type": "gaussian",
+                                 "epsilon": 0.5, "delta": 1e-5, "sensitivity": 0.001}
+            config["attack_args"] = {"enable_attack": True, "attack_type": "byzantine", "attack_mode": "flip",
+                                     "byzantine_client_num": 1}
+            config["defense_args"] = {"enable_defense": True, "defense_type": "norm_diff_clipping", "norm_bound": 0.2}
+        Path(path).write_text(yaml.safe_dump(config, sort_keys=False))
+        out = subprocess.run(offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
+                             capture_output=True, text=True, env=_env(tmp_path), timeout=300, cwd=tmp_path)
+        _check(out)
+        if sections:
+            assert "FedML's DP ldp (gaussian, epsilon 0.5, delta 1e-05), attack byzantine, defense " \
+                   "norm_diff_clipping" in out.stderr
+        runs[engine] = _summary(tmp_path, f"sp-{engine}")
+    (batched_summary, batched), (_, fedml_loop), (_, plain) = runs["batched"], runs["fedml"], runs["plain"]
+    assert batched_summary["config"]["train_args"]["delta"] == 0.001
+    assert batched_summary["config"]["dp_args"]["delta"] == 1e-5
+    for k in batched:
+        torch.testing.assert_close(fedml_loop[k], batched[k], rtol=1e-5, atol=1e-6)
+    assert max(float((batched[k] - plain[k]).abs().max()) for k in plain) > 1e-3
