@@ -1,4 +1,22 @@
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+PTH = "fedml_perfedavg_torchvision.pth"  # makes `import fedml` work before `import fedml_perfedavg`
+
+
+class BuildWithPth(build_py):
+    """Ships the .pth file at the top of site-packages, beside the module it imports."""
+
+    def run(self):
+        super().run()
+        shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), PTH), os.path.join(self.build_lib, PTH))
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
 
 setup(
     name="fedml-perfedavg",
@@ -7,6 +25,8 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["fedml_perfedavg", "fedml_perfedavg.*"]),
+    py_modules=["fedml_perfedavg_torchvision"],
+    cmdclass={"build_py": BuildWithPth},
     python_requires=">=3.9",
     install_requires=[
         "fedml==0.9.6",

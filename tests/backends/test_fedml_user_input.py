@@ -162,3 +162,16 @@ def test_fedml_own_mnist_split_runs_offline_from_its_files_or_stops_naming_them(
     assert out.stderr.count("data_args.partition_method='hetero' is not used: FedML's MNIST loader") == 1
     assert "partition_alpha=0.5 is not used: FedML's MNIST loader" in out.stderr
     assert "the paper's split" not in out.stderr.split("partition_alpha=0.5")[1][:80]
+
+
+def test_import_fedml_before_the_plugin_works(tmp_path):
+    """isort's order (``import fedml`` first): the installed .pth hook makes torchvision importable
+    beside the CPU torch before FedML imports it; starting Python imports nothing heavy."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import sys; assert 'torch' not in sys.modules; import fedml; "
+                          "import fedml_perfedavg; print('imported', fedml.__version__)"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "imported 0.9.6" in out.stdout
