@@ -9,7 +9,6 @@ import importlib
 import logging
 import os
 import platform
-import sys
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
@@ -94,24 +93,3 @@ def redirect_fedml_home(home: Optional[str]) -> None:
         importlib.import_module(name).expanduser = expanduser
 
 
-class _PluginRecords(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.name.startswith("fedml_perfedavg") and not record.name.endswith(".per_user")
-
-
-def keep_plugin_logs_visible() -> None:
-    """core/mlops/mlops_runtime_log.py ``init_logs`` (``fedml.init``'s default) replaces
-    ``logging.root`` with a logger of its own; module loggers created before still propagate
-    to the original root, which has no handler, so the plugin's lines would vanish. The
-    original root gets a console handler for the plugin's records (FedML's own records reach
-    it too, by propagation, and are already shown by FedML's handler)."""
-    real_root = logging.Logger.manager.root
-    if logging.root is real_root or any(isinstance(f, _PluginRecords) for h in real_root.handlers
-                                        for f in h.filters):
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(_PluginRecords())
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-    real_root.addHandler(handler)
-    if real_root.level == logging.NOTSET or real_root.level > logging.INFO:
-        real_root.setLevel(logging.INFO)

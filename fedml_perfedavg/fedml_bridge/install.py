@@ -20,7 +20,8 @@ import logging
 import os
 from typing import Any, Optional, Protocol
 
-from .bootstrap import import_fedml, keep_plugin_logs_visible, offline_fetch_config, redirect_fedml_home, replaced
+from .. import logs
+from .bootstrap import import_fedml, offline_fetch_config, redirect_fedml_home, replaced
 
 logger = logging.getLogger(__name__)
 _installed: Optional["PluginEntry"] = None
@@ -60,7 +61,7 @@ def offline_init(original_init, entry: PluginEntry):
             args = load_arguments(fedml._global_training_type, fedml._global_comm_backend)
         if getattr(args, "using_mlops", False):
             args = original_init(args, check_env=check_env, should_init_logs=should_init_logs)
-            keep_plugin_logs_visible()
+            logs.keep_plugin_lines_visible()
             return args
         files_dir = entry.before_fedml_init(args)
         redirect_fedml_home(files_dir)
@@ -72,7 +73,7 @@ def offline_init(original_init, entry: PluginEntry):
             args.log_file_dir = os.path.join(fedml_dir, "logs")
         with replaced(mlops_module, "fetch_config", offline_fetch_config(fedml_dir)):
             args = original_init(args, check_env=False, should_init_logs=should_init_logs)
-        keep_plugin_logs_visible()
+        logs.keep_plugin_lines_visible()
         return args
 
     init.__wrapped__ = original_init

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .. import logs
 from ..algorithms.base import RoundHooks
 from ..core.guards import ConfigError
 from ..core.sampling import Purpose, generator_for, keyed_global_randomness
@@ -89,19 +90,11 @@ def applied_defenses() -> List[str]:
 
 @contextlib.contextmanager
 def _fedml_prints() -> Iterator[None]:
-    """FedML's DP and attack code print() what they do (every round): to the debug log instead.
-    Its module-level ``logging.info`` calls would also configure the root logger (``basicConfig``)
-    when it has no handler yet, doubling every later line: a handler stands in meanwhile."""
+    """FedML's DP and attack code print() what they do (every round): to the debug log instead;
+    its module-level ``logging.info`` calls must not configure the root logger."""
     captured = io.StringIO()
-    stand_in = logging.NullHandler() if not logging.root.handlers else None
-    if stand_in is not None:
-        logging.root.addHandler(stand_in)
-    try:
-        with contextlib.redirect_stdout(captured):
-            yield
-    finally:
-        if stand_in is not None:
-            logging.root.removeHandler(stand_in)
+    with logs.no_implicit_basic_config(), contextlib.redirect_stdout(captured):
+        yield
     if captured.getvalue().strip():
         logger.debug("FedML printed: %s", captured.getvalue().strip())
 

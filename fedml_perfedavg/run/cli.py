@@ -12,7 +12,6 @@ table, or compares runs.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import sys
@@ -20,13 +19,7 @@ from typing import List, Optional
 
 from ..core.guards import ConfigError, DivergenceError, OutputError, RunStopped
 from .config import load
-from .reporting import console_handler
-
-
-def setup_console_logging(level: str) -> None:
-    root = logging.getLogger()
-    root.setLevel(logging.DEBUG if level == "DEBUG" else logging.INFO)
-    root.handlers[:] = [console_handler(getattr(logging, level))]
+from .. import logs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,11 +91,7 @@ def _remove_failed_start(run_dir: Optional[str], existed: bool) -> None:
     """A run that failed before it measured anything leaves no directory behind."""
     if run_dir and not existed and os.path.isdir(run_dir) and \
             not os.path.exists(os.path.join(run_dir, "summary.json")):
-        root = logging.Logger.manager.root
-        for handler in list(root.handlers):  # run.log is closed before its folder goes
-            if isinstance(handler, logging.FileHandler) and handler.baseFilename.startswith(run_dir + os.sep):
-                root.removeHandler(handler)
-                handler.close()
+        logs.close_files_under(run_dir)  # run.log is closed before its folder goes
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -141,7 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.resume and _already_finished(args.resume, config.comm_round):
             return 0
         if args.describe_data:
-            setup_console_logging(args.log_level)
+            logs.use_console(args.log_level)
             print(describe_data(config))
             return 0
         from .runner import fedml_args, resolve_run_dir, run_fedml_main, shared_run_dir, sigterm_as_interrupt
@@ -156,7 +145,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         existed = os.path.isdir(planned)
         run_dir = shared_run_dir(config, args.run_dir, resume) if config.backend == "MPI" else \
             resolve_run_dir(config, args.run_dir, resume=resume, owner=owner)
-        setup_console_logging(args.log_level)
+        logs.use_console(args.log_level)
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         with logging_redirect_tqdm(), sigterm_as_interrupt():

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..core.guards import ConfigError, OutputError
 from ..fedml_bridge.cross_silo.credentials import make_certificates
+from .. import logs
 from .config import load, load_yaml, parse_overrides
 from .files import write_json
 from .runner import resolve_run_dir
@@ -208,8 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s launch-silo: %(message)s",
-                        datefmt="%H:%M:%S")
+    logs.use_console("INFO")
     try:
         return launch(args.config, args.overrides, args.clients, args.run_dir, args.server_delay)
     except (ConfigError, FileNotFoundError) as err:

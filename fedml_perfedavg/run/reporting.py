@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -26,27 +25,6 @@ def record_failure(run_dir: str, why: str) -> None:
             summary = json.load(stream)
     summary.update(status="aborted", error=why)
     write_json(path, summary)
-
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-class _ConsoleFilter(logging.Filter):
-    # FedML logs chatty INFO lines on the root logger; the console shows the plugin's own
-    # INFO lines (not the per-user ones) and everyone's warnings. run.log keeps everything.
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.WARNING:
-            return True
-        return record.name.startswith("fedml_perfedavg") and not record.name.endswith(".per_user")
-
-
-def console_handler(level: int = logging.INFO) -> logging.Handler:
-    """The console's log handler: the plugin's progress lines and everyone's warnings."""
-    console = logging.StreamHandler(sys.stderr)
-    console.setLevel(level)
-    console.addFilter(_ConsoleFilter())
-    console.setFormatter(logging.Formatter(LOG_FORMAT, "%H:%M:%S"))
-    return console
 
 
 class RunRecorder:

@@ -33,11 +33,12 @@ from ..core.types import StateDict
 from ..data.fedml_format import users_from_fedml_dataset
 from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
+from .. import logs
 from ..fedml_bridge import safeguards as fedml_safeguards
 from . import checkpoint
 from .files import make_dir, write_torch
 from .config import BY_NAME, Config, check_algorithm_name, from_fedml_args
-from .reporting import LOG_FORMAT, RunRecorder, console_handler, record_failure
+from .reporting import RunRecorder, record_failure
 from .silo_addresses import check_silo_role
 
 logger = logging.getLogger(__name__)
@@ -246,7 +247,8 @@ class PluginRun:
         self.run_dir = run_dir_of(self.context, args)
         self.rank = rank_of(config, args)
         self.is_server = self.rank == 0
-        self._log_handler = _file_log(self.run_dir, "run.log" if self.is_server else f"run-rank{self.rank}.log")
+        self._log_handler = logs.add_run_file(os.path.join(self.run_dir, "run.log" if self.is_server else
+                                                           f"run-rank{self.rank}.log"))
         self.users = users_from_fedml_dataset(self.dataset, self.device)
         self._check_data()
         if (trainer, aggregator) != (None, None):
@@ -511,10 +513,8 @@ class PluginRun:
         return self.result
 
     def _close(self) -> None:
-        if self._log_handler is not None:
-            logging.getLogger().removeHandler(self._log_handler)
-            self._log_handler.close()
-            self._log_handler = None
+        logs.remove_handler(self._log_handler)
+        self._log_handler = None
 
 
 STOP_SIGNALLED = threading.Event()  # SIGTERM or SIGINT reached this process during the current run
@@ -551,27 +551,6 @@ def wandb_tags(config: Config) -> List[str]:
     if method == "PerFedAvg":
         method = f"PerFedAvg-{config.perfedavg_variant}"
     return [method, f"seed{config.random_seed}", config.dataset]
-
-
-def _file_log(run_dir: str, name: str) -> Optional[logging.Handler]:
-    """Every log line of the run (FedML's and the per-user lines included) into the run directory."""
-    path = os.path.join(run_dir, name)
-    root = logging.Logger.manager.root  # the real root, even where FedML's init_logs swapped logging.root
-    if any(isinstance(h, logging.FileHandler) and h.baseFilename == path for h in root.handlers):
-        return None
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    handler.setLevel(logging.DEBUG)
-    previous = root.level
-    if previous > logging.INFO or previous == logging.NOTSET:
-        # The file needs INFO through the root; the caller's own handlers keep showing only what
-        # the root let through before (e.g. a script's ``logging.basicConfig(level=WARNING)``).
-        for existing in root.handlers if previous != logging.NOTSET else ():
-            if existing.level == logging.NOTSET:
-                existing.setLevel(previous)
-        root.setLevel(logging.INFO)
-    root.addHandler(handler)
-    return handler
 
 
 def install() -> None:
@@ -633,20 +612,8 @@ def run(config: Config, run_dir: Optional[str] = None, resume: bool = False, dat
     """Run ``config`` through FedML's entry points (sp: the batched engine or FedML's loop; MPI
     under ``mpirun``); returns when this process's part is over. ``data``/``model``: see
     :func:`run_fedml_main`."""
-    _show_progress_lines()
+    logs.console_if_unconfigured()
     return run_fedml_main(fedml_args(config, run_dir, resume), data, model)
-
-
-def _show_progress_lines() -> None:
-    """A library call in a script or notebook that configured no logging shows the run's
-    progress lines and warnings, as the command line does; configured logging is left alone.
-    (Set up before FedML's import, whose ``logging.basicConfig`` would print everything.)"""
-    root = logging.Logger.manager.root
-    if root.handlers:
-        return
-    root.addHandler(console_handler())
-    if root.level > logging.INFO or root.level == logging.NOTSET:
-        root.setLevel(logging.INFO)
 
 
 def run_grid(configs: List[Config], run_dirs: List[str], data: Optional[List[FederatedData]] = None
@@ -657,7 +624,7 @@ def run_grid(configs: List[Config], run_dirs: List[str], data: Optional[List[Fed
     (other client maths, the vmap path) run one after the other, with a log line saying why."""
     from ..engine.grid import GridSimulation, why_not_together
 
-    _show_progress_lines()
+    logs.console_if_unconfigured()
     data = data or [None] * len(configs)
     runs = []
     for config, run_dir, split in zip(configs, run_dirs, data):
