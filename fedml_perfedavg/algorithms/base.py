@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core import algorithm as client_maths
-from ..core.algorithm import LocalBatches, LocalUpdateConfig
+from ..core.algorithm import SGD, LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
 from ..core.guards import RunStopped, apply_divergence_policy, is_finite, update_problem
@@ -58,12 +58,13 @@ class AlgorithmSettings:
     max_skipped_rounds: int = 3
 
     @classmethod
-    def from_config(cls, config: Any, method: str = "perfedavg") -> "AlgorithmSettings":
-        """The settings a run config (:class:`fedml_perfedavg.run.config.Config`) asks for."""
+    def from_config(cls, config: Any, variant: Optional[str] = None) -> "AlgorithmSettings":
+        """The settings a run config (:class:`fedml_perfedavg.run.config.Config`) asks for; the
+        local step is ``variant`` if given (an algorithm's own), else ``perfedavg_variant``."""
         return cls(
             seed=config.random_seed, client_num_in_total=config.client_num_in_total,
             client_num_per_round=config.client_num_per_round,
-            local=LocalUpdateConfig(method=method, variant=config.perfedavg_variant, alpha=config.alpha,
+            local=LocalUpdateConfig(variant=variant or config.perfedavg_variant, alpha=config.alpha,
                                     beta=config.beta, delta=config.delta, local_steps=config.local_steps),
             batch_sizes=config.batch_sizes,
             evaluation=EvaluationConfig(alpha=config.alpha, adapt_steps=config.adapt_steps,
@@ -169,12 +170,14 @@ class FederatedAlgorithm:
     keep through :meth:`state_dict` / :meth:`load_state_dict`."""
 
     name: ClassVar[str] = "base"
-    method: ClassVar[str] = "perfedavg"  # the LocalUpdateConfig.method its settings must carry
+    #: The local step every run of this algorithm takes (``sgd`` for FedAvg's), or None: the
+    #: config's ``perfedavg_variant`` (Per-FedAvg's estimator).
+    variant: ClassVar[Optional[str]] = None
 
     def __init__(self, model: nn.Module, settings: AlgorithmSettings) -> None:
-        if settings.local.method != self.method:
-            raise ValueError(f"{self.name} needs LocalUpdateConfig(method={self.method!r}), "
-                             f"got {settings.local.method!r}")
+        if self.variant is not None and settings.local.variant != self.variant:
+            raise ValueError(f"{self.name} takes {self.variant!r} steps; settings.local.variant="
+                             f"{settings.local.variant!r}")
         self.settings = settings
         self.hooks: RoundHooks = NO_HOOKS
         self.network = functional_network(model)
@@ -189,7 +192,7 @@ class FederatedAlgorithm:
     @classmethod
     def from_config(cls, model: nn.Module, config: Any) -> "FederatedAlgorithm":
         """The algorithm for ``model`` as a run config asks for it."""
-        return cls(model, AlgorithmSettings.from_config(config, cls.method))
+        return cls(model, AlgorithmSettings.from_config(config, cls.variant))
 
     def use_hooks(self, hooks: RoundHooks) -> None:
         """Act on every round with ``hooks`` (the run layer sets FedML's DP, attacks and
@@ -249,7 +252,7 @@ class FederatedAlgorithm:
         if not self.uses_standard_maths:
             return frozenset({0, 1, 2})
         local = self.settings.local
-        if local.method == "fedavg":
+        if local.variant == SGD:
             return frozenset({0})
         return frozenset({0, 1} if local.variant == "fo" else {0, 1, 2})
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.func import grad
 
-from ..core.algorithm import LocalBatches
+from ..core.algorithm import SGD, LocalBatches
 from ..core.types import Params, StateDict
 from .base import AlgorithmSettings, FederatedAlgorithm, average
 
@@ -66,7 +66,7 @@ class FedAvgARUBA(FederatedAlgorithm):
     """FedAvg whose local and refinement steps use ARUBA's learned per-coordinate rates."""
 
     name = "FedAvgARUBA"
-    method = "fedavg"
+    variant = SGD
 
     def __init__(self, model: nn.Module, settings: AlgorithmSettings, aruba: ArubaSettings = ArubaSettings()
                  ) -> None:
@@ -86,7 +86,7 @@ class FedAvgARUBA(FederatedAlgorithm):
 
     @classmethod
     def from_config(cls, model: nn.Module, config: Any) -> "FedAvgARUBA":
-        return cls(model, AlgorithmSettings.from_config(config, cls.method),
+        return cls(model, AlgorithmSettings.from_config(config, cls.variant),
                    ArubaSettings(config.aruba_epsilon, config.aruba_zeta, config.aruba_p))
 
     @property

@@ -7,6 +7,7 @@ personalization; with the plugin imported, ``federated_optimizer: FedAvg`` still
 """
 from __future__ import annotations
 
+from ..core.algorithm import SGD
 from .base import FederatedAlgorithm
 
 
@@ -14,4 +15,4 @@ class FedAvgUpdate(FederatedAlgorithm):
     """FedAvg + one-step personalization at evaluation (the paper's comparison)."""
 
     name = "FedAvgUpdate"
-    method = "fedavg"
+    variant = SGD

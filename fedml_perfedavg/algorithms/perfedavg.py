@@ -10,7 +10,6 @@ class PerFedAvg(FederatedAlgorithm):
     """Per-FedAvg; ``settings.local.variant`` picks the estimator (fo, hf, exact)."""
 
     name = "PerFedAvg"
-    method = "perfedavg"
 
     @property
     def label(self) -> str:

@@ -15,20 +15,19 @@ from torch.func import grad, jvp, vjp, vmap
 
 from .types import LossFn, Params
 
-VARIANTS = ("fo", "hf", "exact")
-METHODS = ("perfedavg", "fedavg")
+VARIANTS = ("fo", "hf", "exact")  # Per-FedAvg's meta-gradient estimators
+SGD = "sgd"  # FedAvg's plain gradient step
+STEPS = VARIANTS + (SGD,)
 
 
 @dataclass(frozen=True)
 class LocalUpdateConfig:
-    """Hyperparameters of one client's local update.
+    """Hyperparameters of one client's local update: ``local_steps`` steps of size ``beta``
+    from the current w, each in the direction ``variant`` names: a Per-FedAvg meta-gradient
+    estimate (``fo``, ``hf``, ``exact``; alpha its inner step, delta HF's finite difference),
+    or ``sgd``, the plain gradient on D (FedAvg's update, the paper's baseline). The one place
+    a variant is checked."""
 
-    ``method="fedavg"`` is the baseline: ``local_steps`` plain SGD steps of size ``beta``
-    on batches of D. ``method="perfedavg"`` takes ``local_steps`` meta-steps of size
-    ``beta`` using the ``variant`` estimator of the meta-gradient.
-    """
-
-    method: str = "perfedavg"
     variant: str = "hf"
     alpha: float = 0.01
     beta: float = 0.001
@@ -36,10 +35,8 @@ class LocalUpdateConfig:
     local_steps: int = 10
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r} is not one of {METHODS}")
-        if self.method == "perfedavg" and self.variant not in VARIANTS:
-            raise ValueError(f"variant={self.variant!r} is not one of {VARIANTS}")
+        if self.variant not in STEPS:
+            raise ValueError(f"variant={self.variant!r} is not one of {list(STEPS)}")
 
 
 class LocalBatches(NamedTuple):
@@ -158,7 +155,7 @@ def meta_gradient(
             hessian_g = by_hand(params, g, batches.hessian_x, batches.hessian_y)
         else:
             _, hessian_g = jvp(lambda p: gradients.grad(p, batches.hessian_x, batches.hessian_y), (params,), (g,))
-    else:
+    else:  # LocalUpdateConfig checked it; a direct caller learns here
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
     return axpy(-alpha, hessian_g, g)
 
@@ -174,7 +171,7 @@ def local_update(loss_fn: LossFn, params: Params, batches: LocalBatches, config:
     gradients = gradients or FunctionalGradients(loss_fn)
     for t in range(config.local_steps):
         step = batches.step(t)
-        if config.method == "fedavg":
+        if config.variant == SGD:
             direction = gradients.grad(params, step.adapt_x, step.adapt_y)
         else:
             direction = meta_gradient(loss_fn, params, step, config.variant, config.alpha, config.delta, gradients)

@@ -6,7 +6,7 @@ runs' sampled clients is one hand-batched computation per round (clients of ever
 along the leading dimension, each starting from its own run's global model). So each run gets
 what it would get alone, up to the floating-point order of the batched products (tested equal
 in float64). It needs every run on the batched engine's hand-batched path with the same client
-maths (method, variant, alpha, beta, delta, tau, batch sizes) and parameter shapes: the seeds
+maths (the local step, alpha, beta, delta, tau, batch sizes) and parameter shapes: the seeds
 of one cell and method.
 """
 from __future__ import annotations

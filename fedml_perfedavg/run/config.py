@@ -391,10 +391,15 @@ def _rule_split(c: Config) -> None:
                                   f"images of class {cls}, but {c.dataset}'s {'training' if key == 'images_per_class' else 'test'} "
                                   f"set has {have}; lower it or train_args.client_num_in_total")
     smallest = min(p.total for p in plan_users(c.client_num_in_total, a, c.partition_method, c.random_seed))
+    check_batch_sizes(c, smallest, "the smallest user's training data")
+
+
+def check_batch_sizes(c: Config, smallest: int, whose: str) -> None:
+    """Each minibatch (D, D', D'') is drawn without replacement from one client's training data:
+    no batch may be larger than ``smallest`` (``whose`` says whose data that is)."""
     for name, value in zip(("batch_size", "meta_batch_size", "hessian_batch_size"), c.batch_sizes):
         if value > smallest:
-            raise ConfigError(f"train_args.{name}={value!r}: must be <= the smallest user's training data "
-                              f"({smallest} samples)")
+            raise ConfigError(f"train_args.{name}={value!r}: must be <= {whose} ({smallest} samples)")
 
 
 def _rule_safeguards(c: Config) -> None:

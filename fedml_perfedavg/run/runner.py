@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -37,7 +37,7 @@ from .. import logs
 from ..fedml_bridge import safeguards as fedml_safeguards
 from . import checkpoint
 from .files import make_dir, write_torch
-from .config import BY_NAME, Config, check_algorithm_name, from_fedml_args
+from .config import BY_NAME, Config, check_algorithm_name, check_batch_sizes, from_fedml_args
 from .reporting import RunRecorder, record_failure
 from .silo_addresses import check_silo_role
 
@@ -177,11 +177,16 @@ def _cached_split(dataset: str, root: str, users: int, partition: str, seed: int
                           test_images_per_class=a_test)
 
 
+def _split_of(value: Callable[[str], Any]) -> FederatedData:
+    """The paper's split for the keys ``value`` reads (a config's, or FedML's args')."""
+    return _cached_split(value("dataset"), os.path.abspath(value("data_cache_dir")), int(value("client_num_in_total")),
+                         value("partition_method"), int(value("random_seed")), bool(value("download")),
+                         value("images_per_class"), value("test_images_per_class"))
+
+
 def load_split(config: Config) -> FederatedData:
     """The paper's split the config describes (cached: a grid or a test suite loads it once)."""
-    return _cached_split(config.dataset, os.path.abspath(config.data_cache_dir), config.client_num_in_total,
-                         config.partition_method, config.random_seed, config.download, config.images_per_class,
-                         config.test_images_per_class)
+    return _split_of(functools.partial(getattr, config))
 
 
 # -- what the bridge calls ------------------------------------------------------------------------
@@ -214,10 +219,9 @@ class Entry:
         partition = getattr(args, "partition_method", None)
         if partition not in PARTITIONS or getattr(args, "dataset", None) not in DATASETS:
             return None
-        get = lambda name: getattr(args, name, default_of(name))  # noqa: E731
-        return _cached_split(args.dataset, os.path.abspath(get("data_cache_dir")), int(get("client_num_in_total")),
-                             partition, int(get("random_seed")), bool(get("download")), get("images_per_class"),
-                             get("test_images_per_class"))
+        if self.is_plugin_algorithm(getattr(args, "federated_optimizer", None)):
+            return load_split(context_of(args).config)
+        return _split_of(lambda name: getattr(args, name, default_of(name)))  # FedML's own algorithm on this split
 
     def build_runner(self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any
                      ) -> "PluginRun":
@@ -303,11 +307,7 @@ class PluginRun:
         if len(self.users) != config.client_num_in_total:
             raise ConfigError(f"train_args.client_num_in_total={config.client_num_in_total!r}: the dataset has "
                               f"{len(self.users)} clients")
-        smallest = min(len(u.train_y) for u in self.users)
-        for name, value in zip(("batch_size", "meta_batch_size", "hessian_batch_size"), config.batch_sizes):
-            if value > smallest:
-                raise ConfigError(f"train_args.{name}={value!r}: must be <= the smallest client's training data "
-                                  f"({smallest} samples)")
+        check_batch_sizes(config, min(len(u.train_y) for u in self.users), "the smallest client's training data")
 
     def _backend(self):
         config, args = self.config, self.args

@@ -7,7 +7,7 @@ from fedml_perfedavg.algorithms import FederatedAlgorithm, register
 
 class SignSGD(FederatedAlgorithm):
     name = "SignSGD"
-    method = "fedavg"  # its settings: beta and tau, no meta-gradient
+    variant = "sgd"  # its settings: beta and tau, no meta-gradient
 
     def local_update(self, params, batches):
         grad_fn = grad(self.loss_fn)

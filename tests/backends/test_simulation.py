@@ -75,7 +75,7 @@ def test_every_method_runs(mnist_root, mnist_data, tmp_path, optimizer, variant)
                      local_steps=2)
     result = run(config, str(tmp_path), data=mnist_data)
     assert result.summary["rounds"] == 2 and result.trainer.train_calls == 6
-    assert result.algorithm.settings.local.method == ("perfedavg" if optimizer == "PerFedAvg" else "fedavg")
+    assert result.algorithm.settings.local.variant == (variant if optimizer == "PerFedAvg" else "sgd")
 
 
 def test_cifar10_run_on_generated_files(fake_cifar_root, tmp_path):

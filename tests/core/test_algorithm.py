@@ -73,7 +73,7 @@ def test_meta_step_starts_from_w_not_from_adapted_point(variant):
     """Regression: w <- w - beta * grad F(w), never w~ - beta * g."""
     model, loss_fn, params, batches = _problem()
     alpha, beta = 0.3, 0.05
-    config = LocalUpdateConfig(method="perfedavg", variant=variant, alpha=alpha, beta=beta, delta=1e-4,
+    config = LocalUpdateConfig(variant=variant, alpha=alpha, beta=beta, delta=1e-4,
                                local_steps=1)
     new = local_update(loss_fn, params, batches, config)
     step = batches.step(0)
@@ -88,7 +88,7 @@ def test_meta_step_starts_from_w_not_from_adapted_point(variant):
 
 def test_several_steps_chain_from_the_updated_w():
     model, loss_fn, params, batches = _problem(steps=3)
-    config = LocalUpdateConfig(method="perfedavg", variant="exact", alpha=0.1, beta=0.05, local_steps=3)
+    config = LocalUpdateConfig(variant="exact", alpha=0.1, beta=0.05, local_steps=3)
     got = local_update(loss_fn, params, batches, config)
     w = params
     for t in range(3):
@@ -100,7 +100,7 @@ def test_several_steps_chain_from_the_updated_w():
 
 def test_fedavg_is_plain_local_sgd_with_step_beta():
     model, loss_fn, params, batches = _problem(steps=2)
-    config = LocalUpdateConfig(method="fedavg", beta=0.1, local_steps=2)
+    config = LocalUpdateConfig(variant="sgd", beta=0.1, local_steps=2)
     got = local_update(loss_fn, params, batches, config)
     w = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     opt = torch.optim.SGD(w.values(), lr=0.1)
@@ -114,8 +114,8 @@ def test_fedavg_is_plain_local_sgd_with_step_beta():
 def test_invalid_variant_and_method_are_rejected_with_the_allowed_values():
     with pytest.raises(ValueError, match="variant='so'.*fo"):
         LocalUpdateConfig(variant="so")
-    with pytest.raises(ValueError, match="method='sgd'"):
-        LocalUpdateConfig(method="sgd")
+    with pytest.raises(ValueError, match="variant='fedavg'"):
+        LocalUpdateConfig(variant="fedavg")
 
 
 def test_reverse_mode_hvp_and_the_sequential_pair_equal_the_default_oracle_float64():
