@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..core.guards import ConfigError
+from ..core.guards import ConfigError, OutputError
 from .files import write_atomic, write_yaml
 
 logger = logging.getLogger(__name__)
@@ -67,3 +67,27 @@ def load(run_dir: str) -> Optional[Dict[str, Any]]:
 def save_config(run_dir: str, sections: Dict[str, Dict[str, Any]]) -> None:
     """The resolved config, so ``--resume RUN_DIR`` needs nothing else."""
     write_yaml(os.path.join(run_dir, CONFIG), sections)
+
+
+class Checkpoints:
+    """A run's checkpoints in ``run_dir``. A checkpoint is a convenience: one that cannot be
+    written is a warning and the run goes on; if the next one fails too the disk is not
+    recovering, and the run stops then (rather than lose everything at its end)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.last_failed = False
+
+    def save(self, next_round: int, model_state: Dict[str, torch.Tensor], states: Dict[str, Dict[str, Any]]) -> None:
+        try:
+            save(self.run_dir, next_round, {k: v.detach().cpu() for k, v in model_state.items()}, states)
+        except OutputError as err:
+            if self.last_failed:
+                raise OutputError(f"{err}; the checkpoint before failed too, so the run stops here") from None
+            self.last_failed = True
+            logger.warning("%s; the run goes on (a second failed checkpoint in a row stops it)", err)
+        else:
+            self.last_failed = False
+
+    def load(self) -> Optional[Dict[str, Any]]:
+        return load(self.run_dir)

@@ -8,6 +8,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..core.evaluation import EvaluationResult
+from ..core.sampling import held_out_users
 from .files import write_json
 
 logger = logging.getLogger(__name__)
@@ -195,3 +196,24 @@ class RunRecorder:
             self._wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
             self._wandb.finish()
         return summary
+
+
+def wandb_tags(config: Any) -> List[str]:
+    """A run's wandb tags: its method (with the variant), seed and dataset, so that a grouped
+    grid (group = cell) can be filtered and compared per method and seed in wandb's UI."""
+    method = config.federated_optimizer
+    if method == "PerFedAvg":
+        method = f"PerFedAvg-{config.perfedavg_variant}"
+    return [method, f"seed{config.random_seed}", config.dataset]
+
+
+def recorder_for(config: Any, run_dir: str, deferred_wandb: bool = False) -> RunRecorder:
+    """The recorder of a run (its wandb run, if ``tracking_args.enable_wandb``: group defaulting to
+    the run's name; ``deferred_wandb``: written at the end, for one of several runs in a process)."""
+    name = os.path.basename(run_dir)
+    wandb_settings = None
+    if config.enable_wandb:
+        wandb_settings = {"project": config.wandb_project, "group": config.wandb_group or name, "name": name,
+                          "tags": wandb_tags(config), "deferred": deferred_wandb}
+    new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)
+    return RunRecorder(run_dir, config.comm_round, config.sections(), config.show_progress, wandb_settings, new_users)

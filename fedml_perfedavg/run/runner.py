@@ -24,11 +24,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from ..algorithms.base import FederatedAlgorithm, average
+from ..algorithms.base import FederatedAlgorithm
 from ..algorithms.registry import canonical_name, create_algorithm
 from ..core.guards import ConfigError, DivergenceError, OutputError, RunStopped
-from ..core.sampling import held_out_users, random_iterate_step
-from ..core.stationarity import stationarity
 from ..core.types import StateDict
 from ..data.fedml_format import users_from_fedml_dataset
 from ..data.loading import DATASETS, FederatedData, load_federated
@@ -38,7 +36,9 @@ from ..fedml_bridge import safeguards as fedml_safeguards
 from . import checkpoint
 from .files import make_dir, write_torch
 from .config import BY_NAME, Config, check_algorithm_name, check_batch_sizes, from_fedml_args
-from .reporting import RunRecorder, record_failure
+from .measures import Measurements
+from .reporting import RunRecorder, record_failure, recorder_for
+from .schedule import RoundSchedule
 from .silo_addresses import check_silo_role
 
 logger = logging.getLogger(__name__)
@@ -278,16 +278,12 @@ class PluginRun:
         self.recorder: Optional[RunRecorder] = None
         if self.is_server:
             checkpoint.save_config(self.run_dir, config.sections())
-            wandb_settings = None
-            if config.enable_wandb:
-                wandb_settings = {"project": config.wandb_project, "group": config.wandb_group or os.path.basename(self.run_dir),
-                                  "name": os.path.basename(self.run_dir), "tags": wandb_tags(config),
-                                  "deferred": self.context.grid}
-            new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)
-            self.recorder = RunRecorder(self.run_dir, config.comm_round, config.sections(), config.show_progress,
-                                        wandb_settings, new_users)
+            self.recorder = recorder_for(config, self.run_dir, deferred_wandb=self.context.grid)
+        self.schedule = RoundSchedule.from_config(config)
+        self.measurements = None if self.recorder is None else Measurements(
+            self.algorithm, self.users, config, self.recorder.new_users, self.recorder.headline, self.device)
+        self.checkpoints = checkpoint.Checkpoints(self.run_dir) if self.is_server and self._resumable() else None
         self.start_round = 0
-        self._checkpoint_failed = False
         self.backend = self._backend()
         logger.info("run %s: %s on %s, %d rounds, %d of %d users per round, %s", self.run_dir, self.algorithm.label,
                     config.dataset, config.comm_round, config.client_num_per_round, config.client_num_in_total,
@@ -342,48 +338,16 @@ class PluginRun:
 
     def round_finished(self, round_idx: int, global_state: StateDict) -> None:
         previous, self.global_state = self.global_state, global_state
-        config = self.config
-        last = round_idx == config.comm_round - 1
+        schedule = self.schedule
         if self.recorder is not None:
             self.recorder.round_finished(round_idx)
-            if last or round_idx % config.frequency_of_the_test == 0:
+            if schedule.evaluates(round_idx):
                 started = time.perf_counter()  # evaluation time is not training time
-                state = {k: v.to(self.device) for k, v in global_state.items()}
-                result = self.algorithm.evaluate(round_idx, state, self.users)
-                every = config.stationarity_every
-                measure = bool(every) and (last or round_idx % every == 0)
-                extra = {**self.algorithm.describe(state), **self._measures(state, "", measure)}
-                if config.random_iterate:
-                    start = {k: v.to(self.device) for k, v in previous.items()}
-                    extra.update(self._random_iterate(round_idx, start, measure))
+                result, extra = self.measurements.evaluate(round_idx, global_state, previous,
+                                                           schedule.measures_stationarity(round_idx))
                 self.recorder.record_evaluation(round_idx, result, extra, started)
-        every = config.checkpoint_every
-        # The last round's too: --resume with a larger comm_round continues a finished run.
-        if self.is_server and self._resumable() and every and ((round_idx + 1) % every == 0 or last):
-            self._checkpoint(round_idx + 1)
-
-    def _measures(self, state: StateDict, prefix: str, measure: bool) -> Dict[str, float]:
-        """The stationarity measure of ``state`` where ``measure`` (validation_args.
-        stationarity_every), over the users training covers."""
-        if not measure:
-            return {}
-        held_out = set(self.recorder.new_users)
-        trained = [i for i in range(len(self.users)) if i not in held_out]
-        params, _ = self.algorithm.split_state(state)
-        return {f"{prefix}stationarity": stationarity(self.algorithm.loss_fn, params, self.users, self.config.alpha,
-                                                      trained)}
-
-    def _random_iterate(self, round_idx: int, start: StateDict, measure: bool) -> Dict[str, float]:
-        """The paper's remark after Theorem 4.5: the average of the round's clients' iterates at
-        a uniform step t_k (recomputed from the round's start, with the round's own batches)."""
-        step = random_iterate_step(self.config.random_seed, round_idx, self.config.local_steps)
-        clients = self.algorithm.sample_clients(round_idx)
-        iterates = [(1.0, self.algorithm.client_iterate(round_idx, c, start, self.users[c].train_x,
-                                                        self.users[c].train_y, step)) for c in clients]
-        state = average(iterates, "uniform")
-        metrics = self.recorder.headline(self.algorithm.evaluate(round_idx, state, self.users))
-        return {"random_iterate_step": step, **{f"random_iterate_{k}": metrics[k] for k in (
-            "personalized_accuracy", "accuracy_before_adaptation")}, **self._measures(state, "random_iterate_", measure)}
+        if self.checkpoints is not None and schedule.checkpoints(round_idx):
+            self.save_checkpoint(round_idx + 1)
 
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         if self.recorder is not None:
@@ -407,23 +371,10 @@ class PluginRun:
         return (self.config.training_type == "simulation" and self.config.backend == "sp"
                 and self.config.simulation_engine == "batched")
 
-    def _checkpoint(self, next_round: int) -> None:
-        """A checkpoint is a convenience: one that cannot be written is a warning and the run goes
-        on; if the next one fails too the disk is not recovering, and the run stops now (summary.json
-        ``failed``, model.pt tried once more) rather than lose everything at its end."""
-        try:
-            self.save_checkpoint(next_round)
-        except OutputError as err:
-            if self._checkpoint_failed:
-                raise OutputError(f"{err}; the checkpoint before failed too, so the run stops here") from None
-            self._checkpoint_failed = True
-            logger.warning("%s; the run goes on (a second failed checkpoint in a row stops it)", err)
-        else:
-            self._checkpoint_failed = False
-
     def save_checkpoint(self, next_round: int) -> None:
-        checkpoint.save(self.run_dir, next_round, {k: v.detach().cpu() for k, v in self.global_state.items()},
-                        {"algorithm": self.algorithm.state_dict(), "recorder": self.recorder.state_dict()})
+        """A checkpoint of the run as it stands, to continue from ``next_round``."""
+        self.checkpoints.save(next_round, self.global_state, {"algorithm": self.algorithm.state_dict(),
+                                                              "recorder": self.recorder.state_dict()})
 
     def restore(self) -> None:
         if not self.context.resume:
@@ -432,7 +383,7 @@ class PluginRun:
             raise ConfigError(f"train_args.simulation_engine={self.config.simulation_engine!r}, comm_args.backend="
                               f"{self.config.backend!r}: resuming needs the batched engine on sp (FedML's loops "
                               f"always start at round 0)")
-        state = checkpoint.load(self.run_dir)
+        state = self.checkpoints.load()
         if state is None:
             logger.warning("no checkpoint in %s: starting from round 0", self.run_dir)
             return
@@ -542,15 +493,6 @@ def sigterm_as_interrupt() -> Iterator[None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
-
-
-def wandb_tags(config: Config) -> List[str]:
-    """A run's wandb tags: its method (with the variant), seed and dataset, so that a grouped
-    grid (group = cell) can be filtered and compared per method and seed in wandb's UI."""
-    method = config.federated_optimizer
-    if method == "PerFedAvg":
-        method = f"PerFedAvg-{config.perfedavg_variant}"
-    return [method, f"seed{config.random_seed}", config.dataset]
 
 
 def install() -> None:
