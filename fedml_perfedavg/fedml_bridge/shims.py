@@ -49,8 +49,8 @@ class AlgorithmClientTrainer(ClientTrainer):
         self.args = args
         self.algorithm = algorithm
         self.train_calls = 0
-        # id(FedML data) -> (data, x, y), read once; holding ``data`` keeps its id from being reused.
-        self._tensors: Dict[int, Tuple[Any, Tensor, Tensor]] = {}
+        # (client, role) -> (FedML data, x, y): converted once while the client's data stays the same object.
+        self._tensors: Dict[Tuple[int, str], Tuple[Any, Tensor, Tensor]] = {}
         self.local_train_dataset = None
 
     def get_model_params(self) -> "OrderedDict[str, Tensor]":
@@ -72,13 +72,15 @@ class AlgorithmClientTrainer(ClientTrainer):
     def on_after_local_training(self, train_data, device, args) -> None:
         pass
 
-    def tensors(self, data: Any, device: torch.device) -> Tuple[Tensor, Tensor]:
-        """(x, y) of a client's FedML data on ``device``, converted once per data object."""
-        key = id(data)
-        if key not in self._tensors:
-            x, y = client_samples(data, f"client {self.id}'s training data")
-            self._tensors[key] = (data, x.to(device), y.to(device))
-        return self._tensors[key][1:]
+    def tensors(self, data: Any, device: torch.device, role: str = "training") -> Tuple[Tensor, Tensor]:
+        """(x, y) of this client's FedML ``role`` data on ``device``, converted once (again only
+        when FedML hands another object for the same client and role)."""
+        key = (int(self.id), role)
+        cached = self._tensors.get(key)
+        if cached is None or cached[0] is not data:
+            x, y = client_samples(data, f"client {self.id}'s {role} data")
+            cached = self._tensors[key] = (data, x.to(device), y.to(device))
+        return cached[1], cached[2]
 
     def train(self, train_data, device, args) -> None:
         """The algorithm's client update of this client (``self.id``) from the current model."""
@@ -95,7 +97,7 @@ class AlgorithmClientTrainer(ClientTrainer):
         if self.local_train_dataset is None:
             raise RuntimeError("test() needs the client's training data: call update_dataset() or train() first")
         train_x, train_y = self.tensors(self.local_train_dataset, device)
-        test_x, test_y = self.tensors(test_data, device)
+        test_x, test_y = self.tensors(test_data, device, "test")
         state = {k: v.to(device) for k, v in self.model.state_dict().items()}
         result = self.algorithm.evaluate(round_of(args), state, [UserSplit(train_x, train_y, test_x, test_y)],
                                          user_ids=[int(self.id)], batched=False)
