@@ -179,15 +179,19 @@ class BatchedSimulation:
         return [tuple(self.algorithm.client_update(round_idx, c, self.state, self.users[c].train_x,
                                                    self.users[c].train_y)) for c in clients]
 
+    def train_clients(self, round_idx: int, clients: List[int], global_state: StateDict) -> List[tuple]:
+        """(samples, state) of each of ``clients`` after round ``round_idx``'s local training from
+        ``global_state``: one computation where vmap allows (an MPI worker trains its share so)."""
+        self.state = OrderedDict(global_state)
+        if self.batched:
+            return self._batched_updates(round_idx, clients)
+        return self._per_client_updates(round_idx, clients)
+
     def train_round(self, round_idx: int) -> List[int]:
         """One round: sample, train the sampled clients (together where vmap allows),
         aggregate, report. Returns the round's clients."""
         clients = self.driver.sample_clients(round_idx)
-        if self.batched:
-            updates = self._batched_updates(round_idx, clients)
-        else:
-            updates = self._per_client_updates(round_idx, clients)
-        self.finish_round(round_idx, updates)
+        self.finish_round(round_idx, self.train_clients(round_idx, clients, self.state))
         return clients
 
     def run(self, start_round: int, rounds: int) -> StateDict:

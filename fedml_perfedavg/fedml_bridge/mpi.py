@@ -13,39 +13,85 @@ simulation/mpi/fedavg/FedAvgAPI.py, and:
 - FedML's MPI server has no timeout: a client rank that fails alone would leave the server
   waiting forever, so it logs why, marks the run's summary.json ``aborted`` (the server keeps
   it current after every evaluation) and aborts the whole job.
+- FedML gives each worker rank one client per round, so ``client_num_per_round`` must be the
+  number of ranks - 1. With more clients than workers, each worker gets a balanced, contiguous
+  share of the round's sampled clients (:func:`balanced_shares`), sent where FedML sends a client
+  index, and trains them as one computation (the run's ``share_trainer``: the batched engine);
+  it sends back every client's model, not their sum: the server's aggregation checks each
+  update, and FedML's attacks and defenses act on each (``PluginFedAVGClientManager``,
+  ``PluginFedAVGTrainer``, ``PluginFedAVGAggregator``).
 FedML runs the MPI loop inside ``FedMLRunner``'s constructor; here it runs in ``run()``.
 """
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .bootstrap import import_fedml, replaced
 from ..algorithms.base import RoundDriver
+from ..core.types import StateDict
 
 import_fedml()
 import fedml.simulation.mpi.fedavg.FedAvgAPI as mpi_api  # noqa: E402
+from fedml.simulation.mpi.fedavg.message_define import MyMessage  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 
-class PluginFedAVGAggregator(mpi_api.FedAVGAggregator):
-    """The MPI server's aggregation through the ``ServerAggregator``'s hooks."""
+ShareTrainer = Callable[[int, List[int], StateDict], List[Tuple[int, StateDict]]]
 
-    driver: Optional[RoundDriver] = None
+
+def balanced_shares(clients: Sequence[int], workers: int) -> List[List[int]]:
+    """The round's sampled clients in ``workers`` contiguous shares, in order, sizes differing by
+    at most one (the first shares the larger): the same on every run of a config."""
+    base, extra = divmod(len(clients), workers)
+    shares, start = [], 0
+    for worker in range(workers):
+        size = base + (1 if worker < extra else 0)
+        shares.append([int(c) for c in clients[start:start + size]])
+        start += size
+    return shares
+
+
+def parse_assignment(text: str) -> "int | List[int]":
+    """What the server's message says a worker trains: FedML's one client index, or a share."""
+    value = json.loads(str(text))
+    if isinstance(value, int) or (isinstance(value, list) and value and all(isinstance(c, int) for c in value)):
+        return value
+    raise ValueError(f"an MPI worker was sent {text!r}: neither a client index nor a list of them")
+
+
+class PluginFedAVGAggregator(mpi_api.FedAVGAggregator):
+    """The MPI server's aggregation through the ``ServerAggregator``'s hooks; with a ``driver``
+    (a plugin algorithm), its keyed sampling, in shares when the round has more clients than
+    there are workers."""
+
+    def __init__(self, *args: Any, driver: Optional[RoundDriver] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.driver = driver
+
+    @property
+    def in_shares(self) -> bool:
+        return self.driver is not None and int(self.args.client_num_per_round) > self.worker_num
 
     def aggregate(self):
-        updates = [(self.sample_num_dict[i], self.model_dict[i]) for i in range(self.worker_num)]
+        if self.in_shares:  # each worker sent its share's (samples, model) pairs, in the round's order
+            updates = [tuple(u) for i in range(self.worker_num) for u in self.model_dict[i]]
+        else:
+            updates = [(self.sample_num_dict[i], self.model_dict[i]) for i in range(self.worker_num)]
         updates, _ = self.aggregator.on_before_aggregation(updates)
         w_global = self.aggregator.on_after_aggregation(self.aggregator.aggregate(updates))
         self.set_global_model_params(w_global)
         return w_global
 
     def client_sampling(self, round_idx, client_num_in_total, client_num_per_round):
-        if self.driver is not None:
-            return self.driver.sample_clients(round_idx)
-        return super().client_sampling(round_idx, client_num_in_total, client_num_per_round)
+        if self.driver is None:
+            return super().client_sampling(round_idx, client_num_in_total, client_num_per_round)
+        clients = self.driver.sample_clients(round_idx)
+        return balanced_shares(clients, self.worker_num) if self.in_shares else clients
 
     def test_on_server_for_all_clients(self, round_idx):
         if self.driver is not None:
@@ -54,12 +100,54 @@ class PluginFedAVGAggregator(mpi_api.FedAVGAggregator):
             super().test_on_server_for_all_clients(round_idx)
 
 
+class PluginFedAVGClientManager(mpi_api.FedAVGClientManager):
+    """A worker that reads a share where FedML's message holds a client index (FedML's own
+    handlers cast it with ``int``)."""
+
+    def handle_message_init(self, msg_params):
+        self.trainer.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
+        self.trainer.update_dataset(parse_assignment(msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_INDEX)))
+        self.args.round_idx = 0
+        self._FedAVGClientManager__train()
+
+    def handle_message_receive_model_from_server(self, msg_params):
+        self.trainer.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
+        self.trainer.update_dataset(parse_assignment(msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_INDEX)))
+        self.args.round_idx += 1
+        self._FedAVGClientManager__train()
+        if self.args.round_idx == self.num_rounds - 1:
+            self.finish()
+
+
 class PluginFedAVGTrainer(mpi_api.FedAVGTrainer):
-    """An MPI client that tells its ``ClientTrainer`` which client it trains."""
+    """An MPI worker that tells its ``ClientTrainer`` which client it trains, or trains its
+    share of the round with ``share_trainer``; ``progress`` says which clients it is on."""
+
+    def __init__(self, *args: Any, share_trainer: Optional[ShareTrainer] = None,
+                 progress: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.share_trainer, self.share = share_trainer, None
+        self.progress = progress if progress is not None else {}
 
     def update_dataset(self, client_index):
+        if isinstance(client_index, list):
+            if self.share_trainer is None:
+                raise RuntimeError("this MPI worker was sent a share of clients but has no share trainer")
+            self.share = client_index
+            self.progress["clients"] = list(client_index)
+            return
+        self.share = None
+        self.progress["clients"] = [int(client_index)]
         super().update_dataset(client_index)
         self.trainer.set_id(client_index)
+
+    def train(self, round_idx=None):
+        self.progress["round"] = round_idx
+        if self.share is None:
+            return super().train(round_idx)
+        self.args.round_idx = round_idx
+        updates = self.share_trainer(round_idx, self.share, self.trainer.get_model_params())
+        return [(int(n), state) for n, state in updates], sum(int(n) for n, _ in updates)
 
 
 class MPISimulation:
@@ -67,9 +155,11 @@ class MPISimulation:
     rank's part; with a ``driver``, the plugin algorithm's sampling and evaluation)."""
 
     def __init__(self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any,
-                 driver: Optional[RoundDriver] = None) -> None:
+                 driver: Optional[RoundDriver] = None, share_trainer: Optional[ShareTrainer] = None) -> None:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model
         self.trainer, self.aggregator, self.driver = trainer, aggregator, driver
+        self.share_trainer = share_trainer
+        self.progress: Dict[str, Any] = {}  # this worker's round and clients, for the record of a failure
 
     INTERRUPT_GRACE_SECONDS = 10.0
 
@@ -79,10 +169,11 @@ class MPISimulation:
         self.args.comm.Abort(code)
 
     def run(self) -> None:
-        aggregator_cls = type("PluginFedAVGAggregator", (PluginFedAVGAggregator,), {"driver": self.driver})
         args = self.args
-        with replaced(mpi_api, "FedAVGAggregator", aggregator_cls), \
-                replaced(mpi_api, "FedAVGTrainer", PluginFedAVGTrainer):
+        trainer = functools.partial(PluginFedAVGTrainer, share_trainer=self.share_trainer, progress=self.progress)
+        with replaced(mpi_api, "FedAVGAggregator", functools.partial(PluginFedAVGAggregator, driver=self.driver)), \
+                replaced(mpi_api, "FedAVGTrainer", trainer), \
+                replaced(mpi_api, "FedAVGClientManager", PluginFedAVGClientManager):
             try:
                 mpi_api.FedML_FedAvg_distributed(args, args.process_id, args.worker_num, args.comm, self.device,
                                                  self.dataset, self.model, client_trainer=self.trainer,
@@ -96,9 +187,12 @@ class MPISimulation:
                 raise
             except BaseException as err:
                 if args.process_id != 0:
-                    logger.error("rank %d failed, aborting the MPI job: %s", args.process_id, err)
+                    where = (f" in round {self.progress['round']} training clients {self.progress['clients']}"
+                             if "clients" in self.progress else "")
+                    logger.error("rank %d failed%s, aborting the MPI job: %s", args.process_id, where, err)
                     if self.driver is not None:  # MPI_Abort kills the server: the run's record says why
-                        self.driver.record_failure(f"MPI rank {args.process_id} failed, the job was aborted: {err}")
+                        self.driver.record_failure(f"MPI rank {args.process_id} failed{where}, the job was "
+                                                   f"aborted: {err}")
                     logging.shutdown()
                     args.comm.Abort(1)
                 raise

@@ -291,10 +291,12 @@ class PluginRun:
 
     def _check_layout(self) -> None:
         config, args = self.config, self.args
-        if config.backend == "MPI" and args.worker_num - 1 != config.client_num_per_round:
-            raise ConfigError(f"train_args.client_num_per_round={config.client_num_per_round!r}: under MPI it must "
-                              f"equal the number of ranks - 1 (this is mpirun -n {args.worker_num}, so "
-                              f"{args.worker_num - 1}; or run mpirun -n {config.client_num_per_round + 1})")
+        if config.backend == "MPI" and (args.worker_num < 2 or args.worker_num - 1 > config.client_num_per_round):
+            raise ConfigError(f"train_args.client_num_per_round={config.client_num_per_round!r}: under MPI each of the "
+                              f"ranks but the server trains a share of a round's clients, so it must be at least the "
+                              f"number of ranks - 1 (this is mpirun -n {args.worker_num}: at least "
+                              f"{max(1, args.worker_num - 1)}; or run mpirun -n 2 to "
+                              f"{config.client_num_per_round + 1})")
         if config.training_type == "cross_silo":
             check_silo_role(config, int(args.rank), str(args.role))
 
@@ -320,8 +322,18 @@ class PluginRun:
         if config.backend == "MPI":
             from ..fedml_bridge.mpi import MPISimulation
 
-            self.where = "FedML's MPI simulation"
-            return MPISimulation(args, self.device, self.dataset, self.model, self.trainer, self.aggregator, self)
+            from ..engine.batched import BatchedSimulation
+
+            workers = args.worker_num - 1
+            self.where = (f"FedML's MPI simulation, {workers} worker ranks" + (
+                f", each training a share of the round's {config.client_num_per_round} clients as one computation"
+                if config.client_num_per_round > workers else ", one client each"))
+            share_trainer = None
+            if not self.is_server and config.client_num_per_round > workers:  # a worker's share: the batched engine
+                share_trainer = BatchedSimulation(self.algorithm, self.users, self.global_state, self,
+                                                  config.compile_local_update).train_clients
+            return MPISimulation(args, self.device, self.dataset, self.model, self.trainer, self.aggregator, self,
+                                 share_trainer)
         if config.simulation_engine == "fedml":
             from ..fedml_bridge.sp import SPSimulation
 

@@ -105,12 +105,13 @@ def test_a_bad_rank_count_under_mpirun_says_only_that_and_leaves_nothing(tmp_pat
     start removes (each rank once told the other's missing run-rank1.log)."""
     for attempt in range(2):
         run_dir = tmp_path / f"run{attempt}"
-        out = subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "fedml_perfedavg", "--cf",
+        out = subprocess.run([MPIRUN, "-n", "3", sys.executable, "-m", "fedml_perfedavg", "--cf",
                               str(REPO / "yaml_configs" / "mnist_tau10_alpha0.01_hf_mpi.yaml"), "--set",
-                              f"data_cache_dir={MNIST_ROOT}", "--run-dir", str(run_dir)], capture_output=True,
+                              f"data_cache_dir={MNIST_ROOT}", "--set", "client_num_per_round=1", "--run-dir",
+                              str(run_dir)], capture_output=True,
                              text=True, timeout=300, cwd=tmp_path,
                              env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")})
         printed = out.stdout + out.stderr
         assert out.returncode != 0 and "Traceback" not in printed and "Errno" not in printed, printed[-3000:]
-        assert "under MPI it must equal the number of ranks - 1 (this is mpirun -n 2, so 1" in printed
+        assert "must be at least the number of ranks - 1 (this is mpirun -n 3: at least 2" in printed
         assert not run_dir.exists()

@@ -20,17 +20,17 @@ SETTINGS = {"client_num_per_round": 2, "comm_round": 3, "frequency_of_the_test":
             "beta": 0.05}
 
 
-def _mpi_run(mnist_root, run_dir, optimizer="PerFedAvg", variant="hf", extra=()):
+def _mpi_run(mnist_root, run_dir, optimizer="PerFedAvg", variant="hf", extra=(), ranks=3):
     sets = [f"{k}={v}" for k, v in {**SETTINGS, "backend": "MPI", "data_cache_dir": mnist_root,
                                      "federated_optimizer": optimizer, "perfedavg_variant": variant}.items()]
-    command = [MPIRUN, "-n", "3", sys.executable, "-c", NETWORK_GUARD, "--cf", HF_YAML, "--run-dir", str(run_dir),
+    command = [MPIRUN, "-n", str(ranks), sys.executable, "-c", NETWORK_GUARD, "--cf", HF_YAML, "--run-dir", str(run_dir),
                *[a for s in sets for a in ("--set", s)], *extra]
     if unshare_works():
         command = ["unshare", "-n"] + command
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
     out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert out.stdout.count("NETWORK_ATTEMPTS") == 3  # every rank ran the guard; any attempt fails its exit code
+    assert out.stdout.count("NETWORK_ATTEMPTS") == ranks  # every rank ran the guard; any attempt fails its exit code
     return out
 
 
@@ -55,13 +55,14 @@ def test_mpi_three_ranks_equals_single_process(mnist_root, tmp_path, optimizer, 
 
 @needs_mnist
 @needs_mpi
-def test_mpi_rank_count_must_match_clients_per_round(mnist_root, tmp_path):
-    sets = ["backend=MPI", f"data_cache_dir={mnist_root}", "client_num_per_round=4", "comm_round=1"]
+def test_mpi_needs_at_least_a_client_per_worker_rank(mnist_root, tmp_path):
+    sets = ["backend=MPI", f"data_cache_dir={mnist_root}", "client_num_per_round=1", "comm_round=1"]
     out = subprocess.run([MPIRUN, "-n", "3", sys.executable, "-m", "fedml_perfedavg", "--cf", HF_YAML,
                           "--run-dir", str(tmp_path), *[a for s in sets for a in ("--set", s)]],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert out.returncode != 0
-    assert "train_args.client_num_per_round=4: under MPI it must equal the number of ranks - 1" in out.stderr
+    assert "train_args.client_num_per_round=1: under MPI each of the ranks but the server trains a share" in out.stderr
+    assert "at least the number of ranks - 1 (this is mpirun -n 3: at least 2" in out.stderr
 
 
 @needs_mnist
@@ -74,11 +75,13 @@ def test_a_failing_client_rank_ends_the_mpi_job_instead_of_hanging(mnist_root, t
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     printed = out.stdout + out.stderr
     assert out.returncode != 0, printed[-4000:]
-    assert "failed, aborting the MPI job: round 0, client" in printed, printed[-4000:]
+    assert "failed in round 0 training clients [" in printed, printed[-4000:]
+    assert "aborting the MPI job: round 0, client" in printed
     assert "non-finite parameters after local training" in printed
     summary = json.loads((tmp_path / "summary.json").read_text())  # the record says how the run ended
     assert summary["status"] == "aborted"
     assert summary["error"].startswith("MPI rank ") and "round 0, client" in summary["error"]
+    assert "failed in round 0 training clients [" in summary["error"]  # the rank and its clients
 
 
 SAFEGUARDS = {
@@ -115,3 +118,32 @@ def test_fedmls_dp_attacks_and_defenses_give_the_single_process_model_under_mpi(
     for k in mpi_model:
         torch.testing.assert_close(mpi_model[k], batched.final_state[k], rtol=1e-5, atol=1e-6)
     assert max(float((mpi_model[k] - plain.final_state[k]).abs().max()) for k in mpi_model) > 1e-3
+
+
+@needs_mnist
+@needs_mpi
+@pytest.mark.parametrize("clients,ranks", [(10, 3), (20, 5)])
+def test_more_clients_than_workers_train_in_shares_and_give_the_single_process_model(mnist_root, tmp_path, clients,
+                                                                                      ranks):
+    out = _mpi_run(mnist_root, tmp_path / "mpi", ranks=ranks,
+                   extra=["--set", f"client_num_per_round={clients}", "--set", "comm_round=2"])
+    summary = json.loads((tmp_path / "mpi" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == 2 and summary["aggregate_calls"] == 2
+    assert f"{ranks - 1} worker ranks, each training a share of the round's {clients} clients" in out.stderr
+    batched = run(resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": 2, "client_num_per_round": clients,
+                                               "data_cache_dir": mnist_root}), str(tmp_path / "batched"))
+    mpi_model = torch.load(tmp_path / "mpi" / "model.pt")
+    for k in mpi_model:
+        torch.testing.assert_close(mpi_model[k], batched.final_state[k], rtol=1e-5, atol=1e-6)
+    assert summary["per_user_accuracy"] == pytest.approx(batched.summary["per_user_accuracy"], abs=1e-6)
+
+
+def test_shares_are_balanced_contiguous_and_in_the_rounds_order():
+    from fedml_perfedavg.fedml_bridge.mpi import balanced_shares, parse_assignment
+
+    assert balanced_shares([3, 5, 8, 9, 11, 20, 21], 3) == [[3, 5, 8], [9, 11], [20, 21]]
+    assert balanced_shares([1, 2], 2) == [[1], [2]]
+    assert [len(s) for s in balanced_shares(list(range(20)), 4)] == [5, 5, 5, 5]
+    assert parse_assignment("7") == 7 and parse_assignment("[3, 5]") == [3, 5]
+    with pytest.raises(ValueError, match="neither a client index"):
+        parse_assignment('"__import__(os)"')
