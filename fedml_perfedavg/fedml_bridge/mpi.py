@@ -27,11 +27,15 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .bootstrap import import_fedml, replaced
+import torch
+
 from ..algorithms.base import RoundDriver
+from ..core.guards import ConfigError
 from ..core.types import StateDict
 
 import_fedml()
@@ -62,6 +66,23 @@ def parse_assignment(text: str) -> "int | List[int]":
     if isinstance(value, int) or (isinstance(value, list) and value and all(isinstance(c, int) for c in value)):
         return value
     raise ValueError(f"an MPI worker was sent {text!r}: neither a client index nor a list of them")
+
+
+LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK")  # MPICH, Open MPI, PMI
+
+
+def rank_device(args: Any, device: Any) -> Any:
+    """One GPU per rank with ``device_args.using_gpu``: the rank's local rank on its host (as
+    MPICH or Open MPI set it) modulo the host's GPUs. FedML's own mapping needs a
+    ``gpu_mapping_file`` and silently trains on the CPU without one (device/gpu_mapping_mpi.py);
+    given one, FedML's ``device`` is kept."""
+    if not getattr(args, "using_gpu", False) or getattr(args, "gpu_mapping_file", None):
+        return device
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device_args.using_gpu=True: MPI rank {args.process_id} sees no CUDA device; set using_gpu: "
+                          f"false, or run the ranks on GPU hosts")
+    local = next((os.environ[name] for name in LOCAL_RANK_VARIABLES if name in os.environ), args.process_id)
+    return torch.device("cuda", int(local) % torch.cuda.device_count())
 
 
 class PluginFedAVGAggregator(mpi_api.FedAVGAggregator):
@@ -146,8 +167,10 @@ class PluginFedAVGTrainer(mpi_api.FedAVGTrainer):
         if self.share is None:
             return super().train(round_idx)
         self.args.round_idx = round_idx
-        updates = self.share_trainer(round_idx, self.share, self.trainer.get_model_params())
-        return [(int(n), state) for n, state in updates], sum(int(n) for n, _ in updates)
+        start = {k: v.to(self.device) for k, v in self.trainer.get_model_params().items()}
+        updates = self.share_trainer(round_idx, self.share, start)
+        return ([(int(n), {k: v.detach().cpu() for k, v in state.items()}) for n, state in updates],
+                sum(int(n) for n, _ in updates))
 
 
 class MPISimulation:

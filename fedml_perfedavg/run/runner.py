@@ -253,6 +253,10 @@ class PluginRun:
         self.is_server = self.rank == 0
         self._log_handler = logs.add_run_file(os.path.join(self.run_dir, "run.log" if self.is_server else
                                                            f"run-rank{self.rank}.log"))
+        if config.backend == "MPI":
+            from ..fedml_bridge.mpi import rank_device
+
+            self.device = rank_device(args, self.device)
         self.users = users_from_fedml_dataset(self.dataset, self.device)
         self._check_data()
         if (trainer, aggregator) != (None, None):
@@ -330,7 +334,8 @@ class PluginRun:
                 if config.client_num_per_round > workers else ", one client each"))
             share_trainer = None
             if not self.is_server and config.client_num_per_round > workers:  # a worker's share: the batched engine
-                share_trainer = BatchedSimulation(self.algorithm, self.users, self.global_state, self,
+                on_device = {k: v.to(self.device) for k, v in self.global_state.items()}
+                share_trainer = BatchedSimulation(self.algorithm, self.users, on_device, self,
                                                   config.compile_local_update).train_clients
             return MPISimulation(args, self.device, self.dataset, self.model, self.trainer, self.aggregator, self,
                                  share_trainer)

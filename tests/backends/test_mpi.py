@@ -138,6 +138,7 @@ def test_more_clients_than_workers_train_in_shares_and_give_the_single_process_m
     assert summary["per_user_accuracy"] == pytest.approx(batched.summary["per_user_accuracy"], abs=1e-6)
 
 
+@pytest.mark.fast
 def test_shares_are_balanced_contiguous_and_in_the_rounds_order():
     from fedml_perfedavg.fedml_bridge.mpi import balanced_shares, parse_assignment
 
@@ -147,3 +148,25 @@ def test_shares_are_balanced_contiguous_and_in_the_rounds_order():
     assert parse_assignment("7") == 7 and parse_assignment("[3, 5]") == [3, 5]
     with pytest.raises(ValueError, match="neither a client index"):
         parse_assignment('"__import__(os)"')
+
+
+@pytest.mark.fast
+def test_each_rank_takes_the_gpu_of_its_local_rank_when_using_gpu(monkeypatch):
+    import argparse
+
+    from fedml_perfedavg.core.guards import ConfigError
+    from fedml_perfedavg.fedml_bridge.mpi import rank_device
+
+    args = argparse.Namespace(using_gpu=True, gpu_mapping_file=None, process_id=5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    for name in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert rank_device(args, "cpu") == torch.device("cuda", 1)  # no local rank known: the world rank, mod 4
+    monkeypatch.setenv("MPI_LOCALRANKID", "6")
+    assert rank_device(args, "cpu") == torch.device("cuda", 2)
+    assert rank_device(argparse.Namespace(using_gpu=False, process_id=1), "cpu") == "cpu"
+    assert rank_device(argparse.Namespace(using_gpu=True, gpu_mapping_file="m.yaml", process_id=1), "dev") == "dev"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="device_args.using_gpu=True: MPI rank 5 sees no CUDA device"):
+        rank_device(args, "cpu")
