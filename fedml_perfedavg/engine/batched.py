@@ -75,11 +75,18 @@ class BatchedSimulation:
         # role (the same keyed indices as client_batches), not one per client and a stack.
         self._gather = algorithm.uses_standard_batches
         if self._gather:
-            self._all_x = torch.cat([u.train_x for u in users])
-            self._all_y = torch.cat([u.train_y for u in users])
-            self._offsets = [0]
-            for count in self.sample_counts[:-1]:
-                self._offsets.append(self._offsets[-1] + count)
+            # Users that share their tensors (replicas of one user's data) share one copy here too.
+            first: dict = {}
+            xs, ys, self._offsets, total = [], [], [], 0
+            for u in users:
+                key = (id(u.train_x), id(u.train_y))
+                if key not in first:
+                    first[key] = total
+                    xs.append(u.train_x)
+                    ys.append(u.train_y)
+                    total += len(u.train_y)
+                self._offsets.append(first[key])
+            self._all_x, self._all_y = torch.cat(xs), torch.cat(ys)
 
     def _stacked_gradients(self, fast_path: bool):
         """Hand-batched gradients where they compute exactly what the algorithm's own

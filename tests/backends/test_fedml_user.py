@@ -135,3 +135,26 @@ def test_fedml_stock_main_applies_fedmls_dp_attack_and_defense_sections_alike_on
     for k in batched:
         torch.testing.assert_close(fedml_loop[k], batched[k], rtol=1e-5, atol=1e-6)
     assert max(float((batched[k] - plain[k]).abs().max()) for k in plain) > 1e-3
+
+
+@needs_mnist
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (.[mpi])")
+def test_fedml_stock_main_under_mpi_trains_shares_and_gives_the_single_process_model(mnist_root, tmp_path):
+    """FedML's own main with backend MPI and 6 clients per round on 2 worker ranks: each trains a
+    share of 3, and the model is the sp batched engine's."""
+    runs = {}
+    for name, yaml_name, command in (("sp", "fedml_config.yaml", []), ("mpi", "fedml_config_mpi.yaml",
+                                                                       [MPIRUN, "-n", "3"])):
+        path = example_yaml(tmp_path, yaml_name, mnist_root, name, tmp_path / "runs", client_num_per_round=6,
+                            comm_round=2)
+        out = subprocess.run(offline(command + [sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf",
+                                                path]), capture_output=True, text=True, env=_env(tmp_path),
+                             timeout=300, cwd=tmp_path)
+        _check(out, processes=3 if command else 1)
+        runs[name] = _summary(tmp_path, name)
+    assert "2 worker ranks, each training a share of the round's 6 clients" in (tmp_path / "runs" / "mpi" /
+                                                                                 "run.log").read_text()
+    (_, sp_model), (mpi_summary, mpi_model) = runs["sp"], runs["mpi"]
+    assert mpi_summary["status"] == "finished" and mpi_summary["aggregate_calls"] == 2
+    for k in sp_model:
+        torch.testing.assert_close(mpi_model[k], sp_model[k], rtol=1e-5, atol=1e-6)
