@@ -149,7 +149,7 @@ def measure_cli(workers: int, rounds: int) -> dict:
         summary = json.loads(Path(f"{tmp}/run/summary.json").read_text())
     ranks = sorted(peaks.values(), reverse=True)
     return {"workers": workers, "ranks": workers + 1 if workers else 1, "clients": MPI_CLIENTS, "rounds": rounds,
-            "train_ms": 1000 * summary["train_seconds"] / rounds, "peak_mb_per_rank": ranks,
+            "train_ms": 1000 * summary["history"][-1]["train_seconds"] / rounds, "peak_mb_per_rank": ranks,
             "peak_mb_max": max(ranks) if ranks else None, "status": summary["status"]}
 
 

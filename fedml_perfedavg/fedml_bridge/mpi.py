@@ -169,7 +169,10 @@ class PluginFedAVGTrainer(mpi_api.FedAVGTrainer):
         self.args.round_idx = round_idx
         start = {k: v.to(self.device) for k, v in self.trainer.get_model_params().items()}
         updates = self.share_trainer(round_idx, self.share, start)
-        return ([(int(n), {k: v.detach().cpu() for k, v in state.items()}) for n, state in updates],
+        # Each client's tensors are views into its computation's stacked results; pickled as they
+        # are, every view would carry the whole stack (all its clients' models): copied out, each
+        # message holds the share's models once.
+        return ([(int(n), {k: v.detach().to("cpu", copy=True) for k, v in state.items()}) for n, state in updates],
                 sum(int(n) for n, _ in updates))
 
 

@@ -234,3 +234,19 @@ def test_an_algorithm_with_its_own_maths_gets_every_role_unless_it_says_otherwis
     config, _, model = _setup("PerFedAvg", "fo")
     algorithm = create_algorithm("SignSGD", model, resolve({}, dict(SMALL, federated_optimizer="SignSGD")))
     assert not algorithm.uses_standard_maths and algorithm.batch_roles_read() == {0, 1, 2}
+
+
+def test_a_round_larger_than_one_computation_trains_in_pieces_with_the_same_result(monkeypatch):
+    config, users, model = _setup("PerFedAvg", "hf", client_num_per_round=5)
+    algorithm = create_algorithm("PerFedAvg", model, config)
+    start = copy.deepcopy(model.state_dict())
+    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    engine = BatchedSimulation(create_algorithm("PerFedAvg", model, config), users, start, Driver(algorithm))
+    calls = []
+    original = engine._batched_updates
+    monkeypatch.setattr(engine, "clients_per_computation", 2)
+    monkeypatch.setattr(engine, "_batched_updates", lambda r, clients: calls.append(len(clients)) or original(r, clients))
+    got = engine.run(0, config.comm_round)
+    assert calls == [2, 2, 1] * config.comm_round  # 5 clients a round: three computations
+    for k in got:
+        torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)
