@@ -109,8 +109,13 @@ def fedml_view(sections: Dict[str, Dict[str, Any]], run: Dict[str, Any]) -> argp
     (``run``: rounds, clients, batch size, dataset) and the three sections' keys, on the CPU."""
     view = argparse.Namespace(training_type="simulation", backend="sp", device_type="cpu", using_gpu=False,
                               gpu_id=0, **run)
+    where: Dict[str, str] = {}
     for section in SECTIONS:
         for name, value in sections.get(section, {}).items():
+            if name in where and getattr(view, name) != value:  # FedML's classes read one flat namespace
+                raise ConfigError(f"{section}.{name}={value!r} and {where[name]}.{name}={getattr(view, name)!r}: FedML's "
+                                  f"attack and defense read one {name}; give one value")
+            where[name] = section
             setattr(view, name, copy.deepcopy(value))
     return view
 

@@ -172,6 +172,9 @@ def test_the_algorithms_aggregate_applies_the_defense(tmp_path):
      "clients (train_args.client_num_per_round) with these settings: byzantine_client_num conflicts"),
     ({"defense_args": {"enable_defense": True, "defense_type": "norm_diff_clipping"}},
      "defense_args.norm_bound: required by defense_type 'norm_diff_clipping'"),
+    ({"attack_args": BYZANTINE, "defense_args": {**KRUM, "byzantine_client_num": 2}},
+     "defense_args.byzantine_client_num=2 and attack_args.byzantine_client_num=1: FedML's attack and defense read "
+     "one byzantine_client_num"),
 ])
 def test_what_cannot_apply_is_an_error_at_start_naming_the_key(sections, words):
     with pytest.raises(ConfigError) as err:
