@@ -113,5 +113,6 @@ def test_a_bad_rank_count_under_mpirun_says_only_that_and_leaves_nothing(tmp_pat
                              env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")})
         printed = out.stdout + out.stderr
         assert out.returncode != 0 and "Traceback" not in printed and "Errno" not in printed, printed[-3000:]
+        assert "train_args.client_num_per_round=1: under MPI each of the ranks but the server trains a share" in printed
         assert "must be at least the number of ranks - 1 (this is mpirun -n 3: at least 2" in printed
         assert not run_dir.exists()
