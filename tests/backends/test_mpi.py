@@ -110,16 +110,17 @@ def test_fedmls_dp_attacks_and_defenses_give_the_single_process_model_under_mpi(
 
 @needs_mnist
 @needs_mpi
-@pytest.mark.parametrize("clients,ranks", [(10, 3), (20, 5)])
+@pytest.mark.parametrize("clients,ranks,optimizer", [(10, 3, "PerFedAvg"), (20, 5, "PerFedAvg"), (4, 3, "FedAvgARUBA")])
 def test_more_clients_than_workers_train_in_shares_and_give_the_single_process_model(mnist_root, tmp_path, clients,
-                                                                                      ranks):
-    out = _mpi_run(mnist_root, tmp_path / "mpi", ranks=ranks,
+                                                                                      ranks, optimizer):
+    out = _mpi_run(mnist_root, tmp_path / "mpi", optimizer, ranks=ranks,
                    extra=["--set", f"client_num_per_round={clients}", "--set", "comm_round=2"])
     summary = json.loads((tmp_path / "mpi" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == 2 and summary["aggregate_calls"] == 2
     assert f"{ranks - 1} worker ranks, each training a share of the round's {clients} clients" in out.stderr
     batched = run(resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": 2, "client_num_per_round": clients,
-                                               "data_cache_dir": mnist_root}), str(tmp_path / "batched"))
+                                               "data_cache_dir": mnist_root, "federated_optimizer": optimizer}),
+                  str(tmp_path / "batched"))
     mpi_model = torch.load(tmp_path / "mpi" / "model.pt")
     for k in mpi_model:
         torch.testing.assert_close(mpi_model[k], batched.final_state[k], rtol=1e-5, atol=1e-6)
