@@ -26,14 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from speed import config_for, load_users  # noqa: E402
+from scale import hf_engine  # noqa: E402
 
-from fedml_perfedavg.algorithms.registry import create_algorithm  # noqa: E402
 from fedml_perfedavg.core import evaluation  # noqa: E402
 from fedml_perfedavg.core.functional import logits_of  # noqa: E402
 from fedml_perfedavg.core.sampling import Purpose, generator_for  # noqa: E402
-from fedml_perfedavg.engine.batched import BatchedSimulation  # noqa: E402
-from fedml_perfedavg.models import create_model  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -51,20 +48,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args()
-    config = config_for("hf", 10, 50)
-    users, source = load_users(50, "cpu")
-    torch.manual_seed(0)
-    model = create_model("mlp", (1, 28, 28), 10)
-    algorithm = create_algorithm("PerFedAvg", model, config)
-
-    class Driver:
-        def sample_clients(self, round_idx):
-            return algorithm.sample_clients(round_idx)
-
-        def round_finished(self, round_idx, state):
-            pass
-
-    engine = BatchedSimulation(algorithm, users, model.state_dict(), Driver())
+    engine, algorithm, users, source = hf_engine(50, 10)
     for round_idx in range(3):  # a trained model, not the initial one, for the scoring checks
         engine.train_round(round_idx)
     clients = algorithm.sample_clients(3)

@@ -49,8 +49,9 @@ HF_YAML = REPO / "yaml_configs" / "mnist_tau10_alpha0.01_hf.yaml"
 MNIST_ROOT = os.environ.get("PERFEDAVG_MNIST_ROOT", str(REPO.parent / "shared" / "datasets"))
 
 
-def measure_batched(users: int, clients: int, rounds: int) -> dict:
-    """One (users, clients) cell in this process: train ms/round after a warm-up round."""
+def hf_engine(users: int, clients: int):
+    """(engine, algorithm, users' data, data source): the batched engine on Per-FedAvg HF with the
+    paper's MLP, a driver that samples with the algorithm and records nothing."""
     config = config_for("hf", clients, users)
     user_data, source = load_users(users, "cpu")
     torch.manual_seed(0)
@@ -64,7 +65,12 @@ def measure_batched(users: int, clients: int, rounds: int) -> dict:
         def round_finished(self, round_idx, global_state):
             pass
 
-    engine = BatchedSimulation(algorithm, user_data, model.state_dict(), Driver())
+    return BatchedSimulation(algorithm, user_data, model.state_dict(), Driver()), algorithm, user_data, source
+
+
+def measure_batched(users: int, clients: int, rounds: int) -> dict:
+    """One (users, clients) cell in this process: train ms/round after a warm-up round."""
+    engine, algorithm, user_data, source = hf_engine(users, clients)
     counter = iter(range(10 ** 6))
     samples = samples_ms(lambda: engine.train_round(next(counter)), rounds, warmup=1)
     updates = engine.train_clients(0, algorithm.sample_clients(0), engine.state)
