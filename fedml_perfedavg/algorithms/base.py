@@ -32,7 +32,8 @@ from ..core.algorithm import SGD, LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
 from ..core.guards import RunStopped, apply_divergence_policy, is_finite, update_problem
-from ..core.sampling import Purpose, batch_indices, generator_for, sample_clients, sample_local_batches
+from ..core.sampling import (Purpose, batch_indices_of_many, generator_for, sample_clients,
+                             sample_local_batches)
 from ..core.types import Params, StateDict, UserSplit
 
 logger = logging.getLogger(__name__)
@@ -271,8 +272,16 @@ class FederatedAlgorithm:
     def client_batch_indices(self, round_idx: int, client_id: int, num_samples: int) -> List[Tensor]:
         """The sample indices of :meth:`client_batches` (D, D', D''; each ``(steps, size)``), so
         an engine can gather every client's batches at once."""
-        generator = generator_for(self.settings.seed, round_idx, client_id, Purpose.LOCAL_TRAINING)
-        return batch_indices(num_samples, self.settings.local.local_steps, self.settings.batch_sizes, generator)
+        return self.clients_batch_indices(round_idx, [client_id], [num_samples])[0]
+
+    def clients_batch_indices(self, round_idx: int, clients: Sequence[int], num_samples: Sequence[int]
+                              ) -> List[List[Tensor]]:
+        """:meth:`client_batch_indices` of each of ``clients`` (with ``num_samples`` training
+        samples each), the same numbers, drawn together: each client's keys from its own keyed
+        stream, then one selection per data size."""
+        generators = [generator_for(self.settings.seed, round_idx, c, Purpose.LOCAL_TRAINING) for c in clients]
+        return batch_indices_of_many(num_samples, self.settings.local.local_steps, self.settings.batch_sizes,
+                                     generators)
 
     def local_update(self, params: Params, batches: LocalBatches) -> Params:
         """The client's maths: a pure function of the starting parameters and the minibatches

@@ -95,14 +95,32 @@ def random_iterate_step(seed: int, round_idx: int, local_steps: int) -> int:
 def batch_indices(num_samples: int, steps: int, batch_sizes: Sequence[int], generator: torch.Generator) -> List[Tensor]:
     """For each batch size, a ``(steps, size)`` index tensor; each row is drawn without
     replacement and independently of every other row and batch role."""
+    return batch_indices_of_many([num_samples], steps, batch_sizes, [generator])[0]
+
+
+def batch_indices_of_many(num_samples: Sequence[int], steps: int, batch_sizes: Sequence[int],
+                          generators: Sequence[torch.Generator]) -> List[List[Tensor]]:
+    """:func:`batch_indices` of several clients (their sample counts and generators), the same
+    numbers: each client's keys come from its own generator, and the selection runs once for all
+    clients of one size (topk treats each row alike, ties included, however many rows it has)."""
     largest = max(batch_sizes)
-    if largest > num_samples:
-        raise ValueError(f"batch size {largest} is larger than the client's {num_samples} training samples")
+    for count in num_samples:
+        if largest > count:
+            raise ValueError(f"batch size {largest} is larger than the client's {count} training samples")
     # The positions of the `largest` smallest of i.i.d. uniform keys are a uniformly random
-    # ordered subset: steps * roles independent draws without replacement in one call.
-    keys = torch.rand(steps, len(batch_sizes), num_samples, generator=generator)
-    chosen = keys.topk(largest, dim=-1, largest=False).indices
-    return [chosen[:, role, :size] for role, size in enumerate(batch_sizes)]
+    # ordered subset: steps * roles independent draws without replacement per client.
+    keys = [torch.rand(steps, len(batch_sizes), count, generator=generator)
+            for count, generator in zip(num_samples, generators)]
+    by_size: dict = {}
+    for position, count in enumerate(num_samples):
+        by_size.setdefault(count, []).append(position)
+    chosen: List[Tensor] = [torch.empty(0)] * len(keys)
+    for members in by_size.values():
+        together = keys[members[0]].unsqueeze(0) if len(members) == 1 else torch.stack([keys[p] for p in members])
+        picked = together.topk(largest, dim=-1, largest=False).indices
+        for row, position in enumerate(members):
+            chosen[position] = picked[row]
+    return [[indices[:, role, :size] for role, size in enumerate(batch_sizes)] for indices in chosen]
 
 
 def sample_local_batches(

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .algorithm import SGD, LocalBatches, LocalUpdateConfig
 from .functional import logits_of, parameters_of
 from .types import Params
 
@@ -73,12 +74,47 @@ class _Layer:
     bias: Optional[str]
     activation: Optional[Activation]
 
-    def add_gradients(self, grads: Dict[str, Tensor], delta: Tensor, inputs: Tensor) -> None:
-        """This Linear layer's gradients into ``grads``, from the gradient at its pre-activation
-        ``delta`` (C, B, out) and its inputs (C, B, in): dW = delta^T x, db = sum over the batch."""
-        grads[self.weight] = torch.bmm(delta.transpose(1, 2), inputs)
+    def add_gradients(self, grads: Dict[str, Tensor], delta: Tensor, inputs: Tensor,
+                      out: Optional[Params] = None) -> None:
+        """This Linear layer's gradients into ``grads`` (written into ``out``'s tensors where
+        given), from the gradient at its pre-activation ``delta`` (C, B, out) and its inputs
+        (C, B, in): dW = delta^T x, db = sum over the batch."""
+        grads[self.weight] = torch.bmm(delta.transpose(1, 2), inputs, out=_slot(out, self.weight))
         if self.bias is not None:
-            grads[self.bias] = delta.sum(dim=1)
+            grads[self.bias] = torch.sum(delta, dim=1, out=_slot(out, self.bias))
+
+
+def _slot(out: Optional[Params], name: str) -> Optional[Tensor]:
+    return None if out is None else out[name]
+
+
+def _one_hot(y: Tensor, logits: Tensor) -> Tensor:
+    """The one-hot targets of labels ``y``, or ``y`` itself where it is one-hot already."""
+    return y if y.dim() == logits.dim() else F.one_hot(y, logits.shape[-1]).to(logits.dtype)
+
+
+class _FlatLayout:
+    """Every parameter of C clients in one flat buffer, parameter after parameter, so each is a
+    contiguous (C, ...) view and an update of all parameters is one elementwise kernel."""
+
+    def __init__(self, params: Params) -> None:
+        self.clients = next(iter(params.values())).shape[0]
+        self.shapes = {k: v.shape for k, v in params.items()}
+        self.dtype, self.device = next(iter(params.values())).dtype, next(iter(params.values())).device
+        self.size = sum(v.numel() for v in params.values())
+
+    def key(self) -> tuple:
+        return tuple(self.shapes.items()), self.dtype, self.device
+
+    def new(self) -> Tuple[Tensor, Params]:
+        """A fresh flat buffer and its per-parameter views."""
+        flat = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        views, offset = {}, 0
+        for name, shape in self.shapes.items():
+            count = shape.numel()
+            views[name] = flat[offset:offset + count].view(shape)
+            offset += count
+        return flat, views
 
 
 class StackedGradients:
@@ -86,8 +122,10 @@ class StackedGradients:
     a leading client dimension C, inputs are (C, B, ...), labels (C, B). Implements
     :class:`fedml_perfedavg.core.algorithm.Gradients`."""
 
-    def __init__(self, layers: List[_Layer]) -> None:
+    def __init__(self, layers: List[_Layer], classes: int) -> None:
         self.layers = layers
+        self.classes = classes
+        self._work: Dict[tuple, Dict[str, Tuple[Tensor, Params]]] = {}  # local_update's buffers, by shape
 
     @classmethod
     def for_network(cls, network: nn.Module, input_shape: Tuple[int, ...]) -> Tuple[Optional["StackedGradients"], str]:
@@ -118,8 +156,10 @@ class StackedGradients:
             layers[-1] = _Layer(last.weight, last.bias, activation)
         if not layers or len({n for layer in layers for n in (layer.weight, layer.bias) if n}) != len(names):
             return None, "not every parameter belongs to a Linear layer of the chain"
-        stacked = cls(layers)
+        if len({p.dtype for p in network.parameters()}) > 1:
+            return None, "its parameters have more than one dtype"
         params = parameters_of(network)
+        stacked = cls(layers, params[layers[-1].weight].shape[0])
         probe = torch.randn(3, *input_shape, generator=torch.Generator().manual_seed(0)).to(
             next(iter(params.values())))
         expected = logits_of(network, params, probe)
@@ -140,10 +180,11 @@ class StackedGradients:
         return inputs, pre, h
 
     def _backward(self, params: Params, inputs: List[Tensor], pre: List[Tensor], logits: Tensor, y: Tensor,
-                  start: int = 0) -> Tuple[Dict[str, Tensor], Tensor]:
-        """Gradients of layers ``start``.. and the gradient at layer ``start``'s pre-activation."""
+                  start: int = 0, out: Optional[Params] = None) -> Tuple[Dict[str, Tensor], Tensor]:
+        """Gradients of layers ``start``.. and the gradient at layer ``start``'s pre-activation;
+        ``y`` holds labels (C, B) or their one-hot encoding (C, B, classes) in the logits' dtype."""
         # d(mean cross-entropy)/d(logits) = (softmax - one-hot) / B
-        delta = (torch.softmax(logits, dim=-1) - F.one_hot(y, logits.shape[-1]).to(logits.dtype)) / y.shape[1]
+        delta = (torch.softmax(logits, dim=-1) - _one_hot(y, logits)) / y.shape[1]
         grads: Dict[str, Tensor] = {}
         for position in range(len(inputs) - 1, -1, -1):
             layer = self.layers[start + position]
@@ -152,7 +193,7 @@ class StackedGradients:
                 delta = layer.activation.backward(delta, pre[position], output)
             if position == 0:
                 break
-            layer.add_gradients(grads, delta, inputs[position])
+            layer.add_gradients(grads, delta, inputs[position], out)
             delta = torch.bmm(delta, params[layer.weight])
         return grads, delta
 
@@ -160,17 +201,20 @@ class StackedGradients:
         """The network's outputs, (C, B, classes)."""
         return self._forward(params, x.reshape(x.shape[0], x.shape[1], -1))[2]
 
-    def grad(self, params: Params, x: Tensor, y: Tensor) -> Params:
+    def grad(self, params: Params, x: Tensor, y: Tensor, out: Optional[Params] = None) -> Params:
+        """Gradients of the mean cross-entropy (written into ``out``'s tensors where given)."""
         h = x.reshape(x.shape[0], x.shape[1], -1)
         inputs, pre, logits = self._forward(params, h)
-        grads, delta = self._backward(params, inputs, pre, logits, y)
-        self.layers[0].add_gradients(grads, delta, h)
+        grads, delta = self._backward(params, inputs, pre, logits, y, out=out)
+        self.layers[0].add_gradients(grads, delta, h, out)
         return {k: grads[k] for k in params}
 
-    def hessian_vector_product(self, params: Params, direction: Params, x: Tensor, y: Tensor) -> Params:
+    def hessian_vector_product(self, params: Params, direction: Params, x: Tensor, y: Tensor,
+                               out: Optional[Params] = None) -> Params:
         """H(w) v exactly, by hand (Pearlmutter's R-operator through this chain): a forward pass
         with its directional derivative, then the backward pass with its own; the gradient itself
-        is never formed. Equal to forward-over-reverse autodiff, with fewer and fused products."""
+        is never formed. Equal to forward-over-reverse autodiff, with fewer and fused products.
+        Written into ``out``'s tensors where given."""
         h = x.reshape(x.shape[0], x.shape[1], -1)
         inputs, pre, logits = self._forward(params, h)
         outputs = inputs[1:] + [logits]
@@ -191,29 +235,72 @@ class StackedGradients:
         last = self.layers[-1]
         r_logits = r_pre[-1] if last.activation is None else last.activation.backward(r_pre[-1], pre[-1], logits)
         probs = torch.softmax(logits, dim=-1)
-        delta = (probs - F.one_hot(y, logits.shape[-1]).to(logits.dtype)) / y.shape[1]
+        delta = (probs - _one_hot(y, logits)) / y.shape[1]
         r_delta = (probs * r_logits - probs * (probs * r_logits).sum(dim=-1, keepdim=True)) / y.shape[1]
         hvp: Dict[str, Tensor] = {}
         for position in range(len(self.layers) - 1, -1, -1):
             layer = self.layers[position]
             if layer.activation is not None:
-                z, out = pre[position], outputs[position]
+                z, output = pre[position], outputs[position]
                 # R(s'(z) d) = s'(z) R(d) + s''(z) Rz d
-                r_delta = torch.add(layer.activation.backward(r_delta, z, out),
-                                    layer.activation.curvature(delta * r_pre[position], z, out))
-                delta = layer.activation.backward(delta, z, out)
+                r_delta = torch.add(layer.activation.backward(r_delta, z, output),
+                                    layer.activation.curvature(delta * r_pre[position], z, output))
+                delta = layer.activation.backward(delta, z, output)
             # R(dW_l) = R(delta)^T h_{l-1} + delta^T Rh_{l-1};  R(db_l) = sum R(delta)
-            product = torch.bmm(r_delta.transpose(1, 2), inputs[position])
             if r_inputs[position] is not None:
-                product = torch.baddbmm(product, delta.transpose(1, 2), r_inputs[position])
-            hvp[layer.weight] = product
+                hvp[layer.weight] = torch.baddbmm(torch.bmm(r_delta.transpose(1, 2), inputs[position]),
+                                                  delta.transpose(1, 2), r_inputs[position],
+                                                  out=_slot(out, layer.weight))
+            else:
+                hvp[layer.weight] = torch.bmm(r_delta.transpose(1, 2), inputs[position], out=_slot(out, layer.weight))
             if layer.bias is not None:
-                hvp[layer.bias] = r_delta.sum(dim=1)
+                hvp[layer.bias] = torch.sum(r_delta, dim=1, out=_slot(out, layer.bias))
             if position > 0:
                 # R(delta_{l-1}) = R(delta_l) W_l + delta_l V_l;  delta_{l-1} = delta_l W_l
                 r_delta = torch.baddbmm(torch.bmm(r_delta, params[layer.weight]), delta, direction[layer.weight])
                 delta = torch.bmm(delta, params[layer.weight])
         return {k: hvp[k] for k in params}
+
+    def local_update(self, params: Params, batches: LocalBatches, config: LocalUpdateConfig) -> Params:
+        """``config.local_steps`` local steps of every client from ``params`` (client first;
+        ``batches`` step first): the numbers of :func:`fedml_perfedavg.core.algorithm.local_update`
+        with this oracle, bit for bit (every elementwise operation is the same one on the same
+        operands), computed in flat per-client buffers reused from call to call: an update of
+        all parameters is one kernel, and no step allocates gradient-sized tensors."""
+        layout = _FlatLayout(params)
+        work = self._work.get(layout.key())
+        if work is None:  # one set per shape (a grid's rounds are larger than a run's)
+            work = self._work[layout.key()] = {name: layout.new() for name in ("grad", "meta", "hvp", "scaled")}
+        (grad_flat, grad_at_d), (meta_flat, meta_grad), (hvp_flat, hvp), (scaled, _) = (
+            work["grad"], work["meta"], work["hvp"], work["scaled"])
+        result_flat, result = layout.new()  # returned: the caller keeps it, so never reused
+        for name, tensor in result.items():
+            tensor.copy_(params[name])
+        adapted_flat, adapted = layout.new() if config.variant != SGD else (None, None)
+        # The one-hot targets of every step at once (the same values as one step at a time), for
+        # the roles the variant reads: D; D' too in FO; D'' too in HF and exact.
+        roles = 1 if config.variant == SGD else 2 if config.variant == "fo" else 3
+        targets = [F.one_hot(y, self.classes).to(layout.dtype)
+                   for y in (batches.adapt_y, batches.meta_y, batches.hessian_y)[:roles]]
+        for t in range(config.local_steps):
+            self.grad(result, batches.adapt_x[t], targets[0][t], out=grad_at_d)
+            if config.variant == SGD:
+                direction_flat = grad_flat
+            else:
+                # adapted = w - alpha grad f(w; D), as axpy: (-alpha * g) then w + that
+                torch.add(result_flat, torch.mul(grad_flat, -config.alpha, out=scaled), out=adapted_flat)
+                self.grad(adapted, batches.meta_x[t], targets[1][t], out=meta_grad)
+                direction_flat = meta_flat
+                if config.variant != "fo":
+                    if config.variant == "hf":
+                        self.finite_difference_hvp(result, meta_grad, batches.hessian_x[t], targets[2][t],
+                                                   config.delta, out=hvp)
+                    else:
+                        self.hessian_vector_product(result, meta_grad, batches.hessian_x[t], targets[2][t], out=hvp)
+                    direction_flat = torch.add(meta_flat, torch.mul(hvp_flat, -config.alpha, out=scaled),
+                                               out=grad_flat)
+            torch.add(result_flat, torch.mul(direction_flat, -config.beta, out=scaled), out=result_flat)
+        return result
 
     def grad_pair(self, params: Params, x: Tensor, y: Tensor) -> Params:
         # the two points as 2C clients: one batched pass
@@ -222,15 +309,16 @@ class StackedGradients:
         return {k: v.reshape(2, -1, *v.shape[1:]) for k, v in grads.items()}
 
     def finite_difference_hvp(self, params: Params, direction: Params, x: Tensor, y: Tensor,
-                              delta: float) -> Params:
+                              delta: float, out: Optional[Params] = None) -> Params:
         """(grad(w + delta v) - grad(w - delta v)) / (2 delta), the HF estimator's Hessian-vector
         product, without copying the inputs or the first layer: both points share the input x,
         so the first layer's pre-activations are x W^T +- delta x V^T, and its gradient
-        difference is one product of x with the difference of the two backward signals."""
+        difference is one product of x with the difference of the two backward signals.
+        Written into ``out``'s tensors where given."""
         if len(self.layers) < 2:  # a single layer: the two points as 2C clients
             pair = self.grad_pair({k: torch.stack((p + delta * direction[k], p - delta * direction[k]))
                                    for k, p in params.items()}, x, y)
-            return {k: (v[0] - v[1]) / (2.0 * delta) for k, v in pair.items()}
+            return {k: torch.div(v[0] - v[1], 2.0 * delta, out=_slot(out, k)) for k, v in pair.items()}
         clients = x.shape[0]
         h = x.reshape(clients, x.shape[1], -1)
         first = self.layers[0]
@@ -246,8 +334,8 @@ class StackedGradients:
                 for layer in self.layers[1:] for k in (layer.weight, layer.bias) if k}
         inputs, pre, logits = self._forward(rest, h1, start=1)
         grads, signal = self._backward_from_second(rest, h1, z, inputs, pre, logits, torch.cat((y, y)))
-        hvp = {k: (v[:clients] - v[clients:]) / (2.0 * delta) for k, v in grads.items()}
-        first.add_gradients(hvp, (signal[:clients] - signal[clients:]) / (2.0 * delta), h)
+        hvp = {k: torch.div(v[:clients] - v[clients:], 2.0 * delta, out=_slot(out, k)) for k, v in grads.items()}
+        first.add_gradients(hvp, (signal[:clients] - signal[clients:]) / (2.0 * delta), h, out)
         return {k: hvp[k] for k in params}
 
     def _backward_from_second(self, rest: Params, h1: Tensor, z1: Tensor, inputs: List[Tensor],

@@ -1,6 +1,7 @@
 import torch
 
-from fedml_perfedavg.core.sampling import Purpose, batch_indices, generator_for, sample_clients, sample_local_batches
+from fedml_perfedavg.core.sampling import (Purpose, batch_indices, batch_indices_of_many, generator_for, sample_clients,
+                                          sample_local_batches)
 
 
 def test_client_sampling_is_uniform_without_replacement_and_keyed_by_seed_and_round():
@@ -54,3 +55,37 @@ def test_random_iterate_step_is_keyed_and_uniform_over_the_local_steps():
     counts = Counter(draws)
     assert set(counts) == {0, 1, 2, 3} and all(900 < n < 1100 for n in counts.values())
     assert draws != [random_iterate_step(1, r, 4) for r in range(4000)]
+
+
+def _one_client_reference(num_samples, steps, batch_sizes, generator):
+    """The keyed draw as one client alone makes it (the code before batch_indices_of_many)."""
+    keys = torch.rand(steps, len(batch_sizes), num_samples, generator=generator)
+    chosen = keys.topk(max(batch_sizes), dim=-1, largest=False).indices
+    return [chosen[:, role, :size] for role, size in enumerate(batch_sizes)]
+
+
+def test_the_keyed_minibatch_streams_are_pinned():
+    # Literal values drawn by the code of issue 25's start: a change of the streams fails here.
+    first = batch_indices(980, 10, [40, 40, 40], generator_for(0, 7, 3, Purpose.LOCAL_TRAINING))
+    assert first[0][0, :8].tolist() == [902, 641, 933, 326, 878, 358, 629, 231]
+    assert first[2][9, -5:].tolist() == [63, 608, 774, 294, 803]
+    second = batch_indices(490, 10, [40, 40, 40], generator_for(0, 7, 4, Purpose.LOCAL_TRAINING))
+    assert second[1][4, :8].tolist() == [469, 136, 96, 464, 117, 212, 159, 476]
+
+
+def test_many_clients_drawn_together_get_what_each_draws_alone():
+    sizes, clients = [980, 490, 980, 45, 490, 980], [3, 8, 11, 2, 40, 5]
+    together = batch_indices_of_many(sizes, 4, [40, 30, 20],
+                                      [generator_for(0, 2, c, Purpose.LOCAL_TRAINING) for c in clients])
+    for count, client, got in zip(sizes, clients, together):
+        expected = _one_client_reference(count, 4, [40, 30, 20], generator_for(0, 2, client, Purpose.LOCAL_TRAINING))
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_topk_picks_ties_in_a_stack_of_rows_as_in_each_row_alone():
+    # What batch_indices_of_many relies on: keys come from 2**24 values, so ties happen over a
+    # long run, and the rows of one size are selected in one call.
+    rows = torch.randint(0, 6, (12, 3, 200), generator=torch.Generator().manual_seed(0)).float() / 8
+    together = rows.topk(40, dim=-1, largest=False).indices
+    for i in range(len(rows)):
+        assert torch.equal(together[i], rows[i].topk(40, dim=-1, largest=False).indices)
