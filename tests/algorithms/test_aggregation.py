@@ -4,7 +4,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from fedml_perfedavg.core.guards import RunStopped, update_problem
+from fedml_perfedavg.core.guards import RunStopped, nonfinite_clients, tensor_is_finite, update_problem
 
 from tests.helpers_tiny import tiny_config
 
@@ -44,3 +44,17 @@ def test_rounds_without_acceptable_updates_are_skipped_then_the_run_stops():
     with pytest.raises(RunStopped, match="2 rounds had no acceptable client update"):
         algorithm.aggregate(1, [(1, bad)], before)
     assert algorithm.state_dict()["skipped_rounds"] == 2
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_finiteness_check_finds_every_nonfinite_value_and_nothing_else(bad):
+    extremes = torch.tensor([3.4e38, -3.4e38, -0.0, 1e-45] * 1000)  # finite, their sum overflows
+    assert tensor_is_finite(extremes) and tensor_is_finite(torch.empty(0))
+    for position in (0, 1717, 3999):
+        broken = extremes.clone()
+        broken[position] = bad
+        assert not tensor_is_finite(broken)
+    stacked = {"w": extremes.reshape(1, 4000).repeat(5, 1), "b": torch.zeros(5, 3)}
+    stacked["w"][3, 7] = bad
+    stacked["b"][1, 2] = bad
+    assert nonfinite_clients(stacked) == [1, 3]
