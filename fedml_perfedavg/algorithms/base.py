@@ -31,6 +31,7 @@ from ..core import algorithm as client_maths
 from ..core.algorithm import SGD, LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
+from ..core.stacked import StackedGradients
 from ..core.guards import RunStopped, apply_divergence_policy, is_finite, update_problem
 from ..core.sampling import (Purpose, batch_indices_of_many, generator_for, sample_clients,
                              sample_local_batches)
@@ -189,6 +190,8 @@ class FederatedAlgorithm:
         self.skipped_rounds = 0
         self.rejected: Dict[int, int] = {}  # round -> client updates rejected
         self.aggregate_calls = 0
+        self._scoring_chains: Dict[tuple, Optional[StackedGradients]] = {}  # by input shape
+        self._test_stacks: dict = {}  # the evaluation's stacked test splits, kept between evaluations
 
     @classmethod
     def from_config(cls, model: nn.Module, config: Any) -> "FederatedAlgorithm":
@@ -385,7 +388,18 @@ class FederatedAlgorithm:
         if config.batched != batched:
             config = dataclasses.replace(config, batched=batched)
         return evaluate(self.network, params, users, config, round_idx, user_ids=user_ids, loss_fn=self.loss_fn,
-                        step_sizes=self.refinement_step_sizes(global_state))
+                        step_sizes=self.refinement_step_sizes(global_state), chain=self._scoring_chain(users),
+                        test_stacks=self._test_stacks)
+
+    def _scoring_chain(self, users: Sequence[UserSplit]) -> Optional[StackedGradients]:
+        """The network's hand-batched form, for scoring users together, where it is a Linear chain
+        (decided once per input shape; the evaluation still probes that it gives the same bits)."""
+        if not users:
+            return None
+        shape = tuple(users[0].test_x.shape[1:])
+        if shape not in self._scoring_chains:
+            self._scoring_chains[shape] = StackedGradients.for_network(self.network, shape)[0]
+        return self._scoring_chains[shape]
 
     def refinement_step_sizes(self, global_state: StateDict) -> Optional[Params]:
         """Per-coordinate step sizes of the personalization step at evaluation, or None for

@@ -16,7 +16,8 @@ from torch.func import grad, vmap
 
 from .algorithm import axpy
 from .functional import logits_of, make_loss_fn
-from .sampling import Purpose, batch_indices, generator_for
+from .sampling import Purpose, batch_indices, batch_indices_of_many, generator_for
+from .stacked import StackedGradients
 from .types import LossFn, Params, UserSplit
 
 USERS_PER_CHUNK = 64  # batched adaptation: users per vmapped call (bounds memory as n grows)
@@ -111,16 +112,31 @@ def _adapted_one_by_one(loss_fn: LossFn, params: Params, users: Sequence[UserSpl
         yield sgd_steps(loss_fn, params, *batches, step)
 
 
+def _adapt_together(loss_fn: LossFn, params: Params, users: Sequence[UserSplit], user_ids: Sequence[int],
+                    config: EvaluationConfig, round_idx: int, step_size: Union[float, Params]) -> Params:
+    """The adapted models of ``users`` (every one with at least ``batch_size`` training samples),
+    stacked: one vmapped computation, the numbers of :func:`_adapted_one_by_one`."""
+    generators = [generator_for(config.seed, round_idx, user_id, Purpose.EVALUATION) for user_id in user_ids]
+    indices = batch_indices_of_many([len(u.train_y) for u in users], config.adapt_steps, [config.batch_size],
+                                    generators)
+    batches_x = torch.stack([u.train_x.index_select(0, index.to(u.train_x.device).reshape(-1)).view(
+        *index.shape, *u.train_x.shape[1:]) for u, (index,) in zip(users, indices)])
+    batches_y = torch.stack([u.train_y.index_select(0, index.to(u.train_y.device).reshape(-1)).view(index.shape)
+                             for u, (index,) in zip(users, indices)])
+    if config.adapt_steps == 1 and not isinstance(step_size, dict):
+        # One step of size alpha: sgd_steps' numbers, its axpy (-alpha g, then + w) done outside
+        # vmap where the gradients lie, not in two fresh tensors of every user's size.
+        adapted = vmap(grad(loss_fn), in_dims=(None, 0, 0))(params, batches_x[:, 0], batches_y[:, 0])
+        return {k: adapted[k].mul_(-step_size).add_(params[k]) for k in params}
+    return vmap(lambda bx, by: sgd_steps(loss_fn, params, bx, by, step_size), in_dims=(0, 0))(batches_x, batches_y)
+
+
 def _adapted_in_chunks(loss_fn: LossFn, params: Params, users: Sequence[UserSplit], user_ids: Sequence[int],
                        config: EvaluationConfig, round_idx: int, step_size: Union[float, Params]) -> Iterator[Params]:
-    step = vmap(lambda bx, by: sgd_steps(loss_fn, params, bx, by, step_size), in_dims=(0, 0))
     for start in range(0, len(users), USERS_PER_CHUNK):
-        chunk = range(start, min(start + USERS_PER_CHUNK, len(users)))
-        batches = [adaptation_batches(users[i].train_x, users[i].train_y, config.adapt_steps, config.batch_size,
-                                      generator_for(config.seed, round_idx, user_ids[i], Purpose.EVALUATION))
-                   for i in chunk]
-        adapted = step(torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches]))
-        yield from ({k: v[j] for k, v in adapted.items()} for j in range(len(chunk)))
+        chunk = slice(start, start + USERS_PER_CHUNK)
+        adapted = _adapt_together(loss_fn, params, users[chunk], user_ids[chunk], config, round_idx, step_size)
+        yield from ({k: v[j] for k, v in adapted.items()} for j in range(len(users[chunk])))
 
 
 def _score(network: nn.Module, params: Params, adapted_per_user: Iterable[Params],
@@ -136,20 +152,97 @@ def _score(network: nn.Module, params: Params, adapted_per_user: Iterable[Params
     return EvaluationResult(after, before, losses)
 
 
+def _evaluate_together(chain: StackedGradients, loss_fn: LossFn, params: Params, users: Sequence[UserSplit],
+                       user_ids: Sequence[int], config: EvaluationConfig, round_idx: int,
+                       step_size: Union[float, Params], test_stacks: Optional[dict]) -> EvaluationResult:
+    """The numbers of adapting in chunks and :func:`_score`, for users of a Linear chain: the users
+    of each test-split size adapted together, then scored together, by one batched pass of the
+    adapted models and one of the global model (used only where :func:`_scores_together_exactly`
+    found that gives every user's logits bit for bit). ``test_stacks`` keeps the stacked test
+    splits from one evaluation to the next."""
+    after, before, losses = [0.0] * len(users), [0.0] * len(users), [0.0] * len(users)
+    by_size: dict = {}
+    for position, user in enumerate(users):
+        by_size.setdefault(len(user.test_y), []).append(position)
+    for members in by_size.values():
+        for start in range(0, len(members), USERS_PER_CHUNK):
+            chunk = members[start:start + USERS_PER_CHUNK]
+            group = [users[i] for i in chunk]
+            adapted = _adapt_together(loss_fn, params, group, [user_ids[i] for i in chunk], config, round_idx,
+                                      step_size)
+            # each user's adaptation has ended before its test data is read
+            x, y = _stacked_test_splits(group, test_stacks)
+            with torch.no_grad():
+                logits, logits_before = chain.logits(adapted, x), _global_logits(chain, params, x)
+                accuracy = (logits.argmax(dim=-1) == y).float().mean(dim=1).tolist()
+                accuracy_before = (logits_before.argmax(dim=-1) == y).float().mean(dim=1).tolist()
+                for row, i in enumerate(chunk):
+                    after[i], before[i] = accuracy[row], accuracy_before[row]
+                    losses[i] = float(torch.nn.functional.cross_entropy(logits[row], y[row]))
+    return EvaluationResult(after, before, losses)
+
+
+def _global_logits(chain: StackedGradients, params: Params, x: Tensor) -> Tensor:
+    """The global model's logits of stacked test splits ``x`` (U, n, ...): one pass over all rows."""
+    rows = chain.logits({k: v.unsqueeze(0) for k, v in params.items()}, x.reshape(1, -1, *x.shape[2:]))
+    return rows.view(x.shape[0], x.shape[1], -1)
+
+
+_TEST_STACKS_BYTES = 256 * 2 ** 20  # what test_stacks may hold: the paper's 50 users take 19 MB
+
+
+def _stacked_test_splits(users: Sequence[UserSplit], test_stacks: Optional[dict]) -> tuple:
+    """The test splits of ``users`` (all of one size) stacked, from ``test_stacks`` if it has them."""
+    key = tuple((id(u.test_x), id(u.test_y)) for u in users)
+    if test_stacks is not None and key in test_stacks:
+        return test_stacks[key][1]
+    stacks = torch.stack([u.test_x for u in users]), torch.stack([u.test_y for u in users])
+    if test_stacks is not None:
+        held = sum(x.numel() * x.element_size() for _, (x, _) in test_stacks.values())
+        if held + stacks[0].numel() * stacks[0].element_size() <= _TEST_STACKS_BYTES:
+            # the splits themselves are kept too, so the ids in the key stay theirs
+            test_stacks[key] = ([(u.test_x, u.test_y) for u in users], stacks)
+    return stacks
+
+
+def _scores_together_exactly(chain: StackedGradients, network: nn.Module, params: Params,
+                             users: Sequence[UserSplit]) -> bool:
+    """Whether the batched pass of :func:`_score_together` gives the per-user pass's logits bit
+    for bit here (it depends on the matrix kernels: decided once per chain, by a probe)."""
+    if chain.scores_exactly is None:
+        # random inputs of the test splits' shape: the probe reads no test data
+        sample = users[0].test_x
+        x = torch.randn(3, *sample.shape, generator=torch.Generator().manual_seed(0)).to(sample.device, sample.dtype)
+        shifted = [{k: v + 0.01 * (j + 1) for k, v in params.items()} for j in range(len(x))]
+        with torch.no_grad():
+            together = chain.logits({k: torch.stack([p[k] for p in shifted]) for k in params}, x)
+            before = _global_logits(chain, params, x)
+            chain.scores_exactly = all(
+                torch.equal(together[j], logits_of(network, shifted[j], x[j]))
+                and torch.equal(before[j], logits_of(network, params, x[j])) for j in range(len(x)))
+    return chain.scores_exactly
+
+
 def evaluate(network: nn.Module, params: Params, users: Sequence[UserSplit], config: EvaluationConfig,
              round_idx: int, user_ids: Optional[Sequence[int]] = None, loss_fn: Optional[LossFn] = None,
-             step_sizes: Optional[Params] = None) -> EvaluationResult:
+             step_sizes: Optional[Params] = None, chain: Optional[StackedGradients] = None,
+             test_stacks: Optional[dict] = None) -> EvaluationResult:
     """Personalized evaluation of ``params`` on ``users`` (see the module doc).
 
     ``network`` is a functional network (:func:`fedml_perfedavg.core.functional.functional_network`);
     ``user_ids`` key each user's adaptation batches (default 0..len(users)-1), so one silo
     evaluating user 7 draws what the server's evaluation of all users draws for user 7.
-    ``step_sizes`` replaces alpha with per-coordinate step sizes (an algorithm that learns them)."""
+    ``step_sizes`` replaces alpha with per-coordinate step sizes (an algorithm that learns them).
+    ``chain``, the network's hand-batched form where it is a Linear chain, scores users together
+    where that gives the same bits (``config.batched``), keeping the stacked test splits in
+    ``test_stacks`` (a dict the caller holds on to) for the next evaluation."""
     user_ids = list(range(len(users))) if user_ids is None else list(user_ids)
     step = config.alpha if step_sizes is None else {k: step_sizes[k] for k in params}
     if len(user_ids) != len(users):
         raise ValueError(f"{len(user_ids)} user ids for {len(users)} users")
     loss_fn = loss_fn if loss_fn is not None else make_loss_fn(network)
     stackable = len(users) > 1 and all(len(u.train_y) >= config.batch_size for u in users)
+    if config.batched and stackable and chain is not None and _scores_together_exactly(chain, network, params, users):
+        return _evaluate_together(chain, loss_fn, params, users, user_ids, config, round_idx, step, test_stacks)
     adapt = _adapted_in_chunks if config.batched and stackable else _adapted_one_by_one
     return _score(network, params, adapt(loss_fn, params, users, user_ids, config, round_idx, step), users)

@@ -126,6 +126,8 @@ class StackedGradients:
         self.layers = layers
         self.classes = classes
         self._work: Dict[tuple, Dict[str, Tuple[Tensor, Params]]] = {}  # local_update's buffers, by shape
+        #: Whether batched scoring gives per-user logits bit for bit here (core.evaluation's probe).
+        self.scores_exactly: Optional[bool] = None
 
     @classmethod
     def for_network(cls, network: nn.Module, input_shape: Tuple[int, ...]) -> Tuple[Optional["StackedGradients"], str]:
