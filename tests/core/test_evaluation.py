@@ -191,3 +191,23 @@ def test_scoring_together_reads_no_test_data_before_every_adaptation_of_its_chun
     # two chunks (the users of each test size): each adapted, then its test data read
     collapsed = [e for i, e in enumerate(EVENTS) if i == 0 or EVENTS[i - 1] != e]
     assert collapsed == ["adaptation-step", "test-data-read"] * 2
+
+
+@pytest.mark.parametrize("adapt_steps,per_coordinate", [(1, False), (2, False), (1, True)])
+def test_users_adapted_together_get_the_models_of_the_vmapped_sgd_steps_bit_for_bit(adapt_steps, per_coordinate):
+    from torch.func import vmap
+
+    from fedml_perfedavg.core.evaluation import _adapt_together
+
+    torch.manual_seed(7)
+    model, _ = _paper_mlp()
+    users, params, loss = _users_of_two_test_sizes(3), parameters_of(model), make_loss_fn(model)
+    step = {k: torch.full_like(v, 0.2) for k, v in params.items()} if per_coordinate else 0.3
+    config = EvaluationConfig(0.3, adapt_steps, 8, 1, batched=True)
+    ids = [4, 0, 9, 2, 7]
+    batches = [adaptation_batches(u.train_x, u.train_y, adapt_steps, 8, generator_for(1, 2, i, Purpose.EVALUATION))
+               for u, i in zip(users, ids)]
+    expected = vmap(lambda bx, by: sgd_steps(loss, params, bx, by, step))(torch.stack([b[0] for b in batches]),
+                                                                          torch.stack([b[1] for b in batches]))
+    got = _adapt_together(loss, params, users, ids, config, 2, step)
+    assert all(torch.equal(got[k], expected[k]) for k in params)
