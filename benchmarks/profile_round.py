@@ -3,11 +3,10 @@
     python benchmarks/profile_round.py [--repeats 20] [--out benchmarks/results]
 
 Times, in one process, the pieces of the batched engine's round (client sampling, the keyed
-minibatch indices, the gather, the clients' local update) and of the evaluation of all 50 users
-(the adaptation batches, the vmapped adaptation, the scoring), a 2048^2 fp32 GEMM beside them,
-and whether two cheaper ways to score give the same bits: the global model's forward pass over
-every user's test data at once, and a vmapped forward pass of the adapted models. Median of
-``--repeats`` after a warm-up call. Writes profile_round.json under --out.
+minibatch indices, the gather, the clients' local update) and the evaluation of all 50 users
+(whole; its adaptation alone; and whole with the users scored one by one), a 2048^2 fp32 GEMM
+beside them, and whether the evaluation's probe found batched scoring bit-exact on this CPU.
+Median of ``--repeats`` after a warm-up call. Writes profile_round.json under --out.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.func import vmap
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -29,8 +27,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from scale import hf_engine  # noqa: E402
 
 from fedml_perfedavg.core import evaluation  # noqa: E402
-from fedml_perfedavg.core.functional import logits_of  # noqa: E402
-from fedml_perfedavg.core.sampling import Purpose, generator_for  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -64,7 +60,6 @@ def main() -> None:
     gemm_ms = median_ms(lambda: a @ a, 7)
     cfg = algorithm.settings.evaluation
     ids = list(range(len(users)))
-    adapted = list(evaluation._adapted_in_chunks(algorithm.loss_fn, params, users, ids, cfg, 0, cfg.alpha))
     results = {
         "round": {"sample_clients_ms": median_ms(lambda: algorithm.sample_clients(3), r),
                   "batch_indices_ms": median_ms(lambda: engine.batch_index(3, clients), r),
@@ -74,32 +69,15 @@ def main() -> None:
         "gemm_gflops": 2 * size ** 3 / (gemm_ms / 1000) / 1e9,
         "evaluation": {
             "evaluate_ms": median_ms(lambda: algorithm.evaluate(0, engine.state, users), max(5, r // 3)),
-            "adaptation_batches_ms": median_ms(lambda: [evaluation.adaptation_batches(
-                u.train_x, u.train_y, cfg.adapt_steps, cfg.batch_size, generator_for(cfg.seed, 0, i, Purpose.EVALUATION))
-                for i, u in enumerate(users)], max(5, r // 3)),
-            "adaptation_ms": median_ms(lambda: list(evaluation._adapted_in_chunks(
-                algorithm.loss_fn, params, users, ids, cfg, 0, cfg.alpha)), max(5, r // 3)),
-            "scoring_ms": median_ms(lambda: evaluation._score(algorithm.network, params, iter(adapted), users),
-                                    max(5, r // 3)),
+            # the users adapted together (one vmapped gradient), then scored user by user (the
+            # path of a network that is not a Linear chain, or of a CPU whose batched kernels differ)
+            "adaptation_ms": median_ms(lambda: evaluation._adapt_together(algorithm.loss_fn, params, users, ids, cfg,
+                                                                          0, cfg.alpha), max(5, r // 3)),
+            "evaluate_scoring_user_by_user_ms": median_ms(lambda: evaluation.evaluate(
+                algorithm.network, params, users, cfg, 0, loss_fn=algorithm.loss_fn), max(5, r // 3)),
         },
+        "scoring_together_is_bit_exact_here": algorithm._scoring_chain(users).scores_exactly,
     }
-    # Would a batched scoring give the same bits? The global model over all test data at once:
-    together = logits_of(algorithm.network, params, torch.cat([u.test_x for u in users]))
-    offsets = torch.tensor([0] + [len(u.test_y) for u in users]).cumsum(0).tolist()
-    before_equal = all(torch.equal(logits_of(algorithm.network, params, u.test_x), together[offsets[i]:offsets[i + 1]])
-                       for i, u in enumerate(users))
-    by_size: dict = {}
-    for i, u in enumerate(users):
-        by_size.setdefault(len(u.test_y), []).append(i)
-    after_equal = True
-    for members in by_size.values():
-        stacked = {k: torch.stack([adapted[i][k] for i in members]) for k in params}
-        out = vmap(lambda p, x: logits_of(algorithm.network, p, x))(stacked, torch.stack([users[i].test_x
-                                                                                         for i in members]))
-        after_equal &= all(torch.equal(out[j], logits_of(algorithm.network, adapted[i], users[i].test_x))
-                           for j, i in enumerate(members))
-    results["scoring_bits"] = {"global_model_all_users_at_once_equal": before_equal,
-                               "adapted_models_vmapped_equal": after_equal}
     results.update(date=datetime.date.today().isoformat(), data=source, threads=torch.get_num_threads(),
                    command="python benchmarks/profile_round.py " + " ".join(sys.argv[1:]))
     out = Path(args.out)

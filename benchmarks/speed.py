@@ -1,6 +1,6 @@
 """Speed of the per-client path vs the batched engine on the paper's MNIST config.
 
-    python benchmarks/speed.py [--repeats 7] [--full-run] [--device cpu|cuda] [--out benchmarks/results]
+    python benchmarks/speed.py [--repeats 25] [--full-run] [--device cpu|cuda] [--out benchmarks/results]
 
 Measures training ms/round (fedavg, fo, hf, exact), personalized-evaluation ms (all 50
 users), peak memory, an in-run large-GEMM GFLOP/s figure and the fraction of it each variant
@@ -39,6 +39,7 @@ METHODS = {"fedavg": ("FedAvgUpdate", "hf"), "fo": ("PerFedAvg", "fo"), "hf": ("
 # fwd+bwd passes of one batch per local step; exact's Hessian-vector product (forward-over-reverse)
 # costs about two more fwd+bwd passes.
 PASSES_PER_STEP = {"fedavg": 1, "fo": 2, "hf": 4, "exact": 4}
+ROUNDS_PER_BLOCK = 5  # timed rounds between two timed GEMMs
 MNIST_ROOT = os.environ.get("PERFEDAVG_MNIST_ROOT", str(REPO.parent / "shared" / "datasets"))
 
 
@@ -143,15 +144,33 @@ def measure_one(method: str, path: str, repeats: int, device: str, clients: int 
 
     state_dict = model.state_dict()
     eval_ms = median_ms(lambda: algorithm.evaluate(0, state_dict, user_data, batched=path != "per_client"),
-                        max(3, repeats // 2))
-    train_samples = samples_ms(per_client_round if path == "per_client" else batched_round, repeats)
+                        max(5, repeats))
+    # Rounds are timed in blocks, each block followed by a timed 2048^2 GEMM in this process, and
+    # the fraction of the GEMM rate is taken block by block: a machine whose speed drifts (this
+    # one moves by 30-50% within the hour) is compared with itself at that moment. A block's first
+    # round is not timed: the GEMM before it has just evicted the round's data from the caches,
+    # which no round of a run sees.
+    train_round = per_client_round if path == "per_client" else batched_round
+    gemm = torch.randn(2048, 2048, device=dev)
+    for _ in range(2):
+        train_round()
+        gemm @ gemm
+    train_samples, fractions, gemm_rates = [], [], []
+    for _ in range(max(1, repeats // ROUNDS_PER_BLOCK)):
+        block = samples_ms(train_round, ROUNDS_PER_BLOCK, warmup=1)
+        gemm_ms = samples_ms(lambda: gemm @ gemm, 1, warmup=0)[0]
+        rate = 2 * 2048 ** 3 / (gemm_ms / 1000) / 1e9
+        train_samples += block
+        gemm_rates.append(rate)
+        fractions.append(flops_per_round(model, method, clients) / 1e9 / (statistics.median(block) / 1000) / rate)
     train_ms = statistics.median(train_samples)
     peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if dev.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return {"method": method, "path": path, "clients": clients, "users": users, "train_ms": train_ms,
             "train_ms_min": min(train_samples), "train_ms_max": max(train_samples),
             "eval_ms": eval_ms, "peak_mb": peak, "gflop_per_round": flops_per_round(model, method, clients) / 1e9,
-            "data": source}
+            "gemm_gflops_in_run": statistics.median(gemm_rates), "gemm_fraction": statistics.median(fractions),
+            "gemm_fraction_min": min(fractions), "gemm_fraction_max": max(fractions), "data": source}
 
 
 def run_isolated(method: str, path: str, repeats: int, device: str, clients: int = 10, users: int = 50) -> dict:
@@ -183,15 +202,19 @@ def write_report(results: dict, out_dir: Path) -> None:
              f"Measured {results['date']} with `{results['command']}` on {results['machine']}; "
              f"data: {results['rows'][0]['data']}. Paper MNIST config: n=50, 10 clients/round, tau=10, "
              f"batches 40, MLP 784-80-60-10. Median of {results['repeats']} after warm-up.",
-             f"In-run large GEMM (2048^2 fp32): **{gemm:.0f} GFLOP/s**.", "",
-             "| method | path | train ms/round | spread (min-max) | GFLOP/round | GFLOP/s | % of GEMM | "
-             "eval ms (50 users) | peak MB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"Large GEMM (2048^2 fp32) in the parent process: {gemm:.0f} GFLOP/s. Each row's process times a "
+             f"2048^2 GEMM after each block of {ROUNDS_PER_BLOCK} timed rounds (and one untimed round first); `% of "
+             "GEMM` is the median over the blocks of the rounds' rate (GFLOP from the model's shapes; median "
+             "round of the block) over that GEMM's rate, with the blocks' min-max.", "",
+             "| method | path | train ms/round | spread (min-max) | GFLOP/round | in-run GEMM GFLOP/s | "
+             "% of GEMM (min-max) | eval ms (50 users) | eval / round | peak MB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results["rows"]:
-        rate = r["gflop_per_round"] / (r["train_ms"] / 1000)
         spread = f"{r['train_ms_min']:.1f}-{r['train_ms_max']:.1f}" if "train_ms_min" in r else "-"
-        lines.append(f"| {r['method']} | {r['path']} | {r['train_ms']:.1f} | {spread} | {r['gflop_per_round']:.2f} | {rate:.0f} | "
-                     f"{100 * rate / gemm:.0f}% | {r['eval_ms']:.1f} | {r['peak_mb']:.0f} |")
+        lines.append(f"| {r['method']} | {r['path']} | {r['train_ms']:.1f} | {spread} | {r['gflop_per_round']:.2f} | "
+                     f"{r['gemm_gflops_in_run']:.0f} | {100 * r['gemm_fraction']:.0f}% "
+                     f"({100 * r['gemm_fraction_min']:.0f}-{100 * r['gemm_fraction_max']:.0f}) | {r['eval_ms']:.1f} | "
+                     f"{r['eval_ms'] / r['train_ms']:.2f} | {r['peak_mb']:.0f} |")
     lines += ["", "Paths: `per_client` is FedML's loop (one client after the other); `vmap` the batched engine with "
               "torch.func's vmap over the clients (any model); `batched` the default engine, which for a chain of "
               "Linear layers and activations (the paper's MLP) computes every client's gradients as batched matrix "
@@ -218,7 +241,7 @@ def write_report(results: dict, out_dir: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=25, help="timed rounds per (method, path)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--full-run", action="store_true", help="also time a 1000-round HF run")

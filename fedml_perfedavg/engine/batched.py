@@ -19,7 +19,6 @@ from torch import Tensor
 from torch.func import vmap
 
 from ..algorithms.base import FederatedAlgorithm
-from ..core import algorithm as client_maths
 from ..core.algorithm import LocalBatches
 from ..core.stacked import StackedGradients
 from ..core.guards import nonfinite_clients
