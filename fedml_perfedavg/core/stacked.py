@@ -88,6 +88,15 @@ def _slot(out: Optional[Params], name: str) -> Optional[Tensor]:
     return None if out is None else out[name]
 
 
+def _plus_minus(point: Tensor, direction: Tensor, delta: float) -> Tensor:
+    """point + delta direction and point - delta direction stacked along the first dimension,
+    each written in place (not two tensors and their concatenation)."""
+    both = point.new_empty((2 * point.shape[0], *point.shape[1:]))
+    torch.add(point, direction, alpha=delta, out=both[:point.shape[0]])
+    torch.add(point, direction, alpha=-delta, out=both[point.shape[0]:])
+    return both
+
+
 def _one_hot(y: Tensor, logits: Tensor) -> Tensor:
     """The one-hot targets of labels ``y``, or ``y`` itself where it is one-hot already."""
     return y if y.dim() == logits.dim() else F.one_hot(y, logits.shape[-1]).to(logits.dtype)
@@ -326,12 +335,11 @@ class StackedGradients:
         base = torch.bmm(h, params[first.weight].transpose(1, 2))
         shift = torch.bmm(h, direction[first.weight].transpose(1, 2))
         if first.bias is not None:
-            base = base + params[first.bias].unsqueeze(1)
-            shift = shift + direction[first.bias].unsqueeze(1)
-        z = torch.cat((torch.add(base, shift, alpha=delta), torch.add(base, shift, alpha=-delta)))
+            base.add_(params[first.bias].unsqueeze(1))
+            shift.add_(direction[first.bias].unsqueeze(1))
+        z = _plus_minus(base, shift, delta)
         h1 = z if first.activation is None else first.activation.forward(z)
-        rest = {k: torch.cat((torch.add(params[k], direction[k], alpha=delta),
-                              torch.add(params[k], direction[k], alpha=-delta)))
+        rest = {k: _plus_minus(params[k], direction[k], delta)
                 for layer in self.layers[1:] for k in (layer.weight, layer.bias) if k}
         inputs, pre, logits = self._forward(rest, h1, start=1)
         grads, signal = self._backward_from_second(rest, h1, z, inputs, pre, logits, torch.cat((y, y)))
