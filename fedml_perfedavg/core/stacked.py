@@ -281,12 +281,14 @@ class StackedGradients:
         layout = _FlatLayout(params)
         work = self._work.get(layout.key())
         if work is None:  # one set per shape (a grid's rounds are larger than a run's)
-            work = self._work[layout.key()] = {name: layout.new() for name in ("grad", "meta", "hvp")}
-        (grad_flat, grad_at_d), (meta_flat, meta_grad), (hvp_flat, hvp) = work["grad"], work["meta"], work["hvp"]
+            work = self._work[layout.key()] = {name: layout.new() for name in ("grad", "meta", "adapted")}
+        (grad_flat, grad_at_d), (meta_flat, meta_grad) = work["grad"], work["meta"]
+        # The Hessian-vector product is written where the adapted point was: that is no longer
+        # read once g is computed, and three buffers stay in cache where four would not.
+        (adapted_flat, adapted) = (hvp_flat, hvp) = work["adapted"]
         result_flat, result = layout.new()  # returned: the caller keeps it, so never reused
         for name, tensor in result.items():
             tensor.copy_(params[name])
-        adapted_flat, adapted = layout.new() if config.variant != SGD else (None, None)
         # The one-hot targets of every step at once (the same values as one step at a time), for
         # the roles the variant reads: D; D' too in FO; D'' too in HF and exact.
         roles = 1 if config.variant == SGD else 2 if config.variant == "fo" else 3
