@@ -16,7 +16,7 @@ keeps the generic path. The loss is the plugin's (mean cross-entropy).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +84,24 @@ class _Layer:
             grads[self.bias] = torch.sum(delta, dim=1, out=_slot(out, self.bias))
 
 
+class _StepInputs:
+    """A local update's inputs by (role, step): slices of gathered tensors, or gathered a step at
+    a time (:class:`IndexedInputs`) into one buffer per role."""
+
+    def __init__(self, batches: LocalBatches) -> None:
+        self.roles = (batches.adapt_x, batches.meta_x, batches.hessian_x)
+        self.buffers: Dict[int, Tensor] = {}
+
+    def get(self, role: int, t: int) -> Tensor:
+        inputs = self.roles[role]
+        if not isinstance(inputs, IndexedInputs):
+            return inputs[t]
+        if role not in self.buffers:
+            rows = inputs.index[t].numel()
+            self.buffers[role] = inputs.data.new_empty((rows, *inputs.data.shape[1:]))
+        return inputs.step(t, self.buffers[role])
+
+
 def _slot(out: Optional[Params], name: str) -> Optional[Tensor]:
     return None if out is None else out[name]
 
@@ -100,6 +118,22 @@ def _plus_minus(point: Tensor, direction: Tensor, delta: float) -> Tensor:
 def _one_hot(y: Tensor, logits: Tensor) -> Tensor:
     """The one-hot targets of labels ``y``, or ``y`` itself where it is one-hot already."""
     return y if y.dim() == logits.dim() else F.one_hot(y, logits.shape[-1]).to(logits.dtype)
+
+
+class IndexedInputs(NamedTuple):
+    """A role's inputs for every local step as rows of ``data``: step t's are ``data[index[t]]``
+    (``index`` is (steps, clients, batch)). :meth:`StackedGradients.local_update` gathers each
+    step's just before it is used, into one buffer, so they are read from cache rather than
+    written to memory for the whole round and read back."""
+
+    data: Tensor
+    index: Tensor
+
+    def step(self, t: int, buffer: Optional[Tensor] = None) -> Tensor:
+        """Step ``t``'s inputs, (clients, batch, ...), written into ``buffer`` where given."""
+        rows = self.index[t]
+        flat = torch.index_select(self.data, 0, rows.reshape(-1), out=buffer)
+        return flat.view(*rows.shape, *self.data.shape[1:])
 
 
 class _FlatLayout:
@@ -294,22 +328,24 @@ class StackedGradients:
         roles = 1 if config.variant == SGD else 2 if config.variant == "fo" else 3
         targets = [F.one_hot(y, self.classes).to(layout.dtype)
                    for y in (batches.adapt_y, batches.meta_y, batches.hessian_y)[:roles]]
+        step_inputs = _StepInputs(batches)
         for t in range(config.local_steps):
-            self.grad(result, batches.adapt_x[t], targets[0][t], out=grad_at_d)
+            self.grad(result, step_inputs.get(0, t), targets[0][t], out=grad_at_d)
             if config.variant == SGD:
                 direction_flat = grad_flat
             else:
                 # adapted = w - alpha grad f(w; D), as axpy: (-alpha * g) then w + that; a
                 # gradient is scaled where it lies, as it is not read again
                 torch.add(result_flat, grad_flat.mul_(-config.alpha), out=adapted_flat)
-                self.grad(adapted, batches.meta_x[t], targets[1][t], out=meta_grad)
+                self.grad(adapted, step_inputs.get(1, t), targets[1][t], out=meta_grad)
                 direction_flat = meta_flat
                 if config.variant != "fo":
                     if config.variant == "hf":
-                        self.finite_difference_hvp(result, meta_grad, batches.hessian_x[t], targets[2][t],
+                        self.finite_difference_hvp(result, meta_grad, step_inputs.get(2, t), targets[2][t],
                                                    config.delta, out=hvp)
                     else:
-                        self.hessian_vector_product(result, meta_grad, batches.hessian_x[t], targets[2][t], out=hvp)
+                        self.hessian_vector_product(result, meta_grad, step_inputs.get(2, t), targets[2][t],
+                                                    out=hvp)
                     direction_flat = torch.add(meta_flat, hvp_flat.mul_(-config.alpha), out=grad_flat)
             result_flat.add_(direction_flat.mul_(-config.beta))
         return result

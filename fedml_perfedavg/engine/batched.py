@@ -20,7 +20,7 @@ from torch.func import vmap
 
 from ..algorithms.base import FederatedAlgorithm
 from ..core.algorithm import LocalBatches
-from ..core.stacked import StackedGradients
+from ..core.stacked import IndexedInputs, StackedGradients
 from ..core.guards import nonfinite_clients
 from ..core.types import Params, StateDict, UserSplit
 from ..algorithms.base import RoundDriver
@@ -103,25 +103,28 @@ class BatchedSimulation:
 
     def _stacked_step(self) -> Callable[[Params, LocalBatches], Params]:
         def step(params: Params, batches: LocalBatches) -> Params:
-            clients = batches.adapt_x.shape[0]
+            clients = batches.adapt_y.shape[0]
             return self.train_from({k: v.unsqueeze(0).expand(clients, *v.shape) for k, v in params.items()}, batches)
 
         return step
 
     def train_from(self, start: Params, batches: LocalBatches) -> Params:
         """Hand-batched path: every client's local update from its own starting parameters
-        (``start`` and ``batches`` have the client first), e.g. the clients of several runs."""
-        by_step = LocalBatches(*(t.transpose(0, 1) for t in batches))  # (steps, clients, batch, ...)
+        (``start`` and ``batches`` have the client first; inputs may be :class:`IndexedInputs`,
+        which are step first), e.g. the clients of several runs."""
+        by_step = LocalBatches(*(t if isinstance(t, IndexedInputs) else t.transpose(0, 1)  # (steps, clients, ...)
+                                 for t in batches))
         return self.stacked.local_update(start, by_step, self.algorithm.settings.local)
 
-    def round_batches(self, round_idx: int, clients: List[int]) -> LocalBatches:
-        """The round's minibatches, stacked (clients, steps, batch, ...)."""
+    def round_batches(self, round_idx: int, clients: List[int], lazy_inputs: bool = False) -> LocalBatches:
+        """The round's minibatches, stacked (clients, steps, batch, ...); with ``lazy_inputs`` (for
+        the hand-batched path) their inputs as :class:`IndexedInputs` where they are gathered."""
         hooks = self.algorithm.hooks
         if not self._gather:
             return stack_batches([self.algorithm.client_batches(
                 round_idx, c, self.users[c].train_x, hooks.client_labels(round_idx, c, self.users[c].train_y))
                 for c in clients])
-        batches = self.gather(self.batch_index(round_idx, clients))
+        batches = self.gather(self.batch_index(round_idx, clients), lazy_inputs=lazy_inputs)
         if hooks.poisons_labels:  # a label map commutes with the gather: flip each client's gathered rows
             batches = batches._replace(**{role: torch.stack([hooks.client_labels(round_idx, c, labels[i])
                                                              for i, c in enumerate(clients)])
@@ -145,23 +148,27 @@ class BatchedSimulation:
         offsets = torch.tensor([self._offsets[c] for c in clients]).view(-1, 1, 1)
         return [torch.stack([idx[role] for idx in per_client]) + offsets for role in range(len(per_client[0]))]
 
-    def gather(self, index: List[Tensor], data: Optional[Tuple[Tensor, Tensor]] = None) -> LocalBatches:
+    def gather(self, index: List[Tensor], data: Optional[Tuple[Tensor, Tensor]] = None,
+               lazy_inputs: bool = False) -> LocalBatches:
         """The minibatches at ``index`` (one gather per role) from ``data`` (default: this run's
-        users, concatenated)."""
+        users, concatenated). With ``lazy_inputs`` the inputs are :class:`IndexedInputs`, gathered
+        by the hand-batched local update one step at a time, into cache, as it reaches them."""
         x, y = data if data is not None else (self._all_x, self._all_y)
         tensors = []
         for role, role_index in enumerate(index):
             if role not in self._roles_read:  # never read: D's tensors stand in
                 tensors += tensors[:2]
                 continue
-            flat = role_index.to(x.device).reshape(-1)  # index_select: the rows of x[index], in half the time
-            tensors += [x.index_select(0, flat).view(*role_index.shape, *x.shape[1:]),
-                        y.index_select(0, flat).view(role_index.shape)]
+            role_index = role_index.to(x.device)
+            flat = role_index.reshape(-1)  # index_select: the rows of x[index], in half the time
+            inputs = (IndexedInputs(x, role_index.transpose(0, 1).contiguous()) if lazy_inputs
+                      else x.index_select(0, flat).view(*role_index.shape, *x.shape[1:]))
+            tensors += [inputs, y.index_select(0, flat).view(role_index.shape)]
         return LocalBatches(*tensors)
 
     def _batched_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
         params, buffers = self.algorithm.split_state(self.state)
-        batches = self.round_batches(round_idx, clients)
+        batches = self.round_batches(round_idx, clients, lazy_inputs=self.batched and self.stacked is not None)
         with torch.no_grad():
             if self.whole_state:
                 stacked = self.step({k: v.detach() for k, v in self.state.items()}, batches)

@@ -78,7 +78,7 @@ class GridSimulation:
                 batches.append(engine.round_batches(round_idx, clients))
         start = {k: torch.cat([s[k] for s in starts]) for k in starts[0]}
         if self._data is not None:
-            together = self.engines[0].gather([torch.cat(role) for role in zip(*batches)], self._data)
+            together = self.engines[0].gather([torch.cat(role) for role in zip(*batches)], self._data, lazy_inputs=True)
         else:
             together = LocalBatches(*(torch.cat(tensors) for tensors in zip(*batches)))
         with torch.no_grad():

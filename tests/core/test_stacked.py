@@ -7,7 +7,7 @@ from torch.func import grad, jvp, vmap
 
 from fedml_perfedavg.core.functional import functional_network, make_loss_fn, parameters_of
 from fedml_perfedavg.core.algorithm import LocalBatches, LocalUpdateConfig, local_update
-from fedml_perfedavg.core.stacked import StackedGradients
+from fedml_perfedavg.core.stacked import IndexedInputs, StackedGradients
 from fedml_perfedavg.models import MLP, SmallCNN
 
 CHAINS = {
@@ -129,3 +129,21 @@ def test_buffered_local_update_is_the_generic_loop_bit_for_bit(name, variant):
         got = stacked.local_update(start, batches, config)
         assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert not torch.equal(got[next(iter(got))], start[next(iter(got))])  # it did train
+
+
+@pytest.mark.parametrize("variant", ["sgd", "fo", "hf", "exact"])
+def test_inputs_gathered_a_step_at_a_time_give_the_same_bits(variant):
+    torch.manual_seed(3)
+    model = CHAINS["paper_mlp"]()
+    stacked, _ = StackedGradients.for_network(functional_network(model), (12,))
+    clients, steps, batch = 4, 3, 6
+    data, labels = torch.randn(50, 12), torch.randint(0, 3, (50,))
+    index = [torch.randint(0, 50, (steps, clients, batch)) for _ in range(3)]
+    gathered = LocalBatches(*(t for i in index for t in (data[i], labels[i])))
+    lazy = LocalBatches(*(t for i in index for t in (IndexedInputs(data, i), labels[i])))
+    start = {k: v.expand(clients, *v.shape) for k, v in parameters_of(model).items()}
+    config = LocalUpdateConfig(variant=variant, alpha=0.3, beta=0.2, delta=1e-3, local_steps=steps)
+    expected = stacked.local_update(start, gathered, config)
+    got = stacked.local_update(start, lazy, config)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert torch.equal(IndexedInputs(data, index[1]).step(2), data[index[1][2]])
