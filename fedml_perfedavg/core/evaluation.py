@@ -119,10 +119,14 @@ def _adapt_together(loss_fn: LossFn, params: Params, users: Sequence[UserSplit],
     generators = [generator_for(config.seed, round_idx, user_id, Purpose.EVALUATION) for user_id in user_ids]
     indices = batch_indices_of_many([len(u.train_y) for u in users], config.adapt_steps, [config.batch_size],
                                     generators)
-    batches_x = torch.stack([u.train_x.index_select(0, index.to(u.train_x.device).reshape(-1)).view(
-        *index.shape, *u.train_x.shape[1:]) for u, (index,) in zip(users, indices)])
-    batches_y = torch.stack([u.train_y.index_select(0, index.to(u.train_y.device).reshape(-1)).view(index.shape)
-                             for u, (index,) in zip(users, indices)])
+    first = users[0]
+    steps_and_size = (config.adapt_steps, config.batch_size)
+    batches_x = first.train_x.new_empty((len(users), *steps_and_size, *first.train_x.shape[1:]))
+    batches_y = first.train_y.new_empty((len(users), *steps_and_size))
+    for position, (user, (index,)) in enumerate(zip(users, indices)):  # each user's rows written in place
+        rows = index.to(user.train_x.device).reshape(-1)
+        torch.index_select(user.train_x, 0, rows, out=batches_x[position].view(len(rows), *user.train_x.shape[1:]))
+        torch.index_select(user.train_y, 0, rows, out=batches_y[position].view(len(rows)))
     if config.adapt_steps == 1 and not isinstance(step_size, dict):
         # One step of size alpha: sgd_steps' numbers, its axpy (-alpha g, then + w) done outside
         # vmap where the gradients lie, not in two fresh tensors of every user's size.
