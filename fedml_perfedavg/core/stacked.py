@@ -315,11 +315,14 @@ class StackedGradients:
         layout = _FlatLayout(params)
         work = self._work.get(layout.key())
         if work is None:  # one set per shape (a grid's rounds are larger than a run's)
-            work = self._work[layout.key()] = {name: layout.new() for name in ("grad", "meta", "adapted")}
-        (grad_flat, grad_at_d), (meta_flat, meta_grad) = work["grad"], work["meta"]
-        # The Hessian-vector product is written where the adapted point was: that is no longer
-        # read once g is computed, and three buffers stay in cache where four would not.
-        (adapted_flat, adapted) = (hvp_flat, hvp) = work["adapted"]
+            work = self._work[layout.key()] = {name: layout.new() for name in ("meta", "adapted")}
+        (meta_flat, meta_grad) = work["meta"]
+        # One buffer holds in turn grad f(w; D), the adapted point built from it in place, the
+        # Hessian-vector product once g no longer needs that point, and the step's direction:
+        # two buffers stay in cache where four would not. Each update is the same operation on
+        # the same operands as :func:`~fedml_perfedavg.core.algorithm.axpy` (y + s x), with the
+        # sum's operands swapped where it is done in place (an IEEE sum is commutative).
+        (work_flat, work_views) = work["adapted"]
         result_flat, result = layout.new()  # returned: the caller keeps it, so never reused
         for name, tensor in result.items():
             tensor.copy_(params[name])
@@ -330,23 +333,21 @@ class StackedGradients:
                    for y in (batches.adapt_y, batches.meta_y, batches.hessian_y)[:roles]]
         step_inputs = _StepInputs(batches)
         for t in range(config.local_steps):
-            self.grad(result, step_inputs.get(0, t), targets[0][t], out=grad_at_d)
+            self.grad(result, step_inputs.get(0, t), targets[0][t], out=work_views)
             if config.variant == SGD:
-                direction_flat = grad_flat
+                direction_flat = work_flat
             else:
-                # adapted = w - alpha grad f(w; D), as axpy: (-alpha * g) then w + that; a
-                # gradient is scaled where it lies, as it is not read again
-                torch.add(result_flat, grad_flat.mul_(-config.alpha), out=adapted_flat)
-                self.grad(adapted, step_inputs.get(1, t), targets[1][t], out=meta_grad)
+                work_flat.mul_(-config.alpha).add_(result_flat)  # adapted = w + (-alpha grad f(w; D))
+                self.grad(work_views, step_inputs.get(1, t), targets[1][t], out=meta_grad)
                 direction_flat = meta_flat
                 if config.variant != "fo":
                     if config.variant == "hf":
                         self.finite_difference_hvp(result, meta_grad, step_inputs.get(2, t), targets[2][t],
-                                                   config.delta, out=hvp)
+                                                   config.delta, out=work_views)
                     else:
                         self.hessian_vector_product(result, meta_grad, step_inputs.get(2, t), targets[2][t],
-                                                    out=hvp)
-                    direction_flat = torch.add(meta_flat, hvp_flat.mul_(-config.alpha), out=grad_flat)
+                                                    out=work_views)
+                    direction_flat = work_flat.mul_(-config.alpha).add_(meta_flat)  # g + (-alpha H g)
             result_flat.add_(direction_flat.mul_(-config.beta))
         return result
 
