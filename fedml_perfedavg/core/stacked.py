@@ -271,7 +271,7 @@ class StackedGradients:
             if r_inputs[position] is not None:
                 r_z = torch.baddbmm(r_z, r_inputs[position], params[layer.weight].transpose(1, 2))
             if layer.bias is not None:
-                r_z = r_z + direction[layer.bias].unsqueeze(1)
+                r_z.add_(direction[layer.bias].unsqueeze(1))
             r_pre.append(r_z)
             if position + 1 < len(self.layers):
                 r_inputs.append(r_z if layer.activation is None else
