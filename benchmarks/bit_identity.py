@@ -26,10 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from speed import METHODS, config_for, load_users  # noqa: E402
+from speed import METHODS, bare_engine, config_for, load_users  # noqa: E402
 
 from fedml_perfedavg.algorithms.registry import create_algorithm  # noqa: E402
-from fedml_perfedavg.engine.batched import BatchedSimulation  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 
 
@@ -52,15 +51,7 @@ def fingerprint(method: str, path: str, rounds: int, clients: int) -> dict:
     model = create_model("mlp", (1, 28, 28), 10)
     optimizer, _ = METHODS[method]
     algorithm = create_algorithm(optimizer, model, config)
-
-    class Driver:
-        def sample_clients(self, round_idx):
-            return algorithm.sample_clients(round_idx)
-
-        def round_finished(self, round_idx, global_state):
-            pass
-
-    engine = BatchedSimulation(algorithm, users, model.state_dict(), Driver(), fast_path=path == "batched")
+    engine = bare_engine(algorithm, users, model, fast_path=path == "batched")
     if path == "per_client":
         engine.batched = False
     state = engine.run(0, rounds)

@@ -35,10 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from speed import config_for, load_users, samples_ms  # noqa: E402
+from speed import bare_engine, config_for, load_users, samples_ms  # noqa: E402
 
 from fedml_perfedavg.algorithms.registry import create_algorithm  # noqa: E402
-from fedml_perfedavg.engine.batched import BatchedSimulation  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 
 GRID = [(50, 10), (50, 50), (1000, 10), (1000, 100), (1000, 1000), (10000, 10), (10000, 100), (10000, 1000)]
@@ -57,15 +56,7 @@ def hf_engine(users: int, clients: int):
     torch.manual_seed(0)
     model = create_model("mlp", (1, 28, 28), 10)
     algorithm = create_algorithm("PerFedAvg", model, config)
-
-    class Driver:
-        def sample_clients(self, round_idx):
-            return algorithm.sample_clients(round_idx)
-
-        def round_finished(self, round_idx, global_state):
-            pass
-
-    return BatchedSimulation(algorithm, user_data, model.state_dict(), Driver()), algorithm, user_data, source
+    return bare_engine(algorithm, user_data, model), algorithm, user_data, source
 
 
 def measure_batched(users: int, clients: int, rounds: int) -> dict:

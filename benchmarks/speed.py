@@ -94,6 +94,20 @@ def load_users(users: int, device: str):
     return [base[i % len(base)] for i in range(users)], source  # larger n: users replicated
 
 
+def bare_engine(algorithm, users, model: torch.nn.Module, fast_path: bool = True) -> BatchedSimulation:
+    """The batched engine over ``algorithm`` from ``model``'s state, with a driver that samples
+    with the algorithm and records nothing."""
+
+    class Driver:
+        def sample_clients(self, round_idx):
+            return algorithm.sample_clients(round_idx)
+
+        def round_finished(self, round_idx, global_state):
+            pass
+
+    return BatchedSimulation(algorithm, users, model.state_dict(), Driver(), fast_path=fast_path)
+
+
 def flops_per_round(model: torch.nn.Module, method: str, clients: int, steps: int = 10, batch: int = 40) -> float:
     weights = sum(p.numel() for n, p in model.named_parameters() if n.endswith("weight"))
     forward = 2 * batch * weights
@@ -113,16 +127,9 @@ def measure_one(method: str, path: str, repeats: int, device: str, clients: int 
     algorithm = create_algorithm(config.federated_optimizer, model, config)
     trainer, aggregator = create_fedml_pair(algorithm, model, args)
 
-    class Driver:
-        def sample_clients(self, round_idx):
-            return algorithm.sample_clients(round_idx)
-
-        def round_finished(self, round_idx, global_state):
-            pass
-
     # "batched": the default engine (hand-batched gradients where the model is a Linear chain);
     # "vmap": the same engine with torch.func's vmap only, the path any other model takes.
-    engine = BatchedSimulation(algorithm, user_data, model.state_dict(), Driver(), fast_path=path == "batched")
+    engine = bare_engine(algorithm, user_data, model, fast_path=path == "batched")
     state = {"round": 0}
 
     def per_client_round():

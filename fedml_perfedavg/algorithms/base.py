@@ -190,7 +190,7 @@ class FederatedAlgorithm:
         self.skipped_rounds = 0
         self.rejected: Dict[int, int] = {}  # round -> client updates rejected
         self.aggregate_calls = 0
-        self._scoring_chains: Dict[tuple, Optional[StackedGradients]] = {}  # by input shape
+        self._chains: Dict[tuple, Tuple[Optional[StackedGradients], str]] = {}  # by input shape
         self._test_stacks: dict = {}  # the evaluation's stacked test splits, kept between evaluations
 
     @classmethod
@@ -391,15 +391,16 @@ class FederatedAlgorithm:
                         step_sizes=self.refinement_step_sizes(global_state), chain=self._scoring_chain(users),
                         test_stacks=self._test_stacks)
 
+    def hand_batched(self, input_shape: Tuple[int, ...]) -> Tuple[Optional[StackedGradients], str]:
+        """(the network's hand-batched form, "") where it is a Linear chain, else (None, why not):
+        decided once per input shape, and shared by the batched engine's local training and the
+        evaluation's scoring (which still probes that it gives the same bits)."""
+        if input_shape not in self._chains:
+            self._chains[input_shape] = StackedGradients.for_network(self.network, input_shape)
+        return self._chains[input_shape]
+
     def _scoring_chain(self, users: Sequence[UserSplit]) -> Optional[StackedGradients]:
-        """The network's hand-batched form, for scoring users together, where it is a Linear chain
-        (decided once per input shape; the evaluation still probes that it gives the same bits)."""
-        if not users:
-            return None
-        shape = tuple(users[0].test_x.shape[1:])
-        if shape not in self._scoring_chains:
-            self._scoring_chains[shape] = StackedGradients.for_network(self.network, shape)[0]
-        return self._scoring_chains[shape]
+        return self.hand_batched(tuple(users[0].test_x.shape[1:]))[0] if users else None
 
     def refinement_step_sizes(self, global_state: StateDict) -> Optional[Params]:
         """Per-coordinate step sizes of the personalization step at evaluation, or None for

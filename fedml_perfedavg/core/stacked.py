@@ -88,18 +88,19 @@ class _StepInputs:
     """A local update's inputs by (role, step): slices of gathered tensors, or gathered a step at
     a time (:class:`IndexedInputs`) into one buffer per role."""
 
-    def __init__(self, batches: LocalBatches) -> None:
+    def __init__(self, batches: LocalBatches, buffers: Dict[tuple, Tensor]) -> None:
         self.roles = (batches.adapt_x, batches.meta_x, batches.hessian_x)
-        self.buffers: Dict[int, Tensor] = {}
+        self.buffers = buffers  # kept by the caller from call to call, by role and shape
 
     def get(self, role: int, t: int) -> Tensor:
         inputs = self.roles[role]
         if not isinstance(inputs, IndexedInputs):
             return inputs[t]
-        if role not in self.buffers:
-            rows = inputs.index[t].numel()
-            self.buffers[role] = inputs.data.new_empty((rows, *inputs.data.shape[1:]))
-        return inputs.step(t, self.buffers[role])
+        data = inputs.data
+        key = (role, inputs.index[t].numel(), tuple(data.shape[1:]), data.dtype, data.device)
+        if key not in self.buffers:
+            self.buffers[key] = data.new_empty((key[1], *data.shape[1:]))
+        return inputs.step(t, self.buffers[key])
 
 
 def _slot(out: Optional[Params], name: str) -> Optional[Tensor]:
@@ -169,6 +170,7 @@ class StackedGradients:
         self.layers = layers
         self.classes = classes
         self._work: Dict[tuple, Dict[str, Tuple[Tensor, Params]]] = {}  # local_update's buffers, by shape
+        self._input_buffers: Dict[tuple, Tensor] = {}  # a step's gathered inputs, by role and shape
         #: Whether batched scoring gives per-user logits bit for bit here (core.evaluation's probe).
         self.scores_exactly: Optional[bool] = None
 
@@ -331,7 +333,7 @@ class StackedGradients:
         roles = 1 if config.variant == SGD else 2 if config.variant == "fo" else 3
         targets = [F.one_hot(y, self.classes).to(layout.dtype)
                    for y in (batches.adapt_y, batches.meta_y, batches.hessian_y)[:roles]]
-        step_inputs = _StepInputs(batches)
+        step_inputs = _StepInputs(batches, self._input_buffers)
         for t in range(config.local_steps):
             self.grad(result, step_inputs.get(0, t), targets[0][t], out=work_views)
             if config.variant == SGD:

@@ -99,7 +99,7 @@ class BatchedSimulation:
             return None, "turned off"
         if not self.algorithm.uses_standard_maths:
             return None, f"{type(self.algorithm).__name__} has its own local_update or local_training"
-        return StackedGradients.for_network(self.algorithm.network, tuple(self.users[0].train_x.shape[1:]))
+        return self.algorithm.hand_batched(tuple(self.users[0].train_x.shape[1:]))
 
     def _stacked_step(self) -> Callable[[Params, LocalBatches], Params]:
         def step(params: Params, batches: LocalBatches) -> Params:
