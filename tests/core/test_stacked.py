@@ -147,3 +147,31 @@ def test_inputs_gathered_a_step_at_a_time_give_the_same_bits(variant):
     got = stacked.local_update(start, lazy, config)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert torch.equal(IndexedInputs(data, index[1]).step(2), data[index[1][2]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_curvature_mask_is_torch_where_bit_for_bit(dtype):
+    # the exact variant's ELU curvature zeroes by bits what torch.where(z > 0, 0.0, v) zeroes
+    from fedml_perfedavg.core.stacked import _zero_where_positive
+    torch.manual_seed(0)
+    z, value = torch.randn(2, 3, 41, 37, dtype=dtype), torch.randn(2, 3, 41, 37, dtype=dtype)
+    specials = torch.tensor([0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    z[0, 0, 0, :6], value[0, 0, 1, :6], value[0, 0, 0, :6] = specials, specials, specials.flip(0)
+    value[1, 2, :, :6] = -0.0
+    expected = torch.where(z > 0, 0.0, value)
+    got = _zero_where_positive(value.clone(), z)
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    assert torch.equal(got.view(bits), expected.view(bits))
+    assert (got[z > 0] == 0).all() and not torch.signbit(got[z > 0]).any()
+    odd = value.clone().transpose(2, 3)  # not contiguous: torch.where itself
+    assert torch.equal(_zero_where_positive(odd, z.transpose(2, 3)).view(bits),
+                       torch.where(z.transpose(2, 3) > 0, 0.0, odd).view(bits))
+
+
+def test_in_place_baddbmm_is_baddbmm_bit_for_bit():
+    # the exact HVP accumulates into a product's result in place (no copy of it); same numbers
+    torch.manual_seed(0)
+    for c, b, m, n in [(10, 40, 80, 60), (10, 40, 60, 10), (10, 80, 40, 784), (3, 7, 5, 4)]:
+        acc, left, right = torch.randn(c, b, n), torch.randn(c, b, m), torch.randn(c, m, n)
+        assert torch.equal(acc.clone().baddbmm_(left, right), torch.baddbmm(acc, left, right))
+        assert torch.equal(acc.clone().baddbmm_(left, right), torch.baddbmm(acc, left, right, out=torch.empty_like(acc)))
