@@ -4,7 +4,8 @@
 
 Times, in one process, the pieces of the batched engine's round (client sampling, the keyed
 minibatch indices, the gather, the clients' local update) and the evaluation of all 50 users
-(whole; its adaptation alone; and whole with the users scored one by one), a 2048^2 fp32 GEMM
+(whole; its adaptation alone; whole with the users scored one by one; and the scoring's forward
+passes alone, the adapted and the global model over every test split), a 2048^2 fp32 GEMM
 beside them, and whether the evaluation's probe found batched scoring bit-exact on this CPU.
 Median of ``--repeats`` after a warm-up call. Writes profile_round.json under --out.
 """
@@ -39,6 +40,27 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def scoring_inputs(algorithm, params, users, ids, cfg) -> list:
+    """(adapted models, stacked test inputs) per test-split size, as the evaluation scores them."""
+    by_size: dict = {}
+    for position, user in enumerate(users):
+        by_size.setdefault(len(user.test_y), []).append(position)
+    groups = []
+    for members in by_size.values():
+        group = [users[i] for i in members]
+        adapted = evaluation._adapt_together(algorithm.loss_fn, params, group, [ids[i] for i in members], cfg, 0,
+                                             cfg.alpha)
+        groups.append((adapted, evaluation._stacked_test_splits(group, None)[0]))
+    return groups
+
+
+def scoring_passes(chain, params, groups) -> None:
+    """The evaluation's two batched forward passes per test-split size, nothing else."""
+    with torch.no_grad():
+        for adapted, x in groups:
+            chain.logits(adapted, x), evaluation._global_logits(chain, params, x)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
@@ -60,6 +82,7 @@ def main() -> None:
     gemm_ms = median_ms(lambda: a @ a, 7)
     cfg = algorithm.settings.evaluation
     ids = list(range(len(users)))
+    chain, groups = algorithm._scoring_chain(users), scoring_inputs(algorithm, params, users, ids, cfg)
     results = {
         "round": {"sample_clients_ms": median_ms(lambda: algorithm.sample_clients(3), r),
                   "batch_indices_ms": median_ms(lambda: engine.batch_index(3, clients), r),
@@ -75,6 +98,9 @@ def main() -> None:
                                                                           0, cfg.alpha), max(5, r // 3)),
             "evaluate_scoring_user_by_user_ms": median_ms(lambda: evaluation.evaluate(
                 algorithm.network, params, users, cfg, 0, loss_fn=algorithm.loss_fn), max(5, r // 3)),
+            # the scoring's forward passes alone (adapted and global model over every test split):
+            # matrix products and activations, a floor for the evaluation with the same numbers
+            "scoring_passes_ms": median_ms(lambda: scoring_passes(chain, params, groups), max(5, r // 3)),
         },
         "scoring_together_is_bit_exact_here": algorithm._scoring_chain(users).scores_exactly,
     }
