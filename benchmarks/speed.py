@@ -1,12 +1,14 @@
 """Speed of the per-client path vs the batched engine on the paper's MNIST config.
 
     python benchmarks/speed.py [--repeats 25] [--full-run] [--device cpu|cuda] [--out benchmarks/results]
+    python benchmarks/speed.py --paired hf exact [--repeats 100]   # one method against another
 
 Measures training ms/round (fedavg, fo, hf, exact), personalized-evaluation ms (all 50
 users), peak memory, an in-run large-GEMM GFLOP/s figure and the fraction of it each variant
 reaches (FLOPs counted from the model's shapes), and how ms/round scales with clients per
 round and with the number of users. Each (method, path) is measured in its own process so
-peak memory is its own. Writes speed.md and speed.json under --out.
+peak memory is its own. Writes speed.md and speed.json under --out. ``--paired A B`` alternates
+A's and B's rounds in one process instead and reports the median ratio of B's round to A's.
 """
 from __future__ import annotations
 
@@ -180,6 +182,29 @@ def measure_one(method: str, path: str, repeats: int, device: str, clients: int 
             "gemm_fraction_min": min(fractions), "gemm_fraction_max": max(fractions), "data": source}
 
 
+def measure_paired(first: str, second: str, rounds: int, device: str) -> dict:
+    """Two methods' batched engines in one process, their rounds alternated: each pair of rounds
+    meets the same machine state, so their ratio holds where the machine's speed drifts."""
+    user_data, source = load_users(50, device)
+    engines = []
+    for method in (first, second):
+        torch.manual_seed(0)
+        model = create_model("mlp", (1, 28, 28), 10).to(torch.device(device))
+        algorithm = create_algorithm(METHODS[method][0], model, config_for(method, device=device))
+        engines.append(bare_engine(algorithm, user_data, model))
+    times: list = [[], []]
+    for round_idx in range(rounds + 2):  # two untimed rounds each first
+        for engine, samples in zip(engines, times):
+            ms = samples_ms(lambda: engine.train_round(round_idx), 1, warmup=0)[0]
+            if round_idx >= 2:
+                samples.append(ms)
+    ratios = [b / a for a, b in zip(*times)]
+    return {"first": first, "second": second, "rounds": rounds, "data": source, "date": time.strftime("%Y-%m-%d"),
+            "first_ms": statistics.median(times[0]), "second_ms": statistics.median(times[1]),
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "second_not_slower_share": sum(r <= 1 for r in ratios) / len(ratios)}
+
+
 def run_isolated(method: str, path: str, repeats: int, device: str, clients: int = 10, users: int = 50) -> dict:
     out = subprocess.run([sys.executable, __file__, "--one", method, path, "--repeats", str(repeats), "--device",
                           device, "--clients", str(clients), "--users", str(users)],
@@ -253,6 +278,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--full-run", action="store_true", help="also time a 1000-round HF run")
     parser.add_argument("--no-scaling", action="store_true")
+    parser.add_argument("--paired", nargs=2, metavar=("METHOD", "METHOD"), choices=list(METHODS),
+                        help="only this: two methods' rounds alternated in one process (--repeats pairs); "
+                             "writes paired_<first>_<second>.json under --out")
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "PATH"), help=argparse.SUPPRESS)
     parser.add_argument("--clients", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--users", type=int, default=50, help=argparse.SUPPRESS)
@@ -261,6 +289,13 @@ def main() -> None:
         print(json.dumps(measure_one(*args.one, args.repeats, args.device, args.clients, args.users)))
         return
     command = "python benchmarks/speed.py " + " ".join(sys.argv[1:])
+    if args.paired:
+        result = dict(measure_paired(*args.paired, args.repeats, args.device), command=command)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"paired_{args.paired[0]}_{args.paired[1]}.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+        return
     rows = [run_isolated(m, p, args.repeats, args.device) for m in METHODS for p in ("per_client", "vmap", "batched")]
     scaling = [] if args.no_scaling else [
         run_isolated("hf", "batched", max(3, args.repeats // 2), args.device, clients, users)
