@@ -34,6 +34,9 @@ class Activation:
     forward: Callable[[Tensor], Tensor]  # z -> s(z)
     backward: Callable[[Tensor, Tensor, Tensor], Tensor]  # (d, z, h) -> d * s'(z), PyTorch's fused kernel
     curvature: Callable[[Tensor, Tensor, Tensor], Tensor]  # (d, z, h) -> d * s''(z), for the exact HVP
+    # (z, h) -> s'(z) as a tensor whose product with any contiguous d of its shape is backward(d, z, h)
+    # bit for bit; None where the backward kernel's own arithmetic has no such factor
+    slope: Optional[Callable[[Tensor, Tensor], Tensor]] = None
 
 
 # The backward passes call PyTorch's own fused backward kernels (aten.*_backward: one kernel
@@ -47,12 +50,17 @@ def _activation(module: nn.Module) -> Optional[Activation]:
     aten = torch.ops.aten
     if type(module) is nn.ELU:
         alpha = float(module.alpha)
+        backward = lambda d, z, h: aten.elu_backward(d, alpha=alpha, scale=1, input_scale=1,  # noqa: E731
+                                                     is_result=False, self_or_result=z)
         # z <= 0: s = alpha (e^z - 1), s' = s'' = alpha e^z = h + alpha; z > 0: s'' = 0
         return Activation(
             forward=lambda z: F.elu(z, alpha),
-            backward=lambda d, z, h: aten.elu_backward(d, alpha=alpha, scale=1, input_scale=1, is_result=False,
-                                                       self_or_result=z),
-            curvature=lambda d, z, h: _zero_where_positive(d * (h + alpha), z))
+            backward=backward,
+            curvature=lambda d, z, h: _zero_where_positive(d * (h + alpha), z),
+            # The kernel computes d * input_scale * alpha * exp(z * input_scale) for z <= 0 and
+            # d * scale above: with every factor 1 that is d * exp(z) and d, exactly d times its
+            # value at d = 1 (the same exp, element by element, for operands of one layout).
+            slope=(lambda z, h: backward(torch.ones_like(z), z, h)) if alpha == 1.0 else None)
     if type(module) is nn.ReLU:
         return Activation(forward=torch.relu,
                           backward=lambda d, z, h: aten.threshold_backward(d, z, threshold=0),
@@ -120,6 +128,23 @@ class _StepInputs:
         if key not in self.buffers:
             self.buffers[key] = data.new_empty((key[1], *data.shape[1:]))
         return inputs.step(t, self.buffers[key])
+
+
+class _LayerDerivative:
+    """d -> d * s'(z) at one layer, for the several signals the exact HVP sends back through it:
+    the activation's backward kernel each time, or, where the activation offers its slope, that
+    slope computed once and multiplied (the same bits, :attr:`Activation.slope`)."""
+
+    def __init__(self, activation: Activation, z: Tensor, h: Tensor) -> None:
+        self.activation, self.z, self.h = activation, z, h
+        usable = activation.slope is not None and z.is_contiguous()
+        self.slope = activation.slope(z, h) if usable else None
+
+    def __call__(self, d: Tensor) -> Tensor:
+        slope = self.slope
+        if slope is not None and d.is_contiguous() and d.shape == slope.shape and d.dtype == slope.dtype:
+            return d * slope
+        return self.activation.backward(d, self.z, self.h)
 
 
 def _slot(out: Optional[Params], name: str) -> Optional[Tensor]:
@@ -284,6 +309,8 @@ class StackedGradients:
         h = x.reshape(x.shape[0], x.shape[1], -1)
         inputs, pre, logits = self._forward(params, h)
         outputs = inputs[1:] + [logits]
+        derivative = [None if layer.activation is None else _LayerDerivative(layer.activation, z, output)
+                      for layer, z, output in zip(self.layers, pre, outputs)]
         # R-forward: Rz_l = Rh_{l-1} W_l^T + h_{l-1} V_l^T (+ c_l); Rh_l = s'(z_l) Rz_l
         r_inputs: List[Optional[Tensor]] = [None]
         r_pre: List[Tensor] = []
@@ -295,11 +322,9 @@ class StackedGradients:
                 r_z.add_(direction[layer.bias].unsqueeze(1))
             r_pre.append(r_z)
             if position + 1 < len(self.layers):
-                r_inputs.append(r_z if layer.activation is None else
-                                layer.activation.backward(r_z, pre[position], outputs[position]))
+                r_inputs.append(r_z if layer.activation is None else derivative[position](r_z))
         # the last layer's output: logits, or its activation's (as in the gradient)
-        last = self.layers[-1]
-        r_logits = r_pre[-1] if last.activation is None else last.activation.backward(r_pre[-1], pre[-1], logits)
+        r_logits = r_pre[-1] if derivative[-1] is None else derivative[-1](r_pre[-1])
         probs = torch.softmax(logits, dim=-1)
         delta = (probs - _one_hot(y, logits)) / y.shape[1]
         weighted = probs * r_logits
@@ -310,10 +335,10 @@ class StackedGradients:
             if layer.activation is not None:
                 z, output = pre[position], outputs[position]
                 # R(s'(z) d) = s'(z) R(d) + s''(z) Rz d
-                r_delta = layer.activation.backward(r_delta, z, output).add_(
+                r_delta = derivative[position](r_delta).add_(
                     layer.activation.curvature(delta * r_pre[position], z, output))
                 if position > 0:  # the first layer's own delta enters no product (its input has no R)
-                    delta = layer.activation.backward(delta, z, output)
+                    delta = derivative[position](delta)
             # R(dW_l) = R(delta)^T h_{l-1} + delta^T Rh_{l-1};  R(db_l) = sum R(delta)
             hvp[layer.weight] = torch.bmm(r_delta.transpose(1, 2), inputs[position], out=_slot(out, layer.weight))
             if r_inputs[position] is not None:

@@ -175,3 +175,38 @@ def test_in_place_baddbmm_is_baddbmm_bit_for_bit():
         acc, left, right = torch.randn(c, b, n), torch.randn(c, b, m), torch.randn(c, m, n)
         assert torch.equal(acc.clone().baddbmm_(left, right), torch.baddbmm(acc, left, right))
         assert torch.equal(acc.clone().baddbmm_(left, right), torch.baddbmm(acc, left, right, out=torch.empty_like(acc)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(10, 40, 80), (3, 7, 5), (50, 40, 80), (1, 1, 33)])
+def test_elu_slope_times_a_signal_is_the_backward_kernel_bit_for_bit(shape, dtype):
+    from fedml_perfedavg.core.stacked import _activation
+    torch.manual_seed(0)
+    elu = _activation(nn.ELU())
+    z, d = 4 * torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    specials = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), -90.0, -800.0, 1e-30],
+                            dtype=dtype)
+    z.view(-1)[:8], d.view(-1)[8:16] = specials, specials
+    h = elu.forward(z)
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    expected = elu.backward(d, z, h)
+    assert torch.equal((d * elu.slope(z, h)).view(bits), expected.view(bits))
+    assert _activation(nn.ELU(alpha=0.5)).slope is None  # alpha * exp(z) is not d-free: no slope
+
+
+def test_exact_hvp_is_the_same_with_and_without_the_slope_shortcut():
+    import dataclasses
+    torch.manual_seed(0)
+    model = MLP(784, 10, (80, 60))
+    stacked, why = StackedGradients.for_network(functional_network(model), (784,))
+    assert stacked is not None, why
+    assert all(layer.activation.slope is not None for layer in stacked.layers[:-1])
+    params = {k: v.expand(10, *v.shape) + 0.05 * torch.randn(10, *v.shape) for k, v in parameters_of(model).items()}
+    tangent = {k: 0.01 * torch.randn_like(v) for k, v in params.items()}
+    x, y = torch.rand(10, 40, 784), torch.randint(0, 10, (10, 40))
+    with_slope = stacked.hessian_vector_product(params, tangent, x, y)
+    stacked.layers = [dataclasses.replace(layer, activation=layer.activation and dataclasses.replace(
+        layer.activation, slope=None)) for layer in stacked.layers]
+    without = stacked.hessian_vector_product(params, tangent, x, y)
+    for k in with_slope:
+        assert torch.equal(with_slope[k], without[k]), k
