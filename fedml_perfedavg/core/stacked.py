@@ -33,7 +33,7 @@ class Activation:
 
     forward: Callable[[Tensor], Tensor]  # z -> s(z)
     backward: Callable[[Tensor, Tensor, Tensor], Tensor]  # (d, z, h) -> d * s'(z), PyTorch's fused kernel
-    curvature: Callable[[Tensor, Tensor, Tensor], Tensor]  # (d, z, h) -> d * s''(z), for the exact HVP
+    curvature: Callable[[Tensor, Tensor, Tensor], Tensor]  # (d, z, h) -> d * s''(z), exact HVP; may write into d
     # (z, h) -> s'(z) as a tensor whose product with any contiguous d of its shape is backward(d, z, h)
     # bit for bit; None where the backward kernel's own arithmetic has no such factor
     slope: Optional[Callable[[Tensor, Tensor], Tensor]] = None
@@ -56,7 +56,7 @@ def _activation(module: nn.Module) -> Optional[Activation]:
         return Activation(
             forward=lambda z: F.elu(z, alpha),
             backward=backward,
-            curvature=lambda d, z, h: _zero_where_positive(d * (h + alpha), z),
+            curvature=lambda d, z, h: _zero_where_positive(d.mul_(h + alpha), z),  # d: the caller's temporary
             # The kernel computes d * input_scale * alpha * exp(z * input_scale) for z <= 0 and
             # d * scale above: with every factor 1 that is d * exp(z) and d, exactly d times its
             # value at d = 1 (the same exp, element by element, for operands of one layout).
@@ -335,8 +335,9 @@ class StackedGradients:
             if layer.activation is not None:
                 z, output = pre[position], outputs[position]
                 # R(s'(z) d) = s'(z) R(d) + s''(z) Rz d
+                # (Rz_l is read here for the last time: delta Rz_l is formed in its place)
                 r_delta = derivative[position](r_delta).add_(
-                    layer.activation.curvature(delta * r_pre[position], z, output))
+                    layer.activation.curvature(r_pre[position].mul_(delta), z, output))
                 if position > 0:  # the first layer's own delta enters no product (its input has no R)
                     delta = derivative[position](delta)
             # R(dW_l) = R(delta)^T h_{l-1} + delta^T Rh_{l-1};  R(db_l) = sum R(delta)
