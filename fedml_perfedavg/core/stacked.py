@@ -137,7 +137,8 @@ class _LayerDerivative:
 
     def __init__(self, activation: Activation, z: Tensor, h: Tensor) -> None:
         self.activation, self.z, self.h = activation, z, h
-        usable = activation.slope is not None and z.is_contiguous()
+        # float32/64 only: for half types the kernel rounds d * s'(z) once, d * (s'(z) rounded) twice
+        usable = activation.slope is not None and z.is_contiguous() and z.dtype in (torch.float32, torch.float64)
         self.slope = activation.slope(z, h) if usable else None
 
     def __call__(self, d: Tensor) -> Tensor:

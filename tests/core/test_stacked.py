@@ -210,3 +210,12 @@ def test_exact_hvp_is_the_same_with_and_without_the_slope_shortcut():
     without = stacked.hessian_vector_product(params, tangent, x, y)
     for k in with_slope:
         assert torch.equal(with_slope[k], without[k]), k
+
+
+def test_the_slope_shortcut_is_not_taken_for_half_types():
+    # a half-precision backward kernel rounds once; d times a rounded slope would round twice
+    from fedml_perfedavg.core.stacked import _activation, _LayerDerivative
+    elu = _activation(nn.ELU())
+    z = torch.randn(4, 5, 6, dtype=torch.bfloat16)
+    assert _LayerDerivative(elu, z, elu.forward(z)).slope is None
+    assert _LayerDerivative(elu, z.float(), elu.forward(z.float())).slope is not None
