@@ -34,8 +34,8 @@ class Activation:
     forward: Callable[[Tensor], Tensor]  # z -> s(z)
     backward: Callable[[Tensor, Tensor, Tensor], Tensor]  # (d, z, h) -> d * s'(z), PyTorch's fused kernel
     curvature: Callable[[Tensor, Tensor, Tensor], Tensor]  # (d, z, h) -> d * s''(z), exact HVP; may write into d
-    # (z, h) -> s'(z) as a tensor whose product with any contiguous d of its shape is backward(d, z, h)
-    # bit for bit; None where the backward kernel's own arithmetic has no such factor
+    # (z, h) -> s'(z) as a tensor whose product with any contiguous float32/64 d of its shape is
+    # backward(d, z, h) bit for bit; None where the backward kernel's own arithmetic has no such factor
     slope: Optional[Callable[[Tensor, Tensor], Tensor]] = None
 
 
