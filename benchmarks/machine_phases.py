@@ -13,28 +13,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from speed import median_ms  # noqa: E402
+
 from fedml_perfedavg.core.stacked import StackedGradients  # noqa: E402
+from fedml_perfedavg.models import create_model  # noqa: E402
 
 
 def median_seconds(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return median_ms(fn, repeats, warmup=1) / 1e3
 
 
 def main() -> None:
@@ -43,7 +40,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args()
     torch.manual_seed(0)
-    network = nn.Sequential(nn.Flatten(), nn.Linear(784, 80), nn.ELU(), nn.Linear(80, 60), nn.ELU(), nn.Linear(60, 10))
+    network = create_model("mlp", (1, 28, 28), 10)
     chain, why = StackedGradients.for_network(network, (1, 28, 28))
     assert chain is not None, why
     clients, batch = 10, 40

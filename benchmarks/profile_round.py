@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,19 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import speed  # noqa: E402
 from scale import hf_engine  # noqa: E402
 
 from fedml_perfedavg.core import evaluation  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1000)
-    return statistics.median(samples)
+    return speed.median_ms(fn, repeats, warmup=1)
 
 
 def scoring_inputs(algorithm, params, users, ids, cfg) -> list:

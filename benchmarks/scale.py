@@ -35,9 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from speed import bare_engine, config_for, load_users, samples_ms  # noqa: E402
+from speed import load_users, method_engine, samples_ms  # noqa: E402
 
-from fedml_perfedavg.algorithms.registry import create_algorithm  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 
 GRID = [(50, 10), (50, 50), (1000, 10), (1000, 100), (1000, 1000), (10000, 10), (10000, 100), (10000, 1000)]
@@ -51,12 +50,9 @@ MNIST_ROOT = os.environ.get("PERFEDAVG_MNIST_ROOT", str(REPO.parent / "shared" /
 def hf_engine(users: int, clients: int):
     """(engine, algorithm, users' data, data source): the batched engine on Per-FedAvg HF with the
     paper's MLP, a driver that samples with the algorithm and records nothing."""
-    config = config_for("hf", clients, users)
     user_data, source = load_users(users, "cpu")
-    torch.manual_seed(0)
-    model = create_model("mlp", (1, 28, 28), 10)
-    algorithm = create_algorithm("PerFedAvg", model, config)
-    return bare_engine(algorithm, user_data, model), algorithm, user_data, source
+    engine, algorithm = method_engine("hf", user_data, clients=clients, n=users)
+    return engine, algorithm, user_data, source
 
 
 def measure_batched(users: int, clients: int, rounds: int) -> dict:

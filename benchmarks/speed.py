@@ -110,6 +110,15 @@ def bare_engine(algorithm, users, model: torch.nn.Module, fast_path: bool = True
     return BatchedSimulation(algorithm, users, model.state_dict(), Driver(), fast_path=fast_path)
 
 
+def method_engine(method: str, users, device: str = "cpu", clients: int = 10, n: int = 50):
+    """(engine, algorithm): ``method``'s batched engine on the paper's MLP over ``users``' data,
+    built as every benchmark builds it (seed 0, a bare driver)."""
+    torch.manual_seed(0)
+    model = create_model("mlp", (1, 28, 28), 10).to(torch.device(device))
+    algorithm = create_algorithm(METHODS[method][0], model, config_for(method, clients, n, device))
+    return bare_engine(algorithm, users, model), algorithm
+
+
 def flops_per_round(model: torch.nn.Module, method: str, clients: int, steps: int = 10, batch: int = 40) -> float:
     weights = sum(p.numel() for n, p in model.named_parameters() if n.endswith("weight"))
     forward = 2 * batch * weights
@@ -186,12 +195,7 @@ def measure_paired(first: str, second: str, rounds: int, device: str) -> dict:
     """Two methods' batched engines in one process, their rounds alternated: each pair of rounds
     meets the same machine state, so their ratio holds where the machine's speed drifts."""
     user_data, source = load_users(50, device)
-    engines = []
-    for method in (first, second):
-        torch.manual_seed(0)
-        model = create_model("mlp", (1, 28, 28), 10).to(torch.device(device))
-        algorithm = create_algorithm(METHODS[method][0], model, config_for(method, device=device))
-        engines.append(bare_engine(algorithm, user_data, model))
+    engines = [method_engine(method, user_data, device)[0] for method in (first, second)]
     times: list = [[], []]
     for round_idx in range(rounds + 2):  # two untimed rounds each first
         for engine, samples in zip(engines, times):
