@@ -7,7 +7,7 @@ import sys
 from typing import Sequence
 
 from ..core.guards import ConfigError
-from ..fedml_bridge.cross_silo.credentials import CA_CERT, CA_KEY, cert_file, key_file, make_certificates
+from ..fedml_bridge.cross_silo.credentials import CA_CERT, CA_KEY, MAX_DAYS, cert_file, key_file, make_certificates
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
                f"{key_file(0).replace('0', 'R')}; keep {CA_KEY} off the training hosts.")
     parser.add_argument("--out", required=True, help="folder to write into (created; must not hold certificates)")
     parser.add_argument("--clients", type=int, required=True, help="number of silos (ranks 1..N)")
-    parser.add_argument("--days", type=int, default=30, help="validity in days (default 30)")
+    parser.add_argument("--days", type=int, default=30, help=f"validity in days, 1..{MAX_DAYS} (default 30)")
     parser.add_argument("--overwrite", action="store_true", help="replace certificates already in --out")
     return parser
 
@@ -26,8 +26,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
-        if args.days < 1:
-            raise ConfigError(f"--days {args.days}: must be >= 1")
         files = make_certificates(args.out, args.clients, args.days, args.overwrite)
     except (ConfigError, OSError) as err:
         print(f"fedml-perfedavg certs: error: {err}", file=sys.stderr)

@@ -97,7 +97,12 @@ def test_a_pickle_sent_to_every_port_runs_nothing(world, caplog):
     # An insider with a valid certificate gets through TLS, and the bytes are refused undecoded.
     with caplog.at_level(logging.WARNING):
         assert raw_send(world.server, payload, world.tls, 2, world.tls) == grpc.StatusCode.PERMISSION_DENIED
-    assert "rank 0 refused a message from ipv4:127.0.0.1:" in caplog.text and "(a pickle" in caplog.text
+    assert "rank 0 refused a message from 127.0.0.1:" in caplog.text and "(a pickle" in caplog.text
+    # The outsiders' connections are named too, with their addresses: plaintext to a TLS port, and a
+    # TLS handshake without a client certificate.
+    assert "rank 0 refused a connection from 127.0.0.1:" in caplog.text
+    assert world.server.refusals.totals["not-tls"] == 1 and world.server.refusals.totals["handshake"] == 1
+    assert world.server.refusals.totals["pickle"] == 1
     assert not world.marker.exists()
     assert _drain(world.server) == [] and _drain(world.silo) == []
     assert world.server.rejected == 1

@@ -24,8 +24,10 @@ from typing import Iterable, List, Optional
 from ...core.guards import ConfigError
 
 DOMAIN = "fedml-perfedavg"
-_RANK_NAME = re.compile(r"^rank-(\d{1,6})\." + re.escape(DOMAIN) + r"$")
+# Canonical decimal only: "rank-01" or "rank-+1" name no rank (one rank, one spelling).
+_RANK_NAME = re.compile(r"^rank-(0|[1-9]\d{0,5})\." + re.escape(DOMAIN) + r"$")
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
+MAX_DAYS = 825  # the longest validity browsers ever accepted for a TLS certificate; a run's are short-lived
 
 
 def rank_name(rank: int) -> str:
@@ -65,8 +67,11 @@ def _write(path: str, data: bytes, private: bool) -> None:
     os.chmod(path, 0o600 if private else 0o644)  # an existing file keeps its mode through O_CREAT
 
 
-def make_certificates(out_dir: str, clients: int, days: int = 30, overwrite: bool = False) -> List[str]:
-    """A new CA and a certificate and key for ranks 0..clients in ``out_dir``; returns the files."""
+def make_certificates(out_dir: str, clients: int, days: int = 30, overwrite: bool = False,
+                      keep_ca_key: bool = True) -> List[str]:
+    """A new CA and a certificate and key for ranks 0..clients in ``out_dir``; returns the files.
+    ``keep_ca_key=False`` never writes the CA's key (nobody can issue another certificate for
+    this run: what ``launch-silo`` does)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -74,8 +79,12 @@ def make_certificates(out_dir: str, clients: int, days: int = 30, overwrite: boo
 
     if clients < 1:
         raise ConfigError(f"--clients {clients}: must be >= 1")
+    if not 1 <= days <= MAX_DAYS:
+        raise ConfigError(f"--days {days}: must be 1..{MAX_DAYS}; certificates of a run are replaced by making new "
+                          f"ones, not kept for years")
     os.makedirs(out_dir, exist_ok=True)
-    names = [CA_CERT, CA_KEY] + [f for r in range(clients + 1) for f in (cert_file(r), key_file(r))]
+    names = [CA_CERT, *([CA_KEY] if keep_ca_key else [])] + \
+        [f for r in range(clients + 1) for f in (cert_file(r), key_file(r))]
     existing = [n for n in names if os.path.exists(os.path.join(out_dir, n))]
     if existing and not overwrite:
         raise ConfigError(f"--out {out_dir!r}: already holds {existing[:3]}; give an empty folder (or --overwrite "
@@ -97,7 +106,8 @@ def make_certificates(out_dir: str, clients: int, days: int = 30, overwrite: boo
                                        key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
           .sign(ca_key, hashes.SHA256()))
     _write(os.path.join(out_dir, CA_CERT), ca.public_bytes(serialization.Encoding.PEM), private=False)
-    _write(os.path.join(out_dir, CA_KEY), pem_key(ca_key), private=True)
+    if keep_ca_key:
+        _write(os.path.join(out_dir, CA_KEY), pem_key(ca_key), private=True)
     for rank in range(clients + 1):
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (x509.CertificateBuilder()
@@ -158,6 +168,10 @@ def load_credentials(tls_dir: str, rank: int) -> Credentials:
         raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} is valid from "
                           f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} to {cert.not_valid_after_utc:%Y-%m-%d %H:%M} "
                           f"UTC, not now; make new certificates")
+    problem = _usage_problem(cert, need_server=True)
+    if problem is not None:
+        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} {problem}; every rank is a TLS server "
+                          f"and client, so its certificate must allow both (serverAuth and clientAuth)")
     public = ca.public_key()
     try:
         if isinstance(public, ec.EllipticCurvePublicKey):
@@ -168,6 +182,46 @@ def load_credentials(tls_dir: str, rank: int) -> Credentials:
         raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} is not signed by {CA_CERT}; the "
                           f"folder must hold the run's CA certificate and this rank's certificate from it") from None
     return Credentials(rank=rank, ca=ca_pem, cert=cert_pem, key=key_pem)
+
+
+def _usage_problem(cert, need_server: bool) -> Optional[str]:
+    """Why ``cert`` may not authenticate a rank's connections (its extended key usage), or None.
+    A certificate without the extension may be used for anything (RFC 5280)."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    except x509.ExtensionNotFound:
+        return None
+    need = {ExtendedKeyUsageOID.CLIENT_AUTH, *([ExtendedKeyUsageOID.SERVER_AUTH] if need_server else [])}
+    missing = need - usages
+    if missing:
+        return f"does not allow {sorted(u._name for u in missing)} (its extended key usage is " \
+               f"{sorted(u._name for u in usages)})"
+    return None
+
+
+_PEER_USAGE: dict = {}  # PEM -> problem, for peers' certificates (a run has a handful)
+
+
+def peer_certificate_problem(pem: bytes) -> Optional[str]:
+    """Why a peer's certificate (PEM, as gRPC's auth context gives it) may not open a connection
+    as a client, or None: its extended key usage must allow client authentication (OpenSSL leaves
+    that to the application). Cached per certificate."""
+    if not pem:
+        return None  # no certificate: gRPC's mutual TLS already refused it, or the transport is insecure
+    if pem not in _PEER_USAGE:
+        from cryptography import x509
+
+        try:
+            problem = _usage_problem(x509.load_pem_x509_certificate(pem), need_server=False)
+        except ValueError as err:
+            problem = f"cannot be read ({err})"
+        if len(_PEER_USAGE) > 1024:
+            _PEER_USAGE.clear()
+        _PEER_USAGE[pem] = problem
+    return _PEER_USAGE[pem]
 
 
 def check_security(tls_dir: Optional[str], insecure: bool) -> None:

@@ -16,7 +16,12 @@ a process that imported the plugin (FedML's own optimizers too), because FedML's
 - busy-spins a core while it waits; here the receive loop blocks, with an ``on_idle`` tick
   where the managers check their deadlines;
 - shares its port (gRPC's default ``SO_REUSEPORT``); here the port is exclusive and a bind
-  failure is :class:`PortUnavailable`, naming the rank and the address.
+  failure is :class:`PortUnavailable`, naming the rank and the address;
+- accepts every connection and waits 120 s for its handshake, with no cap; here the port is the
+  :mod:`.gate`'s (connections capped per peer address and in total, a first-request deadline, an
+  idle limit), the descriptor limit is raised to the hard limit and the caps are set below it;
+- logs nothing of a refusal it cannot see; here every refusal (a connection or a message) is
+  counted by reason and logged with the peer's address, rate-limited (:mod:`.refusals`).
 
 Without ``tls_dir`` a process refuses to start unless ``comm_args.insecure: true`` (plaintext and
 unauthenticated: still no pickle, with a warning).
@@ -25,17 +30,21 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from ...core.guards import ConfigError, SiloFailure
 from ..bootstrap import import_fedml
 from . import READY_MESSAGE, wire
 from .addresses import read_ipconfig
-from .credentials import Credentials, check_security, load_credentials, rank_name, rank_of_names
+from .credentials import Credentials, check_security, load_credentials, peer_certificate_problem, rank_name, \
+    rank_of_names
+from .gate import Gate, GateLimits, PortTaken
+from .refusals import RefusalLog
 
 import_fedml()
 import grpc  # noqa: E402
@@ -48,8 +57,15 @@ logger = logging.getLogger(__name__)
 
 IDLE_TICK_SECONDS = 0.2
 ROUND_KEY = "round"  # the round an incoming message was stamped with, on the FedML Message
+SESSION_KEY = "plugin_session"  # the sending process's session, on the FedML Message
 FALLBACK_SIZE_CAP = 256 << 20  # where no model told the transport its size (see message_size_cap)
 _PROTOBUF_SLACK = 4096  # gRPC's own cap sits this far above ours, so our log sees what is a little over
+DESCRIPTORS_RESERVED = 256  # for the run's own files, channels and gRPC's threads
+DESCRIPTORS_PER_CONNECTION = 3  # a gated connection: the peer's socket, the gate's to gRPC, gRPC's accepted one
+DEFAULT_MAX_CONNECTIONS = 1024
+# Reasons a message is refused, beside wire's (counted by these codes).
+IDENTITY, OTHER_RUN, REPLAY, STALE, SESSION, INTERNAL = "identity", "other-run", "replay", "stale", "session", \
+    "internal"
 
 
 class PeerUnreachable(SiloFailure):
@@ -68,6 +84,10 @@ class TransportSettings:
     credentials: Optional[Credentials]  # None: comm_args.insecure
     size_cap: int
     connect_timeout: float
+    max_connections: Optional[int] = None  # None: DEFAULT_MAX_CONNECTIONS, within the descriptor limit
+    max_connections_per_peer: Optional[int] = None  # None: 2 x the run's ranks + 8 (see connection_limits)
+    handshake_timeout: float = 5.0
+    idle_timeout: float = 300.0
 
 
 def _flag(args: Any, name: str) -> bool:
@@ -92,7 +112,52 @@ def transport_settings(args: Any, rank: int) -> TransportSettings:
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1024:
         raise ConfigError(f"comm_args.max_message_bytes={cap!r}: must be an integer >= 1024")
     timeout = float(getattr(args, "connect_timeout", 60.0) or 60.0)
-    return TransportSettings(str(getattr(args, "run_id", "0")), credentials, cap, timeout)
+    limits = {}
+    for name, default, low in (("max_connections", None, 1), ("max_connections_per_peer", None, 1),
+                               ("handshake_timeout", 5.0, 0.1), ("idle_timeout", 300.0, 1.0)):
+        value = getattr(args, name, default)
+        if value is None:
+            value = default
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or \
+                (default is None and not isinstance(value, int)):
+            raise ConfigError(f"comm_args.{name}={value!r}: must be {'an integer' if default is None else 'a number'} "
+                              f">= {low}")
+        limits[name] = value
+    return TransportSettings(str(getattr(args, "run_id", "0")), credentials, cap, timeout, **limits)
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's open-file limit to its hard limit (a port under attack holds many
+    sockets); returns the limit now in force."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            logger.info("open-file limit raised from %d to %d (the hard limit)", soft, target)
+            soft = target
+        except (ValueError, OSError) as err:
+            logger.warning("open-file limit stays at %d (raising it to %d failed: %s)", soft, target, err)
+    return int(soft) if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connection_limits(settings: TransportSettings, ranks: int, descriptors: int) -> GateLimits:
+    """The gate's caps: per peer, 2 connections for each rank of the run and 8 more (every rank of
+    a run on one machine shares one address) unless set; in total DEFAULT_MAX_CONNECTIONS unless
+    set; both below what the descriptor limit can hold."""
+    budget = max(8, (descriptors - DESCRIPTORS_RESERVED) // DESCRIPTORS_PER_CONNECTION)
+    total = settings.max_connections or DEFAULT_MAX_CONNECTIONS
+    if total > budget:
+        logger.warning("comm_args.max_connections=%d is more than the open-file limit (%d) holds: %d connections at "
+                       "most", total, descriptors, budget)
+        total = budget
+    per_peer = min(settings.max_connections_per_peer or 2 * ranks + 8, total)
+    return GateLimits(per_peer=per_peer, total=total, first_request_seconds=settings.handshake_timeout,
+                      idle_seconds=settings.idle_timeout, tls=settings.credentials is not None)
 
 
 class _Servicer:
@@ -103,11 +168,19 @@ class _Servicer:
         self.transport = transport
 
     def sendMessage(self, request, context):  # noqa: N802 - FedML's service method name
+        transport = self.transport
+        transport.gate.note_request(context.peer())
         try:
-            self.transport.accept(request.message, context)
-        except wire.Rejected as err:
-            logger.warning("rank %d refused a message from %s: %s", self.transport.rank, context.peer(), err)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"refused: {err}")
+            transport.accept(request.message, context)
+        except Exception as err:  # noqa: BLE001 - whatever a peer's bytes do, it is a refusal, counted and logged
+            rejected = err if isinstance(err, wire.Rejected) else wire.Rejected(
+                f"could not be read ({type(err).__name__}: {wire.short(str(err), 80)})", INTERNAL)
+            with transport._lock:
+                transport.rejected += 1
+            host, where = transport.gate.peer_of(context.peer())
+            transport.refusals.refuse(host, rejected.reason, str(rejected), where)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"refused ({rejected.reason}): "
+                                                             f"{str(rejected)[:200]}")
         return pb2.CommResponse()
 
     def handleReceiveMessage(self, request, context):  # noqa: N802 - FedML's service declares it
@@ -127,6 +200,8 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self.args = args
         self.settings = transport_settings(args, self.rank)
         self.retry_seconds = self.settings.connect_timeout
+        self.session = secrets.token_hex(8)  # this process: a silo that restarts is a new session
+        self.refusals = RefusalLog(self.rank, logger)
         self.addresses = read_ipconfig(grpc_ipconfig_path)
         self.grpc_ipconfig_path = grpc_ipconfig_path
         if self.rank not in self.addresses:
@@ -136,7 +211,9 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self._queue: "queue.Queue[wire.Envelope]" = queue.Queue()
         self._lock = threading.Lock()
         self._sent_seq: Dict[int, int] = {}  # receiver -> last seq sent
-        self._seen_seq: Dict[int, int] = {}  # sender -> last seq accepted
+        self._seen_seq: Dict[int, int] = {}  # sender -> last seq accepted (in its current session)
+        self._sessions: Dict[int, str] = {}  # sender -> its current session
+        self._retired: Dict[int, Set[str]] = {}  # sender -> its earlier sessions (their messages are replays now)
         # silo -> seqs of the models sent to it and not answered yet. Usually one; FedML's own server
         # sends a silo its first model twice when the silo reports online twice (it has no guard).
         self._open_models: Dict[int, set] = {}
@@ -151,27 +228,39 @@ class SecureGRPCCommManager(BaseCommunicationManager):
                          ("grpc.enable_http_proxy", 0), ("grpc.so_reuseport", 0),
                          ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                          ("grpc.max_reconnect_backoff_ms", 1000)]
+        descriptors = raise_descriptor_limit()
+        ranks = len(self.addresses)
+        limits = connection_limits(self.settings, ranks, descriptors)
+        # gRPC listens on a private loopback port; peers reach it through the gate (see gate.py).
+        server_options = [*self._options, ("grpc.server_handshake_timeout_ms", int(1000 * limits.first_request_seconds)),
+                          ("grpc.max_connection_idle_ms", int(1000 * limits.idle_seconds)),
+                          ("grpc.max_allowed_incoming_connections", limits.total + 8)]
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max(4, self.client_num + 2)),
-                                   options=self._options)
+                                   options=server_options)
         pb2_grpc.add_gRPCCommManagerServicer_to_server(_Servicer(self), self._server)
-        address = f"{ip}:{port}"
         credentials = self.settings.credentials
+        if credentials is None:
+            backend_port = self._server.add_insecure_port("127.0.0.1:0")
+        else:
+            backend_port = self._server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+                [(credentials.key, credentials.cert)], root_certificates=credentials.ca, require_client_auth=True))
+        address = f"{ip}:{port}"
+        self.gate = Gate((ip, port), backend_port, limits, self._connection_refused)
         try:
-            if credentials is None:
-                bound = self._server.add_insecure_port(address)
-            else:
-                bound = self._server.add_secure_port(address, grpc.ssl_server_credentials(
-                    [(credentials.key, credentials.cert)], root_certificates=credentials.ca,
-                    require_client_auth=True))
-        except RuntimeError:
-            bound = 0
-        if not bound:
+            self.gate.start()
+        except PortTaken as err:
+            self._server.stop(None)
             raise PortUnavailable(
                 f"rank {self.rank} cannot listen on {address} (comm_args.grpc_ipconfig_path={grpc_ipconfig_path!r}): "
-                f"the port is in use, maybe by a process of an earlier run, or the address is not this host's; stop "
-                f"it (`ss -ltnp | grep {port}` shows which) or give rank {self.rank} another port in the address file")
+                f"the port is in use, maybe by a process of an earlier run, or the address is not this host's ({err}); "
+                f"stop it (`ss -ltnp | grep {port}` shows which) or give rank {self.rank} another port in the address "
+                f"file") from None
         self._server.start()
         self.is_running = True
+        logger.info("rank %d: connections capped at %d per peer address and %d in total (comm_args."
+                    "max_connections_per_peer, max_connections; open-file limit %d), %.1f s to a first request "
+                    "(comm_args.handshake_timeout), %.0f s idle (comm_args.idle_timeout)", self.rank, limits.per_peer,
+                    limits.total, descriptors, limits.first_request_seconds, limits.idle_seconds)
         if credentials is None:
             logger.warning("rank %d: comm_args.insecure: plaintext and unauthenticated; any process that reaches "
                            "%s can speak for any rank (messages are still never unpickled)", self.rank, address)
@@ -186,52 +275,81 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         names = [n.decode("utf-8", "replace") for n in auth.get("x509_subject_alternative_name", [])]
         rank = rank_of_names(names)
         if rank is None:
-            raise wire.Rejected(f"the peer's certificate names no rank (DNS names {names})")
+            raise wire.Rejected(f"the peer's certificate names no rank (DNS names {wire.short(names)})", IDENTITY)
+        pem = (auth.get("x509_pem_cert") or [b""])[0]
+        problem = peer_certificate_problem(pem)
+        if problem is not None:
+            raise wire.Rejected(f"the peer's certificate (rank {rank}) {problem}", IDENTITY)
         return rank
+
+    def _connection_refused(self, host: str, port: int, reason: str, text: str) -> None:
+        self.refusals.refuse(host, reason, text, f"{host}:{port}")
 
     def accept(self, data: bytes, context) -> None:
         """Check one message (bytes from the wire) and queue it; :class:`wire.Rejected` if it is
         not one this rank takes now."""
-        try:
-            peer_rank = self._peer_rank(context)
-            envelope = wire.decode(data, self.settings.size_cap)
-            self._check(envelope, peer_rank)
-        except wire.Rejected:
-            with self._lock:
-                self.rejected += 1
-            raise
+        peer_rank = self._peer_rank(context)
+        envelope = wire.decode(data, self.settings.size_cap)
+        self._check(envelope, peer_rank)
         self._queue.put(envelope)
 
     def _check(self, envelope: wire.Envelope, peer_rank: Optional[int]) -> None:
         sender, kind = envelope.sender, envelope.type
         if peer_rank is not None and sender != peer_rank:
             raise wire.Rejected(f"type {kind} claims sender rank {sender}, but the peer's certificate is rank "
-                                f"{peer_rank}'s")
+                                f"{peer_rank}'s", IDENTITY)
         if envelope.receiver != self.rank:
-            raise wire.Rejected(f"type {kind} is addressed to rank {envelope.receiver}, this is rank {self.rank}")
+            raise wire.Rejected(f"type {kind} is addressed to rank {envelope.receiver}, this is rank {self.rank}",
+                                IDENTITY)
         if self.rank == 0:
             if kind not in wire.FROM_SILO or sender == 0 or sender not in self.addresses:
-                raise wire.Rejected(f"the server takes no message of type {kind} from rank {sender}")
+                raise wire.Rejected(f"the server takes no message of type {kind} from rank {sender}", IDENTITY)
         elif kind not in wire.FROM_SERVER or sender != 0:
             raise wire.Rejected(f"a silo takes messages from the server (rank 0) only; got type {kind} from rank "
-                                f"{sender}")
+                                f"{sender}", IDENTITY)
         if envelope.run_id != self.settings.run_id:
-            raise wire.Rejected(f"type {kind} from rank {sender} is for run {envelope.run_id!r}, not this run "
-                                f"({self.settings.run_id!r})")
+            raise wire.Rejected(f"type {kind} from rank {sender} is for run {wire.short(envelope.run_id)}, not this "
+                                f"run ({self.settings.run_id!r})", OTHER_RUN)
         with self._lock:
+            self._check_session(envelope)
             last = self._seen_seq.get(sender, -1)
             if envelope.seq <= last:
                 raise wire.Rejected(f"type {kind} from rank {sender} is a replay (sequence {envelope.seq}, "
-                                    f"already at {last})")
+                                    f"already at {last})", REPLAY)
             if kind == wire.UPLOAD:
                 if envelope.reply_to not in self._open_models.get(sender, ()):
                     raise wire.Rejected(f"an upload from rank {sender} for round {envelope.round} answers no open "
-                                        f"model (a round already closed, or a second upload in one round)")
+                                        f"model (a round already closed, or a second upload in one round)", STALE)
                 self._open_models[sender] = set()  # one answer closes every model sent before it
             self._seen_seq[sender] = envelope.seq
             self.finish_received |= kind == wire.FINISH
             if kind in wire.MODEL_MESSAGES:
                 self._last_model = (envelope.seq, envelope.round)
+
+    def _check_session(self, envelope: wire.Envelope) -> None:
+        """A sender's messages come from one process at a time (its session). A silo that restarts
+        starts a new session, which only its announcement (an ONLINE status) may open; from then on
+        the earlier session's messages are replays. A silo takes one server session: the first."""
+        sender, session = envelope.sender, envelope.session
+        current = self._sessions.get(sender)
+        if current == session:
+            return
+        if current is not None:
+            if session in self._retired.get(sender, set()):
+                raise wire.Rejected(f"type {envelope.type} from rank {sender} comes from an earlier process of that "
+                                    f"rank (session {session}), which a newer one replaced", REPLAY)
+            announces = envelope.type == wire.CLIENT_STATUS and envelope.params.get("client_status") == "ONLINE"
+            if self.rank != 0 or not announces:
+                raise wire.Rejected(f"type {envelope.type} from rank {sender} comes from another process of that rank "
+                                    f"(session {session}, this rank talks to session {current})"
+                                    + ("; a silo's new process must announce itself first" if self.rank == 0 else ""),
+                                    SESSION)
+            self._retired.setdefault(sender, set()).add(current)
+            self._open_models.pop(sender, None)
+            logger.warning("rank %d: rank %d is a new process (session %s); messages of its earlier process are "
+                           "refused from now on", self.rank, sender, session)
+        self._sessions[sender] = session
+        self._seen_seq[sender] = -1
 
     def _to_message(self, envelope: wire.Envelope):
         message = Message(envelope.type, envelope.sender, envelope.receiver)
@@ -240,6 +358,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         if envelope.model is not None:
             message.add_params(wire.MODEL_KEY, envelope.model)
         message.add_params(ROUND_KEY, envelope.round)
+        message.add_params(SESSION_KEY, envelope.session)
         return message
 
     def handle_receive_message(self) -> None:
@@ -251,6 +370,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             try:
                 envelope = self._queue.get(timeout=IDLE_TICK_SECONDS)
             except queue.Empty:
+                self.refusals.tick()
                 for observer in list(self._observers):
                     on_idle = getattr(observer, "on_idle", None)
                     if on_idle is not None:
@@ -273,7 +393,8 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         if sender != self.rank:
             raise ValueError(f"rank {self.rank} cannot send a message as rank {sender}")
         model = params.pop(wire.MODEL_KEY, None)
-        params.pop(ROUND_KEY, None)
+        stamped = params.pop(ROUND_KEY, None)  # a round the sender names (an evaluation's), else the current one
+        params.pop(SESSION_KEY, None)
         for key in [k for k, v in params.items() if v is None]:
             del params[key]
         for key, value in params.items():  # numpy and 0-dim tensor scalars travel as plain numbers
@@ -283,13 +404,16 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             round_idx, reply_to = int(getattr(self.args, "round_idx", 0) or 0), -1
         else:
             reply_to, round_idx = self._last_model if kind == wire.UPLOAD else (-1, self._last_model[1])
+        if stamped is not None:
+            round_idx = int(stamped)
         with self._lock:
             seq = self._sent_seq.get(receiver, -1) + 1
             self._sent_seq[receiver] = seq
             if kind in wire.MODEL_MESSAGES:  # before sending: the answer may come first
                 self._open_models.setdefault(receiver, set()).add(seq)
         return wire.Envelope(type=kind, sender=sender, receiver=receiver, run_id=self.settings.run_id,
-                             round=round_idx, seq=seq, params=params, model=model, reply_to=reply_to)
+                             round=round_idx, seq=seq, params=params, model=model, reply_to=reply_to,
+                             session=self.session)
 
     def send_message(self, message, deadline: Optional[float] = None) -> None:
         """Send ``message`` (a FedML ``Message``) before ``deadline`` (``time.monotonic()``; default:
@@ -407,6 +531,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         if not self.is_running:
             return
         self.is_running = False
+        self.gate.stop()
         self._server.stop(None)
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}

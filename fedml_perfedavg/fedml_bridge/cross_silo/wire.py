@@ -7,9 +7,11 @@ that reaches a port runs code in it. Here a message is
     MAGIC (8 bytes) | header length (4 bytes, big-endian) | header (UTF-8 JSON) | tensors
 
 where the tensors (a model's state dict) are one ``safetensors`` blob: a format that can only
-produce arrays. Decoding checks the size cap before it reads anything, then the header against
-:data:`SCHEMA` (the message types FedML's cross-silo protocol uses, each with its keys and their
-types); anything else raises :class:`Rejected`, which the transport logs with the peer's address.
+produce arrays. Decoding checks the size cap before it reads anything, bounds the header's
+length and nesting before parsing it, then checks the header against :data:`SCHEMA` (the
+message types of FedML's cross-silo protocol and the plugin's own, each with its keys and their
+types and ranges); anything else raises :class:`Rejected`, whose ``reason`` is a short code the
+transport counts by and whose text never echoes more than a few dozen characters of what came.
 """
 from __future__ import annotations
 
@@ -24,21 +26,45 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-MAGIC = b"PFAWIRE1"
+MAGIC = b"PFAWIRE2"
 _LENGTH = struct.Struct(">I")
-MAX_HEADER_BYTES = 64 * 1024  # the header holds ids and a few metrics; a model rides in the tensors
+MAX_HEADER_BYTES = 256 * 1024  # ids, a few figures and the model's tensor names; the model rides in the tensors
+MAX_BRACKETS = 256  # a header of the protocol nests a handful of lists and mappings: this bounds the parser's work
+MAX_TENSORS = 100_000
 MODEL_KEY = "model_params"  # FedML's MyMessage.MSG_ARG_KEY_MODEL_PARAMS
-SILO_METRICS = "plugin_silo_metrics"  # a silo's own personalized evaluation of the model it received
+SILO_METRICS = "plugin_silo_metrics"  # a silo's personalized evaluation: counts, never ratios (see _counts)
+HELLO = "plugin_hello"  # what a silo announces when it comes online (fedml_bridge/cross_silo/agreement.py)
+REASON = "plugin_reason"  # why the server ends a silo's part (a refusal), on FINISH
 
-# FedML's cross-silo message types (cross_silo/server/message_define.py, client/message_define.py).
+# FedML's cross-silo message types (cross_silo/server/message_define.py, client/message_define.py)
+# and the plugin's own (100 and up: FedML uses none there).
 INIT_CONFIG, SYNC_MODEL, UPLOAD, CLIENT_STATUS, CHECK_STATUS, FINISH = 1, 2, 3, 5, 6, 7
-FROM_SERVER = frozenset({INIT_CONFIG, SYNC_MODEL, CHECK_STATUS, FINISH})
-FROM_SILO = frozenset({UPLOAD, CLIENT_STATUS})
-MODEL_MESSAGES = frozenset({INIT_CONFIG, SYNC_MODEL})
+EVALUATE, EVALUATION = 101, 102  # data-owner mode: the server asks every silo to evaluate a model; the counts
+FROM_SERVER = frozenset({INIT_CONFIG, SYNC_MODEL, CHECK_STATUS, FINISH, EVALUATE})
+FROM_SILO = frozenset({UPLOAD, CLIENT_STATUS, EVALUATION})
+MODEL_MESSAGES = frozenset({INIT_CONFIG, SYNC_MODEL})  # a model a silo answers with an upload
+
+# Reasons a message is refused (counted by these codes; summary.json's ``refusals``).
+MALFORMED, PICKLE, OVERSIZE = "malformed", "pickle", "oversize"
 
 
 class Rejected(ValueError):
-    """Bytes that are not a well-formed message of the protocol; the text says what is wrong."""
+    """Bytes that are not a well-formed message of the protocol, or a message this rank does not
+    take now; the text says what is wrong, ``reason`` is the code it is counted by."""
+
+    def __init__(self, message: str, reason: str = MALFORMED) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: what a refusal may echo of a peer's input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"...({len(text)} chars)"
+
+
+def _whole(value: Any, low: int = 0, high: int = 2 ** 31) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
 def _digits(value: Any) -> bool:  # FedML sends the client index as a decimal string
@@ -46,26 +72,59 @@ def _digits(value: Any) -> bool:  # FedML sends the client index as a decimal st
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _count(value: Any) -> bool:  # a sample count weighs the average: finite and not negative
-    return _number(value) and math.isfinite(value) and value >= 0
+def _count(value: Any) -> bool:
+    """A sample count: a whole number, not negative, below 2^31 (a float that holds one too:
+    FedML's own trainers send ``len(...)`` as int, some loaders a float)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return _whole(value)
 
 
-def _text(value: Any) -> bool:
-    return isinstance(value, str) and len(value) <= 64
+def _text(value: Any, limit: int = 64) -> bool:
+    return isinstance(value, str) and len(value) <= limit
 
 
-def _metrics(value: Any) -> bool:
-    """A silo's evaluation: {round, user, accuracy, accuracy_before_adaptation} or None."""
+def _counts(value: Any) -> bool:
+    """A silo's personalized evaluation of one model on one user: whole counts of its test
+    split (correct after and before the alpha-step, and the total) and the mean loss."""
     if value is None:
         return True
-    if not isinstance(value, dict) or set(value) != {"round", "user", "accuracy", "accuracy_before_adaptation"}:
+    if not isinstance(value, dict) or set(value) != {"round", "user", "correct", "correct_before", "total", "loss"}:
         return False
-    return all(isinstance(value[k], int) and not isinstance(value[k], bool) for k in ("round", "user")) and \
-        all(_number(value[k]) and (math.isnan(value[k]) or 0 <= value[k] <= 1)
-            for k in ("accuracy", "accuracy_before_adaptation"))
+    return (all(_whole(value[k]) for k in ("round", "user", "correct", "correct_before", "total"))
+            and value["total"] > 0 and value["correct"] <= value["total"] and value["correct_before"] <= value["total"]
+            and _number(value["loss"]) and 0 <= value["loss"] < 1e12)
+
+
+_SCALAR_LIMIT = 200
+
+
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, bool) or _whole(value, -2 ** 62, 2 ** 62) or _number(value) or \
+        _text(value, _SCALAR_LIMIT)
+
+
+def _hello(value: Any) -> bool:
+    """What a silo announces: the values that must agree with the server's, and its data's shape."""
+    if not isinstance(value, dict) or set(value) != {"fingerprint", "user", "train", "test", "input_shape",
+                                                      "input_dtype", "classes"}:
+        return False
+    fingerprint = value["fingerprint"]
+    if not isinstance(fingerprint, dict) or len(fingerprint) > 64 or \
+            not all(_text(k) and _scalar(v) for k, v in fingerprint.items()):
+        return False
+    if value["user"] is not None and not _whole(value["user"]):
+        return False
+    if value["train"] is None:  # shared mode: no data of its own to announce
+        return value["test"] is None and value["input_shape"] is None and value["input_dtype"] is None and \
+            value["classes"] is None
+    shape, classes = value["input_shape"], value["classes"]
+    return (_whole(value["train"], 1) and _whole(value["test"], 1) and isinstance(shape, list) and len(shape) <= 8
+            and all(_whole(d, 1) for d in shape) and _text(value["input_dtype"], 16)
+            and isinstance(classes, list) and 0 < len(classes) <= 100_000 and all(_whole(c) for c in classes))
 
 
 def _status(value: Any) -> bool:
@@ -77,12 +136,15 @@ SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
     INIT_CONFIG: {"client_idx": (_digits, True), "client_os": (_text, False)},
     SYNC_MODEL: {"client_idx": (_digits, True), "client_os": (_text, False)},
     CHECK_STATUS: {"client_idx": (_digits, True)},
-    FINISH: {"client_idx": (_digits, True)},
-    UPLOAD: {"num_samples": (_count, True), SILO_METRICS: (_metrics, False)},
-    CLIENT_STATUS: {"client_status": (_status, True), "client_os": (_text, False), SILO_METRICS: (_metrics, False)},
+    FINISH: {"client_idx": (_digits, True), REASON: (lambda v: _text(v, 2000), False)},
+    EVALUATE: {"client_idx": (_digits, True)},
+    UPLOAD: {"num_samples": (_count, True), SILO_METRICS: (_counts, False)},
+    CLIENT_STATUS: {"client_status": (_status, True), "client_os": (_text, False), SILO_METRICS: (_counts, False),
+                    HELLO: (_hello, False)},
+    EVALUATION: {SILO_METRICS: (_counts, True)},
 }
-CARRIES_MODEL = frozenset({INIT_CONFIG, SYNC_MODEL, UPLOAD})
-_HEADER_KEYS = {"type", "sender", "receiver", "run_id", "round", "seq", "reply_to", "params", "tensors"}
+CARRIES_MODEL = frozenset({INIT_CONFIG, SYNC_MODEL, UPLOAD, EVALUATE})
+_HEADER_KEYS = {"type", "sender", "receiver", "run_id", "session", "round", "seq", "reply_to", "params", "tensors"}
 _ALLOWED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
                    torch.int16, torch.int32, torch.int64, torch.bool}
 
@@ -90,7 +152,8 @@ _ALLOWED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, 
 @dataclass
 class Envelope:
     """One message of the protocol, decoded: who sent it to whom, for which run and round, and
-    its content. ``seq`` numbers the sender's messages to this receiver (strictly increasing);
+    its content. ``session`` names the sending process (a silo that restarts starts a new one);
+    ``seq`` numbers its messages to this receiver (strictly increasing within a session);
     ``reply_to`` is the ``seq`` of the model an upload answers (-1: none)."""
 
     type: int
@@ -102,6 +165,7 @@ class Envelope:
     params: Dict[str, Any] = field(default_factory=dict)
     model: Optional["OrderedDict[str, torch.Tensor]"] = None
     reply_to: int = -1
+    session: str = "0"
 
 
 def _as_state_dict(model: Any, msg_type: int) -> "OrderedDict[str, torch.Tensor]":
@@ -122,7 +186,7 @@ def encode(envelope: Envelope) -> bytes:
     for key, value in envelope.params.items():
         check = schema.get(key)
         if check is None or not check[0](value):
-            raise ValueError(f"message type {envelope.type}: parameter {key}={value!r} is not allowed")
+            raise ValueError(f"message type {envelope.type}: parameter {key}={short(value)} is not allowed")
     tensors = b""
     order = None
     if envelope.type in CARRIES_MODEL:
@@ -132,61 +196,77 @@ def encode(envelope: Envelope) -> bytes:
         order = list(state)
         tensors = save_tensors(dict(state)) if state else b""
     header = json.dumps({"type": envelope.type, "sender": envelope.sender, "receiver": envelope.receiver,
-                         "run_id": envelope.run_id, "round": envelope.round, "seq": envelope.seq,
-                         "reply_to": envelope.reply_to, "params": envelope.params, "tensors": order},
-                        separators=(",", ":")).encode()
+                         "run_id": envelope.run_id, "session": envelope.session, "round": envelope.round,
+                         "seq": envelope.seq, "reply_to": envelope.reply_to, "params": envelope.params,
+                         "tensors": order}, separators=(",", ":"), allow_nan=False).encode()
     return MAGIC + _LENGTH.pack(len(header)) + header + tensors
 
 
 def _int(header: Dict[str, Any], key: str, low: int = 0) -> int:
     value = header.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value < 2 ** 62:
-        raise Rejected(f"header field {key!r}={value!r} is not an integer >= {low}")
+        raise Rejected(f"header field {key!r}={short(value)} is not an integer >= {low}")
     return value
+
+
+def _parse_header(raw: bytes) -> Any:
+    """The header's JSON, parsed within fixed bounds: a header that nests more than the protocol
+    ever does is refused before the parser sees it (deep nesting is how a JSON parser is driven
+    into recursion); the parser's own limits are caught, never passed on."""
+    if raw.count(b"[") + raw.count(b"{") > MAX_BRACKETS:
+        raise Rejected(f"the header holds more than {MAX_BRACKETS} brackets; the protocol's never do")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise Rejected(f"header is not UTF-8 JSON ({type(err).__name__}: {short(str(err), 80)})") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")  # NaN and Infinity: Python's json takes them, JSON does not
 
 
 def decode(data: bytes, max_bytes: int) -> Envelope:
     """The message in ``data``, or :class:`Rejected` naming what is wrong. Nothing is read from a
-    message over ``max_bytes``; nothing in it can run code."""
+    message over ``max_bytes``; nothing in it can run code; the work is bounded by its size."""
     if len(data) > max_bytes:
-        raise Rejected(f"{len(data)} bytes, over the size cap of {max_bytes} (comm_args.max_message_bytes)")
+        raise Rejected(f"{len(data)} bytes, over the size cap of {max_bytes} (comm_args.max_message_bytes)", OVERSIZE)
     if not data.startswith(MAGIC):
-        hint = " (a pickle: FedML's own gRPC transport, or an attack)" if data[:1] == b"\x80" else ""
-        raise Rejected(f"not a message of this protocol{hint}")
+        if data[:1] == b"\x80":
+            raise Rejected("not a message of this protocol (a pickle: FedML's own gRPC transport, or an attack)", PICKLE)
+        raise Rejected("not a message of this protocol (or of another version of it)")
     if len(data) < len(MAGIC) + _LENGTH.size:
         raise Rejected("truncated before the header")
     (length,) = _LENGTH.unpack_from(data, len(MAGIC))
     start = len(MAGIC) + _LENGTH.size
     if length > MAX_HEADER_BYTES or start + length > len(data):
         raise Rejected(f"header length {length} is over {MAX_HEADER_BYTES} bytes or past the message's end")
-    try:
-        header = json.loads(data[start:start + length].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise Rejected(f"header is not UTF-8 JSON ({err})") from None
+    header = _parse_header(data[start:start + length])
     if not isinstance(header, dict) or set(header) != _HEADER_KEYS:
         raise Rejected(f"header fields must be {sorted(_HEADER_KEYS)}")
     msg_type = header["type"]
     schema = SCHEMA.get(msg_type) if isinstance(msg_type, int) and not isinstance(msg_type, bool) else None
     if schema is None:
-        raise Rejected(f"message type {msg_type!r} is not part of the cross-silo protocol")
-    run_id = header["run_id"]
+        raise Rejected(f"message type {short(msg_type)} is not part of the cross-silo protocol")
+    run_id, session = header["run_id"], header["session"]
     if not isinstance(run_id, str) or len(run_id) > 128:
-        raise Rejected(f"run_id={run_id!r} is not a string of at most 128 characters")
+        raise Rejected(f"run_id={short(run_id)} is not a string of at most 128 characters")
+    if not isinstance(session, str) or not 0 < len(session) <= 32 or not session.isalnum():
+        raise Rejected(f"session={short(session)} is not 1 to 32 letters and digits")
     params = header["params"]
     if not isinstance(params, dict):
         raise Rejected("params must be a mapping")
     for key, value in params.items():
         check = schema.get(key)
         if check is None:
-            raise Rejected(f"message type {msg_type}: unexpected parameter {key!r}")
+            raise Rejected(f"message type {msg_type}: unexpected parameter {short(key)}")
         if not check[0](value):
-            raise Rejected(f"message type {msg_type}: parameter {key}={value!r} has the wrong type or range")
+            raise Rejected(f"message type {msg_type}: parameter {key}={short(value)} has the wrong type or range")
     missing = [k for k, (_, required) in schema.items() if required and k not in params]
     if missing:
         raise Rejected(f"message type {msg_type}: missing parameter(s) {missing}")
     envelope = Envelope(type=msg_type, sender=_int(header, "sender"), receiver=_int(header, "receiver"),
                         run_id=run_id, round=_int(header, "round"), seq=_int(header, "seq"), params=params,
-                        reply_to=_int(header, "reply_to", low=-1))
+                        reply_to=_int(header, "reply_to", low=-1), session=session)
     envelope.model = _decode_model(msg_type, header["tensors"], data[start + length:])
     return envelope
 
@@ -196,8 +276,10 @@ def _decode_model(msg_type: int, order: Any, blob: bytes) -> Optional["OrderedDi
         if order is not None or blob:
             raise Rejected(f"message type {msg_type} carries no model")
         return None
-    if not isinstance(order, list) or not all(isinstance(k, str) for k in order) or len(set(order)) != len(order):
-        raise Rejected("the model's tensor names must be a list of distinct strings")
+    if not isinstance(order, list) or len(order) > MAX_TENSORS or \
+            not all(isinstance(k, str) and 0 < len(k) <= 512 for k in order) or len(set(order)) != len(order):
+        raise Rejected(f"the model's tensor names must be a list of at most {MAX_TENSORS} distinct strings of 1 to "
+                       f"512 characters")
     if not order:
         if blob:
             raise Rejected("tensor bytes without tensor names")
@@ -205,12 +287,13 @@ def _decode_model(msg_type: int, order: Any, blob: bytes) -> Optional["OrderedDi
     try:
         tensors = load_tensors(blob)
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
-        raise Rejected(f"the tensors are not a valid safetensors blob ({type(err).__name__}: {err})") from None
+        raise Rejected(f"the tensors are not a valid safetensors blob ({type(err).__name__}: "
+                       f"{short(str(err), 80)})") from None
     if set(tensors) != set(order):
         raise Rejected("the tensor names in the header and in the tensors differ")
     bad = [k for k, v in tensors.items() if v.dtype not in _ALLOWED_DTYPES]
     if bad:
-        raise Rejected(f"tensor(s) {bad[:3]} have a dtype the protocol does not carry")
+        raise Rejected(f"tensor(s) {short(bad[:3])} have a dtype the protocol does not carry")
     return OrderedDict((k, tensors[k]) for k in order)
 
 

@@ -1,0 +1,277 @@
+"""The door in front of a cross-silo port: connections are counted and bounded before any TLS.
+
+gRPC accepts every TCP connection and keeps it until its TLS handshake ends or times out (120 s
+by default), with no cap per peer or in total: an outsider with no certificate who holds
+thousands of idle connections exhausts the process's file descriptors, and the run dies
+(``Too many open files``) or an honest silo cannot get in. gRPC's Python API offers no hook
+before the handshake, so the port a peer reaches is this gate's: it accepts, applies
+
+- a cap on concurrent connections per peer address and in total (over either, the connection is
+  closed at once and counted),
+- a deadline for a connection's first request (the TLS handshake and gRPC's preface included),
+- an idle limit once it has carried requests,
+
+and forwards the bytes, untouched, to the process's gRPC server on a private loopback port (TLS
+is still end to end: the gate holds no key and reads nothing but the first byte). A connection
+that closes without ever carrying a request (a failed or abandoned handshake, plaintext to a TLS
+port, an idle one cut at its deadline) is reported with its peer's address to ``on_refusal``,
+which the transport rate-limits and counts.
+
+The gate runs an ``asyncio`` loop in one daemon thread per process.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+CONNECTION_CAP, HANDSHAKE, PLAINTEXT, IDLE = "connection-cap", "handshake", "not-tls", "idle-connection"
+_SWEEP_SECONDS = 0.25
+_CHUNK = 1 << 20
+# A TLS handshake (hello, certificates, finished) takes a few KB each way; a connection that sent more
+# than this is carrying a message (a large model over a slow link may take longer than the first-request
+# deadline to arrive whole) and is held to the idle limit instead. gRPC's own handshake deadline still
+# ends a handshake that never completes, whatever was sent.
+HANDSHAKE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class GateLimits:
+    """How many connections a port holds and for how long (see the module doc)."""
+
+    per_peer: int  # concurrent connections from one address
+    total: int  # concurrent connections in all
+    first_request_seconds: float  # from accept to the first request that reached the servicer
+    idle_seconds: float  # no bytes either way, after a request
+    tls: bool = True  # what the first bytes must look like
+
+
+@dataclass
+class _Connection:
+    host: str
+    port: int
+    opened: float
+    last_activity: float
+    requests: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    first_byte: Optional[int] = None
+    closing: bool = False
+    writers: list = field(default_factory=list)
+
+
+class PortTaken(OSError):
+    """The public address cannot be bound (in use, or not this host's)."""
+
+
+class Gate:
+    """Accepts on ``public`` and forwards to ``127.0.0.1:backend_port`` within ``limits``.
+    ``on_refusal(host, port, reason, text)`` hears of every connection refused or closed without a
+    request (called from the gate's thread)."""
+
+    def __init__(self, public: Tuple[str, int], backend_port: int, limits: GateLimits,
+                 on_refusal: Callable[[str, int, str, str], None]) -> None:
+        self.public, self.backend_port, self.limits, self.on_refusal = public, backend_port, limits, on_refusal
+        self._loop = asyncio.new_event_loop()
+        self._server: Optional[asyncio.AbstractServer] = None
+        self._thread: Optional[threading.Thread] = None
+        self._per_peer: Dict[str, int] = {}
+        self._open: Dict[int, _Connection] = {}  # id -> connection
+        self._by_backend_port: Dict[int, _Connection] = {}
+        self._lock = threading.Lock()
+        self.accepted = 0
+        self.most_open = 0  # the highest number of concurrent connections seen
+
+    # -- life ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the public address (exclusively) and start serving; :class:`PortTaken` if it cannot."""
+        ip, port = self.public
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            # SO_REUSEADDR only lets a port in TIME_WAIT be bound again; never SO_REUSEPORT (sharing).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((ip, port))
+            sock.listen(1024)
+        except OSError as err:
+            sock.close()
+            raise PortTaken(err.errno or errno.EADDRINUSE, f"{ip}:{port}: {err.strerror}") from None
+        sock.setblocking(False)
+        ready = threading.Event()
+
+        def serve() -> None:
+            asyncio.set_event_loop(self._loop)
+
+            async def begin() -> None:
+                self._server = await asyncio.start_server(self._handle, sock=sock, limit=_CHUNK)
+                self._loop.create_task(self._sweep())
+                ready.set()
+
+            self._loop.run_until_complete(begin())
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, daemon=True, name=f"gate-{ip}:{port}")
+        self._thread.start()
+        ready.wait(10)
+
+    def stop(self) -> None:
+        """Close the public port and every connection through it."""
+        if self._thread is None:
+            return
+
+        async def end() -> None:
+            if self._server is not None:
+                self._server.close()
+            for connection in list(self._open.values()):
+                self._close(connection)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(end(), self._loop).result(5)
+        except Exception:  # noqa: BLE001 - the loop may already be gone; the process is ending this part
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._thread = None
+        if not self._loop.is_running():
+            self._loop.close()
+
+    # -- what the transport asks ------------------------------------------------------------------
+    def _connection_of(self, grpc_peer: str) -> Optional[_Connection]:
+        """The connection behind gRPC's peer string for the backend side (``ipv4:127.0.0.1:PORT``)."""
+        try:
+            port = int(grpc_peer.rsplit(":", 1)[1])
+        except (IndexError, ValueError):
+            return None
+        return self._by_backend_port.get(port)
+
+    def peer_of(self, grpc_peer: str) -> Tuple[str, str]:
+        """(host, "host:port") of the real peer behind a request gRPC saw come from the gate."""
+        connection = self._connection_of(grpc_peer)
+        if connection is None:
+            return grpc_peer, grpc_peer
+        return connection.host, f"{connection.host}:{connection.port}"
+
+    def note_request(self, grpc_peer: str) -> None:
+        """A request reached the servicer through this connection: its handshake is done."""
+        connection = self._connection_of(grpc_peer)
+        if connection is not None:
+            connection.requests += 1
+            connection.last_activity = time.monotonic()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
+    # -- the loop -----------------------------------------------------------------------------------
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername") or ("?", 0)
+        host, port = str(peer[0]), int(peer[1])
+        self.accepted += 1
+        over = None
+        if len(self._open) >= self.limits.total:
+            over = f"{len(self._open)} connections open, the cap in total (comm_args.max_connections)"
+        elif self._per_peer.get(host, 0) >= self.limits.per_peer:
+            over = (f"{self._per_peer[host]} connections open from {host}, the cap per peer address "
+                    f"(comm_args.max_connections_per_peer)")
+        if over is not None:
+            writer.transport.abort()
+            self.on_refusal(host, port, CONNECTION_CAP, f"connection closed at once: {over}")
+            return
+        now = time.monotonic()
+        connection = _Connection(host, port, now, now, writers=[writer])
+        self._open[id(connection)] = connection
+        self._per_peer[host] = self._per_peer.get(host, 0) + 1
+        self.most_open = max(self.most_open, len(self._open))
+        backend_writer = None
+        try:
+            try:
+                backend_reader, backend_writer = await asyncio.wait_for(
+                    asyncio.open_connection("127.0.0.1", self.backend_port, limit=_CHUNK), 5.0)
+            except (OSError, asyncio.TimeoutError):
+                return  # the process's own gRPC server is gone: it is shutting down
+            connection.writers.append(backend_writer)
+            backend_port = backend_writer.get_extra_info("sockname")[1]
+            self._by_backend_port[backend_port] = connection
+            try:
+                await asyncio.gather(self._pipe(reader, backend_writer, connection, inbound=True),
+                                     self._pipe(backend_reader, writer, connection, inbound=False))
+            finally:
+                self._by_backend_port.pop(backend_port, None)
+        finally:
+            self._close(connection)
+            self._open.pop(id(connection), None)
+            left = self._per_peer.get(host, 1) - 1
+            if left > 0:
+                self._per_peer[host] = left
+            else:
+                self._per_peer.pop(host, None)
+            if connection.requests == 0:
+                self._report_unused(connection)
+
+    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, connection: _Connection,
+                    inbound: bool) -> None:
+        try:
+            while not connection.closing:
+                data = await source.read(_CHUNK)
+                if not data:
+                    break
+                connection.last_activity = time.monotonic()
+                if inbound:
+                    if connection.first_byte is None:
+                        connection.first_byte = data[0]
+                    connection.bytes_in += len(data)
+                else:
+                    connection.bytes_out += len(data)
+                sink.write(data)
+                await sink.drain()
+        except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            self._close(connection)  # one side ended: so does the other
+
+    def _close(self, connection: _Connection) -> None:
+        connection.closing = True
+        for writer in connection.writers:
+            try:
+                writer.transport.abort()
+            except Exception:  # noqa: BLE001 - already closed
+                pass
+
+    async def _sweep(self) -> None:
+        """Close connections past their deadline: no request (nor a message under way) within
+        ``first_request_seconds``, or no bytes either way for ``idle_seconds``."""
+        while True:
+            await asyncio.sleep(_SWEEP_SECONDS)
+            now = time.monotonic()
+            for connection in list(self._open.values()):
+                started = connection.requests > 0 or connection.bytes_in >= HANDSHAKE_BYTES
+                if not started and now - connection.opened > self.limits.first_request_seconds:
+                    self._close(connection)
+                elif started and now - connection.last_activity > self.limits.idle_seconds:
+                    self._close(connection)
+
+    def _report_unused(self, connection: _Connection) -> None:
+        lasted = time.monotonic() - connection.opened
+        traffic = f"{connection.bytes_in} bytes in, {connection.bytes_out} out, {lasted:.2f} s"
+        if connection.bytes_in == 0:
+            reason, what = IDLE, "sent nothing"
+        elif self.limits.tls and connection.first_byte != 0x16:
+            reason, what = PLAINTEXT, "did not start a TLS handshake (plaintext to a TLS port?)"
+        elif self.limits.tls:
+            reason, what = HANDSHAKE, "TLS handshake failed or was not finished in time (no client certificate " \
+                                      "from the run's CA?)"
+        else:
+            reason, what = HANDSHAKE, "made no request in time"
+        self.on_refusal(connection.host, connection.port, reason, f"connection closed without a request: {what} "
+                                                                  f"({traffic})")

@@ -1,0 +1,68 @@
+"""Refusals, counted by reason and logged so that no peer can flood the log.
+
+Every message or connection a cross-silo process refuses goes through :class:`RefusalLog`: it is
+counted (``totals``, by reason: what summary.json's ``refusals`` shows), and logged with the
+peer's address, its text cut to :data:`MAX_TEXT` characters, at most :data:`BURST` lines per
+(peer address, reason) and then one per :data:`WINDOW_SECONDS`; what was held back is counted and
+said in one line every :data:`REPORT_SECONDS` (:meth:`RefusalLog.tick`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Dict, Tuple
+
+MAX_TEXT = 300
+BURST = 3
+WINDOW_SECONDS = 10.0
+REPORT_SECONDS = 30.0
+
+
+class RefusalLog:
+    """Counts and logs refusals for one rank (thread-safe: gRPC's threads and the gate's call it)."""
+
+    def __init__(self, rank: int, logger: logging.Logger, clock=time.monotonic) -> None:
+        self.rank, self.logger, self.clock = rank, logger, clock
+        self.totals: Counter = Counter()
+        self._lines: Dict[Tuple[str, str], Tuple[int, float]] = {}  # (host, reason) -> (lines in burst, last line)
+        self._held_back: Counter = Counter()  # reason -> lines not written since the last report
+        self._last_report = clock()
+        self._lock = threading.Lock()
+
+    def refuse(self, host: str, reason: str, text: str, where: str = "") -> None:
+        """Count one refusal from ``host`` (``where``: its "host:port", if known) and log it unless
+        this (host, reason) has had its share of lines."""
+        now = self.clock()
+        with self._lock:
+            self.totals[reason] += 1
+            count, last = self._lines.get((host, reason), (0, -float("inf")))
+            if count < BURST or now - last >= WINDOW_SECONDS:
+                self._lines[(host, reason)] = (count + 1, now)
+                write = True
+            else:
+                self._held_back[reason] += 1
+                write = False
+            if len(self._lines) > 10_000:  # many distinct peers: forget the oldest bursts, keep the counts
+                for key in sorted(self._lines, key=lambda k: self._lines[k][1])[:5_000]:
+                    del self._lines[key]
+        if write:
+            if len(text) > MAX_TEXT:
+                text = text[:MAX_TEXT] + f"... ({len(text)} characters)"
+            self.logger.warning("rank %d refused %s from %s: %s", self.rank, _what(reason), where or host, text)
+
+    def tick(self) -> None:
+        """Say how many refusal lines were held back since the last report (every REPORT_SECONDS)."""
+        now = self.clock()
+        with self._lock:
+            if now - self._last_report < REPORT_SECONDS or not self._held_back:
+                return
+            held, self._held_back = dict(self._held_back), Counter()
+            seconds, self._last_report = now - self._last_report, now
+        self.logger.warning("rank %d: %d more refusals in the last %.0f s not logged one by one (by reason: %s); "
+                            "totals so far: %s", self.rank, sum(held.values()), seconds, held, dict(self.totals))
+
+
+def _what(reason: str) -> str:
+    return "a connection" if reason in ("connection-cap", "handshake", "not-tls", "idle-connection") else "a message"
