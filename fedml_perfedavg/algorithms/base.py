@@ -32,7 +32,7 @@ from ..core.algorithm import SGD, LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
 from ..core.stacked import StackedGradients
-from ..core.guards import RunStopped, apply_divergence_policy, is_finite, update_problem
+from ..core.guards import RunStopped, apply_divergence_policy, is_finite, update_bound, update_problem
 from ..core.sampling import (Purpose, batch_indices_of_many, generator_for, sample_clients,
                              sample_local_batches)
 from ..core.types import Params, StateDict, UserSplit
@@ -57,6 +57,7 @@ class AlgorithmSettings:
     aggregation: str = "uniform"
     on_divergence: str = "stop"
     max_update_norm: Optional[float] = None
+    max_update_ratio: Optional[float] = 1.0
     max_skipped_rounds: int = 3
 
     @classmethod
@@ -73,7 +74,7 @@ class AlgorithmSettings:
                                         batch_size=config.batch_size, seed=config.random_seed),
             new_user_fraction=config.new_user_fraction, aggregation=config.aggregation,
             on_divergence=config.on_divergence, max_update_norm=config.max_update_norm,
-            max_skipped_rounds=config.max_skipped_rounds)
+            max_update_ratio=config.max_update_ratio, max_skipped_rounds=config.max_skipped_rounds)
 
 
 class RoundDriver(Protocol):
@@ -190,6 +191,7 @@ class FederatedAlgorithm:
         self.skipped_rounds = 0
         self.rejected: Dict[int, int] = {}  # round -> client updates rejected
         self.aggregate_calls = 0
+        self._bound_logged = False
         self._chains: Dict[tuple, Tuple[Optional[StackedGradients], str]] = {}  # by input shape
         self._test_stacks: dict = {}  # the evaluation's stacked test splits, kept between evaluations
 
@@ -344,13 +346,20 @@ class FederatedAlgorithm:
                   ) -> StateDict:
         """The new global model: the average (``settings.aggregation``) of the acceptable
         updates. Updates that do not fit the global model (keys, shapes, dtypes, finiteness,
-        ``max_update_norm``) are rejected and logged; a round with none left keeps the global
-        model, and ``max_skipped_rounds`` such rounds stop the run."""
+        ``max_update_ratio``, ``max_update_norm``) are rejected and logged; a round with none
+        left keeps the global model, and ``max_skipped_rounds`` such rounds stop the run."""
         self.aggregate_calls += 1
         updates = self.hooks.before_aggregation(round_idx, list(updates), global_state)
+        settings = self.settings
+        if settings.max_update_ratio is not None and not self._bound_logged:
+            self._bound_logged = True
+            logger.info("client updates are bounded: ||w_i - w|| <= train_args.max_update_ratio=%g x max(||w||, 1) "
+                        "(%.4g in round %d); larger ones are rejected", settings.max_update_ratio,
+                        update_bound(global_state, settings.max_update_ratio, self.parameter_names), round_idx)
         accepted = []
         for position, (samples, update) in enumerate(updates):
-            problem = update_problem(update, global_state, self.settings.max_update_norm, self.parameter_names)
+            problem = update_problem(update, global_state, settings.max_update_norm, self.parameter_names,
+                                     settings.max_update_ratio)
             if problem is None:
                 accepted.append((samples, update))
             else:
@@ -373,9 +382,17 @@ class FederatedAlgorithm:
 
     def combine(self, round_idx: int, accepted: Sequence[Tuple[float, StateDict]], global_state: StateDict
                 ) -> StateDict:
-        """The new global state from the accepted updates (at least one): their average
-        (``settings.aggregation``; Algorithm 1's plain average by default)."""
-        return average(accepted, self.settings.aggregation)
+        """The new global state from the accepted updates (at least one): their parameters'
+        average (``settings.aggregation``; Algorithm 1's plain average by default). Buffers stay
+        the global model's: a client of the standard maths returns them as it received them
+        (BatchNorm's running statistics are neither updated nor averaged), so what a client
+        sends there is noise or a lie, and an integer counter stays an integer."""
+        averaged = average(accepted, self.settings.aggregation)
+        if self.returns_whole_state:
+            return averaged
+        parameters = set(self.parameter_names)
+        return OrderedDict((k, averaged[k] if k in parameters else global_state[k].clone())
+                           for k in averaged)
 
     # -- evaluate -------------------------------------------------------------------------
     def evaluate(self, round_idx: int, global_state: StateDict, users: Sequence[UserSplit],

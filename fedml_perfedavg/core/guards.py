@@ -54,10 +54,26 @@ def is_finite(params: Dict[str, Tensor]) -> bool:
     return all(tensor_is_finite(v) for v in params.values() if v.is_floating_point())
 
 
+def l2_norm(tensors: Dict[str, Tensor], keys: List[str]) -> float:
+    """The L2 norm of ``tensors[k]`` over ``keys``, accumulated in float64."""
+    return float(torch.sqrt(sum((tensors[k].double() ** 2).sum() for k in keys))) if keys else 0.0
+
+
+def update_bound(reference: Dict[str, Tensor], max_update_ratio: float, norm_keys: Optional[List[str]] = None
+                 ) -> float:
+    """The largest distance an update may move ``reference``: ``max_update_ratio`` times the
+    model's own norm over ``norm_keys``, or times 1 for a model whose norm is below 1 (a model
+    initialized at zero can still be trained)."""
+    keys = list(norm_keys if norm_keys is not None else reference)
+    return max_update_ratio * max(l2_norm(reference, keys), 1.0)
+
+
 def update_problem(update: Dict[str, Tensor], reference: Dict[str, Tensor],
-                   max_update_norm: Optional[float] = None, norm_keys: Optional[List[str]] = None) -> Optional[str]:
+                   max_update_norm: Optional[float] = None, norm_keys: Optional[List[str]] = None,
+                   max_update_ratio: Optional[float] = None) -> Optional[str]:
     """Why a received client model cannot be averaged into ``reference``, or None if it can;
-    ``max_update_norm`` bounds the distance over ``norm_keys`` (default: every key)."""
+    ``max_update_norm`` and ``max_update_ratio`` (see :func:`update_bound`) bound the distance
+    over ``norm_keys`` (default: every key)."""
     if not isinstance(update, dict):
         return f"expected a state dict, got {type(update).__name__}"
     if set(update) != set(reference):
@@ -71,11 +87,18 @@ def update_problem(update: Dict[str, Tensor], reference: Dict[str, Tensor],
             return f"{name}: shape/dtype {tuple(value.shape)}/{value.dtype}, expected {tuple(ref.shape)}/{ref.dtype}"
         if value.is_floating_point() and not tensor_is_finite(value):
             return f"{name}: non-finite values"
-    if max_update_norm is not None:
-        norm = float(torch.sqrt(sum(((update[k].float() - reference[k].float().to(update[k].device)) ** 2).sum()
-                                    for k in (norm_keys if norm_keys is not None else reference))))
-        if norm > max_update_norm:
-            return f"update norm {norm:.4g} exceeds train_args.max_update_norm={max_update_norm}"
+    if max_update_norm is None and max_update_ratio is None:
+        return None
+    keys = list(norm_keys if norm_keys is not None else reference)
+    norm = float(torch.sqrt(sum(((update[k].double() - reference[k].double().to(update[k].device)) ** 2).sum()
+                                for k in keys))) if keys else 0.0
+    if max_update_norm is not None and norm > max_update_norm:
+        return f"update norm {norm:.4g} exceeds train_args.max_update_norm={max_update_norm}"
+    if max_update_ratio is not None:
+        bound = update_bound(reference, max_update_ratio, keys)
+        if norm > bound:
+            return (f"update norm {norm:.4g} exceeds train_args.max_update_ratio={max_update_ratio} x max(||w||, 1) "
+                    f"= {bound:.4g}")
     return None
 
 

@@ -283,9 +283,20 @@ class FedMLSafeguards(RoundHooks):
         if self.defender is None or not self.defender.is_defense_before_aggregation():
             return updates
         template = updates[0][1]
-        with _fedml_prints(), keyed_global_randomness(self.seed, round_idx, -1, Purpose.DEFENSE):
-            kept = self.defender.defend_before_aggregation([(n, _on_cpu(sd)) for n, sd in updates],
-                                                           extra_auxiliary_info=_on_cpu(global_state))
+        try:
+            with _fedml_prints(), keyed_global_randomness(self.seed, round_idx, -1, Purpose.DEFENSE):
+                kept = self.defender.defend_before_aggregation([(n, _on_cpu(sd)) for n, sd in updates],
+                                                               extra_auxiliary_info=_on_cpu(global_state))
+        except (ValueError, AssertionError, IndexError) as err:
+            if len(updates) >= int(self.view.client_num_per_round):
+                raise  # the round's full count: what the start's rehearsal reports as a configuration error
+            # FedML's defenses assume the round's full count (Krum: 2f + 2 < n); the update checks
+            # may have rejected some already (the attack's own models, often). Stopping here would
+            # let one rejected update stop the run.
+            logger.warning("round %d: FedML's %s defense cannot run on the %d client updates left after the update "
+                           "checks (%s); they are combined without it this round", round_idx,
+                           self.defender.defense_type, len(updates), err)
+            return updates
         if len(kept) < len(updates):
             logger.info("round %d: FedML's %s defense kept %d of %d client updates", round_idx,
                         self.defender.defense_type, len(kept), len(updates))

@@ -122,6 +122,11 @@ class Config:
     max_update_norm: Optional[float] = _setting("train_args", float, None, "reject client updates whose L2 "
                                                 "distance to the global model exceeds this", rule=_positive,
                                                 optional=True)
+    max_update_ratio: Optional[float] = _setting("train_args", float, 1.0, "reject client updates that move the "
+                                                 "model by more than this times its own norm (times 1 if its norm "
+                                                 "is below 1): a bound on by default, so one client cannot move the "
+                                                 "model by orders of magnitude (honest MNIST updates: under 0.13); "
+                                                 "null: off", rule=_positive, optional=True)
     max_skipped_rounds: int = _setting("train_args", int, 3, "stop after this many rounds without an acceptable "
                                        "update", rule=_at_least_one)
     aruba_epsilon: float = _setting("train_args", float, 0.03, "FedAvgARUBA: epsilon; the learned per-coordinate "

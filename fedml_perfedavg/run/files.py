@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 from typing import IO, Any, Callable, Optional
 
@@ -62,8 +63,22 @@ def _os_error(err: Optional[BaseException]) -> Optional[OSError]:
     return None
 
 
+def strict_json(data: Any) -> Any:
+    """``data`` with every NaN and infinity replaced by None (JSON has no such numbers: Python's
+    ``json`` writes ``NaN`` tokens that strict parsers refuse), tuples as lists."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: strict_json(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [strict_json(v) for v in data]
+    return data
+
+
 def write_json(path: str, data: Any) -> None:
-    write_atomic(path, lambda stream: stream.write(json.dumps(data, indent=2, sort_keys=False).encode()))
+    """``data`` as strict JSON (non-finite numbers become null), written whole or not at all."""
+    text = json.dumps(strict_json(data), indent=2, sort_keys=False, allow_nan=False)
+    write_atomic(path, lambda stream: stream.write(text.encode()))
 
 
 def write_yaml(path: str, data: Any) -> None:
