@@ -96,6 +96,22 @@ class RoundDriver(Protocol):
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         """Cross-silo: the silos' own personalized evaluations of the model they received."""
 
+    def record_rejoined_silo(self, round_idx: int, rank: int, why: str) -> None:
+        """Cross-silo: a silo the server had gone on without came back."""
+
+    def evaluates(self, round_idx: int) -> bool:
+        """Whether the model after this round is evaluated (the run's schedule)."""
+
+    def record_federated_evaluation(self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: List[int],
+                                    started: Optional[float] = None) -> None:
+        """Data-owner cross-silo: each user's counts from its own silo; the users that sent none."""
+
+    def record_rejected_update(self, round_idx: int) -> None:
+        """Cross-silo: the server refused a silo's upload before aggregation (a false sample count)."""
+
+    def record_refusals(self, totals: Dict[str, int]) -> None:
+        """Cross-silo: what the server's transport refused so far, by reason."""
+
 
 class RoundHooks:
     """What may act on a round between the algorithm's own steps, the same on every backend:

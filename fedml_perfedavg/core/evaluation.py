@@ -40,11 +40,17 @@ class EvaluationConfig:
 
 @dataclass
 class EvaluationResult:
-    """Per-user accuracies (in [0, 1]) before and after the personalization step."""
+    """Per-user accuracies (in [0, 1]) before and after the personalization step, of users
+    0..n-1 or of ``user_ids`` (a federated evaluation that some users missed)."""
 
     per_user_accuracy: List[float]
     per_user_accuracy_before: List[float]
     per_user_loss: List[float] = field(default_factory=list)
+    user_ids: Optional[List[int]] = None
+
+    @property
+    def ids(self) -> List[int]:
+        return list(range(len(self.per_user_accuracy))) if self.user_ids is None else list(self.user_ids)
 
     @property
     def personalized_accuracy(self) -> float:
@@ -62,7 +68,8 @@ class EvaluationResult:
         """The result restricted to the users at ``positions``."""
         pick = lambda values: [values[i] for i in positions]  # noqa: E731
         return EvaluationResult(pick(self.per_user_accuracy), pick(self.per_user_accuracy_before),
-                                pick(self.per_user_loss) if self.per_user_loss else [])
+                                pick(self.per_user_loss) if self.per_user_loss else [],
+                                None if self.user_ids is None else pick(self.user_ids))
 
     def metrics(self) -> dict:
         """Flat scalar metrics for logging."""
@@ -73,6 +80,12 @@ class EvaluationResult:
             "accuracy_before_adaptation": self.accuracy_before_adaptation,
             "personalized_loss": float(torch.tensor(self.per_user_loss).mean()) if self.per_user_loss else float("nan"),
         }
+
+
+def accuracy_of(correct: int, total: int) -> float:
+    """``correct / total`` as the evaluation computes an accuracy (a float32 mean of 0/1 values,
+    returned as a Python float): a count a silo reports gives the same number as evaluating here."""
+    return float(torch.tensor(correct / total, dtype=torch.float32))
 
 
 def adaptation_batches(train_x: Tensor, train_y: Tensor, steps: int, batch_size: int,

@@ -127,15 +127,46 @@ def users_from_fedml_dataset(dataset: Sequence[Any], device: Optional[torch.devi
     return users
 
 
-def to_fedml_dataset(users: Sequence[UserSplit], num_classes: int, batch_size: int) -> list:
-    """FedML's 8-element dataset list over ``users``; per-client loaders wrap the same tensors."""
+def to_fedml_dataset(users: Sequence[UserSplit], num_classes: int, batch_size: int,
+                     ids: Optional[Sequence[int]] = None) -> list:
+    """FedML's 8-element dataset list over ``users`` (keyed 0..n-1, or by ``ids``); per-client
+    loaders wrap the same tensors. No users (the server of a data-owner run): empty dicts and no
+    global loaders."""
     def loader(x: Tensor, y: Tensor, shuffle: bool) -> DataLoader:
         return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
 
-    train_local = {i: loader(u.train_x, u.train_y, True) for i, u in enumerate(users)}
-    test_local = {i: loader(u.test_x, u.test_y, False) for i, u in enumerate(users)}
-    train_num = {i: len(u.train_y) for i, u in enumerate(users)}
-    train_global = loader(torch.cat([u.train_x for u in users]), torch.cat([u.train_y for u in users]), True)
-    test_global = loader(torch.cat([u.test_x for u in users]), torch.cat([u.test_y for u in users]), False)
+    keys = list(range(len(users))) if ids is None else [int(i) for i in ids]
+    train_local = {k: loader(u.train_x, u.train_y, True) for k, u in zip(keys, users)}
+    test_local = {k: loader(u.test_x, u.test_y, False) for k, u in zip(keys, users)}
+    train_num = {k: len(u.train_y) for k, u in zip(keys, users)}
+    train_global = test_global = None
+    if users:
+        train_global = loader(torch.cat([u.train_x for u in users]), torch.cat([u.train_y for u in users]), True)
+        test_global = loader(torch.cat([u.test_x for u in users]), torch.cat([u.test_y for u in users]), False)
     return [sum(train_num.values()), sum(len(u.test_y) for u in users), train_global, test_global,
             train_num, train_local, test_local, num_classes]
+
+
+def own_user_from_fedml_dataset(dataset: Sequence[Any], user_id: int, device: Optional[torch.device] = None
+                                ) -> Tuple[UserSplit, list]:
+    """A silo's own user from FedML's dataset list (data-owner mode): the client keyed
+    ``user_id``, or the only client a loader of the silo's own data gave (under any key); and the
+    dataset list with that client alone, keyed ``user_id`` (FedML's trainer reads it by that key)."""
+    train_dict, test_dict = dataset[5], dataset[6]
+    keys = sorted(train_dict)
+    if user_id in train_dict:
+        key = user_id
+    elif len(keys) == 1:
+        key = keys[0]
+    else:
+        raise ConfigError(f"comm_args.silo_data='own': silo rank {user_id + 1} owns user {user_id}, but its dataset "
+                          f"holds clients {keys[:10]}{'...' if len(keys) > 10 else ''} and not {user_id}; give the "
+                          f"silo its own data (data_args.data_cache_dir: its folder from fedml-perfedavg export-split, "
+                          f"or a loader that returns its client alone)")
+    [user] = users_from_fedml_dataset([None] * 5 + [{0: train_dict[key]}, {0: test_dict.get(key)}], device)
+    numbers = dataset[4] if isinstance(dataset[4], dict) else {}
+    own = list(dataset)
+    own[4] = {user_id: numbers.get(key, len(user.train_y))}
+    own[5], own[6] = {user_id: train_dict[key]}, {user_id: test_dict.get(key)}
+    own[0], own[1] = len(user.train_y), len(user.test_y)
+    return user, own

@@ -38,15 +38,22 @@ DATASETS: Dict[str, DatasetSpec] = {
 
 @dataclass
 class FederatedData:
-    """Every user's train/test tensors, plus what FedML needs to see them."""
+    """Users' train/test tensors, plus what FedML needs to see them. ``user_ids`` names them
+    where they are not users 0..n-1 (a silo holds its own user alone; the server of a
+    data-owner run holds none)."""
 
     users: List[UserSplit]
     num_classes: int
-    input_shape: Tuple[int, int, int]
+    input_shape: Tuple[int, ...]
+    user_ids: Optional[List[int]] = None
+
+    @property
+    def ids(self) -> List[int]:
+        return list(range(len(self.users))) if self.user_ids is None else list(self.user_ids)
 
     def to(self, device: torch.device) -> "FederatedData":
         users = [UserSplit(*(t.to(device) for t in u)) for u in self.users]
-        return FederatedData(users, self.num_classes, self.input_shape)
+        return FederatedData(users, self.num_classes, self.input_shape, self.user_ids)
 
     def describe(self) -> List[Dict[int, Tuple[int, int]]]:
         """Per user, {class: (train count, test count)}."""

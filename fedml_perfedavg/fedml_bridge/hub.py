@@ -45,7 +45,7 @@ def reshaped(data: FederatedData, layout: Tuple[int, ...]) -> FederatedData:
         return data
     users = [UserSplit(u.train_x.reshape(len(u.train_y), *layout), u.train_y,
                        u.test_x.reshape(len(u.test_y), *layout), u.test_y) for u in data.users]
-    return FederatedData(users, data.num_classes, data.input_shape)
+    return FederatedData(users, data.num_classes, data.input_shape, data.user_ids)
 
 
 @contextlib.contextmanager
@@ -91,7 +91,8 @@ def offline_fedml_loader(args: Any) -> Iterator[None]:
 
 def loading_with_paper_split(original_load: Callable, load_split: Callable[[Any], Optional[FederatedData]]
                              ) -> Callable:
-    """A replacement for ``fedml.data.load``: the paper's split where ``load_split`` gives one."""
+    """A replacement for ``fedml.data.load``: the split ``load_split`` gives where it gives one
+    (the paper's; a silo's own folder; no users at all for the server of a data-owner run)."""
 
     @functools.wraps(original_load)
     def load(args):
@@ -99,8 +100,9 @@ def loading_with_paper_split(original_load: Callable, load_split: Callable[[Any]
         if data is None:
             with offline_fedml_loader(args):
                 return original_load(args)
-        data = reshaped(data, input_layout(getattr(args, "model", ""), args.dataset, data.input_shape))
-        return to_fedml_dataset(data.users, data.num_classes, int(args.batch_size)), data.num_classes
+        if data.users:
+            data = reshaped(data, input_layout(getattr(args, "model", ""), args.dataset, data.input_shape))
+        return to_fedml_dataset(data.users, data.num_classes, int(args.batch_size), data.user_ids), data.num_classes
 
     load.__wrapped__ = original_load
     return load

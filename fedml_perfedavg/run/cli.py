@@ -6,8 +6,9 @@ takes the steps of FedML's example main script (``fedml.init``, ``fedml.device``
 installed. Cross-silo: ``fedml-perfedavg launch-silo --cf CONFIG.yaml`` starts a server and its
 silos on this machine; each process alone is ``fedml-perfedavg --cf ... --rank R --role server|client``,
 with certificates from ``fedml-perfedavg certs --out DIR --clients N`` (``comm_args.tls_dir``).
-``fedml-perfedavg show RUN_DIR [RUN_DIR ...]`` prints a finished run's summary and per-user
-table, or compares runs.
+``fedml-perfedavg export-split --cf CONFIG.yaml --out DIR`` writes one folder per user for
+data-owner cross-silo runs (``comm_args.silo_data: own``). ``fedml-perfedavg show RUN_DIR
+[RUN_DIR ...]`` prints a finished run's summary and per-user table, or compares runs.
 """
 from __future__ import annotations
 
@@ -109,6 +110,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .show import main as show
 
         return show(argv[1:])
+    if argv[:1] == ["export-split"]:
+        from .silo_data import main as export_split
+
+        return export_split(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     run_dir: Optional[str] = None

@@ -43,6 +43,7 @@ SAFEGUARD_SECTIONS = fedml_safeguards.SECTIONS
 TRAINING_TYPES = ("simulation", "cross_silo")
 BACKENDS = {"simulation": ("sp", "MPI"), "cross_silo": ("GRPC",)}
 ENGINES = ("batched", "fedml")
+SILO_DATA = ("shared", "own")
 FEDML_HOME = "run_dir, user, or a folder"
 
 
@@ -185,6 +186,22 @@ class Config:
     max_message_bytes: Optional[int] = _setting("comm_args", int, None, "cross-silo: refuse a message larger than "
                                                 "this before decoding it (default: 2 x the model's bytes + 1 MiB)",
                                                 rule=(lambda v: v >= 1024, ">= 1024"), optional=True)
+    silo_data: str = _setting("comm_args", str, "shared", "cross-silo: own (a deployment: silo rank R holds only "
+                              "user R-1's data, client_num_in_total is the number of silos, the server reads no "
+                              "data and the silos evaluate) or shared (every process holds the whole split: sp "
+                              "reproduced over a network)", SILO_DATA)
+    max_connections: Optional[int] = _setting("comm_args", int, None, "cross-silo: concurrent connections a rank's "
+                                              "port holds in all (default 1024, and below what the open-file limit "
+                                              "holds); more are closed at once", rule=_at_least_one, optional=True)
+    max_connections_per_peer: Optional[int] = _setting("comm_args", int, None, "cross-silo: concurrent connections "
+                                                       "from one address (default 2 x the run's ranks + 8: the "
+                                                       "ranks of a run on one machine share one address)",
+                                                       rule=_at_least_one, optional=True)
+    handshake_timeout: float = _setting("comm_args", float, 5.0, "cross-silo: seconds a connection has to finish "
+                                        "its TLS handshake and make its first request", rule=_positive)
+    idle_timeout: float = _setting("comm_args", float, 300.0, "cross-silo: seconds a connection may stay idle "
+                                   "before it is closed (gRPC reconnects when it has something to send)",
+                                   rule=_positive)
     # tracking_args
     enable_wandb: bool = _setting("tracking_args", bool, False, "log to wandb (offline unless WANDB_MODE says "
                                   "otherwise)")
@@ -198,6 +215,17 @@ class Config:
     extra: Dict[str, Tuple[str, Any]] = field(default_factory=dict, compare=False, metadata={"internal": True})
     # dp_args, attack_args, defense_args as given: FedML's keys for its own DP/attack/defense classes.
     safeguards: Dict[str, Dict[str, Any]] = field(default_factory=dict, metadata={"internal": True})
+
+    @property
+    def own_data(self) -> bool:
+        """Cross-silo in data-owner mode: each silo holds its own user's data alone."""
+        return self.training_type == "cross_silo" and self.silo_data == "own"
+
+    @property
+    def silo_count(self) -> int:
+        """Cross-silo: the number of silo processes (ranks 1..this): one per user in data-owner
+        mode, one per client of a round in shared mode."""
+        return self.client_num_in_total if self.own_data else self.client_num_per_round
 
     @property
     def batch_sizes(self) -> Tuple[int, int, int]:
@@ -366,6 +394,12 @@ def _rule_platform(c: Config) -> None:
                           "simulation), where the server holds every user's data to recompute the iterates")
     if c.training_type == "cross_silo":
         check_security(c.tls_dir, c.insecure)
+    if c.silo_data == "own" and c.training_type != "cross_silo":
+        raise ConfigError(f"comm_args.silo_data='own': only across silos (common_args.training_type cross_silo); "
+                          f"a simulation holds every user's data")
+    if c.own_data and c.stationarity_every:
+        raise ConfigError(f"validation_args.stationarity_every={c.stationarity_every!r}: needs every user's data in "
+                          f"one process; with comm_args.silo_data='own' the server holds none (set it to 0)")
     if c.min_clients_per_round is not None and c.min_clients_per_round > c.client_num_per_round:
         raise ConfigError(f"comm_args.min_clients_per_round={c.min_clients_per_round!r}: must be <= "
                           f"train_args.client_num_per_round ({c.client_num_per_round})")

@@ -4,10 +4,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..core.evaluation import EvaluationResult
+from ..core.evaluation import EvaluationResult, accuracy_of
 from ..core.sampling import held_out_users
 from .files import write_json
 
@@ -33,8 +34,12 @@ class RunRecorder:
 
     def __init__(self, run_dir: str, total_rounds: int, config_sections: Dict[str, Dict[str, Any]],
                  show_progress: bool = True, wandb_settings: Optional[Dict[str, Any]] = None,
-                 new_users: Sequence[int] = ()) -> None:
+                 new_users: Sequence[int] = (), num_users: Optional[int] = None) -> None:
         self.run_dir = run_dir
+        self.num_users = num_users
+        self.refusals: Dict[str, int] = {}  # cross-silo: what the server's transport refused, by reason
+        # Who writes this record: `show` tells a live run from one whose process died without a word.
+        self.process = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
         self.new_users = sorted(new_users)
         self.total_rounds = total_rounds
         self.config_sections = config_sections
@@ -43,6 +48,7 @@ class RunRecorder:
         self.rounds_done = 0
         self.silo_history: List[Dict[str, Any]] = []  # cross-silo: silos' own evaluations
         self.lost_silos: List[Dict[str, Any]] = []  # cross-silo: silos the server went on without
+        self.rejoined_silos: List[Dict[str, Any]] = []  # cross-silo: silos that came back
         self.started = time.perf_counter()
         self.evaluation_seconds = 0.0  # spent evaluating: not training time
         self._bar = None
@@ -77,13 +83,35 @@ class RunRecorder:
         """Headline metrics over the users trained on; new (held-out) users reported apart."""
         if not self.new_users:
             return result.metrics()
-        new = set(self.new_users)
-        pick = lambda values, held: [v for i, v in enumerate(values) if (i in new) == held]  # noqa: E731
+        new, ids = set(self.new_users), result.ids
+        pick = lambda values, held: [v for i, v in zip(ids, values) if (i in new) == held]  # noqa: E731
         trained = EvaluationResult(pick(result.per_user_accuracy, False), pick(result.per_user_accuracy_before, False),
                                    pick(result.per_user_loss, False)).metrics()
         held = EvaluationResult(pick(result.per_user_accuracy, True), pick(result.per_user_accuracy_before, True))
-        return {**trained, "new_user_personalized_accuracy": held.personalized_accuracy,
-                "new_user_accuracy_before_adaptation": held.accuracy_before_adaptation}
+        held_metrics = {"new_user_personalized_accuracy": None, "new_user_accuracy_before_adaptation": None}
+        if held.per_user_accuracy:
+            held_metrics = {"new_user_personalized_accuracy": held.personalized_accuracy,
+                            "new_user_accuracy_before_adaptation": held.accuracy_before_adaptation}
+        return {**trained, **held_metrics}
+
+    def record_federated_evaluation(self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: Sequence[int],
+                                    evaluation_started: Optional[float] = None) -> None:
+        """Data-owner cross-silo: the silos' own evaluations of the model after ``round_idx``
+        (user -> its counts), the users that sent none listed as missing, never counted as zero."""
+        users = sorted(counts)
+        result = EvaluationResult([accuracy_of(counts[u]["correct"], counts[u]["total"]) for u in users],
+                                  [accuracy_of(counts[u]["correct_before"], counts[u]["total"]) for u in users],
+                                  [float(counts[u]["loss"]) for u in users], user_ids=users)
+        extra = {"evaluated_users": len(users), "missing_users": sorted(missing)}
+        if missing:
+            logger.warning("round %d: %d user(s) sent no evaluation and are left out of the mean: %s", round_idx,
+                           len(missing), sorted(missing))
+        if not users:
+            self.history.append({"round": round_idx, "personalized_accuracy": None, **extra,
+                                 "wall_seconds": time.perf_counter() - self.started})
+            write_json(os.path.join(self.run_dir, "summary.json"), self.summary(status="running"))
+            return
+        self.record_evaluation(round_idx, result, extra, evaluation_started)
 
     def record_evaluation(self, round_idx: int, result: EvaluationResult, extra: Optional[Dict[str, float]] = None,
                           evaluation_started: Optional[float] = None) -> None:
@@ -104,8 +132,8 @@ class RunRecorder:
         if "stationarity" in metrics:
             logger.info("round %d: ||grad F(w)||^2 = %.4g", round_idx, metrics["stationarity"])
         per_user_logger.info("round %d: per-user accuracy after/before adaptation: %s", round_idx, " ".join(
-            f"{i}:{a:.4f}/{b:.4f}" for i, (a, b) in enumerate(zip(result.per_user_accuracy,
-                                                                   result.per_user_accuracy_before))))
+            f"{i}:{a:.4f}/{b:.4f}" for i, a, b in zip(result.ids, result.per_user_accuracy,
+                                                      result.per_user_accuracy_before)))
         if self._bar is not None:
             self._bar.set_postfix(pers_acc=f"{metrics['personalized_accuracy']:.4f}")
         # Kept current, so a process killed without warning (SIGKILL, MPI_Abort) loses nothing measured.
@@ -118,8 +146,11 @@ class RunRecorder:
     def _log_to_wandb(self, round_idx: int, metrics: Dict[str, Any], per_user: List[float]) -> None:
         import wandb
 
-        self._wandb.log({**{f"eval/{k}": v for k, v in metrics.items() if k != "round"},
-                         "eval/per_user_accuracy": wandb.Histogram(per_user)}, step=round_idx)
+        scalars = {f"eval/{k}": v for k, v in metrics.items()
+                   if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if "missing_users" in metrics:  # a federated evaluation: how many users sent nothing
+            scalars["eval/missing_users"] = len(metrics["missing_users"])
+        self._wandb.log({**scalars, "eval/per_user_accuracy": wandb.Histogram(per_user)}, step=round_idx)
 
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         """Cross-silo: the silos' own personalized evaluations of the model they received."""
@@ -131,6 +162,10 @@ class RunRecorder:
     def record_lost_silos(self, round_idx: int, ranks: Sequence[int], why: str) -> None:
         """Cross-silo: the server gave up on these silos in this round."""
         self.lost_silos.extend({"rank": int(rank), "round": round_idx, "why": why} for rank in ranks)
+
+    def record_rejoined_silo(self, round_idx: int, rank: int, why: str) -> None:
+        """Cross-silo: a silo the server had given up on came back in this round."""
+        self.rejoined_silos.append({"rank": int(rank), "round": round_idx, "why": why})
 
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint needs to continue the record exactly."""
@@ -153,7 +188,7 @@ class RunRecorder:
         """The run's final numbers (last evaluation), how it ended, and its resolved config."""
         headline_round = self.history[-1]["round"] if self.history else None
         common = {"status": status, "error": error, "rounds": self.rounds_done, "headline_round": headline_round,
-                  "aggregate_calls": aggregate_calls,
+                  "aggregate_calls": aggregate_calls, "process": self.process,
                   "wall_seconds": time.perf_counter() - self.started,
                   "rejected_updates": {str(k): v for k, v in (rejected_updates or {}).items()},
                   "history": self.history, "config": self.config_sections}
@@ -161,17 +196,33 @@ class RunRecorder:
             common["silo_evaluation"] = self.silo_history
         if self.lost_silos:
             common["lost_silos"] = self.lost_silos
+        if self.rejoined_silos:
+            common["rejoined_silos"] = self.rejoined_silos
+        if self.refusals:
+            common["refusals"] = dict(self.refusals)
         if self.last is None:
             return {"personalized_accuracy": None, "accuracy_before_adaptation": None, "per_user_accuracy": [],
                     **common}
         headline = self._split(self.last)
+        after, before = self._per_user(self.last)
         return {
             **{k: v for k, v in headline.items() if k != "personalized_loss"},
             "new_users": self.new_users,
-            "per_user_accuracy": self.last.per_user_accuracy,
-            "per_user_accuracy_before_adaptation": self.last.per_user_accuracy_before,
+            "per_user_accuracy": after,
+            "per_user_accuracy_before_adaptation": before,
             **common,
         }
+
+    def _per_user(self, result: EvaluationResult) -> Tuple[List[Optional[float]], List[Optional[float]]]:
+        """Per-user accuracies by user id; a user the evaluation missed is None."""
+        if result.user_ids is None:
+            return list(result.per_user_accuracy), list(result.per_user_accuracy_before)
+        size = self.num_users if self.num_users is not None else max(result.user_ids) + 1
+        after: List[Optional[float]] = [None] * size
+        before: List[Optional[float]] = [None] * size
+        for user, a, b in zip(result.user_ids, result.per_user_accuracy, result.per_user_accuracy_before):
+            after[user], before[user] = a, b
+        return after, before
 
     def finish(self, status: str = "finished", error: Optional[str] = None,
                rejected_updates: Optional[Dict[int, int]] = None, aggregate_calls: Optional[int] = None
@@ -190,8 +241,8 @@ class RunRecorder:
 
             if self.last is not None:
                 table = wandb.Table(columns=["user", "accuracy", "accuracy_before_adaptation"],
-                                    data=[[i, a, b] for i, (a, b) in enumerate(zip(
-                                        self.last.per_user_accuracy, self.last.per_user_accuracy_before))])
+                                    data=[[i, a, b] for i, a, b in zip(self.last.ids, self.last.per_user_accuracy,
+                                                                       self.last.per_user_accuracy_before)])
                 self._wandb.log({"final/per_user_accuracy": table})
             self._wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
             self._wandb.finish()
@@ -216,4 +267,5 @@ def recorder_for(config: Any, run_dir: str, deferred_wandb: bool = False) -> Run
         wandb_settings = {"project": config.wandb_project, "group": config.wandb_group or name, "name": name,
                           "tags": wandb_tags(config), "deferred": deferred_wandb}
     new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)
-    return RunRecorder(run_dir, config.comm_round, config.sections(), config.show_progress, wandb_settings, new_users)
+    return RunRecorder(run_dir, config.comm_round, config.sections(), config.show_progress, wandb_settings, new_users,
+                       config.client_num_in_total)

@@ -27,8 +27,8 @@ import torch
 from ..algorithms.base import FederatedAlgorithm
 from ..algorithms.registry import canonical_name, create_algorithm
 from ..core.guards import ConfigError, DivergenceError, OutputError, RunStopped
-from ..core.types import StateDict
-from ..data.fedml_format import users_from_fedml_dataset
+from ..core.types import StateDict, UserSplit
+from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
 from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
 from .. import logs
@@ -216,6 +216,12 @@ class Entry:
         return os.path.join(run_dir_of(context_of(args), args), "fedml")
 
     def load_split(self, args: Any) -> Optional[FederatedData]:
+        if self.is_plugin_algorithm(getattr(args, "federated_optimizer", None)):
+            config = context_of(args).config
+            if config.own_data:  # each process loads only what it owns: a silo its user, the server nothing
+                from .silo_data import own_split
+
+                return own_split(config, int(args.rank), load_split)
         partition = getattr(args, "partition_method", None)
         if partition not in PARTITIONS or getattr(args, "dataset", None) not in DATASETS:
             return None
@@ -245,8 +251,11 @@ class PluginRun:
         args = self.args
         self.context = context_of(args)
         self.config = config = self.context.config
-        if config.training_type == "cross_silo" and getattr(args, "worker_num", None) is None:
-            args.worker_num = config.client_num_per_round
+        if config.training_type == "cross_silo":
+            # FedML's init counts silos as client_num_per_round; in data-owner mode there is one per user.
+            args.worker_num = config.silo_count
+            if int(args.rank) == 0:
+                args.client_id_list = str(list(range(1, config.silo_count + 1)))
         self._check_layout()  # before any rank opens a file in a run directory a failed start removes
         self.run_dir = run_dir_of(self.context, args)
         self.rank = rank_of(config, args)
@@ -257,7 +266,7 @@ class PluginRun:
             from ..fedml_bridge.mpi import rank_device
 
             self.device = rank_device(args, self.device)
-        self.users = users_from_fedml_dataset(self.dataset, self.device)
+        self.users = self._users()
         self._check_data()
         if (trainer, aggregator) != (None, None):
             if not (isinstance(trainer, AlgorithmClientTrainer) and isinstance(aggregator, AlgorithmServerAggregator)
@@ -276,15 +285,16 @@ class PluginRun:
             self.algorithm.use_hooks(safeguards)
             logger.info("FedML's %s: applied by %s's round hooks", safeguards.describe(), self.algorithm.label)
         self.global_state: StateDict = aggregator.get_model_params()
-        sample = self.users[0]
-        for note in self.algorithm.check_model(self.global_state, sample.train_x[:1], sample.train_y[:1]):
-            logger.warning("%s: %s", type(self.model).__name__, note)
+        if self.users:  # the server of a data-owner run trains nothing and holds no sample to probe with
+            sample = self.users[0]
+            for note in self.algorithm.check_model(self.global_state, sample.train_x[:1], sample.train_y[:1]):
+                logger.warning("%s: %s", type(self.model).__name__, note)
         self.recorder: Optional[RunRecorder] = None
         if self.is_server:
             checkpoint.save_config(self.run_dir, config.sections())
             self.recorder = recorder_for(config, self.run_dir, deferred_wandb=self.context.grid)
         self.schedule = RoundSchedule.from_config(config)
-        self.measurements = None if self.recorder is None else Measurements(
+        self.measurements = None if self.recorder is None or config.own_data else Measurements(
             self.algorithm, self.users, config, self.recorder.new_users, self.recorder.headline, self.device)
         self.checkpoints = checkpoint.Checkpoints(self.run_dir) if self.is_server and self._resumable() else None
         self.start_round = 0
@@ -304,8 +314,45 @@ class PluginRun:
         if config.training_type == "cross_silo":
             check_silo_role(config, int(args.rank), str(args.role))
 
+    def _users(self) -> List[UserSplit]:
+        """The users this process holds: every one (FedML's dataset, keyed 0..n-1), or in
+        data-owner mode the silo's own (and ``self.dataset`` keyed by its id alone) or none (the
+        server, whatever the dataset it was handed: it reads no data)."""
+        config = self.config
+        if not config.own_data:
+            return users_from_fedml_dataset(self.dataset, self.device)
+        if self.is_server:
+            if self.dataset and isinstance(self.dataset[5], dict) and self.dataset[5]:
+                logger.info("comm_args.silo_data='own': the server does not read the %d clients of the dataset it "
+                            "was handed; the silos evaluate on their own data", len(self.dataset[5]))
+            return []
+        user, self.dataset = own_user_from_fedml_dataset(self.dataset, self.rank - 1, self.device)
+        return [user]
+
+    def _silo_setup(self):
+        """What this cross-silo process knows beyond FedML's args (see ``SiloSetup``)."""
+        from ..fedml_bridge.cross_silo.agreement import SiloSetup, fingerprint, hello
+
+        config = self.config
+        values = fingerprint(config, self.global_state)
+        counts = {}
+        if self.is_server and not config.own_data:
+            counts = {user: (len(u.train_y), len(u.test_y)) for user, u in enumerate(self.users)}
+        elif not self.is_server and config.own_data:
+            counts = {self.rank - 1: (len(self.users[0].train_y), len(self.users[0].test_y))}
+        announce = None
+        if not self.is_server:
+            announce = hello(values, self.rank - 1 if config.own_data else None,
+                             self.users[0] if config.own_data else None)
+        return SiloSetup(config.own_data, list(range(1, config.silo_count + 1)), values, counts, announce,
+                         self.model if self.is_server else None)
+
     def _check_data(self) -> None:
         config = self.config
+        if config.own_data:
+            if self.users:
+                check_batch_sizes(config, len(self.users[0].train_y), f"silo rank {self.rank}'s training data")
+            return
         if len(self.users) != config.client_num_in_total:
             raise ConfigError(f"train_args.client_num_in_total={config.client_num_in_total!r}: the dataset has "
                               f"{len(self.users)} clients")
@@ -317,12 +364,12 @@ class PluginRun:
             from ..fedml_bridge.cross_silo.policy import SiloPolicy
             from ..fedml_bridge.cross_silo.process import CrossSiloProcess
 
-            self.where = f"cross-silo rank {self.rank} ({args.role})"
+            self.where = f"cross-silo rank {self.rank} ({args.role}{', data-owner mode' if config.own_data else ''})"
             policy = SiloPolicy(config.connect_timeout, config.round_timeout,
                                 config.min_clients_per_round or config.client_num_per_round,
                                 config.round_timeout_factor)
             return CrossSiloProcess(args, self.device, self.dataset, self.model, self.trainer, self.aggregator,
-                                    policy, self)
+                                    policy, self, self._silo_setup())
         if config.backend == "MPI":
             from ..fedml_bridge.mpi import MPISimulation
 
@@ -358,7 +405,7 @@ class PluginRun:
         schedule = self.schedule
         if self.recorder is not None:
             self.recorder.round_finished(round_idx)
-            if schedule.evaluates(round_idx):
+            if self.measurements is not None and schedule.evaluates(round_idx):  # data-owner mode: the silos do
                 started = time.perf_counter()  # evaluation time is not training time
                 result, extra = self.measurements.evaluate(round_idx, global_state, previous,
                                                            schedule.measures_stationarity(round_idx))
@@ -369,6 +416,21 @@ class PluginRun:
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         if self.recorder is not None:
             self.recorder.record_silo_evaluation(label, mean, silos)
+
+    def evaluates(self, round_idx: int) -> bool:
+        return self.schedule.evaluates(round_idx)
+
+    def record_federated_evaluation(self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: List[int],
+                                    started: Optional[float] = None) -> None:
+        if self.recorder is not None:
+            self.recorder.record_federated_evaluation(round_idx, counts, missing, started)
+
+    def record_rejected_update(self, round_idx: int) -> None:
+        self.algorithm.rejected[round_idx] = self.algorithm.rejected.get(round_idx, 0) + 1
+
+    def record_refusals(self, totals: Dict[str, int]) -> None:
+        if self.recorder is not None:
+            self.recorder.refusals = dict(totals)
 
     def record_failure(self, why: str) -> None:
         """Another rank ends the run (a failing MPI client): summary.json says so. Never raises:
@@ -382,6 +444,10 @@ class PluginRun:
     def record_lost_silos(self, round_idx: int, ranks: List[int], why: str) -> None:
         if self.recorder is not None:
             self.recorder.record_lost_silos(round_idx, ranks, why)
+
+    def record_rejoined_silo(self, round_idx: int, rank: int, why: str) -> None:
+        if self.recorder is not None:
+            self.recorder.record_rejoined_silo(round_idx, rank, why)
 
     # -- restore ----------------------------------------------------------------------------------
     def _resumable(self) -> bool:
@@ -528,7 +594,7 @@ def fedml_args(config: Config, run_dir: Optional[str] = None, resume: bool = Fal
     setattr(args, CONTEXT, RunContext(config, requested_run_dir=run_dir, resume=resume))
     if config.training_type == "cross_silo":
         args.rank, args.role, args.run_id = rank, role, run_id
-        args.worker_num, args.scenario = config.client_num_per_round, "horizontal"
+        args.worker_num, args.scenario = config.silo_count, "horizontal"
     return args
 
 

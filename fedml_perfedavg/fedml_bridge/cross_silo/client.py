@@ -1,19 +1,43 @@
-"""The cross-silo client (a silo): FedML's trainer, its adapter and the client manager
-(cross_silo/client/) with the user id passed on, an idle limit, and the silo's own
-personalized evaluation sent to the server.
+"""The cross-silo client (a silo) as a state machine over FedML's client manager, trainer and
+adapter (cross_silo/client/).
+
+FedML's client counts rounds itself (a silo that is not sampled every round would train with
+the wrong round's batches), never tells the ``ClientTrainer`` which user it trains, waits for the
+server forever, and its evaluations never reach the server. Here::
+
+    ANNOUNCING --(a message from the server)--> LISTENING --(nothing for the idle limit, or an
+        ^                                          |        upload the server did not take)
+        |                                          v
+        +------------------------------------- REJOINING --(no answer within connect_timeout)--> gone
+
+- ANNOUNCING: the silo's ONLINE status carries its announcement (:func:`.agreement.hello`): the
+  values that must agree with the server's and, in data-owner mode, its data's counts and shape.
+- LISTENING: each model is trained at the round the server stamped on it, on the user the server
+  names (data-owner mode: only the silo's own); an evaluation request (data-owner mode) is
+  answered with the counts of the silo's own test split; shared mode's silo also evaluates each
+  model it receives and sends the counts with its update.
+- REJOINING: after ``SiloPolicy.client_idle_deadline`` without a word from the server (adaptive,
+  see there), or when an upload cannot be delivered, the silo announces itself again; a server
+  still running takes it back (it answers at once). With no answer within ``connect_timeout`` the
+  silo stops, saying the server may be gone.
+
+A FINISH from the server ends the silo: normally, or with the reason it was refused.
 """
 from __future__ import annotations
 
+import enum
 import logging
+import math
 import platform
 import time
 from typing import Any, Dict, Optional
 
 from ...core.guards import SiloFailure
 from ..bootstrap import import_fedml
+from .agreement import SiloSetup
 from .policy import SiloPolicy
-from .transport import PeerUnreachable
-from .wire import SILO_METRICS
+from .transport import ROUND_KEY, PeerUnreachable
+from . import wire
 
 import_fedml()
 from fedml.core.distributed.communication.message import Message  # noqa: E402
@@ -27,26 +51,24 @@ logger = logging.getLogger(__name__)
 
 class PluginFedMLTrainer(FedMLTrainer):
     """cross_silo/client/fedml_trainer.py never tells the ``ClientTrainer`` which user it now
-    trains (``set_id``), so minibatches would be drawn as the silo's first user. Each model
-    received is also evaluated here, personalized, on the silo's user of that round."""
-
-    models_received = 0
-    last_metrics: Optional[Dict[str, Any]] = None
+    trains (``set_id``), so minibatches would be drawn as the silo's first user; and it cannot
+    say how a model does on the user's test split in counts the server can check."""
 
     def update_dataset(self, client_index):
         super().update_dataset(client_index)
         self.trainer.set_id(client_index)
 
-    def update_model(self, weights):
-        super().update_model(weights)
-        round_idx = self.models_received  # the model after this many rounds
-        self.models_received += 1
+    def evaluate(self, round_idx: int) -> Dict[str, Any]:
+        """The personalized evaluation of the current model on the current user's test split, as
+        whole counts (what the server checks and averages)."""
         self.args.round_idx = round_idx
         result = self.trainer.test(self.test_local, self.device, self.args)
-        total = result["test_total"]
-        self.last_metrics = {"round": round_idx, "user": int(self.client_index),
-                             "accuracy": result["test_correct"] / total,
-                             "accuracy_before_adaptation": result["test_correct_before_adaptation"] / total}
+        total = int(result["test_total"])
+        loss = float(result["test_loss"]) / total
+        return {"round": int(round_idx), "user": int(self.client_index), "correct": int(round(result["test_correct"])),
+                "correct_before": int(round(result["test_correct_before_adaptation"])), "total": total,
+                "loss": loss if math.isfinite(loss) and loss < 1e11 else 1e11}
+
 
 class PluginTrainerDistAdapter(TrainerDistAdapter):
     def get_trainer(self, client_index, train_data_local_dict, train_data_local_num_dict, test_data_local_dict,
@@ -59,66 +81,155 @@ class PluginTrainerDistAdapter(TrainerDistAdapter):
         # into the silo's own index.
         self.trainer.update_dataset(int(self.client_index if client_index is None else client_index))
 
+
+class State(enum.Enum):
+    ANNOUNCING = "announcing"
+    LISTENING = "listening"
+    REJOINING = "rejoining"
+    DONE = "done"
+
+
 class PluginClientMasterManager(ClientMasterManager):
-    """fedml_client_master_manager.py: a silo waits for the server forever, and its
-    evaluations never reach the server. Here a silo that hears nothing from the server for
-    ``SiloPolicy.client_idle_deadline`` (adaptive, see there) stops, and its evaluation of the
-    model it received rides on its upload (and on its goodbye, for the final model)."""
+    """The states of the module doc, over FedML's message dispatch and our transport."""
 
     GOODBYE_SECONDS = 2.0  # a finished run's goodbye: a server that has already ended is not waited for
 
     def __init__(self, args: Any, trainer_dist_adapter: Any, comm: Any = None, rank: int = 0, size: int = 0,
-                 backend: str = "GRPC", *, policy: SiloPolicy) -> None:
+                 backend: str = "GRPC", *, policy: SiloPolicy, setup: SiloSetup) -> None:
         super().__init__(args, trainer_dist_adapter, comm, rank, size, backend)
-        self.policy = policy
-        self.last_heard = time.monotonic()
+        self.policy, self.setup = policy, setup
+        self.own_user = rank - 1 if setup.own_data else None
+        self.state = State.ANNOUNCING
+        self.state_since = self.last_heard = time.monotonic()
         self.last_model: Optional[float] = None
         self.slowest_gap: Optional[float] = None  # between two models from the server
         self.gaps_measured = 0
 
+    def _become(self, state: State) -> None:
+        self.state, self.state_since = state, time.monotonic()
+
+    @property
+    def trainer(self) -> PluginFedMLTrainer:
+        return self.trainer_dist_adapter.trainer
+
+    # -- messages -----------------------------------------------------------------------------------
+    def register_message_receive_handlers(self) -> None:
+        self.register_message_receive_handler(MyMessage.MSG_TYPE_CONNECTION_IS_READY, self._on_ready)
+        self.register_message_receive_handler(MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, lambda message: None)
+        self.register_message_receive_handler(MyMessage.MSG_TYPE_S2C_INIT_CONFIG, self._on_model)
+        self.register_message_receive_handler(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT, self._on_model)
+        self.register_message_receive_handler(wire.EVALUATE, self._on_evaluate)
+        self.register_message_receive_handler(MyMessage.MSG_TYPE_S2C_FINISH, self._on_finish)
+
     def receive_message(self, msg_type, msg_params) -> None:
-        now = self.last_heard = time.monotonic()
-        if msg_type == MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT and self.last_model is not None:
-            self.slowest_gap = max(now - self.last_model, self.slowest_gap or 0.0)
-            self.gaps_measured += 1
-        if msg_type in (MyMessage.MSG_TYPE_S2C_INIT_CONFIG, MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT):
-            self.last_model = now
-            # An upload to a server that was up and is gone is retried no longer than it is waited for.
-            limit = self.policy.client_idle_deadline(self.slowest_gap, self.gaps_measured)
-            self.com_manager.retry_seconds = min(self.policy.connect_timeout, limit)
+        if msg_params.get_sender_id() != self.rank:  # a word from the server (not the local "ready")
+            now = self.last_heard = time.monotonic()
+            if self.state is not State.LISTENING:
+                if self.state is State.REJOINING:
+                    logger.info("silo rank %d: the server answered; the silo is back in the run", self.rank)
+                self._become(State.LISTENING)
+            if msg_type in (MyMessage.MSG_TYPE_S2C_INIT_CONFIG, MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT,
+                            wire.EVALUATE):
+                if self.last_model is not None:
+                    self.slowest_gap = max(now - self.last_model, self.slowest_gap or 0.0)
+                    self.gaps_measured += 1
+                self.last_model = now
+                # An upload to a server that was up and is gone is retried no longer than it is waited for.
+                limit = self.policy.client_idle_deadline(self.slowest_gap, self.gaps_measured)
+                self.com_manager.retry_seconds = min(self.policy.connect_timeout, limit)
         super().receive_message(msg_type, msg_params)
 
-    def on_idle(self) -> None:
-        limit = self.policy.client_idle_deadline(self.slowest_gap, self.gaps_measured)
-        if time.monotonic() - self.last_heard > limit:
-            self.com_manager.stop_receive_message()
-            raise SiloFailure(f"silo rank {self.rank}: nothing from the server for {limit:.1f} s (comm_args."
-                              f"round_timeout_factor x the slowest round so far; before two rounds: 2 x comm_args."
-                              f"round_timeout + comm_args.connect_timeout); is the server gone?")
+    def _on_ready(self, msg_params: Message) -> None:
+        self._announce(time.monotonic() + self.policy.connect_timeout)
 
-    def handle_message_finish(self, msg_params):
-        logger.warning("silo rank %d: the server ended the run early", self.rank)
-        self.finish()
-
-    def _metrics(self) -> Optional[Dict[str, Any]]:
-        return self.trainer_dist_adapter.trainer.last_metrics
-
-    def send_model_to_server(self, receive_id, weights, local_sample_num):
-        message = Message(MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER, self.client_real_id, receive_id)
-        message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, weights)
-        message.add_params(MyMessage.MSG_ARG_KEY_NUM_SAMPLES, local_sample_num)
-        message.add_params(SILO_METRICS, self._metrics())
-        self.send_message(message)
-
-    def send_client_status(self, receive_id, status=ClientMasterManager.ONLINE_STATUS_FLAG):
-        message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self.client_real_id, receive_id)
-        message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, status)
+    def _announce(self, deadline: float) -> None:
+        """The silo's ONLINE status with its announcement; :class:`PeerUnreachable` if the server
+        did not take it by ``deadline``."""
+        message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self.client_real_id, 0)
+        message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, self.ONLINE_STATUS_FLAG)
         message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_OS, platform.system())
-        if status != ClientMasterManager.RUN_FINISHED_STATUS_FLAG:
-            self.send_message(message)
+        message.add_params(wire.HELLO, self.setup.hello)
+        self.com_manager.send_message(message, deadline=deadline)
+
+    def _on_model(self, msg_params: Message) -> None:
+        round_idx = int(msg_params.get(ROUND_KEY))
+        user = int(msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_INDEX))
+        if self.own_user is not None and user != self.own_user:
+            raise SiloFailure(f"silo rank {self.rank}: the server asked it to train user {user}; it holds user "
+                              f"{self.own_user}'s data only (comm_args.silo_data own)")
+        self.round_idx = round_idx
+        self.trainer_dist_adapter.update_dataset(user)
+        self.trainer_dist_adapter.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
+        if round_idx >= self.num_rounds:  # shared mode: the final model, evaluated and said goodbye to
+            self._goodbye(self.trainer.evaluate(round_idx))
+            self.finish()
             return
-        message.add_params(SILO_METRICS, self._metrics())
+        counts = None if self.setup.own_data else self.trainer.evaluate(round_idx)
+        weights, samples = self.trainer_dist_adapter.train(round_idx)
+        message = Message(MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER, self.client_real_id, 0)
+        message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, weights)
+        message.add_params(MyMessage.MSG_ARG_KEY_NUM_SAMPLES, samples)
+        message.add_params(wire.SILO_METRICS, counts)
+        self._send_or_rejoin(message, f"its update for round {round_idx}")
+
+    def _on_evaluate(self, msg_params: Message) -> None:
+        round_idx = int(msg_params.get(ROUND_KEY))
+        self.trainer_dist_adapter.update_dataset(self.own_user)
+        self.trainer_dist_adapter.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
+        message = Message(wire.EVALUATION, self.client_real_id, 0)
+        message.add_params(wire.SILO_METRICS, self.trainer.evaluate(round_idx))
+        message.add_params(ROUND_KEY, round_idx)
+        self._send_or_rejoin(message, f"its evaluation of round {round_idx}")
+
+    def _on_finish(self, msg_params: Message) -> None:
+        reason = msg_params.get(wire.REASON)
+        self._become(State.DONE)
+        self.finish()
+        if reason:
+            raise SiloFailure(f"silo rank {self.rank}: {reason}")
+        logger.info("silo rank %d: the server ended the run", self.rank)
+
+    def _goodbye(self, counts: Dict[str, Any]) -> None:
+        message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self.client_real_id, 0)
+        message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, self.RUN_FINISHED_STATUS_FLAG)
+        message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_OS, platform.system())
+        message.add_params(wire.SILO_METRICS, counts)
         try:
             self.com_manager.send_message(message, deadline=time.monotonic() + self.GOODBYE_SECONDS)
         except PeerUnreachable as err:
             logger.info("silo rank %d: the server has already ended (%s); this silo is done", self.rank, err)
+
+    # -- losing and finding the server --------------------------------------------------------------
+    def _send_or_rejoin(self, message: Message, what: str) -> None:
+        try:
+            self.com_manager.send_message(message)
+        except PeerUnreachable as err:
+            self._rejoin(f"the server did not take {what} ({err})")
+
+    def _rejoin(self, why: str) -> None:
+        """Announce the silo again (the server takes back a silo it gave up on); stop if the server
+        does not take the announcement within ``connect_timeout``."""
+        logger.warning("silo rank %d: %s; announcing itself again (for up to comm_args.connect_timeout=%g s)",
+                       self.rank, why, self.policy.connect_timeout)
+        self._become(State.REJOINING)
+        try:
+            self._announce(time.monotonic() + self.policy.connect_timeout)
+        except PeerUnreachable as err:
+            self._gone(f"{why}, and it did not take the silo's announcement either ({err})")
+
+    def _gone(self, why: str) -> None:
+        self._become(State.DONE)
+        self.com_manager.stop_receive_message()
+        raise SiloFailure(f"silo rank {self.rank}: {why}; is the server gone?")
+
+    def on_idle(self) -> None:
+        now = time.monotonic()
+        if self.state in (State.ANNOUNCING, State.LISTENING):
+            limit = self.policy.client_idle_deadline(self.slowest_gap, self.gaps_measured)
+            if now - self.last_heard > limit:
+                self._rejoin(f"nothing from the server for {now - self.last_heard:.1f} s (comm_args."
+                             f"round_timeout_factor x the slowest gap between its models so far; before two: 2 x "
+                             f"comm_args.round_timeout + comm_args.connect_timeout)")
+        elif self.state is State.REJOINING and now - self.state_since > self.policy.connect_timeout:
+            self._gone(f"the server took the silo's announcement but sent nothing for "
+                       f"{now - self.state_since:.1f} s (comm_args.connect_timeout={self.policy.connect_timeout:g})")

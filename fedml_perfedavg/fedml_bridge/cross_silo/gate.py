@@ -236,9 +236,16 @@ class Gate:
                 sink.write(data)
                 await sink.drain()
         except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            self._close(connection)  # broken: both sides go at once
+            return
+        # One side ended: what it sent last is delivered, then the other side is closed too.
+        connection.closing = True
+        try:
+            sink.close()
+            await asyncio.wait_for(sink.wait_closed(), 2.0)
+        except (OSError, asyncio.TimeoutError, asyncio.CancelledError):
             pass
-        finally:
-            self._close(connection)  # one side ended: so does the other
+        self._close(connection)
 
     def _close(self, connection: _Connection) -> None:
         connection.closing = True

@@ -10,11 +10,11 @@ every cross-silo run by :func:`fedml_perfedavg.fedml_bridge.install.install`).
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, List
 
 from ...algorithms.base import RoundDriver
 from ..bootstrap import import_fedml, replaced
+from .agreement import SiloSetup
 from .client import PluginClientMasterManager, PluginTrainerDistAdapter
 from .policy import SiloPolicy
 from .server import PluginFedMLAggregator, PluginServerManager
@@ -28,9 +28,10 @@ class CrossSiloProcess:
     """This process's part (``args.role``) of a cross-silo run; ``run()`` returns when it is over."""
 
     def __init__(self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any,
-                 policy: SiloPolicy, driver: RoundDriver) -> None:
+                 policy: SiloPolicy, driver: RoundDriver, setup: SiloSetup) -> None:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model
         self.trainer, self.aggregator, self.policy, self.driver = trainer, aggregator, policy, driver
+        self.setup = setup
 
     def run(self) -> None:
         args, dataset = self.args, self.dataset
@@ -47,17 +48,16 @@ class CrossSiloProcess:
         with contextlib.ExitStack() as patches:
             try:
                 if args.role == "server":
-                    patches.enter_context(replaced(server_init, "FedMLAggregator",
-                                                   functools.partial(PluginFedMLAggregator, driver=self.driver)))
+                    patches.enter_context(replaced(server_init, "FedMLAggregator", PluginFedMLAggregator))
                     patches.enter_context(replaced(server_init, "FedMLServerManager", remembered(
-                        PluginServerManager, policy=self.policy, driver=self.driver)))
+                        PluginServerManager, policy=self.policy, driver=self.driver, setup=self.setup)))
                     server_init.init_server(args, self.device, args.comm, args.rank, args.worker_num, self.model,
                                             dataset[0], dataset[2], dataset[3], dataset[5], dataset[6], dataset[4],
                                             self.aggregator)
                 else:
                     patches.enter_context(replaced(client_init, "TrainerDistAdapter", PluginTrainerDistAdapter))
                     patches.enter_context(replaced(client_init, "ClientMasterManager", remembered(
-                        PluginClientMasterManager, policy=self.policy)))
+                        PluginClientMasterManager, policy=self.policy, setup=self.setup)))
                     client_init.init_client(args, self.device, args.comm, args.rank, args.worker_num, self.model,
                                             dataset[0], dataset[4], dataset[5], dataset[6], self.trainer)
             finally:

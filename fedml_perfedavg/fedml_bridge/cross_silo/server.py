@@ -2,37 +2,56 @@
 (cross_silo/server/fedml_server_manager.py, fedml_aggregator.py).
 
 FedML's server waits for every silo in every phase with no limit (one dead silo hangs it),
-averages every upload slot it ever filled (stale ones too, once a silo is gone), selects round
-r+1's silos with round r's seed, samples with ``np.random.seed(round)`` and sleeps 5 s before
-finishing. Here a run goes through these phases, each with one deadline::
+averages every upload slot it ever filled (stale ones too, once a silo is gone), believes the
+sample counts and figures each message carries, selects round r+1's silos with round r's seed,
+samples with ``np.random.seed(round)`` and sleeps 5 s before finishing. Here a run goes through
+these phases, each with one deadline::
 
-    ONLINE ----> TRAINING --(round < K)--> TRAINING
-                    |
-                    +------(round = K)--> FINISHING ----> DONE
+    ONLINE --> TRAINING --(round < K)--> [EVALUATING] --> TRAINING
+                  |                              |
+                  +--(round = K)--> FINISHING    +--(round = K)--> DONE      (data-owner mode)
+                                        |
+                                        +--> DONE                            (shared mode)
 
-- ONLINE: waiting for the silos to announce themselves (deadline: ``connect_timeout``).
+- ONLINE: waiting for the silos to announce themselves (deadline: ``connect_timeout``). Each
+  announcement is checked (:mod:`.agreement`): a silo that disagrees on any value that must
+  agree, or whose data does not fit the model, is refused at once, naming the key and both values.
 - TRAINING: a round's models were sent to its silos, waiting for their updates (deadline: the
-  round deadline of :class:`~.policy.SiloPolicy`, which also bounds sending the models).
-- FINISHING: the final model was sent, waiting for the silos' goodbyes (their own evaluations).
+  round deadline of :class:`~.policy.SiloPolicy`, which also bounds sending the models). The
+  round's users are the algorithm's keyed sample, as in sp: in shared mode the k-th silo trains
+  the k-th user; in data-owner mode (``comm_args.silo_data: own``) the sampled users' own silos
+  train (silo rank R owns user R-1), and a sampled silo that is offline is missing at once.
+- EVALUATING (data-owner mode, on the run's evaluation rounds): every online silo, sampled or
+  not, evaluates the new model on its own data and sends its counts; a silo that sends none is
+  listed as missing, never counted as zero.
+- FINISHING (shared mode): the final model was sent, waiting for the silos' goodbyes.
+
+What a silo sends is checked against what the server knows, never taken from the message: an
+upload's sample count must be its user's (the server's data in shared mode, the silo's
+announcement in data-owner mode); reported counts must be of the silo's own user in that round,
+of its test split's size. A refusal is counted and logged through the transport's rate-limited
+refusal log (summary.json's ``refusals``), and a refused upload is a rejected update.
 
 At a deadline the silos that did not answer are given up on; the run goes on if at least
-``min_clients`` are left (:meth:`SiloPolicy.after_deadline`), else it stops naming them. The
-k-th silo trains the k-th user of the algorithm's keyed sample, as the k-th client of an sp round.
+``min_clients`` of the round's silos answered (:meth:`SiloPolicy.after_deadline`), else it stops
+naming them. A silo given up on that announces itself again (it lost the server for a while, was
+frozen, or restarted) takes part again.
 """
 from __future__ import annotations
 
 import enum
 import logging
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ...core.guards import ConfigError, SiloFailure
 from ..bootstrap import import_fedml
 from ...algorithms.base import RoundDriver
+from .agreement import SiloSetup, data_problem, disagreement
 from .policy import SiloPolicy
 from . import TRAINING_STARTED
-from .transport import ROUND_KEY
-from .wire import SILO_METRICS
+from .transport import ROUND_KEY, SESSION_KEY
+from . import wire
 
 import_fedml()
 from fedml.core.distributed.communication.message import Message  # noqa: E402
@@ -42,32 +61,31 @@ from fedml.cross_silo.server.message_define import MyMessage  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
+DISAGREEMENT, SAMPLE_COUNT, BAD_FIGURES = "disagreement", "sample-count", "bad-figures"
+NOTICE_SECONDS = 2.0  # a notice to a silo (a refusal, an acknowledgement, the end) is not waited on longer
+
 
 class Phase(enum.Enum):
     STARTING = "starting"
     ONLINE = "coming online"
     TRAINING = "training"
+    EVALUATING = "evaluating"
     FINISHING = "finishing"
     DONE = "done"
 
 
 # DONE is also where a stopped run goes, from any phase.
 TRANSITIONS = {Phase.STARTING: {Phase.ONLINE, Phase.DONE}, Phase.ONLINE: {Phase.TRAINING, Phase.DONE},
-               Phase.TRAINING: {Phase.TRAINING, Phase.FINISHING, Phase.DONE}, Phase.FINISHING: {Phase.DONE},
-               Phase.DONE: set()}
+               Phase.TRAINING: {Phase.TRAINING, Phase.EVALUATING, Phase.FINISHING, Phase.DONE},
+               Phase.EVALUATING: {Phase.TRAINING, Phase.DONE}, Phase.FINISHING: {Phase.DONE}, Phase.DONE: set()}
 
 
 class PluginFedMLAggregator(FedMLAggregator):
-    """Keeps only the open round's uploads, by the silo's position in the round."""
+    """Keeps only the open round's uploads, by the user's position in the round's sample."""
 
-    def __init__(self, *args: Any, driver: RoundDriver, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.driver = driver
         self.updates: Dict[int, Tuple[float, Any]] = {}  # position -> (sample count, model)
-
-    def users_of_round(self, round_idx: int, positions: List[int]) -> List[int]:
-        users = self.driver.sample_clients(round_idx)
-        return [int(users[p]) for p in positions]
 
     def aggregate(self):
         model_list = [self.updates[p] for p in sorted(self.updates)]  # sp's order of sampled users
@@ -80,23 +98,33 @@ class PluginFedMLAggregator(FedMLAggregator):
 
 class PluginServerManager(FedMLServerManager):
     """The phases of the module doc. ``policy`` decides deadlines and when to stop; ``driver``
-    samples each round's users and takes each new global model (evaluation, checkpoints)."""
+    samples each round's users and takes each new global model and evaluation; ``setup`` says
+    the mode, the silos and what they must agree on."""
 
     def __init__(self, args: Any, aggregator: PluginFedMLAggregator, comm: Any = None, client_rank: int = 0,
-                 client_num: int = 0, backend: str = "GRPC", *, policy: SiloPolicy, driver: RoundDriver) -> None:
+                 client_num: int = 0, backend: str = "GRPC", *, policy: SiloPolicy, driver: RoundDriver,
+                 setup: SiloSetup) -> None:
         super().__init__(args, aggregator, comm, client_rank, client_num, backend)
-        if len(self.client_real_ids) != args.client_num_per_round:
+        if not setup.own_data and len(setup.silos) != args.client_num_per_round:
             raise ConfigError(f"train_args.client_num_per_round={args.client_num_per_round!r}: must equal the number "
-                              f"of silos ({len(self.client_real_ids)}): each silo trains one sampled user per round")
-        self.policy, self.driver = policy, driver
+                              f"of silos ({len(setup.silos)}): each silo trains one sampled user per round")
+        self.policy, self.driver, self.setup = policy, driver, setup
         self.phase = Phase.STARTING
         self.deadline: Optional[float] = None  # the one deadline of the open phase (time.monotonic())
         self.phase_opened = 0.0
-        self.live: List[int] = list(self.client_real_ids)  # silos not given up on, in position order
-        self.users: Dict[int, int] = {}  # silo -> its user in the open round
-        self.online: set = set()
-        self.finished: set = set()
-        self.silo_metrics: Dict[int, Dict[str, Any]] = {}  # silo -> its last evaluation
+        self.live: List[int] = list(setup.silos)  # silos not given up on, in rank order
+        self.online: Set[int] = set()
+        self.hellos: Dict[int, Dict[str, Any]] = {}  # silo -> what it announced
+        self.sessions: Dict[int, str] = {}  # silo -> its process's session
+        self.expected: List[int] = []  # the open round's silos (data-owner mode: offline ones too)
+        self.assigned: Dict[int, Tuple[int, int]] = {}  # silo -> (position in the sample, user), open round
+        self.answered: Set[int] = set()  # silos of the open round that answered (accepted or refused)
+        self.awaiting: Set[int] = set()  # silos whose evaluation the open evaluation waits for
+        self.evaluations: Dict[int, Dict[str, Any]] = {}  # user -> counts, open evaluation
+        self.evaluation_started = 0.0
+        self.evaluated_round = -1
+        self.finished: Set[int] = set()
+        self.silo_metrics: Dict[int, Dict[str, Any]] = {}  # silo -> its last evaluation (shared mode)
         self.slowest_round: Optional[float] = None  # of the rounds every silo answered in time
         self.rounds_measured = 0
         self.adaptive_logged = False
@@ -123,76 +151,98 @@ class PluginServerManager(FedMLServerManager):
                         self.policy.round_timeout_factor, self.slowest_round, self.policy.round_timeout)
         return wait
 
+    def _deadline_words(self) -> str:
+        return f"{self.deadline - self.phase_opened:.1f} s (the round deadline, see comm_args.round_timeout_factor)"
+
     def on_idle(self) -> None:
         """The transport's tick while no message comes: act on a passed deadline."""
         if self.deadline is None or time.monotonic() < self.deadline:
             return
-        self.deadline = None
         if self.phase is Phase.ONLINE:
-            self._give_up_after_deadline(self.online, f"did not come online within comm_args.connect_timeout="
-                                                      f"{self.policy.connect_timeout:g} s")
+            self.deadline = None
+            missing = [s for s in self.live if s not in self.online]
+            go_on, _ = self.policy.after_deadline(self.live, sorted(self.online))
+            self._give_up_on(missing, f"did not come online within comm_args.connect_timeout="
+                                      f"{self.policy.connect_timeout:g} s", go_on)
             self._start_training()
         elif self.phase is Phase.TRAINING:
-            answered = {self.client_real_ids[p] for p in self.aggregator.updates}
-            self._give_up_after_deadline(answered, f"sent no update within {self._round_seconds():.1f} s (the "
-                                                   f"round deadline, see comm_args.round_timeout_factor)")
-            self._finish_round()
+            self._close_round(f"sent no update within {self._deadline_words()}")
+        elif self.phase is Phase.EVALUATING:
+            self._close_evaluation(f"sent no evaluation within {self._deadline_words()}")
         elif self.phase is Phase.FINISHING:
+            self.deadline = None
             logger.warning("no goodbye from silo rank(s) %s within the round deadline; the run is complete",
                            sorted(set(self.live) - self.finished))
             self._complete()
 
-    def _give_up_after_deadline(self, answered: set, why: str) -> None:
-        go_on, missing = self.policy.after_deadline(self.live, sorted(answered))
-        if missing:
-            self._give_up_on(missing, why, go_on)
-
     def _give_up_on(self, silos: List[int], why: str, go_on: bool) -> None:
+        if not silos:
+            return
         self.driver.record_lost_silos(self.round_idx, sorted(silos), why)
-        left = len(self.live) - len(silos)
+        left = len([s for s in self.live if s not in silos])
         if not go_on:
-            self._stop(f"round {self.round_idx}: silo rank(s) {sorted(silos)} {why}; {left} left, fewer than "
-                       f"comm_args.min_clients_per_round={self.policy.min_clients}")
+            self._stop(f"round {self.round_idx}: silo rank(s) {sorted(silos)} {why}; fewer than comm_args."
+                       f"min_clients_per_round={self.policy.min_clients} of the round's silos answered")
         logger.warning("round %d: going on without silo rank(s) %s (%s); %d left, comm_args.min_clients_per_round=%d",
                        self.round_idx, sorted(silos), why, left, self.policy.min_clients)
         self.live = [s for s in self.live if s not in silos]
         for silo in silos:
-            self.users.pop(silo, None)
+            self.assigned.pop(silo, None)
+            self.awaiting.discard(silo)
 
     def run(self) -> None:
         try:
             super().run()
         except KeyboardInterrupt:  # SIGINT or SIGTERM (the run layer writes what was measured)
-            self._tell_silos_to_stop()
+            self._tell_silos_to_stop("the server was interrupted (SIGINT or SIGTERM)")
             raise
 
     def _stop(self, reason: str) -> None:
         """End the run early, naming why."""
-        self._tell_silos_to_stop()
+        self._tell_silos_to_stop(f"the server stopped the run: {reason}")
         raise SiloFailure(reason)
 
-    def _tell_silos_to_stop(self) -> None:
-        """Tell the silos still there that the run is over (without waiting on any that do not answer)."""
+    def _tell_silos_to_stop(self, reason: Optional[str], seconds: float = 1.0) -> None:
+        """Tell the silos still there that the run is over (``reason``: it failed) within ``seconds``,
+        without waiting on any that do not answer."""
         if self.phase is not Phase.DONE:
             self._enter(Phase.DONE)
-        finish = [self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo) for silo in self.live]
+        self._record_refusals()
+        finish = [self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=reason) for silo in self.live]
         try:
-            self.com_manager.send_all(finish, time.monotonic() + 1.0)
+            self.com_manager.send_all(finish, time.monotonic() + seconds)
         except Exception as err:  # noqa: BLE001 - best effort: the run is ending either way, for its own reason
             logger.warning("could not tell every silo to stop: %s", err)
         self.com_manager.stop_receive_message()
+
+    def _notify(self, messages: List[Message]) -> None:
+        """Send notices without letting a silo that does not take them hold the server up."""
+        for silo, err in sorted(self.com_manager.send_all(messages, time.monotonic() + NOTICE_SECONDS).items()):
+            logger.info("a notice to silo rank %d was not delivered: %s", silo, err)
+
+    def _refuse(self, silo: int, reason: str, text: str) -> None:
+        self.com_manager.refusals.refuse(f"rank {silo}", reason, text, f"silo rank {silo}")
+
+    def _record_refusals(self) -> None:
+        self.driver.record_refusals(dict(self.com_manager.refusals.totals))
 
     # -- messages -----------------------------------------------------------------------------------
     def register_message_receive_handlers(self) -> None:
         self.register_message_receive_handler(MyMessage.MSG_TYPE_CONNECTION_IS_READY, self._on_listening)
         self.register_message_receive_handler(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self._on_status)
         self.register_message_receive_handler(MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER, self._on_update)
+        self.register_message_receive_handler(wire.EVALUATION, self._on_evaluation)
 
-    def _message(self, msg_type: int, silo: int, model: Any = None) -> Message:
+    def _message(self, msg_type: int, silo: int, model: Any = None, user: Optional[int] = None,
+                 round_idx: Optional[int] = None, reason: Optional[str] = None) -> Message:
         message = Message(msg_type, self.get_sender_id(), silo)
         if model is not None:
             message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, model)
-        message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_INDEX, str(self.users.get(silo, 0)))
+        message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_INDEX, str(0 if user is None else user))
+        if round_idx is not None:
+            message.add_params(ROUND_KEY, round_idx)
+        if reason is not None:
+            message.add_params(wire.REASON, reason[:2000])
         return message
 
     def _on_listening(self, msg_params: Message) -> None:
@@ -205,80 +255,280 @@ class PluginServerManager(FedMLServerManager):
         silo = int(msg_params.get_sender_id())
         status = msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_STATUS)
         if status == self.ONLINE_STATUS_FLAG:
+            self._on_hello(silo, msg_params.get(wire.HELLO), msg_params.get(SESSION_KEY))
+        elif status == self.RUN_FINISHED_STATUS_FLAG and self.phase is Phase.FINISHING and silo in self.live:
+            self.finished.add(silo)
+            self._note_silo_metrics(silo, msg_params.get(wire.SILO_METRICS), self.round_idx)
+            if all(s in self.finished for s in self.live):
+                self._complete()
+
+    # -- a silo comes online ------------------------------------------------------------------------
+    def _problem_with(self, silo: int, announced: Optional[Dict[str, Any]]) -> Optional[str]:
+        """Why a silo's announcement is refused (see :mod:`.agreement`), or None."""
+        if announced is None:
+            return f"silo rank {silo} announced no fingerprint: it does not run this version of the plugin"
+        problem = disagreement(self.setup.fingerprint, announced["fingerprint"], silo)
+        if problem is not None or not self.setup.own_data:
+            return problem
+        if announced["user"] != silo - 1 or announced["train"] is None:
+            return f"silo rank {silo} announced user {announced['user']}'s data; in data-owner mode rank R holds " \
+                   f"user R-1's"
+        return data_problem(self.setup.model, announced, silo)
+
+    def _on_hello(self, silo: int, announced: Optional[Dict[str, Any]], session: Optional[str]) -> None:
+        if self.phase in (Phase.FINISHING, Phase.DONE) or silo not in self.setup.silos:
+            return
+        problem = self._problem_with(silo, announced)
+        if problem is not None:
+            self._refuse_silo(silo, problem)
+            return
+        restarted = silo in self.sessions and self.sessions[silo] != session
+        self.sessions[silo] = session
+        self.hellos[silo] = announced
+        if self.phase in (Phase.STARTING, Phase.ONLINE):
             self.online.add(silo)
             if self.phase is Phase.ONLINE and all(s in self.online for s in self.live):
                 self._start_training()
-        elif status == self.RUN_FINISHED_STATUS_FLAG:
-            self.finished.add(silo)
-            self._note_silo_metrics(msg_params)
-            if self.phase is Phase.FINISHING and all(s in self.finished for s in self.live):
-                self._complete()
-
-    def _on_update(self, msg_params: Message) -> None:
-        silo = int(msg_params.get_sender_id())
-        stamped = msg_params.get(ROUND_KEY)
-        position = self.client_real_ids.index(silo) if silo in self.client_real_ids else None
-        if self.phase is not Phase.TRAINING or silo not in self.live or stamped != self.round_idx or \
-                position in self.aggregator.updates:
-            logger.warning("ignored an update from silo rank %d for round %s (the server is %s round %d%s)", silo,
-                           stamped, self.phase.value, self.round_idx,
-                           "; it already sent one" if position in self.aggregator.updates else "")
             return
-        self._note_silo_metrics(msg_params)
-        self.aggregator.updates[position] = (
-            msg_params.get(MyMessage.MSG_ARG_KEY_NUM_SAMPLES), msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
-        if all(self.client_real_ids.index(s) in self.aggregator.updates for s in self.live):
-            # Only rounds every silo answered in time measure what a round takes.
-            self.slowest_round = max(time.monotonic() - self.phase_opened, self.slowest_round or 0.0)
-            self.rounds_measured += 1
-            self._finish_round()
+        if silo not in self.live:
+            self.live = [s for s in self.setup.silos if s in self.live or s == silo]
+            why = "it announced itself again" + (" from a new process" if restarted else "")
+            logger.warning("round %d: silo rank %d is back (%s); it takes part from the next round", self.round_idx,
+                           silo, why)
+            self.driver.record_rejoined_silo(self.round_idx, silo, why)
+        elif restarted:
+            self._forget_open_work(silo)
+        self._notify([self._message(MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, silo)])  # "I hear you"
+        self._close_if_complete()
+
+    def _forget_open_work(self, silo: int) -> None:
+        """A silo restarted: what its earlier process owed the open round or evaluation will not come."""
+        if self.phase is Phase.TRAINING and silo in self.assigned and silo not in self.answered:
+            logger.warning("round %d: silo rank %d restarted; its update for this round is missing", self.round_idx,
+                           silo)
+            self.assigned.pop(silo)
+        if self.phase is Phase.EVALUATING and silo in self.awaiting:
+            self.awaiting.discard(silo)
+
+    def _refuse_silo(self, silo: int, problem: str) -> None:
+        """Refuse a silo's announcement: it is told why and stops; the run goes on without it if
+        enough silos are left (else it stops, naming the problem)."""
+        logger.error("%s; it is refused", problem)
+        self._refuse(silo, DISAGREEMENT, problem)
+        self._notify([self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=f"refused by the server: {problem}")])
+        if silo not in self.live:
+            return
+        left = [s for s in self.live if s != silo]
+        go_on = len(left) >= self.policy.min_clients if self.phase in (Phase.STARTING, Phase.ONLINE) else True
+        self._give_up_on([silo], f"refused: {problem}", go_on)
+        if self.phase is Phase.ONLINE and all(s in self.online for s in self.live):
+            self._start_training()
+        else:
+            self._close_if_complete()
 
     # -- rounds ---------------------------------------------------------------------------------------
     def _start_training(self) -> None:
         self.is_initialized = True
         logger.info("silos %s %s", self.live, TRAINING_STARTED)
-        self._send_round(MyMessage.MSG_TYPE_S2C_INIT_CONFIG, Phase.TRAINING)
+        self._open_round(MyMessage.MSG_TYPE_S2C_INIT_CONFIG)
 
-    def _send_round(self, msg_type: int, phase: Phase) -> None:
-        """Open ``phase`` and send the round's model to its silos, all within the round's deadline."""
-        positions = [self.client_real_ids.index(s) for s in self.live]
-        self.users = dict(zip(self.live, self.aggregator.users_of_round(self.round_idx, positions)))
-        self._enter(phase, self._round_seconds())
+    def _assignment(self, round_idx: int) -> Tuple[List[int], Dict[int, Tuple[int, int]]]:
+        """(the round's silos, live silo -> (position, user)): in shared mode the k-th silo trains
+        the k-th user of the keyed sample; in data-owner mode each sampled user's own silo."""
+        users = self.driver.sample_clients(round_idx)
+        if self.setup.own_data:
+            expected = [int(u) + 1 for u in users]
+            assigned = {int(u) + 1: (p, int(u)) for p, u in enumerate(users)}
+        else:
+            expected = list(self.live)
+            assigned = {s: (self.setup.silos.index(s), int(users[self.setup.silos.index(s)])) for s in self.live}
+        return expected, {s: pu for s, pu in assigned.items() if s in self.live}
+
+    def _open_round(self, msg_type: int) -> None:
+        """Open the round ``self.round_idx``: send its model to its silos, within the round's deadline."""
+        round_idx = self.round_idx
+        self.expected, self.assigned = self._assignment(round_idx)
+        self.answered = set()
+        offline = [s for s in self.expected if s not in self.assigned]
+        if offline:
+            logger.warning("round %d: sampled silo rank(s) %s are offline; they are missing from this round", round_idx,
+                           offline)
+        self._enter(Phase.TRAINING, self._round_seconds())
         params = self.aggregator.get_global_model_params()
-        unreachable = self.com_manager.send_all([self._message(msg_type, s, params) for s in self.live], self.deadline)
+        messages = [self._message(msg_type, s, params, user) for s, (_, user) in sorted(self.assigned.items())]
+        unreachable = self.com_manager.send_all(messages, self.deadline)
         for silo, err in sorted(unreachable.items()):
             logger.warning("%s", err)
         if unreachable:
-            go_on, _ = self.policy.after_deadline(self.live, [s for s in self.live if s not in unreachable])
-            self._give_up_on(sorted(unreachable), f"unreachable for {self.deadline - self.phase_opened:.1f} s (the "
-                                                  f"round deadline, see comm_args.round_timeout_factor)", go_on)
+            reachable = [s for s in self.assigned if s not in unreachable]
+            go_on, _ = self.policy.after_deadline(self.expected, reachable)
+            self._give_up_on(sorted(unreachable), f"unreachable for {self._deadline_words()}", go_on)
+        self._close_if_complete()
 
-    def _finish_round(self) -> None:
+    def _close_if_complete(self) -> None:
+        """Close the open round or evaluation once nothing more is awaited."""
+        if self.phase is Phase.TRAINING and set(self.assigned) <= self.answered:
+            self._close_round(None)
+        elif self.phase is Phase.EVALUATING and not self.awaiting:
+            self._close_evaluation(None)
+
+    def _on_update(self, msg_params: Message) -> None:
+        silo = int(msg_params.get_sender_id())
+        stamped = msg_params.get(ROUND_KEY)
+        if self.phase is not Phase.TRAINING or silo not in self.assigned or stamped != self.round_idx or \
+                silo in self.answered:
+            logger.warning("ignored an update from silo rank %d for round %s (the server is %s round %d%s)", silo,
+                           stamped, self.phase.value, self.round_idx,
+                           "; it already sent one" if silo in self.answered else "")
+            return
+        self.answered.add(silo)
+        position, user = self.assigned[silo]
+        declared = msg_params.get(MyMessage.MSG_ARG_KEY_NUM_SAMPLES)
+        known = self._counts_of(silo, user)[0]
+        if declared != known:
+            self._refuse(silo, SAMPLE_COUNT, f"round {self.round_idx}: silo rank {silo} sent num_samples={declared!r} "
+                                             f"for user {user}, who has {known} training samples; its update is "
+                                             f"rejected")
+            self.driver.record_rejected_update(self.round_idx)
+        else:
+            self._note_silo_metrics(silo, msg_params.get(wire.SILO_METRICS), self.round_idx)
+            self.aggregator.updates[position] = (known, msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
+        if set(self.assigned) <= self.answered and set(self.expected) <= self.answered:
+            # Only rounds every silo answered in time measure what a round takes.
+            self.slowest_round = max(time.monotonic() - self.phase_opened, self.slowest_round or 0.0)
+            self.rounds_measured += 1
+        self._close_if_complete()
+
+    def _counts_of(self, silo: int, user: int) -> Tuple[int, int]:
+        """(training, test) samples of ``user``, as the server knows them: its own data in shared
+        mode, the silo's announcement in data-owner mode."""
+        if self.setup.own_data:
+            announced = self.hellos[silo]
+            return announced["train"], announced["test"]
+        return self.setup.user_counts[user]
+
+    def _close_round(self, why_missing: Optional[str]) -> None:
+        """The round's deadline passed (``why_missing`` says what the missing silos failed to do)
+        or every silo answered: give up on the missing, aggregate, evaluate, go on."""
+        self.deadline = None
+        go_on, missing = self.policy.after_deadline(self.expected, sorted(self.answered))
+        waited = [s for s in missing if s in self.live]
+        if not go_on:
+            self._give_up_on(missing, why_missing or "missed the round", False)
+        self._give_up_on(waited, why_missing or "missed the round", True)
         round_idx = self.round_idx
         self.aggregator.aggregate()
         self.driver.round_finished(round_idx, self.aggregator.get_global_model_params())
         self._log_silo_metrics(f"round {round_idx}")
-        self.args.round_idx = round_idx + 1
-        self._send_round(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT,
-                         Phase.TRAINING if self.args.round_idx < self.round_num else Phase.FINISHING)
+        self._record_refusals()
+        if self.setup.own_data and self.driver.evaluates(round_idx):
+            self._open_evaluation(round_idx)
+        else:
+            self._next_round()
+
+    def _next_round(self) -> None:
+        self.args.round_idx = self.round_idx + 1
+        if self.round_idx < self.round_num:
+            self._open_round(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT)
+        elif self.setup.own_data:
+            self._tell_silos_to_stop(None, self._round_seconds())  # the last evaluation is recorded: the run is over
+            self._complete()
+        else:
+            self._send_final_model()
+
+    # -- evaluation (data-owner mode) ----------------------------------------------------------------
+    def _open_evaluation(self, round_idx: int) -> None:
+        """Every online silo evaluates the model after ``round_idx`` on its own data."""
+        self.evaluations, self.awaiting = {}, set(self.live)
+        self.evaluation_started = time.perf_counter()
+        self.evaluated_round = round_idx
+        self._enter(Phase.EVALUATING, self._round_seconds())
+        params = self.aggregator.get_global_model_params()
+        messages = [self._message(wire.EVALUATE, s, params, s - 1, round_idx) for s in sorted(self.awaiting)]
+        unreachable = self.com_manager.send_all(messages, self.deadline)
+        if unreachable:
+            self._give_up_on(sorted(unreachable), f"unreachable for {self._deadline_words()}", True)
+        self._close_if_complete()
+
+    def _on_evaluation(self, msg_params: Message) -> None:
+        silo = int(msg_params.get_sender_id())
+        counts = msg_params.get(wire.SILO_METRICS)
+        if self.phase is not Phase.EVALUATING or silo not in self.awaiting:
+            logger.warning("ignored an evaluation from silo rank %d (the server is %s round %d)", silo,
+                           self.phase.value, self.round_idx)
+            return
+        self.awaiting.discard(silo)
+        problem = self._figures_problem(silo, counts, silo - 1, self.evaluated_round)
+        if problem is not None:
+            self._refuse(silo, BAD_FIGURES, f"{problem}; user {silo - 1} is missing from round "
+                                            f"{self.evaluated_round}'s evaluation")
+        else:
+            self.evaluations[silo - 1] = counts
+        self._close_if_complete()
+
+    def _figures_problem(self, silo: int, counts: Dict[str, Any], user: int, round_idx: int) -> Optional[str]:
+        """Why a silo's reported counts cannot be its evaluation of ``user`` after ``round_idx``
+        (the wire already checked they are whole, finite and consistent), or None."""
+        if counts["round"] != round_idx or counts["user"] != user:
+            return f"silo rank {silo} reported round {counts['round']}, user {counts['user']}; it was asked for " \
+                   f"round {round_idx}, user {user}"
+        test = self._counts_of(silo, user)[1]
+        if counts["total"] != test:
+            return f"silo rank {silo} reported {counts['total']} test samples for user {user}, who has {test}"
+        return None
+
+    def _close_evaluation(self, why_missing: Optional[str]) -> None:
+        self.deadline = None
+        if self.awaiting:
+            self._give_up_on(sorted(self.awaiting), why_missing or "sent no evaluation", True)
+        missing = [s - 1 for s in self.setup.silos if s - 1 not in self.evaluations]
+        self.driver.record_federated_evaluation(self.evaluated_round, dict(self.evaluations), missing,
+                                                self.evaluation_started)
+        self._record_refusals()
+        self._next_round()
+
+    # -- the end (shared mode: the silos evaluate the final model and say goodbye) -------------------------
+    def _send_final_model(self) -> None:
+        self.expected, self.assigned = self._assignment(self.round_idx)
+        self._enter(Phase.FINISHING, self._round_seconds())
+        params = self.aggregator.get_global_model_params()
+        messages = [self._message(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT, s, params, user)
+                    for s, (_, user) in sorted(self.assigned.items())]
+        for silo, err in sorted(self.com_manager.send_all(messages, self.deadline).items()):
+            logger.warning("%s", err)
+            self.live = [s for s in self.live if s != silo]
+        if all(s in self.finished for s in self.live):
+            self._complete()
 
     def _complete(self) -> None:
         self._log_silo_metrics("final")
-        self._enter(Phase.DONE)
+        self._record_refusals()
+        if self.phase is not Phase.DONE:
+            self._enter(Phase.DONE)
         self.finish()
 
-    def _note_silo_metrics(self, msg_params: Message) -> None:
-        metrics = msg_params.get(SILO_METRICS)
-        if metrics is not None:
-            self.silo_metrics[int(msg_params.get_sender_id())] = metrics
+    # -- the silos' own evaluations of the model they received (shared mode) --------------------------
+    def _note_silo_metrics(self, silo: int, counts: Optional[Dict[str, Any]], round_idx: int) -> None:
+        if counts is None or silo not in self.assigned:
+            return
+        user = self.assigned[silo][1]
+        problem = self._figures_problem(silo, counts, user, round_idx)
+        if problem is not None:
+            self._refuse(silo, BAD_FIGURES, f"{problem}; its figures are not recorded")
+            return
+        self.silo_metrics[silo] = counts
 
     def _log_silo_metrics(self, label: str) -> None:
-        entries = [self.silo_metrics[s] for s in sorted(self.silo_metrics)]
-        if not entries:
+        if not self.silo_metrics:
             return
-        mean = sum(e["accuracy"] for e in entries) / len(entries)
+        from ...core.evaluation import accuracy_of
+
+        entries = {silo: {"round": c["round"], "user": c["user"], "accuracy": accuracy_of(c["correct"], c["total"]),
+                          "accuracy_before_adaptation": accuracy_of(c["correct_before"], c["total"])}
+                   for silo, c in sorted(self.silo_metrics.items())}
+        mean = sum(e["accuracy"] for e in entries.values()) / len(entries)
         logger.info("%s: silos' own personalized accuracy %.4f (model they received, mean of %d silos, each on "
                     "its user: %s)", label, mean, len(entries),
-                    ", ".join(f"rank {s} user {e['user']} {e['accuracy']:.4f}" for s, e in sorted(self.silo_metrics.items())))
-        self.driver.record_silo_evaluation(label, mean, dict(self.silo_metrics))
+                    ", ".join(f"rank {s} user {e['user']} {e['accuracy']:.4f}" for s, e in entries.items()))
+        self.driver.record_silo_evaluation(label, mean, entries)
         self.silo_metrics = {}

@@ -531,8 +531,9 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         if not self.is_running:
             return
         self.is_running = False
+        # Requests in flight (the one that ended the run, say) are answered, then the door closes.
+        self._server.stop(1.0).wait(2.0)
         self.gate.stop()
-        self._server.stop(None)
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
         for channel in channels:

@@ -1,0 +1,132 @@
+"""What server and silos must agree on, and what a silo tells the server when it comes online.
+
+A silo announces itself (its ONLINE status carries :func:`hello`): the values that must be the
+same in every process of a run (:func:`fingerprint`: the algorithm, its variant and step sizes,
+tau, the batch sizes, the model and its architecture, the seed, the dataset and the split, the
+number of users, FedML's DP/attack/defense sections), and, in data-owner mode, its own data's
+counts, shape and classes. The server refuses a silo whose values differ, naming the key and
+both values (:func:`disagreement`), or whose data does not fit the model (:func:`data_problem`),
+at once: not found out later as a wrong model. The counts it announced are the only counts the
+server uses for it (sample weights, the size of its test split).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ...core.types import StateDict, UserSplit
+from .wire import short
+
+# (section, key) of the config values every process of a cross-silo run must share.
+AGREED = (("train_args", "federated_optimizer"), ("train_args", "perfedavg_variant"), ("train_args", "alpha"),
+          ("train_args", "beta"), ("train_args", "delta"), ("train_args", "local_steps"),
+          ("train_args", "batch_size"), ("train_args", "meta_batch_size"), ("train_args", "hessian_batch_size"),
+          ("train_args", "client_num_in_total"), ("train_args", "client_num_per_round"),
+          ("train_args", "new_user_fraction"), ("train_args", "comm_round"), ("train_args", "on_divergence"),
+          ("train_args", "aruba_epsilon"), ("train_args", "aruba_zeta"), ("train_args", "aruba_p"),
+          ("validation_args", "adapt_steps"), ("common_args", "random_seed"), ("data_args", "dataset"),
+          ("data_args", "partition_method"), ("data_args", "images_per_class"),
+          ("data_args", "test_images_per_class"), ("model_args", "model"), ("comm_args", "silo_data"))
+ARCHITECTURE = "model_args.architecture"  # the model's tensor names, shapes and dtypes, hashed
+SAFEGUARDS = "dp_args/attack_args/defense_args"  # FedML's DP, attack and defense sections, hashed
+_PROBE_ELEMENTS = 10_000_000  # a sample larger than this is not probed (a lie meant to exhaust memory)
+_INPUT_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+                 "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def architecture(state: StateDict) -> str:
+    """A short hash of a model's tensor names, shapes and dtypes."""
+    return _digest([(k, list(v.shape), str(v.dtype)) for k, v in state.items()])
+
+
+def fingerprint(config: Any, state: StateDict) -> Dict[str, Any]:
+    """The values of :data:`AGREED` (batch sizes resolved), the architecture and the safeguards."""
+    values = {f"{section}.{key}": getattr(config, key, None) for section, key in AGREED}
+    sizes = config.batch_sizes
+    values["train_args.meta_batch_size"], values["train_args.hessian_batch_size"] = sizes[1], sizes[2]
+    values[ARCHITECTURE] = architecture(state)
+    values[SAFEGUARDS] = _digest(getattr(config, "safeguards", {}))
+    return values
+
+
+def disagreement(server: Dict[str, Any], silo: Dict[str, Any], rank: int) -> Optional[str]:
+    """The first value a silo's fingerprint does not share with the server's, named with both
+    values, or None."""
+    for key in sorted(set(server) | set(silo)):
+        mine, theirs = server.get(key, "(not given)"), silo.get(key, "(not given)")
+        if not _equal(mine, theirs):
+            what = f"{key} (a hash)" if key in (ARCHITECTURE, SAFEGUARDS) else key
+            return (f"silo rank {rank} disagrees with the server on {what}: the server has {mine!r}, the silo has "
+                    f"{short(theirs)}")
+    return None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Equal as the run would use them: 1 and 1.0 alike, True and 1 not."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return type(a) is type(b) and a == b
+
+
+def hello(fingerprint_values: Dict[str, Any], user_id: Optional[int], user: Optional[UserSplit]) -> Dict[str, Any]:
+    """What a silo announces: its fingerprint, and in data-owner mode (``user`` given) its user's
+    counts, input shape and dtype, and classes."""
+    if user is None:
+        return {"fingerprint": fingerprint_values, "user": user_id, "train": None, "test": None, "input_shape": None,
+                "input_dtype": None, "classes": None}
+    classes = sorted(set(user.train_y.tolist()) | set(user.test_y.tolist()))
+    return {"fingerprint": fingerprint_values, "user": user_id, "train": len(user.train_y), "test": len(user.test_y),
+            "input_shape": list(user.train_x.shape[1:]), "input_dtype": str(user.train_x.dtype).split(".")[-1],
+            "classes": classes}
+
+
+def data_problem(model: nn.Module, announced: Dict[str, Any], rank: int) -> Optional[str]:
+    """Why the data a silo announced does not fit ``model`` (its samples cannot go through it, or
+    its labels go beyond the model's outputs), or None. The model runs on two zero samples of the
+    announced shape and dtype, in a copy in eval mode."""
+    shape, dtype_name, classes = announced["input_shape"], announced["input_dtype"], announced["classes"]
+    dtype = _INPUT_DTYPES.get(dtype_name)
+    what = f"silo rank {rank}'s data (samples of shape {tuple(shape)}, {dtype_name}; labels up to {max(classes)})"
+    if dtype is None:
+        return f"{what}: inputs of dtype {dtype_name} are not among {sorted(_INPUT_DTYPES)}"
+    if math.prod(shape) > _PROBE_ELEMENTS:
+        return f"{what}: a sample of {math.prod(shape)} values is larger than any model here takes"
+    probe = copy.deepcopy(model).cpu().eval()
+    try:
+        with torch.no_grad():
+            out = probe(torch.zeros((2, *shape), dtype=dtype))
+    except Exception as err:  # noqa: BLE001 - any failure of the model on these inputs is the answer
+        return f"{what} does not fit the model: {type(err).__name__}: {str(err)[:200]}"
+    if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != 2:
+        return f"{what} does not fit the model: it gives {getattr(out, 'shape', type(out).__name__)} for 2 samples, " \
+               f"not (2, classes)"
+    if max(classes) >= out.shape[1]:
+        return f"{what} does not fit the model: it has {out.shape[1]} outputs, so labels must be 0..{out.shape[1] - 1}"
+    return None
+
+
+@dataclass
+class SiloSetup:
+    """What a cross-silo process knows of the run beyond FedML's args: the mode, the silos, the
+    fingerprint, and the counts it can vouch for (user -> (train, test); the server in shared
+    mode holds every user's, a silo in data-owner mode its own)."""
+
+    own_data: bool
+    silos: List[int]
+    fingerprint: Dict[str, Any]
+    user_counts: Dict[int, Tuple[int, int]] = field(default_factory=dict)
+    hello: Optional[Dict[str, Any]] = None  # a silo's announcement
+    model: Optional[nn.Module] = None  # the server's, to probe a silo's announced data
