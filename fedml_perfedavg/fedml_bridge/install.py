@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import types
 from typing import Any, Optional, Protocol
 
 from .. import logs
@@ -59,6 +60,7 @@ def offline_init(original_init, entry: PluginEntry):
 
         if args is None:
             args = load_arguments(fedml._global_training_type, fedml._global_comm_backend)
+        check_cross_silo_backend(args)
         if getattr(args, "using_mlops", False):
             args = original_init(args, check_env=check_env, should_init_logs=should_init_logs)
             logs.keep_plugin_lines_visible()
@@ -80,6 +82,47 @@ def offline_init(original_init, entry: PluginEntry):
     return init
 
 
+INSECURE_BACKENDS = {
+    "TRPC": "FedML's TRPC transport (core/distributed/communication/trpc) sends pickles in plaintext and listens on "
+            "every interface",
+    "MQTT_S3": "FedML's MQTT_S3 transport (core/distributed/communication/mqtt_s3) passes pickled models through a "
+               "broker and a bucket outside the run, with no authentication of the sender",
+    "MQTT_S3_MNN": "FedML's MQTT_S3_MNN transport passes models through a broker and a bucket outside the run, with "
+                   "no authentication of the sender",
+    "MQTT_WEB3": "FedML's MQTT_WEB3 transport passes pickled models through services outside the run",
+    "MQTT_THETASTORE": "FedML's MQTT_THETASTORE transport passes pickled models through services outside the run",
+}
+
+
+def check_cross_silo_backend(args: Any) -> None:
+    """With the plugin installed, a cross-silo process talks over the plugin's secured gRPC transport
+    or not at all: every other FedML backend is refused, saying why."""
+    if getattr(args, "training_type", None) != "cross_silo":
+        return
+    backend = getattr(args, "backend", None)
+    if backend in INSECURE_BACKENDS:
+        from ..core.guards import ConfigError
+
+        raise ConfigError(f"comm_args.backend={backend!r}: refused for cross-silo with fedml_perfedavg imported: "
+                          f"{INSECURE_BACKENDS[backend]}. Use backend: GRPC, which the plugin secures (mutual TLS "
+                          f"with comm_args.tls_dir, messages never unpickled, connections capped)")
+
+
+def _refusing_insecure_backends(original_init_manager):
+    """``FedMLCommManager._init_manager`` (core/distributed/fedml_comm_manager.py) refusing, for a
+    cross-silo process, the backends of :data:`INSECURE_BACKENDS` (args changed after
+    ``fedml.init`` included)."""
+
+    @functools.wraps(original_init_manager)
+    def init_manager(self):
+        check_cross_silo_backend(types.SimpleNamespace(training_type=getattr(self.args, "training_type", None),
+                                                       backend=self.backend))
+        return original_init_manager(self)
+
+    init_manager.__wrapped__ = original_init_manager
+    return init_manager
+
+
 def install(entry: PluginEntry) -> None:
     """Install the plugin into FedML (idempotent; see the module doc)."""
     global _installed
@@ -98,6 +141,9 @@ def install(entry: PluginEntry) -> None:
     fedml.data.load = loading_with_paper_split(fedml.data.load, entry.load_split)
     fedml.model.create = creating_paper_models(fedml.model.create)
     _install_transport()
+    from fedml.core.distributed.fedml_comm_manager import FedMLCommManager
+
+    FedMLCommManager._init_manager = _refusing_insecure_backends(FedMLCommManager._init_manager)
     _installed = entry
     logger.debug("fedml-perfedavg installed into FedML %s", getattr(fedml, "__version__", "?"))
 

@@ -7,12 +7,19 @@ starts one server and N silo processes (``fedml-perfedavg --rank R --role server
 line of their output with its rank, and exits non-zero if any process failed. A silo that
 fails is reported at once; SIGINT and SIGTERM are forwarded to every process, which write what
 they measured before they end.
+
+In data-owner mode (``comm_args.silo_data: own``) there is a silo per user and each is handed
+its own folder: ``data_cache_dir`` itself when it is an export (``fedml-perfedavg export-split``),
+else the split exported into the run directory first; the server gets an empty folder.
+Without ``comm_args.tls_dir`` the launcher makes the run's certificates in ``RUN_DIR/tls`` (the
+CA's key is never written, so nobody can issue another) and removes them when the run is over.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,16 +91,49 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
     given.update(parse_overrides(overrides))
     make_certs = not given.get("tls_dir") and not given.get("insecure")
     config = load(config_path, [*overrides, "tls_dir=made-below"] if make_certs else overrides)
-    clients = config.client_num_per_round if clients is None else clients
-    if clients != config.client_num_per_round:
+    clients = config.silo_count if clients is None else clients
+    if clients != config.silo_count:
+        if config.own_data:
+            raise ConfigError(f"train_args.client_num_in_total={config.client_num_in_total!r}: must equal --clients "
+                              f"({clients}): in data-owner mode (comm_args.silo_data own) each silo owns one user")
         raise ConfigError(f"train_args.client_num_per_round={config.client_num_per_round!r}: must equal --clients "
                           f"({clients}): each silo trains one sampled user per round")
     run_dir = resolve_run_dir(config, run_dir)
+    tls_dir = None
     if make_certs:  # one command still: this run's own CA and certificates, in its run directory
         tls_dir = os.path.join(run_dir, "tls")
-        make_certificates(tls_dir, clients, overwrite=True)
+        make_certificates(tls_dir, clients, overwrite=True, keep_ca_key=False)
         overrides = [*overrides, f"tls_dir={tls_dir}"]
-        logger.info("certificates for ranks 0..%d made in %s (comm_args.tls_dir)", clients, tls_dir)
+        logger.info("certificates for ranks 0..%d made in %s (comm_args.tls_dir; the CA's key was not kept, and the "
+                    "folder goes when the run is over)", clients, tls_dir)
+    try:
+        return _launch(config, config_path, overrides, clients, run_dir, server_delay, grace_seconds)
+    finally:
+        if tls_dir is not None:
+            shutil.rmtree(tls_dir, ignore_errors=True)
+
+
+def own_folders(config, run_dir: str, clients: int) -> Dict[int, str]:
+    """Data-owner mode: each rank's data folder (the server's is empty)."""
+    from ..data.silo_folder import folder_of, is_export
+    from .runner import load_split
+    from .silo_data import export_split
+
+    root = config.data_cache_dir
+    if not is_export(root):
+        root = os.path.join(run_dir, "silo-data")
+        shutil.rmtree(root, ignore_errors=True)
+        export_split(config, root, load_split)
+        logger.info("the split exported to %s: each silo gets its own folder", root)
+    folders = {rank: folder_of(root, rank) for rank in range(1, clients + 1)}
+    folders[0] = os.path.join(run_dir, "server-data-none")
+    os.makedirs(folders[0], exist_ok=True)
+    return folders
+
+
+def _launch(config, config_path: str, overrides: List[str], clients: int, run_dir: str,
+            server_delay: Optional[float], grace_seconds: float) -> int:
+    folders = own_folders(config, run_dir, clients) if config.own_data else {}
     ipconfig = config.grpc_ipconfig_path or write_ipconfig(os.path.join(run_dir, "grpc_ipconfig.csv"), clients + 1)
     addresses = read_ipconfig(ipconfig, clients + 1)
     command = [sys.executable, "-m", "fedml_perfedavg", "--cf", config_path, "--run-dir", run_dir,
@@ -113,7 +153,8 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
 
     def start(rank: int) -> None:
         role = "server" if rank == 0 else "client"
-        processes[rank] = subprocess.Popen(command + ["--rank", str(rank), "--role", role],
+        own = ["--set", f"data_cache_dir={folders[rank]}"] if rank in folders else []
+        processes[rank] = subprocess.Popen(command + own + ["--rank", str(rank), "--role", role],
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                            env={**os.environ, "PYTHONUNBUFFERED": "1", **threads},
                                            preexec_fn=_end_with_parent)

@@ -17,6 +17,16 @@ logger = logging.getLogger(__name__)
 per_user_logger = logging.getLogger(__name__ + ".per_user")
 
 
+def process_start_ticks(pid: int) -> Optional[int]:
+    """When process ``pid`` started, in clock ticks since boot (Linux's /proc), or None: with its
+    pid, it names one process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as stream:
+            return int(stream.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def record_failure(run_dir: str, why: str) -> None:
     """Mark the run's summary.json ``aborted`` with ``why`` (another process, such as a failing
     MPI rank, ends the run), keeping the evaluations it holds."""
@@ -39,7 +49,8 @@ class RunRecorder:
         self.num_users = num_users
         self.refusals: Dict[str, int] = {}  # cross-silo: what the server's transport refused, by reason
         # Who writes this record: `show` tells a live run from one whose process died without a word.
-        self.process = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self.process = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                        "start_ticks": process_start_ticks(os.getpid())}
         self.new_users = sorted(new_users)
         self.total_rounds = total_rounds
         self.config_sections = config_sections

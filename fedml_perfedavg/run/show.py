@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -33,9 +34,30 @@ def _method(summary: Dict[str, Any]) -> str:
     return f"{name} ({train.get('perfedavg_variant')})" if name == "PerFedAvg" else name
 
 
+def status_of(summary: Dict[str, Any]) -> str:
+    """The run's status, with ``running`` checked: a run whose process is gone (killed without a
+    word: SIGKILL, a lost machine) is ``dead``; one on another host cannot be checked from here."""
+    status = str(summary.get("status"))
+    process = summary.get("process")
+    if status != "running" or not isinstance(process, dict):
+        return status
+    from .reporting import process_start_ticks
+
+    host, pid = process.get("host"), process.get("pid")
+    if host != socket.gethostname():
+        return f"running on {host} (pid {pid}; not checked from here)"
+    alive = isinstance(pid, int) and process_start_ticks(pid) is not None
+    if alive and process.get("start_ticks") is not None:
+        alive = process_start_ticks(pid) == process["start_ticks"]  # the pid may belong to another process now
+    if alive:
+        return f"running (pid {pid})"
+    return f"dead (summary.json says running, but its process {pid} on this host is gone: killed or crashed; " \
+           f"what it measured is below)"
+
+
 def describe_run(path: str, summary: Dict[str, Any]) -> str:
     """One run: how it ended, its headline figures and the per-user table."""
-    lines = [f"{path}: {_method(summary)}, {summary.get('status')}, {summary.get('rounds')} rounds, "
+    lines = [f"{path}: {_method(summary)}, {status_of(summary)}, {summary.get('rounds')} rounds, "
              f"{summary.get('wall_seconds', 0):.1f} s"]
     if summary.get("error"):
         lines.append(f"  ended by: {summary['error']}")
@@ -50,6 +72,7 @@ def describe_run(path: str, summary: Dict[str, Any]) -> str:
     if after:
         lines.append("  user  after%  before%")
         lines.extend(f"  {user:4d}  {_percent(a):>6}  {_percent(b):>7}{'  (new user)' if user in new else ''}"
+                     f"{'  (missing from the last evaluation)' if a is None else ''}"
                      for user, (a, b) in enumerate(zip(after, before)))
     return "\n".join(lines)
 
@@ -58,7 +81,7 @@ def compare_runs(paths: List[str], summaries: List[Dict[str, Any]]) -> str:
     """Several runs side by side."""
     rows = [("run", "method", "status", "rounds", "after%", "before%", "std%")]
     for path, s in zip(paths, summaries):
-        rows.append((path, _method(s), str(s.get("status")), str(s.get("rounds")),
+        rows.append((path, _method(s), status_of(s).split(" (")[0], str(s.get("rounds")),
                      _percent(s.get("personalized_accuracy")), _percent(s.get("accuracy_before_adaptation")),
                      _percent(s.get("personalized_accuracy_std"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -81,6 +81,7 @@ class Gate:
         self.public, self.backend_port, self.limits, self.on_refusal = public, backend_port, limits, on_refusal
         self._loop = asyncio.new_event_loop()
         self._server: Optional[asyncio.AbstractServer] = None
+        self._sweeper: Optional[asyncio.Task] = None
         self._thread: Optional[threading.Thread] = None
         self._per_peer: Dict[str, int] = {}
         self._open: Dict[int, _Connection] = {}  # id -> connection
@@ -111,7 +112,7 @@ class Gate:
 
             async def begin() -> None:
                 self._server = await asyncio.start_server(self._handle, sock=sock, limit=_CHUNK)
-                self._loop.create_task(self._sweep())
+                self._sweeper = self._loop.create_task(self._sweep())
                 ready.set()
 
             self._loop.run_until_complete(begin())
@@ -129,12 +130,11 @@ class Gate:
         async def end() -> None:
             if self._server is not None:
                 self._server.close()
+            self._sweeper.cancel()
             for connection in list(self._open.values()):
-                self._close(connection)
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+                self._close(connection)  # their handlers end on their own (a cancelled one would be logged)
+            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            await asyncio.wait([self._sweeper, *handlers], timeout=2.0)
 
         try:
             asyncio.run_coroutine_threadsafe(end(), self._loop).result(5)
