@@ -105,8 +105,11 @@ def _read_manifest(folder: str) -> Dict[str, Any]:
     path = os.path.join(folder, MANIFEST)
     try:
         size = os.path.getsize(path)
-        if size > MAX_MANIFEST_BYTES:
-            raise _fail(folder, f"{MANIFEST} is {size} bytes, more than a manifest can be ({MAX_MANIFEST_BYTES})")
+    except OSError as err:
+        raise _fail(folder, f"cannot read {MANIFEST} ({err.strerror})") from None
+    if size > MAX_MANIFEST_BYTES:
+        raise _fail(folder, f"{MANIFEST} is {size} bytes, more than a manifest can be ({MAX_MANIFEST_BYTES})")
+    try:
         with open(path, "rb") as stream:
             manifest = json.loads(stream.read().decode("utf-8"), parse_constant=lambda name: None)
     except OSError as err:

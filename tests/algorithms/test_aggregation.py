@@ -58,3 +58,48 @@ def test_the_finiteness_check_finds_every_nonfinite_value_and_nothing_else(bad):
     stacked["w"][3, 7] = bad
     stacked["b"][1, 2] = bad
     assert nonfinite_clients(stacked) == [1, 3]
+
+
+def test_the_default_bound_refuses_an_update_that_moves_the_model_by_more_than_its_norm(caplog):
+    """One client that uploads 1e30 everywhere, or twice the model, is refused under the defaults
+    (train_args.max_update_ratio = 1) and the bound is logged; honest-sized updates pass."""
+    algorithm, good = _algorithm()
+    assert algorithm.settings.max_update_ratio == 1.0
+    norm = float(torch.sqrt(sum((v.double() ** 2).sum() for v in good.values())))
+    huge = OrderedDict((k, torch.full_like(v, 1e30)) for k, v in good.items())
+    doubled = OrderedDict((k, 3 * v) for k, v in good.items())  # moved by 2 x ||w||
+    honest = OrderedDict((k, v * 1.1) for k, v in good.items())  # moved by 0.1 x ||w||
+    with caplog.at_level("INFO"):
+        averaged = algorithm.aggregate(0, [(1, huge), (1, honest), (1, doubled)], good)
+    assert algorithm.rejected == {0: 2}
+    assert all(torch.equal(averaged[k], honest[k]) for k in good)
+    assert f"train_args.max_update_ratio=1 x max(||w||, 1) ({norm:.4g} in round 0)" in caplog.text
+    assert "exceeds train_args.max_update_ratio=1.0 x max(||w||, 1)" in update_problem(doubled, good,
+                                                                                        max_update_ratio=1.0)
+    off, _ = _algorithm(max_update_ratio=None)
+    off.aggregate(0, [(1, doubled)], good)
+    assert off.rejected == {}
+
+
+def test_the_bound_of_a_model_near_zero_is_one():
+    zero = OrderedDict(w=torch.zeros(3, 3))
+    assert update_problem(OrderedDict(w=torch.full((3, 3), 0.3)), zero, max_update_ratio=1.0) is None  # norm 0.9
+    assert "= 1" in update_problem(OrderedDict(w=torch.full((3, 3), 0.4)), zero, max_update_ratio=1.0)  # 1.2
+
+
+def test_buffers_stay_the_global_models_and_integer_counters_stay_integers():
+    from torch import nn
+
+    from fedml_perfedavg.algorithms.registry import create_algorithm
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 3))
+    algorithm = create_algorithm("PerFedAvg", model, tiny_config())
+    state = OrderedDict((k, v.clone()) for k, v in model.state_dict().items())
+    lying = OrderedDict((k, v.clone()) for k, v in state.items())
+    lying["2.running_mean"] += 1e6  # a client's buffers: noise or a lie, never averaged in
+    honest = OrderedDict((k, v + 0.01 if v.is_floating_point() and "running" not in k else v.clone())
+                         for k, v in state.items())
+    averaged = algorithm.aggregate(0, [(1, lying), (1, honest)], state)
+    assert torch.equal(averaged["2.running_mean"], state["2.running_mean"])
+    assert averaged["2.num_batches_tracked"].dtype == torch.int64
+    assert torch.allclose(averaged["1.weight"], state["1.weight"] + 0.005)

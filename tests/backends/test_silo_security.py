@@ -4,6 +4,7 @@ import csv
 import json
 import os
 import pickle
+import shutil
 import signal
 import threading
 import time
@@ -44,7 +45,8 @@ def _attack(run_dir, other, marker, stop, tally):
     """Every outsider's and wrong-certificate attack, at every port, until ``stop``."""
     with open(run_dir / "grpc_ipconfig.csv") as stream:
         addresses = {int(r["rank"]): (r["grpc_server_ip"], int(r["grpc_server_port"])) for r in csv.DictReader(stream)}
-    tls = run_dir / "tls"
+    tls = run_dir.parent / "stolen-tls"  # silo 2's key as an insider would keep it (launch-silo removes its copy)
+    shutil.copytree(run_dir / "tls", tls)
     payload = pickle.dumps(WritesAFile(marker))
     claim_silo_1 = wire.encode(wire.Envelope(type=wire.CLIENT_STATUS, sender=1, receiver=0, run_id="?", round=0,
                                              seq=10 ** 9, params={"client_status": "FINISHED"}))
@@ -70,7 +72,7 @@ def test_attacks_during_a_tls_run_change_nothing(mnist_root, tmp_path):
     run_dir, marker, other = tmp_path / "silo", tmp_path / "owned", tmp_path / "other-ca"
     make_certificates(str(other), 2)
     process = _launch(mnist_root, run_dir, {"comm_round": 12})
-    _wait_for(run_dir / "tls" / "rank-2.pem", process)
+    _wait_for(run_dir / "tls" / "rank-2.key", process)
     _wait_for(run_dir / "grpc_ipconfig.csv", process)
     stop, tally = threading.Event(), []
     attacker = threading.Thread(target=_attack, args=(run_dir, other, marker, stop, tally), daemon=True)
@@ -82,6 +84,8 @@ def test_attacks_during_a_tls_run_change_nothing(mnist_root, tmp_path):
         attacker.join(timeout=30)
     assert process.returncode == 0, out[-5000:]
     assert not marker.exists()
+    # launch-silo never wrote the CA's key (nobody can issue another certificate) and removed the rest
+    assert not (tmp_path / "stolen-tls" / "ca.key").exists() and not (run_dir / "tls").exists()
     codes = {}
     for what, code in tally:
         codes.setdefault(what, set()).add(code)

@@ -1,0 +1,182 @@
+"""The gate in front of a cross-silo port: connections capped per peer address and in total, a
+deadline for the first request, and every connection it refuses or cuts named and counted; the
+refusal log that no peer can flood."""
+import logging
+import socket
+import time
+
+import pytest
+
+from fedml_perfedavg.fedml_bridge.cross_silo.gate import Gate, GateLimits, PortTaken
+from fedml_perfedavg.fedml_bridge.cross_silo.refusals import BURST, REPORT_SECONDS, WINDOW_SECONDS, RefusalLog
+
+
+class Echo:
+    """A backend that echoes what it gets (stands in for gRPC behind the gate)."""
+
+    def __init__(self):
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.running = True
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        import threading
+
+        while self.running:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn):
+        with conn:
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                conn.sendall(data)
+
+    def close(self):
+        self.running = False
+        self.sock.close()
+
+
+@pytest.fixture
+def gate():
+    backend = Echo()
+    refused = []
+    limits = GateLimits(per_peer=3, total=5, first_request_seconds=1.0, idle_seconds=30.0, tls=True)
+    door = Gate(("127.0.0.1", 0), backend.port, limits, lambda host, port, reason, text: refused.append((host, reason,
+                                                                                                          text)))
+    door.start()
+    door.address = door._server.sockets[0].getsockname()[:2]
+    door.refused = refused
+    yield door
+    door.stop()
+    backend.close()
+
+
+def _connect(address, source="127.0.0.1"):
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.settimeout(5)
+    sock.connect(tuple(address))
+    return sock
+
+
+def _closed(sock, within=5.0) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def _wait(predicate, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_bytes_pass_both_ways_untouched(gate):
+    sock = _connect(gate.address)
+    sock.sendall(b"\x16\x03\x01hello")
+    assert sock.recv(100) == b"\x16\x03\x01hello"
+    sock.close()
+
+
+def test_one_address_cannot_hold_more_than_its_share_and_others_still_get_in(gate):
+    held = [_connect(gate.address, "127.0.0.2") for _ in range(3)]
+    _wait(lambda: gate.open_connections == 3)
+    extra = _connect(gate.address, "127.0.0.2")
+    assert _closed(extra, 2.0)  # over the per-peer cap: closed at once
+    assert [r[:2] for r in gate.refused] == [("127.0.0.2", "connection-cap")]
+    assert "cap per peer address (comm_args.max_connections_per_peer)" in gate.refused[0][2]
+    honest = _connect(gate.address, "127.0.0.1")  # another address: still served
+    honest.sendall(b"\x16ok")
+    assert honest.recv(10) == b"\x16ok"
+    for sock in held + [extra, honest]:
+        sock.close()
+
+
+def test_the_total_cap_holds_whatever_the_addresses(gate):
+    held = [_connect(gate.address, f"127.0.0.{i}") for i in range(2, 7)]
+    _wait(lambda: gate.open_connections == 5)
+    extra = _connect(gate.address, "127.0.0.9")
+    assert _closed(extra, 2.0)
+    assert "the cap in total (comm_args.max_connections)" in gate.refused[-1][2]
+    for sock in held + [extra]:
+        sock.close()
+
+
+@pytest.mark.parametrize("sent,reason", [(b"", "idle-connection"), (b"PRI * HTTP/2.0", "not-tls"),
+                                         (b"\x16\x03\x01\x00", "handshake")])
+def test_a_connection_without_a_request_is_cut_at_its_deadline_and_named(gate, sent, reason):
+    sock = _connect(gate.address, "127.0.0.3")
+    if sent:
+        sock.sendall(sent)
+        sock.recv(100)
+    started = time.monotonic()
+    assert _closed(sock, 5.0)
+    assert 0.5 < time.monotonic() - started < 3.0  # the first-request deadline (1 s), swept every 0.25 s
+    _wait(lambda: gate.refused)
+    host, why, text = gate.refused[-1]
+    assert (host, why) == ("127.0.0.3", reason) and "closed without a request" in text
+
+
+def test_the_public_port_is_exclusive():
+    backend = Echo()
+    limits = GateLimits(per_peer=3, total=5, first_request_seconds=1.0, idle_seconds=30.0)
+    first = Gate(("127.0.0.1", 0), backend.port, limits, lambda *a: None)
+    first.start()
+    port = first._server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(PortTaken, match=f"127.0.0.1:{port}"):
+            Gate(("127.0.0.1", port), backend.port, limits, lambda *a: None).start()
+    finally:
+        first.stop()
+        backend.close()
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_refusals_are_counted_all_but_logged_a_few_per_peer_and_reason(caplog):
+    clock = Clock()
+    log = RefusalLog(0, logging.getLogger("test.refusals"), clock)
+    flood = "x" * 60_000
+    with caplog.at_level(logging.WARNING, logger="test.refusals"):
+        for _ in range(600):
+            log.refuse("10.9.9.9", "malformed", f"field {flood}")
+        log.refuse("10.9.9.8", "malformed", "other peer")
+        log.refuse("10.9.9.9", "replay", "other reason")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == BURST + 2
+    assert all(len(line) < 500 for line in lines)  # fields cut: 600 x 60 KB would be 36 MB of log
+    assert log.totals == {"malformed": 601, "replay": 1}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="test.refusals"):
+        log.tick()  # not yet time for the report
+        clock.now += WINDOW_SECONDS
+        log.refuse("10.9.9.9", "malformed", "again")  # one line per window after the burst
+        clock.now += REPORT_SECONDS
+        log.tick()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "again" in lines[0]
+    assert f"{600 - BURST} more refusals in the last" in lines[1]
+    assert "totals so far: {'malformed': 602, 'replay': 1}" in lines[1]

@@ -1,0 +1,39 @@
+"""What a run leaves on disk can always be read: strict JSON (no NaN tokens), and a run whose
+process died without a word is shown as dead, not running."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from fedml_perfedavg.run.files import write_json
+from fedml_perfedavg.run.reporting import process_start_ticks
+from fedml_perfedavg.run.show import main as show, status_of
+
+
+def test_summary_files_are_strict_json(tmp_path):
+    path = tmp_path / "summary.json"
+    write_json(str(path), {"loss": float("nan"), "history": [{"a": float("inf"), "b": (1, float("-inf"))}], "ok": 0.5})
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    strict = json.loads(text, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)))
+    assert strict == {"loss": None, "history": [{"a": None, "b": [1, None]}], "ok": 0.5}
+
+
+def _summary(pid, ticks, host=None):
+    return {"status": "running", "rounds": 3, "wall_seconds": 1.0, "personalized_accuracy": 0.5,
+            "process": {"host": host or socket.gethostname(), "pid": pid, "started": 0.0, "start_ticks": ticks}}
+
+
+def test_a_running_run_whose_process_is_gone_is_shown_dead(tmp_path, capsys):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert status_of(_summary(os.getpid(), process_start_ticks(os.getpid()))) == f"running (pid {os.getpid()})"
+    assert status_of(_summary(gone.pid, 12345)).startswith(f"dead (summary.json says running, but its process "
+                                                           f"{gone.pid} on this host is gone")
+    # the pid of a live process that started at another time is another process: the run's is gone
+    assert status_of(_summary(os.getpid(), process_start_ticks(os.getpid()) + 1)).startswith("dead")
+    assert status_of(_summary(1, 5, host="elsewhere")) == "running on elsewhere (pid 1; not checked from here)"
+    (tmp_path / "summary.json").write_text(json.dumps(_summary(gone.pid, 12345)))
+    assert show([str(tmp_path)]) == 0
+    assert ", dead (summary.json says running" in capsys.readouterr().out
