@@ -165,3 +165,44 @@ def launch_silo(run_dir, settings: dict, extra=(), loopback_only: bool = False):
         command = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(Path(run_dir).parent / "home")}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+LIAR = REPO / "tests" / "backends" / "lying_silo.py"
+
+
+def start_by_hand(tmp_path, settings: dict, ranks: int, per_rank=None, liars=None, yaml=None):
+    """A cross-silo run started as a user starts one on each host (``--rank R --role``), on
+    loopback with mutual TLS: ``settings`` for every process (key -> value, as --set),
+    ``per_rank`` {rank: {key: value}} for some, ``liars`` {rank: what it lies about} (run through
+    tests/backends/lying_silo.py instead of the plain command line). Returns {rank: Popen}."""
+    import sys
+
+    ipconfig = tmp_path / "ip.csv"
+    if not ipconfig.exists():
+        from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
+
+        write_ipconfig(str(ipconfig), ranks + 1)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    processes = {}
+    for rank in range(ranks + 1):
+        sets = {**settings, "grpc_ipconfig_path": str(ipconfig), "tls_dir": make_tls(tmp_path / "tls", ranks),
+                **(per_rank or {}).get(rank, {})}
+        entry = [str(LIAR), (liars or {})[rank]] if rank in (liars or {}) else ["-m", "fedml_perfedavg"]
+        command = [sys.executable, *entry, "--cf", yaml or SILO_YAML, "--run-dir", str(tmp_path / "run"),
+                   *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], "--rank", str(rank),
+                   "--role", "server" if rank == 0 else "client", "--run_id", "by-hand"]
+        processes[rank] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                           env=env)
+    return processes
+
+
+def finish_all(processes, timeout=240):
+    """Each process's output once it ends (all killed after ``timeout``)."""
+    outs = {}
+    try:
+        for rank, process in processes.items():
+            outs[rank] = process.communicate(timeout=timeout)[0]
+    finally:
+        for process in processes.values():
+            process.kill()
+    return outs

@@ -78,7 +78,7 @@ def write_silo_folder(folder: str, user: UserSplit, rank: int, dataset: str, num
     if rank < 1:
         raise ValueError(f"rank {rank}: silos are ranks 1..n")
     os.makedirs(folder, exist_ok=True)
-    tensors = {role: t.detach().cpu().contiguous() for role, t in zip(ROLES, user)}
+    tensors = {role: t.detach().cpu().contiguous().clone() for role, t in zip(ROLES, user)}  # no shared storage
     path = os.path.join(folder, TENSORS)
     save_file(tensors, path + ".tmp")
     os.replace(path + ".tmp", path)

@@ -93,6 +93,9 @@ class PluginClientMasterManager(ClientMasterManager):
     """The states of the module doc, over FedML's message dispatch and our transport."""
 
     GOODBYE_SECONDS = 2.0  # a finished run's goodbye: a server that has already ended is not waited for
+    # Idle, the silo looks at its clock every fraction of a second: a gap this long means it was not
+    # running (frozen, a suspended machine), and the server may have gone on without it.
+    FROZEN_SECONDS = 5.0
 
     def __init__(self, args: Any, trainer_dist_adapter: Any, comm: Any = None, rank: int = 0, size: int = 0,
                  backend: str = "GRPC", *, policy: SiloPolicy, setup: SiloSetup) -> None:
@@ -100,7 +103,7 @@ class PluginClientMasterManager(ClientMasterManager):
         self.policy, self.setup = policy, setup
         self.own_user = rank - 1 if setup.own_data else None
         self.state = State.ANNOUNCING
-        self.state_since = self.last_heard = time.monotonic()
+        self.state_since = self.last_heard = self.last_awake = time.monotonic()
         self.last_model: Optional[float] = None
         self.slowest_gap: Optional[float] = None  # between two models from the server
         self.gaps_measured = 0
@@ -138,6 +141,7 @@ class PluginClientMasterManager(ClientMasterManager):
                 limit = self.policy.client_idle_deadline(self.slowest_gap, self.gaps_measured)
                 self.com_manager.retry_seconds = min(self.policy.connect_timeout, limit)
         super().receive_message(msg_type, msg_params)
+        self.last_awake = time.monotonic()
 
     def _on_ready(self, msg_params: Message) -> None:
         self._announce(time.monotonic() + self.policy.connect_timeout)
@@ -224,7 +228,10 @@ class PluginClientMasterManager(ClientMasterManager):
 
     def on_idle(self) -> None:
         now = time.monotonic()
-        if self.state in (State.ANNOUNCING, State.LISTENING):
+        asleep, self.last_awake = now - self.last_awake, now
+        if self.state is State.LISTENING and asleep > self.FROZEN_SECONDS:
+            self._rejoin(f"this silo was not running for {asleep:.1f} s (frozen or suspended)")
+        elif self.state in (State.ANNOUNCING, State.LISTENING):
             limit = self.policy.client_idle_deadline(self.slowest_gap, self.gaps_measured)
             if now - self.last_heard > limit:
                 self._rejoin(f"nothing from the server for {now - self.last_heard:.1f} s (comm_args."

@@ -412,7 +412,7 @@ class PluginServerManager(FedMLServerManager):
         or every silo answered: give up on the missing, aggregate, evaluate, go on."""
         self.deadline = None
         go_on, missing = self.policy.after_deadline(self.expected, sorted(self.answered))
-        waited = [s for s in missing if s in self.live]
+        waited = [s for s in missing if s in self.assigned]  # sent the round's model, sent nothing back
         if not go_on:
             self._give_up_on(missing, why_missing or "missed the round", False)
         self._give_up_on(waited, why_missing or "missed the round", True)

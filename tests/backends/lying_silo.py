@@ -1,0 +1,52 @@
+"""A silo that holds a valid certificate and lies, for the tests: ``python lying_silo.py LIE
+<fedml-perfedavg arguments>``. It is the plugin's own silo with one thing changed:
+
+- ``huge-once``: its upload in round 1 holds 1e30 everywhere;
+- ``false-count``: every upload claims 1000 times its user's training samples;
+- ``false-figures``: its evaluations claim user 424242 and every test sample right.
+"""
+import sys
+
+import torch
+
+
+def lie(kind: str) -> None:
+    from fedml_perfedavg.fedml_bridge.cross_silo import client
+    from fedml_perfedavg.fedml_bridge.shims import AlgorithmClientTrainer
+
+    if kind == "huge-once":
+        honest = AlgorithmClientTrainer.get_model_params
+
+        def get_model_params(self):
+            state = honest(self)
+            if int(self.args.round_idx) == 1:
+                return type(state)((k, torch.full_like(v, 1e30)) for k, v in state.items())
+            return state
+
+        AlgorithmClientTrainer.get_model_params = get_model_params
+    elif kind == "false-count":
+        honest_train = client.PluginTrainerDistAdapter.train
+
+        def train(self, round_idx):
+            weights, samples = honest_train(self, round_idx)
+            return weights, samples * 1000
+
+        client.PluginTrainerDistAdapter.train = train
+    elif kind == "false-figures":
+        honest_evaluate = client.PluginFedMLTrainer.evaluate
+
+        def evaluate(self, round_idx):
+            counts = honest_evaluate(self, round_idx)
+            return {**counts, "user": 424242, "correct": counts["total"], "correct_before": counts["total"]}
+
+        client.PluginFedMLTrainer.evaluate = evaluate
+    else:
+        raise SystemExit(f"lying_silo.py: unknown lie {kind!r}")
+
+
+if __name__ == "__main__":
+    import fedml_perfedavg  # noqa: F401  (installs the plugin, as a user's script would)
+    from fedml_perfedavg.run.cli import main
+
+    lie(sys.argv[1])
+    sys.exit(main(sys.argv[2:]))

@@ -1,0 +1,221 @@
+"""Data-owner cross-silo (comm_args.silo_data: own): each silo holds its own user's folder alone,
+the server holds no data, and the run gives the single-process model and evaluation. A silo that
+disagrees, whose data does not fit, or that lies (huge values, false counts, false figures) is
+refused and named, and the model is unharmed; a silo frozen for a while comes back."""
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from fedml_perfedavg.algorithms.base import FederatedAlgorithm
+from fedml_perfedavg.core.types import UserSplit
+from fedml_perfedavg.data.silo_folder import write_silo_folder
+from fedml_perfedavg.run.config import load_yaml, resolve
+from fedml_perfedavg.run.runner import load_split, run
+from fedml_perfedavg.run.silo_data import export_split, main as export_main, split_keys
+
+from tests.helpers import HF_YAML, finish_all, launch_silo, needs_mnist, start_by_hand
+
+OWN = {"silo_data": "own", "client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False,
+       "beta": 0.05}
+
+
+def _sp(mnist_root, tmp_path, users, rounds, **extra):
+    """The single-process run (FedML's sp loop: client by client, so a test can change one client)."""
+    config = resolve(load_yaml(HF_YAML), {**OWN, "silo_data": "shared", "client_num_in_total": users,
+                                          "comm_round": rounds, "data_cache_dir": mnist_root,
+                                          "simulation_engine": "fedml", **extra})
+    return run(config, str(tmp_path / "sp"))
+
+
+def _export(mnist_root, tmp_path, users):
+    config = resolve(load_yaml(HF_YAML), {"client_num_in_total": users, "client_num_per_round": 2,
+                                          "data_cache_dir": mnist_root})
+    export_split(config, str(tmp_path / "export"), load_split)
+    empty = tmp_path / "server-data"
+    empty.mkdir()
+    return {0: {"data_cache_dir": str(empty)},
+            **{r: {"data_cache_dir": str(tmp_path / "export" / f"rank-{r}")} for r in range(1, users + 1)}}
+
+
+def _summary(tmp_path):
+    return json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
+def _assert_same_model(tmp_path, reference, tolerance=1e-6):
+    model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    for k, v in reference.items():
+        assert float((model[k] - v).abs().max()) <= tolerance, k
+
+
+@needs_mnist
+def test_each_silo_with_only_its_folder_and_a_server_without_data_give_the_single_process_run(mnist_root, tmp_path):
+    """The issue's bar: MNIST paper split, 4 users, 2 per round, HF, seed 0."""
+    folders = _export(mnist_root, tmp_path, 4)
+    assert os.listdir(folders[0]["data_cache_dir"]) == []
+    outs = finish_all(start_by_hand(tmp_path, {**OWN, "client_num_in_total": 4, "comm_round": 3}, 4, folders))
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-4000:]
+    assert os.listdir(folders[0]["data_cache_dir"]) == []
+    assert "the server does not read" not in outs[0]  # it was handed no clients at all
+    for rank in range(1, 5):
+        assert f"silo rank {rank}: user {rank - 1}'s data from {folders[rank]['data_cache_dir']}" in outs[rank]
+    sp = _sp(mnist_root, tmp_path, 4, 3)
+    _assert_same_model(tmp_path, sp.final_state)
+    assert summary["per_user_accuracy"] == sp.summary["per_user_accuracy"]
+    assert [h["personalized_accuracy"] for h in summary["history"]] == \
+        [h["personalized_accuracy"] for h in sp.summary["history"]]
+    assert all(h["evaluated_users"] == 4 and h["missing_users"] == [] for h in summary["history"])
+
+
+@needs_mnist
+def test_launch_silo_hands_each_silo_its_own_folder(mnist_root, tmp_path):
+    process = launch_silo(tmp_path / "run", {**OWN, "client_num_in_total": 4, "comm_round": 2,
+                                             "data_cache_dir": mnist_root}, ["--clients", "4"])
+    out, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, out[-4000:]
+    run_dir = tmp_path / "run"
+    for rank in range(1, 5):
+        assert f"user {rank - 1}'s data from {run_dir / 'silo-data' / f'rank-{rank}'}" in out
+    assert _summary(tmp_path)["history"][-1]["evaluated_users"] == 4
+
+
+@needs_mnist
+def test_a_silo_that_disagrees_is_refused_at_once_naming_the_key_and_both_values(mnist_root, tmp_path):
+    folders = _export(mnist_root, tmp_path, 2)
+    folders[2]["alpha"] = 0.05
+    started = time.monotonic()
+    outs = finish_all(start_by_hand(tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": 3}, 2, folders))
+    said = "silo rank 2 disagrees with the server on train_args.alpha: the server has 0.01, the silo has 0.05"
+    assert said in outs[0] and f"refused by the server: {said}" in outs[2]
+    summary = _summary(tmp_path)
+    assert summary["status"] == "stopped" and said in summary["error"], summary
+    assert summary["refusals"] == {"disagreement": 1}
+    assert time.monotonic() - started < 50  # at once, not after connect_timeout (60 s)
+    assert "Traceback" not in outs[0] + outs[2]
+
+
+@needs_mnist
+def test_a_silo_whose_data_does_not_fit_the_model_is_refused_naming_it(mnist_root, tmp_path):
+    folders = _export(mnist_root, tmp_path, 2)
+    config = resolve(load_yaml(HF_YAML), {"client_num_in_total": 2, "client_num_per_round": 2,
+                                          "data_cache_dir": mnist_root})
+    wrong = tmp_path / "rgb"
+    x, y = torch.rand(40, 3, 32, 32), torch.arange(40) % 5
+    write_silo_folder(str(wrong), UserSplit(x, y, x[:10], y[:10]), 2, "mnist", 10, split_keys(config))
+    folders[2]["data_cache_dir"] = str(wrong)
+    outs = finish_all(start_by_hand(tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": 2,
+                                               "min_clients_per_round": 1}, 2, folders))
+    said = "silo rank 2's data (samples of shape (3, 32, 32), float32; labels up to 4) does not fit the model"
+    assert said in outs[0] and said in outs[2]
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["lost_silos"][0]["rank"] == 2  # min_clients 1: goes on
+    assert all(h["missing_users"] == [1] for h in summary["history"])
+    assert summary["per_user_accuracy"][1] is None and summary["per_user_accuracy"][0] is not None
+
+
+def _client_one_lies_in_sp(monkeypatch, rounds):
+    """In the single-process run, user 1's update is replaced by one the bound refuses in
+    ``rounds``: the model the cross-silo run must reach when silo 2's update is refused there."""
+    honest = FederatedAlgorithm.client_update
+
+    def client_update(self, round_idx, client_id, global_state, x, y):
+        update = honest(self, round_idx, client_id, global_state, x, y)
+        if client_id == 1 and round_idx in rounds:
+            return type(update)(update.num_samples, {k: torch.full_like(v, 1e30) for k, v in update.state.items()})
+        return update
+
+    monkeypatch.setattr(FederatedAlgorithm, "client_update", client_update)
+
+
+@needs_mnist
+@pytest.mark.parametrize("lie,settings", [("huge-once", {}), ("false-count", {"aggregation": "sample_weighted"})])
+def test_a_silo_with_a_valid_certificate_that_lies_about_its_update_is_refused(mnist_root, tmp_path, monkeypatch,
+                                                                               lie, settings):
+    folders = _export(mnist_root, tmp_path, 2)
+    rounds = 4
+    outs = finish_all(start_by_hand(tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": rounds, **settings},
+                                    2, folders, liars={2: lie}))
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == rounds, outs[0][-4000:]
+    if lie == "huge-once":
+        assert summary["rejected_updates"] == {"1": 1}
+        assert re.search(r"round 1: rejected client update 1: update norm 2\.6\d*e\+32 exceeds train_args\."
+                         r"max_update_ratio=1\.0 x max\(\|\|w\|\|, 1\) = \d", outs[0]), outs[0][-3000:]
+        refused_rounds = {1}
+    else:
+        assert summary["rejected_updates"] == {str(r): 1 for r in range(rounds)}
+        assert summary["refusals"]["sample-count"] == rounds
+        assert "silo rank 2 sent num_samples=490000 for user 1, who has 490 training samples" in outs[0]
+        refused_rounds = set(range(rounds))
+    _client_one_lies_in_sp(monkeypatch, refused_rounds)
+    sp = _sp(mnist_root, tmp_path, 2, rounds, **settings)
+    _assert_same_model(tmp_path, sp.final_state)
+    assert summary["personalized_accuracy"] == sp.summary["personalized_accuracy"]
+
+
+@needs_mnist
+def test_a_silo_that_reports_false_figures_is_refused_and_its_user_listed_missing(mnist_root, tmp_path):
+    folders = _export(mnist_root, tmp_path, 2)
+    outs = finish_all(start_by_hand(tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": 3}, 2, folders,
+                                    liars={2: "false-figures"}))
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished", outs[0][-4000:]
+    assert summary["refusals"] == {"bad-figures": 3}
+    assert "silo rank 2 reported round 0, user 424242; it was asked for round 0, user 1" in outs[0]
+    assert all(h["missing_users"] == [1] and h["evaluated_users"] == 1 for h in summary["history"])
+    assert summary["per_user_accuracy"][1] is None
+    assert summary["personalized_accuracy"] == summary["per_user_accuracy"][0] < 1.0
+    sp = _sp(mnist_root, tmp_path, 2, 3)
+    _assert_same_model(tmp_path, sp.final_state)  # its training was honest: the model is the sp model
+    assert summary["per_user_accuracy"][0] == sp.summary["per_user_accuracy"][0]
+
+
+@needs_mnist
+def test_a_silo_frozen_for_a_while_is_missing_then_comes_back(mnist_root, tmp_path):
+    folders = _export(mnist_root, tmp_path, 2)
+    processes = start_by_hand(tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": 120,
+                                         "frequency_of_the_test": 5, "min_clients_per_round": 1}, 2, folders)
+    log = tmp_path / "run" / "run.log"
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "round 10: personalized accuracy" in log.read_text()):
+        assert time.monotonic() < deadline and processes[0].poll() is None
+        time.sleep(0.05)
+    os.kill(processes[2].pid, signal.SIGSTOP)
+    while "going on without silo rank(s) [2]" not in log.read_text():
+        assert time.monotonic() < deadline + 60 and processes[0].poll() is None
+        time.sleep(0.05)
+    time.sleep(3)
+    os.kill(processes[2].pid, signal.SIGCONT)  # it sees it was not running (or the server's silence): it announces
+    outs = finish_all(processes)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 120, outs[0][-4000:]
+    [lost] = summary["lost_silos"]
+    [back] = summary["rejoined_silos"]
+    assert lost["rank"] == back["rank"] == 2 and lost["round"] <= back["round"] < 119
+    missing = [h["round"] for h in summary["history"] if h["missing_users"] == [1]]
+    assert missing and all(lost["round"] <= r <= back["round"] for r in missing)
+    assert summary["history"][-1]["missing_users"] == [] and summary["per_user_accuracy"][1] is not None
+    # frozen while it waited, it sees the gap in its own clock; frozen while it trained, the server's silence
+    assert "this silo was not running for" in outs[2] or "nothing from the server for" in outs[2]
+    assert "announcing itself again" in outs[2]
+    assert "the server answered; the silo is back in the run" in outs[2]
+    assert processes[2].returncode == 0
+
+
+@needs_mnist
+def test_export_split_refuses_what_it_cannot_do(mnist_root, tmp_path, capsys):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    base = ["--cf", HF_YAML, "--set", f"data_cache_dir={mnist_root}", "--set", "client_num_in_total=4",
+            "--set", "client_num_per_round=2"]
+    assert export_main([*base, "--out", str(tmp_path / "full")]) == 2
+    assert f"--out {str(tmp_path / 'full')!r}: not empty" in capsys.readouterr().err
+    assert export_main([*base, "--out", str(tmp_path / "x"), "--set", "partition_method=hetero"]) == 2
+    assert "export-split cuts the paper's split" in capsys.readouterr().err
+    assert export_main([*base, "--out", str(tmp_path / "ok")]) == 0
+    assert sorted(os.listdir(tmp_path / "ok")) == ["rank-1", "rank-2", "rank-3", "rank-4"]
