@@ -152,10 +152,11 @@ def lost_round_cost(summary: dict):
     return lost, waited, wall[lost["round"]] - wall[lost["round"] - 1]
 
 
-def launch_silo(run_dir, settings: dict, extra=(), loopback_only: bool = False):
+def launch_silo(run_dir, settings: dict, extra=(), loopback_only: bool = False, open_files=None):
     """``fedml-perfedavg launch-silo`` with 2 silos on the silo YAML and ``settings`` (key ->
     value, as --set), started as a subprocess (stdout and stderr together). With
-    ``loopback_only``, inside a network namespace with only loopback when the machine allows it."""
+    ``loopback_only``, inside a network namespace with only loopback when the machine allows it;
+    with ``open_files``, every process's open-file limit (soft and hard) is that."""
     import subprocess
     import sys
 
@@ -163,6 +164,8 @@ def launch_silo(run_dir, settings: dict, extra=(), loopback_only: bool = False):
                "--run-dir", str(run_dir), *[a for k, v in settings.items() for a in ("--set", f"{k}={v}")], *extra]
     if loopback_only and unshare_works():  # only loopback exists in there, so nothing can leave the machine
         command = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
+    if open_files is not None:
+        command = ["prlimit", f"--nofile={open_files}:{open_files}", *command]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(Path(run_dir).parent / "home")}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 

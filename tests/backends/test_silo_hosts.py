@@ -17,7 +17,7 @@ import torch
 from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
 from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
 from fedml_perfedavg.run.config import load_yaml, resolve
-from fedml_perfedavg.run.runner import run
+from fedml_perfedavg.run.runner import load_split, run
 
 from tests.helpers import HF_YAML, REPO, SILO_YAML, lost_round_cost, needs_mnist
 
@@ -44,30 +44,42 @@ def _netns_works() -> bool:
 needs_netns = pytest.mark.skipif(not _netns_works(), reason="needs root and ip netns")
 
 
-@pytest.fixture
-def hosts():
-    """Three namespaces: the server's, linked to silo 1's (198.18.1.0/24) and silo 2's (198.18.2.0/24)."""
+def _make_hosts(silos: int):
+    """A namespace for the server and one per silo; silo k is linked to the server by a veth pair
+    on 198.18.k.0/24 (the server's end .1, the silo's .2) and reaches the server's address on the
+    first link through its own."""
     tag = uuid.uuid4().hex[:6]
-    names = {rank: f"pfa{rank}-{tag}" for rank in (0, 1, 2)}
+    names = {rank: f"pfa{rank}-{tag}" for rank in range(silos + 1)}
     for name in names.values():
         _sh("ip", "netns", "add", name)
         _sh("ip", "-n", name, "link", "set", "lo", "up")
     links = {}
-    for silo, (net, address) in {1: ("198.18.1", SILO1), 2: ("198.18.2", SILO2)}.items():
+    for silo in range(1, silos + 1):
         server_end, silo_end = f"s{silo}{tag}", f"c{silo}{tag}"
         _sh("ip", "link", "add", server_end, "type", "veth", "peer", "name", silo_end)
         _sh("ip", "link", "set", server_end, "netns", names[0])
         _sh("ip", "link", "set", silo_end, "netns", names[silo])
-        _sh("ip", "-n", names[0], "addr", "add", f"{net}.1/24", "dev", server_end)
-        _sh("ip", "-n", names[silo], "addr", "add", f"{address}/24", "dev", silo_end)
+        _sh("ip", "-n", names[0], "addr", "add", f"198.18.{silo}.1/24", "dev", server_end)
+        _sh("ip", "-n", names[silo], "addr", "add", f"198.18.{silo}.2/24", "dev", silo_end)
         _sh("ip", "-n", names[0], "link", "set", server_end, "up")
         _sh("ip", "-n", names[silo], "link", "set", silo_end, "up")
+        if silo > 1:
+            _sh("ip", "-n", names[silo], "route", "add", "198.18.1.0/24", "via", f"198.18.{silo}.1")
         links[silo] = silo_end
-    # Silo 2 reaches the server's address (on the first link) through the server's end of its own.
-    _sh("ip", "-n", names[2], "route", "add", "198.18.1.0/24", "via", "198.18.2.1")
-    yield names, links
+    return names, links
+
+
+def _remove_hosts(names):
     for name in names.values():
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture
+def hosts():
+    """Three namespaces: the server's, linked to silo 1's (198.18.1.0/24) and silo 2's (198.18.2.0/24)."""
+    names, links = _make_hosts(2)
+    yield names, links
+    _remove_hosts(names)
 
 
 def _start(names, tmp_path, mnist_root, settings, tls_dirs):
@@ -163,3 +175,82 @@ def test_a_silo_whose_packets_are_dropped_costs_one_round_its_deadline(hosts, tm
     assert lost["rank"] == 2 and lost["round"] >= 3
     assert waited - 1 < took < waited + 10, (took, waited, lost)
     assert "going on without silo rank(s) [2]" in outs[0]
+
+
+def _own_tls(tmp_path, silos):
+    """Each host's tls_dir holds the CA certificate and its own rank's certificate and key only."""
+    everything = tmp_path / "all-tls"
+    make_certificates(str(everything), silos)
+    dirs = {}
+    for rank in range(silos + 1):
+        mine = tmp_path / f"tls-{rank}"
+        mine.mkdir()
+        for name in ("ca.pem", f"rank-{rank}.pem", f"rank-{rank}.key"):
+            shutil.copy2(everything / name, mine / name)
+        dirs[rank] = str(mine)
+    shutil.rmtree(everything)
+    return dirs
+
+
+@needs_mnist
+@needs_netns
+def test_data_owner_hosts_that_see_only_their_own_folder_give_the_single_process_model(tmp_path, mnist_root):
+    """Four organizations, each a host of its own (a network namespace) in a mount namespace where
+    the whole dataset and every other organization's folder are hidden under an empty tmpfs, so
+    that reading them would fail; the server sees no data at all. Mutual TLS, each host with its
+    own key only."""
+    from fedml_perfedavg.run.silo_data import export_split
+
+    from tests.helpers import REPO as repo
+
+    silos = 4
+    settings = {**SETTINGS, "silo_data": "own", "client_num_in_total": silos, "comm_round": 3}
+    config = resolve(load_yaml(HF_YAML), {**settings, "data_cache_dir": mnist_root, "silo_data": "shared"})
+    sp = run(config, str(tmp_path / "sp"))
+    export = tmp_path / "export"
+    export_split(config, str(export), load_split)
+    tls = _own_tls(tmp_path, silos)
+    addresses = ["198.18.1.1"] + [f"198.18.{k}.2" for k in range(1, silos + 1)]
+    ipconfig = write_ipconfig(str(tmp_path / "ip.csv"), silos + 1, hosts=addresses,
+                              ports=[50561 + r for r in range(silos + 1)])
+    names, _ = _make_hosts(silos)
+    processes = {}
+    try:
+        env = {**os.environ, "PYTHONPATH": str(repo), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+        for rank in range(silos + 1):
+            private = tmp_path / "private" / f"rank-{rank}"  # where this host's own folder appears, in its namespace
+            private.mkdir(parents=True)
+            hide = (f"mount --make-rprivate / && "
+                    + (f"mount --bind {export / f'rank-{rank}'} {private} && " if rank else "")
+                    + f"mount -t tmpfs none {export} && mount -t tmpfs none {mnist_root} && exec \"$@\"")
+            sets = {**settings, "data_cache_dir": private, "grpc_ipconfig_path": ipconfig, "tls_dir": tls[rank]}
+            command = ["ip", "netns", "exec", names[rank], "unshare", "-m", "sh", "-c", hide, "sh", sys.executable,
+                       "-m", "fedml_perfedavg", "--cf", SILO_YAML, "--run-dir", str(tmp_path / "run"),
+                       *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], "--rank", str(rank),
+                       "--role", "server" if rank == 0 else "client", "--run_id", "owners"]
+            processes[rank] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                               env=env)
+        outs = _finish(processes)
+    finally:
+        _remove_hosts(names)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-4000:]
+    for rank in range(1, silos + 1):
+        assert f"silo rank {rank}: user {rank - 1}'s data from {tmp_path / 'private' / f'rank-{rank}'}" in outs[rank]
+        assert f"gRPC rank {rank} listening on 198.18.{rank}.2" in outs[rank]
+    assert os.listdir(tmp_path / "private" / "rank-1") == []  # outside its namespace the folder was never there
+    model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    for k, v in sp.final_state.items():
+        assert float((model[k] - v).abs().max()) <= 1e-6
+    assert summary["per_user_accuracy"] == sp.summary["per_user_accuracy"]
+
+
+@needs_mnist
+@needs_netns
+def test_a_hidden_dataset_cannot_be_read_in_those_namespaces(tmp_path, mnist_root):
+    """The check behind the test above: under the tmpfs the dataset's files are not there."""
+    target = os.path.join(mnist_root, "MNIST", "raw", "train-images-idx3-ubyte")
+    out = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --make-rprivate / && mount -t tmpfs none {mnist_root} "
+                          f"&& ls {target}"], capture_output=True, text=True)
+    assert out.returncode != 0 and "No such file" in out.stderr
+    assert os.path.exists(target)

@@ -56,7 +56,7 @@ def gate():
     door = Gate(("127.0.0.1", 0), backend.port, limits, lambda host, port, reason, text: refused.append((host, reason,
                                                                                                           text)))
     door.start()
-    door.address = door._server.sockets[0].getsockname()[:2]
+    door.address = ("127.0.0.1", door.port)
     door.refused = refused
     yield door
     door.stop()
@@ -139,7 +139,7 @@ def test_the_public_port_is_exclusive():
     limits = GateLimits(per_peer=3, total=5, first_request_seconds=1.0, idle_seconds=30.0)
     first = Gate(("127.0.0.1", 0), backend.port, limits, lambda *a: None)
     first.start()
-    port = first._server.sockets[0].getsockname()[1]
+    port = first.port
     try:
         with pytest.raises(PortTaken, match=f"127.0.0.1:{port}"):
             Gate(("127.0.0.1", port), backend.port, limits, lambda *a: None).start()

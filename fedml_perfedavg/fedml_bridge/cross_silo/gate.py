@@ -33,6 +33,7 @@ from typing import Callable, Dict, Optional, Tuple
 logger = logging.getLogger(__name__)
 
 CONNECTION_CAP, HANDSHAKE, PLAINTEXT, IDLE = "connection-cap", "handshake", "not-tls", "idle-connection"
+DESCRIPTORS = "descriptors"
 _SWEEP_SECONDS = 0.25
 _CHUNK = 1 << 20
 # A TLS handshake (hello, certificates, finished) takes a few KB each way; a connection that sent more
@@ -80,7 +81,7 @@ class Gate:
                  on_refusal: Callable[[str, int, str, str], None]) -> None:
         self.public, self.backend_port, self.limits, self.on_refusal = public, backend_port, limits, on_refusal
         self._loop = asyncio.new_event_loop()
-        self._server: Optional[asyncio.AbstractServer] = None
+        self._sock: Optional[socket.socket] = None
         self._sweeper: Optional[asyncio.Task] = None
         self._thread: Optional[threading.Thread] = None
         self._per_peer: Dict[str, int] = {}
@@ -105,22 +106,57 @@ class Gate:
             sock.close()
             raise PortTaken(err.errno or errno.EADDRINUSE, f"{ip}:{port}: {err.strerror}") from None
         sock.setblocking(False)
+        self._sock = sock
         ready = threading.Event()
 
         def serve() -> None:
             asyncio.set_event_loop(self._loop)
-
-            async def begin() -> None:
-                self._server = await asyncio.start_server(self._handle, sock=sock, limit=_CHUNK)
-                self._sweeper = self._loop.create_task(self._sweep())
-                ready.set()
-
-            self._loop.run_until_complete(begin())
+            self._loop.add_reader(sock.fileno(), self._accept)
+            self._sweeper = self._loop.create_task(self._sweep())
+            self._loop.call_soon(ready.set)
             self._loop.run_forever()
 
         self._thread = threading.Thread(target=serve, daemon=True, name=f"gate-{ip}:{port}")
         self._thread.start()
         ready.wait(10)
+
+    @property
+    def port(self) -> int:
+        return self._sock.getsockname()[1]
+
+    def _accept(self) -> None:
+        """Take the waiting connections one by one; one over a cap is closed before the next is
+        taken, so the descriptors in use stay within the caps (asyncio's own accept loop takes a
+        hundred at a time before any handler runs)."""
+        for _ in range(64):
+            try:
+                conn, peer = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # out of descriptors or memory: pause, the sweeps free some
+                self._loop.remove_reader(self._sock.fileno())
+                self._loop.call_later(0.5, self._loop.add_reader, self._sock.fileno(), self._accept)
+                self.on_refusal("-", 0, DESCRIPTORS, f"accepting paused for 0.5 s: {err.strerror}")
+                return
+            host, port = str(peer[0]), int(peer[1])
+            self.accepted += 1
+            over = None
+            if len(self._open) >= self.limits.total:
+                over = f"{len(self._open)} connections open, the cap in total (comm_args.max_connections)"
+            elif self._per_peer.get(host, 0) >= self.limits.per_peer:
+                over = (f"{self._per_peer[host]} connections open from {host}, the cap per peer address "
+                        f"(comm_args.max_connections_per_peer)")
+            if over is not None:
+                conn.close()
+                self.on_refusal(host, port, CONNECTION_CAP, f"connection closed at once: {over}")
+                continue
+            conn.setblocking(False)
+            now = time.monotonic()
+            connection = _Connection(host, port, now, now)  # counted now, before the next accept
+            self._open[id(connection)] = connection
+            self._per_peer[host] = self._per_peer.get(host, 0) + 1
+            self.most_open = max(self.most_open, len(self._open))
+            self._loop.create_task(self._handle(conn, connection))
 
     def stop(self) -> None:
         """Close the public port and every connection through it."""
@@ -128,8 +164,8 @@ class Gate:
             return
 
         async def end() -> None:
-            if self._server is not None:
-                self._server.close()
+            self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
             self._sweeper.cancel()
             for connection in list(self._open.values()):
                 self._close(connection)  # their handlers end on their own (a cancelled one would be logged)
@@ -174,27 +210,15 @@ class Gate:
         return len(self._open)
 
     # -- the loop -----------------------------------------------------------------------------------
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername") or ("?", 0)
-        host, port = str(peer[0]), int(peer[1])
-        self.accepted += 1
-        over = None
-        if len(self._open) >= self.limits.total:
-            over = f"{len(self._open)} connections open, the cap in total (comm_args.max_connections)"
-        elif self._per_peer.get(host, 0) >= self.limits.per_peer:
-            over = (f"{self._per_peer[host]} connections open from {host}, the cap per peer address "
-                    f"(comm_args.max_connections_per_peer)")
-        if over is not None:
-            writer.transport.abort()
-            self.on_refusal(host, port, CONNECTION_CAP, f"connection closed at once: {over}")
-            return
-        now = time.monotonic()
-        connection = _Connection(host, port, now, now, writers=[writer])
-        self._open[id(connection)] = connection
-        self._per_peer[host] = self._per_peer.get(host, 0) + 1
-        self.most_open = max(self.most_open, len(self._open))
-        backend_writer = None
+    async def _handle(self, conn: socket.socket, connection: _Connection) -> None:
+        host = connection.host
         try:
+            try:
+                reader, writer = await asyncio.open_connection(sock=conn, limit=_CHUNK)
+            except OSError:
+                conn.close()
+                return
+            connection.writers.append(writer)
             try:
                 backend_reader, backend_writer = await asyncio.wait_for(
                     asyncio.open_connection("127.0.0.1", self.backend_port, limit=_CHUNK), 5.0)
@@ -210,6 +234,7 @@ class Gate:
                 self._by_backend_port.pop(backend_port, None)
         finally:
             self._close(connection)
+            conn.close()  # aborted with its transport already, or never handed to one
             self._open.pop(id(connection), None)
             left = self._per_peer.get(host, 1) - 1
             if left > 0:

@@ -1,0 +1,128 @@
+"""An outsider with no certificate cannot stop a TLS run by holding connections: thousands of
+idle connections from many addresses and a flood of handshakes without a certificate, against a
+run whose processes may open only 1024 files (the limit at which FedML's server died). The run
+finishes with the undisturbed model, the honest silos' messages are never refused, and every
+refused connection is counted by reason."""
+import csv
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from fedml_perfedavg.run.config import load_yaml, resolve
+from fedml_perfedavg.run.runner import run
+
+from tests.helpers import HF_YAML, launch_silo, needs_mnist
+
+SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
+
+
+def _server_address(run_dir):
+    with open(run_dir / "grpc_ipconfig.csv") as stream:
+        row = next(r for r in csv.DictReader(stream) if r["rank"] == "0")
+    return row["grpc_server_ip"], int(row["grpc_server_port"])
+
+
+def _hold(address, stop, tally, sources=range(2, 120), per_source=40):
+    """Idle connections from 118 addresses (127.0.0.2 ...), each trying 40 at a time, kept open and
+    opened again when closed, until ``stop``."""
+    held = []
+    while not stop.is_set():
+        for source in sources:
+            for _ in range(per_source):
+                sock = socket.socket()
+                sock.setblocking(False)
+                try:
+                    sock.bind((f"127.0.0.{source}", 0))
+                    sock.connect_ex(address)
+                except OSError:
+                    sock.close()
+                    continue
+                held.append(sock)
+                tally["opened"] += 1
+            if stop.is_set():
+                break
+        tally["most_held"] = max(tally["most_held"], len(held))
+        stop.wait(1.0)
+        alive = []
+        for sock in held:  # drop what the server closed, keep the rest
+            try:
+                if sock.recv(1) == b"":
+                    sock.close()
+                    continue
+            except BlockingIOError:
+                alive.append(sock)
+                continue
+            except OSError:
+                sock.close()
+                continue
+            alive.append(sock)
+        held = alive
+    for sock in held:
+        sock.close()
+
+
+def _handshakes(address, ca, stop, tally):
+    """TLS handshakes without a client certificate, as fast as one thread makes them."""
+    context = ssl.create_default_context(cafile=str(ca))
+    context.check_hostname = False
+    while not stop.is_set():
+        try:
+            with socket.create_connection(address, timeout=2, source_address=("127.0.0.250", 0)) as raw:
+                with context.wrap_socket(raw) as tls:
+                    tls.recv(1)
+        except (OSError, ssl.SSLError):
+            pass
+        tally["handshakes"] += 1
+
+
+@needs_mnist
+def test_thousands_of_idle_connections_and_a_handshake_flood_change_nothing(mnist_root, tmp_path):
+    run_dir = tmp_path / "silo"
+    rounds = 40
+    process = launch_silo(run_dir, {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root},
+                          open_files=1024)
+    deadline = time.monotonic() + 120
+    while not ((run_dir / "tls" / "ca.pem").exists() and (run_dir / "run.log").exists()
+               and "round 0 starts" in (run_dir / "run.log").read_text()):
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
+    shutil.copy(run_dir / "tls" / "ca.pem", tmp_path / "ca.pem")
+    address = _server_address(run_dir)
+    stop, tally = threading.Event(), {"opened": 0, "most_held": 0, "handshakes": 0}
+    attackers = [threading.Thread(target=_hold, args=(address, stop, tally), daemon=True),
+                 threading.Thread(target=_handshakes, args=(address, tmp_path / "ca.pem", stop, tally), daemon=True)]
+    for attacker in attackers:
+        attacker.start()
+    try:
+        out, _ = process.communicate(timeout=400)
+    finally:
+        stop.set()
+        for attacker in attackers:
+            attacker.join(timeout=30)
+    assert process.returncode == 0, out[-5000:]
+    assert tally["opened"] > 3000 and tally["most_held"] > 1000 and tally["handshakes"] > 50, tally
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == rounds and "lost_silos" not in summary
+    refusals = summary["refusals"]
+    # over the caps: closed at once; held to the first-request deadline: cut and named; handshakes
+    # without a certificate that got a place: refused in the handshake
+    assert refusals["connection-cap"] > 1000 and refusals["idle-connection"] > 100 and refusals["handshake"] > 0, \
+        refusals
+    # the caps sit below what 1024 open files hold (3 descriptors a connection, 256 kept for the run)
+    assert "connections capped at 14 per peer address and 256 in total" in out
+    assert set(refusals) <= {"connection-cap", "handshake", "idle-connection", "not-tls"}  # no message refused
+    assert "Too many open files" not in out and "File descriptor limit" not in out
+    assert "refused a message" not in out  # the honest silos' messages all went through
+    config = resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root,
+                                          "simulation_engine": "fedml"})
+    sp = run(config, str(tmp_path / "sp"))
+    model = torch.load(run_dir / "model.pt", weights_only=True)
+    for k, v in sp.final_state.items():  # the processes' thread counts differ: float noise, nothing more
+        assert float((model[k] - v).abs().max()) <= 1e-6, k
