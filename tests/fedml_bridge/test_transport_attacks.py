@@ -1,8 +1,10 @@
 """An outsider, and an insider with the wrong certificate, against live cross-silo transports on
 loopback (a server, rank 0, and silo 1, with mutual TLS): what each attack sends, what is refused
 and logged, and that nothing of it reaches the protocol while genuine messages still do."""
+import json
 import logging
 import pickle
+import struct
 from argparse import Namespace
 
 import grpc
@@ -15,6 +17,8 @@ from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificate
 from fedml_perfedavg.fedml_bridge.cross_silo.transport import SecureGRPCCommManager
 from fedml_perfedavg.core.guards import ConfigError
 
+from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as pb2
+from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc
 from fedml.core.distributed.communication.message import Message
 
 from tests.helpers import raw_send as send_raw
@@ -100,8 +104,8 @@ def test_a_pickle_sent_to_every_port_runs_nothing(world, caplog):
     assert "rank 0 refused a message from 127.0.0.1:" in caplog.text and "(a pickle" in caplog.text
     # The outsiders' connections are named too, with their addresses: plaintext to a TLS port, and a
     # TLS handshake without a client certificate.
+    _eventually(lambda: world.server.refusals.totals["not-tls"] == 1 and world.server.refusals.totals["handshake"] == 1)
     assert "rank 0 refused a connection from 127.0.0.1:" in caplog.text
-    assert world.server.refusals.totals["not-tls"] == 1 and world.server.refusals.totals["handshake"] == 1
     assert world.server.refusals.totals["pickle"] == 1
     assert not world.marker.exists()
     assert _drain(world.server) == [] and _drain(world.silo) == []
@@ -224,3 +228,126 @@ def test_an_upload_may_answer_an_earlier_model_still_open_but_only_once(world, c
     with caplog.at_level(logging.WARNING):
         world.silo.send_message(message)
     assert _drain(world.server) == [] and "answers no open model" in caplog.text
+
+
+def test_a_header_nested_20000_deep_is_a_counted_refusal_not_an_error(world, caplog):
+    nested = wire.MAGIC + struct.pack(">I", 40_000) + b"[" * 20_000 + b"]" * 20_000
+    with caplog.at_level(logging.WARNING):
+        assert raw_send(world.server, nested, world.tls, 2, world.tls) == grpc.StatusCode.PERMISSION_DENIED
+    assert "more than 256 brackets" in caplog.text and world.server.refusals.totals["malformed"] == 1
+
+
+def test_a_flood_of_refused_messages_writes_a_few_lines_and_counts_them_all(world, caplog):
+    """600 bad messages with a 60 KB field from an insider: every one refused and counted, a few
+    lines logged, each cut short (FedML-era code wrote 36.8 MB/s of log for this)."""
+    flood = _reencode_run_id(_encoded(wire.CLIENT_STATUS, 2, 0, client_status="ONLINE"), "x" * 60_000)
+    sent = 0
+    with caplog.at_level(logging.WARNING):
+        channel, stub = _insider_stub(world, 2)
+        for _ in range(600):
+            try:
+                stub.sendMessage(pb2.CommRequest(client_id=2, message=flood), timeout=5)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+                sent += 1
+        channel.close()
+    lines = [r.getMessage() for r in caplog.records if "refused a message" in r.getMessage()]
+    assert sent == 600 and world.server.refusals.totals["malformed"] == 600
+    assert len(lines) <= 3 and sum(len(line) for line in lines) < 2000, lines
+
+
+def test_a_silo_that_restarts_opens_a_new_session_and_its_old_one_is_refused(world, caplog):
+    _model_to_silo(world)
+    old_status = _encoded(wire.CLIENT_STATUS, 1, 0, seq=5000, client_status="FINISHED")
+    # a new process of silo 1: its first message must be its announcement
+    other = _encoded(wire.CLIENT_STATUS, 1, 0, seq=0, client_status="FINISHED")
+    other_session = _with_session(other, "newprocess1")
+    hello = _with_session(_encoded(wire.CLIENT_STATUS, 1, 0, seq=0, client_status="ONLINE"), "newprocess1")
+    with caplog.at_level(logging.WARNING):
+        assert raw_send(world.server, _with_session(old_status, "firstprocess"), world.tls, 1, world.tls) == "delivered"
+        assert raw_send(world.server, other_session, world.tls, 1, world.tls) == grpc.StatusCode.PERMISSION_DENIED
+        assert raw_send(world.server, hello, world.tls, 1, world.tls) == "delivered"
+        assert raw_send(world.server, _with_session(_encoded(wire.CLIENT_STATUS, 1, 0, seq=6000,
+                                                             client_status="FINISHED"), "firstprocess"),
+                        world.tls, 1, world.tls) == grpc.StatusCode.PERMISSION_DENIED
+    assert "comes from another process of that rank (session newprocess1" in caplog.text
+    assert "a silo's new process must announce itself first" in caplog.text
+    assert "comes from an earlier process of that rank (session firstprocess)" in caplog.text
+    assert [m.session for m in _drain(world.server)] == ["firstprocess", "newprocess1"]
+    assert world.server.refusals.totals == {"session": 1, "replay": 1}
+
+
+def test_a_certificate_whose_key_usage_excludes_clients_is_refused(world, tmp_path, caplog):
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    signing = tmp_path / "signing"
+    signing.mkdir()
+    _certificate_from(world.tls, signing, [ExtendedKeyUsageOID.CODE_SIGNING])  # rank 1's name, the run's CA
+    status = _encoded(wire.CLIENT_STATUS, 1, 0, client_status="ONLINE")
+    with caplog.at_level(logging.WARNING):
+        code = raw_send(world.server, status, signing, 1, world.tls)
+    # gRPC's TLS refuses it in the handshake ("unsupported certificate purpose"), and the gate names
+    # the connection; had it let it through, the transport's own check would refuse the message
+    # (peer_certificate_problem, tested in test_credentials.py).
+    assert code == grpc.StatusCode.UNAVAILABLE
+    _eventually(lambda: world.server.refusals.totals["handshake"] == 1)  # the gate reports as the connection closes
+    assert "TLS handshake failed" in caplog.text
+    assert _drain(world.server) == []
+
+
+def _eventually(predicate, seconds=3.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def _certificate_from(ca_dir, out, usages):
+    """Rank 1's certificate with ``usages``, signed by the CA in ``ca_dir`` (the run's own)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), None)
+    ca = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "r1")]))
+            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("rank-1.fedml-perfedavg")]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False).sign(ca_key, hashes.SHA256()))
+    (out / "rank-1.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (out / "rank-1.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+
+
+def _with_session(data: bytes, session: str) -> bytes:
+    (length,) = struct.unpack_from(">I", data, 8)
+    header = json.loads(data[12:12 + length])
+    header["session"] = session
+    raw = json.dumps(header).encode()
+    return wire.MAGIC + struct.pack(">I", len(raw)) + raw + data[12 + length:]
+
+
+def _reencode_run_id(data: bytes, run_id: str) -> bytes:
+    (length,) = struct.unpack_from(">I", data, 8)
+    header = json.loads(data[12:12 + length])
+    header["run_id"] = run_id
+    raw = json.dumps(header).encode()
+    return wire.MAGIC + struct.pack(">I", len(raw)) + raw + data[12 + length:]
+
+
+def _insider_stub(world, rank):
+    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import rank_name
+
+    read = lambda name: (world.tls / name).read_bytes()  # noqa: E731
+    channel = grpc.secure_channel("%s:%d" % world.server.addresses[0], grpc.ssl_channel_credentials(
+        read("ca.pem"), read(f"rank-{rank}.key"), read(f"rank-{rank}.pem")),
+        options=[("grpc.ssl_target_name_override", rank_name(0))])
+    return channel, pb2_grpc.gRPCCommManagerStub(channel)
