@@ -73,7 +73,7 @@ EXAMPLE_SETTINGS = {"comm_round": 3, "client_num_per_round": 2, "frequency_of_th
 
 def example_yaml(tmp_path, name: str, mnist_root: str, run_name: str, output_dir, **edits) -> str:
     """One of examples/fedml_step_by_step/'s FedML YAMLs, short (3 rounds of 2 clients), with
-    ``edits`` (key -> value, put in the section that already has the key, else train_args)."""
+    ``edits`` (key -> value, put in the section that already has the key, else the key's own)."""
     import yaml
 
     config = yaml.safe_load((EXAMPLE / name).read_text())
@@ -82,9 +82,12 @@ def example_yaml(tmp_path, name: str, mnist_root: str, run_name: str, output_dir
     config["common_args"]["run_name"] = run_name
     if config["common_args"].get("training_type") == "cross_silo" and "tls_dir" not in edits:
         edits["tls_dir"] = make_tls(tmp_path / "tls", 2)
+    from fedml_perfedavg.run.config import BY_NAME
+
     for key, value in {**EXAMPLE_SETTINGS, **edits}.items():
-        section = next((s for s, keys in config.items() if key in keys), "train_args")
-        config[section][key] = value
+        home = BY_NAME[key].metadata["section"] if key in BY_NAME else "train_args"
+        section = next((s for s, keys in config.items() if key in keys), home)
+        config.setdefault(section, {})[key] = value
     path = tmp_path / f"{run_name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)

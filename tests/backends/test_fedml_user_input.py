@@ -175,3 +175,21 @@ def test_import_fedml_before_the_plugin_works(tmp_path):
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "imported 0.9.6" in out.stdout
+
+
+@needs_mnist
+@pytest.mark.parametrize("optimizer", ["PerFedAvg", "FedAvg"])
+@pytest.mark.parametrize("backend", ["TRPC", "MQTT_S3"])
+def test_cross_silo_backends_the_plugin_cannot_secure_are_refused_in_fedml_init(mnist_root, tmp_path, optimizer,
+                                                                                 backend):
+    """FedML's TRPC listened in plaintext on every interface with the plugin imported; now every
+    cross-silo backend but the plugin's secured gRPC is refused, FedML's own FedAvg included."""
+    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "insecure", tmp_path / "runs",
+                        backend=backend, federated_optimizer=optimizer)
+    out = subprocess.run([sys.executable, SCRIPT, "--cf", path, "--rank", "0", "--role", "server"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+    assert out.returncode != 0
+    assert f"ConfigError: comm_args.backend='{backend}': refused for cross-silo with fedml_perfedavg imported" in \
+        out.stderr
+    assert "Use backend: GRPC" in out.stderr and "in init" in out.stderr

@@ -219,3 +219,40 @@ def test_export_split_refuses_what_it_cannot_do(mnist_root, tmp_path, capsys):
     assert "export-split cuts the paper's split" in capsys.readouterr().err
     assert export_main([*base, "--out", str(tmp_path / "ok")]) == 0
     assert sorted(os.listdir(tmp_path / "ok")) == ["rank-1", "rank-2", "rank-3", "rank-4"]
+
+
+@needs_mnist
+def test_fedmls_own_main_script_runs_data_owner_silos(mnist_root, tmp_path):
+    """FedML's step-by-step main with the one import: each process its own YAML, as on its own host."""
+    import subprocess
+    import sys
+
+    from tests.helpers import EXAMPLE, REPO, example_yaml
+
+    folders = _export(mnist_root, tmp_path, 2)
+    (tmp_path / "ip.csv").write_text("eid,rank,grpc_server_ip,grpc_server_port\n"
+                                     + "".join(f"{r},{r},127.0.0.1,{19470 + r}\n" for r in range(3)))
+    processes = []
+    for rank in range(3):
+        path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "own", tmp_path / "runs",
+                            silo_data="own", client_num_in_total=2, grpc_ipconfig_path=str(tmp_path / "ip.csv"),
+                            data_cache_dir=folders[rank]["data_cache_dir"])
+        os.rename(path, tmp_path / f"rank{rank}.yaml")
+        processes.append(subprocess.Popen(
+            [sys.executable, str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_example.py"), "--cf",
+             str(tmp_path / f"rank{rank}.yaml"), "--rank", str(rank), "--role", "server" if rank == 0 else "client",
+             "--run_id", "own"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")}))
+    outs = [p.communicate(timeout=300)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0, 0], outs[0][-3000:]
+    summary = json.loads((tmp_path / "runs" / "own" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["history"][-1]["evaluated_users"] == 2
+    assert "silo rank 1: user 0's data from" in outs[1] and "silo rank 2: user 1's data from" in outs[2]
+    config = resolve(load_yaml(str(tmp_path / "rank0.yaml")), {"silo_data": "shared", "training_type": "simulation",
+                                                               "backend": "sp", "data_cache_dir": mnist_root,
+                                                               "tls_dir": None, "grpc_ipconfig_path": None})
+    sp = run(config, str(tmp_path / "sp"))
+    model = torch.load(tmp_path / "runs" / "own" / "model.pt", weights_only=True)
+    for k, v in sp.final_state.items():
+        assert float((model[k] - v).abs().max()) <= 1e-6
+    assert summary["per_user_accuracy"] == sp.summary["per_user_accuracy"]
