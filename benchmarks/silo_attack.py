@@ -1,0 +1,168 @@
+"""What a cross-silo TLS run withstands while it trains.
+
+    python benchmarks/silo_attack.py --mnist-root ../shared/datasets [--rounds 200]
+
+Runs ``fedml-perfedavg launch-silo`` (2 silos, mutual TLS, every process limited to 1024 open
+files: where FedML's own server died) three times: undisturbed; under the outsiders (from the
+moment round 0 starts until the run ends):
+
+- one holding idle TCP connections from 118 loopback addresses (127.0.0.2-119), opening 40 more
+  per address every second and keeping whatever the server leaves open;
+- one making TLS handshakes without a client certificate from 127.0.0.250, back to back;
+
+and under an insider with silo 2's key sending messages with a 60 KB field, back to back, on one
+channel (alone, so that what it measures is the server's refusal rate, not the outsiders' caps).
+
+Reports the attackers' rates, what the server refused by reason (summary.json), how much the
+server's log grew, a round's time, and the largest difference between the two runs' final models.
+Writes ``benchmarks/results/silo_attack.md`` and ``.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, REPO)
+SILO_YAML = os.path.join(REPO, "yaml_configs", "mnist_tau10_alpha0.01_hf_silo.yaml")
+
+from tests.backends.test_silo_flood import _handshakes, _hold, _server_address  # noqa: E402
+
+
+def _insider(address, tls, stop, tally):
+    import grpc
+    from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as pb2
+    from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc
+
+    from fedml_perfedavg.fedml_bridge.cross_silo import wire
+    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import rank_name
+
+    junk = wire.encode(wire.Envelope(type=wire.CLIENT_STATUS, sender=2, receiver=0, run_id="x" * 60_000, round=0,
+                                     seq=10 ** 9, params={"client_status": "ONLINE"}))
+    read = lambda name: open(os.path.join(tls, name), "rb").read()  # noqa: E731
+    channel = grpc.secure_channel("%s:%d" % address, grpc.ssl_channel_credentials(
+        read("ca.pem"), read("rank-2.key"), read("rank-2.pem")), options=[
+        ("grpc.ssl_target_name_override", rank_name(0))])
+    stub = pb2_grpc.gRPCCommManagerStub(channel)
+    while not stop.is_set():
+        try:
+            stub.sendMessage(pb2.CommRequest(client_id=2, message=junk), timeout=5)
+            tally["insider_delivered"] += 1
+        except grpc.RpcError as err:
+            key = "insider_" + err.code().name.lower()
+            tally[key] = tally.get(key, 0) + 1
+            tally.setdefault("why_" + key, err.details()[:120])
+    channel.close()
+
+
+def one_run(root: str, rounds: int, work: str, attack: str) -> dict:
+    run_dir = os.path.join(work, attack)
+    sets = {"client_num_per_round": 2, "comm_round": rounds, "frequency_of_the_test": rounds, "beta": 0.05,
+            "show_progress": False, "data_cache_dir": root}
+    process = subprocess.Popen(["prlimit", "--nofile=1024:1024", sys.executable, "-m", "fedml_perfedavg",
+                                "launch-silo", "--cf", SILO_YAML, "--clients", "2", "--run-dir", run_dir,
+                                *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ,
+                                                                                         "PYTHONPATH": REPO})
+    log = os.path.join(run_dir, "run.log")
+    while not (os.path.exists(log) and "round 0 starts" in open(log).read()):
+        if process.poll() is not None:
+            raise SystemExit(f"launch-silo failed with {process.returncode}; see {log}")
+        time.sleep(0.05)
+    log_at_start = os.path.getsize(log)
+    tally = {"opened": 0, "most_held": 0, "handshakes": 0, "insider_delivered": 0}
+    stop, threads = threading.Event(), []
+    started = time.monotonic()
+    if attack != "undisturbed":
+        tls = os.path.join(work, f"stolen-{attack}")
+        shutil.copytree(os.path.join(run_dir, "tls"), tls)
+        address = _server_address(__import__("pathlib").Path(run_dir))
+        if attack == "outsiders":
+            threads = [threading.Thread(target=_hold, args=(address, stop, tally), daemon=True),
+                       threading.Thread(target=_handshakes, args=(address, os.path.join(tls, "ca.pem"), stop, tally),
+                                        daemon=True)]
+        else:
+            threads = [threading.Thread(target=_insider, args=(address, tls, stop, tally), daemon=True)]
+        for thread in threads:
+            thread.start()
+    summary_path = os.path.join(run_dir, "summary.json")
+    while process.poll() is None:  # the attack ends with the server's run, not with the launcher's grace period
+        try:
+            with open(summary_path) as stream:
+                if json.load(stream).get("status") != "running":
+                    break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    seconds = time.monotonic() - started
+    stop.set()
+    process.wait()
+    for thread in threads:
+        thread.join(30)
+    with open(os.path.join(run_dir, "summary.json")) as stream:
+        summary = json.load(stream)
+    history = summary["history"]
+    import torch
+
+    return {"status": summary["status"], "rounds": summary["rounds"], "seconds": seconds,
+            "ms_per_round": 1000 * (history[-1]["train_seconds"] - history[0]["train_seconds"]) / (rounds - 1),
+            "refusals": summary.get("refusals", {}), "log_growth_bytes": os.path.getsize(log) - log_at_start,
+            "attack": tally, "model": torch.load(os.path.join(run_dir, "model.pt"), weights_only=True),
+            "lost_silos": summary.get("lost_silos", [])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mnist-root", required=True)
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "silo_attack"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as work:
+        runs = {name: one_run(os.path.abspath(args.mnist_root), args.rounds, work, name)
+                for name in ("undisturbed", "outsiders", "insider")}
+    calm = runs["undisturbed"]
+    when = time.strftime("%Y-%m-%d %H:%M")
+    lines = [
+        "# What a cross-silo TLS run withstands\n",
+        f"`python benchmarks/silo_attack.py --mnist-root {args.mnist_root} --rounds {args.rounds}`, {when}: "
+        f"launch-silo, 2 silos, mutual TLS, 1024 open files per process; each attack from round 0 to the end.\n",
+        "| | undisturbed | outsiders | insider |", "| --- | --- | --- | --- |"]
+    row = lambda label, f: lines.append(f"| {label} | " + " | ".join(f(r) for r in runs.values()) + " |")  # noqa: E731
+    row("status, rounds", lambda r: f"{r['status']}, {r['rounds']}")
+    row("attack lasted, s", lambda r: f"{r['seconds']:.1f}")
+    row("ms per round", lambda r: f"{r['ms_per_round']:.1f}")
+    row("silos lost", lambda r: str(len(r["lost_silos"])))
+    row("server log growth, bytes (per s)", lambda r: f"{r['log_growth_bytes']} ({r['log_growth_bytes'] / r['seconds']:.0f})")
+    row("largest difference to the undisturbed final model",
+        lambda r: f"{max(float((r['model'][k] - calm['model'][k]).abs().max()) for k in calm['model']):.3g}")
+    out, ins = runs["outsiders"], runs["insider"]
+    a, i = out["attack"], ins["attack"]
+    refused = sum(v for k, v in ins["refusals"].items() if k not in (
+        "connection-cap", "handshake", "idle-connection", "not-tls", "descriptors"))
+    lines += ["", "| attacker | what it did | rate |", "| --- | --- | --- |",
+              f"| idle connections, 118 addresses | {a['opened']} opened, at most {a['most_held']} open at once on its "
+              f"side | {a['opened'] / out['seconds']:.0f} connections/s |",
+              f"| handshakes without a certificate | {a['handshakes']} | {a['handshakes'] / out['seconds']:.0f}/s |",
+              f"| insider (silo 2's key), 60 KB junk messages | {json.dumps({k: v for k, v in i.items() if k.startswith('insider')})} "
+              f"| {refused / ins['seconds']:.0f} refused/s |", "",
+              f"Refused by the server, by reason (summary.json): outsiders {json.dumps(out['refusals'], sort_keys=True)}; "
+              f"insider {json.dumps(ins['refusals'], sort_keys=True)}\n"]
+    text = "\n".join(lines)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".md", "w") as stream:
+        stream.write(text)
+    with open(args.out + ".json", "w") as stream:
+        json.dump({"when": when, "rounds": args.rounds,
+                   **{name: {k: v for k, v in r.items() if k != "model"} for name, r in runs.items()}}, stream, indent=2)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
