@@ -125,3 +125,25 @@ def test_a_frozen_silo_costs_one_round_its_deadline_and_the_healthy_one_stays(mn
     assert lost["rank"] == 2 and lost["round"] >= 2
     assert waited - 1 < took < waited + 10, (took, waited, lost)
     assert "going on without silo rank(s) [2]" in out
+
+
+@needs_mnist
+def test_in_shared_mode_a_silos_false_figures_are_refused_and_the_mean_is_not_moved(mnist_root, tmp_path):
+    """The issue's case: a silo reported user 424242 with every answer right, and the recorded
+    mean over silos moved from 0.20 to 0.60. Now the figures are refused and named; the mean is
+    the honest silo's."""
+    from tests.helpers import finish_all, start_by_hand
+
+    settings = {**SETTINGS, "comm_round": 3, "data_cache_dir": mnist_root}
+    outs = finish_all(start_by_hand(tmp_path, settings, 2, liars={2: "false-figures"}))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "finished", outs[0][-3000:]
+    assert summary["refusals"] == {"bad-figures": 4}  # 3 rounds and the final model
+    assert "reported round 0, user 424242; it was asked for round 0, user" in outs[0]
+    for entry in summary["silo_evaluation"]:
+        assert list(entry["silos"]) == ["1"] and entry["mean_accuracy"] == entry["silos"]["1"]["accuracy"] < 1.0
+    config = resolve(load_yaml(HF_YAML), {**settings, "simulation_engine": "fedml"})
+    sp = run(config, str(tmp_path / "sp"))
+    model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    for k, v in sp.final_state.items():
+        assert float((model[k] - v).abs().max()) <= 1e-6

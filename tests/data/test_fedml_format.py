@@ -112,3 +112,22 @@ def test_clients_without_training_or_test_samples_are_named():
         users_from_fedml_dataset(_dataset([full, []], [full, full]))
     with pytest.raises(ConfigError, match=r"client\(s\) \[0, 2\] have no test samples"):
         users_from_fedml_dataset(_dataset([full, full, full], [[], full, (torch.empty(0, 4), torch.empty(0))]))
+
+
+def test_a_silos_own_loader_may_key_its_one_client_as_it_likes():
+    """Data-owner mode: a user's loader that returns FedML's tuple with the silo's client alone
+    (under any key) is read as user R-1, and the dataset handed on is keyed so."""
+    import pytest as _pytest
+
+    from fedml_perfedavg.core.guards import ConfigError
+    from fedml_perfedavg.data.fedml_format import own_user_from_fedml_dataset, to_fedml_dataset
+
+    x, y = torch.rand(8, 1, 4, 4), torch.tensor([0, 1] * 4)
+    user = UserSplit(x, y, x[:4], y[:4])
+    alone = to_fedml_dataset([user], 2, 4)  # keyed 0, as a loader of one organization's data would
+    mine, dataset = own_user_from_fedml_dataset(alone, 2)
+    assert torch.equal(mine.train_x, x) and list(dataset[5]) == [2] and dataset[4] == {2: 8}
+    everyone = to_fedml_dataset([user, user, user], 2, 4)
+    assert list(own_user_from_fedml_dataset(everyone, 2)[1][5]) == [2]
+    with _pytest.raises(ConfigError, match=r"silo rank 4 owns user 3, but its dataset holds clients \[0, 1, 2\]"):
+        own_user_from_fedml_dataset(everyone, 3)
