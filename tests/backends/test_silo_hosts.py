@@ -254,3 +254,33 @@ def test_a_hidden_dataset_cannot_be_read_in_those_namespaces(tmp_path, mnist_roo
                           f"&& ls {target}"], capture_output=True, text=True)
     assert out.returncode != 0 and "No such file" in out.stderr
     assert os.path.exists(target)
+
+
+@needs_mnist
+@needs_netns
+def test_a_silo_cut_off_for_a_while_comes_back_while_the_run_goes_on(hosts, tmp_path, mnist_root):
+    """Silo 2's link drops every packet for longer than the round deadline, then recovers: the
+    server goes on without it, and once it can reach the server again it announces itself and
+    trains again (it used to give up and exit 1)."""
+    names, links = hosts
+    processes = _start(names, tmp_path, mnist_root, {"comm_round": 150, "min_clients_per_round": 1},
+                       _one_ca(tmp_path))
+    log = tmp_path / "run" / "run.log"
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "round 3: personalized accuracy" in log.read_text()):
+        assert time.monotonic() < deadline and processes[0].poll() is None
+        time.sleep(0.05)
+    _sh("ip", "netns", "exec", names[2], "tc", "qdisc", "add", "dev", links[2], "root", "pfifo", "limit", "0")
+    while "going on without silo rank(s) [2]" not in log.read_text():
+        assert time.monotonic() < deadline + 60 and processes[0].poll() is None
+        time.sleep(0.05)
+    time.sleep(2)
+    _sh("ip", "netns", "exec", names[2], "tc", "qdisc", "del", "dev", links[2], "root")
+    outs = _finish(processes)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == 150, outs[0][-3000:]
+    [lost] = summary["lost_silos"]
+    [back] = summary["rejoined_silos"]
+    assert lost["rank"] == back["rank"] == 2 and lost["round"] <= back["round"] < 149
+    assert "announcing itself again" in outs[2] and "the silo is back in the run" in outs[2]
+    assert processes[2].returncode == 0 and "is the server gone?" not in outs[2]

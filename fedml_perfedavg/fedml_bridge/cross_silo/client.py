@@ -21,7 +21,8 @@ server forever, and its evaluations never reach the server. Here::
   still running takes it back (it answers at once). With no answer within ``connect_timeout`` the
   silo stops, saying the server may be gone.
 
-A FINISH from the server ends the silo: normally, or with the reason it was refused.
+A FINISH from the server ends the silo: the run is over (or ended early, saying why), or this
+silo was refused (its announcement), which is this silo's failure.
 """
 from __future__ import annotations
 
@@ -189,9 +190,12 @@ class PluginClientMasterManager(ClientMasterManager):
         reason = msg_params.get(wire.REASON)
         self._become(State.DONE)
         self.finish()
-        if reason:
+        if msg_params.get(wire.REFUSED):  # this silo cannot take part: its run fails, saying why
             raise SiloFailure(f"silo rank {self.rank}: {reason}")
-        logger.info("silo rank %d: the server ended the run", self.rank)
+        if reason:
+            logger.warning("silo rank %d: the server ended the run early: %s", self.rank, reason)
+        else:
+            logger.info("silo rank %d: the server ended the run", self.rank)
 
     def _goodbye(self, counts: Dict[str, Any]) -> None:
         message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self.client_real_id, 0)

@@ -234,7 +234,7 @@ class PluginServerManager(FedMLServerManager):
         self.register_message_receive_handler(wire.EVALUATION, self._on_evaluation)
 
     def _message(self, msg_type: int, silo: int, model: Any = None, user: Optional[int] = None,
-                 round_idx: Optional[int] = None, reason: Optional[str] = None) -> Message:
+                 round_idx: Optional[int] = None, reason: Optional[str] = None, refused: bool = False) -> Message:
         message = Message(msg_type, self.get_sender_id(), silo)
         if model is not None:
             message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, model)
@@ -243,6 +243,8 @@ class PluginServerManager(FedMLServerManager):
             message.add_params(ROUND_KEY, round_idx)
         if reason is not None:
             message.add_params(wire.REASON, reason[:2000])
+        if refused:
+            message.add_params(wire.REFUSED, True)
         return message
 
     def _on_listening(self, msg_params: Message) -> None:
@@ -315,7 +317,8 @@ class PluginServerManager(FedMLServerManager):
         enough silos are left (else it stops, naming the problem)."""
         logger.error("%s; it is refused", problem)
         self._refuse(silo, DISAGREEMENT, problem)
-        self._notify([self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=f"refused by the server: {problem}")])
+        self._notify([self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=f"refused by the server: {problem}",
+                                    refused=True)])
         if silo not in self.live:
             return
         left = [s for s in self.live if s != silo]

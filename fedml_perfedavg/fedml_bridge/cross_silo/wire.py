@@ -34,7 +34,8 @@ MAX_TENSORS = 100_000
 MODEL_KEY = "model_params"  # FedML's MyMessage.MSG_ARG_KEY_MODEL_PARAMS
 SILO_METRICS = "plugin_silo_metrics"  # a silo's personalized evaluation: counts, never ratios (see _counts)
 HELLO = "plugin_hello"  # what a silo announces when it comes online (fedml_bridge/cross_silo/agreement.py)
-REASON = "plugin_reason"  # why the server ends a silo's part (a refusal), on FINISH
+REASON = "plugin_reason"  # why the server ends the run early, or a silo's part, on FINISH
+REFUSED = "plugin_refused"  # on FINISH: the server refused this silo (its announcement), REASON says why
 
 # FedML's cross-silo message types (cross_silo/server/message_define.py, client/message_define.py)
 # and the plugin's own (100 and up: FedML uses none there).
@@ -136,7 +137,8 @@ SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
     INIT_CONFIG: {"client_idx": (_digits, True), "client_os": (_text, False)},
     SYNC_MODEL: {"client_idx": (_digits, True), "client_os": (_text, False)},
     CHECK_STATUS: {"client_idx": (_digits, True)},
-    FINISH: {"client_idx": (_digits, True), REASON: (lambda v: _text(v, 2000), False)},
+    FINISH: {"client_idx": (_digits, True), REASON: (lambda v: _text(v, 2000), False),
+             REFUSED: (lambda v: v is True, False)},
     EVALUATE: {"client_idx": (_digits, True)},
     UPLOAD: {"num_samples": (_count, True), SILO_METRICS: (_counts, False)},
     CLIENT_STATUS: {"client_status": (_status, True), "client_os": (_text, False), SILO_METRICS: (_counts, False),
