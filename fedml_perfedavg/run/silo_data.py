@@ -101,15 +101,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def whole_split(config: Config) -> FederatedData:
+    """The config's whole split, read from its dataset (what export-split cuts)."""
+    from ..data.loading import load_federated
+
+    return load_federated(config.dataset, config.data_cache_dir, config.client_num_in_total,
+                          config.partition_method, config.random_seed, download=config.download,
+                          images_per_class=config.images_per_class,
+                          test_images_per_class=config.test_images_per_class)
+
+
 def main(argv: Sequence[str]) -> int:
     from .. import logs
-    from .runner import load_split
 
     args = build_parser().parse_args(list(argv))
     logs.use_console("INFO")
     try:
         config = load(args.config, args.overrides)
-        folders = export_split(config, args.out, load_split)
+        folders = export_split(config, args.out, whole_split)
     except (ConfigError, FileNotFoundError) as err:
         print(f"fedml-perfedavg export-split: error: {err}", file=sys.stderr)
         return 2

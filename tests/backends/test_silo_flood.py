@@ -85,9 +85,10 @@ def _handshakes(address, ca, stop, tally):
 @needs_mnist
 def test_thousands_of_idle_connections_and_a_handshake_flood_change_nothing(mnist_root, tmp_path):
     run_dir = tmp_path / "silo"
-    rounds = 40
-    process = launch_silo(run_dir, {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root},
-                          open_files=1024)
+    rounds = 25
+    # handshake_timeout 2 s (default 5): idle connections are cut within the run's few seconds
+    process = launch_silo(run_dir, {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root,
+                                    "handshake_timeout": 2}, open_files=1024)
     deadline = time.monotonic() + 120
     while not ((run_dir / "tls" / "ca.pem").exists() and (run_dir / "run.log").exists()
                and "round 0 starts" in (run_dir / "run.log").read_text()):
@@ -116,7 +117,7 @@ def test_thousands_of_idle_connections_and_a_handshake_flood_change_nothing(mnis
     assert refusals["connection-cap"] > 1000 and refusals["idle-connection"] > 100 and refusals["handshake"] > 0, \
         refusals
     # the caps sit below what 1024 open files hold (3 descriptors a connection, 256 kept for the run)
-    assert "connections capped at 14 per peer address and 256 in total" in out
+    assert "connections capped at 14 per peer address and 256 in total" in out and "2.0 s to a first request" in out
     assert set(refusals) <= {"connection-cap", "handshake", "idle-connection", "not-tls"}  # no message refused
     assert "Too many open files" not in out and "File descriptor limit" not in out
     assert "refused a message" not in out  # the honest silos' messages all went through

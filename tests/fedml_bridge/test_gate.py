@@ -100,6 +100,7 @@ def test_one_address_cannot_hold_more_than_its_share_and_others_still_get_in(gat
     _wait(lambda: gate.open_connections == 3)
     extra = _connect(gate.address, "127.0.0.2")
     assert _closed(extra, 2.0)  # over the per-peer cap: closed at once
+    _wait(lambda: gate.refused)  # reported by the gate's thread as it closes it
     assert [r[:2] for r in gate.refused] == [("127.0.0.2", "connection-cap")]
     assert "cap per peer address (comm_args.max_connections_per_peer)" in gate.refused[0][2]
     honest = _connect(gate.address, "127.0.0.1")  # another address: still served
@@ -114,6 +115,7 @@ def test_the_total_cap_holds_whatever_the_addresses(gate):
     _wait(lambda: gate.open_connections == 5)
     extra = _connect(gate.address, "127.0.0.9")
     assert _closed(extra, 2.0)
+    _wait(lambda: gate.refused)
     assert "the cap in total (comm_args.max_connections)" in gate.refused[-1][2]
     for sock in held + [extra]:
         sock.close()
