@@ -71,6 +71,11 @@ ATTACK_REFUSED = {
 }
 
 
+# FedML's defenses that change nothing but the updates' sample counts (foolsgold_defense.py
+# scales each count by its FoolsGold weight): under a plain average they would do nothing.
+WEIGHT_ONLY_DEFENSES = frozenset({"foolsgold"})
+
+
 def applied_defenses() -> List[str]:
     """The defenses FedML's ServerAggregator applies before, on or after aggregation, read from
     FedML's own predicates (fedml/core/security/fedml_defender.py ``is_defense_*_aggregation``)."""
@@ -224,6 +229,10 @@ class FedMLSafeguards(RoundHooks):
             raise ConfigError(f"defense_args.defense_type={kind!r}: must be one of {applied}: the defenses FedML's "
                               f"ServerAggregator applies before, on or after aggregation (fedml/core/security/"
                               f"fedml_defender.py is_defense_*_aggregation); others FedML never calls there")
+        if kind in WEIGHT_ONLY_DEFENSES and getattr(self.view, "aggregation", "sample_weighted") != "sample_weighted":
+            raise ConfigError(f"defense_args.defense_type={kind!r}: FedML's {kind} acts only through each update's "
+                              f"sample weight, which train_args.aggregation={self.view.aggregation!r} does not use "
+                              f"(the model would be the one without it); set train_args.aggregation: sample_weighted")
         defender = FedMLDefender()
         try:
             with _fedml_prints():
@@ -385,11 +394,12 @@ def without_safeguards(args: Any) -> argparse.Namespace:
 
 
 def run_facts(config: Any) -> Dict[str, Any]:
-    """The run's values FedML's DP, attack and defense classes read (a view, not FedML's args)."""
+    """The run's values FedML's DP, attack and defense classes read (a view, not FedML's args),
+    and the aggregation they are combined by."""
     return {"random_seed": config.random_seed, "comm_round": config.comm_round,
             "client_num_per_round": config.client_num_per_round, "client_num_in_total": config.client_num_in_total,
             "batch_size": config.batch_size, "dataset": config.dataset,
-            "train_data_num_in_total": None}
+            "train_data_num_in_total": None, "aggregation": config.aggregation}
 
 
 def for_config(config: Any) -> Optional[FedMLSafeguards]:

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import pytest
 import torch
 
 from fedml_perfedavg.run.config import load_yaml, resolve
@@ -83,6 +84,7 @@ def _handshakes(address, ca, stop, tally):
 
 
 @needs_mnist
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux) to limit open files")
 def test_thousands_of_idle_connections_and_a_handshake_flood_change_nothing(mnist_root, tmp_path):
     run_dir = tmp_path / "silo"
     rounds = 25

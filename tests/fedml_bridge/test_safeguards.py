@@ -46,8 +46,9 @@ def _run(tmp_path, sections, name, **overrides):
 @pytest.mark.parametrize("combination", list(COMBINATIONS))
 def test_each_feature_gives_one_model_on_the_batched_engine_and_fedmls_sp_loop(tmp_path, combination):
     sections = COMBINATIONS[combination]
-    batched = _run(tmp_path, sections, "batched").final_state
-    fedml_loop = _run(tmp_path, sections, "fedml", simulation_engine="fedml").final_state
+    # the default update bound off: it would refuse the attacks' models before the defenses see them
+    batched = _run(tmp_path, sections, "batched", max_update_ratio=None).final_state
+    fedml_loop = _run(tmp_path, sections, "fedml", simulation_engine="fedml", max_update_ratio=None).final_state
     plain = _run(tmp_path, {}, "plain").final_state
     for k in batched:
         torch.testing.assert_close(batched[k], fedml_loop[k], rtol=1e-5, atol=1e-6)
@@ -174,11 +175,31 @@ def test_the_algorithms_aggregate_applies_the_defense(tmp_path):
     ({"attack_args": BYZANTINE, "defense_args": {**KRUM, "byzantine_client_num": 2}},
      "defense_args.byzantine_client_num=2 and attack_args.byzantine_client_num=1: FedML's attack and defense read "
      "one byzantine_client_num"),
+    ({"defense_args": {"enable_defense": True, "defense_type": "foolsgold"}},
+     "defense_args.defense_type='foolsgold': FedML's foolsgold acts only through each update's sample weight, which "
+     "train_args.aggregation='uniform' does not use (the model would be the one without it); set "
+     "train_args.aggregation: sample_weighted"),
 ])
 def test_what_cannot_apply_is_an_error_at_start_naming_the_key(sections, words):
     with pytest.raises(ConfigError) as err:
         resolve(sections, dict(BASE))
     assert words in str(err.value)
+
+
+def test_foolsgold_acts_under_the_sample_weighted_average(tmp_path):
+    foolsgold = {"defense_args": {"enable_defense": True, "defense_type": "foolsgold"}}
+    defended = _run(tmp_path, foolsgold, "foolsgold", aggregation="sample_weighted").final_state
+    plain = _run(tmp_path, {}, "plain", aggregation="sample_weighted").final_state
+    assert max(float((defended[k] - plain[k]).abs().max()) for k in plain) > 1e-4
+
+
+def test_a_defense_that_cannot_run_on_the_updates_the_bound_left_is_skipped_for_the_round(tmp_path, caplog):
+    """Krum needs 2f + 2 < n - m updates; when the default bound has refused the attacker's (the
+    whole point of the bound), the round is combined without Krum, saying so, not stopped."""
+    with caplog.at_level("WARNING"):
+        result = _run(tmp_path, {"attack_args": BYZANTINE, "defense_args": KRUM}, "bounded")
+    assert result.summary["status"] == "finished" and result.summary["rejected_updates"]
+    assert "FedML's krum defense cannot run on the 4 client updates left after the update checks" in caplog.text
 
 
 def test_fedmls_applied_defenses_are_read_from_fedml():
