@@ -141,6 +141,7 @@ def install(entry: PluginEntry) -> None:
     fedml.data.load = loading_with_paper_split(fedml.data.load, entry.load_split)
     fedml.model.create = creating_paper_models(fedml.model.create)
     _install_transport()
+    _install_mpi_fix()
     from fedml.core.distributed.fedml_comm_manager import FedMLCommManager
 
     FedMLCommManager._init_manager = _refusing_insecure_backends(FedMLCommManager._init_manager)
@@ -167,6 +168,15 @@ def _install_transport() -> None:
             raise ConfigError(f"comm_args.backend='GRPC' needs the plugin's secure transport, which cannot be "
                               f"imported ({missing}); pip install 'fedml-perfedavg[silo]'")
     fedml_grpc.GRPCCommManager = SecureGRPCCommManager
+
+
+def _install_mpi_fix() -> None:
+    """FedML's MPI FedAvg worker hangs after a one-round run (:mod:`.mpi`); the fix reaches FedML's
+    own FedAvg too. Without mpi4py FedML's MPI simulation cannot run anyway."""
+    try:
+        from . import mpi  # noqa: F401  (installs the fix on import)
+    except ImportError:
+        return
 
 
 def is_installed() -> bool:

@@ -20,6 +20,10 @@ simulation/mpi/fedavg/FedAvgAPI.py, and:
   it sends back every client's model, not their sum: the server's aggregation checks each
   update, and FedML's attacks and defenses act on each (``PluginFedAVGClientManager``,
   ``PluginFedAVGTrainer``, ``PluginFedAVGAggregator``).
+- ``FedAVGClientManager.handle_message_init`` (FedAvgClientManager.py) trains round 0 and waits for
+  the next model, but a run of one round never sends one (FedAvgServerManager.py finishes when the
+  round count is reached): the job hangs. A worker finishes after its last round here, FedML's own
+  FedAvg included (:func:`install_one_round_fix`).
 FedML runs the MPI loop inside ``FedMLRunner``'s constructor; here it runs in ``run()``.
 """
 from __future__ import annotations
@@ -121,10 +125,34 @@ class PluginFedAVGAggregator(mpi_api.FedAVGAggregator):
             super().test_on_server_for_all_clients(round_idx)
 
 
+def finishing_after_one_round(handle_message_init: Callable) -> Callable:
+    """FedML's worker's first handler, ending the worker when round 0 is the run's only round."""
+
+    @functools.wraps(handle_message_init)
+    def handler(self, msg_params):
+        handle_message_init(self, msg_params)
+        if int(self.num_rounds) == 1:
+            self.finish()
+
+    handler.__wrapped__ = handle_message_init
+    return handler
+
+
+def install_one_round_fix() -> None:
+    """Every MPI FedAvg worker in the process (FedML's own FedAvg too) ends after a one-round run."""
+    manager = mpi_api.FedAVGClientManager
+    if not hasattr(manager.handle_message_init, "__wrapped__"):
+        manager.handle_message_init = finishing_after_one_round(manager.handle_message_init)
+
+
+install_one_round_fix()
+
+
 class PluginFedAVGClientManager(mpi_api.FedAVGClientManager):
     """A worker that reads a share where FedML's message holds a client index (FedML's own
     handlers cast it with ``int``)."""
 
+    @finishing_after_one_round
     def handle_message_init(self, msg_params):
         self.trainer.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
         self.trainer.update_dataset(parse_assignment(msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_INDEX)))

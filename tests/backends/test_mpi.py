@@ -159,3 +159,26 @@ def test_each_rank_takes_the_gpu_of_its_local_rank_when_using_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="device_args.using_gpu=True: MPI rank 5 sees no CUDA device"):
         rank_device(args, "cpu")
+
+
+@needs_mnist
+@needs_mpi
+def test_one_round_on_mpi_finishes(mnist_root, tmp_path):
+    """FedML's MPI worker waited forever after a run's only round (FedML's own FedAvg too)."""
+    _mpi_run(mnist_root, tmp_path / "mpi", extra=["--set", "comm_round=1"])
+    summary = json.loads((tmp_path / "mpi" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == 1 and (tmp_path / "mpi" / "model.pt").exists()
+
+
+@needs_mnist
+@needs_mpi
+def test_fedmls_own_fedavg_finishes_one_round_on_mpi_with_the_plugin_imported(mnist_root, tmp_path):
+    from tests.helpers import EXAMPLE, example_yaml
+
+    path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "fedavg", tmp_path / "runs", comm_round=1,
+                        federated_optimizer="FedAvg", epochs=1, client_optimizer="sgd")
+    out = subprocess.run([MPIRUN, "-n", "3", sys.executable, str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_"
+                                                                          "example.py"), "--cf", path],
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
