@@ -40,6 +40,10 @@ from ..core.types import Params, StateDict, UserSplit
 logger = logging.getLogger(__name__)
 
 AGGREGATIONS = ("uniform", "sample_weighted")
+
+
+class ModelMismatch(ValueError):
+    """The model cannot train on the run's samples at all (shapes, channels, labels)."""
 DIVERGENCE_POLICIES = ("stop", "skip_client")
 
 
@@ -227,13 +231,18 @@ class FederatedAlgorithm:
         return self.name
 
     def check_model(self, global_state: StateDict, x: Tensor, y: Tensor) -> List[str]:
-        """Probe once (on a sample ``x, y``) what the model's autodiff allows: if vmap cannot batch
-        its gradients, every client update and evaluation runs client by client; if its operators
-        have no forward-mode derivative, the exact variant's HVP is reverse-over-reverse. Returns a
-        line for each such fallback, saying why."""
+        """Probe once, on a batch ``x, y`` of the run's size, what the model allows: that it can
+        train on these samples at all (else :class:`ModelMismatch`, with the model's own error);
+        if vmap cannot batch its gradients, every client update and evaluation runs client by
+        client; if its operators have no forward-mode derivative, the exact variant's HVP is
+        reverse-over-reverse. Returns a line for each such fallback, saying why."""
         params, _ = self.split_state({k: v.detach() for k, v in global_state.items()})
         notes = []
         with torch.no_grad():
+            why = client_maths.model_problem(self.loss_fn, params, x, y)
+            if why is not None:
+                raise ModelMismatch(f"it cannot compute a loss and its gradient on a batch of {len(y)} samples of "
+                                    f"shape {tuple(x.shape[1:])} ({x.dtype}): {why}")
             if self.settings.local.variant == "exact":
                 why = client_maths.forward_ad_problem(self.loss_fn, params, x, y)
                 self.forward_ad = why is None

@@ -97,27 +97,42 @@ class ReverseModeGradients(FunctionalGradients):
         return hessian_v
 
 
-def forward_ad_problem(loss_fn: LossFn, params: Params, x: Tensor, y: Tensor) -> Optional[str]:
-    """Why forward-mode AD over ``loss_fn``'s gradient fails (a probe on one sample), or None."""
+def _first_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def model_problem(loss_fn: LossFn, params: Params, x: Tensor, y: Tensor) -> Optional[str]:
+    """Why the model cannot compute a loss and its gradient on the batch ``x, y`` at all (wrong
+    input shape or channels, labels beyond its outputs, ...), or None."""
     try:
-        jvp(lambda p: grad(loss_fn)(p, x[:1], y[:1]), (params,), ({k: torch.zeros_like(v) for k, v in params.items()},))
+        grad(loss_fn)(params, x, y)
+    except Exception as err:  # noqa: BLE001 - whatever it raises is the reason the run cannot go on
+        return _first_line(err)
+    return None
+
+
+def forward_ad_problem(loss_fn: LossFn, params: Params, x: Tensor, y: Tensor) -> Optional[str]:
+    """Why forward-mode AD over ``loss_fn``'s gradient fails (a probe on the batch ``x, y``), or None."""
+    try:
+        jvp(lambda p: grad(loss_fn)(p, x, y), (params,), ({k: torch.zeros_like(v) for k, v in params.items()},))
     except Exception as err:  # noqa: BLE001 - whatever it raises, the answer is "use reverse mode"
-        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        return _first_line(err)
     return None
 
 
 def vmap_problem(loss_fn: LossFn, params: Params, x: Tensor, y: Tensor, reverse_hvp: bool = False) -> Optional[str]:
     """Why ``torch.func.vmap`` cannot batch gradients of ``loss_fn`` over clients (a probe on two
-    copies of one sample; with ``reverse_hvp``, :class:`ReverseModeGradients`' Hessian-vector
-    product too), or None when it can."""
-    xs, ys = torch.stack((x[:1], x[:1])), torch.stack((y[:1], y[:1]))
+    clients holding the batch ``x, y``: a batch of the run's size, so that a model that needs more
+    than one sample, as BatchNorm does, is probed as it will run; with ``reverse_hvp``,
+    :class:`ReverseModeGradients`' Hessian-vector product too), or None when it can."""
+    xs, ys = torch.stack((x, x)), torch.stack((y, y))
     try:
         vmap(grad(loss_fn), in_dims=(None, 0, 0))(params, xs, ys)
         if reverse_hvp:
             hvp = ReverseModeGradients(loss_fn).hessian_vector_product
             vmap(lambda bx, by: hvp(params, params, bx, by), in_dims=(0, 0))(xs, ys)
     except Exception as err:  # noqa: BLE001 - whatever vmap raises, the answer is "not batchable"
-        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        return _first_line(err)
     return None
 
 

@@ -286,9 +286,7 @@ class PluginRun:
             logger.info("FedML's %s: applied by %s's round hooks", safeguards.describe(), self.algorithm.label)
         self.global_state: StateDict = aggregator.get_model_params()
         if self.users:  # the server of a data-owner run trains nothing and holds no sample to probe with
-            sample = self.users[0]
-            for note in self.algorithm.check_model(self.global_state, sample.train_x[:1], sample.train_y[:1]):
-                logger.warning("%s: %s", type(self.model).__name__, note)
+            self._probe_model()
         self.recorder: Optional[RunRecorder] = None
         if self.is_server:
             checkpoint.save_config(self.run_dir, config.sections())
@@ -328,6 +326,20 @@ class PluginRun:
             return []
         user, self.dataset = own_user_from_fedml_dataset(self.dataset, self.rank - 1, self.device)
         return [user]
+
+    def _probe_model(self) -> None:
+        """What the model allows, probed on a batch like the run's (see ``check_model``); a model
+        that cannot train on the data at all stops the run here, with its own reason."""
+        from ..algorithms.base import ModelMismatch
+
+        sample, size = self.users[0], self.config.batch_size
+        try:
+            notes = self.algorithm.check_model(self.global_state, sample.train_x[:size], sample.train_y[:size])
+        except ModelMismatch as err:
+            raise ConfigError(f"the model ({type(self.model).__name__}; model_args.model={self.config.model!r}) does "
+                              f"not fit data_args.dataset={self.config.dataset!r}: {err}") from None
+        for note in notes:
+            logger.warning("%s: %s", type(self.model).__name__, note)
 
     def _silo_setup(self):
         """What this cross-silo process knows beyond FedML's args (see ``SiloSetup``)."""
