@@ -503,6 +503,10 @@ class PluginRun:
         If model.pt cannot be written, summary.json says ``failed`` and why, and the error is raised."""
         if not self.is_server:
             return {"role": "client", "rank": self.rank, "status": status, "error": error}
+        # The module the user handed FedMLRunner holds the final global model on every backend, as
+        # after FedML's own FedAvg (the batched engine keeps its own state; FedML's loops train copies).
+        with torch.no_grad():
+            self.model.load_state_dict({k: v.detach() for k, v in self.global_state.items()})
         lost: Optional[OutputError] = None
         try:
             write_torch(os.path.join(self.run_dir, "model.pt"),

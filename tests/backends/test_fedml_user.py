@@ -158,3 +158,34 @@ def test_fedml_stock_main_under_mpi_trains_shares_and_gives_the_single_process_m
     assert mpi_summary["status"] == "finished" and mpi_summary["aggregate_calls"] == 2
     for k in sp_model:
         torch.testing.assert_close(mpi_model[k], sp_model[k], rtol=1e-5, atol=1e-6)
+
+
+@needs_mnist
+def test_the_model_handed_to_fedmlrunner_holds_the_final_model_on_every_backend(mnist_root, tmp_path):
+    script = str(REPO / "tests" / "backends" / "user_model_main.py")
+    env = {**_env(tmp_path), "USER_MODEL_OUT": str(tmp_path / "user.pt")}
+    runs = {}
+    for engine in ("batched", "fedml"):
+        path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, f"sp-{engine}", tmp_path / "runs",
+                            simulation_engine=engine)
+        out = subprocess.run([sys.executable, script, "--cf", path], capture_output=True, text=True, env=env,
+                             timeout=300, cwd=tmp_path)
+        runs[engine] = (out, f"sp-{engine}", torch.load(tmp_path / "user.pt"))
+    if MPIRUN is not None:
+        path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "runs")
+        out = subprocess.run([MPIRUN, "-n", "3", sys.executable, script, "--cf", path], capture_output=True,
+                             text=True, env=env, timeout=300, cwd=tmp_path)
+        runs["mpi"] = (out, "mpi", torch.load(tmp_path / "user.pt"))
+    (tmp_path / "ipconfig.csv").write_text("eid,rank,grpc_server_ip,grpc_server_port\n"
+                                           + "".join(f"{r},{r},127.0.0.1,{19570 + r}\n" for r in range(3)))
+    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "runs",
+                        grpc_ipconfig_path=str(tmp_path / "ipconfig.csv"))
+    silos = [subprocess.Popen([sys.executable, script, "--cf", path, "--rank", str(r), "--role",
+                               "server" if r == 0 else "client", "--run_id", "6"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path) for r in range(3)]
+    outs = [p.communicate(timeout=300)[0] for p in silos]
+    runs["silo"] = (outs[0], "silo", torch.load(tmp_path / "user.pt"))
+    for backend, (out, name, user_model) in runs.items():
+        final = torch.load(tmp_path / "runs" / name / "model.pt")
+        for k in final:
+            assert torch.equal(user_model[k], final[k]), (backend, k)
