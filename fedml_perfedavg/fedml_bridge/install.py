@@ -34,6 +34,10 @@ class PluginEntry(Protocol):
     def is_plugin_algorithm(self, name: Optional[str]) -> bool:
         """True for names in the plugin's registry."""
 
+    def before_fedml_arguments(self, yaml_path: Optional[str]) -> None:
+        """Called with FedML's ``--cf`` file before FedML reads it (FedML's reader fails on its own
+        for some settings the plugin refuses with a clearer message)."""
+
     def before_fedml_init(self, args: Any) -> Optional[str]:
         """Called before FedML's ``init``; returns where FedML's ``~/.fedml`` files go (None:
         the user's home)."""
@@ -59,6 +63,9 @@ def offline_init(original_init, entry: PluginEntry):
         from fedml.core import mlops as mlops_module
 
         if args is None:
+            from fedml.arguments import add_args
+
+            entry.before_fedml_arguments(getattr(add_args(), "yaml_config_file", None))
             args = load_arguments(fedml._global_training_type, fedml._global_comm_backend)
         check_cross_silo_backend(args)
         if getattr(args, "using_mlops", False):

@@ -394,6 +394,7 @@ def _rule_platform(c: Config) -> None:
                           "simulation), where the server holds every user's data to recompute the iterates")
     if c.training_type == "cross_silo":
         check_security(c.tls_dir, c.insecure)
+    check_scenario(c.training_type, c.extra.get("scenario", (None, None))[1])
     if c.silo_data == "own" and c.training_type != "cross_silo":
         raise ConfigError(f"comm_args.silo_data='own': only across silos (common_args.training_type cross_silo); "
                           f"a simulation holds every user's data")
@@ -403,6 +404,15 @@ def _rule_platform(c: Config) -> None:
     if c.min_clients_per_round is not None and c.min_clients_per_round > c.client_num_per_round:
         raise ConfigError(f"comm_args.min_clients_per_round={c.min_clients_per_round!r}: must be <= "
                           f"train_args.client_num_per_round ({c.client_num_per_round})")
+
+
+def check_scenario(training_type: Any, scenario: Any) -> None:
+    """The plugin's algorithms run FedML's horizontal cross-silo scenario only."""
+    if training_type == "cross_silo" and scenario not in (None, "horizontal"):
+        raise ConfigError(f"common_args.scenario={scenario!r}: the plugin's algorithms run FedML's horizontal "
+                          f"cross-silo only (one process per silo; FedML's hierarchical scenario, several processes "
+                          f"per silo under torch DDP, would train nothing). Use scenario: horizontal: a silo's one "
+                          f"process uses its host's cores as torch threads")
 
 
 def _rule_split(c: Config) -> None:

@@ -35,7 +35,8 @@ from .. import logs
 from ..fedml_bridge import safeguards as fedml_safeguards
 from . import checkpoint
 from .files import make_dir, write_torch
-from .config import BY_NAME, Config, check_algorithm_name, check_batch_sizes, from_fedml_args
+from .config import (BY_NAME, Config, check_algorithm_name, check_batch_sizes, check_scenario, from_fedml_args,
+                     load_yaml)
 from .measures import Measurements
 from .reporting import RunRecorder, record_failure, recorder_for
 from .schedule import RoundSchedule
@@ -195,6 +196,19 @@ class Entry:
 
     def is_plugin_algorithm(self, name: Optional[str]) -> bool:
         return canonical_name(name) is not None
+
+    def before_fedml_arguments(self, yaml_path: Optional[str]) -> None:
+        """FedML's reader of a hierarchical cross-silo YAML fails with an AttributeError (it wants a
+        ``server_config_path``): a plugin algorithm's is refused first, saying why."""
+        if not yaml_path or not os.path.isfile(yaml_path):
+            return  # FedML's own handling (the run's config check names a missing file)
+        try:
+            sections = load_yaml(yaml_path)
+        except ConfigError:
+            return  # FedML's reader, then the run's config check, say what is wrong with it
+        flat = {k: v for values in sections.values() for k, v in values.items()}
+        if self.is_plugin_algorithm(flat.get("federated_optimizer")):
+            check_scenario(flat.get("training_type"), flat.get("scenario"))
 
     def before_fedml_init(self, args: Any) -> Optional[str]:
         """Validates a plugin run's config before FedML starts (a plugin name in any case is made

@@ -193,3 +193,19 @@ def test_cross_silo_backends_the_plugin_cannot_secure_are_refused_in_fedml_init(
     assert f"ConfigError: comm_args.backend='{backend}': refused for cross-silo with fedml_perfedavg imported" in \
         out.stderr
     assert "Use backend: GRPC" in out.stderr and "in init" in out.stderr
+
+
+@needs_mnist
+def test_hierarchical_cross_silo_is_refused_in_fedml_init_and_by_launch_silo(mnist_root, tmp_path):
+    """FedML's hierarchical scenario exited 0 having trained nothing; launch-silo ran horizontal."""
+    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "hier", tmp_path / "runs",
+                        scenario="hierarchical")
+    out = subprocess.run([sys.executable, SCRIPT, "--cf", path, "--rank", "0", "--role", "server"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+    said = "common_args.scenario='hierarchical': the plugin's algorithms run FedML's horizontal cross-silo only"
+    assert out.returncode != 0 and said in out.stderr and "in init" in out.stderr
+    launched = subprocess.run([sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", path, "--run-dir",
+                               str(tmp_path / "l")], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert launched.returncode == 2 and said in launched.stderr and not (tmp_path / "l").exists()
