@@ -170,7 +170,9 @@ def launch_silo(run_dir, settings: dict, extra=(), loopback_only: bool = False, 
     if open_files is not None:
         command = ["prlimit", f"--nofile={open_files}:{open_files}", *command]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(Path(run_dir).parent / "home")}
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    # its own process group, as a command typed in a terminal is: a test can Ctrl-C it (killpg) alone
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
 
 
 LIAR = REPO / "tests" / "backends" / "lying_silo.py"

@@ -157,7 +157,10 @@ def _launch(config, config_path: str, overrides: List[str], clients: int, run_di
         processes[rank] = subprocess.Popen(command + own + ["--rank", str(rank), "--role", role],
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                            env={**os.environ, "PYTHONUNBUFFERED": "1", **threads},
-                                           preexec_fn=_end_with_parent)
+                                           # Its own session: a terminal's Ctrl-C reaches the launcher alone,
+                                           # which stops each process once (two signals at once interrupted
+                                           # a process while it handled the first).
+                                           start_new_session=True, preexec_fn=_end_with_parent)
         pumps.append(_stream(processes[rank], "[server]" if rank == 0 else f"[silo {rank}]", lock,
                              server_events if rank == 0 else None))
         write_json(os.path.join(run_dir, "silo_processes.json"), {str(r): p.pid for r, p in processes.items()})
@@ -208,6 +211,10 @@ def _launch(config, config_path: str, overrides: List[str], clients: int, run_di
             pump.join(timeout=5)
         signal.signal(signal.SIGTERM, previous_sigterm)
     failed = {rank: p.returncode for rank, p in sorted(processes.items()) if p.returncode != 0}
+    stopped = (130, -signal.SIGTERM, -signal.SIGINT)  # how a process ends when told to stop
+    if return_code == 130 and all(code in stopped for code in failed.values()):
+        logger.info("every process stopped as asked; what was measured is in %s", run_dir)
+        return return_code
     for rank, code in failed.items():
         logger.error("%s exited with code %s", "the server" if rank == 0 else f"silo rank {rank}", code)
     if return_code == 0 and not failed:

@@ -589,12 +589,16 @@ def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM ends the run as Ctrl-C does (``PluginRun.ending`` writes what was measured), in the
     plugin's command line and in a FedML user's own main script alike. Either signal is noted
     (:data:`STOP_SIGNALLED`): code the interrupt lands in (a gRPC call, say) may turn it into an
-    error of its own, and the run still ends as interrupted."""
+    error of its own, and the run still ends as interrupted. Only the first signal interrupts:
+    one that comes while the run is stopping (a terminal's Ctrl-C and a launcher's SIGTERM at once)
+    would break the stop halfway (a lock released twice)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum, frame):
+        if STOP_SIGNALLED.is_set():  # already stopping: a second signal must not interrupt the stop itself
+            return
         STOP_SIGNALLED.set()
         raise KeyboardInterrupt
 

@@ -176,3 +176,27 @@ def test_silos_whose_server_was_killed_end_within_seconds(mnist_root, tmp_path):
     assert all(5.0 <= wait < 120 for wait in waits), waits
     # ... and the silos end once they have tried to rejoin for connect_timeout.
     assert took < max(waits) + connect_timeout + 20, (took, waits)
+
+
+@needs_mnist
+def test_ctrl_c_to_launch_silo_ends_every_process_cleanly_every_time(mnist_root, tmp_path):
+    """Ctrl-C in a terminal signals the launcher's whole process group; each try must end every
+    process, with the run recorded as interrupted and no traceback (1 in 2 tries failed before)."""
+    for attempt in range(3):
+        run_dir = tmp_path / f"run{attempt}"
+        process = launch_silo(run_dir, {**SETTINGS, "data_cache_dir": mnist_root, "comm_round": 400})
+        log = run_dir / "run.log"
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "round 1: personalized accuracy" in log.read_text()):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(os.getpgid(process.pid), signal.SIGINT)  # what the terminal does
+        out, _ = process.communicate(timeout=60)
+        assert process.returncode == 130, out[-3000:]
+        assert "Traceback" not in out and "release unlocked lock" not in out and "ERROR" not in out, out[-3000:]
+        deadline = time.monotonic() + 20
+        while launched_alive(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert launched_alive(run_dir) == []
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "interrupted"
