@@ -11,11 +11,13 @@ schedule, checkpoints, and the run directory (config.yaml, run.log, summary.json
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import functools
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -148,12 +150,27 @@ def run_dir_of(context: RunContext, args: Any) -> str:
     from ``fedml.init`` to ``FedMLRunner``)."""
     if context.run_dir is None:
         config, requested = context.config, context.requested_run_dir
+        owner = rank_of(config, args) == 0
+        # the name is chosen once (a default one holds the time): rank 0's, under MPI
+        planned = resolve_run_dir(config, requested, create=False, resume=context.resume, owner=owner) \
+            if owner else requested
+        new = planned is not None and not os.path.exists(planned)
         if config.backend == "MPI":
-            context.run_dir = shared_run_dir(config, requested, context.resume)
+            context.run_dir = shared_run_dir(config, planned, context.resume)
         else:
-            context.run_dir = resolve_run_dir(config, requested, resume=context.resume,
-                                              owner=rank_of(config, args) == 0)
+            context.run_dir = resolve_run_dir(config, planned, resume=context.resume, owner=owner)
+        if new and owner:
+            atexit.register(remove_if_never_started, context.run_dir)
     return context.run_dir
+
+
+def remove_if_never_started(run_dir: str) -> None:
+    """At the end of the process that made ``run_dir``: a run that failed before it measured
+    anything (a FedML main script refused at start: missing data, an empty test split) leaves no
+    directory behind, as the command line's own failed starts do."""
+    if os.path.isdir(run_dir) and not os.path.exists(os.path.join(run_dir, "summary.json")):
+        logs.close_files_under(run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def rank_of(config: Config, args: Any) -> int:
@@ -317,7 +334,12 @@ class PluginRun:
 
     def _check_layout(self) -> None:
         config, args = self.config, self.args
-        if config.backend == "MPI" and (args.worker_num < 2 or args.worker_num - 1 > config.client_num_per_round):
+        if config.backend == "MPI" and args.worker_num < 2:
+            raise ConfigError(f"comm_args.backend='MPI' with {args.worker_num} process: an MPI run needs a server rank "
+                              f"and at least one worker; start it under mpirun -n 2 to "
+                              f"{config.client_num_per_round + 1} (or set comm_args.backend: sp to run in one "
+                              f"process)")
+        if config.backend == "MPI" and args.worker_num - 1 > config.client_num_per_round:
             raise ConfigError(f"train_args.client_num_per_round={config.client_num_per_round!r}: under MPI each of the "
                               f"ranks but the server trains a share of a round's clients, so it must be at least the "
                               f"number of ranks - 1 (this is mpirun -n {args.worker_num}: at least "

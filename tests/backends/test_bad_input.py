@@ -70,7 +70,16 @@ CASES = {
         lambda t: ["--set", "training_type=cross_silo", "--set", "backend=GRPC", "--set", "client_num_per_round=1",
                    "--set", "insecure=true", "--set", "grpc_ipconfig_path=" + _address_file(
                        t, ["0,0,127.0.0.1,9100", "1,1,127.0.0.1,9101", "1,1,127.0.0.1,9102"]),
-                   "--rank", "0", "--role", "server"], 2, ["lines 3 and 4 both give rank 1"]),
+                   "--rank", "0", "--role", "server"], 2, ["lines 3 and 4 both give eid 1 (the column FedML keys"]),
+    "an MPI config without mpirun": (lambda t: ["--set", "backend=MPI", "--set", "client_num_per_round=2"], 2,
+                                     ["comm_args.backend='MPI' with 1 process: an MPI run needs a server rank and at "
+                                      "least one worker; start it under mpirun -n 2 to 3"]),
+    "eid and rank that differ in the address file": (
+        lambda t: ["--set", "training_type=cross_silo", "--set", "backend=GRPC", "--set", "client_num_per_round=1",
+                   "--set", "insecure=true", "--set", "grpc_ipconfig_path=" + _address_file(
+                       t, ["0,0,127.0.0.1,9100", "7,1,127.0.0.1,9101"]),
+                   "--rank", "0", "--role", "server"], 2, ["line 3: eid 7 but rank 1; FedML keys each process by the "
+                                                           "eid column"]),
     "two ranks on one port": (
         lambda t: ["--set", "training_type=cross_silo", "--set", "backend=GRPC", "--set", "client_num_per_round=1",
                    "--set", "insecure=true", "--set", "grpc_ipconfig_path=" + _address_file(

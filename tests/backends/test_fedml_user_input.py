@@ -209,3 +209,14 @@ def test_hierarchical_cross_silo_is_refused_in_fedml_init_and_by_launch_silo(mni
                                str(tmp_path / "l")], capture_output=True, text=True, timeout=120,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
     assert launched.returncode == 2 and said in launched.stderr and not (tmp_path / "l").exists()
+
+
+@needs_mnist
+@pytest.mark.parametrize("edit", [{"data_cache_dir": "nowhere"}, {"partition_method": "hetero"}])
+def test_a_fedml_main_refused_at_start_leaves_no_run_directory(mnist_root, tmp_path, edit):
+    """Missing MNIST files, or FedML's LEAF files for its own split: the script fails before any
+    round, and its run directory (FedML's files, run.log) goes with it."""
+    path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "refused", tmp_path / "runs", **edit)
+    out = _main(tmp_path, path)
+    assert out.returncode != 0 and ("not found" in out.stderr or "LEAF" in out.stderr), out.stderr[-2000:]
+    assert not (tmp_path / "runs" / "refused").exists()

@@ -42,8 +42,9 @@ def write_ipconfig(path: str, ranks: int, host: str = "127.0.0.1", ports: Option
 
 
 def read_ipconfig(path: str, ranks: Optional[int] = None) -> Dict[int, Tuple[str, int]]:
-    """rank -> (ip, port) from the address file. Every rank 0..ranks-1 must have a row (when
-    ``ranks`` is given); a rank given twice, or two ranks on one address, are refused, naming the
+    """rank -> (ip, port) from the address file. FedML keys each process by the ``eid`` column,
+    so a row's ``eid`` and ``rank`` must agree. Every rank 0..ranks-1 must have a row (when
+    ``ranks`` is given); an eid given twice, or two ranks on one address, are refused, naming the
     lines."""
     where = f"comm_args.grpc_ipconfig_path={path!r}"
     try:
@@ -58,15 +59,18 @@ def read_ipconfig(path: str, ranks: Optional[int] = None) -> Dict[int, Tuple[str
     rank_at: Dict[Tuple[str, int], int] = {}
     for number, row in enumerate(rows, start=2):
         try:
-            eid, ip, port = int(row["eid"]), str(ipaddress.ip_address((row["grpc_server_ip"] or "").strip())), \
-                int(row["grpc_server_port"])
+            eid, rank = int(row["eid"]), int(row["rank"])
+            ip, port = str(ipaddress.ip_address((row["grpc_server_ip"] or "").strip())), int(row["grpc_server_port"])
         except (TypeError, ValueError) as err:
             raise ConfigError(f"{where}: line {number}: {err}") from None
         if not 0 < port < 65536:
             raise ConfigError(f"{where}: line {number}: port {port} is not in 1..65535")
+        if eid != rank:
+            raise ConfigError(f"{where}: line {number}: eid {eid} but rank {rank}; FedML keys each process by the "
+                              f"eid column, so give eid = rank")
         if eid in table:
-            raise ConfigError(f"{where}: lines {line_of[eid]} and {number} both give rank {eid}; give each rank "
-                              f"one row")
+            raise ConfigError(f"{where}: lines {line_of[eid]} and {number} both give eid {eid} (the column FedML "
+                              f"keys each process by); give each rank one row")
         if (ip, port) in rank_at:
             raise ConfigError(f"{where}: line {number}: rank {eid} and rank {rank_at[ip, port]} (line "
                               f"{line_of[rank_at[ip, port]]}) share {ip}:{port}; give each rank its own port")
