@@ -181,7 +181,14 @@ def average(updates: Sequence[Tuple[float, StateDict]], weighting: str) -> "Orde
     else:
         raise ValueError(f"train_args.aggregation={weighting!r} is not one of {list(AGGREGATIONS)}")
     keys = updates[0][1].keys()
-    return OrderedDict((k, sum(w * sd[k] for w, (_, sd) in zip(weights, updates))) for k in keys)
+    averaged = OrderedDict()
+    for k in keys:
+        first = updates[0][1][k]
+        if first.is_floating_point():
+            averaged[k] = sum(w * sd[k] for w, (_, sd) in zip(weights, updates))
+        else:  # an integer buffer (BatchNorm's num_batches_tracked) stays an integer
+            averaged[k] = sum(w * sd[k].double() for w, (_, sd) in zip(weights, updates)).round().to(first.dtype)
+    return averaged
 
 
 class FederatedAlgorithm:

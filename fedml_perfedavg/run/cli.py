@@ -174,4 +174,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     except KeyboardInterrupt:
         print(f"fedml-perfedavg: interrupted{_record_of(run_dir, 'what was measured so far')}", file=sys.stderr)
-        return 130
+        from .runner import stopped_exit_code
+
+        return stopped_exit_code()

@@ -175,7 +175,10 @@ def _launch(config, config_path: str, overrides: List[str], clients: int, run_di
             except subprocess.TimeoutExpired:
                 process.kill()
 
+    stop_signal = [signal.SIGINT]
+
     def on_sigterm(signum, frame):  # forwarded to every child by stop_all, as SIGINT is
+        stop_signal[0] = signal.SIGTERM
         raise KeyboardInterrupt
 
     previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
@@ -199,7 +202,7 @@ def _launch(config, config_path: str, overrides: List[str], clients: int, run_di
             time.sleep(0.2)
     except KeyboardInterrupt:
         logger.warning("interrupted (SIGINT or SIGTERM): stopping every process")
-        return_code = 130
+        return_code = 128 + int(stop_signal[0])  # 130 for Ctrl-C, 143 for SIGTERM, as the shell reports them
     except RuntimeError as err:
         logger.error("%s", err)
         return_code = 1
@@ -211,8 +214,8 @@ def _launch(config, config_path: str, overrides: List[str], clients: int, run_di
             pump.join(timeout=5)
         signal.signal(signal.SIGTERM, previous_sigterm)
     failed = {rank: p.returncode for rank, p in sorted(processes.items()) if p.returncode != 0}
-    stopped = (130, -signal.SIGTERM, -signal.SIGINT)  # how a process ends when told to stop
-    if return_code == 130 and all(code in stopped for code in failed.values()):
+    stopped = (130, 143, -signal.SIGTERM, -signal.SIGINT)  # how a process ends when told to stop
+    if return_code in (130, 143) and all(code in stopped for code in failed.values()):
         logger.info("every process stopped as asked; what was measured is in %s", run_dir)
         return return_code
     for rank, code in failed.items():

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -560,6 +561,7 @@ class PluginRun:
         return summary
 
     def run(self) -> RunResult:
+        exit_as_signalled()
         with sigterm_as_interrupt(), self.ending():
             self.restore()
             self.execute()
@@ -579,7 +581,7 @@ class PluginRun:
             self.finish(status="interrupted", error="interrupted (SIGINT or SIGTERM)")
             self._close()
             if self.config.backend == "MPI" and self.is_server:
-                self.backend.end_job(130)  # the record is written: now every rank ends
+                self.backend.end_job(stopped_exit_code())  # the record is written: now every rank ends
             raise
         except BaseException as err:  # any other end is recorded too: `running` only while a process lives
             status = "interrupted" if STOP_SIGNALLED.is_set() else "failed"  # a stop the code around it re-raised
@@ -604,6 +606,31 @@ class PluginRun:
 
 
 STOP_SIGNALLED = threading.Event()  # SIGTERM or SIGINT reached this process during the current run
+_STOP_SIGNAL = [signal.SIGINT]  # which one (the first)
+
+
+def stopped_exit_code() -> int:
+    """The shell's exit status of a process stopped by the signal that stopped the run: 130 for
+    SIGINT (Ctrl-C), 143 for SIGTERM."""
+    return 128 + int(_STOP_SIGNAL[0])
+
+
+def _exit_as_signalled(hook):
+    """``sys.excepthook`` for a FedML user's main script: a run stopped by SIGTERM, whose
+    KeyboardInterrupt reaches the top, ends the process by SIGTERM (exit status 143), not by the
+    SIGINT Python would re-raise (-2, as if Ctrl-C), after the usual traceback."""
+
+    @functools.wraps(hook)
+    def excepthook(kind, value, traceback):
+        hook(kind, value, traceback)
+        if issubclass(kind, KeyboardInterrupt) and STOP_SIGNALLED.is_set() and _STOP_SIGNAL[0] == signal.SIGTERM:
+            sys.stderr.flush()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    excepthook.__wrapped__ = hook
+    excepthook.exits_as_signalled = True
+    return excepthook
 
 
 @contextlib.contextmanager
@@ -621,6 +648,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
     def interrupt(signum, frame):
         if STOP_SIGNALLED.is_set():  # already stopping: a second signal must not interrupt the stop itself
             return
+        _STOP_SIGNAL[0] = signum
         STOP_SIGNALLED.set()
         raise KeyboardInterrupt
 
@@ -640,6 +668,14 @@ def install() -> None:
     from ..fedml_bridge import install as install_bridge
 
     install_bridge(Entry())
+    exit_as_signalled()
+
+
+def exit_as_signalled() -> None:
+    """Wrap the process's ``sys.excepthook`` (see :func:`_exit_as_signalled`); again after FedML's
+    ``init``, which puts its own in place (core/mlops/mlops_runtime_log.py)."""
+    if not getattr(sys.excepthook, "exits_as_signalled", False):
+        sys.excepthook = _exit_as_signalled(sys.excepthook)
 
 
 # -- FedML's main-script steps, for the command line and library calls --------------------------------

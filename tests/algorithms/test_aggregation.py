@@ -103,3 +103,12 @@ def test_buffers_stay_the_global_models_and_integer_counters_stay_integers():
     assert torch.equal(averaged["2.running_mean"], state["2.running_mean"])
     assert averaged["2.num_batches_tracked"].dtype == torch.int64
     assert torch.allclose(averaged["1.weight"], state["1.weight"] + 0.005)
+
+
+def test_the_average_keeps_integer_buffers_integers():
+    from fedml_perfedavg.algorithms.base import average
+
+    a = OrderedDict(w=torch.ones(2), n=torch.tensor(3))
+    b = OrderedDict(w=torch.zeros(2), n=torch.tensor(4))
+    out = average([(1, a), (1, b)], "uniform")
+    assert out["n"].dtype == torch.int64 and int(out["n"]) == 4 and torch.equal(out["w"], torch.full((2,), 0.5))

@@ -47,3 +47,5 @@ def test_a_batchnorm_model_trains_on_the_batched_path(tmp_path, caplog):
         result = run(tiny_config(comm_round=2), str(tmp_path / "run"), data=tiny_data(), model=_batchnorm())
     assert result.summary["status"] == "finished"
     assert "vmap cannot batch" not in caplog.text and "one by one" not in caplog.text
+    saved = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert saved["2.num_batches_tracked"].dtype == torch.int64  # it was stored as float32

@@ -103,6 +103,7 @@ def test_stopping_the_launcher_stops_every_process_and_keeps_what_was_measured(m
         time.sleep(0.05)
     process.send_signal(how)
     process.communicate(timeout=60)
+    assert process.returncode == (143 if how == signal.SIGTERM else -signal.SIGKILL)
     deadline = time.monotonic() + 30
     while launched_alive(run_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
