@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, NamedTuple, O
 
 import torch
 from torch import Tensor, nn
+from torch.func import vmap
 
 from ..core import algorithm as client_maths
 from ..core.algorithm import SGD, LocalBatches, LocalUpdateConfig
@@ -215,6 +216,9 @@ class FederatedAlgorithm:
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.vmappable = True  # see :meth:`check_model`; False: client maths and evaluation never call vmap
         self.forward_ad = True  # see :meth:`check_model`; False: the exact variant's HVP is reverse-over-reverse
+        # see :meth:`check_model`; False: vmap's batched kernels give a client other bits than alone, so
+        # clients are trained and evaluated one by one (every backend then computes each client alike)
+        self.groups_exactly = True
         self.skipped_rounds = 0
         self.rejected: Dict[int, int] = {}  # round -> client updates rejected
         self.aggregate_calls = 0
@@ -261,7 +265,31 @@ class FederatedAlgorithm:
             if why is not None:
                 notes.append(f"torch.func.vmap cannot batch its gradients ({why}); every client trains and is "
                              f"evaluated one by one (the per-client path)")
+            elif self.hand_batched(tuple(x.shape[1:]))[0] is None:
+                difference = self._grouping_difference(global_state, x, y)
+                self.groups_exactly = difference == 0.0
+                if not self.groups_exactly:
+                    notes.append(f"torch.func.vmap's batched kernels give a client other bits than training it "
+                                 f"alone (by up to {difference:.2g} after one step); every client trains and is "
+                                 f"evaluated one by one, so that sp, MPI and cross-silo compute each client alike")
         return notes
+
+    def _grouping_difference(self, global_state: StateDict, x: Tensor, y: Tensor) -> float:
+        """The largest difference between one local step of two clients vmapped together and the
+        same clients one at a time. The probe's inputs depend only on the sample's shape and dtype
+        (every process of a run decides alike, whatever its own data)."""
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.rand(x.shape, generator=g).to(device=x.device, dtype=x.dtype) if x.is_floating_point()
+              else torch.zeros_like(x)
+              for _ in range(2)]
+        ys = [torch.zeros_like(y) for _ in range(2)]
+        state = {k: v.detach() for k, v in global_state.items()}
+        batches = [LocalBatches(*(t.unsqueeze(0) for t in (xi, yi, xi, yi, xi, yi))) for xi, yi in zip(xs, ys)]
+        alone = [self.local_training(state, b) for b in batches]
+        stacked = LocalBatches(*(torch.stack(t) for t in zip(*batches)))
+        together = vmap(self.local_training, in_dims=(None, 0))(state, stacked)
+        return max(float((together[k][i].double() - alone[i][k].double()).abs().max())
+                   for i in range(2) for k in self.parameter_names)
 
     # -- what an engine needs to know (declared here, not guessed by the engine) ---------------
     @property
@@ -433,7 +461,7 @@ class FederatedAlgorithm:
         split), the same for every algorithm."""
         params, _ = self.split_state(global_state)
         config = self.settings.evaluation
-        batched = batched and self.vmappable
+        batched = batched and self.vmappable and (self.groups_exactly or self._scoring_chain(users) is not None)
         if config.batched != batched:
             config = dataclasses.replace(config, batched=batched)
         return evaluate(self.network, params, users, config, round_idx, user_ids=user_ids, loss_fn=self.loss_fn,

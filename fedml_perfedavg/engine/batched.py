@@ -58,7 +58,11 @@ class BatchedSimulation:
         stacked, why = (None, "device_args.compile_local_update compiles the generic path") if compile_local_update \
             else self._stacked_gradients(fast_path)
         self.stacked: Optional[StackedGradients] = stacked
-        if not self.batched:
+        if self.batched and stacked is None and not algorithm.groups_exactly:
+            self.batched = False  # vmapped, a client's bits would depend on the others in its computation
+            logger.info("batched engine: clients one by one (vmapped, a client's result would depend on which "
+                        "clients share its computation; see the model probe's warning)")
+        elif not self.batched:
             logger.info("batched engine: clients one by one (the model cannot be vmapped)")
         elif stacked is not None:
             self.step = self._stacked_step()

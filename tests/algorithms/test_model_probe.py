@@ -18,12 +18,25 @@ def _batchnorm():
 
 
 @pytest.mark.parametrize("variant", ["hf", "exact"])
-def test_batchnorm_is_probed_on_a_batch_of_the_runs_size_and_batched(variant):
+def test_batchnorm_is_probed_on_a_batch_of_the_runs_size_and_the_real_cause_named(variant):
+    """vmap batches it (the one-sample probe said it could not); but vmap's batched kernels give a
+    client other bits than alone, so clients train one by one: every backend computes a client alike."""
     model = _batchnorm()
     algorithm = create_algorithm("PerFedAvg", model, tiny_config(perfedavg_variant=variant))
     x, y = torch.rand(8, 1, 4, 4), torch.randint(0, 3, (8,))
-    assert algorithm.check_model(model.state_dict(), x, y) == []
-    assert algorithm.vmappable and algorithm.forward_ad
+    [note] = algorithm.check_model(model.state_dict(), x, y)
+    assert algorithm.vmappable and algorithm.forward_ad and not algorithm.groups_exactly
+    assert "vmap's batched kernels give a client other bits than training it alone" in note
+    assert "cannot batch" not in note
+
+
+def test_a_linear_chain_keeps_its_hand_batched_path():
+    from fedml_perfedavg.models import create_model
+
+    model = create_model("mlp", (1, 4, 4), 3, (5,))
+    algorithm = create_algorithm("PerFedAvg", model, tiny_config())
+    assert algorithm.check_model(model.state_dict(), torch.rand(8, 1, 4, 4), torch.randint(0, 3, (8,))) == []
+    assert algorithm.groups_exactly
 
 
 def test_a_model_that_cannot_take_the_samples_is_named_with_its_own_error():
@@ -42,10 +55,11 @@ def test_such_a_run_stops_at_start_naming_the_model_and_the_dataset(tmp_path):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
-def test_a_batchnorm_model_trains_on_the_batched_path(tmp_path, caplog):
+def test_a_batchnorm_model_trains_client_by_client_and_says_why(tmp_path, caplog):
     with caplog.at_level("INFO"):
         result = run(tiny_config(comm_round=2), str(tmp_path / "run"), data=tiny_data(), model=_batchnorm())
     assert result.summary["status"] == "finished"
-    assert "vmap cannot batch" not in caplog.text and "one by one" not in caplog.text
+    assert "vmap cannot batch" not in caplog.text
+    assert "clients one by one (vmapped, a client's result would depend on which clients share" in caplog.text
     saved = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert saved["2.num_batches_tracked"].dtype == torch.int64  # it was stored as float32
