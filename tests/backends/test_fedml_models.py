@@ -32,14 +32,16 @@ def _stock_main(tmp_path, monkeypatch, run_name, data, model, **train):
 
 
 def test_fedml_resnet56_with_batchnorm_on_cifar10(fake_cifar_root, tmp_path, monkeypatch, caplog):
-    """On the batched engine (vmapped, no fallback). Its equality with the per-client path is
-    tested in float64 on a small BatchNorm model (tests/engine): in float32, resnet56 with
-    4-sample batch statistics amplifies summation-order differences too much to compare."""
+    """On the batched engine, client by client: vmapped, a client's result would depend on the
+    clients sharing its computation (resnet56 with 4-sample batch statistics amplifies such
+    differences), so every backend computes each client alone (tests/backends/
+    test_same_model_everywhere.py: the same bits on sp, MPI and cross-silo)."""
     data = dict(dataset="cifar10", data_cache_dir=fake_cifar_root, images_per_class=4, test_images_per_class=2)
     with caplog.at_level("INFO"):
         summary, model = _stock_main(tmp_path, monkeypatch, "resnet", data, "resnet56")
     assert "ResNet has BatchNorm" in caplog.text and "cannot be vmapped" not in caplog.text
-    assert "the batched engine" in caplog.text
+    assert "the batched engine" in caplog.text and "clients one by one (vmapped, a client's result would" in \
+        caplog.text
     assert summary["status"] == "finished" and summary["aggregate_calls"] == 2
     assert summary["config"]["model_args"]["model"] == "resnet56"
     assert len(summary["per_user_accuracy"]) == 4
