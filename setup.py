@@ -20,7 +20,7 @@ class BuildWithPth(build_py):
 
 setup(
     name="fedml-perfedavg",
-    version="0.1.0",
+    version="0.2.0",  # as fedml_perfedavg.__version__
     description="Per-FedAvg (personalized federated learning via meta-learning) as a FedML plugin",
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",

@@ -224,7 +224,7 @@ def _stacked_test_splits(users: Sequence[UserSplit], test_stacks: Optional[dict]
 
 def _scores_together_exactly(chain: StackedGradients, network: nn.Module, params: Params,
                              users: Sequence[UserSplit]) -> bool:
-    """Whether the batched pass of :func:`_score_together` gives the per-user pass's logits bit
+    """Whether the batched pass of :func:`_evaluate_together` gives the per-user pass's logits bit
     for bit here (it depends on the matrix kernels: decided once per chain, by a probe)."""
     if chain.scores_exactly is None:
         # random inputs of the test splits' shape: the probe reads no test data

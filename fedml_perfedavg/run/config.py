@@ -440,7 +440,8 @@ def _rule_split(c: Config) -> None:
                                   f"images of class {cls}, but {c.dataset}'s {'training' if key == 'images_per_class' else 'test'} "
                                   f"set has {have}; lower it or train_args.client_num_in_total")
     smallest = min(p.total for p in plan_users(c.client_num_in_total, a, c.partition_method, c.random_seed))
-    check_batch_sizes(c, smallest, "the smallest user's training data")
+    check_batch_sizes(c, smallest, f"the smallest user's training data under data_args.images_per_class={a} "
+                                   f"(data_args.partition_method={c.partition_method!r})")
 
 
 def check_batch_sizes(c: Config, smallest: int, whose: str) -> None:

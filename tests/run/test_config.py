@@ -159,7 +159,8 @@ def test_entry_point_algorithms_are_listed_and_loaded(monkeypatch):
 def test_batch_sizes_must_fit_the_smallest_users_data():
     resolve({}, {"hessian_batch_size": 490})
     with pytest.raises(ConfigError, match=r"train_args.hessian_batch_size=500: must be <= the smallest user's "
-                                          r"training data \(490 samples\)"):
+                                          r"training data under data_args.images_per_class=196 \(data_args."
+                                          r"partition_method='paper'\) \(490 samples\)"):
         resolve({}, {"hessian_batch_size": 500})
 
 

@@ -1,8 +1,8 @@
 """Drawn config values and whole configs: a valid run setup or one clean error."""
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fedml_perfedavg.run.config import ConfigError, resolve
+from fedml_perfedavg.run.config import BY_NAME, ConfigError, resolve
 from fedml_perfedavg.run.config import settings as config_settings
 
 
@@ -13,11 +13,15 @@ NUMERIC_OR_CHOICE = [f for f in config_settings() if f.metadata["kind"] in (int,
 @given(key=st.sampled_from(NUMERIC_OR_CHOICE),
        value=st.one_of(st.text(max_size=8), st.floats(allow_nan=True, allow_infinity=True),
                        st.integers(-10 ** 6, 10 ** 6), st.booleans(), st.none(), st.lists(st.integers(), max_size=3)))
+@example(key=BY_NAME["images_per_class"], value=2)  # too few for a batch: a rule with another key
+@example(key=BY_NAME["client_num_in_total"], value=1)  # fewer than a round's clients
+@example(key=BY_NAME["test_images_per_class"], value=10 ** 5)  # more than the test set holds
 def test_random_config_values_are_accepted_or_rejected_with_a_clear_message(key, value):
     try:
         config = resolve({}, {key.name: value})
     except ConfigError as err:
-        assert key.name in str(err) or "client_num" in str(err) or "batch_size" in str(err)
+        # the key that was set, with its section: its own error, or a rule relating it to another key
+        assert f"{key.metadata['section']}.{key.name}" in str(err), (key.name, value, str(err))
     else:
         assert getattr(config, key.name) == value or (value is None and key.default is None) or \
             float(getattr(config, key.name)) == float(value)
