@@ -317,6 +317,7 @@ class PluginRun:
             self.algorithm.use_hooks(safeguards)
             logger.info("FedML's %s: applied by %s's round hooks", safeguards.describe(), self.algorithm.label)
         self.global_state: StateDict = aggregator.get_model_params()
+        self.data_problem: Optional[str] = None  # a data owner's silo whose model cannot train on its data
         if self.users:  # the server of a data-owner run trains nothing and holds no sample to probe with
             self._probe_model()
         self.recorder: Optional[RunRecorder] = None
@@ -373,8 +374,15 @@ class PluginRun:
         try:
             notes = self.algorithm.check_model(self.global_state, sample.train_x[:size], sample.train_y[:size])
         except ModelMismatch as err:
-            raise ConfigError(f"the model ({type(self.model).__name__}; model_args.model={self.config.model!r}) does "
-                              f"not fit data_args.dataset={self.config.dataset!r}: {err}") from None
+            problem = (f"the model ({type(self.model).__name__}; model_args.model={self.config.model!r}) does not fit "
+                       f"data_args.dataset={self.config.dataset!r}: {err}")
+            if not (self.config.own_data and not self.is_server):
+                raise ConfigError(problem) from None
+            # A data owner's silo announces it: the server refuses it at once, naming it, and the run
+            # goes on without it (or stops) by the same rule as for any silo it refuses.
+            self.data_problem = problem
+            logger.error("silo rank %d: %s; announcing it to the server", self.rank, problem)
+            return
         for note in notes:
             logger.warning("%s: %s", type(self.model).__name__, note)
 
@@ -392,7 +400,7 @@ class PluginRun:
         announce = None
         if not self.is_server:
             announce = hello(values, self.rank - 1 if config.own_data else None,
-                             self.users[0] if config.own_data else None)
+                             self.users[0] if config.own_data else None, self.data_problem)
         return SiloSetup(config.own_data, list(range(1, config.silo_count + 1)), values, counts, announce,
                          self.model if self.is_server else None)
 

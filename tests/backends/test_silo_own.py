@@ -110,10 +110,14 @@ def test_a_silo_whose_data_does_not_fit_the_model_is_refused_naming_it(mnist_roo
     folders[2]["data_cache_dir"] = str(wrong)
     outs = finish_all(start_by_hand(tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": 2,
                                                "min_clients_per_round": 1}, 2, folders))
-    said = "silo rank 2's data (samples of shape (3, 32, 32), float32; labels up to 4) does not fit the model"
+    # the silo's own probe finds it and announces it; the server refuses the silo at once, naming it
+    said = ("silo rank 2 cannot train on its own data: the model (MLP; model_args.model='mlp') does not fit "
+            "data_args.dataset='mnist': it cannot compute a loss and its gradient on a batch of 40 samples of shape "
+            "(3, 32, 32)")
     assert said in outs[0] and said in outs[2]
     summary = _summary(tmp_path)
     assert summary["status"] == "finished" and summary["lost_silos"][0]["rank"] == 2  # min_clients 1: goes on
+    assert "refused" in summary["lost_silos"][0]["why"] and summary["refusals"] == {"disagreement": 1}
     assert all(h["missing_users"] == [1] for h in summary["history"])
     assert summary["per_user_accuracy"][1] is None and summary["per_user_accuracy"][0] is not None
 

@@ -81,16 +81,18 @@ def _equal(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def hello(fingerprint_values: Dict[str, Any], user_id: Optional[int], user: Optional[UserSplit]) -> Dict[str, Any]:
+def hello(fingerprint_values: Dict[str, Any], user_id: Optional[int], user: Optional[UserSplit],
+          problem: Optional[str] = None) -> Dict[str, Any]:
     """What a silo announces: its fingerprint, and in data-owner mode (``user`` given) its user's
-    counts, input shape and dtype, and classes."""
+    counts, input shape and dtype, and classes; ``problem``: why its model cannot train on its data
+    (its own probe), for the server to refuse it by."""
     if user is None:
         return {"fingerprint": fingerprint_values, "user": user_id, "train": None, "test": None, "input_shape": None,
-                "input_dtype": None, "classes": None}
+                "input_dtype": None, "classes": None, "problem": problem}
     classes = sorted(set(user.train_y.tolist()) | set(user.test_y.tolist()))
     return {"fingerprint": fingerprint_values, "user": user_id, "train": len(user.train_y), "test": len(user.test_y),
             "input_shape": list(user.train_x.shape[1:]), "input_dtype": str(user.train_x.dtype).split(".")[-1],
-            "classes": classes}
+            "classes": classes, "problem": None if problem is None else problem[:500]}
 
 
 def data_problem(model: nn.Module, announced: Dict[str, Any], rank: int) -> Optional[str]:

@@ -272,6 +272,8 @@ class PluginServerManager(FedMLServerManager):
         problem = disagreement(self.setup.fingerprint, announced["fingerprint"], silo)
         if problem is not None or not self.setup.own_data:
             return problem
+        if announced["problem"] is not None:
+            return f"silo rank {silo} cannot train on its own data: {announced['problem']}"
         if announced["user"] != silo - 1 or announced["train"] is None:
             return f"silo rank {silo} announced user {announced['user']}'s data; in data-owner mode rank R holds " \
                    f"user R-1's"

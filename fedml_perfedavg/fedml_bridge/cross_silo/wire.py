@@ -111,7 +111,9 @@ def _scalar(value: Any) -> bool:
 def _hello(value: Any) -> bool:
     """What a silo announces: the values that must agree with the server's, and its data's shape."""
     if not isinstance(value, dict) or set(value) != {"fingerprint", "user", "train", "test", "input_shape",
-                                                      "input_dtype", "classes"}:
+                                                      "input_dtype", "classes", "problem"}:
+        return False
+    if value["problem"] is not None and not _text(value["problem"], 500):
         return False
     fingerprint = value["fingerprint"]
     if not isinstance(fingerprint, dict) or len(fingerprint) > 64 or \
