@@ -1,7 +1,8 @@
 """As a FedML user works: FedML's own step-by-step main script plus one import, a FedML YAML
 switched to PerFedAvg with FedML's `lr` model, in a subprocess, offline (a network namespace
 with only loopback, and an audit hook that records any other socket use); sp (batched engine
-and FedML's loop), MPI (3 ranks) and cross-silo gRPC (server + 2 silos) give the same model."""
+and FedML's loop), MPI (3 ranks) and cross-silo gRPC (server + 2 silos) give the same model, which
+the model object the script handed FedMLRunner holds afterwards."""
 import json
 import os
 import shutil
@@ -16,11 +17,14 @@ import yaml
 from tests.helpers import EXAMPLE, NETWORK_GUARD, REPO, example_yaml, needs_mnist, offline
 
 SCRIPT = str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_example.py")
+# FedML's main as above, saving at the end what the model object it handed FedMLRunner holds
+USER_MODEL = str(REPO / "tests" / "backends" / "user_model_main.py")
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
-def _env(tmp_path):
+def _env(tmp_path, run_name=None):
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    return {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)}
+    saved = {"USER_MODEL_OUT": str(tmp_path / f"user-{run_name}.pt")} if run_name else {}
+    return {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home), **saved}
 
 
 def _summary(tmp_path, run_name):
@@ -40,28 +44,34 @@ def test_fedml_stock_main_runs_perfedavg_on_every_backend_with_one_model(mnist_r
     for engine in ("batched", "fedml"):
         path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, f"sp-{engine}", tmp_path / "runs",
                             simulation_engine=engine)
-        out = subprocess.run(offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
-                             capture_output=True, text=True, env=_env(tmp_path), timeout=300, cwd=tmp_path)
+        out = subprocess.run(offline([sys.executable, "-c", NETWORK_GUARD, "--script", USER_MODEL, "--cf", path]),
+                             capture_output=True, text=True, env=_env(tmp_path, f"sp-{engine}"), timeout=300,
+                             cwd=tmp_path)
         _check(out)
         assert "round 2: personalized accuracy" in out.stderr  # the plugin's evaluation reaches the console
         runs[engine] = _summary(tmp_path, f"sp-{engine}")
     if MPIRUN is not None:
         path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "runs")
-        out = subprocess.run(offline([MPIRUN, "-n", "3", sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT,
-                                      "--cf", path]), capture_output=True, text=True, env=_env(tmp_path), timeout=300,
-                             cwd=tmp_path)
+        out = subprocess.run(offline([MPIRUN, "-n", "3", sys.executable, "-c", NETWORK_GUARD, "--script", USER_MODEL,
+                                      "--cf", path]), capture_output=True, text=True, env=_env(tmp_path, "mpi"),
+                             timeout=300, cwd=tmp_path)
         _check(out, processes=3)
         runs["mpi"] = _summary(tmp_path, "mpi")
     (tmp_path / "ipconfig.csv").write_text("eid,rank,grpc_server_ip,grpc_server_port\n"
                                            + "".join(f"{r},{r},127.0.0.1,{19370 + r}\n" for r in range(3)))
     path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "runs",
                  grpc_ipconfig_path=str(tmp_path / "ipconfig.csv"))
-    script = " & ".join(f"{sys.executable} -c \"$GUARD\" --script {SCRIPT} --cf {path} --rank {r} --role "
+    script = " & ".join(f"{sys.executable} -c \"$GUARD\" --script {USER_MODEL} --cf {path} --rank {r} --role "
                         f"{'server' if r == 0 else 'client'} --run_id 5" for r in range(3)) + " & wait"
     out = subprocess.run(offline(["sh", "-c", script]), capture_output=True, text=True, timeout=300,
-                         env={**_env(tmp_path), "GUARD": NETWORK_GUARD}, cwd=tmp_path)
+                         env={**_env(tmp_path, "silo"), "GUARD": NETWORK_GUARD}, cwd=tmp_path)
     _check(out, processes=3)
     runs["silo"] = _summary(tmp_path, "silo")
+    # the module FedML's main handed FedMLRunner holds the final global model, on every backend
+    for name in ("sp-batched", "sp-fedml", *(["mpi"] if MPIRUN is not None else []), "silo"):
+        final = torch.load(tmp_path / "runs" / name / "model.pt")
+        user_model = torch.load(tmp_path / f"user-{name}.pt")
+        assert all(torch.equal(user_model[k], final[k]) for k in final), name
 
     reference_summary, reference_model = runs["fedml"]
     for backend, (summary, model) in runs.items():
@@ -158,34 +168,3 @@ def test_fedml_stock_main_under_mpi_trains_shares_and_gives_the_single_process_m
     assert mpi_summary["status"] == "finished" and mpi_summary["aggregate_calls"] == 2
     for k in sp_model:
         torch.testing.assert_close(mpi_model[k], sp_model[k], rtol=1e-5, atol=1e-6)
-
-
-@needs_mnist
-def test_the_model_handed_to_fedmlrunner_holds_the_final_model_on_every_backend(mnist_root, tmp_path):
-    script = str(REPO / "tests" / "backends" / "user_model_main.py")
-    env = {**_env(tmp_path), "USER_MODEL_OUT": str(tmp_path / "user.pt")}
-    runs = {}
-    for engine in ("batched", "fedml"):
-        path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, f"sp-{engine}", tmp_path / "runs",
-                            simulation_engine=engine)
-        out = subprocess.run([sys.executable, script, "--cf", path], capture_output=True, text=True, env=env,
-                             timeout=300, cwd=tmp_path)
-        runs[engine] = (out, f"sp-{engine}", torch.load(tmp_path / "user.pt"))
-    if MPIRUN is not None:
-        path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "runs")
-        out = subprocess.run([MPIRUN, "-n", "3", sys.executable, script, "--cf", path], capture_output=True,
-                             text=True, env=env, timeout=300, cwd=tmp_path)
-        runs["mpi"] = (out, "mpi", torch.load(tmp_path / "user.pt"))
-    (tmp_path / "ipconfig.csv").write_text("eid,rank,grpc_server_ip,grpc_server_port\n"
-                                           + "".join(f"{r},{r},127.0.0.1,{19570 + r}\n" for r in range(3)))
-    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "runs",
-                        grpc_ipconfig_path=str(tmp_path / "ipconfig.csv"))
-    silos = [subprocess.Popen([sys.executable, script, "--cf", path, "--rank", str(r), "--role",
-                               "server" if r == 0 else "client", "--run_id", "6"], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path) for r in range(3)]
-    outs = [p.communicate(timeout=300)[0] for p in silos]
-    runs["silo"] = (outs[0], "silo", torch.load(tmp_path / "user.pt"))
-    for backend, (out, name, user_model) in runs.items():
-        final = torch.load(tmp_path / "runs" / name / "model.pt")
-        for k in final:
-            assert torch.equal(user_model[k], final[k]), (backend, k)

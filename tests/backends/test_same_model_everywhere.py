@@ -88,7 +88,9 @@ def test_batchnorm_models_give_the_same_bits_on_every_backend_with_one_thread_ea
     smaller = dict(comm_round=2, local_steps=1) if model == "resnet56" else {}  # resnet56 is slow on a CPU
     paths = _yamls(tmp_path, model, dict(dataset="mnist", partition_method="own"), **smaller)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
-    differences = _largest_difference(_models(tmp_path, OWN_LOADER, paths, env, ranks=(2,)))
+    # resnet56 is slow on a CPU: sp against cross-silo (MPI's share path is the batched_cnn case's)
+    differences = _largest_difference(_models(tmp_path, OWN_LOADER, paths, env, ranks=(2,) if model != "resnet56"
+                                               else ()))
     assert differences and all(d == 0.0 for d in differences.values()), differences
 
 

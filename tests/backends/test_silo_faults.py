@@ -183,7 +183,7 @@ def test_silos_whose_server_was_killed_end_within_seconds(mnist_root, tmp_path):
 def test_ctrl_c_to_launch_silo_ends_every_process_cleanly_every_time(mnist_root, tmp_path):
     """Ctrl-C in a terminal signals the launcher's whole process group; each try must end every
     process, with the run recorded as interrupted and no traceback (1 in 2 tries failed before)."""
-    for attempt in range(3):
+    for attempt in range(2):  # 20 in a row by hand (benchmarks/RESULTS.md)
         run_dir = tmp_path / f"run{attempt}"
         process = launch_silo(run_dir, {**SETTINGS, "data_cache_dir": mnist_root, "comm_round": 400})
         log = run_dir / "run.log"
