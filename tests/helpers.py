@@ -214,3 +214,60 @@ def finish_all(processes, timeout=240):
         for process in processes.values():
             process.kill()
     return outs
+
+
+def wait_for_text(path, text: str, alive, seconds: float = 120):
+    """Until ``path`` holds ``text``; fails if ``alive()`` turns false or ``seconds`` pass."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not (Path(path).exists() and text in Path(path).read_text()):
+        assert alive() and time.monotonic() < deadline, f"never saw {text!r} in {path}"
+        time.sleep(0.05)
+
+
+def reencode(data: bytes, edit) -> bytes:
+    """A wire message with its JSON header changed by ``edit`` (the tensors kept), as an attacker
+    who holds a valid message would change it."""
+    import json
+    import struct
+
+    from fedml_perfedavg.fedml_bridge.cross_silo import wire
+
+    (length,) = struct.unpack_from(">I", data, len(wire.MAGIC))
+    start = len(wire.MAGIC) + 4
+    header = json.loads(data[start:start + length])
+    edit(header)
+    raw = json.dumps(header).encode()
+    return wire.MAGIC + struct.pack(">I", len(raw)) + raw + data[start + length:]
+
+
+def certificate_from(ca_dir, out, usages, rank: int = 1) -> bytes:
+    """Rank ``rank``'s certificate (and key) in ``out`` with the extended key usages ``usages``
+    (None: no extension), signed by the CA in ``ca_dir``; returns the certificate's PEM."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_dir, out = Path(ca_dir), Path(out)
+    ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), None)
+    ca = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"r{rank}")]))
+               .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.SubjectAlternativeName([x509.DNSName(f"rank-{rank}.fedml-perfedavg")]),
+                              critical=False))
+    if usages is not None:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank-{rank}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (out / f"rank-{rank}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                             serialization.PrivateFormat.PKCS8,
+                                                             serialization.NoEncryption()))
+    return cert.public_bytes(serialization.Encoding.PEM)

@@ -19,16 +19,14 @@ import sys
 from typing import List, Optional
 
 from ..core.guards import ConfigError, DivergenceError, OutputError, RunStopped
-from .config import load
+from .config import add_config_options, load
 from .. import logs
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedml-perfedavg", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cf", "--yaml_config_file", dest="config", help="FedML-style YAML config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set comm_round=20 (repeatable)")
+    add_config_options(parser, required=False)  # --resume takes the run's own config instead
     parser.add_argument("--run-dir", help="output directory of this run (default: output_dir/run_name)")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its last checkpoint (its config.yaml is used; a "

@@ -396,8 +396,8 @@ def _rule_platform(c: Config) -> None:
         check_security(c.tls_dir, c.insecure)
     check_scenario(c.training_type, c.extra.get("scenario", (None, None))[1])
     if c.silo_data == "own" and c.training_type != "cross_silo":
-        raise ConfigError(f"comm_args.silo_data='own': only across silos (common_args.training_type cross_silo); "
-                          f"a simulation holds every user's data")
+        raise ConfigError("comm_args.silo_data='own': only across silos (common_args.training_type cross_silo); "
+                          "a simulation holds every user's data")
     if c.own_data and c.stationarity_every:
         raise ConfigError(f"validation_args.stationarity_every={c.stationarity_every!r}: needs every user's data in "
                           f"one process; with comm_args.silo_data='own' the server holds none (set it to 0)")
@@ -596,6 +596,13 @@ def resolve(sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, A
     for rule in RULES:
         rule(config)
     return config
+
+
+def add_config_options(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """``--cf CONFIG.yaml`` and ``--set KEY=VALUE`` (repeatable): how every command takes a config."""
+    parser.add_argument("--cf", "--yaml_config_file", dest="config", required=required, help="FedML-style YAML config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set comm_round=20 (repeatable; section.key works too)")
 
 
 def load(path: Optional[str], overrides: Sequence[str] = ()) -> Config:

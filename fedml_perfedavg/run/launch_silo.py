@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence
 from ..core.guards import ConfigError, OutputError
 from ..fedml_bridge.cross_silo.credentials import make_certificates
 from .. import logs
-from .config import load, load_yaml, parse_overrides
+from .config import add_config_options, load, load_yaml, parse_overrides
 from .files import write_json
 from .runner import resolve_run_dir
 from .silo_addresses import read_ipconfig, write_ipconfig
@@ -248,10 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedml-perfedavg launch-silo",
                                      description="Run a cross-silo (gRPC) experiment: a server and N silos on "
                                                  "127.0.0.1.")
-    parser.add_argument("--cf", "--yaml_config_file", dest="config", required=True, help="FedML-style YAML config")
-    parser.add_argument("--clients", type=int, help="number of silos (default: train_args.client_num_per_round)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key (repeatable)")
+    add_config_options(parser)
+    parser.add_argument("--clients", type=int, help="number of silos (default: client_num_per_round, or "
+                                                    "client_num_in_total with comm_args.silo_data own)")
     parser.add_argument("--run-dir", help="output directory shared by all processes")
     parser.add_argument("--server-delay", type=float, metavar="SECONDS",
                         help="start the silos first and the server this much later (they retry until it listens)")

@@ -20,7 +20,7 @@ from ..core.guards import ConfigError
 from ..data.loading import DATASETS, FederatedData
 from ..data.partition import PARTITIONS
 from ..data.silo_folder import SPLIT_KEYS, check_split, export_users, is_export, is_silo_folder, read_silo_folder
-from .config import Config, load
+from .config import Config, add_config_options, load
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedml-perfedavg export-split", description="Write one folder per user "
                                      "of a config's split (DIR/rank-R/ for silo rank R, user R-1), for data-owner "
                                      "cross-silo runs (comm_args.silo_data: own).")
-    parser.add_argument("--cf", "--yaml_config_file", dest="config", required=True, help="FedML-style YAML config")
+    add_config_options(parser)
     parser.add_argument("--out", required=True, help="a new folder to write into")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key (repeatable), as a run takes them")
     return parser
 
 

@@ -8,8 +8,6 @@ import json
 import shutil
 import socket
 import ssl
-import subprocess
-import sys
 import threading
 import time
 

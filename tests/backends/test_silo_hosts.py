@@ -19,7 +19,7 @@ from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificate
 from fedml_perfedavg.run.config import load_yaml, resolve
 from fedml_perfedavg.run.runner import load_split, run
 
-from tests.helpers import HF_YAML, REPO, SILO_YAML, lost_round_cost, needs_mnist
+from tests.helpers import HF_YAML, REPO, SILO_YAML, finish_all, lost_round_cost, needs_mnist, wait_for_text
 
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
 SERVER, SILO1, SILO2 = "198.18.1.1", "198.18.1.2", "198.18.2.2"
@@ -105,22 +105,11 @@ def _one_ca(tmp_path):
     return {rank: tls for rank in (0, 1, 2)}
 
 
-def _finish(processes, timeout=240):
-    outs = {}
-    try:
-        for rank, process in processes.items():
-            outs[rank] = process.communicate(timeout=timeout)[0]
-    finally:
-        for process in processes.values():
-            process.kill()
-    return outs
-
-
 @needs_mnist
 @needs_netns
 def test_tls_across_hosts_gives_the_single_process_model(hosts, tmp_path, mnist_root):
     names, _ = hosts
-    outs = _finish(_start(names, tmp_path, mnist_root, {"comm_round": 3}, _one_ca(tmp_path)))
+    outs = finish_all(_start(names, tmp_path, mnist_root, {"comm_round": 3}, _one_ca(tmp_path)))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-3000:]
     assert f"gRPC rank 0 listening on {SERVER}:50551" in outs[0]
@@ -141,7 +130,7 @@ def test_a_silo_with_a_certificate_from_another_ca_is_refused_and_named(hosts, t
     tls, other = str(tmp_path / "tls"), str(tmp_path / "other")
     make_certificates(tls, 2)
     make_certificates(other, 2)
-    outs = _finish(_start(names, tmp_path, mnist_root, {"comm_round": 3, "connect_timeout": 8,
+    outs = finish_all(_start(names, tmp_path, mnist_root, {"comm_round": 3, "connect_timeout": 8,
                                                        "min_clients_per_round": min_clients},
                           {0: tls, 1: tls, 2: other}))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -162,12 +151,9 @@ def test_a_silo_whose_packets_are_dropped_costs_one_round_its_deadline(hosts, tm
     rounds = 30
     processes = _start(names, tmp_path, mnist_root, {"comm_round": rounds, "min_clients_per_round": 1}, _one_ca(tmp_path))
     log = tmp_path / "run" / "run.log"
-    deadline = time.monotonic() + 120
-    while not (log.exists() and "round 3: personalized accuracy" in log.read_text()):
-        assert time.monotonic() < deadline and processes[0].poll() is None
-        time.sleep(0.05)
+    wait_for_text(log, "round 3: personalized accuracy", lambda: processes[0].poll() is None)
     _sh("ip", "netns", "exec", names[2], "tc", "qdisc", "add", "dev", links[2], "root", "pfifo", "limit", "0")
-    outs = _finish({0: processes[0], 1: processes[1]})
+    outs = finish_all({0: processes[0], 1: processes[1]})
     processes[2].kill()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == rounds, outs[0][-3000:]
@@ -220,7 +206,7 @@ def test_data_owner_hosts_that_see_only_their_own_folder_give_the_single_process
         for rank in range(silos + 1):
             private = tmp_path / "private" / f"rank-{rank}"  # where this host's own folder appears, in its namespace
             private.mkdir(parents=True)
-            hide = (f"mount --make-rprivate / && "
+            hide = ("mount --make-rprivate / && "
                     + (f"mount --bind {export / f'rank-{rank}'} {private} && " if rank else "")
                     + f"mount -t tmpfs none {export} && mount -t tmpfs none {mnist_root} && exec \"$@\"")
             sets = {**settings, "data_cache_dir": private, "grpc_ipconfig_path": ipconfig, "tls_dir": tls[rank]}
@@ -230,7 +216,7 @@ def test_data_owner_hosts_that_see_only_their_own_folder_give_the_single_process
                        "--role", "server" if rank == 0 else "client", "--run_id", "owners"]
             processes[rank] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                                env=env)
-        outs = _finish(processes)
+        outs = finish_all(processes)
     finally:
         _remove_hosts(names)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -266,17 +252,12 @@ def test_a_silo_cut_off_for_a_while_comes_back_while_the_run_goes_on(hosts, tmp_
     processes = _start(names, tmp_path, mnist_root, {"comm_round": 150, "min_clients_per_round": 1},
                        _one_ca(tmp_path))
     log = tmp_path / "run" / "run.log"
-    deadline = time.monotonic() + 120
-    while not (log.exists() and "round 3: personalized accuracy" in log.read_text()):
-        assert time.monotonic() < deadline and processes[0].poll() is None
-        time.sleep(0.05)
+    wait_for_text(log, "round 3: personalized accuracy", lambda: processes[0].poll() is None)
     _sh("ip", "netns", "exec", names[2], "tc", "qdisc", "add", "dev", links[2], "root", "pfifo", "limit", "0")
-    while "going on without silo rank(s) [2]" not in log.read_text():
-        assert time.monotonic() < deadline + 60 and processes[0].poll() is None
-        time.sleep(0.05)
+    wait_for_text(log, "going on without silo rank(s) [2]", lambda: processes[0].poll() is None, 60)
     time.sleep(2)
     _sh("ip", "netns", "exec", names[2], "tc", "qdisc", "del", "dev", links[2], "root")
-    outs = _finish(processes)
+    outs = finish_all(processes)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == 150, outs[0][-3000:]
     [lost] = summary["lost_silos"]

@@ -1,13 +1,13 @@
 """Certificates: bounded validity, one spelling per rank, extended key usage checked, and
 launch-silo's CA key never written."""
-import datetime
-
 import pytest
 
 from fedml_perfedavg.core.guards import ConfigError
 from fedml_perfedavg.fedml_bridge.cross_silo.credentials import (MAX_DAYS, load_credentials, make_certificates,
                                                                  peer_certificate_problem, rank_of_names)
 from fedml_perfedavg.run.certs import main as certs
+
+from tests.helpers import certificate_from
 
 
 def test_validity_is_bounded(tmp_path, capsys):
@@ -31,29 +31,10 @@ def test_without_the_ca_key_nobody_can_issue_another_certificate(tmp_path):
 
 
 def _certificate(tmp_path, usages):
-    """A rank-1 certificate from the run's CA with the given extended key usages (None: no extension)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
+    """A rank-1 certificate from a run CA of its own with the given extended key usages (None: no
+    extension), beside that CA's certificate."""
     make_certificates(str(tmp_path), 1)
-    ca_key = serialization.load_pem_private_key((tmp_path / "ca.key").read_bytes(), None)
-    ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "r1")]))
-               .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.SubjectAlternativeName([x509.DNSName("rank-1.fedml-perfedavg")]), critical=False))
-    if usages is not None:
-        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-    cert = builder.sign(ca_key, hashes.SHA256())
-    (tmp_path / "rank-1.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (tmp_path / "rank-1.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                            serialization.PrivateFormat.PKCS8,
-                                                            serialization.NoEncryption()))
-    return cert.public_bytes(serialization.Encoding.PEM)
+    return certificate_from(tmp_path, tmp_path, usages)
 
 
 def test_extended_key_usage_is_checked(tmp_path):

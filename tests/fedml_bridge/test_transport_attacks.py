@@ -1,7 +1,6 @@
 """An outsider, and an insider with the wrong certificate, against live cross-silo transports on
 loopback (a server, rank 0, and silo 1, with mutual TLS): what each attack sends, what is refused
 and logged, and that nothing of it reaches the protocol while genuine messages still do."""
-import json
 import logging
 import pickle
 import struct
@@ -21,6 +20,7 @@ from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as p
 from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc
 from fedml.core.distributed.communication.message import Message
 
+from tests.helpers import certificate_from, reencode
 from tests.helpers import raw_send as send_raw
 
 CAP = 64 * 1024
@@ -240,7 +240,7 @@ def test_a_header_nested_20000_deep_is_a_counted_refusal_not_an_error(world, cap
 def test_a_flood_of_refused_messages_writes_a_few_lines_and_counts_them_all(world, caplog):
     """600 bad messages with a 60 KB field from an insider: every one refused and counted, a few
     lines logged, each cut short (FedML-era code wrote 36.8 MB/s of log for this)."""
-    flood = _reencode_run_id(_encoded(wire.CLIENT_STATUS, 2, 0, client_status="ONLINE"), "x" * 60_000)
+    flood = reencode(_encoded(wire.CLIENT_STATUS, 2, 0, client_status="ONLINE"), lambda h: h.update(run_id="x" * 60_000))
     sent = 0
     with caplog.at_level(logging.WARNING):
         channel, stub = _insider_stub(world, 2)
@@ -282,7 +282,7 @@ def test_a_certificate_whose_key_usage_excludes_clients_is_refused(world, tmp_pa
 
     signing = tmp_path / "signing"
     signing.mkdir()
-    _certificate_from(world.tls, signing, [ExtendedKeyUsageOID.CODE_SIGNING])  # rank 1's name, the run's CA
+    certificate_from(world.tls, signing, [ExtendedKeyUsageOID.CODE_SIGNING])  # rank 1's name, the run's CA
     status = _encoded(wire.CLIENT_STATUS, 1, 0, client_status="ONLINE")
     with caplog.at_level(logging.WARNING):
         code = raw_send(world.server, status, signing, 1, world.tls)
@@ -304,43 +304,8 @@ def _eventually(predicate, seconds=3.0):
         time.sleep(0.02)
 
 
-def _certificate_from(ca_dir, out, usages):
-    """Rank 1's certificate with ``usages``, signed by the CA in ``ca_dir`` (the run's own)."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), None)
-    ca = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "r1")]))
-            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("rank-1.fedml-perfedavg")]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage(usages), critical=False).sign(ca_key, hashes.SHA256()))
-    (out / "rank-1.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (out / "rank-1.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                       serialization.NoEncryption()))
-
-
 def _with_session(data: bytes, session: str) -> bytes:
-    (length,) = struct.unpack_from(">I", data, 8)
-    header = json.loads(data[12:12 + length])
-    header["session"] = session
-    raw = json.dumps(header).encode()
-    return wire.MAGIC + struct.pack(">I", len(raw)) + raw + data[12 + length:]
-
-
-def _reencode_run_id(data: bytes, run_id: str) -> bytes:
-    (length,) = struct.unpack_from(">I", data, 8)
-    header = json.loads(data[12:12 + length])
-    header["run_id"] = run_id
-    raw = json.dumps(header).encode()
-    return wire.MAGIC + struct.pack(">I", len(raw)) + raw + data[12 + length:]
+    return reencode(data, lambda header: header.update(session=session))
 
 
 def _insider_stub(world, rank):

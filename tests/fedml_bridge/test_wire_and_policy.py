@@ -1,6 +1,5 @@
 """The cross-silo wire format decodes only data of the protocol's schema, and the silo policy's
 rules, as pure functions."""
-import json
 import pickle
 import struct
 
@@ -9,6 +8,8 @@ import torch
 
 from fedml_perfedavg.fedml_bridge.cross_silo import wire
 from fedml_perfedavg.fedml_bridge.cross_silo.policy import SiloPolicy
+
+from tests.helpers import reencode
 
 
 def _upload(**changes):
@@ -19,15 +20,6 @@ def _upload(**changes):
                          "n": torch.tensor(3)})
     fields.update(changes)
     return wire.Envelope(**fields)
-
-
-def _reencode(data: bytes, edit) -> bytes:
-    """``data`` with its JSON header changed by ``edit`` (the tensors kept)."""
-    (length,) = struct.unpack_from(">I", data, 8)
-    header = json.loads(data[12:12 + length])
-    edit(header)
-    raw = json.dumps(header).encode()
-    return wire.MAGIC + struct.pack(">I", len(raw)) + raw + data[12 + length:]
 
 
 def test_a_message_round_trips_with_its_model_order_dtypes_and_metrics():
@@ -92,7 +84,7 @@ def test_bytes_that_are_not_a_message_are_rejected_without_running_anything(data
 ])
 def test_headers_outside_the_schema_are_rejected(edit, why):
     with pytest.raises(wire.Rejected, match=why):
-        wire.decode(_reencode(wire.encode(_upload()), edit), 1 << 20)
+        wire.decode(reencode(wire.encode(_upload()), edit), 1 << 20)
 
 
 def test_a_nan_token_in_the_header_is_refused():
@@ -107,7 +99,7 @@ def test_a_nan_token_in_the_header_is_refused():
 def test_a_refusal_echoes_no_more_than_a_few_dozen_characters():
     flood = "x" * 60_000
     with pytest.raises(wire.Rejected) as err:
-        wire.decode(_reencode(wire.encode(_upload()), lambda h: h.update(run_id=flood)), 1 << 20)
+        wire.decode(reencode(wire.encode(_upload()), lambda h: h.update(run_id=flood)), 1 << 20)
     assert len(str(err.value)) < 200 and "(60002 chars)" in str(err.value)
 
 
