@@ -9,6 +9,7 @@ interpreter start; it only registers an import hook (no torch import), which app
 the first time anything imports torchvision. Kept outside the ``fedml_perfedavg`` package so
 that importing it starts nothing else.
 """
+
 from __future__ import annotations
 
 import glob

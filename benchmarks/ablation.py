@@ -12,6 +12,7 @@ Reports the personalized accuracy at rounds K/4, K/2, 3K/4 and K-1 per run, and 
 ablation.md / ablation.json under --out. An explanation aid, not a Table 1 row: nothing here
 is tuned, and the protocol of the benchmark is unchanged.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,10 @@ def one_run(job) -> Dict:
     config = config_for(method, random_seed=seed, comm_round=rounds)
     users = load_federated("mnist", mnist_root, 50, "paper", seed).to(device).users
     if variant == "normalized_inputs":
-        users = [UserSplit((u.train_x - MNIST_MEAN) / MNIST_STD, u.train_y, (u.test_x - MNIST_MEAN) / MNIST_STD,
-                           u.test_y) for u in users]
+        users = [
+            UserSplit((u.train_x - MNIST_MEAN) / MNIST_STD, u.train_y, (u.test_x - MNIST_MEAN) / MNIST_STD, u.test_y)
+            for u in users
+        ]
     torch.manual_seed(seed)
     model = create_model("mlp", (1, 28, 28), 10, [80, 60]).to(device)
     if variant == "xavier_init":
@@ -64,9 +67,14 @@ def one_run(job) -> Dict:
         if round_idx in checkpoints(rounds):
             result = engine.evaluate(round_idx)
             accuracy[round_idx] = (result.personalized_accuracy, result.accuracy_before_adaptation)
-    return {"variant": variant, "method": method, "seed": seed, "seconds": time.perf_counter() - start,
-            "personalized_accuracy": {str(r): a for r, (a, _) in accuracy.items()},
-            "accuracy_before_adaptation": {str(r): b for r, (_, b) in accuracy.items()}}
+    return {
+        "variant": variant,
+        "method": method,
+        "seed": seed,
+        "seconds": time.perf_counter() - start,
+        "personalized_accuracy": {str(r): a for r, (a, _) in accuracy.items()},
+        "accuracy_before_adaptation": {str(r): b for r, (_, b) in accuracy.items()},
+    }
 
 
 def main() -> int:
@@ -78,8 +86,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1000)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args()
-    jobs = [(v, m, s, args.mnist_root, args.device, args.rounds) for v in VARIANTS for m in ("fedavg", "hf")
-            for s in range(args.seeds)]
+    jobs = [
+        (v, m, s, args.mnist_root, args.device, args.rounds)
+        for v in VARIANTS
+        for m in ("fedavg", "hf")
+        for s in range(args.seeds)
+    ]
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         runs: List[Dict] = []
         for run in pool.imap_unordered(one_run, jobs):  # printed as they end, so a cut-off run keeps them
@@ -90,15 +102,21 @@ def main() -> int:
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     command = " ".join(["python", "benchmarks/ablation.py", *sys.argv[1:]])
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    Path(args.out, "ablation.json").write_text(json.dumps({"command": command, "device": device,
-                                                           "date": time.strftime("%Y-%m-%d"), "runs": runs},
-                                                          indent=1))
-    lines = [f"# Ablation, MNIST tau=10 alpha=0.01 ({time.strftime('%Y-%m-%d')}, {device})", "",
-             f"Command: `{command}`", "",
-             "Personalized accuracy (%) at rounds " + ", ".join(map(str, marks)) +
-             f"; mean over seeds (each seed's value in brackets at round {marks[-1]}).", "",
-             "| variant | method | " + " | ".join(f"round {r}" for r in marks) + f" | seeds at {marks[-1]} |",
-             "| --- | --- | " + " | ".join("---" for _ in marks) + " | --- |"]
+    Path(args.out, "ablation.json").write_text(
+        json.dumps({"command": command, "device": device, "date": time.strftime("%Y-%m-%d"), "runs": runs}, indent=1)
+    )
+    lines = [
+        f"# Ablation, MNIST tau=10 alpha=0.01 ({time.strftime('%Y-%m-%d')}, {device})",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Personalized accuracy (%) at rounds "
+        + ", ".join(map(str, marks))
+        + f"; mean over seeds (each seed's value in brackets at round {marks[-1]}).",
+        "",
+        "| variant | method | " + " | ".join(f"round {r}" for r in marks) + f" | seeds at {marks[-1]} |",
+        "| --- | --- | " + " | ".join("---" for _ in marks) + " | --- |",
+    ]
     for variant in VARIANTS:
         for method in ("fedavg", "hf"):
             chosen = [r for r in runs if r["variant"] == variant and r["method"] == method]

@@ -8,6 +8,7 @@ is ranked by the mean personalized accuracy of its last five evaluations. Result
 ``benchmarks/results/aruba_tuning.{json,md}``; the winner becomes the cell's
 ``*_aruba.yaml`` values by hand (stated in RESULTS.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,29 +44,69 @@ def main(argv=None) -> int:
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     started = time.time()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(run_one, str(base), str(out / "aruba_tuning_runs" / f"eps{e}_zeta{z}_p{p}"), args.seed,
-                               args.rounds, ["federated_optimizer=FedAvgARUBA", f"aruba_epsilon={e}",
-                                             f"aruba_zeta={z}", f"aruba_p={p}", *args.overrides], threads)
-                   for e, z, p in combos]
+        futures = [
+            pool.submit(
+                run_one,
+                str(base),
+                str(out / "aruba_tuning_runs" / f"eps{e}_zeta{z}_p{p}"),
+                args.seed,
+                args.rounds,
+                [
+                    "federated_optimizer=FedAvgARUBA",
+                    f"aruba_epsilon={e}",
+                    f"aruba_zeta={z}",
+                    f"aruba_p={p}",
+                    *args.overrides,
+                ],
+                threads,
+            )
+            for e, z, p in combos
+        ]
         summaries = [f.result() for f in futures]
     rows = []
     for (e, z, p), s in zip(combos, summaries):
         tail = [h["personalized_accuracy"] for h in s["history"][-5:]]
-        rows.append({"epsilon": e, "zeta": z, "p": p, "final": s["personalized_accuracy"],
-                     "last5_mean": sum(tail) / len(tail), "lr_mean_final": s["history"][-1].get("aruba_lr_mean"),
-                     "status": s["status"]})
+        rows.append(
+            {
+                "epsilon": e,
+                "zeta": z,
+                "p": p,
+                "final": s["personalized_accuracy"],
+                "last5_mean": sum(tail) / len(tail),
+                "lr_mean_final": s["history"][-1].get("aruba_lr_mean"),
+                "status": s["status"],
+            }
+        )
     rows.sort(key=lambda r: -r["last5_mean"])
     command = "python benchmarks/aruba_tuning.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "aruba_tuning.json").write_text(json.dumps({"command": command.strip(), "date": time.strftime("%Y-%m-%d"),
-                                                       "cell": args.cell, "seed": args.seed, "rounds": args.rounds,
-                                                       "wall_seconds": time.time() - started, "rows": rows}, indent=2))
-    lines = [f"# FedAvg + ARUBA tuning: {args.cell}, seed {args.seed}, K={args.rounds}", "",
-             f"Command: `{command.strip()}`; {time.strftime('%Y-%m-%d')}; {time.time() - started:.0f} s.",
-             "Ranked by the mean personalized accuracy of the last five evaluations.", "",
-             "| epsilon | zeta | p | eta0 = epsilon/zeta | last-5 mean (%) | final (%) | mean eta at the end |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['epsilon']} | {r['zeta']} | {r['p']} | {r['epsilon'] / r['zeta']:.4g} | "
-              f"{100 * r['last5_mean']:.2f} | {100 * r['final']:.2f} | {r['lr_mean_final']:.4g} |" for r in rows]
+    (out / "aruba_tuning.json").write_text(
+        json.dumps(
+            {
+                "command": command.strip(),
+                "date": time.strftime("%Y-%m-%d"),
+                "cell": args.cell,
+                "seed": args.seed,
+                "rounds": args.rounds,
+                "wall_seconds": time.time() - started,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
+    lines = [
+        f"# FedAvg + ARUBA tuning: {args.cell}, seed {args.seed}, K={args.rounds}",
+        "",
+        f"Command: `{command.strip()}`; {time.strftime('%Y-%m-%d')}; {time.time() - started:.0f} s.",
+        "Ranked by the mean personalized accuracy of the last five evaluations.",
+        "",
+        "| epsilon | zeta | p | eta0 = epsilon/zeta | last-5 mean (%) | final (%) | mean eta at the end |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {r['epsilon']} | {r['zeta']} | {r['p']} | {r['epsilon'] / r['zeta']:.4g} | "
+        f"{100 * r['last5_mean']:.2f} | {100 * r['final']:.2f} | {r['lr_mean_final']:.4g} |"
+        for r in rows
+    ]
     (out / "aruba_tuning.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -10,6 +10,7 @@ a 50-clients-per-round round (two computations). ``--check`` exits with 1 naming
 fingerprint that moved. Floating-point results depend on the CPU's kernels, so compare on one
 machine: the recorded file says which.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,10 +57,11 @@ def fingerprint(method: str, path: str, rounds: int, clients: int) -> dict:
         engine.batched = False
     state = engine.run(0, rounds)
     result = algorithm.evaluate(rounds, state, users, batched=path != "per_client")
-    return {"model": digest_state(state),
-            "evaluation": digest_numbers(result.per_user_accuracy + result.per_user_accuracy_before
-                                         + result.per_user_loss),
-            "personalized_accuracy": result.personalized_accuracy}
+    return {
+        "model": digest_state(state),
+        "evaluation": digest_numbers(result.per_user_accuracy + result.per_user_accuracy_before + result.per_user_loss),
+        "personalized_accuracy": result.personalized_accuracy,
+    }
 
 
 def all_fingerprints(rounds: int) -> dict:
@@ -81,10 +83,15 @@ def main() -> None:
     if args.record:
         import subprocess
 
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True).stdout.strip()
-        record = {"commit": commit, "machine": f"{platform.machine()}, torch {torch.__version__}",
-                  "rounds": args.rounds, "fingerprints": all_fingerprints(args.rounds)}
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        record = {
+            "commit": commit,
+            "machine": f"{platform.machine()}, torch {torch.__version__}",
+            "rounds": args.rounds,
+            "fingerprints": all_fingerprints(args.rounds),
+        }
         Path(args.record).write_text(json.dumps(record, indent=2) + "\n")
         print(json.dumps(record, indent=2))
         return

@@ -15,6 +15,7 @@ Uses the plugin's algorithm objects and batched engine directly (no FedML loop):
    wall time and final personalized accuracy.
 Writes cuda.md and cuda.json under --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,13 +58,25 @@ class Driver:
 
 
 def config_for(method: str, **overrides):
-    return resolve(load_yaml(str(HF_YAML)), {"federated_optimizer": "FedAvgUpdate" if method == "fedavg" else
-                                             "PerFedAvg", "perfedavg_variant": "hf" if method == "fedavg" else method,
-                                             "show_progress": False, **overrides})
+    return resolve(
+        load_yaml(str(HF_YAML)),
+        {
+            "federated_optimizer": "FedAvgUpdate" if method == "fedavg" else "PerFedAvg",
+            "perfedavg_variant": "hf" if method == "fedavg" else method,
+            "show_progress": False,
+            **overrides,
+        },
+    )
 
 
-def engine_for(config, users: List[UserSplit], model: torch.nn.Module, device: torch.device, fast_path: bool = True,
-               compile_local_update: bool = False):
+def engine_for(
+    config,
+    users: List[UserSplit],
+    model: torch.nn.Module,
+    device: torch.device,
+    fast_path: bool = True,
+    compile_local_update: bool = False,
+):
     algorithm = create_algorithm(config.federated_optimizer, model, config)
     state = {k: v.to(device) for k, v in model.state_dict().items()}
     engine = BatchedSimulation(algorithm, users, state, Driver(algorithm), compile_local_update, fast_path)
@@ -72,10 +85,15 @@ def engine_for(config, users: List[UserSplit], model: torch.nn.Module, device: t
 
 def synthetic_users(n: int, samples: int, dtype: torch.dtype) -> List[UserSplit]:
     g = torch.Generator().manual_seed(0)
-    return [UserSplit(torch.rand(samples, 1, 28, 28, generator=g, dtype=dtype),
-                      torch.randint(0, 10, (samples,), generator=g),
-                      torch.rand(samples // 4, 1, 28, 28, generator=g, dtype=dtype),
-                      torch.randint(0, 10, (samples // 4,), generator=g)) for _ in range(n)]
+    return [
+        UserSplit(
+            torch.rand(samples, 1, 28, 28, generator=g, dtype=dtype),
+            torch.randint(0, 10, (samples,), generator=g),
+            torch.rand(samples // 4, 1, 28, 28, generator=g, dtype=dtype),
+            torch.randint(0, 10, (samples // 4,), generator=g),
+        )
+        for _ in range(n)
+    ]
 
 
 def on(users: List[UserSplit], device: torch.device) -> List[UserSplit]:
@@ -87,28 +105,38 @@ def equivalence(device: torch.device) -> Dict[str, float]:
     out = {}
     users = synthetic_users(10, 80, torch.float64)
     for method in METHODS:
-        config = config_for(method, client_num_in_total=10, client_num_per_round=4, local_steps=3, beta=0.05,
-                            batch_size=16, meta_batch_size=16, hessian_batch_size=16)
+        config = config_for(
+            method,
+            client_num_in_total=10,
+            client_num_per_round=4,
+            local_steps=3,
+            beta=0.05,
+            batch_size=16,
+            meta_batch_size=16,
+            hessian_batch_size=16,
+        )
         torch.manual_seed(0)
         model = create_model("mlp", (1, 28, 28), 10, [80, 60]).double()
         algorithm = create_algorithm(config.federated_optimizer, model, config)
         reference = {k: v.clone() for k, v in model.state_dict().items()}
         for r in range(3):
-            updates = [algorithm.client_update(r, c, reference, users[c].train_x, users[c].train_y)
-                       for c in algorithm.sample_clients(r)]
+            updates = [
+                algorithm.client_update(r, c, reference, users[c].train_x, users[c].train_y)
+                for c in algorithm.sample_clients(r)
+            ]
             reference = algorithm.aggregate(r, updates, reference)
         for fast_path in (True, False):
             _, engine = engine_for(config, on(users, device), model, device, fast_path)
             got = engine.run(0, 3)
             path = "default" if fast_path else "vmap"
-            out[f"train_{method}_{path}_max_abs_diff"] = max(float((got[k].cpu() - reference[k]).abs().max())
-                                                             for k in reference)
+            out[f"train_{method}_{path}_max_abs_diff"] = max(
+                float((got[k].cpu() - reference[k]).abs().max()) for k in reference
+            )
         if method == "hf":
             cpu = algorithm.evaluate(0, reference, users, batched=False)
             dev = algorithm.evaluate(0, {k: v.to(device) for k, v in reference.items()}, on(users, device))
             out["evaluation_per_user_accuracy_equal"] = cpu.per_user_accuracy == dev.per_user_accuracy
-            out["evaluation_max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(cpu.per_user_loss,
-                                                                                dev.per_user_loss))
+            out["evaluation_max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(cpu.per_user_loss, dev.per_user_loss))
     return out
 
 
@@ -145,13 +173,15 @@ def speed(users: List[UserSplit], device: torch.device, repeats: int = 20) -> Di
             torch.manual_seed(0)
             model = create_model("mlp", (1, 28, 28), 10, [80, 60])
             algorithm, engine = engine_for(config, users, model, device, fast_path)
-            counter = iter(range(10 ** 6))
+            counter = iter(range(10**6))
             path = "default" if fast_path else "vmap"
-            out[f"train_{method}_{path}_ms_per_round"] = timed_ms(lambda: engine.train_round(next(counter)), device,
-                                                                  repeats)
+            out[f"train_{method}_{path}_ms_per_round"] = timed_ms(
+                lambda: engine.train_round(next(counter)), device, repeats
+            )
             if method == "hf" and fast_path:
-                out["evaluation_50_users_ms"] = timed_ms(lambda: algorithm.evaluate(0, engine.state, users), device,
-                                                         max(2, repeats // 2))
+                out["evaluation_50_users_ms"] = timed_ms(
+                    lambda: algorithm.evaluate(0, engine.state, users), device, max(2, repeats // 2)
+                )
     return out
 
 
@@ -174,10 +204,11 @@ def compiled_speed(users: List[UserSplit], device: torch.device, repeats: int = 
             engine.train_round(r)
         states[compiled] = {k: v.detach().clone() for k, v in engine.state.items()}
         if compiled:
-            counter = iter(range(3, 10 ** 6))
+            counter = iter(range(3, 10**6))
             out["compiled_hf_ms_per_round"] = timed_ms(lambda: engine.train_round(next(counter)), device, repeats)
-    out["compiled_vs_eager_max_abs_diff_after_3_rounds"] = max(float((states[True][k] - states[False][k]).abs().max())
-                                                               for k in states[True])
+    out["compiled_vs_eager_max_abs_diff_after_3_rounds"] = max(
+        float((states[True][k] - states[False][k]).abs().max()) for k in states[True]
+    )
     return out
 
 
@@ -193,9 +224,12 @@ def full_run(users: List[UserSplit], device: torch.device, rounds: int) -> Dict[
         if r % 10 == 0 or r == rounds - 1:
             result = algorithm.evaluate(r, engine.state, users)
     synchronize(device)
-    return {"full_run_rounds": rounds, "full_run_seconds": time.perf_counter() - start,
-            "full_run_personalized_accuracy": result.personalized_accuracy,
-            "full_run_accuracy_before_adaptation": result.accuracy_before_adaptation}
+    return {
+        "full_run_rounds": rounds,
+        "full_run_seconds": time.perf_counter() - start,
+        "full_run_personalized_accuracy": result.personalized_accuracy,
+        "full_run_accuracy_before_adaptation": result.accuracy_before_adaptation,
+    }
 
 
 def main(argv=None) -> int:
@@ -206,8 +240,11 @@ def main(argv=None) -> int:
     parser.add_argument("--synthetic", action="store_true", help="synthetic users instead of MNIST (tests)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    parser.add_argument("--compile-only", action="store_true",
-                        help="only measure device_args.compile_local_update on HF; writes cuda_compile.json")
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="only measure device_args.compile_local_update on HF; writes cuda_compile.json",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("cuda_check: no CUDA device here (--device cpu runs the same checks on the CPU)", file=sys.stderr)
@@ -215,11 +252,16 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     prefix = "cuda" if device.type == "cuda" else "cpu_check"
-    results = {"device": name, "torch": torch.__version__, "python": platform.python_version(),
-               "date": time.strftime("%Y-%m-%d"),
-               "command": " ".join(["python", "benchmarks/cuda_check.py", *(argv if argv is not None else sys.argv[1:])])}
-    users = (on(synthetic_users(50, 200, torch.float32), device) if args.synthetic
-             else mnist_users(args.mnist_root, device))
+    results = {
+        "device": name,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python", "benchmarks/cuda_check.py", *(argv if argv is not None else sys.argv[1:])]),
+    }
+    users = (
+        on(synthetic_users(50, 200, torch.float32), device) if args.synthetic else mnist_users(args.mnist_root, device)
+    )
     os.makedirs(args.out, exist_ok=True)
     if args.compile_only:
         results.update(compiled_speed(users, device, args.repeats))
@@ -232,10 +274,19 @@ def main(argv=None) -> int:
     print(json.dumps(results, indent=1), flush=True)
     results.update(full_run(users, device, args.rounds))
     Path(args.out, f"{prefix}.json").write_text(json.dumps(results, indent=1))
-    lines = [f"# CUDA check ({results['date']}, {results['device']}, torch {results['torch']})", "",
-             f"Command: `{results['command']}`", "", "| measure | value |", "| --- | --- |"]
-    lines += [f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in results.items()
-              if k not in ("device", "torch", "python", "date", "command")]
+    lines = [
+        f"# CUDA check ({results['date']}, {results['device']}, torch {results['torch']})",
+        "",
+        f"Command: `{results['command']}`",
+        "",
+        "| measure | value |",
+        "| --- | --- |",
+    ]
+    lines += [
+        f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |"
+        for k, v in results.items()
+        if k not in ("device", "torch", "python", "date", "command")
+    ]
     Path(args.out, f"{prefix}.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(results, indent=1))
     return 0

@@ -11,6 +11,7 @@ training time: each method's personalized accuracy at its last evaluation within
 Outputs in ``--out``: equal_time.md (mean and 95% interval over seeds, paired HF - FedAvg),
 equal_time.csv (one row per seed and budget) and one plot per cell (accuracy against training time).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,17 @@ from table1 import CONFIG_DIR, METHOD_NAMES, _band, _fmt, finished, mean_ci95, r
 
 CELLS = ("mnist_tau10_alpha0.01", "mnist_tau4_alpha0.01")
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
-CSV_COLUMNS = ["cell", "seed", "fraction", "budget_seconds", "hf_accuracy", "hf_round", "fedavg_accuracy",
-               "fedavg_round", "hf_minus_fedavg"]
+CSV_COLUMNS = [
+    "cell",
+    "seed",
+    "fraction",
+    "budget_seconds",
+    "hf_accuracy",
+    "hf_round",
+    "fedavg_accuracy",
+    "fedavg_round",
+    "hf_minus_fedavg",
+]
 
 
 def at_budget(history: List[Dict], seconds: float) -> Optional[Dict]:
@@ -49,10 +59,17 @@ def compare(hf: Dict, fedavg: Dict) -> List[Dict]:
         a, b = at_budget(hf["history"], budget), at_budget(fedavg["history"], budget)
         if a is None or b is None:
             continue
-        rows.append({"fraction": fraction, "budget_seconds": round(budget, 2),
-                     "hf_accuracy": a["personalized_accuracy"], "hf_round": a["round"],
-                     "fedavg_accuracy": b["personalized_accuracy"], "fedavg_round": b["round"],
-                     "hf_minus_fedavg": a["personalized_accuracy"] - b["personalized_accuracy"]})
+        rows.append(
+            {
+                "fraction": fraction,
+                "budget_seconds": round(budget, 2),
+                "hf_accuracy": a["personalized_accuracy"],
+                "hf_round": a["round"],
+                "fedavg_accuracy": b["personalized_accuracy"],
+                "fedavg_round": b["round"],
+                "hf_minus_fedavg": a["personalized_accuracy"] - b["personalized_accuracy"],
+            }
+        )
     return rows
 
 
@@ -74,14 +91,20 @@ def report(out: Path, command: str, seeds: int, hf_rounds: int, fedavg_rounds: i
         writer.writeheader()
         writer.writerows(rows)
 
-    lines = ["# Per-FedAvg (HF) against FedAvg + update at equal training time", "",
-             f"Command: `{command}`; written {time.strftime('%Y-%m-%d')}.", "",
-             f"HF runs K={hf_rounds} rounds, FedAvg + update {fedavg_rounds}; both evaluate every 10 rounds. Budget: a "
-             "fraction of each seed's HF training time (evaluation excluded); each method's personalized accuracy "
-             "(%) at its last evaluation within the budget, mean ± 95% interval over seeds; the difference is "
-             "paired by seed.", "",
-             "| cell | budget (share of HF's time) | mean budget (s) | Per-FedAvg (HF) | FedAvg + update | FedAvg's "
-             "rounds by then | HF - FedAvg |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "# Per-FedAvg (HF) against FedAvg + update at equal training time",
+        "",
+        f"Command: `{command}`; written {time.strftime('%Y-%m-%d')}.",
+        "",
+        f"HF runs K={hf_rounds} rounds, FedAvg + update {fedavg_rounds}; both evaluate every 10 rounds. Budget: a "
+        "fraction of each seed's HF training time (evaluation excluded); each method's personalized accuracy "
+        "(%) at its last evaluation within the budget, mean ± 95% interval over seeds; the difference is "
+        "paired by seed.",
+        "",
+        "| cell | budget (share of HF's time) | mean budget (s) | Per-FedAvg (HF) | FedAvg + update | FedAvg's "
+        "rounds by then | HF - FedAvg |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for cell in CELLS:
         for fraction in FRACTIONS:
             sel = [r for r in rows if r["cell"] == cell and r["fraction"] == fraction]
@@ -90,11 +113,18 @@ def report(out: Path, command: str, seeds: int, hf_rounds: int, fedavg_rounds: i
             budget = sum(r["budget_seconds"] for r in sel) / len(sel)
             cols = [_fmt(*mean_ci95([100 * r[k] for r in sel])) for k in ("hf_accuracy", "fedavg_accuracy")]
             fedavg_rounds_by = sum(r["fedavg_round"] + 1 for r in sel) / len(sel)
-            lines.append(f"| {cell} | {fraction:.0%} | {budget:.1f} | {cols[0]} | {cols[1]} | "
-                         f"{fedavg_rounds_by:.0f} | {_fmt(*mean_ci95([100 * r['hf_minus_fedavg'] for r in sel]))} |")
-    lines += ["", "At the end of each run (K rounds):", "", f"| cell | seeds | Per-FedAvg (HF), K={hf_rounds} | "
-              f"FedAvg + update, K={fedavg_rounds} | HF training time (s) | FedAvg training time (s) |",
-              "| --- | --- | --- | --- | --- | --- |"]
+            lines.append(
+                f"| {cell} | {fraction:.0%} | {budget:.1f} | {cols[0]} | {cols[1]} | "
+                f"{fedavg_rounds_by:.0f} | {_fmt(*mean_ci95([100 * r['hf_minus_fedavg'] for r in sel]))} |"
+            )
+    lines += [
+        "",
+        "At the end of each run (K rounds):",
+        "",
+        f"| cell | seeds | Per-FedAvg (HF), K={hf_rounds} | "
+        f"FedAvg + update, K={fedavg_rounds} | HF training time (s) | FedAvg training time (s) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for cell, pairs in summaries.items():
         acc = [_fmt(*mean_ci95([100 * s["personalized_accuracy"] for s in side])) for side in zip(*pairs)]
         secs = [sum(s["history"][-1]["train_seconds"] for s in side) / len(side) for side in zip(*pairs)]
@@ -119,12 +149,16 @@ def plot(summaries: Dict[str, List], out: Path) -> None:
             _, seconds, _ = _band(histories, "train_seconds")
             means, halves = [100 * m for m in means], [100 * h for h in halves]
             ax.plot(seconds, means, label=METHOD_NAMES[method])
-            ax.fill_between(seconds, [m - h for m, h in zip(means, halves)],
-                            [m + h for m, h in zip(means, halves)], alpha=0.2)
+            ax.fill_between(
+                seconds, [m - h for m, h in zip(means, halves)], [m + h for m, h in zip(means, halves)], alpha=0.2
+            )
         hf_time = sum(s["history"][-1]["train_seconds"] for s, _ in pairs) / len(pairs)
         ax.axvline(hf_time, color="grey", linestyle=":", label="HF's last round")
-        ax.set(xlabel="training time (s, evaluation excluded; this engine and machine)",
-               ylabel="personalized accuracy (%)", title=f"{cell}: equal training time, mean and 95% band")
+        ax.set(
+            xlabel="training time (s, evaluation excluded; this engine and machine)",
+            ylabel="personalized accuracy (%)",
+            title=f"{cell}: equal training time, mean and 95% band",
+        )
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / f"{cell}.png", dpi=90)
@@ -139,8 +173,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=CELLS)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "equal_time"))
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra config override for every run (e.g. data_cache_dir=...)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for every run (e.g. data_cache_dir=...)",
+    )
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -150,9 +190,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.report_only:
         rounds = {"hf": args.hf_rounds, "fedavg": args.fedavg_rounds}
         threads = max(1, (os.cpu_count() or 1) // max(1, args.jobs))
-        jobs = [(str(CONFIG_DIR / f"{cell}_{method}.yaml"), str(out / "runs" / cell / method / f"seed{seed}"), seed,
-                 rounds[method], list(args.overrides), threads)
-                for cell in args.cells for seed in range(args.seeds) for method in ("hf", "fedavg")]
+        jobs = [
+            (
+                str(CONFIG_DIR / f"{cell}_{method}.yaml"),
+                str(out / "runs" / cell / method / f"seed{seed}"),
+                seed,
+                rounds[method],
+                list(args.overrides),
+                threads,
+            )
+            for cell in args.cells
+            for seed in range(args.seeds)
+            for method in ("hf", "fedavg")
+        ]
         jobs = [job for job in jobs if not finished(Path(job[1]))]
         print(f"{len(jobs)} runs to make", file=sys.stderr)
         started = time.time()

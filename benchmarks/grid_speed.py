@@ -6,6 +6,7 @@ computation (``fedml_perfedavg.engine.grid``) or one engine after the other, in 
 Training only (no evaluation), paper MNIST split, tau=10 cell, FedAvg + update and Per-FedAvg (HF).
 Writes ``benchmarks/results/grid_speed.{json,md}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,10 @@ class Driver:
 def engines(method: str, seeds: int, data_root: str):
     out = []
     for seed in range(seeds):
-        config = load(str(REPO / "yaml_configs" / f"mnist_tau10_alpha0.01_{method}.yaml"),
-                      [f"random_seed={seed}", f"data_cache_dir={data_root}"])
+        config = load(
+            str(REPO / "yaml_configs" / f"mnist_tau10_alpha0.01_{method}.yaml"),
+            [f"random_seed={seed}", f"data_cache_dir={data_root}"],
+        )
         torch.manual_seed(seed)
         model = create_model("mlp", (1, 28, 28), 10, [80, 60])
         algorithm = create_algorithm(config.federated_optimizer, model, config)
@@ -53,7 +56,7 @@ def engines(method: str, seeds: int, data_root: str):
 
 def ms_per_round(step, rounds: int, repeats: int) -> list:
     step(0)  # warm-up
-    samples, counter = [], iter(range(1, 10 ** 6))
+    samples, counter = [], iter(range(1, 10**6))
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(rounds):
@@ -78,23 +81,42 @@ def main(argv=None) -> int:
         one_by_one = ms_per_round(lambda r: [e.train_round(r) for e in separate], args.rounds, args.repeats)
         grid = GridSimulation(engines(method, args.seeds, args.data_root))
         together = ms_per_round(grid.train_round, args.rounds, args.repeats)
-        rows.append({"method": method, "separate_ms": statistics.median(one_by_one), "grid_ms": statistics.median(together),
-                     "separate_spread": [min(one_by_one), max(one_by_one)], "grid_spread": [min(together), max(together)]})
+        rows.append(
+            {
+                "method": method,
+                "separate_ms": statistics.median(one_by_one),
+                "grid_ms": statistics.median(together),
+                "separate_spread": [min(one_by_one), max(one_by_one)],
+                "grid_spread": [min(together), max(together)],
+            }
+        )
     command = "python benchmarks/grid_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = {"command": command.strip(), "date": time.strftime("%Y-%m-%d"), "threads": args.threads,
-              "seeds": args.seeds, "rows": rows}
+    result = {
+        "command": command.strip(),
+        "date": time.strftime("%Y-%m-%d"),
+        "threads": args.threads,
+        "seeds": args.seeds,
+        "rows": rows,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "grid_speed.json").write_text(json.dumps(result, indent=2))
-    lines = [f"# Grid mode vs separate runs ({result['date']})", "", f"Command: `{result['command']}`; "
-             f"{args.seeds} seeds of the MNIST tau=10 cell, {args.threads} torch thread(s), training only, "
-             f"ms per round of all {args.seeds} runs (median of {args.repeats} x {args.rounds} rounds, min-max).", "",
-             "| method | one engine after the other | grid mode (one computation) | grid / separate |",
-             "| --- | --- | --- | --- |"]
+    lines = [
+        f"# Grid mode vs separate runs ({result['date']})",
+        "",
+        f"Command: `{result['command']}`; "
+        f"{args.seeds} seeds of the MNIST tau=10 cell, {args.threads} torch thread(s), training only, "
+        f"ms per round of all {args.seeds} runs (median of {args.repeats} x {args.rounds} rounds, min-max).",
+        "",
+        "| method | one engine after the other | grid mode (one computation) | grid / separate |",
+        "| --- | --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['separate_ms']:.1f} ({r['separate_spread'][0]:.1f}-{r['separate_spread'][1]:.1f}) "
-                     f"| {r['grid_ms']:.1f} ({r['grid_spread'][0]:.1f}-{r['grid_spread'][1]:.1f}) | "
-                     f"{r['grid_ms'] / r['separate_ms']:.2f} |")
+        lines.append(
+            f"| {r['method']} | {r['separate_ms']:.1f} ({r['separate_spread'][0]:.1f}-{r['separate_spread'][1]:.1f}) "
+            f"| {r['grid_ms']:.1f} ({r['grid_spread'][0]:.1f}-{r['grid_spread'][1]:.1f}) | "
+            f"{r['grid_ms'] / r['separate_ms']:.2f} |"
+        )
     (out / "grid_speed.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -9,6 +9,7 @@ and with 1, a 2048^2 fp32 GEMM with 2 threads, and a copy of 8 MB (cache-sized) 
 copies is one in which the two threads' many short parallel sections cost more, not one short of
 arithmetic or memory bandwidth. Writes machine_phases.json under --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,24 +52,30 @@ def main() -> None:
     y = torch.nn.functional.one_hot(torch.randint(0, 10, (clients, batch)), 10).float()
     hvp = lambda: chain.finite_difference_hvp(params, direction, x, y, 1e-3, out=out)  # noqa: E731
     gemm = torch.randn(2048, 2048)
-    small, large = torch.randn(2 * 2 ** 20), torch.randn(16 * 2 ** 20)
+    small, large = torch.randn(2 * 2**20), torch.randn(16 * 2**20)
     small_out, large_out = torch.empty_like(small), torch.empty_like(large)
     threads = torch.get_num_threads()
     rows = []
     for _ in range(args.samples):
         torch.set_num_threads(2)
-        row = {"time": time.strftime("%H:%M:%S"), "hvp_ms_2_threads": 1e3 * median_seconds(hvp, 50),
-               "gemm_gflops_2_threads": 2 * 2048 ** 3 / median_seconds(lambda: gemm @ gemm, 3) / 1e9,
-               "copy_8mb_gb_s": 2 * small.numel() * 4 / median_seconds(lambda: small_out.copy_(small), 20) / 1e9,
-               "copy_64mb_gb_s": 2 * large.numel() * 4 / median_seconds(lambda: large_out.copy_(large), 5) / 1e9}
+        row = {
+            "time": time.strftime("%H:%M:%S"),
+            "hvp_ms_2_threads": 1e3 * median_seconds(hvp, 50),
+            "gemm_gflops_2_threads": 2 * 2048**3 / median_seconds(lambda: gemm @ gemm, 3) / 1e9,
+            "copy_8mb_gb_s": 2 * small.numel() * 4 / median_seconds(lambda: small_out.copy_(small), 20) / 1e9,
+            "copy_64mb_gb_s": 2 * large.numel() * 4 / median_seconds(lambda: large_out.copy_(large), 5) / 1e9,
+        }
         torch.set_num_threads(1)
         row["hvp_ms_1_thread"] = 1e3 * median_seconds(hvp, 50)
         torch.set_num_threads(threads)
         rows.append(row)
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         time.sleep(1)
-    result = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/machine_phases.py " + " ".join(sys.argv[1:]),
-              "samples": rows}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python benchmarks/machine_phases.py " + " ".join(sys.argv[1:]),
+        "samples": rows,
+    }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "machine_phases.json").write_text(json.dumps(result, indent=2))

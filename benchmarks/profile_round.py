@@ -9,6 +9,7 @@ passes alone, the adapted and the global model over every test split), a 2048^2 
 beside them, and whether the evaluation's probe found batched scoring bit-exact on this CPU.
 Median of ``--repeats`` after a warm-up call. Writes profile_round.json under --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,9 @@ def scoring_inputs(algorithm, params, users, ids, cfg) -> list:
     groups = []
     for members in by_size.values():
         group = [users[i] for i in members]
-        adapted = evaluation._adapt_together(algorithm.loss_fn, params, group, [ids[i] for i in members], cfg, 0,
-                                             cfg.alpha)
+        adapted = evaluation._adapt_together(
+            algorithm.loss_fn, params, group, [ids[i] for i in members], cfg, 0, cfg.alpha
+        )
         groups.append((adapted, evaluation._stacked_test_splits(group, None)[0]))
     return groups
 
@@ -66,7 +68,7 @@ def main() -> None:
     index = engine.batch_index(3, clients)
     batches = engine.gather(index)
     params, _ = algorithm.split_state(engine.state)
-    rounds = iter(range(10, 10 ** 6))
+    rounds = iter(range(10, 10**6))
     r = args.repeats
     with torch.no_grad():
         step_ms = median_ms(lambda: engine.step(dict(params), batches), r)
@@ -77,28 +79,38 @@ def main() -> None:
     ids = list(range(len(users)))
     chain, groups = algorithm._scoring_chain(users), scoring_inputs(algorithm, params, users, ids, cfg)
     results = {
-        "round": {"sample_clients_ms": median_ms(lambda: algorithm.sample_clients(3), r),
-                  "batch_indices_ms": median_ms(lambda: engine.batch_index(3, clients), r),
-                  "gather_ms": median_ms(lambda: engine.gather(index), r),
-                  "local_update_ms": step_ms,
-                  "train_round_ms": median_ms(lambda: engine.train_round(next(rounds)), r)},
-        "gemm_gflops": 2 * size ** 3 / (gemm_ms / 1000) / 1e9,
+        "round": {
+            "sample_clients_ms": median_ms(lambda: algorithm.sample_clients(3), r),
+            "batch_indices_ms": median_ms(lambda: engine.batch_index(3, clients), r),
+            "gather_ms": median_ms(lambda: engine.gather(index), r),
+            "local_update_ms": step_ms,
+            "train_round_ms": median_ms(lambda: engine.train_round(next(rounds)), r),
+        },
+        "gemm_gflops": 2 * size**3 / (gemm_ms / 1000) / 1e9,
         "evaluation": {
             "evaluate_ms": median_ms(lambda: algorithm.evaluate(0, engine.state, users), max(5, r // 3)),
             # the users adapted together (one vmapped gradient), then scored user by user (the
             # path of a network that is not a Linear chain, or of a CPU whose batched kernels differ)
-            "adaptation_ms": median_ms(lambda: evaluation._adapt_together(algorithm.loss_fn, params, users, ids, cfg,
-                                                                          0, cfg.alpha), max(5, r // 3)),
-            "evaluate_scoring_user_by_user_ms": median_ms(lambda: evaluation.evaluate(
-                algorithm.network, params, users, cfg, 0, loss_fn=algorithm.loss_fn), max(5, r // 3)),
+            "adaptation_ms": median_ms(
+                lambda: evaluation._adapt_together(algorithm.loss_fn, params, users, ids, cfg, 0, cfg.alpha),
+                max(5, r // 3),
+            ),
+            "evaluate_scoring_user_by_user_ms": median_ms(
+                lambda: evaluation.evaluate(algorithm.network, params, users, cfg, 0, loss_fn=algorithm.loss_fn),
+                max(5, r // 3),
+            ),
             # the scoring's forward passes alone (adapted and global model over every test split):
             # matrix products and activations, a floor for the evaluation with the same numbers
             "scoring_passes_ms": median_ms(lambda: scoring_passes(chain, params, groups), max(5, r // 3)),
         },
         "scoring_together_is_bit_exact_here": algorithm._scoring_chain(users).scores_exactly,
     }
-    results.update(date=datetime.date.today().isoformat(), data=source, threads=torch.get_num_threads(),
-                   command="python benchmarks/profile_round.py " + " ".join(sys.argv[1:]))
+    results.update(
+        date=datetime.date.today().isoformat(),
+        data=source,
+        threads=torch.get_num_threads(),
+        command="python benchmarks/profile_round.py " + " ".join(sys.argv[1:]),
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile_round.json").write_text(json.dumps(results, indent=2))

@@ -12,6 +12,7 @@ machine with fewer cores than ranks these rows show correctness and memory, not 
 speed-up to expect on N machines is given from the measured compute per client, the server's
 aggregation per update and the bytes of a model. Writes scale.json, scale.md and scale.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,18 +59,29 @@ def hf_engine(users: int, clients: int):
 def measure_batched(users: int, clients: int, rounds: int) -> dict:
     """One (users, clients) cell in this process: train ms/round after a warm-up round."""
     engine, algorithm, user_data, source = hf_engine(users, clients)
-    counter = iter(range(10 ** 6))
+    counter = iter(range(10**6))
     samples = samples_ms(lambda: engine.train_round(next(counter)), rounds, warmup=1)
     updates = engine.train_clients(0, algorithm.sample_clients(0), engine.state)
     aggregate_ms = statistics.median(samples_ms(lambda: algorithm.aggregate(0, updates, engine.state), 3, 1))
-    return {"users": users, "clients": clients, "train_ms": statistics.median(samples),
-            "train_ms_min": min(samples), "train_ms_max": max(samples), "aggregate_ms": aggregate_ms,
-            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "data": source}
+    return {
+        "users": users,
+        "clients": clients,
+        "train_ms": statistics.median(samples),
+        "train_ms_min": min(samples),
+        "train_ms_max": max(samples),
+        "aggregate_ms": aggregate_ms,
+        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "data": source,
+    }
 
 
 def isolated(users: int, clients: int, rounds: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", str(users), str(clients), "--rounds", str(rounds)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", str(users), str(clients), "--rounds", str(rounds)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -110,16 +122,36 @@ def measure_cli(workers: int, rounds: int) -> dict:
     process on the batched engine for ``workers`` 0."""
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
     with tempfile.TemporaryDirectory() as tmp:
-        sets = {"backend": "MPI" if workers else "sp", "client_num_per_round": MPI_CLIENTS,
-                "client_num_in_total": MPI_USERS, "images_per_class": 98, "comm_round": rounds,
-                "frequency_of_the_test": rounds, "data_cache_dir": MNIST_ROOT, "show_progress": False,
-                "checkpoint_every": 0}
-        command = [sys.executable, "-m", "fedml_perfedavg", "--cf", str(HF_YAML), "--run-dir", f"{tmp}/run",
-                   *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+        sets = {
+            "backend": "MPI" if workers else "sp",
+            "client_num_per_round": MPI_CLIENTS,
+            "client_num_in_total": MPI_USERS,
+            "images_per_class": 98,
+            "comm_round": rounds,
+            "frequency_of_the_test": rounds,
+            "data_cache_dir": MNIST_ROOT,
+            "show_progress": False,
+            "checkpoint_every": 0,
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "fedml_perfedavg",
+            "--cf",
+            str(HF_YAML),
+            "--run-dir",
+            f"{tmp}/run",
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+        ]
         if workers:
             command = [mpirun, "-n", str(workers + 1)] + command
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env={**os.environ, "PYTHONPATH": str(REPO), "HOME": tmp})
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO), "HOME": tmp},
+        )
         peaks: dict = {}
         done = threading.Event()
 
@@ -141,9 +173,16 @@ def measure_cli(workers: int, rounds: int) -> dict:
             raise RuntimeError(f"{' '.join(command[:4])} failed:\n{output[-3000:]}")
         summary = json.loads(Path(f"{tmp}/run/summary.json").read_text())
     ranks = sorted(peaks.values(), reverse=True)
-    return {"workers": workers, "ranks": workers + 1 if workers else 1, "clients": MPI_CLIENTS, "rounds": rounds,
-            "train_ms": 1000 * summary["history"][-1]["train_seconds"] / rounds, "peak_mb_per_rank": ranks,
-            "peak_mb_max": max(ranks) if ranks else None, "status": summary["status"]}
+    return {
+        "workers": workers,
+        "ranks": workers + 1 if workers else 1,
+        "clients": MPI_CLIENTS,
+        "rounds": rounds,
+        "train_ms": 1000 * summary["history"][-1]["train_seconds"] / rounds,
+        "peak_mb_per_rank": ranks,
+        "peak_mb_max": max(ranks) if ranks else None,
+        "status": summary["status"],
+    }
 
 
 def model_bytes() -> int:
@@ -164,42 +203,72 @@ def expected_speedup(per_client_ms: float, aggregate_ms_per_update: float, clien
             total = compute + aggregate_ms_per_update * clients + transfer
             if n == 1:
                 base = total
-            rows.append({"machines": n, "link_gbit_s": gbit, "compute_ms": compute, "transfer_ms": transfer,
-                         "round_ms": total, "speedup": base / total})
+            rows.append(
+                {
+                    "machines": n,
+                    "link_gbit_s": gbit,
+                    "compute_ms": compute,
+                    "transfer_ms": transfer,
+                    "round_ms": total,
+                    "speedup": base / total,
+                }
+            )
     return rows
 
 
 def write_report(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(results, indent=2))
-    lines = [f"# Scale ({results['machine']})", "", f"Measured {results['date']} with `{results['command']}`; "
-             f"data: {results['batched'][0]['data']}; Per-FedAvg HF, tau=10, batches 40, MLP 784-80-60-10; median of "
-             f"{results['rounds']} rounds after a warm-up round, each cell in a fresh process.", "",
-             "## Batched engine (one process)", "",
-             "| users n | clients/round | train ms/round (min-max) | ms per client | server aggregate ms | peak RSS MB |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Scale ({results['machine']})",
+        "",
+        f"Measured {results['date']} with `{results['command']}`; "
+        f"data: {results['batched'][0]['data']}; Per-FedAvg HF, tau=10, batches 40, MLP 784-80-60-10; median of "
+        f"{results['rounds']} rounds after a warm-up round, each cell in a fresh process.",
+        "",
+        "## Batched engine (one process)",
+        "",
+        "| users n | clients/round | train ms/round (min-max) | ms per client | server aggregate ms | peak RSS MB |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results["batched"]:
-        lines.append(f"| {r['users']} | {r['clients']} | {r['train_ms']:.0f} ({r['train_ms_min']:.0f}-"
-                     f"{r['train_ms_max']:.0f}) | {r['train_ms'] / r['clients']:.2f} | {r['aggregate_ms']:.1f} | "
-                     f"{r['peak_mb']:.0f} |")
-    lines += ["", f"## MPI, {MPI_CLIENTS} clients per round of {MPI_USERS} users (the plugin's command line)", "",
-              f"On this machine ({os.cpu_count()} cores) the ranks share the cores: these rows show that the "
-              "shares train correctly and what each rank holds, not a speed-up.", "",
-              "| worker ranks | ranks | train ms/round | peak RSS per rank, MB (largest first) |", "| --- | --- | --- | --- |"]
+        lines.append(
+            f"| {r['users']} | {r['clients']} | {r['train_ms']:.0f} ({r['train_ms_min']:.0f}-"
+            f"{r['train_ms_max']:.0f}) | {r['train_ms'] / r['clients']:.2f} | {r['aggregate_ms']:.1f} | "
+            f"{r['peak_mb']:.0f} |"
+        )
+    lines += [
+        "",
+        f"## MPI, {MPI_CLIENTS} clients per round of {MPI_USERS} users (the plugin's command line)",
+        "",
+        f"On this machine ({os.cpu_count()} cores) the ranks share the cores: these rows show that the "
+        "shares train correctly and what each rank holds, not a speed-up.",
+        "",
+        "| worker ranks | ranks | train ms/round | peak RSS per rank, MB (largest first) |",
+        "| --- | --- | --- | --- |",
+    ]
     for r in results["mpi"]:
-        lines.append(f"| {r['workers'] or '0 (one process, batched engine)'} | {r['ranks']} | {r['train_ms']:.0f} | "
-                     f"{', '.join(f'{m:.0f}' for m in r['peak_mb_per_rank'])} |")
-    lines += ["",
-              "## Speed-up to expect on N machines (a model, not a measurement)", "",
-              f"From the measured compute per client ({results['per_client_ms']:.2f} ms, the 1,000-user, 100-client "
-              f"row), the server's aggregation per update ({results['aggregate_ms_per_update']:.3f} ms) and a model "
-              f"of {results['model_bytes'] / 1024:.0f} KiB (the server sends it to each machine and receives one per "
-              f"client): T(N) = compute x ceil({MPI_CLIENTS} / N) + aggregation + transfer over the server's link.", "",
-              "| machines N | link Gbit/s | compute ms | transfer ms | round ms | speed-up |",
-              "| --- | --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| {r['workers'] or '0 (one process, batched engine)'} | {r['ranks']} | {r['train_ms']:.0f} | "
+            f"{', '.join(f'{m:.0f}' for m in r['peak_mb_per_rank'])} |"
+        )
+    lines += [
+        "",
+        "## Speed-up to expect on N machines (a model, not a measurement)",
+        "",
+        f"From the measured compute per client ({results['per_client_ms']:.2f} ms, the 1,000-user, 100-client "
+        f"row), the server's aggregation per update ({results['aggregate_ms_per_update']:.3f} ms) and a model "
+        f"of {results['model_bytes'] / 1024:.0f} KiB (the server sends it to each machine and receives one per "
+        f"client): T(N) = compute x ceil({MPI_CLIENTS} / N) + aggregation + transfer over the server's link.",
+        "",
+        "| machines N | link Gbit/s | compute ms | transfer ms | round ms | speed-up |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results["expected"]:
-        lines.append(f"| {r['machines']} | {r['link_gbit_s']:.0f} | {r['compute_ms']:.0f} | {r['transfer_ms']:.0f} | "
-                     f"{r['round_ms']:.0f} | {r['speedup']:.1f}x |")
+        lines.append(
+            f"| {r['machines']} | {r['link_gbit_s']:.0f} | {r['compute_ms']:.0f} | {r['transfer_ms']:.0f} | "
+            f"{r['round_ms']:.0f} | {r['speedup']:.1f}x |"
+        )
     (out / "scale.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -242,12 +311,18 @@ def main() -> None:
     single = next(r for r in batched if (r["users"], r["clients"]) == (1000, 100))
     per_client = single["train_ms"] / single["clients"]
     per_update = single["aggregate_ms"] / single["clients"]
-    results = {"date": datetime.date.today().isoformat(), "command": "python benchmarks/scale.py " +
-               " ".join(sys.argv[1:]), "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} "
-               f"cores, torch {torch.__version__}", "rounds": args.rounds, "batched": batched, "mpi": mpi,
-               "per_client_ms": per_client, "aggregate_ms_per_update": per_update,
-               "model_bytes": model_bytes(),
-               "expected": expected_speedup(per_client, per_update, MPI_CLIENTS, model_bytes())}
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "command": "python benchmarks/scale.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "rounds": args.rounds,
+        "batched": batched,
+        "mpi": mpi,
+        "per_client_ms": per_client,
+        "aggregate_ms_per_update": per_update,
+        "model_bytes": model_bytes(),
+        "expected": expected_speedup(per_client, per_update, MPI_CLIENTS, model_bytes()),
+    }
     write_report(results, Path(args.out))
     print((Path(args.out) / "scale.md").read_text())
 

@@ -17,6 +17,7 @@ Reports the attackers' rates, what the server refused by reason (summary.json), 
 server's log grew, a round's time, and the largest difference between the two runs' final models.
 Writes ``benchmarks/results/silo_attack.md`` and ``.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,12 +45,23 @@ def _insider(address, tls, stop, tally):
     from fedml_perfedavg.fedml_bridge.cross_silo import wire
     from fedml_perfedavg.fedml_bridge.cross_silo.credentials import rank_name
 
-    junk = wire.encode(wire.Envelope(type=wire.CLIENT_STATUS, sender=2, receiver=0, run_id="x" * 60_000, round=0,
-                                     seq=10 ** 9, params={"client_status": "ONLINE"}))
+    junk = wire.encode(
+        wire.Envelope(
+            type=wire.CLIENT_STATUS,
+            sender=2,
+            receiver=0,
+            run_id="x" * 60_000,
+            round=0,
+            seq=10**9,
+            params={"client_status": "ONLINE"},
+        )
+    )
     read = lambda name: open(os.path.join(tls, name), "rb").read()  # noqa: E731
-    channel = grpc.secure_channel("%s:%d" % address, grpc.ssl_channel_credentials(
-        read("ca.pem"), read("rank-2.key"), read("rank-2.pem")), options=[
-        ("grpc.ssl_target_name_override", rank_name(0))])
+    channel = grpc.secure_channel(
+        "%s:%d" % address,
+        grpc.ssl_channel_credentials(read("ca.pem"), read("rank-2.key"), read("rank-2.pem")),
+        options=[("grpc.ssl_target_name_override", rank_name(0))],
+    )
     stub = pb2_grpc.gRPCCommManagerStub(channel)
     while not stop.is_set():
         try:
@@ -64,13 +76,34 @@ def _insider(address, tls, stop, tally):
 
 def one_run(root: str, rounds: int, work: str, attack: str) -> dict:
     run_dir = os.path.join(work, attack)
-    sets = {"client_num_per_round": 2, "comm_round": rounds, "frequency_of_the_test": rounds, "beta": 0.05,
-            "show_progress": False, "data_cache_dir": root}
-    process = subprocess.Popen(["prlimit", "--nofile=1024:1024", sys.executable, "-m", "fedml_perfedavg",
-                                "launch-silo", "--cf", SILO_YAML, "--clients", "2", "--run-dir", run_dir,
-                                *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                         "PYTHONPATH": REPO})
+    sets = {
+        "client_num_per_round": 2,
+        "comm_round": rounds,
+        "frequency_of_the_test": rounds,
+        "beta": 0.05,
+        "show_progress": False,
+        "data_cache_dir": root,
+    }
+    process = subprocess.Popen(
+        [
+            "prlimit",
+            "--nofile=1024:1024",
+            sys.executable,
+            "-m",
+            "fedml_perfedavg",
+            "launch-silo",
+            "--cf",
+            SILO_YAML,
+            "--clients",
+            "2",
+            "--run-dir",
+            run_dir,
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     log = os.path.join(run_dir, "run.log")
     while not (os.path.exists(log) and "round 0 starts" in open(log).read()):
         if process.poll() is not None:
@@ -85,9 +118,12 @@ def one_run(root: str, rounds: int, work: str, attack: str) -> dict:
         shutil.copytree(os.path.join(run_dir, "tls"), tls)
         address = _server_address(__import__("pathlib").Path(run_dir))
         if attack == "outsiders":
-            threads = [threading.Thread(target=_hold, args=(address, stop, tally), daemon=True),
-                       threading.Thread(target=_handshakes, args=(address, os.path.join(tls, "ca.pem"), stop, tally),
-                                        daemon=True)]
+            threads = [
+                threading.Thread(target=_hold, args=(address, stop, tally), daemon=True),
+                threading.Thread(
+                    target=_handshakes, args=(address, os.path.join(tls, "ca.pem"), stop, tally), daemon=True
+                ),
+            ]
         else:
             threads = [threading.Thread(target=_insider, args=(address, tls, stop, tally), daemon=True)]
         for thread in threads:
@@ -111,11 +147,17 @@ def one_run(root: str, rounds: int, work: str, attack: str) -> dict:
     history = summary["history"]
     import torch
 
-    return {"status": summary["status"], "rounds": summary["rounds"], "seconds": seconds,
-            "ms_per_round": 1000 * (history[-1]["train_seconds"] - history[0]["train_seconds"]) / (rounds - 1),
-            "refusals": summary.get("refusals", {}), "log_growth_bytes": os.path.getsize(log) - log_at_start,
-            "attack": tally, "model": torch.load(os.path.join(run_dir, "model.pt"), weights_only=True),
-            "lost_silos": summary.get("lost_silos", [])}
+    return {
+        "status": summary["status"],
+        "rounds": summary["rounds"],
+        "seconds": seconds,
+        "ms_per_round": 1000 * (history[-1]["train_seconds"] - history[0]["train_seconds"]) / (rounds - 1),
+        "refusals": summary.get("refusals", {}),
+        "log_growth_bytes": os.path.getsize(log) - log_at_start,
+        "attack": tally,
+        "model": torch.load(os.path.join(run_dir, "model.pt"), weights_only=True),
+        "lost_silos": summary.get("lost_silos", []),
+    }
 
 
 def main() -> None:
@@ -125,42 +167,66 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "silo_attack"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:
-        runs = {name: one_run(os.path.abspath(args.mnist_root), args.rounds, work, name)
-                for name in ("undisturbed", "outsiders", "insider")}
+        runs = {
+            name: one_run(os.path.abspath(args.mnist_root), args.rounds, work, name)
+            for name in ("undisturbed", "outsiders", "insider")
+        }
     calm = runs["undisturbed"]
     when = time.strftime("%Y-%m-%d %H:%M")
     lines = [
         "# What a cross-silo TLS run withstands\n",
         f"`python benchmarks/silo_attack.py --mnist-root {args.mnist_root} --rounds {args.rounds}`, {when}: "
         f"launch-silo, 2 silos, mutual TLS, 1024 open files per process; each attack from round 0 to the end.\n",
-        "| | undisturbed | outsiders | insider |", "| --- | --- | --- | --- |"]
+        "| | undisturbed | outsiders | insider |",
+        "| --- | --- | --- | --- |",
+    ]
     row = lambda label, f: lines.append(f"| {label} | " + " | ".join(f(r) for r in runs.values()) + " |")  # noqa: E731
     row("status, rounds", lambda r: f"{r['status']}, {r['rounds']}")
     row("attack lasted, s", lambda r: f"{r['seconds']:.1f}")
     row("ms per round", lambda r: f"{r['ms_per_round']:.1f}")
     row("silos lost", lambda r: str(len(r["lost_silos"])))
-    row("server log growth, bytes (per s)", lambda r: f"{r['log_growth_bytes']} ({r['log_growth_bytes'] / r['seconds']:.0f})")
-    row("largest difference to the undisturbed final model",
-        lambda r: f"{max(float((r['model'][k] - calm['model'][k]).abs().max()) for k in calm['model']):.3g}")
+    row(
+        "server log growth, bytes (per s)",
+        lambda r: f"{r['log_growth_bytes']} ({r['log_growth_bytes'] / r['seconds']:.0f})",
+    )
+    row(
+        "largest difference to the undisturbed final model",
+        lambda r: f"{max(float((r['model'][k] - calm['model'][k]).abs().max()) for k in calm['model']):.3g}",
+    )
     out, ins = runs["outsiders"], runs["insider"]
     a, i = out["attack"], ins["attack"]
-    refused = sum(v for k, v in ins["refusals"].items() if k not in (
-        "connection-cap", "handshake", "idle-connection", "not-tls", "descriptors"))
-    lines += ["", "| attacker | what it did | rate |", "| --- | --- | --- |",
-              f"| idle connections, 118 addresses | {a['opened']} opened, at most {a['most_held']} open at once on its "
-              f"side | {a['opened'] / out['seconds']:.0f} connections/s |",
-              f"| handshakes without a certificate | {a['handshakes']} | {a['handshakes'] / out['seconds']:.0f}/s |",
-              f"| insider (silo 2's key), 60 KB junk messages | {json.dumps({k: v for k, v in i.items() if k.startswith('insider')})} "
-              f"| {refused / ins['seconds']:.0f} refused/s |", "",
-              f"Refused by the server, by reason (summary.json): outsiders {json.dumps(out['refusals'], sort_keys=True)}; "
-              f"insider {json.dumps(ins['refusals'], sort_keys=True)}\n"]
+    refused = sum(
+        v
+        for k, v in ins["refusals"].items()
+        if k not in ("connection-cap", "handshake", "idle-connection", "not-tls", "descriptors")
+    )
+    lines += [
+        "",
+        "| attacker | what it did | rate |",
+        "| --- | --- | --- |",
+        f"| idle connections, 118 addresses | {a['opened']} opened, at most {a['most_held']} open at once on its "
+        f"side | {a['opened'] / out['seconds']:.0f} connections/s |",
+        f"| handshakes without a certificate | {a['handshakes']} | {a['handshakes'] / out['seconds']:.0f}/s |",
+        f"| insider (silo 2's key), 60 KB junk messages | {json.dumps({k: v for k, v in i.items() if k.startswith('insider')})} "
+        f"| {refused / ins['seconds']:.0f} refused/s |",
+        "",
+        f"Refused by the server, by reason (summary.json): outsiders {json.dumps(out['refusals'], sort_keys=True)}; "
+        f"insider {json.dumps(ins['refusals'], sort_keys=True)}\n",
+    ]
     text = "\n".join(lines)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".md", "w") as stream:
         stream.write(text)
     with open(args.out + ".json", "w") as stream:
-        json.dump({"when": when, "rounds": args.rounds,
-                   **{name: {k: v for k, v in r.items() if k != "model"} for name, r in runs.items()}}, stream, indent=2)
+        json.dump(
+            {
+                "when": when,
+                "rounds": args.rounds,
+                **{name: {k: v for k, v in r.items() if k != "model"} for name, r in runs.items()},
+            },
+            stream,
+            indent=2,
+        )
     print(text)
 
 

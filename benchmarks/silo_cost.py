@@ -10,6 +10,7 @@ first and last evaluation, divided by the rounds between them; the single-proces
 config (batched engine, the default) is timed the same way. Writes
 ``benchmarks/results/silo_cost.md`` and ``.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,16 +46,38 @@ def _ms_per_round(summary: dict) -> float:
 
 def settings(mode: str, silos: int, rounds: int, root: str) -> dict:
     users = silos if mode == "own" else 50
-    return {"silo_data": mode, "client_num_in_total": users, "client_num_per_round": silos, "comm_round": rounds,
-            "frequency_of_the_test": rounds, "show_progress": False, "data_cache_dir": root}
+    return {
+        "silo_data": mode,
+        "client_num_in_total": users,
+        "client_num_per_round": silos,
+        "comm_round": rounds,
+        "frequency_of_the_test": rounds,
+        "show_progress": False,
+        "data_cache_dir": root,
+    }
 
 
 def launched(mode: str, silos: int, rounds: int, root: str, work: str) -> dict:
     run_dir = os.path.join(work, mode)
     sets = [a for k, v in settings(mode, silos, rounds, root).items() for a in ("--set", f"{k}={v}")]
-    process = subprocess.Popen([sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", SILO_YAML,
-                                "--clients", str(silos), "--run-dir", run_dir, *sets], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": REPO})
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedml_perfedavg",
+            "launch-silo",
+            "--cf",
+            SILO_YAML,
+            "--clients",
+            str(silos),
+            "--run-dir",
+            run_dir,
+            *sets,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     peaks: dict = {}
     pids_file = os.path.join(run_dir, "silo_processes.json")
     while process.poll() is None:
@@ -72,9 +95,13 @@ def launched(mode: str, silos: int, rounds: int, root: str, work: str) -> dict:
     with open(os.path.join(run_dir, "summary.json")) as stream:
         summary = json.load(stream)
     silo_peaks = [peaks[r] for r in peaks if r > 0]
-    return {"server_peak_mib": peaks.get(0, 0) / 1024, "silo_peak_mib_median": statistics.median(silo_peaks) / 1024,
-            "silo_peak_mib_max": max(silo_peaks) / 1024, "ms_per_round": _ms_per_round(summary),
-            "personalized_accuracy": summary["personalized_accuracy"]}
+    return {
+        "server_peak_mib": peaks.get(0, 0) / 1024,
+        "silo_peak_mib_median": statistics.median(silo_peaks) / 1024,
+        "silo_peak_mib_max": max(silo_peaks) / 1024,
+        "ms_per_round": _ms_per_round(summary),
+        "personalized_accuracy": summary["personalized_accuracy"],
+    }
 
 
 def single_process(mode: str, silos: int, rounds: int, root: str, work: str) -> dict:
@@ -83,8 +110,10 @@ def single_process(mode: str, silos: int, rounds: int, root: str, work: str) -> 
 
     config = resolve(load_yaml(HF_YAML), {**settings(mode, silos, rounds, root), "silo_data": "shared"})
     result = run(config, os.path.join(work, f"sp-{mode}"))
-    return {"ms_per_round": _ms_per_round(result.summary),
-            "personalized_accuracy": result.summary["personalized_accuracy"]}
+    return {
+        "ms_per_round": _ms_per_round(result.summary),
+        "personalized_accuracy": result.summary["personalized_accuracy"],
+    }
 
 
 def main() -> None:
@@ -98,22 +127,30 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as work:
         for mode in ("own", "shared"):
-            results[mode] = {"cross_silo": launched(mode, args.silos, args.rounds, root, work),
-                             "single_process": single_process(mode, args.silos, args.rounds, root, work)}
+            results[mode] = {
+                "cross_silo": launched(mode, args.silos, args.rounds, root, work),
+                "single_process": single_process(mode, args.silos, args.rounds, root, work),
+            }
     when = time.strftime("%Y-%m-%d %H:%M")
-    rows = ["| mode | users | server peak RSS, MiB | silo peak RSS, MiB (median, max) | ms/round cross-silo | "
-            "ms/round single process | personalized accuracy (cross-silo = single process) |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| mode | users | server peak RSS, MiB | silo peak RSS, MiB (median, max) | ms/round cross-silo | "
+        "ms/round single process | personalized accuracy (cross-silo = single process) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for mode, r in results.items():
         c, s = r["cross_silo"], r["single_process"]
         users = args.silos if mode == "own" else 50
-        rows.append(f"| {mode} | {users} | {c['server_peak_mib']:.0f} | {c['silo_peak_mib_median']:.0f}, "
-                    f"{c['silo_peak_mib_max']:.0f} | {c['ms_per_round']:.1f} | {s['ms_per_round']:.1f} | "
-                    f"{c['personalized_accuracy']:.4f} = {s['personalized_accuracy']:.4f} |")
-    text = (f"# Cross-silo cost: data-owner against shared mode\n\n`python benchmarks/silo_cost.py --mnist-root "
-            f"{args.mnist_root} --silos {args.silos} --rounds {args.rounds}`, {when}; {args.silos} silos and a "
-            f"server on this machine (loopback, mutual TLS, 1 torch thread each), every silo training each of the "
-            f"{args.rounds} rounds (HF, paper MNIST split).\n\n" + "\n".join(rows) + "\n")
+        rows.append(
+            f"| {mode} | {users} | {c['server_peak_mib']:.0f} | {c['silo_peak_mib_median']:.0f}, "
+            f"{c['silo_peak_mib_max']:.0f} | {c['ms_per_round']:.1f} | {s['ms_per_round']:.1f} | "
+            f"{c['personalized_accuracy']:.4f} = {s['personalized_accuracy']:.4f} |"
+        )
+    text = (
+        f"# Cross-silo cost: data-owner against shared mode\n\n`python benchmarks/silo_cost.py --mnist-root "
+        f"{args.mnist_root} --silos {args.silos} --rounds {args.rounds}`, {when}; {args.silos} silos and a "
+        f"server on this machine (loopback, mutual TLS, 1 torch thread each), every silo training each of the "
+        f"{args.rounds} rounds (HF, paper MNIST split).\n\n" + "\n".join(rows) + "\n"
+    )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".md", "w") as stream:
         stream.write(text)

@@ -11,6 +11,7 @@ whose summary.json says "finished" are skipped, so an interrupted grid resumes. 
 paper, paired gains over FedAvg), plots per cell (accuracy against rounds and against training
 time, the stationarity measure where logged, per-user accuracy at the end) and wandb_report.md (offline wandb runs and how to sync them, with --wandb).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,13 @@ sys.path.insert(0, str(REPO))
 
 CONFIG_DIR = REPO / "yaml_configs"
 METHODS = ("fedavg", "fo", "hf", "exact", "aruba")
-METHOD_NAMES = {"fedavg": "FedAvg + update", "fo": "Per-FedAvg (FO)", "hf": "Per-FedAvg (HF)",
-                "exact": "Per-FedAvg (exact)", "aruba": "FedAvg + ARUBA"}
+METHOD_NAMES = {
+    "fedavg": "FedAvg + update",
+    "fo": "Per-FedAvg (FO)",
+    "hf": "Per-FedAvg (HF)",
+    "exact": "Per-FedAvg (exact)",
+    "aruba": "FedAvg + ARUBA",
+}
 # Table 1 of the paper: mean per-user accuracy (%) after one local step.
 PAPER = {
     "mnist_tau10_alpha0.01": {"fedavg": 75.96, "fo": 78.00, "hf": 79.85},
@@ -41,9 +47,22 @@ PAPER = {
     "cifar10_tau4_alpha0.01": {"fedavg": 35.97, "fo": 25.32, "hf": 46.32},
     "cifar10_tau4_alpha0.01_diffhetero": {"fedavg": 58.59, "fo": 37.71, "hf": 71.25},
 }
-CSV_COLUMNS = ["cell", "dataset", "method", "seed", "rounds", "personalized_accuracy", "accuracy_before_adaptation",
-               "personalized_accuracy_std", "new_user_personalized_accuracy", "stationarity", "train_seconds",
-               "wall_seconds", "status", "run_dir"]
+CSV_COLUMNS = [
+    "cell",
+    "dataset",
+    "method",
+    "seed",
+    "rounds",
+    "personalized_accuracy",
+    "accuracy_before_adaptation",
+    "personalized_accuracy_std",
+    "new_user_personalized_accuracy",
+    "stationarity",
+    "train_seconds",
+    "wall_seconds",
+    "status",
+    "run_dir",
+]
 # Beyond the paper: extra cells, each a paper cell's YAMLs with overrides.
 EXTRAS = {
     "new_users": [(f"{cell}_newusers", cell, ["new_user_fraction=0.1"]) for cell in PAPER],
@@ -67,8 +86,9 @@ def mean_ci95(values: Sequence[float]) -> Tuple[float, float]:
     return mean, t_quantile_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def grid(datasets: Sequence[str], cells: Sequence[str], methods: Sequence[str],
-         extras: Sequence[str] = ()) -> List[Tuple[str, str, Path, List[str]]]:
+def grid(
+    datasets: Sequence[str], cells: Sequence[str], methods: Sequence[str], extras: Sequence[str] = ()
+) -> List[Tuple[str, str, Path, List[str]]]:
     """(cell, method, yaml, overrides) for every existing config that matches."""
     chosen = [(cell, cell, []) for cell in PAPER] + [item for name in extras for item in EXTRAS[name]]
     out = []
@@ -104,8 +124,9 @@ def run_one(path: str, run_dir: str, seed: int, rounds: int, overrides: Sequence
     return result.summary
 
 
-def run_group(path: str, run_dirs: Sequence[str], seeds: Sequence[int], rounds: int, overrides: Sequence[str],
-              threads: int) -> List[Dict]:
+def run_group(
+    path: str, run_dirs: Sequence[str], seeds: Sequence[int], rounds: int, overrides: Sequence[str], threads: int
+) -> List[Dict]:
     """Grid mode: the seeds of one cell and method in one process, their clients trained as one
     computation per round (``fedml_perfedavg.run.runner.run_grid``)."""
     import logging
@@ -117,8 +138,9 @@ def run_group(path: str, run_dirs: Sequence[str], seeds: Sequence[int], rounds: 
     from fedml_perfedavg.run.config import load
     from fedml_perfedavg.run.runner import run_grid
 
-    configs = [load(path, [f"random_seed={seed}", f"comm_round={rounds}", "show_progress=false", *overrides])
-               for seed in seeds]
+    configs = [
+        load(path, [f"random_seed={seed}", f"comm_round={rounds}", "show_progress=false", *overrides]) for seed in seeds
+    ]
     return [result.summary for result in run_grid(configs, list(run_dirs))]
 
 
@@ -132,15 +154,25 @@ def collect(out: Path) -> List[Dict]:
     for summary_path in sorted((out / "runs").glob("*/*/seed*/summary.json")):
         s = json.loads(summary_path.read_text())
         cell, method, seed = summary_path.parts[-4], summary_path.parts[-3], int(summary_path.parts[-2][4:])
-        rows.append({"cell": cell, "dataset": cell.split("_")[0], "method": method, "seed": seed,
-                     "rounds": s["rounds"], "personalized_accuracy": s["personalized_accuracy"],
-                     "accuracy_before_adaptation": s["accuracy_before_adaptation"],
-                     "personalized_accuracy_std": s.get("personalized_accuracy_std"),
-                     "new_user_personalized_accuracy": s.get("new_user_personalized_accuracy"),
-                     "stationarity": (s["history"] or [{}])[-1].get("stationarity"),
-                     "train_seconds": (s["history"] or [{}])[-1].get("train_seconds"),
-                     "wall_seconds": s["wall_seconds"], "status": s.get("status", "finished"),
-                     "run_dir": str(summary_path.parent.relative_to(out)), "_summary": s})
+        rows.append(
+            {
+                "cell": cell,
+                "dataset": cell.split("_")[0],
+                "method": method,
+                "seed": seed,
+                "rounds": s["rounds"],
+                "personalized_accuracy": s["personalized_accuracy"],
+                "accuracy_before_adaptation": s["accuracy_before_adaptation"],
+                "personalized_accuracy_std": s.get("personalized_accuracy_std"),
+                "new_user_personalized_accuracy": s.get("new_user_personalized_accuracy"),
+                "stationarity": (s["history"] or [{}])[-1].get("stationarity"),
+                "train_seconds": (s["history"] or [{}])[-1].get("train_seconds"),
+                "wall_seconds": s["wall_seconds"],
+                "status": s.get("status", "finished"),
+                "run_dir": str(summary_path.parent.relative_to(out)),
+                "_summary": s,
+            }
+        )
     return rows
 
 
@@ -156,17 +188,25 @@ def _fmt(mean: float, half: float) -> str:
 
 
 def table_markdown(rows: List[Dict], command: str) -> str:
-    lines = ["# Table 1: ours vs the paper", "", f"Command: `{command}`; written {time.strftime('%Y-%m-%d')}.",
-             "Mean per-user personalized accuracy (%) after one alpha-step on the user's training data, mean ± "
-             "half-width of the 95% t interval over seeds; `before` is the global model's accuracy without the step.",
-             ""]
+    lines = [
+        "# Table 1: ours vs the paper",
+        "",
+        f"Command: `{command}`; written {time.strftime('%Y-%m-%d')}.",
+        "Mean per-user personalized accuracy (%) after one alpha-step on the user's training data, mean ± "
+        "half-width of the 95% t interval over seeds; `before` is the global model's accuracy without the step.",
+        "",
+    ]
     for cell in cell_order(rows):
         cell_rows = [r for r in rows if r["cell"] == cell and r["status"] == "finished"]
         if not cell_rows:
             continue
-        lines += [f"## {cell}", "", "| method | seeds | rounds | ours | paper | ours - paper | before | "
-                  "paired gain over FedAvg | new users | ||grad F(w)||^2 at the end | train s/run | wall s/run |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"## {cell}",
+            "",
+            "| method | seeds | rounds | ours | paper | ours - paper | before | "
+            "paired gain over FedAvg | new users | ||grad F(w)||^2 at the end | train s/run | wall s/run |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         fedavg = {r["seed"]: r["personalized_accuracy"] for r in cell_rows if r["method"] == "fedavg"}
         for method in METHODS:
             mr = sorted((r for r in cell_rows if r["method"] == method), key=lambda r: r["seed"])
@@ -180,15 +220,19 @@ def table_markdown(rows: List[Dict], command: str) -> str:
             paired = [100 * (r["personalized_accuracy"] - fedavg[r["seed"]]) for r in mr if r["seed"] in fedavg]
             gain = _fmt(*mean_ci95(paired)) if paired and method != "fedavg" else "-"
             wall = statistics.mean(r["wall_seconds"] for r in mr)
-            new = [100 * r["new_user_personalized_accuracy"] for r in mr if r["new_user_personalized_accuracy"] is not None]
+            new = [
+                100 * r["new_user_personalized_accuracy"] for r in mr if r["new_user_personalized_accuracy"] is not None
+            ]
             new_users = _fmt(*mean_ci95(new)) if new else "-"
             stationarity = [r["stationarity"] for r in mr if r["stationarity"] is not None]
             stationary = f"{statistics.mean(stationarity):.3g}" if stationarity else "-"
             trained = [r["train_seconds"] for r in mr if r["train_seconds"] is not None]
             train = f"{statistics.mean(trained):.0f}" if trained else "-"
-            lines.append(f"| {METHOD_NAMES[method]} | {len(mr)} | {mr[0]['rounds']} | {_fmt(mean, half)} | "
-                         f"{paper if paper is not None else '-'} | {diff} | {_fmt(*before)} | {gain} | {new_users} | "
-                         f"{stationary} | {train} | {wall:.0f} |")
+            lines.append(
+                f"| {METHOD_NAMES[method]} | {len(mr)} | {mr[0]['rounds']} | {_fmt(mean, half)} | "
+                f"{paper if paper is not None else '-'} | {diff} | {_fmt(*before)} | {gain} | {new_users} | "
+                f"{stationary} | {train} | {wall:.0f} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -245,18 +289,26 @@ def plot_cells(rows: List[Dict], out: Path) -> List[Path]:
                 s_rounds, s_means, s_halves = _band(histories, "stationarity")
                 if s_rounds:
                     axes[2].plot(s_rounds, s_means, label=METHOD_NAMES[method])
-                    axes[2].fill_between(s_rounds, [max(m - h, m / 10) for m, h in zip(s_means, s_halves)],
-                                         [m + h for m, h in zip(s_means, s_halves)], alpha=0.2)
+                    axes[2].fill_between(
+                        s_rounds,
+                        [max(m - h, m / 10) for m, h in zip(s_means, s_halves)],
+                        [m + h for m, h in zip(s_means, s_halves)],
+                        alpha=0.2,
+                    )
             box_data.append([100 * a for r in mr for a in r["_summary"]["per_user_accuracy"]])
             box_labels.append(method)
         ax_curve.set(xlabel="round", ylabel="personalized accuracy (%)", title=f"{cell}: mean and 95% band over seeds")
         ax_curve.legend()
-        ax_time.set(xlabel="training time (s, evaluation excluded; this engine and machine)",
-                    ylabel="personalized accuracy (%)", title="accuracy against training time")
+        ax_time.set(
+            xlabel="training time (s, evaluation excluded; this engine and machine)",
+            ylabel="personalized accuracy (%)",
+            title="accuracy against training time",
+        )
         ax_time.legend()
         if has_stationarity:
-            axes[2].set(xlabel="round", ylabel="||grad F(w)||^2", yscale="log",
-                        title="stationarity measure (exact, full data)")
+            axes[2].set(
+                xlabel="round", ylabel="||grad F(w)||^2", yscale="log", title="stationarity measure (exact, full data)"
+            )
             axes[2].legend()
         ax_users.boxplot(box_data, tick_labels=box_labels, showmeans=True)
         ax_users.set(ylabel="per-user accuracy at the end (%)", title="who gains: per-user accuracy, all seeds")
@@ -278,22 +330,33 @@ def _shown(path: Path) -> str:
 
 def wandb_report(rows: List[Dict], out: Path) -> None:
     """wandb_report.md: every run's offline wandb folder and the one command that uploads them."""
-    lines = ["# wandb runs of the Table 1 grid", "",
-             "Each run logged offline into its run directory: project `fedml-perfedavg`, group = the cell, tags = "
-             "method (with the variant), seed and dataset. The folders stay on the machine that ran the grid (git "
-             "ignores wandb run folders); there, one command uploads them all (from the repository root, after "
-             "`wandb login`):", "",
-             "```", f"wandb sync {_shown(out)}/runs/*/*/seed*/wandb/offline-run-*", "```", "",
-             "In wandb's UI, group the runs table by `Group` (one row per cell) and then by tag, or filter one tag "
-             "per method: the panels of `eval/personalized_accuracy` then show each cell's mean and band over seeds, "
-             "which is Table 1; `eval/train_seconds` as the x-axis gives accuracy against training time, and "
-             "`final/per_user_accuracy` is the per-user table of each run.", "",
-             "| cell | method | seed | personalized accuracy | wandb run folder |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "# wandb runs of the Table 1 grid",
+        "",
+        "Each run logged offline into its run directory: project `fedml-perfedavg`, group = the cell, tags = "
+        "method (with the variant), seed and dataset. The folders stay on the machine that ran the grid (git "
+        "ignores wandb run folders); there, one command uploads them all (from the repository root, after "
+        "`wandb login`):",
+        "",
+        "```",
+        f"wandb sync {_shown(out)}/runs/*/*/seed*/wandb/offline-run-*",
+        "```",
+        "",
+        "In wandb's UI, group the runs table by `Group` (one row per cell) and then by tag, or filter one tag "
+        "per method: the panels of `eval/personalized_accuracy` then show each cell's mean and band over seeds, "
+        "which is Table 1; `eval/train_seconds` as the x-axis gives accuracy against training time, and "
+        "`final/per_user_accuracy` is the per-user table of each run.",
+        "",
+        "| cell | method | seed | personalized accuracy | wandb run folder |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         folders = sorted((out / r["run_dir"] / "wandb").glob("offline-run-*"))
         if folders:
-            lines.append(f"| {r['cell']} | {r['method']} | {r['seed']} | {100 * r['personalized_accuracy']:.2f} | "
-                         f"`{folders[-1].relative_to(out)}` |")
+            lines.append(
+                f"| {r['cell']} | {r['method']} | {r['seed']} | {100 * r['personalized_accuracy']:.2f} | "
+                f"`{folders[-1].relative_to(out)}` |"
+            )
     if lines[-1].startswith("| ---"):
         lines.append("| (none: no run here was made with `--wandb`) | | | | |")
     (out / "wandb_report.md").write_text("\n".join(lines) + "\n")
@@ -323,14 +386,28 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "table1"))
     parser.add_argument("--wandb", action="store_true", help="log every run to wandb (offline unless WANDB_MODE)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra config override for every run (e.g. data_cache_dir=...)")
-    parser.add_argument("--extras", nargs="*", default=[], choices=sorted(EXTRAS),
-                        help="beyond the paper: new_users (10%% of users never trained on), alpha_sweep (MNIST tau=4)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for every run (e.g. data_cache_dir=...)",
+    )
+    parser.add_argument(
+        "--extras",
+        nargs="*",
+        default=[],
+        choices=sorted(EXTRAS),
+        help="beyond the paper: new_users (10%% of users never trained on), alpha_sweep (MNIST tau=4)",
+    )
     parser.add_argument("--report-only", action="store_true")
-    parser.add_argument("--grid-mode", action="store_true",
-                        help="run the seeds of each cell and method in one process, their clients trained as one "
-                             "computation per round (same results per run; --jobs processes over the groups)")
+    parser.add_argument(
+        "--grid-mode",
+        action="store_true",
+        help="run the seeds of each cell and method in one process, their clients trained as one "
+        "computation per round (same results per run; --jobs processes over the groups)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -339,12 +416,16 @@ def main(argv=None) -> int:
         overrides = list(args.overrides) + (["enable_wandb=true"] if args.wandb else [])
         if args.wandb:
             os.environ.setdefault("WANDB_MODE", "offline")
-        todo = [(cell, method, path, extra, seed)
-                for cell, method, path, extra in grid(args.datasets, args.cells, args.methods, args.extras)
-                for seed in range(args.seeds)]
+        todo = [
+            (cell, method, path, extra, seed)
+            for cell, method, path, extra in grid(args.datasets, args.cells, args.methods, args.extras)
+            for seed in range(args.seeds)
+        ]
         pending = [t for t in todo if not finished(out / "runs" / t[0] / t[1] / f"seed{t[4]}")]
-        print(f"{len(todo)} runs in the grid, {len(todo) - len(pending)} already finished, {len(pending)} to run",
-              file=sys.stderr)
+        print(
+            f"{len(todo)} runs in the grid, {len(todo) - len(pending)} already finished, {len(pending)} to run",
+            file=sys.stderr,
+        )
         threads = max(1, (os.cpu_count() or 1) // max(1, args.jobs))
         failures: List[str] = []
         from tqdm import tqdm
@@ -359,8 +440,18 @@ def main(argv=None) -> int:
 
         started = time.time()
         with tqdm(total=len(pending), unit="run") as bar:
-            jobs = [(str(path), str(out / "runs" / cell / method / f"seed{seed}"), seed, args.rounds,
-                     overrides + extra, threads, (cell, method, seed)) for cell, method, path, extra, seed in pending]
+            jobs = [
+                (
+                    str(path),
+                    str(out / "runs" / cell / method / f"seed{seed}"),
+                    seed,
+                    args.rounds,
+                    overrides + extra,
+                    threads,
+                    (cell, method, seed),
+                )
+                for cell, method, path, extra, seed in pending
+            ]
             if args.grid_mode:
                 groups: Dict[Tuple[str, str], list] = {}
                 for job in jobs:
@@ -376,8 +467,13 @@ def main(argv=None) -> int:
                     for job, summary in zip(group, summaries):
                         record(*job[-1], lambda summary=summary: summary)
 
-                group_jobs = [(group, (group[0][0], [j[1] for j in group], [j[2] for j in group], args.rounds,
-                                       group[0][4], threads)) for group in groups.values()]
+                group_jobs = [
+                    (
+                        group,
+                        (group[0][0], [j[1] for j in group], [j[2] for j in group], args.rounds, group[0][4], threads),
+                    )
+                    for group in groups.values()
+                ]
                 if args.jobs <= 1:  # in this process (also what tests use)
                     for group, call in group_jobs:
                         record_group(group, lambda call=call: run_group(*call))
@@ -396,10 +492,17 @@ def main(argv=None) -> int:
                         record(*futures[future], future.result)
         for failure in failures:
             print("FAILED:", failure, file=sys.stderr)
-        mode = "grid mode (the seeds of a cell and method as one computation)" if args.grid_mode else \
-            "one process per run"
-        timing = {"command": command.strip(), "date": time.strftime("%Y-%m-%d"), "runs": len(pending), "mode": mode,
-                  "jobs": args.jobs, "wall_seconds": time.time() - started}
+        mode = (
+            "grid mode (the seeds of a cell and method as one computation)" if args.grid_mode else "one process per run"
+        )
+        timing = {
+            "command": command.strip(),
+            "date": time.strftime("%Y-%m-%d"),
+            "runs": len(pending),
+            "mode": mode,
+            "jobs": args.jobs,
+            "wall_seconds": time.time() - started,
+        }
         (out / "grid_timing.json").write_text(json.dumps(timing, indent=2))
         print(f"{len(pending)} runs in {timing['wall_seconds']:.0f} s ({mode}, {args.jobs} jobs)", file=sys.stderr)
     print(report(out, command.strip(), args.seeds))

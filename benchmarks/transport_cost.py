@@ -8,6 +8,7 @@ message from rank 0 to rank 1 until the receiver holds the decoded message (FedM
 the plugin's with comm_args.insecure; the plugin's with mutual TLS). A round of the paper's
 cross-silo run is 10 models out and 10 uploads back: the per-round figure is 20 messages.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,16 @@ def encoding(state, n):
         pickle.loads(pickle.dumps(_message(state)))
         pickled.append(time.perf_counter() - start)
         start = time.perf_counter()
-        envelope = wire.Envelope(type=wire.SYNC_MODEL, sender=0, receiver=1, run_id="r", round=0, seq=0,
-                                 params={"client_idx": "3", "client_os": "PythonClient"}, model=state)
+        envelope = wire.Envelope(
+            type=wire.SYNC_MODEL,
+            sender=0,
+            receiver=1,
+            run_id="r",
+            round=0,
+            seq=0,
+            params={"client_idx": "3", "client_os": "PythonClient"},
+            model=state,
+        )
         wire.decode(wire.encode(envelope), 1 << 30)
         wired.append(time.perf_counter() - start)
     return pickled, wired, len(pickle.dumps(_message(state))), len(wire.encode(envelope))
@@ -90,8 +99,9 @@ def fedml_transport(folder, state, n):
 def plugin_transport(folder, state, n, tls_dir):
     path = write_ipconfig(os.path.join(folder, f"plugin-{bool(tls_dir)}.csv"), 2)
     security = {"tls_dir": tls_dir} if tls_dir else {"insecure": True}
-    args = Namespace(run_id="r", max_message_bytes=wire.default_size_cap(state), connect_timeout=30, round_idx=0,
-                     **security)
+    args = Namespace(
+        run_id="r", max_message_bytes=wire.default_size_cap(state), connect_timeout=30, round_idx=0, **security
+    )
     sender = SecureGRPCCommManager(path, client_rank=0, client_num=1, args=args)
     receiver = SecureGRPCCommManager(path, client_rank=1, client_num=1, args=args)
     times = []
@@ -119,18 +129,29 @@ def main() -> None:
         tls = os.path.join(folder, "tls")
         make_certificates(tls, 1)
         pickled, wired, pickle_bytes, wire_bytes = encoding(state, args.messages)
-        rows = [("encode + decode: pickle (FedML)", pickled), ("encode + decode: JSON + safetensors (plugin)", wired),
-                ("one message on loopback: FedML's transport (pickle, plaintext)", fedml_transport(folder, state,
-                                                                                                   args.messages)),
-                ("one message on loopback: plugin, comm_args.insecure", plugin_transport(folder, state, args.messages,
-                                                                                        None)),
-                ("one message on loopback: plugin, mutual TLS", plugin_transport(folder, state, args.messages, tls))]
-    lines = [f"# Cross-silo transport cost ({time.strftime('%Y-%m-%d')})", "",
-             f"Command: `python benchmarks/transport_cost.py --messages {args.messages}`; the paper's MNIST MLP "
-             f"(784-80-60-10, {sum(v.numel() for v in state.values())} parameters); one process, loopback, 1 torch "
-             f"thread. Bytes per model message: pickle {pickle_bytes}, wire format {wire_bytes}.", "",
-             f"| what | median ms | min-max ms | per round ({MESSAGES_PER_ROUND} messages), ms |",
-             "| --- | --- | --- | --- |"]
+        rows = [
+            ("encode + decode: pickle (FedML)", pickled),
+            ("encode + decode: JSON + safetensors (plugin)", wired),
+            (
+                "one message on loopback: FedML's transport (pickle, plaintext)",
+                fedml_transport(folder, state, args.messages),
+            ),
+            (
+                "one message on loopback: plugin, comm_args.insecure",
+                plugin_transport(folder, state, args.messages, None),
+            ),
+            ("one message on loopback: plugin, mutual TLS", plugin_transport(folder, state, args.messages, tls)),
+        ]
+    lines = [
+        f"# Cross-silo transport cost ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"Command: `python benchmarks/transport_cost.py --messages {args.messages}`; the paper's MNIST MLP "
+        f"(784-80-60-10, {sum(v.numel() for v in state.values())} parameters); one process, loopback, 1 torch "
+        f"thread. Bytes per model message: pickle {pickle_bytes}, wire format {wire_bytes}.",
+        "",
+        f"| what | median ms | min-max ms | per round ({MESSAGES_PER_ROUND} messages), ms |",
+        "| --- | --- | --- | --- |",
+    ]
     for name, samples in rows:
         median, low, high = _median_ms(samples)
         lines.append(f"| {name} | {median:.3f} | {low:.3f}-{high:.3f} | {MESSAGES_PER_ROUND * median:.1f} |")

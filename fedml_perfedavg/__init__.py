@@ -9,6 +9,7 @@ registry), ``data/`` (the paper's split, FedML's format), ``fedml_bridge/`` (eve
 touches FedML), ``engine/`` (the batched simulation), ``run/`` (config, runner, reporting,
 command line).
 """
+
 from .algorithms import FederatedAlgorithm, algorithm_names, create_algorithm, register
 from .core.algorithm import LocalBatches, LocalUpdateConfig, local_update, meta_gradient
 from .core.functional import functional_network, make_loss_fn, parameters_of
@@ -19,6 +20,18 @@ install()
 from .fedml_bridge.shims import create_fedml_pair  # noqa: E402  (FedML is importable now)
 
 __version__ = "0.2.0"
-__all__ = ["FederatedAlgorithm", "LocalBatches", "LocalUpdateConfig", "algorithm_names", "create_algorithm",
-           "create_fedml_pair", "functional_network", "local_update", "make_loss_fn", "meta_gradient",
-           "parameters_of", "register", "__version__"]
+__all__ = [
+    "FederatedAlgorithm",
+    "LocalBatches",
+    "LocalUpdateConfig",
+    "algorithm_names",
+    "create_algorithm",
+    "create_fedml_pair",
+    "functional_network",
+    "local_update",
+    "make_loss_fn",
+    "meta_gradient",
+    "parameters_of",
+    "register",
+    "__version__",
+]

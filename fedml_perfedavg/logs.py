@@ -5,6 +5,7 @@ a run's ``run.log`` keeps everything. FedML logs chatty INFO lines on the root l
 ``fedml.init`` (core/mlops/mlops_runtime_log.py ``init_logs``) swaps ``logging.root`` for a
 logger of its own, so these functions work on the real root (``logging.Logger.manager.root``).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """The paper's model (MLP 80-60, ELU) and a small CNN, offered through ``fedml.model.create``."""
+
 from __future__ import annotations
 
 from typing import Sequence, Tuple
@@ -32,8 +33,12 @@ class SmallCNN(nn.Module):
         super().__init__()
         channels, height, width = input_shape
         self.features = nn.Sequential(
-            nn.Conv2d(channels, 16, 5, padding=2), nn.ELU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 5, padding=2), nn.ELU(), nn.MaxPool2d(2),
+            nn.Conv2d(channels, 16, 5, padding=2),
+            nn.ELU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 5, padding=2),
+            nn.ELU(),
+            nn.MaxPool2d(2),
         )
         self.classifier = nn.Sequential(
             nn.Flatten(), nn.Linear(32 * (height // 4) * (width // 4), 64), nn.ELU(), nn.Linear(64, num_classes)
@@ -43,8 +48,9 @@ class SmallCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-def create_model(name: str, input_shape: Tuple[int, int, int], num_classes: int,
-                 hidden: Sequence[int] = (80, 60)) -> nn.Module:
+def create_model(
+    name: str, input_shape: Tuple[int, int, int], num_classes: int, hidden: Sequence[int] = (80, 60)
+) -> nn.Module:
     """Build the model called ``name`` ('mlp' or 'small_cnn') for images of ``input_shape`` (C, H, W)."""
     if name == "mlp":
         channels, height, width = input_shape

@@ -21,8 +21,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("fast") is not None:
             continue
-        slow = item.get_closest_marker("backend") is not None or "/backends/" in str(item.fspath) \
+        slow = (
+            item.get_closest_marker("backend") is not None
+            or "/backends/" in str(item.fspath)
             or bool(SLOW_FIXTURES & set(getattr(item, "fixturenames", ())))
+        )
         item.add_marker(pytest.mark.backend if slow else pytest.mark.fast)
 
 

@@ -1,4 +1,5 @@
 """Helpers shared by the tests (fixtures live in conftest.py)."""
+
 import os
 import subprocess
 from pathlib import Path
@@ -67,7 +68,6 @@ sys.exit(code or (3 if attempts else 0))
 """
 
 
-
 EXAMPLE_SETTINGS = {"comm_round": 3, "client_num_per_round": 2, "frequency_of_the_test": 1}
 
 
@@ -133,8 +133,11 @@ def raw_send(address, data: bytes, tls_dir=None, as_rank=None, ca_dir=None, to_r
         read = lambda folder, name: (Path(folder) / name).read_bytes()  # noqa: E731
         key = read(tls_dir, f"rank-{as_rank}.key") if as_rank is not None else None
         cert = read(tls_dir, f"rank-{as_rank}.pem") if as_rank is not None else None
-        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(read(ca_dir, "ca.pem"), key, cert),
-                                      options=[("grpc.ssl_target_name_override", rank_name(to_rank))])
+        channel = grpc.secure_channel(
+            target,
+            grpc.ssl_channel_credentials(read(ca_dir, "ca.pem"), key, cert),
+            options=[("grpc.ssl_target_name_override", rank_name(to_rank))],
+        )
     try:
         pb2_grpc.gRPCCommManagerStub(channel).sendMessage(pb2.CommRequest(client_id=1, message=data), timeout=timeout)
         return "delivered"
@@ -163,16 +166,29 @@ def launch_silo(run_dir, settings: dict, extra=(), loopback_only: bool = False, 
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", SILO_YAML, "--clients", "2",
-               "--run-dir", str(run_dir), *[a for k, v in settings.items() for a in ("--set", f"{k}={v}")], *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "fedml_perfedavg",
+        "launch-silo",
+        "--cf",
+        SILO_YAML,
+        "--clients",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        *[a for k, v in settings.items() for a in ("--set", f"{k}={v}")],
+        *extra,
+    ]
     if loopback_only and unshare_works():  # only loopback exists in there, so nothing can leave the machine
         command = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
     if open_files is not None:
         command = ["prlimit", f"--nofile={open_files}:{open_files}", *command]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(Path(run_dir).parent / "home")}
     # its own process group, as a command typed in a terminal is: a test can Ctrl-C it (killpg) alone
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
 
 
 LIAR = REPO / "tests" / "backends" / "lying_silo.py"
@@ -193,14 +209,31 @@ def start_by_hand(tmp_path, settings: dict, ranks: int, per_rank=None, liars=Non
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
     processes = {}
     for rank in range(ranks + 1):
-        sets = {**settings, "grpc_ipconfig_path": str(ipconfig), "tls_dir": make_tls(tmp_path / "tls", ranks),
-                **(per_rank or {}).get(rank, {})}
+        sets = {
+            **settings,
+            "grpc_ipconfig_path": str(ipconfig),
+            "tls_dir": make_tls(tmp_path / "tls", ranks),
+            **(per_rank or {}).get(rank, {}),
+        }
         entry = [str(LIAR), (liars or {})[rank]] if rank in (liars or {}) else ["-m", "fedml_perfedavg"]
-        command = [sys.executable, *entry, "--cf", yaml or SILO_YAML, "--run-dir", str(tmp_path / "run"),
-                   *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], "--rank", str(rank),
-                   "--role", "server" if rank == 0 else "client", "--run_id", "by-hand"]
-        processes[rank] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                           env=env)
+        command = [
+            sys.executable,
+            *entry,
+            "--cf",
+            yaml or SILO_YAML,
+            "--run-dir",
+            str(tmp_path / "run"),
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+            "--rank",
+            str(rank),
+            "--role",
+            "server" if rank == 0 else "client",
+            "--run_id",
+            "by-hand",
+        ]
+        processes[rank] = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
     return processes
 
 
@@ -236,10 +269,10 @@ def reencode(data: bytes, edit) -> bytes:
 
     (length,) = struct.unpack_from(">I", data, len(wire.MAGIC))
     start = len(wire.MAGIC) + 4
-    header = json.loads(data[start:start + length])
+    header = json.loads(data[start : start + length])
     edit(header)
     raw = json.dumps(header).encode()
-    return wire.MAGIC + struct.pack(">I", len(raw)) + raw + data[start + length:]
+    return wire.MAGIC + struct.pack(">I", len(raw)) + raw + data[start + length :]
 
 
 def certificate_from(ca_dir, out, usages, rank: int = 1) -> bytes:
@@ -257,17 +290,22 @@ def certificate_from(ca_dir, out, usages, rank: int = 1) -> bytes:
     ca = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"r{rank}")]))
-               .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.SubjectAlternativeName([x509.DNSName(f"rank-{rank}.fedml-perfedavg")]),
-                              critical=False))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"r{rank}")]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(f"rank-{rank}.fedml-perfedavg")]), critical=False)
+    )
     if usages is not None:
         builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{rank}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (out / f"rank-{rank}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                             serialization.PrivateFormat.PKCS8,
-                                                             serialization.NoEncryption()))
+    (out / f"rank-{rank}.key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert.public_bytes(serialization.Encoding.PEM)

@@ -1,4 +1,5 @@
 """Writes small files in CIFAR-10's python pickle layout (cifar-10-batches-py/)."""
+
 import os
 import pickle
 

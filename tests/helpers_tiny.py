@@ -1,4 +1,5 @@
 """A tiny federated setup for run-layer tests: 6 users of 4x4 images, 3 classes."""
+
 import torch
 
 from fedml_perfedavg.core.types import UserSplit
@@ -13,14 +14,32 @@ def tiny_data(num_users=6, seed=0, nan_user=None):
         x = torch.rand(24, 1, 4, 4, generator=g)
         if i == nan_user:
             x[3, 0, 0, 0] = float("nan")
-        users.append(UserSplit(x, torch.randint(0, 3, (24,), generator=g), torch.rand(8, 1, 4, 4, generator=g),
-                               torch.randint(0, 3, (8,), generator=g)))
+        users.append(
+            UserSplit(
+                x,
+                torch.randint(0, 3, (24,), generator=g),
+                torch.rand(8, 1, 4, 4, generator=g),
+                torch.randint(0, 3, (8,), generator=g),
+            )
+        )
     return FederatedData(users, 3, (1, 4, 4))
 
 
 def tiny_config(**overrides):
-    base = dict(client_num_in_total=6, client_num_per_round=6, comm_round=6, local_steps=2, batch_size=8,
-                meta_batch_size=8, hessian_batch_size=8, beta=0.1, alpha=0.05, show_progress=False,
-                frequency_of_the_test=2, checkpoint_every=2, hidden_sizes=[5])
+    base = dict(
+        client_num_in_total=6,
+        client_num_per_round=6,
+        comm_round=6,
+        local_steps=2,
+        batch_size=8,
+        meta_batch_size=8,
+        hessian_batch_size=8,
+        beta=0.1,
+        alpha=0.05,
+        show_progress=False,
+        frequency_of_the_test=2,
+        checkpoint_every=2,
+        hidden_sizes=[5],
+    )
     base.update(overrides)
     return resolve({}, base)

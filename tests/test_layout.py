@@ -1,6 +1,7 @@
 """The folders tell the architecture: the core, data, algorithms and engine never import FedML
 or the run layer; the FedML bridge never imports the run layer; no import cycles, including
 imports inside functions."""
+
 import ast
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def _imports(path: Path):
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module
@@ -68,7 +69,7 @@ def test_no_import_cycles_between_modules():
             if target in packages and node.startswith(target + "."):
                 continue  # a module importing from its own package's __init__ (which re-exports it)
             if state.get(target) == "open":
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(target):] + [target]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(target) :] + [target]))
             if target not in state:
                 visit(target)
         stack.pop()

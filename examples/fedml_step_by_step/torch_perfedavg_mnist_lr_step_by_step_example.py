@@ -4,6 +4,7 @@ step_by_step/torch_fedavg_mnist_lr_step_by_step_example.py) with one added line.
     python torch_perfedavg_mnist_lr_step_by_step_example.py --cf fedml_config.yaml
     mpirun -n 3 python torch_perfedavg_mnist_lr_step_by_step_example.py --cf fedml_config_mpi.yaml
 """
+
 import fedml_perfedavg  # noqa: F401  the one added line: installs Per-FedAvg into FedML
 
 import fedml

@@ -16,6 +16,7 @@ overriding :meth:`FederatedAlgorithm.local_update` (a pure function, so the batc
 side :meth:`FederatedAlgorithm.combine`, and a learned personalization step
 :meth:`FederatedAlgorithm.refinement_step_sizes` (FedAvgARUBA does all three).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,7 @@ from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
 from ..core.stacked import StackedGradients
 from ..core.guards import RunStopped, apply_divergence_policy, is_finite, update_bound, update_problem
-from ..core.sampling import (Purpose, batch_indices_of_many, generator_for, sample_clients,
-                             sample_local_batches)
+from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
 from ..core.types import Params, StateDict, UserSplit
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ AGGREGATIONS = ("uniform", "sample_weighted")
 
 class ModelMismatch(ValueError):
     """The model cannot train on the run's samples at all (shapes, channels, labels)."""
+
+
 DIVERGENCE_POLICIES = ("stop", "skip_client")
 
 
@@ -70,16 +72,30 @@ class AlgorithmSettings:
         """The settings a run config (:class:`fedml_perfedavg.run.config.Config`) asks for; the
         local step is ``variant`` if given (an algorithm's own), else ``perfedavg_variant``."""
         return cls(
-            seed=config.random_seed, client_num_in_total=config.client_num_in_total,
+            seed=config.random_seed,
+            client_num_in_total=config.client_num_in_total,
             client_num_per_round=config.client_num_per_round,
-            local=LocalUpdateConfig(variant=variant or config.perfedavg_variant, alpha=config.alpha,
-                                    beta=config.beta, delta=config.delta, local_steps=config.local_steps),
+            local=LocalUpdateConfig(
+                variant=variant or config.perfedavg_variant,
+                alpha=config.alpha,
+                beta=config.beta,
+                delta=config.delta,
+                local_steps=config.local_steps,
+            ),
             batch_sizes=config.batch_sizes,
-            evaluation=EvaluationConfig(alpha=config.alpha, adapt_steps=config.adapt_steps,
-                                        batch_size=config.batch_size, seed=config.random_seed),
-            new_user_fraction=config.new_user_fraction, aggregation=config.aggregation,
-            on_divergence=config.on_divergence, max_update_norm=config.max_update_norm,
-            max_update_ratio=config.max_update_ratio, max_skipped_rounds=config.max_skipped_rounds)
+            evaluation=EvaluationConfig(
+                alpha=config.alpha,
+                adapt_steps=config.adapt_steps,
+                batch_size=config.batch_size,
+                seed=config.random_seed,
+            ),
+            new_user_fraction=config.new_user_fraction,
+            aggregation=config.aggregation,
+            on_divergence=config.on_divergence,
+            max_update_norm=config.max_update_norm,
+            max_update_ratio=config.max_update_ratio,
+            max_skipped_rounds=config.max_skipped_rounds,
+        )
 
 
 class RoundDriver(Protocol):
@@ -107,8 +123,9 @@ class RoundDriver(Protocol):
     def evaluates(self, round_idx: int) -> bool:
         """Whether the model after this round is evaluated (the run's schedule)."""
 
-    def record_federated_evaluation(self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: List[int],
-                                    started: Optional[float] = None) -> None:
+    def record_federated_evaluation(
+        self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: List[int], started: Optional[float] = None
+    ) -> None:
         """Data-owner cross-silo: each user's counts from its own silo; the users that sent none."""
 
     def record_rejected_update(self, round_idx: int) -> None:
@@ -138,19 +155,26 @@ class RoundHooks:
         """What a client sends after training (local DP adds noise to it)."""
         return state
 
-    def before_aggregation(self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict
-                           ) -> List[Tuple[float, StateDict]]:
+    def before_aggregation(
+        self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict
+    ) -> List[Tuple[float, StateDict]]:
         """The updates as the server's aggregation sees them (a model attack replaces some;
         central DP clips them); runs before the update checks."""
         return updates
 
-    def filter_updates(self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict
-                       ) -> List[Tuple[float, StateDict]]:
+    def filter_updates(
+        self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict
+    ) -> List[Tuple[float, StateDict]]:
         """The accepted updates a defense keeps (or reshapes) before they are combined."""
         return updates
 
-    def combine(self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict,
-                base: "Callable[[List[Tuple[float, StateDict]]], StateDict]") -> StateDict:
+    def combine(
+        self,
+        round_idx: int,
+        updates: List[Tuple[float, StateDict]],
+        global_state: StateDict,
+        base: "Callable[[List[Tuple[float, StateDict]]], StateDict]",
+    ) -> StateDict:
         """The new global state from the kept updates: ``base`` (the algorithm's own average)
         unless a defense aggregates its own way."""
         return base(updates)
@@ -207,8 +231,9 @@ class FederatedAlgorithm:
 
     def __init__(self, model: nn.Module, settings: AlgorithmSettings) -> None:
         if self.variant is not None and settings.local.variant != self.variant:
-            raise ValueError(f"{self.name} takes {self.variant!r} steps; settings.local.variant="
-                             f"{settings.local.variant!r}")
+            raise ValueError(
+                f"{self.name} takes {self.variant!r} steps; settings.local.variant={settings.local.variant!r}"
+            )
         self.settings = settings
         self.hooks: RoundHooks = NO_HOOKS
         self.network = functional_network(model)
@@ -252,26 +277,33 @@ class FederatedAlgorithm:
         with torch.no_grad():
             why = client_maths.model_problem(self.loss_fn, params, x, y)
             if why is not None:
-                raise ModelMismatch(f"it cannot compute a loss and its gradient on a batch of {len(y)} samples of "
-                                    f"shape {tuple(x.shape[1:])} ({x.dtype}): {why}")
+                raise ModelMismatch(
+                    f"it cannot compute a loss and its gradient on a batch of {len(y)} samples of "
+                    f"shape {tuple(x.shape[1:])} ({x.dtype}): {why}"
+                )
             if self.settings.local.variant == "exact":
                 why = client_maths.forward_ad_problem(self.loss_fn, params, x, y)
                 self.forward_ad = why is None
                 if why is not None:
-                    notes.append(f"no forward-mode derivative ({why}); the exact Hessian-vector product is "
-                                 f"reverse-over-reverse")
+                    notes.append(
+                        f"no forward-mode derivative ({why}); the exact Hessian-vector product is reverse-over-reverse"
+                    )
             why = client_maths.vmap_problem(self.loss_fn, params, x, y, reverse_hvp=not self.forward_ad)
             self.vmappable = why is None
             if why is not None:
-                notes.append(f"torch.func.vmap cannot batch its gradients ({why}); every client trains and is "
-                             f"evaluated one by one (the per-client path)")
+                notes.append(
+                    f"torch.func.vmap cannot batch its gradients ({why}); every client trains and is "
+                    f"evaluated one by one (the per-client path)"
+                )
             elif self.hand_batched(tuple(x.shape[1:]))[0] is None:
                 difference = self._grouping_difference(global_state, x, y)
                 self.groups_exactly = difference == 0.0
                 if not self.groups_exactly:
-                    notes.append(f"torch.func.vmap's batched kernels give a client other bits than training it "
-                                 f"alone (by up to {difference:.2g} after one step); every client trains and is "
-                                 f"evaluated one by one, so that sp, MPI and cross-silo compute each client alike")
+                    notes.append(
+                        f"torch.func.vmap's batched kernels give a client other bits than training it "
+                        f"alone (by up to {difference:.2g} after one step); every client trains and is "
+                        f"evaluated one by one, so that sp, MPI and cross-silo compute each client alike"
+                    )
         return notes
 
     def _grouping_difference(self, global_state: StateDict, x: Tensor, y: Tensor) -> float:
@@ -279,17 +311,23 @@ class FederatedAlgorithm:
         same clients one at a time. The probe's inputs depend only on the sample's shape and dtype
         (every process of a run decides alike, whatever its own data)."""
         g = torch.Generator().manual_seed(0)
-        xs = [torch.rand(x.shape, generator=g).to(device=x.device, dtype=x.dtype) if x.is_floating_point()
-              else torch.zeros_like(x)
-              for _ in range(2)]
+        xs = [
+            torch.rand(x.shape, generator=g).to(device=x.device, dtype=x.dtype)
+            if x.is_floating_point()
+            else torch.zeros_like(x)
+            for _ in range(2)
+        ]
         ys = [torch.zeros_like(y) for _ in range(2)]
         state = {k: v.detach() for k, v in global_state.items()}
         batches = [LocalBatches(*(t.unsqueeze(0) for t in (xi, yi, xi, yi, xi, yi))) for xi, yi in zip(xs, ys)]
         alone = [self.local_training(state, b) for b in batches]
         stacked = LocalBatches(*(torch.stack(t) for t in zip(*batches)))
         together = vmap(self.local_training, in_dims=(None, 0))(state, stacked)
-        return max(float((together[k][i].double() - alone[i][k].double()).abs().max())
-                   for i in range(2) for k in self.parameter_names)
+        return max(
+            float((together[k][i].double() - alone[i][k].double()).abs().max())
+            for i in range(2)
+            for k in self.parameter_names
+        )
 
     # -- what an engine needs to know (declared here, not guessed by the engine) ---------------
     @property
@@ -339,14 +377,16 @@ class FederatedAlgorithm:
         an engine can gather every client's batches at once."""
         return self.clients_batch_indices(round_idx, [client_id], [num_samples])[0]
 
-    def clients_batch_indices(self, round_idx: int, clients: Sequence[int], num_samples: Sequence[int]
-                              ) -> List[List[Tensor]]:
+    def clients_batch_indices(
+        self, round_idx: int, clients: Sequence[int], num_samples: Sequence[int]
+    ) -> List[List[Tensor]]:
         """:meth:`client_batch_indices` of each of ``clients`` (with ``num_samples`` training
         samples each), the same numbers, drawn together: each client's keys from its own keyed
         stream, then one selection per data size."""
         generators = [generator_for(self.settings.seed, round_idx, c, Purpose.LOCAL_TRAINING) for c in clients]
-        return batch_indices_of_many(num_samples, self.settings.local.local_steps, self.settings.batch_sizes,
-                                     generators)
+        return batch_indices_of_many(
+            num_samples, self.settings.local.local_steps, self.settings.batch_sizes, generators
+        )
 
     def local_update(self, params: Params, batches: LocalBatches) -> Params:
         """The client's maths: a pure function of the starting parameters and the minibatches
@@ -377,8 +417,9 @@ class FederatedAlgorithm:
         if not is_finite(params):
             apply_divergence_policy(self.settings.on_divergence, round_idx, client_id, self.label)
 
-    def client_update(self, round_idx: int, client_id: int, global_state: StateDict, x: Tensor, y: Tensor
-                      ) -> ClientUpdate:
+    def client_update(
+        self, round_idx: int, client_id: int, global_state: StateDict, x: Tensor, y: Tensor
+    ) -> ClientUpdate:
         """One client's local training from ``global_state`` on its data (x, y), then what the
         round's hooks do to what it sends (local DP)."""
         y = self.hooks.client_labels(round_idx, client_id, y)
@@ -389,21 +430,24 @@ class FederatedAlgorithm:
         state = OrderedDict((k, new_state[k]) for k in global_state)
         return ClientUpdate(len(y), self.hooks.client_result(round_idx, client_id, state))
 
-    def client_iterate(self, round_idx: int, client_id: int, global_state: StateDict, x: Tensor, y: Tensor,
-                       steps: int) -> StateDict:
+    def client_iterate(
+        self, round_idx: int, client_id: int, global_state: StateDict, x: Tensor, y: Tensor, steps: int
+    ) -> StateDict:
         """The client's state after the first ``steps`` of this round's local update (the same
         minibatches as :meth:`client_update`; 0 is the global state itself)."""
         if steps == 0:
             return OrderedDict((k, v.clone()) for k, v in global_state.items())
         batches = self.client_batches(round_idx, client_id, x, self.hooks.client_labels(round_idx, client_id, y))
         with torch.no_grad():
-            new_state = self.local_training({k: v.detach() for k, v in global_state.items()},
-                                            LocalBatches(*(t[:steps] for t in batches)))
+            new_state = self.local_training(
+                {k: v.detach() for k, v in global_state.items()}, LocalBatches(*(t[:steps] for t in batches))
+            )
         return OrderedDict((k, new_state[k]) for k in global_state)
 
     # -- aggregate ------------------------------------------------------------------------
-    def aggregate(self, round_idx: int, updates: Sequence[Tuple[float, StateDict]], global_state: StateDict
-                  ) -> StateDict:
+    def aggregate(
+        self, round_idx: int, updates: Sequence[Tuple[float, StateDict]], global_state: StateDict
+    ) -> StateDict:
         """The new global model: the average (``settings.aggregation``) of the acceptable
         updates. Updates that do not fit the global model (keys, shapes, dtypes, finiteness,
         ``max_update_ratio``, ``max_update_norm``) are rejected and logged; a round with none
@@ -413,13 +457,18 @@ class FederatedAlgorithm:
         settings = self.settings
         if settings.max_update_ratio is not None and not self._bound_logged:
             self._bound_logged = True
-            logger.info("client updates are bounded: ||w_i - w|| <= train_args.max_update_ratio=%g x max(||w||, 1) "
-                        "(%.4g in round %d); larger ones are rejected", settings.max_update_ratio,
-                        update_bound(global_state, settings.max_update_ratio, self.parameter_names), round_idx)
+            logger.info(
+                "client updates are bounded: ||w_i - w|| <= train_args.max_update_ratio=%g x max(||w||, 1) "
+                "(%.4g in round %d); larger ones are rejected",
+                settings.max_update_ratio,
+                update_bound(global_state, settings.max_update_ratio, self.parameter_names),
+                round_idx,
+            )
         accepted = []
         for position, (samples, update) in enumerate(updates):
-            problem = update_problem(update, global_state, settings.max_update_norm, self.parameter_names,
-                                     settings.max_update_ratio)
+            problem = update_problem(
+                update, global_state, settings.max_update_norm, self.parameter_names, settings.max_update_ratio
+            )
             if problem is None:
                 accepted.append((samples, update))
             else:
@@ -428,20 +477,28 @@ class FederatedAlgorithm:
             self.rejected[round_idx] = len(updates) - len(accepted)
         if accepted:
             accepted = self.hooks.filter_updates(round_idx, accepted, global_state)
-            combined = self.hooks.combine(round_idx, accepted, global_state,
-                                          lambda kept: self.combine(round_idx, kept, global_state))
+            combined = self.hooks.combine(
+                round_idx, accepted, global_state, lambda kept: self.combine(round_idx, kept, global_state)
+            )
             return self.hooks.after_aggregation(round_idx, combined, global_state)
         self.skipped_rounds += 1
-        logger.error("round %d: no acceptable client update; the global model is kept (%d such rounds, "
-                     "train_args.max_skipped_rounds=%d)", round_idx, self.skipped_rounds,
-                     self.settings.max_skipped_rounds)
+        logger.error(
+            "round %d: no acceptable client update; the global model is kept (%d such rounds, "
+            "train_args.max_skipped_rounds=%d)",
+            round_idx,
+            self.skipped_rounds,
+            self.settings.max_skipped_rounds,
+        )
         if self.skipped_rounds >= self.settings.max_skipped_rounds:
-            raise RunStopped(f"{self.skipped_rounds} rounds had no acceptable client update (train_args."
-                             f"max_skipped_rounds={self.settings.max_skipped_rounds}); last at round {round_idx}")
+            raise RunStopped(
+                f"{self.skipped_rounds} rounds had no acceptable client update (train_args."
+                f"max_skipped_rounds={self.settings.max_skipped_rounds}); last at round {round_idx}"
+            )
         return OrderedDict((k, v.clone()) for k, v in global_state.items())
 
-    def combine(self, round_idx: int, accepted: Sequence[Tuple[float, StateDict]], global_state: StateDict
-                ) -> StateDict:
+    def combine(
+        self, round_idx: int, accepted: Sequence[Tuple[float, StateDict]], global_state: StateDict
+    ) -> StateDict:
         """The new global state from the accepted updates (at least one): their parameters'
         average (``settings.aggregation``; Algorithm 1's plain average by default). Buffers stay
         the global model's: a client of the standard maths returns them as it received them
@@ -451,12 +508,17 @@ class FederatedAlgorithm:
         if self.returns_whole_state:
             return averaged
         parameters = set(self.parameter_names)
-        return OrderedDict((k, averaged[k] if k in parameters else global_state[k].clone())
-                           for k in averaged)
+        return OrderedDict((k, averaged[k] if k in parameters else global_state[k].clone()) for k in averaged)
 
     # -- evaluate -------------------------------------------------------------------------
-    def evaluate(self, round_idx: int, global_state: StateDict, users: Sequence[UserSplit],
-                 user_ids: Optional[Sequence[int]] = None, batched: bool = True) -> EvaluationResult:
+    def evaluate(
+        self,
+        round_idx: int,
+        global_state: StateDict,
+        users: Sequence[UserSplit],
+        user_ids: Optional[Sequence[int]] = None,
+        batched: bool = True,
+    ) -> EvaluationResult:
         """Personalized evaluation (one alpha-step on each user's training data, then its test
         split), the same for every algorithm."""
         params, _ = self.split_state(global_state)
@@ -464,9 +526,18 @@ class FederatedAlgorithm:
         batched = batched and self.vmappable and (self.groups_exactly or self._scoring_chain(users) is not None)
         if config.batched != batched:
             config = dataclasses.replace(config, batched=batched)
-        return evaluate(self.network, params, users, config, round_idx, user_ids=user_ids, loss_fn=self.loss_fn,
-                        step_sizes=self.refinement_step_sizes(global_state), chain=self._scoring_chain(users),
-                        test_stacks=self._test_stacks)
+        return evaluate(
+            self.network,
+            params,
+            users,
+            config,
+            round_idx,
+            user_ids=user_ids,
+            loss_fn=self.loss_fn,
+            step_sizes=self.refinement_step_sizes(global_state),
+            chain=self._scoring_chain(users),
+            test_stacks=self._test_stacks,
+        )
 
     def hand_batched(self, input_shape: Tuple[int, ...]) -> Tuple[Optional[StackedGradients], str]:
         """(the network's hand-batched form, "") where it is a Linear chain, else (None, why not):
@@ -491,8 +562,11 @@ class FederatedAlgorithm:
     # -- checkpoint state -----------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """The aggregation's record, for checkpoints."""
-        return {"skipped_rounds": self.skipped_rounds, "rejected": dict(self.rejected),
-                "aggregate_calls": self.aggregate_calls}
+        return {
+            "skipped_rounds": self.skipped_rounds,
+            "rejected": dict(self.rejected),
+            "aggregate_calls": self.aggregate_calls,
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.skipped_rounds = int(state["skipped_rounds"])

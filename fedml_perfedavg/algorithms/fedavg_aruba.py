@@ -19,6 +19,7 @@ other methods take an alpha-step; the batches and the test protocol are the same
 eta, b, g, the client's G and t live in buffers registered on the model (``aruba_*``), so they
 travel with the model state on every backend (sp, MPI, cross-silo) and are in ``model.pt``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,8 +69,7 @@ class FedAvgARUBA(FederatedAlgorithm):
     name = "FedAvgARUBA"
     variant = SGD
 
-    def __init__(self, model: nn.Module, settings: AlgorithmSettings, aruba: ArubaSettings = ArubaSettings()
-                 ) -> None:
+    def __init__(self, model: nn.Module, settings: AlgorithmSettings, aruba: ArubaSettings = ArubaSettings()) -> None:
         self.aruba = aruba
         names = [n for n, _ in model.named_parameters()]
         eta0 = aruba.epsilon / aruba.zeta
@@ -80,14 +80,20 @@ class FedAvgARUBA(FederatedAlgorithm):
         model.register_buffer(TASKS, torch.zeros((), dtype=torch.float64))
         super().__init__(model, settings)
         self.buffers = {role: {n: buffer_name(role, n) for n in names} for role in ROLES}
-        logger.info("FedAvgARUBA: local and refinement steps take learned per-coordinate rates starting at "
-                    "aruba_epsilon / aruba_zeta = %.4g; train_args.beta and alpha do not set them (alpha still "
-                    "defines F for the stationarity measure)", eta0)
+        logger.info(
+            "FedAvgARUBA: local and refinement steps take learned per-coordinate rates starting at "
+            "aruba_epsilon / aruba_zeta = %.4g; train_args.beta and alpha do not set them (alpha still "
+            "defines F for the stationarity measure)",
+            eta0,
+        )
 
     @classmethod
     def from_config(cls, model: nn.Module, config: Any) -> "FedAvgARUBA":
-        return cls(model, AlgorithmSettings.from_config(config, cls.variant),
-                   ArubaSettings(config.aruba_epsilon, config.aruba_zeta, config.aruba_p))
+        return cls(
+            model,
+            AlgorithmSettings.from_config(config, cls.variant),
+            ArubaSettings(config.aruba_epsilon, config.aruba_zeta, config.aruba_p),
+        )
 
     @property
     def label(self) -> str:
@@ -118,17 +124,20 @@ class FedAvgARUBA(FederatedAlgorithm):
         return out
 
     def local_update(self, params: Params, batches: LocalBatches) -> Params:
-        raise NotImplementedError("FedAvgARUBA's client step needs its learning rates: call local_training(state, "
-                                  "batches) with the whole model state")
+        raise NotImplementedError(
+            "FedAvgARUBA's client step needs its learning rates: call local_training(state, "
+            "batches) with the whole model state"
+        )
 
     # -- server -----------------------------------------------------------------------------
-    def combine(self, round_idx: int, accepted: Sequence[Tuple[float, StateDict]], global_state: StateDict
-                ) -> StateDict:
+    def combine(
+        self, round_idx: int, accepted: Sequence[Tuple[float, StateDict]], global_state: StateDict
+    ) -> StateDict:
         new = average(accepted, self.settings.aggregation)
         device = next(iter(global_state.values())).device
         tasks = float(global_state[TASKS]) + len(accepted)
         s = self.aruba
-        decay = s.epsilon ** 2 * (tasks + 1.0) ** (-s.p)
+        decay = s.epsilon**2 * (tasks + 1.0) ** (-s.p)
         for n in self.parameter_names:
             old = global_state[n]
             moved = sum((old - update[n].to(device)) ** 2 for _, update in accepted) / 2.0
@@ -137,7 +146,7 @@ class FedAvgARUBA(FederatedAlgorithm):
             g = global_state[self.buffers["g"][n]] + squares
             new[self.buffers["b"][n]] = b
             new[self.buffers["g"][n]] = g
-            new[self.buffers["lr"][n]] = torch.sqrt((decay + b) / (s.zeta ** 2 + g))
+            new[self.buffers["lr"][n]] = torch.sqrt((decay + b) / (s.zeta**2 + g))
             new[self.buffers["grad_sq"][n]] = torch.zeros_like(old)
         new[TASKS] = torch.tensor(tasks, dtype=global_state[TASKS].dtype, device=global_state[TASKS].device)
         return OrderedDict((k, new[k]) for k in global_state)
@@ -150,5 +159,9 @@ class FedAvgARUBA(FederatedAlgorithm):
     def describe(self, global_state: StateDict) -> Dict[str, float]:
         """Summary statistics of the learned rates (logged with each evaluation)."""
         rates = torch.cat([v.flatten() for v in self.learning_rates(global_state).values()])
-        return {"aruba_lr_mean": float(rates.mean()), "aruba_lr_min": float(rates.min()),
-                "aruba_lr_max": float(rates.max()), "aruba_tasks": float(global_state[TASKS])}
+        return {
+            "aruba_lr_mean": float(rates.mean()),
+            "aruba_lr_min": float(rates.min()),
+            "aruba_lr_max": float(rates.max()),
+            "aruba_tasks": float(global_state[TASKS]),
+        }

@@ -5,6 +5,7 @@ alpha-step of personalization on each user's training data.
 It is not FedML's own ``FedAvg``, which averages by sample count and tests without
 personalization; with the plugin imported, ``federated_optimizer: FedAvg`` still runs FedML's.
 """
+
 from __future__ import annotations
 
 from ..core.algorithm import SGD

@@ -11,6 +11,7 @@ another package with an entry point in the group ``fedml_perfedavg.algorithms``:
 Names FedML itself runs (``FedAvg``, ``FedProx``, ...) cannot be registered: with the plugin
 imported they still mean FedML's own algorithms.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -23,9 +24,30 @@ from .base import FederatedAlgorithm
 
 ENTRY_POINT_GROUP = "fedml_perfedavg.algorithms"
 # simulation/simulator.py, cross_silo/fedml_server.py: the names FedML 0.9.6 dispatches on itself.
-FEDML_OWN = ("FedAvg", "FedOpt", "FedNova", "FedDyn", "FedProx", "SCAFFOLD", "Mime", "HierarchicalFL",
-             "TurboAggregate", "classical_vertical", "FedAvg_seq", "FedOpt_seq", "base", "FedGKT", "FedNAS",
-             "FedGAN", "split_nn", "decentralized_fl", "Async_FedAvg", "LSA", "SA", "FedSeg")
+FEDML_OWN = (
+    "FedAvg",
+    "FedOpt",
+    "FedNova",
+    "FedDyn",
+    "FedProx",
+    "SCAFFOLD",
+    "Mime",
+    "HierarchicalFL",
+    "TurboAggregate",
+    "classical_vertical",
+    "FedAvg_seq",
+    "FedOpt_seq",
+    "base",
+    "FedGKT",
+    "FedNAS",
+    "FedGAN",
+    "split_nn",
+    "decentralized_fl",
+    "Async_FedAvg",
+    "LSA",
+    "SA",
+    "FedSeg",
+)
 
 _BUILTIN: Dict[str, str] = {
     "PerFedAvg": "fedml_perfedavg.algorithms.perfedavg:PerFedAvg",

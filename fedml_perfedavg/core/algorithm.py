@@ -4,6 +4,7 @@ Everything here is functional (parameters are ``dict[str, Tensor]``) and built o
 ``torch.func``, so the same code runs for one client or, under ``torch.func.vmap``, for
 all clients of a round at once. Nothing here imports FedML.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -142,7 +143,12 @@ def axpy(scale: float, x: Params, y: Params) -> Params:
 
 
 def meta_gradient(
-    loss_fn: LossFn, params: Params, batches: LocalBatches, variant: str, alpha: float, delta: float,
+    loss_fn: LossFn,
+    params: Params,
+    batches: LocalBatches,
+    variant: str,
+    alpha: float,
+    delta: float,
     gradients: Optional[Gradients] = None,
 ) -> Params:
     """Estimate of grad F_i(w) = grad of f_i(w - alpha grad f_i(w; D); D') at ``params``.
@@ -175,8 +181,13 @@ def meta_gradient(
     return axpy(-alpha, hessian_g, g)
 
 
-def local_update(loss_fn: LossFn, params: Params, batches: LocalBatches, config: LocalUpdateConfig,
-                 gradients: Optional[Gradients] = None) -> Params:
+def local_update(
+    loss_fn: LossFn,
+    params: Params,
+    batches: LocalBatches,
+    config: LocalUpdateConfig,
+    gradients: Optional[Gradients] = None,
+) -> Params:
     """Run one client's ``config.local_steps`` steps from ``params`` and return the new params.
 
     Each step starts from the current w (never from the adapted point w~), as in

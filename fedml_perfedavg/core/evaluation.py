@@ -5,6 +5,7 @@ the global model, does ``adapt_steps`` SGD steps of size alpha on minibatches of
 training data, and is tested on its own test split. Test data is only read after that
 user's adaptation has finished, and never by it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -67,9 +68,12 @@ class EvaluationResult:
     def subset(self, positions: Sequence[int]) -> "EvaluationResult":
         """The result restricted to the users at ``positions``."""
         pick = lambda values: [values[i] for i in positions]  # noqa: E731
-        return EvaluationResult(pick(self.per_user_accuracy), pick(self.per_user_accuracy_before),
-                                pick(self.per_user_loss) if self.per_user_loss else [],
-                                None if self.user_ids is None else pick(self.user_ids))
+        return EvaluationResult(
+            pick(self.per_user_accuracy),
+            pick(self.per_user_accuracy_before),
+            pick(self.per_user_loss) if self.per_user_loss else [],
+            None if self.user_ids is None else pick(self.user_ids),
+        )
 
     def metrics(self) -> dict:
         """Flat scalar metrics for logging."""
@@ -88,16 +92,18 @@ def accuracy_of(correct: int, total: int) -> float:
     return float(torch.tensor(correct / total, dtype=torch.float32))
 
 
-def adaptation_batches(train_x: Tensor, train_y: Tensor, steps: int, batch_size: int,
-                       generator: torch.Generator) -> tuple:
+def adaptation_batches(
+    train_x: Tensor, train_y: Tensor, steps: int, batch_size: int, generator: torch.Generator
+) -> tuple:
     """The (steps, batch) minibatches of the user's training data that adaptation uses."""
     (indices,) = batch_indices(len(train_y), steps, [min(batch_size, len(train_y))], generator)
     indices = indices.to(train_x.device)
     return train_x[indices], train_y[indices]
 
 
-def sgd_steps(loss_fn: LossFn, params: Params, batches_x: Tensor, batches_y: Tensor,
-              alpha: Union[float, Params]) -> Params:
+def sgd_steps(
+    loss_fn: LossFn, params: Params, batches_x: Tensor, batches_y: Tensor, alpha: Union[float, Params]
+) -> Params:
     """One step of SGD per leading index of ``batches_x`` / ``batches_y``, of size ``alpha``
     (a number, or per-coordinate sizes by parameter name)."""
     grad_fn = grad(loss_fn)
@@ -117,21 +123,36 @@ def _accuracy_and_loss(network: nn.Module, params: Params, x: Tensor, y: Tensor)
     return float((logits.argmax(dim=1) == y).float().mean()), float(loss)
 
 
-def _adapted_one_by_one(loss_fn: LossFn, params: Params, users: Sequence[UserSplit], user_ids: Sequence[int],
-                        config: EvaluationConfig, round_idx: int, step: Union[float, Params]) -> Iterator[Params]:
+def _adapted_one_by_one(
+    loss_fn: LossFn,
+    params: Params,
+    users: Sequence[UserSplit],
+    user_ids: Sequence[int],
+    config: EvaluationConfig,
+    round_idx: int,
+    step: Union[float, Params],
+) -> Iterator[Params]:
     for user_id, user in zip(user_ids, users):
         generator = generator_for(config.seed, round_idx, user_id, Purpose.EVALUATION)
         batches = adaptation_batches(user.train_x, user.train_y, config.adapt_steps, config.batch_size, generator)
         yield sgd_steps(loss_fn, params, *batches, step)
 
 
-def _adapt_together(loss_fn: LossFn, params: Params, users: Sequence[UserSplit], user_ids: Sequence[int],
-                    config: EvaluationConfig, round_idx: int, step_size: Union[float, Params]) -> Params:
+def _adapt_together(
+    loss_fn: LossFn,
+    params: Params,
+    users: Sequence[UserSplit],
+    user_ids: Sequence[int],
+    config: EvaluationConfig,
+    round_idx: int,
+    step_size: Union[float, Params],
+) -> Params:
     """The adapted models of ``users`` (every one with at least ``batch_size`` training samples),
     stacked: one vmapped computation, the numbers of :func:`_adapted_one_by_one`."""
     generators = [generator_for(config.seed, round_idx, user_id, Purpose.EVALUATION) for user_id in user_ids]
-    indices = batch_indices_of_many([len(u.train_y) for u in users], config.adapt_steps, [config.batch_size],
-                                    generators)
+    indices = batch_indices_of_many(
+        [len(u.train_y) for u in users], config.adapt_steps, [config.batch_size], generators
+    )
     first = users[0]
     steps_and_size = (config.adapt_steps, config.batch_size)
     batches_x = first.train_x.new_empty((len(users), *steps_and_size, *first.train_x.shape[1:]))
@@ -148,16 +169,24 @@ def _adapt_together(loss_fn: LossFn, params: Params, users: Sequence[UserSplit],
     return vmap(lambda bx, by: sgd_steps(loss_fn, params, bx, by, step_size), in_dims=(0, 0))(batches_x, batches_y)
 
 
-def _adapted_in_chunks(loss_fn: LossFn, params: Params, users: Sequence[UserSplit], user_ids: Sequence[int],
-                       config: EvaluationConfig, round_idx: int, step_size: Union[float, Params]) -> Iterator[Params]:
+def _adapted_in_chunks(
+    loss_fn: LossFn,
+    params: Params,
+    users: Sequence[UserSplit],
+    user_ids: Sequence[int],
+    config: EvaluationConfig,
+    round_idx: int,
+    step_size: Union[float, Params],
+) -> Iterator[Params]:
     for start in range(0, len(users), USERS_PER_CHUNK):
         chunk = slice(start, start + USERS_PER_CHUNK)
         adapted = _adapt_together(loss_fn, params, users[chunk], user_ids[chunk], config, round_idx, step_size)
         yield from ({k: v[j] for k, v in adapted.items()} for j in range(len(users[chunk])))
 
 
-def _score(network: nn.Module, params: Params, adapted_per_user: Iterable[Params],
-           users: Sequence[UserSplit]) -> EvaluationResult:
+def _score(
+    network: nn.Module, params: Params, adapted_per_user: Iterable[Params], users: Sequence[UserSplit]
+) -> EvaluationResult:
     # The adapted models are produced lazily: each user's adaptation ends before its test
     # data is read. Test splits differ in size: one forward pass per user.
     after, before, losses = [], [], []
@@ -169,9 +198,17 @@ def _score(network: nn.Module, params: Params, adapted_per_user: Iterable[Params
     return EvaluationResult(after, before, losses)
 
 
-def _evaluate_together(chain: StackedGradients, loss_fn: LossFn, params: Params, users: Sequence[UserSplit],
-                       user_ids: Sequence[int], config: EvaluationConfig, round_idx: int,
-                       step_size: Union[float, Params], test_stacks: Optional[dict]) -> EvaluationResult:
+def _evaluate_together(
+    chain: StackedGradients,
+    loss_fn: LossFn,
+    params: Params,
+    users: Sequence[UserSplit],
+    user_ids: Sequence[int],
+    config: EvaluationConfig,
+    round_idx: int,
+    step_size: Union[float, Params],
+    test_stacks: Optional[dict],
+) -> EvaluationResult:
     """The numbers of adapting in chunks and :func:`_score`, for users of a Linear chain: the users
     of each test-split size adapted together, then scored together, by one batched pass of the
     adapted models and one of the global model (used only where :func:`_scores_together_exactly`
@@ -183,10 +220,11 @@ def _evaluate_together(chain: StackedGradients, loss_fn: LossFn, params: Params,
         by_size.setdefault(len(user.test_y), []).append(position)
     for members in by_size.values():
         for start in range(0, len(members), USERS_PER_CHUNK):
-            chunk = members[start:start + USERS_PER_CHUNK]
+            chunk = members[start : start + USERS_PER_CHUNK]
             group = [users[i] for i in chunk]
-            adapted = _adapt_together(loss_fn, params, group, [user_ids[i] for i in chunk], config, round_idx,
-                                      step_size)
+            adapted = _adapt_together(
+                loss_fn, params, group, [user_ids[i] for i in chunk], config, round_idx, step_size
+            )
             # each user's adaptation has ended before its test data is read
             x, y = _stacked_test_splits(group, test_stacks)
             with torch.no_grad():
@@ -205,7 +243,7 @@ def _global_logits(chain: StackedGradients, params: Params, x: Tensor) -> Tensor
     return rows.view(x.shape[0], x.shape[1], -1)
 
 
-_TEST_STACKS_BYTES = 256 * 2 ** 20  # what test_stacks may hold: the paper's 50 users take 19 MB
+_TEST_STACKS_BYTES = 256 * 2**20  # what test_stacks may hold: the paper's 50 users take 19 MB
 
 
 def _stacked_test_splits(users: Sequence[UserSplit], test_stacks: Optional[dict]) -> tuple:
@@ -222,8 +260,9 @@ def _stacked_test_splits(users: Sequence[UserSplit], test_stacks: Optional[dict]
     return stacks
 
 
-def _scores_together_exactly(chain: StackedGradients, network: nn.Module, params: Params,
-                             users: Sequence[UserSplit]) -> bool:
+def _scores_together_exactly(
+    chain: StackedGradients, network: nn.Module, params: Params, users: Sequence[UserSplit]
+) -> bool:
     """Whether the batched pass of :func:`_evaluate_together` gives the per-user pass's logits bit
     for bit here (it depends on the matrix kernels: decided once per chain, by a probe)."""
     if chain.scores_exactly is None:
@@ -236,14 +275,24 @@ def _scores_together_exactly(chain: StackedGradients, network: nn.Module, params
             before = _global_logits(chain, params, x)
             chain.scores_exactly = all(
                 torch.equal(together[j], logits_of(network, shifted[j], x[j]))
-                and torch.equal(before[j], logits_of(network, params, x[j])) for j in range(len(x)))
+                and torch.equal(before[j], logits_of(network, params, x[j]))
+                for j in range(len(x))
+            )
     return chain.scores_exactly
 
 
-def evaluate(network: nn.Module, params: Params, users: Sequence[UserSplit], config: EvaluationConfig,
-             round_idx: int, user_ids: Optional[Sequence[int]] = None, loss_fn: Optional[LossFn] = None,
-             step_sizes: Optional[Params] = None, chain: Optional[StackedGradients] = None,
-             test_stacks: Optional[dict] = None) -> EvaluationResult:
+def evaluate(
+    network: nn.Module,
+    params: Params,
+    users: Sequence[UserSplit],
+    config: EvaluationConfig,
+    round_idx: int,
+    user_ids: Optional[Sequence[int]] = None,
+    loss_fn: Optional[LossFn] = None,
+    step_sizes: Optional[Params] = None,
+    chain: Optional[StackedGradients] = None,
+    test_stacks: Optional[dict] = None,
+) -> EvaluationResult:
     """Personalized evaluation of ``params`` on ``users`` (see the module doc).
 
     ``network`` is a functional network (:func:`fedml_perfedavg.core.functional.functional_network`);

@@ -12,6 +12,7 @@ function of its parameters:
 
 The user's module itself is never modified: these rules apply to a private copy.
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,8 +33,11 @@ def functional_network(model: nn.Module) -> nn.Module:
     network = copy.deepcopy(model).eval()
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in network.modules()):
         replace_all_batch_norm_modules_(network)
-        logger.info("%s has BatchNorm: it normalizes with each batch's own statistics; running statistics are "
-                    "kept as they are (see fedml_perfedavg.core.functional)", type(model).__name__)
+        logger.info(
+            "%s has BatchNorm: it normalizes with each batch's own statistics; running statistics are "
+            "kept as they are (see fedml_perfedavg.core.functional)",
+            type(model).__name__,
+        )
     return network
 
 

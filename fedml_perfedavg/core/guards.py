@@ -2,6 +2,7 @@
 
 Plain PyTorch; used by every algorithm object, whatever runs its rounds.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,8 +60,7 @@ def l2_norm(tensors: Dict[str, Tensor], keys: List[str]) -> float:
     return float(torch.sqrt(sum((tensors[k].double() ** 2).sum() for k in keys))) if keys else 0.0
 
 
-def update_bound(reference: Dict[str, Tensor], max_update_ratio: float, norm_keys: Optional[List[str]] = None
-                 ) -> float:
+def update_bound(reference: Dict[str, Tensor], max_update_ratio: float, norm_keys: Optional[List[str]] = None) -> float:
     """The largest distance an update may move ``reference``: ``max_update_ratio`` times the
     model's own norm over ``norm_keys``, or times 1 for a model whose norm is below 1 (a model
     initialized at zero can still be trained)."""
@@ -68,9 +68,13 @@ def update_bound(reference: Dict[str, Tensor], max_update_ratio: float, norm_key
     return max_update_ratio * max(l2_norm(reference, keys), 1.0)
 
 
-def update_problem(update: Dict[str, Tensor], reference: Dict[str, Tensor],
-                   max_update_norm: Optional[float] = None, norm_keys: Optional[List[str]] = None,
-                   max_update_ratio: Optional[float] = None) -> Optional[str]:
+def update_problem(
+    update: Dict[str, Tensor],
+    reference: Dict[str, Tensor],
+    max_update_norm: Optional[float] = None,
+    norm_keys: Optional[List[str]] = None,
+    max_update_ratio: Optional[float] = None,
+) -> Optional[str]:
     """Why a received client model cannot be averaged into ``reference``, or None if it can;
     ``max_update_norm`` and ``max_update_ratio`` (see :func:`update_bound`) bound the distance
     over ``norm_keys`` (default: every key)."""
@@ -90,15 +94,24 @@ def update_problem(update: Dict[str, Tensor], reference: Dict[str, Tensor],
     if max_update_norm is None and max_update_ratio is None:
         return None
     keys = list(norm_keys if norm_keys is not None else reference)
-    norm = float(torch.sqrt(sum(((update[k].double() - reference[k].double().to(update[k].device)) ** 2).sum()
-                                for k in keys))) if keys else 0.0
+    norm = (
+        float(
+            torch.sqrt(
+                sum(((update[k].double() - reference[k].double().to(update[k].device)) ** 2).sum() for k in keys)
+            )
+        )
+        if keys
+        else 0.0
+    )
     if max_update_norm is not None and norm > max_update_norm:
         return f"update norm {norm:.4g} exceeds train_args.max_update_norm={max_update_norm}"
     if max_update_ratio is not None:
         bound = update_bound(reference, max_update_ratio, keys)
         if norm > bound:
-            return (f"update norm {norm:.4g} exceeds train_args.max_update_ratio={max_update_ratio} x max(||w||, 1) "
-                    f"= {bound:.4g}")
+            return (
+                f"update norm {norm:.4g} exceeds train_args.max_update_ratio={max_update_ratio} x max(||w||, 1) "
+                f"= {bound:.4g}"
+            )
     return None
 
 

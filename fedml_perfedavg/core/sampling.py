@@ -3,6 +3,7 @@
 Client sampling and every minibatch are drawn from generators keyed this way, so the
 single-process, MPI and cross-silo runs of one config draw the same numbers.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,7 +54,7 @@ def keyed_global_randomness(seed: int, round_idx: int, client_id: int, purpose: 
     numpy_state, python_state = np.random.get_state(), random.getstate()
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(key)  # the CPU generator alone, as fork_rng saved
-        np.random.seed(key % (2 ** 32))
+        np.random.seed(key % (2**32))
         random.seed(key)
         try:
             yield
@@ -71,8 +72,9 @@ def held_out_users(seed: int, client_num_in_total: int, new_user_fraction: float
     return sorted(torch.randperm(client_num_in_total, generator=generator)[:count].tolist())
 
 
-def sample_clients(seed: int, round_idx: int, client_num_in_total: int, client_num_per_round: int,
-                   new_user_fraction: float = 0.0) -> List[int]:
+def sample_clients(
+    seed: int, round_idx: int, client_num_in_total: int, client_num_per_round: int, new_user_fraction: float = 0.0
+) -> List[int]:
     """Uniformly sample ``client_num_per_round`` distinct training users for a round, sorted.
 
     Users held out by ``new_user_fraction`` are never sampled."""
@@ -98,8 +100,9 @@ def batch_indices(num_samples: int, steps: int, batch_sizes: Sequence[int], gene
     return batch_indices_of_many([num_samples], steps, batch_sizes, [generator])[0]
 
 
-def batch_indices_of_many(num_samples: Sequence[int], steps: int, batch_sizes: Sequence[int],
-                          generators: Sequence[torch.Generator]) -> List[List[Tensor]]:
+def batch_indices_of_many(
+    num_samples: Sequence[int], steps: int, batch_sizes: Sequence[int], generators: Sequence[torch.Generator]
+) -> List[List[Tensor]]:
     """:func:`batch_indices` of several clients (their sample counts and generators), the same
     numbers: each client's keys come from its own generator, and the selection runs once for all
     clients of one size (topk treats each row alike, ties included, however many rows it has)."""
@@ -109,8 +112,10 @@ def batch_indices_of_many(num_samples: Sequence[int], steps: int, batch_sizes: S
             raise ValueError(f"batch size {largest} is larger than the client's {count} training samples")
     # The positions of the `largest` smallest of i.i.d. uniform keys are a uniformly random
     # ordered subset: steps * roles independent draws without replacement per client.
-    keys = [torch.rand(steps, len(batch_sizes), count, generator=generator)
-            for count, generator in zip(num_samples, generators)]
+    keys = [
+        torch.rand(steps, len(batch_sizes), count, generator=generator)
+        for count, generator in zip(num_samples, generators)
+    ]
     by_size: dict = {}
     for position, count in enumerate(num_samples):
         by_size.setdefault(count, []).append(position)

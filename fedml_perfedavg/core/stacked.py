@@ -13,6 +13,7 @@ wraps exactly one) whose leaves form such a chain, and its output equals the cha
 probe input; otherwise it says why, and the engine
 keeps the generic path. The loss is the plugin's (mean cross-entropy).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from .algorithm import SGD, LocalBatches, LocalUpdateConfig
 from .functional import logits_of, parameters_of
 from .types import Params
+
 
 @dataclass(frozen=True)
 class Activation:
@@ -50,8 +52,14 @@ def _activation(module: nn.Module) -> Optional[Activation]:
     aten = torch.ops.aten
     if type(module) is nn.ELU:
         alpha = float(module.alpha)
-        backward = lambda d, z, h: aten.elu_backward(d, alpha=alpha, scale=1, input_scale=1,  # noqa: E731
-                                                     is_result=False, self_or_result=z)
+        backward = lambda d, z, h: aten.elu_backward(
+            d,
+            alpha=alpha,
+            scale=1,
+            input_scale=1,  # noqa: E731
+            is_result=False,
+            self_or_result=z,
+        )
         # z <= 0: s = alpha (e^z - 1), s' = s'' = alpha e^z = h + alpha; z > 0: s'' = 0
         return Activation(
             forward=lambda z: F.elu(z, alpha),
@@ -60,25 +68,36 @@ def _activation(module: nn.Module) -> Optional[Activation]:
             # The kernel computes d * input_scale * alpha * exp(z * input_scale) for z <= 0 and
             # d * scale above: with every factor 1 that is d * exp(z) and d, exactly d times its
             # value at d = 1 (the same exp, element by element, for operands of one layout).
-            slope=(lambda z, h: backward(torch.ones_like(z), z, h)) if alpha == 1.0 else None)
+            slope=(lambda z, h: backward(torch.ones_like(z), z, h)) if alpha == 1.0 else None,
+        )
     if type(module) is nn.ReLU:
-        return Activation(forward=torch.relu,
-                          backward=lambda d, z, h: aten.threshold_backward(d, z, threshold=0),
-                          curvature=lambda d, z, h: torch.zeros_like(d))
+        return Activation(
+            forward=torch.relu,
+            backward=lambda d, z, h: aten.threshold_backward(d, z, threshold=0),
+            curvature=lambda d, z, h: torch.zeros_like(d),
+        )
     if type(module) is nn.Tanh:
-        return Activation(forward=torch.tanh,
-                          backward=lambda d, z, h: aten.tanh_backward(d, output=h),
-                          curvature=lambda d, z, h: -2.0 * d * h * (1.0 - h * h))
+        return Activation(
+            forward=torch.tanh,
+            backward=lambda d, z, h: aten.tanh_backward(d, output=h),
+            curvature=lambda d, z, h: -2.0 * d * h * (1.0 - h * h),
+        )
     if type(module) is nn.Sigmoid:
-        return Activation(forward=torch.sigmoid,
-                          backward=lambda d, z, h: aten.sigmoid_backward(d, output=h),
-                          curvature=lambda d, z, h: d * h * (1.0 - h) * (1.0 - 2.0 * h))
+        return Activation(
+            forward=torch.sigmoid,
+            backward=lambda d, z, h: aten.sigmoid_backward(d, output=h),
+            curvature=lambda d, z, h: d * h * (1.0 - h) * (1.0 - 2.0 * h),
+        )
     return None
 
 
 # Integer types of a float type's width: viewed as these, a float is masked by bits.
-_SAME_WIDTH_INTEGER = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-                       torch.bfloat16: torch.int16}
+_SAME_WIDTH_INTEGER = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
 
 
 def _zero_where_positive(value: Tensor, z: Tensor) -> Tensor:
@@ -87,8 +106,13 @@ def _zero_where_positive(value: Tensor, z: Tensor) -> Tensor:
     torch.where's CPU kernel is scalar; this is vectorized integer work, about 40% less time
     on the exact variant's (clients, batch, width) tensors."""
     integer = _SAME_WIDTH_INTEGER.get(value.dtype)
-    if (integer is None or value.requires_grad or z.dtype != value.dtype or z.shape != value.shape
-            or not value.is_contiguous()):
+    if (
+        integer is None
+        or value.requires_grad
+        or z.dtype != value.dtype
+        or z.shape != value.shape
+        or not value.is_contiguous()
+    ):
         return torch.where(z > 0, 0.0, value)
     keep = torch.gt(z, 0, out=torch.empty(z.shape, dtype=integer, device=z.device)).sub_(1)  # 0 or -1 (all ones)
     value.view(integer).bitwise_and_(keep)
@@ -101,8 +125,9 @@ class _Layer:
     bias: Optional[str]
     activation: Optional[Activation]
 
-    def add_gradients(self, grads: Dict[str, Tensor], delta: Tensor, inputs: Tensor,
-                      out: Optional[Params] = None) -> None:
+    def add_gradients(
+        self, grads: Dict[str, Tensor], delta: Tensor, inputs: Tensor, out: Optional[Params] = None
+    ) -> None:
         """This Linear layer's gradients into ``grads`` (written into ``out``'s tensors where
         given), from the gradient at its pre-activation ``delta`` (C, B, out) and its inputs
         (C, B, in): dW = delta^T x, db = sum over the batch."""
@@ -156,8 +181,8 @@ def _plus_minus(point: Tensor, direction: Tensor, delta: float) -> Tensor:
     """point + delta direction and point - delta direction stacked along the first dimension,
     each written in place (not two tensors and their concatenation)."""
     both = point.new_empty((2 * point.shape[0], *point.shape[1:]))
-    torch.add(point, direction, alpha=delta, out=both[:point.shape[0]])
-    torch.add(point, direction, alpha=-delta, out=both[point.shape[0]:])
+    torch.add(point, direction, alpha=delta, out=both[: point.shape[0]])
+    torch.add(point, direction, alpha=-delta, out=both[point.shape[0] :])
     return both
 
 
@@ -201,7 +226,7 @@ class _FlatLayout:
         views, offset = {}, 0
         for name, shape in self.shapes.items():
             count = shape.numel()
-            views[name] = flat[offset:offset + count].view(shape)
+            views[name] = flat[offset : offset + count].view(shape)
             offset += count
         return flat, views
 
@@ -238,8 +263,9 @@ class StackedGradients:
             if isinstance(module, nn.Flatten) and not layers:
                 continue
             if type(module) is nn.Linear:
-                layers.append(_Layer(names[id(module.weight)],
-                                     None if module.bias is None else names[id(module.bias)], None))
+                layers.append(
+                    _Layer(names[id(module.weight)], None if module.bias is None else names[id(module.bias)], None)
+                )
                 continue
             activation = _activation(module)
             if activation is None or not layers or layers[-1].activation is not None:
@@ -252,8 +278,7 @@ class StackedGradients:
             return None, "its parameters have more than one dtype"
         params = parameters_of(network)
         stacked = cls(layers, params[layers[-1].weight].shape[0])
-        probe = torch.randn(3, *input_shape, generator=torch.Generator().manual_seed(0)).to(
-            next(iter(params.values())))
+        probe = torch.randn(3, *input_shape, generator=torch.Generator().manual_seed(0)).to(next(iter(params.values())))
         expected = logits_of(network, params, probe)
         got = stacked.logits({k: v.unsqueeze(0) for k, v in params.items()}, probe.unsqueeze(0))[0]
         if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
@@ -266,13 +291,25 @@ class StackedGradients:
         for layer in self.layers[start:]:
             inputs.append(h)
             weight = params[layer.weight].transpose(1, 2)
-            z = torch.bmm(h, weight) if layer.bias is None else torch.baddbmm(params[layer.bias].unsqueeze(1), h, weight)
+            z = (
+                torch.bmm(h, weight)
+                if layer.bias is None
+                else torch.baddbmm(params[layer.bias].unsqueeze(1), h, weight)
+            )
             pre.append(z)
             h = z if layer.activation is None else layer.activation.forward(z)
         return inputs, pre, h
 
-    def _backward(self, params: Params, inputs: List[Tensor], pre: List[Tensor], logits: Tensor, y: Tensor,
-                  start: int = 0, out: Optional[Params] = None) -> Tuple[Dict[str, Tensor], Tensor]:
+    def _backward(
+        self,
+        params: Params,
+        inputs: List[Tensor],
+        pre: List[Tensor],
+        logits: Tensor,
+        y: Tensor,
+        start: int = 0,
+        out: Optional[Params] = None,
+    ) -> Tuple[Dict[str, Tensor], Tensor]:
         """Gradients of layers ``start``.. and the gradient at layer ``start``'s pre-activation;
         ``y`` holds labels (C, B) or their one-hot encoding (C, B, classes) in the logits' dtype."""
         # d(mean cross-entropy)/d(logits) = (softmax - one-hot) / B
@@ -301,8 +338,9 @@ class StackedGradients:
         self.layers[0].add_gradients(grads, delta, h, out)
         return {k: grads[k] for k in params}
 
-    def hessian_vector_product(self, params: Params, direction: Params, x: Tensor, y: Tensor,
-                               out: Optional[Params] = None) -> Params:
+    def hessian_vector_product(
+        self, params: Params, direction: Params, x: Tensor, y: Tensor, out: Optional[Params] = None
+    ) -> Params:
         """H(w) v exactly, by hand (Pearlmutter's R-operator through this chain): a forward pass
         with its directional derivative, then the backward pass with its own; the gradient itself
         is never formed. Equal to forward-over-reverse autodiff, with fewer and fused products.
@@ -310,8 +348,10 @@ class StackedGradients:
         h = x.reshape(x.shape[0], x.shape[1], -1)
         inputs, pre, logits = self._forward(params, h)
         outputs = inputs[1:] + [logits]
-        derivative = [None if layer.activation is None else _LayerDerivative(layer.activation, z, output)
-                      for layer, z, output in zip(self.layers, pre, outputs)]
+        derivative = [
+            None if layer.activation is None else _LayerDerivative(layer.activation, z, output)
+            for layer, z, output in zip(self.layers, pre, outputs)
+        ]
         # R-forward: Rz_l = Rh_{l-1} W_l^T + h_{l-1} V_l^T (+ c_l); Rh_l = s'(z_l) Rz_l
         r_inputs: List[Optional[Tensor]] = [None]
         r_pre: List[Tensor] = []
@@ -338,7 +378,8 @@ class StackedGradients:
                 # R(s'(z) d) = s'(z) R(d) + s''(z) Rz d
                 # (Rz_l is read here for the last time: delta Rz_l is formed in its place)
                 r_delta = derivative[position](r_delta).add_(
-                    layer.activation.curvature(r_pre[position].mul_(delta), z, output))
+                    layer.activation.curvature(r_pre[position].mul_(delta), z, output)
+                )
                 if position > 0:  # the first layer's own delta enters no product (its input has no R)
                     delta = derivative[position](delta)
             # R(dW_l) = R(delta)^T h_{l-1} + delta^T Rh_{l-1};  R(db_l) = sum R(delta)
@@ -376,8 +417,10 @@ class StackedGradients:
         # The one-hot targets of every step at once (the same values as one step at a time), for
         # the roles the variant reads: D; D' too in FO; D'' too in HF and exact.
         roles = 1 if config.variant == SGD else 2 if config.variant == "fo" else 3
-        targets = [F.one_hot(y, self.classes).to(layout.dtype)
-                   for y in (batches.adapt_y, batches.meta_y, batches.hessian_y)[:roles]]
+        targets = [
+            F.one_hot(y, self.classes).to(layout.dtype)
+            for y in (batches.adapt_y, batches.meta_y, batches.hessian_y)[:roles]
+        ]
         step_inputs = _StepInputs(batches, self._input_buffers)
         for t in range(config.local_steps):
             self.grad(result, step_inputs.get(0, t), targets[0][t], out=work_views)
@@ -389,11 +432,13 @@ class StackedGradients:
                 direction_flat = meta_flat
                 if config.variant != "fo":
                     if config.variant == "hf":
-                        self.finite_difference_hvp(result, meta_grad, step_inputs.get(2, t), targets[2][t],
-                                                   config.delta, out=work_views)
+                        self.finite_difference_hvp(
+                            result, meta_grad, step_inputs.get(2, t), targets[2][t], config.delta, out=work_views
+                        )
                     else:
-                        self.hessian_vector_product(result, meta_grad, step_inputs.get(2, t), targets[2][t],
-                                                    out=work_views)
+                        self.hessian_vector_product(
+                            result, meta_grad, step_inputs.get(2, t), targets[2][t], out=work_views
+                        )
                     direction_flat = work_flat.mul_(-config.alpha).add_(meta_flat)  # g + (-alpha H g)
             result_flat.add_(direction_flat.mul_(-config.beta))
         return result
@@ -404,16 +449,18 @@ class StackedGradients:
         grads = self.grad(flat, torch.cat((x, x)), torch.cat((y, y)))
         return {k: v.reshape(2, -1, *v.shape[1:]) for k, v in grads.items()}
 
-    def finite_difference_hvp(self, params: Params, direction: Params, x: Tensor, y: Tensor,
-                              delta: float, out: Optional[Params] = None) -> Params:
+    def finite_difference_hvp(
+        self, params: Params, direction: Params, x: Tensor, y: Tensor, delta: float, out: Optional[Params] = None
+    ) -> Params:
         """(grad(w + delta v) - grad(w - delta v)) / (2 delta), the HF estimator's Hessian-vector
         product, without copying the inputs or the first layer: both points share the input x,
         so the first layer's pre-activations are x W^T +- delta x V^T, and its gradient
         difference is one product of x with the difference of the two backward signals.
         Written into ``out``'s tensors where given."""
         if len(self.layers) < 2:  # a single layer: the two points as 2C clients
-            pair = self.grad_pair({k: torch.stack((p + delta * direction[k], p - delta * direction[k]))
-                                   for k, p in params.items()}, x, y)
+            pair = self.grad_pair(
+                {k: torch.stack((p + delta * direction[k], p - delta * direction[k])) for k, p in params.items()}, x, y
+            )
             return {k: torch.div(v[0] - v[1], 2.0 * delta, out=_slot(out, k)) for k, v in pair.items()}
         clients = x.shape[0]
         h = x.reshape(clients, x.shape[1], -1)
@@ -425,16 +472,21 @@ class StackedGradients:
             shift.add_(direction[first.bias].unsqueeze(1))
         z = _plus_minus(base, shift, delta)
         h1 = z if first.activation is None else first.activation.forward(z)
-        rest = {k: _plus_minus(params[k], direction[k], delta)
-                for layer in self.layers[1:] for k in (layer.weight, layer.bias) if k}
+        rest = {
+            k: _plus_minus(params[k], direction[k], delta)
+            for layer in self.layers[1:]
+            for k in (layer.weight, layer.bias)
+            if k
+        }
         inputs, pre, logits = self._forward(rest, h1, start=1)
         grads, signal = self._backward_from_second(rest, h1, z, inputs, pre, logits, torch.cat((y, y)))
         hvp = {k: torch.div(v[:clients] - v[clients:], 2.0 * delta, out=_slot(out, k)) for k, v in grads.items()}
         first.add_gradients(hvp, (signal[:clients] - signal[clients:]) / (2.0 * delta), h, out)
         return {k: hvp[k] for k in params}
 
-    def _backward_from_second(self, rest: Params, h1: Tensor, z1: Tensor, inputs: List[Tensor],
-                              pre: List[Tensor], logits: Tensor, y: Tensor) -> Tuple[Dict[str, Tensor], Tensor]:
+    def _backward_from_second(
+        self, rest: Params, h1: Tensor, z1: Tensor, inputs: List[Tensor], pre: List[Tensor], logits: Tensor, y: Tensor
+    ) -> Tuple[Dict[str, Tensor], Tensor]:
         """Gradients of layers 1.. and the gradient at the first layer's pre-activation."""
         grads, delta = self._backward(rest, inputs, pre, logits, y, start=1)
         second = self.layers[1]

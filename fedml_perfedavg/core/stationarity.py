@@ -5,6 +5,7 @@ stationary point of F). Here every term is exact: f_i is user i's loss on its *f
 data (no minibatch), and grad F_i(w) = (I - alpha H_i(w)) grad f_i(w - alpha grad f_i(w)), the
 Hessian-vector product by forward-over-reverse autodiff (``torch.func.jvp`` of ``grad``).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -26,8 +27,9 @@ def full_meta_gradient(loss_fn: LossFn, params: Params, x: Tensor, y: Tensor, al
     return axpy(-alpha, hessian_g, g)
 
 
-def stationarity(loss_fn: LossFn, params: Params, users: Sequence[UserSplit], alpha: float,
-                 user_ids: Optional[Sequence[int]] = None) -> float:
+def stationarity(
+    loss_fn: LossFn, params: Params, users: Sequence[UserSplit], alpha: float, user_ids: Optional[Sequence[int]] = None
+) -> float:
     """||1/n sum_i grad F_i(w)||^2 over ``users`` (or those at ``user_ids``), each on its full
     training data."""
     chosen = list(range(len(users))) if user_ids is None else list(user_ids)

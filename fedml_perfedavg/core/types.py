@@ -1,4 +1,5 @@
 """Types shared by the core, the algorithms, the data layer and the FedML bridge."""
+
 from __future__ import annotations
 
 from typing import Callable, Dict, NamedTuple

@@ -8,6 +8,7 @@ per-client loops, so both give the same model up to floating-point summation ord
 ``torch.func.vmap`` cannot batch (data-dependent control flow, in-place updates of captured
 tensors, ...) runs the per-client path instead, with a log line saying why.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,15 @@ class BatchedSimulation:
     #: (benchmarks/RESULTS.md, "Scale": 1000 clients took 19.3 s at once, 9.4 s in computations of 32).
     clients_per_computation: int = 32
 
-    def __init__(self, algorithm: FederatedAlgorithm, users: Sequence[UserSplit], global_state: StateDict,
-                 driver: RoundDriver, compile_local_update: bool = False, fast_path: bool = True) -> None:
+    def __init__(
+        self,
+        algorithm: FederatedAlgorithm,
+        users: Sequence[UserSplit],
+        global_state: StateDict,
+        driver: RoundDriver,
+        compile_local_update: bool = False,
+        fast_path: bool = True,
+    ) -> None:
         self.algorithm = algorithm
         self.users = users
         self.state: StateDict = OrderedDict(global_state)
@@ -55,22 +63,33 @@ class BatchedSimulation:
         self.whole_state = algorithm.returns_whole_state
         if self.whole_state:
             self.step = vmap(algorithm.local_training, in_dims=(None, 0))
-        stacked, why = (None, "device_args.compile_local_update compiles the generic path") if compile_local_update \
+        stacked, why = (
+            (None, "device_args.compile_local_update compiles the generic path")
+            if compile_local_update
             else self._stacked_gradients(fast_path)
+        )
         self.stacked: Optional[StackedGradients] = stacked
         if self.batched and stacked is None and not algorithm.groups_exactly:
             self.batched = False  # vmapped, a client's bits would depend on the others in its computation
-            logger.info("batched engine: clients one by one (vmapped, a client's result would depend on which "
-                        "clients share its computation; see the model probe's warning)")
+            logger.info(
+                "batched engine: clients one by one (vmapped, a client's result would depend on which "
+                "clients share its computation; see the model probe's warning)"
+            )
         elif not self.batched:
             logger.info("batched engine: clients one by one (the model cannot be vmapped)")
         elif stacked is not None:
             self.step = self._stacked_step()
-            logger.info("batched engine: %s is a chain of Linear layers and activations; its clients' gradients "
-                        "are hand-batched matrix products (fedml_perfedavg.core.stacked)", type(algorithm.network).__name__)
+            logger.info(
+                "batched engine: %s is a chain of Linear layers and activations; its clients' gradients "
+                "are hand-batched matrix products (fedml_perfedavg.core.stacked)",
+                type(algorithm.network).__name__,
+            )
         else:
-            logger.info("batched engine: the clients' updates vmapped with torch.func (hand-batched gradients do not "
-                        "apply: %s)", why)
+            logger.info(
+                "batched engine: the clients' updates vmapped with torch.func (hand-batched gradients do not "
+                "apply: %s)",
+                why,
+            )
         if compile_local_update:
             # The round is thousands of tiny kernels: on a GPU, CUDA graphs ("reduce-overhead")
             # replay them without per-kernel launch cost. Shapes are the same every round.
@@ -116,8 +135,12 @@ class BatchedSimulation:
         """Hand-batched path: every client's local update from its own starting parameters
         (``start`` and ``batches`` have the client first; inputs may be :class:`IndexedInputs`,
         which are step first), e.g. the clients of several runs."""
-        by_step = LocalBatches(*(t if isinstance(t, IndexedInputs) else t.transpose(0, 1)  # (steps, clients, ...)
-                                 for t in batches))
+        by_step = LocalBatches(
+            *(
+                t if isinstance(t, IndexedInputs) else t.transpose(0, 1)  # (steps, clients, ...)
+                for t in batches
+            )
+        )
         return self.stacked.local_update(start, by_step, self.algorithm.settings.local)
 
     def round_batches(self, round_idx: int, clients: List[int], lazy_inputs: bool = False) -> LocalBatches:
@@ -125,14 +148,23 @@ class BatchedSimulation:
         the hand-batched path) their inputs as :class:`IndexedInputs` where they are gathered."""
         hooks = self.algorithm.hooks
         if not self._gather:
-            return stack_batches([self.algorithm.client_batches(
-                round_idx, c, self.users[c].train_x, hooks.client_labels(round_idx, c, self.users[c].train_y))
-                for c in clients])
+            return stack_batches(
+                [
+                    self.algorithm.client_batches(
+                        round_idx, c, self.users[c].train_x, hooks.client_labels(round_idx, c, self.users[c].train_y)
+                    )
+                    for c in clients
+                ]
+            )
         batches = self.gather(self.batch_index(round_idx, clients), lazy_inputs=lazy_inputs)
         if hooks.poisons_labels:  # a label map commutes with the gather: flip each client's gathered rows
-            batches = batches._replace(**{role: torch.stack([hooks.client_labels(round_idx, c, labels[i])
-                                                             for i, c in enumerate(clients)])
-                                          for role, labels in batches._asdict().items() if role.endswith("_y")})
+            batches = batches._replace(
+                **{
+                    role: torch.stack([hooks.client_labels(round_idx, c, labels[i]) for i, c in enumerate(clients)])
+                    for role, labels in batches._asdict().items()
+                    if role.endswith("_y")
+                }
+            )
         return batches
 
     @property
@@ -152,8 +184,9 @@ class BatchedSimulation:
         offsets = torch.tensor([self._offsets[c] for c in clients]).view(-1, 1, 1)
         return [torch.stack([idx[role] for idx in per_client]) + offsets for role in range(len(per_client[0]))]
 
-    def gather(self, index: List[Tensor], data: Optional[Tuple[Tensor, Tensor]] = None,
-               lazy_inputs: bool = False) -> LocalBatches:
+    def gather(
+        self, index: List[Tensor], data: Optional[Tuple[Tensor, Tensor]] = None, lazy_inputs: bool = False
+    ) -> LocalBatches:
         """The minibatches at ``index`` (one gather per role) from ``data`` (default: this run's
         users, concatenated). With ``lazy_inputs`` the inputs are :class:`IndexedInputs`, gathered
         by the hand-batched local update one step at a time, into cache, as it reaches them."""
@@ -165,8 +198,11 @@ class BatchedSimulation:
                 continue
             role_index = role_index.to(x.device)
             flat = role_index.reshape(-1)  # index_select: the rows of x[index], in half the time
-            inputs = (IndexedInputs(x, role_index.transpose(0, 1).contiguous()) if lazy_inputs
-                      else x.index_select(0, flat).view(*role_index.shape, *x.shape[1:]))
+            inputs = (
+                IndexedInputs(x, role_index.transpose(0, 1).contiguous())
+                if lazy_inputs
+                else x.index_select(0, flat).view(*role_index.shape, *x.shape[1:])
+            )
             tensors += [inputs, y.index_select(0, flat).view(role_index.shape)]
         return LocalBatches(*tensors)
 
@@ -181,15 +217,22 @@ class BatchedSimulation:
                 stacked = self.step({k: v.detach() for k, v in params.items()}, batches)
         return self.client_updates(round_idx, clients, stacked, buffers)
 
-    def client_updates(self, round_idx: int, clients: List[int], stacked: StateDict, buffers: StateDict
-                       ) -> List[tuple]:
+    def client_updates(self, round_idx: int, clients: List[int], stacked: StateDict, buffers: StateDict) -> List[tuple]:
         """(samples, state) per client from the stacked results (the divergence guard applied)."""
         for position in nonfinite_clients({k: stacked[k] for k in self.algorithm.parameter_names}):
-            self.algorithm.check_client_result(round_idx, clients[position],
-                                               {k: v[position] for k, v in stacked.items()})
+            self.algorithm.check_client_result(
+                round_idx, clients[position], {k: v[position] for k, v in stacked.items()}
+            )
         hooks = self.algorithm.hooks
-        return [(self.sample_counts[c], hooks.client_result(round_idx, c, OrderedDict(
-            (k, stacked[k][i] if k in stacked else buffers[k]) for k in self.state))) for i, c in enumerate(clients)]
+        return [
+            (
+                self.sample_counts[c],
+                hooks.client_result(
+                    round_idx, c, OrderedDict((k, stacked[k][i] if k in stacked else buffers[k]) for k in self.state)
+                ),
+            )
+            for i, c in enumerate(clients)
+        ]
 
     def finish_round(self, round_idx: int, updates: List[tuple]) -> None:
         """Aggregate the round's updates and hand the new global model to the driver."""
@@ -197,8 +240,10 @@ class BatchedSimulation:
         self.driver.round_finished(round_idx, self.state)
 
     def _per_client_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
-        return [tuple(self.algorithm.client_update(round_idx, c, self.state, self.users[c].train_x,
-                                                   self.users[c].train_y)) for c in clients]
+        return [
+            tuple(self.algorithm.client_update(round_idx, c, self.state, self.users[c].train_x, self.users[c].train_y))
+            for c in clients
+        ]
 
     def train_clients(self, round_idx: int, clients: List[int], global_state: StateDict) -> List[tuple]:
         """(samples, state) of each of ``clients`` after round ``round_idx``'s local training from
@@ -208,7 +253,7 @@ class BatchedSimulation:
             return self._per_client_updates(round_idx, clients)
         updates = []
         for start in range(0, len(clients), self.clients_per_computation):
-            updates += self._batched_updates(round_idx, clients[start:start + self.clients_per_computation])
+            updates += self._batched_updates(round_idx, clients[start : start + self.clients_per_computation])
         return updates
 
     def train_round(self, round_idx: int) -> List[int]:

@@ -9,6 +9,7 @@ in float64). It needs every run on the batched engine's hand-batched path with t
 maths (the local step, alpha, beta, delta, tau, batch sizes) and parameter shapes: the seeds
 of one cell and method.
 """
+
 from __future__ import annotations
 
 import logging
@@ -85,7 +86,7 @@ class GridSimulation:
             trained = self.engines[0].train_from(start, together)
         offset = 0
         for engine, clients in zip(self.engines, chosen):
-            mine = {k: v[offset:offset + len(clients)] for k, v in trained.items()}
+            mine = {k: v[offset : offset + len(clients)] for k, v in trained.items()}
             offset += len(clients)
             _, buffers = engine.algorithm.split_state(engine.state)
             engine.finish_round(round_idx, engine.client_updates(round_idx, clients, mine, buffers))

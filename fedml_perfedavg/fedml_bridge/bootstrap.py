@@ -2,6 +2,7 @@
 from ``fedml.init()`` when ``using_mlops`` is off, FedML's ``~/.fedml`` files where the user
 says. Each replacement names the FedML file it works around and why.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -91,5 +92,3 @@ def redirect_fedml_home(home: Optional[str]) -> None:
 
     for name in _HOME_WRITERS:
         importlib.import_module(name).expanduser = expanduser
-
-

@@ -11,6 +11,7 @@ FedML dispatches on ``federated_optimizer`` with a hard-coded if/elif per backen
 - a pair with another FedML algorithm, which FedML's simulators would drop, is an error;
 - everything else is FedML's own path, unchanged.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,19 +23,21 @@ from ..core.guards import ConfigError
 logger = logging.getLogger(__name__)
 
 
-def dispatching_init(original_init: Callable, is_plugin_algorithm: Callable[[str], bool],
-                     build_plugin_runner: Callable[..., Any]) -> Callable:
+def dispatching_init(
+    original_init: Callable, is_plugin_algorithm: Callable[[str], bool], build_plugin_runner: Callable[..., Any]
+) -> Callable:
     """A replacement for ``FedMLRunner.__init__`` (see the module doc)."""
 
     @functools.wraps(original_init)
-    def __init__(self, args, device, dataset, model, client_trainer=None, server_aggregator=None,
-                 algorithm_flow=None):
+    def __init__(self, args, device, dataset, model, client_trainer=None, server_aggregator=None, algorithm_flow=None):
         if algorithm_flow is not None:
-            return original_init(self, args, device, dataset, model, client_trainer, server_aggregator,
-                                 algorithm_flow)
+            return original_init(self, args, device, dataset, model, client_trainer, server_aggregator, algorithm_flow)
         optimizer = getattr(args, "federated_optimizer", None)
-        if getattr(args, "training_type", None) == "cross_silo" and getattr(args, "max_message_bytes", None) is None \
-                and hasattr(model, "state_dict"):
+        if (
+            getattr(args, "training_type", None) == "cross_silo"
+            and getattr(args, "max_message_bytes", None) is None
+            and hasattr(model, "state_dict")
+        ):
             from .cross_silo.wire import default_size_cap  # comm_args.max_message_bytes' documented default
 
             args.max_message_bytes = default_size_cap(model.state_dict())
@@ -46,21 +49,29 @@ def dispatching_init(original_init: Callable, is_plugin_algorithm: Callable[[str
         training_type, backend = getattr(args, "training_type", None), getattr(args, "backend", None)
         if training_type == "simulation" and backend in ("sp", "MPI"):
             if optimizer != "FedAvg":
-                raise ConfigError(f"train_args.federated_optimizer={optimizer!r}: FedML's {backend} simulation of "
-                                  f"this algorithm ignores a trainer/aggregator handed to FedMLRunner; hand them "
-                                  f"with federated_optimizer 'FedAvg', or register your algorithm with "
-                                  f"fedml_perfedavg.algorithms.register")
+                raise ConfigError(
+                    f"train_args.federated_optimizer={optimizer!r}: FedML's {backend} simulation of "
+                    f"this algorithm ignores a trainer/aggregator handed to FedMLRunner; hand them "
+                    f"with federated_optimizer 'FedAvg', or register your algorithm with "
+                    f"fedml_perfedavg.algorithms.register"
+                )
             from .mpi import MPISimulation
             from .sp import SPSimulation
 
             simulation = SPSimulation if backend == "sp" else MPISimulation
-            logger.info("FedML %s simulation runs the given %s / %s", backend, type(client_trainer).__name__,
-                        type(server_aggregator).__name__)
+            logger.info(
+                "FedML %s simulation runs the given %s / %s",
+                backend,
+                type(client_trainer).__name__,
+                type(server_aggregator).__name__,
+            )
             self.runner = simulation(args, device, dataset, model, client_trainer, server_aggregator)
             return None
         if training_type == "cross_silo" and optimizer != "FedAvg":
-            raise ConfigError(f"train_args.federated_optimizer={optimizer!r}: FedML's cross-silo {optimizer} builds "
-                              f"its own trainer and aggregator and would ignore the ones handed to FedMLRunner")
+            raise ConfigError(
+                f"train_args.federated_optimizer={optimizer!r}: FedML's cross-silo {optimizer} builds "
+                f"its own trainer and aggregator and would ignore the ones handed to FedMLRunner"
+            )
         return original_init(self, args, device, dataset, model, client_trainer, server_aggregator)
 
     __init__.__wrapped__ = original_init

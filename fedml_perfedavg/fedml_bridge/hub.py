@@ -6,6 +6,7 @@ does not know. With the plugin installed, ``partition_method: paper`` (or
 ``paper_diff_hetero``) loads the paper's split from ``data_cache_dir`` offline, and
 ``model: mlp`` (the paper's MLP) or ``small_cnn`` are created; every other request is FedML's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,12 @@ def reshaped(data: FederatedData, layout: Tuple[int, ...]) -> FederatedData:
     """The split with every sample reshaped to ``layout``."""
     if tuple(layout) == tuple(data.input_shape):
         return data
-    users = [UserSplit(u.train_x.reshape(len(u.train_y), *layout), u.train_y,
-                       u.test_x.reshape(len(u.test_y), *layout), u.test_y) for u in data.users]
+    users = [
+        UserSplit(
+            u.train_x.reshape(len(u.train_y), *layout), u.train_y, u.test_x.reshape(len(u.test_y), *layout), u.test_y
+        )
+        for u in data.users
+    ]
     return FederatedData(users, data.num_classes, data.input_shape, data.user_ids)
 
 
@@ -68,29 +73,32 @@ def offline_fedml_loader(args: Any) -> Iterator[None]:
     if dataset == "mnist":
         leaf = [os.path.join(root, "MNIST", split) for split in ("train", "test")]
         if not all(glob.glob(os.path.join(folder, "*.json")) for folder in leaf):
-            raise ConfigError(f"data_args.dataset='mnist' with data_args.partition_method="
-                              f"{getattr(args, 'partition_method', None)!r} is FedML's MNIST loader, which reads LEAF's "
-                              f"JSON files from {leaf[0]}/*.json and {leaf[1]}/*.json (FedML's MNIST.zip, extracted "
-                              f"into {root}) and would download them: put them there, set data_args.download: true to "
-                              f"let FedML download them, or use partition_method: paper (the paper's split, from "
-                              f"torchvision's MNIST files)")
+            raise ConfigError(
+                f"data_args.dataset='mnist' with data_args.partition_method="
+                f"{getattr(args, 'partition_method', None)!r} is FedML's MNIST loader, which reads LEAF's "
+                f"JSON files from {leaf[0]}/*.json and {leaf[1]}/*.json (FedML's MNIST.zip, extracted "
+                f"into {root}) and would download them: put them there, set data_args.download: true to "
+                f"let FedML download them, or use partition_method: paper (the paper's split, from "
+                f"torchvision's MNIST files)"
+            )
         stack.enter_context(replaced(fedml_loader, "download_mnist", lambda data_cache_dir: None))
     original_connect = socket.socket.connect
 
     def refuse(sock, address):
         family = getattr(sock, "family", None)
         if family in (socket.AF_INET, socket.AF_INET6):
-            raise ConfigError(f"data_args.dataset={dataset!r}: FedML's loader tried to download it (a connection to "
-                             f"{address}); put its files under data_args.data_cache_dir={root!r}, or set "
-                             f"data_args.download: true")
+            raise ConfigError(
+                f"data_args.dataset={dataset!r}: FedML's loader tried to download it (a connection to "
+                f"{address}); put its files under data_args.data_cache_dir={root!r}, or set "
+                f"data_args.download: true"
+            )
         return original_connect(sock, address)
 
     with stack, replaced(socket.socket, "connect", refuse):
         yield
 
 
-def loading_with_paper_split(original_load: Callable, load_split: Callable[[Any], Optional[FederatedData]]
-                             ) -> Callable:
+def loading_with_paper_split(original_load: Callable, load_split: Callable[[Any], Optional[FederatedData]]) -> Callable:
     """A replacement for ``fedml.data.load``: the split ``load_split`` gives where it gives one
     (the paper's; a silo's own folder; no users at all for the server of a data-owner run)."""
 
@@ -116,18 +124,21 @@ def creating_paper_models(original_create: Callable) -> Callable:
         if name in MODELS:
             shape = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}.get(getattr(args, "dataset", None))
             if shape is None:
-                raise ConfigError(f"model_args.model={name!r}: the plugin's models are built for data_args.dataset "
-                                  f"mnist or cifar10, not {getattr(args, 'dataset', None)!r}")
+                raise ConfigError(
+                    f"model_args.model={name!r}: the plugin's models are built for data_args.dataset "
+                    f"mnist or cifar10, not {getattr(args, 'dataset', None)!r}"
+                )
             return create_model(name, shape, int(output_dim), getattr(args, "hidden_sizes", None) or (80, 60))
         try:
             return original_create(args, output_dim)
         except Exception as err:
             if type(err) is not Exception:
                 raise
-            raise ConfigError(f"model_args.model={name!r}: FedML has no such model for data_args.dataset="
-                              f"{getattr(args, 'dataset', None)!r} ({err}); the plugin adds {list(MODELS)}, and FedML "
-                              f"knows e.g. lr, cnn (mnist), resnet56, mobilenet") from None
-
+            raise ConfigError(
+                f"model_args.model={name!r}: FedML has no such model for data_args.dataset="
+                f"{getattr(args, 'dataset', None)!r} ({err}); the plugin adds {list(MODELS)}, and FedML "
+                f"knows e.g. lr, cnn (mnist), resnet56, mobilenet"
+            ) from None
 
     @functools.wraps(original_create)
     def create(args, output_dim) -> nn.Module:

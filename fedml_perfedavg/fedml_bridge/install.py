@@ -13,6 +13,7 @@ own module that names the FedML file and why:
 - FedML's gRPC communication manager, for every cross-silo run in the process, FedML's own
   optimizers included: it unpickles what any peer sends (:mod:`.cross_silo.transport`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -91,11 +92,11 @@ def offline_init(original_init, entry: PluginEntry):
 
 INSECURE_BACKENDS = {
     "TRPC": "FedML's TRPC transport (core/distributed/communication/trpc) sends pickles in plaintext and listens on "
-            "every interface",
+    "every interface",
     "MQTT_S3": "FedML's MQTT_S3 transport (core/distributed/communication/mqtt_s3) passes pickled models through a "
-               "broker and a bucket outside the run, with no authentication of the sender",
+    "broker and a bucket outside the run, with no authentication of the sender",
     "MQTT_S3_MNN": "FedML's MQTT_S3_MNN transport passes models through a broker and a bucket outside the run, with "
-                   "no authentication of the sender",
+    "no authentication of the sender",
     "MQTT_WEB3": "FedML's MQTT_WEB3 transport passes pickled models through services outside the run",
     "MQTT_THETASTORE": "FedML's MQTT_THETASTORE transport passes pickled models through services outside the run",
 }
@@ -110,9 +111,11 @@ def check_cross_silo_backend(args: Any) -> None:
     if backend in INSECURE_BACKENDS:
         from ..core.guards import ConfigError
 
-        raise ConfigError(f"comm_args.backend={backend!r}: refused for cross-silo with fedml_perfedavg imported: "
-                          f"{INSECURE_BACKENDS[backend]}. Use backend: GRPC, which the plugin secures (mutual TLS "
-                          f"with comm_args.tls_dir, messages never unpickled, connections capped)")
+        raise ConfigError(
+            f"comm_args.backend={backend!r}: refused for cross-silo with fedml_perfedavg imported: "
+            f"{INSECURE_BACKENDS[backend]}. Use backend: GRPC, which the plugin secures (mutual TLS "
+            f"with comm_args.tls_dir, messages never unpickled, connections capped)"
+        )
 
 
 def _refusing_insecure_backends(original_init_manager):
@@ -122,8 +125,9 @@ def _refusing_insecure_backends(original_init_manager):
 
     @functools.wraps(original_init_manager)
     def init_manager(self):
-        check_cross_silo_backend(types.SimpleNamespace(training_type=getattr(self.args, "training_type", None),
-                                                       backend=self.backend))
+        check_cross_silo_backend(
+            types.SimpleNamespace(training_type=getattr(self.args, "training_type", None), backend=self.backend)
+        )
         return original_init_manager(self)
 
     init_manager.__wrapped__ = original_init_manager
@@ -172,8 +176,11 @@ def _install_transport() -> None:
         def SecureGRPCCommManager(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - stands in for a class
             from ..core.guards import ConfigError
 
-            raise ConfigError(f"comm_args.backend='GRPC' needs the plugin's secure transport, which cannot be "
-                              f"imported ({missing}); pip install 'fedml-perfedavg[silo]'")
+            raise ConfigError(
+                f"comm_args.backend='GRPC' needs the plugin's secure transport, which cannot be "
+                f"imported ({missing}); pip install 'fedml-perfedavg[silo]'"
+            )
+
     fedml_grpc.GRPCCommManager = SecureGRPCCommManager
 
 

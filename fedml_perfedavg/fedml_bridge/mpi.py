@@ -26,6 +26,7 @@ simulation/mpi/fedavg/FedAvgAPI.py, and:
   FedAvg included (:func:`install_one_round_fix`).
 FedML runs the MPI loop inside ``FedMLRunner``'s constructor; here it runs in ``run()``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,7 +60,7 @@ def balanced_shares(clients: Sequence[int], workers: int) -> List[List[int]]:
     shares, start = [], 0
     for worker in range(workers):
         size = base + (1 if worker < extra else 0)
-        shares.append([int(c) for c in clients[start:start + size]])
+        shares.append([int(c) for c in clients[start : start + size]])
         start += size
     return shares
 
@@ -83,8 +84,10 @@ def rank_device(args: Any, device: Any) -> Any:
     if not getattr(args, "using_gpu", False) or getattr(args, "gpu_mapping_file", None):
         return device
     if not torch.cuda.is_available():
-        raise ConfigError(f"device_args.using_gpu=True: MPI rank {args.process_id} sees no CUDA device; set using_gpu: "
-                          f"false, or run the ranks on GPU hosts")
+        raise ConfigError(
+            f"device_args.using_gpu=True: MPI rank {args.process_id} sees no CUDA device; set using_gpu: "
+            f"false, or run the ranks on GPU hosts"
+        )
     local = next((os.environ[name] for name in LOCAL_RANK_VARIABLES if name in os.environ), args.process_id)
     return torch.device("cuda", int(local) % torch.cuda.device_count())
 
@@ -172,8 +175,13 @@ class PluginFedAVGTrainer(mpi_api.FedAVGTrainer):
     """An MPI worker that tells its ``ClientTrainer`` which client it trains, or trains its
     share of the round with ``share_trainer``; ``progress`` says which clients it is on."""
 
-    def __init__(self, *args: Any, share_trainer: Optional[ShareTrainer] = None,
-                 progress: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        share_trainer: Optional[ShareTrainer] = None,
+        progress: Optional[Dict[str, Any]] = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.share_trainer, self.share = share_trainer, None
         self.progress = progress if progress is not None else {}
@@ -200,16 +208,27 @@ class PluginFedAVGTrainer(mpi_api.FedAVGTrainer):
         # Each client's tensors are views into its computation's stacked results; pickled as they
         # are, every view would carry the whole stack (all its clients' models): copied out, each
         # message holds the share's models once.
-        return ([(int(n), {k: v.detach().to("cpu", copy=True) for k, v in state.items()}) for n, state in updates],
-                sum(int(n) for n, _ in updates))
+        return (
+            [(int(n), {k: v.detach().to("cpu", copy=True) for k, v in state.items()}) for n, state in updates],
+            sum(int(n) for n, _ in updates),
+        )
 
 
 class MPISimulation:
     """``FedMLRunner``'s MPI runner for a given trainer/aggregator pair (``run()`` runs this
     rank's part; with a ``driver``, the plugin algorithm's sampling and evaluation)."""
 
-    def __init__(self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any,
-                 driver: Optional[RoundDriver] = None, share_trainer: Optional[ShareTrainer] = None) -> None:
+    def __init__(
+        self,
+        args: Any,
+        device: Any,
+        dataset: list,
+        model: Any,
+        trainer: Any,
+        aggregator: Any,
+        driver: Optional[RoundDriver] = None,
+        share_trainer: Optional[ShareTrainer] = None,
+    ) -> None:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model
         self.trainer, self.aggregator, self.driver = trainer, aggregator, driver
         self.share_trainer = share_trainer
@@ -225,13 +244,23 @@ class MPISimulation:
     def run(self) -> None:
         args = self.args
         trainer = functools.partial(PluginFedAVGTrainer, share_trainer=self.share_trainer, progress=self.progress)
-        with replaced(mpi_api, "FedAVGAggregator", functools.partial(PluginFedAVGAggregator, driver=self.driver)), \
-                replaced(mpi_api, "FedAVGTrainer", trainer), \
-                replaced(mpi_api, "FedAVGClientManager", PluginFedAVGClientManager):
+        with (
+            replaced(mpi_api, "FedAVGAggregator", functools.partial(PluginFedAVGAggregator, driver=self.driver)),
+            replaced(mpi_api, "FedAVGTrainer", trainer),
+            replaced(mpi_api, "FedAVGClientManager", PluginFedAVGClientManager),
+        ):
             try:
-                mpi_api.FedML_FedAvg_distributed(args, args.process_id, args.worker_num, args.comm, self.device,
-                                                 self.dataset, self.model, client_trainer=self.trainer,
-                                                 server_aggregator=self.aggregator)
+                mpi_api.FedML_FedAvg_distributed(
+                    args,
+                    args.process_id,
+                    args.worker_num,
+                    args.comm,
+                    self.device,
+                    self.dataset,
+                    self.model,
+                    client_trainer=self.trainer,
+                    server_aggregator=self.aggregator,
+                )
             except KeyboardInterrupt:  # the job is being stopped (SIGINT/SIGTERM to every rank): not a failure
                 if args.process_id != 0:
                     # Rank 0 records the interrupted run, then ends the job (:meth:`end_job`); this rank
@@ -241,12 +270,16 @@ class MPISimulation:
                 raise
             except BaseException as err:
                 if args.process_id != 0:
-                    where = (f" in round {self.progress['round']} training clients {self.progress['clients']}"
-                             if "clients" in self.progress else "")
+                    where = (
+                        f" in round {self.progress['round']} training clients {self.progress['clients']}"
+                        if "clients" in self.progress
+                        else ""
+                    )
                     logger.error("rank %d failed%s, aborting the MPI job: %s", args.process_id, where, err)
                     if self.driver is not None:  # MPI_Abort kills the server: the run's record says why
-                        self.driver.record_failure(f"MPI rank {args.process_id} failed{where}, the job was "
-                                                   f"aborted: {err}")
+                        self.driver.record_failure(
+                            f"MPI rank {args.process_id} failed{where}, the job was aborted: {err}"
+                        )
                     logging.shutdown()
                     args.comm.Abort(1)
                 raise

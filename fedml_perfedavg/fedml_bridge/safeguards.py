@@ -16,6 +16,7 @@ byzantine attack's choice of clients and random weights, ``attack_prob``) runs i
 purpose), so the same round draws the same numbers on the batched engine, FedML's sp loop, MPI
 and cross-silo.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,11 +45,35 @@ SWITCHES = {"dp_args": "enable_dp", "attack_args": "enable_attack", "defense_arg
 # to their section when a YAML puts them elsewhere. ``delta``, ``alpha`` and ``beta`` are not:
 # outside these sections they are Per-FedAvg's.
 HOME_SECTION: Dict[str, str] = {
-    **{k: "dp_args" for k in ("enable_dp", "dp_solution_type", "mechanism_type", "epsilon", "sensitivity",
-                              "max_grad_norm", "enable_rdp_accountant", "rdp_alpha")},
-    **{k: "attack_args" for k in ("enable_attack", "attack_type", "attack_mode", "attack_prob", "original_class_list",
-                                  "target_class_list", "ratio_of_poisoned_client", "poison_start_round_id",
-                                  "poison_end_round_id", "malicious_client_id", "scale_factor_S")},
+    **{
+        k: "dp_args"
+        for k in (
+            "enable_dp",
+            "dp_solution_type",
+            "mechanism_type",
+            "epsilon",
+            "sensitivity",
+            "max_grad_norm",
+            "enable_rdp_accountant",
+            "rdp_alpha",
+        )
+    },
+    **{
+        k: "attack_args"
+        for k in (
+            "enable_attack",
+            "attack_type",
+            "attack_mode",
+            "attack_prob",
+            "original_class_list",
+            "target_class_list",
+            "ratio_of_poisoned_client",
+            "poison_start_round_id",
+            "poison_end_round_id",
+            "malicious_client_id",
+            "scale_factor_S",
+        )
+    },
     **{k: "defense_args" for k in ("enable_defense", "defense_type", "norm_bound", "krum_param_m")},
 }
 
@@ -56,18 +81,18 @@ HOME_SECTION: Dict[str, str] = {
 DP_SOLUTIONS = ("ldp", "cdp")
 DP_REFUSED = {
     "nbafl": "FedML 0.9.6 never adds NbAFL's noise: its ServerAggregator only calls set_params_for_dp, and "
-             "is_local_dp_enabled/is_global_dp_enabled list ldp and cdp alone (fedml/core/dp/"
-             "fedml_differential_privacy.py)",
+    "is_local_dp_enabled/is_global_dp_enabled list ldp and cdp alone (fedml/core/dp/"
+    "fedml_differential_privacy.py)",
     "dp_clip": "FedML 0.9.6's DP_Clip cannot run: add_local_noise needs the global model, which "
-               "FedMLDifferentialPrivacy.add_local_noise never passes, and its add_global_noise returns None "
-               "(fedml/core/dp/frames/dp_clip.py)",
+    "FedMLDifferentialPrivacy.add_local_noise never passes, and its add_global_noise returns None "
+    "(fedml/core/dp/frames/dp_clip.py)",
 }
 # fedml/core/security/fedml_attacker.py: is_model_attack / is_data_poisoning_attack.
 MODEL_ATTACKS = ("byzantine", "model_replacement")
 DATA_ATTACKS = ("label_flipping",)
 ATTACK_REFUSED = {
     "dlg": "FedML's DLG is a data-reconstruction probe (fedml/core/security/attack/dlg_attack.py): it reads "
-           "gradients and changes nothing in the round; the plugin's clients send models, not gradients",
+    "gradients and changes nothing in the round; the plugin's clients send models, not gradients",
 }
 
 
@@ -87,8 +112,11 @@ def applied_defenses() -> List[str]:
     applied = set()
     for name in (v for k, v in vars(constants).items() if k.startswith(("DEFENSE_", "ANOMALY")) and isinstance(v, str)):
         probe.defense_type = name
-        if (probe.is_defense_before_aggregation() or probe.is_defense_on_aggregation()
-                or probe.is_defense_after_aggregation()):
+        if (
+            probe.is_defense_before_aggregation()
+            or probe.is_defense_on_aggregation()
+            or probe.is_defense_after_aggregation()
+        ):
             applied.add(name)
     return sorted(applied)
 
@@ -112,14 +140,17 @@ def enabled(sections: Dict[str, Dict[str, Any]]) -> bool:
 def fedml_view(sections: Dict[str, Dict[str, Any]], run: Dict[str, Any]) -> argparse.Namespace:
     """The args FedML's DP, attack and defense classes read: the run's facts they use
     (``run``: rounds, clients, batch size, dataset) and the three sections' keys, on the CPU."""
-    view = argparse.Namespace(training_type="simulation", backend="sp", device_type="cpu", using_gpu=False,
-                              gpu_id=0, **run)
+    view = argparse.Namespace(
+        training_type="simulation", backend="sp", device_type="cpu", using_gpu=False, gpu_id=0, **run
+    )
     where: Dict[str, str] = {}
     for section in SECTIONS:
         for name, value in sections.get(section, {}).items():
             if name in where and getattr(view, name) != value:  # FedML's classes read one flat namespace
-                raise ConfigError(f"{section}.{name}={value!r} and {where[name]}.{name}={getattr(view, name)!r}: FedML's "
-                                  f"attack and defense read one {name}; give one value")
+                raise ConfigError(
+                    f"{section}.{name}={value!r} and {where[name]}.{name}={getattr(view, name)!r}: FedML's "
+                    f"attack and defense read one {name}; give one value"
+                )
             where[name] = section
             setattr(view, name, copy.deepcopy(value))
     return view
@@ -161,18 +192,26 @@ class FedMLSafeguards(RoundHooks):
 
         solution = section.get("dp_solution_type")
         if solution in DP_REFUSED:
-            raise ConfigError(f"dp_args.dp_solution_type={solution!r}: not supported: {DP_REFUSED[solution]}; use one "
-                              f"of {list(DP_SOLUTIONS)}")
+            raise ConfigError(
+                f"dp_args.dp_solution_type={solution!r}: not supported: {DP_REFUSED[solution]}; use one "
+                f"of {list(DP_SOLUTIONS)}"
+            )
         if solution not in DP_SOLUTIONS:
-            raise ConfigError(f"dp_args.dp_solution_type={solution!r}: must be one of {list(DP_SOLUTIONS)} (FedML's "
-                              f"local and central DP)")
+            raise ConfigError(
+                f"dp_args.dp_solution_type={solution!r}: must be one of {list(DP_SOLUTIONS)} (FedML's "
+                f"local and central DP)"
+            )
         if "delta" not in section:
-            raise ConfigError("dp_args.delta: required with dp_args.enable_dp (train_args.delta is Per-FedAvg's "
-                              "finite-difference step, not DP's delta)")
+            raise ConfigError(
+                "dp_args.delta: required with dp_args.enable_dp (train_args.delta is Per-FedAvg's "
+                "finite-difference step, not DP's delta)"
+            )
         mechanism = section.get("mechanism_type")
         if str(mechanism).lower() not in ("gaussian", "laplace"):
-            raise ConfigError(f"dp_args.mechanism_type={mechanism!r}: must be one of ['gaussian', 'laplace'] "
-                              f"(fedml/core/dp/mechanisms/dp_mechanism.py)")
+            raise ConfigError(
+                f"dp_args.mechanism_type={mechanism!r}: must be one of ['gaussian', 'laplace'] "
+                f"(fedml/core/dp/mechanisms/dp_mechanism.py)"
+            )
         dp = FedMLDifferentialPrivacy()
         try:
             with _fedml_prints():
@@ -181,8 +220,10 @@ class FedMLSafeguards(RoundHooks):
             raise _missing_key(err, "dp_args", f"dp_solution_type {solution!r}") from None
         except (ValueError, TypeError) as err:
             values = {k: section.get(k) for k in ("epsilon", "delta", "sensitivity")}
-            raise ConfigError(f"dp_args.epsilon={values['epsilon']!r}, delta={values['delta']!r}, sensitivity="
-                              f"{values['sensitivity']!r}: FedML's {mechanism} mechanism refuses them: {err}") from None
+            raise ConfigError(
+                f"dp_args.epsilon={values['epsilon']!r}, delta={values['delta']!r}, sensitivity="
+                f"{values['sensitivity']!r}: FedML's {mechanism} mechanism refuses them: {err}"
+            ) from None
         return dp
 
     def _build_attacker(self, section: Dict[str, Any]):
@@ -194,22 +235,30 @@ class FedMLSafeguards(RoundHooks):
         if kind in ATTACK_REFUSED:
             raise ConfigError(f"attack_args.attack_type={kind!r}: not supported: {ATTACK_REFUSED[kind]}")
         if kind not in MODEL_ATTACKS + DATA_ATTACKS:
-            raise ConfigError(f"attack_args.attack_type={kind!r}: must be one of {list(MODEL_ATTACKS + DATA_ATTACKS)} "
-                              f"(FedML's attacks on client models or data)")
+            raise ConfigError(
+                f"attack_args.attack_type={kind!r}: must be one of {list(MODEL_ATTACKS + DATA_ATTACKS)} "
+                f"(FedML's attacks on client models or data)"
+            )
         if kind == "byzantine" and section.get("attack_mode") not in ("zero", "random", "flip"):
-            raise ConfigError(f"attack_args.attack_mode={section.get('attack_mode')!r}: must be one of ['zero', "
-                              f"'random', 'flip'] (fedml/core/security/attack/byzantine_attack.py)")
+            raise ConfigError(
+                f"attack_args.attack_mode={section.get('attack_mode')!r}: must be one of ['zero', "
+                f"'random', 'flip'] (fedml/core/security/attack/byzantine_attack.py)"
+            )
         if kind == "label_flipping":
             ratio = section.get("ratio_of_poisoned_client")
             if not isinstance(ratio, float) or not 0.0 <= ratio <= 1.0:
-                raise ConfigError(f"attack_args.ratio_of_poisoned_client={ratio!r}: must be a float in [0, 1] (the "
-                                  f"share of a round's clients whose labels are flipped)")
+                raise ConfigError(
+                    f"attack_args.ratio_of_poisoned_client={ratio!r}: must be a float in [0, 1] (the "
+                    f"share of a round's clients whose labels are flipped)"
+                )
             for name in ("original_class_list", "target_class_list"):
                 if not isinstance(section.get(name), list) or not all(isinstance(c, int) for c in section[name]):
                     raise ConfigError(f"attack_args.{name}={section.get(name)!r}: must be a list of class indices")
             if len(section["original_class_list"]) != len(section["target_class_list"]):
-                raise ConfigError(f"attack_args.target_class_list={section['target_class_list']!r}: must be as long "
-                                  f"as original_class_list={section['original_class_list']!r}")
+                raise ConfigError(
+                    f"attack_args.target_class_list={section['target_class_list']!r}: must be as long "
+                    f"as original_class_list={section['original_class_list']!r}"
+                )
         attacker = FedMLAttacker()
         try:
             with _fedml_prints():
@@ -226,13 +275,17 @@ class FedMLSafeguards(RoundHooks):
         kind = section.get("defense_type")
         applied = applied_defenses()
         if kind not in applied:
-            raise ConfigError(f"defense_args.defense_type={kind!r}: must be one of {applied}: the defenses FedML's "
-                              f"ServerAggregator applies before, on or after aggregation (fedml/core/security/"
-                              f"fedml_defender.py is_defense_*_aggregation); others FedML never calls there")
+            raise ConfigError(
+                f"defense_args.defense_type={kind!r}: must be one of {applied}: the defenses FedML's "
+                f"ServerAggregator applies before, on or after aggregation (fedml/core/security/"
+                f"fedml_defender.py is_defense_*_aggregation); others FedML never calls there"
+            )
         if kind in WEIGHT_ONLY_DEFENSES and getattr(self.view, "aggregation", "sample_weighted") != "sample_weighted":
-            raise ConfigError(f"defense_args.defense_type={kind!r}: FedML's {kind} acts only through each update's "
-                              f"sample weight, which train_args.aggregation={self.view.aggregation!r} does not use "
-                              f"(the model would be the one without it); set train_args.aggregation: sample_weighted")
+            raise ConfigError(
+                f"defense_args.defense_type={kind!r}: FedML's {kind} acts only through each update's "
+                f"sample weight, which train_args.aggregation={self.view.aggregation!r} does not use "
+                f"(the model would be the one without it); set train_args.aggregation: sample_weighted"
+            )
         defender = FedMLDefender()
         try:
             with _fedml_prints():
@@ -271,48 +324,69 @@ class FedMLSafeguards(RoundHooks):
         with _fedml_prints(), keyed_global_randomness(self.seed, round_idx, client_id, Purpose.LOCAL_PRIVACY):
             return _like(state, self.dp.add_local_noise(_on_cpu(state)))
 
-    def before_aggregation(self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict
-                           ) -> List[Tuple[float, StateDict]]:
+    def before_aggregation(
+        self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict
+    ) -> List[Tuple[float, StateDict]]:
         """FedML's order (core/alg_frame/server_aggregator.py on_before_aggregation): central DP's
         clipping, then a model attack on the updates as received."""
         if self.dp is not None and self.dp.is_global_dp_enabled() and self.dp.is_clipping():
-            updates = [(n, _like(sd, clipped)) for (n, sd), (_, clipped)
-                       in zip(updates, self.dp.global_clip([(n, _on_cpu(sd)) for n, sd in updates]))]
+            updates = [
+                (n, _like(sd, clipped))
+                for (n, sd), (_, clipped) in zip(updates, self.dp.global_clip([(n, _on_cpu(sd)) for n, sd in updates]))
+            ]
         if self.attacker is not None and self.attacker.attack_type in MODEL_ATTACKS:
             with _fedml_prints(), keyed_global_randomness(self.seed, round_idx, -1, Purpose.ATTACK):
                 if self.attacker.is_model_attack():
-                    attacked = self.attacker.attack_model([(n, _on_cpu(sd)) for n, sd in updates],
-                                                          extra_auxiliary_info=_on_cpu(global_state))
+                    attacked = self.attacker.attack_model(
+                        [(n, _on_cpu(sd)) for n, sd in updates], extra_auxiliary_info=_on_cpu(global_state)
+                    )
                     updates = [(n, _like(sd, new)) for (n, sd), (_, new) in zip(updates, attacked)]
         return updates
 
-    def filter_updates(self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict
-                       ) -> List[Tuple[float, StateDict]]:
+    def filter_updates(
+        self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict
+    ) -> List[Tuple[float, StateDict]]:
         """FedML's defense before aggregation (Krum, norm-difference clipping, ...)."""
         if self.defender is None or not self.defender.is_defense_before_aggregation():
             return updates
         template = updates[0][1]
         try:
             with _fedml_prints(), keyed_global_randomness(self.seed, round_idx, -1, Purpose.DEFENSE):
-                kept = self.defender.defend_before_aggregation([(n, _on_cpu(sd)) for n, sd in updates],
-                                                               extra_auxiliary_info=_on_cpu(global_state))
+                kept = self.defender.defend_before_aggregation(
+                    [(n, _on_cpu(sd)) for n, sd in updates], extra_auxiliary_info=_on_cpu(global_state)
+                )
         except (ValueError, AssertionError, IndexError) as err:
             if len(updates) >= int(self.view.client_num_per_round):
                 raise  # the round's full count: what the start's rehearsal reports as a configuration error
             # FedML's defenses assume the round's full count (Krum: 2f + 2 < n); the update checks
             # may have rejected some already (the attack's own models, often). Stopping here would
             # let one rejected update stop the run.
-            logger.warning("round %d: FedML's %s defense cannot run on the %d client updates left after the update "
-                           "checks (%s); they are combined without it this round", round_idx,
-                           self.defender.defense_type, len(updates), err)
+            logger.warning(
+                "round %d: FedML's %s defense cannot run on the %d client updates left after the update "
+                "checks (%s); they are combined without it this round",
+                round_idx,
+                self.defender.defense_type,
+                len(updates),
+                err,
+            )
             return updates
         if len(kept) < len(updates):
-            logger.info("round %d: FedML's %s defense kept %d of %d client updates", round_idx,
-                        self.defender.defense_type, len(kept), len(updates))
+            logger.info(
+                "round %d: FedML's %s defense kept %d of %d client updates",
+                round_idx,
+                self.defender.defense_type,
+                len(kept),
+                len(updates),
+            )
         return [(n, _like(template, sd)) for n, sd in kept]
 
-    def combine(self, round_idx: int, updates: List[Tuple[float, StateDict]], global_state: StateDict,
-                base: Callable[[List[Tuple[float, StateDict]]], StateDict]) -> StateDict:
+    def combine(
+        self,
+        round_idx: int,
+        updates: List[Tuple[float, StateDict]],
+        global_state: StateDict,
+        base: Callable[[List[Tuple[float, StateDict]]], StateDict],
+    ) -> StateDict:
         """FedML's defense on aggregation (median, geometric median, ...) with the algorithm's own
         average as its base aggregation, or that average."""
         if self.defender is None or not self.defender.is_defense_on_aggregation():
@@ -324,9 +398,11 @@ class FedMLSafeguards(RoundHooks):
             return _on_cpu(base([(n, _like(template, sd)) for n, sd in raw]))
 
         with _fedml_prints(), keyed_global_randomness(self.seed, round_idx, -1, Purpose.DEFENSE):
-            combined = self.defender.defend_on_aggregation([(n, _on_cpu(sd)) for n, sd in updates],
-                                                           base_aggregation_func=base_aggregation,
-                                                           extra_auxiliary_info=_on_cpu(global_state))
+            combined = self.defender.defend_on_aggregation(
+                [(n, _on_cpu(sd)) for n, sd in updates],
+                base_aggregation_func=base_aggregation,
+                extra_auxiliary_info=_on_cpu(global_state),
+            )
         return _like(template, combined)
 
     def after_aggregation(self, round_idx: int, state: StateDict, global_state: StateDict) -> StateDict:
@@ -345,15 +421,18 @@ class FedMLSafeguards(RoundHooks):
         state = OrderedDict(weight=torch.zeros(3, 2), bias=torch.zeros(3))
         updates = [(1.0, OrderedDict((k, v + 0.01 * (i + 1)) for k, v in state.items())) for i in range(clients)]
         try:
-            updates = self.before_aggregation(0, [(n, self.client_result(0, i, sd)) for i, (n, sd) in
-                                                  enumerate(updates)], state)
+            updates = self.before_aggregation(
+                0, [(n, self.client_result(0, i, sd)) for i, (n, sd) in enumerate(updates)], state
+            )
             kept = self.filter_updates(0, updates, state)
             average = lambda kept: OrderedDict((k, sum(sd[k] for _, sd in kept) / len(kept)) for k in state)  # noqa: E731
             self.after_aggregation(0, self.combine(0, kept, state, average), state)
         except (ValueError, ArithmeticError, IndexError, AttributeError) as err:
             names = [f"{section}.{SWITCHES[section]}" for section in SECTIONS if self._on(section)]
-            raise ConfigError(f"{', '.join(names)}: FedML's code refuses a round of {clients} clients "
-                              f"(train_args.client_num_per_round) with these settings: {err}") from None
+            raise ConfigError(
+                f"{', '.join(names)}: FedML's code refuses a round of {clients} clients "
+                f"(train_args.client_num_per_round) with these settings: {err}"
+            ) from None
 
     def _on(self, section: str) -> bool:
         return {"dp_args": self.dp, "attack_args": self.attacker, "defense_args": self.defender}[section] is not None
@@ -362,8 +441,10 @@ class FedMLSafeguards(RoundHooks):
         """One line for the log: what is on."""
         parts = []
         if self.dp is not None:
-            parts.append(f"DP {self.dp.dp_solution_type} ({self.view.mechanism_type}, epsilon {self.view.epsilon}, "
-                         f"delta {self.view.delta})")
+            parts.append(
+                f"DP {self.dp.dp_solution_type} ({self.view.mechanism_type}, epsilon {self.view.epsilon}, "
+                f"delta {self.view.delta})"
+            )
         if self.attacker is not None:
             parts.append(f"attack {self.attacker.attack_type}")
         if self.defender is not None:
@@ -396,10 +477,16 @@ def without_safeguards(args: Any) -> argparse.Namespace:
 def run_facts(config: Any) -> Dict[str, Any]:
     """The run's values FedML's DP, attack and defense classes read (a view, not FedML's args),
     and the aggregation they are combined by."""
-    return {"random_seed": config.random_seed, "comm_round": config.comm_round,
-            "client_num_per_round": config.client_num_per_round, "client_num_in_total": config.client_num_in_total,
-            "batch_size": config.batch_size, "dataset": config.dataset,
-            "train_data_num_in_total": None, "aggregation": config.aggregation}
+    return {
+        "random_seed": config.random_seed,
+        "comm_round": config.comm_round,
+        "client_num_per_round": config.client_num_per_round,
+        "client_num_in_total": config.client_num_in_total,
+        "batch_size": config.batch_size,
+        "dataset": config.dataset,
+        "train_data_num_in_total": None,
+        "aggregation": config.aggregation,
+    }
 
 
 def for_config(config: Any) -> Optional[FedMLSafeguards]:

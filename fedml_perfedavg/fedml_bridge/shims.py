@@ -5,6 +5,7 @@ read in one place, :func:`round_of`, from ``args.round_idx``: FedML's own conven
 (cross_silo/client/fedml_trainer.py and simulation/mpi/fedavg/FedAVGTrainer.py set it before
 ``train``; the bridge's sp and cross-silo adapters set it where FedML forgets).
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,10 @@ def round_of(args: Any) -> int:
     """The current round, as FedML's loops publish it (``args.round_idx``)."""
     round_idx = getattr(args, "round_idx", None)
     if round_idx is None:
-        raise RuntimeError("args.round_idx is not set: the FedML loop running this trainer did not say which round "
-                           "it is (the plugin's adapters set it; a custom loop must set args.round_idx)")
+        raise RuntimeError(
+            "args.round_idx is not set: the FedML loop running this trainer did not say which round "
+            "it is (the plugin's adapters set it; a custom loop must set args.round_idx)"
+        )
     return int(round_idx)
 
 
@@ -99,20 +102,29 @@ class AlgorithmClientTrainer(ClientTrainer):
         train_x, train_y = self.tensors(self.local_train_dataset, device)
         test_x, test_y = self.tensors(test_data, device, "test")
         state = {k: v.to(device) for k, v in self.model.state_dict().items()}
-        result = self.algorithm.evaluate(round_of(args), state, [UserSplit(train_x, train_y, test_x, test_y)],
-                                         user_ids=[int(self.id)], batched=False)
+        result = self.algorithm.evaluate(
+            round_of(args), state, [UserSplit(train_x, train_y, test_x, test_y)], user_ids=[int(self.id)], batched=False
+        )
         total = len(test_y)
-        return {"test_correct": result.per_user_accuracy[0] * total, "test_total": total,
-                "test_loss": result.per_user_loss[0] * total,
-                "test_correct_before_adaptation": result.per_user_accuracy_before[0] * total}
+        return {
+            "test_correct": result.per_user_accuracy[0] * total,
+            "test_total": total,
+            "test_loss": result.per_user_loss[0] * total,
+            "test_correct_before_adaptation": result.per_user_accuracy_before[0] * total,
+        }
 
 
 class AlgorithmServerAggregator(ServerAggregator):
     """FedML's server side of any plugin algorithm: ``aggregate`` is the algorithm's
     ``aggregate`` (update checks included), ``test_all`` its personalized evaluation."""
 
-    def __init__(self, model: nn.Module, args: Any, algorithm: FederatedAlgorithm,
-                 on_evaluation: Optional[Callable[[int, EvaluationResult], None]] = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        args: Any,
+        algorithm: FederatedAlgorithm,
+        on_evaluation: Optional[Callable[[int, EvaluationResult], None]] = None,
+    ) -> None:
         super().__init__(model, without_safeguards(args))  # FedML's singletons off: the algorithm applies them
         self.args = args
         self.algorithm = algorithm
@@ -134,8 +146,7 @@ class AlgorithmServerAggregator(ServerAggregator):
         return aggregated_model_or_grad
 
     def aggregate(self, raw_client_model_or_grad_list: List[Tuple[float, StateDict]]) -> StateDict:
-        return self.algorithm.aggregate(round_of(self.args), raw_client_model_or_grad_list,
-                                        self.get_model_params())
+        return self.algorithm.aggregate(round_of(self.args), raw_client_model_or_grad_list, self.get_model_params())
 
     def test(self, test_data, device, args) -> Dict[str, float]:
         """Accuracy of the global model (no personalization) on ``test_data``."""
@@ -144,8 +155,11 @@ class AlgorithmServerAggregator(ServerAggregator):
         with torch.no_grad():
             logits = self.model(x.to(device))
             loss = torch.nn.functional.cross_entropy(logits, y.to(device), reduction="sum")
-        return {"test_correct": float((logits.argmax(1) == y.to(device)).sum()), "test_total": len(y),
-                "test_loss": float(loss)}
+        return {
+            "test_correct": float((logits.argmax(1) == y.to(device)).sum()),
+            "test_total": len(y),
+            "test_loss": float(loss),
+        }
 
     def test_all(self, train_data_local_dict, test_data_local_dict, device, args) -> bool:
         """Personalized evaluation of every client, reported to ``on_evaluation``."""
@@ -158,14 +172,19 @@ class AlgorithmServerAggregator(ServerAggregator):
         return True
 
 
-def create_fedml_pair(algorithm: FederatedAlgorithm, model: nn.Module, args: Any,
-                      on_evaluation: Optional[Callable[[int, EvaluationResult], None]] = None
-                      ) -> Tuple[AlgorithmClientTrainer, AlgorithmServerAggregator]:
+def create_fedml_pair(
+    algorithm: FederatedAlgorithm,
+    model: nn.Module,
+    args: Any,
+    on_evaluation: Optional[Callable[[int, EvaluationResult], None]] = None,
+) -> Tuple[AlgorithmClientTrainer, AlgorithmServerAggregator]:
     """The (ClientTrainer, ServerAggregator) pair FedML's loops call for ``algorithm``.
 
     The trainer gets its own copy of the model: FedML's sp loop trains clients in place, and
     the aggregator's model must stay the global model."""
     import copy
 
-    return (AlgorithmClientTrainer(copy.deepcopy(model), args, algorithm),
-            AlgorithmServerAggregator(model, args, algorithm, on_evaluation))
+    return (
+        AlgorithmClientTrainer(copy.deepcopy(model), args, algorithm),
+        AlgorithmServerAggregator(model, args, algorithm, on_evaluation),
+    )

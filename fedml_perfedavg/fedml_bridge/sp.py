@@ -8,6 +8,7 @@ aggregator's three hooks), and, for a plugin algorithm, client sampling and eval
 run's :class:`~fedml_perfedavg.algorithms.base.RoundDriver`). FedML also leaves ``args.round_idx`` unset in sp; it is
 set here, where the round is known.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,16 @@ class PluginFedAvgAPI(FedAvgAPI):
     driver samples clients and evaluates (a plugin algorithm), else FedML's own sampling and
     the aggregator's ``test_all`` on FedML's schedule (a user's own pair with ``FedAvg``)."""
 
-    def __init__(self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any,
-                 driver: Optional[RoundDriver] = None) -> None:
+    def __init__(
+        self,
+        args: Any,
+        device: Any,
+        dataset: list,
+        model: Any,
+        trainer: Any,
+        aggregator: Any,
+        driver: Optional[RoundDriver] = None,
+    ) -> None:
         super().__init__(args, device, dataset, model)
         self.aggregator = aggregator
         self.driver = driver
@@ -60,8 +69,16 @@ class PluginFedAvgAPI(FedAvgAPI):
 class SPSimulation:
     """``FedMLRunner``'s sp runner for a given trainer/aggregator pair (``run()`` runs it)."""
 
-    def __init__(self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any,
-                 driver: Optional[RoundDriver] = None) -> None:
+    def __init__(
+        self,
+        args: Any,
+        device: Any,
+        dataset: list,
+        model: Any,
+        trainer: Any,
+        aggregator: Any,
+        driver: Optional[RoundDriver] = None,
+    ) -> None:
         self.fl_trainer = PluginFedAvgAPI(args, device, dataset, model, trainer, aggregator, driver)
 
     def run(self) -> None:

@@ -5,6 +5,7 @@ All the run's randomness is drawn from generators keyed by (seed, round, client,
 state of the objects that own the rest (the algorithm's aggregation record, the recorder's
 history) are the whole state; torch's global RNG is saved as well for code that uses it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,7 @@ PREVIOUS = "checkpoint.prev.pt"
 CONFIG = "config.yaml"
 
 
-def save(run_dir: str, next_round: int, model_state: Dict[str, torch.Tensor], states: Dict[str, Dict[str, Any]]
-         ) -> str:
+def save(run_dir: str, next_round: int, model_state: Dict[str, torch.Tensor], states: Dict[str, Dict[str, Any]]) -> str:
     """Write ``run_dir/checkpoint.pt`` through a temporary file and a rename, keeping the one
     before as ``checkpoint.prev.pt`` (``states``: each owner's ``state_dict()`` by name)."""
     path = os.path.join(run_dir, CHECKPOINT)
@@ -54,13 +54,19 @@ def load(run_dir: str) -> Optional[Dict[str, Any]]:
             damaged.append(f"{path} ({type(err).__name__}: {err})")
             continue
         if damaged:
-            logger.warning("checkpoint %s is damaged; resuming from the previous one, %s (round %d)", damaged[0],
-                           path, state["next_round"])
+            logger.warning(
+                "checkpoint %s is damaged; resuming from the previous one, %s (round %d)",
+                damaged[0],
+                path,
+                state["next_round"],
+            )
         torch.set_rng_state(state["torch_rng"])
         return state
     if damaged:
-        raise ConfigError(f"--resume {run_dir}: no readable checkpoint: {'; '.join(damaged)}. Start the run again "
-                          f"without --resume (or restore the file)")
+        raise ConfigError(
+            f"--resume {run_dir}: no readable checkpoint: {'; '.join(damaged)}. Start the run again "
+            f"without --resume (or restore the file)"
+        )
     return None
 
 

@@ -10,6 +10,7 @@ with certificates from ``fedml-perfedavg certs --out DIR --clients N`` (``comm_a
 data-owner cross-silo runs (``comm_args.silo_data: own``). ``fedml-perfedavg show RUN_DIR
 [RUN_DIR ...]`` prints a finished run's summary and per-user table, or compares runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,17 +25,23 @@ from .. import logs
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedml-perfedavg", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="fedml-perfedavg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_config_options(parser, required=False)  # --resume takes the run's own config instead
     parser.add_argument("--run-dir", help="output directory of this run (default: output_dir/run_name)")
-    parser.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR from its last checkpoint (its config.yaml is used; a "
-                             "finished run continues only with a larger --set comm_round)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start the run even where --run-dir holds one, replacing its results")
-    parser.add_argument("--describe-data", action="store_true",
-                        help="print each user's per-class train/test counts and exit")
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its last checkpoint (its config.yaml is used; a "
+        "finished run continues only with a larger --set comm_round)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="start the run even where --run-dir holds one, replacing its results"
+    )
+    parser.add_argument(
+        "--describe-data", action="store_true", help="print each user's per-class train/test counts and exit"
+    )
     parser.add_argument("--rank", type=int, help="cross-silo: this process's rank (0: server, 1..N: silos)")
     parser.add_argument("--role", choices=["server", "client"], help="cross-silo: this process's role")
     parser.add_argument("--run_id", "--run-id", dest="run_id", default="0", help="cross-silo: FedML run id")
@@ -47,8 +54,10 @@ def describe_data(config) -> str:
     from .runner import load_split
 
     data = load_split(config)
-    lines = [f"{config.dataset}, {config.partition_method}, n={config.client_num_in_total}, "
-             f"seed={config.random_seed}", "user  train  test  classes (class: train/test)"]
+    lines = [
+        f"{config.dataset}, {config.partition_method}, n={config.client_num_in_total}, seed={config.random_seed}",
+        "user  train  test  classes (class: train/test)",
+    ]
     for user_id, counts in enumerate(data.describe()):
         train = sum(c[0] for c in counts.values())
         test = sum(c[1] for c in counts.values())
@@ -58,7 +67,7 @@ def describe_data(config) -> str:
 
 
 def _record_of(run_dir: Optional[str], what: str) -> str:
-    """"; <what> is in RUN_DIR/summary.json" where this process's run wrote one (a silo, or a run
+    """ "; <what> is in RUN_DIR/summary.json" where this process's run wrote one (a silo, or a run
     that stopped before it started, has none)."""
     if run_dir and os.path.isfile(os.path.join(run_dir, "summary.json")):
         return f"; {what} is in {run_dir}/summary.json"
@@ -78,18 +87,21 @@ def _already_finished(run_dir: str, comm_round: int) -> bool:
         return False
     rounds = summary.get("rounds")
     if isinstance(rounds, int) and rounds >= comm_round:
-        print(f"fedml-perfedavg: {run_dir} finished all {rounds} rounds already; nothing to train (to train more, "
-              f"--resume {run_dir} --set comm_round=N with N > {rounds})")
+        print(
+            f"fedml-perfedavg: {run_dir} finished all {rounds} rounds already; nothing to train (to train more, "
+            f"--resume {run_dir} --set comm_round=N with N > {rounds})"
+        )
         return True
-    print(f"fedml-perfedavg: {run_dir} finished {rounds} rounds; continuing it to comm_round={comm_round}",
-          file=sys.stderr)
+    print(
+        f"fedml-perfedavg: {run_dir} finished {rounds} rounds; continuing it to comm_round={comm_round}",
+        file=sys.stderr,
+    )
     return False
 
 
 def _remove_failed_start(run_dir: Optional[str], existed: bool) -> None:
     """A run that failed before it measured anything leaves no directory behind."""
-    if run_dir and not existed and os.path.isdir(run_dir) and \
-            not os.path.exists(os.path.join(run_dir, "summary.json")):
+    if run_dir and not existed and os.path.isdir(run_dir) and not os.path.exists(os.path.join(run_dir, "summary.json")):
         logs.close_files_under(run_dir)  # run.log is closed before its folder goes
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -122,13 +134,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ConfigError("--resume takes the run's own config.yaml; do not pass --cf as well")
             args.config = os.path.join(args.resume, "config.yaml")
             if not os.path.isfile(args.config):
-                raise ConfigError(f"--resume {args.resume!r}: no config.yaml there; is it a run directory "
-                                  f"(output_dir/run_name)?")
+                raise ConfigError(
+                    f"--resume {args.resume!r}: no config.yaml there; is it a run directory (output_dir/run_name)?"
+                )
             args.run_dir = args.resume
         if not args.config:
             parser.print_usage(sys.stderr)
-            raise ConfigError("--cf CONFIG.yaml is required (e.g. --cf yaml_configs/quickstart_mnist_hf.yaml), "
-                              "or --resume RUN_DIR")
+            raise ConfigError(
+                "--cf CONFIG.yaml is required (e.g. --cf yaml_configs/quickstart_mnist_hf.yaml), or --resume RUN_DIR"
+            )
         config = load(args.config, [*args.overrides, *(["overwrite=true"] if args.overwrite else [])])
         if args.resume and _already_finished(args.resume, config.comm_round):
             return 0
@@ -146,19 +160,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         resume = bool(args.resume)
         planned = resolve_run_dir(config, args.run_dir, create=False, resume=resume, owner=owner)
         existed = os.path.isdir(planned)
-        run_dir = shared_run_dir(config, args.run_dir, resume) if config.backend == "MPI" else \
-            resolve_run_dir(config, args.run_dir, resume=resume, owner=owner)
+        run_dir = (
+            shared_run_dir(config, args.run_dir, resume)
+            if config.backend == "MPI"
+            else resolve_run_dir(config, args.run_dir, resume=resume, owner=owner)
+        )
         logs.use_console(args.log_level)
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         with logging_redirect_tqdm(), sigterm_as_interrupt():
-            result = run_fedml_main(fedml_args(config, run_dir, bool(args.resume), args.rank, args.role,
-                                               str(args.run_id)))
+            result = run_fedml_main(
+                fedml_args(config, run_dir, bool(args.resume), args.rank, args.role, str(args.run_id))
+            )
         if result.summary.get("role") == "client":  # an MPI client rank or a silo: the server reports
             return 0
-        print(f"personalized_accuracy={result.summary['personalized_accuracy']:.4f} "
-              f"accuracy_before_adaptation={result.summary['accuracy_before_adaptation']:.4f} "
-              f"run_dir={result.run_dir}")
+        print(
+            f"personalized_accuracy={result.summary['personalized_accuracy']:.4f} "
+            f"accuracy_before_adaptation={result.summary['accuracy_before_adaptation']:.4f} "
+            f"run_dir={result.run_dir}"
+        )
         return 0
     except (ConfigError, FileNotFoundError) as err:
         _remove_failed_start(run_dir, existed)

@@ -7,6 +7,7 @@ that relate keys (:data:`RULES`). Choices come from the modules that own them. E
 (:data:`FEDML_KEYS`): ``learning_rate`` is beta, ``batch_size`` is |D|; keys Per-FedAvg does
 not use are named in a warning.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,11 +33,28 @@ from ..fedml_bridge.cross_silo.credentials import check_security
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Config", "ConfigError", "load", "load_yaml", "parse_overrides", "resolve", "from_fedml_args",
-           "markdown_table", "SECTIONS"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load",
+    "load_yaml",
+    "parse_overrides",
+    "resolve",
+    "from_fedml_args",
+    "markdown_table",
+    "SECTIONS",
+]
 
-SECTIONS = ("common_args", "data_args", "model_args", "train_args", "validation_args", "device_args",
-            "comm_args", "tracking_args")
+SECTIONS = (
+    "common_args",
+    "data_args",
+    "model_args",
+    "train_args",
+    "validation_args",
+    "device_args",
+    "comm_args",
+    "tracking_args",
+)
 # FedML's DP, attack and defense sections: their keys go to FedML's own classes, section by
 # section (fedml_bridge/safeguards.py), so dp_args.delta is not train_args.delta.
 SAFEGUARD_SECTIONS = fedml_safeguards.SECTIONS
@@ -47,10 +65,24 @@ SILO_DATA = ("shared", "own")
 FEDML_HOME = "run_dir, user, or a folder"
 
 
-def _setting(section: str, kind: type, default: Any, help: str, choices: Optional[Sequence[Any]] = None,
-             rule: Optional[Tuple[Callable[[Any], bool], str]] = None, optional: bool = False) -> Any:
-    metadata = {"section": section, "kind": kind, "help": help, "choices": tuple(choices) if choices else None,
-                "check": rule[0] if rule else None, "rule": rule[1] if rule else "", "optional": optional}
+def _setting(
+    section: str,
+    kind: type,
+    default: Any,
+    help: str,
+    choices: Optional[Sequence[Any]] = None,
+    rule: Optional[Tuple[Callable[[Any], bool], str]] = None,
+    optional: bool = False,
+) -> Any:
+    metadata = {
+        "section": section,
+        "kind": kind,
+        "help": help,
+        "choices": tuple(choices) if choices else None,
+        "check": rule[0] if rule else None,
+        "rule": rule[1] if rule else "",
+        "optional": optional,
+    }
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -68,146 +100,328 @@ class Config:
 
     # common_args
     training_type: str = _setting("common_args", str, "simulation", "FedML platform", TRAINING_TYPES)
-    random_seed: int = _setting("common_args", int, 0, "seed of the partition, sampling, init and batches",
-                                rule=_non_negative)
+    random_seed: int = _setting(
+        "common_args", int, 0, "seed of the partition, sampling, init and batches", rule=_non_negative
+    )
     output_dir: str = _setting("common_args", str, "runs", "folder under which each run gets its own directory")
-    fedml_home: str = _setting("common_args", str, "run_dir", "where FedML writes its .fedml files: the run "
-                               "directory, the user's home (FedML's default), or a folder")
-    checkpoint_every: int = _setting("common_args", int, 100, "checkpoint every this many rounds (0: never; "
-                                     "batched engine)", rule=_non_negative)
-    overwrite: bool = _setting("common_args", bool, False, "start a new run in a run directory that holds one, "
-                               "replacing its results (without it that is an error; --resume continues it instead)")
-    run_name: Optional[str] = _setting("common_args", str, None, "run directory name (default: config name + "
-                                       "time)", optional=True)
+    fedml_home: str = _setting(
+        "common_args",
+        str,
+        "run_dir",
+        "where FedML writes its .fedml files: the run directory, the user's home (FedML's default), or a folder",
+    )
+    checkpoint_every: int = _setting(
+        "common_args", int, 100, "checkpoint every this many rounds (0: never; batched engine)", rule=_non_negative
+    )
+    overwrite: bool = _setting(
+        "common_args",
+        bool,
+        False,
+        "start a new run in a run directory that holds one, "
+        "replacing its results (without it that is an error; --resume continues it instead)",
+    )
+    run_name: Optional[str] = _setting(
+        "common_args", str, None, "run directory name (default: config name + time)", optional=True
+    )
     # data_args
-    dataset: str = _setting("data_args", str, "mnist", "dataset: mnist or cifar10 for the paper's split, or any "
-                            "dataset fedml.data.load knows")
-    data_cache_dir: str = _setting("data_args", str, "./data", "torchvision root holding MNIST/ or "
-                                   "cifar-10-batches-py/")
+    dataset: str = _setting(
+        "data_args",
+        str,
+        "mnist",
+        "dataset: mnist or cifar10 for the paper's split, or any dataset fedml.data.load knows",
+    )
+    data_cache_dir: str = _setting(
+        "data_args", str, "./data", "torchvision root holding MNIST/ or cifar-10-batches-py/"
+    )
     download: bool = _setting("data_args", bool, False, "download the dataset through torchvision if missing")
-    partition_method: str = _setting("data_args", str, "paper", "user split: paper, paper_diff_hetero (the "
-                                     "paper's), or one of FedML's (e.g. hetero)")
-    images_per_class: Optional[int] = _setting("data_args", int, None, "the paper's a (default 196 MNIST, 68 "
-                                               "CIFAR-10)", rule=_even, optional=True)
-    test_images_per_class: Optional[int] = _setting("data_args", int, None, "test a (default: a scaled by "
-                                                    "test/train size)", rule=_even, optional=True)
+    partition_method: str = _setting(
+        "data_args", str, "paper", "user split: paper, paper_diff_hetero (the paper's), or one of FedML's (e.g. hetero)"
+    )
+    images_per_class: Optional[int] = _setting(
+        "data_args", int, None, "the paper's a (default 196 MNIST, 68 CIFAR-10)", rule=_even, optional=True
+    )
+    test_images_per_class: Optional[int] = _setting(
+        "data_args", int, None, "test a (default: a scaled by test/train size)", rule=_even, optional=True
+    )
     # model_args
-    model: str = _setting("model_args", str, "mlp", "model: the plugin's mlp (the paper's) or small_cnn, or any "
-                          "name fedml.model.create knows (lr, cnn, resnet56, ...)")
-    hidden_sizes: List[int] = _setting("model_args", list, [80, 60], "MLP hidden layer widths",
-                                       rule=(lambda v: len(v) > 0 and all(isinstance(h, int) and not isinstance(
-                                           h, bool) and h > 0 for h in v), "a non-empty list of positive integers"))
+    model: str = _setting(
+        "model_args",
+        str,
+        "mlp",
+        "model: the plugin's mlp (the paper's) or small_cnn, or any "
+        "name fedml.model.create knows (lr, cnn, resnet56, ...)",
+    )
+    hidden_sizes: List[int] = _setting(
+        "model_args",
+        list,
+        [80, 60],
+        "MLP hidden layer widths",
+        rule=(
+            lambda v: len(v) > 0 and all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in v),
+            "a non-empty list of positive integers",
+        ),
+    )
     # train_args
-    federated_optimizer: str = _setting("train_args", str, "PerFedAvg", "algorithm: a name in the plugin's "
-                                        "registry (PerFedAvg, FedAvgUpdate, FedAvgARUBA, ...)")
+    federated_optimizer: str = _setting(
+        "train_args",
+        str,
+        "PerFedAvg",
+        "algorithm: a name in the plugin's registry (PerFedAvg, FedAvgUpdate, FedAvgARUBA, ...)",
+    )
     perfedavg_variant: str = _setting("train_args", str, "hf", "meta-gradient estimator", VARIANTS)
     client_num_in_total: int = _setting("train_args", int, 50, "n, number of users", rule=_at_least_one)
     client_num_per_round: int = _setting("train_args", int, 10, "r*n, users sampled per round", rule=_at_least_one)
-    new_user_fraction: float = _setting("train_args", float, 0.0, "fraction of users never trained on, reported "
-                                        "apart as new users", rule=(lambda v: 0 <= v < 1, "in [0, 1)"))
+    new_user_fraction: float = _setting(
+        "train_args",
+        float,
+        0.0,
+        "fraction of users never trained on, reported apart as new users",
+        rule=(lambda v: 0 <= v < 1, "in [0, 1)"),
+    )
     comm_round: int = _setting("train_args", int, 1000, "K, number of rounds", rule=_at_least_one)
     local_steps: int = _setting("train_args", int, 10, "tau, local steps per round", rule=_at_least_one)
     alpha: float = _setting("train_args", float, 0.01, "personalization (inner) step size", rule=_positive)
-    beta: float = _setting("train_args", float, 0.001, "meta step size; FedAvgUpdate's local SGD step size "
-                           "(FedML's learning_rate means the same)", rule=_positive)
+    beta: float = _setting(
+        "train_args",
+        float,
+        0.001,
+        "meta step size; FedAvgUpdate's local SGD step size (FedML's learning_rate means the same)",
+        rule=_positive,
+    )
     delta: float = _setting("train_args", float, 0.001, "finite-difference width of the HF variant", rule=_positive)
-    batch_size: int = _setting("train_args", int, 40, "|D|: batch of the inner step (and of FedAvgUpdate)",
-                               rule=_at_least_one)
-    meta_batch_size: Optional[int] = _setting("train_args", int, None, "|D'|: batch of the outer gradient "
-                                              "(default: batch_size)", rule=_at_least_one, optional=True)
-    hessian_batch_size: Optional[int] = _setting("train_args", int, None, "|D''|: batch of the Hessian term "
-                                                 "(default: batch_size)", rule=_at_least_one, optional=True)
+    batch_size: int = _setting(
+        "train_args", int, 40, "|D|: batch of the inner step (and of FedAvgUpdate)", rule=_at_least_one
+    )
+    meta_batch_size: Optional[int] = _setting(
+        "train_args",
+        int,
+        None,
+        "|D'|: batch of the outer gradient (default: batch_size)",
+        rule=_at_least_one,
+        optional=True,
+    )
+    hessian_batch_size: Optional[int] = _setting(
+        "train_args",
+        int,
+        None,
+        "|D''|: batch of the Hessian term (default: batch_size)",
+        rule=_at_least_one,
+        optional=True,
+    )
     aggregation: str = _setting("train_args", str, "uniform", "server average of returned models", AGGREGATIONS)
-    on_divergence: str = _setting("train_args", str, "stop", "non-finite values in local training: stop the run, "
-                                  "or drop that client's update", DIVERGENCE_POLICIES)
-    max_update_norm: Optional[float] = _setting("train_args", float, None, "reject client updates whose L2 "
-                                                "distance to the global model exceeds this", rule=_positive,
-                                                optional=True)
-    max_update_ratio: Optional[float] = _setting("train_args", float, 1.0, "reject client updates that move the "
-                                                 "model by more than this times its own norm (times 1 if its norm "
-                                                 "is below 1): a bound on by default, so one client cannot move the "
-                                                 "model by orders of magnitude (honest MNIST updates: under 0.13); "
-                                                 "null: off", rule=_positive, optional=True)
-    max_skipped_rounds: int = _setting("train_args", int, 3, "stop after this many rounds without an acceptable "
-                                       "update", rule=_at_least_one)
-    aruba_epsilon: float = _setting("train_args", float, 0.03, "FedAvgARUBA: epsilon; the learned per-coordinate "
-                                    "step starts at aruba_epsilon / aruba_zeta (0.03 / 0.1: tuned on MNIST tau=4, "
-                                    "benchmarks/results/aruba_tuning.md)", rule=_positive)
-    aruba_zeta: float = _setting("train_args", float, 0.1, "FedAvgARUBA: zeta, the prior on the squared-gradient "
-                                 "sum", rule=_positive)
-    aruba_p: float = _setting("train_args", float, 1.0, "FedAvgARUBA: epsilon^2 decays as (tasks + 1)^-p",
-                              rule=_non_negative)
-    simulation_engine: str = _setting("train_args", str, "batched", "sp round loop: batched (all sampled clients "
-                                      "as one vmapped computation) or fedml (FedML's per-client loop)", ENGINES)
+    on_divergence: str = _setting(
+        "train_args",
+        str,
+        "stop",
+        "non-finite values in local training: stop the run, or drop that client's update",
+        DIVERGENCE_POLICIES,
+    )
+    max_update_norm: Optional[float] = _setting(
+        "train_args",
+        float,
+        None,
+        "reject client updates whose L2 distance to the global model exceeds this",
+        rule=_positive,
+        optional=True,
+    )
+    max_update_ratio: Optional[float] = _setting(
+        "train_args",
+        float,
+        1.0,
+        "reject client updates that move the "
+        "model by more than this times its own norm (times 1 if its norm "
+        "is below 1): a bound on by default, so one client cannot move the "
+        "model by orders of magnitude (honest MNIST updates: under 0.13); "
+        "null: off",
+        rule=_positive,
+        optional=True,
+    )
+    max_skipped_rounds: int = _setting(
+        "train_args", int, 3, "stop after this many rounds without an acceptable update", rule=_at_least_one
+    )
+    aruba_epsilon: float = _setting(
+        "train_args",
+        float,
+        0.03,
+        "FedAvgARUBA: epsilon; the learned per-coordinate "
+        "step starts at aruba_epsilon / aruba_zeta (0.03 / 0.1: tuned on MNIST tau=4, "
+        "benchmarks/results/aruba_tuning.md)",
+        rule=_positive,
+    )
+    aruba_zeta: float = _setting(
+        "train_args", float, 0.1, "FedAvgARUBA: zeta, the prior on the squared-gradient sum", rule=_positive
+    )
+    aruba_p: float = _setting(
+        "train_args", float, 1.0, "FedAvgARUBA: epsilon^2 decays as (tasks + 1)^-p", rule=_non_negative
+    )
+    simulation_engine: str = _setting(
+        "train_args",
+        str,
+        "batched",
+        "sp round loop: batched (all sampled clients as one vmapped computation) or fedml (FedML's per-client loop)",
+        ENGINES,
+    )
     # validation_args
-    frequency_of_the_test: int = _setting("validation_args", int, 10, "evaluate every this many rounds (and the "
-                                          "first and last round)", rule=_at_least_one)
-    adapt_steps: int = _setting("validation_args", int, 1, "alpha-steps of personalization at evaluation",
-                                rule=_non_negative)
-    stationarity_every: int = _setting("validation_args", int, 0, "log ||grad F(w)||^2, the paper's stationarity "
-                                       "measure (exact Hessian-vector products, every training user's full data), "
-                                       "with the evaluations of every this many rounds and the last; a multiple of "
-                                       "frequency_of_the_test (0: never; it costs several evaluations)",
-                                       rule=_non_negative)
-    random_iterate: bool = _setting("validation_args", bool, False, "also evaluate the average of the round's "
-                                    "clients' iterates at a step t_k drawn uniformly from 0..tau-1 (the paper's "
-                                    "remark after Theorem 4.5); simulation")
+    frequency_of_the_test: int = _setting(
+        "validation_args", int, 10, "evaluate every this many rounds (and the first and last round)", rule=_at_least_one
+    )
+    adapt_steps: int = _setting(
+        "validation_args", int, 1, "alpha-steps of personalization at evaluation", rule=_non_negative
+    )
+    stationarity_every: int = _setting(
+        "validation_args",
+        int,
+        0,
+        "log ||grad F(w)||^2, the paper's stationarity "
+        "measure (exact Hessian-vector products, every training user's full data), "
+        "with the evaluations of every this many rounds and the last; a multiple of "
+        "frequency_of_the_test (0: never; it costs several evaluations)",
+        rule=_non_negative,
+    )
+    random_iterate: bool = _setting(
+        "validation_args",
+        bool,
+        False,
+        "also evaluate the average of the round's "
+        "clients' iterates at a step t_k drawn uniformly from 0..tau-1 (the paper's "
+        "remark after Theorem 4.5); simulation",
+    )
     # device_args
     using_gpu: bool = _setting("device_args", bool, False, "run on CUDA")
     gpu_id: int = _setting("device_args", int, 0, "CUDA device index", rule=_non_negative)
-    compile_local_update: bool = _setting("device_args", bool, False, "batched engine: torch.compile the vmapped "
-                                          "local update (CUDA graphs on GPU, ~8x faster rounds after about a "
-                                          "minute of compiling; rarely pays on CPU)")
+    compile_local_update: bool = _setting(
+        "device_args",
+        bool,
+        False,
+        "batched engine: torch.compile the vmapped "
+        "local update (CUDA graphs on GPU, ~8x faster rounds after about a "
+        "minute of compiling; rarely pays on CPU)",
+    )
     # comm_args
-    backend: str = _setting("comm_args", str, "sp", "FedML backend (sp, MPI: simulation; GRPC: cross_silo)",
-                            ("sp", "MPI", "GRPC"))
-    grpc_ipconfig_path: Optional[str] = _setting("comm_args", str, None, "cross-silo address file, CSV eid,rank,"
-                                                 "grpc_server_ip,grpc_server_port with a row per rank (launch-silo "
-                                                 "writes one on 127.0.0.1)", optional=True)
-    connect_timeout: float = _setting("comm_args", float, 60.0, "cross-silo: seconds processes wait for each other "
-                                      "to come up (a silo retries an unreachable server with backoff; the server "
-                                      "waits for silos to come online)", rule=_positive)
-    round_timeout: float = _setting("comm_args", float, 600.0, "cross-silo: seconds the server waits for a round's "
-                                    "silo updates (and the final goodbyes) before applying min_clients_per_round; "
-                                    "the ceiling of the adaptive deadline", rule=_positive)
-    round_timeout_factor: float = _setting("comm_args", float, 10.0, "cross-silo: after two rounds the deadline is "
-                                           "this many times the slowest round so far (at least 5 s, at most "
-                                           "round_timeout), so a dead silo costs seconds; 0: always round_timeout",
-                                           rule=(lambda v: v == 0 or v >= 1, "0 or >= 1"))
-    min_clients_per_round: Optional[int] = _setting("comm_args", int, None, "cross-silo: after round_timeout, go "
-                                                    "on without the silos that did not answer if at least this "
-                                                    "many did; else stop naming them (default: all)",
-                                                    rule=_at_least_one, optional=True)
-    tls_dir: Optional[str] = _setting("comm_args", str, None, "cross-silo: folder with the run CA (ca.pem) and this "
-                                      "rank's rank-R.pem and rank-R.key (fedml-perfedavg certs makes them); mutual "
-                                      "TLS, each rank bound to its certificate", optional=True)
-    insecure: bool = _setting("comm_args", bool, False, "cross-silo without tls_dir: plaintext and unauthenticated "
-                              "(messages are still never unpickled); only on a network you trust")
-    max_message_bytes: Optional[int] = _setting("comm_args", int, None, "cross-silo: refuse a message larger than "
-                                                "this before decoding it (default: 2 x the model's bytes + 1 MiB)",
-                                                rule=(lambda v: v >= 1024, ">= 1024"), optional=True)
-    silo_data: str = _setting("comm_args", str, "shared", "cross-silo: own (a deployment: silo rank R holds only "
-                              "user R-1's data, client_num_in_total is the number of silos, the server reads no "
-                              "data and the silos evaluate) or shared (every process holds the whole split: sp "
-                              "reproduced over a network)", SILO_DATA)
-    max_connections: Optional[int] = _setting("comm_args", int, None, "cross-silo: concurrent connections a rank's "
-                                              "port holds in all (default 1024, and below what the open-file limit "
-                                              "holds); more are closed at once", rule=_at_least_one, optional=True)
-    max_connections_per_peer: Optional[int] = _setting("comm_args", int, None, "cross-silo: concurrent connections "
-                                                       "from one address (default 2 x the run's ranks + 8: the "
-                                                       "ranks of a run on one machine share one address)",
-                                                       rule=_at_least_one, optional=True)
-    handshake_timeout: float = _setting("comm_args", float, 5.0, "cross-silo: seconds a connection has to finish "
-                                        "its TLS handshake and make its first request", rule=_positive)
-    idle_timeout: float = _setting("comm_args", float, 300.0, "cross-silo: seconds a connection may stay idle "
-                                   "before it is closed (gRPC reconnects when it has something to send)",
-                                   rule=_positive)
+    backend: str = _setting(
+        "comm_args", str, "sp", "FedML backend (sp, MPI: simulation; GRPC: cross_silo)", ("sp", "MPI", "GRPC")
+    )
+    grpc_ipconfig_path: Optional[str] = _setting(
+        "comm_args",
+        str,
+        None,
+        "cross-silo address file, CSV eid,rank,"
+        "grpc_server_ip,grpc_server_port with a row per rank (launch-silo "
+        "writes one on 127.0.0.1)",
+        optional=True,
+    )
+    connect_timeout: float = _setting(
+        "comm_args",
+        float,
+        60.0,
+        "cross-silo: seconds processes wait for each other "
+        "to come up (a silo retries an unreachable server with backoff; the server "
+        "waits for silos to come online)",
+        rule=_positive,
+    )
+    round_timeout: float = _setting(
+        "comm_args",
+        float,
+        600.0,
+        "cross-silo: seconds the server waits for a round's "
+        "silo updates (and the final goodbyes) before applying min_clients_per_round; "
+        "the ceiling of the adaptive deadline",
+        rule=_positive,
+    )
+    round_timeout_factor: float = _setting(
+        "comm_args",
+        float,
+        10.0,
+        "cross-silo: after two rounds the deadline is "
+        "this many times the slowest round so far (at least 5 s, at most "
+        "round_timeout), so a dead silo costs seconds; 0: always round_timeout",
+        rule=(lambda v: v == 0 or v >= 1, "0 or >= 1"),
+    )
+    min_clients_per_round: Optional[int] = _setting(
+        "comm_args",
+        int,
+        None,
+        "cross-silo: after round_timeout, go "
+        "on without the silos that did not answer if at least this "
+        "many did; else stop naming them (default: all)",
+        rule=_at_least_one,
+        optional=True,
+    )
+    tls_dir: Optional[str] = _setting(
+        "comm_args",
+        str,
+        None,
+        "cross-silo: folder with the run CA (ca.pem) and this "
+        "rank's rank-R.pem and rank-R.key (fedml-perfedavg certs makes them); mutual "
+        "TLS, each rank bound to its certificate",
+        optional=True,
+    )
+    insecure: bool = _setting(
+        "comm_args",
+        bool,
+        False,
+        "cross-silo without tls_dir: plaintext and unauthenticated "
+        "(messages are still never unpickled); only on a network you trust",
+    )
+    max_message_bytes: Optional[int] = _setting(
+        "comm_args",
+        int,
+        None,
+        "cross-silo: refuse a message larger than this before decoding it (default: 2 x the model's bytes + 1 MiB)",
+        rule=(lambda v: v >= 1024, ">= 1024"),
+        optional=True,
+    )
+    silo_data: str = _setting(
+        "comm_args",
+        str,
+        "shared",
+        "cross-silo: own (a deployment: silo rank R holds only "
+        "user R-1's data, client_num_in_total is the number of silos, the server reads no "
+        "data and the silos evaluate) or shared (every process holds the whole split: sp "
+        "reproduced over a network)",
+        SILO_DATA,
+    )
+    max_connections: Optional[int] = _setting(
+        "comm_args",
+        int,
+        None,
+        "cross-silo: concurrent connections a rank's "
+        "port holds in all (default 1024, and below what the open-file limit "
+        "holds); more are closed at once",
+        rule=_at_least_one,
+        optional=True,
+    )
+    max_connections_per_peer: Optional[int] = _setting(
+        "comm_args",
+        int,
+        None,
+        "cross-silo: concurrent connections "
+        "from one address (default 2 x the run's ranks + 8: the "
+        "ranks of a run on one machine share one address)",
+        rule=_at_least_one,
+        optional=True,
+    )
+    handshake_timeout: float = _setting(
+        "comm_args",
+        float,
+        5.0,
+        "cross-silo: seconds a connection has to finish its TLS handshake and make its first request",
+        rule=_positive,
+    )
+    idle_timeout: float = _setting(
+        "comm_args",
+        float,
+        300.0,
+        "cross-silo: seconds a connection may stay idle "
+        "before it is closed (gRPC reconnects when it has something to send)",
+        rule=_positive,
+    )
     # tracking_args
-    enable_wandb: bool = _setting("tracking_args", bool, False, "log to wandb (offline unless WANDB_MODE says "
-                                  "otherwise)")
+    enable_wandb: bool = _setting(
+        "tracking_args", bool, False, "log to wandb (offline unless WANDB_MODE says otherwise)"
+    )
     wandb_project: str = _setting("tracking_args", str, "fedml-perfedavg", "wandb project")
-    wandb_group: Optional[str] = _setting("tracking_args", str, None, "wandb group (default: run name)",
-                                          optional=True)
+    wandb_group: Optional[str] = _setting("tracking_args", str, None, "wandb group (default: run name)", optional=True)
     show_progress: bool = _setting("tracking_args", bool, True, "tqdm progress bar over rounds (on a terminal)")
 
     # Not settings: where the config came from, and FedML keys that ride along unchecked.
@@ -250,9 +464,18 @@ class Config:
     def to_fedml_args(self, **overrides: Any) -> argparse.Namespace:
         """A FedML ``args`` object: every section flattened, FedML's command-line keys set."""
         # gpu_mapping_*: FedML's MPI path reads them even on CPU.
-        args = argparse.Namespace(yaml_config_file=self.source or "", run_id="0", rank=0, local_rank=0,
-                                  node_rank=0, role="client", run_device_id="0", using_mlops=False,
-                                  gpu_mapping_file=None, gpu_mapping_key=None)
+        args = argparse.Namespace(
+            yaml_config_file=self.source or "",
+            run_id="0",
+            rank=0,
+            local_rank=0,
+            node_rank=0,
+            role="client",
+            run_device_id="0",
+            using_mlops=False,
+            gpu_mapping_file=None,
+            gpu_mapping_key=None,
+        )
         # FedML flattens every section into one namespace: the safeguard sections go first, so a
         # name they share with the plugin (delta, alpha, beta) reads as the plugin's on ``args``.
         sections = self.sections()
@@ -284,14 +507,31 @@ FEDML_KEYS: Dict[str, str] = {
 }
 FEDML_PASSTHROUGH = {
     "partition_alpha",  # FedML's Dirichlet split: used by its loaders except MNIST's (see _fedml_key_meanings)
-    "scenario", "using_mlops", "config_version", "client_id_list", "worker_num", "gpu_mapping_file",
-    "gpu_mapping_key", "is_mobile", "log_file_dir", "enable_tracking", "using_memory_profiler", "test_on_clients",
-    "device_type", "rank", "role", "run_id", "process_id", "run_device_id", "local_rank", "node_rank",
+    "scenario",
+    "using_mlops",
+    "config_version",
+    "client_id_list",
+    "worker_num",
+    "gpu_mapping_file",
+    "gpu_mapping_key",
+    "is_mobile",
+    "log_file_dir",
+    "enable_tracking",
+    "using_memory_profiler",
+    "test_on_clients",
+    "device_type",
+    "rank",
+    "role",
+    "run_id",
+    "process_id",
+    "run_device_id",
+    "local_rank",
+    "node_rank",
 }
 
 
 def _suggest(name: str, candidates: Iterable[str]) -> str:
-    """"; did you mean X?" for the closest candidate (case-insensitive), or ""."""
+    """ "; did you mean X?" for the closest candidate (case-insensitive), or ""."""
     by_lower = {c.lower(): c for c in candidates}
     close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.75)
     return f"; did you mean {by_lower[close[0]]!r}?" if close else ""
@@ -329,8 +569,9 @@ def _check_value(f: dataclasses.Field, value: Any) -> Any:
     if kind is float and not math.isfinite(value):
         raise ConfigError(f"{where}: must be a finite number")
     if meta["choices"] is not None and value not in meta["choices"]:
-        raise ConfigError(f"{where}: must be one of {list(meta['choices'])}"
-                          f"{_suggest(str(value), map(str, meta['choices']))}")
+        raise ConfigError(
+            f"{where}: must be one of {list(meta['choices'])}{_suggest(str(value), map(str, meta['choices']))}"
+        )
     if meta["check"] is not None and not meta["check"](value):
         raise ConfigError(f"{where}: must be {meta['rule']}")
     return value
@@ -342,11 +583,15 @@ def _rule_algorithm(c: Config) -> None:
     if c.federated_optimizer in names:
         return
     if c.federated_optimizer in FEDML_OWN:
-        raise ConfigError(f"train_args.federated_optimizer={c.federated_optimizer!r}: that is FedML's own algorithm "
-                          f"(run it with FedML's own main script); the plugin runs {names} (the paper's FedAvg "
-                          f"baseline is FedAvgUpdate)")
-    raise ConfigError(f"train_args.federated_optimizer={c.federated_optimizer!r}: must be one of "
-                      f"{names}{_suggest(c.federated_optimizer, names)}")
+        raise ConfigError(
+            f"train_args.federated_optimizer={c.federated_optimizer!r}: that is FedML's own algorithm "
+            f"(run it with FedML's own main script); the plugin runs {names} (the paper's FedAvg "
+            f"baseline is FedAvgUpdate)"
+        )
+    raise ConfigError(
+        f"train_args.federated_optimizer={c.federated_optimizer!r}: must be one of "
+        f"{names}{_suggest(c.federated_optimizer, names)}"
+    )
 
 
 def check_algorithm_name(args: Any) -> None:
@@ -363,56 +608,79 @@ def check_algorithm_name(args: Any) -> None:
     if name is None or name in FEDML_OWN:
         return
     names = algorithm_names()
-    raise ConfigError(f"train_args.federated_optimizer={name!r}: neither a plugin algorithm ({names}) nor one of "
-                      f"FedML's own ({list(FEDML_OWN)}){_suggest(str(name), [*names, *FEDML_OWN])}")
+    raise ConfigError(
+        f"train_args.federated_optimizer={name!r}: neither a plugin algorithm ({names}) nor one of "
+        f"FedML's own ({list(FEDML_OWN)}){_suggest(str(name), [*names, *FEDML_OWN])}"
+    )
 
 
 def _rule_clients(c: Config) -> None:
     if c.client_num_per_round > c.client_num_in_total:
-        raise ConfigError(f"train_args.client_num_per_round={c.client_num_per_round!r}: must be <= "
-                          f"train_args.client_num_in_total ({c.client_num_in_total})")
+        raise ConfigError(
+            f"train_args.client_num_per_round={c.client_num_per_round!r}: must be <= "
+            f"train_args.client_num_in_total ({c.client_num_in_total})"
+        )
     trained = c.client_num_in_total - int(round(c.new_user_fraction * c.client_num_in_total))
     if c.client_num_per_round > trained:
-        raise ConfigError(f"train_args.new_user_fraction={c.new_user_fraction!r}: leaves {trained} training users, "
-                          f"fewer than train_args.client_num_per_round ({c.client_num_per_round})")
+        raise ConfigError(
+            f"train_args.new_user_fraction={c.new_user_fraction!r}: leaves {trained} training users, "
+            f"fewer than train_args.client_num_per_round ({c.client_num_per_round})"
+        )
 
 
 def _rule_platform(c: Config) -> None:
     if c.backend not in BACKENDS[c.training_type]:
-        raise ConfigError(f"comm_args.backend={c.backend!r}: with common_args.training_type={c.training_type!r} "
-                          f"it must be one of {list(BACKENDS[c.training_type])}")
-    if c.compile_local_update and (c.training_type != "simulation" or c.backend != "sp"
-                                   or c.simulation_engine != "batched"):
-        raise ConfigError("device_args.compile_local_update=True: only the batched engine compiles (comm_args."
-                          "backend sp, train_args.simulation_engine batched)")
+        raise ConfigError(
+            f"comm_args.backend={c.backend!r}: with common_args.training_type={c.training_type!r} "
+            f"it must be one of {list(BACKENDS[c.training_type])}"
+        )
+    if c.compile_local_update and (
+        c.training_type != "simulation" or c.backend != "sp" or c.simulation_engine != "batched"
+    ):
+        raise ConfigError(
+            "device_args.compile_local_update=True: only the batched engine compiles (comm_args."
+            "backend sp, train_args.simulation_engine batched)"
+        )
     if c.stationarity_every % c.frequency_of_the_test:
-        raise ConfigError(f"validation_args.stationarity_every={c.stationarity_every!r}: must be a multiple of "
-                          f"validation_args.frequency_of_the_test ({c.frequency_of_the_test}), so it falls on "
-                          f"evaluations (or 0: never)")
+        raise ConfigError(
+            f"validation_args.stationarity_every={c.stationarity_every!r}: must be a multiple of "
+            f"validation_args.frequency_of_the_test ({c.frequency_of_the_test}), so it falls on "
+            f"evaluations (or 0: never)"
+        )
     if c.random_iterate and c.training_type != "simulation":
-        raise ConfigError("validation_args.random_iterate=True: only in simulation (common_args.training_type "
-                          "simulation), where the server holds every user's data to recompute the iterates")
+        raise ConfigError(
+            "validation_args.random_iterate=True: only in simulation (common_args.training_type "
+            "simulation), where the server holds every user's data to recompute the iterates"
+        )
     if c.training_type == "cross_silo":
         check_security(c.tls_dir, c.insecure)
     check_scenario(c.training_type, c.extra.get("scenario", (None, None))[1])
     if c.silo_data == "own" and c.training_type != "cross_silo":
-        raise ConfigError("comm_args.silo_data='own': only across silos (common_args.training_type cross_silo); "
-                          "a simulation holds every user's data")
+        raise ConfigError(
+            "comm_args.silo_data='own': only across silos (common_args.training_type cross_silo); "
+            "a simulation holds every user's data"
+        )
     if c.own_data and c.stationarity_every:
-        raise ConfigError(f"validation_args.stationarity_every={c.stationarity_every!r}: needs every user's data in "
-                          f"one process; with comm_args.silo_data='own' the server holds none (set it to 0)")
+        raise ConfigError(
+            f"validation_args.stationarity_every={c.stationarity_every!r}: needs every user's data in "
+            f"one process; with comm_args.silo_data='own' the server holds none (set it to 0)"
+        )
     if c.min_clients_per_round is not None and c.min_clients_per_round > c.client_num_per_round:
-        raise ConfigError(f"comm_args.min_clients_per_round={c.min_clients_per_round!r}: must be <= "
-                          f"train_args.client_num_per_round ({c.client_num_per_round})")
+        raise ConfigError(
+            f"comm_args.min_clients_per_round={c.min_clients_per_round!r}: must be <= "
+            f"train_args.client_num_per_round ({c.client_num_per_round})"
+        )
 
 
 def check_scenario(training_type: Any, scenario: Any) -> None:
     """The plugin's algorithms run FedML's horizontal cross-silo scenario only."""
     if training_type == "cross_silo" and scenario not in (None, "horizontal"):
-        raise ConfigError(f"common_args.scenario={scenario!r}: the plugin's algorithms run FedML's horizontal "
-                          f"cross-silo only (one process per silo; FedML's hierarchical scenario, several processes "
-                          f"per silo under torch DDP, would train nothing). Use scenario: horizontal: a silo's one "
-                          f"process uses its host's cores as torch threads")
+        raise ConfigError(
+            f"common_args.scenario={scenario!r}: the plugin's algorithms run FedML's horizontal "
+            f"cross-silo only (one process per silo; FedML's hierarchical scenario, several processes "
+            f"per silo under torch DDP, would train nothing). Use scenario: horizontal: a silo's one "
+            f"process uses its host's cores as torch threads"
+        )
 
 
 def _rule_split(c: Config) -> None:
@@ -421,27 +689,40 @@ def _rule_split(c: Config) -> None:
     if c.partition_method not in PARTITIONS:
         return  # FedML's own loaders: checked against the data once it is loaded
     if c.dataset not in DATASETS:
-        raise ConfigError(f"data_args.dataset={c.dataset!r}: the paper's split (data_args.partition_method="
-                          f"{c.partition_method!r}) is defined for {list(DATASETS)}{_suggest(c.dataset, DATASETS)}")
+        raise ConfigError(
+            f"data_args.dataset={c.dataset!r}: the paper's split (data_args.partition_method="
+            f"{c.partition_method!r}) is defined for {list(DATASETS)}{_suggest(c.dataset, DATASETS)}"
+        )
     if c.client_num_in_total < 2 or c.client_num_in_total % 2:
-        raise ConfigError(f"train_args.client_num_in_total={c.client_num_in_total!r}: the paper's split "
-                          f"(data_args.partition_method={c.partition_method!r}) needs an even number >= 2")
+        raise ConfigError(
+            f"train_args.client_num_in_total={c.client_num_in_total!r}: the paper's split "
+            f"(data_args.partition_method={c.partition_method!r}) needs an even number >= 2"
+        )
     spec = DATASETS[c.dataset]
     a = c.images_per_class or spec.images_per_class
-    a_test = c.test_images_per_class or default_test_images_per_class(a, sum(spec.train_class_counts),
-                                                                     sum(spec.test_class_counts))
-    for key, count, available in (("images_per_class", a, spec.train_class_counts),
-                                  ("test_images_per_class", a_test, spec.test_class_counts)):
+    a_test = c.test_images_per_class or default_test_images_per_class(
+        a, sum(spec.train_class_counts), sum(spec.test_class_counts)
+    )
+    for key, count, available in (
+        ("images_per_class", a, spec.train_class_counts),
+        ("test_images_per_class", a_test, spec.test_class_counts),
+    ):
         plans = plan_users(c.client_num_in_total, count, c.partition_method, c.random_seed)
         for cls, have in enumerate(available):
             need = sum(p.class_counts.get(cls, 0) for p in plans)
             if need > have:
-                raise ConfigError(f"data_args.{key}={count!r}: {c.client_num_in_total} users would need {need} "
-                                  f"images of class {cls}, but {c.dataset}'s {'training' if key == 'images_per_class' else 'test'} "
-                                  f"set has {have}; lower it or train_args.client_num_in_total")
+                raise ConfigError(
+                    f"data_args.{key}={count!r}: {c.client_num_in_total} users would need {need} "
+                    f"images of class {cls}, but {c.dataset}'s {'training' if key == 'images_per_class' else 'test'} "
+                    f"set has {have}; lower it or train_args.client_num_in_total"
+                )
     smallest = min(p.total for p in plan_users(c.client_num_in_total, a, c.partition_method, c.random_seed))
-    check_batch_sizes(c, smallest, f"the smallest user's training data under data_args.images_per_class={a} "
-                                   f"(data_args.partition_method={c.partition_method!r})")
+    check_batch_sizes(
+        c,
+        smallest,
+        f"the smallest user's training data under data_args.images_per_class={a} "
+        f"(data_args.partition_method={c.partition_method!r})",
+    )
 
 
 def check_batch_sizes(c: Config, smallest: int, whose: str) -> None:
@@ -456,8 +737,7 @@ def _rule_safeguards(c: Config) -> None:
     fedml_safeguards.check(c.safeguards, fedml_safeguards.run_facts(c))
 
 
-RULES: List[Callable[[Config], None]] = [_rule_algorithm, _rule_clients, _rule_platform, _rule_split,
-                                         _rule_safeguards]
+RULES: List[Callable[[Config], None]] = [_rule_algorithm, _rule_clients, _rule_platform, _rule_split, _rule_safeguards]
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -518,24 +798,36 @@ def _fedml_key_meanings(given: Dict[str, Any], where: Dict[str, str]) -> None:
         try:
             _check_value(BY_NAME["beta"], lr)
         except ConfigError as err:
-            raise ConfigError(str(err).replace(f"train_args.beta={lr!r}", f"{where.get('learning_rate', 'train_args')}"
-                                               f".learning_rate={lr!r} (read as train_args.beta)")) from None
+            raise ConfigError(
+                str(err).replace(
+                    f"train_args.beta={lr!r}",
+                    f"{where.get('learning_rate', 'train_args')}.learning_rate={lr!r} (read as train_args.beta)",
+                )
+            ) from None
         if "beta" in given and _check_value(BY_NAME["beta"], given["beta"]) != _check_value(BY_NAME["beta"], lr):
-            raise ConfigError(f"{where.get('learning_rate', 'train_args')}.learning_rate={lr!r} and train_args.beta="
-                              f"{given['beta']!r} both set the step size applied to the model; give one, or the "
-                              f"same value")
+            raise ConfigError(
+                f"{where.get('learning_rate', 'train_args')}.learning_rate={lr!r} and train_args.beta="
+                f"{given['beta']!r} both set the step size applied to the model; give one, or the "
+                f"same value"
+            )
         given.setdefault("beta", lr)
     partition, dataset = given.get("partition_method", "paper"), given.get("dataset", "mnist")
     if partition not in PARTITIONS and dataset == "mnist":
-        _warn_once(f"data_args.partition_method={partition!r} is not used: FedML's MNIST loader reads LEAF's fixed "
-                   f"per-writer split (fedml/data/MNIST/data_loader.py); partition_method paper gives the paper's")
+        _warn_once(
+            f"data_args.partition_method={partition!r} is not used: FedML's MNIST loader reads LEAF's fixed "
+            f"per-writer split (fedml/data/MNIST/data_loader.py); partition_method paper gives the paper's"
+        )
     if "partition_alpha" in given:
         if partition in PARTITIONS:
-            _warn_once(f"data_args.partition_alpha={given['partition_alpha']!r} is not used: the paper's split "
-                       f"(partition_method {partition!r}) has no Dirichlet parameter")
+            _warn_once(
+                f"data_args.partition_alpha={given['partition_alpha']!r} is not used: the paper's split "
+                f"(partition_method {partition!r}) has no Dirichlet parameter"
+            )
         elif dataset == "mnist":
-            _warn_once(f"data_args.partition_alpha={given['partition_alpha']!r} is not used: FedML's MNIST loader "
-                       f"reads LEAF's fixed per-writer split")
+            _warn_once(
+                f"data_args.partition_alpha={given['partition_alpha']!r} is not used: FedML's MNIST loader "
+                f"reads LEAF's fixed per-writer split"
+            )
     for name, meaning in FEDML_KEYS.items():
         if name == "learning_rate" or name not in given:
             continue
@@ -547,8 +839,9 @@ def _fedml_key_meanings(given: Dict[str, Any], where: Dict[str, str]) -> None:
         _warn_once(f"{where.get(name, 'train_args')}.{name}={value!r} is {meaning}")
 
 
-def resolve(sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, Any]] = None,
-            source: Optional[str] = None) -> Config:
+def resolve(
+    sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, Any]] = None, source: Optional[str] = None
+) -> Config:
     """Merge YAML sections, defaults and overrides into a validated :class:`Config`."""
     given: Dict[str, Any] = {}
     where: Dict[str, str] = {}
@@ -587,9 +880,13 @@ def resolve(sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, A
     if canonical_name(given.get("federated_optimizer")) is not None:  # plugin names in any case
         given["federated_optimizer"] = canonical_name(given["federated_optimizer"])
     _fedml_key_meanings(given, where)
-    values = {name: _check_value(f, copy.deepcopy(given.get(name, f.default if f.default is not dataclasses.MISSING
-                                                               else f.default_factory())))
-              for name, f in BY_NAME.items()}
+    values = {
+        name: _check_value(
+            f,
+            copy.deepcopy(given.get(name, f.default if f.default is not dataclasses.MISSING else f.default_factory())),
+        )
+        for name, f in BY_NAME.items()
+    }
     for name in set(given) - set(BY_NAME):
         extra[name] = (extra.get(name, (where.get(name, "train_args"), None))[0], given[name])
     config = Config(**values, source=source, extra=extra, safeguards=safeguards)
@@ -601,8 +898,14 @@ def resolve(sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, A
 def add_config_options(parser: argparse.ArgumentParser, required: bool = True) -> None:
     """``--cf CONFIG.yaml`` and ``--set KEY=VALUE`` (repeatable): how every command takes a config."""
     parser.add_argument("--cf", "--yaml_config_file", dest="config", required=required, help="FedML-style YAML config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set comm_round=20 (repeatable; section.key works too)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set comm_round=20 (repeatable; section.key works too)",
+    )
 
 
 def load(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
@@ -611,8 +914,9 @@ def load(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
     return resolve(sections, parse_overrides(overrides), source=path)
 
 
-def from_fedml_args(args: Any, enable_wandb: Optional[bool] = None,
-                    sections: Optional[Dict[str, Dict[str, Any]]] = None) -> Config:
+def from_fedml_args(
+    args: Any, enable_wandb: Optional[bool] = None, sections: Optional[Dict[str, Dict[str, Any]]] = None
+) -> Config:
     """The config of a run started from FedML's entry points: the YAML FedML read
     (``args.yaml_config_file``, for sections and FedML's keys) with ``args``' current values,
     which a user's script may have changed. ``enable_wandb`` replaces ``args.enable_wandb``

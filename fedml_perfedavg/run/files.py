@@ -1,6 +1,7 @@
 """Every file a run writes, written whole or not at all: a temporary name beside the target,
 flushed and fsynced, then renamed over it; a failed write leaves the previous good file and no
 temporary behind, and says which file, which folder, and why (a full disk, a read-only one, ...)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -15,10 +16,16 @@ import yaml
 
 from ..core.guards import OutputError
 
-_WHY = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
-        errno.EROFS: "the file system is read-only", errno.EACCES: "no permission to write there",
-        errno.EPERM: "no permission to write there", errno.EFBIG: "the file is larger than allowed",
-        errno.ENOTDIR: "a part of the path is a file, not a folder", errno.ENOENT: "the folder does not exist"}
+_WHY = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "no permission to write there",
+    errno.EPERM: "no permission to write there",
+    errno.EFBIG: "the file is larger than allowed",
+    errno.ENOTDIR: "a part of the path is a file, not a folder",
+    errno.ENOENT: "the folder does not exist",
+}
 
 
 def _why(err: OSError) -> str:

@@ -14,6 +14,7 @@ else the split exported into the run directory first; the server gets an empty f
 Without ``comm_args.tls_dir`` the launcher makes the run's certificates in ``RUN_DIR/tls`` (the
 CA's key is never written, so nobody can issue another) and removes them when the run is over.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,10 +64,12 @@ def _end_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
-def _stream(process: subprocess.Popen, prefix: str, lock: threading.Lock,
-            events: Optional[Dict[str, threading.Event]] = None) -> threading.Thread:
+def _stream(
+    process: subprocess.Popen, prefix: str, lock: threading.Lock, events: Optional[Dict[str, threading.Event]] = None
+) -> threading.Thread:
     """Copy the process's lines to stdout with ``prefix``; set ``events[marker]`` when a line
     holds ``marker``."""
+
     def pump() -> None:
         for line in process.stdout:
             for marker, event in (events or {}).items():
@@ -81,9 +84,14 @@ def _stream(process: subprocess.Popen, prefix: str, lock: threading.Lock,
     return thread
 
 
-def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[int] = None,
-           run_dir: Optional[str] = None, server_delay: Optional[float] = None,
-           grace_seconds: float = 30.0) -> int:
+def launch(
+    config_path: str,
+    overrides: Sequence[str] = (),
+    clients: Optional[int] = None,
+    run_dir: Optional[str] = None,
+    server_delay: Optional[float] = None,
+    grace_seconds: float = 30.0,
+) -> int:
     """Start a server and ``clients`` silos on this machine, stream their output, and return 0
     if every process succeeded (1 otherwise)."""
     overrides = [*overrides, *SILO_SETTINGS]
@@ -94,18 +102,26 @@ def launch(config_path: str, overrides: Sequence[str] = (), clients: Optional[in
     clients = config.silo_count if clients is None else clients
     if clients != config.silo_count:
         if config.own_data:
-            raise ConfigError(f"train_args.client_num_in_total={config.client_num_in_total!r}: must equal --clients "
-                              f"({clients}): in data-owner mode (comm_args.silo_data own) each silo owns one user")
-        raise ConfigError(f"train_args.client_num_per_round={config.client_num_per_round!r}: must equal --clients "
-                          f"({clients}): each silo trains one sampled user per round")
+            raise ConfigError(
+                f"train_args.client_num_in_total={config.client_num_in_total!r}: must equal --clients "
+                f"({clients}): in data-owner mode (comm_args.silo_data own) each silo owns one user"
+            )
+        raise ConfigError(
+            f"train_args.client_num_per_round={config.client_num_per_round!r}: must equal --clients "
+            f"({clients}): each silo trains one sampled user per round"
+        )
     run_dir = resolve_run_dir(config, run_dir)
     tls_dir = None
     if make_certs:  # one command still: this run's own CA and certificates, in its run directory
         tls_dir = os.path.join(run_dir, "tls")
         make_certificates(tls_dir, clients, overwrite=True, keep_ca_key=False)
         overrides = [*overrides, f"tls_dir={tls_dir}"]
-        logger.info("certificates for ranks 0..%d made in %s (comm_args.tls_dir; the CA's key was not kept, and the "
-                    "folder goes when the run is over)", clients, tls_dir)
+        logger.info(
+            "certificates for ranks 0..%d made in %s (comm_args.tls_dir; the CA's key was not kept, and the "
+            "folder goes when the run is over)",
+            clients,
+            tls_dir,
+        )
     try:
         return _launch(config, config_path, overrides, clients, run_dir, server_delay, grace_seconds)
     finally:
@@ -131,19 +147,37 @@ def own_folders(config, run_dir: str, clients: int) -> Dict[int, str]:
     return folders
 
 
-def _launch(config, config_path: str, overrides: List[str], clients: int, run_dir: str,
-            server_delay: Optional[float], grace_seconds: float) -> int:
+def _launch(
+    config,
+    config_path: str,
+    overrides: List[str],
+    clients: int,
+    run_dir: str,
+    server_delay: Optional[float],
+    grace_seconds: float,
+) -> int:
     folders = own_folders(config, run_dir, clients) if config.own_data else {}
     ipconfig = config.grpc_ipconfig_path or write_ipconfig(os.path.join(run_dir, "grpc_ipconfig.csv"), clients + 1)
     addresses = read_ipconfig(ipconfig, clients + 1)
-    command = [sys.executable, "-m", "fedml_perfedavg", "--cf", config_path, "--run-dir", run_dir,
-               *[a for s in [*overrides, f"grpc_ipconfig_path={os.path.abspath(ipconfig)}"] for a in ("--set", s)],
-               "--run_id", uuid.uuid4().hex[:16]]  # a message of another run (another launch) is refused
+    command = [
+        sys.executable,
+        "-m",
+        "fedml_perfedavg",
+        "--cf",
+        config_path,
+        "--run-dir",
+        run_dir,
+        *[a for s in [*overrides, f"grpc_ipconfig_path={os.path.abspath(ipconfig)}"] for a in ("--set", s)],
+        "--run_id",
+        uuid.uuid4().hex[:16],
+    ]  # a message of another run (another launch) is refused
     # The processes share this machine's cores: each gets its share of threads (torch would
     # otherwise start one per core in every process and they would fight over them).
     share = str(max(1, (os.cpu_count() or 1) // (clients + 1)))
-    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", share),
-               "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", share)}
+    threads = {
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", share),
+        "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", share),
+    }
     lock = threading.Lock()
     processes: Dict[int, subprocess.Popen] = {}
     pumps: List[threading.Thread] = []
@@ -154,15 +188,27 @@ def _launch(config, config_path: str, overrides: List[str], clients: int, run_di
     def start(rank: int) -> None:
         role = "server" if rank == 0 else "client"
         own = ["--set", f"data_cache_dir={folders[rank]}"] if rank in folders else []
-        processes[rank] = subprocess.Popen(command + own + ["--rank", str(rank), "--role", role],
-                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                           env={**os.environ, "PYTHONUNBUFFERED": "1", **threads},
-                                           # Its own session: a terminal's Ctrl-C reaches the launcher alone,
-                                           # which stops each process once (two signals at once interrupted
-                                           # a process while it handled the first).
-                                           start_new_session=True, preexec_fn=_end_with_parent)
-        pumps.append(_stream(processes[rank], "[server]" if rank == 0 else f"[silo {rank}]", lock,
-                             server_events if rank == 0 else None))
+        processes[rank] = subprocess.Popen(
+            command + own + ["--rank", str(rank), "--role", role],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **threads},
+            # Its own session: a terminal's Ctrl-C reaches the launcher alone,
+            # which stops each process once (two signals at once interrupted
+            # a process while it handled the first).
+            start_new_session=True,
+            preexec_fn=_end_with_parent,
+        )
+        pumps.append(
+            _stream(
+                processes[rank],
+                "[server]" if rank == 0 else f"[silo {rank}]",
+                lock,
+                server_events if rank == 0 else None,
+            )
+        )
         write_json(os.path.join(run_dir, "silo_processes.json"), {str(r): p.pid for r, p in processes.items()})
 
     def stop_all() -> None:
@@ -182,8 +228,12 @@ def _launch(config, config_path: str, overrides: List[str], clients: int, run_di
         raise KeyboardInterrupt
 
     previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
-    logger.info("run %s: server + %d silos on %s", run_dir, clients,
-                ", ".join(f"{ip}:{port}" for ip, port in addresses.values()))
+    logger.info(
+        "run %s: server + %d silos on %s",
+        run_dir,
+        clients,
+        ", ".join(f"{ip}:{port}" for ip, port in addresses.values()),
+    )
     try:
         if server_delay is None:
             start(0)
@@ -239,21 +289,31 @@ def _watch(processes: Dict[int, subprocess.Popen], min_clients: int, training_st
                 failed[rank] = code
                 logger.error("silo rank %d exited with code %s while the server runs", rank, code)
                 if not training_started.is_set() and silos - len(failed) < min_clients:
-                    raise RuntimeError(f"silo rank(s) {sorted(failed)} failed at start; {silos - len(failed)} left, "
-                                       f"fewer than comm_args.min_clients_per_round={min_clients}: stopping the run")
+                    raise RuntimeError(
+                        f"silo rank(s) {sorted(failed)} failed at start; {silos - len(failed)} left, "
+                        f"fewer than comm_args.min_clients_per_round={min_clients}: stopping the run"
+                    )
         time.sleep(0.2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedml-perfedavg launch-silo",
-                                     description="Run a cross-silo (gRPC) experiment: a server and N silos on "
-                                                 "127.0.0.1.")
+    parser = argparse.ArgumentParser(
+        prog="fedml-perfedavg launch-silo",
+        description="Run a cross-silo (gRPC) experiment: a server and N silos on 127.0.0.1.",
+    )
     add_config_options(parser)
-    parser.add_argument("--clients", type=int, help="number of silos (default: client_num_per_round, or "
-                                                    "client_num_in_total with comm_args.silo_data own)")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        help="number of silos (default: client_num_per_round, or client_num_in_total with comm_args.silo_data own)",
+    )
     parser.add_argument("--run-dir", help="output directory shared by all processes")
-    parser.add_argument("--server-delay", type=float, metavar="SECONDS",
-                        help="start the silos first and the server this much later (they retry until it listens)")
+    parser.add_argument(
+        "--server-delay",
+        type=float,
+        metavar="SECONDS",
+        help="start the silos first and the server this much later (they retry until it listens)",
+    )
     return parser
 
 

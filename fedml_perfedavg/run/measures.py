@@ -1,6 +1,7 @@
 """What a run measures when it evaluates a global model: the personalized evaluation (the
 algorithm's own), the algorithm's own scalars, and the paper's extra measures (stationarity
 ``||grad F(w)||^2`` and the random iterate of the remark after Theorem 4.5)."""
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Sequence, Tuple
@@ -15,15 +16,23 @@ from ..core.types import StateDict, UserSplit
 class Measurements:
     """Evaluates global models of one run (``headline``: how the run reports a result)."""
 
-    def __init__(self, algorithm: FederatedAlgorithm, users: Sequence[UserSplit], config, held_out: Sequence[int],
-                 headline: Callable[[EvaluationResult], Dict[str, float]], device) -> None:
+    def __init__(
+        self,
+        algorithm: FederatedAlgorithm,
+        users: Sequence[UserSplit],
+        config,
+        held_out: Sequence[int],
+        headline: Callable[[EvaluationResult], Dict[str, float]],
+        device,
+    ) -> None:
         self.algorithm, self.users, self.config = algorithm, users, config
         self.trained = [i for i in range(len(users)) if i not in set(held_out)]
         self.headline = headline
         self.device = device
 
-    def evaluate(self, round_idx: int, state: StateDict, previous: StateDict, measure_stationarity: bool
-                 ) -> Tuple[EvaluationResult, Dict[str, float]]:
+    def evaluate(
+        self, round_idx: int, state: StateDict, previous: StateDict, measure_stationarity: bool
+    ) -> Tuple[EvaluationResult, Dict[str, float]]:
         """The personalized evaluation of ``state`` (the model after ``round_idx``) and the extra
         scalars recorded with it (``previous``: the model the round started from)."""
         state = {k: v.to(self.device) for k, v in state.items()}
@@ -39,18 +48,28 @@ class Measurements:
         if not measure:
             return {}
         params, _ = self.algorithm.split_state(state)
-        return {f"{prefix}stationarity": stationarity(self.algorithm.loss_fn, params, self.users, self.config.alpha,
-                                                      self.trained)}
+        return {
+            f"{prefix}stationarity": stationarity(
+                self.algorithm.loss_fn, params, self.users, self.config.alpha, self.trained
+            )
+        }
 
     def random_iterate(self, round_idx: int, start: StateDict, measure: bool) -> Dict[str, float]:
         """The average of the round's clients' iterates at a uniform step t_k (recomputed from the
         round's start, with the round's own batches), evaluated like the global model."""
         step = random_iterate_step(self.config.random_seed, round_idx, self.config.local_steps)
         clients = self.algorithm.sample_clients(round_idx)
-        iterates = [(1.0, self.algorithm.client_iterate(round_idx, c, start, self.users[c].train_x,
-                                                        self.users[c].train_y, step)) for c in clients]
+        iterates = [
+            (
+                1.0,
+                self.algorithm.client_iterate(round_idx, c, start, self.users[c].train_x, self.users[c].train_y, step),
+            )
+            for c in clients
+        ]
         state = average(iterates, "uniform")
         metrics = self.headline(self.algorithm.evaluate(round_idx, state, self.users))
-        return {"random_iterate_step": step, **{f"random_iterate_{k}": metrics[k] for k in (
-            "personalized_accuracy", "accuracy_before_adaptation")}, **self.stationarity(state, "random_iterate_",
-                                                                                          measure)}
+        return {
+            "random_iterate_step": step,
+            **{f"random_iterate_{k}": metrics[k] for k in ("personalized_accuracy", "accuracy_before_adaptation")},
+            **self.stationarity(state, "random_iterate_", measure),
+        }

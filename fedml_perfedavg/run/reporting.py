@@ -1,4 +1,5 @@
 """What a run reports: log lines, a progress bar, wandb, the metrics history and summary.json."""
+
 from __future__ import annotations
 
 import json
@@ -42,15 +43,26 @@ def record_failure(run_dir: str, why: str) -> None:
 class RunRecorder:
     """Collects per-round metrics and reports them (logging, tqdm, optional wandb)."""
 
-    def __init__(self, run_dir: str, total_rounds: int, config_sections: Dict[str, Dict[str, Any]],
-                 show_progress: bool = True, wandb_settings: Optional[Dict[str, Any]] = None,
-                 new_users: Sequence[int] = (), num_users: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        total_rounds: int,
+        config_sections: Dict[str, Dict[str, Any]],
+        show_progress: bool = True,
+        wandb_settings: Optional[Dict[str, Any]] = None,
+        new_users: Sequence[int] = (),
+        num_users: Optional[int] = None,
+    ) -> None:
         self.run_dir = run_dir
         self.num_users = num_users
         self.refusals: Dict[str, int] = {}  # cross-silo: what the server's transport refused, by reason
         # Who writes this record: `show` tells a live run from one whose process died without a word.
-        self.process = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-                        "start_ticks": process_start_ticks(os.getpid())}
+        self.process = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            "start_ticks": process_start_ticks(os.getpid()),
+        }
         self.new_users = sorted(new_users)
         self.total_rounds = total_rounds
         self.config_sections = config_sections
@@ -78,8 +90,15 @@ class RunRecorder:
         import wandb
 
         os.environ.setdefault("WANDB_MODE", "offline")  # never needs an account unless asked
-        return wandb.init(project=settings["project"], group=settings.get("group"), name=settings.get("name"),
-                          tags=settings.get("tags"), dir=self.run_dir, config=self.config_sections, reinit=True)
+        return wandb.init(
+            project=settings["project"],
+            group=settings.get("group"),
+            name=settings.get("name"),
+            tags=settings.get("tags"),
+            dir=self.run_dir,
+            config=self.config_sections,
+            reinit=True,
+        )
 
     def round_finished(self, round_idx: int) -> None:
         self.rounds_done = round_idx + 1
@@ -96,55 +115,96 @@ class RunRecorder:
             return result.metrics()
         new, ids = set(self.new_users), result.ids
         pick = lambda values, held: [v for i, v in zip(ids, values) if (i in new) == held]  # noqa: E731
-        trained = EvaluationResult(pick(result.per_user_accuracy, False), pick(result.per_user_accuracy_before, False),
-                                   pick(result.per_user_loss, False)).metrics()
+        trained = EvaluationResult(
+            pick(result.per_user_accuracy, False),
+            pick(result.per_user_accuracy_before, False),
+            pick(result.per_user_loss, False),
+        ).metrics()
         held = EvaluationResult(pick(result.per_user_accuracy, True), pick(result.per_user_accuracy_before, True))
         held_metrics = {"new_user_personalized_accuracy": None, "new_user_accuracy_before_adaptation": None}
         if held.per_user_accuracy:
-            held_metrics = {"new_user_personalized_accuracy": held.personalized_accuracy,
-                            "new_user_accuracy_before_adaptation": held.accuracy_before_adaptation}
+            held_metrics = {
+                "new_user_personalized_accuracy": held.personalized_accuracy,
+                "new_user_accuracy_before_adaptation": held.accuracy_before_adaptation,
+            }
         return {**trained, **held_metrics}
 
-    def record_federated_evaluation(self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: Sequence[int],
-                                    evaluation_started: Optional[float] = None) -> None:
+    def record_federated_evaluation(
+        self,
+        round_idx: int,
+        counts: Dict[int, Dict[str, Any]],
+        missing: Sequence[int],
+        evaluation_started: Optional[float] = None,
+    ) -> None:
         """Data-owner cross-silo: the silos' own evaluations of the model after ``round_idx``
         (user -> its counts), the users that sent none listed as missing, never counted as zero."""
         users = sorted(counts)
-        result = EvaluationResult([accuracy_of(counts[u]["correct"], counts[u]["total"]) for u in users],
-                                  [accuracy_of(counts[u]["correct_before"], counts[u]["total"]) for u in users],
-                                  [float(counts[u]["loss"]) for u in users], user_ids=users)
+        result = EvaluationResult(
+            [accuracy_of(counts[u]["correct"], counts[u]["total"]) for u in users],
+            [accuracy_of(counts[u]["correct_before"], counts[u]["total"]) for u in users],
+            [float(counts[u]["loss"]) for u in users],
+            user_ids=users,
+        )
         extra = {"evaluated_users": len(users), "missing_users": sorted(missing)}
         if missing:
-            logger.warning("round %d: %d user(s) sent no evaluation and are left out of the mean: %s", round_idx,
-                           len(missing), sorted(missing))
+            logger.warning(
+                "round %d: %d user(s) sent no evaluation and are left out of the mean: %s",
+                round_idx,
+                len(missing),
+                sorted(missing),
+            )
         if not users:
-            self.history.append({"round": round_idx, "personalized_accuracy": None, **extra,
-                                 "wall_seconds": time.perf_counter() - self.started})
+            self.history.append(
+                {
+                    "round": round_idx,
+                    "personalized_accuracy": None,
+                    **extra,
+                    "wall_seconds": time.perf_counter() - self.started,
+                }
+            )
             write_json(os.path.join(self.run_dir, "summary.json"), self.summary(status="running"))
             return
         self.record_evaluation(round_idx, result, extra, evaluation_started)
 
-    def record_evaluation(self, round_idx: int, result: EvaluationResult, extra: Optional[Dict[str, float]] = None,
-                          evaluation_started: Optional[float] = None) -> None:
+    def record_evaluation(
+        self,
+        round_idx: int,
+        result: EvaluationResult,
+        extra: Optional[Dict[str, float]] = None,
+        evaluation_started: Optional[float] = None,
+    ) -> None:
         """One evaluation: its metrics, ``extra`` scalars (stationarity, ...), the wall time and
         the training time so far (wall time less every evaluation's, this one from
         ``evaluation_started`` on: what the accuracy-against-time plots use)."""
         now = time.perf_counter()
         evaluation_started = now if evaluation_started is None else evaluation_started
-        metrics = {"round": round_idx, **self._split(result), **(extra or {}),
-                   "train_seconds": evaluation_started - self.started - self.evaluation_seconds,
-                   "wall_seconds": now - self.started}
+        metrics = {
+            "round": round_idx,
+            **self._split(result),
+            **(extra or {}),
+            "train_seconds": evaluation_started - self.started - self.evaluation_seconds,
+            "wall_seconds": now - self.started,
+        }
         self.evaluation_seconds += now - evaluation_started
         self.history.append(metrics)
         self.last = result
-        logger.info("round %d: personalized accuracy %.4f (before adaptation %.4f, std %.4f)", round_idx,
-                    metrics["personalized_accuracy"], metrics["accuracy_before_adaptation"],
-                    metrics["personalized_accuracy_std"])
+        logger.info(
+            "round %d: personalized accuracy %.4f (before adaptation %.4f, std %.4f)",
+            round_idx,
+            metrics["personalized_accuracy"],
+            metrics["accuracy_before_adaptation"],
+            metrics["personalized_accuracy_std"],
+        )
         if "stationarity" in metrics:
             logger.info("round %d: ||grad F(w)||^2 = %.4g", round_idx, metrics["stationarity"])
-        per_user_logger.info("round %d: per-user accuracy after/before adaptation: %s", round_idx, " ".join(
-            f"{i}:{a:.4f}/{b:.4f}" for i, a, b in zip(result.ids, result.per_user_accuracy,
-                                                      result.per_user_accuracy_before)))
+        per_user_logger.info(
+            "round %d: per-user accuracy after/before adaptation: %s",
+            round_idx,
+            " ".join(
+                f"{i}:{a:.4f}/{b:.4f}"
+                for i, a, b in zip(result.ids, result.per_user_accuracy, result.per_user_accuracy_before)
+            ),
+        )
         if self._bar is not None:
             self._bar.set_postfix(pers_acc=f"{metrics['personalized_accuracy']:.4f}")
         # Kept current, so a process killed without warning (SIGKILL, MPI_Abort) loses nothing measured.
@@ -157,16 +217,20 @@ class RunRecorder:
     def _log_to_wandb(self, round_idx: int, metrics: Dict[str, Any], per_user: List[float]) -> None:
         import wandb
 
-        scalars = {f"eval/{k}": v for k, v in metrics.items()
-                   if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {
+            f"eval/{k}": v
+            for k, v in metrics.items()
+            if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if "missing_users" in metrics:  # a federated evaluation: how many users sent nothing
             scalars["eval/missing_users"] = len(metrics["missing_users"])
         self._wandb.log({**scalars, "eval/per_user_accuracy": wandb.Histogram(per_user)}, step=round_idx)
 
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         """Cross-silo: the silos' own personalized evaluations of the model they received."""
-        self.silo_history.append({"when": label, "mean_accuracy": mean,
-                                  "silos": {str(rank): metrics for rank, metrics in silos.items()}})
+        self.silo_history.append(
+            {"when": label, "mean_accuracy": mean, "silos": {str(rank): metrics for rank, metrics in silos.items()}}
+        )
         if self._wandb is not None and label != "final":
             self._wandb.log({"silo/personalized_accuracy": mean}, step=int(label.split()[-1]))
 
@@ -181,8 +245,13 @@ class RunRecorder:
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint needs to continue the record exactly."""
         last = None if self.last is None else vars(self.last).copy()
-        return {"history": self.history, "last": last, "rounds_done": self.rounds_done,
-                "elapsed": time.perf_counter() - self.started, "evaluation_seconds": self.evaluation_seconds}
+        return {
+            "history": self.history,
+            "last": last,
+            "rounds_done": self.rounds_done,
+            "elapsed": time.perf_counter() - self.started,
+            "evaluation_seconds": self.evaluation_seconds,
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.history = list(state["history"])
@@ -193,16 +262,27 @@ class RunRecorder:
         if self._bar is not None:
             self._bar.update(self.rounds_done - self._bar.n)
 
-    def summary(self, status: str = "finished", error: Optional[str] = None,
-                rejected_updates: Optional[Dict[int, int]] = None, aggregate_calls: Optional[int] = None
-                ) -> Dict[str, Any]:
+    def summary(
+        self,
+        status: str = "finished",
+        error: Optional[str] = None,
+        rejected_updates: Optional[Dict[int, int]] = None,
+        aggregate_calls: Optional[int] = None,
+    ) -> Dict[str, Any]:
         """The run's final numbers (last evaluation), how it ended, and its resolved config."""
         headline_round = self.history[-1]["round"] if self.history else None
-        common = {"status": status, "error": error, "rounds": self.rounds_done, "headline_round": headline_round,
-                  "aggregate_calls": aggregate_calls, "process": self.process,
-                  "wall_seconds": time.perf_counter() - self.started,
-                  "rejected_updates": {str(k): v for k, v in (rejected_updates or {}).items()},
-                  "history": self.history, "config": self.config_sections}
+        common = {
+            "status": status,
+            "error": error,
+            "rounds": self.rounds_done,
+            "headline_round": headline_round,
+            "aggregate_calls": aggregate_calls,
+            "process": self.process,
+            "wall_seconds": time.perf_counter() - self.started,
+            "rejected_updates": {str(k): v for k, v in (rejected_updates or {}).items()},
+            "history": self.history,
+            "config": self.config_sections,
+        }
         if self.silo_history:
             common["silo_evaluation"] = self.silo_history
         if self.lost_silos:
@@ -212,8 +292,12 @@ class RunRecorder:
         if self.refusals:
             common["refusals"] = dict(self.refusals)
         if self.last is None:
-            return {"personalized_accuracy": None, "accuracy_before_adaptation": None, "per_user_accuracy": [],
-                    **common}
+            return {
+                "personalized_accuracy": None,
+                "accuracy_before_adaptation": None,
+                "per_user_accuracy": [],
+                **common,
+            }
         headline = self._split(self.last)
         after, before = self._per_user(self.last)
         return {
@@ -235,9 +319,13 @@ class RunRecorder:
             after[user], before[user] = a, b
         return after, before
 
-    def finish(self, status: str = "finished", error: Optional[str] = None,
-               rejected_updates: Optional[Dict[int, int]] = None, aggregate_calls: Optional[int] = None
-               ) -> Dict[str, Any]:
+    def finish(
+        self,
+        status: str = "finished",
+        error: Optional[str] = None,
+        rejected_updates: Optional[Dict[int, int]] = None,
+        aggregate_calls: Optional[int] = None,
+    ) -> Dict[str, Any]:
         """Write ``summary.json`` (atomically) into the run directory; close the bar and wandb."""
         if self._bar is not None:
             self._bar.close()
@@ -251,9 +339,15 @@ class RunRecorder:
             import wandb
 
             if self.last is not None:
-                table = wandb.Table(columns=["user", "accuracy", "accuracy_before_adaptation"],
-                                    data=[[i, a, b] for i, a, b in zip(self.last.ids, self.last.per_user_accuracy,
-                                                                       self.last.per_user_accuracy_before)])
+                table = wandb.Table(
+                    columns=["user", "accuracy", "accuracy_before_adaptation"],
+                    data=[
+                        [i, a, b]
+                        for i, a, b in zip(
+                            self.last.ids, self.last.per_user_accuracy, self.last.per_user_accuracy_before
+                        )
+                    ],
+                )
                 self._wandb.log({"final/per_user_accuracy": table})
             self._wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
             self._wandb.finish()
@@ -275,8 +369,20 @@ def recorder_for(config: Any, run_dir: str, deferred_wandb: bool = False) -> Run
     name = os.path.basename(run_dir)
     wandb_settings = None
     if config.enable_wandb:
-        wandb_settings = {"project": config.wandb_project, "group": config.wandb_group or name, "name": name,
-                          "tags": wandb_tags(config), "deferred": deferred_wandb}
+        wandb_settings = {
+            "project": config.wandb_project,
+            "group": config.wandb_group or name,
+            "name": name,
+            "tags": wandb_tags(config),
+            "deferred": deferred_wandb,
+        }
     new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)
-    return RunRecorder(run_dir, config.comm_round, config.sections(), config.show_progress, wandb_settings, new_users,
-                       config.client_num_in_total)
+    return RunRecorder(
+        run_dir,
+        config.comm_round,
+        config.sections(),
+        config.show_progress,
+        wandb_settings,
+        new_users,
+        config.client_num_in_total,
+    )

@@ -8,6 +8,7 @@ user's own script takes them itself. The installed bridge hands a plugin algorit
 backend adapter (batched engine, FedML's sp loop, MPI, cross-silo), evaluation on the run's
 schedule, checkpoints, and the run directory (config.yaml, run.log, summary.json, model.pt).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,7 @@ from .. import logs
 from ..fedml_bridge import safeguards as fedml_safeguards
 from . import checkpoint
 from .files import make_dir, write_torch
-from .config import (BY_NAME, Config, check_algorithm_name, check_batch_sizes, check_scenario, from_fedml_args,
-                     load_yaml)
+from .config import BY_NAME, Config, check_algorithm_name, check_batch_sizes, check_scenario, from_fedml_args, load_yaml
 from .measures import Measurements
 from .reporting import RunRecorder, record_failure, recorder_for
 from .schedule import RoundSchedule
@@ -89,8 +89,11 @@ def context_of(args: Any) -> RunContext:
         setattr(args, CONTEXT, context)
         return context
     config = context.config
-    changed = sorted(name for name in BY_NAME if name != "enable_wandb" and hasattr(args, name)
-                     and getattr(args, name) != getattr(config, name))
+    changed = sorted(
+        name
+        for name in BY_NAME
+        if name != "enable_wandb" and hasattr(args, name) and getattr(args, name) != getattr(config, name)
+    )
     if changed:
         context.config = from_fedml_args(args, enable_wandb=config.enable_wandb, sections=config.sections())
         changed = [n for n in changed if getattr(context.config, n) != getattr(config, n)]
@@ -103,8 +106,9 @@ def context_of(args: Any) -> RunContext:
 RUN_FILES = ("summary.json", "config.yaml", "model.pt", checkpoint.CHECKPOINT, checkpoint.PREVIOUS)
 
 
-def resolve_run_dir(config: Config, run_dir: Optional[str] = None, create: bool = True, resume: bool = False,
-                    owner: bool = True) -> str:
+def resolve_run_dir(
+    config: Config, run_dir: Optional[str] = None, create: bool = True, resume: bool = False, owner: bool = True
+) -> str:
     """The run's output directory: ``run_dir`` or ``output_dir/run_name`` (default: the config
     file's name and the start time). The process that owns the run's record (``owner``: sp,
     MPI rank 0, the cross-silo server) never starts a new run in a directory that holds one:
@@ -119,9 +123,11 @@ def resolve_run_dir(config: Config, run_dir: Optional[str] = None, create: bool 
         raise ConfigError(f"run directory {run_dir!r} is a file; give another --run-dir (or common_args.run_name)")
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))] if owner and not resume else []
     if held and not config.overwrite:
-        raise ConfigError(f"run directory {run_dir!r} holds a run ({', '.join(held)}); give another --run-dir (or "
-                          f"common_args.run_name), --resume {run_dir} to continue it, or --overwrite "
-                          f"(common_args.overwrite: true) to replace it")
+        raise ConfigError(
+            f"run directory {run_dir!r} holds a run ({', '.join(held)}); give another --run-dir (or "
+            f"common_args.run_name), --resume {run_dir} to continue it, or --overwrite "
+            f"(common_args.overwrite: true) to replace it"
+        )
     if create:
         make_dir(run_dir)
         for name in held:  # overwrite: the old run's files go, so nothing of it is mistaken for the new one's
@@ -153,8 +159,9 @@ def run_dir_of(context: RunContext, args: Any) -> str:
         config, requested = context.config, context.requested_run_dir
         owner = rank_of(config, args) == 0
         # the name is chosen once (a default one holds the time): rank 0's, under MPI
-        planned = resolve_run_dir(config, requested, create=False, resume=context.resume, owner=owner) \
-            if owner else requested
+        planned = (
+            resolve_run_dir(config, requested, create=False, resume=context.resume, owner=owner) if owner else requested
+        )
         new = planned is not None and not os.path.exists(planned)
         if config.backend == "MPI":
             context.run_dir = shared_run_dir(config, planned, context.resume)
@@ -190,17 +197,33 @@ def default_of(name: str) -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_split(dataset: str, root: str, users: int, partition: str, seed: int, download: bool,
-                  a: Optional[int], a_test: Optional[int]) -> FederatedData:
-    return load_federated(dataset, root, users, partition, seed, download=download, images_per_class=a,
-                          test_images_per_class=a_test)
+def _cached_split(
+    dataset: str,
+    root: str,
+    users: int,
+    partition: str,
+    seed: int,
+    download: bool,
+    a: Optional[int],
+    a_test: Optional[int],
+) -> FederatedData:
+    return load_federated(
+        dataset, root, users, partition, seed, download=download, images_per_class=a, test_images_per_class=a_test
+    )
 
 
 def _split_of(value: Callable[[str], Any]) -> FederatedData:
     """The paper's split for the keys ``value`` reads (a config's, or FedML's args')."""
-    return _cached_split(value("dataset"), os.path.abspath(value("data_cache_dir")), int(value("client_num_in_total")),
-                         value("partition_method"), int(value("random_seed")), bool(value("download")),
-                         value("images_per_class"), value("test_images_per_class"))
+    return _cached_split(
+        value("dataset"),
+        os.path.abspath(value("data_cache_dir")),
+        int(value("client_num_in_total")),
+        value("partition_method"),
+        int(value("random_seed")),
+        bool(value("download")),
+        value("images_per_class"),
+        value("test_images_per_class"),
+    )
 
 
 def load_split(config: Config) -> FederatedData:
@@ -261,8 +284,9 @@ class Entry:
             return load_split(context_of(args).config)
         return _split_of(lambda name: getattr(args, name, default_of(name)))  # FedML's own algorithm on this split
 
-    def build_runner(self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any
-                     ) -> "PluginRun":
+    def build_runner(
+        self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any
+    ) -> "PluginRun":
         return PluginRun(args, device, dataset, model, trainer, aggregator)
 
 
@@ -271,8 +295,9 @@ class PluginRun:
     """``FedMLRunner``'s runner for a plugin algorithm: built by FedML's entry points (prepare),
     ``run()`` restores, executes and finishes."""
 
-    def __init__(self, args: Any, device: Any, dataset: list, model: torch.nn.Module, trainer: Any = None,
-                 aggregator: Any = None) -> None:
+    def __init__(
+        self, args: Any, device: Any, dataset: list, model: torch.nn.Module, trainer: Any = None, aggregator: Any = None
+    ) -> None:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model
         self.prepare(trainer, aggregator)
 
@@ -292,8 +317,9 @@ class PluginRun:
         self.run_dir = run_dir_of(self.context, args)
         self.rank = rank_of(config, args)
         self.is_server = self.rank == 0
-        self._log_handler = logs.add_run_file(os.path.join(self.run_dir, "run.log" if self.is_server else
-                                                           f"run-rank{self.rank}.log"))
+        self._log_handler = logs.add_run_file(
+            os.path.join(self.run_dir, "run.log" if self.is_server else f"run-rank{self.rank}.log")
+        )
         if config.backend == "MPI":
             from ..fedml_bridge.mpi import rank_device
 
@@ -301,12 +327,17 @@ class PluginRun:
         self.users = self._users()
         self._check_data()
         if (trainer, aggregator) != (None, None):
-            if not (isinstance(trainer, AlgorithmClientTrainer) and isinstance(aggregator, AlgorithmServerAggregator)
-                    and trainer.algorithm is aggregator.algorithm):
-                raise ConfigError(f"train_args.federated_optimizer={config.federated_optimizer!r} builds its own "
-                                  f"trainer and aggregator; FedMLRunner was handed {type(trainer).__name__} / "
-                                  f"{type(aggregator).__name__}. Hand your own pair with federated_optimizer FedAvg, "
-                                  f"or the pair from fedml_perfedavg.create_fedml_pair")
+            if not (
+                isinstance(trainer, AlgorithmClientTrainer)
+                and isinstance(aggregator, AlgorithmServerAggregator)
+                and trainer.algorithm is aggregator.algorithm
+            ):
+                raise ConfigError(
+                    f"train_args.federated_optimizer={config.federated_optimizer!r} builds its own "
+                    f"trainer and aggregator; FedMLRunner was handed {type(trainer).__name__} / "
+                    f"{type(aggregator).__name__}. Hand your own pair with federated_optimizer FedAvg, "
+                    f"or the pair from fedml_perfedavg.create_fedml_pair"
+                )
             self.algorithm = trainer.algorithm
         else:
             self.algorithm = create_algorithm(config.federated_optimizer, self.model, config)
@@ -325,28 +356,44 @@ class PluginRun:
             checkpoint.save_config(self.run_dir, config.sections())
             self.recorder = recorder_for(config, self.run_dir, deferred_wandb=self.context.grid)
         self.schedule = RoundSchedule.from_config(config)
-        self.measurements = None if self.recorder is None or config.own_data else Measurements(
-            self.algorithm, self.users, config, self.recorder.new_users, self.recorder.headline, self.device)
+        self.measurements = (
+            None
+            if self.recorder is None or config.own_data
+            else Measurements(
+                self.algorithm, self.users, config, self.recorder.new_users, self.recorder.headline, self.device
+            )
+        )
         self.checkpoints = checkpoint.Checkpoints(self.run_dir) if self.is_server and self._resumable() else None
         self.start_round = 0
         self.backend = self._backend()
-        logger.info("run %s: %s on %s, %d rounds, %d of %d users per round, %s", self.run_dir, self.algorithm.label,
-                    config.dataset, config.comm_round, config.client_num_per_round, config.client_num_in_total,
-                    self.where)
+        logger.info(
+            "run %s: %s on %s, %d rounds, %d of %d users per round, %s",
+            self.run_dir,
+            self.algorithm.label,
+            config.dataset,
+            config.comm_round,
+            config.client_num_per_round,
+            config.client_num_in_total,
+            self.where,
+        )
 
     def _check_layout(self) -> None:
         config, args = self.config, self.args
         if config.backend == "MPI" and args.worker_num < 2:
-            raise ConfigError(f"comm_args.backend='MPI' with {args.worker_num} process: an MPI run needs a server rank "
-                              f"and at least one worker; start it under mpirun -n 2 to "
-                              f"{config.client_num_per_round + 1} (or set comm_args.backend: sp to run in one "
-                              f"process)")
+            raise ConfigError(
+                f"comm_args.backend='MPI' with {args.worker_num} process: an MPI run needs a server rank "
+                f"and at least one worker; start it under mpirun -n 2 to "
+                f"{config.client_num_per_round + 1} (or set comm_args.backend: sp to run in one "
+                f"process)"
+            )
         if config.backend == "MPI" and args.worker_num - 1 > config.client_num_per_round:
-            raise ConfigError(f"train_args.client_num_per_round={config.client_num_per_round!r}: under MPI each of the "
-                              f"ranks but the server trains a share of a round's clients, so it must be at least the "
-                              f"number of ranks - 1 (this is mpirun -n {args.worker_num}: at least "
-                              f"{max(1, args.worker_num - 1)}; or run mpirun -n 2 to "
-                              f"{config.client_num_per_round + 1})")
+            raise ConfigError(
+                f"train_args.client_num_per_round={config.client_num_per_round!r}: under MPI each of the "
+                f"ranks but the server trains a share of a round's clients, so it must be at least the "
+                f"number of ranks - 1 (this is mpirun -n {args.worker_num}: at least "
+                f"{max(1, args.worker_num - 1)}; or run mpirun -n 2 to "
+                f"{config.client_num_per_round + 1})"
+            )
         if config.training_type == "cross_silo":
             check_silo_role(config, int(args.rank), str(args.role))
 
@@ -359,8 +406,11 @@ class PluginRun:
             return users_from_fedml_dataset(self.dataset, self.device)
         if self.is_server:
             if self.dataset and isinstance(self.dataset[5], dict) and self.dataset[5]:
-                logger.info("comm_args.silo_data='own': the server does not read the %d clients of the dataset it "
-                            "was handed; the silos evaluate on their own data", len(self.dataset[5]))
+                logger.info(
+                    "comm_args.silo_data='own': the server does not read the %d clients of the dataset it "
+                    "was handed; the silos evaluate on their own data",
+                    len(self.dataset[5]),
+                )
             return []
         user, self.dataset = own_user_from_fedml_dataset(self.dataset, self.rank - 1, self.device)
         return [user]
@@ -374,8 +424,10 @@ class PluginRun:
         try:
             notes = self.algorithm.check_model(self.global_state, sample.train_x[:size], sample.train_y[:size])
         except ModelMismatch as err:
-            problem = (f"the model ({type(self.model).__name__}; model_args.model={self.config.model!r}) does not fit "
-                       f"data_args.dataset={self.config.dataset!r}: {err}")
+            problem = (
+                f"the model ({type(self.model).__name__}; model_args.model={self.config.model!r}) does not fit "
+                f"data_args.dataset={self.config.dataset!r}: {err}"
+            )
             if not (self.config.own_data and not self.is_server):
                 raise ConfigError(problem) from None
             # A data owner's silo announces it: the server refuses it at once, naming it, and the run
@@ -399,10 +451,20 @@ class PluginRun:
             counts = {self.rank - 1: (len(self.users[0].train_y), len(self.users[0].test_y))}
         announce = None
         if not self.is_server:
-            announce = hello(values, self.rank - 1 if config.own_data else None,
-                             self.users[0] if config.own_data else None, self.data_problem)
-        return SiloSetup(config.own_data, list(range(1, config.silo_count + 1)), values, counts, announce,
-                         self.model if self.is_server else None)
+            announce = hello(
+                values,
+                self.rank - 1 if config.own_data else None,
+                self.users[0] if config.own_data else None,
+                self.data_problem,
+            )
+        return SiloSetup(
+            config.own_data,
+            list(range(1, config.silo_count + 1)),
+            values,
+            counts,
+            announce,
+            self.model if self.is_server else None,
+        )
 
     def _check_data(self) -> None:
         config = self.config
@@ -411,8 +473,10 @@ class PluginRun:
                 check_batch_sizes(config, len(self.users[0].train_y), f"silo rank {self.rank}'s training data")
             return
         if len(self.users) != config.client_num_in_total:
-            raise ConfigError(f"train_args.client_num_in_total={config.client_num_in_total!r}: the dataset has "
-                              f"{len(self.users)} clients")
+            raise ConfigError(
+                f"train_args.client_num_in_total={config.client_num_in_total!r}: the dataset has "
+                f"{len(self.users)} clients"
+            )
         check_batch_sizes(config, min(len(u.train_y) for u in self.users), "the smallest client's training data")
 
     def _backend(self):
@@ -422,27 +486,43 @@ class PluginRun:
             from ..fedml_bridge.cross_silo.process import CrossSiloProcess
 
             self.where = f"cross-silo rank {self.rank} ({args.role}{', data-owner mode' if config.own_data else ''})"
-            policy = SiloPolicy(config.connect_timeout, config.round_timeout,
-                                config.min_clients_per_round or config.client_num_per_round,
-                                config.round_timeout_factor)
-            return CrossSiloProcess(args, self.device, self.dataset, self.model, self.trainer, self.aggregator,
-                                    policy, self, self._silo_setup())
+            policy = SiloPolicy(
+                config.connect_timeout,
+                config.round_timeout,
+                config.min_clients_per_round or config.client_num_per_round,
+                config.round_timeout_factor,
+            )
+            return CrossSiloProcess(
+                args,
+                self.device,
+                self.dataset,
+                self.model,
+                self.trainer,
+                self.aggregator,
+                policy,
+                self,
+                self._silo_setup(),
+            )
         if config.backend == "MPI":
             from ..fedml_bridge.mpi import MPISimulation
 
             from ..engine.batched import BatchedSimulation
 
             workers = args.worker_num - 1
-            self.where = (f"FedML's MPI simulation, {workers} worker ranks" + (
+            self.where = f"FedML's MPI simulation, {workers} worker ranks" + (
                 f", each training a share of the round's {config.client_num_per_round} clients as one computation"
-                if config.client_num_per_round > workers else ", one client each"))
+                if config.client_num_per_round > workers
+                else ", one client each"
+            )
             share_trainer = None
             if not self.is_server and config.client_num_per_round > workers:  # a worker's share: the batched engine
                 on_device = {k: v.to(self.device) for k, v in self.global_state.items()}
-                share_trainer = BatchedSimulation(self.algorithm, self.users, on_device, self,
-                                                  config.compile_local_update).train_clients
-            return MPISimulation(args, self.device, self.dataset, self.model, self.trainer, self.aggregator, self,
-                                 share_trainer)
+                share_trainer = BatchedSimulation(
+                    self.algorithm, self.users, on_device, self, config.compile_local_update
+                ).train_clients
+            return MPISimulation(
+                args, self.device, self.dataset, self.model, self.trainer, self.aggregator, self, share_trainer
+            )
         if config.simulation_engine == "fedml":
             from ..fedml_bridge.sp import SPSimulation
 
@@ -464,8 +544,9 @@ class PluginRun:
             self.recorder.round_finished(round_idx)
             if self.measurements is not None and schedule.evaluates(round_idx):  # data-owner mode: the silos do
                 started = time.perf_counter()  # evaluation time is not training time
-                result, extra = self.measurements.evaluate(round_idx, global_state, previous,
-                                                           schedule.measures_stationarity(round_idx))
+                result, extra = self.measurements.evaluate(
+                    round_idx, global_state, previous, schedule.measures_stationarity(round_idx)
+                )
                 self.recorder.record_evaluation(round_idx, result, extra, started)
         if self.checkpoints is not None and schedule.checkpoints(round_idx):
             self.save_checkpoint(round_idx + 1)
@@ -477,8 +558,9 @@ class PluginRun:
     def evaluates(self, round_idx: int) -> bool:
         return self.schedule.evaluates(round_idx)
 
-    def record_federated_evaluation(self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: List[int],
-                                    started: Optional[float] = None) -> None:
+    def record_federated_evaluation(
+        self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: List[int], started: Optional[float] = None
+    ) -> None:
         if self.recorder is not None:
             self.recorder.record_federated_evaluation(round_idx, counts, missing, started)
 
@@ -508,21 +590,29 @@ class PluginRun:
 
     # -- restore ----------------------------------------------------------------------------------
     def _resumable(self) -> bool:
-        return (self.config.training_type == "simulation" and self.config.backend == "sp"
-                and self.config.simulation_engine == "batched")
+        return (
+            self.config.training_type == "simulation"
+            and self.config.backend == "sp"
+            and self.config.simulation_engine == "batched"
+        )
 
     def save_checkpoint(self, next_round: int) -> None:
         """A checkpoint of the run as it stands, to continue from ``next_round``."""
-        self.checkpoints.save(next_round, self.global_state, {"algorithm": self.algorithm.state_dict(),
-                                                              "recorder": self.recorder.state_dict()})
+        self.checkpoints.save(
+            next_round,
+            self.global_state,
+            {"algorithm": self.algorithm.state_dict(), "recorder": self.recorder.state_dict()},
+        )
 
     def restore(self) -> None:
         if not self.context.resume:
             return
         if not self._resumable():
-            raise ConfigError(f"train_args.simulation_engine={self.config.simulation_engine!r}, comm_args.backend="
-                              f"{self.config.backend!r}: resuming needs the batched engine on sp (FedML's loops "
-                              f"always start at round 0)")
+            raise ConfigError(
+                f"train_args.simulation_engine={self.config.simulation_engine!r}, comm_args.backend="
+                f"{self.config.backend!r}: resuming needs the batched engine on sp (FedML's loops "
+                f"always start at round 0)"
+            )
         state = self.checkpoints.load()
         if state is None:
             logger.warning("no checkpoint in %s: starting from round 0", self.run_dir)
@@ -554,18 +644,29 @@ class PluginRun:
             self.model.load_state_dict({k: v.detach() for k, v in self.global_state.items()})
         lost: Optional[OutputError] = None
         try:
-            write_torch(os.path.join(self.run_dir, "model.pt"),
-                        {k: v.detach().cpu() for k, v in self.global_state.items()})
+            write_torch(
+                os.path.join(self.run_dir, "model.pt"), {k: v.detach().cpu() for k, v in self.global_state.items()}
+            )
         except OutputError as err:
             lost, status, error = err, "failed", f"{error}; {err}" if error else str(err)
-        summary = self.recorder.finish(status=status, error=error, rejected_updates=self.algorithm.rejected,
-                                       aggregate_calls=self.algorithm.aggregate_calls)
+        summary = self.recorder.finish(
+            status=status,
+            error=error,
+            rejected_updates=self.algorithm.rejected,
+            aggregate_calls=self.algorithm.aggregate_calls,
+        )
         if lost is not None:
             raise lost
         if summary["personalized_accuracy"] is not None:
-            logger.info("personalized accuracy %.4f (before adaptation %.4f) at round %s of %d; %.1f s; results in %s",
-                        summary["personalized_accuracy"], summary["accuracy_before_adaptation"],
-                        summary["headline_round"], summary["rounds"], summary["wall_seconds"], self.run_dir)
+            logger.info(
+                "personalized accuracy %.4f (before adaptation %.4f) at round %s of %d; %.1f s; results in %s",
+                summary["personalized_accuracy"],
+                summary["accuracy_before_adaptation"],
+                summary["headline_round"],
+                summary["rounds"],
+                summary["wall_seconds"],
+                self.run_dir,
+            )
         return summary
 
     def run(self) -> RunResult:
@@ -604,8 +705,7 @@ class PluginRun:
         """A run that went through: summary.json and model.pt, the log closed, the result."""
         summary = self.finish()
         self._close()
-        self.result = RunResult(summary, self.run_dir, self.algorithm, self.global_state, self.trainer,
-                                self.aggregator)
+        self.result = RunResult(summary, self.run_dir, self.algorithm, self.global_state, self.trainer, self.aggregator)
         return self.result
 
     def _close(self) -> None:
@@ -669,7 +769,6 @@ def sigterm_as_interrupt() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-
 def install() -> None:
     """Install the plugin into FedML with this run layer behind it (what ``import
     fedml_perfedavg`` does)."""
@@ -687,8 +786,14 @@ def exit_as_signalled() -> None:
 
 
 # -- FedML's main-script steps, for the command line and library calls --------------------------------
-def fedml_args(config: Config, run_dir: Optional[str] = None, resume: bool = False, rank: Optional[int] = None,
-               role: Optional[str] = None, run_id: str = "0") -> argparse.Namespace:
+def fedml_args(
+    config: Config,
+    run_dir: Optional[str] = None,
+    resume: bool = False,
+    rank: Optional[int] = None,
+    role: Optional[str] = None,
+    run_id: str = "0",
+) -> argparse.Namespace:
     """FedML's ``args`` for ``config`` (what ``fedml.init()`` would read from the YAML)."""
     args = config.to_fedml_args()
     setattr(args, CONTEXT, RunContext(config, requested_run_dir=run_dir, resume=resume))
@@ -698,8 +803,9 @@ def fedml_args(config: Config, run_dir: Optional[str] = None, resume: bool = Fal
     return args
 
 
-def prepare_fedml_run(args: argparse.Namespace, data: Optional[FederatedData] = None,
-                      model: Optional[torch.nn.Module] = None):
+def prepare_fedml_run(
+    args: argparse.Namespace, data: Optional[FederatedData] = None, model: Optional[torch.nn.Module] = None
+):
     """FedML's example main script up to ``FedMLRunner(...)`` (``fedml.init``, device, data,
     model): the runner, not yet run. ``data`` (and ``model``) replace ``fedml.data.load`` (and
     ``fedml.model.create``) for a split the caller already holds."""
@@ -724,16 +830,22 @@ def prepare_fedml_run(args: argparse.Namespace, data: Optional[FederatedData] = 
     return FedMLRunner(args, device, dataset, model)
 
 
-def run_fedml_main(args: argparse.Namespace, data: Optional[FederatedData] = None,
-                   model: Optional[torch.nn.Module] = None) -> RunResult:
+def run_fedml_main(
+    args: argparse.Namespace, data: Optional[FederatedData] = None, model: Optional[torch.nn.Module] = None
+) -> RunResult:
     """What FedML's example main script does, returning the plugin run's result."""
     runner = prepare_fedml_run(args, data, model)
     runner.run()
     return runner.runner.result
 
 
-def run(config: Config, run_dir: Optional[str] = None, resume: bool = False, data: Optional[FederatedData] = None,
-        model: Optional[torch.nn.Module] = None) -> RunResult:
+def run(
+    config: Config,
+    run_dir: Optional[str] = None,
+    resume: bool = False,
+    data: Optional[FederatedData] = None,
+    model: Optional[torch.nn.Module] = None,
+) -> RunResult:
     """Run ``config`` through FedML's entry points (sp: the batched engine or FedML's loop; MPI
     under ``mpirun``); returns when this process's part is over. ``data``/``model``: see
     :func:`run_fedml_main`."""
@@ -741,8 +853,7 @@ def run(config: Config, run_dir: Optional[str] = None, resume: bool = False, dat
     return run_fedml_main(fedml_args(config, run_dir, resume), data, model)
 
 
-def run_grid(configs: List[Config], run_dirs: List[str], data: Optional[List[FederatedData]] = None
-             ) -> List[RunResult]:
+def run_grid(configs: List[Config], run_dirs: List[str], data: Optional[List[FederatedData]] = None) -> List[RunResult]:
     """Several runs of one cell (its seeds) in this process, their clients' local training one
     computation per round (:class:`~fedml_perfedavg.engine.grid.GridSimulation`); each run gets
     its own run directory and outputs, as if run alone. Runs that cannot share a computation
@@ -754,8 +865,10 @@ def run_grid(configs: List[Config], run_dirs: List[str], data: Optional[List[Fed
     runs = []
     for config, run_dir, split in zip(configs, run_dirs, data):
         if config.backend != "sp" or config.simulation_engine != "batched" or config.training_type != "simulation":
-            raise ConfigError(f"train_args.simulation_engine={config.simulation_engine!r}: grid mode runs the "
-                              f"batched engine on sp only")
+            raise ConfigError(
+                f"train_args.simulation_engine={config.simulation_engine!r}: grid mode runs the "
+                f"batched engine on sp only"
+            )
         args = fedml_args(config, run_dir)
         getattr(args, CONTEXT).grid = True  # wandb written at the end (one live wandb run per process)
         runs.append(prepare_fedml_run(args, split).runner)

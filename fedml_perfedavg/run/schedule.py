@@ -1,4 +1,5 @@
 """Which rounds of a run are evaluated, measured and checkpointed: one place, pure rules."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,7 @@ class RoundSchedule:
 
     @classmethod
     def from_config(cls, config: Any) -> "RoundSchedule":
-        return cls(config.comm_round, config.frequency_of_the_test, config.stationarity_every,
-                   config.checkpoint_every)
+        return cls(config.comm_round, config.frequency_of_the_test, config.stationarity_every, config.checkpoint_every)
 
     def is_last(self, round_idx: int) -> bool:
         return round_idx == self.comm_round - 1

@@ -1,5 +1,6 @@
 """``fedml-perfedavg show RUN_DIR [RUN_DIR ...]``: a finished run's summary and per-user table,
 or several runs side by side."""
+
 from __future__ import annotations
 
 import argparse
@@ -51,19 +52,25 @@ def status_of(summary: Dict[str, Any]) -> str:
         alive = process_start_ticks(pid) == process["start_ticks"]  # the pid may belong to another process now
     if alive:
         return f"running (pid {pid})"
-    return f"dead (summary.json says running, but its process {pid} on this host is gone: killed or crashed; " \
-           f"what it measured is below)"
+    return (
+        f"dead (summary.json says running, but its process {pid} on this host is gone: killed or crashed; "
+        f"what it measured is below)"
+    )
 
 
 def describe_run(path: str, summary: Dict[str, Any]) -> str:
     """One run: how it ended, its headline figures and the per-user table."""
-    lines = [f"{path}: {_method(summary)}, {status_of(summary)}, {summary.get('rounds')} rounds, "
-             f"{summary.get('wall_seconds', 0):.1f} s"]
+    lines = [
+        f"{path}: {_method(summary)}, {status_of(summary)}, {summary.get('rounds')} rounds, "
+        f"{summary.get('wall_seconds', 0):.1f} s"
+    ]
     if summary.get("error"):
         lines.append(f"  ended by: {summary['error']}")
-    lines.append(f"  personalized accuracy {_percent(summary.get('personalized_accuracy'))}% "
-                 f"(before adaptation {_percent(summary.get('accuracy_before_adaptation'))}%) "
-                 f"at round {summary.get('headline_round')}")
+    lines.append(
+        f"  personalized accuracy {_percent(summary.get('personalized_accuracy'))}% "
+        f"(before adaptation {_percent(summary.get('accuracy_before_adaptation'))}%) "
+        f"at round {summary.get('headline_round')}"
+    )
     for lost in summary.get("lost_silos", []):
         lines.append(f"  lost silo rank {lost['rank']} in round {lost['round']}: {lost['why']}")
     after = summary.get("per_user_accuracy") or []
@@ -71,9 +78,11 @@ def describe_run(path: str, summary: Dict[str, Any]) -> str:
     new = set(summary.get("new_users") or [])
     if after:
         lines.append("  user  after%  before%")
-        lines.extend(f"  {user:4d}  {_percent(a):>6}  {_percent(b):>7}{'  (new user)' if user in new else ''}"
-                     f"{'  (missing from the last evaluation)' if a is None else ''}"
-                     for user, (a, b) in enumerate(zip(after, before)))
+        lines.extend(
+            f"  {user:4d}  {_percent(a):>6}  {_percent(b):>7}{'  (new user)' if user in new else ''}"
+            f"{'  (missing from the last evaluation)' if a is None else ''}"
+            for user, (a, b) in enumerate(zip(after, before))
+        )
     return "\n".join(lines)
 
 
@@ -81,16 +90,25 @@ def compare_runs(paths: List[str], summaries: List[Dict[str, Any]]) -> str:
     """Several runs side by side."""
     rows = [("run", "method", "status", "rounds", "after%", "before%", "std%")]
     for path, s in zip(paths, summaries):
-        rows.append((path, _method(s), status_of(s).split(" (")[0], str(s.get("rounds")),
-                     _percent(s.get("personalized_accuracy")), _percent(s.get("accuracy_before_adaptation")),
-                     _percent(s.get("personalized_accuracy_std"))))
+        rows.append(
+            (
+                path,
+                _method(s),
+                status_of(s).split(" (")[0],
+                str(s.get("rounds")),
+                _percent(s.get("personalized_accuracy")),
+                _percent(s.get("accuracy_before_adaptation")),
+                _percent(s.get("personalized_accuracy_std")),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def main(argv: List[str]) -> int:
-    parser = argparse.ArgumentParser(prog="fedml-perfedavg show",
-                                     description="Print a run's summary and per-user table, or compare runs.")
+    parser = argparse.ArgumentParser(
+        prog="fedml-perfedavg show", description="Print a run's summary and per-user table, or compare runs."
+    )
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR")
     args = parser.parse_args(argv)
     try:

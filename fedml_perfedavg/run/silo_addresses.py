@@ -1,5 +1,6 @@
 """A cross-silo process's identity: FedML's gRPC address file (grpc_ipconfig.csv) and the
 ``--rank/--role`` each process is started with, checked against the config."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -15,18 +16,25 @@ def check_silo_role(config: Config, rank: Optional[int], role: Optional[str]) ->
     """A cross-silo process's identity (FedML's ``--rank/--role``) must be given and agree
     with the config and the address file."""
     if rank is None or role is None:
-        raise ConfigError("common_args.training_type='cross_silo': start each process with --rank R --role "
-                          "server|client, or start them all with: fedml-perfedavg launch-silo --cf CONFIG")
+        raise ConfigError(
+            "common_args.training_type='cross_silo': start each process with --rank R --role "
+            "server|client, or start them all with: fedml-perfedavg launch-silo --cf CONFIG"
+        )
     if role not in ("server", "client"):
         raise ConfigError(f"--role {role!r}: must be 'server' or 'client'")
     silos = config.silo_count
-    why = "train_args.client_num_in_total: one silo per user with comm_args.silo_data own" if config.own_data else \
-        "train_args.client_num_per_round"
+    why = (
+        "train_args.client_num_in_total: one silo per user with comm_args.silo_data own"
+        if config.own_data
+        else "train_args.client_num_per_round"
+    )
     if (role == "server") != (rank == 0):
         raise ConfigError(f"--rank {rank} --role {role}: the server is rank 0 and silos are ranks 1..{silos}")
     if not 0 <= rank <= silos:
         raise ConfigError(f"--rank {rank}: silos are ranks 1..{silos} ({why})")
     if config.grpc_ipconfig_path is None:
-        raise ConfigError("comm_args.grpc_ipconfig_path=None: cross-silo needs the gRPC address file (CSV "
-                          "eid,rank,grpc_server_ip,grpc_server_port); launch-silo writes one")
+        raise ConfigError(
+            "comm_args.grpc_ipconfig_path=None: cross-silo needs the gRPC address file (CSV "
+            "eid,rank,grpc_server_ip,grpc_server_port); launch-silo writes one"
+        )
     read_ipconfig(config.grpc_ipconfig_path, silos + 1)

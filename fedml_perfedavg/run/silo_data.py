@@ -8,6 +8,7 @@ writes ``DIR/rank-R/`` for R = 1..n (user R-1's train and test data, see
 ``--set silo_data=own --set data_cache_dir=DIR/rank-R`` and reads that folder and no other file.
 The server reads no data at all: its model comes from ``model_args`` and the dataset's name.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,17 @@ from .config import Config, add_config_options, load
 logger = logging.getLogger(__name__)
 
 # Classes of FedML's own datasets (fedml/data/data_loader.py), for a server that reads no data.
-FEDML_CLASSES = {"femnist": 62, "fed_cifar100": 100, "cifar100": 100, "cinic10": 10, "svhn": 10, "fed_shakespeare": 90,
-                 "shakespeare": 80, "stackoverflow_lr": 500, "stackoverflow_nwp": 10004}
+FEDML_CLASSES = {
+    "femnist": 62,
+    "fed_cifar100": 100,
+    "cifar100": 100,
+    "cinic10": 10,
+    "svhn": 10,
+    "fed_shakespeare": 90,
+    "shakespeare": 80,
+    "stackoverflow_lr": 500,
+    "stackoverflow_nwp": 10004,
+}
 
 
 def split_keys(config: Config) -> Dict[str, Any]:
@@ -41,10 +51,12 @@ def server_data(config: Config) -> FederatedData:
         return FederatedData([], spec.num_classes, spec.input_shape, [])
     if config.dataset in FEDML_CLASSES:
         return FederatedData([], FEDML_CLASSES[config.dataset], (), [])
-    raise ConfigError(f"data_args.dataset={config.dataset!r}: with comm_args.silo_data='own' the server reads no data, "
-                      f"so it must know the dataset's number of classes to build the model; it knows "
-                      f"{sorted([*DATASETS, *FEDML_CLASSES])}. For another dataset, run your own main script: build the "
-                      f"model yourself and hand FedMLRunner an empty dataset on the server")
+    raise ConfigError(
+        f"data_args.dataset={config.dataset!r}: with comm_args.silo_data='own' the server reads no data, "
+        f"so it must know the dataset's number of classes to build the model; it knows "
+        f"{sorted([*DATASETS, *FEDML_CLASSES])}. For another dataset, run your own main script: build the "
+        f"model yourself and hand FedMLRunner an empty dataset on the server"
+    )
 
 
 def own_split(config: Config, rank: int, whole_split) -> Optional[FederatedData]:
@@ -58,22 +70,39 @@ def own_split(config: Config, rank: int, whole_split) -> Optional[FederatedData]
     if is_silo_folder(folder):
         silo = read_silo_folder(folder)
         if silo.rank != rank:
-            raise ConfigError(f"data_args.data_cache_dir={folder!r} holds rank {silo.rank}'s data (user {silo.user_id}); "
-                              f"this is rank {rank}: give it its own folder, DIR/rank-{rank}")
+            raise ConfigError(
+                f"data_args.data_cache_dir={folder!r} holds rank {silo.rank}'s data (user {silo.user_id}); "
+                f"this is rank {rank}: give it its own folder, DIR/rank-{rank}"
+            )
         if silo.dataset != config.dataset:
-            raise ConfigError(f"data_args.data_cache_dir={folder!r} holds {silo.dataset!r} data; this run has "
-                              f"data_args.dataset={config.dataset!r}")
+            raise ConfigError(
+                f"data_args.data_cache_dir={folder!r} holds {silo.dataset!r} data; this run has "
+                f"data_args.dataset={config.dataset!r}"
+            )
         check_split(silo, split_keys(config), folder)
-        logger.info("silo rank %d: user %d's data from %s (%d training, %d test samples)", rank, silo.user_id, folder,
-                    len(silo.user.train_y), len(silo.user.test_y))
+        logger.info(
+            "silo rank %d: user %d's data from %s (%d training, %d test samples)",
+            rank,
+            silo.user_id,
+            folder,
+            len(silo.user.train_y),
+            len(silo.user.test_y),
+        )
         return FederatedData([silo.user], silo.num_classes, silo.input_shape, [silo.user_id])
     if is_export(folder):
-        raise ConfigError(f"data_args.data_cache_dir={folder!r} is a whole export (rank-1/, rank-2/, ...); give silo "
-                          f"rank {rank} its own folder: data_cache_dir={os.path.join(folder, f'rank-{rank}')}")
+        raise ConfigError(
+            f"data_args.data_cache_dir={folder!r} is a whole export (rank-1/, rank-2/, ...); give silo "
+            f"rank {rank} its own folder: data_cache_dir={os.path.join(folder, f'rank-{rank}')}"
+        )
     if config.partition_method in PARTITIONS:
-        logger.warning("silo rank %d reads the whole %s dataset under %s to take user %d's part of the split; in a "
-                       "deployment each organization holds its own folder (fedml-perfedavg export-split)", rank,
-                       config.dataset, folder, rank - 1)
+        logger.warning(
+            "silo rank %d reads the whole %s dataset under %s to take user %d's part of the split; in a "
+            "deployment each organization holds its own folder (fedml-perfedavg export-split)",
+            rank,
+            config.dataset,
+            folder,
+            rank - 1,
+        )
         data = whole_split(config)
         return FederatedData([data.users[rank - 1]], data.num_classes, data.input_shape, [rank - 1])
     return None
@@ -82,8 +111,10 @@ def own_split(config: Config, rank: int, whole_split) -> Optional[FederatedData]
 def export_split(config: Config, out_dir: str, whole_split) -> list:
     """One folder per user of the config's split: ``out_dir/rank-R/`` for R = 1..n."""
     if config.partition_method not in PARTITIONS:
-        raise ConfigError(f"data_args.partition_method={config.partition_method!r}: export-split cuts the paper's "
-                          f"split ({list(PARTITIONS)}); FedML's own loaders read each organization's data where it is")
+        raise ConfigError(
+            f"data_args.partition_method={config.partition_method!r}: export-split cuts the paper's "
+            f"split ({list(PARTITIONS)}); FedML's own loaders read each organization's data where it is"
+        )
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"--out {out_dir!r}: not empty; give a new folder")
     data = whole_split(config)
@@ -91,9 +122,12 @@ def export_split(config: Config, out_dir: str, whole_split) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedml-perfedavg export-split", description="Write one folder per user "
-                                     "of a config's split (DIR/rank-R/ for silo rank R, user R-1), for data-owner "
-                                     "cross-silo runs (comm_args.silo_data: own).")
+    parser = argparse.ArgumentParser(
+        prog="fedml-perfedavg export-split",
+        description="Write one folder per user "
+        "of a config's split (DIR/rank-R/ for silo rank R, user R-1), for data-owner "
+        "cross-silo runs (comm_args.silo_data: own).",
+    )
     add_config_options(parser)
     parser.add_argument("--out", required=True, help="a new folder to write into")
     return parser
@@ -103,10 +137,16 @@ def whole_split(config: Config) -> FederatedData:
     """The config's whole split, read from its dataset (what export-split cuts)."""
     from ..data.loading import load_federated
 
-    return load_federated(config.dataset, config.data_cache_dir, config.client_num_in_total,
-                          config.partition_method, config.random_seed, download=config.download,
-                          images_per_class=config.images_per_class,
-                          test_images_per_class=config.test_images_per_class)
+    return load_federated(
+        config.dataset,
+        config.data_cache_dir,
+        config.client_num_in_total,
+        config.partition_method,
+        config.random_seed,
+        download=config.download,
+        images_per_class=config.images_per_class,
+        test_images_per_class=config.test_images_per_class,
+    )
 
 
 def main(argv: Sequence[str]) -> int:
@@ -123,6 +163,8 @@ def main(argv: Sequence[str]) -> int:
     except OSError as err:
         print(f"fedml-perfedavg export-split: error: cannot write {args.out}: {err.strerror}", file=sys.stderr)
         return 1
-    print(f"wrote {len(folders)} folders to {args.out} (rank-1 .. rank-{len(folders)}); hand each organization its "
-          f"own and run its silo with --set silo_data=own --set data_cache_dir=<its folder>")
+    print(
+        f"wrote {len(folders)} folders to {args.out} (rank-1 .. rank-{len(folders)}); hand each organization its "
+        f"own and run its silo with --set silo_data=own --set data_cache_dir=<its folder>"
+    )
     return 0

@@ -1,4 +1,5 @@
 """A test-only algorithm, one file: local steps follow the sign of the gradient."""
+
 import torch
 from torch.func import grad
 

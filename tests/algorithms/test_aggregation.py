@@ -1,4 +1,5 @@
 """The algorithm object's aggregation: bad client updates are rejected, the rest averaged."""
+
 from collections import OrderedDict
 
 import pytest
@@ -74,8 +75,9 @@ def test_the_default_bound_refuses_an_update_that_moves_the_model_by_more_than_i
     assert algorithm.rejected == {0: 2}
     assert all(torch.equal(averaged[k], honest[k]) for k in good)
     assert f"train_args.max_update_ratio=1 x max(||w||, 1) ({norm:.4g} in round 0)" in caplog.text
-    assert "exceeds train_args.max_update_ratio=1.0 x max(||w||, 1)" in update_problem(doubled, good,
-                                                                                        max_update_ratio=1.0)
+    assert "exceeds train_args.max_update_ratio=1.0 x max(||w||, 1)" in update_problem(
+        doubled, good, max_update_ratio=1.0
+    )
     off, _ = _algorithm(max_update_ratio=None)
     off.aggregate(0, [(1, doubled)], good)
     assert off.rejected == {}
@@ -97,8 +99,9 @@ def test_buffers_stay_the_global_models_and_integer_counters_stay_integers():
     state = OrderedDict((k, v.clone()) for k, v in model.state_dict().items())
     lying = OrderedDict((k, v.clone()) for k, v in state.items())
     lying["2.running_mean"] += 1e6  # a client's buffers: noise or a lie, never averaged in
-    honest = OrderedDict((k, v + 0.01 if v.is_floating_point() and "running" not in k else v.clone())
-                         for k, v in state.items())
+    honest = OrderedDict(
+        (k, v + 0.01 if v.is_floating_point() and "running" not in k else v.clone()) for k, v in state.items()
+    )
     averaged = algorithm.aggregate(0, [(1, lying), (1, honest)], state)
     assert torch.equal(averaged["2.running_mean"], state["2.running_mean"])
     assert averaged["2.num_batches_tracked"].dtype == torch.int64

@@ -1,5 +1,6 @@
 """FedAvg + ARUBA: the update against a case computed by hand, its refinement step, and the
 learned rates travelling with the model state."""
+
 import math
 from collections import OrderedDict
 
@@ -26,9 +27,22 @@ def _two_logit_model():
 
 
 def _aruba(model, epsilon=1.0, zeta=10.0, p=1.0, local_steps=1):
-    config = resolve({}, dict(federated_optimizer="FedAvgARUBA", client_num_in_total=2, client_num_per_round=2,
-                              local_steps=local_steps, batch_size=1, meta_batch_size=1, hessian_batch_size=1,
-                              aruba_epsilon=epsilon, aruba_zeta=zeta, aruba_p=p, show_progress=False))
+    config = resolve(
+        {},
+        dict(
+            federated_optimizer="FedAvgARUBA",
+            client_num_in_total=2,
+            client_num_per_round=2,
+            local_steps=local_steps,
+            batch_size=1,
+            meta_batch_size=1,
+            hessian_batch_size=1,
+            aruba_epsilon=epsilon,
+            aruba_zeta=zeta,
+            aruba_p=p,
+            show_progress=False,
+        ),
+    )
     return create_algorithm("FedAvgARUBA", model, config)
 
 
@@ -109,8 +123,9 @@ def test_rates_are_model_buffers_so_they_travel_with_the_state():
     from fedml_perfedavg.models import create_model
 
     model = create_model("mlp", (1, 4, 4), 3, (5,))
-    algorithm = create_algorithm("FedAvgARUBA", model, tiny_config(federated_optimizer="FedAvgARUBA",
-                                                                   aruba_epsilon=0.02, aruba_zeta=2.0))
+    algorithm = create_algorithm(
+        "FedAvgARUBA", model, tiny_config(federated_optimizer="FedAvgARUBA", aruba_epsilon=0.02, aruba_zeta=2.0)
+    )
     state = model.state_dict()
     for name, _ in model.named_parameters():
         for role in ("lr", "b", "g", "grad_sq"):

@@ -1,6 +1,7 @@
 """The start-up probe of what a model allows runs on a batch like the run's: BatchNorm is batched
 (it was sent to the per-client path, blamed on vmap, for a one-sample probe), and a model that
 cannot train on the data at all stops the run at start with its own reason."""
+
 import pytest
 import torch
 from torch import nn
@@ -42,15 +43,21 @@ def test_a_linear_chain_keeps_its_hand_batched_path():
 def test_a_model_that_cannot_take_the_samples_is_named_with_its_own_error():
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(16, 3))  # 3 channels; the data has 1
     algorithm = create_algorithm("PerFedAvg", conv, tiny_config())
-    with pytest.raises(ModelMismatch, match=r"a batch of 8 samples of shape \(1, 4, 4\) \(torch.float32\): "
-                                            r"RuntimeError: .*expected input\[8, 1, 4, 4\] to have 3 channels"):
+    with pytest.raises(
+        ModelMismatch,
+        match=r"a batch of 8 samples of shape \(1, 4, 4\) \(torch.float32\): "
+        r"RuntimeError: .*expected input\[8, 1, 4, 4\] to have 3 channels",
+    ):
         algorithm.check_model(conv.state_dict(), torch.rand(8, 1, 4, 4), torch.randint(0, 3, (8,)))
 
 
 def test_such_a_run_stops_at_start_naming_the_model_and_the_dataset(tmp_path):
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(16, 3))
-    with pytest.raises(ConfigError, match=r"the model \(Sequential; model_args.model='mlp'\) does not fit "
-                                          r"data_args.dataset='mnist': it cannot compute a loss"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the model \(Sequential; model_args.model='mlp'\) does not fit "
+        r"data_args.dataset='mnist': it cannot compute a loss",
+    ):
         run(tiny_config(), str(tmp_path / "run"), data=tiny_data(), model=conv)
     assert not (tmp_path / "run" / "summary.json").exists()
 

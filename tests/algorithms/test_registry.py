@@ -1,5 +1,6 @@
 """An algorithm added as one file plus a registry entry runs on FedML's sp loop and the
 batched engine, with the same result on both."""
+
 import pytest
 import torch
 
@@ -13,12 +14,26 @@ from tests.helpers_tiny import tiny_data
 
 pytestmark = pytest.mark.backend  # FedML's own sp loop and the batched engine, whole runs
 
+
 def test_a_registered_algorithm_runs_on_fedml_sp_loop_and_the_batched_engine(tmp_path):
     results = {}
     for engine in ("fedml", "batched"):
-        config = resolve({}, dict(federated_optimizer="SignSGD", client_num_in_total=6, client_num_per_round=3,
-                                  comm_round=3, local_steps=2, batch_size=8, beta=0.01, hidden_sizes=[5],
-                                  frequency_of_the_test=1, show_progress=False, simulation_engine=engine))
+        config = resolve(
+            {},
+            dict(
+                federated_optimizer="SignSGD",
+                client_num_in_total=6,
+                client_num_per_round=3,
+                comm_round=3,
+                local_steps=2,
+                batch_size=8,
+                beta=0.01,
+                hidden_sizes=[5],
+                frequency_of_the_test=1,
+                show_progress=False,
+                simulation_engine=engine,
+            ),
+        )
         results[engine] = run(config, str(tmp_path / engine), data=tiny_data())
     fedml, batched = results["fedml"], results["batched"]
     assert type(fedml.algorithm).__name__ == "SignSGD" and fedml.trainer.train_calls == 9

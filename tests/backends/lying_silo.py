@@ -5,6 +5,7 @@
 - ``false-count``: every upload claims 1000 times its user's training samples;
 - ``false-figures``: its evaluations claim user 424242 and every test sample right.
 """
+
 import sys
 
 import torch

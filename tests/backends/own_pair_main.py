@@ -1,6 +1,7 @@
 """A FedML user's main script that hands its own trainer/aggregator pair to ``FedMLRunner``
 (FedML's step-by-step example plus one import). Each process writes what its pair did to
 ``<output_dir>/own_pair_rank<rank>.json``, so a test can tell whether FedML really used it."""
+
 import json
 import os
 from collections import OrderedDict

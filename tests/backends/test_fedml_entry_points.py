@@ -2,6 +2,7 @@
 and ``fedml.run_cross_silo_server()`` / ``run_cross_silo_client()`` with ``PerFedAvg``; and a
 user's own trainer/aggregator pair handed to ``FedMLRunner`` (FedML's ``FedAvg``), which must
 really run on sp, MPI and cross-silo rather than be silently replaced by FedML's classes."""
+
 import json
 import os
 import shutil
@@ -18,11 +19,19 @@ from tests.helpers import REPO, example_yaml, needs_mnist, offline
 
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 OWN_PAIR = str(Path(__file__).with_name("own_pair_main.py"))
+
+
 def _run(command, tmp_path, timeout=300):
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    out = subprocess.run(offline(command), capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)})
+    out = subprocess.run(
+        offline(command),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)},
+    )
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     return out
 
@@ -31,18 +40,27 @@ def _silo_command(script_args, path):
     """Server first; the silos once it listens (FedML's own gRPC client gives up at once on an
     unreachable server, so its silos must not start before it)."""
     server = f"{sys.executable} {script_args} --cf {path} --rank 0 --role server --run_id 7"
-    silos = " & ".join(f"{sys.executable} {script_args} --cf {path} --rank {r} --role client --run_id 7"
-                       for r in (1, 2))
-    return ["sh", "-c", f"{server} > server.log 2>&1 & until grep -q 'rank 0 listening on' server.log; do "
-                        f"sleep 0.2; done; {silos} & wait; cat server.log"]
+    silos = " & ".join(
+        f"{sys.executable} {script_args} --cf {path} --rank {r} --role client --run_id 7" for r in (1, 2)
+    )
+    return [
+        "sh",
+        "-c",
+        f"{server} > server.log 2>&1 & until grep -q 'rank 0 listening on' server.log; do "
+        f"sleep 0.2; done; {silos} & wait; cat server.log",
+    ]
 
 
-ONE_LINE = {"sp": "fedml.run_simulation()", "MPI": "fedml.run_simulation(backend='MPI')",
-            "server": "fedml.run_cross_silo_server()", "client": "fedml.run_cross_silo_client()"}
+ONE_LINE = {
+    "sp": "fedml.run_simulation()",
+    "MPI": "fedml.run_simulation(backend='MPI')",
+    "server": "fedml.run_cross_silo_server()",
+    "client": "fedml.run_cross_silo_client()",
+}
 
 
 def _one_line(call):
-    return f"-c \"import fedml_perfedavg, fedml; {ONE_LINE[call]}\""
+    return f'-c "import fedml_perfedavg, fedml; {ONE_LINE[call]}"'
 
 
 @needs_mnist
@@ -56,10 +74,17 @@ def test_fedml_one_line_entry_points_run_perfedavg(mnist_root, tmp_path):
         _run([MPIRUN, "-n", "3", "sh", "-c", f"{sys.executable} {_one_line('MPI')} --cf {path}"], tmp_path)
         runs["mpi"] = tmp_path / "mpi" / "mpi"
     address_file = write_ipconfig(str(tmp_path / "ipconfig.csv"), 3)
-    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "silo",
-                        grpc_ipconfig_path=address_file)
-    script = " & ".join(f"{sys.executable} {_one_line('server' if r == 0 else 'client')} --cf {path} --rank {r} "
-                        f"--role {'server' if r == 0 else 'client'} --run_id 7" for r in range(3)) + " & wait"
+    path = example_yaml(
+        tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "silo", grpc_ipconfig_path=address_file
+    )
+    script = (
+        " & ".join(
+            f"{sys.executable} {_one_line('server' if r == 0 else 'client')} --cf {path} --rank {r} "
+            f"--role {'server' if r == 0 else 'client'} --run_id 7"
+            for r in range(3)
+        )
+        + " & wait"
+    )
     _run(["sh", "-c", script], tmp_path)
     runs["silo"] = tmp_path / "silo" / "silo"
 
@@ -92,14 +117,19 @@ def test_own_trainer_and_aggregator_run_on_sp_mpi_and_cross_silo(mnist_root, tmp
 
     distributed = {}
     if MPIRUN is not None:
-        path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "mpi",
-                            **OWN_PAIR_EDITS)
+        path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "mpi", **OWN_PAIR_EDITS)
         _run([MPIRUN, "-n", "3", sys.executable, OWN_PAIR, "--cf", path], tmp_path)
         distributed["mpi"] = _own_pair_results(tmp_path / "mpi", 3)
     address_file = write_ipconfig(str(tmp_path / "ipconfig.csv"), 3)
-    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "silo",
-                        grpc_ipconfig_path=address_file,
-                 **OWN_PAIR_EDITS)
+    path = example_yaml(
+        tmp_path,
+        "fedml_config_silo.yaml",
+        mnist_root,
+        "silo",
+        tmp_path / "silo",
+        grpc_ipconfig_path=address_file,
+        **OWN_PAIR_EDITS,
+    )
     _run(_silo_command(OWN_PAIR, path), tmp_path, timeout=180)
     distributed["silo"] = _own_pair_results(tmp_path / "silo", 3)
 

@@ -2,6 +2,7 @@
 Per-FedAvg is model-agnostic. ``resnet56`` has BatchNorm (normalizing with each batch's own
 statistics; its running statistics travel unchanged), ``cnn`` has dropout (off: the
 meta-gradient needs a deterministic network)."""
+
 import json
 import runpy
 import sys
@@ -19,8 +20,9 @@ def _stock_main(tmp_path, monkeypatch, run_name, data, model, **train):
     config = yaml.safe_load((EXAMPLE / "fedml_config.yaml").read_text())
     config["data_args"].update(data)
     config["model_args"]["model"] = model
-    config["train_args"].update(client_num_in_total=4, client_num_per_round=2, comm_round=2, local_steps=2,
-                                batch_size=4, **train)
+    config["train_args"].update(
+        client_num_in_total=4, client_num_per_round=2, comm_round=2, local_steps=2, batch_size=4, **train
+    )
     config["validation_args"]["frequency_of_the_test"] = 1
     config["common_args"].update(output_dir=str(tmp_path / "runs"), run_name=run_name)
     path = tmp_path / f"{run_name}.yaml"
@@ -40,8 +42,7 @@ def test_fedml_resnet56_with_batchnorm_on_cifar10(fake_cifar_root, tmp_path, mon
     with caplog.at_level("INFO"):
         summary, model = _stock_main(tmp_path, monkeypatch, "resnet", data, "resnet56")
     assert "ResNet has BatchNorm" in caplog.text and "cannot be vmapped" not in caplog.text
-    assert "the batched engine" in caplog.text and "clients one by one (vmapped, a client's result would" in \
-        caplog.text
+    assert "the batched engine" in caplog.text and "clients one by one (vmapped, a client's result would" in caplog.text
     assert summary["status"] == "finished" and summary["aggregate_calls"] == 2
     assert summary["config"]["model_args"]["model"] == "resnet56"
     assert len(summary["per_user_accuracy"]) == 4
@@ -57,9 +58,14 @@ def test_fedml_cnn_with_dropout_on_mnist(mnist_root, tmp_path, monkeypatch):
     from fedml_perfedavg.fedml_bridge.bootstrap import import_fedml
 
     fedml = import_fedml()
-    summary, model = _stock_main(tmp_path, monkeypatch, "cnn", dict(data_cache_dir=mnist_root, images_per_class=20,
-                                                                     test_images_per_class=4), "cnn",
-                                 perfedavg_variant="exact")
+    summary, model = _stock_main(
+        tmp_path,
+        monkeypatch,
+        "cnn",
+        dict(data_cache_dir=mnist_root, images_per_class=20, test_images_per_class=4),
+        "cnn",
+        perfedavg_variant="exact",
+    )
     assert summary["status"] == "finished" and summary["aggregate_calls"] == 2 and summary["rounds"] == 2
     torch.manual_seed(0)
     start = fedml.model.create(type("Args", (), {"model": "cnn", "dataset": "mnist", "random_seed": 0})(), 10)

@@ -3,6 +3,7 @@ switched to PerFedAvg with FedML's `lr` model, in a subprocess, offline (a netwo
 with only loopback, and an audit hook that records any other socket use); sp (batched engine
 and FedML's loop), MPI (3 ranks) and cross-silo gRPC (server + 2 silos) give the same model, which
 the model object the script handed FedMLRunner holds afterwards."""
+
 import json
 import os
 import shutil
@@ -20,6 +21,8 @@ SCRIPT = str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_example.py")
 # FedML's main as above, saving at the end what the model object it handed FedMLRunner holds
 USER_MODEL = str(REPO / "tests" / "backends" / "user_model_main.py")
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+
+
 def _env(tmp_path, run_name=None):
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
@@ -42,29 +45,59 @@ def _check(out, processes=1):
 def test_fedml_stock_main_runs_perfedavg_on_every_backend_with_one_model(mnist_root, tmp_path):
     runs = {}
     for engine in ("batched", "fedml"):
-        path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, f"sp-{engine}", tmp_path / "runs",
-                            simulation_engine=engine)
-        out = subprocess.run(offline([sys.executable, "-c", NETWORK_GUARD, "--script", USER_MODEL, "--cf", path]),
-                             capture_output=True, text=True, env=_env(tmp_path, f"sp-{engine}"), timeout=300,
-                             cwd=tmp_path)
+        path = example_yaml(
+            tmp_path, "fedml_config.yaml", mnist_root, f"sp-{engine}", tmp_path / "runs", simulation_engine=engine
+        )
+        out = subprocess.run(
+            offline([sys.executable, "-c", NETWORK_GUARD, "--script", USER_MODEL, "--cf", path]),
+            capture_output=True,
+            text=True,
+            env=_env(tmp_path, f"sp-{engine}"),
+            timeout=300,
+            cwd=tmp_path,
+        )
         _check(out)
         assert "round 2: personalized accuracy" in out.stderr  # the plugin's evaluation reaches the console
         runs[engine] = _summary(tmp_path, f"sp-{engine}")
     if MPIRUN is not None:
         path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "runs")
-        out = subprocess.run(offline([MPIRUN, "-n", "3", sys.executable, "-c", NETWORK_GUARD, "--script", USER_MODEL,
-                                      "--cf", path]), capture_output=True, text=True, env=_env(tmp_path, "mpi"),
-                             timeout=300, cwd=tmp_path)
+        out = subprocess.run(
+            offline([MPIRUN, "-n", "3", sys.executable, "-c", NETWORK_GUARD, "--script", USER_MODEL, "--cf", path]),
+            capture_output=True,
+            text=True,
+            env=_env(tmp_path, "mpi"),
+            timeout=300,
+            cwd=tmp_path,
+        )
         _check(out, processes=3)
         runs["mpi"] = _summary(tmp_path, "mpi")
-    (tmp_path / "ipconfig.csv").write_text("eid,rank,grpc_server_ip,grpc_server_port\n"
-                                           + "".join(f"{r},{r},127.0.0.1,{19370 + r}\n" for r in range(3)))
-    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "runs",
-                 grpc_ipconfig_path=str(tmp_path / "ipconfig.csv"))
-    script = " & ".join(f"{sys.executable} -c \"$GUARD\" --script {USER_MODEL} --cf {path} --rank {r} --role "
-                        f"{'server' if r == 0 else 'client'} --run_id 5" for r in range(3)) + " & wait"
-    out = subprocess.run(offline(["sh", "-c", script]), capture_output=True, text=True, timeout=300,
-                         env={**_env(tmp_path, "silo"), "GUARD": NETWORK_GUARD}, cwd=tmp_path)
+    (tmp_path / "ipconfig.csv").write_text(
+        "eid,rank,grpc_server_ip,grpc_server_port\n" + "".join(f"{r},{r},127.0.0.1,{19370 + r}\n" for r in range(3))
+    )
+    path = example_yaml(
+        tmp_path,
+        "fedml_config_silo.yaml",
+        mnist_root,
+        "silo",
+        tmp_path / "runs",
+        grpc_ipconfig_path=str(tmp_path / "ipconfig.csv"),
+    )
+    script = (
+        " & ".join(
+            f'{sys.executable} -c "$GUARD" --script {USER_MODEL} --cf {path} --rank {r} --role '
+            f"{'server' if r == 0 else 'client'} --run_id 5"
+            for r in range(3)
+        )
+        + " & wait"
+    )
+    out = subprocess.run(
+        offline(["sh", "-c", script]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**_env(tmp_path, "silo"), "GUARD": NETWORK_GUARD},
+        cwd=tmp_path,
+    )
     _check(out, processes=3)
     runs["silo"] = _summary(tmp_path, "silo")
     # the module FedML's main handed FedMLRunner holds the final global model, on every backend
@@ -97,13 +130,32 @@ def test_a_trainer_handed_to_fedmlrunner_is_really_used(mnist_root, tmp_path):
     from tests.backends.own_pair_main import CALLS, CountingAggregator, PlusOneTrainer
 
     CALLS.update({k: 0 for k in CALLS})
-    path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "mine", tmp_path / "runs",
-                        federated_optimizer="FedAvg", epochs=1,
-                 client_optimizer="sgd")
-    args = fedml.init(yaml.safe_load(open(path)) and __import__("fedml").arguments.Arguments(
-        __import__("argparse").Namespace(yaml_config_file=path, run_id="0", rank=0, local_rank=0, node_rank=0,
-                                         role="client", run_device_id="0", using_mlops=False)),
-        should_init_logs=False)
+    path = example_yaml(
+        tmp_path,
+        "fedml_config.yaml",
+        mnist_root,
+        "mine",
+        tmp_path / "runs",
+        federated_optimizer="FedAvg",
+        epochs=1,
+        client_optimizer="sgd",
+    )
+    args = fedml.init(
+        yaml.safe_load(open(path))
+        and __import__("fedml").arguments.Arguments(
+            __import__("argparse").Namespace(
+                yaml_config_file=path,
+                run_id="0",
+                rank=0,
+                local_rank=0,
+                node_rank=0,
+                role="client",
+                run_device_id="0",
+                using_mlops=False,
+            )
+        ),
+        should_init_logs=False,
+    )
     device = fedml.device.get_device(args)
     dataset, output_dim = fedml.data.load(args)
     model = fedml.model.create(args, output_dim)
@@ -120,24 +172,48 @@ def test_fedml_stock_main_applies_fedmls_dp_attack_and_defense_sections_alike_on
     DP's), attack_args and defense_args: one model on both engines, unlike the run without them."""
     runs = {}
     for engine, sections in (("batched", True), ("fedml", True), ("plain", False)):
-        path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, f"sp-{engine}", tmp_path / "runs",
-                            simulation_engine="batched" if engine == "plain" else engine)
+        path = example_yaml(
+            tmp_path,
+            "fedml_config.yaml",
+            mnist_root,
+            f"sp-{engine}",
+            tmp_path / "runs",
+            simulation_engine="batched" if engine == "plain" else engine,
+        )
         config = yaml.safe_load(Path(path).read_text())
         assert config["train_args"].get("delta", 0.001) == 0.001
         config["train_args"]["delta"] = 0.001
         if sections:
-            config["dp_args"] = {"enable_dp": True, "dp_solution_type": "ldp", "mechanism_type": "gaussian",
-                                 "epsilon": 0.5, "delta": 1e-5, "sensitivity": 0.001}
-            config["attack_args"] = {"enable_attack": True, "attack_type": "byzantine", "attack_mode": "flip",
-                                     "byzantine_client_num": 1}
+            config["dp_args"] = {
+                "enable_dp": True,
+                "dp_solution_type": "ldp",
+                "mechanism_type": "gaussian",
+                "epsilon": 0.5,
+                "delta": 1e-5,
+                "sensitivity": 0.001,
+            }
+            config["attack_args"] = {
+                "enable_attack": True,
+                "attack_type": "byzantine",
+                "attack_mode": "flip",
+                "byzantine_client_num": 1,
+            }
             config["defense_args"] = {"enable_defense": True, "defense_type": "norm_diff_clipping", "norm_bound": 0.2}
         Path(path).write_text(yaml.safe_dump(config, sort_keys=False))
-        out = subprocess.run(offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
-                             capture_output=True, text=True, env=_env(tmp_path), timeout=300, cwd=tmp_path)
+        out = subprocess.run(
+            offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
+            capture_output=True,
+            text=True,
+            env=_env(tmp_path),
+            timeout=300,
+            cwd=tmp_path,
+        )
         _check(out)
         if sections:
-            assert "FedML's DP ldp (gaussian, epsilon 0.5, delta 1e-05), attack byzantine, defense " \
-                   "norm_diff_clipping" in out.stderr
+            assert (
+                "FedML's DP ldp (gaussian, epsilon 0.5, delta 1e-05), attack byzantine, defense "
+                "norm_diff_clipping" in out.stderr
+            )
         runs[engine] = _summary(tmp_path, f"sp-{engine}")
     (batched_summary, batched), (_, fedml_loop), (_, plain) = runs["batched"], runs["fedml"], runs["plain"]
     assert batched_summary["config"]["train_args"]["delta"] == 0.001
@@ -153,17 +229,27 @@ def test_fedml_stock_main_under_mpi_trains_shares_and_gives_the_single_process_m
     """FedML's own main with backend MPI and 6 clients per round on 2 worker ranks: each trains a
     share of 3, and the model is the sp batched engine's."""
     runs = {}
-    for name, yaml_name, command in (("sp", "fedml_config.yaml", []), ("mpi", "fedml_config_mpi.yaml",
-                                                                       [MPIRUN, "-n", "3"])):
-        path = example_yaml(tmp_path, yaml_name, mnist_root, name, tmp_path / "runs", client_num_per_round=6,
-                            comm_round=2)
-        out = subprocess.run(offline(command + [sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf",
-                                                path]), capture_output=True, text=True, env=_env(tmp_path),
-                             timeout=300, cwd=tmp_path)
+    for name, yaml_name, command in (
+        ("sp", "fedml_config.yaml", []),
+        ("mpi", "fedml_config_mpi.yaml", [MPIRUN, "-n", "3"]),
+    ):
+        path = example_yaml(
+            tmp_path, yaml_name, mnist_root, name, tmp_path / "runs", client_num_per_round=6, comm_round=2
+        )
+        out = subprocess.run(
+            offline(command + [sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
+            capture_output=True,
+            text=True,
+            env=_env(tmp_path),
+            timeout=300,
+            cwd=tmp_path,
+        )
         _check(out, processes=3 if command else 1)
         runs[name] = _summary(tmp_path, name)
-    assert "2 worker ranks, each training a share of the round's 6 clients" in (tmp_path / "runs" / "mpi" /
-                                                                                 "run.log").read_text()
+    assert (
+        "2 worker ranks, each training a share of the round's 6 clients"
+        in (tmp_path / "runs" / "mpi" / "run.log").read_text()
+    )
     (_, sp_model), (mpi_summary, mpi_model) = runs["sp"], runs["mpi"]
     assert mpi_summary["status"] == "finished" and mpi_summary["aggregate_calls"] == 2
     for k in sp_model:

@@ -1,5 +1,6 @@
 """What a FedML user's script meets with the plugin imported (FedML's own step-by-step main in a
 subprocess): algorithm names in any case, and a name nobody runs stopped in ``fedml.init``."""
+
 import json
 import os
 import shutil
@@ -21,25 +22,35 @@ MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil
 def _main(tmp_path, path):
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, SCRIPT, "--cf", path], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)})
+    return subprocess.run(
+        [sys.executable, SCRIPT, "--cf", path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)},
+    )
 
 
 @needs_mnist
 def test_plugin_names_match_in_any_case_and_unknown_ones_stop_in_fedml_init(mnist_root, tmp_path):
-    path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "lower", tmp_path / "runs",
-                        federated_optimizer="perfedavg")
+    path = example_yaml(
+        tmp_path, "fedml_config.yaml", mnist_root, "lower", tmp_path / "runs", federated_optimizer="perfedavg"
+    )
     out = _main(tmp_path, path)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     summary = json.loads((tmp_path / "runs" / "lower" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["config"]["train_args"]["federated_optimizer"] == "PerFedAvg"
 
-    path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "typo", tmp_path / "runs",
-                        federated_optimizer="PerFedAvgg")
+    path = example_yaml(
+        tmp_path, "fedml_config.yaml", mnist_root, "typo", tmp_path / "runs", federated_optimizer="PerFedAvgg"
+    )
     out = _main(tmp_path, path)
     assert out.returncode != 0
-    assert ("ConfigError: train_args.federated_optimizer='PerFedAvgg': neither a plugin algorithm "
-            "(['PerFedAvg', 'FedAvgUpdate', 'FedAvgARUBA']) nor one of FedML's own") in out.stderr
+    assert (
+        "ConfigError: train_args.federated_optimizer='PerFedAvgg': neither a plugin algorithm "
+        "(['PerFedAvg', 'FedAvgUpdate', 'FedAvgARUBA']) nor one of FedML's own"
+    ) in out.stderr
     assert "did you mean 'PerFedAvg'?" in out.stderr
     assert "in init" in out.stderr and "load(" not in out.stderr  # raised in fedml.init, before data loads
     assert not (tmp_path / "runs" / "typo").exists()
@@ -58,9 +69,14 @@ def test_fedml_main_script_stopped_by_a_signal_keeps_its_record(mnist_root, tmp_
     path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "stopped", tmp_path / "runs", comm_round=5000)
     home = tmp_path / "home"
     home.mkdir()
-    process = subprocess.Popen([sys.executable, SCRIPT, "--cf", path], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                               env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)})
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT, "--cf", path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)},
+    )
     run_dir = tmp_path / "runs" / "stopped"
     _wait_for(run_dir / "run.log", "round 3: personalized accuracy", process)
     process.send_signal(how)
@@ -77,14 +93,40 @@ def test_fedml_cross_silo_server_stopped_by_sigterm_keeps_its_record_and_stops_i
     from fedml_perfedavg.run.silo_addresses import write_ipconfig
 
     address_file = write_ipconfig(str(tmp_path / "ip.csv"), 3)
-    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "runs", comm_round=5000,
-                        grpc_ipconfig_path=address_file)
+    path = example_yaml(
+        tmp_path,
+        "fedml_config_silo.yaml",
+        mnist_root,
+        "silo",
+        tmp_path / "runs",
+        comm_round=5000,
+        grpc_ipconfig_path=address_file,
+    )
     home = tmp_path / "home"
     home.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)}
-    processes = [subprocess.Popen([sys.executable, SCRIPT, "--cf", path, "--rank", str(r), "--role",
-                                   "server" if r == 0 else "client", "--run_id", "9"], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env) for r in range(3)]
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                SCRIPT,
+                "--cf",
+                path,
+                "--rank",
+                str(r),
+                "--role",
+                "server" if r == 0 else "client",
+                "--run_id",
+                "9",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+        )
+        for r in range(3)
+    ]
     try:
         run_dir = tmp_path / "runs" / "silo"
         _wait_for(run_dir / "run.log", "round 3: personalized accuracy", processes[0])
@@ -108,9 +150,14 @@ def test_fedml_mpi_job_stopped_by_sigterm_keeps_its_record(mnist_root, tmp_path)
     path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "runs", comm_round=5000)
     home = tmp_path / "home"
     home.mkdir()
-    process = subprocess.Popen([MPIRUN, "-n", "3", sys.executable, SCRIPT, "--cf", path], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                               env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)})
+    process = subprocess.Popen(
+        [MPIRUN, "-n", "3", sys.executable, SCRIPT, "--cf", path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)},
+    )
     run_dir = tmp_path / "runs" / "mpi"
     _wait_for(run_dir / "run.log", "round 3: personalized accuracy", process)
     process.send_signal(signal.SIGTERM)
@@ -126,26 +173,39 @@ def _leaf_mnist(root, users=4, train=48, test=12):
     for split, count in (("train", train), ("test", test)):
         folder = root / "MNIST" / split
         folder.mkdir(parents=True)
-        data = {f"w{u}": {"x": torch.rand(count, 784, generator=g).round(decimals=3).tolist(),
-                          "y": torch.randint(0, 10, (count,), generator=g).tolist()} for u in range(users)}
-        (folder / "part.json").write_text(json.dumps({"users": list(data), "num_samples": [count] * users,
-                                                     "user_data": data}))
+        data = {
+            f"w{u}": {
+                "x": torch.rand(count, 784, generator=g).round(decimals=3).tolist(),
+                "y": torch.randint(0, 10, (count,), generator=g).tolist(),
+            }
+            for u in range(users)
+        }
+        (folder / "part.json").write_text(
+            json.dumps({"users": list(data), "num_samples": [count] * users, "user_data": data})
+        )
 
 
 @needs_mnist
 def test_fedml_own_mnist_split_runs_offline_from_its_files_or_stops_naming_them(mnist_root, tmp_path):
     from tests.helpers import NETWORK_GUARD, offline
 
-    edits = dict(partition_method="hetero", partition_alpha=0.5, client_num_in_total=4, client_num_per_round=2,
-                 batch_size=10)
+    edits = dict(
+        partition_method="hetero", partition_alpha=0.5, client_num_in_total=4, client_num_per_round=2, batch_size=10
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     home = tmp_path / "home"
     home.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)}
     path = example_yaml(tmp_path, "fedml_config.yaml", str(empty), "missing", tmp_path / "runs", **edits)
-    out = subprocess.run(offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    out = subprocess.run(
+        offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
     assert out.returncode != 0 and "NETWORK_ATTEMPTS [(" not in out.stdout, (out.stdout + out.stderr)[-3000:]
     assert f"reads LEAF's JSON files from {empty}/MNIST/train/*.json and {empty}/MNIST/test/*.json" in out.stderr
     assert "set data_args.download: true" in out.stderr
@@ -154,8 +214,14 @@ def test_fedml_own_mnist_split_runs_offline_from_its_files_or_stops_naming_them(
     leaf = tmp_path / "leaf"
     _leaf_mnist(leaf)
     path = example_yaml(tmp_path, "fedml_config.yaml", str(leaf), "leaf", tmp_path / "runs", **edits)
-    out = subprocess.run(offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    out = subprocess.run(
+        offline([sys.executable, "-c", NETWORK_GUARD, "--script", SCRIPT, "--cf", path]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
     assert out.returncode == 0 and "NETWORK_ATTEMPTS []" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
     summary = json.loads((tmp_path / "runs" / "leaf" / "summary.json").read_text())
     assert summary["status"] == "finished" and len(summary["per_user_accuracy"]) == 4
@@ -170,9 +236,18 @@ def test_import_fedml_before_the_plugin_works(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", "import sys; assert 'torch' not in sys.modules; import fedml; "
-                          "import fedml_perfedavg; print('imported', fedml.__version__)"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; assert 'torch' not in sys.modules; import fedml; "
+            "import fedml_perfedavg; print('imported', fedml.__version__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "imported 0.9.6" in out.stdout
 
@@ -180,34 +255,59 @@ def test_import_fedml_before_the_plugin_works(tmp_path):
 @needs_mnist
 @pytest.mark.parametrize("optimizer", ["PerFedAvg", "FedAvg"])
 @pytest.mark.parametrize("backend", ["TRPC", "MQTT_S3"])
-def test_cross_silo_backends_the_plugin_cannot_secure_are_refused_in_fedml_init(mnist_root, tmp_path, optimizer,
-                                                                                 backend):
+def test_cross_silo_backends_the_plugin_cannot_secure_are_refused_in_fedml_init(
+    mnist_root, tmp_path, optimizer, backend
+):
     """FedML's TRPC listened in plaintext on every interface with the plugin imported; now every
     cross-silo backend but the plugin's secured gRPC is refused, FedML's own FedAvg included."""
-    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "insecure", tmp_path / "runs",
-                        backend=backend, federated_optimizer=optimizer)
-    out = subprocess.run([sys.executable, SCRIPT, "--cf", path, "--rank", "0", "--role", "server"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+    path = example_yaml(
+        tmp_path,
+        "fedml_config_silo.yaml",
+        mnist_root,
+        "insecure",
+        tmp_path / "runs",
+        backend=backend,
+        federated_optimizer=optimizer,
+    )
+    out = subprocess.run(
+        [sys.executable, SCRIPT, "--cf", path, "--rank", "0", "--role", "server"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)},
+    )
     assert out.returncode != 0
-    assert f"ConfigError: comm_args.backend='{backend}': refused for cross-silo with fedml_perfedavg imported" in \
-        out.stderr
+    assert (
+        f"ConfigError: comm_args.backend='{backend}': refused for cross-silo with fedml_perfedavg imported"
+        in out.stderr
+    )
     assert "Use backend: GRPC" in out.stderr and "in init" in out.stderr
 
 
 @needs_mnist
 def test_hierarchical_cross_silo_is_refused_in_fedml_init_and_by_launch_silo(mnist_root, tmp_path):
     """FedML's hierarchical scenario exited 0 having trained nothing; launch-silo ran horizontal."""
-    path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "hier", tmp_path / "runs",
-                        scenario="hierarchical")
-    out = subprocess.run([sys.executable, SCRIPT, "--cf", path, "--rank", "0", "--role", "server"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+    path = example_yaml(
+        tmp_path, "fedml_config_silo.yaml", mnist_root, "hier", tmp_path / "runs", scenario="hierarchical"
+    )
+    out = subprocess.run(
+        [sys.executable, SCRIPT, "--cf", path, "--rank", "0", "--role", "server"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)},
+    )
     said = "common_args.scenario='hierarchical': the plugin's algorithms run FedML's horizontal cross-silo only"
     assert out.returncode != 0 and said in out.stderr and "in init" in out.stderr
-    launched = subprocess.run([sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", path, "--run-dir",
-                               str(tmp_path / "l")], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    launched = subprocess.run(
+        [sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", path, "--run-dir", str(tmp_path / "l")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert launched.returncode == 2 and said in launched.stderr and not (tmp_path / "l").exists()
 
 

@@ -1,4 +1,5 @@
 """FedML's MPI simulation runs the plugin unchanged and gives the single-process model."""
+
 import json
 import os
 import shutil
@@ -16,15 +17,40 @@ from tests.helpers import HF_YAML, NETWORK_GUARD, REPO, needs_mnist, unshare_wor
 
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 needs_mpi = pytest.mark.skipif(MPIRUN is None, reason="mpirun (PyPI mpich) not installed")
-SETTINGS = {"client_num_per_round": 2, "comm_round": 3, "frequency_of_the_test": 1, "show_progress": False,
-            "beta": 0.05}
+SETTINGS = {
+    "client_num_per_round": 2,
+    "comm_round": 3,
+    "frequency_of_the_test": 1,
+    "show_progress": False,
+    "beta": 0.05,
+}
 
 
 def _mpi_run(mnist_root, run_dir, optimizer="PerFedAvg", variant="hf", extra=(), ranks=3):
-    sets = [f"{k}={v}" for k, v in {**SETTINGS, "backend": "MPI", "data_cache_dir": mnist_root,
-                                     "federated_optimizer": optimizer, "perfedavg_variant": variant}.items()]
-    command = [MPIRUN, "-n", str(ranks), sys.executable, "-c", NETWORK_GUARD, "--cf", HF_YAML, "--run-dir", str(run_dir),
-               *[a for s in sets for a in ("--set", s)], *extra]
+    sets = [
+        f"{k}={v}"
+        for k, v in {
+            **SETTINGS,
+            "backend": "MPI",
+            "data_cache_dir": mnist_root,
+            "federated_optimizer": optimizer,
+            "perfedavg_variant": variant,
+        }.items()
+    ]
+    command = [
+        MPIRUN,
+        "-n",
+        str(ranks),
+        sys.executable,
+        "-c",
+        NETWORK_GUARD,
+        "--cf",
+        HF_YAML,
+        "--run-dir",
+        str(run_dir),
+        *[a for s in sets for a in ("--set", s)],
+        *extra,
+    ]
     if unshare_works():
         command = ["unshare", "-n"] + command
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
@@ -43,9 +69,19 @@ def test_mpi_three_ranks_equals_single_process(mnist_root, tmp_path, optimizer, 
     assert summary["status"] == "finished" and summary["rounds"] == 3
     assert summary["aggregate_calls"] == 3  # the plugin's aggregator averaged every round
     assert [h["round"] for h in summary["history"]] == [0, 1, 2]
-    sp = run(resolve(load_yaml(HF_YAML), {**SETTINGS, "data_cache_dir": mnist_root, "federated_optimizer": optimizer,
-                                          "perfedavg_variant": variant, "simulation_engine": "fedml"}),
-             str(tmp_path / "sp"))
+    sp = run(
+        resolve(
+            load_yaml(HF_YAML),
+            {
+                **SETTINGS,
+                "data_cache_dir": mnist_root,
+                "federated_optimizer": optimizer,
+                "perfedavg_variant": variant,
+                "simulation_engine": "fedml",
+            },
+        ),
+        str(tmp_path / "sp"),
+    )
     mpi_model = torch.load(tmp_path / "mpi" / "model.pt")
     sp_model = sp.final_state
     for k in sp_model:
@@ -56,11 +92,33 @@ def test_mpi_three_ranks_equals_single_process(mnist_root, tmp_path, optimizer, 
 @needs_mnist
 @needs_mpi
 def test_a_failing_client_rank_ends_the_mpi_job_instead_of_hanging(mnist_root, tmp_path):
-    sets = ["backend=MPI", f"data_cache_dir={mnist_root}", "client_num_per_round=2", "comm_round=3",
-            "beta=1e30", "show_progress=false"]  # every client's update goes non-finite; on_divergence: stop
-    out = subprocess.run([MPIRUN, "-n", "3", sys.executable, "-m", "fedml_perfedavg", "--cf", HF_YAML,
-                          "--run-dir", str(tmp_path), *[a for s in sets for a in ("--set", s)]],
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    sets = [
+        "backend=MPI",
+        f"data_cache_dir={mnist_root}",
+        "client_num_per_round=2",
+        "comm_round=3",
+        "beta=1e30",
+        "show_progress=false",
+    ]  # every client's update goes non-finite; on_divergence: stop
+    out = subprocess.run(
+        [
+            MPIRUN,
+            "-n",
+            "3",
+            sys.executable,
+            "-m",
+            "fedml_perfedavg",
+            "--cf",
+            HF_YAML,
+            "--run-dir",
+            str(tmp_path),
+            *[a for s in sets for a in ("--set", s)],
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     printed = out.stdout + out.stderr
     assert out.returncode != 0, printed[-4000:]
     assert "failed in round 0 training clients [" in printed, printed[-4000:]
@@ -74,18 +132,36 @@ def test_a_failing_client_rank_ends_the_mpi_job_instead_of_hanging(mnist_root, t
 
 SAFEGUARDS = {
     "ldp+flipping+byzantine+clipping": {
-        "dp_args.enable_dp": True, "dp_args.dp_solution_type": "ldp", "dp_args.mechanism_type": "laplace",
-        "dp_args.epsilon": 2.0, "dp_args.delta": 0.0, "dp_args.sensitivity": 0.001,
-        "attack_args.enable_attack": True, "attack_args.attack_type": "byzantine", "attack_args.attack_mode": "random",
-        "attack_args.byzantine_client_num": 1, "defense_args.enable_defense": True,
-        "defense_args.defense_type": "norm_diff_clipping", "defense_args.norm_bound": 0.5},
+        "dp_args.enable_dp": True,
+        "dp_args.dp_solution_type": "ldp",
+        "dp_args.mechanism_type": "laplace",
+        "dp_args.epsilon": 2.0,
+        "dp_args.delta": 0.0,
+        "dp_args.sensitivity": 0.001,
+        "attack_args.enable_attack": True,
+        "attack_args.attack_type": "byzantine",
+        "attack_args.attack_mode": "random",
+        "attack_args.byzantine_client_num": 1,
+        "defense_args.enable_defense": True,
+        "defense_args.defense_type": "norm_diff_clipping",
+        "defense_args.norm_bound": 0.5,
+    },
     "cdp+flipping+median, 4 clients on 2 workers": {
-        "client_num_per_round": 4, "dp_args.enable_dp": True, "dp_args.dp_solution_type": "cdp", "dp_args.mechanism_type": "gaussian",
-        "dp_args.epsilon": 0.5, "dp_args.delta": 1e-5, "dp_args.sensitivity": 0.001,
-        "attack_args.enable_attack": True, "attack_args.attack_type": "label_flipping",
-        "attack_args.original_class_list": "[0,1,2,3,4]", "attack_args.target_class_list": "[5,6,7,8,9]",
-        "attack_args.ratio_of_poisoned_client": 0.5, "defense_args.enable_defense": True,
-        "defense_args.defense_type": "wise_median"},
+        "client_num_per_round": 4,
+        "dp_args.enable_dp": True,
+        "dp_args.dp_solution_type": "cdp",
+        "dp_args.mechanism_type": "gaussian",
+        "dp_args.epsilon": 0.5,
+        "dp_args.delta": 1e-5,
+        "dp_args.sensitivity": 0.001,
+        "attack_args.enable_attack": True,
+        "attack_args.attack_type": "label_flipping",
+        "attack_args.original_class_list": "[0,1,2,3,4]",
+        "attack_args.target_class_list": "[5,6,7,8,9]",
+        "attack_args.ratio_of_poisoned_client": 0.5,
+        "defense_args.enable_defense": True,
+        "defense_args.defense_type": "wise_median",
+    },
 }
 
 
@@ -111,16 +187,32 @@ def test_fedmls_dp_attacks_and_defenses_give_the_single_process_model_under_mpi(
 @needs_mnist
 @needs_mpi
 @pytest.mark.parametrize("clients,ranks,optimizer", [(10, 3, "PerFedAvg"), (20, 5, "PerFedAvg"), (4, 3, "FedAvgARUBA")])
-def test_more_clients_than_workers_train_in_shares_and_give_the_single_process_model(mnist_root, tmp_path, clients,
-                                                                                      ranks, optimizer):
-    out = _mpi_run(mnist_root, tmp_path / "mpi", optimizer, ranks=ranks,
-                   extra=["--set", f"client_num_per_round={clients}", "--set", "comm_round=2"])
+def test_more_clients_than_workers_train_in_shares_and_give_the_single_process_model(
+    mnist_root, tmp_path, clients, ranks, optimizer
+):
+    out = _mpi_run(
+        mnist_root,
+        tmp_path / "mpi",
+        optimizer,
+        ranks=ranks,
+        extra=["--set", f"client_num_per_round={clients}", "--set", "comm_round=2"],
+    )
     summary = json.loads((tmp_path / "mpi" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == 2 and summary["aggregate_calls"] == 2
     assert f"{ranks - 1} worker ranks, each training a share of the round's {clients} clients" in out.stderr
-    batched = run(resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": 2, "client_num_per_round": clients,
-                                               "data_cache_dir": mnist_root, "federated_optimizer": optimizer}),
-                  str(tmp_path / "batched"))
+    batched = run(
+        resolve(
+            load_yaml(HF_YAML),
+            {
+                **SETTINGS,
+                "comm_round": 2,
+                "client_num_per_round": clients,
+                "data_cache_dir": mnist_root,
+                "federated_optimizer": optimizer,
+            },
+        ),
+        str(tmp_path / "batched"),
+    )
     mpi_model = torch.load(tmp_path / "mpi" / "model.pt")
     for k in mpi_model:
         torch.testing.assert_close(mpi_model[k], batched.final_state[k], rtol=1e-5, atol=1e-6)
@@ -175,10 +267,31 @@ def test_one_round_on_mpi_finishes(mnist_root, tmp_path):
 def test_fedmls_own_fedavg_finishes_one_round_on_mpi_with_the_plugin_imported(mnist_root, tmp_path):
     from tests.helpers import EXAMPLE, example_yaml
 
-    path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "fedavg", tmp_path / "runs", comm_round=1,
-                        federated_optimizer="FedAvg", epochs=1, client_optimizer="sgd")
-    out = subprocess.run([MPIRUN, "-n", "3", sys.executable, str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_"
-                                                                          "example.py"), "--cf", path],
-                         capture_output=True, text=True, timeout=240, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
+    path = example_yaml(
+        tmp_path,
+        "fedml_config_mpi.yaml",
+        mnist_root,
+        "fedavg",
+        tmp_path / "runs",
+        comm_round=1,
+        federated_optimizer="FedAvg",
+        epochs=1,
+        client_optimizer="sgd",
+    )
+    out = subprocess.run(
+        [
+            MPIRUN,
+            "-n",
+            "3",
+            sys.executable,
+            str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_example.py"),
+            "--cf",
+            path,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)},
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

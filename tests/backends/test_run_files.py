@@ -1,5 +1,6 @@
 """Nothing lost, nothing overwritten: the command line on a full disk (a small tmpfs), a
 read-only one, a run directory that holds a run, and --resume on a finished run."""
+
 import json
 import os
 import subprocess
@@ -11,17 +12,36 @@ import torch
 
 from tests.helpers import REPO, needs_mnist
 
-SETTINGS = {"client_num_per_round": 5, "comm_round": 6, "frequency_of_the_test": 2, "local_steps": 2,
-            "show_progress": False, "checkpoint_every": 2}
+SETTINGS = {
+    "client_num_per_round": 5,
+    "comm_round": 6,
+    "frequency_of_the_test": 2,
+    "local_steps": 2,
+    "show_progress": False,
+    "checkpoint_every": 2,
+}
 QUICK = str(REPO / "yaml_configs" / "quickstart_mnist_hf.yaml")
 
 
 def _cli(tmp_path, mnist_root, *extra, settings=None):
     sets = {**SETTINGS, "data_cache_dir": mnist_root, **(settings or {})}
-    command = [sys.executable, "-m", "fedml_perfedavg", "--cf", QUICK,
-               *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], *extra]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")})
+    command = [
+        sys.executable,
+        "-m",
+        "fedml_perfedavg",
+        "--cf",
+        QUICK,
+        *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+        *extra,
+    ]
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")},
+    )
 
 
 @pytest.fixture
@@ -32,8 +52,9 @@ def mounted(tmp_path):
     def mount(size_kb, options=""):
         point = tmp_path / f"mnt-{uuid.uuid4().hex[:6]}"
         point.mkdir()
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k{options}", "tmpfs", str(point)],
-                                capture_output=True)
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_kb}k{options}", "tmpfs", str(point)], capture_output=True
+        )
         if result.returncode != 0:
             pytest.skip("cannot mount a tmpfs here (needs root)")
         points.append(point)
@@ -85,19 +106,30 @@ def test_a_run_directory_is_never_silently_reused(tmp_path, mnist_root):
     assert "--resume" in again.stderr and "--overwrite" in again.stderr
     assert json.loads((run_dir / "summary.json").read_text()) == first  # untouched
 
-    done = subprocess.run([sys.executable, "-m", "fedml_perfedavg", "--resume", str(run_dir)], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [sys.executable, "-m", "fedml_perfedavg", "--resume", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0 and "finished all 6 rounds already; nothing to train" in done.stdout
     assert json.loads((run_dir / "summary.json").read_text()) == first
 
-    more = subprocess.run([sys.executable, "-m", "fedml_perfedavg", "--resume", str(run_dir), "--set",
-                           "comm_round=8"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    more = subprocess.run(
+        [sys.executable, "-m", "fedml_perfedavg", "--resume", str(run_dir), "--set", "comm_round=8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert more.returncode == 0, more.stderr[-3000:]
     assert "finished 6 rounds; continuing it to comm_round=8" in more.stderr
     longer = json.loads((run_dir / "summary.json").read_text())
     assert longer["rounds"] == 8 and [h["round"] for h in longer["history"]][-1] == 7
-    assert longer["history"][:len(first["history"])] == first["history"]
+    assert longer["history"][: len(first["history"])] == first["history"]
 
     replaced = _cli(tmp_path, mnist_root, "--run-dir", str(run_dir), "--overwrite", settings={"random_seed": 1})
     assert replaced.returncode == 0, replaced.stderr[-3000:]

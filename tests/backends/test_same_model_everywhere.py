@@ -2,6 +2,7 @@
 its company (per rank, per process, per vmap stack), so sp, MPI with any -n and cross-silo give
 the same bits where the CPU kernels do not depend on the thread count (FedML's cnn), and the
 same bits with one torch thread everywhere where they do (BatchNorm models, resnet56)."""
+
 import os
 import shutil
 import subprocess
@@ -19,15 +20,19 @@ from tests.helpers import EXAMPLE, REPO, make_tls, needs_mnist
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 OWN_LOADER = str(REPO / "tests" / "backends" / "own_loader_main.py")
 STOCK = str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_example.py")
-TRAIN = dict(client_num_in_total=4, client_num_per_round=2, comm_round=3, local_steps=2, batch_size=8,
-             perfedavg_variant="hf")
+TRAIN = dict(
+    client_num_in_total=4, client_num_per_round=2, comm_round=3, local_steps=2, batch_size=8, perfedavg_variant="hf"
+)
 
 
 def _yamls(tmp_path, model, data, **train):
     """The example's sp, MPI and cross-silo YAMLs with one run's settings."""
     paths = {}
-    for backend, name in (("sp", "fedml_config.yaml"), ("mpi", "fedml_config_mpi.yaml"),
-                          ("silo", "fedml_config_silo.yaml")):
+    for backend, name in (
+        ("sp", "fedml_config.yaml"),
+        ("mpi", "fedml_config_mpi.yaml"),
+        ("silo", "fedml_config_silo.yaml"),
+    ):
         config = yaml.safe_load((EXAMPLE / name).read_text())
         config["data_args"].update(data)
         config["model_args"]["model"] = model
@@ -35,8 +40,9 @@ def _yamls(tmp_path, model, data, **train):
         config["validation_args"]["frequency_of_the_test"] = 1
         config["common_args"].update(output_dir=str(tmp_path / "runs"), run_name=backend)
         if backend == "silo":
-            config["comm_args"].update(grpc_ipconfig_path=write_ipconfig(str(tmp_path / "ip.csv"), 3),
-                                       tls_dir=make_tls(tmp_path / "tls", 2))
+            config["comm_args"].update(
+                grpc_ipconfig_path=write_ipconfig(str(tmp_path / "ip.csv"), 3), tls_dir=make_tls(tmp_path / "tls", 2)
+            )
         paths[backend] = tmp_path / f"{backend}.yaml"
         paths[backend].write_text(yaml.safe_dump(config))
     return paths
@@ -44,8 +50,14 @@ def _yamls(tmp_path, model, data, **train):
 
 def _models(tmp_path, script, paths, env, ranks=(2, 3)):
     """The final model of each backend: sp, MPI with each of ``ranks`` processes, cross-silo."""
-    run = lambda command: subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path,  # noqa: E731
-                                         timeout=300)
+    run = lambda command: subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,  # noqa: E731
+        timeout=300,
+    )
     out = run([sys.executable, script, "--cf", str(paths["sp"])])
     assert out.returncode == 0, out.stderr[-3000:]
     models = {"sp": torch.load(tmp_path / "runs" / "sp" / "model.pt")}
@@ -56,9 +68,28 @@ def _models(tmp_path, script, paths, env, ranks=(2, 3)):
         out = run([MPIRUN, "-n", str(n), sys.executable, script, "--cf", str(paths["mpi"])])
         assert out.returncode == 0, out.stderr[-3000:]
         models[f"mpi -n {n}"] = torch.load(tmp_path / "runs" / f"mpi{n}" / "model.pt")
-    silos = [subprocess.Popen([sys.executable, script, "--cf", str(paths["silo"]), "--rank", str(r), "--role",
-                               "server" if r == 0 else "client", "--run_id", "same"], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path) for r in range(3)]
+    silos = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                script,
+                "--cf",
+                str(paths["silo"]),
+                "--rank",
+                str(r),
+                "--role",
+                "server" if r == 0 else "client",
+                "--run_id",
+                "same",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
+        for r in range(3)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in silos]
     assert [p.returncode for p in silos] == [0, 0, 0], outs[0][-3000:]
     models["cross-silo"] = torch.load(tmp_path / "runs" / "silo" / "model.pt")
@@ -67,8 +98,11 @@ def _models(tmp_path, script, paths, env, ranks=(2, 3)):
 
 def _largest_difference(models):
     reference = models["sp"]
-    return {backend: max(float((m[k].double() - reference[k].double()).abs().max()) for k in reference)
-            for backend, m in models.items() if backend != "sp"}
+    return {
+        backend: max(float((m[k].double() - reference[k].double()).abs().max()) for k in reference)
+        for backend, m in models.items()
+        if backend != "sp"
+    }
 
 
 @needs_mnist
@@ -88,8 +122,9 @@ def test_batchnorm_models_give_the_same_bits_on_every_backend_with_one_thread_ea
     paths = _yamls(tmp_path, model, dict(dataset="mnist", partition_method="own"), **smaller)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
     # resnet56 is slow on a CPU: sp against cross-silo (MPI's share path is the batched_cnn case's)
-    differences = _largest_difference(_models(tmp_path, OWN_LOADER, paths, env, ranks=(2,) if model != "resnet56"
-                                               else ()))
+    differences = _largest_difference(
+        _models(tmp_path, OWN_LOADER, paths, env, ranks=(2,) if model != "resnet56" else ())
+    )
     assert differences and all(d == 0.0 for d in differences.values()), differences
 
 

@@ -1,6 +1,7 @@
 """Every shipped YAML (the Table 1 cells, the quick start) runs through FedML's stock main
 script plus one import, one short round each: MNIST on the real files, CIFAR-10 on generated
 ones. The MPI and cross-silo twins differ from their sp cell only in how they are launched."""
+
 import json
 import runpy
 import sys
@@ -17,8 +18,14 @@ SCRIPT = str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_example.py")
 YAMLS = sorted((REPO / "yaml_configs").glob("*.yaml"))
 SP_YAMLS = [p for p in YAMLS if not p.stem.endswith(("_mpi", "_silo"))]
 SHORT = dict(comm_round=1, client_num_per_round=2, local_steps=1)
-SMALL_CIFAR = dict(client_num_in_total=10, images_per_class=8, test_images_per_class=2, batch_size=8,
-                   meta_batch_size=8, hessian_batch_size=8)
+SMALL_CIFAR = dict(
+    client_num_in_total=10,
+    images_per_class=8,
+    test_images_per_class=2,
+    batch_size=8,
+    meta_batch_size=8,
+    hessian_batch_size=8,
+)
 
 
 def _edit(config, edits):
@@ -31,8 +38,17 @@ def test_shipped_yaml_runs_through_fedml_stock_main(path, request, tmp_path, mon
     config = yaml.safe_load(path.read_text())
     dataset = config["data_args"]["dataset"]
     data_root = request.getfixturevalue("fake_cifar_root" if dataset == "cifar10" else "mnist_root")
-    _edit(config, dict(SHORT, data_cache_dir=data_root, output_dir=str(tmp_path), run_name="run", show_progress=False,
-                       **(SMALL_CIFAR if dataset == "cifar10" else {})))
+    _edit(
+        config,
+        dict(
+            SHORT,
+            data_cache_dir=data_root,
+            output_dir=str(tmp_path),
+            run_name="run",
+            show_progress=False,
+            **(SMALL_CIFAR if dataset == "cifar10" else {}),
+        ),
+    )
     edited = tmp_path / path.name
     edited.write_text(yaml.safe_dump(config))
     monkeypatch.setattr(sys, "argv", [SCRIPT, "--cf", str(edited)])
@@ -52,5 +68,6 @@ def test_mpi_and_silo_yamls_are_their_sp_cell_launched_differently(path):
     for section in config:
         if section not in ("common_args", "comm_args"):
             assert config[section] == twin[section], section
-    assert {k: v for k, v in config["common_args"].items() if k != "training_type"} == \
-        {k: v for k, v in twin["common_args"].items() if k != "training_type"}
+    assert {k: v for k, v in config["common_args"].items() if k != "training_type"} == {
+        k: v for k, v in twin["common_args"].items() if k != "training_type"
+    }

@@ -1,4 +1,5 @@
 """Cross-silo over gRPC: the launcher, equality with single-process, and lost silos."""
+
 import csv
 import importlib.util
 import json
@@ -21,6 +22,7 @@ from tests.helpers import HF_YAML, REPO, launch_silo, launched_alive, needs_mnis
 
 needs_grpc = pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="grpcio not installed (.[silo])")
 from tests.helpers import SILO_YAML  # noqa: E402
+
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
 
 
@@ -49,8 +51,9 @@ def test_launcher_with_silos_started_first_equals_single_process(mnist_root, tmp
     assert summary["status"] == "finished" and summary["rounds"] == 3 and summary["aggregate_calls"] == 3
     assert [h["round"] for h in summary["history"]] == [0, 1, 2]
 
-    config = resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": 3, "data_cache_dir": mnist_root,
-                                          "simulation_engine": "fedml"})
+    config = resolve(
+        load_yaml(HF_YAML), {**SETTINGS, "comm_round": 3, "data_cache_dir": mnist_root, "simulation_engine": "fedml"}
+    )
     sp = run(config, str(tmp_path / "sp"))
     silo_model = torch.load(tmp_path / "silo" / "model.pt")
     sp_model = sp.final_state
@@ -95,8 +98,12 @@ def test_killed_silo_costs_seconds_with_the_default_timeouts_and_is_recorded(mni
     """round_timeout stays at its default (600 s): the deadline adapts to the measured rounds."""
     run_dir = tmp_path / "silo"
     rounds = 40
-    process = _launch(mnist_root, run_dir, {"comm_round": rounds, "frequency_of_the_test": 1,
-                                            "min_clients_per_round": min_clients}, wait=False)
+    process = _launch(
+        mnist_root,
+        run_dir,
+        {"comm_round": rounds, "frequency_of_the_test": 1, "min_clients_per_round": min_clients},
+        wait=False,
+    )
     killed_at = _kill_silo_two_mid_run(process, run_dir)
     out, _ = process.communicate(timeout=300)
     ended_after = time.monotonic() - killed_at
@@ -136,9 +143,6 @@ def test_killed_silo_costs_seconds_with_the_default_timeouts_and_is_recorded(mni
     assert launched_alive(run_dir) == []
 
 
-
-
-
 def _silo_config(tmp_path, **overrides):
     return resolve(load_yaml(SILO_YAML), {"client_num_per_round": 2, "tls_dir": str(tmp_path / "tls"), **overrides})
 
@@ -170,16 +174,24 @@ def test_silo_identity_is_checked(tmp_path):
         check_silo_role(_silo_config(tmp_path), 0, "server")
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"backend": "sp"}, "comm_args.backend='sp': with common_args.training_type='cross_silo' it must be one of "
-                        "['GRPC']"),
-    ({"min_clients_per_round": 3}, "comm_args.min_clients_per_round=3: must be <= train_args.client_num_per_round"),
-    ({"round_timeout": 0}, "comm_args.round_timeout=0: must be > 0"),
-    ({"tls_dir": None}, "comm_args.tls_dir=None: a cross-silo process does not start without TLS; give "
-                        "comm_args.tls_dir (make certificates with: fedml-perfedavg certs --out DIR --clients N)"),
-    ({"insecure": True}, "comm_args.tls_dir="),
-    ({"max_message_bytes": 10}, "comm_args.max_message_bytes=10: must be >= 1024"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            {"backend": "sp"},
+            "comm_args.backend='sp': with common_args.training_type='cross_silo' it must be one of ['GRPC']",
+        ),
+        ({"min_clients_per_round": 3}, "comm_args.min_clients_per_round=3: must be <= train_args.client_num_per_round"),
+        ({"round_timeout": 0}, "comm_args.round_timeout=0: must be > 0"),
+        (
+            {"tls_dir": None},
+            "comm_args.tls_dir=None: a cross-silo process does not start without TLS; give "
+            "comm_args.tls_dir (make certificates with: fedml-perfedavg certs --out DIR --clients N)",
+        ),
+        ({"insecure": True}, "comm_args.tls_dir="),
+        ({"max_message_bytes": 10}, "comm_args.max_message_bytes=10: must be >= 1024"),
+    ],
+)
 @pytest.mark.fast  # a pure check, though filed beside the runs it guards
 def test_cross_silo_keys_are_validated(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -188,9 +200,24 @@ def test_cross_silo_keys_are_validated(tmp_path, overrides, message):
 
 
 def test_launcher_checks_the_number_of_silos(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", SILO_YAML, "--clients", "3",
-                          "--run-dir", str(tmp_path)], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedml_perfedavg",
+            "launch-silo",
+            "--cf",
+            SILO_YAML,
+            "--clients",
+            "3",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "train_args.client_num_per_round=10: must equal --clients (3)" in out.stderr
 
@@ -198,21 +225,37 @@ def test_launcher_checks_the_number_of_silos(tmp_path):
 @needs_mnist
 @needs_grpc
 def test_fedmls_dp_attack_and_defense_give_the_single_process_model_across_silos(mnist_root, tmp_path):
-    sets = {"dp_args.enable_dp": True, "dp_args.dp_solution_type": "ldp", "dp_args.mechanism_type": "gaussian",
-            "dp_args.epsilon": 0.5, "dp_args.delta": 1e-5, "dp_args.sensitivity": 0.001,
-            "attack_args.enable_attack": True, "attack_args.attack_type": "label_flipping",
-            "attack_args.original_class_list": "[0,1,2,3,4]", "attack_args.target_class_list": "[5,6,7,8,9]",
-            "attack_args.ratio_of_poisoned_client": 0.5, "defense_args.enable_defense": True,
-            "defense_args.defense_type": "norm_diff_clipping", "defense_args.norm_bound": 0.3}
+    sets = {
+        "dp_args.enable_dp": True,
+        "dp_args.dp_solution_type": "ldp",
+        "dp_args.mechanism_type": "gaussian",
+        "dp_args.epsilon": 0.5,
+        "dp_args.delta": 1e-5,
+        "dp_args.sensitivity": 0.001,
+        "attack_args.enable_attack": True,
+        "attack_args.attack_type": "label_flipping",
+        "attack_args.original_class_list": "[0,1,2,3,4]",
+        "attack_args.target_class_list": "[5,6,7,8,9]",
+        "attack_args.ratio_of_poisoned_client": 0.5,
+        "defense_args.enable_defense": True,
+        "defense_args.defense_type": "norm_diff_clipping",
+        "defense_args.norm_bound": 0.3,
+    }
     code, out = _launch(mnist_root, tmp_path / "silo", {"comm_round": 2, **sets})
     assert code == 0, out[-5000:]
     from fedml_perfedavg.run.config import parse_overrides
 
-    overrides = {**SETTINGS, "comm_round": 2, "data_cache_dir": mnist_root,
-                 **parse_overrides([f"{k}={v}" for k, v in sets.items()])}
+    overrides = {
+        **SETTINGS,
+        "comm_round": 2,
+        "data_cache_dir": mnist_root,
+        **parse_overrides([f"{k}={v}" for k, v in sets.items()]),
+    }
     batched = run(resolve(load_yaml(HF_YAML), overrides), str(tmp_path / "batched"))
-    plain = run(resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": 2, "data_cache_dir": mnist_root}),
-                str(tmp_path / "plain"))
+    plain = run(
+        resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": 2, "data_cache_dir": mnist_root}),
+        str(tmp_path / "plain"),
+    )
     silo_model = torch.load(tmp_path / "silo" / "model.pt")
     for k in silo_model:
         torch.testing.assert_close(silo_model[k], batched.final_state[k], rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
 """Cross-silo faults end cleanly, in bounded time, with nothing left running and what was
 measured on disk: a busy port, a second server on one address file, a silo that dies at start,
 SIGTERM and SIGKILL of the launcher, a damaged checkpoint on --resume."""
+
 import csv
 import json
 import os
@@ -37,9 +38,6 @@ def _occupy(port):
     return holder
 
 
-
-
-
 @pytest.mark.fast  # a pure check, though filed beside the runs it guards
 def test_a_second_server_on_one_address_file_and_a_busy_port_are_refused(tmp_path):
     from argparse import Namespace
@@ -51,8 +49,11 @@ def test_a_second_server_on_one_address_file_and_a_busy_port_are_refused(tmp_pat
     args = Namespace(insecure=True, run_id="r", max_message_bytes=1 << 20)
     first = SecureGRPCCommManager(path, client_rank=0, client_num=1, args=args)
     try:  # gRPC's default SO_REUSEPORT would let this one share the port and half the messages
-        with pytest.raises(PortUnavailable, match=rf"rank 0 cannot listen on 127.0.0.1:{ports[0]} .*the port is in "
-                                                  rf"use.*another port in the address file"):
+        with pytest.raises(
+            PortUnavailable,
+            match=rf"rank 0 cannot listen on 127.0.0.1:{ports[0]} .*the port is in "
+            rf"use.*another port in the address file",
+        ):
             SecureGRPCCommManager(path, client_rank=0, client_num=1, args=args)
     finally:
         first.stop_receive_message()
@@ -118,8 +119,25 @@ def test_resume_on_damaged_checkpoints_names_the_files(mnist_root, tmp_path, cap
     from fedml_perfedavg.run.cli import main
 
     run_dir = tmp_path / "run"
-    assert main(["--cf", HF_YAML, "--set", f"data_cache_dir={mnist_root}", "--set", "comm_round=4", "--set",
-                 "checkpoint_every=1", "--set", "show_progress=false", "--run-dir", str(run_dir)]) == 0
+    assert (
+        main(
+            [
+                "--cf",
+                HF_YAML,
+                "--set",
+                f"data_cache_dir={mnist_root}",
+                "--set",
+                "comm_round=4",
+                "--set",
+                "checkpoint_every=1",
+                "--set",
+                "show_progress=false",
+                "--run-dir",
+                str(run_dir),
+            ]
+        )
+        == 0
+    )
     for name in ("checkpoint.pt", "checkpoint.prev.pt"):
         (run_dir / name).write_bytes((run_dir / name).read_bytes()[:200])  # truncated, as by a crash
     capsys.readouterr()
@@ -138,14 +156,41 @@ def test_silos_whose_server_was_killed_end_within_seconds(mnist_root, tmp_path):
     run_dir = tmp_path / "run"
     path = write_ipconfig(str(tmp_path / "ip.csv"), 3)
     connect_timeout = 8
-    sets = [f"{k}={v}" for k, v in {**SETTINGS, "data_cache_dir": mnist_root, "comm_round": 400,
-                                    "connect_timeout": connect_timeout, "grpc_ipconfig_path": path,
-                                    "tls_dir": make_tls(tmp_path / "tls", 2)}.items()]
+    sets = [
+        f"{k}={v}"
+        for k, v in {
+            **SETTINGS,
+            "data_cache_dir": mnist_root,
+            "comm_round": 400,
+            "connect_timeout": connect_timeout,
+            "grpc_ipconfig_path": path,
+            "tls_dir": make_tls(tmp_path / "tls", 2),
+        }.items()
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")}
-    processes = [subprocess.Popen([sys.executable, "-m", "fedml_perfedavg", "--cf", SILO_YAML, "--run-dir",
-                                   str(run_dir), *[a for s in sets for a in ("--set", s)], "--rank", str(rank),
-                                   "--role", "server" if rank == 0 else "client"], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(3)]
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fedml_perfedavg",
+                "--cf",
+                SILO_YAML,
+                "--run-dir",
+                str(run_dir),
+                *[a for s in sets for a in ("--set", s)],
+                "--rank",
+                str(rank),
+                "--role",
+                "server" if rank == 0 else "client",
+            ],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(3)
+    ]
     try:
         log = run_dir / "run.log"
         deadline = time.monotonic() + 120
@@ -164,8 +209,7 @@ def test_silos_whose_server_was_killed_end_within_seconds(mnist_root, tmp_path):
     waits = []
     for out in outs:
         # waiting for the next model, or retrying its upload: either way it names the cause and ends
-        said = re.search(r"(nothing from the server for|did not take a message from rank \d within) (\d+\.\d) s",
-                         out)
+        said = re.search(r"(nothing from the server for|did not take a message from rank \d within) (\d+\.\d) s", out)
         assert said, out[-3000:]
         assert "announcing itself again (for up to comm_args.connect_timeout=8 s)" in out
         assert "and it did not take the silo's announcement either" in out

@@ -3,6 +3,7 @@ idle connections from many addresses and a flood of handshakes without a certifi
 run whose processes may open only 1024 files (the limit at which FedML's server died). The run
 finishes with the undisturbed model, the honest silos' messages are never refused, and every
 refused connection is counted by reason."""
+
 import csv
 import json
 import shutil
@@ -87,18 +88,26 @@ def test_thousands_of_idle_connections_and_a_handshake_flood_change_nothing(mnis
     run_dir = tmp_path / "silo"
     rounds = 25
     # handshake_timeout 2 s (default 5): idle connections are cut within the run's few seconds
-    process = launch_silo(run_dir, {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root,
-                                    "handshake_timeout": 2}, open_files=1024)
+    process = launch_silo(
+        run_dir,
+        {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root, "handshake_timeout": 2},
+        open_files=1024,
+    )
     deadline = time.monotonic() + 120
-    while not ((run_dir / "tls" / "ca.pem").exists() and (run_dir / "run.log").exists()
-               and "round 0 starts" in (run_dir / "run.log").read_text()):
+    while not (
+        (run_dir / "tls" / "ca.pem").exists()
+        and (run_dir / "run.log").exists()
+        and "round 0 starts" in (run_dir / "run.log").read_text()
+    ):
         assert time.monotonic() < deadline and process.poll() is None
         time.sleep(0.05)
     shutil.copy(run_dir / "tls" / "ca.pem", tmp_path / "ca.pem")
     address = _server_address(run_dir)
     stop, tally = threading.Event(), {"opened": 0, "most_held": 0, "handshakes": 0}
-    attackers = [threading.Thread(target=_hold, args=(address, stop, tally), daemon=True),
-                 threading.Thread(target=_handshakes, args=(address, tmp_path / "ca.pem", stop, tally), daemon=True)]
+    attackers = [
+        threading.Thread(target=_hold, args=(address, stop, tally), daemon=True),
+        threading.Thread(target=_handshakes, args=(address, tmp_path / "ca.pem", stop, tally), daemon=True),
+    ]
     for attacker in attackers:
         attacker.start()
     try:
@@ -114,15 +123,18 @@ def test_thousands_of_idle_connections_and_a_handshake_flood_change_nothing(mnis
     refusals = summary["refusals"]
     # over the caps: closed at once; held to the first-request deadline: cut and named; handshakes
     # without a certificate that got a place: refused in the handshake
-    assert refusals["connection-cap"] > 1000 and refusals["idle-connection"] > 100 and refusals["handshake"] > 0, \
+    assert refusals["connection-cap"] > 1000 and refusals["idle-connection"] > 100 and refusals["handshake"] > 0, (
         refusals
+    )
     # the caps sit below what 1024 open files hold (3 descriptors a connection, 256 kept for the run)
     assert "connections capped at 14 per peer address and 256 in total" in out and "2.0 s to a first request" in out
     assert set(refusals) <= {"connection-cap", "handshake", "idle-connection", "not-tls"}  # no message refused
     assert "Too many open files" not in out and "File descriptor limit" not in out
     assert "refused a message" not in out  # the honest silos' messages all went through
-    config = resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root,
-                                          "simulation_engine": "fedml"})
+    config = resolve(
+        load_yaml(HF_YAML),
+        {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root, "simulation_engine": "fedml"},
+    )
     sp = run(config, str(tmp_path / "sp"))
     model = torch.load(run_dir / "model.pt", weights_only=True)
     for k, v in sp.final_state.items():  # the processes' thread counts differ: float noise, nothing more

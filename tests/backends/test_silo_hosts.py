@@ -3,6 +3,7 @@ by veth pairs (198.18.0.0/15, the range set aside for network tests; nothing is 
 these namespaces). Mutual TLS across them gives the single-process model; a silo whose
 certificate comes from another CA is refused and named; a silo whose packets are dropped
 (``pfifo limit 0``; this kernel has no netem) costs one round its deadline, and the run goes on."""
+
 import json
 import os
 import shutil
@@ -88,13 +89,36 @@ def _start(names, tmp_path, mnist_root, settings, tls_dirs):
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
     processes = {}
     for rank in (0, 1, 2):
-        sets = {**SETTINGS, "data_cache_dir": mnist_root, "grpc_ipconfig_path": ipconfig, "tls_dir": tls_dirs[rank],
-                **settings}
-        command = ["ip", "netns", "exec", names[rank], sys.executable, "-m", "fedml_perfedavg", "--cf", SILO_YAML,
-                   "--run-dir", str(tmp_path / "run"), *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
-                   "--rank", str(rank), "--role", "server" if rank == 0 else "client", "--run_id", "hosts"]
-        processes[rank] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                           env=env)
+        sets = {
+            **SETTINGS,
+            "data_cache_dir": mnist_root,
+            "grpc_ipconfig_path": ipconfig,
+            "tls_dir": tls_dirs[rank],
+            **settings,
+        }
+        command = [
+            "ip",
+            "netns",
+            "exec",
+            names[rank],
+            sys.executable,
+            "-m",
+            "fedml_perfedavg",
+            "--cf",
+            SILO_YAML,
+            "--run-dir",
+            str(tmp_path / "run"),
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+            "--rank",
+            str(rank),
+            "--role",
+            "server" if rank == 0 else "client",
+            "--run_id",
+            "hosts",
+        ]
+        processes[rank] = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
     return processes
 
 
@@ -114,8 +138,9 @@ def test_tls_across_hosts_gives_the_single_process_model(hosts, tmp_path, mnist_
     assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-3000:]
     assert f"gRPC rank 0 listening on {SERVER}:50551" in outs[0]
     assert f"gRPC rank 2 listening on {SILO2}:50553" in outs[2]
-    config = resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": 3, "data_cache_dir": mnist_root,
-                                          "simulation_engine": "fedml"})
+    config = resolve(
+        load_yaml(HF_YAML), {**SETTINGS, "comm_round": 3, "data_cache_dir": mnist_root, "simulation_engine": "fedml"}
+    )
     sp = run(config, str(tmp_path / "sp"))
     model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     for k, v in sp.final_state.items():
@@ -130,9 +155,15 @@ def test_a_silo_with_a_certificate_from_another_ca_is_refused_and_named(hosts, t
     tls, other = str(tmp_path / "tls"), str(tmp_path / "other")
     make_certificates(tls, 2)
     make_certificates(other, 2)
-    outs = finish_all(_start(names, tmp_path, mnist_root, {"comm_round": 3, "connect_timeout": 8,
-                                                       "min_clients_per_round": min_clients},
-                          {0: tls, 1: tls, 2: other}))
+    outs = finish_all(
+        _start(
+            names,
+            tmp_path,
+            mnist_root,
+            {"comm_round": 3, "connect_timeout": 8, "min_clients_per_round": min_clients},
+            {0: tls, 1: tls, 2: other},
+        )
+    )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     [lost] = summary["lost_silos"]
     assert lost["rank"] == 2 and "did not come online within comm_args.connect_timeout=8 s" in lost["why"]
@@ -149,7 +180,9 @@ def test_a_silo_with_a_certificate_from_another_ca_is_refused_and_named(hosts, t
 def test_a_silo_whose_packets_are_dropped_costs_one_round_its_deadline(hosts, tmp_path, mnist_root):
     names, links = hosts
     rounds = 30
-    processes = _start(names, tmp_path, mnist_root, {"comm_round": rounds, "min_clients_per_round": 1}, _one_ca(tmp_path))
+    processes = _start(
+        names, tmp_path, mnist_root, {"comm_round": rounds, "min_clients_per_round": 1}, _one_ca(tmp_path)
+    )
     log = tmp_path / "run" / "run.log"
     wait_for_text(log, "round 3: personalized accuracy", lambda: processes[0].poll() is None)
     _sh("ip", "netns", "exec", names[2], "tc", "qdisc", "add", "dev", links[2], "root", "pfifo", "limit", "0")
@@ -197,8 +230,9 @@ def test_data_owner_hosts_that_see_only_their_own_folder_give_the_single_process
     export_split(config, str(export), load_split)
     tls = _own_tls(tmp_path, silos)
     addresses = ["198.18.1.1"] + [f"198.18.{k}.2" for k in range(1, silos + 1)]
-    ipconfig = write_ipconfig(str(tmp_path / "ip.csv"), silos + 1, hosts=addresses,
-                              ports=[50561 + r for r in range(silos + 1)])
+    ipconfig = write_ipconfig(
+        str(tmp_path / "ip.csv"), silos + 1, hosts=addresses, ports=[50561 + r for r in range(silos + 1)]
+    )
     names, _ = _make_hosts(silos)
     processes = {}
     try:
@@ -206,16 +240,41 @@ def test_data_owner_hosts_that_see_only_their_own_folder_give_the_single_process
         for rank in range(silos + 1):
             private = tmp_path / "private" / f"rank-{rank}"  # where this host's own folder appears, in its namespace
             private.mkdir(parents=True)
-            hide = ("mount --make-rprivate / && "
-                    + (f"mount --bind {export / f'rank-{rank}'} {private} && " if rank else "")
-                    + f"mount -t tmpfs none {export} && mount -t tmpfs none {mnist_root} && exec \"$@\"")
+            hide = (
+                "mount --make-rprivate / && "
+                + (f"mount --bind {export / f'rank-{rank}'} {private} && " if rank else "")
+                + f'mount -t tmpfs none {export} && mount -t tmpfs none {mnist_root} && exec "$@"'
+            )
             sets = {**settings, "data_cache_dir": private, "grpc_ipconfig_path": ipconfig, "tls_dir": tls[rank]}
-            command = ["ip", "netns", "exec", names[rank], "unshare", "-m", "sh", "-c", hide, "sh", sys.executable,
-                       "-m", "fedml_perfedavg", "--cf", SILO_YAML, "--run-dir", str(tmp_path / "run"),
-                       *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], "--rank", str(rank),
-                       "--role", "server" if rank == 0 else "client", "--run_id", "owners"]
-            processes[rank] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                               env=env)
+            command = [
+                "ip",
+                "netns",
+                "exec",
+                names[rank],
+                "unshare",
+                "-m",
+                "sh",
+                "-c",
+                hide,
+                "sh",
+                sys.executable,
+                "-m",
+                "fedml_perfedavg",
+                "--cf",
+                SILO_YAML,
+                "--run-dir",
+                str(tmp_path / "run"),
+                *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+                "--rank",
+                str(rank),
+                "--role",
+                "server" if rank == 0 else "client",
+                "--run_id",
+                "owners",
+            ]
+            processes[rank] = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )
         outs = finish_all(processes)
     finally:
         _remove_hosts(names)
@@ -236,8 +295,11 @@ def test_data_owner_hosts_that_see_only_their_own_folder_give_the_single_process
 def test_a_hidden_dataset_cannot_be_read_in_those_namespaces(tmp_path, mnist_root):
     """The check behind the test above: under the tmpfs the dataset's files are not there."""
     target = os.path.join(mnist_root, "MNIST", "raw", "train-images-idx3-ubyte")
-    out = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --make-rprivate / && mount -t tmpfs none {mnist_root} "
-                          f"&& ls {target}"], capture_output=True, text=True)
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount --make-rprivate / && mount -t tmpfs none {mnist_root} && ls {target}"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode != 0 and "No such file" in out.stderr
     assert os.path.exists(target)
 
@@ -249,8 +311,7 @@ def test_a_silo_cut_off_for_a_while_comes_back_while_the_run_goes_on(hosts, tmp_
     server goes on without it, and once it can reach the server again it announces itself and
     trains again (it used to give up and exit 1)."""
     names, links = hosts
-    processes = _start(names, tmp_path, mnist_root, {"comm_round": 150, "min_clients_per_round": 1},
-                       _one_ca(tmp_path))
+    processes = _start(names, tmp_path, mnist_root, {"comm_round": 150, "min_clients_per_round": 1}, _one_ca(tmp_path))
     log = tmp_path / "run" / "run.log"
     wait_for_text(log, "round 3: personalized accuracy", lambda: processes[0].poll() is None)
     _sh("ip", "netns", "exec", names[2], "tc", "qdisc", "add", "dev", links[2], "root", "pfifo", "limit", "0")

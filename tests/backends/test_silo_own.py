@@ -2,6 +2,7 @@
 the server holds no data, and the run gives the single-process model and evaluation. A silo that
 disagrees, whose data does not fit, or that lies (huge values, false counts, false figures) is
 refused and named, and the model is unharmed; a silo frozen for a while comes back."""
+
 import json
 import os
 import re
@@ -20,26 +21,37 @@ from fedml_perfedavg.run.silo_data import export_split, main as export_main, spl
 
 from tests.helpers import HF_YAML, finish_all, launch_silo, needs_mnist, start_by_hand
 
-OWN = {"silo_data": "own", "client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False,
-       "beta": 0.05}
+OWN = {"silo_data": "own", "client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
 
 
 def _sp(mnist_root, tmp_path, users, rounds, **extra):
     """The single-process run (FedML's sp loop: client by client, so a test can change one client)."""
-    config = resolve(load_yaml(HF_YAML), {**OWN, "silo_data": "shared", "client_num_in_total": users,
-                                          "comm_round": rounds, "data_cache_dir": mnist_root,
-                                          "simulation_engine": "fedml", **extra})
+    config = resolve(
+        load_yaml(HF_YAML),
+        {
+            **OWN,
+            "silo_data": "shared",
+            "client_num_in_total": users,
+            "comm_round": rounds,
+            "data_cache_dir": mnist_root,
+            "simulation_engine": "fedml",
+            **extra,
+        },
+    )
     return run(config, str(tmp_path / "sp"))
 
 
 def _export(mnist_root, tmp_path, users):
-    config = resolve(load_yaml(HF_YAML), {"client_num_in_total": users, "client_num_per_round": 2,
-                                          "data_cache_dir": mnist_root})
+    config = resolve(
+        load_yaml(HF_YAML), {"client_num_in_total": users, "client_num_per_round": 2, "data_cache_dir": mnist_root}
+    )
     export_split(config, str(tmp_path / "export"), load_split)
     empty = tmp_path / "server-data"
     empty.mkdir()
-    return {0: {"data_cache_dir": str(empty)},
-            **{r: {"data_cache_dir": str(tmp_path / "export" / f"rank-{r}")} for r in range(1, users + 1)}}
+    return {
+        0: {"data_cache_dir": str(empty)},
+        **{r: {"data_cache_dir": str(tmp_path / "export" / f"rank-{r}")} for r in range(1, users + 1)},
+    }
 
 
 def _summary(tmp_path):
@@ -67,15 +79,19 @@ def test_each_silo_with_only_its_folder_and_a_server_without_data_give_the_singl
     sp = _sp(mnist_root, tmp_path, 4, 3)
     _assert_same_model(tmp_path, sp.final_state)
     assert summary["per_user_accuracy"] == sp.summary["per_user_accuracy"]
-    assert [h["personalized_accuracy"] for h in summary["history"]] == \
-        [h["personalized_accuracy"] for h in sp.summary["history"]]
+    assert [h["personalized_accuracy"] for h in summary["history"]] == [
+        h["personalized_accuracy"] for h in sp.summary["history"]
+    ]
     assert all(h["evaluated_users"] == 4 and h["missing_users"] == [] for h in summary["history"])
 
 
 @needs_mnist
 def test_launch_silo_hands_each_silo_its_own_folder(mnist_root, tmp_path):
-    process = launch_silo(tmp_path / "run", {**OWN, "client_num_in_total": 4, "comm_round": 2,
-                                             "data_cache_dir": mnist_root}, ["--clients", "4"])
+    process = launch_silo(
+        tmp_path / "run",
+        {**OWN, "client_num_in_total": 4, "comm_round": 2, "data_cache_dir": mnist_root},
+        ["--clients", "4"],
+    )
     out, _ = process.communicate(timeout=300)
     assert process.returncode == 0, out[-4000:]
     run_dir = tmp_path / "run"
@@ -102,18 +118,24 @@ def test_a_silo_that_disagrees_is_refused_at_once_naming_the_key_and_both_values
 @needs_mnist
 def test_a_silo_whose_data_does_not_fit_the_model_is_refused_naming_it(mnist_root, tmp_path):
     folders = _export(mnist_root, tmp_path, 2)
-    config = resolve(load_yaml(HF_YAML), {"client_num_in_total": 2, "client_num_per_round": 2,
-                                          "data_cache_dir": mnist_root})
+    config = resolve(
+        load_yaml(HF_YAML), {"client_num_in_total": 2, "client_num_per_round": 2, "data_cache_dir": mnist_root}
+    )
     wrong = tmp_path / "rgb"
     x, y = torch.rand(40, 3, 32, 32), torch.arange(40) % 5
     write_silo_folder(str(wrong), UserSplit(x, y, x[:10], y[:10]), 2, "mnist", 10, split_keys(config))
     folders[2]["data_cache_dir"] = str(wrong)
-    outs = finish_all(start_by_hand(tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": 2,
-                                               "min_clients_per_round": 1}, 2, folders))
+    outs = finish_all(
+        start_by_hand(
+            tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": 2, "min_clients_per_round": 1}, 2, folders
+        )
+    )
     # the silo's own probe finds it and announces it; the server refuses the silo at once, naming it
-    said = ("silo rank 2 cannot train on its own data: the model (MLP; model_args.model='mlp') does not fit "
-            "data_args.dataset='mnist': it cannot compute a loss and its gradient on a batch of 40 samples of shape "
-            "(3, 32, 32)")
+    said = (
+        "silo rank 2 cannot train on its own data: the model (MLP; model_args.model='mlp') does not fit "
+        "data_args.dataset='mnist': it cannot compute a loss and its gradient on a batch of 40 samples of shape "
+        "(3, 32, 32)"
+    )
     assert said in outs[0] and said in outs[2]
     summary = _summary(tmp_path)
     assert summary["status"] == "finished" and summary["lost_silos"][0]["rank"] == 2  # min_clients 1: goes on
@@ -138,18 +160,25 @@ def _client_one_lies_in_sp(monkeypatch, rounds):
 
 @needs_mnist
 @pytest.mark.parametrize("lie,settings", [("huge-once", {}), ("false-count", {"aggregation": "sample_weighted"})])
-def test_a_silo_with_a_valid_certificate_that_lies_about_its_update_is_refused(mnist_root, tmp_path, monkeypatch,
-                                                                               lie, settings):
+def test_a_silo_with_a_valid_certificate_that_lies_about_its_update_is_refused(
+    mnist_root, tmp_path, monkeypatch, lie, settings
+):
     folders = _export(mnist_root, tmp_path, 2)
     rounds = 4
-    outs = finish_all(start_by_hand(tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": rounds, **settings},
-                                    2, folders, liars={2: lie}))
+    outs = finish_all(
+        start_by_hand(
+            tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": rounds, **settings}, 2, folders, liars={2: lie}
+        )
+    )
     summary = _summary(tmp_path)
     assert summary["status"] == "finished" and summary["rounds"] == rounds, outs[0][-4000:]
     if lie == "huge-once":
         assert summary["rejected_updates"] == {"1": 1}
-        assert re.search(r"round 1: rejected client update 1: update norm 2\.6\d*e\+32 exceeds train_args\."
-                         r"max_update_ratio=1\.0 x max\(\|\|w\|\|, 1\) = \d", outs[0]), outs[0][-3000:]
+        assert re.search(
+            r"round 1: rejected client update 1: update norm 2\.6\d*e\+32 exceeds train_args\."
+            r"max_update_ratio=1\.0 x max\(\|\|w\|\|, 1\) = \d",
+            outs[0],
+        ), outs[0][-3000:]
         refused_rounds = {1}
     else:
         assert summary["rejected_updates"] == {str(r): 1 for r in range(rounds)}
@@ -165,8 +194,11 @@ def test_a_silo_with_a_valid_certificate_that_lies_about_its_update_is_refused(m
 @needs_mnist
 def test_a_silo_that_reports_false_figures_is_refused_and_its_user_listed_missing(mnist_root, tmp_path):
     folders = _export(mnist_root, tmp_path, 2)
-    outs = finish_all(start_by_hand(tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": 3}, 2, folders,
-                                    liars={2: "false-figures"}))
+    outs = finish_all(
+        start_by_hand(
+            tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": 3}, 2, folders, liars={2: "false-figures"}
+        )
+    )
     summary = _summary(tmp_path)
     assert summary["status"] == "finished", outs[0][-4000:]
     assert summary["refusals"] == {"bad-figures": 3}
@@ -182,8 +214,12 @@ def test_a_silo_that_reports_false_figures_is_refused_and_its_user_listed_missin
 @needs_mnist
 def test_a_silo_frozen_for_a_while_is_missing_then_comes_back(mnist_root, tmp_path):
     folders = _export(mnist_root, tmp_path, 2)
-    processes = start_by_hand(tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": 120,
-                                         "frequency_of_the_test": 5, "min_clients_per_round": 1}, 2, folders)
+    processes = start_by_hand(
+        tmp_path,
+        {**OWN, "client_num_in_total": 2, "comm_round": 120, "frequency_of_the_test": 5, "min_clients_per_round": 1},
+        2,
+        folders,
+    )
     log = tmp_path / "run" / "run.log"
     deadline = time.monotonic() + 120
     while not (log.exists() and "round 10: personalized accuracy" in log.read_text()):
@@ -215,8 +251,16 @@ def test_a_silo_frozen_for_a_while_is_missing_then_comes_back(mnist_root, tmp_pa
 def test_export_split_refuses_what_it_cannot_do(mnist_root, tmp_path, capsys):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    base = ["--cf", HF_YAML, "--set", f"data_cache_dir={mnist_root}", "--set", "client_num_in_total=4",
-            "--set", "client_num_per_round=2"]
+    base = [
+        "--cf",
+        HF_YAML,
+        "--set",
+        f"data_cache_dir={mnist_root}",
+        "--set",
+        "client_num_in_total=4",
+        "--set",
+        "client_num_per_round=2",
+    ]
     assert export_main([*base, "--out", str(tmp_path / "full")]) == 2
     assert f"--out {str(tmp_path / 'full')!r}: not empty" in capsys.readouterr().err
     assert export_main([*base, "--out", str(tmp_path / "x"), "--set", "partition_method=hetero"]) == 2
@@ -234,27 +278,60 @@ def test_fedmls_own_main_script_runs_data_owner_silos(mnist_root, tmp_path):
     from tests.helpers import EXAMPLE, REPO, example_yaml
 
     folders = _export(mnist_root, tmp_path, 2)
-    (tmp_path / "ip.csv").write_text("eid,rank,grpc_server_ip,grpc_server_port\n"
-                                     + "".join(f"{r},{r},127.0.0.1,{19470 + r}\n" for r in range(3)))
+    (tmp_path / "ip.csv").write_text(
+        "eid,rank,grpc_server_ip,grpc_server_port\n" + "".join(f"{r},{r},127.0.0.1,{19470 + r}\n" for r in range(3))
+    )
     processes = []
     for rank in range(3):
-        path = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "own", tmp_path / "runs",
-                            silo_data="own", client_num_in_total=2, grpc_ipconfig_path=str(tmp_path / "ip.csv"),
-                            data_cache_dir=folders[rank]["data_cache_dir"])
+        path = example_yaml(
+            tmp_path,
+            "fedml_config_silo.yaml",
+            mnist_root,
+            "own",
+            tmp_path / "runs",
+            silo_data="own",
+            client_num_in_total=2,
+            grpc_ipconfig_path=str(tmp_path / "ip.csv"),
+            data_cache_dir=folders[rank]["data_cache_dir"],
+        )
         os.rename(path, tmp_path / f"rank{rank}.yaml")
-        processes.append(subprocess.Popen(
-            [sys.executable, str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_example.py"), "--cf",
-             str(tmp_path / f"rank{rank}.yaml"), "--rank", str(rank), "--role", "server" if rank == 0 else "client",
-             "--run_id", "own"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")}))
+        processes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(EXAMPLE / "torch_perfedavg_mnist_lr_step_by_step_example.py"),
+                    "--cf",
+                    str(tmp_path / f"rank{rank}.yaml"),
+                    "--rank",
+                    str(rank),
+                    "--role",
+                    "server" if rank == 0 else "client",
+                    "--run_id",
+                    "own",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=tmp_path,
+                env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")},
+            )
+        )
     outs = [p.communicate(timeout=300)[0] for p in processes]
     assert [p.returncode for p in processes] == [0, 0, 0], outs[0][-3000:]
     summary = json.loads((tmp_path / "runs" / "own" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["history"][-1]["evaluated_users"] == 2
     assert "silo rank 1: user 0's data from" in outs[1] and "silo rank 2: user 1's data from" in outs[2]
-    config = resolve(load_yaml(str(tmp_path / "rank0.yaml")), {"silo_data": "shared", "training_type": "simulation",
-                                                               "backend": "sp", "data_cache_dir": mnist_root,
-                                                               "tls_dir": None, "grpc_ipconfig_path": None})
+    config = resolve(
+        load_yaml(str(tmp_path / "rank0.yaml")),
+        {
+            "silo_data": "shared",
+            "training_type": "simulation",
+            "backend": "sp",
+            "data_cache_dir": mnist_root,
+            "tls_dir": None,
+            "grpc_ipconfig_path": None,
+        },
+    )
     sp = run(config, str(tmp_path / "sp"))
     model = torch.load(tmp_path / "runs" / "own" / "model.pt", weights_only=True)
     for k, v in sp.final_state.items():

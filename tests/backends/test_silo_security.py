@@ -1,5 +1,6 @@
 """A cross-silo run as the plugin's command line starts it (launch-silo: mutual TLS with its own
 run CA), attacked while it trains, and a silo frozen mid-run (SIGSTOP)."""
+
 import csv
 import json
 import os
@@ -48,17 +49,40 @@ def _attack(run_dir, other, marker, stop, tally):
     tls = run_dir.parent / "stolen-tls"  # silo 2's key as an insider would keep it (launch-silo removes its copy)
     shutil.copytree(run_dir / "tls", tls)
     payload = pickle.dumps(WritesAFile(marker))
-    claim_silo_1 = wire.encode(wire.Envelope(type=wire.CLIENT_STATUS, sender=1, receiver=0, run_id="?", round=0,
-                                             seq=10 ** 9, params={"client_status": "FINISHED"}))
-    finish = wire.encode(wire.Envelope(type=wire.FINISH, sender=0, receiver=1, run_id="?", round=0, seq=10 ** 9,
-                                       params={"client_idx": "0"}))
-    huge = wire.encode(wire.Envelope(type=wire.UPLOAD, sender=2, receiver=0, run_id="?", round=0, seq=10 ** 9,
-                                     params={"num_samples": 1}, model={"w": torch.zeros(2_000_000)}))
+    claim_silo_1 = wire.encode(
+        wire.Envelope(
+            type=wire.CLIENT_STATUS,
+            sender=1,
+            receiver=0,
+            run_id="?",
+            round=0,
+            seq=10**9,
+            params={"client_status": "FINISHED"},
+        )
+    )
+    finish = wire.encode(
+        wire.Envelope(
+            type=wire.FINISH, sender=0, receiver=1, run_id="?", round=0, seq=10**9, params={"client_idx": "0"}
+        )
+    )
+    huge = wire.encode(
+        wire.Envelope(
+            type=wire.UPLOAD,
+            sender=2,
+            receiver=0,
+            run_id="?",
+            round=0,
+            seq=10**9,
+            params={"num_samples": 1},
+            model={"w": torch.zeros(2_000_000)},
+        )
+    )
     while not stop.is_set():
         for rank, address in addresses.items():
             tally.append(("plaintext pickle", raw_send(address, payload, timeout=2)))
-            tally.append(("TLS pickle, no certificate", raw_send(address, payload, ca_dir=tls, to_rank=rank,
-                                                                  timeout=2)))
+            tally.append(
+                ("TLS pickle, no certificate", raw_send(address, payload, ca_dir=tls, to_rank=rank, timeout=2))
+            )
         tally.append(("silo 2 claims rank 1", raw_send(addresses[0], claim_silo_1, tls, 2, tls, timeout=2)))
         tally.append(("silo 2 sends finish", raw_send(addresses[1], finish, tls, 2, tls, to_rank=1, timeout=2)))
         tally.append(("silo 2 sends a pickle", raw_send(addresses[0], payload, tls, 2, tls, timeout=2)))
@@ -99,8 +123,9 @@ def test_attacks_during_a_tls_run_change_nothing(mnist_root, tmp_path):
     assert "(a pickle" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == 12 and "lost_silos" not in summary
-    config = resolve(load_yaml(HF_YAML), {**SETTINGS, "comm_round": 12, "data_cache_dir": mnist_root,
-                                          "simulation_engine": "fedml"})
+    config = resolve(
+        load_yaml(HF_YAML), {**SETTINGS, "comm_round": 12, "data_cache_dir": mnist_root, "simulation_engine": "fedml"}
+    )
     sp = run(config, str(tmp_path / "sp"))
     model = torch.load(run_dir / "model.pt", weights_only=True)
     for k, v in sp.final_state.items():

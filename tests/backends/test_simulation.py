@@ -1,4 +1,5 @@
 """End-to-end runs through FedML's single-process simulator with the plugin's classes."""
+
 import json
 import os
 import subprocess
@@ -14,8 +15,9 @@ from tests.helpers import HF_YAML, NETWORK_GUARD, REPO, needs_mnist, unshare_wor
 
 
 def _config(mnist_root, **overrides):
-    base = dict(data_cache_dir=mnist_root, show_progress=False, comm_round=2, frequency_of_the_test=1,
-                simulation_engine="fedml")  # these tests are about FedML's own round loop
+    base = dict(
+        data_cache_dir=mnist_root, show_progress=False, comm_round=2, frequency_of_the_test=1, simulation_engine="fedml"
+    )  # these tests are about FedML's own round loop
     base.update(overrides)
     return resolve(load_yaml(HF_YAML), base, source=HF_YAML)
 
@@ -59,8 +61,14 @@ def test_sp_run_uses_plugin_classes_and_learns(mnist_root, mnist_data, tmp_path,
     assert result.summary["personalized_accuracy"] > 0.4  # chance is 0.1
     assert result.summary["personalized_accuracy"] > history[0]["personalized_accuracy"] + 0.2
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    for key in ("personalized_accuracy", "accuracy_before_adaptation", "per_user_accuracy", "rounds",
-                "wall_seconds", "config"):
+    for key in (
+        "personalized_accuracy",
+        "accuracy_before_adaptation",
+        "per_user_accuracy",
+        "rounds",
+        "wall_seconds",
+        "config",
+    ):
         assert key in summary
     assert len(summary["per_user_accuracy"]) == 50 and summary["rounds"] == 10
     assert summary["config"]["train_args"]["beta"] == 0.05
@@ -68,22 +76,41 @@ def test_sp_run_uses_plugin_classes_and_learns(mnist_root, mnist_data, tmp_path,
 
 
 @needs_mnist
-@pytest.mark.parametrize("optimizer,variant", [("FedAvgUpdate", "hf"), ("PerFedAvg", "fo"), ("PerFedAvg", "exact"),
-                                              ("FedAvgARUBA", "hf")])
+@pytest.mark.parametrize(
+    "optimizer,variant", [("FedAvgUpdate", "hf"), ("PerFedAvg", "fo"), ("PerFedAvg", "exact"), ("FedAvgARUBA", "hf")]
+)
 def test_every_method_runs(mnist_root, mnist_data, tmp_path, optimizer, variant):
-    config = _config(mnist_root, federated_optimizer=optimizer, perfedavg_variant=variant, client_num_per_round=3,
-                     local_steps=2)
+    config = _config(
+        mnist_root, federated_optimizer=optimizer, perfedavg_variant=variant, client_num_per_round=3, local_steps=2
+    )
     result = run(config, str(tmp_path), data=mnist_data)
     assert result.summary["rounds"] == 2 and result.trainer.train_calls == 6
     assert result.algorithm.settings.local.variant == (variant if optimizer == "PerFedAvg" else "sgd")
 
 
 def test_cifar10_run_on_generated_files(fake_cifar_root, tmp_path):
-    config = resolve({"data_args": {"dataset": "cifar10", "data_cache_dir": fake_cifar_root, "images_per_class": 8,
-                                    "test_images_per_class": 2}},
-                     dict(client_num_in_total=10, client_num_per_round=2, comm_round=2, local_steps=2, batch_size=8,
-                          meta_batch_size=8, hessian_batch_size=8, show_progress=False, frequency_of_the_test=1,
-                          simulation_engine="fedml"))
+    config = resolve(
+        {
+            "data_args": {
+                "dataset": "cifar10",
+                "data_cache_dir": fake_cifar_root,
+                "images_per_class": 8,
+                "test_images_per_class": 2,
+            }
+        },
+        dict(
+            client_num_in_total=10,
+            client_num_per_round=2,
+            comm_round=2,
+            local_steps=2,
+            batch_size=8,
+            meta_batch_size=8,
+            hessian_batch_size=8,
+            show_progress=False,
+            frequency_of_the_test=1,
+            simulation_engine="fedml",
+        ),
+    )
     result = run(config, str(tmp_path / "run"))
     assert result.final_state["net.1.weight"].shape[1] == 3072
     assert len(result.summary["per_user_accuracy"]) == 10 and result.summary["rounds"] == 2
@@ -94,9 +121,23 @@ def test_short_run_sends_nothing_off_the_machine_and_leaves_home_alone(mnist_roo
     home = tmp_path / "home"
     home.mkdir()
     env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-c", NETWORK_GUARD, "--cf", HF_YAML, "--set", f"data_cache_dir={mnist_root}",
-               "--set", "comm_round=2", "--set", "show_progress=false", "--set", "simulation_engine=fedml",
-               "--run-dir", str(tmp_path / "run")]
+    command = [
+        sys.executable,
+        "-c",
+        NETWORK_GUARD,
+        "--cf",
+        HF_YAML,
+        "--set",
+        f"data_cache_dir={mnist_root}",
+        "--set",
+        "comm_round=2",
+        "--set",
+        "show_progress=false",
+        "--set",
+        "simulation_engine=fedml",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     if unshare_works():
         command = ["unshare", "-n"] + command  # only loopback exists in there
     out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
@@ -110,11 +151,29 @@ def test_short_run_sends_nothing_off_the_machine_and_leaves_home_alone(mnist_roo
 def test_wandb_logs_offline_into_the_run_directory(fake_cifar_root, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "run"))
-    config = resolve({"data_args": {"dataset": "cifar10", "data_cache_dir": fake_cifar_root, "images_per_class": 8,
-                                    "test_images_per_class": 2}},
-                     dict(client_num_in_total=10, client_num_per_round=2, comm_round=2, local_steps=1, batch_size=8,
-                          meta_batch_size=8, hessian_batch_size=8, show_progress=False, frequency_of_the_test=1,
-                          enable_wandb=True, wandb_group="test-group"))
+    config = resolve(
+        {
+            "data_args": {
+                "dataset": "cifar10",
+                "data_cache_dir": fake_cifar_root,
+                "images_per_class": 8,
+                "test_images_per_class": 2,
+            }
+        },
+        dict(
+            client_num_in_total=10,
+            client_num_per_round=2,
+            comm_round=2,
+            local_steps=1,
+            batch_size=8,
+            meta_batch_size=8,
+            hessian_batch_size=8,
+            show_progress=False,
+            frequency_of_the_test=1,
+            enable_wandb=True,
+            wandb_group="test-group",
+        ),
+    )
     run(config, str(tmp_path / "run"))
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
@@ -125,8 +184,18 @@ def test_cli_resume_continues_an_interrupted_run(mnist_root, tmp_path):
     from fedml_perfedavg.run.cli import main
 
     run_dir = tmp_path / "run"
-    common = ["--set", f"data_cache_dir={mnist_root}", "--set", "show_progress=false", "--set", "checkpoint_every=2",
-              "--set", "comm_round=4", "--set", "frequency_of_the_test=2"]
+    common = [
+        "--set",
+        f"data_cache_dir={mnist_root}",
+        "--set",
+        "show_progress=false",
+        "--set",
+        "checkpoint_every=2",
+        "--set",
+        "comm_round=4",
+        "--set",
+        "frequency_of_the_test=2",
+    ]
     assert main(["--cf", HF_YAML, *common, "--run-dir", str(tmp_path / "full")]) == 0
     # an interrupted run: only the first two rounds' checkpoint was written
     assert main(["--cf", HF_YAML, *common, "--set", "comm_round=3", "--run-dir", str(run_dir)]) == 0

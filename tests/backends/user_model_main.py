@@ -1,6 +1,7 @@
 """FedML's step-by-step main with the one import, which then saves what the model object it
 handed FedMLRunner holds (``USER_MODEL_OUT``; rank 0 only): the final global model, as after
 FedML's own FedAvg."""
+
 import os
 
 import fedml_perfedavg  # noqa: F401

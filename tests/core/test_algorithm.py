@@ -1,4 +1,5 @@
 """Properties of the meta-gradient estimators and the local update (float64, small MLP)."""
+
 import pytest
 import torch
 
@@ -44,8 +45,9 @@ def test_exact_equals_autograd_gradient_of_meta_objective_when_hessian_batch_is_
 def test_exact_uses_the_hessian_batch_d_double_prime():
     model, loss_fn, params, batches = _problem()
     step = batches.step(0)
-    on_d = meta_gradient(loss_fn, params, step._replace(hessian_x=step.adapt_x, hessian_y=step.adapt_y), "exact",
-                         0.3, 1e-3)
+    on_d = meta_gradient(
+        loss_fn, params, step._replace(hessian_x=step.adapt_x, hessian_y=step.adapt_y), "exact", 0.3, 1e-3
+    )
     on_dpp = meta_gradient(loss_fn, params, step, "exact", 0.3, 1e-3)
     assert _max_diff(on_d, on_dpp) > 1e-6
 
@@ -73,8 +75,7 @@ def test_meta_step_starts_from_w_not_from_adapted_point(variant):
     """Regression: w <- w - beta * grad F(w), never w~ - beta * g."""
     model, loss_fn, params, batches = _problem()
     alpha, beta = 0.3, 0.05
-    config = LocalUpdateConfig(variant=variant, alpha=alpha, beta=beta, delta=1e-4,
-                               local_steps=1)
+    config = LocalUpdateConfig(variant=variant, alpha=alpha, beta=beta, delta=1e-4, local_steps=1)
     new = local_update(loss_fn, params, batches, config)
     step = batches.step(0)
     direction = meta_gradient(loss_fn, params, step, variant, alpha, 1e-4)

@@ -1,4 +1,5 @@
 """The personalized evaluation protocol: adapt on train data only, then test."""
+
 import pytest
 import torch
 
@@ -10,14 +11,16 @@ from fedml_perfedavg.core.types import UserSplit
 from fedml_perfedavg.models import MLP
 
 
-def personalized_evaluation(model, loss_fn, params, users, alpha, adapt_steps, batch_size, seed, round_idx,
-                            batched=False):
+def personalized_evaluation(
+    model, loss_fn, params, users, alpha, adapt_steps, batch_size, seed, round_idx, batched=False
+):
     config = EvaluationConfig(alpha, adapt_steps, batch_size, seed, batched)
     return evaluate(model, params, users, config, round_idx, loss_fn=loss_fn)
 
 
 def adapt(loss_fn, params, train_x, train_y, alpha, steps, batch_size, generator):
     return sgd_steps(loss_fn, params, *adaptation_batches(train_x, train_y, steps, batch_size, generator), alpha)
+
 
 EVENTS = []
 
@@ -33,8 +36,10 @@ class WatchedTensor(torch.Tensor):
 
 def _users(num=3, seed=0):
     torch.manual_seed(seed)
-    return [UserSplit(torch.randn(30, 6), torch.randint(0, 3, (30,)), torch.randn(12, 6), torch.randint(0, 3, (12,)))
-            for _ in range(num)]
+    return [
+        UserSplit(torch.randn(30, 6), torch.randint(0, 3, (30,)), torch.randn(12, 6), torch.randint(0, 3, (12,)))
+        for _ in range(num)
+    ]
 
 
 def test_evaluation_never_touches_test_data_before_adaptation_is_done():
@@ -47,11 +52,14 @@ def test_evaluation_never_touches_test_data_before_adaptation_is_done():
         assert not isinstance(x, WatchedTensor)
         return loss(params, x, y)
 
-    users = [UserSplit(u.train_x, u.train_y, u.test_x.as_subclass(WatchedTensor), u.test_y.as_subclass(WatchedTensor))
-             for u in _users(1)]
+    users = [
+        UserSplit(u.train_x, u.train_y, u.test_x.as_subclass(WatchedTensor), u.test_y.as_subclass(WatchedTensor))
+        for u in _users(1)
+    ]
     EVENTS.clear()
-    personalized_evaluation(model, watched_loss, parameters_of(model), users, alpha=0.1, adapt_steps=3,
-                            batch_size=8, seed=0, round_idx=0)
+    personalized_evaluation(
+        model, watched_loss, parameters_of(model), users, alpha=0.1, adapt_steps=3, batch_size=8, seed=0, round_idx=0
+    )
     assert EVENTS.count("adaptation-step") == 3
     first_read = EVENTS.index("test-data-read")
     assert all(e == "adaptation-step" for e in EVENTS[:first_read]) and first_read == 3
@@ -68,8 +76,10 @@ def test_adapted_model_does_not_depend_on_test_data():
     b = personalized_evaluation(model, loss, parameters_of(model), swapped, **args)
     assert a.per_user_accuracy_before != b.per_user_accuracy_before or a.per_user_accuracy != b.per_user_accuracy
     # with the real test data restored the numbers are reproduced exactly
-    assert personalized_evaluation(model, loss, parameters_of(model), users, **args).per_user_accuracy == \
-        a.per_user_accuracy
+    assert (
+        personalized_evaluation(model, loss, parameters_of(model), users, **args).per_user_accuracy
+        == a.per_user_accuracy
+    )
 
 
 def test_personalized_accuracy_is_the_mean_over_users_of_the_adapted_models_accuracy():
@@ -78,8 +88,9 @@ def test_personalized_accuracy_is_the_mean_over_users_of_the_adapted_models_accu
     loss = make_loss_fn(model)
     users = _users(3)
     params = parameters_of(model)
-    result = personalized_evaluation(model, loss, params, users, alpha=0.5, adapt_steps=1, batch_size=8, seed=3,
-                                     round_idx=7)
+    result = personalized_evaluation(
+        model, loss, params, users, alpha=0.5, adapt_steps=1, batch_size=8, seed=3, round_idx=7
+    )
     expected = []
     for i, u in enumerate(users):
         adapted = adapt(loss, params, u.train_x, u.train_y, 0.5, 1, 8, generator_for(3, 7, i, Purpose.EVALUATION))
@@ -93,8 +104,17 @@ def test_personalized_accuracy_is_the_mean_over_users_of_the_adapted_models_accu
 def test_zero_adaptation_steps_gives_the_accuracy_before_adaptation():
     torch.manual_seed(2)
     model = MLP(6, 3, (5,))
-    result = personalized_evaluation(model, make_loss_fn(model), parameters_of(model), _users(3), alpha=0.5,
-                                     adapt_steps=0, batch_size=8, seed=0, round_idx=0)
+    result = personalized_evaluation(
+        model,
+        make_loss_fn(model),
+        parameters_of(model),
+        _users(3),
+        alpha=0.5,
+        adapt_steps=0,
+        batch_size=8,
+        seed=0,
+        round_idx=0,
+    )
     assert result.per_user_accuracy == result.per_user_accuracy_before
 
 
@@ -122,8 +142,12 @@ def test_user_ids_key_the_adaptation_batches():
 
 def _users_of_two_test_sizes(seed=0, features=784):
     torch.manual_seed(seed)
-    return [UserSplit(torch.randn(60, features), torch.randint(0, 10, (60,)), torch.randn(n, features),
-                      torch.randint(0, 10, (n,))) for n in (160, 80, 160, 80, 160)]
+    return [
+        UserSplit(
+            torch.randn(60, features), torch.randint(0, 10, (60,)), torch.randn(n, features), torch.randint(0, 10, (n,))
+        )
+        for n in (160, 80, 160, 80, 160)
+    ]
 
 
 def _paper_mlp():
@@ -180,12 +204,21 @@ class WatchedValues(torch.Tensor):
 def test_scoring_together_reads_no_test_data_before_every_adaptation_of_its_chunk_is_done():
     torch.manual_seed(0)
     model, chain = _paper_mlp()
-    users = [UserSplit(u.train_x, u.train_y, u.test_x.as_subclass(WatchedValues), u.test_y.as_subclass(WatchedValues))
-             for u in _users_of_two_test_sizes(2)]
+    users = [
+        UserSplit(u.train_x, u.train_y, u.test_x.as_subclass(WatchedValues), u.test_y.as_subclass(WatchedValues))
+        for u in _users_of_two_test_sizes(2)
+    ]
     EVENTS.clear()
     loss = make_loss_fn(model)
-    evaluate(model, parameters_of(model), users, EvaluationConfig(0.1, 1, 8, 0, batched=True), 0,
-             loss_fn=lambda p, x, y: EVENTS.append("adaptation-step") or loss(p, x, y), chain=chain)
+    evaluate(
+        model,
+        parameters_of(model),
+        users,
+        EvaluationConfig(0.1, 1, 8, 0, batched=True),
+        0,
+        loss_fn=lambda p, x, y: EVENTS.append("adaptation-step") or loss(p, x, y),
+        chain=chain,
+    )
     if not chain.scores_exactly:
         pytest.skip("this CPU's batched kernels differ in the last bits: the users were scored one by one")
     # two chunks (the users of each test size): each adapted, then its test data read
@@ -205,9 +238,12 @@ def test_users_adapted_together_get_the_models_of_the_vmapped_sgd_steps_bit_for_
     step = {k: torch.full_like(v, 0.2) for k, v in params.items()} if per_coordinate else 0.3
     config = EvaluationConfig(0.3, adapt_steps, 8, 1, batched=True)
     ids = [4, 0, 9, 2, 7]
-    batches = [adaptation_batches(u.train_x, u.train_y, adapt_steps, 8, generator_for(1, 2, i, Purpose.EVALUATION))
-               for u, i in zip(users, ids)]
-    expected = vmap(lambda bx, by: sgd_steps(loss, params, bx, by, step))(torch.stack([b[0] for b in batches]),
-                                                                          torch.stack([b[1] for b in batches]))
+    batches = [
+        adaptation_batches(u.train_x, u.train_y, adapt_steps, 8, generator_for(1, 2, i, Purpose.EVALUATION))
+        for u, i in zip(users, ids)
+    ]
+    expected = vmap(lambda bx, by: sgd_steps(loss, params, bx, by, step))(
+        torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
+    )
     got = _adapt_together(loss, params, users, ids, config, 2, step)
     assert all(torch.equal(got[k], expected[k]) for k in params)

@@ -1,5 +1,6 @@
 """Any nn.Module as a pure function: dropout off, BatchNorm with batch statistics, the user's
 module untouched; the batched (vmapped) local update equals the per-client one for such models."""
+
 import copy
 
 import torch
@@ -13,8 +14,9 @@ from fedml_perfedavg.core.functional import functional_network, make_loss_fn, pa
 class BatchNormNet(nn.Module):
     def __init__(self):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                                  nn.Dropout(0.5), nn.Linear(4 * 4 * 4, 3))
+        self.body = nn.Sequential(
+            nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Dropout(0.5), nn.Linear(4 * 4 * 4, 3)
+        )
 
     def forward(self, x):
         return self.body(x)

@@ -1,7 +1,13 @@
 import torch
 
-from fedml_perfedavg.core.sampling import (Purpose, batch_indices, batch_indices_of_many, generator_for, sample_clients,
-                                          sample_local_batches)
+from fedml_perfedavg.core.sampling import (
+    Purpose,
+    batch_indices,
+    batch_indices_of_many,
+    generator_for,
+    sample_clients,
+    sample_local_batches,
+)
 
 
 def test_client_sampling_is_uniform_without_replacement_and_keyed_by_seed_and_round():
@@ -16,7 +22,9 @@ def test_client_sampling_is_uniform_without_replacement_and_keyed_by_seed_and_ro
 
 
 def test_d_dprime_dsecond_are_independent_batches_without_repeats():
-    idx = batch_indices(100, steps=5, batch_sizes=[40, 30, 20], generator=generator_for(0, 0, 0, Purpose.LOCAL_TRAINING))
+    idx = batch_indices(
+        100, steps=5, batch_sizes=[40, 30, 20], generator=generator_for(0, 0, 0, Purpose.LOCAL_TRAINING)
+    )
     assert [tuple(i.shape) for i in idx] == [(5, 40), (5, 30), (5, 20)]
     for role in idx:
         for row in role:
@@ -75,8 +83,9 @@ def test_the_keyed_minibatch_streams_are_pinned():
 
 def test_many_clients_drawn_together_get_what_each_draws_alone():
     sizes, clients = [980, 490, 980, 45, 490, 980], [3, 8, 11, 2, 40, 5]
-    together = batch_indices_of_many(sizes, 4, [40, 30, 20],
-                                      [generator_for(0, 2, c, Purpose.LOCAL_TRAINING) for c in clients])
+    together = batch_indices_of_many(
+        sizes, 4, [40, 30, 20], [generator_for(0, 2, c, Purpose.LOCAL_TRAINING) for c in clients]
+    )
     for count, client, got in zip(sizes, clients, together):
         expected = _one_client_reference(count, 4, [40, 30, 20], generator_for(0, 2, client, Purpose.LOCAL_TRAINING))
         assert all(torch.equal(a, b) for a, b in zip(got, expected))

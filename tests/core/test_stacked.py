@@ -1,5 +1,6 @@
 """Hand-batched gradients equal torch.func's (float64) on every chain they accept, and refuse
 what they cannot compute exactly, saying why."""
+
 import pytest
 import torch
 from torch import nn
@@ -20,8 +21,10 @@ CHAINS = {
 
 def _client_params(model, clients):
     """The model's parameters for ``clients`` clients, each slightly perturbed."""
-    return {k: v.expand(clients, *v.shape) + 0.1 * torch.randn(clients, *v.shape, dtype=torch.float64)
-            for k, v in parameters_of(model).items()}
+    return {
+        k: v.expand(clients, *v.shape) + 0.1 * torch.randn(clients, *v.shape, dtype=torch.float64)
+        for k, v in parameters_of(model).items()
+    }
 
 
 def _chain(name, seed, clients, batch):
@@ -47,7 +50,8 @@ def test_gradients_and_hessian_vector_products_equal_torch_func(name):
     tangent = {k: torch.randn_like(v) for k, v in params.items()}
     _, hvp = jvp(lambda p: stacked.grad(p, x, y), (params,), (tangent,))
     _, expected_hvp = vmap(lambda p, t, xx, yy: jvp(lambda q: grad(loss_fn)(q, xx, yy), (p,), (t,)))(
-        params, tangent, x, y)
+        params, tangent, x, y
+    )
     for k in hvp:
         torch.testing.assert_close(hvp[k], expected_hvp[k], rtol=1e-10, atol=1e-12)
     by_hand = stacked.hessian_vector_product(params, tangent, x, y)  # the R-operator the exact variant uses
@@ -68,14 +72,19 @@ class Shortcut(nn.Module):
         return self.second(x + torch.relu(self.first(x)))
 
 
-@pytest.mark.parametrize("model,reason", [
-    (SmallCNN((1, 4, 4), 3), "neither an nn.Sequential nor a wrapper of one"),
-    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3)),
-     "not a chain of Linear and ELU/ReLU/Tanh/Sigmoid (Conv2d)"),
-    (nn.Sequential(nn.Linear(16, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)), "(BatchNorm1d)"),
-    (nn.Sequential(nn.Linear(16, 4), nn.ELU(), nn.ELU(), nn.Linear(4, 3)), "not a chain"),
-    (Shortcut(), "neither an nn.Sequential nor a wrapper of one"),
-])
+@pytest.mark.parametrize(
+    "model,reason",
+    [
+        (SmallCNN((1, 4, 4), 3), "neither an nn.Sequential nor a wrapper of one"),
+        (
+            nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3)),
+            "not a chain of Linear and ELU/ReLU/Tanh/Sigmoid (Conv2d)",
+        ),
+        (nn.Sequential(nn.Linear(16, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)), "(BatchNorm1d)"),
+        (nn.Sequential(nn.Linear(16, 4), nn.ELU(), nn.ELU(), nn.Linear(4, 3)), "not a chain"),
+        (Shortcut(), "neither an nn.Sequential nor a wrapper of one"),
+    ],
+)
 def test_what_is_not_a_plain_chain_is_refused_with_a_reason(model, reason):
     shape = (1, 4, 4) if not isinstance(model, Shortcut) else (12,)
     stacked, why = StackedGradients.for_network(functional_network(model), shape)
@@ -120,11 +129,13 @@ def test_buffered_local_update_is_the_generic_loop_bit_for_bit(name, variant):
     assert stacked is not None, why
     clients, steps = 5, 3
     start = {k: v.expand(clients, *v.shape) for k, v in parameters_of(model).items()}
-    batches = LocalBatches(*(t for _ in range(3) for t in (torch.randn(steps, clients, 6, 12),
-                                                           torch.randint(0, 3, (steps, clients, 6)))))
+    batches = LocalBatches(
+        *(t for _ in range(3) for t in (torch.randn(steps, clients, 6, 12), torch.randint(0, 3, (steps, clients, 6))))
+    )
     config = LocalUpdateConfig(variant=variant, alpha=0.3, beta=0.2, delta=1e-3, local_steps=steps)
-    expected = local_update(make_loss_fn(functional_network(model)), {k: v.clone() for k, v in start.items()},
-                            batches, config, stacked)
+    expected = local_update(
+        make_loss_fn(functional_network(model)), {k: v.clone() for k, v in start.items()}, batches, config, stacked
+    )
     for _ in range(2):  # the second call reuses the first one's buffers
         got = stacked.local_update(start, batches, config)
         assert all(torch.equal(got[k], expected[k]) for k in expected)
@@ -153,6 +164,7 @@ def test_inputs_gathered_a_step_at_a_time_give_the_same_bits(variant):
 def test_curvature_mask_is_torch_where_bit_for_bit(dtype):
     # the exact variant's ELU curvature zeroes by bits what torch.where(z > 0, 0.0, v) zeroes
     from fedml_perfedavg.core.stacked import _zero_where_positive
+
     torch.manual_seed(0)
     z, value = torch.randn(2, 3, 41, 37, dtype=dtype), torch.randn(2, 3, 41, 37, dtype=dtype)
     specials = torch.tensor([0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf")], dtype=dtype)
@@ -164,8 +176,9 @@ def test_curvature_mask_is_torch_where_bit_for_bit(dtype):
     assert torch.equal(got.view(bits), expected.view(bits))
     assert (got[z > 0] == 0).all() and not torch.signbit(got[z > 0]).any()
     odd = value.clone().transpose(2, 3)  # not contiguous: torch.where itself
-    assert torch.equal(_zero_where_positive(odd, z.transpose(2, 3)).view(bits),
-                       torch.where(z.transpose(2, 3) > 0, 0.0, odd).view(bits))
+    assert torch.equal(
+        _zero_where_positive(odd, z.transpose(2, 3)).view(bits), torch.where(z.transpose(2, 3) > 0, 0.0, odd).view(bits)
+    )
 
 
 def test_in_place_baddbmm_is_baddbmm_bit_for_bit():
@@ -174,18 +187,20 @@ def test_in_place_baddbmm_is_baddbmm_bit_for_bit():
     for c, b, m, n in [(10, 40, 80, 60), (10, 40, 60, 10), (10, 80, 40, 784), (3, 7, 5, 4)]:
         acc, left, right = torch.randn(c, b, n), torch.randn(c, b, m), torch.randn(c, m, n)
         assert torch.equal(acc.clone().baddbmm_(left, right), torch.baddbmm(acc, left, right))
-        assert torch.equal(acc.clone().baddbmm_(left, right), torch.baddbmm(acc, left, right, out=torch.empty_like(acc)))
+        assert torch.equal(
+            acc.clone().baddbmm_(left, right), torch.baddbmm(acc, left, right, out=torch.empty_like(acc))
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shape", [(10, 40, 80), (3, 7, 5), (50, 40, 80), (1, 1, 33)])
 def test_elu_slope_times_a_signal_is_the_backward_kernel_bit_for_bit(shape, dtype):
     from fedml_perfedavg.core.stacked import _activation
+
     torch.manual_seed(0)
     elu = _activation(nn.ELU())
     z, d = 4 * torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
-    specials = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), -90.0, -800.0, 1e-30],
-                            dtype=dtype)
+    specials = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), -90.0, -800.0, 1e-30], dtype=dtype)
     z.view(-1)[:8], d.view(-1)[8:16] = specials, specials
     h = elu.forward(z)
     bits = torch.int32 if dtype == torch.float32 else torch.int64
@@ -196,6 +211,7 @@ def test_elu_slope_times_a_signal_is_the_backward_kernel_bit_for_bit(shape, dtyp
 
 def test_exact_hvp_is_the_same_with_and_without_the_slope_shortcut():
     import dataclasses
+
     torch.manual_seed(0)
     model = MLP(784, 10, (80, 60))
     stacked, why = StackedGradients.for_network(functional_network(model), (784,))
@@ -205,8 +221,10 @@ def test_exact_hvp_is_the_same_with_and_without_the_slope_shortcut():
     tangent = {k: 0.01 * torch.randn_like(v) for k, v in params.items()}
     x, y = torch.rand(10, 40, 784), torch.randint(0, 10, (10, 40))
     with_slope = stacked.hessian_vector_product(params, tangent, x, y)
-    stacked.layers = [dataclasses.replace(layer, activation=layer.activation and dataclasses.replace(
-        layer.activation, slope=None)) for layer in stacked.layers]
+    stacked.layers = [
+        dataclasses.replace(layer, activation=layer.activation and dataclasses.replace(layer.activation, slope=None))
+        for layer in stacked.layers
+    ]
     without = stacked.hessian_vector_product(params, tangent, x, y)
     for k in with_slope:
         assert torch.equal(with_slope[k], without[k]), k
@@ -215,6 +233,7 @@ def test_exact_hvp_is_the_same_with_and_without_the_slope_shortcut():
 def test_the_slope_shortcut_is_not_taken_for_half_types():
     # a half-precision backward kernel rounds once; d times a rounded slope would round twice
     from fedml_perfedavg.core.stacked import _activation, _LayerDerivative
+
     elu = _activation(nn.ELU())
     z = torch.randn(4, 5, 6, dtype=torch.bfloat16)
     assert _LayerDerivative(elu, z, elu.forward(z)).slope is None

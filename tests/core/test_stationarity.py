@@ -1,4 +1,5 @@
 """The stationarity measure ||grad F(w)||^2: exact, on full data, against closed forms."""
+
 import torch
 from torch.func import grad
 
@@ -14,9 +15,15 @@ def _least_squares(params, x, y):
 
 def _users(sizes, dim=3, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [UserSplit(torch.randn(n, dim, generator=g, dtype=torch.float64),
-                      torch.randn(n, generator=g, dtype=torch.float64), torch.zeros(1, dim), torch.zeros(1))
-            for n in sizes]
+    return [
+        UserSplit(
+            torch.randn(n, dim, generator=g, dtype=torch.float64),
+            torch.randn(n, generator=g, dtype=torch.float64),
+            torch.zeros(1, dim),
+            torch.zeros(1),
+        )
+        for n in sizes
+    ]
 
 
 def test_least_squares_meta_gradient_matches_the_closed_form():

@@ -1,4 +1,5 @@
 """The batched engine gives the per-client path's model and evaluation (float64, and on MNIST)."""
+
 import copy
 
 import pytest
@@ -12,9 +13,20 @@ from fedml_perfedavg.models import MLP
 from fedml_perfedavg.run.config import ConfigError, resolve
 
 CASES = [("FedAvgUpdate", "hf"), ("PerFedAvg", "fo"), ("PerFedAvg", "hf"), ("PerFedAvg", "exact")]
-SMALL = dict(client_num_in_total=6, client_num_per_round=3, local_steps=3, batch_size=5, meta_batch_size=4,
-             hessian_batch_size=6, alpha=0.2, beta=0.1, delta=1e-4, comm_round=3, frequency_of_the_test=1,
-             show_progress=False)
+SMALL = dict(
+    client_num_in_total=6,
+    client_num_per_round=3,
+    local_steps=3,
+    batch_size=5,
+    meta_batch_size=4,
+    hessian_batch_size=6,
+    alpha=0.2,
+    beta=0.1,
+    delta=1e-4,
+    comm_round=3,
+    frequency_of_the_test=1,
+    show_progress=False,
+)
 
 
 class Driver:
@@ -32,9 +44,15 @@ class Driver:
 
 def _setup(optimizer, variant, seed=0, **overrides):
     torch.manual_seed(seed)
-    users = [UserSplit(torch.randn(n, 6, dtype=torch.float64), torch.randint(0, 3, (n,)),
-                       torch.randn(9, 6, dtype=torch.float64), torch.randint(0, 3, (9,)))
-             for n in (20, 24, 30, 20, 26, 22)]
+    users = [
+        UserSplit(
+            torch.randn(n, 6, dtype=torch.float64),
+            torch.randint(0, 3, (n,)),
+            torch.randn(9, 6, dtype=torch.float64),
+            torch.randint(0, 3, (9,)),
+        )
+        for n in (20, 24, 30, 20, 26, 22)
+    ]
     config = resolve({}, dict(SMALL, federated_optimizer=optimizer, perfedavg_variant=variant, **overrides))
     model = MLP(6, 3, (5, 4)).double()
     return config, users, model
@@ -43,8 +61,10 @@ def _setup(optimizer, variant, seed=0, **overrides):
 def per_client_rounds(algorithm, users, state, rounds):
     """Reference: every client updated alone, one after the other."""
     for r in range(rounds):
-        updates = [algorithm.client_update(r, c, state, users[c].train_x, users[c].train_y)
-                   for c in algorithm.sample_clients(r)]
+        updates = [
+            algorithm.client_update(r, c, state, users[c].train_x, users[c].train_y)
+            for c in algorithm.sample_clients(r)
+        ]
         state = algorithm.aggregate(r, updates, state)
     return state
 
@@ -57,8 +77,9 @@ def test_batched_engine_equals_per_client_path_float64(optimizer, variant, fast_
     start = copy.deepcopy(model.state_dict())
     reference = per_client_rounds(algorithm, users, start, config.comm_round)
     with caplog.at_level("INFO"):
-        engine = BatchedSimulation(create_algorithm(optimizer, model, config), users, start, Driver(algorithm),
-                                   fast_path=fast_path)
+        engine = BatchedSimulation(
+            create_algorithm(optimizer, model, config), users, start, Driver(algorithm), fast_path=fast_path
+        )
     assert ("hand-batched matrix products" in caplog.text) == fast_path  # the MLP is a Linear/ELU chain
     got = engine.run(0, config.comm_round)
     assert engine.batched
@@ -207,16 +228,22 @@ def test_batched_engine_on_cuda_equals_per_client_path_on_cpu(optimizer, variant
     cuda = torch.device("cuda")
     users = [UserSplit(*(t.to(cuda) for t in u)) for u in users]
     cuda_algorithm = create_algorithm(optimizer, model.to(cuda), config)
-    engine = BatchedSimulation(cuda_algorithm, users, {k: v.to(cuda) for k, v in start.items()},
-                               Driver(cuda_algorithm))
+    engine = BatchedSimulation(cuda_algorithm, users, {k: v.to(cuda) for k, v in start.items()}, Driver(cuda_algorithm))
     got = engine.run(0, config.comm_round)
     for k in got:
         torch.testing.assert_close(got[k].cpu(), reference[k], rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("optimizer,variant,roles,whole", [
-    ("PerFedAvg", "fo", {0, 1}, False), ("PerFedAvg", "hf", {0, 1, 2}, False), ("PerFedAvg", "exact", {0, 1, 2}, False),
-    ("FedAvgUpdate", "hf", {0}, False), ("FedAvgARUBA", "hf", {0}, True)])
+@pytest.mark.parametrize(
+    "optimizer,variant,roles,whole",
+    [
+        ("PerFedAvg", "fo", {0, 1}, False),
+        ("PerFedAvg", "hf", {0, 1, 2}, False),
+        ("PerFedAvg", "exact", {0, 1, 2}, False),
+        ("FedAvgUpdate", "hf", {0}, False),
+        ("FedAvgARUBA", "hf", {0}, True),
+    ],
+)
 def test_the_algorithm_declares_what_the_engine_gathers_and_returns(optimizer, variant, roles, whole):
     config, users, model = _setup(optimizer, variant)
     algorithm = create_algorithm(optimizer, model, config)
@@ -245,7 +272,9 @@ def test_a_round_larger_than_one_computation_trains_in_pieces_with_the_same_resu
     calls = []
     original = engine._batched_updates
     monkeypatch.setattr(engine, "clients_per_computation", 2)
-    monkeypatch.setattr(engine, "_batched_updates", lambda r, clients: calls.append(len(clients)) or original(r, clients))
+    monkeypatch.setattr(
+        engine, "_batched_updates", lambda r, clients: calls.append(len(clients)) or original(r, clients)
+    )
     got = engine.run(0, config.comm_round)
     assert calls == [2, 2, 1] * config.comm_round  # 5 clients a round: three computations
     for k in got:

@@ -1,4 +1,5 @@
 """benchmarks/cuda_check.py runs its GPU checks on the CPU too (CI has no GPU)."""
+
 import importlib.util
 import json
 
@@ -13,8 +14,10 @@ spec.loader.exec_module(cuda_check)
 
 @pytest.mark.backend  # a benchmark's smoke run: about 20 s
 def test_cuda_check_runs_on_the_cpu_and_finds_the_paths_equal(tmp_path):
-    assert cuda_check.main(["--device", "cpu", "--synthetic", "--rounds", "2", "--repeats", "1",
-                            "--out", str(tmp_path)]) == 0
+    assert (
+        cuda_check.main(["--device", "cpu", "--synthetic", "--rounds", "2", "--repeats", "1", "--out", str(tmp_path)])
+        == 0
+    )
     results = json.loads((tmp_path / "cpu_check.json").read_text())
     for method in cuda_check.METHODS:
         for path in ("default", "vmap"):

@@ -1,5 +1,6 @@
 """Grid mode: several runs' clients train as one computation, each run getting exactly what it
 gets alone."""
+
 import copy
 
 import pytest

@@ -1,13 +1,19 @@
 """What server and silos must agree on: a disagreement names the key and both values; data that
 does not fit the model is named; an announcement fits the wire's schema."""
+
 import pytest
 import torch
 from torch import nn
 
 from fedml_perfedavg.core.types import UserSplit
 from fedml_perfedavg.fedml_bridge.cross_silo import wire
-from fedml_perfedavg.fedml_bridge.cross_silo.agreement import (ARCHITECTURE, data_problem, disagreement, fingerprint,
-                                                               hello)
+from fedml_perfedavg.fedml_bridge.cross_silo.agreement import (
+    ARCHITECTURE,
+    data_problem,
+    disagreement,
+    fingerprint,
+    hello,
+)
 from fedml_perfedavg.models import create_model
 from fedml_perfedavg.run.config import resolve
 
@@ -30,18 +36,22 @@ def test_identical_configs_agree_and_1_equals_1_0():
     assert disagreement({"x": True}, {"x": 1}, 2) is not None
 
 
-@pytest.mark.parametrize("changes,key,mine,theirs", [
-    ({"alpha": 0.05}, "train_args.alpha", "0.01", "0.05"),
-    ({"perfedavg_variant": "fo"}, "train_args.perfedavg_variant", "'hf'", "'fo'"),
-    ({"random_seed": 3}, "common_args.random_seed", "0", "3"),
-    ({"meta_batch_size": 20}, "train_args.meta_batch_size", "40", "20"),
-    ({"silo_data": "own"}, "comm_args.silo_data", "'shared'", "'own'"),
-])
+@pytest.mark.parametrize(
+    "changes,key,mine,theirs",
+    [
+        ({"alpha": 0.05}, "train_args.alpha", "0.01", "0.05"),
+        ({"perfedavg_variant": "fo"}, "train_args.perfedavg_variant", "'hf'", "'fo'"),
+        ({"random_seed": 3}, "common_args.random_seed", "0", "3"),
+        ({"meta_batch_size": 20}, "train_args.meta_batch_size", "40", "20"),
+        ({"silo_data": "own"}, "comm_args.silo_data", "'shared'", "'own'"),
+    ],
+)
 def test_a_disagreement_names_the_key_and_both_values(changes, key, mine, theirs):
     server = fingerprint(_config(), _state(MODEL))
     silo = fingerprint(_config(**changes), _state(MODEL))
-    assert disagreement(server, silo, 2) == (f"silo rank 2 disagrees with the server on {key}: the server has {mine}, "
-                                             f"the silo has {theirs}")
+    assert disagreement(server, silo, 2) == (
+        f"silo rank 2 disagrees with the server on {key}: the server has {mine}, the silo has {theirs}"
+    )
 
 
 def test_another_architecture_is_a_disagreement():
@@ -64,12 +74,18 @@ def test_an_announcement_fits_the_wire_and_data_that_fits_the_model_passes():
     assert data_problem(MODEL, announced, 1) is None
 
 
-@pytest.mark.parametrize("user,words", [
-    (_user(shape=(3, 32, 32)), "silo rank 1's data (samples of shape (3, 32, 32), float32; labels up to 4) does not fit "
-                               "the model: RuntimeError"),
-    (_user(classes=(0, 12)), "it has 10 outputs, so labels must be 0..9"),
-    (_user(shape=(4000, 4000)), "a sample of 16000000 values is larger than any model here takes"),
-])
+@pytest.mark.parametrize(
+    "user,words",
+    [
+        (
+            _user(shape=(3, 32, 32)),
+            "silo rank 1's data (samples of shape (3, 32, 32), float32; labels up to 4) does not fit "
+            "the model: RuntimeError",
+        ),
+        (_user(classes=(0, 12)), "it has 10 outputs, so labels must be 0..9"),
+        (_user(shape=(4000, 4000)), "a sample of 16000000 values is larger than any model here takes"),
+    ],
+)
 def test_data_that_does_not_fit_the_model_is_named(user, words):
     announced = hello({}, 0, user)
     assert words in data_problem(MODEL, announced, 1)

@@ -1,10 +1,16 @@
 """Certificates: bounded validity, one spelling per rank, extended key usage checked, and
 launch-silo's CA key never written."""
+
 import pytest
 
 from fedml_perfedavg.core.guards import ConfigError
-from fedml_perfedavg.fedml_bridge.cross_silo.credentials import (MAX_DAYS, load_credentials, make_certificates,
-                                                                 peer_certificate_problem, rank_of_names)
+from fedml_perfedavg.fedml_bridge.cross_silo.credentials import (
+    MAX_DAYS,
+    load_credentials,
+    make_certificates,
+    peer_certificate_problem,
+    rank_of_names,
+)
 from fedml_perfedavg.run.certs import main as certs
 
 from tests.helpers import certificate_from
@@ -17,9 +23,17 @@ def test_validity_is_bounded(tmp_path, capsys):
     assert certs(["--out", str(tmp_path / "c"), "--clients", "1", "--days", str(MAX_DAYS)]) == 0
 
 
-@pytest.mark.parametrize("name,rank", [("rank-1.fedml-perfedavg", 1), ("rank-0.fedml-perfedavg", 0),
-                                       ("rank-01.fedml-perfedavg", None), ("rank-+1.fedml-perfedavg", None),
-                                       ("rank-00.fedml-perfedavg", None), ("rank-1.fedml-perfedavg.evil", None)])
+@pytest.mark.parametrize(
+    "name,rank",
+    [
+        ("rank-1.fedml-perfedavg", 1),
+        ("rank-0.fedml-perfedavg", 0),
+        ("rank-01.fedml-perfedavg", None),
+        ("rank-+1.fedml-perfedavg", None),
+        ("rank-00.fedml-perfedavg", None),
+        ("rank-1.fedml-perfedavg.evil", None),
+    ],
+)
 def test_a_rank_has_one_spelling(name, rank):
     assert rank_of_names([name]) == rank
 

@@ -1,6 +1,7 @@
 """The gate in front of a cross-silo port: connections capped per peer address and in total, a
 deadline for the first request, and every connection it refuses or cuts named and counted; the
 refusal log that no peer can flood."""
+
 import logging
 import socket
 import time
@@ -53,8 +54,9 @@ def gate():
     backend = Echo()
     refused = []
     limits = GateLimits(per_peer=3, total=5, first_request_seconds=1.0, idle_seconds=30.0, tls=True)
-    door = Gate(("127.0.0.1", 0), backend.port, limits, lambda host, port, reason, text: refused.append((host, reason,
-                                                                                                          text)))
+    door = Gate(
+        ("127.0.0.1", 0), backend.port, limits, lambda host, port, reason, text: refused.append((host, reason, text))
+    )
     door.start()
     door.address = ("127.0.0.1", door.port)
     door.refused = refused
@@ -121,8 +123,9 @@ def test_the_total_cap_holds_whatever_the_addresses(gate):
         sock.close()
 
 
-@pytest.mark.parametrize("sent,reason", [(b"", "idle-connection"), (b"PRI * HTTP/2.0", "not-tls"),
-                                         (b"\x16\x03\x01\x00", "handshake")])
+@pytest.mark.parametrize(
+    "sent,reason", [(b"", "idle-connection"), (b"PRI * HTTP/2.0", "not-tls"), (b"\x16\x03\x01\x00", "handshake")]
+)
 def test_a_connection_without_a_request_is_cut_at_its_deadline_and_named(gate, sent, reason):
     sock = _connect(gate.address, "127.0.0.3")
     if sent:

@@ -1,5 +1,6 @@
 """FedML's DP, attacks and defenses with Per-FedAvg: the same on the batched engine and FedML's sp
 loop, errors at start for what cannot apply, noise of the mechanism's scale, a defense at work."""
+
 import argparse
 import math
 from collections import OrderedDict
@@ -15,15 +16,38 @@ from fedml_perfedavg.run.runner import run
 
 from tests.helpers_tiny import tiny_data
 
-BASE = dict(client_num_in_total=6, client_num_per_round=5, comm_round=3, local_steps=2, batch_size=8,
-            meta_batch_size=8, hessian_batch_size=8, beta=0.1, alpha=0.05, show_progress=False,
-            frequency_of_the_test=2, checkpoint_every=0, hidden_sizes=[5])
-LDP = {"enable_dp": True, "dp_solution_type": "ldp", "mechanism_type": "gaussian", "epsilon": 0.5, "delta": 1e-5,
-       "sensitivity": 0.01}
+BASE = dict(
+    client_num_in_total=6,
+    client_num_per_round=5,
+    comm_round=3,
+    local_steps=2,
+    batch_size=8,
+    meta_batch_size=8,
+    hessian_batch_size=8,
+    beta=0.1,
+    alpha=0.05,
+    show_progress=False,
+    frequency_of_the_test=2,
+    checkpoint_every=0,
+    hidden_sizes=[5],
+)
+LDP = {
+    "enable_dp": True,
+    "dp_solution_type": "ldp",
+    "mechanism_type": "gaussian",
+    "epsilon": 0.5,
+    "delta": 1e-5,
+    "sensitivity": 0.01,
+}
 CDP = {**LDP, "dp_solution_type": "cdp", "mechanism_type": "laplace", "epsilon": 2.0}
 BYZANTINE = {"enable_attack": True, "attack_type": "byzantine", "attack_mode": "random", "byzantine_client_num": 1}
-FLIPPING = {"enable_attack": True, "attack_type": "label_flipping", "original_class_list": [0, 1],
-            "target_class_list": [2, 0], "ratio_of_poisoned_client": 0.5}
+FLIPPING = {
+    "enable_attack": True,
+    "attack_type": "label_flipping",
+    "original_class_list": [0, 1],
+    "target_class_list": [2, 0],
+    "ratio_of_poisoned_client": 0.5,
+}
 CLIPPING = {"enable_defense": True, "defense_type": "norm_diff_clipping", "norm_bound": 0.5}
 MEDIAN = {"enable_defense": True, "defense_type": "wise_median"}
 KRUM = {"enable_defense": True, "defense_type": "krum", "byzantine_client_num": 1, "krum_param_m": 1}
@@ -32,9 +56,15 @@ COMBINATIONS = {
     "ldp+byzantine+clipping": {"dp_args": LDP, "attack_args": BYZANTINE, "defense_args": CLIPPING},
     "cdp-laplace+flipping+median": {"dp_args": CDP, "attack_args": FLIPPING, "defense_args": MEDIAN},
     "byzantine+krum": {"attack_args": BYZANTINE, "defense_args": KRUM},
-    "model_replacement+geo_median": {"attack_args": {"enable_attack": True, "attack_type": "model_replacement"},
-                                     "defense_args": {"enable_defense": True, "defense_type": "geo_median",
-                                                      "byzantine_client_num": 1, "batch_num": 1}},
+    "model_replacement+geo_median": {
+        "attack_args": {"enable_attack": True, "attack_type": "model_replacement"},
+        "defense_args": {
+            "enable_defense": True,
+            "defense_type": "geo_median",
+            "byzantine_client_num": 1,
+            "batch_num": 1,
+        },
+    },
 }
 
 
@@ -71,9 +101,18 @@ Z = 5.0
 
 
 def _hooks(dp, seed=0):
-    return FedMLSafeguards({"dp_args": dp}, {"random_seed": seed, "comm_round": 3, "client_num_per_round": 5,
-                                             "client_num_in_total": 6, "batch_size": 8, "dataset": "mnist",
-                                             "train_data_num_in_total": None})
+    return FedMLSafeguards(
+        {"dp_args": dp},
+        {
+            "random_seed": seed,
+            "comm_round": 3,
+            "client_num_per_round": 5,
+            "client_num_in_total": 6,
+            "batch_size": 8,
+            "dataset": "mnist",
+            "train_data_num_in_total": None,
+        },
+    )
 
 
 def test_central_gaussian_noise_has_the_mechanisms_scale():
@@ -114,9 +153,18 @@ def test_central_dp_in_a_round_moves_the_model_by_the_mechanisms_noise(tmp_path)
 
 # -- defenses ------------------------------------------------------------------------------------
 def _hand_built_round(defense):
-    hooks = FedMLSafeguards({"defense_args": defense}, {"random_seed": 0, "comm_round": 3, "client_num_per_round": 6,
-                                                       "client_num_in_total": 6, "batch_size": 8, "dataset": "mnist",
-                                                       "train_data_num_in_total": None})
+    hooks = FedMLSafeguards(
+        {"defense_args": defense},
+        {
+            "random_seed": 0,
+            "comm_round": 3,
+            "client_num_per_round": 6,
+            "client_num_in_total": 6,
+            "batch_size": 8,
+            "dataset": "mnist",
+            "train_data_num_in_total": None,
+        },
+    )
     torch.manual_seed(0)
     global_state = OrderedDict(w=torch.zeros(10), b=torch.zeros(2))
     honest = [(10.0, OrderedDict(w=0.01 * torch.randn(10), b=0.01 * torch.randn(2))) for _ in range(5)]
@@ -143,43 +191,75 @@ def test_norm_difference_clipping_bounds_the_attackers_update():
 
 
 def test_the_algorithms_aggregate_applies_the_defense(tmp_path):
-    result = _run(tmp_path, {"attack_args": {**BYZANTINE, "attack_mode": "zero"}, "defense_args": KRUM}, "krum",
-                  comm_round=1)
+    result = _run(
+        tmp_path, {"attack_args": {**BYZANTINE, "attack_mode": "zero"}, "defense_args": KRUM}, "krum", comm_round=1
+    )
     algorithm = result.algorithm
     assert algorithm.hooks is not NO_HOOKS
     assert algorithm.hooks.defender.defense_type == "krum"
 
 
 # -- errors at start -----------------------------------------------------------------------------
-@pytest.mark.parametrize("sections,words", [
-    ({"dp_args": {**LDP, "dp_solution_type": "nbafl"}}, "dp_args.dp_solution_type='nbafl': not supported: FedML 0.9.6 never adds"),
-    ({"dp_args": {**LDP, "dp_solution_type": "dp_clip"}}, "dp_args.dp_solution_type='dp_clip': not supported"),
-    ({"dp_args": {**LDP, "dp_solution_type": "local"}}, "dp_args.dp_solution_type='local': must be one of ['ldp', 'cdp']"),
-    ({"dp_args": {k: v for k, v in LDP.items() if k != "delta"}}, "dp_args.delta: required with dp_args.enable_dp"),
-    ({"dp_args": {**LDP, "epsilon": 3.0}}, "dp_args.epsilon=3.0, delta=1e-05, sensitivity=0.01: FedML's gaussian"),
-    ({"dp_args": {k: v for k, v in LDP.items() if k != "sensitivity"}}, "dp_args.sensitivity: required by"),
-    ({"dp_args": {**LDP, "mechanism_type": "exponential"}}, "dp_args.mechanism_type='exponential': must be one of"),
-    ({"attack_args": {"enable_attack": True, "attack_type": "dlg"}}, "attack_args.attack_type='dlg': not supported"),
-    ({"attack_args": {"enable_attack": True, "attack_type": "backdoor"}}, "attack_args.attack_type='backdoor': must be"),
-    ({"attack_args": {**BYZANTINE, "attack_mode": "scale"}}, "attack_args.attack_mode='scale': must be one of"),
-    ({"attack_args": {k: v for k, v in BYZANTINE.items() if k != "byzantine_client_num"}},
-     "attack_args.byzantine_client_num: required by attack_type 'byzantine'"),
-    ({"attack_args": {**FLIPPING, "ratio_of_poisoned_client": 2}}, "attack_args.ratio_of_poisoned_client=2: must be"),
-    ({"attack_args": {**FLIPPING, "target_class_list": [2]}}, "attack_args.target_class_list=[2]: must be as long"),
-    ({"defense_args": {"enable_defense": True, "defense_type": "robust_learning_rate"}},
-     "defense_args.defense_type='robust_learning_rate': must be one of"),
-    ({"defense_args": {**KRUM, "krum_param_m": 3}}, "defense_args.enable_defense: FedML's code refuses a round of 5 "
-     "clients (train_args.client_num_per_round) with these settings: byzantine_client_num conflicts"),
-    ({"defense_args": {"enable_defense": True, "defense_type": "norm_diff_clipping"}},
-     "defense_args.norm_bound: required by defense_type 'norm_diff_clipping'"),
-    ({"attack_args": BYZANTINE, "defense_args": {**KRUM, "byzantine_client_num": 2}},
-     "defense_args.byzantine_client_num=2 and attack_args.byzantine_client_num=1: FedML's attack and defense read "
-     "one byzantine_client_num"),
-    ({"defense_args": {"enable_defense": True, "defense_type": "foolsgold"}},
-     "defense_args.defense_type='foolsgold': FedML's foolsgold acts only through each update's sample weight, which "
-     "train_args.aggregation='uniform' does not use (the model would be the one without it); set "
-     "train_args.aggregation: sample_weighted"),
-])
+@pytest.mark.parametrize(
+    "sections,words",
+    [
+        (
+            {"dp_args": {**LDP, "dp_solution_type": "nbafl"}},
+            "dp_args.dp_solution_type='nbafl': not supported: FedML 0.9.6 never adds",
+        ),
+        ({"dp_args": {**LDP, "dp_solution_type": "dp_clip"}}, "dp_args.dp_solution_type='dp_clip': not supported"),
+        (
+            {"dp_args": {**LDP, "dp_solution_type": "local"}},
+            "dp_args.dp_solution_type='local': must be one of ['ldp', 'cdp']",
+        ),
+        ({"dp_args": {k: v for k, v in LDP.items() if k != "delta"}}, "dp_args.delta: required with dp_args.enable_dp"),
+        ({"dp_args": {**LDP, "epsilon": 3.0}}, "dp_args.epsilon=3.0, delta=1e-05, sensitivity=0.01: FedML's gaussian"),
+        ({"dp_args": {k: v for k, v in LDP.items() if k != "sensitivity"}}, "dp_args.sensitivity: required by"),
+        ({"dp_args": {**LDP, "mechanism_type": "exponential"}}, "dp_args.mechanism_type='exponential': must be one of"),
+        (
+            {"attack_args": {"enable_attack": True, "attack_type": "dlg"}},
+            "attack_args.attack_type='dlg': not supported",
+        ),
+        (
+            {"attack_args": {"enable_attack": True, "attack_type": "backdoor"}},
+            "attack_args.attack_type='backdoor': must be",
+        ),
+        ({"attack_args": {**BYZANTINE, "attack_mode": "scale"}}, "attack_args.attack_mode='scale': must be one of"),
+        (
+            {"attack_args": {k: v for k, v in BYZANTINE.items() if k != "byzantine_client_num"}},
+            "attack_args.byzantine_client_num: required by attack_type 'byzantine'",
+        ),
+        (
+            {"attack_args": {**FLIPPING, "ratio_of_poisoned_client": 2}},
+            "attack_args.ratio_of_poisoned_client=2: must be",
+        ),
+        ({"attack_args": {**FLIPPING, "target_class_list": [2]}}, "attack_args.target_class_list=[2]: must be as long"),
+        (
+            {"defense_args": {"enable_defense": True, "defense_type": "robust_learning_rate"}},
+            "defense_args.defense_type='robust_learning_rate': must be one of",
+        ),
+        (
+            {"defense_args": {**KRUM, "krum_param_m": 3}},
+            "defense_args.enable_defense: FedML's code refuses a round of 5 "
+            "clients (train_args.client_num_per_round) with these settings: byzantine_client_num conflicts",
+        ),
+        (
+            {"defense_args": {"enable_defense": True, "defense_type": "norm_diff_clipping"}},
+            "defense_args.norm_bound: required by defense_type 'norm_diff_clipping'",
+        ),
+        (
+            {"attack_args": BYZANTINE, "defense_args": {**KRUM, "byzantine_client_num": 2}},
+            "defense_args.byzantine_client_num=2 and attack_args.byzantine_client_num=1: FedML's attack and defense read "
+            "one byzantine_client_num",
+        ),
+        (
+            {"defense_args": {"enable_defense": True, "defense_type": "foolsgold"}},
+            "defense_args.defense_type='foolsgold': FedML's foolsgold acts only through each update's sample weight, which "
+            "train_args.aggregation='uniform' does not use (the model would be the one without it); set "
+            "train_args.aggregation: sample_weighted",
+        ),
+    ],
+)
 def test_what_cannot_apply_is_an_error_at_start_naming_the_key(sections, words):
     with pytest.raises(ConfigError) as err:
         resolve(sections, dict(BASE))
@@ -224,18 +304,39 @@ def test_dp_delta_and_per_fedavgs_delta_stay_apart(tmp_path):
 
 def test_fedmls_entry_path_reads_a_shared_name_section_by_section(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("train_args:\n  delta: 0.002\n  comm_round: 2\ndp_args:\n  enable_dp: true\n  dp_solution_type: ldp\n"
-                    "  mechanism_type: gaussian\n  epsilon: 0.5\n  delta: 0.00001\n  sensitivity: 0.01\n")
+    path.write_text(
+        "train_args:\n  delta: 0.002\n  comm_round: 2\ndp_args:\n  enable_dp: true\n  dp_solution_type: ldp\n"
+        "  mechanism_type: gaussian\n  epsilon: 0.5\n  delta: 0.00001\n  sensitivity: 0.01\n"
+    )
     # FedML flattens sections in order: args.delta holds the last one (dp_args')
-    args = argparse.Namespace(yaml_config_file=str(path), delta=1e-5, comm_round=2, enable_dp=True,
-                              dp_solution_type="ldp", mechanism_type="gaussian", epsilon=0.5, sensitivity=0.01)
+    args = argparse.Namespace(
+        yaml_config_file=str(path),
+        delta=1e-5,
+        comm_round=2,
+        enable_dp=True,
+        dp_solution_type="ldp",
+        mechanism_type="gaussian",
+        epsilon=0.5,
+        sensitivity=0.01,
+    )
     config = from_fedml_args(args)
     assert config.delta == 0.002 and config.safeguards["dp_args"]["delta"] == 1e-5
 
 
 def test_fedml_keys_in_other_sections_go_to_their_own_and_set_takes_sections():
-    config = resolve({"train_args": {"enable_dp": True, "dp_solution_type": "ldp", "mechanism_type": "gaussian",
-                                     "epsilon": 0.5, "sensitivity": 0.01}, "dp_args": {"delta": 1e-5}}, dict(BASE))
+    config = resolve(
+        {
+            "train_args": {
+                "enable_dp": True,
+                "dp_solution_type": "ldp",
+                "mechanism_type": "gaussian",
+                "epsilon": 0.5,
+                "sensitivity": 0.01,
+            },
+            "dp_args": {"delta": 1e-5},
+        },
+        dict(BASE),
+    )
     assert config.safeguards["dp_args"]["enable_dp"] is True and config.delta == 0.001
     overrides = parse_overrides(["dp_args.epsilon=0.25", "defense_type=krum", "delta=0.003"])
     assert overrides == {"dp_args.epsilon": 0.25, "defense_args.defense_type": "krum", "delta": 0.003}

@@ -1,6 +1,7 @@
 """An outsider, and an insider with the wrong certificate, against live cross-silo transports on
 loopback (a server, rank 0, and silo 1, with mutual TLS): what each attack sends, what is refused
 and logged, and that nothing of it reaches the protocol while genuine messages still do."""
+
 import logging
 import pickle
 import struct
@@ -56,8 +57,19 @@ def raw_send(transport, data, tls_dir=None, as_rank=None, ca_dir=None):
 
 
 def _encoded(kind, sender, receiver, seq=1000, run_id="run-A", reply_to=-1, model=None, **params):
-    return wire.encode(wire.Envelope(type=kind, sender=sender, receiver=receiver, run_id=run_id, round=0, seq=seq,
-                                     params=params, model=model, reply_to=reply_to))
+    return wire.encode(
+        wire.Envelope(
+            type=kind,
+            sender=sender,
+            receiver=receiver,
+            run_id=run_id,
+            round=0,
+            seq=seq,
+            params=params,
+            model=model,
+            reply_to=reply_to,
+        )
+    )
 
 
 def _drain(transport):
@@ -114,8 +126,9 @@ def test_a_pickle_sent_to_every_port_runs_nothing(world, caplog):
 
 def test_an_insecure_transport_still_never_unpickles(tmp_path, caplog):
     path = write_ipconfig(str(tmp_path / "ip.csv"), 2)
-    server = SecureGRPCCommManager(path, client_rank=0, client_num=1,
-                                   args=Namespace(insecure=True, run_id="r", max_message_bytes=CAP))
+    server = SecureGRPCCommManager(
+        path, client_rank=0, client_num=1, args=Namespace(insecure=True, run_id="r", max_message_bytes=CAP)
+    )
     try:
         with caplog.at_level(logging.WARNING):
             assert raw_send(server, pickle.dumps(WritesAFile(tmp_path / "owned"))) == grpc.StatusCode.PERMISSION_DENIED
@@ -161,11 +174,19 @@ def test_messages_over_the_size_cap_are_refused(world, caplog):
     big = {"w": torch.zeros(CAP // 4)}  # just over the cap once encoded
     huge = {"w": torch.zeros(CAP)}  # 4 x the cap: gRPC refuses it before reading it
     with caplog.at_level(logging.WARNING):
-        assert raw_send(world.server, _encoded(wire.UPLOAD, 1, 0, model=big, num_samples=1, reply_to=0), world.tls, 1,
-                        world.tls) == grpc.StatusCode.PERMISSION_DENIED
+        assert (
+            raw_send(
+                world.server, _encoded(wire.UPLOAD, 1, 0, model=big, num_samples=1, reply_to=0), world.tls, 1, world.tls
+            )
+            == grpc.StatusCode.PERMISSION_DENIED
+        )
     assert f"over the size cap of {CAP}" in caplog.text
-    assert raw_send(world.server, _encoded(wire.UPLOAD, 1, 0, model=huge, num_samples=1, reply_to=0), world.tls, 1,
-                    world.tls) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (
+        raw_send(
+            world.server, _encoded(wire.UPLOAD, 1, 0, model=huge, num_samples=1, reply_to=0), world.tls, 1, world.tls
+        )
+        == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
     assert _drain(world.server) == []
 
 
@@ -182,7 +203,7 @@ def test_replays_other_runs_and_second_uploads_are_dropped(world, caplog):
         # a second upload in the same round, with a new sequence number
         _upload_from_silo(world)
         # an upload for another run
-        other_run = _encoded(wire.UPLOAD, 1, 0, seq=10 ** 6, run_id="run-B", model=MODEL, num_samples=1, reply_to=0)
+        other_run = _encoded(wire.UPLOAD, 1, 0, seq=10**6, run_id="run-B", model=MODEL, num_samples=1, reply_to=0)
         assert raw_send(world.server, other_run, world.tls, 1, world.tls) == grpc.StatusCode.PERMISSION_DENIED
     assert "is a replay (sequence 0, already at 0)" in caplog.text
     assert "answers no open model (a round already closed, or a second upload in one round)" in caplog.text
@@ -194,11 +215,14 @@ def test_replays_other_runs_and_second_uploads_are_dropped(world, caplog):
     assert len(_drain(world.server)) == 1
 
 
-@pytest.mark.parametrize("bad,problem", [
-    ({"w": torch.ones(3, 4), "b": torch.zeros(4)}, "shape/dtype"),
-    ({"w": torch.full((4, 3), float("nan")), "b": torch.zeros(4)}, "non-finite"),
-    ({"w": torch.full((4, 3), 1e6), "b": torch.zeros(4)}, "exceeds train_args.max_update_norm"),
-])
+@pytest.mark.parametrize(
+    "bad,problem",
+    [
+        ({"w": torch.ones(3, 4), "b": torch.zeros(4)}, "shape/dtype"),
+        ({"w": torch.full((4, 3), float("nan")), "b": torch.zeros(4)}, "non-finite"),
+        ({"w": torch.full((4, 3), 1e6), "b": torch.zeros(4)}, "exceeds train_args.max_update_norm"),
+    ],
+)
 def test_a_silos_own_bad_model_is_delivered_and_rejected_by_the_update_checks(world, bad, problem):
     """A certificate proves who sent a model, not that the model is good: that is the update
     checks' part (wrong shape, NaN, a huge norm), as for any client."""
@@ -240,7 +264,9 @@ def test_a_header_nested_20000_deep_is_a_counted_refusal_not_an_error(world, cap
 def test_a_flood_of_refused_messages_writes_a_few_lines_and_counts_them_all(world, caplog):
     """600 bad messages with a 60 KB field from an insider: every one refused and counted, a few
     lines logged, each cut short (FedML-era code wrote 36.8 MB/s of log for this)."""
-    flood = reencode(_encoded(wire.CLIENT_STATUS, 2, 0, client_status="ONLINE"), lambda h: h.update(run_id="x" * 60_000))
+    flood = reencode(
+        _encoded(wire.CLIENT_STATUS, 2, 0, client_status="ONLINE"), lambda h: h.update(run_id="x" * 60_000)
+    )
     sent = 0
     with caplog.at_level(logging.WARNING):
         channel, stub = _insider_stub(world, 2)
@@ -267,9 +293,16 @@ def test_a_silo_that_restarts_opens_a_new_session_and_its_old_one_is_refused(wor
         assert raw_send(world.server, _with_session(old_status, "firstprocess"), world.tls, 1, world.tls) == "delivered"
         assert raw_send(world.server, other_session, world.tls, 1, world.tls) == grpc.StatusCode.PERMISSION_DENIED
         assert raw_send(world.server, hello, world.tls, 1, world.tls) == "delivered"
-        assert raw_send(world.server, _with_session(_encoded(wire.CLIENT_STATUS, 1, 0, seq=6000,
-                                                             client_status="FINISHED"), "firstprocess"),
-                        world.tls, 1, world.tls) == grpc.StatusCode.PERMISSION_DENIED
+        assert (
+            raw_send(
+                world.server,
+                _with_session(_encoded(wire.CLIENT_STATUS, 1, 0, seq=6000, client_status="FINISHED"), "firstprocess"),
+                world.tls,
+                1,
+                world.tls,
+            )
+            == grpc.StatusCode.PERMISSION_DENIED
+        )
     assert "comes from another process of that rank (session newprocess1" in caplog.text
     assert "a silo's new process must announce itself first" in caplog.text
     assert "comes from an earlier process of that rank (session firstprocess)" in caplog.text
@@ -312,7 +345,9 @@ def _insider_stub(world, rank):
     from fedml_perfedavg.fedml_bridge.cross_silo.credentials import rank_name
 
     read = lambda name: (world.tls / name).read_bytes()  # noqa: E731
-    channel = grpc.secure_channel("%s:%d" % world.server.addresses[0], grpc.ssl_channel_credentials(
-        read("ca.pem"), read(f"rank-{rank}.key"), read(f"rank-{rank}.pem")),
-        options=[("grpc.ssl_target_name_override", rank_name(0))])
+    channel = grpc.secure_channel(
+        "%s:%d" % world.server.addresses[0],
+        grpc.ssl_channel_credentials(read("ca.pem"), read(f"rank-{rank}.key"), read(f"rank-{rank}.pem")),
+        options=[("grpc.ssl_target_name_override", rank_name(0))],
+    )
     return channel, pb2_grpc.gRPCCommManagerStub(channel)

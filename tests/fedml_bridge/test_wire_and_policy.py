@@ -1,5 +1,6 @@
 """The cross-silo wire format decodes only data of the protocol's schema, and the silo policy's
 rules, as pure functions."""
+
 import pickle
 import struct
 
@@ -13,11 +14,20 @@ from tests.helpers import reencode
 
 
 def _upload(**changes):
-    fields = dict(type=wire.UPLOAD, sender=1, receiver=0, run_id="run", round=3, seq=7, reply_to=6,
-                  params={"num_samples": 40, wire.SILO_METRICS: {"round": 3, "user": 5, "correct": 8,
-                                                                  "correct_before": 4, "total": 16, "loss": 0.7}},
-                  model={"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(2, dtype=torch.float64),
-                         "n": torch.tensor(3)})
+    fields = dict(
+        type=wire.UPLOAD,
+        sender=1,
+        receiver=0,
+        run_id="run",
+        round=3,
+        seq=7,
+        reply_to=6,
+        params={
+            "num_samples": 40,
+            wire.SILO_METRICS: {"round": 3, "user": 5, "correct": 8, "correct_before": 4, "total": 16, "loss": 0.7},
+        },
+        model={"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(2, dtype=torch.float64), "n": torch.tensor(3)},
+    )
     fields.update(changes)
     return wire.Envelope(**fields)
 
@@ -25,8 +35,16 @@ def _upload(**changes):
 def test_a_message_round_trips_with_its_model_order_dtypes_and_metrics():
     sent = _upload()
     got = wire.decode(wire.encode(sent), 1 << 20)
-    assert (got.type, got.sender, got.receiver, got.run_id, got.round, got.seq, got.reply_to, got.session) == \
-        (3, 1, 0, "run", 3, 7, 6, "0")
+    assert (got.type, got.sender, got.receiver, got.run_id, got.round, got.seq, got.reply_to, got.session) == (
+        3,
+        1,
+        0,
+        "run",
+        3,
+        7,
+        6,
+        "0",
+    )
     assert got.params == sent.params
     assert list(got.model) == ["w", "b", "n"]
     for k, v in sent.model.items():
@@ -38,50 +56,56 @@ class _Boom:
         return (print, ("pickle ran",))
 
 
-@pytest.mark.parametrize("data,why", [
-    (pickle.dumps(_Boom()), "a pickle"),
-    (pickle.dumps(12), "a pickle"),
-    (b"\x00" * 12, "not a message of this protocol"),
-    (wire.MAGIC + b"\x00", "truncated"),
-    (wire.MAGIC + struct.pack(">I", 10 ** 6) + b"{}", "header length"),
-    (wire.MAGIC + struct.pack(">I", 2) + b"[]", "header fields"),
-    (wire.MAGIC + struct.pack(">I", 3) + b"\xff\xfe{", "not UTF-8 JSON"),
-    # 20,000 nested brackets would drive a JSON parser into recursion: refused before it parses
-    (wire.MAGIC + struct.pack(">I", 40_000) + b"[" * 20_000 + b"]" * 20_000, "more than 256 brackets"),
-    (b"PFAWIRE1" + struct.pack(">I", 2) + b"{}", "or of another version of it"),
-])
+@pytest.mark.parametrize(
+    "data,why",
+    [
+        (pickle.dumps(_Boom()), "a pickle"),
+        (pickle.dumps(12), "a pickle"),
+        (b"\x00" * 12, "not a message of this protocol"),
+        (wire.MAGIC + b"\x00", "truncated"),
+        (wire.MAGIC + struct.pack(">I", 10**6) + b"{}", "header length"),
+        (wire.MAGIC + struct.pack(">I", 2) + b"[]", "header fields"),
+        (wire.MAGIC + struct.pack(">I", 3) + b"\xff\xfe{", "not UTF-8 JSON"),
+        # 20,000 nested brackets would drive a JSON parser into recursion: refused before it parses
+        (wire.MAGIC + struct.pack(">I", 40_000) + b"[" * 20_000 + b"]" * 20_000, "more than 256 brackets"),
+        (b"PFAWIRE1" + struct.pack(">I", 2) + b"{}", "or of another version of it"),
+    ],
+)
 def test_bytes_that_are_not_a_message_are_rejected_without_running_anything(data, why, capsys):
     with pytest.raises(wire.Rejected, match=why):
         wire.decode(data, 1 << 20)
     assert "pickle ran" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("edit,why", [
-    (lambda h: h.update(type=99), "type 99 is not part"),
-    (lambda h: h.update(type=True), "is not part"),
-    (lambda h: h.update(sender=-1), "'sender'=-1"),
-    (lambda h: h.update(seq="7"), "'seq'"),
-    (lambda h: h.update(run_id=["x"]), "run_id"),
-    (lambda h: h["params"].update(evil="__import__('os')"), "unexpected parameter 'evil'"),
-    (lambda h: h["params"].update(num_samples="40"), "num_samples='40' has the wrong type"),
-    (lambda h: h["params"].update(num_samples=float("nan")), "NaN is not a JSON number"),
-    (lambda h: h["params"].update(num_samples=-1), "num_samples=-1 has the wrong type"),
-    (lambda h: h["params"].update(num_samples=1e300), "num_samples=1e\\+300 has the wrong type"),
-    (lambda h: h["params"].update(num_samples=2 ** 31), "num_samples=2147483648 has the wrong type"),
-    (lambda h: h.update(session="../x"), "session='../x' is not 1 to 32 letters"),
-    (lambda h: h.update(session="a" * 33), "session="),
-    (lambda h: h["params"].pop("num_samples"), "missing parameter"),
-    (lambda h: h["params"].update(plugin_silo_metrics={"accuracy": 2}), "plugin_silo_metrics"),
-    # reported figures: whole counts that fit, a finite loss
-    (lambda h: h["params"][wire.SILO_METRICS].update(correct=17), "plugin_silo_metrics"),
-    (lambda h: h["params"][wire.SILO_METRICS].update(correct=2.5), "plugin_silo_metrics"),
-    (lambda h: h["params"][wire.SILO_METRICS].update(total=0, correct=0, correct_before=0), "plugin_silo_metrics"),
-    (lambda h: h["params"][wire.SILO_METRICS].update(loss=1e300), "plugin_silo_metrics"),
-    (lambda h: h["params"][wire.SILO_METRICS].update(user=-1), "plugin_silo_metrics"),
-    (lambda h: h.update(tensors=["w", "b"]), "tensor names in the header and in the tensors differ"),
-    (lambda h: h.update(tensors="w"), "list of at most 100000 distinct strings"),
-    (lambda h: h.update(extra=1), "header fields"),
-])
+@pytest.mark.parametrize(
+    "edit,why",
+    [
+        (lambda h: h.update(type=99), "type 99 is not part"),
+        (lambda h: h.update(type=True), "is not part"),
+        (lambda h: h.update(sender=-1), "'sender'=-1"),
+        (lambda h: h.update(seq="7"), "'seq'"),
+        (lambda h: h.update(run_id=["x"]), "run_id"),
+        (lambda h: h["params"].update(evil="__import__('os')"), "unexpected parameter 'evil'"),
+        (lambda h: h["params"].update(num_samples="40"), "num_samples='40' has the wrong type"),
+        (lambda h: h["params"].update(num_samples=float("nan")), "NaN is not a JSON number"),
+        (lambda h: h["params"].update(num_samples=-1), "num_samples=-1 has the wrong type"),
+        (lambda h: h["params"].update(num_samples=1e300), "num_samples=1e\\+300 has the wrong type"),
+        (lambda h: h["params"].update(num_samples=2**31), "num_samples=2147483648 has the wrong type"),
+        (lambda h: h.update(session="../x"), "session='../x' is not 1 to 32 letters"),
+        (lambda h: h.update(session="a" * 33), "session="),
+        (lambda h: h["params"].pop("num_samples"), "missing parameter"),
+        (lambda h: h["params"].update(plugin_silo_metrics={"accuracy": 2}), "plugin_silo_metrics"),
+        # reported figures: whole counts that fit, a finite loss
+        (lambda h: h["params"][wire.SILO_METRICS].update(correct=17), "plugin_silo_metrics"),
+        (lambda h: h["params"][wire.SILO_METRICS].update(correct=2.5), "plugin_silo_metrics"),
+        (lambda h: h["params"][wire.SILO_METRICS].update(total=0, correct=0, correct_before=0), "plugin_silo_metrics"),
+        (lambda h: h["params"][wire.SILO_METRICS].update(loss=1e300), "plugin_silo_metrics"),
+        (lambda h: h["params"][wire.SILO_METRICS].update(user=-1), "plugin_silo_metrics"),
+        (lambda h: h.update(tensors=["w", "b"]), "tensor names in the header and in the tensors differ"),
+        (lambda h: h.update(tensors="w"), "list of at most 100000 distinct strings"),
+        (lambda h: h.update(extra=1), "header fields"),
+    ],
+)
 def test_headers_outside_the_schema_are_rejected(edit, why):
     with pytest.raises(wire.Rejected, match=why):
         wire.decode(reencode(wire.encode(_upload()), edit), 1 << 20)
@@ -90,10 +114,10 @@ def test_headers_outside_the_schema_are_rejected(edit, why):
 def test_a_nan_token_in_the_header_is_refused():
     data = wire.encode(_upload())
     (length,) = struct.unpack_from(">I", data, 8)
-    raw = data[12:12 + length].replace(b'"loss":0.7', b'"loss":NaN')
-    assert raw != data[12:12 + length]
+    raw = data[12 : 12 + length].replace(b'"loss":0.7', b'"loss":NaN')
+    assert raw != data[12 : 12 + length]
     with pytest.raises(wire.Rejected, match="NaN is not a JSON number"):
-        wire.decode(wire.MAGIC + struct.pack(">I", len(raw)) + raw + data[12 + length:], 1 << 20)
+        wire.decode(wire.MAGIC + struct.pack(">I", len(raw)) + raw + data[12 + length :], 1 << 20)
 
 
 def test_a_refusal_echoes_no_more_than_a_few_dozen_characters():
@@ -107,8 +131,9 @@ def test_damaged_tensors_and_tensors_on_a_message_without_a_model_are_rejected()
     data = wire.encode(_upload())
     with pytest.raises(wire.Rejected, match="not a valid safetensors blob"):
         wire.decode(data[:-5], 1 << 20)
-    finish = wire.encode(wire.Envelope(type=wire.FINISH, sender=0, receiver=1, run_id="run", round=0, seq=0,
-                                       params={"client_idx": "4"}))
+    finish = wire.encode(
+        wire.Envelope(type=wire.FINISH, sender=0, receiver=1, run_id="run", round=0, seq=0, params={"client_idx": "4"})
+    )
     with pytest.raises(wire.Rejected, match="carries no model"):
         wire.decode(finish + b"tensors", 1 << 20)
 

@@ -1,6 +1,7 @@
 """Any model whose forward is a deterministic function of its parameters trains and is
 evaluated, every variant: hand-batched where it can, vmapped where vmap can, per-client (never
 calling vmap) otherwise, the log saying which and why."""
+
 import logging
 
 import pytest
@@ -40,9 +41,15 @@ class InPlace(nn.Module):
 
 def _tokens(num_users=6, seed=0):
     g = torch.Generator().manual_seed(seed)
-    users = [UserSplit(torch.randint(1, 20, (24, 5), generator=g), torch.randint(0, 20, (24,), generator=g),
-                       torch.randint(1, 20, (8, 5), generator=g), torch.randint(0, 20, (8,), generator=g))
-             for _ in range(num_users)]
+    users = [
+        UserSplit(
+            torch.randint(1, 20, (24, 5), generator=g),
+            torch.randint(0, 20, (24,), generator=g),
+            torch.randint(1, 20, (8, 5), generator=g),
+            torch.randint(0, 20, (8,), generator=g),
+        )
+        for _ in range(num_users)
+    ]
     return FederatedData(users, 20, (5,))
 
 

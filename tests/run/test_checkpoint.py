@@ -1,5 +1,6 @@
 """Checkpoints: a damaged one falls back, a resumed run equals an uninterrupted one, and a
 seed gives bit-identical results."""
+
 import pytest
 import torch
 
@@ -95,8 +96,10 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
     from fedml_perfedavg.run import checkpoint
 
     marker = tmp_path / "owned"
-    torch.save({"next_round": 1, "model": {}, "states": _WritesAFile(marker), "torch_rng": torch.zeros(1)},
-               tmp_path / "checkpoint.pt")
+    torch.save(
+        {"next_round": 1, "model": {}, "states": _WritesAFile(marker), "torch_rng": torch.zeros(1)},
+        tmp_path / "checkpoint.pt",
+    )
     with pytest.raises(ConfigError, match="checkpoint.pt"):
         checkpoint.load(str(tmp_path))
     assert not marker.exists()

@@ -1,4 +1,5 @@
 """The command line: clean errors, usage, and --describe-data."""
+
 import subprocess
 import sys
 
@@ -23,9 +24,22 @@ def test_cli_reports_config_errors_without_a_traceback(capsys, tmp_path):
 
 @needs_mnist
 def test_describe_data_prints_the_paper_counts(mnist_root):
-    out = subprocess.run([sys.executable, "-m", "fedml_perfedavg", "--cf", str(CONFIGS[-1]), "--describe-data",
-                          "--set", f"data_cache_dir={mnist_root}"], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedml_perfedavg",
+            "--cf",
+            str(CONFIGS[-1]),
+            "--describe-data",
+            "--set",
+            f"data_cache_dir={mnist_root}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[2].split()[:3] == ["0", "980", "160"]
@@ -35,22 +49,54 @@ def test_describe_data_prints_the_paper_counts(mnist_root):
 
 def test_a_failed_start_leaves_no_run_directory(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert main(["--cf", str(REPO / "yaml_configs" / "quickstart_mnist_hf.yaml"), "--set",
-                 f"data_cache_dir={tmp_path / 'nowhere'}", "--run-dir", str(run_dir)]) == 2
+    assert (
+        main(
+            [
+                "--cf",
+                str(REPO / "yaml_configs" / "quickstart_mnist_hf.yaml"),
+                "--set",
+                f"data_cache_dir={tmp_path / 'nowhere'}",
+                "--run-dir",
+                str(run_dir),
+            ]
+        )
+        == 2
+    )
     assert "mnist not found: expected its files under" in capsys.readouterr().err
     assert not run_dir.exists()
     kept = tmp_path / "kept"
     kept.mkdir()  # a directory the user made is never removed
-    assert main(["--cf", str(REPO / "yaml_configs" / "quickstart_mnist_hf.yaml"), "--set",
-                 f"data_cache_dir={tmp_path / 'nowhere'}", "--run-dir", str(kept)]) == 2
+    assert (
+        main(
+            [
+                "--cf",
+                str(REPO / "yaml_configs" / "quickstart_mnist_hf.yaml"),
+                "--set",
+                f"data_cache_dir={tmp_path / 'nowhere'}",
+                "--run-dir",
+                str(kept),
+            ]
+        )
+        == 2
+    )
     assert kept.exists()
 
 
 def _summary(**overrides):
-    summary = {"status": "finished", "error": None, "rounds": 4, "headline_round": 3, "wall_seconds": 2.5,
-               "personalized_accuracy": 0.75, "accuracy_before_adaptation": 0.5, "personalized_accuracy_std": 0.25,
-               "per_user_accuracy": [0.5, 1.0], "per_user_accuracy_before_adaptation": [0.25, 0.75], "new_users": [1],
-               "config": {"train_args": {"federated_optimizer": "PerFedAvg", "perfedavg_variant": "hf"}}}
+    summary = {
+        "status": "finished",
+        "error": None,
+        "rounds": 4,
+        "headline_round": 3,
+        "wall_seconds": 2.5,
+        "personalized_accuracy": 0.75,
+        "accuracy_before_adaptation": 0.5,
+        "personalized_accuracy_std": 0.25,
+        "per_user_accuracy": [0.5, 1.0],
+        "per_user_accuracy_before_adaptation": [0.25, 0.75],
+        "new_users": [1],
+        "config": {"train_args": {"federated_optimizer": "PerFedAvg", "perfedavg_variant": "hf"}},
+    }
     summary.update(overrides)
     return summary
 
@@ -58,10 +104,16 @@ def _summary(**overrides):
 def test_show_prints_a_run_and_compares_runs(tmp_path, capsys):
     import json
 
-    for name, summary in {"a": _summary(), "b": _summary(status="stopped", error="silo rank(s) [2] sent no update",
-                                                         lost_silos=[{"rank": 2, "round": 1, "why": "gone"}],
-                                                         config={"train_args": {"federated_optimizer": "FedAvgUpdate"}},
-                                                         personalized_accuracy=0.6)}.items():
+    for name, summary in {
+        "a": _summary(),
+        "b": _summary(
+            status="stopped",
+            error="silo rank(s) [2] sent no update",
+            lost_silos=[{"rank": 2, "round": 1, "why": "gone"}],
+            config={"train_args": {"federated_optimizer": "FedAvgUpdate"}},
+            personalized_accuracy=0.6,
+        ),
+    }.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "summary.json").write_text(json.dumps(summary))
     assert main(["show", str(tmp_path / "a")]) == 0

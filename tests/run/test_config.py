@@ -7,13 +7,23 @@ from fedml_perfedavg.algorithms.registry import algorithm_names
 
 from tests.helpers import REPO
 
-CONFIGS = sorted(p for p in (REPO / "yaml_configs").glob("*.yaml") if p.stem.split("_")[0] in ("mnist", "cifar10") and not p.stem.endswith(("_mpi", "_silo")))
+CONFIGS = sorted(
+    p
+    for p in (REPO / "yaml_configs").glob("*.yaml")
+    if p.stem.split("_")[0] in ("mnist", "cifar10") and not p.stem.endswith(("_mpi", "_silo"))
+)
 
 
 def test_every_table1_cell_has_its_configs():
     names = {p.stem for p in CONFIGS}
-    cells = ["mnist_tau10_alpha0.01", "mnist_tau4_alpha0.01", "cifar10_tau10_alpha0.001", "cifar10_tau4_alpha0.001",
-             "cifar10_tau4_alpha0.01", "cifar10_tau4_alpha0.01_diffhetero"]
+    cells = [
+        "mnist_tau10_alpha0.01",
+        "mnist_tau4_alpha0.01",
+        "cifar10_tau10_alpha0.001",
+        "cifar10_tau4_alpha0.001",
+        "cifar10_tau4_alpha0.01",
+        "cifar10_tau4_alpha0.01_diffhetero",
+    ]
     for cell in cells:
         for method in ("fedavg", "fo", "hf") + (("exact",) if cell.startswith("mnist") else ()):
             assert f"{cell}_{method}" in names
@@ -29,39 +39,61 @@ def test_shipped_configs_validate_and_say_what_they_run(path):
         assert (config.aruba_epsilon, config.aruba_zeta, config.aruba_p) == (0.03, 0.1, 1.0)
     elif method != "fedavg":
         assert config.perfedavg_variant == method
-    assert (config.client_num_in_total, config.client_num_per_round, config.comm_round, config.beta) == (50, 10, 1000,
-                                                                                                        0.001)
+    assert (config.client_num_in_total, config.client_num_per_round, config.comm_round, config.beta) == (
+        50,
+        10,
+        1000,
+        0.001,
+    )
     assert config.local_steps == int(path.stem.split("_tau")[1].split("_")[0])
     assert config.partition_method == ("paper_diff_hetero" if "diffhetero" in path.stem else "paper")
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"perfedavg_variant": "so"}, r"train_args.perfedavg_variant='so': must be one of \['fo', 'hf', 'exact'\]"),
-    ({"alpha": -0.1}, r"train_args.alpha=-0.1: must be > 0"),
-    ({"beta": "fast"}, r"train_args.beta='fast': must be of type float"),
-    ({"local_steps": 0}, r"train_args.local_steps=0: must be >= 1"),
-    ({"delta": float("inf")}, r"train_args.delta=inf: must be a finite number"),
-    ({"max_update_norm": -1}, r"train_args.max_update_norm=-1: must be > 0"),
-    ({"on_divergence": "ignore"}, r"train_args.on_divergence='ignore': must be one of \['stop', 'skip_client'\]"),
-    ({"checkpoint_every": -5}, r"common_args.checkpoint_every=-5: must be >= 0"),
-    ({"max_skipped_rounds": 0}, r"train_args.max_skipped_rounds=0: must be >= 1"),
-    ({"hidden_sizes": [80, 0]}, r"model_args.hidden_sizes=\[80, 0\]: must be a non-empty list of positive integers"),
-    ({"simulation_engine": "fast"}, r"simulation_engine='fast': must be one of \['batched', 'fedml'\]"),
-    ({"batch_size": True}, r"train_args.batch_size=True: must be of type int"),
-    ({"client_num_per_round": 60}, r"client_num_per_round=60: must be <= train_args.client_num_in_total \(50\)"),
-    ({"federated_optimizer": "PerFedAvgg"}, r"federated_optimizer='PerFedAvgg'.*did you mean 'PerFedAvg'"),
-    ({"dataset": "mnsit"}, r"data_args.dataset='mnsit'.*did you mean 'mnist'"),
-    ({"client_num_in_total": 7, "client_num_per_round": 2}, r"train_args.client_num_in_total=7: the paper's split .* needs an even number"),
-    ({"images_per_class": 2000}, r"data_args.images_per_class=2000: 50 users would need 55000 images of class 0, "
-                                 r"but mnist's training set has 5923"),
-    ({"federated_optimizer": "FedAvg"}, r"federated_optimizer='FedAvg': that is FedML's own algorithm .* FedAvgUpdate"),
-    ({"learning_rate": 0.1, "beta": 0.2}, r"train_args.learning_rate=0.1 and train_args.beta=0.2 both set the step"),
-    ({"backend": "NCCL"}, r"comm_args.backend='NCCL': must be one of"),
-    ({"images_per_class": 195}, r"data_args.images_per_class=195: must be an even number >= 2"),
-    ({"new_user_fraction": 1.0}, r"train_args.new_user_fraction=1.0: must be in \[0, 1\)"),
-    ({"new_user_fraction": 0.9}, r"new_user_fraction=0.9: leaves 5 training users, fewer than"),
-    ({"frequency_of_the_test": 0}, r"validation_args.frequency_of_the_test=0: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"perfedavg_variant": "so"}, r"train_args.perfedavg_variant='so': must be one of \['fo', 'hf', 'exact'\]"),
+        ({"alpha": -0.1}, r"train_args.alpha=-0.1: must be > 0"),
+        ({"beta": "fast"}, r"train_args.beta='fast': must be of type float"),
+        ({"local_steps": 0}, r"train_args.local_steps=0: must be >= 1"),
+        ({"delta": float("inf")}, r"train_args.delta=inf: must be a finite number"),
+        ({"max_update_norm": -1}, r"train_args.max_update_norm=-1: must be > 0"),
+        ({"on_divergence": "ignore"}, r"train_args.on_divergence='ignore': must be one of \['stop', 'skip_client'\]"),
+        ({"checkpoint_every": -5}, r"common_args.checkpoint_every=-5: must be >= 0"),
+        ({"max_skipped_rounds": 0}, r"train_args.max_skipped_rounds=0: must be >= 1"),
+        (
+            {"hidden_sizes": [80, 0]},
+            r"model_args.hidden_sizes=\[80, 0\]: must be a non-empty list of positive integers",
+        ),
+        ({"simulation_engine": "fast"}, r"simulation_engine='fast': must be one of \['batched', 'fedml'\]"),
+        ({"batch_size": True}, r"train_args.batch_size=True: must be of type int"),
+        ({"client_num_per_round": 60}, r"client_num_per_round=60: must be <= train_args.client_num_in_total \(50\)"),
+        ({"federated_optimizer": "PerFedAvgg"}, r"federated_optimizer='PerFedAvgg'.*did you mean 'PerFedAvg'"),
+        ({"dataset": "mnsit"}, r"data_args.dataset='mnsit'.*did you mean 'mnist'"),
+        (
+            {"client_num_in_total": 7, "client_num_per_round": 2},
+            r"train_args.client_num_in_total=7: the paper's split .* needs an even number",
+        ),
+        (
+            {"images_per_class": 2000},
+            r"data_args.images_per_class=2000: 50 users would need 55000 images of class 0, "
+            r"but mnist's training set has 5923",
+        ),
+        (
+            {"federated_optimizer": "FedAvg"},
+            r"federated_optimizer='FedAvg': that is FedML's own algorithm .* FedAvgUpdate",
+        ),
+        (
+            {"learning_rate": 0.1, "beta": 0.2},
+            r"train_args.learning_rate=0.1 and train_args.beta=0.2 both set the step",
+        ),
+        ({"backend": "NCCL"}, r"comm_args.backend='NCCL': must be one of"),
+        ({"images_per_class": 195}, r"data_args.images_per_class=195: must be an even number >= 2"),
+        ({"new_user_fraction": 1.0}, r"train_args.new_user_fraction=1.0: must be in \[0, 1\)"),
+        ({"new_user_fraction": 0.9}, r"new_user_fraction=0.9: leaves 5 training users, fewer than"),
+        ({"frequency_of_the_test": 0}, r"validation_args.frequency_of_the_test=0: must be >= 1"),
+    ],
+)
 def test_bad_values_are_rejected_naming_key_value_and_allowed(overrides, message):
     with pytest.raises(ConfigError, match=message):
         resolve({}, overrides)
@@ -85,7 +117,10 @@ def test_missing_or_broken_config_file_is_an_error(tmp_path):
 
 def test_set_overrides_take_yaml_values_and_qualified_names():
     assert parse_overrides(["comm_round=20", "train_args.alpha=0.05", "enable_wandb=true"]) == {
-        "comm_round": 20, "alpha": 0.05, "enable_wandb": True}
+        "comm_round": 20,
+        "alpha": 0.05,
+        "enable_wandb": True,
+    }
     with pytest.raises(ConfigError, match="unknown key 'comm_rounds'; did you mean 'comm_round'"):
         parse_overrides(["comm_rounds=3"])
     config = load(str(CONFIGS[0]), ["comm_round=7", "data_args.data_cache_dir=/d"])
@@ -115,11 +150,23 @@ def test_registry_lists_builtins():
 
 def test_fedml_keys_mean_what_they_mean_in_fedml(caplog):
     with caplog.at_level("WARNING"):
-        config = resolve({"train_args": {"learning_rate": 0.03, "epochs": 5, "client_optimizer": "adam",
-                                         "weight_decay": 0.001, "batch_size": 20}})
+        config = resolve(
+            {
+                "train_args": {
+                    "learning_rate": 0.03,
+                    "epochs": 5,
+                    "client_optimizer": "adam",
+                    "weight_decay": 0.001,
+                    "batch_size": 20,
+                }
+            }
+        )
     assert config.beta == 0.03 and config.batch_sizes == (20, 20, 20)  # learning_rate is beta; batch_size is |D|
-    for name in ("train_args.epochs=5 is not used", "train_args.client_optimizer='adam' is not used",
-                 "train_args.weight_decay=0.001 is not used"):
+    for name in (
+        "train_args.epochs=5 is not used",
+        "train_args.client_optimizer='adam' is not used",
+        "train_args.weight_decay=0.001 is not used",
+    ):
         assert name in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
@@ -144,8 +191,9 @@ def test_entry_point_algorithms_are_listed_and_loaded(monkeypatch):
         def load(self):
             return PerFedAvg
 
-    monkeypatch.setattr(registry, "entry_points", lambda group: [FakeEntryPoint()] if group == registry.ENTRY_POINT_GROUP
-                        else [])
+    monkeypatch.setattr(
+        registry, "entry_points", lambda group: [FakeEntryPoint()] if group == registry.ENTRY_POINT_GROUP else []
+    )
     monkeypatch.setattr(registry, "_REGISTERED", {})  # algorithms other tests registered
     assert registry.algorithm_names() == ["PerFedAvg", "FedAvgUpdate", "FedAvgARUBA", "MyAlg"]
     assert resolve({}, {"federated_optimizer": "MyAlg"}).federated_optimizer == "MyAlg"
@@ -158,9 +206,12 @@ def test_entry_point_algorithms_are_listed_and_loaded(monkeypatch):
 
 def test_batch_sizes_must_fit_the_smallest_users_data():
     resolve({}, {"hessian_batch_size": 490})
-    with pytest.raises(ConfigError, match=r"train_args.hessian_batch_size=500: must be <= the smallest user's "
-                                          r"training data under data_args.images_per_class=196 \(data_args."
-                                          r"partition_method='paper'\) \(490 samples\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train_args.hessian_batch_size=500: must be <= the smallest user's "
+        r"training data under data_args.images_per_class=196 \(data_args."
+        r"partition_method='paper'\) \(490 samples\)",
+    ):
         resolve({}, {"hessian_batch_size": 500})
 
 

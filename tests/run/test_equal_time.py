@@ -1,4 +1,5 @@
 """benchmarks/equal_time.py: both methods at equal training-time budgets."""
+
 import importlib.util
 import json
 
@@ -18,8 +19,18 @@ def _summary(points):
 
 
 HF = _summary([(9, 2.0, 0.30), (19, 4.0, 0.50), (29, 6.0, 0.70), (39, 8.0, 0.90)])
-FEDAVG = _summary([(9, 0.5, 0.40), (19, 1.0, 0.55), (29, 1.5, 0.60), (39, 2.5, 0.62), (49, 3.5, 0.64),
-                   (59, 5.0, 0.66), (69, 7.9, 0.68), (79, 9.0, 0.69)])
+FEDAVG = _summary(
+    [
+        (9, 0.5, 0.40),
+        (19, 1.0, 0.55),
+        (29, 1.5, 0.60),
+        (39, 2.5, 0.62),
+        (49, 3.5, 0.64),
+        (59, 5.0, 0.66),
+        (69, 7.9, 0.68),
+        (79, 9.0, 0.69),
+    ]
+)
 
 
 def test_each_budget_takes_the_last_evaluation_within_it():
@@ -39,8 +50,12 @@ def test_report_pairs_seeds_and_writes_table_csv_and_plot(tmp_path):
         for method, summary in (("hf", HF), ("fedavg", FEDAVG)):
             run = tmp_path / "runs" / cell / method / f"seed{seed}"
             run.mkdir(parents=True)
-            moved = {**summary, "history": [{**e, "personalized_accuracy": e["personalized_accuracy"] + shift}
-                                            for e in summary["history"]]}
+            moved = {
+                **summary,
+                "history": [
+                    {**e, "personalized_accuracy": e["personalized_accuracy"] + shift} for e in summary["history"]
+                ],
+            }
             moved["personalized_accuracy"] = moved["history"][-1]["personalized_accuracy"]
             (run / "summary.json").write_text(json.dumps(moved))
     markdown = equal_time.report(tmp_path, "cmd", seeds=2, hf_rounds=40, fedavg_rounds=80)

@@ -1,4 +1,5 @@
 """Grid mode through the run layer: each run's outputs are what it writes alone."""
+
 import json
 
 import pytest
@@ -10,6 +11,7 @@ from tests.helpers_tiny import tiny_config, tiny_data
 
 
 pytestmark = pytest.mark.backend  # whole grids of runs through FedML's entry points
+
 
 def _strip(history):
     return [{k: v for k, v in e.items() if not k.endswith("_seconds")} for e in history]

@@ -1,4 +1,5 @@
 """A script's own logging setup is respected while run.log still gets every line."""
+
 import os
 import subprocess
 import sys
@@ -20,8 +21,13 @@ logging.getLogger("after").warning("the script's warnings still show")
 @needs_mnist
 def test_a_scripts_warning_level_is_kept_and_run_log_gets_the_info_lines(mnist_root, tmp_path):
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-c", SCRIPT, HF_YAML, mnist_root, str(run_dir)], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, HF_YAML, mnist_root, str(run_dir)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "INFO" not in done.stderr, done.stderr[-3000:]
     assert "the script's warnings still show" in done.stderr

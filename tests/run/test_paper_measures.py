@@ -1,5 +1,6 @@
 """What each evaluation records beyond accuracy: training time, the stationarity measure and
 the paper's randomly-stepped averaged iterate."""
+
 import pytest
 import torch
 
@@ -14,8 +15,9 @@ from tests.helpers_tiny import tiny_config, tiny_data
 
 @pytest.mark.parametrize("engine", ["batched", "fedml"])
 def test_each_evaluation_records_training_time_stationarity_and_the_random_iterate(tmp_path, engine):
-    config = tiny_config(stationarity_every=2, random_iterate=True, local_steps=3, simulation_engine=engine,
-                         checkpoint_every=0)
+    config = tiny_config(
+        stationarity_every=2, random_iterate=True, local_steps=3, simulation_engine=engine, checkpoint_every=0
+    )
     data = tiny_data()
     result = run(config, str(tmp_path), data=data)
     history = result.summary["history"]
@@ -27,7 +29,8 @@ def test_each_evaluation_records_training_time_stationarity_and_the_random_itera
     algorithm = result.algorithm
     params, _ = algorithm.split_state(result.final_state)
     assert history[-1]["stationarity"] == pytest.approx(
-        stationarity(algorithm.loss_fn, params, data.users, config.alpha), rel=1e-6)
+        stationarity(algorithm.loss_fn, params, data.users, config.alpha), rel=1e-6
+    )
     for h in history:
         assert h["random_iterate_step"] == random_iterate_step(config.random_seed, h["round"], 3)
         assert 0 <= h["random_iterate_personalized_accuracy"] <= 1 and h["random_iterate_stationarity"] > 0
@@ -46,8 +49,10 @@ def test_the_random_iterate_is_the_average_of_the_clients_truncated_updates(tmp_
     start = {k: v.clone() for k, v in model.state_dict().items()}
     result = run(config, str(tmp_path), data=data, model=model)
     algorithm = create_algorithm("PerFedAvg", create_model("mlp", (1, 4, 4), 3, (5,)), config)
-    iterates = [(1.0, algorithm.client_iterate(0, c, start, data.users[c].train_x, data.users[c].train_y, step))
-                for c in algorithm.sample_clients(0)]
+    iterates = [
+        (1.0, algorithm.client_iterate(0, c, start, data.users[c].train_x, data.users[c].train_y, step))
+        for c in algorithm.sample_clients(0)
+    ]
     averaged = average(iterates, "uniform")
     expected = algorithm.evaluate(0, averaged, data.users).personalized_accuracy
     recorded = result.summary["history"][0]
@@ -55,7 +60,8 @@ def test_the_random_iterate_is_the_average_of_the_clients_truncated_updates(tmp_
     assert recorded["random_iterate_personalized_accuracy"] == pytest.approx(expected)
     params, _ = algorithm.split_state(averaged)
     assert recorded["random_iterate_stationarity"] == pytest.approx(
-        stationarity(algorithm.loss_fn, params, data.users, config.alpha), rel=1e-6)
+        stationarity(algorithm.loss_fn, params, data.users, config.alpha), rel=1e-6
+    )
     # Independent of client_iterate's own code: the iterate after `step` steps, continued with the
     # remaining steps' minibatches, is exactly the client's full update (a wrong start point or
     # wrong minibatches in the iterate would break this), and after all tau steps it is the update.
@@ -83,6 +89,9 @@ def test_stationarity_is_measured_on_its_own_schedule_and_the_last_round(tmp_pat
     result = run(tiny_config(stationarity_every=4, checkpoint_every=0), str(tmp_path), data=tiny_data())
     measured = [h["round"] for h in result.summary["history"] if "stationarity" in h]
     assert measured == [0, 4, 5]
-    with pytest.raises(ConfigError, match=r"validation_args.stationarity_every=3: must be a multiple of "
-                                          r"validation_args.frequency_of_the_test \(2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"validation_args.stationarity_every=3: must be a multiple of "
+        r"validation_args.frequency_of_the_test \(2\)",
+    ):
         tiny_config(stationarity_every=3)

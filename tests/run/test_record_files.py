@@ -1,5 +1,6 @@
 """What a run leaves on disk can always be read: strict JSON (no NaN tokens), and a run whose
 process died without a word is shown as dead, not running."""
+
 import json
 import os
 import socket
@@ -21,16 +22,22 @@ def test_summary_files_are_strict_json(tmp_path):
 
 
 def _summary(pid, ticks, host=None):
-    return {"status": "running", "rounds": 3, "wall_seconds": 1.0, "personalized_accuracy": 0.5,
-            "process": {"host": host or socket.gethostname(), "pid": pid, "started": 0.0, "start_ticks": ticks}}
+    return {
+        "status": "running",
+        "rounds": 3,
+        "wall_seconds": 1.0,
+        "personalized_accuracy": 0.5,
+        "process": {"host": host or socket.gethostname(), "pid": pid, "started": 0.0, "start_ticks": ticks},
+    }
 
 
 def test_a_running_run_whose_process_is_gone_is_shown_dead(tmp_path, capsys):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     assert status_of(_summary(os.getpid(), process_start_ticks(os.getpid()))) == f"running (pid {os.getpid()})"
-    assert status_of(_summary(gone.pid, 12345)).startswith(f"dead (summary.json says running, but its process "
-                                                           f"{gone.pid} on this host is gone")
+    assert status_of(_summary(gone.pid, 12345)).startswith(
+        f"dead (summary.json says running, but its process {gone.pid} on this host is gone"
+    )
     # the pid of a live process that started at another time is another process: the run's is gone
     assert status_of(_summary(os.getpid(), process_start_ticks(os.getpid()) + 1)).startswith("dead")
     assert status_of(_summary(1, 5, host="elsewhere")) == "running on elsewhere (pid 1; not checked from here)"

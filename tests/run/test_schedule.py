@@ -1,4 +1,5 @@
 """Which rounds are evaluated, measured and checkpointed: the rules, alone."""
+
 from fedml_perfedavg.run.schedule import RoundSchedule
 
 

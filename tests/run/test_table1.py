@@ -1,4 +1,5 @@
 """The Table 1 grid runner and its statistics."""
+
 import csv
 import re
 import importlib.util
@@ -35,8 +36,23 @@ def test_grid_covers_the_paper_cells():
 
 @needs_mnist
 def test_tiny_grid_writes_outputs_and_resumes(mnist_root, tmp_path, capsys):
-    args = ["--rounds", "2", "--seeds", "1", "--jobs", "1", "--cells", "mnist_tau4_alpha0.01", "--methods", "fedavg",
-            "hf", "--out", str(tmp_path), "--set", f"data_cache_dir={mnist_root}"]
+    args = [
+        "--rounds",
+        "2",
+        "--seeds",
+        "1",
+        "--jobs",
+        "1",
+        "--cells",
+        "mnist_tau4_alpha0.01",
+        "--methods",
+        "fedavg",
+        "hf",
+        "--out",
+        str(tmp_path),
+        "--set",
+        f"data_cache_dir={mnist_root}",
+    ]
     assert table1.main(args) == 0
     with open(tmp_path / "table1.csv") as stream:
         rows = list(csv.DictReader(stream))
@@ -45,8 +61,9 @@ def test_tiny_grid_writes_outputs_and_resumes(mnist_root, tmp_path, capsys):
     markdown = (tmp_path / "table1.md").read_text()
     # Each row shows the paper's figure beside ours: Per-FedAvg (HF)'s 70.94% in Table 1 of the paper,
     # which the cell's shipped YAML states too (the two sources must agree).
-    paper_hf = re.search(r"Paper, Table 1: ([\d.]+)%", (REPO / "yaml_configs" / "mnist_tau4_alpha0.01_hf.yaml")
-                         .read_text()).group(1)
+    paper_hf = re.search(
+        r"Paper, Table 1: ([\d.]+)%", (REPO / "yaml_configs" / "mnist_tau4_alpha0.01_hf.yaml").read_text()
+    ).group(1)
     assert paper_hf == "70.94" == f"{table1.PAPER['mnist_tau4_alpha0.01']['hf']:.2f}"
     assert "## mnist_tau4_alpha0.01" in markdown and "Per-FedAvg (HF)" in markdown
     hf_row = next(line for line in markdown.splitlines() if "Per-FedAvg (HF)" in line)
@@ -62,22 +79,68 @@ def test_tiny_grid_writes_outputs_and_resumes(mnist_root, tmp_path, capsys):
 
 def test_cifar10_grid_runs_on_generated_files_with_offline_wandb(fake_cifar_root, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    args = ["--datasets", "cifar10", "--cells", "cifar10_tau4_alpha0.01_diffhetero", "--methods", "hf", "--rounds", "2",
-            "--seeds", "1", "--jobs", "1", "--out", str(tmp_path), "--set", f"data_cache_dir={fake_cifar_root}",
-            "--set", "client_num_in_total=10", "--set", "client_num_per_round=2", "--set", "images_per_class=8",
-            "--set", "test_images_per_class=2", "--set", "batch_size=8", "--set", "meta_batch_size=8",
-            "--set", "hessian_batch_size=8", "--wandb"]
+    args = [
+        "--datasets",
+        "cifar10",
+        "--cells",
+        "cifar10_tau4_alpha0.01_diffhetero",
+        "--methods",
+        "hf",
+        "--rounds",
+        "2",
+        "--seeds",
+        "1",
+        "--jobs",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--set",
+        f"data_cache_dir={fake_cifar_root}",
+        "--set",
+        "client_num_in_total=10",
+        "--set",
+        "client_num_per_round=2",
+        "--set",
+        "images_per_class=8",
+        "--set",
+        "test_images_per_class=2",
+        "--set",
+        "batch_size=8",
+        "--set",
+        "meta_batch_size=8",
+        "--set",
+        "hessian_batch_size=8",
+        "--wandb",
+    ]
     assert table1.main(args) == 0
     assert "## cifar10_tau4_alpha0.01_diffhetero" in (tmp_path / "table1.md").read_text()
     report = (tmp_path / "wandb_report.md").read_text()
     assert "wandb sync" in report and "| cifar10_tau4_alpha0.01_diffhetero | hf | 0 |" in report
-    assert list((tmp_path / "runs" / "cifar10_tau4_alpha0.01_diffhetero" / "hf" / "seed0" / "wandb").glob("offline-run-*"))
+    assert list(
+        (tmp_path / "runs" / "cifar10_tau4_alpha0.01_diffhetero" / "hf" / "seed0" / "wandb").glob("offline-run-*")
+    )
 
 
 @needs_mnist
 def test_new_users_extra_reports_held_out_users(mnist_root, tmp_path):
-    args = ["--rounds", "2", "--seeds", "1", "--jobs", "1", "--cells", "mnist_tau4_alpha0.01_newusers", "--methods",
-            "hf", "--extras", "new_users", "--out", str(tmp_path), "--set", f"data_cache_dir={mnist_root}"]
+    args = [
+        "--rounds",
+        "2",
+        "--seeds",
+        "1",
+        "--jobs",
+        "1",
+        "--cells",
+        "mnist_tau4_alpha0.01_newusers",
+        "--methods",
+        "hf",
+        "--extras",
+        "new_users",
+        "--out",
+        str(tmp_path),
+        "--set",
+        f"data_cache_dir={mnist_root}",
+    ]
     assert table1.main(args) == 0
     with open(tmp_path / "table1.csv") as stream:
         (row,) = list(csv.DictReader(stream))
@@ -87,11 +150,39 @@ def test_new_users_extra_reports_held_out_users(mnist_root, tmp_path):
 
 
 def test_grid_mode_gives_every_run_the_results_of_one_process_per_run(fake_cifar_root, tmp_path):
-    common = ["--datasets", "cifar10", "--cells", "cifar10_tau4_alpha0.001", "--methods", "hf", "fedavg",
-              "--rounds", "3", "--seeds", "2", "--jobs", "1", "--set", f"data_cache_dir={fake_cifar_root}",
-              "--set", "client_num_in_total=10", "--set", "client_num_per_round=2", "--set", "images_per_class=8",
-              "--set", "test_images_per_class=2", "--set", "batch_size=8", "--set", "meta_batch_size=8",
-              "--set", "hessian_batch_size=8", "--set", "frequency_of_the_test=1"]
+    common = [
+        "--datasets",
+        "cifar10",
+        "--cells",
+        "cifar10_tau4_alpha0.001",
+        "--methods",
+        "hf",
+        "fedavg",
+        "--rounds",
+        "3",
+        "--seeds",
+        "2",
+        "--jobs",
+        "1",
+        "--set",
+        f"data_cache_dir={fake_cifar_root}",
+        "--set",
+        "client_num_in_total=10",
+        "--set",
+        "client_num_per_round=2",
+        "--set",
+        "images_per_class=8",
+        "--set",
+        "test_images_per_class=2",
+        "--set",
+        "batch_size=8",
+        "--set",
+        "meta_batch_size=8",
+        "--set",
+        "hessian_batch_size=8",
+        "--set",
+        "frequency_of_the_test=1",
+    ]
     assert table1.main([*common, "--out", str(tmp_path / "separate")]) == 0
     assert table1.main([*common, "--out", str(tmp_path / "grid"), "--grid-mode"]) == 0
     rows = {}
@@ -100,7 +191,8 @@ def test_grid_mode_gives_every_run_the_results_of_one_process_per_run(fake_cifar
             rows[mode] = {(r["method"], r["seed"]): r for r in csv.DictReader(stream)}
     assert set(rows["grid"]) == set(rows["separate"]) == {("hf", "0"), ("hf", "1"), ("fedavg", "0"), ("fedavg", "1")}
     for key, row in rows["separate"].items():
-        assert float(rows["grid"][key]["personalized_accuracy"]) == pytest.approx(float(row["personalized_accuracy"]),
-                                                                                abs=1e-6)
+        assert float(rows["grid"][key]["personalized_accuracy"]) == pytest.approx(
+            float(row["personalized_accuracy"]), abs=1e-6
+        )
     timing = (tmp_path / "grid" / "grid_timing.json").read_text()
     assert "grid mode" in timing

@@ -1,5 +1,6 @@
 """An offline wandb run read back with wandb's own reader: config, tags and group, one history
 row per evaluation, and the per-user table."""
+
 import json
 
 import pytest
@@ -27,8 +28,9 @@ def _records(path):
 @pytest.mark.backend  # wandb's offline writer is a separate process
 def test_offline_run_reads_back_with_wandbs_reader(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    config = tiny_config(enable_wandb=True, wandb_group="mnist_tau4_alpha0.01", random_seed=3, stationarity_every=2,
-                         checkpoint_every=0)
+    config = tiny_config(
+        enable_wandb=True, wandb_group="mnist_tau4_alpha0.01", random_seed=3, stationarity_every=2, checkpoint_every=0
+    )
     result = run(config, str(tmp_path / "run"), data=tiny_data())
     (folder,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
     (log,) = folder.glob("*.wandb")
@@ -40,8 +42,11 @@ def test_offline_run_reads_back_with_wandbs_reader(tmp_path, monkeypatch):
     assert logged_config["train_args"]["alpha"] == config.alpha
     assert logged_config["common_args"]["random_seed"] == 3
 
-    rows = [{item.key: item.value_json for item in r.history.item} for r in records
-            if r.WhichOneof("record_type") == "history"]
+    rows = [
+        {item.key: item.value_json for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     evaluations = result.summary["history"]
     assert [int(row["_step"]) for row in rows] == [h["round"] for h in evaluations] == [0, 2, 4, 5]
     for row, expected in zip(rows, evaluations):
@@ -67,11 +72,13 @@ def test_grid_mode_runs_write_the_same_wandb_records_at_the_end(tmp_path, monkey
         records = list(_records(log))
         (header,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
         assert list(header.tags) == ["PerFedAvg-hf", f"seed{seed}", "mnist"] and header.run_group == "cell"
-        rows = [{i.key: i.value_json for i in r.history.item} for r in records
-                if r.WhichOneof("record_type") == "history"]
+        rows = [
+            {i.key: i.value_json for i in r.history.item} for r in records if r.WhichOneof("record_type") == "history"
+        ]
         assert [int(row["_step"]) for row in rows] == [0, 2, 4, 5]
         assert [float(row["eval/personalized_accuracy"]) for row in rows] == pytest.approx(
-            [h["personalized_accuracy"] for h in result.summary["history"]])
+            [h["personalized_accuracy"] for h in result.summary["history"]]
+        )
 
 
 @pytest.mark.backend  # wandb's offline writer is a separate process

@@ -1,6 +1,7 @@
 """FedML's gRPC address file (grpc_ipconfig.csv: ``eid,rank,grpc_server_ip,grpc_server_port``,
 a row per rank), read strictly: FedML's reader (grpc_comm_manager.py ``_init_grpc_mappings``)
 lets a later row silently replace an earlier one and binds a rank without a row to 0.0.0.0."""
+
 from __future__ import annotations
 
 import csv
@@ -27,8 +28,13 @@ def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
             s.close()
 
 
-def write_ipconfig(path: str, ranks: int, host: str = "127.0.0.1", ports: Optional[Sequence[int]] = None,
-                   hosts: Optional[Sequence[str]] = None) -> str:
+def write_ipconfig(
+    path: str,
+    ranks: int,
+    host: str = "127.0.0.1",
+    ports: Optional[Sequence[int]] = None,
+    hosts: Optional[Sequence[str]] = None,
+) -> str:
     """Write FedML's gRPC address file: rank r (0 = server) listens on ``hosts[r]:ports[r]``
     (``host`` for every rank when ``hosts`` is not given)."""
     hosts = list(hosts) if hosts is not None else [host] * ranks
@@ -66,17 +72,25 @@ def read_ipconfig(path: str, ranks: Optional[int] = None) -> Dict[int, Tuple[str
         if not 0 < port < 65536:
             raise ConfigError(f"{where}: line {number}: port {port} is not in 1..65535")
         if eid != rank:
-            raise ConfigError(f"{where}: line {number}: eid {eid} but rank {rank}; FedML keys each process by the "
-                              f"eid column, so give eid = rank")
+            raise ConfigError(
+                f"{where}: line {number}: eid {eid} but rank {rank}; FedML keys each process by the "
+                f"eid column, so give eid = rank"
+            )
         if eid in table:
-            raise ConfigError(f"{where}: lines {line_of[eid]} and {number} both give eid {eid} (the column FedML "
-                              f"keys each process by); give each rank one row")
+            raise ConfigError(
+                f"{where}: lines {line_of[eid]} and {number} both give eid {eid} (the column FedML "
+                f"keys each process by); give each rank one row"
+            )
         if (ip, port) in rank_at:
-            raise ConfigError(f"{where}: line {number}: rank {eid} and rank {rank_at[ip, port]} (line "
-                              f"{line_of[rank_at[ip, port]]}) share {ip}:{port}; give each rank its own port")
+            raise ConfigError(
+                f"{where}: line {number}: rank {eid} and rank {rank_at[ip, port]} (line "
+                f"{line_of[rank_at[ip, port]]}) share {ip}:{port}; give each rank its own port"
+            )
         table[eid], line_of[eid], rank_at[ip, port] = (ip, port), number, eid
     missing = [r for r in range(ranks or 0) if r not in table]
     if missing:
-        raise ConfigError(f"{where}: no row for rank(s) {missing}; a row is needed for the server (0) and every "
-                          f"silo (1..{ranks - 1}), or FedML would listen on all interfaces")
+        raise ConfigError(
+            f"{where}: no row for rank(s) {missing}; a row is needed for the server (0) and every "
+            f"silo (1..{ranks - 1}), or FedML would listen on all interfaces"
+        )
     return table

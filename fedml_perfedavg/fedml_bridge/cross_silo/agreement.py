@@ -9,6 +9,7 @@ both values (:func:`disagreement`), or whose data does not fit the model (:func:
 at once: not found out later as a wrong model. The counts it announced are the only counts the
 server uses for it (sample weights, the size of its test split).
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,20 +26,44 @@ from ...core.types import StateDict, UserSplit
 from .wire import short
 
 # (section, key) of the config values every process of a cross-silo run must share.
-AGREED = (("train_args", "federated_optimizer"), ("train_args", "perfedavg_variant"), ("train_args", "alpha"),
-          ("train_args", "beta"), ("train_args", "delta"), ("train_args", "local_steps"),
-          ("train_args", "batch_size"), ("train_args", "meta_batch_size"), ("train_args", "hessian_batch_size"),
-          ("train_args", "client_num_in_total"), ("train_args", "client_num_per_round"),
-          ("train_args", "new_user_fraction"), ("train_args", "comm_round"), ("train_args", "on_divergence"),
-          ("train_args", "aruba_epsilon"), ("train_args", "aruba_zeta"), ("train_args", "aruba_p"),
-          ("validation_args", "adapt_steps"), ("common_args", "random_seed"), ("data_args", "dataset"),
-          ("data_args", "partition_method"), ("data_args", "images_per_class"),
-          ("data_args", "test_images_per_class"), ("model_args", "model"), ("comm_args", "silo_data"))
+AGREED = (
+    ("train_args", "federated_optimizer"),
+    ("train_args", "perfedavg_variant"),
+    ("train_args", "alpha"),
+    ("train_args", "beta"),
+    ("train_args", "delta"),
+    ("train_args", "local_steps"),
+    ("train_args", "batch_size"),
+    ("train_args", "meta_batch_size"),
+    ("train_args", "hessian_batch_size"),
+    ("train_args", "client_num_in_total"),
+    ("train_args", "client_num_per_round"),
+    ("train_args", "new_user_fraction"),
+    ("train_args", "comm_round"),
+    ("train_args", "on_divergence"),
+    ("train_args", "aruba_epsilon"),
+    ("train_args", "aruba_zeta"),
+    ("train_args", "aruba_p"),
+    ("validation_args", "adapt_steps"),
+    ("common_args", "random_seed"),
+    ("data_args", "dataset"),
+    ("data_args", "partition_method"),
+    ("data_args", "images_per_class"),
+    ("data_args", "test_images_per_class"),
+    ("model_args", "model"),
+    ("comm_args", "silo_data"),
+)
 ARCHITECTURE = "model_args.architecture"  # the model's tensor names, shapes and dtypes, hashed
 SAFEGUARDS = "dp_args/attack_args/defense_args"  # FedML's DP, attack and defense sections, hashed
 _PROBE_ELEMENTS = 10_000_000  # a sample larger than this is not probed (a lie meant to exhaust memory)
-_INPUT_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-                 "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
+_INPUT_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
 
 
 def _digest(value: Any) -> str:
@@ -67,8 +92,10 @@ def disagreement(server: Dict[str, Any], silo: Dict[str, Any], rank: int) -> Opt
         mine, theirs = server.get(key, "(not given)"), silo.get(key, "(not given)")
         if not _equal(mine, theirs):
             what = f"{key} (a hash)" if key in (ARCHITECTURE, SAFEGUARDS) else key
-            return (f"silo rank {rank} disagrees with the server on {what}: the server has {mine!r}, the silo has "
-                    f"{short(theirs)}")
+            return (
+                f"silo rank {rank} disagrees with the server on {what}: the server has {mine!r}, the silo has "
+                f"{short(theirs)}"
+            )
     return None
 
 
@@ -81,18 +108,34 @@ def _equal(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def hello(fingerprint_values: Dict[str, Any], user_id: Optional[int], user: Optional[UserSplit],
-          problem: Optional[str] = None) -> Dict[str, Any]:
+def hello(
+    fingerprint_values: Dict[str, Any], user_id: Optional[int], user: Optional[UserSplit], problem: Optional[str] = None
+) -> Dict[str, Any]:
     """What a silo announces: its fingerprint, and in data-owner mode (``user`` given) its user's
     counts, input shape and dtype, and classes; ``problem``: why its model cannot train on its data
     (its own probe), for the server to refuse it by."""
     if user is None:
-        return {"fingerprint": fingerprint_values, "user": user_id, "train": None, "test": None, "input_shape": None,
-                "input_dtype": None, "classes": None, "problem": problem}
+        return {
+            "fingerprint": fingerprint_values,
+            "user": user_id,
+            "train": None,
+            "test": None,
+            "input_shape": None,
+            "input_dtype": None,
+            "classes": None,
+            "problem": problem,
+        }
     classes = sorted(set(user.train_y.tolist()) | set(user.test_y.tolist()))
-    return {"fingerprint": fingerprint_values, "user": user_id, "train": len(user.train_y), "test": len(user.test_y),
-            "input_shape": list(user.train_x.shape[1:]), "input_dtype": str(user.train_x.dtype).split(".")[-1],
-            "classes": classes, "problem": None if problem is None else problem[:500]}
+    return {
+        "fingerprint": fingerprint_values,
+        "user": user_id,
+        "train": len(user.train_y),
+        "test": len(user.test_y),
+        "input_shape": list(user.train_x.shape[1:]),
+        "input_dtype": str(user.train_x.dtype).split(".")[-1],
+        "classes": classes,
+        "problem": None if problem is None else problem[:500],
+    }
 
 
 def data_problem(model: nn.Module, announced: Dict[str, Any], rank: int) -> Optional[str]:
@@ -113,8 +156,10 @@ def data_problem(model: nn.Module, announced: Dict[str, Any], rank: int) -> Opti
     except Exception as err:  # noqa: BLE001 - any failure of the model on these inputs is the answer
         return f"{what} does not fit the model: {type(err).__name__}: {str(err)[:200]}"
     if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != 2:
-        return f"{what} does not fit the model: it gives {getattr(out, 'shape', type(out).__name__)} for 2 samples, " \
-               f"not (2, classes)"
+        return (
+            f"{what} does not fit the model: it gives {getattr(out, 'shape', type(out).__name__)} for 2 samples, "
+            f"not (2, classes)"
+        )
     if max(classes) >= out.shape[1]:
         return f"{what} does not fit the model: it has {out.shape[1]} outputs, so labels must be 0..{out.shape[1] - 1}"
     return None

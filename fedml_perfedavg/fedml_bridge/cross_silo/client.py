@@ -24,6 +24,7 @@ server forever, and its evaluations never reach the server. Here::
 A FINISH from the server ends the silo: the run is over (or ended early, saying why), or this
 silo was refused (its announcement), which is this silo's failure.
 """
+
 from __future__ import annotations
 
 import enum
@@ -66,16 +67,38 @@ class PluginFedMLTrainer(FedMLTrainer):
         result = self.trainer.test(self.test_local, self.device, self.args)
         total = int(result["test_total"])
         loss = float(result["test_loss"]) / total
-        return {"round": int(round_idx), "user": int(self.client_index), "correct": int(round(result["test_correct"])),
-                "correct_before": int(round(result["test_correct_before_adaptation"])), "total": total,
-                "loss": loss if math.isfinite(loss) and loss < 1e11 else 1e11}
+        return {
+            "round": int(round_idx),
+            "user": int(self.client_index),
+            "correct": int(round(result["test_correct"])),
+            "correct_before": int(round(result["test_correct_before_adaptation"])),
+            "total": total,
+            "loss": loss if math.isfinite(loss) and loss < 1e11 else 1e11,
+        }
 
 
 class PluginTrainerDistAdapter(TrainerDistAdapter):
-    def get_trainer(self, client_index, train_data_local_dict, train_data_local_num_dict, test_data_local_dict,
-                    train_data_num, device, args, model_trainer):
-        return PluginFedMLTrainer(client_index, train_data_local_dict, train_data_local_num_dict,
-                                  test_data_local_dict, train_data_num, device, args, model_trainer)
+    def get_trainer(
+        self,
+        client_index,
+        train_data_local_dict,
+        train_data_local_num_dict,
+        test_data_local_dict,
+        train_data_num,
+        device,
+        args,
+        model_trainer,
+    ):
+        return PluginFedMLTrainer(
+            client_index,
+            train_data_local_dict,
+            train_data_local_num_dict,
+            test_data_local_dict,
+            train_data_num,
+            device,
+            args,
+            model_trainer,
+        )
 
     def update_dataset(self, client_index=None):
         # fedml_trainer_dist_adapter.py: ``client_index or self.client_index`` turns user 0
@@ -98,8 +121,18 @@ class PluginClientMasterManager(ClientMasterManager):
     # running (frozen, a suspended machine), and the server may have gone on without it.
     FROZEN_SECONDS = 5.0
 
-    def __init__(self, args: Any, trainer_dist_adapter: Any, comm: Any = None, rank: int = 0, size: int = 0,
-                 backend: str = "GRPC", *, policy: SiloPolicy, setup: SiloSetup) -> None:
+    def __init__(
+        self,
+        args: Any,
+        trainer_dist_adapter: Any,
+        comm: Any = None,
+        rank: int = 0,
+        size: int = 0,
+        backend: str = "GRPC",
+        *,
+        policy: SiloPolicy,
+        setup: SiloSetup,
+    ) -> None:
         super().__init__(args, trainer_dist_adapter, comm, rank, size, backend)
         self.policy, self.setup = policy, setup
         self.own_user = rank - 1 if setup.own_data else None
@@ -132,8 +165,11 @@ class PluginClientMasterManager(ClientMasterManager):
                 if self.state is State.REJOINING:
                     logger.info("silo rank %d: the server answered; the silo is back in the run", self.rank)
                 self._become(State.LISTENING)
-            if msg_type in (MyMessage.MSG_TYPE_S2C_INIT_CONFIG, MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT,
-                            wire.EVALUATE):
+            if msg_type in (
+                MyMessage.MSG_TYPE_S2C_INIT_CONFIG,
+                MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT,
+                wire.EVALUATE,
+            ):
                 if self.last_model is not None:
                     self.slowest_gap = max(now - self.last_model, self.slowest_gap or 0.0)
                     self.gaps_measured += 1
@@ -160,8 +196,10 @@ class PluginClientMasterManager(ClientMasterManager):
         round_idx = int(msg_params.get(ROUND_KEY))
         user = int(msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_INDEX))
         if self.own_user is not None and user != self.own_user:
-            raise SiloFailure(f"silo rank {self.rank}: the server asked it to train user {user}; it holds user "
-                              f"{self.own_user}'s data only (comm_args.silo_data own)")
+            raise SiloFailure(
+                f"silo rank {self.rank}: the server asked it to train user {user}; it holds user "
+                f"{self.own_user}'s data only (comm_args.silo_data own)"
+            )
         self.round_idx = round_idx
         self.trainer_dist_adapter.update_dataset(user)
         self.trainer_dist_adapter.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
@@ -217,8 +255,12 @@ class PluginClientMasterManager(ClientMasterManager):
     def _rejoin(self, why: str) -> None:
         """Announce the silo again (the server takes back a silo it gave up on); stop if the server
         does not take the announcement within ``connect_timeout``."""
-        logger.warning("silo rank %d: %s; announcing itself again (for up to comm_args.connect_timeout=%g s)",
-                       self.rank, why, self.policy.connect_timeout)
+        logger.warning(
+            "silo rank %d: %s; announcing itself again (for up to comm_args.connect_timeout=%g s)",
+            self.rank,
+            why,
+            self.policy.connect_timeout,
+        )
         self._become(State.REJOINING)
         try:
             self._announce(time.monotonic() + self.policy.connect_timeout)
@@ -238,9 +280,13 @@ class PluginClientMasterManager(ClientMasterManager):
         elif self.state in (State.ANNOUNCING, State.LISTENING):
             limit = self.policy.client_idle_deadline(self.slowest_gap, self.gaps_measured)
             if now - self.last_heard > limit:
-                self._rejoin(f"nothing from the server for {now - self.last_heard:.1f} s (comm_args."
-                             f"round_timeout_factor x the slowest gap between its models so far; before two: 2 x "
-                             f"comm_args.round_timeout + comm_args.connect_timeout)")
+                self._rejoin(
+                    f"nothing from the server for {now - self.last_heard:.1f} s (comm_args."
+                    f"round_timeout_factor x the slowest gap between its models so far; before two: 2 x "
+                    f"comm_args.round_timeout + comm_args.connect_timeout)"
+                )
         elif self.state is State.REJOINING and now - self.state_since > self.policy.connect_timeout:
-            self._gone(f"the server took the silo's announcement but sent nothing for "
-                       f"{now - self.state_since:.1f} s (comm_args.connect_timeout={self.policy.connect_timeout:g})")
+            self._gone(
+                f"the server took the silo's announcement but sent nothing for "
+                f"{now - self.state_since:.1f} s (comm_args.connect_timeout={self.policy.connect_timeout:g})"
+            )

@@ -12,6 +12,7 @@ A rank's certificate names the rank in a DNS subject alternative name ``rank-R.f
 (:func:`rank_name`); an organization's own CA works the same way when it issues certificates with
 that name. Private keys are written mode 0600.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -67,8 +68,9 @@ def _write(path: str, data: bytes, private: bool) -> None:
     os.chmod(path, 0o600 if private else 0o644)  # an existing file keeps its mode through O_CREAT
 
 
-def make_certificates(out_dir: str, clients: int, days: int = 30, overwrite: bool = False,
-                      keep_ca_key: bool = True) -> List[str]:
+def make_certificates(
+    out_dir: str, clients: int, days: int = 30, overwrite: bool = False, keep_ca_key: bool = True
+) -> List[str]:
     """A new CA and a certificate and key for ranks 0..clients in ``out_dir``; returns the files.
     ``keep_ca_key=False`` never writes the CA's key (nobody can issue another certificate for
     this run: what ``launch-silo`` does)."""
@@ -80,45 +82,76 @@ def make_certificates(out_dir: str, clients: int, days: int = 30, overwrite: boo
     if clients < 1:
         raise ConfigError(f"--clients {clients}: must be >= 1")
     if not 1 <= days <= MAX_DAYS:
-        raise ConfigError(f"--days {days}: must be 1..{MAX_DAYS}; certificates of a run are replaced by making new "
-                          f"ones, not kept for years")
+        raise ConfigError(
+            f"--days {days}: must be 1..{MAX_DAYS}; certificates of a run are replaced by making new "
+            f"ones, not kept for years"
+        )
     os.makedirs(out_dir, exist_ok=True)
-    names = [CA_CERT, *([CA_KEY] if keep_ca_key else [])] + \
-        [f for r in range(clients + 1) for f in (cert_file(r), key_file(r))]
+    names = [CA_CERT, *([CA_KEY] if keep_ca_key else [])] + [
+        f for r in range(clients + 1) for f in (cert_file(r), key_file(r))
+    ]
     existing = [n for n in names if os.path.exists(os.path.join(out_dir, n))]
     if existing and not overwrite:
-        raise ConfigError(f"--out {out_dir!r}: already holds {existing[:3]}; give an empty folder (or --overwrite "
-                          f"to replace them, which ends every run that uses the old ones)")
+        raise ConfigError(
+            f"--out {out_dir!r}: already holds {existing[:3]}; give an empty folder (or --overwrite "
+            f"to replace them, which ends every run that uses the old ones)"
+        )
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
 
     def pem_key(key) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
+        return key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{DOMAIN} run CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     _write(os.path.join(out_dir, CA_CERT), ca.public_bytes(serialization.Encoding.PEM), private=False)
     if keep_ca_key:
         _write(os.path.join(out_dir, CA_KEY), pem_key(ca_key), private=True)
     for rank in range(clients + 1):
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, rank_name(rank))]))
-                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(start).not_valid_after(end)
-                .add_extension(x509.SubjectAlternativeName([x509.DNSName(rank_name(rank))]), critical=False)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, rank_name(rank))]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(start)
+            .not_valid_after(end)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(rank_name(rank))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
         _write(os.path.join(out_dir, cert_file(rank)), cert.public_bytes(serialization.Encoding.PEM), private=False)
         _write(os.path.join(out_dir, key_file(rank)), pem_key(key), private=True)
     return [os.path.join(out_dir, n) for n in names]
@@ -130,8 +163,10 @@ def _read(tls_dir: str, name: str, what: str) -> bytes:
         with open(path, "rb") as stream:
             return stream.read()
     except OSError as err:
-        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: cannot read {name} ({what}): {err.strerror}; make "
-                          f"certificates with: fedml-perfedavg certs --out {tls_dir} --clients N") from None
+        raise ConfigError(
+            f"comm_args.tls_dir={tls_dir!r}: cannot read {name} ({what}): {err.strerror}; make "
+            f"certificates with: fedml-perfedavg certs --out {tls_dir} --clients N"
+        ) from None
 
 
 def load_credentials(tls_dir: str, rank: int) -> Credentials:
@@ -146,32 +181,42 @@ def load_credentials(tls_dir: str, rank: int) -> Credentials:
     key_pem = _read(tls_dir, key_file(rank), f"rank {rank}'s private key")
     mode = stat.S_IMODE(os.stat(key_path).st_mode)
     if mode & 0o077:
-        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {key_file(rank)} is readable by others (mode "
-                          f"{mode:o}); chmod 600 {key_path}")
+        raise ConfigError(
+            f"comm_args.tls_dir={tls_dir!r}: {key_file(rank)} is readable by others (mode "
+            f"{mode:o}); chmod 600 {key_path}"
+        )
     try:
         ca = x509.load_pem_x509_certificate(ca_pem)
         cert = x509.load_pem_x509_certificate(cert_pem)
     except ValueError as err:
-        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {CA_CERT} or {cert_file(rank)} is not a PEM "
-                          f"certificate ({err})") from None
+        raise ConfigError(
+            f"comm_args.tls_dir={tls_dir!r}: {CA_CERT} or {cert_file(rank)} is not a PEM certificate ({err})"
+        ) from None
     try:
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-            x509.DNSName)
+            x509.DNSName
+        )
     except x509.ExtensionNotFound:
         names = []
     named = rank_of_names(names)
     if named != rank:
-        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} names rank {named} (DNS names "
-                          f"{names}), not rank {rank}; a rank's certificate must carry the name {rank_name(rank)}")
+        raise ConfigError(
+            f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} names rank {named} (DNS names "
+            f"{names}), not rank {rank}; a rank's certificate must carry the name {rank_name(rank)}"
+        )
     now = datetime.datetime.now(datetime.timezone.utc)
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
-        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} is valid from "
-                          f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} to {cert.not_valid_after_utc:%Y-%m-%d %H:%M} "
-                          f"UTC, not now; make new certificates")
+        raise ConfigError(
+            f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} is valid from "
+            f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} to {cert.not_valid_after_utc:%Y-%m-%d %H:%M} "
+            f"UTC, not now; make new certificates"
+        )
     problem = _usage_problem(cert, need_server=True)
     if problem is not None:
-        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} {problem}; every rank is a TLS server "
-                          f"and client, so its certificate must allow both (serverAuth and clientAuth)")
+        raise ConfigError(
+            f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} {problem}; every rank is a TLS server "
+            f"and client, so its certificate must allow both (serverAuth and clientAuth)"
+        )
     public = ca.public_key()
     try:
         if isinstance(public, ec.EllipticCurvePublicKey):
@@ -179,8 +224,10 @@ def load_credentials(tls_dir: str, rank: int) -> Credentials:
         elif isinstance(public, rsa.RSAPublicKey):
             public.verify(cert.signature, cert.tbs_certificate_bytes, padding.PKCS1v15(), cert.signature_hash_algorithm)
     except Exception:  # noqa: BLE001 - cryptography's InvalidSignature and key-type errors alike
-        raise ConfigError(f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} is not signed by {CA_CERT}; the "
-                          f"folder must hold the run's CA certificate and this rank's certificate from it") from None
+        raise ConfigError(
+            f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} is not signed by {CA_CERT}; the "
+            f"folder must hold the run's CA certificate and this rank's certificate from it"
+        ) from None
     return Credentials(rank=rank, ca=ca_pem, cert=cert_pem, key=key_pem)
 
 
@@ -197,8 +244,10 @@ def _usage_problem(cert, need_server: bool) -> Optional[str]:
     need = {ExtendedKeyUsageOID.CLIENT_AUTH, *([ExtendedKeyUsageOID.SERVER_AUTH] if need_server else [])}
     missing = need - usages
     if missing:
-        return f"does not allow {sorted(u._name for u in missing)} (its extended key usage is " \
-               f"{sorted(u._name for u in usages)})"
+        return (
+            f"does not allow {sorted(u._name for u in missing)} (its extended key usage is "
+            f"{sorted(u._name for u in usages)})"
+        )
     return None
 
 
@@ -229,7 +278,9 @@ def check_security(tls_dir: Optional[str], insecure: bool) -> None:
     if tls_dir and insecure:
         raise ConfigError(f"comm_args.tls_dir={tls_dir!r} and comm_args.insecure=True: give one")
     if not tls_dir and not insecure:
-        raise ConfigError("comm_args.tls_dir=None: a cross-silo process does not start without TLS; give "
-                          "comm_args.tls_dir (make certificates with: fedml-perfedavg certs --out DIR --clients N), "
-                          "or set comm_args.insecure: true for plaintext without authentication on a network you "
-                          "trust")
+        raise ConfigError(
+            "comm_args.tls_dir=None: a cross-silo process does not start without TLS; give "
+            "comm_args.tls_dir (make certificates with: fedml-perfedavg certs --out DIR --clients N), "
+            "or set comm_args.insecure: true for plaintext without authentication on a network you "
+            "trust"
+        )

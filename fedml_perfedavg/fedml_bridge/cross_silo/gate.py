@@ -19,6 +19,7 @@ which the transport rate-limits and counts.
 
 The gate runs an ``asyncio`` loop in one daemon thread per process.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -77,8 +78,13 @@ class Gate:
     ``on_refusal(host, port, reason, text)`` hears of every connection refused or closed without a
     request (called from the gate's thread)."""
 
-    def __init__(self, public: Tuple[str, int], backend_port: int, limits: GateLimits,
-                 on_refusal: Callable[[str, int, str, str], None]) -> None:
+    def __init__(
+        self,
+        public: Tuple[str, int],
+        backend_port: int,
+        limits: GateLimits,
+        on_refusal: Callable[[str, int, str, str], None],
+    ) -> None:
         self.public, self.backend_port, self.limits, self.on_refusal = public, backend_port, limits, on_refusal
         self._loop = asyncio.new_event_loop()
         self._sock: Optional[socket.socket] = None
@@ -144,8 +150,10 @@ class Gate:
             if len(self._open) >= self.limits.total:
                 over = f"{len(self._open)} connections open, the cap in total (comm_args.max_connections)"
             elif self._per_peer.get(host, 0) >= self.limits.per_peer:
-                over = (f"{self._per_peer[host]} connections open from {host}, the cap per peer address "
-                        f"(comm_args.max_connections_per_peer)")
+                over = (
+                    f"{self._per_peer[host]} connections open from {host}, the cap per peer address "
+                    f"(comm_args.max_connections_per_peer)"
+                )
             if over is not None:
                 conn.close()
                 self.on_refusal(host, port, CONNECTION_CAP, f"connection closed at once: {over}")
@@ -221,15 +229,18 @@ class Gate:
             connection.writers.append(writer)
             try:
                 backend_reader, backend_writer = await asyncio.wait_for(
-                    asyncio.open_connection("127.0.0.1", self.backend_port, limit=_CHUNK), 5.0)
+                    asyncio.open_connection("127.0.0.1", self.backend_port, limit=_CHUNK), 5.0
+                )
             except (OSError, asyncio.TimeoutError):
                 return  # the process's own gRPC server is gone: it is shutting down
             connection.writers.append(backend_writer)
             backend_port = backend_writer.get_extra_info("sockname")[1]
             self._by_backend_port[backend_port] = connection
             try:
-                await asyncio.gather(self._pipe(reader, backend_writer, connection, inbound=True),
-                                     self._pipe(backend_reader, writer, connection, inbound=False))
+                await asyncio.gather(
+                    self._pipe(reader, backend_writer, connection, inbound=True),
+                    self._pipe(backend_reader, writer, connection, inbound=False),
+                )
             finally:
                 self._by_backend_port.pop(backend_port, None)
         finally:
@@ -244,8 +255,9 @@ class Gate:
             if connection.requests == 0:
                 self._report_unused(connection)
 
-    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, connection: _Connection,
-                    inbound: bool) -> None:
+    async def _pipe(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, connection: _Connection, inbound: bool
+    ) -> None:
         try:
             while not connection.closing:
                 data = await source.read(_CHUNK)
@@ -301,9 +313,12 @@ class Gate:
         elif self.limits.tls and connection.first_byte != 0x16:
             reason, what = PLAINTEXT, "did not start a TLS handshake (plaintext to a TLS port?)"
         elif self.limits.tls:
-            reason, what = HANDSHAKE, "TLS handshake failed or was not finished in time (no client certificate " \
-                                      "from the run's CA?)"
+            reason, what = (
+                HANDSHAKE,
+                "TLS handshake failed or was not finished in time (no client certificate from the run's CA?)",
+            )
         else:
             reason, what = HANDSHAKE, "made no request in time"
-        self.on_refusal(connection.host, connection.port, reason, f"connection closed without a request: {what} "
-                                                                  f"({traffic})")
+        self.on_refusal(
+            connection.host, connection.port, reason, f"connection closed without a request: {what} ({traffic})"
+        )

@@ -1,5 +1,6 @@
 """How cross-silo processes wait for each other and what they do when a peer is gone: pure
 functions of the measured rounds, with no clock, socket or FedML in them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +39,10 @@ class SiloPolicy:
         server's own deadline for a round with a dead silo), plus a margin."""
         if not self.round_timeout_factor or slowest_gap is None or gaps_measured < self.ADAPT_AFTER_ROUNDS:
             return self.client_idle_limit
-        return min(self.client_idle_limit, max(self.MIN_ADAPTIVE_SECONDS, self.round_timeout_factor * slowest_gap)
-                   + self.MIN_ADAPTIVE_SECONDS)
+        return min(
+            self.client_idle_limit,
+            max(self.MIN_ADAPTIVE_SECONDS, self.round_timeout_factor * slowest_gap) + self.MIN_ADAPTIVE_SECONDS,
+        )
 
     def after_deadline(self, expected: Sequence[int], answered: Sequence[int]) -> Tuple[bool, list]:
         """At a deadline: (go on?, the silos given up on). The run goes on without the silos that

@@ -7,6 +7,7 @@ the plugin's classes, given this run's policy and driver, in place of the module
 those initializers use. The transport beneath is the plugin's (:mod:`.transport`, installed for
 every cross-silo run by :func:`fedml_perfedavg.fedml_bridge.install.install`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,18 @@ import fedml.cross_silo.server.server_initializer as server_init  # noqa: E402
 class CrossSiloProcess:
     """This process's part (``args.role``) of a cross-silo run; ``run()`` returns when it is over."""
 
-    def __init__(self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any,
-                 policy: SiloPolicy, driver: RoundDriver, setup: SiloSetup) -> None:
+    def __init__(
+        self,
+        args: Any,
+        device: Any,
+        dataset: list,
+        model: Any,
+        trainer: Any,
+        aggregator: Any,
+        policy: SiloPolicy,
+        driver: RoundDriver,
+        setup: SiloSetup,
+    ) -> None:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model
         self.trainer, self.aggregator, self.policy, self.driver = trainer, aggregator, policy, driver
         self.setup = setup
@@ -49,17 +60,50 @@ class CrossSiloProcess:
             try:
                 if args.role == "server":
                     patches.enter_context(replaced(server_init, "FedMLAggregator", PluginFedMLAggregator))
-                    patches.enter_context(replaced(server_init, "FedMLServerManager", remembered(
-                        PluginServerManager, policy=self.policy, driver=self.driver, setup=self.setup)))
-                    server_init.init_server(args, self.device, args.comm, args.rank, args.worker_num, self.model,
-                                            dataset[0], dataset[2], dataset[3], dataset[5], dataset[6], dataset[4],
-                                            self.aggregator)
+                    patches.enter_context(
+                        replaced(
+                            server_init,
+                            "FedMLServerManager",
+                            remembered(PluginServerManager, policy=self.policy, driver=self.driver, setup=self.setup),
+                        )
+                    )
+                    server_init.init_server(
+                        args,
+                        self.device,
+                        args.comm,
+                        args.rank,
+                        args.worker_num,
+                        self.model,
+                        dataset[0],
+                        dataset[2],
+                        dataset[3],
+                        dataset[5],
+                        dataset[6],
+                        dataset[4],
+                        self.aggregator,
+                    )
                 else:
                     patches.enter_context(replaced(client_init, "TrainerDistAdapter", PluginTrainerDistAdapter))
-                    patches.enter_context(replaced(client_init, "ClientMasterManager", remembered(
-                        PluginClientMasterManager, policy=self.policy, setup=self.setup)))
-                    client_init.init_client(args, self.device, args.comm, args.rank, args.worker_num, self.model,
-                                            dataset[0], dataset[4], dataset[5], dataset[6], self.trainer)
+                    patches.enter_context(
+                        replaced(
+                            client_init,
+                            "ClientMasterManager",
+                            remembered(PluginClientMasterManager, policy=self.policy, setup=self.setup),
+                        )
+                    )
+                    client_init.init_client(
+                        args,
+                        self.device,
+                        args.comm,
+                        args.rank,
+                        args.worker_num,
+                        self.model,
+                        dataset[0],
+                        dataset[4],
+                        dataset[5],
+                        dataset[6],
+                        self.trainer,
+                    )
             finally:
                 for manager in managers:  # no gRPC server threads left behind on an error
                     if manager.com_manager is not None and manager.com_manager.is_running:

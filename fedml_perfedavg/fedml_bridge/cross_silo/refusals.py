@@ -6,6 +6,7 @@ peer's address, its text cut to :data:`MAX_TEXT` characters, at most :data:`BURS
 (peer address, reason) and then one per :data:`WINDOW_SECONDS`; what was held back is counted and
 said in one line every :data:`REPORT_SECONDS` (:meth:`RefusalLog.tick`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,14 @@ class RefusalLog:
                 return
             held, self._held_back = dict(self._held_back), Counter()
             seconds, self._last_report = now - self._last_report, now
-        self.logger.warning("rank %d: %d more refusals in the last %.0f s not logged one by one (by reason: %s); "
-                            "totals so far: %s", self.rank, sum(held.values()), seconds, held, dict(self.totals))
+        self.logger.warning(
+            "rank %d: %d more refusals in the last %.0f s not logged one by one (by reason: %s); totals so far: %s",
+            self.rank,
+            sum(held.values()),
+            seconds,
+            held,
+            dict(self.totals),
+        )
 
 
 def _what(reason: str) -> str:

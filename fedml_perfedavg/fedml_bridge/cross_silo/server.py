@@ -37,6 +37,7 @@ At a deadline the silos that did not answer are given up on; the run goes on if 
 naming them. A silo given up on that announces itself again (it lost the server for a while, was
 frozen, or restarted) takes part again.
 """
+
 from __future__ import annotations
 
 import enum
@@ -75,9 +76,14 @@ class Phase(enum.Enum):
 
 
 # DONE is also where a stopped run goes, from any phase.
-TRANSITIONS = {Phase.STARTING: {Phase.ONLINE, Phase.DONE}, Phase.ONLINE: {Phase.TRAINING, Phase.DONE},
-               Phase.TRAINING: {Phase.TRAINING, Phase.EVALUATING, Phase.FINISHING, Phase.DONE},
-               Phase.EVALUATING: {Phase.TRAINING, Phase.DONE}, Phase.FINISHING: {Phase.DONE}, Phase.DONE: set()}
+TRANSITIONS = {
+    Phase.STARTING: {Phase.ONLINE, Phase.DONE},
+    Phase.ONLINE: {Phase.TRAINING, Phase.DONE},
+    Phase.TRAINING: {Phase.TRAINING, Phase.EVALUATING, Phase.FINISHING, Phase.DONE},
+    Phase.EVALUATING: {Phase.TRAINING, Phase.DONE},
+    Phase.FINISHING: {Phase.DONE},
+    Phase.DONE: set(),
+}
 
 
 class PluginFedMLAggregator(FedMLAggregator):
@@ -101,13 +107,25 @@ class PluginServerManager(FedMLServerManager):
     samples each round's users and takes each new global model and evaluation; ``setup`` says
     the mode, the silos and what they must agree on."""
 
-    def __init__(self, args: Any, aggregator: PluginFedMLAggregator, comm: Any = None, client_rank: int = 0,
-                 client_num: int = 0, backend: str = "GRPC", *, policy: SiloPolicy, driver: RoundDriver,
-                 setup: SiloSetup) -> None:
+    def __init__(
+        self,
+        args: Any,
+        aggregator: PluginFedMLAggregator,
+        comm: Any = None,
+        client_rank: int = 0,
+        client_num: int = 0,
+        backend: str = "GRPC",
+        *,
+        policy: SiloPolicy,
+        driver: RoundDriver,
+        setup: SiloSetup,
+    ) -> None:
         super().__init__(args, aggregator, comm, client_rank, client_num, backend)
         if not setup.own_data and len(setup.silos) != args.client_num_per_round:
-            raise ConfigError(f"train_args.client_num_per_round={args.client_num_per_round!r}: must equal the number "
-                              f"of silos ({len(setup.silos)}): each silo trains one sampled user per round")
+            raise ConfigError(
+                f"train_args.client_num_per_round={args.client_num_per_round!r}: must equal the number "
+                f"of silos ({len(setup.silos)}): each silo trains one sampled user per round"
+            )
         self.policy, self.driver, self.setup = policy, driver, setup
         self.phase = Phase.STARTING
         self.deadline: Optional[float] = None  # the one deadline of the open phase (time.monotonic())
@@ -146,9 +164,14 @@ class PluginServerManager(FedMLServerManager):
         wait = self.policy.round_deadline(self.slowest_round, self.rounds_measured)
         if wait < self.policy.round_timeout and not self.adaptive_logged:
             self.adaptive_logged = True
-            logger.info("round deadline now %.1f s: %g x the slowest round so far (%.2f s; comm_args."
-                        "round_timeout_factor), at most comm_args.round_timeout=%g s", wait,
-                        self.policy.round_timeout_factor, self.slowest_round, self.policy.round_timeout)
+            logger.info(
+                "round deadline now %.1f s: %g x the slowest round so far (%.2f s; comm_args."
+                "round_timeout_factor), at most comm_args.round_timeout=%g s",
+                wait,
+                self.policy.round_timeout_factor,
+                self.slowest_round,
+                self.policy.round_timeout,
+            )
         return wait
 
     def _deadline_words(self) -> str:
@@ -162,8 +185,11 @@ class PluginServerManager(FedMLServerManager):
             self.deadline = None
             missing = [s for s in self.live if s not in self.online]
             go_on, _ = self.policy.after_deadline(self.live, sorted(self.online))
-            self._give_up_on(missing, f"did not come online within comm_args.connect_timeout="
-                                      f"{self.policy.connect_timeout:g} s", go_on)
+            self._give_up_on(
+                missing,
+                f"did not come online within comm_args.connect_timeout={self.policy.connect_timeout:g} s",
+                go_on,
+            )
             self._start_training()
         elif self.phase is Phase.TRAINING:
             self._close_round(f"sent no update within {self._deadline_words()}")
@@ -171,8 +197,10 @@ class PluginServerManager(FedMLServerManager):
             self._close_evaluation(f"sent no evaluation within {self._deadline_words()}")
         elif self.phase is Phase.FINISHING:
             self.deadline = None
-            logger.warning("no goodbye from silo rank(s) %s within the round deadline; the run is complete",
-                           sorted(set(self.live) - self.finished))
+            logger.warning(
+                "no goodbye from silo rank(s) %s within the round deadline; the run is complete",
+                sorted(set(self.live) - self.finished),
+            )
             self._complete()
 
     def _give_up_on(self, silos: List[int], why: str, go_on: bool) -> None:
@@ -181,10 +209,18 @@ class PluginServerManager(FedMLServerManager):
         self.driver.record_lost_silos(self.round_idx, sorted(silos), why)
         left = len([s for s in self.live if s not in silos])
         if not go_on:
-            self._stop(f"round {self.round_idx}: silo rank(s) {sorted(silos)} {why}; fewer than comm_args."
-                       f"min_clients_per_round={self.policy.min_clients} of the round's silos answered")
-        logger.warning("round %d: going on without silo rank(s) %s (%s); %d left, comm_args.min_clients_per_round=%d",
-                       self.round_idx, sorted(silos), why, left, self.policy.min_clients)
+            self._stop(
+                f"round {self.round_idx}: silo rank(s) {sorted(silos)} {why}; fewer than comm_args."
+                f"min_clients_per_round={self.policy.min_clients} of the round's silos answered"
+            )
+        logger.warning(
+            "round %d: going on without silo rank(s) %s (%s); %d left, comm_args.min_clients_per_round=%d",
+            self.round_idx,
+            sorted(silos),
+            why,
+            left,
+            self.policy.min_clients,
+        )
         self.live = [s for s in self.live if s not in silos]
         for silo in silos:
             self.assigned.pop(silo, None)
@@ -233,8 +269,16 @@ class PluginServerManager(FedMLServerManager):
         self.register_message_receive_handler(MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER, self._on_update)
         self.register_message_receive_handler(wire.EVALUATION, self._on_evaluation)
 
-    def _message(self, msg_type: int, silo: int, model: Any = None, user: Optional[int] = None,
-                 round_idx: Optional[int] = None, reason: Optional[str] = None, refused: bool = False) -> Message:
+    def _message(
+        self,
+        msg_type: int,
+        silo: int,
+        model: Any = None,
+        user: Optional[int] = None,
+        round_idx: Optional[int] = None,
+        reason: Optional[str] = None,
+        refused: bool = False,
+    ) -> Message:
         message = Message(msg_type, self.get_sender_id(), silo)
         if model is not None:
             message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, model)
@@ -275,8 +319,10 @@ class PluginServerManager(FedMLServerManager):
         if announced["problem"] is not None:
             return f"silo rank {silo} cannot train on its own data: {announced['problem']}"
         if announced["user"] != silo - 1 or announced["train"] is None:
-            return f"silo rank {silo} announced user {announced['user']}'s data; in data-owner mode rank R holds " \
-                   f"user R-1's"
+            return (
+                f"silo rank {silo} announced user {announced['user']}'s data; in data-owner mode rank R holds "
+                f"user R-1's"
+            )
         return data_problem(self.setup.model, announced, silo)
 
     def _on_hello(self, silo: int, announced: Optional[Dict[str, Any]], session: Optional[str]) -> None:
@@ -297,8 +343,9 @@ class PluginServerManager(FedMLServerManager):
         if silo not in self.live:
             self.live = [s for s in self.setup.silos if s in self.live or s == silo]
             why = "it announced itself again" + (" from a new process" if restarted else "")
-            logger.warning("round %d: silo rank %d is back (%s); it takes part from the next round", self.round_idx,
-                           silo, why)
+            logger.warning(
+                "round %d: silo rank %d is back (%s); it takes part from the next round", self.round_idx, silo, why
+            )
             self.driver.record_rejoined_silo(self.round_idx, silo, why)
         elif restarted:
             self._forget_open_work(silo)
@@ -308,8 +355,9 @@ class PluginServerManager(FedMLServerManager):
     def _forget_open_work(self, silo: int) -> None:
         """A silo restarted: what its earlier process owed the open round or evaluation will not come."""
         if self.phase is Phase.TRAINING and silo in self.assigned and silo not in self.answered:
-            logger.warning("round %d: silo rank %d restarted; its update for this round is missing", self.round_idx,
-                           silo)
+            logger.warning(
+                "round %d: silo rank %d restarted; its update for this round is missing", self.round_idx, silo
+            )
             self.assigned.pop(silo)
         if self.phase is Phase.EVALUATING and silo in self.awaiting:
             self.awaiting.discard(silo)
@@ -319,8 +367,13 @@ class PluginServerManager(FedMLServerManager):
         enough silos are left (else it stops, naming the problem)."""
         logger.error("%s; it is refused", problem)
         self._refuse(silo, DISAGREEMENT, problem)
-        self._notify([self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=f"refused by the server: {problem}",
-                                    refused=True)])
+        self._notify(
+            [
+                self._message(
+                    MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=f"refused by the server: {problem}", refused=True
+                )
+            ]
+        )
         if silo not in self.live:
             return
         left = [s for s in self.live if s != silo]
@@ -356,8 +409,9 @@ class PluginServerManager(FedMLServerManager):
         self.answered = set()
         offline = [s for s in self.expected if s not in self.assigned]
         if offline:
-            logger.warning("round %d: sampled silo rank(s) %s are offline; they are missing from this round", round_idx,
-                           offline)
+            logger.warning(
+                "round %d: sampled silo rank(s) %s are offline; they are missing from this round", round_idx, offline
+            )
         self._enter(Phase.TRAINING, self._round_seconds())
         params = self.aggregator.get_global_model_params()
         messages = [self._message(msg_type, s, params, user) for s, (_, user) in sorted(self.assigned.items())]
@@ -380,20 +434,33 @@ class PluginServerManager(FedMLServerManager):
     def _on_update(self, msg_params: Message) -> None:
         silo = int(msg_params.get_sender_id())
         stamped = msg_params.get(ROUND_KEY)
-        if self.phase is not Phase.TRAINING or silo not in self.assigned or stamped != self.round_idx or \
-                silo in self.answered:
-            logger.warning("ignored an update from silo rank %d for round %s (the server is %s round %d%s)", silo,
-                           stamped, self.phase.value, self.round_idx,
-                           "; it already sent one" if silo in self.answered else "")
+        if (
+            self.phase is not Phase.TRAINING
+            or silo not in self.assigned
+            or stamped != self.round_idx
+            or silo in self.answered
+        ):
+            logger.warning(
+                "ignored an update from silo rank %d for round %s (the server is %s round %d%s)",
+                silo,
+                stamped,
+                self.phase.value,
+                self.round_idx,
+                "; it already sent one" if silo in self.answered else "",
+            )
             return
         self.answered.add(silo)
         position, user = self.assigned[silo]
         declared = msg_params.get(MyMessage.MSG_ARG_KEY_NUM_SAMPLES)
         known = self._counts_of(silo, user)[0]
         if declared != known:
-            self._refuse(silo, SAMPLE_COUNT, f"round {self.round_idx}: silo rank {silo} sent num_samples={declared!r} "
-                                             f"for user {user}, who has {known} training samples; its update is "
-                                             f"rejected")
+            self._refuse(
+                silo,
+                SAMPLE_COUNT,
+                f"round {self.round_idx}: silo rank {silo} sent num_samples={declared!r} "
+                f"for user {user}, who has {known} training samples; its update is "
+                f"rejected",
+            )
             self.driver.record_rejected_update(self.round_idx)
         else:
             self._note_silo_metrics(silo, msg_params.get(wire.SILO_METRICS), self.round_idx)
@@ -459,14 +526,21 @@ class PluginServerManager(FedMLServerManager):
         silo = int(msg_params.get_sender_id())
         counts = msg_params.get(wire.SILO_METRICS)
         if self.phase is not Phase.EVALUATING or silo not in self.awaiting:
-            logger.warning("ignored an evaluation from silo rank %d (the server is %s round %d)", silo,
-                           self.phase.value, self.round_idx)
+            logger.warning(
+                "ignored an evaluation from silo rank %d (the server is %s round %d)",
+                silo,
+                self.phase.value,
+                self.round_idx,
+            )
             return
         self.awaiting.discard(silo)
         problem = self._figures_problem(silo, counts, silo - 1, self.evaluated_round)
         if problem is not None:
-            self._refuse(silo, BAD_FIGURES, f"{problem}; user {silo - 1} is missing from round "
-                                            f"{self.evaluated_round}'s evaluation")
+            self._refuse(
+                silo,
+                BAD_FIGURES,
+                f"{problem}; user {silo - 1} is missing from round {self.evaluated_round}'s evaluation",
+            )
         else:
             self.evaluations[silo - 1] = counts
         self._close_if_complete()
@@ -475,8 +549,10 @@ class PluginServerManager(FedMLServerManager):
         """Why a silo's reported counts cannot be its evaluation of ``user`` after ``round_idx``
         (the wire already checked they are whole, finite and consistent), or None."""
         if counts["round"] != round_idx or counts["user"] != user:
-            return f"silo rank {silo} reported round {counts['round']}, user {counts['user']}; it was asked for " \
-                   f"round {round_idx}, user {user}"
+            return (
+                f"silo rank {silo} reported round {counts['round']}, user {counts['user']}; it was asked for "
+                f"round {round_idx}, user {user}"
+            )
         test = self._counts_of(silo, user)[1]
         if counts["total"] != test:
             return f"silo rank {silo} reported {counts['total']} test samples for user {user}, who has {test}"
@@ -487,8 +563,9 @@ class PluginServerManager(FedMLServerManager):
         if self.awaiting:
             self._give_up_on(sorted(self.awaiting), why_missing or "sent no evaluation", True)
         missing = [s - 1 for s in self.setup.silos if s - 1 not in self.evaluations]
-        self.driver.record_federated_evaluation(self.evaluated_round, dict(self.evaluations), missing,
-                                                self.evaluation_started)
+        self.driver.record_federated_evaluation(
+            self.evaluated_round, dict(self.evaluations), missing, self.evaluation_started
+        )
         self._record_refusals()
         self._next_round()
 
@@ -497,8 +574,10 @@ class PluginServerManager(FedMLServerManager):
         self.expected, self.assigned = self._assignment(self.round_idx)
         self._enter(Phase.FINISHING, self._round_seconds())
         params = self.aggregator.get_global_model_params()
-        messages = [self._message(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT, s, params, user)
-                    for s, (_, user) in sorted(self.assigned.items())]
+        messages = [
+            self._message(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT, s, params, user)
+            for s, (_, user) in sorted(self.assigned.items())
+        ]
         for silo, err in sorted(self.com_manager.send_all(messages, self.deadline).items()):
             logger.warning("%s", err)
             self.live = [s for s in self.live if s != silo]
@@ -528,12 +607,22 @@ class PluginServerManager(FedMLServerManager):
             return
         from ...core.evaluation import accuracy_of
 
-        entries = {silo: {"round": c["round"], "user": c["user"], "accuracy": accuracy_of(c["correct"], c["total"]),
-                          "accuracy_before_adaptation": accuracy_of(c["correct_before"], c["total"])}
-                   for silo, c in sorted(self.silo_metrics.items())}
+        entries = {
+            silo: {
+                "round": c["round"],
+                "user": c["user"],
+                "accuracy": accuracy_of(c["correct"], c["total"]),
+                "accuracy_before_adaptation": accuracy_of(c["correct_before"], c["total"]),
+            }
+            for silo, c in sorted(self.silo_metrics.items())
+        }
         mean = sum(e["accuracy"] for e in entries.values()) / len(entries)
-        logger.info("%s: silos' own personalized accuracy %.4f (model they received, mean of %d silos, each on "
-                    "its user: %s)", label, mean, len(entries),
-                    ", ".join(f"rank {s} user {e['user']} {e['accuracy']:.4f}" for s, e in entries.items()))
+        logger.info(
+            "%s: silos' own personalized accuracy %.4f (model they received, mean of %d silos, each on its user: %s)",
+            label,
+            mean,
+            len(entries),
+            ", ".join(f"rank {s} user {e['user']} {e['accuracy']:.4f}" for s, e in entries.items()),
+        )
         self.driver.record_silo_evaluation(label, mean, entries)
         self.silo_metrics = {}

@@ -26,6 +26,7 @@ a process that imported the plugin (FedML's own optimizers too), because FedML's
 Without ``tls_dir`` a process refuses to start unless ``comm_args.insecure: true`` (plaintext and
 unauthenticated: still no pickle, with a warning).
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,14 @@ from ...core.guards import ConfigError, SiloFailure
 from ..bootstrap import import_fedml
 from . import READY_MESSAGE, wire
 from .addresses import read_ipconfig
-from .credentials import Credentials, check_security, load_credentials, peer_certificate_problem, rank_name, \
-    rank_of_names
+from .credentials import (
+    Credentials,
+    check_security,
+    load_credentials,
+    peer_certificate_problem,
+    rank_name,
+    rank_of_names,
+)
 from .gate import Gate, GateLimits, PortTaken
 from .refusals import RefusalLog
 
@@ -64,8 +71,14 @@ DESCRIPTORS_RESERVED = 256  # for the run's own files, channels and gRPC's threa
 DESCRIPTORS_PER_CONNECTION = 3  # a gated connection: the peer's socket, the gate's to gRPC, gRPC's accepted one
 DEFAULT_MAX_CONNECTIONS = 1024
 # Reasons a message is refused, beside wire's (counted by these codes).
-IDENTITY, OTHER_RUN, REPLAY, STALE, SESSION, INTERNAL = "identity", "other-run", "replay", "stale", "session", \
-    "internal"
+IDENTITY, OTHER_RUN, REPLAY, STALE, SESSION, INTERNAL = (
+    "identity",
+    "other-run",
+    "replay",
+    "stale",
+    "session",
+    "internal",
+)
 
 
 class PeerUnreachable(SiloFailure):
@@ -113,15 +126,24 @@ def transport_settings(args: Any, rank: int) -> TransportSettings:
         raise ConfigError(f"comm_args.max_message_bytes={cap!r}: must be an integer >= 1024")
     timeout = float(getattr(args, "connect_timeout", 60.0) or 60.0)
     limits = {}
-    for name, default, low in (("max_connections", None, 1), ("max_connections_per_peer", None, 1),
-                               ("handshake_timeout", 5.0, 0.1), ("idle_timeout", 300.0, 1.0)):
+    for name, default, low in (
+        ("max_connections", None, 1),
+        ("max_connections_per_peer", None, 1),
+        ("handshake_timeout", 5.0, 0.1),
+        ("idle_timeout", 300.0, 1.0),
+    ):
         value = getattr(args, name, default)
         if value is None:
             value = default
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or \
-                (default is None and not isinstance(value, int)):
-            raise ConfigError(f"comm_args.{name}={value!r}: must be {'an integer' if default is None else 'a number'} "
-                              f">= {low}")
+        elif (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or value < low
+            or (default is None and not isinstance(value, int))
+        ):
+            raise ConfigError(
+                f"comm_args.{name}={value!r}: must be {'an integer' if default is None else 'a number'} >= {low}"
+            )
         limits[name] = value
     return TransportSettings(str(getattr(args, "run_id", "0")), credentials, cap, timeout, **limits)
 
@@ -152,12 +174,21 @@ def connection_limits(settings: TransportSettings, ranks: int, descriptors: int)
     budget = max(8, (descriptors - DESCRIPTORS_RESERVED) // DESCRIPTORS_PER_CONNECTION)
     total = settings.max_connections or DEFAULT_MAX_CONNECTIONS
     if total > budget:
-        logger.warning("comm_args.max_connections=%d is more than the open-file limit (%d) holds: %d connections at "
-                       "most", total, descriptors, budget)
+        logger.warning(
+            "comm_args.max_connections=%d is more than the open-file limit (%d) holds: %d connections at most",
+            total,
+            descriptors,
+            budget,
+        )
         total = budget
     per_peer = min(settings.max_connections_per_peer or 2 * ranks + 8, total)
-    return GateLimits(per_peer=per_peer, total=total, first_request_seconds=settings.handshake_timeout,
-                      idle_seconds=settings.idle_timeout, tls=settings.credentials is not None)
+    return GateLimits(
+        per_peer=per_peer,
+        total=total,
+        first_request_seconds=settings.handshake_timeout,
+        idle_seconds=settings.idle_timeout,
+        tls=settings.credentials is not None,
+    )
 
 
 class _Servicer:
@@ -173,14 +204,16 @@ class _Servicer:
         try:
             transport.accept(request.message, context)
         except Exception as err:  # noqa: BLE001 - whatever a peer's bytes do, it is a refusal, counted and logged
-            rejected = err if isinstance(err, wire.Rejected) else wire.Rejected(
-                f"could not be read ({type(err).__name__}: {wire.short(str(err), 80)})", INTERNAL)
+            rejected = (
+                err
+                if isinstance(err, wire.Rejected)
+                else wire.Rejected(f"could not be read ({type(err).__name__}: {wire.short(str(err), 80)})", INTERNAL)
+            )
             with transport._lock:
                 transport.rejected += 1
             host, where = transport.gate.peer_of(context.peer())
             transport.refusals.refuse(host, rejected.reason, str(rejected), where)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"refused ({rejected.reason}): "
-                                                             f"{str(rejected)[:200]}")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"refused ({rejected.reason}): {str(rejected)[:200]}")
         return pb2.CommResponse()
 
     def handleReceiveMessage(self, request, context):  # noqa: N802 - FedML's service declares it
@@ -205,8 +238,10 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self.addresses = read_ipconfig(grpc_ipconfig_path)
         self.grpc_ipconfig_path = grpc_ipconfig_path
         if self.rank not in self.addresses:
-            raise ConfigError(f"comm_args.grpc_ipconfig_path={grpc_ipconfig_path!r}: no row for rank {self.rank}; "
-                              f"FedML would listen on every interface")
+            raise ConfigError(
+                f"comm_args.grpc_ipconfig_path={grpc_ipconfig_path!r}: no row for rank {self.rank}; "
+                f"FedML would listen on every interface"
+            )
         self._observers: List[Any] = []
         self._queue: "queue.Queue[wire.Envelope]" = queue.Queue()
         self._lock = threading.Lock()
@@ -224,26 +259,39 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self.is_running = False
         ip, port = self.addresses[self.rank]
         limit = self.settings.size_cap + _PROTOBUF_SLACK
-        self._options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
-                         ("grpc.enable_http_proxy", 0), ("grpc.so_reuseport", 0),
-                         ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                         ("grpc.max_reconnect_backoff_ms", 1000)]
+        self._options = [
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.enable_http_proxy", 0),
+            ("grpc.so_reuseport", 0),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         descriptors = raise_descriptor_limit()
         ranks = len(self.addresses)
         limits = connection_limits(self.settings, ranks, descriptors)
         # gRPC listens on a private loopback port; peers reach it through the gate (see gate.py).
-        server_options = [*self._options, ("grpc.server_handshake_timeout_ms", int(1000 * limits.first_request_seconds)),
-                          ("grpc.max_connection_idle_ms", int(1000 * limits.idle_seconds)),
-                          ("grpc.max_allowed_incoming_connections", limits.total + 8)]
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max(4, self.client_num + 2)),
-                                   options=server_options)
+        server_options = [
+            *self._options,
+            ("grpc.server_handshake_timeout_ms", int(1000 * limits.first_request_seconds)),
+            ("grpc.max_connection_idle_ms", int(1000 * limits.idle_seconds)),
+            ("grpc.max_allowed_incoming_connections", limits.total + 8),
+        ]
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max(4, self.client_num + 2)), options=server_options
+        )
         pb2_grpc.add_gRPCCommManagerServicer_to_server(_Servicer(self), self._server)
         credentials = self.settings.credentials
         if credentials is None:
             backend_port = self._server.add_insecure_port("127.0.0.1:0")
         else:
-            backend_port = self._server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
-                [(credentials.key, credentials.cert)], root_certificates=credentials.ca, require_client_auth=True))
+            backend_port = self._server.add_secure_port(
+                "127.0.0.1:0",
+                grpc.ssl_server_credentials(
+                    [(credentials.key, credentials.cert)], root_certificates=credentials.ca, require_client_auth=True
+                ),
+            )
         address = f"{ip}:{port}"
         self.gate = Gate((ip, port), backend_port, limits, self._connection_refused)
         try:
@@ -254,16 +302,28 @@ class SecureGRPCCommManager(BaseCommunicationManager):
                 f"rank {self.rank} cannot listen on {address} (comm_args.grpc_ipconfig_path={grpc_ipconfig_path!r}): "
                 f"the port is in use, maybe by a process of an earlier run, or the address is not this host's ({err}); "
                 f"stop it (`ss -ltnp | grep {port}` shows which) or give rank {self.rank} another port in the address "
-                f"file") from None
+                f"file"
+            ) from None
         self._server.start()
         self.is_running = True
-        logger.info("rank %d: connections capped at %d per peer address and %d in total (comm_args."
-                    "max_connections_per_peer, max_connections; open-file limit %d), %.1f s to a first request "
-                    "(comm_args.handshake_timeout), %.0f s idle (comm_args.idle_timeout)", self.rank, limits.per_peer,
-                    limits.total, descriptors, limits.first_request_seconds, limits.idle_seconds)
+        logger.info(
+            "rank %d: connections capped at %d per peer address and %d in total (comm_args."
+            "max_connections_per_peer, max_connections; open-file limit %d), %.1f s to a first request "
+            "(comm_args.handshake_timeout), %.0f s idle (comm_args.idle_timeout)",
+            self.rank,
+            limits.per_peer,
+            limits.total,
+            descriptors,
+            limits.first_request_seconds,
+            limits.idle_seconds,
+        )
         if credentials is None:
-            logger.warning("rank %d: comm_args.insecure: plaintext and unauthenticated; any process that reaches "
-                           "%s can speak for any rank (messages are still never unpickled)", self.rank, address)
+            logger.warning(
+                "rank %d: comm_args.insecure: plaintext and unauthenticated; any process that reaches "
+                "%s can speak for any rank (messages are still never unpickled)",
+                self.rank,
+                address,
+            )
         logger.info(READY_MESSAGE, self.rank, ip, port)
 
     # -- receiving --------------------------------------------------------------------------------
@@ -296,30 +356,40 @@ class SecureGRPCCommManager(BaseCommunicationManager):
     def _check(self, envelope: wire.Envelope, peer_rank: Optional[int]) -> None:
         sender, kind = envelope.sender, envelope.type
         if peer_rank is not None and sender != peer_rank:
-            raise wire.Rejected(f"type {kind} claims sender rank {sender}, but the peer's certificate is rank "
-                                f"{peer_rank}'s", IDENTITY)
+            raise wire.Rejected(
+                f"type {kind} claims sender rank {sender}, but the peer's certificate is rank {peer_rank}'s", IDENTITY
+            )
         if envelope.receiver != self.rank:
-            raise wire.Rejected(f"type {kind} is addressed to rank {envelope.receiver}, this is rank {self.rank}",
-                                IDENTITY)
+            raise wire.Rejected(
+                f"type {kind} is addressed to rank {envelope.receiver}, this is rank {self.rank}", IDENTITY
+            )
         if self.rank == 0:
             if kind not in wire.FROM_SILO or sender == 0 or sender not in self.addresses:
                 raise wire.Rejected(f"the server takes no message of type {kind} from rank {sender}", IDENTITY)
         elif kind not in wire.FROM_SERVER or sender != 0:
-            raise wire.Rejected(f"a silo takes messages from the server (rank 0) only; got type {kind} from rank "
-                                f"{sender}", IDENTITY)
+            raise wire.Rejected(
+                f"a silo takes messages from the server (rank 0) only; got type {kind} from rank {sender}", IDENTITY
+            )
         if envelope.run_id != self.settings.run_id:
-            raise wire.Rejected(f"type {kind} from rank {sender} is for run {wire.short(envelope.run_id)}, not this "
-                                f"run ({self.settings.run_id!r})", OTHER_RUN)
+            raise wire.Rejected(
+                f"type {kind} from rank {sender} is for run {wire.short(envelope.run_id)}, not this "
+                f"run ({self.settings.run_id!r})",
+                OTHER_RUN,
+            )
         with self._lock:
             self._check_session(envelope)
             last = self._seen_seq.get(sender, -1)
             if envelope.seq <= last:
-                raise wire.Rejected(f"type {kind} from rank {sender} is a replay (sequence {envelope.seq}, "
-                                    f"already at {last})", REPLAY)
+                raise wire.Rejected(
+                    f"type {kind} from rank {sender} is a replay (sequence {envelope.seq}, already at {last})", REPLAY
+                )
             if kind == wire.UPLOAD:
                 if envelope.reply_to not in self._open_models.get(sender, ()):
-                    raise wire.Rejected(f"an upload from rank {sender} for round {envelope.round} answers no open "
-                                        f"model (a round already closed, or a second upload in one round)", STALE)
+                    raise wire.Rejected(
+                        f"an upload from rank {sender} for round {envelope.round} answers no open "
+                        f"model (a round already closed, or a second upload in one round)",
+                        STALE,
+                    )
                 self._open_models[sender] = set()  # one answer closes every model sent before it
             self._seen_seq[sender] = envelope.seq
             self.finish_received |= kind == wire.FINISH
@@ -336,18 +406,28 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             return
         if current is not None:
             if session in self._retired.get(sender, set()):
-                raise wire.Rejected(f"type {envelope.type} from rank {sender} comes from an earlier process of that "
-                                    f"rank (session {session}), which a newer one replaced", REPLAY)
+                raise wire.Rejected(
+                    f"type {envelope.type} from rank {sender} comes from an earlier process of that "
+                    f"rank (session {session}), which a newer one replaced",
+                    REPLAY,
+                )
             announces = envelope.type == wire.CLIENT_STATUS and envelope.params.get("client_status") == "ONLINE"
             if self.rank != 0 or not announces:
-                raise wire.Rejected(f"type {envelope.type} from rank {sender} comes from another process of that rank "
-                                    f"(session {session}, this rank talks to session {current})"
-                                    + ("; a silo's new process must announce itself first" if self.rank == 0 else ""),
-                                    SESSION)
+                raise wire.Rejected(
+                    f"type {envelope.type} from rank {sender} comes from another process of that rank "
+                    f"(session {session}, this rank talks to session {current})"
+                    + ("; a silo's new process must announce itself first" if self.rank == 0 else ""),
+                    SESSION,
+                )
             self._retired.setdefault(sender, set()).add(current)
             self._open_models.pop(sender, None)
-            logger.warning("rank %d: rank %d is a new process (session %s); messages of its earlier process are "
-                           "refused from now on", self.rank, sender, session)
+            logger.warning(
+                "rank %d: rank %d is a new process (session %s); messages of its earlier process are "
+                "refused from now on",
+                self.rank,
+                sender,
+                session,
+            )
         self._sessions[sender] = session
         self._seen_seq[sender] = -1
 
@@ -411,9 +491,18 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             self._sent_seq[receiver] = seq
             if kind in wire.MODEL_MESSAGES:  # before sending: the answer may come first
                 self._open_models.setdefault(receiver, set()).add(seq)
-        return wire.Envelope(type=kind, sender=sender, receiver=receiver, run_id=self.settings.run_id,
-                             round=round_idx, seq=seq, params=params, model=model, reply_to=reply_to,
-                             session=self.session)
+        return wire.Envelope(
+            type=kind,
+            sender=sender,
+            receiver=receiver,
+            run_id=self.settings.run_id,
+            round=round_idx,
+            seq=seq,
+            params=params,
+            model=model,
+            reply_to=reply_to,
+            session=self.session,
+        )
 
     def send_message(self, message, deadline: Optional[float] = None) -> None:
         """Send ``message`` (a FedML ``Message``) before ``deadline`` (``time.monotonic()``; default:
@@ -421,8 +510,11 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         :class:`PeerUnreachable` when it did not take it in time. A receiver that refuses the
         message is logged, not raised: it logged why, and the protocol's deadlines go on."""
         envelope = self._envelope(message)
-        self.send_bytes(envelope.receiver, wire.encode(envelope),
-                        time.monotonic() + self.retry_seconds if deadline is None else deadline)
+        self.send_bytes(
+            envelope.receiver,
+            wire.encode(envelope),
+            time.monotonic() + self.retry_seconds if deadline is None else deadline,
+        )
 
     SEND_GRACE_SECONDS = 2.0  # past a send's deadline, before it is counted as not delivered
 
@@ -444,8 +536,9 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             except Exception as err:  # noqa: BLE001 - handed to the caller below
                 outcome[receiver] = err
 
-        threads = [threading.Thread(target=deliver, args=item, daemon=True, name=f"send-to-rank-{item[0]}")
-                   for item in encoded]
+        threads = [
+            threading.Thread(target=deliver, args=item, daemon=True, name=f"send-to-rank-{item[0]}") for item in encoded
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -454,8 +547,10 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         for receiver, _ in encoded:
             if receiver not in outcome:
                 ip, port = self.addresses[receiver]
-                failed[receiver] = PeerUnreachable(f"rank {receiver} at {ip}:{port} did not take a message from rank "
-                                                   f"{self.rank} by the deadline; is it gone?")
+                failed[receiver] = PeerUnreachable(
+                    f"rank {receiver} at {ip}:{port} did not take a message from rank "
+                    f"{self.rank} by the deadline; is it gone?"
+                )
             elif isinstance(outcome[receiver], PeerUnreachable):
                 failed[receiver] = outcome[receiver]
             elif outcome[receiver] is not None:
@@ -466,17 +561,20 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         channel = self._channels.get(receiver)
         if channel is None:
             if receiver not in self.addresses:
-                raise ConfigError(f"comm_args.grpc_ipconfig_path={self.grpc_ipconfig_path!r}: no row for rank "
-                                  f"{receiver}")
+                raise ConfigError(
+                    f"comm_args.grpc_ipconfig_path={self.grpc_ipconfig_path!r}: no row for rank {receiver}"
+                )
             ip, port = self.addresses[receiver]
             credentials = self.settings.credentials
             if credentials is None:
                 channel = grpc.insecure_channel(f"{ip}:{port}", options=self._options)
             else:
                 # The receiver's certificate must name the rank we mean to reach, whatever its address.
-                channel = grpc.secure_channel(f"{ip}:{port}", grpc.ssl_channel_credentials(
-                    credentials.ca, credentials.key, credentials.cert),
-                    options=[*self._options, ("grpc.ssl_target_name_override", rank_name(receiver))])
+                channel = grpc.secure_channel(
+                    f"{ip}:{port}",
+                    grpc.ssl_channel_credentials(credentials.ca, credentials.key, credentials.cert),
+                    options=[*self._options, ("grpc.ssl_target_name_override", rank_name(receiver))],
+                )
             self._channels[receiver] = channel
         return channel
 
@@ -493,8 +591,10 @@ class SecureGRPCCommManager(BaseCommunicationManager):
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PeerUnreachable(f"rank {receiver} at {ip}:{port} did not take a message from rank {self.rank} "
-                                      f"within {window:.1f} s ({last_error}); is it gone?")
+                raise PeerUnreachable(
+                    f"rank {receiver} at {ip}:{port} did not take a message from rank {self.rank} "
+                    f"within {window:.1f} s ({last_error}); is it gone?"
+                )
             try:
                 stub.sendMessage(request, timeout=left)
                 return
@@ -503,16 +603,27 @@ class SecureGRPCCommManager(BaseCommunicationManager):
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     last_error = "it accepted no message before the deadline"
                     continue
-                if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
-                    logger.warning("rank %d at %s:%d refused a message from rank %d: %s", receiver, ip, port,
-                                   self.rank, err.details())
+                if code in (
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.UNIMPLEMENTED,
+                ):
+                    logger.warning(
+                        "rank %d at %s:%d refused a message from rank %d: %s",
+                        receiver,
+                        ip,
+                        port,
+                        self.rank,
+                        err.details(),
+                    )
                     return
                 if code != grpc.StatusCode.UNAVAILABLE:
                     raise
                 last_error = err.details() or "unavailable"
-            logger.info("rank %d at %s:%d is not reachable yet; retrying in %.1f s (%s)", receiver, ip, port, delay,
-                        last_error)
+            logger.info(
+                "rank %d at %s:%d is not reachable yet; retrying in %.1f s (%s)", receiver, ip, port, delay, last_error
+            )
             time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             delay = min(2 * delay, 2.0)
 
@@ -538,4 +649,3 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             channel.close()
-

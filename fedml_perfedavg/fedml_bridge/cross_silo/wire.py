@@ -13,6 +13,7 @@ message types of FedML's cross-silo protocol and the plugin's own, each with its
 types and ranges); anything else raises :class:`Rejected`, whose ``reason`` is a short code the
 transport counts by and whose text never echoes more than a few dozen characters of what came.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,7 @@ def short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + f"...({len(text)} chars)"
 
 
-def _whole(value: Any, low: int = 0, high: int = 2 ** 31) -> bool:
+def _whole(value: Any, low: int = 0, high: int = 2**31) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
@@ -95,39 +96,72 @@ def _counts(value: Any) -> bool:
         return True
     if not isinstance(value, dict) or set(value) != {"round", "user", "correct", "correct_before", "total", "loss"}:
         return False
-    return (all(_whole(value[k]) for k in ("round", "user", "correct", "correct_before", "total"))
-            and value["total"] > 0 and value["correct"] <= value["total"] and value["correct_before"] <= value["total"]
-            and _number(value["loss"]) and 0 <= value["loss"] < 1e12)
+    return (
+        all(_whole(value[k]) for k in ("round", "user", "correct", "correct_before", "total"))
+        and value["total"] > 0
+        and value["correct"] <= value["total"]
+        and value["correct_before"] <= value["total"]
+        and _number(value["loss"])
+        and 0 <= value["loss"] < 1e12
+    )
 
 
 _SCALAR_LIMIT = 200
 
 
 def _scalar(value: Any) -> bool:
-    return value is None or isinstance(value, bool) or _whole(value, -2 ** 62, 2 ** 62) or _number(value) or \
-        _text(value, _SCALAR_LIMIT)
+    return (
+        value is None
+        or isinstance(value, bool)
+        or _whole(value, -(2**62), 2**62)
+        or _number(value)
+        or _text(value, _SCALAR_LIMIT)
+    )
 
 
 def _hello(value: Any) -> bool:
     """What a silo announces: the values that must agree with the server's, and its data's shape."""
-    if not isinstance(value, dict) or set(value) != {"fingerprint", "user", "train", "test", "input_shape",
-                                                      "input_dtype", "classes", "problem"}:
+    if not isinstance(value, dict) or set(value) != {
+        "fingerprint",
+        "user",
+        "train",
+        "test",
+        "input_shape",
+        "input_dtype",
+        "classes",
+        "problem",
+    }:
         return False
     if value["problem"] is not None and not _text(value["problem"], 500):
         return False
     fingerprint = value["fingerprint"]
-    if not isinstance(fingerprint, dict) or len(fingerprint) > 64 or \
-            not all(_text(k) and _scalar(v) for k, v in fingerprint.items()):
+    if (
+        not isinstance(fingerprint, dict)
+        or len(fingerprint) > 64
+        or not all(_text(k) and _scalar(v) for k, v in fingerprint.items())
+    ):
         return False
     if value["user"] is not None and not _whole(value["user"]):
         return False
     if value["train"] is None:  # shared mode: no data of its own to announce
-        return value["test"] is None and value["input_shape"] is None and value["input_dtype"] is None and \
-            value["classes"] is None
+        return (
+            value["test"] is None
+            and value["input_shape"] is None
+            and value["input_dtype"] is None
+            and value["classes"] is None
+        )
     shape, classes = value["input_shape"], value["classes"]
-    return (_whole(value["train"], 1) and _whole(value["test"], 1) and isinstance(shape, list) and len(shape) <= 8
-            and all(_whole(d, 1) for d in shape) and _text(value["input_dtype"], 16)
-            and isinstance(classes, list) and 0 < len(classes) <= 100_000 and all(_whole(c) for c in classes))
+    return (
+        _whole(value["train"], 1)
+        and _whole(value["test"], 1)
+        and isinstance(shape, list)
+        and len(shape) <= 8
+        and all(_whole(d, 1) for d in shape)
+        and _text(value["input_dtype"], 16)
+        and isinstance(classes, list)
+        and 0 < len(classes) <= 100_000
+        and all(_whole(c) for c in classes)
+    )
 
 
 def _status(value: Any) -> bool:
@@ -139,18 +173,35 @@ SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
     INIT_CONFIG: {"client_idx": (_digits, True), "client_os": (_text, False)},
     SYNC_MODEL: {"client_idx": (_digits, True), "client_os": (_text, False)},
     CHECK_STATUS: {"client_idx": (_digits, True)},
-    FINISH: {"client_idx": (_digits, True), REASON: (lambda v: _text(v, 2000), False),
-             REFUSED: (lambda v: v is True, False)},
+    FINISH: {
+        "client_idx": (_digits, True),
+        REASON: (lambda v: _text(v, 2000), False),
+        REFUSED: (lambda v: v is True, False),
+    },
     EVALUATE: {"client_idx": (_digits, True)},
     UPLOAD: {"num_samples": (_count, True), SILO_METRICS: (_counts, False)},
-    CLIENT_STATUS: {"client_status": (_status, True), "client_os": (_text, False), SILO_METRICS: (_counts, False),
-                    HELLO: (_hello, False)},
+    CLIENT_STATUS: {
+        "client_status": (_status, True),
+        "client_os": (_text, False),
+        SILO_METRICS: (_counts, False),
+        HELLO: (_hello, False),
+    },
     EVALUATION: {SILO_METRICS: (_counts, True)},
 }
 CARRIES_MODEL = frozenset({INIT_CONFIG, SYNC_MODEL, UPLOAD, EVALUATE})
 _HEADER_KEYS = {"type", "sender", "receiver", "run_id", "session", "round", "seq", "reply_to", "params", "tensors"}
-_ALLOWED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-                   torch.int16, torch.int32, torch.int64, torch.bool}
+_ALLOWED_DTYPES = {
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+}
 
 
 @dataclass
@@ -173,10 +224,13 @@ class Envelope:
 
 
 def _as_state_dict(model: Any, msg_type: int) -> "OrderedDict[str, torch.Tensor]":
-    if not isinstance(model, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                                 for k, v in model.items()):
-        raise TypeError(f"message type {msg_type}: the cross-silo transport carries model parameters as a dict of "
-                        f"named tensors (a state_dict); got {type(model).__name__}")
+    if not isinstance(model, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()
+    ):
+        raise TypeError(
+            f"message type {msg_type}: the cross-silo transport carries model parameters as a dict of "
+            f"named tensors (a state_dict); got {type(model).__name__}"
+        )
     # safetensors needs contiguous tensors that share no storage; clone keeps the sender's model intact.
     return OrderedDict((k, v.detach().to("cpu").contiguous().clone()) for k, v in model.items())
 
@@ -199,16 +253,28 @@ def encode(envelope: Envelope) -> bytes:
         state = _as_state_dict(envelope.model, envelope.type)
         order = list(state)
         tensors = save_tensors(dict(state)) if state else b""
-    header = json.dumps({"type": envelope.type, "sender": envelope.sender, "receiver": envelope.receiver,
-                         "run_id": envelope.run_id, "session": envelope.session, "round": envelope.round,
-                         "seq": envelope.seq, "reply_to": envelope.reply_to, "params": envelope.params,
-                         "tensors": order}, separators=(",", ":"), allow_nan=False).encode()
+    header = json.dumps(
+        {
+            "type": envelope.type,
+            "sender": envelope.sender,
+            "receiver": envelope.receiver,
+            "run_id": envelope.run_id,
+            "session": envelope.session,
+            "round": envelope.round,
+            "seq": envelope.seq,
+            "reply_to": envelope.reply_to,
+            "params": envelope.params,
+            "tensors": order,
+        },
+        separators=(",", ":"),
+        allow_nan=False,
+    ).encode()
     return MAGIC + _LENGTH.pack(len(header)) + header + tensors
 
 
 def _int(header: Dict[str, Any], key: str, low: int = 0) -> int:
     value = header.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value < 2 ** 62:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value < 2**62:
         raise Rejected(f"header field {key!r}={short(value)} is not an integer >= {low}")
     return value
 
@@ -236,7 +302,9 @@ def decode(data: bytes, max_bytes: int) -> Envelope:
         raise Rejected(f"{len(data)} bytes, over the size cap of {max_bytes} (comm_args.max_message_bytes)", OVERSIZE)
     if not data.startswith(MAGIC):
         if data[:1] == b"\x80":
-            raise Rejected("not a message of this protocol (a pickle: FedML's own gRPC transport, or an attack)", PICKLE)
+            raise Rejected(
+                "not a message of this protocol (a pickle: FedML's own gRPC transport, or an attack)", PICKLE
+            )
         raise Rejected("not a message of this protocol (or of another version of it)")
     if len(data) < len(MAGIC) + _LENGTH.size:
         raise Rejected("truncated before the header")
@@ -244,7 +312,7 @@ def decode(data: bytes, max_bytes: int) -> Envelope:
     start = len(MAGIC) + _LENGTH.size
     if length > MAX_HEADER_BYTES or start + length > len(data):
         raise Rejected(f"header length {length} is over {MAX_HEADER_BYTES} bytes or past the message's end")
-    header = _parse_header(data[start:start + length])
+    header = _parse_header(data[start : start + length])
     if not isinstance(header, dict) or set(header) != _HEADER_KEYS:
         raise Rejected(f"header fields must be {sorted(_HEADER_KEYS)}")
     msg_type = header["type"]
@@ -268,10 +336,18 @@ def decode(data: bytes, max_bytes: int) -> Envelope:
     missing = [k for k, (_, required) in schema.items() if required and k not in params]
     if missing:
         raise Rejected(f"message type {msg_type}: missing parameter(s) {missing}")
-    envelope = Envelope(type=msg_type, sender=_int(header, "sender"), receiver=_int(header, "receiver"),
-                        run_id=run_id, round=_int(header, "round"), seq=_int(header, "seq"), params=params,
-                        reply_to=_int(header, "reply_to", low=-1), session=session)
-    envelope.model = _decode_model(msg_type, header["tensors"], data[start + length:])
+    envelope = Envelope(
+        type=msg_type,
+        sender=_int(header, "sender"),
+        receiver=_int(header, "receiver"),
+        run_id=run_id,
+        round=_int(header, "round"),
+        seq=_int(header, "seq"),
+        params=params,
+        reply_to=_int(header, "reply_to", low=-1),
+        session=session,
+    )
+    envelope.model = _decode_model(msg_type, header["tensors"], data[start + length :])
     return envelope
 
 
@@ -280,10 +356,15 @@ def _decode_model(msg_type: int, order: Any, blob: bytes) -> Optional["OrderedDi
         if order is not None or blob:
             raise Rejected(f"message type {msg_type} carries no model")
         return None
-    if not isinstance(order, list) or len(order) > MAX_TENSORS or \
-            not all(isinstance(k, str) and 0 < len(k) <= 512 for k in order) or len(set(order)) != len(order):
-        raise Rejected(f"the model's tensor names must be a list of at most {MAX_TENSORS} distinct strings of 1 to "
-                       f"512 characters")
+    if (
+        not isinstance(order, list)
+        or len(order) > MAX_TENSORS
+        or not all(isinstance(k, str) and 0 < len(k) <= 512 for k in order)
+        or len(set(order)) != len(order)
+    ):
+        raise Rejected(
+            f"the model's tensor names must be a list of at most {MAX_TENSORS} distinct strings of 1 to 512 characters"
+        )
     if not order:
         if blob:
             raise Rejected("tensor bytes without tensor names")
@@ -291,8 +372,9 @@ def _decode_model(msg_type: int, order: Any, blob: bytes) -> Optional["OrderedDi
     try:
         tensors = load_tensors(blob)
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
-        raise Rejected(f"the tensors are not a valid safetensors blob ({type(err).__name__}: "
-                       f"{short(str(err), 80)})") from None
+        raise Rejected(
+            f"the tensors are not a valid safetensors blob ({type(err).__name__}: {short(str(err), 80)})"
+        ) from None
     if set(tensors) != set(order):
         raise Rejected("the tensor names in the header and in the tensors differ")
     bad = [k for k, v in tensors.items() if v.dtype not in _ALLOWED_DTYPES]
