@@ -5,6 +5,8 @@ imports inside functions."""
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "fedml_perfedavg"
 FEDML_FREE = ("core", "data", "algorithms", "engine", "models", "logs")
 LAYERS = {"core": 0, "models": 0, "logs": 0, "data": 1, "algorithms": 2, "engine": 3, "fedml_bridge": 3, "run": 4}
@@ -78,3 +80,29 @@ def test_no_import_cycles_between_modules():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+def _fresh_interpreter(code: str) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+@pytest.mark.backend  # fresh interpreters, one of them importing FedML
+def test_the_core_imports_without_fedml_and_the_plugin_installs_itself_when_fedml_comes():
+    loaded = (
+        "import sys; print(sorted(m for m in ('fedml', 'grpc') if m in sys.modules), "
+        "sys.modules['fedml_perfedavg.fedml_bridge.install'].is_installed() "
+        "if 'fedml_perfedavg.fedml_bridge.install' in sys.modules else None)"
+    )
+    assert _fresh_interpreter(
+        f"import fedml_perfedavg.core, fedml_perfedavg.algorithms, fedml_perfedavg.data; {loaded}"
+    ) in ("[] None", "[] False")
+    # The one line a FedML user adds, before or after `import fedml`: installed either way.
+    # (installing brings in the secured gRPC transport, so grpc too)
+    installed = "['fedml', 'grpc'] True"
+    assert _fresh_interpreter(f"import fedml_perfedavg; {loaded}; import fedml; {loaded}") == f"[] False\n{installed}"
+    assert _fresh_interpreter(f"import fedml; import fedml_perfedavg; {loaded}") == installed

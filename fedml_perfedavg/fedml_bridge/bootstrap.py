@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.abc
+import importlib.util
 import logging
 import os
 import platform
+import sys
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
@@ -18,20 +21,66 @@ from ..data.torchvision_ops import make_torchvision_importable
 logger = logging.getLogger(__name__)
 
 
-def import_fedml():
-    """``import fedml`` after making torchvision importable (PyPI's torchvision wheels are CUDA
-    builds; FedML imports torchvision through core/alg_frame/client_trainer.py ->
-    core/security/..., so a CPU torch breaks ``import fedml`` without this)."""
+@contextlib.contextmanager
+def _fedml_import_context() -> Iterator[None]:
+    """What ``import fedml`` needs here: torchvision importable beside a CPU torch (PyPI's
+    torchvision wheels are CUDA builds; FedML imports torchvision through
+    core/alg_frame/client_trainer.py -> core/security/...), gRPC's connection chatter off (GOAWAY
+    at a run's end, printed at INFO on stderr; a user's own setting wins) and the deprecation
+    warning of computing/scheduler/comm_utils/sys_utils.py's ``import pkg_resources`` silenced."""
     make_torchvision_importable()
-    # gRPC's core prints connection chatter (GOAWAY at a run's end) at INFO on stderr; its
-    # errors (a refused TLS handshake) still print. A user's own setting wins.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     with warnings.catch_warnings():
-        # computing/scheduler/comm_utils/sys_utils.py imports the deprecated pkg_resources.
         warnings.filterwarnings("ignore", message="pkg_resources is deprecated", category=UserWarning)
+        yield
+
+
+def import_fedml():
+    """``import fedml``, in :func:`_fedml_import_context`."""
+    with _fedml_import_context():
         import fedml
 
     return fedml
+
+
+class _AfterFedML(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs a callback right after ``fedml`` is first imported, whoever imports it: FedML's module
+    is found by the other finders and executed by its own loader, then the callback runs (an
+    error in it fails that import, loudly). Steps aside once used."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+        self.loader: Optional[importlib.abc.Loader] = None
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "fedml" or self.loader is not None:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("fedml")
+        if spec is None or spec.loader is None:
+            return spec
+        self.loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        assert self.loader is not None  # set by find_spec, which hands out this loader
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        assert self.loader is not None
+        with _fedml_import_context():
+            self.loader.exec_module(module)
+        module.__loader__ = module.__spec__.loader = self.loader  # FedML's own loader, for resource readers
+        self.callback()
+
+
+def when_fedml_is_imported(callback: Callable[[], None]) -> None:
+    """``callback()`` now if FedML is imported already, else right after its first import; nothing
+    is imported here."""
+    if "fedml" in sys.modules:
+        callback()
+    elif not any(isinstance(finder, _AfterFedML) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterFedML(callback))
 
 
 @contextlib.contextmanager
@@ -83,7 +132,7 @@ def redirect_fedml_home(home: Optional[str]) -> None:
     import_fedml()
     if home is None:
         for name in _HOME_WRITERS:
-            importlib.import_module(name).expanduser = os.path.expanduser
+            importlib.import_module(name).expanduser = os.path.expanduser  # type: ignore[attr-defined]
         return
     home = os.path.abspath(home)
 
@@ -91,4 +140,4 @@ def redirect_fedml_home(home: Optional[str]) -> None:
         return home + path[1:] if path == "~" or path.startswith("~/") else os.path.expanduser(path)
 
     for name in _HOME_WRITERS:
-        importlib.import_module(name).expanduser = expanduser
+        importlib.import_module(name).expanduser = expanduser  # type: ignore[attr-defined]
