@@ -1,5 +1,6 @@
 import logging
 import os
+import types
 
 import pytest
 
@@ -17,7 +18,9 @@ def pytest_collection_modifyitems(config, items):
     """Tests are marked by what they do: "backend" for runs through FedML's loops, MPI, gRPC,
     subprocesses, real datasets or whole grids; "fast" for unit and property checks, which
     `pytest -m fast` runs alone in well under a minute. A test's own marker decides; without one,
-    a test that uses a real dataset, or lives in tests/backends/, is "backend"."""
+    a test is "backend" if it uses a real dataset, lives in tests/backends/ or its file imports
+    FedML, gRPC, MPI or wandb at the top. Under ``-m fast`` a test that imports one of those or
+    starts a subprocess fails, so the marker cannot drift (:func:`pytest_collection_finish`)."""
     for item in items:
         if item.get_closest_marker("fast") is not None:
             continue
@@ -25,8 +28,44 @@ def pytest_collection_modifyitems(config, items):
             item.get_closest_marker("backend") is not None
             or "/backends/" in str(item.fspath)
             or bool(SLOW_FIXTURES & set(getattr(item, "fixturenames", ())))
+            or _uses_backend_modules(item.module)
         )
         item.add_marker(pytest.mark.backend if slow else pytest.mark.fast)
+
+
+# What a fast test must not do; `pytest -m fast` (make test-fast) refuses it, so the marker stays
+# true as tests change.
+BACKEND_MODULES = ("fedml", "grpc", "mpi4py", "wandb")
+
+
+class _RefuseBackendImports:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BACKEND_MODULES:
+            raise RuntimeError(f"a test marked fast imports {name!r}; mark it backend")
+        return None
+
+
+def _uses_backend_modules(module) -> bool:
+    """A test file that imports FedML, gRPC, MPI or wandb at its top (then its tests use them)."""
+    for value in vars(module).values():
+        name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        if isinstance(name, str) and name.split(".")[0] in BACKEND_MODULES:
+            return True
+    return False
+
+
+def _refuse_subprocesses(*args, **kwargs):
+    raise RuntimeError("a test marked fast starts a subprocess; mark it backend")
+
+
+def pytest_collection_finish(session):
+    """After collection (test files of backend tests import gRPC at the top), under ``-m fast``."""
+    if session.config.option.markexpr.strip() == "fast":
+        import subprocess
+        import sys
+
+        sys.meta_path.insert(0, _RefuseBackendImports())
+        subprocess.Popen.__init__ = _refuse_subprocesses
 
 
 @pytest.fixture(scope="session")

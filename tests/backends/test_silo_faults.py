@@ -38,7 +38,6 @@ def _occupy(port):
     return holder
 
 
-@pytest.mark.fast  # a pure check, though filed beside the runs it guards
 def test_a_second_server_on_one_address_file_and_a_busy_port_are_refused(tmp_path):
     from argparse import Namespace
 

@@ -73,6 +73,7 @@ def _run(tmp_path, sections, name, **overrides):
     return run(config, str(tmp_path / name), data=tiny_data())
 
 
+@pytest.mark.backend  # FedML's own sp loop
 @pytest.mark.parametrize("combination", list(COMBINATIONS))
 def test_each_feature_gives_one_model_on_the_batched_engine_and_fedmls_sp_loop(tmp_path, combination):
     sections = COMBINATIONS[combination]
@@ -249,13 +250,13 @@ def test_the_algorithms_aggregate_applies_the_defense(tmp_path):
         ),
         (
             {"attack_args": BYZANTINE, "defense_args": {**KRUM, "byzantine_client_num": 2}},
-            "defense_args.byzantine_client_num=2 and attack_args.byzantine_client_num=1: FedML's attack and defense read "
-            "one byzantine_client_num",
+            "defense_args.byzantine_client_num=2 and attack_args.byzantine_client_num=1: FedML's attack and "
+            "defense read one byzantine_client_num",
         ),
         (
             {"defense_args": {"enable_defense": True, "defense_type": "foolsgold"}},
-            "defense_args.defense_type='foolsgold': FedML's foolsgold acts only through each update's sample weight, which "
-            "train_args.aggregation='uniform' does not use (the model would be the one without it); set "
+            "defense_args.defense_type='foolsgold': FedML's foolsgold acts only through each update's sample "
+            "weight, which train_args.aggregation='uniform' does not use (the model would be the one without it); set "
             "train_args.aggregation: sample_weighted",
         ),
     ],

@@ -11,7 +11,7 @@ from fedml_perfedavg.run.runner import run
 from tests.helpers_tiny import tiny_config, tiny_data
 
 
-@pytest.mark.parametrize("engine", ["batched", "fedml"])
+@pytest.mark.parametrize("engine", ["batched", pytest.param("fedml", marks=pytest.mark.backend)])
 def test_nan_in_one_clients_data_stops_the_run_naming_round_client_and_variant(tmp_path, engine):
     with pytest.raises(DivergenceError, match=r"round 0, client 4, PerFedAvg \(hf\): non-finite"):
         run(tiny_config(simulation_engine=engine), str(tmp_path), data=tiny_data(nan_user=4))
@@ -19,7 +19,7 @@ def test_nan_in_one_clients_data_stops_the_run_naming_round_client_and_variant(t
     assert summary["status"] == "stopped" and "client 4" in summary["error"]
 
 
-@pytest.mark.parametrize("engine", ["batched", "fedml"])
+@pytest.mark.parametrize("engine", ["batched", pytest.param("fedml", marks=pytest.mark.backend)])
 def test_skip_client_policy_drops_that_update_and_goes_on(tmp_path, engine):
     result = run(
         tiny_config(on_divergence="skip_client", simulation_engine=engine), str(tmp_path), data=tiny_data(nan_user=4)

@@ -13,7 +13,7 @@ from fedml_perfedavg.run.runner import run
 from tests.helpers_tiny import tiny_config, tiny_data
 
 
-@pytest.mark.parametrize("engine", ["batched", "fedml"])
+@pytest.mark.parametrize("engine", ["batched", pytest.param("fedml", marks=pytest.mark.backend)])
 def test_each_evaluation_records_training_time_stationarity_and_the_random_iterate(tmp_path, engine):
     config = tiny_config(
         stationarity_every=2, random_iterate=True, local_steps=3, simulation_engine=engine, checkpoint_every=0

@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from fedml_perfedavg.run.files import write_json
 from fedml_perfedavg.run.reporting import process_start_ticks
 from fedml_perfedavg.run.show import main as show, status_of
@@ -31,6 +33,7 @@ def _summary(pid, ticks, host=None):
     }
 
 
+@pytest.mark.backend  # a real process, started and killed
 def test_a_running_run_whose_process_is_gone_is_shown_dead(tmp_path, capsys):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -50,8 +53,6 @@ def test_a_second_signal_does_not_interrupt_the_stop_of_the_first():
     """A terminal's Ctrl-C and a launcher's SIGTERM came at once: the second interrupted the
     process while it handled the first (RuntimeError: release unlocked lock)."""
     import signal as signals
-
-    import pytest
 
     from fedml_perfedavg.run.runner import STOP_SIGNALLED, sigterm_as_interrupt
 
