@@ -7,7 +7,7 @@ SHARED_DATA := ../shared/datasets
 # MNIST from ../shared when it is there, else ./data with a torchvision download.
 DATA_ARGS := $(if $(wildcard $(SHARED_DATA)/MNIST/raw/train-images-idx3-ubyte),--set data_cache_dir=$(SHARED_DATA),--set data_cache_dir=./data --set download=true)
 
-.PHONY: setup run test test-fast bench-speed table1 clean
+.PHONY: setup run test test-fast lint bench-speed table1 clean
 setup: $(STAMP) data/MNIST
 
 # The shipped YAMLs read ./data (data_args.data_cache_dir); where ../shared/datasets exists,
@@ -37,6 +37,19 @@ test: $(STAMP) data/MNIST
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m fast tests
 
+# ruff (lint and format) and mypy, pinned in requirements-lint.txt, in a venv of their own; mypy
+# reads the test venv's packages (torch's types). Configured in ruff.toml and mypy.ini.
+LINT_VENV := .venv-lint
+$(LINT_VENV)/.installed: requirements-lint.txt
+	$(PYTHON) -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/pip install -q --disable-pip-version-check -r requirements-lint.txt
+	touch $@
+
+lint: $(STAMP) $(LINT_VENV)/.installed
+	$(LINT_VENV)/bin/ruff check .
+	$(LINT_VENV)/bin/ruff format --check .
+	$(LINT_VENV)/bin/mypy --python-executable $(PY)
+
 # Per-client path, vmap and default engine paths (with spread), scaling, a 1000-round run; then grid
 # mode against separate runs. Results in benchmarks/results/speed.md and grid_speed.md.
 bench-speed: $(STAMP)
@@ -49,4 +62,4 @@ table1: $(STAMP)
 	$(PY) benchmarks/table1.py --jobs 2 --wandb --set stationarity_every=100 $(DATA_ARGS)
 
 clean:
-	rm -rf $(VENV) runs *.egg-info
+	rm -rf $(VENV) $(LINT_VENV) runs *.egg-info

@@ -47,7 +47,7 @@ setup(
     ],
     extras_require={
         "mpi": ["mpi4py", "mpich"],
-        "silo": ["grpcio", "cryptography", "safetensors"],
+        "silo": ["grpcio", "cryptography>=40", "safetensors"],
         "bench": ["matplotlib"],
         "test": ["pytest", "hypothesis"],
     },

@@ -19,7 +19,6 @@ Writes cuda.md and cuda.json under --out.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform

@@ -207,7 +207,8 @@ def main() -> None:
         f"| idle connections, 118 addresses | {a['opened']} opened, at most {a['most_held']} open at once on its "
         f"side | {a['opened'] / out['seconds']:.0f} connections/s |",
         f"| handshakes without a certificate | {a['handshakes']} | {a['handshakes'] / out['seconds']:.0f}/s |",
-        f"| insider (silo 2's key), 60 KB junk messages | {json.dumps({k: v for k, v in i.items() if k.startswith('insider')})} "
+        "| insider (silo 2's key), 60 KB junk messages | "
+        f"{json.dumps({k: v for k, v in i.items() if k.startswith('insider')})} "
         f"| {refused / ins['seconds']:.0f} refused/s |",
         "",
         f"Refused by the server, by reason (summary.json): outsiders {json.dumps(out['refusals'], sort_keys=True)}; "

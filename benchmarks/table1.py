@@ -9,7 +9,8 @@ the seed and rounds overridden; its directory is ``<out>/runs/<cell>/<method>/se
 whose summary.json says "finished" are skipped, so an interrupted grid resumes. Outputs in
 ``<out>``: table1.csv (one row per run), table1.md (mean and 95% interval per cell next to the
 paper, paired gains over FedAvg), plots per cell (accuracy against rounds and against training
-time, the stationarity measure where logged, per-user accuracy at the end) and wandb_report.md (offline wandb runs and how to sync them, with --wandb).
+time, the stationarity measure where logged, per-user accuracy at the end) and wandb_report.md
+(offline wandb runs and how to sync them, with --wandb).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -15,7 +15,8 @@ class MLP(nn.Module):
 
     def __init__(self, input_dim: int, num_classes: int, hidden: Sequence[int] = (80, 60)) -> None:
         super().__init__()
-        layers, width = [nn.Flatten()], input_dim
+        layers: List[nn.Module] = [nn.Flatten()]
+        width = input_dim
         for size in hidden:
             layers += [nn.Linear(width, size), nn.ELU()]
             width = size
@@ -29,7 +30,7 @@ class MLP(nn.Module):
 class SmallCNN(nn.Module):
     """Two conv layers and two dense layers; an option beyond the paper's MLP."""
 
-    def __init__(self, input_shape: Tuple[int, int, int], num_classes: int) -> None:
+    def __init__(self, input_shape: Tuple[int, ...], num_classes: int) -> None:
         super().__init__()
         channels, height, width = input_shape
         self.features = nn.Sequential(
@@ -49,7 +50,7 @@ class SmallCNN(nn.Module):
 
 
 def create_model(
-    name: str, input_shape: Tuple[int, int, int], num_classes: int, hidden: Sequence[int] = (80, 60)
+    name: str, input_shape: Tuple[int, ...], num_classes: int, hidden: Sequence[int] = (80, 60)
 ) -> nn.Module:
     """Build the model called ``name`` ('mlp' or 'small_cnn') for images of ``input_shape`` (C, H, W)."""
     if name == "mlp":

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Protocol, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -206,13 +206,14 @@ def average(updates: Sequence[Tuple[float, StateDict]], weighting: str) -> "Orde
     else:
         raise ValueError(f"train_args.aggregation={weighting!r} is not one of {list(AGGREGATIONS)}")
     keys = updates[0][1].keys()
-    averaged = OrderedDict()
+    averaged: "OrderedDict[str, Tensor]" = OrderedDict()
     for k in keys:
         first = updates[0][1][k]
         if first.is_floating_point():
-            averaged[k] = sum(w * sd[k] for w, (_, sd) in zip(weights, updates))
+            averaged[k] = cast(Tensor, sum(w * sd[k] for w, (_, sd) in zip(weights, updates)))
         else:  # an integer buffer (BatchNorm's num_batches_tracked) stays an integer
-            averaged[k] = sum(w * sd[k].double() for w, (_, sd) in zip(weights, updates)).round().to(first.dtype)
+            summed = cast(Tensor, sum(w * sd[k].double() for w, (_, sd) in zip(weights, updates)))
+            averaged[k] = summed.round().to(first.dtype)
     return averaged
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
-from typing import Dict, List, Type
+from typing import Any, Dict, List, Type
 
 from torch import nn
 
@@ -66,7 +66,7 @@ def register(name: str, cls: Type[FederatedAlgorithm]) -> None:
     _REGISTERED[name] = cls
 
 
-def _entry_points() -> Dict[str, object]:
+def _entry_points() -> Dict[str, Any]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 

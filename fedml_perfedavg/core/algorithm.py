@@ -93,7 +93,7 @@ class ReverseModeGradients(FunctionalGradients):
         # Under no_grad, PyTorch's CPU LSTM runs its inference kernel, which keeps no workspace
         # for a second backward pass; torch.func keeps no graph beyond this call either way.
         with torch.enable_grad():
-            _, pullback = vjp(lambda p: self.grad(p, x, y), params)
+            pullback = vjp(lambda p: self.grad(p, x, y), params)[1]
             (hessian_v,) = pullback(v)
         return hessian_v
 
@@ -175,7 +175,7 @@ def meta_gradient(
         if by_hand is not None:
             hessian_g = by_hand(params, g, batches.hessian_x, batches.hessian_y)
         else:
-            _, hessian_g = jvp(lambda p: gradients.grad(p, batches.hessian_x, batches.hessian_y), (params,), (g,))
+            hessian_g = jvp(lambda p: gradients.grad(p, batches.hessian_x, batches.hessian_y), (params,), (g,))[1]
     else:  # LocalUpdateConfig checked it; a direct caller learns here
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
     return axpy(-alpha, hessian_g, g)

@@ -9,7 +9,7 @@ user's adaptation has finished, and never by it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -94,7 +94,7 @@ def accuracy_of(correct: int, total: int) -> float:
 
 def adaptation_batches(
     train_x: Tensor, train_y: Tensor, steps: int, batch_size: int, generator: torch.Generator
-) -> tuple:
+) -> Tuple[Tensor, Tensor]:
     """The (steps, batch) minibatches of the user's training data that adaptation uses."""
     (indices,) = batch_indices(len(train_y), steps, [min(batch_size, len(train_y))], generator)
     indices = indices.to(train_x.device)

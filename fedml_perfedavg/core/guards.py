@@ -6,7 +6,7 @@ Plain PyTorch; used by every algorithm object, whatever runs its rounds.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, cast
 
 import torch
 from torch import Tensor
@@ -57,7 +57,7 @@ def is_finite(params: Dict[str, Tensor]) -> bool:
 
 def l2_norm(tensors: Dict[str, Tensor], keys: List[str]) -> float:
     """The L2 norm of ``tensors[k]`` over ``keys``, accumulated in float64."""
-    return float(torch.sqrt(sum((tensors[k].double() ** 2).sum() for k in keys))) if keys else 0.0
+    return float(torch.sqrt(cast(Tensor, sum((tensors[k].double() ** 2).sum() for k in keys)))) if keys else 0.0
 
 
 def update_bound(reference: Dict[str, Tensor], max_update_ratio: float, norm_keys: Optional[List[str]] = None) -> float:
@@ -97,7 +97,10 @@ def update_problem(
     norm = (
         float(
             torch.sqrt(
-                sum(((update[k].double() - reference[k].double().to(update[k].device)) ** 2).sum() for k in keys)
+                cast(
+                    Tensor,
+                    sum(((update[k].double() - reference[k].double().to(update[k].device)) ** 2).sum() for k in keys),
+                )
             )
         )
         if keys

@@ -52,14 +52,10 @@ def _activation(module: nn.Module) -> Optional[Activation]:
     aten = torch.ops.aten
     if type(module) is nn.ELU:
         alpha = float(module.alpha)
-        backward = lambda d, z, h: aten.elu_backward(
-            d,
-            alpha=alpha,
-            scale=1,
-            input_scale=1,  # noqa: E731
-            is_result=False,
-            self_or_result=z,
-        )
+
+        def backward(d: Tensor, z: Tensor, h: Tensor) -> Tensor:
+            return aten.elu_backward(d, alpha=alpha, scale=1, input_scale=1, is_result=False, self_or_result=z)
+
         # z <= 0: s = alpha (e^z - 1), s' = s'' = alpha e^z = h + alpha; z > 0: s'' = 0
         return Activation(
             forward=lambda z: F.elu(z, alpha),
@@ -163,8 +159,9 @@ class _LayerDerivative:
     def __init__(self, activation: Activation, z: Tensor, h: Tensor) -> None:
         self.activation, self.z, self.h = activation, z, h
         # float32/64 only: for half types the kernel rounds d * s'(z) once, d * (s'(z) rounded) twice
-        usable = activation.slope is not None and z.is_contiguous() and z.dtype in (torch.float32, torch.float64)
-        self.slope = activation.slope(z, h) if usable else None
+        slope = activation.slope
+        usable = slope is not None and z.is_contiguous() and z.dtype in (torch.float32, torch.float64)
+        self.slope = slope(z, h) if usable and slope is not None else None
 
     def __call__(self, d: Tensor) -> Tensor:
         slope = self.slope
@@ -191,6 +188,11 @@ def _one_hot(y: Tensor, logits: Tensor) -> Tensor:
     return y if y.dim() == logits.dim() else F.one_hot(y, logits.shape[-1]).to(logits.dtype)
 
 
+def _through(derivative: Optional[_LayerDerivative], d: Tensor) -> Tensor:
+    """``d`` back through a layer: times s'(z), or as it is for a layer without activation."""
+    return d if derivative is None else derivative(d)
+
+
 class IndexedInputs(NamedTuple):
     """A role's inputs for every local step as rows of ``data``: step t's are ``data[index[t]]``
     (``index`` is (steps, clients, batch)). :meth:`StackedGradients.local_update` gathers each
@@ -198,7 +200,7 @@ class IndexedInputs(NamedTuple):
     written to memory for the whole round and read back."""
 
     data: Tensor
-    index: Tensor
+    index: Tensor  # type: ignore[assignment]  # (a field, where tuple has a method of that name)
 
     def step(self, t: int, buffer: Optional[Tensor] = None) -> Tensor:
         """Step ``t``'s inputs, (clients, batch, ...), written into ``buffer`` where given."""
@@ -357,15 +359,16 @@ class StackedGradients:
         r_pre: List[Tensor] = []
         for position, layer in enumerate(self.layers):
             r_z = torch.bmm(inputs[position], direction[layer.weight].transpose(1, 2))
-            if r_inputs[position] is not None:  # (in place: baddbmm's numbers without its copy of r_z)
-                r_z.baddbmm_(r_inputs[position], params[layer.weight].transpose(1, 2))
+            r_input = r_inputs[position]
+            if r_input is not None:  # (in place: baddbmm's numbers without its copy of r_z)
+                r_z.baddbmm_(r_input, params[layer.weight].transpose(1, 2))
             if layer.bias is not None:
                 r_z.add_(direction[layer.bias].unsqueeze(1))
             r_pre.append(r_z)
             if position + 1 < len(self.layers):
-                r_inputs.append(r_z if layer.activation is None else derivative[position](r_z))
+                r_inputs.append(_through(derivative[position], r_z))
         # the last layer's output: logits, or its activation's (as in the gradient)
-        r_logits = r_pre[-1] if derivative[-1] is None else derivative[-1](r_pre[-1])
+        r_logits = _through(derivative[-1], r_pre[-1])
         probs = torch.softmax(logits, dim=-1)
         delta = (probs - _one_hot(y, logits)) / y.shape[1]
         weighted = probs * r_logits
@@ -377,15 +380,16 @@ class StackedGradients:
                 z, output = pre[position], outputs[position]
                 # R(s'(z) d) = s'(z) R(d) + s''(z) Rz d
                 # (Rz_l is read here for the last time: delta Rz_l is formed in its place)
-                r_delta = derivative[position](r_delta).add_(
+                r_delta = _through(derivative[position], r_delta).add_(
                     layer.activation.curvature(r_pre[position].mul_(delta), z, output)
                 )
                 if position > 0:  # the first layer's own delta enters no product (its input has no R)
-                    delta = derivative[position](delta)
+                    delta = _through(derivative[position], delta)
             # R(dW_l) = R(delta)^T h_{l-1} + delta^T Rh_{l-1};  R(db_l) = sum R(delta)
             hvp[layer.weight] = torch.bmm(r_delta.transpose(1, 2), inputs[position], out=_slot(out, layer.weight))
-            if r_inputs[position] is not None:
-                hvp[layer.weight].baddbmm_(delta.transpose(1, 2), r_inputs[position])
+            r_input = r_inputs[position]
+            if r_input is not None:
+                hvp[layer.weight].baddbmm_(delta.transpose(1, 2), r_input)
             if layer.bias is not None:
                 hvp[layer.bias] = torch.sum(r_delta, dim=1, out=_slot(out, layer.bias))
             if position > 0:

@@ -23,7 +23,7 @@ def full_meta_gradient(loss_fn: LossFn, params: Params, x: Tensor, y: Tensor, al
     grad_fn = grad(loss_fn)
     adapted = axpy(-alpha, grad_fn(params, x, y), params)
     g = grad_fn(adapted, x, y)
-    _, hessian_g = jvp(lambda p: grad_fn(p, x, y), (params,), (g,))
+    hessian_g = jvp(lambda p: grad_fn(p, x, y), (params,), (g,))[1]
     return axpy(-alpha, hessian_g, g)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -141,6 +141,7 @@ class BatchedSimulation:
                 for t in batches
             )
         )
+        assert self.stacked is not None  # the hand-batched path is taken only with its gradients
         return self.stacked.local_update(start, by_step, self.algorithm.settings.local)
 
     def round_batches(self, round_idx: int, clients: List[int], lazy_inputs: bool = False) -> LocalBatches:
@@ -191,7 +192,7 @@ class BatchedSimulation:
         users, concatenated). With ``lazy_inputs`` the inputs are :class:`IndexedInputs`, gathered
         by the hand-batched local update one step at a time, into cache, as it reaches them."""
         x, y = data if data is not None else (self._all_x, self._all_y)
-        tensors = []
+        tensors: List[Any] = []
         for role, role_index in enumerate(index):
             if role not in self._roles_read:  # never read: D's tensors stand in
                 tensors += tensors[:2]

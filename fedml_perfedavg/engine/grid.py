@@ -13,9 +13,10 @@ of one cell and method.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+from torch import Tensor
 
 from ..core.algorithm import LocalBatches
 from ..algorithms.base import NO_HOOKS
@@ -67,7 +68,9 @@ class GridSimulation:
     def train_round(self, round_idx: int) -> None:
         """One round of every run: each samples its clients and draws its batches; all clients
         train together; each run aggregates and evaluates its own."""
-        chosen, starts, batches = [], [], []
+        chosen: List[List[int]] = []
+        starts: List[Dict[str, Tensor]] = []
+        batches: List[Any] = []
         for position, engine in enumerate(self.engines):
             clients = engine.driver.sample_clients(round_idx)
             params, _ = engine.algorithm.split_state(engine.state)

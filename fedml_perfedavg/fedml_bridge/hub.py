@@ -122,7 +122,7 @@ def creating_paper_models(original_create: Callable) -> Callable:
 
     def _create(name: Any, args: Any, output_dim: int) -> nn.Module:
         if name in MODELS:
-            shape = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}.get(getattr(args, "dataset", None))
+            shape = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}.get(str(getattr(args, "dataset", None)))
             if shape is None:
                 raise ConfigError(
                     f"model_args.model={name!r}: the plugin's models are built for data_args.dataset "

@@ -139,7 +139,8 @@ def install(entry: PluginEntry) -> None:
     global _installed
     if _installed is not None:
         return
-    fedml = import_fedml()
+    import_fedml()
+    import fedml
     import fedml.data
     import fedml.model
     from fedml.runner import FedMLRunner
@@ -168,12 +169,15 @@ def _install_transport() -> None:
         import fedml.core.distributed.communication.grpc.grpc_comm_manager as fedml_grpc
     except ImportError:
         return  # no grpcio: FedML's gRPC backend cannot start either, and says so itself
+    manager: Any
     try:
         from .cross_silo.transport import SecureGRPCCommManager
+
+        manager = SecureGRPCCommManager
     except ImportError as err:
         missing = str(err)
 
-        def SecureGRPCCommManager(*args: Any, **kwargs: Any) -> None:  # noqa: N802 - stands in for a class
+        def refuse(*args: Any, **kwargs: Any) -> None:  # stands in for the class
             from ..core.guards import ConfigError
 
             raise ConfigError(
@@ -181,7 +185,8 @@ def _install_transport() -> None:
                 f"imported ({missing}); pip install 'fedml-perfedavg[silo]'"
             )
 
-    fedml_grpc.GRPCCommManager = SecureGRPCCommManager
+        manager = refuse
+    fedml_grpc.GRPCCommManager = manager
 
 
 def _install_mpi_fix() -> None:

@@ -395,6 +395,8 @@ class FedMLSafeguards(RoundHooks):
 
         def base_aggregation(*args: Any, **kwargs: Any) -> StateDict:  # FedML calls it (args, list) or by name
             raw = kwargs.get("raw_grad_list", args[-1] if args else None)
+            if raw is None:
+                raise TypeError("FedML's defense called its base aggregation without the updates")
             return _on_cpu(base([(n, _like(template, sd)) for n, sd in raw]))
 
         with _fedml_prints(), keyed_global_randomness(self.seed, round_idx, -1, Purpose.DEFENSE):
@@ -419,10 +421,12 @@ class FedMLSafeguards(RoundHooks):
         """One round on a throwaway model with ``clients`` updates, so what FedML's code refuses
         for this round's shape (Krum's client count, ...) is an error at start, not at round 0."""
         state = OrderedDict(weight=torch.zeros(3, 2), bias=torch.zeros(3))
-        updates = [(1.0, OrderedDict((k, v + 0.01 * (i + 1)) for k, v in state.items())) for i in range(clients)]
+        made: List[Tuple[float, StateDict]] = [
+            (1.0, OrderedDict((k, v + 0.01 * (i + 1)) for k, v in state.items())) for i in range(clients)
+        ]
         try:
             updates = self.before_aggregation(
-                0, [(n, self.client_result(0, i, sd)) for i, (n, sd) in enumerate(updates)], state
+                0, [(n, self.client_result(0, i, sd)) for i, (n, sd) in enumerate(made)], state
             )
             kept = self.filter_updates(0, updates, state)
             average = lambda kept: OrderedDict((k, sum(sd[k] for _, sd in kept) / len(kept)) for k in state)  # noqa: E731

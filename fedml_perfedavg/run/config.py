@@ -839,6 +839,16 @@ def _fedml_key_meanings(given: Dict[str, Any], where: Dict[str, str]) -> None:
         _warn_once(f"{where.get(name, 'train_args')}.{name}={value!r} is {meaning}")
 
 
+def field_default(f: "dataclasses.Field[Any]") -> Any:
+    """A config field's default (its value, or a fresh one from its factory)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    factory = f.default_factory
+    if not callable(factory):
+        raise TypeError(f"config field {f.name!r} has no default")
+    return factory()
+
+
 def resolve(
     sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, Any]] = None, source: Optional[str] = None
 ) -> Config:
@@ -883,7 +893,7 @@ def resolve(
     values = {
         name: _check_value(
             f,
-            copy.deepcopy(given.get(name, f.default if f.default is not dataclasses.MISSING else f.default_factory())),
+            copy.deepcopy(given.get(name, field_default(f))),
         )
         for name, f in BY_NAME.items()
     }
@@ -950,7 +960,7 @@ def markdown_table() -> str:
     rows = ["| section | key | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
     for f in settings():
         meta = f.metadata
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = field_default(f)
         if meta["choices"]:
             allowed = ", ".join(map(str, meta["choices"]))
         elif meta["rule"]:

@@ -29,7 +29,7 @@ _WHY = {
 
 
 def _why(err: OSError) -> str:
-    return _WHY.get(err.errno, err.strerror or str(err))
+    return _WHY.get(err.errno or 0, err.strerror or str(err))
 
 
 def explain(err: OSError, path: str) -> str:
@@ -37,7 +37,7 @@ def explain(err: OSError, path: str) -> str:
     return f"cannot write {os.path.basename(path)} in {os.path.dirname(os.path.abspath(path))}: {_why(err)}"
 
 
-def write_atomic(path: str, write: Callable[[IO[bytes]], None], previous: Optional[str] = None) -> None:
+def write_atomic(path: str, write: Callable[[IO[bytes]], object], previous: Optional[str] = None) -> None:
     """Write ``path`` whole through ``write(stream)``, or raise :class:`OutputError` leaving the
     previous file (if any) as it was and no temporary file. With ``previous``, the file replaced
     is kept under that name."""

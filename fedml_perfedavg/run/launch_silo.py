@@ -71,6 +71,7 @@ def _stream(
     holds ``marker``."""
 
     def pump() -> None:
+        assert process.stdout is not None  # started with stdout=PIPE
         for line in process.stdout:
             for marker, event in (events or {}).items():
                 if marker in line:

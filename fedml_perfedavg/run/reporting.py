@@ -121,7 +121,10 @@ class RunRecorder:
             pick(result.per_user_loss, False),
         ).metrics()
         held = EvaluationResult(pick(result.per_user_accuracy, True), pick(result.per_user_accuracy_before, True))
-        held_metrics = {"new_user_personalized_accuracy": None, "new_user_accuracy_before_adaptation": None}
+        held_metrics: Dict[str, Optional[float]] = {
+            "new_user_personalized_accuracy": None,
+            "new_user_accuracy_before_adaptation": None,
+        }
         if held.per_user_accuracy:
             held_metrics = {
                 "new_user_personalized_accuracy": held.personalized_accuracy,
@@ -170,7 +173,7 @@ class RunRecorder:
         self,
         round_idx: int,
         result: EvaluationResult,
-        extra: Optional[Dict[str, float]] = None,
+        extra: Optional[Dict[str, Any]] = None,
         evaluation_started: Optional[float] = None,
     ) -> None:
         """One evaluation: its metrics, ``extra`` scalars (stationarity, ...), the wall time and
@@ -224,6 +227,7 @@ class RunRecorder:
         }
         if "missing_users" in metrics:  # a federated evaluation: how many users sent nothing
             scalars["eval/missing_users"] = len(metrics["missing_users"])
+        assert self._wandb is not None  # called only with a wandb run
         self._wandb.log({**scalars, "eval/per_user_accuracy": wandb.Histogram(per_user)}, step=round_idx)
 
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
@@ -332,6 +336,7 @@ class RunRecorder:
         summary = self.summary(status, error, rejected_updates, aggregate_calls)
         write_json(os.path.join(self.run_dir, "summary.json"), summary)
         if self._wandb_deferred is not None:
+            assert self._wandb_settings is not None  # deferred only when asked for
             self._wandb = self._init_wandb(self._wandb_settings)
             for round_idx, metrics, per_user in self._wandb_deferred:
                 self._log_to_wandb(round_idx, metrics, per_user)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -39,7 +38,16 @@ from .. import logs
 from ..fedml_bridge import safeguards as fedml_safeguards
 from . import checkpoint
 from .files import make_dir, write_torch
-from .config import BY_NAME, Config, check_algorithm_name, check_batch_sizes, check_scenario, from_fedml_args, load_yaml
+from .config import (
+    BY_NAME,
+    Config,
+    check_algorithm_name,
+    check_batch_sizes,
+    check_scenario,
+    field_default,
+    from_fedml_args,
+    load_yaml,
+)
 from .measures import Measurements
 from .reporting import RunRecorder, record_failure, recorder_for
 from .schedule import RoundSchedule
@@ -192,8 +200,7 @@ def rank_of(config: Config, args: Any) -> int:
 
 def default_of(name: str) -> Any:
     """The default of a config key (the one source: :class:`~.config.Config`)."""
-    field = BY_NAME[name]
-    return field.default if field.default is not dataclasses.MISSING else field.default_factory()
+    return field_default(BY_NAME[name])
 
 
 @functools.lru_cache(maxsize=4)
@@ -598,6 +605,7 @@ class PluginRun:
 
     def save_checkpoint(self, next_round: int) -> None:
         """A checkpoint of the run as it stands, to continue from ``next_round``."""
+        assert self.checkpoints is not None and self.recorder is not None  # the server of a resumable run
         self.checkpoints.save(
             next_round,
             self.global_state,
@@ -613,6 +621,7 @@ class PluginRun:
                 f"{self.config.backend!r}: resuming needs the batched engine on sp (FedML's loops "
                 f"always start at round 0)"
             )
+        assert self.checkpoints is not None and self.recorder is not None  # the server of a resumable run
         state = self.checkpoints.load()
         if state is None:
             logger.warning("no checkpoint in %s: starting from round 0", self.run_dir)
@@ -649,6 +658,7 @@ class PluginRun:
             )
         except OutputError as err:
             lost, status, error = err, "failed", f"{error}; {err}" if error else str(err)
+        assert self.recorder is not None  # every server has one
         summary = self.recorder.finish(
             status=status,
             error=error,
@@ -861,9 +871,9 @@ def run_grid(configs: List[Config], run_dirs: List[str], data: Optional[List[Fed
     from ..engine.grid import GridSimulation, why_not_together
 
     logs.console_if_unconfigured()
-    data = data or [None] * len(configs)
+    splits: List[Optional[FederatedData]] = list(data) if data else [None] * len(configs)
     runs = []
-    for config, run_dir, split in zip(configs, run_dirs, data):
+    for config, run_dir, split in zip(configs, run_dirs, splits):
         if config.backend != "sp" or config.simulation_engine != "batched" or config.training_type != "simulation":
             raise ConfigError(
                 f"train_args.simulation_engine={config.simulation_engine!r}: grid mode runs the "

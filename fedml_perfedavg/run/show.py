@@ -48,7 +48,7 @@ def status_of(summary: Dict[str, Any]) -> str:
     if host != socket.gethostname():
         return f"running on {host} (pid {pid}; not checked from here)"
     alive = isinstance(pid, int) and process_start_ticks(pid) is not None
-    if alive and process.get("start_ticks") is not None:
+    if alive and isinstance(pid, int) and process.get("start_ticks") is not None:
         alive = process_start_ticks(pid) == process["start_ticks"]  # the pid may belong to another process now
     if alive:
         return f"running (pid {pid})"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedml_perfedavg.algorithms.fedavg_aruba import TASKS, ArubaSettings, FedAvgARUBA, buffer_name
+from fedml_perfedavg.algorithms.fedavg_aruba import TASKS, ArubaSettings, buffer_name
 from fedml_perfedavg.algorithms.registry import algorithm_names, create_algorithm
 from fedml_perfedavg.core.algorithm import LocalBatches
 from fedml_perfedavg.core.types import UserSplit

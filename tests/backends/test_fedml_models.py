@@ -7,7 +7,6 @@ import json
 import runpy
 import sys
 
-import pytest
 import torch
 import yaml
 

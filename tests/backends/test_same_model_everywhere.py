@@ -50,14 +50,10 @@ def _yamls(tmp_path, model, data, **train):
 
 def _models(tmp_path, script, paths, env, ranks=(2, 3)):
     """The final model of each backend: sp, MPI with each of ``ranks`` processes, cross-silo."""
-    run = lambda command: subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,  # noqa: E731
-        timeout=300,
-    )
+
+    def run(command):
+        return subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+
     out = run([sys.executable, script, "--cf", str(paths["sp"])])
     assert out.returncode == 0, out.stderr[-3000:]
     models = {"sp": torch.load(tmp_path / "runs" / "sp" / "model.pt")}

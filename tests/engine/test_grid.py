@@ -9,7 +9,6 @@ import torch
 from fedml_perfedavg.algorithms.registry import create_algorithm
 from fedml_perfedavg.engine.batched import BatchedSimulation
 from fedml_perfedavg.engine.grid import GridSimulation, why_not_together
-from fedml_perfedavg.models import MLP
 
 from tests.engine.test_batched import CASES, Driver, _setup
 

@@ -91,6 +91,6 @@ def read_ipconfig(path: str, ranks: Optional[int] = None) -> Dict[int, Tuple[str
     if missing:
         raise ConfigError(
             f"{where}: no row for rank(s) {missing}; a row is needed for the server (0) and every "
-            f"silo (1..{ranks - 1}), or FedML would listen on all interfaces"
+            f"silo (1..{(ranks or 0) - 1}), or FedML would listen on all interfaces"
         )
     return table

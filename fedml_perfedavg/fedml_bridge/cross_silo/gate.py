@@ -127,8 +127,13 @@ class Gate:
         ready.wait(10)
 
     @property
+    def _listener(self) -> socket.socket:
+        assert self._sock is not None, "the gate is not started"
+        return self._sock
+
+    @property
     def port(self) -> int:
-        return self._sock.getsockname()[1]
+        return self._listener.getsockname()[1]
 
     def _accept(self) -> None:
         """Take the waiting connections one by one; one over a cap is closed before the next is
@@ -136,12 +141,12 @@ class Gate:
         hundred at a time before any handler runs)."""
         for _ in range(64):
             try:
-                conn, peer = self._sock.accept()
+                conn, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as err:  # out of descriptors or memory: pause, the sweeps free some
-                self._loop.remove_reader(self._sock.fileno())
-                self._loop.call_later(0.5, self._loop.add_reader, self._sock.fileno(), self._accept)
+                self._loop.remove_reader(self._listener.fileno())
+                self._loop.call_later(0.5, self._loop.add_reader, self._listener.fileno(), self._accept)
                 self.on_refusal("-", 0, DESCRIPTORS, f"accepting paused for 0.5 s: {err.strerror}")
                 return
             host, port = str(peer[0]), int(peer[1])
@@ -172,13 +177,15 @@ class Gate:
             return
 
         async def end() -> None:
-            self._loop.remove_reader(self._sock.fileno())
-            self._sock.close()
-            self._sweeper.cancel()
+            self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            sweepers = [self._sweeper] if self._sweeper is not None else []
+            for sweeper in sweepers:
+                sweeper.cancel()
             for connection in list(self._open.values()):
                 self._close(connection)  # their handlers end on their own (a cancelled one would be logged)
             handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            await asyncio.wait([self._sweeper, *handlers], timeout=2.0)
+            await asyncio.wait([*sweepers, *handlers], timeout=2.0)
 
         try:
             asyncio.run_coroutine_threadsafe(end(), self._loop).result(5)

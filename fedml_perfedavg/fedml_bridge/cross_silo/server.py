@@ -133,7 +133,7 @@ class PluginServerManager(FedMLServerManager):
         self.live: List[int] = list(setup.silos)  # silos not given up on, in rank order
         self.online: Set[int] = set()
         self.hellos: Dict[int, Dict[str, Any]] = {}  # silo -> what it announced
-        self.sessions: Dict[int, str] = {}  # silo -> its process's session
+        self.sessions: Dict[int, Optional[str]] = {}  # silo -> its process's session
         self.expected: List[int] = []  # the open round's silos (data-owner mode: offline ones too)
         self.assigned: Dict[int, Tuple[int, int]] = {}  # silo -> (position in the sample, user), open round
         self.answered: Set[int] = set()  # silos of the open round that answered (accepted or refused)
@@ -175,6 +175,7 @@ class PluginServerManager(FedMLServerManager):
         return wait
 
     def _deadline_words(self) -> str:
+        assert self.deadline is not None  # words for a deadline that passed
         return f"{self.deadline - self.phase_opened:.1f} s (the round deadline, see comm_args.round_timeout_factor)"
 
     def on_idle(self) -> None:
@@ -323,6 +324,7 @@ class PluginServerManager(FedMLServerManager):
                 f"silo rank {silo} announced user {announced['user']}'s data; in data-owner mode rank R holds "
                 f"user R-1's"
             )
+        assert self.setup.model is not None  # a data-owner run's server holds its model
         return data_problem(self.setup.model, announced, silo)
 
     def _on_hello(self, silo: int, announced: Optional[Dict[str, Any]], session: Optional[str]) -> None:
@@ -332,6 +334,7 @@ class PluginServerManager(FedMLServerManager):
         if problem is not None:
             self._refuse_silo(silo, problem)
             return
+        assert announced is not None  # (no announcement is a problem)
         restarted = silo in self.sessions and self.sessions[silo] != session
         self.sessions[silo] = session
         self.hellos[silo] = announced
@@ -416,7 +419,7 @@ class PluginServerManager(FedMLServerManager):
         params = self.aggregator.get_global_model_params()
         messages = [self._message(msg_type, s, params, user) for s, (_, user) in sorted(self.assigned.items())]
         unreachable = self.com_manager.send_all(messages, self.deadline)
-        for silo, err in sorted(unreachable.items()):
+        for _, err in sorted(unreachable.items()):
             logger.warning("%s", err)
         if unreachable:
             reachable = [s for s in self.assigned if s not in unreachable]

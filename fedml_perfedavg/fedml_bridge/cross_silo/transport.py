@@ -125,7 +125,7 @@ def transport_settings(args: Any, rank: int) -> TransportSettings:
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1024:
         raise ConfigError(f"comm_args.max_message_bytes={cap!r}: must be an integer >= 1024")
     timeout = float(getattr(args, "connect_timeout", 60.0) or 60.0)
-    limits = {}
+    limits: Dict[str, Any] = {}
     for name, default, low in (
         ("max_connections", None, 1),
         ("max_connections_per_peer", None, 1),
@@ -551,10 +551,12 @@ class SecureGRPCCommManager(BaseCommunicationManager):
                     f"rank {receiver} at {ip}:{port} did not take a message from rank "
                     f"{self.rank} by the deadline; is it gone?"
                 )
-            elif isinstance(outcome[receiver], PeerUnreachable):
-                failed[receiver] = outcome[receiver]
-            elif outcome[receiver] is not None:
-                raise outcome[receiver]
+            else:
+                error = outcome[receiver]
+                if isinstance(error, PeerUnreachable):
+                    failed[receiver] = error
+                elif error is not None:
+                    raise error
         return failed
 
     def _channel(self, receiver: int):
