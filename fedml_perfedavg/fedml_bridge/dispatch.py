@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ..core.guards import ConfigError
 
@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 def dispatching_init(
-    original_init: Callable, is_plugin_algorithm: Callable[[str], bool], build_plugin_runner: Callable[..., Any]
+    original_init: Callable,
+    is_plugin_algorithm: Callable[[Optional[str]], bool],
+    build_plugin_runner: Callable[..., Any],
 ) -> Callable:
     """A replacement for ``FedMLRunner.__init__`` (see the module doc)."""
 

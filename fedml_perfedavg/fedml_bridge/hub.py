@@ -30,7 +30,7 @@ from ..models import MODELS, create_model
 logger = logging.getLogger(__name__)
 
 
-def input_layout(model_name: str, dataset: str, input_shape: Tuple[int, int, int]) -> Tuple[int, ...]:
+def input_layout(model_name: str, dataset: str, input_shape: Tuple[int, ...]) -> Tuple[int, ...]:
     """The shape of one sample FedML's own model ``model_name`` expects: FedML's MNIST
     loaders give flat 784-vectors (``lr``) and CNN_DropOut unsqueezes (28, 28) images (``cnn``)."""
     if dataset == "mnist" and model_name == "lr":

@@ -183,7 +183,8 @@ class PluginFedAVGTrainer(mpi_api.FedAVGTrainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.share_trainer, self.share = share_trainer, None
+        self.share_trainer = share_trainer
+        self.share: Optional[List[int]] = None
         self.progress = progress if progress is not None else {}
 
     def update_dataset(self, client_index):
@@ -202,6 +203,7 @@ class PluginFedAVGTrainer(mpi_api.FedAVGTrainer):
         self.progress["round"] = round_idx
         if self.share is None:
             return super().train(round_idx)
+        assert self.share_trainer is not None  # update_dataset takes a share only with one
         self.args.round_idx = round_idx
         start = {k: v.to(self.device) for k, v in self.trainer.get_model_params().items()}
         updates = self.share_trainer(round_idx, self.share, start)

@@ -747,7 +747,7 @@ def _exit_as_signalled(hook):
             os.kill(os.getpid(), signal.SIGTERM)
 
     excepthook.__wrapped__ = hook
-    excepthook.exits_as_signalled = True
+    excepthook.exits_as_signalled = True  # type: ignore[attr-defined]
     return excepthook
 
 
