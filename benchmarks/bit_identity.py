@@ -52,7 +52,7 @@ def fingerprint(method: str, path: str, rounds: int, clients: int) -> dict:
     model = create_model("mlp", (1, 28, 28), 10)
     optimizer, _ = METHODS[method]
     algorithm = create_algorithm(optimizer, model, config)
-    engine = bare_engine(algorithm, users, model, fast_path=path == "batched")
+    engine = bare_engine(algorithm, users, model, try_hand_batched=path == "batched")
     if path == "per_client":
         engine.batched = False
     state = engine.run(0, rounds)

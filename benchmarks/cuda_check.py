@@ -73,12 +73,12 @@ def engine_for(
     users: List[UserSplit],
     model: torch.nn.Module,
     device: torch.device,
-    fast_path: bool = True,
+    try_hand_batched: bool = True,
     compile_local_update: bool = False,
 ):
     algorithm = create_algorithm(config.federated_optimizer, model, config)
     state = {k: v.to(device) for k, v in model.state_dict().items()}
-    engine = BatchedSimulation(algorithm, users, state, Driver(algorithm), compile_local_update, fast_path)
+    engine = BatchedSimulation(algorithm, users, state, Driver(algorithm), compile_local_update, try_hand_batched)
     return algorithm, engine
 
 
@@ -124,10 +124,10 @@ def equivalence(device: torch.device) -> Dict[str, float]:
                 for c in algorithm.sample_clients(r)
             ]
             reference = algorithm.aggregate(r, updates, reference)
-        for fast_path in (True, False):
-            _, engine = engine_for(config, on(users, device), model, device, fast_path)
+        for try_hand_batched in (True, False):
+            _, engine = engine_for(config, on(users, device), model, device, try_hand_batched)
             got = engine.run(0, 3)
-            path = "default" if fast_path else "vmap"
+            path = "default" if try_hand_batched else "vmap"
             out[f"train_{method}_{path}_max_abs_diff"] = max(
                 float((got[k].cpu() - reference[k]).abs().max()) for k in reference
             )
@@ -167,17 +167,17 @@ def speed(users: List[UserSplit], device: torch.device, repeats: int = 20) -> Di
     """float32 ms per training round of each method on both engine paths, and one evaluation."""
     out = {}
     for method in METHODS:
-        for fast_path in (True, False):
+        for try_hand_batched in (True, False):
             config = config_for(method)
             torch.manual_seed(0)
             model = create_model("mlp", (1, 28, 28), 10, [80, 60])
-            algorithm, engine = engine_for(config, users, model, device, fast_path)
+            algorithm, engine = engine_for(config, users, model, device, try_hand_batched)
             counter = iter(range(10**6))
-            path = "default" if fast_path else "vmap"
+            path = "default" if try_hand_batched else "vmap"
             out[f"train_{method}_{path}_ms_per_round"] = timed_ms(
                 lambda: engine.train_round(next(counter)), device, repeats
             )
-            if method == "hf" and fast_path:
+            if method == "hf" and try_hand_batched:
                 out["evaluation_50_users_ms"] = timed_ms(
                     lambda: algorithm.evaluate(0, engine.state, users), device, max(2, repeats // 2)
                 )

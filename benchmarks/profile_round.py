@@ -77,7 +77,7 @@ def main() -> None:
     gemm_ms = median_ms(lambda: a @ a, 7)
     cfg = algorithm.settings.evaluation
     ids = list(range(len(users)))
-    chain, groups = algorithm._scoring_chain(users), scoring_inputs(algorithm, params, users, ids, cfg)
+    chain, groups = algorithm._hand_batched_for(users), scoring_inputs(algorithm, params, users, ids, cfg)
     results = {
         "round": {
             "sample_clients_ms": median_ms(lambda: algorithm.sample_clients(3), r),
@@ -103,7 +103,7 @@ def main() -> None:
             # matrix products and activations, a floor for the evaluation with the same numbers
             "scoring_passes_ms": median_ms(lambda: scoring_passes(chain, params, groups), max(5, r // 3)),
         },
-        "scoring_together_is_bit_exact_here": algorithm._scoring_chain(users).scores_exactly,
+        "scoring_together_is_bit_exact_here": algorithm._hand_batched_for(users).scores_exactly,
     }
     results.update(
         date=datetime.date.today().isoformat(),

@@ -118,7 +118,7 @@ def load_users(users: int, device: str):
     return [base[i % len(base)] for i in range(users)], source  # larger n: users replicated
 
 
-def bare_engine(algorithm, users, model: torch.nn.Module, fast_path: bool = True) -> BatchedSimulation:
+def bare_engine(algorithm, users, model: torch.nn.Module, try_hand_batched: bool = True) -> BatchedSimulation:
     """The batched engine over ``algorithm`` from ``model``'s state, with a driver that samples
     with the algorithm and records nothing."""
 
@@ -129,7 +129,7 @@ def bare_engine(algorithm, users, model: torch.nn.Module, fast_path: bool = True
         def round_finished(self, round_idx, global_state):
             pass
 
-    return BatchedSimulation(algorithm, users, model.state_dict(), Driver(), fast_path=fast_path)
+    return BatchedSimulation(algorithm, users, model.state_dict(), Driver(), try_hand_batched=try_hand_batched)
 
 
 def method_engine(method: str, users, device: str = "cpu", clients: int = 10, n: int = 50):
@@ -162,7 +162,7 @@ def measure_one(method: str, path: str, repeats: int, device: str, clients: int 
 
     # "batched": the default engine (hand-batched gradients where the model is a Linear chain);
     # "vmap": the same engine with torch.func's vmap only, the path any other model takes.
-    engine = bare_engine(algorithm, user_data, model, fast_path=path == "batched")
+    engine = bare_engine(algorithm, user_data, model, try_hand_batched=path == "batched")
     state = {"round": 0}
 
     def per_client_round():
@@ -337,7 +337,7 @@ def write_report(results: dict, out_dir: Path) -> None:
         "Paths: `per_client` is FedML's loop (one client after the other); `vmap` the batched engine with "
         "torch.func's vmap over the clients (any model); `batched` the default engine, which for a chain of "
         "Linear layers and activations (the paper's MLP) computes every client's gradients as batched matrix "
-        "products (`fedml_perfedavg/core/stacked.py`).",
+        "products (`fedml_perfedavg/core/try_hand_batched.py`).",
         "",
         "| method | batched speed-up over per-client (train) |",
         "| --- | --- |",

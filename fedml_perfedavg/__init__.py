@@ -15,7 +15,8 @@ command line). README.md, "Architecture", follows one round through them.
 from typing import Any
 
 from .algorithms import FederatedAlgorithm, algorithm_names, create_algorithm, register
-from .core.algorithm import LocalBatches, LocalUpdateConfig, local_update, meta_gradient
+from .core.errors import ConfigError, DivergenceError, OutputError, RunStopped, SiloFailure
+from .core.client_maths import LocalBatches, LocalUpdateConfig, local_update, meta_gradient
 from .core.functional import functional_network, make_loss_fn, parameters_of
 from .fedml_bridge.bootstrap import when_fedml_is_imported
 
@@ -30,6 +31,11 @@ when_fedml_is_imported(_install)
 
 __version__ = "0.2.0"
 __all__ = [
+    "ConfigError",
+    "DivergenceError",
+    "OutputError",
+    "RunStopped",
+    "SiloFailure",
     "FederatedAlgorithm",
     "LocalBatches",
     "LocalUpdateConfig",

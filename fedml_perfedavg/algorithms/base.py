@@ -29,12 +29,13 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
-from ..core import algorithm as client_maths
-from ..core.algorithm import SGD, LocalBatches, LocalUpdateConfig
+from ..core import client_maths
+from ..core.client_maths import SGD, LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
-from ..core.stacked import StackedGradients
-from ..core.guards import RunStopped, apply_divergence_policy, is_finite, update_bound, update_problem
+from ..core.hand_batched import HandBatchedGradients
+from ..core.errors import RunStopped
+from ..core.guards import apply_divergence_policy, is_finite, update_bound, update_problem
 from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
 from ..core.types import Params, StateDict, UserSplit
 
@@ -219,7 +220,7 @@ def average(updates: Sequence[Tuple[float, StateDict]], weighting: str) -> "Orde
 
 class FederatedAlgorithm:
     """Base of every algorithm in the registry; the default client update is Per-FedAvg's
-    local update (:func:`fedml_perfedavg.core.algorithm.local_update`) with ``settings.local``.
+    local update (:func:`fedml_perfedavg.core.client_maths.local_update`) with ``settings.local``.
 
     The object holds no model weights: global states come in and go out explicitly. Its only
     state is the aggregation's record (rounds skipped, updates rejected), which checkpoints
@@ -240,16 +241,16 @@ class FederatedAlgorithm:
         self.network = functional_network(model)
         self.loss_fn = make_loss_fn(self.network)
         self.parameter_names = [name for name, _ in model.named_parameters()]
-        self.vmappable = True  # see :meth:`check_model`; False: client maths and evaluation never call vmap
-        self.forward_ad = True  # see :meth:`check_model`; False: the exact variant's HVP is reverse-over-reverse
-        # see :meth:`check_model`; False: vmap's batched kernels give a client other bits than alone, so
+        self.vmappable = True  # see :meth:`probe_model`; False: client maths and evaluation never call vmap
+        self.forward_ad = True  # see :meth:`probe_model`; False: the exact variant's HVP is reverse-over-reverse
+        # see :meth:`probe_model`; False: vmap's batched kernels give a client other bits than alone, so
         # clients are trained and evaluated one by one (every backend then computes each client alike)
         self.groups_exactly = True
         self.skipped_rounds = 0
         self.rejected: Dict[int, int] = {}  # round -> client updates rejected
         self.aggregate_calls = 0
         self._bound_logged = False
-        self._chains: Dict[tuple, Tuple[Optional[StackedGradients], str]] = {}  # by input shape
+        self._hand_batched_by_shape: Dict[tuple, Tuple[Optional[HandBatchedGradients], str]] = {}  # by input shape
         self._test_stacks: dict = {}  # the evaluation's stacked test splits, kept between evaluations
 
     @classmethod
@@ -267,11 +268,12 @@ class FederatedAlgorithm:
         """How logs and errors name this algorithm."""
         return self.name
 
-    def check_model(self, global_state: StateDict, x: Tensor, y: Tensor) -> List[str]:
-        """Probe once, on a batch ``x, y`` of the run's size, what the model allows: that it can
-        train on these samples at all (else :class:`ModelMismatch`, with the model's own error);
-        if vmap cannot batch its gradients, every client update and evaluation runs client by
-        client; if its operators have no forward-mode derivative, the exact variant's HVP is
+    def probe_model(self, global_state: StateDict, x: Tensor, y: Tensor) -> List[str]:
+        """Probe once, on a batch ``x, y`` of the run's size, what the model allows, and set this
+        object's paths by it (``vmappable``, ``forward_ad``, ``groups_exactly``): that it can train
+        on these samples at all (else :class:`ModelMismatch`, with the model's own error); if vmap
+        cannot batch its gradients, every client update and evaluation runs client by client; if
+        its operators have no forward-mode derivative, the exact variant's HVP is
         reverse-over-reverse. Returns a line for each such fallback, saying why."""
         params, _ = self.split_state({k: v.detach() for k, v in global_state.items()})
         notes = []
@@ -376,9 +378,9 @@ class FederatedAlgorithm:
     def client_batch_indices(self, round_idx: int, client_id: int, num_samples: int) -> List[Tensor]:
         """The sample indices of :meth:`client_batches` (D, D', D''; each ``(steps, size)``), so
         an engine can gather every client's batches at once."""
-        return self.clients_batch_indices(round_idx, [client_id], [num_samples])[0]
+        return self.batch_indices_of_clients(round_idx, [client_id], [num_samples])[0]
 
-    def clients_batch_indices(
+    def batch_indices_of_clients(
         self, round_idx: int, clients: Sequence[int], num_samples: Sequence[int]
     ) -> List[List[Tensor]]:
         """:meth:`client_batch_indices` of each of ``clients`` (with ``num_samples`` training
@@ -524,7 +526,7 @@ class FederatedAlgorithm:
         split), the same for every algorithm."""
         params, _ = self.split_state(global_state)
         config = self.settings.evaluation
-        batched = batched and self.vmappable and (self.groups_exactly or self._scoring_chain(users) is not None)
+        batched = batched and self.vmappable and (self.groups_exactly or self._hand_batched_for(users) is not None)
         if config.batched != batched:
             config = dataclasses.replace(config, batched=batched)
         return evaluate(
@@ -536,19 +538,19 @@ class FederatedAlgorithm:
             user_ids=user_ids,
             loss_fn=self.loss_fn,
             step_sizes=self.refinement_step_sizes(global_state),
-            chain=self._scoring_chain(users),
+            hand_batched=self._hand_batched_for(users),
             test_stacks=self._test_stacks,
         )
 
-    def hand_batched(self, input_shape: Tuple[int, ...]) -> Tuple[Optional[StackedGradients], str]:
+    def hand_batched(self, input_shape: Tuple[int, ...]) -> Tuple[Optional[HandBatchedGradients], str]:
         """(the network's hand-batched form, "") where it is a Linear chain, else (None, why not):
         decided once per input shape, and shared by the batched engine's local training and the
         evaluation's scoring (which still probes that it gives the same bits)."""
-        if input_shape not in self._chains:
-            self._chains[input_shape] = StackedGradients.for_network(self.network, input_shape)
-        return self._chains[input_shape]
+        if input_shape not in self._hand_batched_by_shape:
+            self._hand_batched_by_shape[input_shape] = HandBatchedGradients.for_network(self.network, input_shape)
+        return self._hand_batched_by_shape[input_shape]
 
-    def _scoring_chain(self, users: Sequence[UserSplit]) -> Optional[StackedGradients]:
+    def _hand_batched_for(self, users: Sequence[UserSplit]) -> Optional[HandBatchedGradients]:
         return self.hand_batched(tuple(users[0].test_x.shape[1:]))[0] if users else None
 
     def refinement_step_sizes(self, global_state: StateDict) -> Optional[Params]:

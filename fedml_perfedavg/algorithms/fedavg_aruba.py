@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.func import grad
 
-from ..core.algorithm import SGD, LocalBatches
+from ..core.client_maths import SGD, LocalBatches
 from ..core.types import Params, StateDict
 from .base import AlgorithmSettings, FederatedAlgorithm, average
 

@@ -8,7 +8,7 @@ personalization; with the plugin imported, ``federated_optimizer: FedAvg`` still
 
 from __future__ import annotations
 
-from ..core.algorithm import SGD
+from ..core.client_maths import SGD
 from .base import FederatedAlgorithm
 
 

@@ -15,10 +15,10 @@ import torch
 from torch import Tensor, nn
 from torch.func import grad, vmap
 
-from .algorithm import axpy
+from .client_maths import axpy
 from .functional import logits_of, make_loss_fn
 from .sampling import Purpose, batch_indices, batch_indices_of_many, generator_for
-from .stacked import StackedGradients
+from .hand_batched import HandBatchedGradients
 from .types import LossFn, Params, UserSplit
 
 USERS_PER_CHUNK = 64  # batched adaptation: users per vmapped call (bounds memory as n grows)
@@ -199,7 +199,7 @@ def _score(
 
 
 def _evaluate_together(
-    chain: StackedGradients,
+    hand_batched: HandBatchedGradients,
     loss_fn: LossFn,
     params: Params,
     users: Sequence[UserSplit],
@@ -209,7 +209,7 @@ def _evaluate_together(
     step_size: Union[float, Params],
     test_stacks: Optional[dict],
 ) -> EvaluationResult:
-    """The numbers of adapting in chunks and :func:`_score`, for users of a Linear chain: the users
+    """The numbers of adapting in chunks and :func:`_score`, for users of a Linear hand_batched: the users
     of each test-split size adapted together, then scored together, by one batched pass of the
     adapted models and one of the global model (used only where :func:`_scores_together_exactly`
     found that gives every user's logits bit for bit). ``test_stacks`` keeps the stacked test
@@ -228,7 +228,7 @@ def _evaluate_together(
             # each user's adaptation has ended before its test data is read
             x, y = _stacked_test_splits(group, test_stacks)
             with torch.no_grad():
-                logits, logits_before = chain.logits(adapted, x), _global_logits(chain, params, x)
+                logits, logits_before = hand_batched.logits(adapted, x), _global_logits(hand_batched, params, x)
                 accuracy = (logits.argmax(dim=-1) == y).float().mean(dim=1).tolist()
                 accuracy_before = (logits_before.argmax(dim=-1) == y).float().mean(dim=1).tolist()
                 for row, i in enumerate(chunk):
@@ -237,9 +237,9 @@ def _evaluate_together(
     return EvaluationResult(after, before, losses)
 
 
-def _global_logits(chain: StackedGradients, params: Params, x: Tensor) -> Tensor:
+def _global_logits(hand_batched: HandBatchedGradients, params: Params, x: Tensor) -> Tensor:
     """The global model's logits of stacked test splits ``x`` (U, n, ...): one pass over all rows."""
-    rows = chain.logits({k: v.unsqueeze(0) for k, v in params.items()}, x.reshape(1, -1, *x.shape[2:]))
+    rows = hand_batched.logits({k: v.unsqueeze(0) for k, v in params.items()}, x.reshape(1, -1, *x.shape[2:]))
     return rows.view(x.shape[0], x.shape[1], -1)
 
 
@@ -261,24 +261,24 @@ def _stacked_test_splits(users: Sequence[UserSplit], test_stacks: Optional[dict]
 
 
 def _scores_together_exactly(
-    chain: StackedGradients, network: nn.Module, params: Params, users: Sequence[UserSplit]
+    hand_batched: HandBatchedGradients, network: nn.Module, params: Params, users: Sequence[UserSplit]
 ) -> bool:
     """Whether the batched pass of :func:`_evaluate_together` gives the per-user pass's logits bit
-    for bit here (it depends on the matrix kernels: decided once per chain, by a probe)."""
-    if chain.scores_exactly is None:
+    for bit here (it depends on the matrix kernels: decided once per hand_batched, by a probe)."""
+    if hand_batched.scores_exactly is None:
         # random inputs of the test splits' shape: the probe reads no test data
         sample = users[0].test_x
         x = torch.randn(3, *sample.shape, generator=torch.Generator().manual_seed(0)).to(sample.device, sample.dtype)
         shifted = [{k: v + 0.01 * (j + 1) for k, v in params.items()} for j in range(len(x))]
         with torch.no_grad():
-            together = chain.logits({k: torch.stack([p[k] for p in shifted]) for k in params}, x)
-            before = _global_logits(chain, params, x)
-            chain.scores_exactly = all(
+            together = hand_batched.logits({k: torch.stack([p[k] for p in shifted]) for k in params}, x)
+            before = _global_logits(hand_batched, params, x)
+            hand_batched.scores_exactly = all(
                 torch.equal(together[j], logits_of(network, shifted[j], x[j]))
                 and torch.equal(before[j], logits_of(network, params, x[j]))
                 for j in range(len(x))
             )
-    return chain.scores_exactly
+    return hand_batched.scores_exactly
 
 
 def evaluate(
@@ -290,7 +290,7 @@ def evaluate(
     user_ids: Optional[Sequence[int]] = None,
     loss_fn: Optional[LossFn] = None,
     step_sizes: Optional[Params] = None,
-    chain: Optional[StackedGradients] = None,
+    hand_batched: Optional[HandBatchedGradients] = None,
     test_stacks: Optional[dict] = None,
 ) -> EvaluationResult:
     """Personalized evaluation of ``params`` on ``users`` (see the module doc).
@@ -299,7 +299,7 @@ def evaluate(
     ``user_ids`` key each user's adaptation batches (default 0..len(users)-1), so one silo
     evaluating user 7 draws what the server's evaluation of all users draws for user 7.
     ``step_sizes`` replaces alpha with per-coordinate step sizes (an algorithm that learns them).
-    ``chain``, the network's hand-batched form where it is a Linear chain, scores users together
+    ``hand_batched``, the network's hand-batched form where it is a Linear hand_batched, scores users together
     where that gives the same bits (``config.batched``), keeping the stacked test splits in
     ``test_stacks`` (a dict the caller holds on to) for the next evaluation."""
     user_ids = list(range(len(users))) if user_ids is None else list(user_ids)
@@ -308,7 +308,12 @@ def evaluate(
         raise ValueError(f"{len(user_ids)} user ids for {len(users)} users")
     loss_fn = loss_fn if loss_fn is not None else make_loss_fn(network)
     stackable = len(users) > 1 and all(len(u.train_y) >= config.batch_size for u in users)
-    if config.batched and stackable and chain is not None and _scores_together_exactly(chain, network, params, users):
-        return _evaluate_together(chain, loss_fn, params, users, user_ids, config, round_idx, step, test_stacks)
+    if (
+        config.batched
+        and stackable
+        and hand_batched is not None
+        and _scores_together_exactly(hand_batched, network, params, users)
+    ):
+        return _evaluate_together(hand_batched, loss_fn, params, users, user_ids, config, round_idx, step, test_stacks)
     adapt = _adapted_in_chunks if config.batched and stackable else _adapted_one_by_one
     return _score(network, params, adapt(loss_fn, params, users, user_ids, config, round_idx, step), users)

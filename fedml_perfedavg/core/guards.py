@@ -11,29 +11,9 @@ from typing import Dict, List, Optional, cast
 import torch
 from torch import Tensor
 
+from .errors import DivergenceError
+
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A setting has a value the plugin cannot run with; the message names the key, the value
-    and what is allowed."""
-
-
-class DivergenceError(RuntimeError):
-    """Local training produced non-finite values and the policy is to stop."""
-
-
-class RunStopped(RuntimeError):
-    """The run cannot go on (too many rounds without an acceptable update, lost silos, ...)."""
-
-
-class OutputError(RuntimeError):
-    """A run's file cannot be written (a full or read-only disk, a missing folder, ...); the
-    message names the file, the folder and the cause."""
-
-
-class SiloFailure(RunStopped):
-    """Cross-silo: a peer did not answer in time and the failure policy says stop."""
 
 
 # A NaN or an infinity times 0 is NaN, a finite value times 0 is 0, and a sum of zeros cannot

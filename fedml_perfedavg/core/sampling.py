@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .algorithm import LocalBatches
+from .client_maths import LocalBatches
 
 
 class Purpose(IntEnum):

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, jvp
 
-from .algorithm import axpy
+from .client_maths import axpy
 from .types import LossFn, Params, UserSplit
 
 

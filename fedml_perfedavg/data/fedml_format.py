@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from ..core.guards import ConfigError
+from ..core.errors import ConfigError
 from ..core.types import UserSplit
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..core.guards import ConfigError
+from ..core.errors import ConfigError
 from ..core.types import UserSplit
 from .partition import UserPlan, partition_indices, plan_users
 

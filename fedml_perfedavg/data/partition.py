@@ -14,7 +14,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from ..core.guards import ConfigError
+from ..core.errors import ConfigError
 
 PARTITIONS = ("paper", "paper_diff_hetero")
 LOW_CLASSES = (0, 1, 2, 3, 4)

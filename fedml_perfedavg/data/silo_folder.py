@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.guards import ConfigError
+from ..core.errors import ConfigError
 from ..core.types import UserSplit
 
 FORMAT = "fedml-perfedavg silo data, version 1"

@@ -20,8 +20,8 @@ from torch import Tensor
 from torch.func import vmap
 
 from ..algorithms.base import FederatedAlgorithm
-from ..core.algorithm import LocalBatches
-from ..core.stacked import IndexedInputs, StackedGradients
+from ..core.client_maths import LocalBatches
+from ..core.hand_batched import IndexedInputs, HandBatchedGradients
 from ..core.guards import nonfinite_clients
 from ..core.types import Params, StateDict, UserSplit
 from ..algorithms.base import RoundDriver
@@ -49,13 +49,13 @@ class BatchedSimulation:
         global_state: StateDict,
         driver: RoundDriver,
         compile_local_update: bool = False,
-        fast_path: bool = True,
+        try_hand_batched: bool = True,
     ) -> None:
         self.algorithm = algorithm
         self.users = users
         self.state: StateDict = OrderedDict(global_state)
         self.driver = driver
-        # Decided once by a probe (FederatedAlgorithm.check_model), not by a round's error.
+        # Decided once by a probe (FederatedAlgorithm.probe_model), not by a round's error.
         self.batched = algorithm.vmappable
         self.step: Callable[[Params, LocalBatches], Params] = vmap(algorithm.local_update, in_dims=(None, 0))
         # An algorithm whose clients send back more than parameters (its own local_training)
@@ -63,13 +63,13 @@ class BatchedSimulation:
         self.whole_state = algorithm.returns_whole_state
         if self.whole_state:
             self.step = vmap(algorithm.local_training, in_dims=(None, 0))
-        stacked, why = (
+        gradients, why = (
             (None, "device_args.compile_local_update compiles the generic path")
             if compile_local_update
-            else self._stacked_gradients(fast_path)
+            else self._hand_batched_gradients(try_hand_batched)
         )
-        self.stacked: Optional[StackedGradients] = stacked
-        if self.batched and stacked is None and not algorithm.groups_exactly:
+        self.hand_batched: Optional[HandBatchedGradients] = gradients
+        if self.batched and gradients is None and not algorithm.groups_exactly:
             self.batched = False  # vmapped, a client's bits would depend on the others in its computation
             logger.info(
                 "batched engine: clients one by one (vmapped, a client's result would depend on which "
@@ -77,11 +77,11 @@ class BatchedSimulation:
             )
         elif not self.batched:
             logger.info("batched engine: clients one by one (the model cannot be vmapped)")
-        elif stacked is not None:
-            self.step = self._stacked_step()
+        elif gradients is not None:
+            self.step = self._hand_batched_step()
             logger.info(
                 "batched engine: %s is a chain of Linear layers and activations; its clients' gradients "
-                "are hand-batched matrix products (fedml_perfedavg.core.stacked)",
+                "are hand-batched matrix products (fedml_perfedavg.core.hand_batched)",
                 type(algorithm.network).__name__,
             )
         else:
@@ -115,16 +115,16 @@ class BatchedSimulation:
                 self._offsets.append(first[key])
             self._all_x, self._all_y = torch.cat(xs), torch.cat(ys)
 
-    def _stacked_gradients(self, fast_path: bool):
+    def _hand_batched_gradients(self, try_hand_batched: bool):
         """Hand-batched gradients where they compute exactly what the algorithm's own
         ``local_update`` would (Per-FedAvg's or FedAvg's update on a Linear chain), else why not."""
-        if not fast_path:
+        if not try_hand_batched:
             return None, "turned off"
         if not self.algorithm.uses_standard_maths:
             return None, f"{type(self.algorithm).__name__} has its own local_update or local_training"
         return self.algorithm.hand_batched(tuple(self.users[0].train_x.shape[1:]))
 
-    def _stacked_step(self) -> Callable[[Params, LocalBatches], Params]:
+    def _hand_batched_step(self) -> Callable[[Params, LocalBatches], Params]:
         def step(params: Params, batches: LocalBatches) -> Params:
             clients = batches.adapt_y.shape[0]
             return self.train_from({k: v.unsqueeze(0).expand(clients, *v.shape) for k, v in params.items()}, batches)
@@ -141,8 +141,8 @@ class BatchedSimulation:
                 for t in batches
             )
         )
-        assert self.stacked is not None  # the hand-batched path is taken only with its gradients
-        return self.stacked.local_update(start, by_step, self.algorithm.settings.local)
+        assert self.hand_batched is not None  # the hand-batched path is taken only with its gradients
+        return self.hand_batched.local_update(start, by_step, self.algorithm.settings.local)
 
     def round_batches(self, round_idx: int, clients: List[int], lazy_inputs: bool = False) -> LocalBatches:
         """The round's minibatches, stacked (clients, steps, batch, ...); with ``lazy_inputs`` (for
@@ -181,7 +181,9 @@ class BatchedSimulation:
     def batch_index(self, round_idx: int, clients: List[int]) -> List[Tensor]:
         """Per role (D, D', D''), the round's sample indices into all users' data concatenated,
         ``(clients, steps, size)``: the keyed indices of ``client_batch_indices``."""
-        per_client = self.algorithm.clients_batch_indices(round_idx, clients, [self.sample_counts[c] for c in clients])
+        per_client = self.algorithm.batch_indices_of_clients(
+            round_idx, clients, [self.sample_counts[c] for c in clients]
+        )
         offsets = torch.tensor([self._offsets[c] for c in clients]).view(-1, 1, 1)
         return [torch.stack([idx[role] for idx in per_client]) + offsets for role in range(len(per_client[0]))]
 
@@ -209,7 +211,7 @@ class BatchedSimulation:
 
     def _batched_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
         params, buffers = self.algorithm.split_state(self.state)
-        batches = self.round_batches(round_idx, clients, lazy_inputs=self.batched and self.stacked is not None)
+        batches = self.round_batches(round_idx, clients, lazy_inputs=self.batched and self.hand_batched is not None)
         with torch.no_grad():
             if self.whole_state:
                 stacked = self.step({k: v.detach() for k, v in self.state.items()}, batches)

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..core.algorithm import LocalBatches
+from ..core.client_maths import LocalBatches
 from ..algorithms.base import NO_HOOKS
 from .batched import BatchedSimulation
 
@@ -31,7 +31,7 @@ def why_not_together(engines: Sequence[BatchedSimulation]) -> Optional[str]:
         return "no runs"
     first = engines[0]
     for position, engine in enumerate(engines):
-        if engine.stacked is None or not engine.batched:
+        if engine.hand_batched is None or not engine.batched:
             return f"run {position} is not on the hand-batched path"
         if engine.algorithm.hooks is not NO_HOOKS:
             return f"run {position} applies FedML's DP, attacks or defenses (round hooks)"

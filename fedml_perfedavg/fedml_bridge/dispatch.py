@@ -18,7 +18,7 @@ import functools
 import logging
 from typing import Any, Callable, Optional
 
-from ..core.guards import ConfigError
+from ..core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
-from ..core.guards import ConfigError
+from ..core.errors import ConfigError
 from .bootstrap import replaced
 from ..core.types import UserSplit
 from ..data.fedml_format import to_fedml_dataset

@@ -109,7 +109,7 @@ def check_cross_silo_backend(args: Any) -> None:
         return
     backend = getattr(args, "backend", None)
     if backend in INSECURE_BACKENDS:
-        from ..core.guards import ConfigError
+        from ..core.errors import ConfigError
 
         raise ConfigError(
             f"comm_args.backend={backend!r}: refused for cross-silo with fedml_perfedavg imported: "
@@ -178,7 +178,7 @@ def _install_transport() -> None:
         missing = str(err)
 
         def refuse(*args: Any, **kwargs: Any) -> None:  # stands in for the class
-            from ..core.guards import ConfigError
+            from ..core.errors import ConfigError
 
             raise ConfigError(
                 f"comm_args.backend='GRPC' needs the plugin's secure transport, which cannot be "

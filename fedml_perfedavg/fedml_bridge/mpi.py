@@ -40,7 +40,7 @@ from .bootstrap import import_fedml, replaced
 import torch
 
 from ..algorithms.base import RoundDriver
-from ..core.guards import ConfigError
+from ..core.errors import ConfigError
 from ..core.types import StateDict
 
 import_fedml()

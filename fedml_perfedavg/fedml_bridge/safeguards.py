@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .. import logs
 from ..algorithms.base import RoundHooks
-from ..core.guards import ConfigError
+from ..core.errors import ConfigError
 from ..core.sampling import Purpose, generator_for, keyed_global_randomness
 from ..core.types import StateDict
 

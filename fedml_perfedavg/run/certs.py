@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from ..core.guards import ConfigError
+from ..core.errors import ConfigError
 from ..fedml_bridge.cross_silo.credentials import CA_CERT, CA_KEY, MAX_DAYS, cert_file, key_file, make_certificates
 
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..core.guards import ConfigError, OutputError
+from ..core.errors import ConfigError, OutputError
 from .files import write_atomic, write_yaml
 
 logger = logging.getLogger(__name__)

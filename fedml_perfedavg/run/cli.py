@@ -19,7 +19,7 @@ import shutil
 import sys
 from typing import List, Optional
 
-from ..core.guards import ConfigError, DivergenceError, OutputError, RunStopped
+from ..core.errors import ConfigError, DivergenceError, OutputError, RunStopped
 from .config import add_config_options, load
 from .. import logs
 

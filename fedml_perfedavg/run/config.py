@@ -24,8 +24,8 @@ import yaml
 
 from ..algorithms.base import AGGREGATIONS, DIVERGENCE_POLICIES
 from ..algorithms.registry import FEDML_OWN, algorithm_names, canonical_name
-from ..core.algorithm import VARIANTS
-from ..core.guards import ConfigError
+from ..core.client_maths import VARIANTS
+from ..core.errors import ConfigError
 from ..data.loading import DATASETS, default_test_images_per_class
 from ..data.partition import PARTITIONS, plan_users
 from ..fedml_bridge import safeguards as fedml_safeguards

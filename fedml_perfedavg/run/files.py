@@ -14,7 +14,7 @@ from typing import IO, Any, Callable, Optional
 import torch
 import yaml
 
-from ..core.guards import OutputError
+from ..core.errors import OutputError
 
 _WHY = {
     errno.ENOSPC: "the disk is full",

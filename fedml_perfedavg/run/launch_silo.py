@@ -29,7 +29,7 @@ import time
 import uuid
 from typing import Dict, List, Optional, Sequence
 
-from ..core.guards import ConfigError, OutputError
+from ..core.errors import ConfigError, OutputError
 from ..fedml_bridge.cross_silo.credentials import make_certificates
 from .. import logs
 from .config import add_config_options, load, load_yaml, parse_overrides

@@ -29,7 +29,7 @@ import torch
 
 from ..algorithms.base import FederatedAlgorithm
 from ..algorithms.registry import canonical_name, create_algorithm
-from ..core.guards import ConfigError, DivergenceError, OutputError, RunStopped
+from ..core.errors import ConfigError, DivergenceError, OutputError, RunStopped
 from ..core.types import StateDict, UserSplit
 from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
 from ..data.loading import DATASETS, FederatedData, load_federated
@@ -423,13 +423,13 @@ class PluginRun:
         return [user]
 
     def _probe_model(self) -> None:
-        """What the model allows, probed on a batch like the run's (see ``check_model``); a model
+        """What the model allows, probed on a batch like the run's (see ``probe_model``); a model
         that cannot train on the data at all stops the run here, with its own reason."""
         from ..algorithms.base import ModelMismatch
 
         sample, size = self.users[0], self.config.batch_size
         try:
-            notes = self.algorithm.check_model(self.global_state, sample.train_x[:size], sample.train_y[:size])
+            notes = self.algorithm.probe_model(self.global_state, sample.train_x[:size], sample.train_y[:size])
         except ModelMismatch as err:
             problem = (
                 f"the model ({type(self.model).__name__}; model_args.model={self.config.model!r}) does not fit "

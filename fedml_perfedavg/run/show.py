@@ -10,7 +10,7 @@ import socket
 import sys
 from typing import Any, Dict, List, Optional
 
-from ..core.guards import ConfigError
+from ..core.errors import ConfigError
 
 
 def read_summary(path: str) -> Dict[str, Any]:

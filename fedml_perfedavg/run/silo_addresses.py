@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..core.guards import ConfigError
+from ..core.errors import ConfigError
 from ..fedml_bridge.cross_silo.addresses import free_ports, read_ipconfig, write_ipconfig
 from .config import Config
 

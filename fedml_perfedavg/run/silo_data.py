@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any, Dict, Optional, Sequence
 
-from ..core.guards import ConfigError
+from ..core.errors import ConfigError
 from ..data.loading import DATASETS, FederatedData
 from ..data.partition import PARTITIONS
 from ..data.silo_folder import SPLIT_KEYS, check_split, export_users, is_export, is_silo_folder, read_silo_folder

@@ -5,7 +5,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from fedml_perfedavg.core.guards import RunStopped, nonfinite_clients, tensor_is_finite, update_problem
+from fedml_perfedavg.core.errors import RunStopped
+from fedml_perfedavg.core.guards import nonfinite_clients, tensor_is_finite, update_problem
 
 from tests.helpers_tiny import tiny_config
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from fedml_perfedavg.algorithms.fedavg_aruba import TASKS, ArubaSettings, buffer_name
 from fedml_perfedavg.algorithms.registry import algorithm_names, create_algorithm
-from fedml_perfedavg.core.algorithm import LocalBatches
+from fedml_perfedavg.core.client_maths import LocalBatches
 from fedml_perfedavg.core.types import UserSplit
 from fedml_perfedavg.run.config import ConfigError, resolve
 

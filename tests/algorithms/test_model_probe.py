@@ -8,7 +8,7 @@ from torch import nn
 
 from fedml_perfedavg.algorithms.base import ModelMismatch
 from fedml_perfedavg.algorithms.registry import create_algorithm
-from fedml_perfedavg.core.guards import ConfigError
+from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.run.runner import run
 
 from tests.helpers_tiny import tiny_config, tiny_data
@@ -25,7 +25,7 @@ def test_batchnorm_is_probed_on_a_batch_of_the_runs_size_and_the_real_cause_name
     model = _batchnorm()
     algorithm = create_algorithm("PerFedAvg", model, tiny_config(perfedavg_variant=variant))
     x, y = torch.rand(8, 1, 4, 4), torch.randint(0, 3, (8,))
-    [note] = algorithm.check_model(model.state_dict(), x, y)
+    [note] = algorithm.probe_model(model.state_dict(), x, y)
     assert algorithm.vmappable and algorithm.forward_ad and not algorithm.groups_exactly
     assert "vmap's batched kernels give a client other bits than training it alone" in note
     assert "cannot batch" not in note
@@ -36,7 +36,7 @@ def test_a_linear_chain_keeps_its_hand_batched_path():
 
     model = create_model("mlp", (1, 4, 4), 3, (5,))
     algorithm = create_algorithm("PerFedAvg", model, tiny_config())
-    assert algorithm.check_model(model.state_dict(), torch.rand(8, 1, 4, 4), torch.randint(0, 3, (8,))) == []
+    assert algorithm.probe_model(model.state_dict(), torch.rand(8, 1, 4, 4), torch.randint(0, 3, (8,))) == []
     assert algorithm.groups_exactly
 
 
@@ -48,7 +48,7 @@ def test_a_model_that_cannot_take_the_samples_is_named_with_its_own_error():
         match=r"a batch of 8 samples of shape \(1, 4, 4\) \(torch.float32\): "
         r"RuntimeError: .*expected input\[8, 1, 4, 4\] to have 3 channels",
     ):
-        algorithm.check_model(conv.state_dict(), torch.rand(8, 1, 4, 4), torch.randint(0, 3, (8,)))
+        algorithm.probe_model(conv.state_dict(), torch.rand(8, 1, 4, 4), torch.randint(0, 3, (8,)))
 
 
 def test_such_a_run_stops_at_start_naming_the_model_and_the_dataset(tmp_path):

@@ -235,7 +235,7 @@ def test_shares_are_balanced_contiguous_and_in_the_rounds_order():
 def test_each_rank_takes_the_gpu_of_its_local_rank_when_using_gpu(monkeypatch):
     import argparse
 
-    from fedml_perfedavg.core.guards import ConfigError
+    from fedml_perfedavg.core.errors import ConfigError
     from fedml_perfedavg.fedml_bridge.mpi import rank_device
 
     args = argparse.Namespace(using_gpu=True, gpu_mapping_file=None, process_id=5)

@@ -6,7 +6,7 @@ import torch
 from fedml_perfedavg.core.evaluation import EvaluationConfig, adaptation_batches, evaluate, sgd_steps
 from fedml_perfedavg.core.functional import make_loss_fn, parameters_of
 from fedml_perfedavg.core.sampling import Purpose, generator_for
-from fedml_perfedavg.core.stacked import StackedGradients
+from fedml_perfedavg.core.hand_batched import HandBatchedGradients
 from fedml_perfedavg.core.types import UserSplit
 from fedml_perfedavg.models import MLP
 
@@ -154,7 +154,7 @@ def _paper_mlp():
     """The paper's MLP: matrix kernels give batched and per-user logits the same bits at its sizes
     on the machines this was measured on; where they do not, the probe sends scoring user by user."""
     model = MLP(784, 10, (80, 60))
-    chain, why = StackedGradients.for_network(model, (784,))
+    chain, why = HandBatchedGradients.for_network(model, (784,))
     assert chain is not None, why
     return model, chain
 
@@ -169,7 +169,9 @@ def test_users_scored_together_get_the_per_user_numbers_bit_for_bit(adapt_steps,
     reference = evaluate(model, params, users, config, 2, step_sizes=step_sizes)  # chunks, then user by user
     stacks: dict = {}
     for _ in range(2):  # the second evaluation reads the test splits stacked by the first
-        together = evaluate(model, params, users, config, 2, step_sizes=step_sizes, chain=chain, test_stacks=stacks)
+        together = evaluate(
+            model, params, users, config, 2, step_sizes=step_sizes, hand_batched=chain, test_stacks=stacks
+        )
         assert together.per_user_accuracy == reference.per_user_accuracy
         assert together.per_user_accuracy_before == reference.per_user_accuracy_before
         assert together.per_user_loss == reference.per_user_loss
@@ -186,7 +188,7 @@ def test_users_are_scored_one_by_one_where_the_batched_pass_differs():
     config = EvaluationConfig(0.3, 1, 8, 1, batched=True)
     exact_logits = chain.logits
     chain.logits = lambda p, x: exact_logits(p, x) * (1 + 1e-6)  # a kernel whose last bits differ
-    result = evaluate(model, params, users, config, 2, chain=chain)
+    result = evaluate(model, params, users, config, 2, hand_batched=chain)
     assert chain.scores_exactly is False
     assert result.per_user_loss == evaluate(model, params, users, config, 2).per_user_loss
 
@@ -217,7 +219,7 @@ def test_scoring_together_reads_no_test_data_before_every_adaptation_of_its_chun
         EvaluationConfig(0.1, 1, 8, 0, batched=True),
         0,
         loss_fn=lambda p, x, y: EVENTS.append("adaptation-step") or loss(p, x, y),
-        chain=chain,
+        hand_batched=chain,
     )
     if not chain.scores_exactly:
         pytest.skip("this CPU's batched kernels differ in the last bits: the users were scored one by one")

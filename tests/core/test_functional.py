@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.func import vmap
 
-from fedml_perfedavg.core.algorithm import LocalBatches, LocalUpdateConfig, local_update
+from fedml_perfedavg.core.client_maths import LocalBatches, LocalUpdateConfig, local_update
 from fedml_perfedavg.core.functional import functional_network, make_loss_fn, parameters_of
 
 

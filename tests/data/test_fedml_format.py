@@ -90,7 +90,7 @@ def test_labels_and_images_are_converted_the_same_way_in_every_format(kind):
 def test_labels_and_inputs_the_model_cannot_take_are_refused_naming_the_client(kind, labels, images, message):
     import torch
 
-    from fedml_perfedavg.core.guards import ConfigError
+    from fedml_perfedavg.core.errors import ConfigError
     from fedml_perfedavg.data.fedml_format import users_from_fedml_dataset
 
     good_x, good_y = torch.rand(5, 4), torch.tensor([0, 1, 2, 1, 0])
@@ -104,7 +104,7 @@ def test_labels_and_inputs_the_model_cannot_take_are_refused_naming_the_client(k
 def test_clients_without_training_or_test_samples_are_named():
     import torch
 
-    from fedml_perfedavg.core.guards import ConfigError
+    from fedml_perfedavg.core.errors import ConfigError
     from fedml_perfedavg.data.fedml_format import users_from_fedml_dataset
 
     full = (torch.rand(5, 4), torch.tensor([0, 1, 2, 1, 0]))
@@ -119,7 +119,7 @@ def test_a_silos_own_loader_may_key_its_one_client_as_it_likes():
     (under any key) is read as user R-1, and the dataset handed on is keyed so."""
     import pytest as _pytest
 
-    from fedml_perfedavg.core.guards import ConfigError
+    from fedml_perfedavg.core.errors import ConfigError
     from fedml_perfedavg.data.fedml_format import own_user_from_fedml_dataset, to_fedml_dataset
 
     x, y = torch.rand(8, 1, 4, 4), torch.tensor([0, 1] * 4)

@@ -96,7 +96,7 @@ def test_missing_dataset_says_where_files_were_expected(tmp_path):
 
 
 def test_too_few_images_is_a_config_error_naming_the_key_and_the_data(fake_cifar_root):
-    from fedml_perfedavg.core.guards import ConfigError
+    from fedml_perfedavg.core.errors import ConfigError
 
     # the generated files hold 50 training images per class; 10 users with a=40 need 200 of class 0-4
     with pytest.raises(ConfigError, match=r"data_args.images_per_class=40: user \d+ needs \d+ images of class \d "

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from fedml_perfedavg.core.guards import ConfigError
+from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.core.types import UserSplit
 from fedml_perfedavg.data.silo_folder import (MANIFEST, TENSORS, check_split, export_users, folder_of, is_export,
                                               is_silo_folder, read_silo_folder)

@@ -69,18 +69,22 @@ def per_client_rounds(algorithm, users, state, rounds):
     return state
 
 
-@pytest.mark.parametrize("fast_path", [True, False], ids=["hand-batched", "vmap"])
+@pytest.mark.parametrize("try_hand_batched", [True, False], ids=["hand-batched", "vmap"])
 @pytest.mark.parametrize("optimizer,variant", CASES)
-def test_batched_engine_equals_per_client_path_float64(optimizer, variant, fast_path, caplog):
+def test_batched_engine_equals_per_client_path_float64(optimizer, variant, try_hand_batched, caplog):
     config, users, model = _setup(optimizer, variant)
     algorithm = create_algorithm(optimizer, model, config)
     start = copy.deepcopy(model.state_dict())
     reference = per_client_rounds(algorithm, users, start, config.comm_round)
     with caplog.at_level("INFO"):
         engine = BatchedSimulation(
-            create_algorithm(optimizer, model, config), users, start, Driver(algorithm), fast_path=fast_path
+            create_algorithm(optimizer, model, config),
+            users,
+            start,
+            Driver(algorithm),
+            try_hand_batched=try_hand_batched,
         )
-    assert ("hand-batched matrix products" in caplog.text) == fast_path  # the MLP is a Linear/ELU chain
+    assert ("hand-batched matrix products" in caplog.text) == try_hand_batched  # the MLP is a Linear/ELU chain
     got = engine.run(0, config.comm_round)
     assert engine.batched
     assert any(not torch.allclose(got[k], start[k]) for k in got)  # it did train
@@ -178,7 +182,7 @@ def test_a_model_vmap_cannot_batch_falls_back_to_the_per_client_path(caplog):
     model = DataDependent().double()
     algorithm = create_algorithm("PerFedAvg", model, config)
     start = copy.deepcopy(model.state_dict())
-    [why] = algorithm.check_model(start, users[0].train_x[:1], users[0].train_y[:1])
+    [why] = algorithm.probe_model(start, users[0].train_x[:1], users[0].train_y[:1])
     assert "data-dependent control flow" in why.lower() and not algorithm.vmappable
     reference = per_client_rounds(algorithm, users, start, config.comm_round)
     engine = BatchedSimulation(algorithm, users, start, Driver(algorithm))

@@ -3,7 +3,7 @@ launch-silo's CA key never written."""
 
 import pytest
 
-from fedml_perfedavg.core.guards import ConfigError
+from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.fedml_bridge.cross_silo.credentials import (
     MAX_DAYS,
     load_credentials,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedml_perfedavg.algorithms.base import NO_HOOKS
-from fedml_perfedavg.core.guards import ConfigError
+from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.fedml_bridge.safeguards import FedMLSafeguards, applied_defenses
 from fedml_perfedavg.run.config import from_fedml_args, load, parse_overrides, resolve
 from fedml_perfedavg.run.runner import run

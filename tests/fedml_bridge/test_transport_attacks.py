@@ -15,7 +15,7 @@ from fedml_perfedavg.fedml_bridge.cross_silo import wire
 from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
 from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
 from fedml_perfedavg.fedml_bridge.cross_silo.transport import SecureGRPCCommManager
-from fedml_perfedavg.core.guards import ConfigError
+from fedml_perfedavg.core.errors import ConfigError
 
 from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as pb2
 from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from fedml_perfedavg.core.guards import DivergenceError
+from fedml_perfedavg.core.errors import DivergenceError
 from fedml_perfedavg.run.runner import run
 
 from tests.helpers_tiny import tiny_config, tiny_data

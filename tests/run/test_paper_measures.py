@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fedml_perfedavg.algorithms.base import average
-from fedml_perfedavg.core.guards import ConfigError
+from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.core.sampling import random_iterate_step
 from fedml_perfedavg.core.stationarity import stationarity
 from fedml_perfedavg.run.runner import run
@@ -65,7 +65,7 @@ def test_the_random_iterate_is_the_average_of_the_clients_truncated_updates(tmp_
     # Independent of client_iterate's own code: the iterate after `step` steps, continued with the
     # remaining steps' minibatches, is exactly the client's full update (a wrong start point or
     # wrong minibatches in the iterate would break this), and after all tau steps it is the update.
-    from fedml_perfedavg.core.algorithm import LocalBatches
+    from fedml_perfedavg.core.client_maths import LocalBatches
 
     for c in algorithm.sample_clients(0):
         x, y = data.users[c].train_x, data.users[c].train_y

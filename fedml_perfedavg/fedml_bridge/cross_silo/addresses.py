@@ -9,7 +9,7 @@ import ipaddress
 import socket
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ...core.guards import ConfigError
+from ...core.errors import ConfigError
 
 IPCONFIG_FIELDS = ("eid", "rank", "grpc_server_ip", "grpc_server_port")
 

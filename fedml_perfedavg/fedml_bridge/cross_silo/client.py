@@ -34,7 +34,7 @@ import platform
 import time
 from typing import Any, Dict, Optional
 
-from ...core.guards import SiloFailure
+from ...core.errors import SiloFailure
 from ..bootstrap import import_fedml
 from .agreement import SiloSetup
 from .policy import SiloPolicy

@@ -22,7 +22,7 @@ import stat
 from dataclasses import dataclass
 from typing import Iterable, List, Optional
 
-from ...core.guards import ConfigError
+from ...core.errors import ConfigError
 
 DOMAIN = "fedml-perfedavg"
 # Canonical decimal only: "rank-01" or "rank-+1" name no rank (one rank, one spelling).

@@ -45,7 +45,7 @@ import logging
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ...core.guards import ConfigError, SiloFailure
+from ...core.errors import ConfigError, SiloFailure
 from ..bootstrap import import_fedml
 from ...algorithms.base import RoundDriver
 from .agreement import SiloSetup, data_problem, disagreement

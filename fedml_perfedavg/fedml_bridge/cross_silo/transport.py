@@ -38,7 +38,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from ...core.guards import ConfigError, SiloFailure
+from ...core.errors import ConfigError, SiloFailure
 from ..bootstrap import import_fedml
 from . import READY_MESSAGE, wire
 from .addresses import read_ipconfig

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fedml_perfedavg.core.functional import make_loss_fn, parameters_of
-from fedml_perfedavg.core.algorithm import LocalBatches, LocalUpdateConfig, local_update, meta_gradient
+from fedml_perfedavg.core.client_maths import LocalBatches, LocalUpdateConfig, local_update, meta_gradient
 from fedml_perfedavg.models import MLP
 
 
@@ -124,7 +124,7 @@ def test_reverse_mode_hvp_and_the_sequential_pair_equal_the_default_oracle_float
     import torch
     from torch import nn
 
-    from fedml_perfedavg.core.algorithm import FunctionalGradients, ReverseModeGradients, meta_gradient
+    from fedml_perfedavg.core.client_maths import FunctionalGradients, ReverseModeGradients, meta_gradient
     from fedml_perfedavg.core.functional import functional_network, make_loss_fn
     from fedml_perfedavg.core.sampling import sample_local_batches
 

@@ -192,7 +192,7 @@ def local_update(
 
     Each step starts from the current w (never from the adapted point w~), as in
     Algorithm 1 of Fallah et al. (2020). ``gradients`` defaults to ``torch.func`` on ``loss_fn``;
-    :class:`fedml_perfedavg.core.stacked.StackedGradients` runs all clients of a round at once.
+    :class:`fedml_perfedavg.core.hand_batched.HandBatchedGradients` runs all clients of a round at once.
     """
     gradients = gradients or FunctionalGradients(loss_fn)
     for t in range(config.local_steps):

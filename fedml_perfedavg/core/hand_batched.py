@@ -5,10 +5,10 @@ network; for a plain chain (``Flatten``, ``Linear``, ``ELU``/``ReLU``/``Tanh``/`
 the paper's MLP) the forward and backward pass of every client of a round is a handful of
 batched matrix products instead (``torch.bmm`` over a leading client dimension). The exact
 variant's Hessian-vector product is written out too (Pearlmutter's R-operator,
-:meth:`StackedGradients.hessian_vector_product`); the gradients are plain differentiable
+:meth:`HandBatchedGradients.hessian_vector_product`); the gradients are plain differentiable
 PyTorch, so ``torch.func.jvp`` of them gives the same (the tests compare both with torch.func).
 
-:meth:`StackedGradients.for_network` accepts a network only if it is an ``nn.Sequential`` (or
+:meth:`HandBatchedGradients.for_network` accepts a network only if it is an ``nn.Sequential`` (or
 wraps exactly one) whose leaves form such a chain, and its output equals the chain's on a
 probe input; otherwise it says why, and the engine
 keeps the generic path. The loss is the plugin's (mean cross-entropy).
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .algorithm import SGD, LocalBatches, LocalUpdateConfig
+from .client_maths import SGD, LocalBatches, LocalUpdateConfig
 from .functional import logits_of, parameters_of
 from .types import Params
 
@@ -195,7 +195,7 @@ def _through(derivative: Optional[_LayerDerivative], d: Tensor) -> Tensor:
 
 class IndexedInputs(NamedTuple):
     """A role's inputs for every local step as rows of ``data``: step t's are ``data[index[t]]``
-    (``index`` is (steps, clients, batch)). :meth:`StackedGradients.local_update` gathers each
+    (``index`` is (steps, clients, batch)). :meth:`HandBatchedGradients.local_update` gathers each
     step's just before it is used, into one buffer, so they are read from cache rather than
     written to memory for the whole round and read back."""
 
@@ -233,10 +233,10 @@ class _FlatLayout:
         return flat, views
 
 
-class StackedGradients:
+class HandBatchedGradients:
     """Gradients of the mean cross-entropy for all clients of a round at once: parameters carry
     a leading client dimension C, inputs are (C, B, ...), labels (C, B). Implements
-    :class:`fedml_perfedavg.core.algorithm.Gradients`."""
+    :class:`fedml_perfedavg.core.client_maths.Gradients`."""
 
     def __init__(self, layers: List[_Layer], classes: int) -> None:
         self.layers = layers
@@ -247,7 +247,9 @@ class StackedGradients:
         self.scores_exactly: Optional[bool] = None
 
     @classmethod
-    def for_network(cls, network: nn.Module, input_shape: Tuple[int, ...]) -> Tuple[Optional["StackedGradients"], str]:
+    def for_network(
+        cls, network: nn.Module, input_shape: Tuple[int, ...]
+    ) -> Tuple[Optional["HandBatchedGradients"], str]:
         """(the stacked gradients, "") where ``network`` is a chain they compute exactly, else
         (None, why not)."""
         if any(True for _ in network.buffers()):
@@ -400,7 +402,7 @@ class StackedGradients:
 
     def local_update(self, params: Params, batches: LocalBatches, config: LocalUpdateConfig) -> Params:
         """``config.local_steps`` local steps of every client from ``params`` (client first;
-        ``batches`` step first): the numbers of :func:`fedml_perfedavg.core.algorithm.local_update`
+        ``batches`` step first): the numbers of :func:`fedml_perfedavg.core.client_maths.local_update`
         with this oracle, bit for bit (every elementwise operation is the same one on the same
         operands), computed in flat per-client buffers reused from call to call: an update of
         all parameters is one kernel, and no step allocates gradient-sized tensors."""
@@ -412,7 +414,7 @@ class StackedGradients:
         # One buffer holds in turn grad f(w; D), the adapted point built from it in place, the
         # Hessian-vector product once g no longer needs that point, and the step's direction:
         # two buffers stay in cache where four would not. Each update is the same operation on
-        # the same operands as :func:`~fedml_perfedavg.core.algorithm.axpy` (y + s x), with the
+        # the same operands as :func:`~fedml_perfedavg.core.client_maths.axpy` (y + s x), with the
         # sum's operands swapped where it is done in place (an IEEE sum is commutative).
         (work_flat, work_views) = work["adapted"]
         result_flat, result = layout.new()  # returned: the caller keeps it, so never reused
