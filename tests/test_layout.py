@@ -106,3 +106,18 @@ def test_the_core_imports_without_fedml_and_the_plugin_installs_itself_when_fedm
     installed = "['fedml', 'grpc'] True"
     assert _fresh_interpreter(f"import fedml_perfedavg; {loaded}; import fedml; {loaded}") == f"[] False\n{installed}"
     assert _fresh_interpreter(f"import fedml; import fedml_perfedavg; {loaded}") == installed
+    # FedML first imported by a module of the plugin, half-made then: installed at FedML's first use.
+    first_use = f"""
+import types
+import fedml_perfedavg.fedml_bridge.cross_silo.transport as transport
+import fedml
+from fedml.core.distributed.communication.grpc import grpc_comm_manager
+{loaded}
+try:
+    fedml.FedMLRunner(types.SimpleNamespace(), None, None, None)
+except Exception:
+    pass  # the installed FedMLRunner then refuses these empty arguments
+{loaded}
+print(grpc_comm_manager.GRPCCommManager is transport.SecureGRPCCommManager)
+"""
+    assert _fresh_interpreter(first_use) == f"['fedml', 'grpc'] False\n{installed}\nTrue"

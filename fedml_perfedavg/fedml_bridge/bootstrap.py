@@ -6,6 +6,7 @@ says. Each replacement names the FedML file it works around and why.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.abc
 import importlib.util
@@ -45,8 +46,9 @@ def import_fedml():
 
 class _AfterFedML(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Runs a callback right after ``fedml`` is first imported, whoever imports it: FedML's module
-    is found by the other finders and executed by its own loader, then the callback runs (an
-    error in it fails that import, loudly). Steps aside once used."""
+    is found by the other finders and executed by its own loader, then the callback runs (see
+    :func:`when_fedml_is_imported`; an error in it fails that import, loudly). Steps aside once
+    used."""
 
     def __init__(self, callback: Callable[[], None]) -> None:
         self.callback = callback
@@ -71,16 +73,70 @@ class _AfterFedML(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         with _fedml_import_context():
             self.loader.exec_module(module)
         module.__loader__ = module.__spec__.loader = self.loader  # FedML's own loader, for resource readers
-        self.callback()
+        _now_or_at_first_use(self.callback)
 
 
 def when_fedml_is_imported(callback: Callable[[], None]) -> None:
-    """``callback()`` now if FedML is imported already, else right after its first import; nothing
-    is imported here."""
+    """``callback()`` (installing the plugin) now if FedML is imported already, else right after
+    its first import; nothing is imported here. Where FedML is first imported by one of the
+    plugin's own modules (``import fedml_perfedavg.fedml_bridge.cross_silo.transport`` before
+    ``import fedml``), that module is still half-made and the install cannot import it yet: then
+    the callback runs at the first ``fedml.init()`` or ``FedMLRunner(...)``, before either does
+    anything."""
     if "fedml" in sys.modules:
-        callback()
+        _now_or_at_first_use(callback)
     elif not any(isinstance(finder, _AfterFedML) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterFedML(callback))
+
+
+_PACKAGE = __name__.split(".")[0]
+_cancel_first_use: Optional[Callable[[], None]] = None
+
+
+def _plugin_module_being_imported() -> Optional[str]:
+    """A module of the plugin whose import is under way (its package's own ``__init__`` aside,
+    which imports nothing the install needs before it asks for it)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith(_PACKAGE + ".") and getattr(getattr(module, "__spec__", None), "_initializing", False):
+            return name
+    return None
+
+
+def _now_or_at_first_use(callback: Callable[[], None]) -> None:
+    global _cancel_first_use
+    if _plugin_module_being_imported() is None:
+        callback()
+        return
+    import fedml
+    from fedml import FedMLRunner
+
+    original_init, original_runner_init = fedml.init, FedMLRunner.__init__
+
+    def cancel() -> None:
+        global _cancel_first_use
+        fedml.init, FedMLRunner.__init__ = original_init, original_runner_init
+        _cancel_first_use = None
+
+    @functools.wraps(original_init)
+    def init(*args: Any, **kwargs: Any) -> Any:
+        cancel()
+        callback()
+        return fedml.init(*args, **kwargs)
+
+    @functools.wraps(original_runner_init)
+    def runner_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        cancel()
+        callback()
+        FedMLRunner.__init__(self, *args, **kwargs)
+
+    fedml.init, FedMLRunner.__init__ = init, runner_init
+    _cancel_first_use = cancel
+
+
+def cancel_install_at_first_use() -> None:
+    """Undo :func:`_now_or_at_first_use`'s stand-ins (the install is being done now)."""
+    if _cancel_first_use is not None:
+        _cancel_first_use()
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import types
 from typing import Any, Optional, Protocol
 
 from .. import logs
-from .bootstrap import import_fedml, offline_fetch_config, redirect_fedml_home, replaced
+from .bootstrap import cancel_install_at_first_use, import_fedml, offline_fetch_config, redirect_fedml_home, replaced
 
 logger = logging.getLogger(__name__)
 _installed: Optional["PluginEntry"] = None
@@ -139,6 +139,7 @@ def install(entry: PluginEntry) -> None:
     global _installed
     if _installed is not None:
         return
+    cancel_install_at_first_use()
     import_fedml()
     import fedml
     import fedml.data
