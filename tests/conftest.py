@@ -33,8 +33,9 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.backend if slow else pytest.mark.fast)
 
 
-# What a fast test must not do; `pytest -m fast` (make test-fast) refuses it, so the marker stays
-# true as tests change.
+# What a fast test must not do: run FedML's loops, open gRPC channels or servers, use MPI or wandb,
+# or start a subprocess. `pytest -m fast` (make test-fast) makes each of those fail, so the marker
+# stays true as tests change (:func:`pytest_collection_finish`).
 BACKEND_MODULES = ("fedml", "grpc", "mpi4py", "wandb")
 
 
@@ -54,18 +55,39 @@ def _uses_backend_modules(module) -> bool:
     return False
 
 
-def _refuse_subprocesses(*args, **kwargs):
-    raise RuntimeError("a test marked fast starts a subprocess; mark it backend")
+def _refusing(what: str):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"a test marked fast {what}; mark it backend")
+
+    return refuse
 
 
 def pytest_collection_finish(session):
-    """After collection (test files of backend tests import gRPC at the top), under ``-m fast``."""
-    if session.config.option.markexpr.strip() == "fast":
-        import subprocess
-        import sys
+    """Under ``-m fast``, after collection: FedML's loops, gRPC's channels and servers and
+    subprocesses refuse to start, and FedML, gRPC, MPI and wandb to be imported anew. Where a
+    test file imported FedML (a plugin module that subclasses FedML's classes), the plugin's
+    install is finished first, as a user's `import fedml` would, so that what is checked is what a
+    test runs, not what was imported to collect it."""
+    if session.config.option.markexpr.strip() != "fast":
+        return
+    import subprocess
+    import sys
 
-        sys.meta_path.insert(0, _RefuseBackendImports())
-        subprocess.Popen.__init__ = _refuse_subprocesses
+    if "fedml" in sys.modules:
+        from fedml.core.distributed.fedml_comm_manager import FedMLCommManager
+        from fedml.simulation.sp.fedavg.fedavg_api import FedAvgAPI
+
+        from fedml_perfedavg.run.runner import install
+
+        install()
+        FedAvgAPI.train = _refusing("runs FedML's single-process loop")
+        FedMLCommManager.run = _refusing("runs FedML's message loop (MPI or cross-silo)")
+    if "grpc" in sys.modules:
+        import grpc
+
+        grpc.server = grpc.secure_channel = grpc.insecure_channel = _refusing("opens a gRPC server or channel")
+    sys.meta_path.insert(0, _RefuseBackendImports())
+    subprocess.Popen.__init__ = _refusing("starts a subprocess")
 
 
 @pytest.fixture(scope="session")
