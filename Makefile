@@ -33,7 +33,8 @@ run: $(STAMP) data/MNIST
 test: $(STAMP) data/MNIST
 	$(PY) -m pytest -q tests
 
-# Unit and property checks only (no FedML loops, MPI, gRPC, subprocesses or real datasets): about 20 s.
+# Unit and property checks only (no FedML loops, MPI, gRPC, subprocesses or real datasets; tests/conftest.py
+# makes a fast test that does one of those fail): about 30 s.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m fast tests
 
