@@ -96,6 +96,8 @@ _cancel_first_use: Optional[Callable[[], None]] = None
 def _plugin_module_being_imported() -> Optional[str]:
     """A module of the plugin whose import is under way (its package's own ``__init__`` aside,
     which imports nothing the install needs before it asks for it)."""
+    # ``__spec__._initializing`` is what importlib itself reads to report a "partially initialized
+    # module"; absent elsewhere, it reads as False and the install runs at once, as before.
     for name, module in list(sys.modules.items()):
         if name.startswith(_PACKAGE + ".") and getattr(getattr(module, "__spec__", None), "_initializing", False):
             return name
