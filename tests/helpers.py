@@ -194,6 +194,25 @@ def launch_silo(run_dir, settings: dict, extra=(), loopback_only: bool = False, 
 LIAR = REPO / "tests" / "backends" / "lying_silo.py"
 
 
+def rank_command(entry, yaml, run_dir, sets: dict, rank: int, run_id: str) -> list:
+    """The command line of one rank of a cross-silo run started by hand (``--rank R --role``):
+    ``entry`` (``[python, "-m", "fedml_perfedavg"]`` or a script), the YAML, ``sets`` as --set."""
+    return [
+        *entry,
+        "--cf",
+        str(yaml),
+        "--run-dir",
+        str(run_dir),
+        *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+        "--rank",
+        str(rank),
+        "--role",
+        "server" if rank == 0 else "client",
+        "--run_id",
+        run_id,
+    ]
+
+
 def start_by_hand(tmp_path, settings: dict, ranks: int, per_rank=None, liars=None, yaml=None):
     """A cross-silo run started as a user starts one on each host (``--rank R --role``), on
     loopback with mutual TLS: ``settings`` for every process (key -> value, as --set),
@@ -216,21 +235,7 @@ def start_by_hand(tmp_path, settings: dict, ranks: int, per_rank=None, liars=Non
             **(per_rank or {}).get(rank, {}),
         }
         entry = [str(LIAR), (liars or {})[rank]] if rank in (liars or {}) else ["-m", "fedml_perfedavg"]
-        command = [
-            sys.executable,
-            *entry,
-            "--cf",
-            yaml or SILO_YAML,
-            "--run-dir",
-            str(tmp_path / "run"),
-            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
-            "--rank",
-            str(rank),
-            "--role",
-            "server" if rank == 0 else "client",
-            "--run_id",
-            "by-hand",
-        ]
+        command = rank_command([sys.executable, *entry], yaml or SILO_YAML, tmp_path / "run", sets, rank, "by-hand")
         processes[rank] = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )

@@ -20,7 +20,16 @@ from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificate
 from fedml_perfedavg.run.config import load_yaml, resolve
 from fedml_perfedavg.run.runner import load_split, run
 
-from tests.helpers import HF_YAML, REPO, SILO_YAML, finish_all, lost_round_cost, needs_mnist, wait_for_text
+from tests.helpers import (
+    HF_YAML,
+    REPO,
+    SILO_YAML,
+    finish_all,
+    lost_round_cost,
+    needs_mnist,
+    rank_command,
+    wait_for_text,
+)
 
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
 SERVER, SILO1, SILO2 = "198.18.1.1", "198.18.1.2", "198.18.2.2"
@@ -96,26 +105,8 @@ def _start(names, tmp_path, mnist_root, settings, tls_dirs):
             "tls_dir": tls_dirs[rank],
             **settings,
         }
-        command = [
-            "ip",
-            "netns",
-            "exec",
-            names[rank],
-            sys.executable,
-            "-m",
-            "fedml_perfedavg",
-            "--cf",
-            SILO_YAML,
-            "--run-dir",
-            str(tmp_path / "run"),
-            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
-            "--rank",
-            str(rank),
-            "--role",
-            "server" if rank == 0 else "client",
-            "--run_id",
-            "hosts",
-        ]
+        entry = ["ip", "netns", "exec", names[rank], sys.executable, "-m", "fedml_perfedavg"]
+        command = rank_command(entry, SILO_YAML, tmp_path / "run", sets, rank, "hosts")
         processes[rank] = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
@@ -246,32 +237,9 @@ def test_data_owner_hosts_that_see_only_their_own_folder_give_the_single_process
                 + f'mount -t tmpfs none {export} && mount -t tmpfs none {mnist_root} && exec "$@"'
             )
             sets = {**settings, "data_cache_dir": private, "grpc_ipconfig_path": ipconfig, "tls_dir": tls[rank]}
-            command = [
-                "ip",
-                "netns",
-                "exec",
-                names[rank],
-                "unshare",
-                "-m",
-                "sh",
-                "-c",
-                hide,
-                "sh",
-                sys.executable,
-                "-m",
-                "fedml_perfedavg",
-                "--cf",
-                SILO_YAML,
-                "--run-dir",
-                str(tmp_path / "run"),
-                *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
-                "--rank",
-                str(rank),
-                "--role",
-                "server" if rank == 0 else "client",
-                "--run_id",
-                "owners",
-            ]
+            entry = ["ip", "netns", "exec", names[rank], "unshare", "-m", "sh", "-c", hide, "sh"]
+            entry += [sys.executable, "-m", "fedml_perfedavg"]
+            command = rank_command(entry, SILO_YAML, tmp_path / "run", sets, rank, "owners")
             processes[rank] = subprocess.Popen(
                 command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
             )
