@@ -24,6 +24,8 @@ simulation/mpi/fedavg/FedAvgAPI.py, and:
   the next model, but a run of one round never sends one (FedAvgServerManager.py finishes when the
   round count is reached): the job hangs. A worker finishes after its last round here, FedML's own
   FedAvg included (:func:`install_one_round_fix`).
+- A rank that fails before FedML's loop (its data, its device) would leave the others waiting
+  for it there forever: every rank agrees to start or stops with its error (:func:`agree_to_start`).
 FedML runs the MPI loop inside ``FedMLRunner``'s constructor; here it runs in ``run()``.
 """
 
@@ -90,6 +92,19 @@ def rank_device(args: Any, device: Any) -> Any:
         )
     local = next((os.environ[name] for name in LOCAL_RANK_VARIABLES if name in os.environ), args.process_id)
     return torch.device("cuda", int(local) % torch.cuda.device_count())
+
+
+def agree_to_start(comm: Any, rank: int, error: Optional[BaseException]) -> None:
+    """Every rank says whether it is ready (a collective: every rank calls it once, at the same
+    point); if another rank failed, this one raises that rank's error, so that no rank waits in
+    FedML's loop for one that never comes. A rank that failed itself returns, to raise its own."""
+    said = None if error is None else (type(error).__name__, str(error))
+    failures = [(r, e) for r, e in enumerate(comm.allgather(said)) if e is not None and r != rank]
+    if error is not None or not failures:
+        return
+    other, (kind, why) = failures[0]
+    message = f"MPI rank {other} could not start ({kind}: {why}); every rank stops"
+    raise ConfigError(message) if kind == "ConfigError" else RuntimeError(message)
 
 
 class PluginFedAVGAggregator(mpi_api.FedAVGAggregator):

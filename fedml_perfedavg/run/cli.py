@@ -150,20 +150,29 @@ def main(argv: Optional[List[str]] = None) -> int:
             logs.use_console(args.log_level)
             print(describe_data(config))
             return 0
-        from .runner import fedml_args, resolve_run_dir, run_fedml_main, shared_run_dir, sigterm_as_interrupt
+        from .runner import (
+            fedml_args,
+            mpi_world_rank,
+            resolve_run_dir,
+            run_fedml_main,
+            shared_run_dir,
+            sigterm_as_interrupt,
+        )
 
         if config.training_type == "cross_silo" or args.role is not None:
             from .silo_addresses import check_silo_role
 
             check_silo_role(config, args.rank, args.role)
-        owner = args.role != "client"  # silos share the server's run directory
+        # Silos share the server's run directory and MPI ranks rank 0's, which rank 0 may have
+        # written to already: only the owner checks it, and only the owner removes a failed start's.
+        owner = args.role != "client" and (config.backend != "MPI" or mpi_world_rank() == 0)
         resume = bool(args.resume)
-        planned = resolve_run_dir(config, args.run_dir, create=False, resume=resume, owner=owner)
-        existed = os.path.isdir(planned)
+        planned = resolve_run_dir(config, args.run_dir, create=False, resume=resume) if owner else args.run_dir
+        existed = not owner or os.path.isdir(planned)
         run_dir = (
-            shared_run_dir(config, args.run_dir, resume)
+            shared_run_dir(config, planned, resume)
             if config.backend == "MPI"
-            else resolve_run_dir(config, args.run_dir, resume=resume, owner=owner)
+            else resolve_run_dir(config, planned, resume=resume, owner=owner)
         )
         logs.use_console(args.log_level)
         from tqdm.contrib.logging import logging_redirect_tqdm

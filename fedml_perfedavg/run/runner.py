@@ -143,6 +143,13 @@ def resolve_run_dir(
     return run_dir
 
 
+def mpi_world_rank() -> int:
+    """This process's rank in ``mpirun``'s job (0 when started alone)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
 def shared_run_dir(config: Config, run_dir: Optional[str], resume: bool = False) -> str:
     """Under MPI, rank 0 picks (and creates) the run directory and tells the other ranks."""
     from mpi4py import MPI
@@ -193,8 +200,9 @@ def rank_of(config: Config, args: Any) -> int:
     """This process's rank: 0 on sp; FedML's MPI rank; the cross-silo ``--rank``."""
     if config.training_type == "cross_silo":
         return int(args.rank)
-    if config.backend == "MPI":
-        return int(getattr(args, "process_id", 0))
+    if config.backend == "MPI":  # before fedml.init has set process_id (choosing FedML's home), mpirun's rank
+        process_id = getattr(args, "process_id", None)
+        return mpi_world_rank() if process_id is None else int(process_id)
     return 0
 
 
@@ -310,8 +318,6 @@ class PluginRun:
 
     # -- prepare ----------------------------------------------------------------------------------
     def prepare(self, trainer: Any, aggregator: Any) -> None:
-        from ..fedml_bridge.shims import AlgorithmClientTrainer, AlgorithmServerAggregator, create_fedml_pair
-
         args = self.args
         self.context = context_of(args)
         self.config = config = self.context.config
@@ -323,6 +329,24 @@ class PluginRun:
         self._check_layout()  # before any rank opens a file in a run directory a failed start removes
         self.run_dir = run_dir_of(self.context, args)
         self.rank = rank_of(config, args)
+        if config.backend != "MPI":
+            self._prepare_rank(trainer, aggregator)
+            return
+        # Under MPI a rank that fails to start alone would leave the others waiting for it forever
+        # in FedML's loop: every rank starts, or every rank stops with the failing rank's error.
+        from ..fedml_bridge.mpi import agree_to_start
+
+        try:
+            self._prepare_rank(trainer, aggregator)
+        except Exception as err:
+            agree_to_start(args.comm, self.rank, err)
+            raise
+        agree_to_start(args.comm, self.rank, None)
+
+    def _prepare_rank(self, trainer: Any, aggregator: Any) -> None:
+        from ..fedml_bridge.shims import AlgorithmClientTrainer, AlgorithmServerAggregator, create_fedml_pair
+
+        args, config = self.args, self.config
         self.is_server = self.rank == 0
         self._log_handler = logs.add_run_file(
             os.path.join(self.run_dir, "run.log" if self.is_server else f"run-rank{self.rank}.log")

@@ -295,3 +295,49 @@ def test_fedmls_own_fedavg_finishes_one_round_on_mpi_with_the_plugin_imported(mn
         env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)},
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+# Run by every rank: the CLI, with rank RANK changed by a line of Python (PMI_RANK is MPICH's).
+_ONE_RANK_DIFFERS = r"""
+import os, sys
+if os.environ.get("PMI_RANK") == sys.argv[1]:
+    exec(sys.argv[2])
+from fedml_perfedavg.run.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def _mpi_cli_with_one_rank_changed(mnist_root, run_dir, rank, change, timeout=120):
+    sets = {**SETTINGS, "backend": "MPI", "data_cache_dir": mnist_root, "comm_round": 1}
+    command = [MPIRUN, "-n", "3", sys.executable, "-c", _ONE_RANK_DIFFERS, str(rank), change, "--cf", HF_YAML]
+    command += ["--run-dir", str(run_dir), *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@needs_mnist
+@needs_mpi
+def test_a_slow_rank_joins_the_run_directory_rank_0_has_started_writing(mnist_root, tmp_path):
+    """Every rank used to check that the run directory held no run: a rank slower than rank 0 found
+    rank 0's config.yaml there, stopped, and the job hung (CI, 2026-11-24)."""
+    slow_start = "from mpi4py import MPI; import time; time.sleep(8)"  # MPI started; rank 0 writes config.yaml
+    out = _mpi_cli_with_one_rank_changed(mnist_root, tmp_path / "run", 2, slow_start)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "finished"
+
+
+@needs_mnist
+@needs_mpi
+def test_a_rank_that_cannot_start_stops_every_rank_with_its_error(mnist_root, tmp_path):
+    """One rank's failure before FedML's loop used to leave the other ranks waiting for it forever."""
+    fail_start = (
+        "import fedml_perfedavg.run.runner as r\n"
+        "from fedml_perfedavg.core.errors import ConfigError\n"
+        "def refuse(self): raise ConfigError('data_args.data_cache_dir: rank 1 cannot read it')\n"
+        "r.PluginRun._check_data = refuse"
+    )
+    out = _mpi_cli_with_one_rank_changed(mnist_root, tmp_path / "run", 1, fail_start, timeout=90)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stderr.count("rank 1 cannot read it") == 3, out.stderr[-4000:]  # every rank says why
+    assert "MPI rank 1 could not start (ConfigError: data_args.data_cache_dir: rank 1 cannot read it)" in out.stderr
+    assert not (tmp_path / "run").exists()  # a failed start leaves no directory behind
