@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 from ..core import client_maths
-from ..core.client_maths import SGD, LocalBatches, LocalUpdateConfig
+from ..core.client_maths import LocalBatches, LocalUpdateConfig, Step
 from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
 from ..core.hand_batched import HandBatchedGradients
@@ -69,7 +69,7 @@ class AlgorithmSettings:
     max_skipped_rounds: int = 3
 
     @classmethod
-    def from_config(cls, config: Any, variant: Optional[str] = None) -> "AlgorithmSettings":
+    def from_config(cls, config: Any, variant: Optional[Step] = None) -> "AlgorithmSettings":
         """The settings a run config (:class:`fedml_perfedavg.run.config.Config`) asks for; the
         local step is ``variant`` if given (an algorithm's own), else ``perfedavg_variant``."""
         return cls(
@@ -227,9 +227,9 @@ class FederatedAlgorithm:
     keep through :meth:`state_dict` / :meth:`load_state_dict`."""
 
     name: ClassVar[str] = "base"
-    #: The local step every run of this algorithm takes (``sgd`` for FedAvg's), or None: the
+    #: The local step every run of this algorithm takes (``Step.SGD`` for FedAvg's), or None: the
     #: config's ``perfedavg_variant`` (Per-FedAvg's estimator).
-    variant: ClassVar[Optional[str]] = None
+    variant: ClassVar[Optional[Step]] = None
 
     def __init__(self, model: nn.Module, settings: AlgorithmSettings) -> None:
         if self.variant is not None and settings.local.variant != self.variant:
@@ -284,7 +284,7 @@ class FederatedAlgorithm:
                     f"it cannot compute a loss and its gradient on a batch of {len(y)} samples of "
                     f"shape {tuple(x.shape[1:])} ({x.dtype}): {why}"
                 )
-            if self.settings.local.variant == "exact":
+            if self.settings.local.step is Step.EXACT:
                 why = client_maths.forward_ad_problem(self.loss_fn, params, x, y)
                 self.forward_ad = why is None
                 if why is not None:
@@ -358,10 +358,7 @@ class FederatedAlgorithm:
         its own reads all three unless it says otherwise."""
         if not self.uses_standard_maths:
             return frozenset({0, 1, 2})
-        local = self.settings.local
-        if local.variant == SGD:
-            return frozenset({0})
-        return frozenset({0, 1} if local.variant == "fo" else {0, 1, 2})
+        return frozenset(range(self.settings.local.step.batch_roles))
 
     # -- sample ---------------------------------------------------------------------------
     def sample_clients(self, round_idx: int) -> List[int]:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.func import grad
 
-from ..core.client_maths import SGD, LocalBatches
+from ..core.client_maths import LocalBatches, Step
 from ..core.types import Params, StateDict
 from .base import AlgorithmSettings, FederatedAlgorithm, average
 
@@ -67,7 +67,7 @@ class FedAvgARUBA(FederatedAlgorithm):
     """FedAvg whose local and refinement steps use ARUBA's learned per-coordinate rates."""
 
     name = "FedAvgARUBA"
-    variant = SGD
+    variant = Step.SGD
 
     def __init__(self, model: nn.Module, settings: AlgorithmSettings, aruba: ArubaSettings = ArubaSettings()) -> None:
         self.aruba = aruba

@@ -8,7 +8,7 @@ personalization; with the plugin imported, ``federated_optimizer: FedAvg`` still
 
 from __future__ import annotations
 
-from ..core.client_maths import SGD
+from ..core.client_maths import Step
 from .base import FederatedAlgorithm
 
 
@@ -16,4 +16,4 @@ class FedAvgUpdate(FederatedAlgorithm):
     """FedAvg + one-step personalization at evaluation (the paper's comparison)."""
 
     name = "FedAvgUpdate"
-    variant = SGD
+    variant = Step.SGD

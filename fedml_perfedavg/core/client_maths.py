@@ -8,7 +8,8 @@ all clients of a round at once. Nothing here imports FedML.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Protocol
+from enum import Enum
+from typing import NamedTuple, Optional, Protocol, Union
 
 import torch
 from torch import Tensor
@@ -16,28 +17,60 @@ from torch.func import grad, jvp, vjp, vmap
 
 from .types import LossFn, Params
 
-VARIANTS = ("fo", "hf", "exact")  # Per-FedAvg's meta-gradient estimators
-SGD = "sgd"  # FedAvg's plain gradient step
-STEPS = VARIANTS + (SGD,)
+
+class Step(str, Enum):
+    """The direction of a local step: a Per-FedAvg meta-gradient estimate (FO, HF, EXACT) or
+    FedAvg's plain gradient on D (SGD, the paper's baseline). Equal to its name as a string
+    (``Step.HF == "hf"``), which is how configs and records spell it."""
+
+    FO = "fo"
+    HF = "hf"
+    EXACT = "exact"
+    SGD = "sgd"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:  # errors and records name it as the config spells it
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def batch_roles(self) -> int:
+        """How many of a step's minibatches it reads: D; D' too in FO; D'' too in HF and exact."""
+        return 1 if self is Step.SGD else 2 if self is Step.FO else 3
+
+
+VARIANTS = (Step.FO, Step.HF, Step.EXACT)  # Per-FedAvg's meta-gradient estimators
+STEPS = tuple(Step)
 
 
 @dataclass(frozen=True)
 class LocalUpdateConfig:
     """Hyperparameters of one client's local update: ``local_steps`` steps of size ``beta``
-    from the current w, each in the direction ``variant`` names: a Per-FedAvg meta-gradient
-    estimate (``fo``, ``hf``, ``exact``; alpha its inner step, delta HF's finite difference),
-    or ``sgd``, the plain gradient on D (FedAvg's update, the paper's baseline). The one place
-    a variant is checked."""
+    from the current w, each in the direction ``variant`` names (alpha the estimators' inner
+    step, delta HF's finite difference). The one place a variant is checked: a string becomes
+    its :class:`Step` here, or is refused."""
 
-    variant: str = "hf"
+    variant: Union[Step, str] = Step.HF
     alpha: float = 0.01
     beta: float = 0.001
     delta: float = 0.001
     local_steps: int = 10
 
     def __post_init__(self) -> None:
-        if self.variant not in STEPS:
-            raise ValueError(f"variant={self.variant!r} is not one of {list(STEPS)}")
+        if not isinstance(self.variant, Step):
+            if self.variant not in STEPS:
+                raise ValueError(f"variant={self.variant!r} is not one of {[str(s) for s in STEPS]}")
+            object.__setattr__(self, "variant", Step(self.variant))
+
+    @property
+    def step(self) -> Step:
+        """``variant``, typed (``__post_init__`` made it a :class:`Step`)."""
+        assert isinstance(self.variant, Step)
+        return self.variant
 
 
 class LocalBatches(NamedTuple):
@@ -146,7 +179,7 @@ def meta_gradient(
     loss_fn: LossFn,
     params: Params,
     batches: LocalBatches,
-    variant: str,
+    variant: Step,
     alpha: float,
     delta: float,
     gradients: Optional[Gradients] = None,
@@ -157,12 +190,14 @@ def meta_gradient(
     where g = grad f_i(w~; D') and w~ = w - alpha grad f_i(w; D). ``batches`` holds one step.
     ``gradients`` defaults to ``torch.func`` on ``loss_fn``.
     """
+    if variant not in VARIANTS:  # SGD, or a string from a direct caller (LocalUpdateConfig checks a run's)
+        raise ValueError(f"variant={variant!r} is not one of {[str(v) for v in VARIANTS]}")
     gradients = gradients or FunctionalGradients(loss_fn)
     adapted = axpy(-alpha, gradients.grad(params, batches.adapt_x, batches.adapt_y), params)
     g = gradients.grad(adapted, batches.meta_x, batches.meta_y)
-    if variant == "fo":
+    if variant == Step.FO:
         return g
-    if variant == "hf":
+    if variant == Step.HF:
         fused = getattr(gradients, "finite_difference_hvp", None)  # a specialised oracle's own
         if fused is not None:
             hessian_g = fused(params, g, batches.hessian_x, batches.hessian_y, delta)
@@ -170,14 +205,12 @@ def meta_gradient(
             plus_minus = {k: torch.stack((p + delta * g[k], p - delta * g[k])) for k, p in params.items()}
             grads = gradients.grad_pair(plus_minus, batches.hessian_x, batches.hessian_y)
             hessian_g = {k: (v[0] - v[1]) / (2.0 * delta) for k, v in grads.items()}
-    elif variant == "exact":
+    else:
         by_hand = getattr(gradients, "hessian_vector_product", None)  # a specialised oracle's own
         if by_hand is not None:
             hessian_g = by_hand(params, g, batches.hessian_x, batches.hessian_y)
         else:
             hessian_g = jvp(lambda p: gradients.grad(p, batches.hessian_x, batches.hessian_y), (params,), (g,))[1]
-    else:  # LocalUpdateConfig checked it; a direct caller learns here
-        raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
     return axpy(-alpha, hessian_g, g)
 
 
@@ -195,11 +228,12 @@ def local_update(
     :class:`fedml_perfedavg.core.hand_batched.HandBatchedGradients` runs all clients of a round at once.
     """
     gradients = gradients or FunctionalGradients(loss_fn)
+    kind = config.step
     for t in range(config.local_steps):
         step = batches.step(t)
-        if config.variant == SGD:
+        if kind is Step.SGD:
             direction = gradients.grad(params, step.adapt_x, step.adapt_y)
         else:
-            direction = meta_gradient(loss_fn, params, step, config.variant, config.alpha, config.delta, gradients)
+            direction = meta_gradient(loss_fn, params, step, kind, config.alpha, config.delta, gradients)
         params = axpy(-config.beta, direction, params)
     return params

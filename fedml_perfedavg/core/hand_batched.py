@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .client_maths import SGD, LocalBatches, LocalUpdateConfig
+from .client_maths import LocalBatches, LocalUpdateConfig, Step
 from .functional import logits_of, parameters_of
 from .types import Params
 
@@ -421,23 +421,23 @@ class HandBatchedGradients:
         for name, tensor in result.items():
             tensor.copy_(params[name])
         # The one-hot targets of every step at once (the same values as one step at a time), for
-        # the roles the variant reads: D; D' too in FO; D'' too in HF and exact.
-        roles = 1 if config.variant == SGD else 2 if config.variant == "fo" else 3
+        # the minibatches the step reads.
+        kind = config.step
         targets = [
             F.one_hot(y, self.classes).to(layout.dtype)
-            for y in (batches.adapt_y, batches.meta_y, batches.hessian_y)[:roles]
+            for y in (batches.adapt_y, batches.meta_y, batches.hessian_y)[: kind.batch_roles]
         ]
         step_inputs = _StepInputs(batches, self._input_buffers)
         for t in range(config.local_steps):
             self.grad(result, step_inputs.get(0, t), targets[0][t], out=work_views)
-            if config.variant == SGD:
+            if kind is Step.SGD:
                 direction_flat = work_flat
             else:
                 work_flat.mul_(-config.alpha).add_(result_flat)  # adapted = w + (-alpha grad f(w; D))
                 self.grad(work_views, step_inputs.get(1, t), targets[1][t], out=meta_grad)
                 direction_flat = meta_flat
-                if config.variant != "fo":
-                    if config.variant == "hf":
+                if kind is not Step.FO:
+                    if kind is Step.HF:
                         self.finite_difference_hvp(
                             result, meta_grad, step_inputs.get(2, t), targets[2][t], config.delta, out=work_views
                         )

@@ -91,6 +91,8 @@ def when_fedml_is_imported(callback: Callable[[], None]) -> None:
 
 _PACKAGE = __name__.split(".")[0]
 _cancel_first_use: Optional[Callable[[], None]] = None
+_deferred_install: Optional[Callable[[], None]] = None  # the install that first use will run
+_entry: Any = None  # the run layer's entry, once installed
 
 
 def _plugin_module_being_imported() -> Optional[str]:
@@ -105,7 +107,7 @@ def _plugin_module_being_imported() -> Optional[str]:
 
 
 def _now_or_at_first_use(callback: Callable[[], None]) -> None:
-    global _cancel_first_use
+    global _cancel_first_use, _deferred_install
     if _plugin_module_being_imported() is None:
         callback()
         return
@@ -133,12 +135,34 @@ def _now_or_at_first_use(callback: Callable[[], None]) -> None:
 
     fedml.init, FedMLRunner.__init__ = init, runner_init
     _cancel_first_use = cancel
+    _deferred_install = callback
 
 
 def cancel_install_at_first_use() -> None:
     """Undo :func:`_now_or_at_first_use`'s stand-ins (the install is being done now)."""
+    global _deferred_install
+    _deferred_install = None
     if _cancel_first_use is not None:
         _cancel_first_use()
+
+
+def register_entry(entry: Any) -> None:
+    """Called by the install with the run layer's entry (``install.PluginEntry``)."""
+    global _entry
+    _entry = entry
+
+
+def plugin_entry() -> Any:
+    """The run layer's entry the plugin was installed with; a deferred install is run now (a
+    piece of FedML the plugin replaces is being built before ``fedml.init`` or ``FedMLRunner``:
+    a test's communication manager)."""
+    if _entry is None and _deferred_install is not None:
+        callback = _deferred_install
+        cancel_install_at_first_use()
+        callback()
+    if _entry is None:
+        raise RuntimeError("fedml_perfedavg is not installed into FedML: import fedml_perfedavg first")
+    return _entry
 
 
 @contextlib.contextmanager

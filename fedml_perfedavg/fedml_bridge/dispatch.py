@@ -35,14 +35,11 @@ def dispatching_init(
         if algorithm_flow is not None:
             return original_init(self, args, device, dataset, model, client_trainer, server_aggregator, algorithm_flow)
         optimizer = getattr(args, "federated_optimizer", None)
-        if (
-            getattr(args, "training_type", None) == "cross_silo"
-            and getattr(args, "max_message_bytes", None) is None
-            and hasattr(model, "state_dict")
-        ):
+        if getattr(args, "training_type", None) == "cross_silo" and hasattr(model, "state_dict"):
+            from .cross_silo.transport import MODEL_SIZE_CAP
             from .cross_silo.wire import default_size_cap  # comm_args.max_message_bytes' documented default
 
-            args.max_message_bytes = default_size_cap(model.state_dict())
+            setattr(args, MODEL_SIZE_CAP, default_size_cap(model.state_dict()))
         if is_plugin_algorithm(optimizer):
             self.runner = build_plugin_runner(args, device, dataset, model, client_trainer, server_aggregator)
             return None

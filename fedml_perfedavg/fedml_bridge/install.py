@@ -16,14 +16,22 @@ own module that names the FedML file and why:
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
 import types
-from typing import Any, Optional, Protocol
+from typing import Any, Dict, Optional, Protocol
 
 from .. import logs
-from .bootstrap import cancel_install_at_first_use, import_fedml, offline_fetch_config, redirect_fedml_home, replaced
+from .bootstrap import (
+    cancel_install_at_first_use,
+    import_fedml,
+    register_entry,
+    offline_fetch_config,
+    redirect_fedml_home,
+    replaced,
+)
 
 logger = logging.getLogger(__name__)
 _installed: Optional["PluginEntry"] = None
@@ -35,9 +43,10 @@ class PluginEntry(Protocol):
     def is_plugin_algorithm(self, name: Optional[str]) -> bool:
         """True for names in the plugin's registry."""
 
-    def before_fedml_arguments(self, yaml_path: Optional[str]) -> None:
+    def before_fedml_arguments(self, yaml_path: Optional[str]) -> Optional[Dict[str, Dict[str, Any]]]:
         """Called with FedML's ``--cf`` file before FedML reads it (FedML's reader fails on its own
-        for some settings the plugin refuses with a clearer message)."""
+        for some settings the plugin refuses with a clearer message); returns its sections as read,
+        which FedML is then handed instead of reading the file again (None: FedML reads it)."""
 
     def before_fedml_init(self, args: Any) -> Optional[str]:
         """Called before FedML's ``init``; returns where FedML's ``~/.fedml`` files go (None:
@@ -48,6 +57,9 @@ class PluginEntry(Protocol):
 
     def build_runner(self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any):
         """The object ``FedMLRunner.run()`` runs for a plugin algorithm."""
+
+    def transport_settings(self, args: Any, rank: int) -> Any:
+        """The cross-silo transport's settings (a ``TransportSettings``) for this run and rank."""
 
 
 def offline_init(original_init, entry: PluginEntry):
@@ -64,10 +76,14 @@ def offline_init(original_init, entry: PluginEntry):
         from fedml.core import mlops as mlops_module
 
         if args is None:
-            from fedml.arguments import add_args
+            from fedml.arguments import Arguments, add_args
 
-            entry.before_fedml_arguments(getattr(add_args(), "yaml_config_file", None))
-            args = load_arguments(fedml._global_training_type, fedml._global_comm_backend)
+            yaml_path = getattr(add_args(), "yaml_config_file", None)
+            sections = entry.before_fedml_arguments(yaml_path)
+            with replaced(Arguments, "load_yaml_config", reading_once(Arguments.load_yaml_config, yaml_path, sections)):
+                args = load_arguments(fedml._global_training_type, fedml._global_comm_backend)
+            if sections is not None:
+                setattr(args, YAML_SECTIONS, sections)
         check_cross_silo_backend(args)
         if getattr(args, "using_mlops", False):
             args = original_init(args, check_env=check_env, should_init_logs=should_init_logs)
@@ -88,6 +104,23 @@ def offline_init(original_init, entry: PluginEntry):
 
     init.__wrapped__ = original_init
     return init
+
+
+YAML_SECTIONS = "perfedavg_yaml_sections"  # on FedML's args: the --cf file's sections, as read once
+
+
+def reading_once(load_yaml_config, yaml_path: Optional[str], sections: Optional[Dict[str, Dict[str, Any]]]):
+    """``Arguments.load_yaml_config`` (fedml/arguments.py) handing FedML the sections the plugin
+    has read from ``yaml_path`` (a copy), instead of reading the file a second time; other files
+    (FedML's GPU mappings) it reads itself."""
+
+    @functools.wraps(load_yaml_config)
+    def load(self, path):
+        if sections is not None and path == yaml_path:
+            return copy.deepcopy(sections)
+        return load_yaml_config(self, path)
+
+    return load
 
 
 INSECURE_BACKENDS = {
@@ -159,6 +192,7 @@ def install(entry: PluginEntry) -> None:
 
     FedMLCommManager._init_manager = _refusing_insecure_backends(FedMLCommManager._init_manager)
     _installed = entry
+    register_entry(entry)
     logger.debug("fedml-perfedavg installed into FedML %s", getattr(fedml, "__version__", "?"))
 
 

@@ -18,18 +18,20 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import yaml
 
 from ..algorithms.base import AGGREGATIONS, DIVERGENCE_POLICIES
 from ..algorithms.registry import FEDML_OWN, algorithm_names, canonical_name
-from ..core.client_maths import VARIANTS
+from ..core.client_maths import VARIANTS, Step
 from ..core.errors import ConfigError
 from ..data.loading import DATASETS, default_test_images_per_class
 from ..data.partition import PARTITIONS, plan_users
 from ..fedml_bridge import safeguards as fedml_safeguards
 from ..fedml_bridge.cross_silo.credentials import check_security
+from ..fedml_bridge.install import YAML_SECTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +170,7 @@ class Config:
         "PerFedAvg",
         "algorithm: a name in the plugin's registry (PerFedAvg, FedAvgUpdate, FedAvgARUBA, ...)",
     )
-    perfedavg_variant: str = _setting("train_args", str, "hf", "meta-gradient estimator", VARIANTS)
+    perfedavg_variant: Step = _setting("train_args", str, Step.HF, "meta-gradient estimator", VARIANTS)
     client_num_in_total: int = _setting("train_args", int, 50, "n, number of users", rule=_at_least_one)
     client_num_per_round: int = _setting("train_args", int, 10, "r*n, users sampled per round", rule=_at_least_one)
     new_user_fraction: float = _setting(
@@ -456,7 +458,8 @@ class Config:
         for section, values in self.safeguards.items():
             out[section] = copy.deepcopy(values)
         for f in settings():
-            out[f.metadata["section"]][f.name] = copy.deepcopy(getattr(self, f.name))
+            value = getattr(self, f.name)  # a Step is recorded as its name, as YAML and FedML spell it
+            out[f.metadata["section"]][f.name] = value.value if isinstance(value, Enum) else copy.deepcopy(value)
         for name, (section, value) in self.extra.items():
             out.setdefault(section, {})[name] = value
         return out
@@ -568,10 +571,11 @@ def _check_value(f: dataclasses.Field, value: Any) -> Any:
         raise ConfigError(f"{where}: must be of type {kind.__name__} ({meta['help']})")
     if kind is float and not math.isfinite(value):
         raise ConfigError(f"{where}: must be a finite number")
-    if meta["choices"] is not None and value not in meta["choices"]:
-        raise ConfigError(
-            f"{where}: must be one of {list(meta['choices'])}{_suggest(str(value), map(str, meta['choices']))}"
-        )
+    if meta["choices"] is not None:
+        if value not in meta["choices"]:
+            allowed = [str(c) for c in meta["choices"]]
+            raise ConfigError(f"{where}: must be one of {allowed}{_suggest(str(value), allowed)}")
+        value = next(c for c in meta["choices"] if c == value)  # the owner's typed value (a Step), kept from here on
     if meta["check"] is not None and not meta["check"](value):
         raise ConfigError(f"{where}: must be {meta['rule']}")
     return value
@@ -933,6 +937,8 @@ def from_fedml_args(
     (which the run layer turns off for FedML's own wandb.init); ``sections`` replace the YAML
     (a config already resolved, ``--set`` values included)."""
     path = getattr(args, "yaml_config_file", "") or ""
+    if sections is None:  # the sections fedml.init read (the file is read once), else the file
+        sections = getattr(args, YAML_SECTIONS, None)
     sections = copy.deepcopy(sections) if sections is not None else load_yaml(path) if path else {}
     # A name in two sections (train_args.delta and dp_args.delta) is one attribute of FedML's
     # flattened args, holding whichever came last: those are read from the YAML, section by section.
@@ -953,6 +959,31 @@ def from_fedml_args(
             elif hasattr(args, name):
                 values[name] = getattr(args, name)
     return resolve(sections, current, source=path or None)
+
+
+TRANSPORT_KEYS = (
+    "tls_dir",
+    "insecure",
+    "max_message_bytes",
+    "connect_timeout",
+    "max_connections",
+    "max_connections_per_peer",
+    "handshake_timeout",
+    "idle_timeout",
+)
+
+
+def transport_values(args: Any, config: Optional[Config] = None) -> Dict[str, Any]:
+    """The cross-silo transport's comm_args values, typed and checked: a plugin run's ``config``'s;
+    for FedML's own algorithms (which have no config), FedML's ``args`` by the same fields' rules."""
+    if config is not None:
+        return {name: getattr(config, name) for name in TRANSPORT_KEYS}
+    values = {}
+    for name in TRANSPORT_KEYS:
+        value = getattr(args, name, None)
+        values[name] = field_default(BY_NAME[name]) if value is None else _check_value(BY_NAME[name], value)
+    check_security(values["tls_dir"], values["insecure"])
+    return values
 
 
 def markdown_table() -> str:

@@ -47,6 +47,7 @@ from .config import (
     field_default,
     from_fedml_args,
     load_yaml,
+    transport_values,
 )
 from .measures import Measurements
 from .reporting import RunRecorder, record_failure, recorder_for
@@ -253,18 +254,21 @@ class Entry:
     def is_plugin_algorithm(self, name: Optional[str]) -> bool:
         return canonical_name(name) is not None
 
-    def before_fedml_arguments(self, yaml_path: Optional[str]) -> None:
-        """FedML's reader of a hierarchical cross-silo YAML fails with an AttributeError (it wants a
-        ``server_config_path``): a plugin algorithm's is refused first, saying why."""
+    def before_fedml_arguments(self, yaml_path: Optional[str]) -> Optional[Dict[str, Dict[str, Any]]]:
+        """Reads FedML's ``--cf`` file, the one time it is read in the process (FedML is handed
+        these sections). FedML's reader of a hierarchical cross-silo YAML fails with an
+        AttributeError (it wants a ``server_config_path``): a plugin algorithm's is refused first,
+        saying why."""
         if not yaml_path or not os.path.isfile(yaml_path):
-            return  # FedML's own handling (the run's config check names a missing file)
+            return None  # FedML's own handling (the run's config check names a missing file)
         try:
             sections = load_yaml(yaml_path)
         except ConfigError:
-            return  # FedML's reader, then the run's config check, say what is wrong with it
+            return None  # FedML's reader, then the run's config check, say what is wrong with it
         flat = {k: v for values in sections.values() for k, v in values.items()}
         if self.is_plugin_algorithm(flat.get("federated_optimizer")):
             check_scenario(flat.get("training_type"), flat.get("scenario"))
+        return sections
 
     def before_fedml_init(self, args: Any) -> Optional[str]:
         """Validates a plugin run's config before FedML starts (a plugin name in any case is made
@@ -298,6 +302,17 @@ class Entry:
         if self.is_plugin_algorithm(getattr(args, "federated_optimizer", None)):
             return load_split(context_of(args).config)
         return _split_of(lambda name: getattr(args, name, default_of(name)))  # FedML's own algorithm on this split
+
+    def transport_settings(self, args: Any, rank: int) -> Any:
+        """The transport's settings from the run's typed config (for FedML's own algorithms, from
+        FedML's ``args`` by the config's rules)."""
+        from ..fedml_bridge.cross_silo.transport import MODEL_SIZE_CAP, TransportSettings
+
+        plugin = self.is_plugin_algorithm(getattr(args, "federated_optimizer", None))
+        values = transport_values(args, context_of(args).config if plugin else None)
+        return TransportSettings.from_values(
+            values, str(getattr(args, "run_id", "0")), rank, getattr(args, MODEL_SIZE_CAP, None)
+        )
 
     def build_runner(
         self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any

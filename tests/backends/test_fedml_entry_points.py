@@ -137,3 +137,26 @@ def test_own_trainer_and_aggregator_run_on_sp_mpi_and_cross_silo(mnist_root, tmp
         assert server["calls"]["aggregate"] == 3 and server["calls"]["before_aggregation"] == 3, backend
         assert server["shift"] == pytest.approx([3.0] * len(server["shift"])), backend
         assert sum(c["calls"]["train"] for c in clients) == 3 * 2, backend
+
+
+@needs_mnist
+def test_fedml_init_reads_the_yaml_once_and_the_variant_arrives_typed(mnist_root, tmp_path):
+    """The plugin reads ``--cf`` once; FedML's ``Arguments`` and the run's config are built from
+    that one read, and ``perfedavg_variant`` reaches the local step as a ``Step``."""
+    path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "once", tmp_path / "runs", perfedavg_variant="exact")
+    code = f"""
+import sys
+opened = []
+sys.addaudithook(lambda event, args: opened.append(args[0]) if event == "open" and args[0] == {path!r} else None)
+import fedml_perfedavg, fedml
+from fedml_perfedavg.core.client_maths import Step
+from fedml_perfedavg.run.runner import context_of
+args = fedml.init()
+config = context_of(args).config
+from fedml_perfedavg.algorithms.base import AlgorithmSettings
+local = AlgorithmSettings.from_config(config).local
+typed = config.perfedavg_variant is Step.EXACT and local.variant is Step.EXACT
+sys.__stdout__.write(f"READS {{len(opened)}} {{args.perfedavg_variant}} {{typed}}\\n")
+"""
+    out = _run([sys.executable, "-c", code, "--cf", path], tmp_path)
+    assert "READS 1 exact True" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]

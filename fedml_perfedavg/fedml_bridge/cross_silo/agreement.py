@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -77,12 +78,17 @@ def architecture(state: StateDict) -> str:
 
 def fingerprint(config: Any, state: StateDict) -> Dict[str, Any]:
     """The values of :data:`AGREED` (batch sizes resolved), the architecture and the safeguards."""
-    values = {f"{section}.{key}": getattr(config, key, None) for section, key in AGREED}
+    values = {f"{section}.{key}": _plain(getattr(config, key, None)) for section, key in AGREED}
     sizes = config.batch_sizes
     values["train_args.meta_batch_size"], values["train_args.hessian_batch_size"] = sizes[1], sizes[2]
     values[ARCHITECTURE] = architecture(state)
     values[SAFEGUARDS] = _digest(getattr(config, "safeguards", {}))
     return values
+
+
+def _plain(value: Any) -> Any:
+    """A config value as it crosses the wire: an enum (the variant's ``Step``) as its name."""
+    return value.value if isinstance(value, Enum) else value
 
 
 def disagreement(server: Dict[str, Any], silo: Dict[str, Any], rank: int) -> Optional[str]:

@@ -36,15 +36,14 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from ...core.errors import ConfigError, SiloFailure
-from ..bootstrap import import_fedml
+from ..bootstrap import import_fedml, plugin_entry
 from . import READY_MESSAGE, wire
 from .addresses import read_ipconfig
 from .credentials import (
     Credentials,
-    check_security,
     load_credentials,
     peer_certificate_problem,
     rank_name,
@@ -65,7 +64,8 @@ logger = logging.getLogger(__name__)
 IDLE_TICK_SECONDS = 0.2
 ROUND_KEY = "round"  # the round an incoming message was stamped with, on the FedML Message
 SESSION_KEY = "plugin_session"  # the sending process's session, on the FedML Message
-FALLBACK_SIZE_CAP = 256 << 20  # where no model told the transport its size (see message_size_cap)
+FALLBACK_SIZE_CAP = 256 << 20  # where no model told the transport its size
+MODEL_SIZE_CAP = "model_size_cap"  # on FedML's args: the cap FedMLRunner's model gives (wire.default_size_cap)
 _PROTOBUF_SLACK = 4096  # gRPC's own cap sits this far above ours, so our log sees what is a little over
 DESCRIPTORS_RESERVED = 256  # for the run's own files, channels and gRPC's threads
 DESCRIPTORS_PER_CONNECTION = 3  # a gated connection: the peer's socket, the gate's to gRPC, gRPC's accepted one
@@ -91,7 +91,7 @@ class PortUnavailable(SiloFailure):
 
 @dataclass(frozen=True)
 class TransportSettings:
-    """What the transport needs from FedML's ``args``, checked once."""
+    """What the transport needs, checked once (by the run's config rules)."""
 
     run_id: str
     credentials: Optional[Credentials]  # None: comm_args.insecure
@@ -102,50 +102,27 @@ class TransportSettings:
     handshake_timeout: float = 5.0
     idle_timeout: float = 300.0
 
-
-def _flag(args: Any, name: str) -> bool:
-    value = getattr(args, name, False)
-    if value in (None, False, "false", "False", 0):
-        return False
-    if value in (True, "true", "True", 1):
-        return True
-    raise ConfigError(f"comm_args.{name}={value!r}: must be true or false")
-
-
-def transport_settings(args: Any, rank: int) -> TransportSettings:
-    """The transport's settings from FedML's ``args``; refuses to run without TLS unless told."""
-    tls_dir = getattr(args, "tls_dir", None)
-    insecure = _flag(args, "insecure")
-    check_security(tls_dir, insecure)
-    credentials = load_credentials(str(tls_dir), rank) if tls_dir else None
-    cap = getattr(args, "max_message_bytes", None)
-    if cap is None:
-        cap = FALLBACK_SIZE_CAP
-        logger.info("comm_args.max_message_bytes not set and no model known: messages are capped at %d bytes", cap)
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1024:
-        raise ConfigError(f"comm_args.max_message_bytes={cap!r}: must be an integer >= 1024")
-    timeout = float(getattr(args, "connect_timeout", 60.0) or 60.0)
-    limits: Dict[str, Any] = {}
-    for name, default, low in (
-        ("max_connections", None, 1),
-        ("max_connections_per_peer", None, 1),
-        ("handshake_timeout", 5.0, 0.1),
-        ("idle_timeout", 300.0, 1.0),
-    ):
-        value = getattr(args, name, default)
-        if value is None:
-            value = default
-        elif (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or value < low
-            or (default is None and not isinstance(value, int))
-        ):
-            raise ConfigError(
-                f"comm_args.{name}={value!r}: must be {'an integer' if default is None else 'a number'} >= {low}"
-            )
-        limits[name] = value
-    return TransportSettings(str(getattr(args, "run_id", "0")), credentials, cap, timeout, **limits)
+    @classmethod
+    def from_values(
+        cls, values: Mapping[str, Any], run_id: str, rank: int, model_size_cap: Optional[int]
+    ) -> "TransportSettings":
+        """The settings from comm_args' typed, checked ``values`` (``TRANSPORT_KEYS`` of the run
+        config), this rank's credentials loaded; without ``max_message_bytes``, the cap the
+        model's size gives (:data:`MODEL_SIZE_CAP`), else :data:`FALLBACK_SIZE_CAP`."""
+        cap = values["max_message_bytes"] or model_size_cap
+        if cap is None:
+            cap = FALLBACK_SIZE_CAP
+            logger.info("comm_args.max_message_bytes not set and no model known: messages are capped at %d bytes", cap)
+        return cls(
+            run_id,
+            load_credentials(str(values["tls_dir"]), rank) if values["tls_dir"] else None,
+            int(cap),
+            values["connect_timeout"],
+            values["max_connections"],
+            values["max_connections_per_peer"],
+            values["handshake_timeout"],
+            values["idle_timeout"],
+        )
 
 
 def raise_descriptor_limit() -> int:
@@ -231,7 +208,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self.rank = int(client_rank)
         self.client_num = int(client_num)
         self.args = args
-        self.settings = transport_settings(args, self.rank)
+        self.settings = plugin_entry().transport_settings(args, self.rank)
         self.retry_seconds = self.settings.connect_timeout
         self.session = secrets.token_hex(8)  # this process: a silo that restarts is a new session
         self.refusals = RefusalLog(self.rank, logger)
