@@ -44,6 +44,7 @@ import torch
 from ..algorithms.base import RoundDriver
 from ..core.errors import ConfigError
 from ..core.types import StateDict
+from .shims import aggregate_with_hooks
 
 import_fedml()
 import fedml.simulation.mpi.fedavg.FedAvgAPI as mpi_api  # noqa: E402
@@ -125,8 +126,7 @@ class PluginFedAVGAggregator(mpi_api.FedAVGAggregator):
             updates = [tuple(u) for i in range(self.worker_num) for u in self.model_dict[i]]
         else:
             updates = [(self.sample_num_dict[i], self.model_dict[i]) for i in range(self.worker_num)]
-        updates, _ = self.aggregator.on_before_aggregation(updates)
-        w_global = self.aggregator.on_after_aggregation(self.aggregator.aggregate(updates))
+        w_global, _, _ = aggregate_with_hooks(self.aggregator, updates)
         self.set_global_model_params(w_global)
         return w_global
 

@@ -28,6 +28,16 @@ from fedml.core import ClientTrainer, ServerAggregator  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
+def aggregate_with_hooks(aggregator: Any, updates: List[Tuple[float, StateDict]]) -> Tuple[StateDict, list, list]:
+    """A ``ServerAggregator``'s round as FedML's own servers run it (core/alg_frame/
+    server_aggregator.py: ``on_before_aggregation``, ``aggregate``, ``on_after_aggregation``):
+    the one adapter the sp loop, the MPI server and the cross-silo server call, for the plugin's
+    aggregator or a user's. Returns the new global model, the updates the hooks kept, and their
+    positions among those given."""
+    kept, positions = aggregator.on_before_aggregation(updates)
+    return aggregator.on_after_aggregation(aggregator.aggregate(kept)), kept, positions
+
+
 def round_of(args: Any) -> int:
     """The current round, as FedML's loops publish it (``args.round_idx``)."""
     round_idx = getattr(args, "round_idx", None)

@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 
 from .bootstrap import import_fedml
 from ..algorithms.base import RoundDriver
+from .shims import aggregate_with_hooks
 
 import_fedml()
 from fedml.simulation.sp.fedavg.fedavg_api import FedAvgAPI  # noqa: E402
@@ -52,8 +53,7 @@ class PluginFedAvgAPI(FedAvgAPI):
         return super()._client_sampling(round_idx, client_num_in_total, client_num_per_round)
 
     def _aggregate(self, w_locals):
-        w_locals, _ = self.aggregator.on_before_aggregation(w_locals)
-        w_global = self.aggregator.on_after_aggregation(self.aggregator.aggregate(w_locals))
+        w_global, _, _ = aggregate_with_hooks(self.aggregator, w_locals)
         self.aggregator.set_model_params(w_global)
         if self.driver is not None:
             self.driver.round_finished(self.args.round_idx, w_global)

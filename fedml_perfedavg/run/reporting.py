@@ -40,6 +40,104 @@ def record_failure(run_dir: str, why: str) -> None:
     write_json(path, summary)
 
 
+class WandbSink:
+    """A run's wandb record: live, or (``deferred``: several runs share this process in grid
+    mode, and wandb keeps one live run per process) written from the history when it finishes."""
+
+    def __init__(self, settings: Dict[str, Any], run_dir: str, config_sections: Dict[str, Dict[str, Any]]) -> None:
+        self.settings, self.run_dir, self.config_sections = settings, run_dir, config_sections
+        self.deferred: Optional[List[tuple]] = [] if settings.get("deferred") else None
+        self.run: Any = None if self.deferred is not None else self._start()  # a wandb Run
+
+    def _start(self):
+        import wandb
+
+        os.environ.setdefault("WANDB_MODE", "offline")  # never needs an account unless asked
+        return wandb.init(
+            project=self.settings["project"],
+            group=self.settings.get("group"),
+            name=self.settings.get("name"),
+            tags=self.settings.get("tags"),
+            dir=self.run_dir,
+            config=self.config_sections,
+            reinit=True,
+        )
+
+    def log_evaluation(self, round_idx: int, metrics: Dict[str, Any], per_user: List[float]) -> None:
+        if self.deferred is not None:
+            self.deferred.append((round_idx, metrics, list(per_user)))
+            return
+        import wandb
+
+        scalars = {
+            f"eval/{k}": v
+            for k, v in metrics.items()
+            if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        if "missing_users" in metrics:  # a federated evaluation: how many users sent nothing
+            scalars["eval/missing_users"] = len(metrics["missing_users"])
+        self.run.log({**scalars, "eval/per_user_accuracy": wandb.Histogram(per_user)}, step=round_idx)
+
+    def log_silo_evaluation(self, round_idx: int, mean: float) -> None:
+        if self.run is not None:
+            self.run.log({"silo/personalized_accuracy": mean}, step=round_idx)
+
+    def finish(self, summary: Dict[str, Any], last: Optional[EvaluationResult]) -> None:
+        """The final per-user table and the summary's numbers; the wandb run ends."""
+        import wandb
+
+        if self.deferred is not None:
+            self.run, deferred, self.deferred = self._start(), self.deferred, None
+            for round_idx, metrics, per_user in deferred:
+                self.log_evaluation(round_idx, metrics, per_user)
+        if last is not None:
+            table = wandb.Table(
+                columns=["user", "accuracy", "accuracy_before_adaptation"],
+                data=[[i, a, b] for i, a, b in zip(last.ids, last.per_user_accuracy, last.per_user_accuracy_before)],
+            )
+            self.run.log({"final/per_user_accuracy": table})
+        self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+        self.run.finish()
+
+
+def split_new_users(result: EvaluationResult, new_users: Sequence[int]) -> Dict[str, Any]:
+    """Headline metrics over the users trained on; new (held-out) users reported apart."""
+    if not new_users:
+        return result.metrics()
+    new, ids = set(new_users), result.ids
+    pick = lambda values, held: [v for i, v in zip(ids, values) if (i in new) == held]  # noqa: E731
+    trained = EvaluationResult(
+        pick(result.per_user_accuracy, False),
+        pick(result.per_user_accuracy_before, False),
+        pick(result.per_user_loss, False),
+    ).metrics()
+    held = EvaluationResult(pick(result.per_user_accuracy, True), pick(result.per_user_accuracy_before, True))
+    held_metrics: Dict[str, Optional[float]] = {
+        "new_user_personalized_accuracy": None,
+        "new_user_accuracy_before_adaptation": None,
+    }
+    if held.per_user_accuracy:
+        held_metrics = {
+            "new_user_personalized_accuracy": held.personalized_accuracy,
+            "new_user_accuracy_before_adaptation": held.accuracy_before_adaptation,
+        }
+    return {**trained, **held_metrics}
+
+
+def per_user_table(
+    result: EvaluationResult, num_users: Optional[int]
+) -> Tuple[List[Optional[float]], List[Optional[float]]]:
+    """Per-user accuracies by user id; a user the evaluation missed is None."""
+    if result.user_ids is None:
+        return list(result.per_user_accuracy), list(result.per_user_accuracy_before)
+    size = num_users if num_users is not None else max(result.user_ids) + 1
+    after: List[Optional[float]] = [None] * size
+    before: List[Optional[float]] = [None] * size
+    for user, a, b in zip(result.user_ids, result.per_user_accuracy, result.per_user_accuracy_before):
+        after[user], before[user] = a, b
+    return after, before
+
+
 class RunRecorder:
     """Collects per-round metrics and reports them (logging, tqdm, optional wandb)."""
 
@@ -80,25 +178,7 @@ class RunRecorder:
 
             # disable=None: no bar when stderr is not a terminal (piped output stays line by line).
             self._bar = tqdm(total=total_rounds, desc="rounds", unit="round", dynamic_ncols=True, disable=None)
-        # deferred: several runs share this process (grid mode) and wandb keeps one live run per
-        # process, so the run's wandb record is written from its history when it finishes.
-        self._wandb_settings = wandb_settings
-        self._wandb_deferred: Optional[List[tuple]] = [] if wandb_settings and wandb_settings.get("deferred") else None
-        self._wandb = self._init_wandb(wandb_settings) if wandb_settings and self._wandb_deferred is None else None
-
-    def _init_wandb(self, settings: Dict[str, Any]):
-        import wandb
-
-        os.environ.setdefault("WANDB_MODE", "offline")  # never needs an account unless asked
-        return wandb.init(
-            project=settings["project"],
-            group=settings.get("group"),
-            name=settings.get("name"),
-            tags=settings.get("tags"),
-            dir=self.run_dir,
-            config=self.config_sections,
-            reinit=True,
-        )
+        self._wandb = WandbSink(wandb_settings, run_dir, config_sections) if wandb_settings else None
 
     def round_finished(self, round_idx: int) -> None:
         self.rounds_done = round_idx + 1
@@ -107,30 +187,7 @@ class RunRecorder:
 
     def headline(self, result: EvaluationResult) -> Dict[str, float]:
         """The metrics of ``result`` as the run reports them (training users; new users apart)."""
-        return self._split(result)
-
-    def _split(self, result: EvaluationResult) -> Dict[str, float]:
-        """Headline metrics over the users trained on; new (held-out) users reported apart."""
-        if not self.new_users:
-            return result.metrics()
-        new, ids = set(self.new_users), result.ids
-        pick = lambda values, held: [v for i, v in zip(ids, values) if (i in new) == held]  # noqa: E731
-        trained = EvaluationResult(
-            pick(result.per_user_accuracy, False),
-            pick(result.per_user_accuracy_before, False),
-            pick(result.per_user_loss, False),
-        ).metrics()
-        held = EvaluationResult(pick(result.per_user_accuracy, True), pick(result.per_user_accuracy_before, True))
-        held_metrics: Dict[str, Optional[float]] = {
-            "new_user_personalized_accuracy": None,
-            "new_user_accuracy_before_adaptation": None,
-        }
-        if held.per_user_accuracy:
-            held_metrics = {
-                "new_user_personalized_accuracy": held.personalized_accuracy,
-                "new_user_accuracy_before_adaptation": held.accuracy_before_adaptation,
-            }
-        return {**trained, **held_metrics}
+        return split_new_users(result, self.new_users)
 
     def record_federated_evaluation(
         self,
@@ -183,7 +240,7 @@ class RunRecorder:
         evaluation_started = now if evaluation_started is None else evaluation_started
         metrics = {
             "round": round_idx,
-            **self._split(result),
+            **split_new_users(result, self.new_users),
             **(extra or {}),
             "train_seconds": evaluation_started - self.started - self.evaluation_seconds,
             "wall_seconds": now - self.started,
@@ -213,22 +270,7 @@ class RunRecorder:
         # Kept current, so a process killed without warning (SIGKILL, MPI_Abort) loses nothing measured.
         write_json(os.path.join(self.run_dir, "summary.json"), self.summary(status="running"))
         if self._wandb is not None:
-            self._log_to_wandb(round_idx, metrics, result.per_user_accuracy)
-        elif self._wandb_deferred is not None:
-            self._wandb_deferred.append((round_idx, metrics, list(result.per_user_accuracy)))
-
-    def _log_to_wandb(self, round_idx: int, metrics: Dict[str, Any], per_user: List[float]) -> None:
-        import wandb
-
-        scalars = {
-            f"eval/{k}": v
-            for k, v in metrics.items()
-            if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
-        if "missing_users" in metrics:  # a federated evaluation: how many users sent nothing
-            scalars["eval/missing_users"] = len(metrics["missing_users"])
-        assert self._wandb is not None  # called only with a wandb run
-        self._wandb.log({**scalars, "eval/per_user_accuracy": wandb.Histogram(per_user)}, step=round_idx)
+            self._wandb.log_evaluation(round_idx, metrics, result.per_user_accuracy)
 
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         """Cross-silo: the silos' own personalized evaluations of the model they received."""
@@ -236,7 +278,7 @@ class RunRecorder:
             {"when": label, "mean_accuracy": mean, "silos": {str(rank): metrics for rank, metrics in silos.items()}}
         )
         if self._wandb is not None and label != "final":
-            self._wandb.log({"silo/personalized_accuracy": mean}, step=int(label.split()[-1]))
+            self._wandb.log_silo_evaluation(int(label.split()[-1]), mean)
 
     def record_lost_silos(self, round_idx: int, ranks: Sequence[int], why: str) -> None:
         """Cross-silo: the server gave up on these silos in this round."""
@@ -302,8 +344,8 @@ class RunRecorder:
                 "per_user_accuracy": [],
                 **common,
             }
-        headline = self._split(self.last)
-        after, before = self._per_user(self.last)
+        headline = split_new_users(self.last, self.new_users)
+        after, before = per_user_table(self.last, self.num_users)
         return {
             **{k: v for k, v in headline.items() if k != "personalized_loss"},
             "new_users": self.new_users,
@@ -311,17 +353,6 @@ class RunRecorder:
             "per_user_accuracy_before_adaptation": before,
             **common,
         }
-
-    def _per_user(self, result: EvaluationResult) -> Tuple[List[Optional[float]], List[Optional[float]]]:
-        """Per-user accuracies by user id; a user the evaluation missed is None."""
-        if result.user_ids is None:
-            return list(result.per_user_accuracy), list(result.per_user_accuracy_before)
-        size = self.num_users if self.num_users is not None else max(result.user_ids) + 1
-        after: List[Optional[float]] = [None] * size
-        before: List[Optional[float]] = [None] * size
-        for user, a, b in zip(result.user_ids, result.per_user_accuracy, result.per_user_accuracy_before):
-            after[user], before[user] = a, b
-        return after, before
 
     def finish(
         self,
@@ -335,27 +366,8 @@ class RunRecorder:
             self._bar.close()
         summary = self.summary(status, error, rejected_updates, aggregate_calls)
         write_json(os.path.join(self.run_dir, "summary.json"), summary)
-        if self._wandb_deferred is not None:
-            assert self._wandb_settings is not None  # deferred only when asked for
-            self._wandb = self._init_wandb(self._wandb_settings)
-            for round_idx, metrics, per_user in self._wandb_deferred:
-                self._log_to_wandb(round_idx, metrics, per_user)
         if self._wandb is not None:
-            import wandb
-
-            if self.last is not None:
-                table = wandb.Table(
-                    columns=["user", "accuracy", "accuracy_before_adaptation"],
-                    data=[
-                        [i, a, b]
-                        for i, a, b in zip(
-                            self.last.ids, self.last.per_user_accuracy, self.last.per_user_accuracy_before
-                        )
-                    ],
-                )
-                self._wandb.log({"final/per_user_accuracy": table})
-            self._wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
-            self._wandb.finish()
+            self._wandb.finish(summary, self.last)
         return summary
 
 

@@ -1,12 +1,12 @@
-"""A plugin run, in stages: prepare -> restore -> execute -> finish.
+"""A plugin run, in stages: assemble -> restore -> execute -> finish.
 
 Every run goes through FedML's own main-script steps (``fedml.init``, ``fedml.device``,
 ``fedml.data.load``, ``fedml.model.create``, ``FedMLRunner(...).run()``): the command line and
 :func:`run` build FedML's ``args`` from the typed config and take those steps, and a FedML
 user's own script takes them itself. The installed bridge hands a plugin algorithm to
-:class:`PluginRun` (through :class:`Entry`), which owns the rest: the algorithm object, the
-backend adapter (batched engine, FedML's sp loop, MPI, cross-silo), evaluation on the run's
-schedule, checkpoints, and the run directory (config.yaml, run.log, summary.json, model.pt).
+:class:`PluginRun` (through :class:`Entry`), which owns the rest: its parts (:mod:`.assembly`:
+the algorithm object, the backend adapter), the round driver (:mod:`.driver`: evaluation on the
+run's schedule, checkpoints), and the run directory (config.yaml, run.log, summary.json, model.pt).
 """
 
 from __future__ import annotations
@@ -28,31 +28,25 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 
 from ..algorithms.base import FederatedAlgorithm
-from ..algorithms.registry import canonical_name, create_algorithm
+from ..algorithms.registry import canonical_name
 from ..core.errors import ConfigError, DivergenceError, OutputError, RunStopped
-from ..core.types import StateDict, UserSplit
-from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
+from ..core.types import StateDict
 from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
 from .. import logs
-from ..fedml_bridge import safeguards as fedml_safeguards
 from . import checkpoint
 from .files import make_dir, write_torch
 from .config import (
     BY_NAME,
     Config,
     check_algorithm_name,
-    check_batch_sizes,
     check_scenario,
     field_default,
     from_fedml_args,
     load_yaml,
     transport_values,
 )
-from .measures import Measurements
-from .reporting import RunRecorder, record_failure, recorder_for
-from .schedule import RoundSchedule
-from .silo_addresses import check_silo_role
+from .assembly import assemble, backend_for, check_layout, driver_for, resumable
 
 logger = logging.getLogger(__name__)
 
@@ -322,18 +316,14 @@ class Entry:
 
 # -- the run --------------------------------------------------------------------------------------
 class PluginRun:
-    """``FedMLRunner``'s runner for a plugin algorithm: built by FedML's entry points (prepare),
-    ``run()`` restores, executes and finishes."""
+    """``FedMLRunner``'s runner for a plugin algorithm: built by FedML's entry points (what the
+    run is made of: :mod:`.assembly`; what happens each round: :mod:`.driver`), ``run()``
+    restores, executes and finishes (where results go: :mod:`.reporting`)."""
 
     def __init__(
         self, args: Any, device: Any, dataset: list, model: torch.nn.Module, trainer: Any = None, aggregator: Any = None
     ) -> None:
-        self.args, self.device, self.dataset, self.model = args, device, dataset, model
-        self.prepare(trainer, aggregator)
-
-    # -- prepare ----------------------------------------------------------------------------------
-    def prepare(self, trainer: Any, aggregator: Any) -> None:
-        args = self.args
+        self.args = args
         self.context = context_of(args)
         self.config = config = self.context.config
         if config.training_type == "cross_silo":
@@ -341,77 +331,33 @@ class PluginRun:
             args.worker_num = config.silo_count
             if int(args.rank) == 0:
                 args.client_id_list = str(list(range(1, config.silo_count + 1)))
-        self._check_layout()  # before any rank opens a file in a run directory a failed start removes
+        check_layout(config, args)  # before any rank opens a file in a run directory a failed start removes
         self.run_dir = run_dir_of(self.context, args)
         self.rank = rank_of(config, args)
         if config.backend != "MPI":
-            self._prepare_rank(trainer, aggregator)
+            self._assemble(device, dataset, model, trainer, aggregator)
             return
         # Under MPI a rank that fails to start alone would leave the others waiting for it forever
         # in FedML's loop: every rank starts, or every rank stops with the failing rank's error.
         from ..fedml_bridge.mpi import agree_to_start
 
         try:
-            self._prepare_rank(trainer, aggregator)
+            self._assemble(device, dataset, model, trainer, aggregator)
         except Exception as err:
             agree_to_start(args.comm, self.rank, err)
             raise
         agree_to_start(args.comm, self.rank, None)
 
-    def _prepare_rank(self, trainer: Any, aggregator: Any) -> None:
-        from ..fedml_bridge.shims import AlgorithmClientTrainer, AlgorithmServerAggregator, create_fedml_pair
-
-        args, config = self.args, self.config
-        self.is_server = self.rank == 0
-        self._log_handler = logs.add_run_file(
-            os.path.join(self.run_dir, "run.log" if self.is_server else f"run-rank{self.rank}.log")
+    def _assemble(self, device: Any, dataset: list, model: torch.nn.Module, trainer: Any, aggregator: Any) -> None:
+        config = self.config
+        self.parts = parts = assemble(
+            self.args, config, self.run_dir, self.rank, device, dataset, model, trainer, aggregator, self.context.grid
         )
-        if config.backend == "MPI":
-            from ..fedml_bridge.mpi import rank_device
-
-            self.device = rank_device(args, self.device)
-        self.users = self._users()
-        self._check_data()
-        if (trainer, aggregator) != (None, None):
-            if not (
-                isinstance(trainer, AlgorithmClientTrainer)
-                and isinstance(aggregator, AlgorithmServerAggregator)
-                and trainer.algorithm is aggregator.algorithm
-            ):
-                raise ConfigError(
-                    f"train_args.federated_optimizer={config.federated_optimizer!r} builds its own "
-                    f"trainer and aggregator; FedMLRunner was handed {type(trainer).__name__} / "
-                    f"{type(aggregator).__name__}. Hand your own pair with federated_optimizer FedAvg, "
-                    f"or the pair from fedml_perfedavg.create_fedml_pair"
-                )
-            self.algorithm = trainer.algorithm
-        else:
-            self.algorithm = create_algorithm(config.federated_optimizer, self.model, config)
-            trainer, aggregator = create_fedml_pair(self.algorithm, self.model, args)
-        self.trainer, self.aggregator = trainer, aggregator
-        safeguards = fedml_safeguards.for_config(config)
-        if safeguards is not None:
-            self.algorithm.use_hooks(safeguards)
-            logger.info("FedML's %s: applied by %s's round hooks", safeguards.describe(), self.algorithm.label)
-        self.global_state: StateDict = aggregator.get_model_params()
-        self.data_problem: Optional[str] = None  # a data owner's silo whose model cannot train on its data
-        if self.users:  # the server of a data-owner run trains nothing and holds no sample to probe with
-            self._probe_model()
-        self.recorder: Optional[RunRecorder] = None
-        if self.is_server:
-            checkpoint.save_config(self.run_dir, config.sections())
-            self.recorder = recorder_for(config, self.run_dir, deferred_wandb=self.context.grid)
-        self.schedule = RoundSchedule.from_config(config)
-        self.measurements = (
-            None
-            if self.recorder is None or config.own_data
-            else Measurements(
-                self.algorithm, self.users, config, self.recorder.new_users, self.recorder.headline, self.device
-            )
-        )
-        self.checkpoints = checkpoint.Checkpoints(self.run_dir) if self.is_server and self._resumable() else None
+        self.is_server, self.model, self.algorithm = parts.is_server, model, parts.algorithm
+        self.recorder = parts.recorder
+        self.driver = driver_for(parts)
+        self.backend, self.where = backend_for(parts, self.driver)
         self.start_round = 0
-        self.backend = self._backend()
         logger.info(
             "run %s: %s on %s, %d rounds, %d of %d users per round, %s",
             self.run_dir,
@@ -423,261 +369,29 @@ class PluginRun:
             self.where,
         )
 
-    def _check_layout(self) -> None:
-        config, args = self.config, self.args
-        if config.backend == "MPI" and args.worker_num < 2:
-            raise ConfigError(
-                f"comm_args.backend='MPI' with {args.worker_num} process: an MPI run needs a server rank "
-                f"and at least one worker; start it under mpirun -n 2 to "
-                f"{config.client_num_per_round + 1} (or set comm_args.backend: sp to run in one "
-                f"process)"
-            )
-        if config.backend == "MPI" and args.worker_num - 1 > config.client_num_per_round:
-            raise ConfigError(
-                f"train_args.client_num_per_round={config.client_num_per_round!r}: under MPI each of the "
-                f"ranks but the server trains a share of a round's clients, so it must be at least the "
-                f"number of ranks - 1 (this is mpirun -n {args.worker_num}: at least "
-                f"{max(1, args.worker_num - 1)}; or run mpirun -n 2 to "
-                f"{config.client_num_per_round + 1})"
-            )
-        if config.training_type == "cross_silo":
-            check_silo_role(config, int(args.rank), str(args.role))
-
-    def _users(self) -> List[UserSplit]:
-        """The users this process holds: every one (FedML's dataset, keyed 0..n-1), or in
-        data-owner mode the silo's own (and ``self.dataset`` keyed by its id alone) or none (the
-        server, whatever the dataset it was handed: it reads no data)."""
-        config = self.config
-        if not config.own_data:
-            return users_from_fedml_dataset(self.dataset, self.device)
-        if self.is_server:
-            if self.dataset and isinstance(self.dataset[5], dict) and self.dataset[5]:
-                logger.info(
-                    "comm_args.silo_data='own': the server does not read the %d clients of the dataset it "
-                    "was handed; the silos evaluate on their own data",
-                    len(self.dataset[5]),
-                )
-            return []
-        user, self.dataset = own_user_from_fedml_dataset(self.dataset, self.rank - 1, self.device)
-        return [user]
-
-    def _probe_model(self) -> None:
-        """What the model allows, probed on a batch like the run's (see ``probe_model``); a model
-        that cannot train on the data at all stops the run here, with its own reason."""
-        from ..algorithms.base import ModelMismatch
-
-        sample, size = self.users[0], self.config.batch_size
-        try:
-            notes = self.algorithm.probe_model(self.global_state, sample.train_x[:size], sample.train_y[:size])
-        except ModelMismatch as err:
-            problem = (
-                f"the model ({type(self.model).__name__}; model_args.model={self.config.model!r}) does not fit "
-                f"data_args.dataset={self.config.dataset!r}: {err}"
-            )
-            if not (self.config.own_data and not self.is_server):
-                raise ConfigError(problem) from None
-            # A data owner's silo announces it: the server refuses it at once, naming it, and the run
-            # goes on without it (or stops) by the same rule as for any silo it refuses.
-            self.data_problem = problem
-            logger.error("silo rank %d: %s; announcing it to the server", self.rank, problem)
-            return
-        for note in notes:
-            logger.warning("%s: %s", type(self.model).__name__, note)
-
-    def _silo_setup(self):
-        """What this cross-silo process knows beyond FedML's args (see ``SiloSetup``)."""
-        from ..fedml_bridge.cross_silo.agreement import SiloSetup, fingerprint, hello
-
-        config = self.config
-        values = fingerprint(config, self.global_state)
-        counts = {}
-        if self.is_server and not config.own_data:
-            counts = {user: (len(u.train_y), len(u.test_y)) for user, u in enumerate(self.users)}
-        elif not self.is_server and config.own_data:
-            counts = {self.rank - 1: (len(self.users[0].train_y), len(self.users[0].test_y))}
-        announce = None
-        if not self.is_server:
-            announce = hello(
-                values,
-                self.rank - 1 if config.own_data else None,
-                self.users[0] if config.own_data else None,
-                self.data_problem,
-            )
-        return SiloSetup(
-            config.own_data,
-            list(range(1, config.silo_count + 1)),
-            values,
-            counts,
-            announce,
-            self.model if self.is_server else None,
-        )
-
-    def _check_data(self) -> None:
-        config = self.config
-        if config.own_data:
-            if self.users:
-                check_batch_sizes(config, len(self.users[0].train_y), f"silo rank {self.rank}'s training data")
-            return
-        if len(self.users) != config.client_num_in_total:
-            raise ConfigError(
-                f"train_args.client_num_in_total={config.client_num_in_total!r}: the dataset has "
-                f"{len(self.users)} clients"
-            )
-        check_batch_sizes(config, min(len(u.train_y) for u in self.users), "the smallest client's training data")
-
-    def _backend(self):
-        config, args = self.config, self.args
-        if config.training_type == "cross_silo":
-            from ..fedml_bridge.cross_silo.policy import SiloPolicy
-            from ..fedml_bridge.cross_silo.process import CrossSiloProcess
-
-            self.where = f"cross-silo rank {self.rank} ({args.role}{', data-owner mode' if config.own_data else ''})"
-            policy = SiloPolicy(
-                config.connect_timeout,
-                config.round_timeout,
-                config.min_clients_per_round or config.client_num_per_round,
-                config.round_timeout_factor,
-            )
-            return CrossSiloProcess(
-                args,
-                self.device,
-                self.dataset,
-                self.model,
-                self.trainer,
-                self.aggregator,
-                policy,
-                self,
-                self._silo_setup(),
-            )
-        if config.backend == "MPI":
-            from ..fedml_bridge.mpi import MPISimulation
-
-            from ..engine.batched import BatchedSimulation
-
-            workers = args.worker_num - 1
-            self.where = f"FedML's MPI simulation, {workers} worker ranks" + (
-                f", each training a share of the round's {config.client_num_per_round} clients as one computation"
-                if config.client_num_per_round > workers
-                else ", one client each"
-            )
-            share_trainer = None
-            if not self.is_server and config.client_num_per_round > workers:  # a worker's share: the batched engine
-                on_device = {k: v.to(self.device) for k, v in self.global_state.items()}
-                share_trainer = BatchedSimulation(
-                    self.algorithm, self.users, on_device, self, config.compile_local_update
-                ).train_clients
-            return MPISimulation(
-                args, self.device, self.dataset, self.model, self.trainer, self.aggregator, self, share_trainer
-            )
-        if config.simulation_engine == "fedml":
-            from ..fedml_bridge.sp import SPSimulation
-
-            self.where = "FedML's sp loop"
-            return SPSimulation(args, self.device, self.dataset, self.model, self.trainer, self.aggregator, self)
-        from ..engine.batched import BatchedSimulation
-
-        self.where = "the batched engine"
-        return BatchedSimulation(self.algorithm, self.users, self.global_state, self, config.compile_local_update)
-
-    # -- the round driver (called by every backend adapter) ----------------------------------------
-    def sample_clients(self, round_idx: int) -> List[int]:
-        return self.algorithm.sample_clients(round_idx)
-
-    def round_finished(self, round_idx: int, global_state: StateDict) -> None:
-        previous, self.global_state = self.global_state, global_state
-        schedule = self.schedule
-        if self.recorder is not None:
-            self.recorder.round_finished(round_idx)
-            if self.measurements is not None and schedule.evaluates(round_idx):  # data-owner mode: the silos do
-                started = time.perf_counter()  # evaluation time is not training time
-                result, extra = self.measurements.evaluate(
-                    round_idx, global_state, previous, schedule.measures_stationarity(round_idx)
-                )
-                self.recorder.record_evaluation(round_idx, result, extra, started)
-        if self.checkpoints is not None and schedule.checkpoints(round_idx):
-            self.save_checkpoint(round_idx + 1)
-
-    def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
-        if self.recorder is not None:
-            self.recorder.record_silo_evaluation(label, mean, silos)
-
-    def evaluates(self, round_idx: int) -> bool:
-        return self.schedule.evaluates(round_idx)
-
-    def record_federated_evaluation(
-        self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: List[int], started: Optional[float] = None
-    ) -> None:
-        if self.recorder is not None:
-            self.recorder.record_federated_evaluation(round_idx, counts, missing, started)
-
-    def record_rejected_update(self, round_idx: int) -> None:
-        self.algorithm.rejected[round_idx] = self.algorithm.rejected.get(round_idx, 0) + 1
-
-    def record_refusals(self, totals: Dict[str, int]) -> None:
-        if self.recorder is not None:
-            self.recorder.refusals = dict(totals)
-
-    def record_failure(self, why: str) -> None:
-        """Another rank ends the run (a failing MPI client): summary.json says so. Never raises:
-        the caller is on its way to aborting the job (a rank on another machine may not see the
-        run directory)."""
-        try:
-            record_failure(self.run_dir, why)
-        except Exception as err:  # noqa: BLE001 - the abort must still happen
-            logger.warning("could not mark %s/summary.json aborted: %s", self.run_dir, err)
-
-    def record_lost_silos(self, round_idx: int, ranks: List[int], why: str) -> None:
-        if self.recorder is not None:
-            self.recorder.record_lost_silos(round_idx, ranks, why)
-
-    def record_rejoined_silo(self, round_idx: int, rank: int, why: str) -> None:
-        if self.recorder is not None:
-            self.recorder.record_rejoined_silo(round_idx, rank, why)
-
-    # -- restore ----------------------------------------------------------------------------------
-    def _resumable(self) -> bool:
-        return (
-            self.config.training_type == "simulation"
-            and self.config.backend == "sp"
-            and self.config.simulation_engine == "batched"
-        )
-
-    def save_checkpoint(self, next_round: int) -> None:
-        """A checkpoint of the run as it stands, to continue from ``next_round``."""
-        assert self.checkpoints is not None and self.recorder is not None  # the server of a resumable run
-        self.checkpoints.save(
-            next_round,
-            self.global_state,
-            {"algorithm": self.algorithm.state_dict(), "recorder": self.recorder.state_dict()},
-        )
+    @property
+    def global_state(self) -> StateDict:
+        """The newest global model."""
+        return self.driver.global_state
 
     def restore(self) -> None:
         if not self.context.resume:
             return
-        if not self._resumable():
+        if not resumable(self.config):
             raise ConfigError(
                 f"train_args.simulation_engine={self.config.simulation_engine!r}, comm_args.backend="
                 f"{self.config.backend!r}: resuming needs the batched engine on sp (FedML's loops "
                 f"always start at round 0)"
             )
-        assert self.checkpoints is not None and self.recorder is not None  # the server of a resumable run
-        state = self.checkpoints.load()
-        if state is None:
-            logger.warning("no checkpoint in %s: starting from round 0", self.run_dir)
-            return
-        self.global_state = {k: v.to(self.device) for k, v in state["model"].items()}
-        self.backend.state = dict(self.global_state)
-        self.algorithm.load_state_dict(state["states"]["algorithm"])
-        self.recorder.load_state_dict(state["states"]["recorder"])
-        self.start_round = state["next_round"]
-        logger.info("resumed %s at round %d", self.run_dir, self.start_round)
+        self.start_round = self.driver.restore(self.parts.device)
+        if self.start_round:
+            self.backend.state = dict(self.driver.global_state)
 
-    # -- execute and finish -------------------------------------------------------------------------
     def execute(self) -> None:
         from ..engine.batched import BatchedSimulation
 
         if isinstance(self.backend, BatchedSimulation):
-            self.global_state = self.backend.run(self.start_round, self.config.comm_round)
+            self.driver.global_state = self.backend.run(self.start_round, self.config.comm_round)
         else:
             self.backend.run()
 
@@ -754,12 +468,15 @@ class PluginRun:
         """A run that went through: summary.json and model.pt, the log closed, the result."""
         summary = self.finish()
         self._close()
-        self.result = RunResult(summary, self.run_dir, self.algorithm, self.global_state, self.trainer, self.aggregator)
+        parts = self.parts
+        self.result = RunResult(
+            summary, self.run_dir, self.algorithm, self.global_state, parts.trainer, parts.aggregator
+        )
         return self.result
 
     def _close(self) -> None:
-        logs.remove_handler(self._log_handler)
-        self._log_handler = None
+        logs.remove_handler(self.parts.log_handler)
+        self.parts.log_handler = None
 
 
 STOP_SIGNALLED = threading.Event()  # SIGTERM or SIGINT reached this process during the current run

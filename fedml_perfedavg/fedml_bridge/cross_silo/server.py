@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ...core.errors import ConfigError, SiloFailure
 from ..bootstrap import import_fedml
+from ..shims import aggregate_with_hooks
 from ...algorithms.base import RoundDriver
 from .agreement import SiloSetup, data_problem, disagreement
 from .policy import SiloPolicy
@@ -96,10 +97,9 @@ class PluginFedMLAggregator(FedMLAggregator):
     def aggregate(self):
         model_list = [self.updates[p] for p in sorted(self.updates)]  # sp's order of sampled users
         self.updates = {}
-        model_list, model_list_idxes = self.aggregator.on_before_aggregation(model_list)
-        averaged = self.aggregator.on_after_aggregation(self.aggregator.aggregate(model_list))
+        averaged, kept, positions = aggregate_with_hooks(self.aggregator, model_list)
         self.set_global_model_params(averaged)
-        return averaged, model_list, model_list_idxes
+        return averaged, kept, positions
 
 
 class PluginServerManager(FedMLServerManager):

@@ -1,0 +1,301 @@
+"""What a run is made of, in one process: its log file, device, users, algorithm and FedML
+pair, FedML's safeguards on the algorithm's round hooks, the server's record, and the backend
+adapter that runs the rounds (the batched engine, FedML's sp loop, its MPI simulation, a
+cross-silo process). :func:`assemble` builds them once, checking on the way that they fit
+(the data against the config, the model against the data)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from .. import logs
+from ..algorithms.base import FederatedAlgorithm, ModelMismatch
+from ..algorithms.registry import create_algorithm
+from ..core.errors import ConfigError
+from ..core.types import StateDict, UserSplit
+from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
+from ..fedml_bridge import safeguards as fedml_safeguards
+from . import checkpoint
+from .config import Config, check_batch_sizes
+from .driver import RunDriver
+from .measures import Measurements
+from .reporting import RunRecorder, recorder_for
+from .schedule import RoundSchedule
+from .silo_addresses import check_silo_role
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunParts:
+    """One process's part of a run, as :func:`assemble` built it."""
+
+    args: Any  # FedML's
+    config: Config
+    run_dir: str
+    rank: int  # 0: the server (sp, MPI rank 0, the cross-silo server)
+    device: Any
+    dataset: list  # FedML's (a data owner's silo: keyed by its own user alone)
+    model: torch.nn.Module
+    users: List[UserSplit]  # the users this process holds
+    algorithm: FederatedAlgorithm
+    trainer: Any  # FedML's ClientTrainer / ServerAggregator pair
+    aggregator: Any
+    global_state: StateDict
+    log_handler: Optional[logging.Handler]
+    recorder: Optional[RunRecorder] = None  # the server's
+    data_problem: Optional[str] = None  # a data owner's silo whose model cannot train on its data
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank == 0
+
+
+def check_layout(config: Config, args: Any) -> None:
+    """The processes FedML started fit the config (before any rank opens a file in a run
+    directory a failed start removes)."""
+    if config.backend == "MPI" and args.worker_num < 2:
+        raise ConfigError(
+            f"comm_args.backend='MPI' with {args.worker_num} process: an MPI run needs a server rank "
+            f"and at least one worker; start it under mpirun -n 2 to "
+            f"{config.client_num_per_round + 1} (or set comm_args.backend: sp to run in one "
+            f"process)"
+        )
+    if config.backend == "MPI" and args.worker_num - 1 > config.client_num_per_round:
+        raise ConfigError(
+            f"train_args.client_num_per_round={config.client_num_per_round!r}: under MPI each of the "
+            f"ranks but the server trains a share of a round's clients, so it must be at least the "
+            f"number of ranks - 1 (this is mpirun -n {args.worker_num}: at least "
+            f"{max(1, args.worker_num - 1)}; or run mpirun -n 2 to "
+            f"{config.client_num_per_round + 1})"
+        )
+    if config.training_type == "cross_silo":
+        check_silo_role(config, int(args.rank), str(args.role))
+
+
+def assemble(
+    args: Any,
+    config: Config,
+    run_dir: str,
+    rank: int,
+    device: Any,
+    dataset: list,
+    model: torch.nn.Module,
+    trainer: Any = None,
+    aggregator: Any = None,
+    grid: bool = False,
+) -> RunParts:
+    """This process's part of the run; ``trainer``/``aggregator``: the pair a user handed
+    ``FedMLRunner`` (else the algorithm's own); ``grid``: one of several runs in the process."""
+    from ..fedml_bridge.shims import AlgorithmClientTrainer, AlgorithmServerAggregator, create_fedml_pair
+
+    is_server = rank == 0
+    log_handler = logs.add_run_file(os.path.join(run_dir, "run.log" if is_server else f"run-rank{rank}.log"))
+    if config.backend == "MPI":
+        from ..fedml_bridge.mpi import rank_device
+
+        device = rank_device(args, device)
+    users, dataset = users_of(config, dataset, rank, device)
+    check_data(config, users, rank)
+    if (trainer, aggregator) != (None, None):
+        if not (
+            isinstance(trainer, AlgorithmClientTrainer)
+            and isinstance(aggregator, AlgorithmServerAggregator)
+            and trainer.algorithm is aggregator.algorithm
+        ):
+            raise ConfigError(
+                f"train_args.federated_optimizer={config.federated_optimizer!r} builds its own "
+                f"trainer and aggregator; FedMLRunner was handed {type(trainer).__name__} / "
+                f"{type(aggregator).__name__}. Hand your own pair with federated_optimizer FedAvg, "
+                f"or the pair from fedml_perfedavg.create_fedml_pair"
+            )
+        algorithm = trainer.algorithm
+    else:
+        algorithm = create_algorithm(config.federated_optimizer, model, config)
+        trainer, aggregator = create_fedml_pair(algorithm, model, args)
+    safeguards = fedml_safeguards.for_config(config)
+    if safeguards is not None:
+        algorithm.use_hooks(safeguards)
+        logger.info("FedML's %s: applied by %s's round hooks", safeguards.describe(), algorithm.label)
+    parts = RunParts(
+        args, config, run_dir, rank, device, dataset, model, users, algorithm, trainer, aggregator,
+        aggregator.get_model_params(), log_handler,
+    )  # fmt: skip
+    if users:  # the server of a data-owner run trains nothing and holds no sample to probe with
+        parts.data_problem = probe(parts)
+    if is_server:
+        checkpoint.save_config(run_dir, config.sections())
+        parts.recorder = recorder_for(config, run_dir, deferred_wandb=grid)
+    return parts
+
+
+def users_of(config: Config, dataset: list, rank: int, device: Any) -> Tuple[List[UserSplit], list]:
+    """The users this process holds, and FedML's dataset as this process keeps it: every user
+    (FedML's dataset, keyed 0..n-1), or in data-owner mode the silo's own (the dataset keyed by
+    its id alone) or none (the server, whatever the dataset it was handed: it reads no data)."""
+    if not config.own_data:
+        return users_from_fedml_dataset(dataset, device), dataset
+    if rank == 0:
+        if dataset and isinstance(dataset[5], dict) and dataset[5]:
+            logger.info(
+                "comm_args.silo_data='own': the server does not read the %d clients of the dataset it "
+                "was handed; the silos evaluate on their own data",
+                len(dataset[5]),
+            )
+        return [], dataset
+    user, dataset = own_user_from_fedml_dataset(dataset, rank - 1, device)
+    return [user], dataset
+
+
+def check_data(config: Config, users: List[UserSplit], rank: int) -> None:
+    """The users' data fits the config (their number, the batch sizes)."""
+    if config.own_data:
+        if users:
+            check_batch_sizes(config, len(users[0].train_y), f"silo rank {rank}'s training data")
+        return
+    if len(users) != config.client_num_in_total:
+        raise ConfigError(
+            f"train_args.client_num_in_total={config.client_num_in_total!r}: the dataset has {len(users)} clients"
+        )
+    check_batch_sizes(config, min(len(u.train_y) for u in users), "the smallest client's training data")
+
+
+def probe(parts: RunParts) -> Optional[str]:
+    """What the model allows, probed on a batch like the run's (see ``probe_model``). A model
+    that cannot train on the data at all stops the run here, with its own reason; a data owner's
+    silo returns the reason instead, to announce it."""
+    config, sample, size = parts.config, parts.users[0], parts.config.batch_size
+    try:
+        notes = parts.algorithm.probe_model(parts.global_state, sample.train_x[:size], sample.train_y[:size])
+    except ModelMismatch as err:
+        problem = (
+            f"the model ({type(parts.model).__name__}; model_args.model={config.model!r}) does not fit "
+            f"data_args.dataset={config.dataset!r}: {err}"
+        )
+        if not (config.own_data and not parts.is_server):
+            raise ConfigError(problem) from None
+        # A data owner's silo announces it: the server refuses it at once, naming it, and the run
+        # goes on without it (or stops) by the same rule as for any silo it refuses.
+        logger.error("silo rank %d: %s; announcing it to the server", parts.rank, problem)
+        return problem
+    for note in notes:
+        logger.warning("%s: %s", type(parts.model).__name__, note)
+    return None
+
+
+def resumable(config: Config) -> bool:
+    """Whether runs of ``config`` checkpoint and resume (FedML's loops always start at round 0)."""
+    return config.training_type == "simulation" and config.backend == "sp" and config.simulation_engine == "batched"
+
+
+def driver_for(parts: RunParts) -> RunDriver:
+    """The run's round driver, with the server's measurements and checkpoints."""
+    config = parts.config
+    measurements = (
+        None
+        if parts.recorder is None or config.own_data
+        else Measurements(
+            parts.algorithm, parts.users, config, parts.recorder.new_users, parts.recorder.headline, parts.device
+        )
+    )
+    checkpoints = checkpoint.Checkpoints(parts.run_dir) if parts.is_server and resumable(config) else None
+    return RunDriver(
+        parts.algorithm,
+        parts.run_dir,
+        RoundSchedule.from_config(config),
+        parts.global_state,
+        parts.recorder,
+        measurements,
+        checkpoints,
+    )
+
+
+def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
+    """The adapter that runs the rounds, and how logs name it."""
+    config, args = parts.config, parts.args
+    if config.training_type == "cross_silo":
+        from ..fedml_bridge.cross_silo.policy import SiloPolicy
+        from ..fedml_bridge.cross_silo.process import CrossSiloProcess
+
+        where = f"cross-silo rank {parts.rank} ({args.role}{', data-owner mode' if config.own_data else ''})"
+        policy = SiloPolicy(
+            config.connect_timeout,
+            config.round_timeout,
+            config.min_clients_per_round or config.client_num_per_round,
+            config.round_timeout_factor,
+        )
+        process = CrossSiloProcess(
+            args,
+            parts.device,
+            parts.dataset,
+            parts.model,
+            parts.trainer,
+            parts.aggregator,
+            policy,
+            driver,
+            silo_setup(parts),
+        )
+        return process, where
+    if config.backend == "MPI":
+        from ..engine.batched import BatchedSimulation
+        from ..fedml_bridge.mpi import MPISimulation
+
+        workers = args.worker_num - 1
+        where = f"FedML's MPI simulation, {workers} worker ranks" + (
+            f", each training a share of the round's {config.client_num_per_round} clients as one computation"
+            if config.client_num_per_round > workers
+            else ", one client each"
+        )
+        share_trainer = None
+        if not parts.is_server and config.client_num_per_round > workers:  # a worker's share: the batched engine
+            on_device = {k: v.to(parts.device) for k, v in parts.global_state.items()}
+            share_trainer = BatchedSimulation(
+                parts.algorithm, parts.users, on_device, driver, config.compile_local_update
+            ).train_clients
+        simulation = MPISimulation(
+            args, parts.device, parts.dataset, parts.model, parts.trainer, parts.aggregator, driver, share_trainer
+        )
+        return simulation, where
+    if config.simulation_engine == "fedml":
+        from ..fedml_bridge.sp import SPSimulation
+
+        loop = SPSimulation(args, parts.device, parts.dataset, parts.model, parts.trainer, parts.aggregator, driver)
+        return loop, "FedML's sp loop"
+    from ..engine.batched import BatchedSimulation
+
+    engine = BatchedSimulation(parts.algorithm, parts.users, parts.global_state, driver, config.compile_local_update)
+    return engine, "the batched engine"
+
+
+def silo_setup(parts: RunParts) -> Any:
+    """What this cross-silo process knows beyond FedML's args (see ``SiloSetup``)."""
+    from ..fedml_bridge.cross_silo.agreement import SiloSetup, fingerprint, hello
+
+    config, rank, users = parts.config, parts.rank, parts.users
+    values = fingerprint(config, parts.global_state)
+    counts = {}
+    if parts.is_server and not config.own_data:
+        counts = {user: (len(u.train_y), len(u.test_y)) for user, u in enumerate(users)}
+    elif not parts.is_server and config.own_data:
+        counts = {rank - 1: (len(users[0].train_y), len(users[0].test_y))}
+    announce = None
+    if not parts.is_server:
+        announce = hello(
+            values,
+            rank - 1 if config.own_data else None,
+            users[0] if config.own_data else None,
+            parts.data_problem,
+        )
+    return SiloSetup(
+        config.own_data,
+        list(range(1, config.silo_count + 1)),
+        values,
+        counts,
+        announce,
+        parts.model if parts.is_server else None,
+    )

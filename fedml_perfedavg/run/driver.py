@@ -1,0 +1,119 @@
+"""What happens each round of a run: the :class:`~fedml_perfedavg.algorithms.base.RoundDriver`
+every backend adapter calls (the batched engine, FedML's sp loop, its MPI server, the cross-silo
+server). It samples with the algorithm's keyed sampling and, once a round's global model
+exists, evaluates it on the run's schedule, records it and checkpoints it; the figures silos
+send, the updates refused and the silos lost go to the run's record too."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, List, Optional
+
+from ..algorithms.base import FederatedAlgorithm
+from ..core.types import StateDict
+from . import checkpoint
+from .measures import Measurements
+from .reporting import RunRecorder, record_failure
+from .schedule import RoundSchedule
+
+logger = logging.getLogger(__name__)
+
+
+class RunDriver:
+    """One process's side of every round. ``recorder``, ``measurements`` and ``checkpoints`` are
+    the server's (None elsewhere: a silo or an MPI worker records nothing); ``global_state`` is
+    the newest global model."""
+
+    def __init__(
+        self,
+        algorithm: FederatedAlgorithm,
+        run_dir: str,
+        schedule: RoundSchedule,
+        global_state: StateDict,
+        recorder: Optional[RunRecorder] = None,
+        measurements: Optional[Measurements] = None,
+        checkpoints: Optional[checkpoint.Checkpoints] = None,
+    ) -> None:
+        self.algorithm, self.run_dir, self.schedule = algorithm, run_dir, schedule
+        self.global_state = global_state
+        self.recorder, self.measurements, self.checkpoints = recorder, measurements, checkpoints
+
+    def sample_clients(self, round_idx: int) -> List[int]:
+        return self.algorithm.sample_clients(round_idx)
+
+    def evaluates(self, round_idx: int) -> bool:
+        return self.schedule.evaluates(round_idx)
+
+    def round_finished(self, round_idx: int, global_state: StateDict) -> None:
+        previous, self.global_state = self.global_state, global_state
+        schedule = self.schedule
+        if self.recorder is not None:
+            self.recorder.round_finished(round_idx)
+            if self.measurements is not None and schedule.evaluates(round_idx):  # data-owner mode: the silos do
+                started = time.perf_counter()  # evaluation time is not training time
+                result, extra = self.measurements.evaluate(
+                    round_idx, global_state, previous, schedule.measures_stationarity(round_idx)
+                )
+                self.recorder.record_evaluation(round_idx, result, extra, started)
+        if self.checkpoints is not None and schedule.checkpoints(round_idx):
+            self.save_checkpoint(round_idx + 1)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, next_round: int) -> None:
+        """A checkpoint of the run as it stands, to continue from ``next_round``."""
+        assert self.checkpoints is not None and self.recorder is not None  # the server of a resumable run
+        self.checkpoints.save(
+            next_round,
+            self.global_state,
+            {"algorithm": self.algorithm.state_dict(), "recorder": self.recorder.state_dict()},
+        )
+
+    def restore(self, device: Any) -> int:
+        """The run as its last checkpoint left it (model, algorithm, record); the round to go on
+        from (0 without a checkpoint)."""
+        assert self.checkpoints is not None and self.recorder is not None  # the server of a resumable run
+        state = self.checkpoints.load()
+        if state is None:
+            logger.warning("no checkpoint in %s: starting from round 0", self.run_dir)
+            return 0
+        self.global_state = {k: v.to(device) for k, v in state["model"].items()}
+        self.algorithm.load_state_dict(state["states"]["algorithm"])
+        self.recorder.load_state_dict(state["states"]["recorder"])
+        logger.info("resumed %s at round %d", self.run_dir, state["next_round"])
+        return int(state["next_round"])
+
+    # -- what other processes report ------------------------------------------------------------
+    def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
+        if self.recorder is not None:
+            self.recorder.record_silo_evaluation(label, mean, silos)
+
+    def record_federated_evaluation(
+        self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: List[int], started: Optional[float] = None
+    ) -> None:
+        if self.recorder is not None:
+            self.recorder.record_federated_evaluation(round_idx, counts, missing, started)
+
+    def record_rejected_update(self, round_idx: int) -> None:
+        self.algorithm.rejected[round_idx] = self.algorithm.rejected.get(round_idx, 0) + 1
+
+    def record_refusals(self, totals: Dict[str, int]) -> None:
+        if self.recorder is not None:
+            self.recorder.refusals = dict(totals)
+
+    def record_failure(self, why: str) -> None:
+        """Another rank ends the run (a failing MPI client): summary.json says so. Never raises:
+        the caller is on its way to aborting the job (a rank on another machine may not see the
+        run directory)."""
+        try:
+            record_failure(self.run_dir, why)
+        except Exception as err:  # noqa: BLE001 - the abort must still happen
+            logger.warning("could not mark %s/summary.json aborted: %s", self.run_dir, err)
+
+    def record_lost_silos(self, round_idx: int, ranks: List[int], why: str) -> None:
+        if self.recorder is not None:
+            self.recorder.record_lost_silos(round_idx, ranks, why)
+
+    def record_rejoined_silo(self, round_idx: int, rank: int, why: str) -> None:
+        if self.recorder is not None:
+            self.recorder.record_rejoined_silo(round_idx, rank, why)
