@@ -98,7 +98,10 @@ def rank_device(args: Any, device: Any) -> Any:
 def agree_to_start(comm: Any, rank: int, error: Optional[BaseException]) -> None:
     """Every rank says whether it is ready (a collective: every rank calls it once, at the same
     point); if another rank failed, this one raises that rank's error, so that no rank waits in
-    FedML's loop for one that never comes. A rank that failed itself returns, to raise its own."""
+    FedML's loop for one that never comes. A rank that failed itself returns, to raise its own.
+    Without an MPI communicator (an MPI config started without mpirun) there is no one to tell."""
+    if comm is None:
+        return
     said = None if error is None else (type(error).__name__, str(error))
     failures = [(r, e) for r, e in enumerate(comm.allgather(said)) if e is not None and r != rank]
     if error is not None or not failures:

@@ -331,22 +331,27 @@ class PluginRun:
             args.worker_num = config.silo_count
             if int(args.rank) == 0:
                 args.client_id_list = str(list(range(1, config.silo_count + 1)))
-        check_layout(config, args)  # before any rank opens a file in a run directory a failed start removes
-        self.run_dir = run_dir_of(self.context, args)
-        self.rank = rank_of(config, args)
         if config.backend != "MPI":
+            check_layout(config, args)  # before this process opens a file in a run directory a failed start removes
+            self.run_dir = run_dir_of(self.context, args)
+            self.rank = rank_of(config, args)
             self._assemble(device, dataset, model, trainer, aggregator)
             return
         # Under MPI a rank that fails to start alone would leave the others waiting for it forever
         # in FedML's loop: every rank starts, or every rank stops with the failing rank's error.
+        # Rank 0 removes a failed start's run directory once every rank has said so here, past
+        # fedml.init: a slower rank no longer writes FedML's files into it after it is gone.
         from ..fedml_bridge.mpi import agree_to_start
 
+        self.run_dir = run_dir_of(self.context, args)
+        self.rank = rank_of(config, args)
         try:
+            check_layout(config, args)  # before any rank opens a file of its own in the run directory
             self._assemble(device, dataset, model, trainer, aggregator)
         except Exception as err:
-            agree_to_start(args.comm, self.rank, err)
+            agree_to_start(getattr(args, "comm", None), self.rank, err)
             raise
-        agree_to_start(args.comm, self.rank, None)
+        agree_to_start(getattr(args, "comm", None), self.rank, None)
 
     def _assemble(self, device: Any, dataset: list, model: torch.nn.Module, trainer: Any, aggregator: Any) -> None:
         config = self.config

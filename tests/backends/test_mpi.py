@@ -307,8 +307,8 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-def _mpi_cli_with_one_rank_changed(mnist_root, run_dir, rank, change, timeout=120):
-    sets = {**SETTINGS, "backend": "MPI", "data_cache_dir": mnist_root, "comm_round": 1}
+def _mpi_cli_with_one_rank_changed(mnist_root, run_dir, rank, change, timeout=120, **settings):
+    sets = {**SETTINGS, "backend": "MPI", "data_cache_dir": mnist_root, "comm_round": 1, **settings}
     command = [MPIRUN, "-n", "3", sys.executable, "-c", _ONE_RANK_DIFFERS, str(rank), change, "--cf", HF_YAML]
     command += ["--run-dir", str(run_dir), *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
@@ -341,3 +341,16 @@ def test_a_rank_that_cannot_start_stops_every_rank_with_its_error(mnist_root, tm
     assert out.stderr.count("rank 1 cannot read it") == 3, out.stderr[-4000:]  # every rank says why
     assert "MPI rank 1 could not start (ConfigError: data_args.data_cache_dir: rank 1 cannot read it)" in out.stderr
     assert not (tmp_path / "run").exists()  # a failed start leaves no directory behind
+
+
+@needs_mnist
+@needs_mpi
+def test_a_failed_start_leaves_no_run_directory_even_with_a_slow_rank(mnist_root, tmp_path):
+    """Rank 0 used to remove a failed start's directory while a slower rank was still in
+    fedml.init, which then wrote FedML's files into it again (a fresh clone's CI, 2026-11-24)."""
+    slow_start = "from mpi4py import MPI; import time; time.sleep(8)"
+    run_dir = tmp_path / "run"
+    out = _mpi_cli_with_one_rank_changed(mnist_root, run_dir, 2, slow_start, client_num_per_round=1)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "must be at least the number of ranks - 1 (this is mpirun -n 3: at least 2" in out.stderr
+    assert not run_dir.exists(), sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
