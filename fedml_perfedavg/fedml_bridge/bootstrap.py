@@ -152,6 +152,11 @@ def register_entry(entry: Any) -> None:
     _entry = entry
 
 
+def installed_entry() -> Any:
+    """The run layer's entry, or None before the install."""
+    return _entry
+
+
 def plugin_entry() -> Any:
     """The run layer's entry the plugin was installed with; a deferred install is run now (a
     piece of FedML the plugin replaces is being built before ``fedml.init`` or ``FedMLRunner``:

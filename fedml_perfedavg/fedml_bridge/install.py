@@ -27,6 +27,7 @@ from .. import logs
 from .bootstrap import (
     cancel_install_at_first_use,
     import_fedml,
+    installed_entry,
     register_entry,
     offline_fetch_config,
     redirect_fedml_home,
@@ -34,7 +35,6 @@ from .bootstrap import (
 )
 
 logger = logging.getLogger(__name__)
-_installed: Optional["PluginEntry"] = None
 
 
 class PluginEntry(Protocol):
@@ -169,8 +169,7 @@ def _refusing_insecure_backends(original_init_manager):
 
 def install(entry: PluginEntry) -> None:
     """Install the plugin into FedML (idempotent; see the module doc)."""
-    global _installed
-    if _installed is not None:
+    if is_installed():
         return
     cancel_install_at_first_use()
     import_fedml()
@@ -191,7 +190,6 @@ def install(entry: PluginEntry) -> None:
     from fedml.core.distributed.fedml_comm_manager import FedMLCommManager
 
     FedMLCommManager._init_manager = _refusing_insecure_backends(FedMLCommManager._init_manager)
-    _installed = entry
     register_entry(entry)
     logger.debug("fedml-perfedavg installed into FedML %s", getattr(fedml, "__version__", "?"))
 
@@ -234,4 +232,4 @@ def _install_mpi_fix() -> None:
 
 
 def is_installed() -> bool:
-    return _installed is not None
+    return installed_entry() is not None
