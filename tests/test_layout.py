@@ -8,8 +8,18 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fedml_perfedavg"
-FEDML_FREE = ("core", "data", "algorithms", "engine", "models", "logs")
-LAYERS = {"core": 0, "models": 0, "logs": 0, "data": 1, "algorithms": 2, "engine": 3, "fedml_bridge": 3, "run": 4}
+FEDML_FREE = ("core", "data", "algorithms", "engine", "models", "logs", "stopping")
+LAYERS = {
+    "core": 0,
+    "models": 0,
+    "logs": 0,
+    "stopping": 0,
+    "data": 1,
+    "algorithms": 2,
+    "engine": 3,
+    "fedml_bridge": 3,
+    "run": 4,
+}
 
 
 def _module_name(path: Path) -> str:

@@ -156,8 +156,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             resolve_run_dir,
             run_fedml_main,
             shared_run_dir,
-            sigterm_as_interrupt,
         )
+        from ..stopping import sigterm_as_interrupt
 
         if config.training_type == "cross_silo" or args.role is not None:
             from .silo_addresses import check_silo_role
@@ -201,6 +201,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     except KeyboardInterrupt:
         print(f"fedml-perfedavg: interrupted{_record_of(run_dir, 'what was measured so far')}", file=sys.stderr)
-        from .runner import stopped_exit_code
+        from ..stopping import stopped_exit_code
 
         return stopped_exit_code()

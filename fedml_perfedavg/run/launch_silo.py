@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence
 from ..core.errors import ConfigError, OutputError
 from ..fedml_bridge.cross_silo.credentials import make_certificates
 from .. import logs
+from ..stopping import StopRequested, StopSignals
 from .config import add_config_options, load, load_yaml, parse_overrides
 from .files import write_json
 from .runner import resolve_run_dir
@@ -43,12 +44,20 @@ logger = logging.getLogger(__name__)
 # Forced on every process the launcher starts (the YAML may be a simulation config); progress
 # comes from the server's log lines.
 SILO_SETTINGS = ("training_type=cross_silo", "backend=GRPC", "show_progress=false")
+STOP_SECONDS = 10.0  # from SIGTERM to SIGKILL, for all the processes together
 
 
-def _wait_ready(ready: threading.Event, process: subprocess.Popen, what: str, timeout: float) -> None:
+def _name(rank: int) -> str:
+    return "the server" if rank == 0 else f"silo rank {rank}"
+
+
+def _wait_ready(
+    ready: threading.Event, process: subprocess.Popen, what: str, timeout: float, stop: StopSignals
+) -> None:
     """Until the server says it listens (its own log line, not any listener on the port)."""
     deadline = time.monotonic() + timeout
     while not ready.wait(0.1):
+        stop.check()
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with code {process.returncode} before it listened on {what}")
         if time.monotonic() > deadline:
@@ -213,70 +222,71 @@ def _launch(
         write_json(os.path.join(run_dir, "silo_processes.json"), {str(r): p.pid for r, p in processes.items()})
 
     def stop_all() -> None:
+        """SIGTERM to every process still running; one still there STOP_SECONDS later is killed
+        and named (its record may be incomplete)."""
         for process in processes.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        for process in processes.values():
+        deadline = time.monotonic() + STOP_SECONDS
+        for rank, process in processes.items():
             try:
-                process.wait(timeout=10)
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                logger.error("%s did not stop within %g s of SIGTERM: killed", _name(rank), STOP_SECONDS)
                 process.kill()
+                process.wait()
 
-    stop_signal = [signal.SIGINT]
-
-    def on_sigterm(signum, frame):  # forwarded to every child by stop_all, as SIGINT is
-        stop_signal[0] = signal.SIGTERM
-        raise KeyboardInterrupt
-
-    previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
     logger.info(
         "run %s: server + %d silos on %s",
         run_dir,
         clients,
         ", ".join(f"{ip}:{port}" for ip, port in addresses.values()),
     )
-    try:
-        if server_delay is None:
-            start(0)
-            _wait_ready(server_ready, processes[0], server_address, config.connect_timeout)
-            for rank in range(1, clients + 1):
-                start(rank)
-        else:  # silos first: they retry until the server listens
-            for rank in range(1, clients + 1):
-                start(rank)
-            time.sleep(server_delay)
-            start(0)
-        _watch(processes, config.min_clients_per_round or clients, training_started)
-        # Silos end on their own after a finished run; after a failed one they may wait in vain.
-        deadline = time.monotonic() + (grace_seconds if processes[0].returncode == 0 else 5.0)
-        while time.monotonic() < deadline and any(p.poll() is None for p in processes.values()):
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        logger.warning("interrupted (SIGINT or SIGTERM): stopping every process")
-        return_code = 128 + int(stop_signal[0])  # 130 for Ctrl-C, 143 for SIGTERM, as the shell reports them
-    except RuntimeError as err:
-        logger.error("%s", err)
-        return_code = 1
-    else:
-        return_code = 0
-    finally:
-        stop_all()
-        for pump in pumps:
-            pump.join(timeout=5)
-        signal.signal(signal.SIGTERM, previous_sigterm)
+    with StopSignals() as stop:
+        try:
+            if server_delay is None:
+                start(0)
+                _wait_ready(server_ready, processes[0], server_address, config.connect_timeout, stop)
+                for rank in range(1, clients + 1):
+                    start(rank)
+            else:  # silos first: they retry until the server listens
+                for rank in range(1, clients + 1):
+                    start(rank)
+                stop.sleep(server_delay)
+                start(0)
+            _watch(processes, config.min_clients_per_round or clients, training_started, stop)
+            # Silos end on their own after a finished run; after a failed one they may wait in vain.
+            deadline = time.monotonic() + (grace_seconds if processes[0].returncode == 0 else 5.0)
+            while time.monotonic() < deadline and any(p.poll() is None for p in processes.values()):
+                stop.sleep(0.2)
+        except StopRequested:
+            logger.warning("interrupted (%s): stopping every process", stop.name)
+            return_code = stop.exit_status
+        except RuntimeError as err:
+            logger.error("%s", err)
+            return_code = 1
+        else:
+            return_code = 0
+        finally:
+            stop_all()
+            deadline = time.monotonic() + 5.0  # the output they wrote before they ended
+            for pump in pumps:
+                pump.join(timeout=max(0.0, deadline - time.monotonic()))
     failed = {rank: p.returncode for rank, p in sorted(processes.items()) if p.returncode != 0}
     stopped = (130, 143, -signal.SIGTERM, -signal.SIGINT)  # how a process ends when told to stop
     if return_code in (130, 143) and all(code in stopped for code in failed.values()):
         logger.info("every process stopped as asked; what was measured is in %s", run_dir)
         return return_code
     for rank, code in failed.items():
-        logger.error("%s exited with code %s", "the server" if rank == 0 else f"silo rank {rank}", code)
+        logger.error("%s exited with code %s", _name(rank), code)
     if return_code == 0 and not failed:
         logger.info("all %d processes finished; results in %s", len(processes), run_dir)
     return return_code or (1 if failed else 0)
 
 
-def _watch(processes: Dict[int, subprocess.Popen], min_clients: int, training_started: threading.Event) -> None:
+def _watch(
+    processes: Dict[int, subprocess.Popen], min_clients: int, training_started: threading.Event, stop: StopSignals
+) -> None:
     """Until the server exits. A silo that fails is reported at once. Before training starts
     (the server would wait comm_args.connect_timeout for it), a failure that leaves fewer silos
     than the run needs stops the run at once; later the server's round deadline handles it and
@@ -294,7 +304,7 @@ def _watch(processes: Dict[int, subprocess.Popen], min_clients: int, training_st
                         f"silo rank(s) {sorted(failed)} failed at start; {silos - len(failed)} left, "
                         f"fewer than comm_args.min_clients_per_round={min_clients}: stopping the run"
                     )
-        time.sleep(0.2)
+        stop.sleep(0.2)
 
 
 def build_parser() -> argparse.ArgumentParser:

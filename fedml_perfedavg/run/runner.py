@@ -18,9 +18,6 @@ import functools
 import logging
 import os
 import shutil
-import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -34,6 +31,7 @@ from ..core.types import StateDict
 from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
 from .. import logs
+from ..stopping import STOP_SIGNALLED, exit_as_signalled, sigterm_as_interrupt, stopped_exit_code
 from . import checkpoint
 from .files import make_dir, write_torch
 from .config import (
@@ -484,62 +482,6 @@ class PluginRun:
         self.parts.log_handler = None
 
 
-STOP_SIGNALLED = threading.Event()  # SIGTERM or SIGINT reached this process during the current run
-_STOP_SIGNAL = [signal.SIGINT]  # which one (the first)
-
-
-def stopped_exit_code() -> int:
-    """The shell's exit status of a process stopped by the signal that stopped the run: 130 for
-    SIGINT (Ctrl-C), 143 for SIGTERM."""
-    return 128 + int(_STOP_SIGNAL[0])
-
-
-def _exit_as_signalled(hook):
-    """``sys.excepthook`` for a FedML user's main script: a run stopped by SIGTERM, whose
-    KeyboardInterrupt reaches the top, ends the process by SIGTERM (exit status 143), not by the
-    SIGINT Python would re-raise (-2, as if Ctrl-C), after the usual traceback."""
-
-    @functools.wraps(hook)
-    def excepthook(kind, value, traceback):
-        hook(kind, value, traceback)
-        if issubclass(kind, KeyboardInterrupt) and STOP_SIGNALLED.is_set() and _STOP_SIGNAL[0] == signal.SIGTERM:
-            sys.stderr.flush()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    excepthook.__wrapped__ = hook
-    excepthook.exits_as_signalled = True  # type: ignore[attr-defined]
-    return excepthook
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM ends the run as Ctrl-C does (``PluginRun.ending`` writes what was measured), in the
-    plugin's command line and in a FedML user's own main script alike. Either signal is noted
-    (:data:`STOP_SIGNALLED`): code the interrupt lands in (a gRPC call, say) may turn it into an
-    error of its own, and the run still ends as interrupted. Only the first signal interrupts:
-    one that comes while the run is stopping (a terminal's Ctrl-C and a launcher's SIGTERM at once)
-    would break the stop halfway (a lock released twice)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        if STOP_SIGNALLED.is_set():  # already stopping: a second signal must not interrupt the stop itself
-            return
-        _STOP_SIGNAL[0] = signum
-        STOP_SIGNALLED.set()
-        raise KeyboardInterrupt
-
-    STOP_SIGNALLED.clear()  # a run of its own: an earlier run's stop in this process does not count
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def install() -> None:
     """Install the plugin into FedML with this run layer behind it (what ``import
     fedml_perfedavg`` does)."""
@@ -547,13 +489,6 @@ def install() -> None:
 
     install_bridge(Entry())
     exit_as_signalled()
-
-
-def exit_as_signalled() -> None:
-    """Wrap the process's ``sys.excepthook`` (see :func:`_exit_as_signalled`); again after FedML's
-    ``init``, which puts its own in place (core/mlops/mlops_runtime_log.py)."""
-    if not getattr(sys.excepthook, "exits_as_signalled", False):
-        sys.excepthook = _exit_as_signalled(sys.excepthook)
 
 
 # -- FedML's main-script steps, for the command line and library calls --------------------------------

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -223,6 +224,36 @@ def test_silos_whose_server_was_killed_end_within_seconds(mnist_root, tmp_path):
 
 
 @needs_mnist
+def test_a_silo_process_that_swallowed_its_interrupt_still_stops_at_the_next_receive_tick(tmp_path):
+    """The stop signal's KeyboardInterrupt landed in code that ate it (a finaliser, a library's
+    ``except BaseException``): the receive loop raises it again within one idle tick instead of
+    serving on until the launcher kills the process."""
+    from argparse import Namespace
+
+    from fedml_perfedavg.fedml_bridge.cross_silo.transport import IDLE_TICK_SECONDS, SecureGRPCCommManager
+    from fedml_perfedavg.stopping import STOP_SIGNALLED, sigterm_as_interrupt
+
+    path = write_ipconfig(str(tmp_path / "ip.csv"), 2)
+    args = Namespace(insecure=True, run_id="r", max_message_bytes=1 << 20)
+    manager = SecureGRPCCommManager(path, client_rank=0, client_num=1, args=args)
+    try:
+        with sigterm_as_interrupt():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            except BaseException:  # noqa: BLE001 - what the code it landed in did
+                pass
+            started = time.monotonic()
+            ends_anyway = threading.Timer(5.0, setattr, (manager, "is_running", False))  # else it would serve on
+            ends_anyway.start()
+            with pytest.raises(KeyboardInterrupt):
+                manager.message_handling_subroutine()
+            ends_anyway.cancel()
+            assert time.monotonic() - started < 2 * IDLE_TICK_SECONDS + 1
+    finally:
+        STOP_SIGNALLED.clear()
+        manager.stop_receive_message()
+
+
 def test_ctrl_c_to_launch_silo_ends_every_process_cleanly_every_time(mnist_root, tmp_path):
     """Ctrl-C in a terminal signals the launcher's whole process group; each try must end every
     process, with the run recorded as interrupted and no traceback (1 in 2 tries failed before)."""
@@ -235,7 +266,12 @@ def test_ctrl_c_to_launch_silo_ends_every_process_cleanly_every_time(mnist_root,
             assert process.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         os.killpg(os.getpgid(process.pid), signal.SIGINT)  # what the terminal does
-        out, _ = process.communicate(timeout=60)
+        try:
+            out, _ = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # keep what each process said, to see which lost the signal
+            process.kill()  # its processes get SIGTERM as it dies (PR_SET_PDEATHSIG)
+            out, _ = process.communicate()
+            pytest.fail(f"the launcher ran on 60 s after Ctrl-C:\n{out[-6000:]}\nrun.log:\n{log.read_text()[-3000:]}")
         assert process.returncode == 130, out[-3000:]
         assert "Traceback" not in out and "release unlocked lock" not in out and "ERROR" not in out, out[-3000:]
         deadline = time.monotonic() + 20

@@ -47,23 +47,3 @@ def test_a_running_run_whose_process_is_gone_is_shown_dead(tmp_path, capsys):
     (tmp_path / "summary.json").write_text(json.dumps(_summary(gone.pid, 12345)))
     assert show([str(tmp_path)]) == 0
     assert ", dead (summary.json says running" in capsys.readouterr().out
-
-
-def test_a_second_signal_does_not_interrupt_the_stop_of_the_first():
-    """A terminal's Ctrl-C and a launcher's SIGTERM came at once: the second interrupted the
-    process while it handled the first (RuntimeError: release unlocked lock)."""
-    import signal as signals
-
-    from fedml_perfedavg.run.runner import STOP_SIGNALLED, sigterm_as_interrupt
-
-    stopped = []
-    with pytest.raises(KeyboardInterrupt):
-        with sigterm_as_interrupt():
-            try:
-                os.kill(os.getpid(), signals.SIGINT)
-            except KeyboardInterrupt:
-                assert STOP_SIGNALLED.is_set()
-                os.kill(os.getpid(), signals.SIGTERM)  # while stopping: ignored, the stop goes on
-                stopped.append(True)
-                raise
-    assert stopped == [True]

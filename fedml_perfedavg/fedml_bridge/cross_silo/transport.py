@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from ...core.errors import ConfigError, SiloFailure
+from ...stopping import interrupt_if_stopping
 from ..bootstrap import import_fedml, plugin_entry
 from . import READY_MESSAGE, wire
 from .addresses import read_ipconfig
@@ -424,6 +425,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
 
     def message_handling_subroutine(self) -> None:
         while self.is_running:
+            interrupt_if_stopping()
             try:
                 envelope = self._queue.get(timeout=IDLE_TICK_SECONDS)
             except queue.Empty:

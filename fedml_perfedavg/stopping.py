@@ -1,0 +1,150 @@
+"""How a process of the plugin stops on SIGINT (Ctrl-C) or SIGTERM, in one place.
+
+A run (the command line, a FedML user's main script, each cross-silo process) turns the first
+stop signal into a KeyboardInterrupt, so the run layer writes what was measured before the
+process ends; a second signal while it stops changes nothing. Code that an interrupt can land in
+and swallow (a finaliser, a library's own handler) cannot lose the stop: the cross-silo receive
+loop asks :func:`interrupt_if_stopping` at every message and every idle tick. The launcher, which
+only watches processes, notes a signal and looks for it between its own steps (:class:`StopSignals`).
+FedML-free: the bridge and the run layer both use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Dict, Iterator, Optional
+
+STOP_SIGNALLED = threading.Event()  # SIGTERM or SIGINT reached this process during the current run
+_STOP_SIGNAL = [signal.SIGINT]  # which one (the first)
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_status(signum: int) -> int:
+    """As the shell reports a process ended by ``signum``: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + int(signum)
+
+
+def stopped_exit_code() -> int:
+    """The shell's exit status of a process stopped by the signal that stopped the run."""
+    return exit_status(_STOP_SIGNAL[0])
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends the run as Ctrl-C does (the run layer writes what was measured), in the
+    plugin's command line and in a FedML user's own main script alike. Either signal is noted
+    (:data:`STOP_SIGNALLED`): code the interrupt lands in (a gRPC call, say) may turn it into an
+    error of its own, and the run still ends as interrupted. Only the first signal interrupts:
+    one that comes while the run is stopping (a terminal's Ctrl-C and a launcher's SIGTERM at once)
+    would break the stop halfway (a lock released twice)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        if STOP_SIGNALLED.is_set():  # already stopping: a second signal must not interrupt the stop itself
+            return
+        _STOP_SIGNAL[0] = signum
+        STOP_SIGNALLED.set()
+        raise KeyboardInterrupt
+
+    STOP_SIGNALLED.clear()  # a run of its own: an earlier run's stop in this process does not count
+    previous = {sig: signal.signal(sig, interrupt) for sig in _SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def interrupt_if_stopping() -> None:
+    """Raise KeyboardInterrupt in the main thread if a stop signal came and its interrupt was
+    swallowed where it landed (a ``__del__``, a library's ``except BaseException``): without
+    this, a process that lost it ran on until the launcher killed it."""
+    if STOP_SIGNALLED.is_set() and threading.current_thread() is threading.main_thread():
+        raise KeyboardInterrupt
+
+
+def _exit_as_signalled(hook: Any) -> Any:
+    """``sys.excepthook`` for a FedML user's main script: a run stopped by SIGTERM, whose
+    KeyboardInterrupt reaches the top, ends the process by SIGTERM (exit status 143), not by the
+    SIGINT Python would re-raise (-2, as if Ctrl-C), after the usual traceback."""
+
+    @functools.wraps(hook)
+    def excepthook(kind, value, traceback):  # type: ignore[no-untyped-def]
+        hook(kind, value, traceback)
+        if issubclass(kind, KeyboardInterrupt) and STOP_SIGNALLED.is_set() and _STOP_SIGNAL[0] == signal.SIGTERM:
+            sys.stderr.flush()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    excepthook.__wrapped__ = hook
+    excepthook.exits_as_signalled = True  # type: ignore[attr-defined]
+    return excepthook
+
+
+def exit_as_signalled() -> None:
+    """Wrap the process's ``sys.excepthook`` (see :func:`_exit_as_signalled`); again after FedML's
+    ``init``, which puts its own in place (core/mlops/mlops_runtime_log.py)."""
+    if not getattr(sys.excepthook, "exits_as_signalled", False):
+        sys.excepthook = _exit_as_signalled(sys.excepthook)
+
+
+class StopRequested(Exception):
+    """SIGINT or SIGTERM reached a process that notes signals (:class:`StopSignals`)."""
+
+
+class StopSignals:
+    """SIGINT and SIGTERM noted, not raised: the holder looks for them between its own steps.
+
+    For the launcher, which only watches processes. A KeyboardInterrupt raised wherever the
+    signal lands could land inside ``Popen.poll`` while it holds the process's wait lock; every
+    later ``poll`` then said "running" and the stop waited out each process's timeout. A second
+    signal changes nothing; the first decides the exit status.
+    """
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self._previous: Dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        for signum in _SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _note(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGINT).name
+
+    @property
+    def exit_status(self) -> int:
+        return exit_status(self.signum or signal.SIGINT)
+
+    def check(self) -> None:
+        """Raise :class:`StopRequested` if a signal came."""
+        if self.signum is not None:
+            raise StopRequested(self.name)
+
+    def sleep(self, seconds: float) -> None:
+        """``time.sleep``, cut short (within 0.1 s) by a stop signal."""
+        end = time.monotonic() + seconds
+        while True:
+            self.check()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(0.1, left))
