@@ -18,10 +18,10 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 STOP_SIGNALLED = threading.Event()  # SIGTERM or SIGINT reached this process during the current run
-_STOP_SIGNAL = [signal.SIGINT]  # which one (the first)
+_STOP_SIGNAL: List[int] = [signal.SIGINT]  # which one (the first)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -77,7 +77,7 @@ def _exit_as_signalled(hook: Any) -> Any:
     SIGINT Python would re-raise (-2, as if Ctrl-C), after the usual traceback."""
 
     @functools.wraps(hook)
-    def excepthook(kind, value, traceback):  # type: ignore[no-untyped-def]
+    def excepthook(kind, value, traceback):
         hook(kind, value, traceback)
         if issubclass(kind, KeyboardInterrupt) and STOP_SIGNALLED.is_set() and _STOP_SIGNAL[0] == signal.SIGTERM:
             sys.stderr.flush()

@@ -175,6 +175,90 @@ def axpy(scale: float, x: Params, y: Params) -> Params:
     return {k: y[k] + scale * x[k] for k in y}
 
 
+class StepArithmetic(Protocol):
+    """Where a local update's numbers live and how each part of a step is computed; the step
+    itself (:func:`run_steps`) is the same for every arithmetic. ``role`` names a step's
+    minibatch: 0 is D, 1 is D', 2 is D''. A value returned may live in a buffer that a later call
+    overwrites: the loop reads each value once, in its order."""
+
+    def start(self, params: Params) -> Params: ...
+
+    def gradient(self, point: Params, role: int, t: int) -> Params: ...
+
+    def adapt(self, w: Params, gradient: Params, alpha: float) -> Params: ...  # w - alpha gradient
+
+    def hessian_times(self, kind: Step, w: Params, g: Params, t: int, delta: float) -> Params: ...
+
+    def correct(self, g: Params, hessian_g: Params, alpha: float) -> Params: ...  # g - alpha H g
+
+    def move(self, w: Params, direction: Params, beta: float) -> Params: ...  # w - beta direction
+
+
+class FunctionalSteps:
+    """The step's arithmetic on parameter dicts, each value a new tensor (``axpy``), with
+    ``gradients`` (:class:`FunctionalGradients` by default) on the minibatches of ``batches``."""
+
+    def __init__(self, gradients: Gradients, batches: LocalBatches) -> None:
+        self.gradients = gradients
+        self.roles = ((batches.adapt_x, batches.adapt_y), (batches.meta_x, batches.meta_y))
+        self.hessian = (batches.hessian_x, batches.hessian_y)
+
+    def start(self, params: Params) -> Params:
+        return params
+
+    def gradient(self, point: Params, role: int, t: int) -> Params:
+        x, y = self.roles[role]
+        return self.gradients.grad(point, x[t], y[t])
+
+    def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
+        return axpy(-alpha, gradient, w)
+
+    def hessian_times(self, kind: Step, w: Params, g: Params, t: int, delta: float) -> Params:
+        """H(w; D'') g: HF's central difference of gradients at w +- delta g, or exact."""
+        x, y = self.hessian[0][t], self.hessian[1][t]
+        gradients = self.gradients
+        if kind is Step.HF:
+            fused = getattr(gradients, "finite_difference_hvp", None)  # a specialised oracle's own
+            if fused is not None:
+                return fused(w, g, x, y, delta)
+            plus_minus = {k: torch.stack((p + delta * g[k], p - delta * g[k])) for k, p in w.items()}
+            grads = gradients.grad_pair(plus_minus, x, y)
+            return {k: (v[0] - v[1]) / (2.0 * delta) for k, v in grads.items()}
+        by_hand = getattr(gradients, "hessian_vector_product", None)  # a specialised oracle's own
+        if by_hand is not None:
+            return by_hand(w, g, x, y)
+        return jvp(lambda p: gradients.grad(p, x, y), (w,), (g,))[1]
+
+    def correct(self, g: Params, hessian_g: Params, alpha: float) -> Params:
+        return axpy(-alpha, hessian_g, g)
+
+    def move(self, w: Params, direction: Params, beta: float) -> Params:
+        return axpy(-beta, direction, w)
+
+
+def step_direction(steps: StepArithmetic, kind: Step, w: Params, t: int, alpha: float, delta: float) -> Params:
+    """Step ``t``'s direction at ``w`` (never at the adapted point): SGD's grad f(w; D); FO's
+    g = grad f(w~; D') with w~ = w - alpha grad f(w; D); HF's and exact's g - alpha H(w; D'') g."""
+    gradient = steps.gradient(w, 0, t)
+    if kind is Step.SGD:
+        return gradient
+    g = steps.gradient(steps.adapt(w, gradient, alpha), 1, t)
+    if kind is Step.FO:
+        return g
+    return steps.correct(g, steps.hessian_times(kind, w, g, t, delta), alpha)
+
+
+def run_steps(steps: StepArithmetic, params: Params, config: LocalUpdateConfig) -> Params:
+    """The local update's loop, for every arithmetic: ``config.local_steps`` steps of size
+    ``config.beta`` from ``params``, each starting from the current w, as in Algorithm 1 of
+    Fallah et al. (2020)."""
+    w = steps.start(params)
+    for t in range(config.local_steps):
+        direction = step_direction(steps, config.step, w, t, config.alpha, config.delta)
+        w = steps.move(w, direction, config.beta)
+    return w
+
+
 def meta_gradient(
     loss_fn: LossFn,
     params: Params,
@@ -192,26 +276,9 @@ def meta_gradient(
     """
     if variant not in VARIANTS:  # SGD, or a string from a direct caller (LocalUpdateConfig checks a run's)
         raise ValueError(f"variant={variant!r} is not one of {[str(v) for v in VARIANTS]}")
-    gradients = gradients or FunctionalGradients(loss_fn)
-    adapted = axpy(-alpha, gradients.grad(params, batches.adapt_x, batches.adapt_y), params)
-    g = gradients.grad(adapted, batches.meta_x, batches.meta_y)
-    if variant == Step.FO:
-        return g
-    if variant == Step.HF:
-        fused = getattr(gradients, "finite_difference_hvp", None)  # a specialised oracle's own
-        if fused is not None:
-            hessian_g = fused(params, g, batches.hessian_x, batches.hessian_y, delta)
-        else:
-            plus_minus = {k: torch.stack((p + delta * g[k], p - delta * g[k])) for k, p in params.items()}
-            grads = gradients.grad_pair(plus_minus, batches.hessian_x, batches.hessian_y)
-            hessian_g = {k: (v[0] - v[1]) / (2.0 * delta) for k, v in grads.items()}
-    else:
-        by_hand = getattr(gradients, "hessian_vector_product", None)  # a specialised oracle's own
-        if by_hand is not None:
-            hessian_g = by_hand(params, g, batches.hessian_x, batches.hessian_y)
-        else:
-            hessian_g = jvp(lambda p: gradients.grad(p, batches.hessian_x, batches.hessian_y), (params,), (g,))[1]
-    return axpy(-alpha, hessian_g, g)
+    one_step = LocalBatches(*(tensor.unsqueeze(0) for tensor in batches))
+    steps = FunctionalSteps(gradients or FunctionalGradients(loss_fn), one_step)
+    return step_direction(steps, Step(variant), params, 0, alpha, delta)
 
 
 def local_update(
@@ -221,19 +288,8 @@ def local_update(
     config: LocalUpdateConfig,
     gradients: Optional[Gradients] = None,
 ) -> Params:
-    """Run one client's ``config.local_steps`` steps from ``params`` and return the new params.
-
-    Each step starts from the current w (never from the adapted point w~), as in
-    Algorithm 1 of Fallah et al. (2020). ``gradients`` defaults to ``torch.func`` on ``loss_fn``;
-    :class:`fedml_perfedavg.core.hand_batched.HandBatchedGradients` runs all clients of a round at once.
-    """
-    gradients = gradients or FunctionalGradients(loss_fn)
-    kind = config.step
-    for t in range(config.local_steps):
-        step = batches.step(t)
-        if kind is Step.SGD:
-            direction = gradients.grad(params, step.adapt_x, step.adapt_y)
-        else:
-            direction = meta_gradient(loss_fn, params, step, kind, config.alpha, config.delta, gradients)
-        params = axpy(-config.beta, direction, params)
-    return params
+    """Run one client's ``config.local_steps`` steps from ``params`` and return the new params
+    (:func:`run_steps` with :class:`FunctionalSteps`). ``gradients`` defaults to ``torch.func``
+    on ``loss_fn``; :meth:`fedml_perfedavg.core.hand_batched.HandBatchedGradients.local_update`
+    runs the same loop for all clients of a round at once, in reused buffers."""
+    return run_steps(FunctionalSteps(gradients or FunctionalGradients(loss_fn), batches), params, config)

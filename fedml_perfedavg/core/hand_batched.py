@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .client_maths import LocalBatches, LocalUpdateConfig, Step
+from .client_maths import LocalBatches, LocalUpdateConfig, Step, run_steps
 from .functional import logits_of, parameters_of
 from .types import Params
 
@@ -402,52 +402,11 @@ class HandBatchedGradients:
 
     def local_update(self, params: Params, batches: LocalBatches, config: LocalUpdateConfig) -> Params:
         """``config.local_steps`` local steps of every client from ``params`` (client first;
-        ``batches`` step first): the numbers of :func:`fedml_perfedavg.core.client_maths.local_update`
-        with this oracle, bit for bit (every elementwise operation is the same one on the same
-        operands), computed in flat per-client buffers reused from call to call: an update of
-        all parameters is one kernel, and no step allocates gradient-sized tensors."""
-        layout = _FlatLayout(params)
-        work = self._work.get(layout.key())
-        if work is None:  # one set per shape (a grid's rounds are larger than a run's)
-            work = self._work[layout.key()] = {name: layout.new() for name in ("meta", "adapted")}
-        (meta_flat, meta_grad) = work["meta"]
-        # One buffer holds in turn grad f(w; D), the adapted point built from it in place, the
-        # Hessian-vector product once g no longer needs that point, and the step's direction:
-        # two buffers stay in cache where four would not. Each update is the same operation on
-        # the same operands as :func:`~fedml_perfedavg.core.client_maths.axpy` (y + s x), with the
-        # sum's operands swapped where it is done in place (an IEEE sum is commutative).
-        (work_flat, work_views) = work["adapted"]
-        result_flat, result = layout.new()  # returned: the caller keeps it, so never reused
-        for name, tensor in result.items():
-            tensor.copy_(params[name])
-        # The one-hot targets of every step at once (the same values as one step at a time), for
-        # the minibatches the step reads.
-        kind = config.step
-        targets = [
-            F.one_hot(y, self.classes).to(layout.dtype)
-            for y in (batches.adapt_y, batches.meta_y, batches.hessian_y)[: kind.batch_roles]
-        ]
-        step_inputs = _StepInputs(batches, self._input_buffers)
-        for t in range(config.local_steps):
-            self.grad(result, step_inputs.get(0, t), targets[0][t], out=work_views)
-            if kind is Step.SGD:
-                direction_flat = work_flat
-            else:
-                work_flat.mul_(-config.alpha).add_(result_flat)  # adapted = w + (-alpha grad f(w; D))
-                self.grad(work_views, step_inputs.get(1, t), targets[1][t], out=meta_grad)
-                direction_flat = meta_flat
-                if kind is not Step.FO:
-                    if kind is Step.HF:
-                        self.finite_difference_hvp(
-                            result, meta_grad, step_inputs.get(2, t), targets[2][t], config.delta, out=work_views
-                        )
-                    else:
-                        self.hessian_vector_product(
-                            result, meta_grad, step_inputs.get(2, t), targets[2][t], out=work_views
-                        )
-                    direction_flat = work_flat.mul_(-config.alpha).add_(meta_flat)  # g + (-alpha H g)
-            result_flat.add_(direction_flat.mul_(-config.beta))
-        return result
+        ``batches`` step first): the one step loop (:func:`~fedml_perfedavg.core.client_maths.run_steps`)
+        in this oracle's flat per-client buffers (:class:`_BufferedSteps`), reused from call to
+        call; its numbers are those of :func:`~fedml_perfedavg.core.client_maths.local_update`
+        with this oracle, bit for bit."""
+        return run_steps(_BufferedSteps(self, params, batches, config.step), params, config)
 
     def grad_pair(self, params: Params, x: Tensor, y: Tensor) -> Params:
         # the two points as 2C clients: one batched pass
@@ -502,3 +461,63 @@ class HandBatchedGradients:
         if first.activation is not None:
             delta = first.activation.backward(delta, z1, h1)
         return grads, delta
+
+
+class _BufferedSteps:
+    """The step's arithmetic in flat per-client buffers (:class:`_FlatLayout`): an update of all
+    parameters is one kernel, and no step allocates gradient-sized tensors.
+
+    One buffer (``work``) holds in turn grad f(w; D), the adapted point built from it in place,
+    the Hessian-vector product once g no longer needs that point, and the step's direction: two
+    buffers stay in cache where four would not. Each update is the same operation on the same
+    operands as :func:`~fedml_perfedavg.core.client_maths.axpy` (y + s x), with the sum's operands
+    swapped where it is done in place (an IEEE sum is commutative), so the bits are the same.
+    """
+
+    def __init__(self, oracle: HandBatchedGradients, params: Params, batches: LocalBatches, kind: Step) -> None:
+        self.oracle = oracle
+        layout = _FlatLayout(params)
+        work = oracle._work.get(layout.key())
+        if work is None:  # one set per shape (a grid's rounds are larger than a run's)
+            work = oracle._work[layout.key()] = {name: layout.new() for name in ("meta", "adapted")}
+        self.meta_flat, self.meta = work["meta"]
+        self.work_flat, self.work = work["adapted"]
+        self.w_flat, self.w = layout.new()  # returned: the caller keeps it, so never reused
+        # The one-hot targets of every step at once (the same values as one step at a time), for
+        # the minibatches the step reads.
+        self.targets = [
+            F.one_hot(y, oracle.classes).to(layout.dtype)
+            for y in (batches.adapt_y, batches.meta_y, batches.hessian_y)[: kind.batch_roles]
+        ]
+        self.inputs = _StepInputs(batches, oracle._input_buffers)
+
+    def start(self, params: Params) -> Params:
+        for name, tensor in self.w.items():
+            tensor.copy_(params[name])
+        return self.w
+
+    def gradient(self, point: Params, role: int, t: int) -> Params:
+        out = self.work if role == 0 else self.meta
+        self.oracle.grad(point, self.inputs.get(role, t), self.targets[role][t], out=out)
+        return out
+
+    def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
+        self.work_flat.mul_(-alpha).add_(self.w_flat)  # w + (-alpha grad f(w; D)), in grad's buffer
+        return self.work
+
+    def hessian_times(self, kind: Step, w: Params, g: Params, t: int, delta: float) -> Params:
+        x, y = self.inputs.get(2, t), self.targets[2][t]
+        if kind is Step.HF:
+            self.oracle.finite_difference_hvp(w, g, x, y, delta, out=self.work)
+        else:
+            self.oracle.hessian_vector_product(w, g, x, y, out=self.work)
+        return self.work
+
+    def correct(self, g: Params, hessian_g: Params, alpha: float) -> Params:
+        self.work_flat.mul_(-alpha).add_(self.meta_flat)  # g + (-alpha H g)
+        return self.work
+
+    def move(self, w: Params, direction: Params, beta: float) -> Params:
+        flat = self.work_flat if direction is self.work else self.meta_flat
+        self.w_flat.add_(flat.mul_(-beta))
+        return self.w

@@ -245,10 +245,10 @@ def test_an_upload_may_answer_an_earlier_model_still_open_but_only_once(world, c
     message = Message(wire.UPLOAD, 1, 0)
     message.add_params(wire.MODEL_KEY, MODEL)
     message.add_params("num_samples", 40)
-    world.silo._last_model = (first.seq, first.round)  # the silo answers the model it trained on
+    world.silo.conversations.last_model = (first.seq, first.round)  # the silo answers the model it trained on
     world.silo.send_message(message)
     assert [u.reply_to for u in _drain(world.server)] == [first.seq]
-    world.silo._last_model = (second.seq, second.round)
+    world.silo.conversations.last_model = (second.seq, second.round)
     with caplog.at_level(logging.WARNING):
         world.silo.send_message(message)
     assert _drain(world.server) == [] and "answers no open model" in caplog.text

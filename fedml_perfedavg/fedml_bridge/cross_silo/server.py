@@ -49,8 +49,9 @@ from ...core.errors import ConfigError, SiloFailure
 from ..bootstrap import import_fedml
 from ..shims import aggregate_with_hooks
 from ...algorithms.base import RoundDriver
-from .agreement import SiloSetup, data_problem, disagreement
+from .agreement import SiloSetup
 from .policy import SiloPolicy
+from .roster import SiloRoster, silo_accuracies
 from . import TRAINING_STARTED
 from .transport import ROUND_KEY, SESSION_KEY
 from . import wire
@@ -130,10 +131,7 @@ class PluginServerManager(FedMLServerManager):
         self.phase = Phase.STARTING
         self.deadline: Optional[float] = None  # the one deadline of the open phase (time.monotonic())
         self.phase_opened = 0.0
-        self.live: List[int] = list(setup.silos)  # silos not given up on, in rank order
-        self.online: Set[int] = set()
-        self.hellos: Dict[int, Dict[str, Any]] = {}  # silo -> what it announced
-        self.sessions: Dict[int, Optional[str]] = {}  # silo -> its process's session
+        self.roster = SiloRoster(setup)
         self.expected: List[int] = []  # the open round's silos (data-owner mode: offline ones too)
         self.assigned: Dict[int, Tuple[int, int]] = {}  # silo -> (position in the sample, user), open round
         self.answered: Set[int] = set()  # silos of the open round that answered (accepted or refused)
@@ -184,8 +182,8 @@ class PluginServerManager(FedMLServerManager):
             return
         if self.phase is Phase.ONLINE:
             self.deadline = None
-            missing = [s for s in self.live if s not in self.online]
-            go_on, _ = self.policy.after_deadline(self.live, sorted(self.online))
+            missing = [s for s in self.roster.live if s not in self.roster.online]
+            go_on, _ = self.policy.after_deadline(self.roster.live, sorted(self.roster.online))
             self._give_up_on(
                 missing,
                 f"did not come online within comm_args.connect_timeout={self.policy.connect_timeout:g} s",
@@ -200,7 +198,7 @@ class PluginServerManager(FedMLServerManager):
             self.deadline = None
             logger.warning(
                 "no goodbye from silo rank(s) %s within the round deadline; the run is complete",
-                sorted(set(self.live) - self.finished),
+                sorted(set(self.roster.live) - self.finished),
             )
             self._complete()
 
@@ -208,7 +206,7 @@ class PluginServerManager(FedMLServerManager):
         if not silos:
             return
         self.driver.record_lost_silos(self.round_idx, sorted(silos), why)
-        left = len([s for s in self.live if s not in silos])
+        left = len([s for s in self.roster.live if s not in silos])
         if not go_on:
             self._stop(
                 f"round {self.round_idx}: silo rank(s) {sorted(silos)} {why}; fewer than comm_args."
@@ -222,7 +220,7 @@ class PluginServerManager(FedMLServerManager):
             left,
             self.policy.min_clients,
         )
-        self.live = [s for s in self.live if s not in silos]
+        self.roster.drop(silos)
         for silo in silos:
             self.assigned.pop(silo, None)
             self.awaiting.discard(silo)
@@ -245,7 +243,7 @@ class PluginServerManager(FedMLServerManager):
         if self.phase is not Phase.DONE:
             self._enter(Phase.DONE)
         self._record_refusals()
-        finish = [self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=reason) for silo in self.live]
+        finish = [self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=reason) for silo in self.roster.live]
         try:
             self.com_manager.send_all(finish, time.monotonic() + seconds)
         except Exception as err:  # noqa: BLE001 - best effort: the run is ending either way, for its own reason
@@ -296,55 +294,36 @@ class PluginServerManager(FedMLServerManager):
         # FedML pings every silo here; silos announce themselves (retrying until the server
         # listens), so the server only starts its clock.
         self._enter(Phase.ONLINE, self.policy.connect_timeout)
-        logger.info("server listening; waiting for silos %s", self.live)
+        logger.info("server listening; waiting for silos %s", self.roster.live)
 
     def _on_status(self, msg_params: Message) -> None:
         silo = int(msg_params.get_sender_id())
         status = msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_STATUS)
         if status == self.ONLINE_STATUS_FLAG:
             self._on_hello(silo, msg_params.get(wire.HELLO), msg_params.get(SESSION_KEY))
-        elif status == self.RUN_FINISHED_STATUS_FLAG and self.phase is Phase.FINISHING and silo in self.live:
+        elif status == self.RUN_FINISHED_STATUS_FLAG and self.phase is Phase.FINISHING and silo in self.roster.live:
             self.finished.add(silo)
             self._note_silo_metrics(silo, msg_params.get(wire.SILO_METRICS), self.round_idx)
-            if all(s in self.finished for s in self.live):
+            if all(s in self.finished for s in self.roster.live):
                 self._complete()
 
     # -- a silo comes online ------------------------------------------------------------------------
-    def _problem_with(self, silo: int, announced: Optional[Dict[str, Any]]) -> Optional[str]:
-        """Why a silo's announcement is refused (see :mod:`.agreement`), or None."""
-        if announced is None:
-            return f"silo rank {silo} announced no fingerprint: it does not run this version of the plugin"
-        problem = disagreement(self.setup.fingerprint, announced["fingerprint"], silo)
-        if problem is not None or not self.setup.own_data:
-            return problem
-        if announced["problem"] is not None:
-            return f"silo rank {silo} cannot train on its own data: {announced['problem']}"
-        if announced["user"] != silo - 1 or announced["train"] is None:
-            return (
-                f"silo rank {silo} announced user {announced['user']}'s data; in data-owner mode rank R holds "
-                f"user R-1's"
-            )
-        assert self.setup.model is not None  # a data-owner run's server holds its model
-        return data_problem(self.setup.model, announced, silo)
-
     def _on_hello(self, silo: int, announced: Optional[Dict[str, Any]], session: Optional[str]) -> None:
         if self.phase in (Phase.FINISHING, Phase.DONE) or silo not in self.setup.silos:
             return
-        problem = self._problem_with(silo, announced)
+        problem = self.roster.problem_with(silo, announced)
         if problem is not None:
             self._refuse_silo(silo, problem)
             return
         assert announced is not None  # (no announcement is a problem)
-        restarted = silo in self.sessions and self.sessions[silo] != session
-        self.sessions[silo] = session
-        self.hellos[silo] = announced
+        restarted = self.roster.greet(silo, announced, session)
         if self.phase in (Phase.STARTING, Phase.ONLINE):
-            self.online.add(silo)
-            if self.phase is Phase.ONLINE and all(s in self.online for s in self.live):
+            self.roster.online.add(silo)
+            if self.phase is Phase.ONLINE and self.roster.all_online():
                 self._start_training()
             return
-        if silo not in self.live:
-            self.live = [s for s in self.setup.silos if s in self.live or s == silo]
+        if silo not in self.roster.live:
+            self.roster.take_back(silo)
             why = "it announced itself again" + (" from a new process" if restarted else "")
             logger.warning(
                 "round %d: silo rank %d is back (%s); it takes part from the next round", self.round_idx, silo, why
@@ -377,12 +356,12 @@ class PluginServerManager(FedMLServerManager):
                 )
             ]
         )
-        if silo not in self.live:
+        if silo not in self.roster.live:
             return
-        left = [s for s in self.live if s != silo]
+        left = [s for s in self.roster.live if s != silo]
         go_on = len(left) >= self.policy.min_clients if self.phase in (Phase.STARTING, Phase.ONLINE) else True
         self._give_up_on([silo], f"refused: {problem}", go_on)
-        if self.phase is Phase.ONLINE and all(s in self.online for s in self.live):
+        if self.phase is Phase.ONLINE and self.roster.all_online():
             self._start_training()
         else:
             self._close_if_complete()
@@ -390,25 +369,13 @@ class PluginServerManager(FedMLServerManager):
     # -- rounds ---------------------------------------------------------------------------------------
     def _start_training(self) -> None:
         self.is_initialized = True
-        logger.info("silos %s %s", self.live, TRAINING_STARTED)
+        logger.info("silos %s %s", self.roster.live, TRAINING_STARTED)
         self._open_round(MyMessage.MSG_TYPE_S2C_INIT_CONFIG)
-
-    def _assignment(self, round_idx: int) -> Tuple[List[int], Dict[int, Tuple[int, int]]]:
-        """(the round's silos, live silo -> (position, user)): in shared mode the k-th silo trains
-        the k-th user of the keyed sample; in data-owner mode each sampled user's own silo."""
-        users = self.driver.sample_clients(round_idx)
-        if self.setup.own_data:
-            expected = [int(u) + 1 for u in users]
-            assigned = {int(u) + 1: (p, int(u)) for p, u in enumerate(users)}
-        else:
-            expected = list(self.live)
-            assigned = {s: (self.setup.silos.index(s), int(users[self.setup.silos.index(s)])) for s in self.live}
-        return expected, {s: pu for s, pu in assigned.items() if s in self.live}
 
     def _open_round(self, msg_type: int) -> None:
         """Open the round ``self.round_idx``: send its model to its silos, within the round's deadline."""
         round_idx = self.round_idx
-        self.expected, self.assigned = self._assignment(round_idx)
+        self.expected, self.assigned = self.roster.assignment(self.driver.sample_clients(round_idx))
         self.answered = set()
         offline = [s for s in self.expected if s not in self.assigned]
         if offline:
@@ -455,7 +422,7 @@ class PluginServerManager(FedMLServerManager):
         self.answered.add(silo)
         position, user = self.assigned[silo]
         declared = msg_params.get(MyMessage.MSG_ARG_KEY_NUM_SAMPLES)
-        known = self._counts_of(silo, user)[0]
+        known = self.roster.counts_of(silo, user)[0]
         if declared != known:
             self._refuse(
                 silo,
@@ -473,14 +440,6 @@ class PluginServerManager(FedMLServerManager):
             self.slowest_round = max(time.monotonic() - self.phase_opened, self.slowest_round or 0.0)
             self.rounds_measured += 1
         self._close_if_complete()
-
-    def _counts_of(self, silo: int, user: int) -> Tuple[int, int]:
-        """(training, test) samples of ``user``, as the server knows them: its own data in shared
-        mode, the silo's announcement in data-owner mode."""
-        if self.setup.own_data:
-            announced = self.hellos[silo]
-            return announced["train"], announced["test"]
-        return self.setup.user_counts[user]
 
     def _close_round(self, why_missing: Optional[str]) -> None:
         """The round's deadline passed (``why_missing`` says what the missing silos failed to do)
@@ -514,7 +473,7 @@ class PluginServerManager(FedMLServerManager):
     # -- evaluation (data-owner mode) ----------------------------------------------------------------
     def _open_evaluation(self, round_idx: int) -> None:
         """Every online silo evaluates the model after ``round_idx`` on its own data."""
-        self.evaluations, self.awaiting = {}, set(self.live)
+        self.evaluations, self.awaiting = {}, set(self.roster.live)
         self.evaluation_started = time.perf_counter()
         self.evaluated_round = round_idx
         self._enter(Phase.EVALUATING, self._round_seconds())
@@ -537,7 +496,7 @@ class PluginServerManager(FedMLServerManager):
             )
             return
         self.awaiting.discard(silo)
-        problem = self._figures_problem(silo, counts, silo - 1, self.evaluated_round)
+        problem = self.roster.figures_problem(silo, counts, silo - 1, self.evaluated_round)
         if problem is not None:
             self._refuse(
                 silo,
@@ -547,19 +506,6 @@ class PluginServerManager(FedMLServerManager):
         else:
             self.evaluations[silo - 1] = counts
         self._close_if_complete()
-
-    def _figures_problem(self, silo: int, counts: Dict[str, Any], user: int, round_idx: int) -> Optional[str]:
-        """Why a silo's reported counts cannot be its evaluation of ``user`` after ``round_idx``
-        (the wire already checked they are whole, finite and consistent), or None."""
-        if counts["round"] != round_idx or counts["user"] != user:
-            return (
-                f"silo rank {silo} reported round {counts['round']}, user {counts['user']}; it was asked for "
-                f"round {round_idx}, user {user}"
-            )
-        test = self._counts_of(silo, user)[1]
-        if counts["total"] != test:
-            return f"silo rank {silo} reported {counts['total']} test samples for user {user}, who has {test}"
-        return None
 
     def _close_evaluation(self, why_missing: Optional[str]) -> None:
         self.deadline = None
@@ -574,7 +520,7 @@ class PluginServerManager(FedMLServerManager):
 
     # -- the end (shared mode: the silos evaluate the final model and say goodbye) -------------------------
     def _send_final_model(self) -> None:
-        self.expected, self.assigned = self._assignment(self.round_idx)
+        self.expected, self.assigned = self.roster.assignment(self.driver.sample_clients(self.round_idx))
         self._enter(Phase.FINISHING, self._round_seconds())
         params = self.aggregator.get_global_model_params()
         messages = [
@@ -583,8 +529,8 @@ class PluginServerManager(FedMLServerManager):
         ]
         for silo, err in sorted(self.com_manager.send_all(messages, self.deadline).items()):
             logger.warning("%s", err)
-            self.live = [s for s in self.live if s != silo]
-        if all(s in self.finished for s in self.live):
+            self.roster.drop([silo])
+        if all(s in self.finished for s in self.roster.live):
             self._complete()
 
     def _complete(self) -> None:
@@ -599,7 +545,7 @@ class PluginServerManager(FedMLServerManager):
         if counts is None or silo not in self.assigned:
             return
         user = self.assigned[silo][1]
-        problem = self._figures_problem(silo, counts, user, round_idx)
+        problem = self.roster.figures_problem(silo, counts, user, round_idx)
         if problem is not None:
             self._refuse(silo, BAD_FIGURES, f"{problem}; its figures are not recorded")
             return
@@ -608,18 +554,7 @@ class PluginServerManager(FedMLServerManager):
     def _log_silo_metrics(self, label: str) -> None:
         if not self.silo_metrics:
             return
-        from ...core.evaluation import accuracy_of
-
-        entries = {
-            silo: {
-                "round": c["round"],
-                "user": c["user"],
-                "accuracy": accuracy_of(c["correct"], c["total"]),
-                "accuracy_before_adaptation": accuracy_of(c["correct_before"], c["total"]),
-            }
-            for silo, c in sorted(self.silo_metrics.items())
-        }
-        mean = sum(e["accuracy"] for e in entries.values()) / len(entries)
+        mean, entries = silo_accuracies(self.silo_metrics)
         logger.info(
             "%s: silos' own personalized accuracy %.4f (model they received, mean of %d silos, each on its user: %s)",
             label,

@@ -36,13 +36,14 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from ...core.errors import ConfigError, SiloFailure
 from ...stopping import interrupt_if_stopping
 from ..bootstrap import import_fedml, plugin_entry
 from . import READY_MESSAGE, wire
 from .addresses import read_ipconfig
+from .conversations import Conversations
 from .credentials import (
     Credentials,
     load_credentials,
@@ -72,14 +73,7 @@ DESCRIPTORS_RESERVED = 256  # for the run's own files, channels and gRPC's threa
 DESCRIPTORS_PER_CONNECTION = 3  # a gated connection: the peer's socket, the gate's to gRPC, gRPC's accepted one
 DEFAULT_MAX_CONNECTIONS = 1024
 # Reasons a message is refused, beside wire's (counted by these codes).
-IDENTITY, OTHER_RUN, REPLAY, STALE, SESSION, INTERNAL = (
-    "identity",
-    "other-run",
-    "replay",
-    "stale",
-    "session",
-    "internal",
-)
+IDENTITY, OTHER_RUN, INTERNAL = "identity", "other-run", "internal"
 
 
 class PeerUnreachable(SiloFailure):
@@ -222,18 +216,10 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             )
         self._observers: List[Any] = []
         self._queue: "queue.Queue[wire.Envelope]" = queue.Queue()
-        self._lock = threading.Lock()
-        self._sent_seq: Dict[int, int] = {}  # receiver -> last seq sent
-        self._seen_seq: Dict[int, int] = {}  # sender -> last seq accepted (in its current session)
-        self._sessions: Dict[int, str] = {}  # sender -> its current session
-        self._retired: Dict[int, Set[str]] = {}  # sender -> its earlier sessions (their messages are replays now)
-        # silo -> seqs of the models sent to it and not answered yet. Usually one; FedML's own server
-        # sends a silo its first model twice when the silo reports online twice (it has no guard).
-        self._open_models: Dict[int, set] = {}
-        self._last_model: Tuple[int, int] = (-1, 0)  # a silo: (seq, round) of the server's last model
+        self._lock = threading.Lock()  # the channels
+        self.conversations = Conversations(self.rank)
         self._channels: Dict[int, Any] = {}
         self.rejected = 0
-        self.finish_received = False  # a silo: the server said the run is over (sends stop retrying)
         self.is_running = False
         ip, port = self.addresses[self.rank]
         limit = self.settings.size_cap + _PROTOBUF_SLACK
@@ -354,60 +340,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
                 f"run ({self.settings.run_id!r})",
                 OTHER_RUN,
             )
-        with self._lock:
-            self._check_session(envelope)
-            last = self._seen_seq.get(sender, -1)
-            if envelope.seq <= last:
-                raise wire.Rejected(
-                    f"type {kind} from rank {sender} is a replay (sequence {envelope.seq}, already at {last})", REPLAY
-                )
-            if kind == wire.UPLOAD:
-                if envelope.reply_to not in self._open_models.get(sender, ()):
-                    raise wire.Rejected(
-                        f"an upload from rank {sender} for round {envelope.round} answers no open "
-                        f"model (a round already closed, or a second upload in one round)",
-                        STALE,
-                    )
-                self._open_models[sender] = set()  # one answer closes every model sent before it
-            self._seen_seq[sender] = envelope.seq
-            self.finish_received |= kind == wire.FINISH
-            if kind in wire.MODEL_MESSAGES:
-                self._last_model = (envelope.seq, envelope.round)
-
-    def _check_session(self, envelope: wire.Envelope) -> None:
-        """A sender's messages come from one process at a time (its session). A silo that restarts
-        starts a new session, which only its announcement (an ONLINE status) may open; from then on
-        the earlier session's messages are replays. A silo takes one server session: the first."""
-        sender, session = envelope.sender, envelope.session
-        current = self._sessions.get(sender)
-        if current == session:
-            return
-        if current is not None:
-            if session in self._retired.get(sender, set()):
-                raise wire.Rejected(
-                    f"type {envelope.type} from rank {sender} comes from an earlier process of that "
-                    f"rank (session {session}), which a newer one replaced",
-                    REPLAY,
-                )
-            announces = envelope.type == wire.CLIENT_STATUS and envelope.params.get("client_status") == "ONLINE"
-            if self.rank != 0 or not announces:
-                raise wire.Rejected(
-                    f"type {envelope.type} from rank {sender} comes from another process of that rank "
-                    f"(session {session}, this rank talks to session {current})"
-                    + ("; a silo's new process must announce itself first" if self.rank == 0 else ""),
-                    SESSION,
-                )
-            self._retired.setdefault(sender, set()).add(current)
-            self._open_models.pop(sender, None)
-            logger.warning(
-                "rank %d: rank %d is a new process (session %s); messages of its earlier process are "
-                "refused from now on",
-                self.rank,
-                sender,
-                session,
-            )
-        self._sessions[sender] = session
-        self._seen_seq[sender] = -1
+        self.conversations.admit(envelope)
 
     def _to_message(self, envelope: wire.Envelope):
         message = Message(envelope.type, envelope.sender, envelope.receiver)
@@ -462,14 +395,11 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         if self.rank == 0:
             round_idx, reply_to = int(getattr(self.args, "round_idx", 0) or 0), -1
         else:
-            reply_to, round_idx = self._last_model if kind == wire.UPLOAD else (-1, self._last_model[1])
+            last_model = self.conversations.last_model
+            reply_to, round_idx = last_model if kind == wire.UPLOAD else (-1, last_model[1])
         if stamped is not None:
             round_idx = int(stamped)
-        with self._lock:
-            seq = self._sent_seq.get(receiver, -1) + 1
-            self._sent_seq[receiver] = seq
-            if kind in wire.MODEL_MESSAGES:  # before sending: the answer may come first
-                self._open_models.setdefault(receiver, set()).add(seq)
+        seq = self.conversations.next_seq(kind, receiver)
         return wire.Envelope(
             type=kind,
             sender=sender,
@@ -567,7 +497,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         ip, port = self.addresses[receiver]
         delay, last_error, window = 0.1, "no answer", max(0.0, deadline - time.monotonic())
         while True:
-            if self.finish_received:  # its finish waits in the queue; the server is not listening any more
+            if self.conversations.finish_received:  # its finish waits in the queue; the server stopped listening
                 logger.info("rank %d: the server ended the run; a message to rank %d is not sent", self.rank, receiver)
                 return
             left = deadline - time.monotonic()

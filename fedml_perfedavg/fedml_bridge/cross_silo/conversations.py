@@ -1,0 +1,102 @@
+"""What one cross-silo rank knows of its exchanges with each peer, apart from the transport that
+carries them (transport.py): the sequence numbers it sent and accepted, each peer's process (its
+session), and the models a silo has not answered yet. Every check of order is here: replays, an
+upload that answers no open model, a message from a process that a newer one replaced. Who may
+send what to whom (certificates, addressing, the run id) is the transport's check, made first."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Dict, Set, Tuple
+
+from . import wire
+
+logger = logging.getLogger(__name__)
+
+REPLAY, STALE, SESSION = "replay", "stale", "session"  # refusal reasons, counted by these codes
+
+
+class Conversations:
+    """Per-peer order of one rank's messages; safe to use from gRPC's threads and the sender's."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._sent_seq: Dict[int, int] = {}  # receiver -> last seq sent
+        self._seen_seq: Dict[int, int] = {}  # sender -> last seq accepted (in its current session)
+        self._sessions: Dict[int, str] = {}  # sender -> its current session
+        self._retired: Dict[int, Set[str]] = {}  # sender -> its earlier sessions (their messages are replays now)
+        # silo -> seqs of the models sent to it and not answered yet. Usually one; FedML's own server
+        # sends a silo its first model twice when the silo reports online twice (it has no guard).
+        self._open_models: Dict[int, Set[int]] = {}
+        self.last_model: Tuple[int, int] = (-1, 0)  # a silo: (seq, round) of the server's last model
+        self.finish_received = False  # a silo: the server said the run is over (sends stop retrying)
+
+    def next_seq(self, kind: int, receiver: int) -> int:
+        """The sequence number of the next message of type ``kind`` to ``receiver``; a model is
+        open (its answer awaited) from now, before it is sent, since the answer may come first."""
+        with self._lock:
+            seq = self._sent_seq.get(receiver, -1) + 1
+            self._sent_seq[receiver] = seq
+            if kind in wire.MODEL_MESSAGES:
+                self._open_models.setdefault(receiver, set()).add(seq)
+        return seq
+
+    def admit(self, envelope: wire.Envelope) -> None:
+        """Accept ``envelope``'s place in its sender's sequence, or :class:`wire.Rejected`."""
+        sender, kind = envelope.sender, envelope.type
+        with self._lock:
+            self._check_session(envelope)
+            last = self._seen_seq.get(sender, -1)
+            if envelope.seq <= last:
+                raise wire.Rejected(
+                    f"type {kind} from rank {sender} is a replay (sequence {envelope.seq}, already at {last})", REPLAY
+                )
+            if kind == wire.UPLOAD:
+                if envelope.reply_to not in self._open_models.get(sender, ()):
+                    raise wire.Rejected(
+                        f"an upload from rank {sender} for round {envelope.round} answers no open "
+                        f"model (a round already closed, or a second upload in one round)",
+                        STALE,
+                    )
+                self._open_models[sender] = set()  # one answer closes every model sent before it
+            self._seen_seq[sender] = envelope.seq
+            self.finish_received |= kind == wire.FINISH
+            if kind in wire.MODEL_MESSAGES:
+                self.last_model = (envelope.seq, envelope.round)
+
+    def _check_session(self, envelope: wire.Envelope) -> None:
+        """A sender's messages come from one process at a time (its session). A silo that restarts
+        starts a new session, which only its announcement (an ONLINE status) may open; from then on
+        the earlier session's messages are replays. A silo takes one server session: the first."""
+        sender, session = envelope.sender, envelope.session
+        current = self._sessions.get(sender)
+        if current == session:
+            return
+        if current is not None:
+            if session in self._retired.get(sender, set()):
+                raise wire.Rejected(
+                    f"type {envelope.type} from rank {sender} comes from an earlier process of that "
+                    f"rank (session {session}), which a newer one replaced",
+                    REPLAY,
+                )
+            announces = envelope.type == wire.CLIENT_STATUS and envelope.params.get("client_status") == "ONLINE"
+            if self.rank != 0 or not announces:
+                raise wire.Rejected(
+                    f"type {envelope.type} from rank {sender} comes from another process of that rank "
+                    f"(session {session}, this rank talks to session {current})"
+                    + ("; a silo's new process must announce itself first" if self.rank == 0 else ""),
+                    SESSION,
+                )
+            self._retired.setdefault(sender, set()).add(current)
+            self._open_models.pop(sender, None)
+            logger.warning(
+                "rank %d: rank %d is a new process (session %s); messages of its earlier process are "
+                "refused from now on",
+                self.rank,
+                sender,
+                session,
+            )
+        self._sessions[sender] = session
+        self._seen_seq[sender] = -1

@@ -1,0 +1,106 @@
+"""The cross-silo server's view of its silos, apart from the phases that drive them (server.py):
+which silos still take part, which announced themselves (what, and from which process), which
+users each round gives them, and what the server knows of each one's data. What a silo says of
+itself or of its users is checked here against that knowledge, never taken from the message."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from .agreement import SiloSetup, data_problem, disagreement
+
+Assignment = Dict[int, Tuple[int, int]]  # silo -> (position in the round's sample, user)
+
+
+class SiloRoster:
+    """The silos of a run (``setup.silos``) and what is known of each."""
+
+    def __init__(self, setup: SiloSetup) -> None:
+        self.setup = setup
+        self.live: List[int] = list(setup.silos)  # not given up on, in rank order
+        self.online: Set[int] = set()  # announced themselves before training started
+        self.hellos: Dict[int, Dict[str, Any]] = {}  # silo -> what it announced
+        self.sessions: Dict[int, Optional[str]] = {}  # silo -> its process's session
+
+    def all_online(self) -> bool:
+        return all(s in self.online for s in self.live)
+
+    def drop(self, silos: Sequence[int]) -> None:
+        """Give up on ``silos``: they take no further part unless they announce themselves again."""
+        self.live = [s for s in self.live if s not in silos]
+
+    def take_back(self, silo: int) -> None:
+        self.live = [s for s in self.setup.silos if s in self.live or s == silo]
+
+    def greet(self, silo: int, announced: Dict[str, Any], session: Optional[str]) -> bool:
+        """Note an accepted announcement; True if it came from a new process of a silo seen before."""
+        restarted = silo in self.sessions and self.sessions[silo] != session
+        self.sessions[silo] = session
+        self.hellos[silo] = announced
+        return restarted
+
+    def problem_with(self, silo: int, announced: Optional[Dict[str, Any]]) -> Optional[str]:
+        """Why a silo's announcement is refused (see :mod:`.agreement`), or None."""
+        if announced is None:
+            return f"silo rank {silo} announced no fingerprint: it does not run this version of the plugin"
+        problem = disagreement(self.setup.fingerprint, announced["fingerprint"], silo)
+        if problem is not None or not self.setup.own_data:
+            return problem
+        if announced["problem"] is not None:
+            return f"silo rank {silo} cannot train on its own data: {announced['problem']}"
+        if announced["user"] != silo - 1 or announced["train"] is None:
+            return (
+                f"silo rank {silo} announced user {announced['user']}'s data; in data-owner mode rank R holds "
+                f"user R-1's"
+            )
+        assert self.setup.model is not None  # a data-owner run's server holds its model
+        return data_problem(self.setup.model, announced, silo)
+
+    def assignment(self, users: Sequence[int]) -> Tuple[List[int], Assignment]:
+        """(the round's silos, live silo -> (position, user)) for the round's sampled ``users``: in
+        shared mode the k-th silo trains the k-th user; in data-owner mode each user's own silo."""
+        silos = self.setup.silos
+        if self.setup.own_data:
+            expected = [int(u) + 1 for u in users]
+            assigned = {int(u) + 1: (p, int(u)) for p, u in enumerate(users)}
+        else:
+            expected = list(self.live)
+            assigned = {s: (silos.index(s), int(users[silos.index(s)])) for s in self.live}
+        return expected, {s: pu for s, pu in assigned.items() if s in self.live}
+
+    def counts_of(self, silo: int, user: int) -> Tuple[int, int]:
+        """(training, test) samples of ``user``, as the server knows them: its own data in shared
+        mode, the silo's announcement in data-owner mode."""
+        if self.setup.own_data:
+            announced = self.hellos[silo]
+            return announced["train"], announced["test"]
+        return self.setup.user_counts[user]
+
+    def figures_problem(self, silo: int, counts: Dict[str, Any], user: int, round_idx: int) -> Optional[str]:
+        """Why a silo's reported counts cannot be its evaluation of ``user`` after ``round_idx``
+        (the wire already checked they are whole, finite and consistent), or None."""
+        if counts["round"] != round_idx or counts["user"] != user:
+            return (
+                f"silo rank {silo} reported round {counts['round']}, user {counts['user']}; it was asked for "
+                f"round {round_idx}, user {user}"
+            )
+        test = self.counts_of(silo, user)[1]
+        if counts["total"] != test:
+            return f"silo rank {silo} reported {counts['total']} test samples for user {user}, who has {test}"
+        return None
+
+
+def silo_accuracies(reported: Dict[int, Dict[str, Any]]) -> Tuple[float, Dict[int, Dict[str, Any]]]:
+    """(their mean, silo -> round, user and accuracies) of the silos' own evaluations (shared mode)."""
+    from ...core.evaluation import accuracy_of
+
+    entries = {
+        silo: {
+            "round": c["round"],
+            "user": c["user"],
+            "accuracy": accuracy_of(c["correct"], c["total"]),
+            "accuracy_before_adaptation": accuracy_of(c["correct_before"], c["total"]),
+        }
+        for silo, c in sorted(reported.items())
+    }
+    return sum(e["accuracy"] for e in entries.values()) / len(entries), entries
