@@ -27,7 +27,6 @@ from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, NamedTuple, O
 
 import torch
 from torch import Tensor, nn
-from torch.func import vmap
 
 from ..core import client_maths
 from ..core.client_maths import LocalBatches, LocalUpdateConfig, Step
@@ -38,14 +37,11 @@ from ..core.errors import RunStopped
 from ..core.guards import apply_divergence_policy, is_finite, update_bound, update_problem
 from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
 from ..core.types import Params, StateDict, UserSplit
+from .model_probe import probe
 
 logger = logging.getLogger(__name__)
 
 AGGREGATIONS = ("uniform", "sample_weighted")
-
-
-class ModelMismatch(ValueError):
-    """The model cannot train on the run's samples at all (shapes, channels, labels)."""
 
 
 DIVERGENCE_POLICIES = ("stop", "skip_client")
@@ -269,68 +265,11 @@ class FederatedAlgorithm:
         return self.name
 
     def probe_model(self, global_state: StateDict, x: Tensor, y: Tensor) -> List[str]:
-        """Probe once, on a batch ``x, y`` of the run's size, what the model allows, and set this
-        object's paths by it (``vmappable``, ``forward_ad``, ``groups_exactly``): that it can train
-        on these samples at all (else :class:`ModelMismatch`, with the model's own error); if vmap
-        cannot batch its gradients, every client update and evaluation runs client by client; if
-        its operators have no forward-mode derivative, the exact variant's HVP is
-        reverse-over-reverse. Returns a line for each such fallback, saying why."""
-        params, _ = self.split_state({k: v.detach() for k, v in global_state.items()})
-        notes = []
-        with torch.no_grad():
-            why = client_maths.model_problem(self.loss_fn, params, x, y)
-            if why is not None:
-                raise ModelMismatch(
-                    f"it cannot compute a loss and its gradient on a batch of {len(y)} samples of "
-                    f"shape {tuple(x.shape[1:])} ({x.dtype}): {why}"
-                )
-            if self.settings.local.step is Step.EXACT:
-                why = client_maths.forward_ad_problem(self.loss_fn, params, x, y)
-                self.forward_ad = why is None
-                if why is not None:
-                    notes.append(
-                        f"no forward-mode derivative ({why}); the exact Hessian-vector product is reverse-over-reverse"
-                    )
-            why = client_maths.vmap_problem(self.loss_fn, params, x, y, reverse_hvp=not self.forward_ad)
-            self.vmappable = why is None
-            if why is not None:
-                notes.append(
-                    f"torch.func.vmap cannot batch its gradients ({why}); every client trains and is "
-                    f"evaluated one by one (the per-client path)"
-                )
-            elif self.hand_batched(tuple(x.shape[1:]))[0] is None:
-                difference = self._grouping_difference(global_state, x, y)
-                self.groups_exactly = difference == 0.0
-                if not self.groups_exactly:
-                    notes.append(
-                        f"torch.func.vmap's batched kernels give a client other bits than training it "
-                        f"alone (by up to {difference:.2g} after one step); every client trains and is "
-                        f"evaluated one by one, so that sp, MPI and cross-silo compute each client alike"
-                    )
-        return notes
-
-    def _grouping_difference(self, global_state: StateDict, x: Tensor, y: Tensor) -> float:
-        """The largest difference between one local step of two clients vmapped together and the
-        same clients one at a time. The probe's inputs depend only on the sample's shape and dtype
-        (every process of a run decides alike, whatever its own data)."""
-        g = torch.Generator().manual_seed(0)
-        xs = [
-            torch.rand(x.shape, generator=g).to(device=x.device, dtype=x.dtype)
-            if x.is_floating_point()
-            else torch.zeros_like(x)
-            for _ in range(2)
-        ]
-        ys = [torch.zeros_like(y) for _ in range(2)]
-        state = {k: v.detach() for k, v in global_state.items()}
-        batches = [LocalBatches(*(t.unsqueeze(0) for t in (xi, yi, xi, yi, xi, yi))) for xi, yi in zip(xs, ys)]
-        alone = [self.local_training(state, b) for b in batches]
-        stacked = LocalBatches(*(torch.stack(t) for t in zip(*batches)))
-        together = vmap(self.local_training, in_dims=(None, 0))(state, stacked)
-        return max(
-            float((together[k][i].double() - alone[i][k].double()).abs().max())
-            for i in range(2)
-            for k in self.parameter_names
-        )
+        """Probe once, on a batch ``x, y`` of the run's size, what the model allows and set this
+        object's paths by it (``vmappable``, ``forward_ad``, ``groups_exactly``; see
+        :func:`~fedml_perfedavg.algorithms.model_probe.probe`). Returns a line for each fallback,
+        saying why; :class:`~.model_probe.ModelMismatch` if the model cannot train on such samples at all."""
+        return probe(self, global_state, x, y)
 
     # -- what an engine needs to know (declared here, not guessed by the engine) ---------------
     @property

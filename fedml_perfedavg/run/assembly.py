@@ -14,7 +14,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from .. import logs
-from ..algorithms.base import FederatedAlgorithm, ModelMismatch
+from ..algorithms.base import FederatedAlgorithm
+from ..algorithms.model_probe import ModelMismatch
 from ..algorithms.registry import create_algorithm
 from ..core.errors import ConfigError
 from ..core.types import StateDict, UserSplit

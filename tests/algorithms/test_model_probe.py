@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedml_perfedavg.algorithms.base import ModelMismatch
+from fedml_perfedavg.algorithms.model_probe import ModelMismatch
 from fedml_perfedavg.algorithms.registry import create_algorithm
 from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.run.runner import run

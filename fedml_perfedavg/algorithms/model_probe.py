@@ -1,0 +1,106 @@
+"""What a model allows, probed once at the start of a run on a batch like the run's: whether it
+trains on such samples at all, whether ``torch.func.vmap`` can batch its gradients over clients,
+whether its operators have forward-mode derivatives (the exact variant's Hessian-vector product),
+and whether vmap's batched kernels give a client the bits it gets alone. The answers set an
+algorithm's paths (:class:`~fedml_perfedavg.algorithms.base.FederatedAlgorithm`'s ``vmappable``,
+``forward_ad`` and ``groups_exactly``), so every backend computes each client alike."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Protocol, Tuple
+
+import torch
+from torch import Tensor
+from torch.func import vmap
+
+from ..core import client_maths
+from ..core.client_maths import LocalBatches, Step
+from ..core.types import LossFn, Params, StateDict
+
+
+class ModelMismatch(ValueError):
+    """The model cannot train on the run's samples at all (shapes, channels, labels)."""
+
+
+class Probed(Protocol):
+    """What the probe reads of an algorithm, and the three paths it sets."""
+
+    settings: Any
+    loss_fn: LossFn
+    parameter_names: List[str]
+    vmappable: bool
+    forward_ad: bool
+    groups_exactly: bool
+
+    def local_training(self, state: StateDict, batches: LocalBatches) -> StateDict: ...
+
+    def split_state(self, state: StateDict) -> Tuple[Params, StateDict]: ...
+
+    def hand_batched(self, input_shape: Tuple[int, ...]) -> Tuple[Optional[Any], str]: ...
+
+
+def probe(algorithm: Probed, global_state: StateDict, x: Tensor, y: Tensor) -> List[str]:
+    """Set ``algorithm``'s paths by what the model allows on the batch ``x, y``: if vmap cannot
+    batch its gradients, every client update and evaluation runs client by client; if its
+    operators have no forward-mode derivative, the exact variant's HVP is reverse-over-reverse;
+    if vmap's kernels change a client's bits, clients run one by one too. Returns a line for
+    each such fallback, saying why; :class:`~fedml_perfedavg.algorithms.base.ModelMismatch`
+    (with the model's own error) if it cannot compute a loss and gradient on them at all."""
+    params, _ = algorithm.split_state({k: v.detach() for k, v in global_state.items()})
+    loss_fn = algorithm.loss_fn
+    notes = []
+    with torch.no_grad():
+        why = client_maths.model_problem(loss_fn, params, x, y)
+        if why is not None:
+            raise ModelMismatch(
+                f"it cannot compute a loss and its gradient on a batch of {len(y)} samples of "
+                f"shape {tuple(x.shape[1:])} ({x.dtype}): {why}"
+            )
+        if algorithm.settings.local.step is Step.EXACT:
+            why = client_maths.forward_ad_problem(loss_fn, params, x, y)
+            algorithm.forward_ad = why is None  # before the probes below: the local update reads it
+            if why is not None:
+                notes.append(
+                    f"no forward-mode derivative ({why}); the exact Hessian-vector product is reverse-over-reverse"
+                )
+        why = client_maths.vmap_problem(loss_fn, params, x, y, reverse_hvp=not algorithm.forward_ad)
+        algorithm.vmappable = why is None
+        if why is not None:
+            notes.append(
+                f"torch.func.vmap cannot batch its gradients ({why}); every client trains and is "
+                f"evaluated one by one (the per-client path)"
+            )
+        elif algorithm.hand_batched(tuple(x.shape[1:]))[0] is None:
+            difference = grouping_difference(algorithm, global_state, x, y)
+            algorithm.groups_exactly = difference == 0.0
+            if not algorithm.groups_exactly:
+                notes.append(
+                    f"torch.func.vmap's batched kernels give a client other bits than training it "
+                    f"alone (by up to {difference:.2g} after one step); every client trains and is "
+                    f"evaluated one by one, so that sp, MPI and cross-silo compute each client alike"
+                )
+    return notes
+
+
+def grouping_difference(algorithm: Probed, global_state: StateDict, x: Tensor, y: Tensor) -> float:
+    """The largest difference between one local step of two clients vmapped together and the
+    same clients one at a time. The probe's inputs depend only on the sample's shape and dtype
+    (every process of a run decides alike, whatever its own data)."""
+    g = torch.Generator().manual_seed(0)
+    xs = [
+        torch.rand(x.shape, generator=g).to(device=x.device, dtype=x.dtype)
+        if x.is_floating_point()
+        else torch.zeros_like(x)
+        for _ in range(2)
+    ]
+    ys = [torch.zeros_like(y) for _ in range(2)]
+    state = {k: v.detach() for k, v in global_state.items()}
+    batches = [LocalBatches(*(t.unsqueeze(0) for t in (xi, yi, xi, yi, xi, yi))) for xi, yi in zip(xs, ys)]
+    alone = [algorithm.local_training(state, b) for b in batches]
+    stacked = LocalBatches(*(torch.stack(t) for t in zip(*batches)))
+    together = vmap(algorithm.local_training, in_dims=(None, 0))(state, stacked)
+    return max(
+        float((together[k][i].double() - alone[i][k].double()).abs().max())
+        for i in range(2)
+        for k in algorithm.parameter_names
+    )
