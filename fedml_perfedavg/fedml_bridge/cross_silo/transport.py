@@ -36,7 +36,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ...core.errors import ConfigError, SiloFailure
 from ...stopping import interrupt_if_stopping
@@ -192,6 +192,85 @@ class _Servicer:
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "not used")
 
 
+def channel_options(settings: TransportSettings) -> List[Tuple[str, int]]:
+    """gRPC's options for every channel and the server: the size cap (with gRPC's own a little
+    above ours, so our log sees what is a little over), no proxy, an exclusive port, quick
+    reconnects."""
+    limit = settings.size_cap + _PROTOBUF_SLACK
+    return [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.enable_http_proxy", 0),
+        ("grpc.so_reuseport", 0),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
+def listen(transport: "SecureGRPCCommManager", address: Tuple[str, int], ranks: int) -> Tuple[Any, Gate]:
+    """Start ``transport``'s gRPC server on a private loopback port and its :class:`Gate` on
+    ``address`` in front of it (the caps of :func:`connection_limits`); :class:`PortUnavailable`
+    naming the rank and the address if the port is taken. Returns (the gRPC server, the gate)."""
+    settings, rank = transport.settings, transport.rank
+    ip, port = address
+    descriptors = raise_descriptor_limit()
+    limits = connection_limits(settings, ranks, descriptors)
+    server_options = [
+        *channel_options(settings),
+        ("grpc.server_handshake_timeout_ms", int(1000 * limits.first_request_seconds)),
+        ("grpc.max_connection_idle_ms", int(1000 * limits.idle_seconds)),
+        ("grpc.max_allowed_incoming_connections", limits.total + 8),
+    ]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max(4, transport.client_num + 2)), options=server_options
+    )
+    pb2_grpc.add_gRPCCommManagerServicer_to_server(_Servicer(transport), server)
+    credentials = settings.credentials
+    if credentials is None:
+        backend_port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        backend_port = server.add_secure_port(
+            "127.0.0.1:0",
+            grpc.ssl_server_credentials(
+                [(credentials.key, credentials.cert)], root_certificates=credentials.ca, require_client_auth=True
+            ),
+        )
+    gate = Gate((ip, port), backend_port, limits, transport._connection_refused)
+    try:
+        gate.start()
+    except PortTaken as err:
+        server.stop(None)
+        raise PortUnavailable(
+            f"rank {rank} cannot listen on {ip}:{port} (comm_args.grpc_ipconfig_path="
+            f"{transport.grpc_ipconfig_path!r}): the port is in use, maybe by a process of an earlier run, or the "
+            f"address is not this host's ({err}); stop it (`ss -ltnp | grep {port}` shows which) or give rank "
+            f"{rank} another port in the address file"
+        ) from None
+    server.start()
+    logger.info(
+        "rank %d: connections capped at %d per peer address and %d in total (comm_args."
+        "max_connections_per_peer, max_connections; open-file limit %d), %.1f s to a first request "
+        "(comm_args.handshake_timeout), %.0f s idle (comm_args.idle_timeout)",
+        rank,
+        limits.per_peer,
+        limits.total,
+        descriptors,
+        limits.first_request_seconds,
+        limits.idle_seconds,
+    )
+    if credentials is None:
+        logger.warning(
+            "rank %d: comm_args.insecure: plaintext and unauthenticated; any process that reaches "
+            "%s:%d can speak for any rank (messages are still never unpickled)",
+            rank,
+            ip,
+            port,
+        )
+    logger.info(READY_MESSAGE, rank, ip, port)
+    return server, gate
+
+
 class SecureGRPCCommManager(BaseCommunicationManager):
     """A FedML communication manager (``BaseCommunicationManager``'s methods) over gRPC with the
     checks in the module doc. Built by FedML's ``FedMLCommManager`` for ``backend: GRPC`` with
@@ -221,74 +300,9 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self._channels: Dict[int, Any] = {}
         self.rejected = 0
         self.is_running = False
-        ip, port = self.addresses[self.rank]
-        limit = self.settings.size_cap + _PROTOBUF_SLACK
-        self._options = [
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.enable_http_proxy", 0),
-            ("grpc.so_reuseport", 0),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ]
-        descriptors = raise_descriptor_limit()
-        ranks = len(self.addresses)
-        limits = connection_limits(self.settings, ranks, descriptors)
-        # gRPC listens on a private loopback port; peers reach it through the gate (see gate.py).
-        server_options = [
-            *self._options,
-            ("grpc.server_handshake_timeout_ms", int(1000 * limits.first_request_seconds)),
-            ("grpc.max_connection_idle_ms", int(1000 * limits.idle_seconds)),
-            ("grpc.max_allowed_incoming_connections", limits.total + 8),
-        ]
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max(4, self.client_num + 2)), options=server_options
-        )
-        pb2_grpc.add_gRPCCommManagerServicer_to_server(_Servicer(self), self._server)
-        credentials = self.settings.credentials
-        if credentials is None:
-            backend_port = self._server.add_insecure_port("127.0.0.1:0")
-        else:
-            backend_port = self._server.add_secure_port(
-                "127.0.0.1:0",
-                grpc.ssl_server_credentials(
-                    [(credentials.key, credentials.cert)], root_certificates=credentials.ca, require_client_auth=True
-                ),
-            )
-        address = f"{ip}:{port}"
-        self.gate = Gate((ip, port), backend_port, limits, self._connection_refused)
-        try:
-            self.gate.start()
-        except PortTaken as err:
-            self._server.stop(None)
-            raise PortUnavailable(
-                f"rank {self.rank} cannot listen on {address} (comm_args.grpc_ipconfig_path={grpc_ipconfig_path!r}): "
-                f"the port is in use, maybe by a process of an earlier run, or the address is not this host's ({err}); "
-                f"stop it (`ss -ltnp | grep {port}` shows which) or give rank {self.rank} another port in the address "
-                f"file"
-            ) from None
-        self._server.start()
+        self._options = channel_options(self.settings)
+        self._server, self.gate = listen(self, self.addresses[self.rank], len(self.addresses))
         self.is_running = True
-        logger.info(
-            "rank %d: connections capped at %d per peer address and %d in total (comm_args."
-            "max_connections_per_peer, max_connections; open-file limit %d), %.1f s to a first request "
-            "(comm_args.handshake_timeout), %.0f s idle (comm_args.idle_timeout)",
-            self.rank,
-            limits.per_peer,
-            limits.total,
-            descriptors,
-            limits.first_request_seconds,
-            limits.idle_seconds,
-        )
-        if credentials is None:
-            logger.warning(
-                "rank %d: comm_args.insecure: plaintext and unauthenticated; any process that reaches "
-                "%s can speak for any rank (messages are still never unpickled)",
-                self.rank,
-                address,
-            )
-        logger.info(READY_MESSAGE, self.rank, ip, port)
 
     # -- receiving --------------------------------------------------------------------------------
     def _peer_rank(self, context) -> Optional[int]:
