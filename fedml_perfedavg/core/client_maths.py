@@ -187,7 +187,9 @@ class StepArithmetic(Protocol):
 
     def adapt(self, w: Params, gradient: Params, alpha: float) -> Params: ...  # w - alpha gradient
 
-    def hessian_times(self, kind: Step, w: Params, g: Params, t: int, delta: float) -> Params: ...
+    kind: Step  # the step's direction, chosen once for the whole update
+
+    def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params: ...
 
     def correct(self, g: Params, hessian_g: Params, alpha: float) -> Params: ...  # g - alpha H g
 
@@ -198,7 +200,8 @@ class FunctionalSteps:
     """The step's arithmetic on parameter dicts, each value a new tensor (``axpy``), with
     ``gradients`` (:class:`FunctionalGradients` by default) on the minibatches of ``batches``."""
 
-    def __init__(self, gradients: Gradients, batches: LocalBatches) -> None:
+    def __init__(self, gradients: Gradients, batches: LocalBatches, kind: Step) -> None:
+        self.kind = kind
         self.gradients = gradients
         self.roles = ((batches.adapt_x, batches.adapt_y), (batches.meta_x, batches.meta_y))
         self.hessian = (batches.hessian_x, batches.hessian_y)
@@ -213,11 +216,11 @@ class FunctionalSteps:
     def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
         return axpy(-alpha, gradient, w)
 
-    def hessian_times(self, kind: Step, w: Params, g: Params, t: int, delta: float) -> Params:
+    def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
         """H(w; D'') g: HF's central difference of gradients at w +- delta g, or exact."""
         x, y = self.hessian[0][t], self.hessian[1][t]
         gradients = self.gradients
-        if kind is Step.HF:
+        if self.kind is Step.HF:
             fused = getattr(gradients, "finite_difference_hvp", None)  # a specialised oracle's own
             if fused is not None:
                 return fused(w, g, x, y, delta)
@@ -236,16 +239,17 @@ class FunctionalSteps:
         return axpy(-beta, direction, w)
 
 
-def step_direction(steps: StepArithmetic, kind: Step, w: Params, t: int, alpha: float, delta: float) -> Params:
+def step_direction(steps: StepArithmetic, w: Params, t: int, alpha: float, delta: float) -> Params:
     """Step ``t``'s direction at ``w`` (never at the adapted point): SGD's grad f(w; D); FO's
     g = grad f(w~; D') with w~ = w - alpha grad f(w; D); HF's and exact's g - alpha H(w; D'') g."""
+    kind = steps.kind
     gradient = steps.gradient(w, 0, t)
     if kind is Step.SGD:
         return gradient
     g = steps.gradient(steps.adapt(w, gradient, alpha), 1, t)
     if kind is Step.FO:
         return g
-    return steps.correct(g, steps.hessian_times(kind, w, g, t, delta), alpha)
+    return steps.correct(g, steps.hessian_times(w, g, t, delta), alpha)
 
 
 def run_steps(steps: StepArithmetic, params: Params, config: LocalUpdateConfig) -> Params:
@@ -254,7 +258,7 @@ def run_steps(steps: StepArithmetic, params: Params, config: LocalUpdateConfig) 
     Fallah et al. (2020)."""
     w = steps.start(params)
     for t in range(config.local_steps):
-        direction = step_direction(steps, config.step, w, t, config.alpha, config.delta)
+        direction = step_direction(steps, w, t, config.alpha, config.delta)
         w = steps.move(w, direction, config.beta)
     return w
 
@@ -277,8 +281,8 @@ def meta_gradient(
     if variant not in VARIANTS:  # SGD, or a string from a direct caller (LocalUpdateConfig checks a run's)
         raise ValueError(f"variant={variant!r} is not one of {[str(v) for v in VARIANTS]}")
     one_step = LocalBatches(*(tensor.unsqueeze(0) for tensor in batches))
-    steps = FunctionalSteps(gradients or FunctionalGradients(loss_fn), one_step)
-    return step_direction(steps, Step(variant), params, 0, alpha, delta)
+    steps = FunctionalSteps(gradients or FunctionalGradients(loss_fn), one_step, Step(variant))
+    return step_direction(steps, params, 0, alpha, delta)
 
 
 def local_update(
@@ -292,4 +296,4 @@ def local_update(
     (:func:`run_steps` with :class:`FunctionalSteps`). ``gradients`` defaults to ``torch.func``
     on ``loss_fn``; :meth:`fedml_perfedavg.core.hand_batched.HandBatchedGradients.local_update`
     runs the same loop for all clients of a round at once, in reused buffers."""
-    return run_steps(FunctionalSteps(gradients or FunctionalGradients(loss_fn), batches), params, config)
+    return run_steps(FunctionalSteps(gradients or FunctionalGradients(loss_fn), batches, config.step), params, config)

@@ -475,7 +475,7 @@ class _BufferedSteps:
     """
 
     def __init__(self, oracle: HandBatchedGradients, params: Params, batches: LocalBatches, kind: Step) -> None:
-        self.oracle = oracle
+        self.oracle, self.kind = oracle, kind
         layout = _FlatLayout(params)
         work = oracle._work.get(layout.key())
         if work is None:  # one set per shape (a grid's rounds are larger than a run's)
@@ -505,9 +505,9 @@ class _BufferedSteps:
         self.work_flat.mul_(-alpha).add_(self.w_flat)  # w + (-alpha grad f(w; D)), in grad's buffer
         return self.work
 
-    def hessian_times(self, kind: Step, w: Params, g: Params, t: int, delta: float) -> Params:
+    def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
         x, y = self.inputs.get(2, t), self.targets[2][t]
-        if kind is Step.HF:
+        if self.kind is Step.HF:
             self.oracle.finite_difference_hvp(w, g, x, y, delta, out=self.work)
         else:
             self.oracle.hessian_vector_product(w, g, x, y, out=self.work)
