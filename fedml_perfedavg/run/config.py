@@ -407,7 +407,8 @@ class Config:
         "comm_args",
         float,
         5.0,
-        "cross-silo: seconds a connection has to finish its TLS handshake and make its first request",
+        "cross-silo: seconds a connection has to finish its TLS handshake and make its first "
+        "request (and what this process gives its own connection attempts)",
         rule=_positive,
     )
     idle_timeout: float = _setting(

@@ -65,7 +65,10 @@ from fedml.cross_silo.server.message_define import MyMessage  # noqa: E402
 logger = logging.getLogger(__name__)
 
 DISAGREEMENT, SAMPLE_COUNT, BAD_FIGURES = "disagreement", "sample-count", "bad-figures"
-NOTICE_SECONDS = 2.0  # a notice to a silo (a refusal, an acknowledgement, the end) is not waited on longer
+NOTICE_SECONDS = 2.0  # a notice to a silo (a refusal, an acknowledgement) is not waited on longer
+# The end of a run is told within this: a silo that misses it waits out its idle limit (minutes). A
+# silo whose port refuses connections has ended and is not waited for, so Ctrl-C stays quick.
+FINISH_SECONDS = 5.0
 
 
 class Phase(enum.Enum):
@@ -237,7 +240,7 @@ class PluginServerManager(FedMLServerManager):
         self._tell_silos_to_stop(f"the server stopped the run: {reason}")
         raise SiloFailure(reason)
 
-    def _tell_silos_to_stop(self, reason: Optional[str], seconds: float = 1.0) -> None:
+    def _tell_silos_to_stop(self, reason: Optional[str], seconds: float = FINISH_SECONDS) -> None:
         """Tell the silos still there that the run is over (``reason``: it failed) within ``seconds``,
         without waiting on any that do not answer."""
         if self.phase is not Phase.DONE:
@@ -245,7 +248,14 @@ class PluginServerManager(FedMLServerManager):
         self._record_refusals()
         finish = [self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=reason) for silo in self.roster.live]
         try:
-            self.com_manager.send_all(finish, time.monotonic() + seconds)
+            untold = self.com_manager.send_all(finish, time.monotonic() + seconds, gone_if_refused=True)
+            for silo, err in sorted(untold.items()):
+                logger.warning(
+                    "silo rank %d was not told that the run is over (%s); if it is still running it stops "
+                    "at its own idle limit",
+                    silo,
+                    err,
+                )
         except Exception as err:  # noqa: BLE001 - best effort: the run is ending either way, for its own reason
             logger.warning("could not tell every silo to stop: %s", err)
         self.com_manager.stop_receive_message()

@@ -195,7 +195,14 @@ class _Servicer:
 def channel_options(settings: TransportSettings) -> List[Tuple[str, int]]:
     """gRPC's options for every channel and the server: the size cap (with gRPC's own a little
     above ours, so our log sees what is a little over), no proxy, an exclusive port, quick
-    reconnects."""
+    reconnects, and as long for one connection attempt as the receiver allows a handshake.
+
+    gRPC's ``min_reconnect_backoff_ms`` is not a backoff: it is the time a connection attempt
+    (TCP and the TLS handshake) gets before it is abandoned, and the attempt's deadline is the
+    larger of it and the current backoff (subchannel.cc; doc/connection-backoff.md calls it
+    MIN_CONNECT_TIMEOUT). Set to the backoff's 100 ms, a peer whose handshake takes longer than
+    the backoff's 1 s ceiling (a slow link, a loaded host) could never be reached, and one that
+    took 0.4 s (a silo's first connection, measured) cost the server's one-second goodbye."""
     limit = settings.size_cap + _PROTOBUF_SLACK
     return [
         ("grpc.max_send_message_length", limit),
@@ -203,8 +210,8 @@ def channel_options(settings: TransportSettings) -> List[Tuple[str, int]]:
         ("grpc.enable_http_proxy", 0),
         ("grpc.so_reuseport", 0),
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.min_reconnect_backoff_ms", int(1000 * settings.handshake_timeout)),
     ]
 
 
@@ -441,18 +448,20 @@ class SecureGRPCCommManager(BaseCommunicationManager):
 
     SEND_GRACE_SECONDS = 2.0  # past a send's deadline, before it is counted as not delivered
 
-    def send_all(self, messages: Iterable[Any], deadline: float) -> Dict[int, PeerUnreachable]:
+    def send_all(
+        self, messages: Iterable[Any], deadline: float, *, gone_if_refused: bool = False
+    ) -> Dict[int, PeerUnreachable]:
         """Send to several receivers at once, each before ``deadline``: one that does not answer
         costs the others nothing. Returns the receivers that were unreachable. The deadline is
         held by this clock too: a send still running just after it (a gRPC call over a link that
         drops every packet did not always return at its own deadline) counts as not delivered,
-        and closing the transport cancels it."""
+        and closing the transport cancels it. ``gone_if_refused``: see :meth:`send_bytes`."""
         encoded = [(e.receiver, wire.encode(e)) for e in map(self._envelope, messages)]
         outcome: Dict[int, Optional[BaseException]] = {}
 
         def deliver(receiver: int, data: bytes) -> None:
             try:
-                self.send_bytes(receiver, data, deadline)
+                self.send_bytes(receiver, data, deadline, gone_if_refused=gone_if_refused)
                 outcome[receiver] = None
             except grpc.RpcError as err:  # e.g. CANCELLED while the peer shuts down: not delivered
                 outcome[receiver] = PeerUnreachable(f"rank {receiver}: {err.code().name}: {err.details()}")
@@ -503,8 +512,11 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             self._channels[receiver] = channel
         return channel
 
-    def send_bytes(self, receiver: int, data: bytes, deadline: float) -> None:
-        """Deliver encoded bytes to ``receiver`` before ``deadline`` (see :meth:`send_message`)."""
+    def send_bytes(self, receiver: int, data: bytes, deadline: float, *, gone_if_refused: bool = False) -> None:
+        """Deliver encoded bytes to ``receiver`` before ``deadline`` (see :meth:`send_message`).
+        ``gone_if_refused``: a receiver whose host refuses the connection (nothing listens on its
+        port) is :class:`PeerUnreachable` at once, not retried; for the end of a run, when a peer
+        that was running and no longer listens has ended (a process starting up is retried)."""
         with self._lock:
             stub = pb2_grpc.gRPCCommManagerStub(self._channel(receiver))
         request = pb2.CommRequest(client_id=self.rank, message=data)
@@ -546,6 +558,10 @@ class SecureGRPCCommManager(BaseCommunicationManager):
                 if code != grpc.StatusCode.UNAVAILABLE:
                     raise
                 last_error = err.details() or "unavailable"
+                if gone_if_refused and "Connection refused" in last_error:  # the OS's words, via gRPC
+                    raise PeerUnreachable(
+                        f"rank {receiver} at {ip}:{port} refuses connections (nothing listens there: it has ended)"
+                    ) from None
             logger.info(
                 "rank %d at %s:%d is not reachable yet; retrying in %.1f s (%s)", receiver, ip, port, delay, last_error
             )
