@@ -12,7 +12,7 @@ a process that imported the plugin (FedML's own optimizers too), because FedML's
   sequence number, and an upload must answer the last model sent to that silo, once;
 - ``send_message`` has no timeout (a frozen peer blocks the sender) and dies on the first
   ``UNAVAILABLE``; here every send has a deadline and retries an unreachable peer with backoff
-  until it;
+  until it (:mod:`.delivery`);
 - busy-spins a core while it waits; here the receive loop blocks, with an ``on_idle`` tick
   where the managers check their deadlines;
 - shares its port (gRPC's default ``SO_REUSEPORT``); here the port is exclusive and a bind
@@ -44,11 +44,11 @@ from ..bootstrap import import_fedml, plugin_entry
 from . import READY_MESSAGE, wire
 from .addresses import read_ipconfig
 from .conversations import Conversations
+from .delivery import Delivery, PeerUnreachable, channel_options
 from .credentials import (
     Credentials,
     load_credentials,
     peer_certificate_problem,
-    rank_name,
     rank_of_names,
 )
 from .gate import Gate, GateLimits, PortTaken
@@ -68,16 +68,11 @@ ROUND_KEY = "round"  # the round an incoming message was stamped with, on the Fe
 SESSION_KEY = "plugin_session"  # the sending process's session, on the FedML Message
 FALLBACK_SIZE_CAP = 256 << 20  # where no model told the transport its size
 MODEL_SIZE_CAP = "model_size_cap"  # on FedML's args: the cap FedMLRunner's model gives (wire.default_size_cap)
-_PROTOBUF_SLACK = 4096  # gRPC's own cap sits this far above ours, so our log sees what is a little over
 DESCRIPTORS_RESERVED = 256  # for the run's own files, channels and gRPC's threads
 DESCRIPTORS_PER_CONNECTION = 3  # a gated connection: the peer's socket, the gate's to gRPC, gRPC's accepted one
 DEFAULT_MAX_CONNECTIONS = 1024
 # Reasons a message is refused, beside wire's (counted by these codes).
 IDENTITY, OTHER_RUN, INTERNAL = "identity", "other-run", "internal"
-
-
-class PeerUnreachable(SiloFailure):
-    """A peer did not take a message before its deadline."""
 
 
 class PortUnavailable(SiloFailure):
@@ -181,7 +176,7 @@ class _Servicer:
                 if isinstance(err, wire.Rejected)
                 else wire.Rejected(f"could not be read ({type(err).__name__}: {wire.short(str(err), 80)})", INTERNAL)
             )
-            with transport._lock:
+            with transport.rejected_lock:
                 transport.rejected += 1
             host, where = transport.gate.peer_of(context.peer())
             transport.refusals.refuse(host, rejected.reason, str(rejected), where)
@@ -190,29 +185,6 @@ class _Servicer:
 
     def handleReceiveMessage(self, request, context):  # noqa: N802 - FedML's service declares it
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "not used")
-
-
-def channel_options(settings: TransportSettings) -> List[Tuple[str, int]]:
-    """gRPC's options for every channel and the server: the size cap (with gRPC's own a little
-    above ours, so our log sees what is a little over), no proxy, an exclusive port, quick
-    reconnects, and as long for one connection attempt as the receiver allows a handshake.
-
-    gRPC's ``min_reconnect_backoff_ms`` is not a backoff: it is the time a connection attempt
-    (TCP and the TLS handshake) gets before it is abandoned, and the attempt's deadline is the
-    larger of it and the current backoff (subchannel.cc; doc/connection-backoff.md calls it
-    MIN_CONNECT_TIMEOUT). Set to the backoff's 100 ms, a peer whose handshake takes longer than
-    the backoff's 1 s ceiling (a slow link, a loaded host) could never be reached, and one that
-    took 0.4 s (a silo's first connection, measured) cost the server's one-second goodbye."""
-    limit = settings.size_cap + _PROTOBUF_SLACK
-    return [
-        ("grpc.max_send_message_length", limit),
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.enable_http_proxy", 0),
-        ("grpc.so_reuseport", 0),
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.min_reconnect_backoff_ms", int(1000 * settings.handshake_timeout)),
-    ]
 
 
 def listen(transport: "SecureGRPCCommManager", address: Tuple[str, int], ranks: int) -> Tuple[Any, Gate]:
@@ -224,7 +196,7 @@ def listen(transport: "SecureGRPCCommManager", address: Tuple[str, int], ranks: 
     descriptors = raise_descriptor_limit()
     limits = connection_limits(settings, ranks, descriptors)
     server_options = [
-        *channel_options(settings),
+        *channel_options(settings.size_cap, settings.handshake_timeout),
         ("grpc.server_handshake_timeout_ms", int(1000 * limits.first_request_seconds)),
         ("grpc.max_connection_idle_ms", int(1000 * limits.idle_seconds)),
         ("grpc.max_allowed_incoming_connections", limits.total + 8),
@@ -302,12 +274,17 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             )
         self._observers: List[Any] = []
         self._queue: "queue.Queue[wire.Envelope]" = queue.Queue()
-        self._lock = threading.Lock()  # the channels
         self.conversations = Conversations(self.rank)
-        self._channels: Dict[int, Any] = {}
-        self.rejected = 0
+        self.rejected, self.rejected_lock = 0, threading.Lock()  # messages refused (from gRPC's threads)
         self.is_running = False
-        self._options = channel_options(self.settings)
+        self.delivery = Delivery(
+            self.rank,
+            self.addresses,
+            grpc_ipconfig_path,
+            self.settings.credentials,
+            channel_options(self.settings.size_cap, self.settings.handshake_timeout),
+            lambda: self.conversations.finish_received,
+        )
         self._server, self.gate = listen(self, self.addresses[self.rank], len(self.addresses))
         self.is_running = True
 
@@ -446,127 +423,17 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             time.monotonic() + self.retry_seconds if deadline is None else deadline,
         )
 
-    SEND_GRACE_SECONDS = 2.0  # past a send's deadline, before it is counted as not delivered
-
     def send_all(
         self, messages: Iterable[Any], deadline: float, *, gone_if_refused: bool = False
     ) -> Dict[int, PeerUnreachable]:
-        """Send to several receivers at once, each before ``deadline``: one that does not answer
-        costs the others nothing. Returns the receivers that were unreachable. The deadline is
-        held by this clock too: a send still running just after it (a gRPC call over a link that
-        drops every packet did not always return at its own deadline) counts as not delivered,
-        and closing the transport cancels it. ``gone_if_refused``: see :meth:`send_bytes`."""
+        """Send FedML ``Message`` s to several receivers at once, each before ``deadline``
+        (:meth:`.Delivery.send_all`); returns the receivers that were unreachable."""
         encoded = [(e.receiver, wire.encode(e)) for e in map(self._envelope, messages)]
-        outcome: Dict[int, Optional[BaseException]] = {}
+        return self.delivery.send_all(encoded, deadline, gone_if_refused=gone_if_refused)
 
-        def deliver(receiver: int, data: bytes) -> None:
-            try:
-                self.send_bytes(receiver, data, deadline, gone_if_refused=gone_if_refused)
-                outcome[receiver] = None
-            except grpc.RpcError as err:  # e.g. CANCELLED while the peer shuts down: not delivered
-                outcome[receiver] = PeerUnreachable(f"rank {receiver}: {err.code().name}: {err.details()}")
-            except Exception as err:  # noqa: BLE001 - handed to the caller below
-                outcome[receiver] = err
-
-        threads = [
-            threading.Thread(target=deliver, args=item, daemon=True, name=f"send-to-rank-{item[0]}") for item in encoded
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()) + self.SEND_GRACE_SECONDS)
-        failed: Dict[int, PeerUnreachable] = {}
-        for receiver, _ in encoded:
-            if receiver not in outcome:
-                ip, port = self.addresses[receiver]
-                failed[receiver] = PeerUnreachable(
-                    f"rank {receiver} at {ip}:{port} did not take a message from rank "
-                    f"{self.rank} by the deadline; is it gone?"
-                )
-            else:
-                error = outcome[receiver]
-                if isinstance(error, PeerUnreachable):
-                    failed[receiver] = error
-                elif error is not None:
-                    raise error
-        return failed
-
-    def _channel(self, receiver: int):
-        channel = self._channels.get(receiver)
-        if channel is None:
-            if receiver not in self.addresses:
-                raise ConfigError(
-                    f"comm_args.grpc_ipconfig_path={self.grpc_ipconfig_path!r}: no row for rank {receiver}"
-                )
-            ip, port = self.addresses[receiver]
-            credentials = self.settings.credentials
-            if credentials is None:
-                channel = grpc.insecure_channel(f"{ip}:{port}", options=self._options)
-            else:
-                # The receiver's certificate must name the rank we mean to reach, whatever its address.
-                channel = grpc.secure_channel(
-                    f"{ip}:{port}",
-                    grpc.ssl_channel_credentials(credentials.ca, credentials.key, credentials.cert),
-                    options=[*self._options, ("grpc.ssl_target_name_override", rank_name(receiver))],
-                )
-            self._channels[receiver] = channel
-        return channel
-
-    def send_bytes(self, receiver: int, data: bytes, deadline: float, *, gone_if_refused: bool = False) -> None:
-        """Deliver encoded bytes to ``receiver`` before ``deadline`` (see :meth:`send_message`).
-        ``gone_if_refused``: a receiver whose host refuses the connection (nothing listens on its
-        port) is :class:`PeerUnreachable` at once, not retried; for the end of a run, when a peer
-        that was running and no longer listens has ended (a process starting up is retried)."""
-        with self._lock:
-            stub = pb2_grpc.gRPCCommManagerStub(self._channel(receiver))
-        request = pb2.CommRequest(client_id=self.rank, message=data)
-        ip, port = self.addresses[receiver]
-        delay, last_error, window = 0.1, "no answer", max(0.0, deadline - time.monotonic())
-        while True:
-            if self.conversations.finish_received:  # its finish waits in the queue; the server stopped listening
-                logger.info("rank %d: the server ended the run; a message to rank %d is not sent", self.rank, receiver)
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PeerUnreachable(
-                    f"rank {receiver} at {ip}:{port} did not take a message from rank {self.rank} "
-                    f"within {window:.1f} s ({last_error}); is it gone?"
-                )
-            try:
-                stub.sendMessage(request, timeout=left)
-                return
-            except grpc.RpcError as err:
-                code = err.code()
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    last_error = "it accepted no message before the deadline"
-                    continue
-                if code in (
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    grpc.StatusCode.UNIMPLEMENTED,
-                ):
-                    logger.warning(
-                        "rank %d at %s:%d refused a message from rank %d: %s",
-                        receiver,
-                        ip,
-                        port,
-                        self.rank,
-                        err.details(),
-                    )
-                    return
-                if code != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                last_error = err.details() or "unavailable"
-                if gone_if_refused and "Connection refused" in last_error:  # the OS's words, via gRPC
-                    raise PeerUnreachable(
-                        f"rank {receiver} at {ip}:{port} refuses connections (nothing listens there: it has ended)"
-                    ) from None
-            logger.info(
-                "rank %d at %s:%d is not reachable yet; retrying in %.1f s (%s)", receiver, ip, port, delay, last_error
-            )
-            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-            delay = min(2 * delay, 2.0)
+    def send_bytes(self, receiver: int, data: bytes, deadline: float) -> None:
+        """Deliver encoded bytes to ``receiver`` before ``deadline`` (:meth:`.Delivery.send`)."""
+        self.delivery.send(receiver, data, deadline)
 
     # -- FedML's BaseCommunicationManager, the rest ---------------------------------------------------
     def add_observer(self, observer) -> None:
@@ -586,7 +453,4 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         # Requests in flight (the one that ended the run, say) are answered, then the door closes.
         self._server.stop(1.0).wait(2.0)
         self.gate.stop()
-        with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
+        self.delivery.close()

@@ -1,0 +1,203 @@
+"""How a cross-silo message reaches its peer: one gRPC channel per peer (under mutual TLS the
+peer's certificate must name the rank meant), every send with a deadline, an unreachable peer
+retried with backoff until then, several peers at once without one holding up the others.
+
+FedML's transport (core/distributed/communication/grpc/grpc_comm_manager.py) opens a channel per
+message, sends with no timeout and gives up at the first ``UNAVAILABLE``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+from ...core.errors import ConfigError, SiloFailure
+from ..bootstrap import import_fedml
+from .credentials import Credentials, rank_name
+
+import_fedml()
+import grpc  # noqa: E402
+from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as pb2  # noqa: E402
+from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+_PROTOBUF_SLACK = 4096  # gRPC's own cap sits this far above ours, so our log sees what is a little over
+
+
+class PeerUnreachable(SiloFailure):
+    """A peer did not take a message before its deadline."""
+
+
+def channel_options(size_cap: int, handshake_timeout: float) -> List[Tuple[str, int]]:
+    """gRPC's options for every channel and the server: the size cap (with gRPC's own a little
+    above ours, so our log sees what is a little over), no proxy, an exclusive port, quick
+    reconnects, and as long for one connection attempt as the receiver allows a handshake.
+
+    gRPC's ``min_reconnect_backoff_ms`` is not a backoff: it is the time a connection attempt
+    (TCP and the TLS handshake) gets before it is abandoned, and the attempt's deadline is the
+    larger of it and the current backoff (subchannel.cc; doc/connection-backoff.md calls it
+    MIN_CONNECT_TIMEOUT). Set to the backoff's 100 ms, a peer whose handshake takes longer than
+    the backoff's 1 s ceiling (a slow link, a loaded host) could never be reached, and one that
+    took 0.4 s (a silo's first connection, measured) cost the server's one-second goodbye."""
+    limit = size_cap + _PROTOBUF_SLACK
+    return [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.enable_http_proxy", 0),
+        ("grpc.so_reuseport", 0),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.min_reconnect_backoff_ms", int(1000 * handshake_timeout)),
+    ]
+
+
+class Delivery:
+    """Sends encoded messages from ``rank`` to the ranks of ``addresses`` (rank -> (ip, port), read
+    at each new channel). ``run_over()`` says a silo has its FINISH: the server stopped listening,
+    so nothing more is sent."""
+
+    SEND_GRACE_SECONDS = 2.0  # past a send's deadline, before it is counted as not delivered
+
+    def __init__(
+        self,
+        rank: int,
+        addresses: Mapping[int, Tuple[str, int]],
+        ipconfig_path: str,
+        credentials: Optional[Credentials],
+        options: List[Tuple[str, int]],
+        run_over: Callable[[], bool],
+    ) -> None:
+        self.rank, self.addresses, self.ipconfig_path = rank, addresses, ipconfig_path
+        self.credentials, self.options, self.run_over = credentials, options, run_over
+        self._channels: Dict[int, Any] = {}
+        self._lock = threading.Lock()  # the channels
+
+    def _channel(self, receiver: int) -> Any:
+        channel = self._channels.get(receiver)
+        if channel is None:
+            if receiver not in self.addresses:
+                raise ConfigError(f"comm_args.grpc_ipconfig_path={self.ipconfig_path!r}: no row for rank {receiver}")
+            ip, port = self.addresses[receiver]
+            if self.credentials is None:
+                channel = grpc.insecure_channel(f"{ip}:{port}", options=self.options)
+            else:
+                # The receiver's certificate must name the rank we mean to reach, whatever its address.
+                channel = grpc.secure_channel(
+                    f"{ip}:{port}",
+                    grpc.ssl_channel_credentials(self.credentials.ca, self.credentials.key, self.credentials.cert),
+                    options=[*self.options, ("grpc.ssl_target_name_override", rank_name(receiver))],
+                )
+            self._channels[receiver] = channel
+        return channel
+
+    def send(self, receiver: int, data: bytes, deadline: float, *, gone_if_refused: bool = False) -> None:
+        """Deliver encoded bytes to ``receiver`` before ``deadline`` (``time.monotonic()``),
+        retrying an unreachable receiver with backoff until then; :class:`PeerUnreachable` when it
+        did not take them in time. A receiver that refuses the message is logged, not raised: it
+        logged why, and the protocol's deadlines go on. ``gone_if_refused``: a receiver whose host
+        refuses the connection (nothing listens on its port) is :class:`PeerUnreachable` at once,
+        not retried; for the end of a run, when a peer that was running and no longer listens has
+        ended (a process starting up is retried)."""
+        with self._lock:
+            stub = pb2_grpc.gRPCCommManagerStub(self._channel(receiver))
+        request = pb2.CommRequest(client_id=self.rank, message=data)
+        ip, port = self.addresses[receiver]
+        delay, last_error, window = 0.1, "no answer", max(0.0, deadline - time.monotonic())
+        while True:
+            if self.run_over():  # its finish waits in the queue; the server stopped listening
+                logger.info("rank %d: the server ended the run; a message to rank %d is not sent", self.rank, receiver)
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerUnreachable(
+                    f"rank {receiver} at {ip}:{port} did not take a message from rank {self.rank} "
+                    f"within {window:.1f} s ({last_error}); is it gone?"
+                )
+            try:
+                stub.sendMessage(request, timeout=left)
+                return
+            except grpc.RpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    last_error = "it accepted no message before the deadline"
+                    continue
+                if code in (
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.UNIMPLEMENTED,
+                ):
+                    logger.warning(
+                        "rank %d at %s:%d refused a message from rank %d: %s",
+                        receiver,
+                        ip,
+                        port,
+                        self.rank,
+                        err.details(),
+                    )
+                    return
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                last_error = err.details() or "unavailable"
+                if gone_if_refused and "Connection refused" in last_error:  # the OS's words, via gRPC
+                    raise PeerUnreachable(
+                        f"rank {receiver} at {ip}:{port} refuses connections (nothing listens there: it has ended)"
+                    ) from None
+            logger.info(
+                "rank %d at %s:%d is not reachable yet; retrying in %.1f s (%s)", receiver, ip, port, delay, last_error
+            )
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(2 * delay, 2.0)
+
+    def send_all(
+        self, encoded: Iterable[Tuple[int, bytes]], deadline: float, *, gone_if_refused: bool = False
+    ) -> Dict[int, PeerUnreachable]:
+        """Send (receiver, bytes) pairs at once, each before ``deadline``: one that does not answer
+        costs the others nothing. Returns the receivers that were unreachable. The deadline is
+        held by this clock too: a send still running just after it (a gRPC call over a link that
+        drops every packet did not always return at its own deadline) counts as not delivered,
+        and :meth:`close` cancels it. ``gone_if_refused``: see :meth:`send`."""
+        items = list(encoded)
+        outcome: Dict[int, Optional[BaseException]] = {}
+
+        def deliver(receiver: int, data: bytes) -> None:
+            try:
+                self.send(receiver, data, deadline, gone_if_refused=gone_if_refused)
+                outcome[receiver] = None
+            except grpc.RpcError as err:  # e.g. CANCELLED while the peer shuts down: not delivered
+                outcome[receiver] = PeerUnreachable(f"rank {receiver}: {err.code().name}: {err.details()}")
+            except Exception as err:  # noqa: BLE001 - handed to the caller below
+                outcome[receiver] = err
+
+        threads = [
+            threading.Thread(target=deliver, args=item, daemon=True, name=f"send-to-rank-{item[0]}") for item in items
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()) + self.SEND_GRACE_SECONDS)
+        failed: Dict[int, PeerUnreachable] = {}
+        for receiver, _ in items:
+            if receiver not in outcome:
+                ip, port = self.addresses[receiver]
+                failed[receiver] = PeerUnreachable(
+                    f"rank {receiver} at {ip}:{port} did not take a message from rank "
+                    f"{self.rank} by the deadline; is it gone?"
+                )
+            else:
+                error = outcome[receiver]
+                if isinstance(error, PeerUnreachable):
+                    failed[receiver] = error
+                elif error is not None:
+                    raise error
+        return failed
+
+    def close(self) -> None:
+        """Close every channel (a send under way is cancelled)."""
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
