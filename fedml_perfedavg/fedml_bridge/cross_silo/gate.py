@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,97 @@ class _Connection:
     closing: bool = False
     writers: list = field(default_factory=list)
 
+    def refusal(self, tls: bool) -> Tuple[str, str]:
+        """(reason, text) for a connection that closed without carrying a request."""
+        lasted = time.monotonic() - self.opened
+        traffic = f"{self.bytes_in} bytes in, {self.bytes_out} out, {lasted:.2f} s"
+        if self.bytes_in == 0:
+            reason, what = IDLE, "sent nothing"
+        elif tls and self.first_byte != 0x16:
+            reason, what = PLAINTEXT, "did not start a TLS handshake (plaintext to a TLS port?)"
+        elif tls:
+            reason, what = (
+                HANDSHAKE,
+                "TLS handshake failed or was not finished in time (no client certificate from the run's CA?)",
+            )
+        else:
+            reason, what = HANDSHAKE, "made no request in time"
+        return reason, f"connection closed without a request: {what} ({traffic})"
+
+
+class ConnectionBook:
+    """The gate's open connections: counted per peer address and in total within ``limits``,
+    found again from gRPC's side of them, and due to close at their deadlines (the module doc).
+    Used from the gate's thread only."""
+
+    def __init__(self, limits: GateLimits) -> None:
+        self.limits = limits
+        self._open: Dict[int, _Connection] = {}  # id -> connection
+        self._per_peer: Dict[str, int] = {}
+        self._by_backend_port: Dict[int, _Connection] = {}
+        self.accepted = 0
+        self.most_open = 0  # the highest number of concurrent connections seen
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def connections(self) -> List[_Connection]:
+        return list(self._open.values())
+
+    def over_cap(self, host: str) -> Optional[str]:
+        """Why one more connection from ``host`` would be over a cap (None: it is not)."""
+        if len(self._open) >= self.limits.total:
+            return f"{len(self._open)} connections open, the cap in total (comm_args.max_connections)"
+        if self._per_peer.get(host, 0) >= self.limits.per_peer:
+            return (
+                f"{self._per_peer[host]} connections open from {host}, the cap per peer address "
+                f"(comm_args.max_connections_per_peer)"
+            )
+        return None
+
+    def open(self, host: str, port: int) -> _Connection:
+        now = time.monotonic()
+        connection = _Connection(host, port, now, now)
+        self._open[id(connection)] = connection
+        self._per_peer[host] = self._per_peer.get(host, 0) + 1
+        self.most_open = max(self.most_open, len(self._open))
+        return connection
+
+    def release(self, connection: _Connection) -> None:
+        self._open.pop(id(connection), None)
+        left = self._per_peer.get(connection.host, 1) - 1
+        if left > 0:
+            self._per_peer[connection.host] = left
+        else:
+            self._per_peer.pop(connection.host, None)
+
+    def bind_backend(self, backend_port: int, connection: Optional[_Connection]) -> None:
+        """``connection`` reaches gRPC from ``backend_port`` (None: no longer)."""
+        if connection is None:
+            self._by_backend_port.pop(backend_port, None)
+        else:
+            self._by_backend_port[backend_port] = connection
+
+    def connection_of(self, grpc_peer: str) -> Optional[_Connection]:
+        """The connection behind gRPC's peer string for the backend side (``ipv4:127.0.0.1:PORT``)."""
+        try:
+            port = int(grpc_peer.rsplit(":", 1)[1])
+        except (IndexError, ValueError):
+            return None
+        return self._by_backend_port.get(port)
+
+    def overdue(self, now: float) -> List[_Connection]:
+        """Connections past their deadline: no request (nor a message under way) within
+        ``first_request_seconds``, or no bytes either way for ``idle_seconds``."""
+        due = []
+        for connection in self._open.values():
+            started = connection.requests > 0 or connection.bytes_in >= HANDSHAKE_BYTES
+            if not started and now - connection.opened > self.limits.first_request_seconds:
+                due.append(connection)
+            elif started and now - connection.last_activity > self.limits.idle_seconds:
+                due.append(connection)
+        return due
+
 
 class PortTaken(OSError):
     """The public address cannot be bound (in use, or not this host's)."""
@@ -90,12 +181,7 @@ class Gate:
         self._sock: Optional[socket.socket] = None
         self._sweeper: Optional[asyncio.Task] = None
         self._thread: Optional[threading.Thread] = None
-        self._per_peer: Dict[str, int] = {}
-        self._open: Dict[int, _Connection] = {}  # id -> connection
-        self._by_backend_port: Dict[int, _Connection] = {}
-        self._lock = threading.Lock()
-        self.accepted = 0
-        self.most_open = 0  # the highest number of concurrent connections seen
+        self.book = ConnectionBook(limits)
 
     # -- life ---------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -150,25 +236,14 @@ class Gate:
                 self.on_refusal("-", 0, DESCRIPTORS, f"accepting paused for 0.5 s: {err.strerror}")
                 return
             host, port = str(peer[0]), int(peer[1])
-            self.accepted += 1
-            over = None
-            if len(self._open) >= self.limits.total:
-                over = f"{len(self._open)} connections open, the cap in total (comm_args.max_connections)"
-            elif self._per_peer.get(host, 0) >= self.limits.per_peer:
-                over = (
-                    f"{self._per_peer[host]} connections open from {host}, the cap per peer address "
-                    f"(comm_args.max_connections_per_peer)"
-                )
+            self.book.accepted += 1
+            over = self.book.over_cap(host)
             if over is not None:
                 conn.close()
                 self.on_refusal(host, port, CONNECTION_CAP, f"connection closed at once: {over}")
                 continue
             conn.setblocking(False)
-            now = time.monotonic()
-            connection = _Connection(host, port, now, now)  # counted now, before the next accept
-            self._open[id(connection)] = connection
-            self._per_peer[host] = self._per_peer.get(host, 0) + 1
-            self.most_open = max(self.most_open, len(self._open))
+            connection = self.book.open(host, port)  # counted now, before the next accept
             self._loop.create_task(self._handle(conn, connection))
 
     def stop(self) -> None:
@@ -182,7 +257,7 @@ class Gate:
             sweepers = [self._sweeper] if self._sweeper is not None else []
             for sweeper in sweepers:
                 sweeper.cancel()
-            for connection in list(self._open.values()):
+            for connection in self.book.connections():
                 self._close(connection)  # their handlers end on their own (a cancelled one would be logged)
             handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             await asyncio.wait([*sweepers, *handlers], timeout=2.0)
@@ -198,35 +273,26 @@ class Gate:
             self._loop.close()
 
     # -- what the transport asks ------------------------------------------------------------------
-    def _connection_of(self, grpc_peer: str) -> Optional[_Connection]:
-        """The connection behind gRPC's peer string for the backend side (``ipv4:127.0.0.1:PORT``)."""
-        try:
-            port = int(grpc_peer.rsplit(":", 1)[1])
-        except (IndexError, ValueError):
-            return None
-        return self._by_backend_port.get(port)
-
     def peer_of(self, grpc_peer: str) -> Tuple[str, str]:
         """(host, "host:port") of the real peer behind a request gRPC saw come from the gate."""
-        connection = self._connection_of(grpc_peer)
+        connection = self.book.connection_of(grpc_peer)
         if connection is None:
             return grpc_peer, grpc_peer
         return connection.host, f"{connection.host}:{connection.port}"
 
     def note_request(self, grpc_peer: str) -> None:
         """A request reached the servicer through this connection: its handshake is done."""
-        connection = self._connection_of(grpc_peer)
+        connection = self.book.connection_of(grpc_peer)
         if connection is not None:
             connection.requests += 1
             connection.last_activity = time.monotonic()
 
     @property
     def open_connections(self) -> int:
-        return len(self._open)
+        return len(self.book)
 
     # -- the loop -----------------------------------------------------------------------------------
     async def _handle(self, conn: socket.socket, connection: _Connection) -> None:
-        host = connection.host
         try:
             try:
                 reader, writer = await asyncio.open_connection(sock=conn, limit=_CHUNK)
@@ -242,25 +308,21 @@ class Gate:
                 return  # the process's own gRPC server is gone: it is shutting down
             connection.writers.append(backend_writer)
             backend_port = backend_writer.get_extra_info("sockname")[1]
-            self._by_backend_port[backend_port] = connection
+            self.book.bind_backend(backend_port, connection)
             try:
                 await asyncio.gather(
                     self._pipe(reader, backend_writer, connection, inbound=True),
                     self._pipe(backend_reader, writer, connection, inbound=False),
                 )
             finally:
-                self._by_backend_port.pop(backend_port, None)
+                self.book.bind_backend(backend_port, None)
         finally:
             self._close(connection)
             conn.close()  # aborted with its transport already, or never handed to one
-            self._open.pop(id(connection), None)
-            left = self._per_peer.get(host, 1) - 1
-            if left > 0:
-                self._per_peer[host] = left
-            else:
-                self._per_peer.pop(host, None)
+            self.book.release(connection)
             if connection.requests == 0:
-                self._report_unused(connection)
+                reason, text = connection.refusal(self.limits.tls)
+                self.on_refusal(connection.host, connection.port, reason, text)
 
     async def _pipe(
         self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, connection: _Connection, inbound: bool
@@ -300,32 +362,8 @@ class Gate:
                 pass
 
     async def _sweep(self) -> None:
-        """Close connections past their deadline: no request (nor a message under way) within
-        ``first_request_seconds``, or no bytes either way for ``idle_seconds``."""
+        """Close connections past their deadline (:meth:`ConnectionBook.overdue`)."""
         while True:
             await asyncio.sleep(_SWEEP_SECONDS)
-            now = time.monotonic()
-            for connection in list(self._open.values()):
-                started = connection.requests > 0 or connection.bytes_in >= HANDSHAKE_BYTES
-                if not started and now - connection.opened > self.limits.first_request_seconds:
-                    self._close(connection)
-                elif started and now - connection.last_activity > self.limits.idle_seconds:
-                    self._close(connection)
-
-    def _report_unused(self, connection: _Connection) -> None:
-        lasted = time.monotonic() - connection.opened
-        traffic = f"{connection.bytes_in} bytes in, {connection.bytes_out} out, {lasted:.2f} s"
-        if connection.bytes_in == 0:
-            reason, what = IDLE, "sent nothing"
-        elif self.limits.tls and connection.first_byte != 0x16:
-            reason, what = PLAINTEXT, "did not start a TLS handshake (plaintext to a TLS port?)"
-        elif self.limits.tls:
-            reason, what = (
-                HANDSHAKE,
-                "TLS handshake failed or was not finished in time (no client certificate from the run's CA?)",
-            )
-        else:
-            reason, what = HANDSHAKE, "made no request in time"
-        self.on_refusal(
-            connection.host, connection.port, reason, f"connection closed without a request: {what} ({traffic})"
-        )
+            for connection in self.book.overdue(time.monotonic()):
+                self._close(connection)
