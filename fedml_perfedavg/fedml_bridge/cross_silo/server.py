@@ -5,7 +5,7 @@ FedML's server waits for every silo in every phase with no limit (one dead silo 
 averages every upload slot it ever filled (stale ones too, once a silo is gone), believes the
 sample counts and figures each message carries, selects round r+1's silos with round r's seed,
 samples with ``np.random.seed(round)`` and sleeps 5 s before finishing. Here a run goes through
-these phases, each with one deadline::
+these phases (:mod:`.phases`), each with one deadline::
 
     ONLINE --> TRAINING --(round < K)--> [EVALUATING] --> TRAINING
                   |                              |
@@ -40,7 +40,6 @@ frozen, or restarted) takes part again.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -50,6 +49,7 @@ from ..bootstrap import import_fedml
 from ..shims import aggregate_with_hooks
 from ...algorithms.base import RoundDriver
 from .agreement import SiloSetup
+from .phases import Phase, PhaseClock
 from .policy import SiloPolicy
 from .roster import SiloRoster, silo_accuracies
 from . import TRAINING_STARTED
@@ -71,26 +71,6 @@ NOTICE_SECONDS = 2.0  # a notice to a silo (a refusal, an acknowledgement) is no
 FINISH_SECONDS = 5.0
 
 
-class Phase(enum.Enum):
-    STARTING = "starting"
-    ONLINE = "coming online"
-    TRAINING = "training"
-    EVALUATING = "evaluating"
-    FINISHING = "finishing"
-    DONE = "done"
-
-
-# DONE is also where a stopped run goes, from any phase.
-TRANSITIONS = {
-    Phase.STARTING: {Phase.ONLINE, Phase.DONE},
-    Phase.ONLINE: {Phase.TRAINING, Phase.DONE},
-    Phase.TRAINING: {Phase.TRAINING, Phase.EVALUATING, Phase.FINISHING, Phase.DONE},
-    Phase.EVALUATING: {Phase.TRAINING, Phase.DONE},
-    Phase.FINISHING: {Phase.DONE},
-    Phase.DONE: set(),
-}
-
-
 class PluginFedMLAggregator(FedMLAggregator):
     """Keeps only the open round's uploads, by the user's position in the round's sample."""
 
@@ -104,6 +84,30 @@ class PluginFedMLAggregator(FedMLAggregator):
         averaged, kept, positions = aggregate_with_hooks(self.aggregator, model_list)
         self.set_global_model_params(averaged)
         return averaged, kept, positions
+
+
+def to_silo(
+    msg_type: int,
+    silo: int,
+    model: Any = None,
+    user: Optional[int] = None,
+    round_idx: Optional[int] = None,
+    reason: Optional[str] = None,
+    refused: bool = False,
+) -> Message:
+    """A message from the server (rank 0) to ``silo``: FedML's keys, and the plugin's round stamp,
+    reason (cut at 2000 characters) and refusal flag where given."""
+    message = Message(msg_type, 0, silo)
+    if model is not None:
+        message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, model)
+    message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_INDEX, str(0 if user is None else user))
+    if round_idx is not None:
+        message.add_params(ROUND_KEY, round_idx)
+    if reason is not None:
+        message.add_params(wire.REASON, reason[:2000])
+    if refused:
+        message.add_params(wire.REFUSED, True)
+    return message
 
 
 class PluginServerManager(FedMLServerManager):
@@ -131,9 +135,7 @@ class PluginServerManager(FedMLServerManager):
                 f"of silos ({len(setup.silos)}): each silo trains one sampled user per round"
             )
         self.policy, self.driver, self.setup = policy, driver, setup
-        self.phase = Phase.STARTING
-        self.deadline: Optional[float] = None  # the one deadline of the open phase (time.monotonic())
-        self.phase_opened = 0.0
+        self.clock = PhaseClock(policy)
         self.roster = SiloRoster(setup)
         self.expected: List[int] = []  # the open round's silos (data-owner mode: offline ones too)
         self.assigned: Dict[int, Tuple[int, int]] = {}  # silo -> (position in the sample, user), open round
@@ -144,47 +146,17 @@ class PluginServerManager(FedMLServerManager):
         self.evaluated_round = -1
         self.finished: Set[int] = set()
         self.silo_metrics: Dict[int, Dict[str, Any]] = {}  # silo -> its last evaluation (shared mode)
-        self.slowest_round: Optional[float] = None  # of the rounds every silo answered in time
-        self.rounds_measured = 0
-        self.adaptive_logged = False
 
     @property
     def round_idx(self) -> int:
         return self.args.round_idx  # FedML's own counter, which the transport stamps on messages
 
-    # -- phases and the deadline --------------------------------------------------------------------
-    def _enter(self, phase: Phase, seconds: Optional[float] = None) -> None:
-        if phase not in TRANSITIONS[self.phase]:
-            raise RuntimeError(f"cross-silo server: no transition from {self.phase.name} to {phase.name}")
-        self.phase = phase
-        self.phase_opened = time.monotonic()
-        self.deadline = None if seconds is None else self.phase_opened + seconds
-
-    def _round_seconds(self) -> float:
-        """The round deadline as of the rounds measured so far; logged the first time it adapts."""
-        wait = self.policy.round_deadline(self.slowest_round, self.rounds_measured)
-        if wait < self.policy.round_timeout and not self.adaptive_logged:
-            self.adaptive_logged = True
-            logger.info(
-                "round deadline now %.1f s: %g x the slowest round so far (%.2f s; comm_args."
-                "round_timeout_factor), at most comm_args.round_timeout=%g s",
-                wait,
-                self.policy.round_timeout_factor,
-                self.slowest_round,
-                self.policy.round_timeout,
-            )
-        return wait
-
-    def _deadline_words(self) -> str:
-        assert self.deadline is not None  # words for a deadline that passed
-        return f"{self.deadline - self.phase_opened:.1f} s (the round deadline, see comm_args.round_timeout_factor)"
-
     def on_idle(self) -> None:
         """The transport's tick while no message comes: act on a passed deadline."""
-        if self.deadline is None or time.monotonic() < self.deadline:
+        if not self.clock.passed():
             return
-        if self.phase is Phase.ONLINE:
-            self.deadline = None
+        if self.clock.phase is Phase.ONLINE:
+            self.clock.deadline = None
             missing = [s for s in self.roster.live if s not in self.roster.online]
             go_on, _ = self.policy.after_deadline(self.roster.live, sorted(self.roster.online))
             self._give_up_on(
@@ -193,12 +165,12 @@ class PluginServerManager(FedMLServerManager):
                 go_on,
             )
             self._start_training()
-        elif self.phase is Phase.TRAINING:
-            self._close_round(f"sent no update within {self._deadline_words()}")
-        elif self.phase is Phase.EVALUATING:
-            self._close_evaluation(f"sent no evaluation within {self._deadline_words()}")
-        elif self.phase is Phase.FINISHING:
-            self.deadline = None
+        elif self.clock.phase is Phase.TRAINING:
+            self._close_round(f"sent no update within {self.clock.deadline_words()}")
+        elif self.clock.phase is Phase.EVALUATING:
+            self._close_evaluation(f"sent no evaluation within {self.clock.deadline_words()}")
+        elif self.clock.phase is Phase.FINISHING:
+            self.clock.deadline = None
             logger.warning(
                 "no goodbye from silo rank(s) %s within the round deadline; the run is complete",
                 sorted(set(self.roster.live) - self.finished),
@@ -243,10 +215,10 @@ class PluginServerManager(FedMLServerManager):
     def _tell_silos_to_stop(self, reason: Optional[str], seconds: float = FINISH_SECONDS) -> None:
         """Tell the silos still there that the run is over (``reason``: it failed) within ``seconds``,
         without waiting on any that do not answer."""
-        if self.phase is not Phase.DONE:
-            self._enter(Phase.DONE)
+        if self.clock.phase is not Phase.DONE:
+            self.clock.enter(Phase.DONE)
         self._record_refusals()
-        finish = [self._message(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=reason) for silo in self.roster.live]
+        finish = [to_silo(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=reason) for silo in self.roster.live]
         try:
             untold = self.com_manager.send_all(finish, time.monotonic() + seconds, gone_if_refused=True)
             for silo, err in sorted(untold.items()):
@@ -278,32 +250,10 @@ class PluginServerManager(FedMLServerManager):
         self.register_message_receive_handler(MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER, self._on_update)
         self.register_message_receive_handler(wire.EVALUATION, self._on_evaluation)
 
-    def _message(
-        self,
-        msg_type: int,
-        silo: int,
-        model: Any = None,
-        user: Optional[int] = None,
-        round_idx: Optional[int] = None,
-        reason: Optional[str] = None,
-        refused: bool = False,
-    ) -> Message:
-        message = Message(msg_type, self.get_sender_id(), silo)
-        if model is not None:
-            message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, model)
-        message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_INDEX, str(0 if user is None else user))
-        if round_idx is not None:
-            message.add_params(ROUND_KEY, round_idx)
-        if reason is not None:
-            message.add_params(wire.REASON, reason[:2000])
-        if refused:
-            message.add_params(wire.REFUSED, True)
-        return message
-
     def _on_listening(self, msg_params: Message) -> None:
         # FedML pings every silo here; silos announce themselves (retrying until the server
         # listens), so the server only starts its clock.
-        self._enter(Phase.ONLINE, self.policy.connect_timeout)
+        self.clock.enter(Phase.ONLINE, self.policy.connect_timeout)
         logger.info("server listening; waiting for silos %s", self.roster.live)
 
     def _on_status(self, msg_params: Message) -> None:
@@ -311,7 +261,9 @@ class PluginServerManager(FedMLServerManager):
         status = msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_STATUS)
         if status == self.ONLINE_STATUS_FLAG:
             self._on_hello(silo, msg_params.get(wire.HELLO), msg_params.get(SESSION_KEY))
-        elif status == self.RUN_FINISHED_STATUS_FLAG and self.phase is Phase.FINISHING and silo in self.roster.live:
+        elif (
+            status == self.RUN_FINISHED_STATUS_FLAG and self.clock.phase is Phase.FINISHING and silo in self.roster.live
+        ):
             self.finished.add(silo)
             self._note_silo_metrics(silo, msg_params.get(wire.SILO_METRICS), self.round_idx)
             if all(s in self.finished for s in self.roster.live):
@@ -319,7 +271,7 @@ class PluginServerManager(FedMLServerManager):
 
     # -- a silo comes online ------------------------------------------------------------------------
     def _on_hello(self, silo: int, announced: Optional[Dict[str, Any]], session: Optional[str]) -> None:
-        if self.phase in (Phase.FINISHING, Phase.DONE) or silo not in self.setup.silos:
+        if self.clock.phase in (Phase.FINISHING, Phase.DONE) or silo not in self.setup.silos:
             return
         problem = self.roster.problem_with(silo, announced)
         if problem is not None:
@@ -327,9 +279,9 @@ class PluginServerManager(FedMLServerManager):
             return
         assert announced is not None  # (no announcement is a problem)
         restarted = self.roster.greet(silo, announced, session)
-        if self.phase in (Phase.STARTING, Phase.ONLINE):
+        if self.clock.phase in (Phase.STARTING, Phase.ONLINE):
             self.roster.online.add(silo)
-            if self.phase is Phase.ONLINE and self.roster.all_online():
+            if self.clock.phase is Phase.ONLINE and self.roster.all_online():
                 self._start_training()
             return
         if silo not in self.roster.live:
@@ -341,17 +293,17 @@ class PluginServerManager(FedMLServerManager):
             self.driver.record_rejoined_silo(self.round_idx, silo, why)
         elif restarted:
             self._forget_open_work(silo)
-        self._notify([self._message(MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, silo)])  # "I hear you"
+        self._notify([to_silo(MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, silo)])  # "I hear you"
         self._close_if_complete()
 
     def _forget_open_work(self, silo: int) -> None:
         """A silo restarted: what its earlier process owed the open round or evaluation will not come."""
-        if self.phase is Phase.TRAINING and silo in self.assigned and silo not in self.answered:
+        if self.clock.phase is Phase.TRAINING and silo in self.assigned and silo not in self.answered:
             logger.warning(
                 "round %d: silo rank %d restarted; its update for this round is missing", self.round_idx, silo
             )
             self.assigned.pop(silo)
-        if self.phase is Phase.EVALUATING and silo in self.awaiting:
+        if self.clock.phase is Phase.EVALUATING and silo in self.awaiting:
             self.awaiting.discard(silo)
 
     def _refuse_silo(self, silo: int, problem: str) -> None:
@@ -360,18 +312,14 @@ class PluginServerManager(FedMLServerManager):
         logger.error("%s; it is refused", problem)
         self._refuse(silo, DISAGREEMENT, problem)
         self._notify(
-            [
-                self._message(
-                    MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=f"refused by the server: {problem}", refused=True
-                )
-            ]
+            [to_silo(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=f"refused by the server: {problem}", refused=True)]
         )
         if silo not in self.roster.live:
             return
         left = [s for s in self.roster.live if s != silo]
-        go_on = len(left) >= self.policy.min_clients if self.phase in (Phase.STARTING, Phase.ONLINE) else True
+        go_on = len(left) >= self.policy.min_clients if self.clock.phase in (Phase.STARTING, Phase.ONLINE) else True
         self._give_up_on([silo], f"refused: {problem}", go_on)
-        if self.phase is Phase.ONLINE and self.roster.all_online():
+        if self.clock.phase is Phase.ONLINE and self.roster.all_online():
             self._start_training()
         else:
             self._close_if_complete()
@@ -392,30 +340,30 @@ class PluginServerManager(FedMLServerManager):
             logger.warning(
                 "round %d: sampled silo rank(s) %s are offline; they are missing from this round", round_idx, offline
             )
-        self._enter(Phase.TRAINING, self._round_seconds())
+        self.clock.enter(Phase.TRAINING, self.clock.round_seconds())
         params = self.aggregator.get_global_model_params()
-        messages = [self._message(msg_type, s, params, user) for s, (_, user) in sorted(self.assigned.items())]
-        unreachable = self.com_manager.send_all(messages, self.deadline)
+        messages = [to_silo(msg_type, s, params, user) for s, (_, user) in sorted(self.assigned.items())]
+        unreachable = self.com_manager.send_all(messages, self.clock.deadline)
         for _, err in sorted(unreachable.items()):
             logger.warning("%s", err)
         if unreachable:
             reachable = [s for s in self.assigned if s not in unreachable]
             go_on, _ = self.policy.after_deadline(self.expected, reachable)
-            self._give_up_on(sorted(unreachable), f"unreachable for {self._deadline_words()}", go_on)
+            self._give_up_on(sorted(unreachable), f"unreachable for {self.clock.deadline_words()}", go_on)
         self._close_if_complete()
 
     def _close_if_complete(self) -> None:
         """Close the open round or evaluation once nothing more is awaited."""
-        if self.phase is Phase.TRAINING and set(self.assigned) <= self.answered:
+        if self.clock.phase is Phase.TRAINING and set(self.assigned) <= self.answered:
             self._close_round(None)
-        elif self.phase is Phase.EVALUATING and not self.awaiting:
+        elif self.clock.phase is Phase.EVALUATING and not self.awaiting:
             self._close_evaluation(None)
 
     def _on_update(self, msg_params: Message) -> None:
         silo = int(msg_params.get_sender_id())
         stamped = msg_params.get(ROUND_KEY)
         if (
-            self.phase is not Phase.TRAINING
+            self.clock.phase is not Phase.TRAINING
             or silo not in self.assigned
             or stamped != self.round_idx
             or silo in self.answered
@@ -424,7 +372,7 @@ class PluginServerManager(FedMLServerManager):
                 "ignored an update from silo rank %d for round %s (the server is %s round %d%s)",
                 silo,
                 stamped,
-                self.phase.value,
+                self.clock.phase.value,
                 self.round_idx,
                 "; it already sent one" if silo in self.answered else "",
             )
@@ -447,14 +395,13 @@ class PluginServerManager(FedMLServerManager):
             self.aggregator.updates[position] = (known, msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
         if set(self.assigned) <= self.answered and set(self.expected) <= self.answered:
             # Only rounds every silo answered in time measure what a round takes.
-            self.slowest_round = max(time.monotonic() - self.phase_opened, self.slowest_round or 0.0)
-            self.rounds_measured += 1
+            self.clock.measure_round()
         self._close_if_complete()
 
     def _close_round(self, why_missing: Optional[str]) -> None:
         """The round's deadline passed (``why_missing`` says what the missing silos failed to do)
         or every silo answered: give up on the missing, aggregate, evaluate, go on."""
-        self.deadline = None
+        self.clock.deadline = None
         go_on, missing = self.policy.after_deadline(self.expected, sorted(self.answered))
         waited = [s for s in missing if s in self.assigned]  # sent the round's model, sent nothing back
         if not go_on:
@@ -475,7 +422,9 @@ class PluginServerManager(FedMLServerManager):
         if self.round_idx < self.round_num:
             self._open_round(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT)
         elif self.setup.own_data:
-            self._tell_silos_to_stop(None, self._round_seconds())  # the last evaluation is recorded: the run is over
+            self._tell_silos_to_stop(
+                None, self.clock.round_seconds()
+            )  # the last evaluation is recorded: the run is over
             self._complete()
         else:
             self._send_final_model()
@@ -486,22 +435,22 @@ class PluginServerManager(FedMLServerManager):
         self.evaluations, self.awaiting = {}, set(self.roster.live)
         self.evaluation_started = time.perf_counter()
         self.evaluated_round = round_idx
-        self._enter(Phase.EVALUATING, self._round_seconds())
+        self.clock.enter(Phase.EVALUATING, self.clock.round_seconds())
         params = self.aggregator.get_global_model_params()
-        messages = [self._message(wire.EVALUATE, s, params, s - 1, round_idx) for s in sorted(self.awaiting)]
-        unreachable = self.com_manager.send_all(messages, self.deadline)
+        messages = [to_silo(wire.EVALUATE, s, params, s - 1, round_idx) for s in sorted(self.awaiting)]
+        unreachable = self.com_manager.send_all(messages, self.clock.deadline)
         if unreachable:
-            self._give_up_on(sorted(unreachable), f"unreachable for {self._deadline_words()}", True)
+            self._give_up_on(sorted(unreachable), f"unreachable for {self.clock.deadline_words()}", True)
         self._close_if_complete()
 
     def _on_evaluation(self, msg_params: Message) -> None:
         silo = int(msg_params.get_sender_id())
         counts = msg_params.get(wire.SILO_METRICS)
-        if self.phase is not Phase.EVALUATING or silo not in self.awaiting:
+        if self.clock.phase is not Phase.EVALUATING or silo not in self.awaiting:
             logger.warning(
                 "ignored an evaluation from silo rank %d (the server is %s round %d)",
                 silo,
-                self.phase.value,
+                self.clock.phase.value,
                 self.round_idx,
             )
             return
@@ -518,7 +467,7 @@ class PluginServerManager(FedMLServerManager):
         self._close_if_complete()
 
     def _close_evaluation(self, why_missing: Optional[str]) -> None:
-        self.deadline = None
+        self.clock.deadline = None
         if self.awaiting:
             self._give_up_on(sorted(self.awaiting), why_missing or "sent no evaluation", True)
         missing = [s - 1 for s in self.setup.silos if s - 1 not in self.evaluations]
@@ -531,13 +480,13 @@ class PluginServerManager(FedMLServerManager):
     # -- the end (shared mode: the silos evaluate the final model and say goodbye) -------------------------
     def _send_final_model(self) -> None:
         self.expected, self.assigned = self.roster.assignment(self.driver.sample_clients(self.round_idx))
-        self._enter(Phase.FINISHING, self._round_seconds())
+        self.clock.enter(Phase.FINISHING, self.clock.round_seconds())
         params = self.aggregator.get_global_model_params()
         messages = [
-            self._message(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT, s, params, user)
+            to_silo(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT, s, params, user)
             for s, (_, user) in sorted(self.assigned.items())
         ]
-        for silo, err in sorted(self.com_manager.send_all(messages, self.deadline).items()):
+        for silo, err in sorted(self.com_manager.send_all(messages, self.clock.deadline).items()):
             logger.warning("%s", err)
             self.roster.drop([silo])
         if all(s in self.finished for s in self.roster.live):
@@ -546,8 +495,8 @@ class PluginServerManager(FedMLServerManager):
     def _complete(self) -> None:
         self._log_silo_metrics("final")
         self._record_refusals()
-        if self.phase is not Phase.DONE:
-            self._enter(Phase.DONE)
+        if self.clock.phase is not Phase.DONE:
+            self.clock.enter(Phase.DONE)
         self.finish()
 
     # -- the silos' own evaluations of the model they received (shared mode) --------------------------
