@@ -168,6 +168,129 @@ def check(sections: Dict[str, Dict[str, Any]], run: Dict[str, Any]) -> None:
         FedMLSafeguards(sections, run).rehearse(int(run["client_num_per_round"]))
 
 
+# -- building FedML's objects (errors named by key) ------------------------------------------
+def build_dp(section: Dict[str, Any], view: Any) -> Any:
+    """FedML's differential privacy for ``section`` (None where it is not enabled), built by FedML
+    from ``view``; :class:`ConfigError` naming the key for what FedML would refuse or Per-FedAvg
+    cannot use."""
+    if not section.get("enable_dp"):
+        return None
+    from fedml.core.dp.fedml_differential_privacy import FedMLDifferentialPrivacy
+
+    solution = section.get("dp_solution_type")
+    if solution in DP_REFUSED:
+        raise ConfigError(
+            f"dp_args.dp_solution_type={solution!r}: not supported: {DP_REFUSED[solution]}; use one "
+            f"of {list(DP_SOLUTIONS)}"
+        )
+    if solution not in DP_SOLUTIONS:
+        raise ConfigError(
+            f"dp_args.dp_solution_type={solution!r}: must be one of {list(DP_SOLUTIONS)} (FedML's local and central DP)"
+        )
+    if "delta" not in section:
+        raise ConfigError(
+            "dp_args.delta: required with dp_args.enable_dp (train_args.delta is Per-FedAvg's "
+            "finite-difference step, not DP's delta)"
+        )
+    mechanism = section.get("mechanism_type")
+    if str(mechanism).lower() not in ("gaussian", "laplace"):
+        raise ConfigError(
+            f"dp_args.mechanism_type={mechanism!r}: must be one of ['gaussian', 'laplace'] "
+            f"(fedml/core/dp/mechanisms/dp_mechanism.py)"
+        )
+    dp = FedMLDifferentialPrivacy()
+    try:
+        with _fedml_prints():
+            dp.init(view)
+    except AttributeError as err:
+        raise _missing_key(err, "dp_args", f"dp_solution_type {solution!r}") from None
+    except (ValueError, TypeError) as err:
+        values = {k: section.get(k) for k in ("epsilon", "delta", "sensitivity")}
+        raise ConfigError(
+            f"dp_args.epsilon={values['epsilon']!r}, delta={values['delta']!r}, sensitivity="
+            f"{values['sensitivity']!r}: FedML's {mechanism} mechanism refuses them: {err}"
+        ) from None
+    return dp
+
+
+def build_attacker(section: Dict[str, Any], view: Any) -> Any:
+    """FedML's attacker for ``section`` (None where it is not enabled), built by FedML
+    from ``view``; :class:`ConfigError` naming the key for what FedML would refuse or Per-FedAvg
+    cannot use."""
+    if not section.get("enable_attack"):
+        return None
+    from fedml.core.security.fedml_attacker import FedMLAttacker
+
+    kind = section.get("attack_type")
+    if kind in ATTACK_REFUSED:
+        raise ConfigError(f"attack_args.attack_type={kind!r}: not supported: {ATTACK_REFUSED[kind]}")
+    if kind not in MODEL_ATTACKS + DATA_ATTACKS:
+        raise ConfigError(
+            f"attack_args.attack_type={kind!r}: must be one of {list(MODEL_ATTACKS + DATA_ATTACKS)} "
+            f"(FedML's attacks on client models or data)"
+        )
+    if kind == "byzantine" and section.get("attack_mode") not in ("zero", "random", "flip"):
+        raise ConfigError(
+            f"attack_args.attack_mode={section.get('attack_mode')!r}: must be one of ['zero', "
+            f"'random', 'flip'] (fedml/core/security/attack/byzantine_attack.py)"
+        )
+    if kind == "label_flipping":
+        ratio = section.get("ratio_of_poisoned_client")
+        if not isinstance(ratio, float) or not 0.0 <= ratio <= 1.0:
+            raise ConfigError(
+                f"attack_args.ratio_of_poisoned_client={ratio!r}: must be a float in [0, 1] (the "
+                f"share of a round's clients whose labels are flipped)"
+            )
+        for name in ("original_class_list", "target_class_list"):
+            if not isinstance(section.get(name), list) or not all(isinstance(c, int) for c in section[name]):
+                raise ConfigError(f"attack_args.{name}={section.get(name)!r}: must be a list of class indices")
+        if len(section["original_class_list"]) != len(section["target_class_list"]):
+            raise ConfigError(
+                f"attack_args.target_class_list={section['target_class_list']!r}: must be as long "
+                f"as original_class_list={section['original_class_list']!r}"
+            )
+    attacker = FedMLAttacker()
+    try:
+        with _fedml_prints():
+            attacker.init(view)
+    except AttributeError as err:
+        raise _missing_key(err, "attack_args", f"attack_type {kind!r}") from None
+    return attacker
+
+
+def build_defender(section: Dict[str, Any], view: Any) -> Any:
+    """FedML's defender for ``section`` (None where it is not enabled), built by FedML
+    from ``view``; :class:`ConfigError` naming the key for what FedML would refuse or Per-FedAvg
+    cannot use."""
+    if not section.get("enable_defense"):
+        return None
+    from fedml.core.security.fedml_defender import FedMLDefender
+
+    kind = section.get("defense_type")
+    applied = applied_defenses()
+    if kind not in applied:
+        raise ConfigError(
+            f"defense_args.defense_type={kind!r}: must be one of {applied}: the defenses FedML's "
+            f"ServerAggregator applies before, on or after aggregation (fedml/core/security/"
+            f"fedml_defender.py is_defense_*_aggregation); others FedML never calls there"
+        )
+    if kind in WEIGHT_ONLY_DEFENSES and getattr(view, "aggregation", "sample_weighted") != "sample_weighted":
+        raise ConfigError(
+            f"defense_args.defense_type={kind!r}: FedML's {kind} acts only through each update's "
+            f"sample weight, which train_args.aggregation={view.aggregation!r} does not use "
+            f"(the model would be the one without it); set train_args.aggregation: sample_weighted"
+        )
+    defender = FedMLDefender()
+    try:
+        with _fedml_prints():
+            defender.init(view)
+    except AttributeError as err:
+        raise _missing_key(err, "defense_args", f"defense_type {kind!r}") from None
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"defense_args.defense_type={kind!r}: FedML refuses its parameters: {err}") from None
+    return defender
+
+
 class FedMLSafeguards(RoundHooks):
     """FedML's DP, attacks and defenses for one run, as :class:`RoundHooks`."""
 
@@ -178,123 +301,11 @@ class FedMLSafeguards(RoundHooks):
             import_fedml()
         self.seed = int(run["random_seed"])
         self.view = fedml_view(sections, run)
-        self.dp = self._build_dp(sections.get("dp_args", {}))
-        self.attacker = self._build_attacker(sections.get("attack_args", {}))
-        self.defender = self._build_defender(sections.get("defense_args", {}))
+        self.dp = build_dp(sections.get("dp_args", {}), self.view)
+        self.attacker = build_attacker(sections.get("attack_args", {}), self.view)
+        self.defender = build_defender(sections.get("defense_args", {}), self.view)
         self.poisons_labels = self.attacker is not None and self.attacker.attack_type in DATA_ATTACKS
         self.changes_client_results = self.dp is not None and self.dp.is_local_dp_enabled()
-
-    # -- building FedML's objects (errors named by key) ----------------------------------------
-    def _build_dp(self, section: Dict[str, Any]):
-        if not section.get("enable_dp"):
-            return None
-        from fedml.core.dp.fedml_differential_privacy import FedMLDifferentialPrivacy
-
-        solution = section.get("dp_solution_type")
-        if solution in DP_REFUSED:
-            raise ConfigError(
-                f"dp_args.dp_solution_type={solution!r}: not supported: {DP_REFUSED[solution]}; use one "
-                f"of {list(DP_SOLUTIONS)}"
-            )
-        if solution not in DP_SOLUTIONS:
-            raise ConfigError(
-                f"dp_args.dp_solution_type={solution!r}: must be one of {list(DP_SOLUTIONS)} (FedML's "
-                f"local and central DP)"
-            )
-        if "delta" not in section:
-            raise ConfigError(
-                "dp_args.delta: required with dp_args.enable_dp (train_args.delta is Per-FedAvg's "
-                "finite-difference step, not DP's delta)"
-            )
-        mechanism = section.get("mechanism_type")
-        if str(mechanism).lower() not in ("gaussian", "laplace"):
-            raise ConfigError(
-                f"dp_args.mechanism_type={mechanism!r}: must be one of ['gaussian', 'laplace'] "
-                f"(fedml/core/dp/mechanisms/dp_mechanism.py)"
-            )
-        dp = FedMLDifferentialPrivacy()
-        try:
-            with _fedml_prints():
-                dp.init(self.view)
-        except AttributeError as err:
-            raise _missing_key(err, "dp_args", f"dp_solution_type {solution!r}") from None
-        except (ValueError, TypeError) as err:
-            values = {k: section.get(k) for k in ("epsilon", "delta", "sensitivity")}
-            raise ConfigError(
-                f"dp_args.epsilon={values['epsilon']!r}, delta={values['delta']!r}, sensitivity="
-                f"{values['sensitivity']!r}: FedML's {mechanism} mechanism refuses them: {err}"
-            ) from None
-        return dp
-
-    def _build_attacker(self, section: Dict[str, Any]):
-        if not section.get("enable_attack"):
-            return None
-        from fedml.core.security.fedml_attacker import FedMLAttacker
-
-        kind = section.get("attack_type")
-        if kind in ATTACK_REFUSED:
-            raise ConfigError(f"attack_args.attack_type={kind!r}: not supported: {ATTACK_REFUSED[kind]}")
-        if kind not in MODEL_ATTACKS + DATA_ATTACKS:
-            raise ConfigError(
-                f"attack_args.attack_type={kind!r}: must be one of {list(MODEL_ATTACKS + DATA_ATTACKS)} "
-                f"(FedML's attacks on client models or data)"
-            )
-        if kind == "byzantine" and section.get("attack_mode") not in ("zero", "random", "flip"):
-            raise ConfigError(
-                f"attack_args.attack_mode={section.get('attack_mode')!r}: must be one of ['zero', "
-                f"'random', 'flip'] (fedml/core/security/attack/byzantine_attack.py)"
-            )
-        if kind == "label_flipping":
-            ratio = section.get("ratio_of_poisoned_client")
-            if not isinstance(ratio, float) or not 0.0 <= ratio <= 1.0:
-                raise ConfigError(
-                    f"attack_args.ratio_of_poisoned_client={ratio!r}: must be a float in [0, 1] (the "
-                    f"share of a round's clients whose labels are flipped)"
-                )
-            for name in ("original_class_list", "target_class_list"):
-                if not isinstance(section.get(name), list) or not all(isinstance(c, int) for c in section[name]):
-                    raise ConfigError(f"attack_args.{name}={section.get(name)!r}: must be a list of class indices")
-            if len(section["original_class_list"]) != len(section["target_class_list"]):
-                raise ConfigError(
-                    f"attack_args.target_class_list={section['target_class_list']!r}: must be as long "
-                    f"as original_class_list={section['original_class_list']!r}"
-                )
-        attacker = FedMLAttacker()
-        try:
-            with _fedml_prints():
-                attacker.init(self.view)
-        except AttributeError as err:
-            raise _missing_key(err, "attack_args", f"attack_type {kind!r}") from None
-        return attacker
-
-    def _build_defender(self, section: Dict[str, Any]):
-        if not section.get("enable_defense"):
-            return None
-        from fedml.core.security.fedml_defender import FedMLDefender
-
-        kind = section.get("defense_type")
-        applied = applied_defenses()
-        if kind not in applied:
-            raise ConfigError(
-                f"defense_args.defense_type={kind!r}: must be one of {applied}: the defenses FedML's "
-                f"ServerAggregator applies before, on or after aggregation (fedml/core/security/"
-                f"fedml_defender.py is_defense_*_aggregation); others FedML never calls there"
-            )
-        if kind in WEIGHT_ONLY_DEFENSES and getattr(self.view, "aggregation", "sample_weighted") != "sample_weighted":
-            raise ConfigError(
-                f"defense_args.defense_type={kind!r}: FedML's {kind} acts only through each update's "
-                f"sample weight, which train_args.aggregation={self.view.aggregation!r} does not use "
-                f"(the model would be the one without it); set train_args.aggregation: sample_weighted"
-            )
-        defender = FedMLDefender()
-        try:
-            with _fedml_prints():
-                defender.init(self.view)
-        except AttributeError as err:
-            raise _missing_key(err, "defense_args", f"defense_type {kind!r}") from None
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"defense_args.defense_type={kind!r}: FedML refuses its parameters: {err}") from None
-        return defender
 
     # -- the round hooks ----------------------------------------------------------------------
     def client_labels(self, round_idx: int, client_id: int, y: Tensor) -> Tensor:
