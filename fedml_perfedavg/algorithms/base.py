@@ -33,11 +33,11 @@ from ..core.client_maths import LocalBatches, LocalUpdateConfig, Step
 from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
 from ..core.hand_batched import HandBatchedGradients
-from ..core.errors import RunStopped
-from ..core.guards import apply_divergence_policy, is_finite, update_bound, update_problem
+from ..core.guards import apply_divergence_policy, is_finite
 from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
 from ..core.types import Params, StateDict, UserSplit
 from .model_probe import probe
+from .update_screen import UpdateScreen
 
 logger = logging.getLogger(__name__)
 
@@ -242,12 +242,17 @@ class FederatedAlgorithm:
         # see :meth:`probe_model`; False: vmap's batched kernels give a client other bits than alone, so
         # clients are trained and evaluated one by one (every backend then computes each client alike)
         self.groups_exactly = True
-        self.skipped_rounds = 0
-        self.rejected: Dict[int, int] = {}  # round -> client updates rejected
+        self.screen = UpdateScreen(
+            self.parameter_names, settings.max_update_norm, settings.max_update_ratio, settings.max_skipped_rounds
+        )
         self.aggregate_calls = 0
-        self._bound_logged = False
         self._hand_batched_by_shape: Dict[tuple, Tuple[Optional[HandBatchedGradients], str]] = {}  # by input shape
         self._test_stacks: dict = {}  # the evaluation's stacked test splits, kept between evaluations
+
+    @property
+    def rejected(self) -> Dict[int, int]:
+        """Round -> client updates rejected (:class:`UpdateScreen`; the driver adds the silos' refused uploads)."""
+        return self.screen.rejected
 
     @classmethod
     def from_config(cls, model: nn.Module, config: Any) -> "FederatedAlgorithm":
@@ -393,46 +398,14 @@ class FederatedAlgorithm:
         left keeps the global model, and ``max_skipped_rounds`` such rounds stop the run."""
         self.aggregate_calls += 1
         updates = self.hooks.before_aggregation(round_idx, list(updates), global_state)
-        settings = self.settings
-        if settings.max_update_ratio is not None and not self._bound_logged:
-            self._bound_logged = True
-            logger.info(
-                "client updates are bounded: ||w_i - w|| <= train_args.max_update_ratio=%g x max(||w||, 1) "
-                "(%.4g in round %d); larger ones are rejected",
-                settings.max_update_ratio,
-                update_bound(global_state, settings.max_update_ratio, self.parameter_names),
-                round_idx,
-            )
-        accepted = []
-        for position, (samples, update) in enumerate(updates):
-            problem = update_problem(
-                update, global_state, settings.max_update_norm, self.parameter_names, settings.max_update_ratio
-            )
-            if problem is None:
-                accepted.append((samples, update))
-            else:
-                logger.warning("round %d: rejected client update %d: %s", round_idx, position, problem)
-        if len(accepted) < len(updates):
-            self.rejected[round_idx] = len(updates) - len(accepted)
+        accepted = self.screen.accept(round_idx, updates, global_state)
         if accepted:
             accepted = self.hooks.filter_updates(round_idx, accepted, global_state)
             combined = self.hooks.combine(
                 round_idx, accepted, global_state, lambda kept: self.combine(round_idx, kept, global_state)
             )
             return self.hooks.after_aggregation(round_idx, combined, global_state)
-        self.skipped_rounds += 1
-        logger.error(
-            "round %d: no acceptable client update; the global model is kept (%d such rounds, "
-            "train_args.max_skipped_rounds=%d)",
-            round_idx,
-            self.skipped_rounds,
-            self.settings.max_skipped_rounds,
-        )
-        if self.skipped_rounds >= self.settings.max_skipped_rounds:
-            raise RunStopped(
-                f"{self.skipped_rounds} rounds had no acceptable client update (train_args."
-                f"max_skipped_rounds={self.settings.max_skipped_rounds}); last at round {round_idx}"
-            )
+        self.screen.skip(round_idx)
         return OrderedDict((k, v.clone()) for k, v in global_state.items())
 
     def combine(
@@ -501,13 +474,8 @@ class FederatedAlgorithm:
     # -- checkpoint state -----------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """The aggregation's record, for checkpoints."""
-        return {
-            "skipped_rounds": self.skipped_rounds,
-            "rejected": dict(self.rejected),
-            "aggregate_calls": self.aggregate_calls,
-        }
+        return {**self.screen.state_dict(), "aggregate_calls": self.aggregate_calls}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.skipped_rounds = int(state["skipped_rounds"])
-        self.rejected = {int(k): int(v) for k, v in state["rejected"].items()}
+        self.screen.load_state_dict(state)
         self.aggregate_calls = int(state.get("aggregate_calls", 0))
