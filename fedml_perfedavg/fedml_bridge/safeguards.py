@@ -161,6 +161,28 @@ def _missing_key(err: AttributeError, section: str, what: str) -> ConfigError:
     return ConfigError(f"{section}.{name}: required by {what} (FedML reads it), not given")
 
 
+def _init_by_fedml(
+    feature: Any,
+    view: Any,
+    section: str,
+    what: str,
+    refused: Optional[Callable[[Exception], ConfigError]] = None,
+) -> Any:
+    """``feature.init(view)`` with FedML's prints kept out of the run's output; returns ``feature``.
+    A key FedML reads that ``section`` lacks is a :class:`ConfigError` naming it; FedML's
+    ValueError or TypeError becomes ``refused(err)`` where given."""
+    try:
+        with _fedml_prints():
+            feature.init(view)
+    except AttributeError as err:
+        raise _missing_key(err, section, what) from None
+    except (ValueError, TypeError) as err:
+        if refused is None:
+            raise
+        raise refused(err) from None
+    return feature
+
+
 def check(sections: Dict[str, Dict[str, Any]], run: Dict[str, Any]) -> None:
     """Errors at start, naming the key, for what FedML's classes would refuse or Per-FedAvg cannot
     use; builds each enabled feature once with FedML's own code to surface its own errors."""
@@ -198,19 +220,17 @@ def build_dp(section: Dict[str, Any], view: Any) -> Any:
             f"dp_args.mechanism_type={mechanism!r}: must be one of ['gaussian', 'laplace'] "
             f"(fedml/core/dp/mechanisms/dp_mechanism.py)"
         )
-    dp = FedMLDifferentialPrivacy()
-    try:
-        with _fedml_prints():
-            dp.init(view)
-    except AttributeError as err:
-        raise _missing_key(err, "dp_args", f"dp_solution_type {solution!r}") from None
-    except (ValueError, TypeError) as err:
-        values = {k: section.get(k) for k in ("epsilon", "delta", "sensitivity")}
-        raise ConfigError(
+    values = {k: section.get(k) for k in ("epsilon", "delta", "sensitivity")}
+    return _init_by_fedml(
+        FedMLDifferentialPrivacy(),
+        view,
+        "dp_args",
+        f"dp_solution_type {solution!r}",
+        lambda err: ConfigError(
             f"dp_args.epsilon={values['epsilon']!r}, delta={values['delta']!r}, sensitivity="
             f"{values['sensitivity']!r}: FedML's {mechanism} mechanism refuses them: {err}"
-        ) from None
-    return dp
+        ),
+    )
 
 
 def build_attacker(section: Dict[str, Any], view: Any) -> Any:
@@ -249,13 +269,7 @@ def build_attacker(section: Dict[str, Any], view: Any) -> Any:
                 f"attack_args.target_class_list={section['target_class_list']!r}: must be as long "
                 f"as original_class_list={section['original_class_list']!r}"
             )
-    attacker = FedMLAttacker()
-    try:
-        with _fedml_prints():
-            attacker.init(view)
-    except AttributeError as err:
-        raise _missing_key(err, "attack_args", f"attack_type {kind!r}") from None
-    return attacker
+    return _init_by_fedml(FedMLAttacker(), view, "attack_args", f"attack_type {kind!r}")
 
 
 def build_defender(section: Dict[str, Any], view: Any) -> Any:
@@ -280,15 +294,13 @@ def build_defender(section: Dict[str, Any], view: Any) -> Any:
             f"sample weight, which train_args.aggregation={view.aggregation!r} does not use "
             f"(the model would be the one without it); set train_args.aggregation: sample_weighted"
         )
-    defender = FedMLDefender()
-    try:
-        with _fedml_prints():
-            defender.init(view)
-    except AttributeError as err:
-        raise _missing_key(err, "defense_args", f"defense_type {kind!r}") from None
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"defense_args.defense_type={kind!r}: FedML refuses its parameters: {err}") from None
-    return defender
+    return _init_by_fedml(
+        FedMLDefender(),
+        view,
+        "defense_args",
+        f"defense_type {kind!r}",
+        lambda err: ConfigError(f"defense_args.defense_type={kind!r}: FedML refuses its parameters: {err}"),
+    )
 
 
 class FedMLSafeguards(RoundHooks):

@@ -95,32 +95,32 @@ def _received(transport, seconds=5.0):
     return transport._queue.get_nowait()
 
 
+def _through_slow_link(pair, delay: float, seconds: float):
+    """Send the server's model to the silo through a :class:`SlowLink` of ``delay``, within
+    ``seconds``: (seconds it took, the link)."""
+    server, silo = pair
+    link = SlowLink(silo.addresses[1], delay)
+    server.addresses[1] = link.address
+    started = time.monotonic()
+    try:
+        server.send_message(_model_message(), deadline=started + seconds)
+    finally:
+        link.close()
+    return time.monotonic() - started, link
+
+
 def test_a_connection_whose_handshake_takes_longer_than_the_retry_backoff_still_delivers(pair):
     # gRPC abandons a connection attempt after its "min_reconnect_backoff"; at the backoff's 100 ms a
     # handshake slower than the 1 s backoff ceiling never finished, and every message failed.
-    server, silo = pair
-    link = SlowLink(silo.addresses[1], delay=1.5)
-    server.addresses[1] = link.address
-    try:
-        started = time.monotonic()
-        server.send_message(_model_message(), deadline=started + 4.5)
-        took = time.monotonic() - started
-        received = _received(silo)
-    finally:
-        link.close()
+    took, link = _through_slow_link(pair, delay=1.5, seconds=4.5)
+    received = _received(pair[1])
     assert received.sender == 0 and torch.equal(received.model["w"], torch.ones(3))
     assert 1.5 <= took < 4.5, took
     assert link.connections == 1  # the first attempt waited; it was not abandoned and retried
 
 
 def test_a_link_slower_than_the_send_deadline_is_unreachable_in_time(pair):
-    server, silo = pair
-    link = SlowLink(silo.addresses[1], delay=3.0)
-    server.addresses[1] = link.address
-    try:
-        started = time.monotonic()
-        with pytest.raises(PeerUnreachable, match="did not take a message from rank 0 within 1.0 s"):
-            server.send_message(_model_message(), deadline=started + 1.0)
-        assert time.monotonic() - started < 2.0
-    finally:
-        link.close()
+    started = time.monotonic()
+    with pytest.raises(PeerUnreachable, match="did not take a message from rank 0 within 1.0 s"):
+        _through_slow_link(pair, delay=3.0, seconds=1.0)
+    assert time.monotonic() - started < 2.0

@@ -55,6 +55,10 @@ class PhaseClock:
         self.opened = time.monotonic()
         self.deadline = None if seconds is None else self.opened + seconds
 
+    def disarm(self) -> None:
+        """The open phase's deadline was acted on (or no longer applies): it passes no more."""
+        self.deadline = None
+
     def passed(self) -> bool:
         """Whether the open phase has a deadline and it has passed."""
         return self.deadline is not None and time.monotonic() >= self.deadline

@@ -156,7 +156,7 @@ class PluginServerManager(FedMLServerManager):
         if not self.clock.passed():
             return
         if self.clock.phase is Phase.ONLINE:
-            self.clock.deadline = None
+            self.clock.disarm()
             missing = [s for s in self.roster.live if s not in self.roster.online]
             go_on, _ = self.policy.after_deadline(self.roster.live, sorted(self.roster.online))
             self._give_up_on(
@@ -170,7 +170,7 @@ class PluginServerManager(FedMLServerManager):
         elif self.clock.phase is Phase.EVALUATING:
             self._close_evaluation(f"sent no evaluation within {self.clock.deadline_words()}")
         elif self.clock.phase is Phase.FINISHING:
-            self.clock.deadline = None
+            self.clock.disarm()
             logger.warning(
                 "no goodbye from silo rank(s) %s within the round deadline; the run is complete",
                 sorted(set(self.roster.live) - self.finished),
@@ -401,7 +401,7 @@ class PluginServerManager(FedMLServerManager):
     def _close_round(self, why_missing: Optional[str]) -> None:
         """The round's deadline passed (``why_missing`` says what the missing silos failed to do)
         or every silo answered: give up on the missing, aggregate, evaluate, go on."""
-        self.clock.deadline = None
+        self.clock.disarm()
         go_on, missing = self.policy.after_deadline(self.expected, sorted(self.answered))
         waited = [s for s in missing if s in self.assigned]  # sent the round's model, sent nothing back
         if not go_on:
@@ -467,7 +467,7 @@ class PluginServerManager(FedMLServerManager):
         self._close_if_complete()
 
     def _close_evaluation(self, why_missing: Optional[str]) -> None:
-        self.clock.deadline = None
+        self.clock.disarm()
         if self.awaiting:
             self._give_up_on(sorted(self.awaiting), why_missing or "sent no evaluation", True)
         missing = [s - 1 for s in self.setup.silos if s - 1 not in self.evaluations]
