@@ -3,10 +3,15 @@
 
 - ``huge-once``: its upload in round 1 holds 1e30 everywhere;
 - ``false-count``: every upload claims 1000 times its user's training samples;
-- ``false-figures``: its evaluations claim user 424242 and every test sample right.
+- ``false-figures``: its evaluations claim user 424242 and every test sample right;
+- ``slow:R:S``: it is honest but takes S seconds more to train round R (past the round deadline);
+- ``late:PATH``: it is honest but starts listening only a second after the server's log PATH says
+  it refused a silo (a silo still starting up when the server stops the run).
 """
 
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -41,6 +46,28 @@ def lie(kind: str) -> None:
             return {**counts, "user": 424242, "correct": counts["total"], "correct_before": counts["total"]}
 
         client.PluginFedMLTrainer.evaluate = evaluate
+    elif kind.startswith("slow:"):
+        _, slow_round, seconds = kind.split(":")
+        honest_train = client.PluginTrainerDistAdapter.train
+
+        def slow_train(self, round_idx):
+            if round_idx == int(slow_round):
+                time.sleep(float(seconds))
+            return honest_train(self, round_idx)
+
+        client.PluginTrainerDistAdapter.train = slow_train
+    elif kind.startswith("late:"):
+        from fedml_perfedavg.fedml_bridge.cross_silo import transport
+
+        server_log, listen = Path(kind.split(":", 1)[1]), transport.listen
+
+        def listen_late(*args, **kwargs):
+            while not (server_log.exists() and "it is refused" in server_log.read_text()):
+                time.sleep(0.05)
+            time.sleep(1.0)  # the server's first try to tell this silo has met a closed port
+            return listen(*args, **kwargs)
+
+        transport.listen = listen_late
     else:
         raise SystemExit(f"lying_silo.py: unknown lie {kind!r}")
 

@@ -116,6 +116,22 @@ def test_a_silo_that_disagrees_is_refused_at_once_naming_the_key_and_both_values
 
 
 @needs_mnist
+def test_a_silo_still_starting_when_the_server_stops_the_run_is_told(mnist_root, tmp_path):
+    """A closed port means "ended" only for a silo that was heard from: one that starts listening
+    after the server stopped the run (here 1 s after) still hears why, not after connect_timeout."""
+    folders = _export(mnist_root, tmp_path, 2)
+    folders[2]["alpha"] = 0.05
+    started = time.monotonic()
+    late = {1: f"late:{tmp_path / 'run' / 'run.log'}"}
+    outs = finish_all(
+        start_by_hand(tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": 3}, 2, folders, liars=late)
+    )
+    assert "the server stopped the run: round 0: silo rank(s) [2] refused" in outs[1], outs[1][-3000:]
+    assert "was not told" not in outs[0], outs[0][-3000:]
+    assert time.monotonic() - started < 50  # not after connect_timeout (60 s)
+
+
+@needs_mnist
 def test_a_silo_whose_data_does_not_fit_the_model_is_refused_naming_it(mnist_root, tmp_path):
     folders = _export(mnist_root, tmp_path, 2)
     config = resolve(
@@ -216,7 +232,7 @@ def test_a_silo_frozen_for_a_while_is_missing_then_comes_back(mnist_root, tmp_pa
     folders = _export(mnist_root, tmp_path, 2)
     processes = start_by_hand(
         tmp_path,
-        {**OWN, "client_num_in_total": 2, "comm_round": 120, "frequency_of_the_test": 5, "min_clients_per_round": 1},
+        {**OWN, "client_num_in_total": 2, "comm_round": 300, "frequency_of_the_test": 5, "min_clients_per_round": 1},
         2,
         folders,
     )
@@ -233,18 +249,60 @@ def test_a_silo_frozen_for_a_while_is_missing_then_comes_back(mnist_root, tmp_pa
     os.kill(processes[2].pid, signal.SIGCONT)  # it sees it was not running (or the server's silence): it announces
     outs = finish_all(processes)
     summary = _summary(tmp_path)
-    assert summary["status"] == "finished" and summary["rounds"] == 120, outs[0][-4000:]
+    assert summary["status"] == "finished" and summary["rounds"] == 300, outs[0][-4000:]
     [lost] = summary["lost_silos"]
     [back] = summary["rejoined_silos"]
-    assert lost["rank"] == back["rank"] == 2 and lost["round"] <= back["round"] < 119
+    assert lost["rank"] == back["rank"] == 2 and lost["round"] <= back["round"] < 299
     missing = [h["round"] for h in summary["history"] if h["missing_users"] == [1]]
     assert missing and all(lost["round"] <= r <= back["round"] for r in missing)
     assert summary["history"][-1]["missing_users"] == [] and summary["per_user_accuracy"][1] is not None
-    # frozen while it waited, it sees the gap in its own clock; frozen while it trained, the server's silence
-    assert "this silo was not running for" in outs[2] or "nothing from the server for" in outs[2]
+    # frozen while it waited, it sees the gap in its own clock; while it trained, it sends its late
+    # update and the server tells it that it was given up on; while it sent, the server's silence
+    assert any(
+        why in outs[2]
+        for why in ("this silo was not running for", "the server gave up on this silo", "nothing from the server for")
+    )
     assert "announcing itself again" in outs[2]
     assert "the server answered; the silo is back in the run" in outs[2]
     assert processes[2].returncode == 0
+
+
+@needs_mnist
+def test_a_silo_given_up_on_that_sends_a_late_update_is_told_and_comes_back_at_once(mnist_root, tmp_path):
+    """Its late update shows it does not know it is out: the server says so, and the silo announces
+    itself at once rather than after the server's silence (10 s here)."""
+    folders = _export(mnist_root, tmp_path, 2)
+    settings = {**OWN, "client_num_in_total": 2, "comm_round": 300, "frequency_of_the_test": 50}
+    outs = finish_all(
+        start_by_hand(tmp_path, {**settings, "min_clients_per_round": 1}, 2, folders, liars={2: "slow:3:7"})
+    )
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 300, outs[0][-4000:]
+    assert [(s["rank"], s["round"]) for s in summary["lost_silos"]] == [(2, 3)]
+    [back] = summary["rejoined_silos"]
+    assert back["rank"] == 2 and back["round"] < 299
+    assert "silo rank 2 was given up on and still sends work; it is told to announce itself" in outs[0]
+    assert "silo rank 2: the server gave up on this silo" in outs[2]
+    assert "nothing from the server for" not in outs[2]
+    assert summary["history"][-1]["missing_users"] == []
+
+
+@needs_mnist
+def test_a_silo_given_up_on_in_the_last_round_is_told_that_the_run_is_over(mnist_root, tmp_path):
+    """Given up on in the last round, it would otherwise send its update to a server that has
+    ended and stop after connect_timeout, failing; told, it ends with the run."""
+    folders = _export(mnist_root, tmp_path, 2)
+    started = time.monotonic()
+    settings = {**OWN, "client_num_in_total": 2, "comm_round": 3, "min_clients_per_round": 1}
+    processes = start_by_hand(tmp_path, settings, 2, folders, liars={2: "slow:2:10"})
+    outs = finish_all(processes)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-4000:]
+    assert [(s["rank"], s["round"]) for s in summary["lost_silos"]] == [(2, 2)]
+    assert "silo rank 2: the server ended the run" in outs[2], outs[2][-3000:]
+    assert "was not told" not in outs[0]
+    assert [p.returncode for p in processes.values()] == [0, 0, 0]
+    assert time.monotonic() - started < 50  # not after connect_timeout (60 s)
 
 
 @needs_mnist

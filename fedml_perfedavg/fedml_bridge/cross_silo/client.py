@@ -17,9 +17,10 @@ server forever, and its evaluations never reach the server. Here::
   answered with the counts of the silo's own test split; shared mode's silo also evaluates each
   model it receives and sends the counts with its update.
 - REJOINING: after ``SiloPolicy.client_idle_deadline`` without a word from the server (adaptive,
-  see there), or when an upload cannot be delivered, the silo announces itself again; a server
-  still running takes it back (it answers at once). With no answer within ``connect_timeout`` the
-  silo stops, saying the server may be gone.
+  see there), when an upload cannot be delivered, or when the server says it gave up on the silo
+  (it answered late), the silo announces itself again; a server still running takes it back (it
+  answers at once). With no answer within ``connect_timeout`` the silo stops, saying the server
+  may be gone.
 
 A FINISH from the server ends the silo: the run is over (or ended early, saying why), or this
 silo was refused (its announcement), which is this silo's failure.
@@ -152,7 +153,7 @@ class PluginClientMasterManager(ClientMasterManager):
     # -- messages -----------------------------------------------------------------------------------
     def register_message_receive_handlers(self) -> None:
         self.register_message_receive_handler(MyMessage.MSG_TYPE_CONNECTION_IS_READY, self._on_ready)
-        self.register_message_receive_handler(MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, lambda message: None)
+        self.register_message_receive_handler(MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, self._on_check_status)
         self.register_message_receive_handler(MyMessage.MSG_TYPE_S2C_INIT_CONFIG, self._on_model)
         self.register_message_receive_handler(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT, self._on_model)
         self.register_message_receive_handler(wire.EVALUATE, self._on_evaluate)
@@ -191,6 +192,12 @@ class PluginClientMasterManager(ClientMasterManager):
         message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_OS, platform.system())
         message.add_params(wire.HELLO, self.setup.hello)
         self.com_manager.send_message(message, deadline=deadline)
+
+    def _on_check_status(self, msg_params: Message) -> None:
+        """The server hears this silo, or (LEFT_OUT) it gave up on it: then the silo announces
+        itself again, to take part from the next round."""
+        if msg_params.get(wire.LEFT_OUT) and self.state is State.LISTENING:
+            self._rejoin("the server gave up on this silo (an answer of it came late, or not at all)")
 
     def _on_model(self, msg_params: Message) -> None:
         round_idx = int(msg_params.get(ROUND_KEY))

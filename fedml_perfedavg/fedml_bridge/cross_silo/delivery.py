@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ...core.errors import ConfigError, SiloFailure
 from ..bootstrap import import_fedml
@@ -99,8 +99,8 @@ class Delivery:
         did not take them in time. A receiver that refuses the message is logged, not raised: it
         logged why, and the protocol's deadlines go on. ``gone_if_refused``: a receiver whose host
         refuses the connection (nothing listens on its port) is :class:`PeerUnreachable` at once,
-        not retried; for the end of a run, when a peer that was running and no longer listens has
-        ended (a process starting up is retried)."""
+        not retried; only for a receiver known to have listened (it was heard from), since one
+        still starting up refuses connections too and must be retried."""
         with self._lock:
             stub = pb2_grpc.gRPCCommManagerStub(self._channel(receiver))
         request = pb2.CommRequest(client_id=self.rank, message=data)
@@ -153,19 +153,24 @@ class Delivery:
             delay = min(2 * delay, 2.0)
 
     def send_all(
-        self, encoded: Iterable[Tuple[int, bytes]], deadline: float, *, gone_if_refused: bool = False
+        self,
+        encoded: Iterable[Tuple[int, bytes]],
+        deadline: float,
+        *,
+        gone_if_refused: Collection[int] = (),
     ) -> Dict[int, PeerUnreachable]:
         """Send (receiver, bytes) pairs at once, each before ``deadline``: one that does not answer
         costs the others nothing. Returns the receivers that were unreachable. The deadline is
         held by this clock too: a send still running just after it (a gRPC call over a link that
         drops every packet did not always return at its own deadline) counts as not delivered,
-        and :meth:`close` cancels it. ``gone_if_refused``: see :meth:`send`."""
+        and :meth:`close` cancels it. ``gone_if_refused``: the receivers that have listened (were
+        heard from), for whom a refused connection means they ended (see :meth:`send`)."""
         items = list(encoded)
         outcome: Dict[int, Optional[BaseException]] = {}
 
         def deliver(receiver: int, data: bytes) -> None:
             try:
-                self.send(receiver, data, deadline, gone_if_refused=gone_if_refused)
+                self.send(receiver, data, deadline, gone_if_refused=receiver in gone_if_refused)
                 outcome[receiver] = None
             except grpc.RpcError as err:  # e.g. CANCELLED while the peer shuts down: not delivered
                 outcome[receiver] = PeerUnreachable(f"rank {receiver}: {err.code().name}: {err.details()}")

@@ -21,6 +21,8 @@ class SiloRoster:
         self.online: Set[int] = set()  # announced themselves before training started
         self.hellos: Dict[int, Dict[str, Any]] = {}  # silo -> what it announced
         self.sessions: Dict[int, Optional[str]] = {}  # silo -> its process's session
+        self.refused: Set[int] = set()  # told why and ended; nothing more is sent to them
+        self.told_left_out: Set[int] = set()  # given up on, and told so once (see left_out_notice)
 
     def all_online(self) -> bool:
         return all(s in self.online for s in self.live)
@@ -31,10 +33,31 @@ class SiloRoster:
 
     def take_back(self, silo: int) -> None:
         self.live = [s for s in self.setup.silos if s in self.live or s == silo]
+        self.told_left_out.discard(silo)
+
+    def refuse(self, silo: int) -> None:
+        """``silo`` was refused and told why: it has ended, and takes no further part."""
+        self.refused.add(silo)
+        self.drop([silo])
+
+    def given_up(self) -> List[int]:
+        """Silos that were heard from, then given up on (not refused): they may still be running
+        and waiting for the server, so they too are told when the run ends."""
+        return [s for s in self.setup.silos if s in self.hellos and s not in self.live and s not in self.refused]
+
+    def left_out_notice(self, silo: int) -> bool:
+        """True the first time a silo given up on sends work (it does not know it is out): it is
+        then told to announce itself again. Once per giving up, so a silo that keeps sending
+        cannot make the server send for it in every round."""
+        if silo not in self.given_up() or silo in self.told_left_out:
+            return False
+        self.told_left_out.add(silo)
+        return True
 
     def greet(self, silo: int, announced: Dict[str, Any], session: Optional[str]) -> bool:
         """Note an accepted announcement; True if it came from a new process of a silo seen before."""
         restarted = silo in self.sessions and self.sessions[silo] != session
+        self.refused.discard(silo)
         self.sessions[silo] = session
         self.hellos[silo] = announced
         return restarted

@@ -35,7 +35,9 @@ refusal log (summary.json's ``refusals``), and a refused upload is a rejected up
 At a deadline the silos that did not answer are given up on; the run goes on if at least
 ``min_clients`` of the round's silos answered (:meth:`SiloPolicy.after_deadline`), else it stops
 naming them. A silo given up on that announces itself again (it lost the server for a while, was
-frozen, or restarted) takes part again.
+frozen, or restarted) takes part again; one that sends work as if nothing happened is told, once,
+that it was given up on, so it announces itself at once. When the run ends, the silos given up on
+are told too (they may be waiting), except those refused, which were told why and have ended.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ logger = logging.getLogger(__name__)
 DISAGREEMENT, SAMPLE_COUNT, BAD_FIGURES = "disagreement", "sample-count", "bad-figures"
 NOTICE_SECONDS = 2.0  # a notice to a silo (a refusal, an acknowledgement) is not waited on longer
 # The end of a run is told within this: a silo that misses it waits out its idle limit (minutes). A
-# silo whose port refuses connections has ended and is not waited for, so Ctrl-C stays quick.
+# silo that was heard from and whose port now refuses connections has ended and is not waited for,
+# so Ctrl-C stays quick; one never heard from may still be starting up and is retried.
 FINISH_SECONDS = 5.0
 
 
@@ -94,9 +97,10 @@ def to_silo(
     round_idx: Optional[int] = None,
     reason: Optional[str] = None,
     refused: bool = False,
+    left_out: bool = False,
 ) -> Message:
     """A message from the server (rank 0) to ``silo``: FedML's keys, and the plugin's round stamp,
-    reason (cut at 2000 characters) and refusal flag where given."""
+    reason (cut at 2000 characters), refusal and left-out flags where given."""
     message = Message(msg_type, 0, silo)
     if model is not None:
         message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, model)
@@ -107,6 +111,8 @@ def to_silo(
         message.add_params(wire.REASON, reason[:2000])
     if refused:
         message.add_params(wire.REFUSED, True)
+    if left_out:
+        message.add_params(wire.LEFT_OUT, True)
     return message
 
 
@@ -212,15 +218,29 @@ class PluginServerManager(FedMLServerManager):
         self._tell_silos_to_stop(f"the server stopped the run: {reason}")
         raise SiloFailure(reason)
 
-    def _tell_silos_to_stop(self, reason: Optional[str], seconds: float = FINISH_SECONDS) -> None:
-        """Tell the silos still there that the run is over (``reason``: it failed) within ``seconds``,
-        without waiting on any that do not answer."""
+    def _tell_silos_to_stop(
+        self, reason: Optional[str], seconds: float = FINISH_SECONDS, silos: Optional[List[int]] = None
+    ) -> None:
+        """Tell ``silos`` that the run is over (``reason``: it failed) within ``seconds``, without
+        waiting on any that do not answer. By default the live silos, then, within at most
+        FINISH_SECONDS, those given up on: they may still be waiting, or be gone for good."""
         if self.clock.phase is not Phase.DONE:
             self.clock.enter(Phase.DONE)
         self._record_refusals()
-        finish = [to_silo(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=reason) for silo in self.roster.live]
+        if silos is None:
+            self._send_finish(self.roster.live, reason, seconds)
+            self._send_finish(self.roster.given_up(), reason, min(seconds, FINISH_SECONDS))
+        else:
+            self._send_finish(silos, reason, seconds)
+        self.com_manager.stop_receive_message()
+
+    def _send_finish(self, silos: List[int], reason: Optional[str], seconds: float) -> None:
+        if not silos:
+            return
+        finish = [to_silo(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=reason) for silo in silos]
         try:
-            untold = self.com_manager.send_all(finish, time.monotonic() + seconds, gone_if_refused=True)
+            heard_from = set(self.roster.hellos)  # they listened: a closed port now means they ended
+            untold = self.com_manager.send_all(finish, time.monotonic() + seconds, gone_if_refused=heard_from)
             for silo, err in sorted(untold.items()):
                 logger.warning(
                     "silo rank %d was not told that the run is over (%s); if it is still running it stops "
@@ -230,12 +250,18 @@ class PluginServerManager(FedMLServerManager):
                 )
         except Exception as err:  # noqa: BLE001 - best effort: the run is ending either way, for its own reason
             logger.warning("could not tell every silo to stop: %s", err)
-        self.com_manager.stop_receive_message()
 
     def _notify(self, messages: List[Message]) -> None:
         """Send notices without letting a silo that does not take them hold the server up."""
         for silo, err in sorted(self.com_manager.send_all(messages, time.monotonic() + NOTICE_SECONDS).items()):
             logger.info("a notice to silo rank %d was not delivered: %s", silo, err)
+
+    def _tell_if_left_out(self, silo: int) -> None:
+        """A silo the server gave up on sent work (it answered late, or was frozen): tell it, once,
+        to announce itself again, rather than leave it to notice the server's silence."""
+        if self.roster.left_out_notice(silo):
+            logger.info("silo rank %d was given up on and still sends work; it is told to announce itself", silo)
+            self._notify([to_silo(MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, silo, left_out=True)])
 
     def _refuse(self, silo: int, reason: str, text: str) -> None:
         self.com_manager.refusals.refuse(f"rank {silo}", reason, text, f"silo rank {silo}")
@@ -318,6 +344,7 @@ class PluginServerManager(FedMLServerManager):
             return
         left = [s for s in self.roster.live if s != silo]
         go_on = len(left) >= self.policy.min_clients if self.clock.phase in (Phase.STARTING, Phase.ONLINE) else True
+        self.roster.refuse(silo)  # it was told why; a stop that follows need not tell it again
         self._give_up_on([silo], f"refused: {problem}", go_on)
         if self.clock.phase is Phase.ONLINE and self.roster.all_online():
             self._start_training()
@@ -376,6 +403,7 @@ class PluginServerManager(FedMLServerManager):
                 self.round_idx,
                 "; it already sent one" if silo in self.answered else "",
             )
+            self._tell_if_left_out(silo)
             return
         self.answered.add(silo)
         position, user = self.assigned[silo]
@@ -453,6 +481,7 @@ class PluginServerManager(FedMLServerManager):
                 self.clock.phase.value,
                 self.round_idx,
             )
+            self._tell_if_left_out(silo)
             return
         self.awaiting.discard(silo)
         problem = self.roster.figures_problem(silo, counts, silo - 1, self.evaluated_round)
@@ -495,8 +524,12 @@ class PluginServerManager(FedMLServerManager):
     def _complete(self) -> None:
         self._log_silo_metrics("final")
         self._record_refusals()
-        if self.clock.phase is not Phase.DONE:
-            self.clock.enter(Phase.DONE)
+        if self.clock.phase is not Phase.DONE:  # shared mode: the live silos said goodbye
+            given_up = self.roster.given_up()
+            if given_up:
+                self._tell_silos_to_stop(None, NOTICE_SECONDS, given_up)  # (enters DONE)
+            else:
+                self.clock.enter(Phase.DONE)
         self.finish()
 
     # -- the silos' own evaluations of the model they received (shared mode) --------------------------

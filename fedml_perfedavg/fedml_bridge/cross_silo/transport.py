@@ -36,7 +36,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ...core.errors import ConfigError, SiloFailure
 from ...stopping import interrupt_if_stopping
@@ -424,7 +424,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         )
 
     def send_all(
-        self, messages: Iterable[Any], deadline: float, *, gone_if_refused: bool = False
+        self, messages: Iterable[Any], deadline: float, *, gone_if_refused: Collection[int] = ()
     ) -> Dict[int, PeerUnreachable]:
         """Send FedML ``Message`` s to several receivers at once, each before ``deadline``
         (:meth:`.Delivery.send_all`); returns the receivers that were unreachable."""

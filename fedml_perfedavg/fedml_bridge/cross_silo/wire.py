@@ -37,6 +37,7 @@ SILO_METRICS = "plugin_silo_metrics"  # a silo's personalized evaluation: counts
 HELLO = "plugin_hello"  # what a silo announces when it comes online (fedml_bridge/cross_silo/agreement.py)
 REASON = "plugin_reason"  # why the server ends the run early, or a silo's part, on FINISH
 REFUSED = "plugin_refused"  # on FINISH: the server refused this silo (its announcement), REASON says why
+LEFT_OUT = "plugin_left_out"  # on CHECK_STATUS: the server gave up on this silo; it announces itself again
 
 # FedML's cross-silo message types (cross_silo/server/message_define.py, client/message_define.py)
 # and the plugin's own (100 and up: FedML uses none there).
@@ -172,7 +173,7 @@ def _status(value: Any) -> bool:
 SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
     INIT_CONFIG: {"client_idx": (_digits, True), "client_os": (_text, False)},
     SYNC_MODEL: {"client_idx": (_digits, True), "client_os": (_text, False)},
-    CHECK_STATUS: {"client_idx": (_digits, True)},
+    CHECK_STATUS: {"client_idx": (_digits, True), LEFT_OUT: (lambda v: v is True, False)},
     FINISH: {
         "client_idx": (_digits, True),
         REASON: (lambda v: _text(v, 2000), False),
