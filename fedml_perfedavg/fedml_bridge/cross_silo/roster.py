@@ -40,16 +40,19 @@ class SiloRoster:
         self.refused.add(silo)
         self.drop([silo])
 
+    def is_given_up(self, silo: int) -> bool:
+        """Heard from, then given up on (not refused): it may still be running and waiting for
+        the server, so it too is told when the run ends."""
+        return silo in self.hellos and silo not in self.live and silo not in self.refused
+
     def given_up(self) -> List[int]:
-        """Silos that were heard from, then given up on (not refused): they may still be running
-        and waiting for the server, so they too are told when the run ends."""
-        return [s for s in self.setup.silos if s in self.hellos and s not in self.live and s not in self.refused]
+        return [s for s in self.setup.silos if self.is_given_up(s)]
 
     def left_out_notice(self, silo: int) -> bool:
         """True the first time a silo given up on sends work (it does not know it is out): it is
         then told to announce itself again. Once per giving up, so a silo that keeps sending
         cannot make the server send for it in every round."""
-        if silo not in self.given_up() or silo in self.told_left_out:
+        if not self.is_given_up(silo) or silo in self.told_left_out:
             return False
         self.told_left_out.add(silo)
         return True

@@ -218,20 +218,15 @@ class PluginServerManager(FedMLServerManager):
         self._tell_silos_to_stop(f"the server stopped the run: {reason}")
         raise SiloFailure(reason)
 
-    def _tell_silos_to_stop(
-        self, reason: Optional[str], seconds: float = FINISH_SECONDS, silos: Optional[List[int]] = None
-    ) -> None:
-        """Tell ``silos`` that the run is over (``reason``: it failed) within ``seconds``, without
-        waiting on any that do not answer. By default the live silos, then, within at most
-        FINISH_SECONDS, those given up on: they may still be waiting, or be gone for good."""
+    def _tell_silos_to_stop(self, reason: Optional[str], seconds: float = FINISH_SECONDS) -> None:
+        """Tell the live silos that the run is over (``reason``: it failed) within ``seconds``,
+        then, within at most FINISH_SECONDS, those given up on (they may still be waiting, or be
+        gone for good), without waiting on any that do not answer."""
         if self.clock.phase is not Phase.DONE:
             self.clock.enter(Phase.DONE)
         self._record_refusals()
-        if silos is None:
-            self._send_finish(self.roster.live, reason, seconds)
-            self._send_finish(self.roster.given_up(), reason, min(seconds, FINISH_SECONDS))
-        else:
-            self._send_finish(silos, reason, seconds)
+        self._send_finish(self.roster.live, reason, seconds)
+        self._send_finish(self.roster.given_up(), reason, min(seconds, FINISH_SECONDS))
         self.com_manager.stop_receive_message()
 
     def _send_finish(self, silos: List[int], reason: Optional[str], seconds: float) -> None:
@@ -524,12 +519,9 @@ class PluginServerManager(FedMLServerManager):
     def _complete(self) -> None:
         self._log_silo_metrics("final")
         self._record_refusals()
-        if self.clock.phase is not Phase.DONE:  # shared mode: the live silos said goodbye
-            given_up = self.roster.given_up()
-            if given_up:
-                self._tell_silos_to_stop(None, NOTICE_SECONDS, given_up)  # (enters DONE)
-            else:
-                self.clock.enter(Phase.DONE)
+        if self.clock.phase is not Phase.DONE:  # shared mode: the live silos said goodbye; not these
+            self.clock.enter(Phase.DONE)
+            self._send_finish(self.roster.given_up(), None, NOTICE_SECONDS)
         self.finish()
 
     # -- the silos' own evaluations of the model they received (shared mode) --------------------------

@@ -169,15 +169,19 @@ def _status(value: Any) -> bool:
     return value in ("ONLINE", "FINISHED")
 
 
+def _flag(value: Any) -> bool:
+    return value is True  # a flag is sent only when set
+
+
 # type -> {key: (check, required)}; MODEL_KEY is carried by the tensors, not the header.
 SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
     INIT_CONFIG: {"client_idx": (_digits, True), "client_os": (_text, False)},
     SYNC_MODEL: {"client_idx": (_digits, True), "client_os": (_text, False)},
-    CHECK_STATUS: {"client_idx": (_digits, True), LEFT_OUT: (lambda v: v is True, False)},
+    CHECK_STATUS: {"client_idx": (_digits, True), LEFT_OUT: (_flag, False)},
     FINISH: {
         "client_idx": (_digits, True),
         REASON: (lambda v: _text(v, 2000), False),
-        REFUSED: (lambda v: v is True, False),
+        REFUSED: (_flag, False),
     },
     EVALUATE: {"client_idx": (_digits, True)},
     UPLOAD: {"num_samples": (_count, True), SILO_METRICS: (_counts, False)},
