@@ -1,8 +1,9 @@
 """The run's configuration: FedML's sectioned YAML read into one typed, frozen dataclass.
 
 :class:`Config` is the one source of every key's section, type, default, allowed values and
-help text (the README's table is generated from it, :func:`markdown_table`), and of the rules
-that relate keys (:data:`RULES`). Choices come from the modules that own them. Errors name
+help text, declared section by section as FedML's YAML is (:class:`CommonArgs` to
+:class:`TrackingArgs`; the README's table is generated from them, :func:`markdown_table`), and of
+the rules that relate keys (:data:`RULES`). Choices come from the modules that own them. Errors name
 ``section.key=value`` and what is allowed. FedML's own keys are read as FedML means them
 (:data:`FEDML_KEYS`): ``learning_rate`` is beta, ``batch_size`` is |D|; keys Per-FedAvg does
 not use are named in a warning.
@@ -19,6 +20,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from enum import Enum
+from types import MappingProxyType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import yaml
@@ -68,7 +70,6 @@ FEDML_HOME = "run_dir, user, or a folder"
 
 
 def _setting(
-    section: str,
     kind: type,
     default: Any,
     help: str,
@@ -77,7 +78,6 @@ def _setting(
     optional: bool = False,
 ) -> Any:
     metadata = {
-        "section": section,
         "kind": kind,
         "help": help,
         "choices": tuple(choices) if choices else None,
@@ -90,6 +90,19 @@ def _setting(
     return field(default=default, metadata=metadata)
 
 
+def section(name: str) -> Callable[[type], type]:
+    """Declares a class of :func:`_setting` fields as YAML section ``name`` (applied before
+    ``@dataclass``, while the fields are still class attributes)."""
+
+    def declare(cls: type) -> type:
+        for value in vars(cls).values():
+            if isinstance(value, dataclasses.Field):
+                value.metadata = MappingProxyType({**value.metadata, "section": name})
+        return cls
+
+    return declare
+
+
 _positive = (lambda v: v > 0, "> 0")
 _at_least_one = (lambda v: v >= 1, ">= 1")
 _non_negative = (lambda v: v >= 0, ">= 0")
@@ -97,64 +110,65 @@ _even = (lambda v: v >= 2 and v % 2 == 0, "an even number >= 2")
 
 
 @dataclass(frozen=True)
-class Config:
-    """A validated run configuration (FedML flattens its YAML sections; so does this)."""
+@section("common_args")
+class CommonArgs:
+    """``common_args``: the platform, the seed, and where a run and its checkpoints go."""
 
-    # common_args
-    training_type: str = _setting("common_args", str, "simulation", "FedML platform", TRAINING_TYPES)
-    random_seed: int = _setting(
-        "common_args", int, 0, "seed of the partition, sampling, init and batches", rule=_non_negative
-    )
-    output_dir: str = _setting("common_args", str, "runs", "folder under which each run gets its own directory")
+    training_type: str = _setting(str, "simulation", "FedML platform", TRAINING_TYPES)
+    random_seed: int = _setting(int, 0, "seed of the partition, sampling, init and batches", rule=_non_negative)
+    output_dir: str = _setting(str, "runs", "folder under which each run gets its own directory")
     fedml_home: str = _setting(
-        "common_args",
         str,
         "run_dir",
         "where FedML writes its .fedml files: the run directory, the user's home (FedML's default), or a folder",
     )
     checkpoint_every: int = _setting(
-        "common_args", int, 100, "checkpoint every this many rounds (0: never; batched engine)", rule=_non_negative
+        int, 100, "checkpoint every this many rounds (0: never; batched engine)", rule=_non_negative
     )
     overwrite: bool = _setting(
-        "common_args",
         bool,
         False,
         "start a new run in a run directory that holds one, "
         "replacing its results (without it that is an error; --resume continues it instead)",
     )
-    run_name: Optional[str] = _setting(
-        "common_args", str, None, "run directory name (default: config name + time)", optional=True
-    )
-    # data_args
+    run_name: Optional[str] = _setting(str, None, "run directory name (default: config name + time)", optional=True)
+
+
+@dataclass(frozen=True)
+@section("data_args")
+class DataArgs:
+    """``data_args``: the dataset and its split into users."""
+
     dataset: str = _setting(
-        "data_args",
         str,
         "mnist",
         "dataset: mnist or cifar10 for the paper's split, or any dataset fedml.data.load knows",
     )
-    data_cache_dir: str = _setting(
-        "data_args", str, "./data", "torchvision root holding MNIST/ or cifar-10-batches-py/"
-    )
-    download: bool = _setting("data_args", bool, False, "download the dataset through torchvision if missing")
+    data_cache_dir: str = _setting(str, "./data", "torchvision root holding MNIST/ or cifar-10-batches-py/")
+    download: bool = _setting(bool, False, "download the dataset through torchvision if missing")
     partition_method: str = _setting(
-        "data_args", str, "paper", "user split: paper, paper_diff_hetero (the paper's), or one of FedML's (e.g. hetero)"
+        str, "paper", "user split: paper, paper_diff_hetero (the paper's), or one of FedML's (e.g. hetero)"
     )
     images_per_class: Optional[int] = _setting(
-        "data_args", int, None, "the paper's a (default 196 MNIST, 68 CIFAR-10)", rule=_even, optional=True
+        int, None, "the paper's a (default 196 MNIST, 68 CIFAR-10)", rule=_even, optional=True
     )
     test_images_per_class: Optional[int] = _setting(
-        "data_args", int, None, "test a (default: a scaled by test/train size)", rule=_even, optional=True
+        int, None, "test a (default: a scaled by test/train size)", rule=_even, optional=True
     )
-    # model_args
+
+
+@dataclass(frozen=True)
+@section("model_args")
+class ModelArgs:
+    """``model_args``: the model every user trains."""
+
     model: str = _setting(
-        "model_args",
         str,
         "mlp",
         "model: the plugin's mlp (the paper's) or small_cnn, or any "
         "name fedml.model.create knows (lr, cnn, resnet56, ...)",
     )
     hidden_sizes: List[int] = _setting(
-        "model_args",
         list,
         [80, 60],
         "MLP hidden layer widths",
@@ -163,39 +177,39 @@ class Config:
             "a non-empty list of positive integers",
         ),
     )
-    # train_args
+
+
+@dataclass(frozen=True)
+@section("train_args")
+class TrainArgs:
+    """``train_args``: the algorithm, its step sizes, the users, the rounds, the checks on updates."""
+
     federated_optimizer: str = _setting(
-        "train_args",
         str,
         "PerFedAvg",
         "algorithm: a name in the plugin's registry (PerFedAvg, FedAvgUpdate, FedAvgARUBA, ...)",
     )
-    perfedavg_variant: Step = _setting("train_args", str, Step.HF, "meta-gradient estimator", VARIANTS)
-    client_num_in_total: int = _setting("train_args", int, 50, "n, number of users", rule=_at_least_one)
-    client_num_per_round: int = _setting("train_args", int, 10, "r*n, users sampled per round", rule=_at_least_one)
+    perfedavg_variant: Step = _setting(str, Step.HF, "meta-gradient estimator", VARIANTS)
+    client_num_in_total: int = _setting(int, 50, "n, number of users", rule=_at_least_one)
+    client_num_per_round: int = _setting(int, 10, "r*n, users sampled per round", rule=_at_least_one)
     new_user_fraction: float = _setting(
-        "train_args",
         float,
         0.0,
         "fraction of users never trained on, reported apart as new users",
         rule=(lambda v: 0 <= v < 1, "in [0, 1)"),
     )
-    comm_round: int = _setting("train_args", int, 1000, "K, number of rounds", rule=_at_least_one)
-    local_steps: int = _setting("train_args", int, 10, "tau, local steps per round", rule=_at_least_one)
-    alpha: float = _setting("train_args", float, 0.01, "personalization (inner) step size", rule=_positive)
+    comm_round: int = _setting(int, 1000, "K, number of rounds", rule=_at_least_one)
+    local_steps: int = _setting(int, 10, "tau, local steps per round", rule=_at_least_one)
+    alpha: float = _setting(float, 0.01, "personalization (inner) step size", rule=_positive)
     beta: float = _setting(
-        "train_args",
         float,
         0.001,
         "meta step size; FedAvgUpdate's local SGD step size (FedML's learning_rate means the same)",
         rule=_positive,
     )
-    delta: float = _setting("train_args", float, 0.001, "finite-difference width of the HF variant", rule=_positive)
-    batch_size: int = _setting(
-        "train_args", int, 40, "|D|: batch of the inner step (and of FedAvgUpdate)", rule=_at_least_one
-    )
+    delta: float = _setting(float, 0.001, "finite-difference width of the HF variant", rule=_positive)
+    batch_size: int = _setting(int, 40, "|D|: batch of the inner step (and of FedAvgUpdate)", rule=_at_least_one)
     meta_batch_size: Optional[int] = _setting(
-        "train_args",
         int,
         None,
         "|D'|: batch of the outer gradient (default: batch_size)",
@@ -203,23 +217,20 @@ class Config:
         optional=True,
     )
     hessian_batch_size: Optional[int] = _setting(
-        "train_args",
         int,
         None,
         "|D''|: batch of the Hessian term (default: batch_size)",
         rule=_at_least_one,
         optional=True,
     )
-    aggregation: str = _setting("train_args", str, "uniform", "server average of returned models", AGGREGATIONS)
+    aggregation: str = _setting(str, "uniform", "server average of returned models", AGGREGATIONS)
     on_divergence: str = _setting(
-        "train_args",
         str,
         "stop",
         "non-finite values in local training: stop the run, or drop that client's update",
         DIVERGENCE_POLICIES,
     )
     max_update_norm: Optional[float] = _setting(
-        "train_args",
         float,
         None,
         "reject client updates whose L2 distance to the global model exceeds this",
@@ -227,7 +238,6 @@ class Config:
         optional=True,
     )
     max_update_ratio: Optional[float] = _setting(
-        "train_args",
         float,
         1.0,
         "reject client updates that move the "
@@ -239,10 +249,9 @@ class Config:
         optional=True,
     )
     max_skipped_rounds: int = _setting(
-        "train_args", int, 3, "stop after this many rounds without an acceptable update", rule=_at_least_one
+        int, 3, "stop after this many rounds without an acceptable update", rule=_at_least_one
     )
     aruba_epsilon: float = _setting(
-        "train_args",
         float,
         0.03,
         "FedAvgARUBA: epsilon; the learned per-coordinate "
@@ -250,28 +259,26 @@ class Config:
         "benchmarks/results/aruba_tuning.md)",
         rule=_positive,
     )
-    aruba_zeta: float = _setting(
-        "train_args", float, 0.1, "FedAvgARUBA: zeta, the prior on the squared-gradient sum", rule=_positive
-    )
-    aruba_p: float = _setting(
-        "train_args", float, 1.0, "FedAvgARUBA: epsilon^2 decays as (tasks + 1)^-p", rule=_non_negative
-    )
+    aruba_zeta: float = _setting(float, 0.1, "FedAvgARUBA: zeta, the prior on the squared-gradient sum", rule=_positive)
+    aruba_p: float = _setting(float, 1.0, "FedAvgARUBA: epsilon^2 decays as (tasks + 1)^-p", rule=_non_negative)
     simulation_engine: str = _setting(
-        "train_args",
         str,
         "batched",
         "sp round loop: batched (all sampled clients as one vmapped computation) or fedml (FedML's per-client loop)",
         ENGINES,
     )
-    # validation_args
+
+
+@dataclass(frozen=True)
+@section("validation_args")
+class ValidationArgs:
+    """``validation_args``: which rounds are evaluated, and how."""
+
     frequency_of_the_test: int = _setting(
-        "validation_args", int, 10, "evaluate every this many rounds (and the first and last round)", rule=_at_least_one
+        int, 10, "evaluate every this many rounds (and the first and last round)", rule=_at_least_one
     )
-    adapt_steps: int = _setting(
-        "validation_args", int, 1, "alpha-steps of personalization at evaluation", rule=_non_negative
-    )
+    adapt_steps: int = _setting(int, 1, "alpha-steps of personalization at evaluation", rule=_non_negative)
     stationarity_every: int = _setting(
-        "validation_args",
         int,
         0,
         "log ||grad F(w)||^2, the paper's stationarity "
@@ -281,30 +288,37 @@ class Config:
         rule=_non_negative,
     )
     random_iterate: bool = _setting(
-        "validation_args",
         bool,
         False,
         "also evaluate the average of the round's "
         "clients' iterates at a step t_k drawn uniformly from 0..tau-1 (the paper's "
         "remark after Theorem 4.5); simulation",
     )
-    # device_args
-    using_gpu: bool = _setting("device_args", bool, False, "run on CUDA")
-    gpu_id: int = _setting("device_args", int, 0, "CUDA device index", rule=_non_negative)
+
+
+@dataclass(frozen=True)
+@section("device_args")
+class DeviceArgs:
+    """``device_args``: where the maths runs."""
+
+    using_gpu: bool = _setting(bool, False, "run on CUDA")
+    gpu_id: int = _setting(int, 0, "CUDA device index", rule=_non_negative)
     compile_local_update: bool = _setting(
-        "device_args",
         bool,
         False,
         "batched engine: torch.compile the vmapped "
         "local update (CUDA graphs on GPU, ~8x faster rounds after about a "
         "minute of compiling; rarely pays on CPU)",
     )
-    # comm_args
-    backend: str = _setting(
-        "comm_args", str, "sp", "FedML backend (sp, MPI: simulation; GRPC: cross_silo)", ("sp", "MPI", "GRPC")
-    )
+
+
+@dataclass(frozen=True)
+@section("comm_args")
+class CommArgs:
+    """``comm_args``: mPI and cross-silo: the transport, its security, the deadlines and the silos' data."""
+
+    backend: str = _setting(str, "sp", "FedML backend (sp, MPI: simulation; GRPC: cross_silo)", ("sp", "MPI", "GRPC"))
     grpc_ipconfig_path: Optional[str] = _setting(
-        "comm_args",
         str,
         None,
         "cross-silo address file, CSV eid,rank,"
@@ -313,7 +327,6 @@ class Config:
         optional=True,
     )
     connect_timeout: float = _setting(
-        "comm_args",
         float,
         60.0,
         "cross-silo: seconds processes wait for each other "
@@ -322,7 +335,6 @@ class Config:
         rule=_positive,
     )
     round_timeout: float = _setting(
-        "comm_args",
         float,
         600.0,
         "cross-silo: seconds the server waits for a round's "
@@ -331,7 +343,6 @@ class Config:
         rule=_positive,
     )
     round_timeout_factor: float = _setting(
-        "comm_args",
         float,
         10.0,
         "cross-silo: after two rounds the deadline is "
@@ -340,7 +351,6 @@ class Config:
         rule=(lambda v: v == 0 or v >= 1, "0 or >= 1"),
     )
     min_clients_per_round: Optional[int] = _setting(
-        "comm_args",
         int,
         None,
         "cross-silo: after round_timeout, go "
@@ -350,7 +360,6 @@ class Config:
         optional=True,
     )
     tls_dir: Optional[str] = _setting(
-        "comm_args",
         str,
         None,
         "cross-silo: folder with the run CA (ca.pem) and this "
@@ -359,14 +368,12 @@ class Config:
         optional=True,
     )
     insecure: bool = _setting(
-        "comm_args",
         bool,
         False,
         "cross-silo without tls_dir: plaintext and unauthenticated "
         "(messages are still never unpickled); only on a network you trust",
     )
     max_message_bytes: Optional[int] = _setting(
-        "comm_args",
         int,
         None,
         "cross-silo: refuse a message larger than this before decoding it (default: 2 x the model's bytes + 1 MiB)",
@@ -374,7 +381,6 @@ class Config:
         optional=True,
     )
     silo_data: str = _setting(
-        "comm_args",
         str,
         "shared",
         "cross-silo: own (a deployment: silo rank R holds only "
@@ -384,7 +390,6 @@ class Config:
         SILO_DATA,
     )
     max_connections: Optional[int] = _setting(
-        "comm_args",
         int,
         None,
         "cross-silo: concurrent connections a rank's "
@@ -394,7 +399,6 @@ class Config:
         optional=True,
     )
     max_connections_per_peer: Optional[int] = _setting(
-        "comm_args",
         int,
         None,
         "cross-silo: concurrent connections "
@@ -404,7 +408,6 @@ class Config:
         optional=True,
     )
     handshake_timeout: float = _setting(
-        "comm_args",
         float,
         5.0,
         "cross-silo: seconds a connection has to finish its TLS handshake and make its first "
@@ -412,20 +415,30 @@ class Config:
         rule=_positive,
     )
     idle_timeout: float = _setting(
-        "comm_args",
         float,
         300.0,
         "cross-silo: seconds a connection may stay idle "
         "before it is closed (gRPC reconnects when it has something to send)",
         rule=_positive,
     )
-    # tracking_args
-    enable_wandb: bool = _setting(
-        "tracking_args", bool, False, "log to wandb (offline unless WANDB_MODE says otherwise)"
-    )
-    wandb_project: str = _setting("tracking_args", str, "fedml-perfedavg", "wandb project")
-    wandb_group: Optional[str] = _setting("tracking_args", str, None, "wandb group (default: run name)", optional=True)
-    show_progress: bool = _setting("tracking_args", bool, True, "tqdm progress bar over rounds (on a terminal)")
+
+
+@dataclass(frozen=True)
+@section("tracking_args")
+class TrackingArgs:
+    """``tracking_args``: wandb and the progress bar."""
+
+    enable_wandb: bool = _setting(bool, False, "log to wandb (offline unless WANDB_MODE says otherwise)")
+    wandb_project: str = _setting(str, "fedml-perfedavg", "wandb project")
+    wandb_group: Optional[str] = _setting(str, None, "wandb group (default: run name)", optional=True)
+    show_progress: bool = _setting(bool, True, "tqdm progress bar over rounds (on a terminal)")
+
+
+# Config inherits every section; dataclasses collect inherited fields from the last base to the
+# first, so the bases are listed in reverse to keep the YAML's (and the README table's) order.
+@dataclass(frozen=True)
+class Config(TrackingArgs, CommArgs, DeviceArgs, ValidationArgs, TrainArgs, ModelArgs, DataArgs, CommonArgs):
+    """A validated run configuration (FedML flattens its YAML sections; so does this)."""
 
     # Not settings: where the config came from, and FedML keys that ride along unchecked.
     source: Optional[str] = field(default=None, compare=False, metadata={"internal": True})
