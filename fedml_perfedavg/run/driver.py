@@ -99,7 +99,7 @@ class RunDriver:
 
     def record_refusals(self, totals: Dict[str, int]) -> None:
         if self.recorder is not None:
-            self.recorder.refusals = dict(totals)
+            self.recorder.silos.refusals = dict(totals)
 
     def record_failure(self, why: str) -> None:
         """Another rank ends the run (a failing MPI client): summary.json says so. Never raises:
@@ -112,8 +112,8 @@ class RunDriver:
 
     def record_lost_silos(self, round_idx: int, ranks: List[int], why: str) -> None:
         if self.recorder is not None:
-            self.recorder.record_lost_silos(round_idx, ranks, why)
+            self.recorder.silos.lost(round_idx, ranks, why)
 
     def record_rejoined_silo(self, round_idx: int, rank: int, why: str) -> None:
         if self.recorder is not None:
-            self.recorder.record_rejoined_silo(round_idx, rank, why)
+            self.recorder.silos.rejoined(round_idx, rank, why)

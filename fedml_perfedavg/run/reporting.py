@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..core.evaluation import EvaluationResult, accuracy_of
@@ -138,6 +139,49 @@ def per_user_table(
     return after, before
 
 
+def this_process() -> Dict[str, Any]:
+    """Who writes a record: `show` tells a live run from one whose process died without a word."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.time(),
+        "start_ticks": process_start_ticks(os.getpid()),
+    }
+
+
+def federated_result(counts: Dict[int, Dict[str, Any]]) -> EvaluationResult:
+    """Data-owner cross-silo: the evaluation made of each user's counts from its own silo."""
+    users = sorted(counts)
+    return EvaluationResult(
+        [accuracy_of(counts[u]["correct"], counts[u]["total"]) for u in users],
+        [accuracy_of(counts[u]["correct_before"], counts[u]["total"]) for u in users],
+        [float(counts[u]["loss"]) for u in users],
+        user_ids=users,
+    )
+
+
+@dataclass
+class SiloRecord:
+    """Cross-silo: what the server saw of its silos, for summary.json (each key only when there
+    is something to say)."""
+
+    silo_evaluation: List[Dict[str, Any]] = field(default_factory=list)  # the silos' own (shared mode)
+    lost_silos: List[Dict[str, Any]] = field(default_factory=list)  # the server went on without them
+    rejoined_silos: List[Dict[str, Any]] = field(default_factory=list)  # they came back
+    refusals: Dict[str, int] = field(default_factory=dict)  # what the server's transport refused, by reason
+
+    def lost(self, round_idx: int, ranks: Sequence[int], why: str) -> None:
+        """The server gave up on these silos in this round."""
+        self.lost_silos.extend({"rank": int(rank), "round": round_idx, "why": why} for rank in ranks)
+
+    def rejoined(self, round_idx: int, rank: int, why: str) -> None:
+        """A silo the server had given up on came back in this round."""
+        self.rejoined_silos.append({"rank": int(rank), "round": round_idx, "why": why})
+
+    def summary(self) -> Dict[str, Any]:
+        return {name: value for name, value in vars(self).items() if value}
+
+
 class RunRecorder:
     """Collects per-round metrics and reports them (logging, tqdm, optional wandb)."""
 
@@ -153,23 +197,14 @@ class RunRecorder:
     ) -> None:
         self.run_dir = run_dir
         self.num_users = num_users
-        self.refusals: Dict[str, int] = {}  # cross-silo: what the server's transport refused, by reason
-        # Who writes this record: `show` tells a live run from one whose process died without a word.
-        self.process = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": time.time(),
-            "start_ticks": process_start_ticks(os.getpid()),
-        }
+        self.process = this_process()
         self.new_users = sorted(new_users)
         self.total_rounds = total_rounds
         self.config_sections = config_sections
         self.history: List[Dict[str, Any]] = []
         self.last: Optional[EvaluationResult] = None
         self.rounds_done = 0
-        self.silo_history: List[Dict[str, Any]] = []  # cross-silo: silos' own evaluations
-        self.lost_silos: List[Dict[str, Any]] = []  # cross-silo: silos the server went on without
-        self.rejoined_silos: List[Dict[str, Any]] = []  # cross-silo: silos that came back
+        self.silos = SiloRecord()
         self.started = time.perf_counter()
         self.evaluation_seconds = 0.0  # spent evaluating: not training time
         self._bar = None
@@ -199,12 +234,6 @@ class RunRecorder:
         """Data-owner cross-silo: the silos' own evaluations of the model after ``round_idx``
         (user -> its counts), the users that sent none listed as missing, never counted as zero."""
         users = sorted(counts)
-        result = EvaluationResult(
-            [accuracy_of(counts[u]["correct"], counts[u]["total"]) for u in users],
-            [accuracy_of(counts[u]["correct_before"], counts[u]["total"]) for u in users],
-            [float(counts[u]["loss"]) for u in users],
-            user_ids=users,
-        )
         extra = {"evaluated_users": len(users), "missing_users": sorted(missing)}
         if missing:
             logger.warning(
@@ -214,17 +243,11 @@ class RunRecorder:
                 sorted(missing),
             )
         if not users:
-            self.history.append(
-                {
-                    "round": round_idx,
-                    "personalized_accuracy": None,
-                    **extra,
-                    "wall_seconds": time.perf_counter() - self.started,
-                }
-            )
+            entry = {"round": round_idx, "personalized_accuracy": None, **extra}
+            self.history.append({**entry, "wall_seconds": time.perf_counter() - self.started})
             write_json(os.path.join(self.run_dir, "summary.json"), self.summary(status="running"))
             return
-        self.record_evaluation(round_idx, result, extra, evaluation_started)
+        self.record_evaluation(round_idx, federated_result(counts), extra, evaluation_started)
 
     def record_evaluation(
         self,
@@ -274,19 +297,11 @@ class RunRecorder:
 
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         """Cross-silo: the silos' own personalized evaluations of the model they received."""
-        self.silo_history.append(
+        self.silos.silo_evaluation.append(
             {"when": label, "mean_accuracy": mean, "silos": {str(rank): metrics for rank, metrics in silos.items()}}
         )
         if self._wandb is not None and label != "final":
             self._wandb.log_silo_evaluation(int(label.split()[-1]), mean)
-
-    def record_lost_silos(self, round_idx: int, ranks: Sequence[int], why: str) -> None:
-        """Cross-silo: the server gave up on these silos in this round."""
-        self.lost_silos.extend({"rank": int(rank), "round": round_idx, "why": why} for rank in ranks)
-
-    def record_rejoined_silo(self, round_idx: int, rank: int, why: str) -> None:
-        """Cross-silo: a silo the server had given up on came back in this round."""
-        self.rejoined_silos.append({"rank": int(rank), "round": round_idx, "why": why})
 
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint needs to continue the record exactly."""
@@ -328,15 +343,8 @@ class RunRecorder:
             "rejected_updates": {str(k): v for k, v in (rejected_updates or {}).items()},
             "history": self.history,
             "config": self.config_sections,
+            **self.silos.summary(),
         }
-        if self.silo_history:
-            common["silo_evaluation"] = self.silo_history
-        if self.lost_silos:
-            common["lost_silos"] = self.lost_silos
-        if self.rejoined_silos:
-            common["rejoined_silos"] = self.rejoined_silos
-        if self.refusals:
-            common["refusals"] = dict(self.refusals)
         if self.last is None:
             return {
                 "personalized_accuracy": None,
