@@ -32,11 +32,10 @@ from ..core import client_maths
 from ..core.client_maths import LocalBatches, LocalUpdateConfig, Step
 from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
-from ..core.hand_batched import HandBatchedGradients
 from ..core.guards import apply_divergence_policy, is_finite
 from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
 from ..core.types import Params, StateDict, UserSplit
-from .model_probe import probe
+from .model_probe import ModelPaths, probe
 from .update_screen import UpdateScreen
 
 logger = logging.getLogger(__name__)
@@ -237,16 +236,11 @@ class FederatedAlgorithm:
         self.network = functional_network(model)
         self.loss_fn = make_loss_fn(self.network)
         self.parameter_names = [name for name, _ in model.named_parameters()]
-        self.vmappable = True  # see :meth:`probe_model`; False: client maths and evaluation never call vmap
-        self.forward_ad = True  # see :meth:`probe_model`; False: the exact variant's HVP is reverse-over-reverse
-        # see :meth:`probe_model`; False: vmap's batched kernels give a client other bits than alone, so
-        # clients are trained and evaluated one by one (every backend then computes each client alike)
-        self.groups_exactly = True
+        self.paths = ModelPaths(self.network)  # what the model allows; set by :meth:`probe_model`
         self.screen = UpdateScreen(
             self.parameter_names, settings.max_update_norm, settings.max_update_ratio, settings.max_skipped_rounds
         )
         self.aggregate_calls = 0
-        self._hand_batched_by_shape: Dict[tuple, Tuple[Optional[HandBatchedGradients], str]] = {}  # by input shape
         self._test_stacks: dict = {}  # the evaluation's stacked test splits, kept between evaluations
 
     @property
@@ -270,10 +264,10 @@ class FederatedAlgorithm:
         return self.name
 
     def probe_model(self, global_state: StateDict, x: Tensor, y: Tensor) -> List[str]:
-        """Probe once, on a batch ``x, y`` of the run's size, what the model allows and set this
-        object's paths by it (``vmappable``, ``forward_ad``, ``groups_exactly``; see
-        :func:`~fedml_perfedavg.algorithms.model_probe.probe`). Returns a line for each fallback,
-        saying why; :class:`~.model_probe.ModelMismatch` if the model cannot train on such samples at all."""
+        """Probe once, on a batch ``x, y`` of the run's size, what the model allows and set
+        ``paths`` by it (:func:`~fedml_perfedavg.algorithms.model_probe.probe`). Returns a line for
+        each fallback, saying why; :class:`~.model_probe.ModelMismatch` if the model cannot train
+        on such samples at all."""
         return probe(self, global_state, x, y)
 
     # -- what an engine needs to know (declared here, not guessed by the engine) ---------------
@@ -292,7 +286,7 @@ class FederatedAlgorithm:
     @property
     def uses_standard_batches(self) -> bool:
         """True when the minibatches are :meth:`client_batches`' keyed draws (an engine may gather
-        every client's at once by :meth:`client_batch_indices`)."""
+        every client's at once by :meth:`batch_indices`)."""
         return type(self).client_batches is FederatedAlgorithm.client_batches
 
     def batch_roles_read(self) -> FrozenSet[int]:
@@ -316,17 +310,10 @@ class FederatedAlgorithm:
         generator = generator_for(self.settings.seed, round_idx, client_id, Purpose.LOCAL_TRAINING)
         return sample_local_batches(x, y, self.settings.local.local_steps, self.settings.batch_sizes, generator)
 
-    def client_batch_indices(self, round_idx: int, client_id: int, num_samples: int) -> List[Tensor]:
-        """The sample indices of :meth:`client_batches` (D, D', D''; each ``(steps, size)``), so
-        an engine can gather every client's batches at once."""
-        return self.batch_indices_of_clients(round_idx, [client_id], [num_samples])[0]
-
-    def batch_indices_of_clients(
-        self, round_idx: int, clients: Sequence[int], num_samples: Sequence[int]
-    ) -> List[List[Tensor]]:
-        """:meth:`client_batch_indices` of each of ``clients`` (with ``num_samples`` training
-        samples each), the same numbers, drawn together: each client's keys from its own keyed
-        stream, then one selection per data size."""
+    def batch_indices(self, round_idx: int, clients: Sequence[int], num_samples: Sequence[int]) -> List[List[Tensor]]:
+        """Per client of ``clients`` (with ``num_samples`` training samples each), the sample
+        indices of :meth:`client_batches` (D, D', D''; each ``(steps, size)``), the same numbers,
+        drawn together, so an engine can gather every client's batches at once."""
         generators = [generator_for(self.settings.seed, round_idx, c, Purpose.LOCAL_TRAINING) for c in clients]
         return batch_indices_of_many(
             num_samples, self.settings.local.local_steps, self.settings.batch_sizes, generators
@@ -339,8 +326,8 @@ class FederatedAlgorithm:
         steps = batches.adapt_x.shape[0]
         local = self.settings.local
         config = local if steps == local.local_steps else dataclasses.replace(local, local_steps=steps)
-        oracle = client_maths.FunctionalGradients if self.forward_ad else client_maths.ReverseModeGradients
-        gradients = oracle(self.loss_fn, pair_by_vmap=self.vmappable)
+        oracle = client_maths.FunctionalGradients if self.paths.forward_ad else client_maths.ReverseModeGradients
+        gradients = oracle(self.loss_fn, pair_by_vmap=self.paths.vmappable)
         return client_maths.local_update(self.loss_fn, params, batches, config, gradients)
 
     def local_training(self, state: StateDict, batches: LocalBatches) -> StateDict:
@@ -373,20 +360,6 @@ class FederatedAlgorithm:
         self.check_client_result(round_idx, client_id, {k: new_state[k] for k in self.parameter_names})
         state = OrderedDict((k, new_state[k]) for k in global_state)
         return ClientUpdate(len(y), self.hooks.client_result(round_idx, client_id, state))
-
-    def client_iterate(
-        self, round_idx: int, client_id: int, global_state: StateDict, x: Tensor, y: Tensor, steps: int
-    ) -> StateDict:
-        """The client's state after the first ``steps`` of this round's local update (the same
-        minibatches as :meth:`client_update`; 0 is the global state itself)."""
-        if steps == 0:
-            return OrderedDict((k, v.clone()) for k, v in global_state.items())
-        batches = self.client_batches(round_idx, client_id, x, self.hooks.client_labels(round_idx, client_id, y))
-        with torch.no_grad():
-            new_state = self.local_training(
-                {k: v.detach() for k, v in global_state.items()}, LocalBatches(*(t[:steps] for t in batches))
-            )
-        return OrderedDict((k, new_state[k]) for k in global_state)
 
     # -- aggregate ------------------------------------------------------------------------
     def aggregate(
@@ -435,7 +408,8 @@ class FederatedAlgorithm:
         split), the same for every algorithm."""
         params, _ = self.split_state(global_state)
         config = self.settings.evaluation
-        batched = batched and self.vmappable and (self.groups_exactly or self._hand_batched_for(users) is not None)
+        shape = tuple(users[0].test_x.shape[1:]) if users else None
+        batched = batched and self.paths.batches_evaluation(shape)
         if config.batched != batched:
             config = dataclasses.replace(config, batched=batched)
         return evaluate(
@@ -447,20 +421,9 @@ class FederatedAlgorithm:
             user_ids=user_ids,
             loss_fn=self.loss_fn,
             step_sizes=self.refinement_step_sizes(global_state),
-            hand_batched=self._hand_batched_for(users),
+            hand_batched=self.paths.hand_batched_form(shape),
             test_stacks=self._test_stacks,
         )
-
-    def hand_batched(self, input_shape: Tuple[int, ...]) -> Tuple[Optional[HandBatchedGradients], str]:
-        """(the network's hand-batched form, "") where it is a Linear chain, else (None, why not):
-        decided once per input shape, and shared by the batched engine's local training and the
-        evaluation's scoring (which still probes that it gives the same bits)."""
-        if input_shape not in self._hand_batched_by_shape:
-            self._hand_batched_by_shape[input_shape] = HandBatchedGradients.for_network(self.network, input_shape)
-        return self._hand_batched_by_shape[input_shape]
-
-    def _hand_batched_for(self, users: Sequence[UserSplit]) -> Optional[HandBatchedGradients]:
-        return self.hand_batched(tuple(users[0].test_x.shape[1:]))[0] if users else None
 
     def refinement_step_sizes(self, global_state: StateDict) -> Optional[Params]:
         """Per-coordinate step sizes of the personalization step at evaluation, or None for

@@ -2,12 +2,11 @@
 trains on such samples at all, whether ``torch.func.vmap`` can batch its gradients over clients,
 whether its operators have forward-mode derivatives (the exact variant's Hessian-vector product),
 and whether vmap's batched kernels give a client the bits it gets alone. The answers set an
-algorithm's paths (:class:`~fedml_perfedavg.algorithms.base.FederatedAlgorithm`'s ``vmappable``,
-``forward_ad`` and ``groups_exactly``), so every backend computes each client alike."""
+algorithm's paths (:class:`ModelPaths`), so every backend computes each client alike."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Protocol, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -15,6 +14,7 @@ from torch.func import vmap
 
 from ..core import client_maths
 from ..core.client_maths import LocalBatches, Step
+from ..core.hand_batched import HandBatchedGradients, hand_batched_gradients
 from ..core.types import LossFn, Params, StateDict
 
 
@@ -22,21 +22,47 @@ class ModelMismatch(ValueError):
     """The model cannot train on the run's samples at all (shapes, channels, labels)."""
 
 
+class ModelPaths:
+    """How an algorithm computes with ``network``: what the probe found it allows (each True until
+    probed), and its hand-batched form, decided once per input shape."""
+
+    def __init__(self, network: Any) -> None:
+        self.network = network
+        self.vmappable = True  # False: client maths and evaluation never call vmap
+        self.forward_ad = True  # False: the exact variant's HVP is reverse-over-reverse
+        # False: vmap's batched kernels give a client other bits than alone, so clients are trained
+        # and evaluated one by one (every backend then computes each client alike)
+        self.groups_exactly = True
+        self._hand_batched: Dict[Tuple[int, ...], Tuple[Optional[HandBatchedGradients], str]] = {}
+
+    def hand_batched(self, input_shape: Tuple[int, ...]) -> Tuple[Optional[HandBatchedGradients], str]:
+        """(the network's hand-batched form, "") where it is a Linear chain, else (None, why not):
+        shared by the batched engine's local training and the evaluation's scoring (which still
+        probes that it gives the same bits)."""
+        if input_shape not in self._hand_batched:
+            self._hand_batched[input_shape] = hand_batched_gradients(self.network, input_shape)
+        return self._hand_batched[input_shape]
+
+    def hand_batched_form(self, input_shape: Optional[Tuple[int, ...]]) -> Optional[HandBatchedGradients]:
+        return None if input_shape is None else self.hand_batched(input_shape)[0]
+
+    def batches_evaluation(self, input_shape: Optional[Tuple[int, ...]]) -> bool:
+        """Whether users with samples of ``input_shape`` may be evaluated together (vmapped, or
+        by the hand-batched form)."""
+        return self.vmappable and (self.groups_exactly or self.hand_batched_form(input_shape) is not None)
+
+
 class Probed(Protocol):
-    """What the probe reads of an algorithm, and the three paths it sets."""
+    """What the probe reads of an algorithm, and the paths it sets."""
 
     settings: Any
     loss_fn: LossFn
     parameter_names: List[str]
-    vmappable: bool
-    forward_ad: bool
-    groups_exactly: bool
+    paths: ModelPaths
 
     def local_training(self, state: StateDict, batches: LocalBatches) -> StateDict: ...
 
     def split_state(self, state: StateDict) -> Tuple[Params, StateDict]: ...
-
-    def hand_batched(self, input_shape: Tuple[int, ...]) -> Tuple[Optional[Any], str]: ...
 
 
 def probe(algorithm: Probed, global_state: StateDict, x: Tensor, y: Tensor) -> List[str]:
@@ -47,7 +73,7 @@ def probe(algorithm: Probed, global_state: StateDict, x: Tensor, y: Tensor) -> L
     each such fallback, saying why; :class:`~fedml_perfedavg.algorithms.base.ModelMismatch`
     (with the model's own error) if it cannot compute a loss and gradient on them at all."""
     params, _ = algorithm.split_state({k: v.detach() for k, v in global_state.items()})
-    loss_fn = algorithm.loss_fn
+    loss_fn, paths = algorithm.loss_fn, algorithm.paths
     notes = []
     with torch.no_grad():
         why = client_maths.model_problem(loss_fn, params, x, y)
@@ -58,22 +84,22 @@ def probe(algorithm: Probed, global_state: StateDict, x: Tensor, y: Tensor) -> L
             )
         if algorithm.settings.local.step is Step.EXACT:
             why = client_maths.forward_ad_problem(loss_fn, params, x, y)
-            algorithm.forward_ad = why is None  # before the probes below: the local update reads it
+            paths.forward_ad = why is None  # before the probes below: the local update reads it
             if why is not None:
                 notes.append(
                     f"no forward-mode derivative ({why}); the exact Hessian-vector product is reverse-over-reverse"
                 )
-        why = client_maths.vmap_problem(loss_fn, params, x, y, reverse_hvp=not algorithm.forward_ad)
-        algorithm.vmappable = why is None
+        why = client_maths.vmap_problem(loss_fn, params, x, y, reverse_hvp=not paths.forward_ad)
+        paths.vmappable = why is None
         if why is not None:
             notes.append(
                 f"torch.func.vmap cannot batch its gradients ({why}); every client trains and is "
                 f"evaluated one by one (the per-client path)"
             )
-        elif algorithm.hand_batched(tuple(x.shape[1:]))[0] is None:
+        elif paths.hand_batched(tuple(x.shape[1:]))[0] is None:
             difference = grouping_difference(algorithm, global_state, x, y)
-            algorithm.groups_exactly = difference == 0.0
-            if not algorithm.groups_exactly:
+            paths.groups_exactly = difference == 0.0
+            if not paths.groups_exactly:
                 notes.append(
                     f"torch.func.vmap's batched kernels give a client other bits than training it "
                     f"alone (by up to {difference:.2g} after one step); every client trains and is "

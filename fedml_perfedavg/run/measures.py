@@ -4,9 +4,14 @@ algorithm's own), the algorithm's own scalars, and the paper's extra measures (s
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Dict, Sequence, Tuple
 
+import torch
+from torch import Tensor
+
 from ..algorithms.base import FederatedAlgorithm, average
+from ..core.client_maths import LocalBatches
 from ..core.evaluation import EvaluationResult
 from ..core.sampling import random_iterate_step
 from ..core.stationarity import stationarity
@@ -62,7 +67,7 @@ class Measurements:
         iterates = [
             (
                 1.0,
-                self.algorithm.client_iterate(round_idx, c, start, self.users[c].train_x, self.users[c].train_y, step),
+                client_iterate(self.algorithm, round_idx, c, start, self.users[c].train_x, self.users[c].train_y, step),
             )
             for c in clients
         ]
@@ -73,3 +78,24 @@ class Measurements:
             **{f"random_iterate_{k}": metrics[k] for k in ("personalized_accuracy", "accuracy_before_adaptation")},
             **self.stationarity(state, "random_iterate_", measure),
         }
+
+
+def client_iterate(
+    algorithm: FederatedAlgorithm,
+    round_idx: int,
+    client_id: int,
+    global_state: StateDict,
+    x: Tensor,
+    y: Tensor,
+    steps: int,
+) -> StateDict:
+    """The client's state after the first ``steps`` of this round's local update (the same
+    minibatches as ``algorithm.client_update``; 0 is the global state itself)."""
+    if steps == 0:
+        return OrderedDict((k, v.clone()) for k, v in global_state.items())
+    batches = algorithm.client_batches(round_idx, client_id, x, algorithm.hooks.client_labels(round_idx, client_id, y))
+    with torch.no_grad():
+        new_state = algorithm.local_training(
+            {k: v.detach() for k, v in global_state.items()}, LocalBatches(*(t[:steps] for t in batches))
+        )
+    return OrderedDict((k, new_state[k]) for k in global_state)

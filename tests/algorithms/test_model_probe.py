@@ -26,7 +26,7 @@ def test_batchnorm_is_probed_on_a_batch_of_the_runs_size_and_the_real_cause_name
     algorithm = create_algorithm("PerFedAvg", model, tiny_config(perfedavg_variant=variant))
     x, y = torch.rand(8, 1, 4, 4), torch.randint(0, 3, (8,))
     [note] = algorithm.probe_model(model.state_dict(), x, y)
-    assert algorithm.vmappable and algorithm.forward_ad and not algorithm.groups_exactly
+    assert algorithm.paths.vmappable and algorithm.paths.forward_ad and not algorithm.paths.groups_exactly
     assert "vmap's batched kernels give a client other bits than training it alone" in note
     assert "cannot batch" not in note
 
@@ -37,7 +37,7 @@ def test_a_linear_chain_keeps_its_hand_batched_path():
     model = create_model("mlp", (1, 4, 4), 3, (5,))
     algorithm = create_algorithm("PerFedAvg", model, tiny_config())
     assert algorithm.probe_model(model.state_dict(), torch.rand(8, 1, 4, 4), torch.randint(0, 3, (8,))) == []
-    assert algorithm.groups_exactly
+    assert algorithm.paths.groups_exactly
 
 
 def test_a_model_that_cannot_take_the_samples_is_named_with_its_own_error():

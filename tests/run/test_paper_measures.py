@@ -8,6 +8,7 @@ from fedml_perfedavg.algorithms.base import average
 from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.core.sampling import random_iterate_step
 from fedml_perfedavg.core.stationarity import stationarity
+from fedml_perfedavg.run.measures import client_iterate
 from fedml_perfedavg.run.runner import run
 
 from tests.helpers_tiny import tiny_config, tiny_data
@@ -50,7 +51,7 @@ def test_the_random_iterate_is_the_average_of_the_clients_truncated_updates(tmp_
     result = run(config, str(tmp_path), data=data, model=model)
     algorithm = create_algorithm("PerFedAvg", create_model("mlp", (1, 4, 4), 3, (5,)), config)
     iterates = [
-        (1.0, algorithm.client_iterate(0, c, start, data.users[c].train_x, data.users[c].train_y, step))
+        (1.0, client_iterate(algorithm, 0, c, start, data.users[c].train_x, data.users[c].train_y, step))
         for c in algorithm.sample_clients(0)
     ]
     averaged = average(iterates, "uniform")
@@ -70,13 +71,13 @@ def test_the_random_iterate_is_the_average_of_the_clients_truncated_updates(tmp_
     for c in algorithm.sample_clients(0):
         x, y = data.users[c].train_x, data.users[c].train_y
         update = algorithm.client_update(0, c, start, x, y).state
-        iterate = dict(algorithm.client_iterate(0, c, start, x, y, step))
+        iterate = dict(client_iterate(algorithm, 0, c, start, x, y, step))
         rest = LocalBatches(*(t[step:] for t in algorithm.client_batches(0, c, x, y)))
         params, _ = algorithm.split_state(iterate)
         with torch.no_grad():
             continued = algorithm.local_update(params, rest) if step < 4 else params
         assert all(torch.equal(continued[k], update[k]) for k in continued)
-        full = algorithm.client_iterate(0, c, start, x, y, 4)
+        full = client_iterate(algorithm, 0, c, start, x, y, 4)
         assert all(torch.equal(full[k], update[k]) for k in full)
 
 
