@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from speed import median_ms  # noqa: E402
 
-from fedml_perfedavg.core.hand_batched import HandBatchedGradients  # noqa: E402
+from fedml_perfedavg.core.hand_batched import hand_batched_gradients  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     network = create_model("mlp", (1, 28, 28), 10)
-    chain, why = HandBatchedGradients.for_network(network, (1, 28, 28))
+    chain, why = hand_batched_gradients(network, (1, 28, 28))
     assert chain is not None, why
     clients, batch = 10, 40
     params = {k: v.detach().expand(clients, *v.shape).contiguous() for k, v in network.named_parameters()}

@@ -65,8 +65,8 @@ def main() -> None:
     for round_idx in range(3):  # a trained model, not the initial one, for the scoring checks
         engine.train_round(round_idx)
     clients = algorithm.sample_clients(3)
-    index = engine.batch_index(3, clients)
-    batches = engine.gather(index)
+    index = engine.minibatches.batch_index(3, clients)
+    batches = engine.minibatches.gather(index)
     params, _ = algorithm.split_state(engine.state)
     rounds = iter(range(10, 10**6))
     r = args.repeats
@@ -77,12 +77,15 @@ def main() -> None:
     gemm_ms = median_ms(lambda: a @ a, 7)
     cfg = algorithm.settings.evaluation
     ids = list(range(len(users)))
-    chain, groups = algorithm._hand_batched_for(users), scoring_inputs(algorithm, params, users, ids, cfg)
+    chain, groups = (
+        algorithm.paths.hand_batched_form(tuple(users[0].test_x.shape[1:])),
+        scoring_inputs(algorithm, params, users, ids, cfg),
+    )
     results = {
         "round": {
             "sample_clients_ms": median_ms(lambda: algorithm.sample_clients(3), r),
-            "batch_indices_ms": median_ms(lambda: engine.batch_index(3, clients), r),
-            "gather_ms": median_ms(lambda: engine.gather(index), r),
+            "batch_indices_ms": median_ms(lambda: engine.minibatches.batch_index(3, clients), r),
+            "gather_ms": median_ms(lambda: engine.minibatches.gather(index), r),
             "local_update_ms": step_ms,
             "train_round_ms": median_ms(lambda: engine.train_round(next(rounds)), r),
         },
@@ -103,7 +106,9 @@ def main() -> None:
             # matrix products and activations, a floor for the evaluation with the same numbers
             "scoring_passes_ms": median_ms(lambda: scoring_passes(chain, params, groups), max(5, r // 3)),
         },
-        "scoring_together_is_bit_exact_here": algorithm._hand_batched_for(users).scores_exactly,
+        "scoring_together_is_bit_exact_here": algorithm.paths.hand_batched_form(
+            tuple(users[0].test_x.shape[1:])
+        ).scores_exactly,
     }
     results.update(
         date=datetime.date.today().isoformat(),

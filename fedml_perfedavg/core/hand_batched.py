@@ -8,7 +8,7 @@ variant's Hessian-vector product is written out too (Pearlmutter's R-operator,
 :meth:`HandBatchedGradients.hessian_vector_product`); the gradients are plain differentiable
 PyTorch, so ``torch.func.jvp`` of them gives the same (the tests compare both with torch.func).
 
-:meth:`HandBatchedGradients.for_network` accepts a network only if it is an ``nn.Sequential`` (or
+:func:`hand_batched_gradients` accepts a network only if it is an ``nn.Sequential`` (or
 wraps exactly one) whose leaves form such a chain, and its output equals the chain's on a
 probe input; otherwise it says why, and the engine
 keeps the generic path. The loss is the plugin's (mean cross-entropy).
@@ -246,49 +246,6 @@ class HandBatchedGradients:
         #: Whether batched scoring gives per-user logits bit for bit here (core.evaluation's probe).
         self.scores_exactly: Optional[bool] = None
 
-    @classmethod
-    def for_network(
-        cls, network: nn.Module, input_shape: Tuple[int, ...]
-    ) -> Tuple[Optional["HandBatchedGradients"], str]:
-        """(the stacked gradients, "") where ``network`` is a chain they compute exactly, else
-        (None, why not)."""
-        if any(True for _ in network.buffers()):
-            return None, "it has buffers"
-        children = list(network.children())
-        chain = network if isinstance(network, nn.Sequential) else children[0] if len(children) == 1 else None
-        if not isinstance(chain, nn.Sequential):
-            return None, f"{type(network).__name__} is neither an nn.Sequential nor a wrapper of one"
-        names = {id(p): n for n, p in network.named_parameters()}
-
-        layers: List[_Layer] = []
-        for _, module in chain.named_modules():
-            if list(module.children()):
-                continue  # containers: only their leaves count
-            if isinstance(module, nn.Flatten) and not layers:
-                continue
-            if type(module) is nn.Linear:
-                layers.append(
-                    _Layer(names[id(module.weight)], None if module.bias is None else names[id(module.bias)], None)
-                )
-                continue
-            activation = _activation(module)
-            if activation is None or not layers or layers[-1].activation is not None:
-                return None, f"its layers are not a chain of Linear and ELU/ReLU/Tanh/Sigmoid ({type(module).__name__})"
-            last = layers[-1]
-            layers[-1] = _Layer(last.weight, last.bias, activation)
-        if not layers or len({n for layer in layers for n in (layer.weight, layer.bias) if n}) != len(names):
-            return None, "not every parameter belongs to a Linear layer of the chain"
-        if len({p.dtype for p in network.parameters()}) > 1:
-            return None, "its parameters have more than one dtype"
-        params = parameters_of(network)
-        stacked = cls(layers, params[layers[-1].weight].shape[0])
-        probe = torch.randn(3, *input_shape, generator=torch.Generator().manual_seed(0)).to(next(iter(params.values())))
-        expected = logits_of(network, params, probe)
-        got = stacked.logits({k: v.unsqueeze(0) for k, v in params.items()}, probe.unsqueeze(0))[0]
-        if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
-            return None, "its forward pass is not the chain of its layers"
-        return stacked, ""
-
     def _forward(self, params: Params, h: Tensor, start: int = 0) -> Tuple[List[Tensor], List[Tensor], Tensor]:
         """From layer ``start`` on: each layer's input, its pre-activation, and the logits."""
         inputs, pre = [], []
@@ -461,6 +418,49 @@ class HandBatchedGradients:
         if first.activation is not None:
             delta = first.activation.backward(delta, z1, h1)
         return grads, delta
+
+
+def hand_batched_gradients(
+    network: nn.Module, input_shape: Tuple[int, ...]
+) -> Tuple[Optional[HandBatchedGradients], str]:
+    """(the stacked gradients, "") where ``network`` is a chain they compute exactly, else
+    (None, why not)."""
+    if any(True for _ in network.buffers()):
+        return None, "it has buffers"
+    children = list(network.children())
+    chain = network if isinstance(network, nn.Sequential) else children[0] if len(children) == 1 else None
+    if not isinstance(chain, nn.Sequential):
+        return None, f"{type(network).__name__} is neither an nn.Sequential nor a wrapper of one"
+    names = {id(p): n for n, p in network.named_parameters()}
+
+    layers: List[_Layer] = []
+    for _, module in chain.named_modules():
+        if list(module.children()):
+            continue  # containers: only their leaves count
+        if isinstance(module, nn.Flatten) and not layers:
+            continue
+        if type(module) is nn.Linear:
+            layers.append(
+                _Layer(names[id(module.weight)], None if module.bias is None else names[id(module.bias)], None)
+            )
+            continue
+        activation = _activation(module)
+        if activation is None or not layers or layers[-1].activation is not None:
+            return None, f"its layers are not a chain of Linear and ELU/ReLU/Tanh/Sigmoid ({type(module).__name__})"
+        last = layers[-1]
+        layers[-1] = _Layer(last.weight, last.bias, activation)
+    if not layers or len({n for layer in layers for n in (layer.weight, layer.bias) if n}) != len(names):
+        return None, "not every parameter belongs to a Linear layer of the chain"
+    if len({p.dtype for p in network.parameters()}) > 1:
+        return None, "its parameters have more than one dtype"
+    params = parameters_of(network)
+    stacked = HandBatchedGradients(layers, params[layers[-1].weight].shape[0])
+    probe = torch.randn(3, *input_shape, generator=torch.Generator().manual_seed(0)).to(next(iter(params.values())))
+    expected = logits_of(network, params, probe)
+    got = stacked.logits({k: v.unsqueeze(0) for k, v in params.items()}, probe.unsqueeze(0))[0]
+    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+        return None, "its forward pass is not the chain of its layers"
+    return stacked, ""
 
 
 class _BufferedSteps:

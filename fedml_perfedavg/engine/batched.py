@@ -2,7 +2,7 @@
 
 The algorithm object's :meth:`~fedml_perfedavg.algorithms.base.FederatedAlgorithm.local_update`
 (a pure function) is vmapped over the clients of a round: all start from the same w (no
-copies), their minibatches gathered from tensors put on the device once. Sampling,
+copies), their minibatches gathered from tensors put on the device once (:mod:`.minibatches`). Sampling,
 minibatches, aggregation and evaluation are the algorithm's own, exactly as on FedML's
 per-client loops, so both give the same model up to floating-point summation order. A model
 ``torch.func.vmap`` cannot batch (data-dependent control flow, in-place updates of captured
@@ -13,25 +13,20 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import torch
-from torch import Tensor
 from torch.func import vmap
 
 from ..algorithms.base import FederatedAlgorithm
 from ..core.client_maths import LocalBatches
 from ..core.hand_batched import IndexedInputs, HandBatchedGradients
+from .minibatches import Minibatches
 from ..core.guards import nonfinite_clients
 from ..core.types import Params, StateDict, UserSplit
 from ..algorithms.base import RoundDriver
 
 logger = logging.getLogger(__name__)
-
-
-def stack_batches(batches: Sequence[LocalBatches]) -> LocalBatches:
-    """Stack per-client ``LocalBatches`` along a new leading client dimension."""
-    return LocalBatches(*(torch.stack(tensors) for tensors in zip(*batches)))
 
 
 class BatchedSimulation:
@@ -56,7 +51,7 @@ class BatchedSimulation:
         self.state: StateDict = OrderedDict(global_state)
         self.driver = driver
         # Decided once by a probe (FederatedAlgorithm.probe_model), not by a round's error.
-        self.batched = algorithm.vmappable
+        self.batched = algorithm.paths.vmappable
         self.step: Callable[[Params, LocalBatches], Params] = vmap(algorithm.local_update, in_dims=(None, 0))
         # An algorithm whose clients send back more than parameters (its own local_training)
         # is vmapped over whole states: parameters and buffers per client.
@@ -69,7 +64,7 @@ class BatchedSimulation:
             else self._hand_batched_gradients(try_hand_batched)
         )
         self.hand_batched: Optional[HandBatchedGradients] = gradients
-        if self.batched and gradients is None and not algorithm.groups_exactly:
+        if self.batched and gradients is None and not algorithm.paths.groups_exactly:
             self.batched = False  # vmapped, a client's bits would depend on the others in its computation
             logger.info(
                 "batched engine: clients one by one (vmapped, a client's result would depend on which "
@@ -95,25 +90,8 @@ class BatchedSimulation:
             # replay them without per-kernel launch cost. Shapes are the same every round.
             on_cuda = next(iter(global_state.values())).is_cuda
             self.step = torch.compile(self.step, mode="reduce-overhead" if on_cuda else "default", dynamic=False)
-        self.sample_counts = [len(u.train_y) for u in users]
-        # Roles (D, D', D'') the client maths never reads are not gathered (the algorithm says which).
-        self._roles_read = algorithm.batch_roles_read()
-        # Every user's training data in one tensor: a round's minibatches are one gather per
-        # role (the same keyed indices as client_batches), not one per client and a stack.
-        self._gather = algorithm.uses_standard_batches
-        if self._gather:
-            # Users that share their tensors (replicas of one user's data) share one copy here too.
-            first: dict = {}
-            xs, ys, self._offsets, total = [], [], [], 0
-            for u in users:
-                key = (id(u.train_x), id(u.train_y))
-                if key not in first:
-                    first[key] = total
-                    xs.append(u.train_x)
-                    ys.append(u.train_y)
-                    total += len(u.train_y)
-                self._offsets.append(first[key])
-            self._all_x, self._all_y = torch.cat(xs), torch.cat(ys)
+        self.minibatches = Minibatches(algorithm, users)
+        self.sample_counts = self.minibatches.sample_counts
 
     def _hand_batched_gradients(self, try_hand_batched: bool):
         """Hand-batched gradients where they compute exactly what the algorithm's own
@@ -122,7 +100,7 @@ class BatchedSimulation:
             return None, "turned off"
         if not self.algorithm.uses_standard_maths:
             return None, f"{type(self.algorithm).__name__} has its own local_update or local_training"
-        return self.algorithm.hand_batched(tuple(self.users[0].train_x.shape[1:]))
+        return self.algorithm.paths.hand_batched(tuple(self.users[0].train_x.shape[1:]))
 
     def _hand_batched_step(self) -> Callable[[Params, LocalBatches], Params]:
         def step(params: Params, batches: LocalBatches) -> Params:
@@ -144,74 +122,10 @@ class BatchedSimulation:
         assert self.hand_batched is not None  # the hand-batched path is taken only with its gradients
         return self.hand_batched.local_update(start, by_step, self.algorithm.settings.local)
 
-    def round_batches(self, round_idx: int, clients: List[int], lazy_inputs: bool = False) -> LocalBatches:
-        """The round's minibatches, stacked (clients, steps, batch, ...); with ``lazy_inputs`` (for
-        the hand-batched path) their inputs as :class:`IndexedInputs` where they are gathered."""
-        hooks = self.algorithm.hooks
-        if not self._gather:
-            return stack_batches(
-                [
-                    self.algorithm.client_batches(
-                        round_idx, c, self.users[c].train_x, hooks.client_labels(round_idx, c, self.users[c].train_y)
-                    )
-                    for c in clients
-                ]
-            )
-        batches = self.gather(self.batch_index(round_idx, clients), lazy_inputs=lazy_inputs)
-        if hooks.poisons_labels:  # a label map commutes with the gather: flip each client's gathered rows
-            batches = batches._replace(
-                **{
-                    role: torch.stack([hooks.client_labels(round_idx, c, labels[i]) for i, c in enumerate(clients)])
-                    for role, labels in batches._asdict().items()
-                    if role.endswith("_y")
-                }
-            )
-        return batches
-
-    @property
-    def gathers(self) -> bool:
-        """Whether a round's minibatches are gathered from all users' data in one tensor."""
-        return self._gather
-
-    @property
-    def training_data(self) -> Tuple[Tensor, Tensor]:
-        """All users' training data, concatenated (x, y), where :attr:`gathers`."""
-        return self._all_x, self._all_y
-
-    def batch_index(self, round_idx: int, clients: List[int]) -> List[Tensor]:
-        """Per role (D, D', D''), the round's sample indices into all users' data concatenated,
-        ``(clients, steps, size)``: the keyed indices of ``client_batch_indices``."""
-        per_client = self.algorithm.batch_indices_of_clients(
-            round_idx, clients, [self.sample_counts[c] for c in clients]
-        )
-        offsets = torch.tensor([self._offsets[c] for c in clients]).view(-1, 1, 1)
-        return [torch.stack([idx[role] for idx in per_client]) + offsets for role in range(len(per_client[0]))]
-
-    def gather(
-        self, index: List[Tensor], data: Optional[Tuple[Tensor, Tensor]] = None, lazy_inputs: bool = False
-    ) -> LocalBatches:
-        """The minibatches at ``index`` (one gather per role) from ``data`` (default: this run's
-        users, concatenated). With ``lazy_inputs`` the inputs are :class:`IndexedInputs`, gathered
-        by the hand-batched local update one step at a time, into cache, as it reaches them."""
-        x, y = data if data is not None else (self._all_x, self._all_y)
-        tensors: List[Any] = []
-        for role, role_index in enumerate(index):
-            if role not in self._roles_read:  # never read: D's tensors stand in
-                tensors += tensors[:2]
-                continue
-            role_index = role_index.to(x.device)
-            flat = role_index.reshape(-1)  # index_select: the rows of x[index], in half the time
-            inputs = (
-                IndexedInputs(x, role_index.transpose(0, 1).contiguous())
-                if lazy_inputs
-                else x.index_select(0, flat).view(*role_index.shape, *x.shape[1:])
-            )
-            tensors += [inputs, y.index_select(0, flat).view(role_index.shape)]
-        return LocalBatches(*tensors)
-
     def _batched_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
         params, buffers = self.algorithm.split_state(self.state)
-        batches = self.round_batches(round_idx, clients, lazy_inputs=self.batched and self.hand_batched is not None)
+        lazy_inputs = self.batched and self.hand_batched is not None
+        batches = self.minibatches.round_batches(round_idx, clients, lazy_inputs)
         with torch.no_grad():
             if self.whole_state:
                 stacked = self.step({k: v.detach() for k, v in self.state.items()}, batches)

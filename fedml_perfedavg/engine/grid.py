@@ -57,8 +57,8 @@ class GridSimulation:
         # All runs' training data in one tensor, so a round's minibatches of every run are one
         # gather per role (concatenating per-run batches would copy them all again).
         self._data = None
-        if all(engine.gathers for engine in self.engines):
-            xs, ys = zip(*(engine.training_data for engine in self.engines))
+        if all(engine.minibatches.gathers for engine in self.engines):
+            xs, ys = zip(*(engine.minibatches.training_data for engine in self.engines))
             self._data = (torch.cat(xs), torch.cat(ys))
             self._run_offsets, offset = [], 0
             for y in ys:
@@ -77,12 +77,16 @@ class GridSimulation:
             chosen.append(clients)
             starts.append({k: v.detach().unsqueeze(0).expand(len(clients), *v.shape) for k, v in params.items()})
             if self._data is not None:
-                batches.append([i + self._run_offsets[position] for i in engine.batch_index(round_idx, clients)])
+                batches.append(
+                    [i + self._run_offsets[position] for i in engine.minibatches.batch_index(round_idx, clients)]
+                )
             else:
-                batches.append(engine.round_batches(round_idx, clients))
+                batches.append(engine.minibatches.round_batches(round_idx, clients))
         start = {k: torch.cat([s[k] for s in starts]) for k in starts[0]}
         if self._data is not None:
-            together = self.engines[0].gather([torch.cat(role) for role in zip(*batches)], self._data, lazy_inputs=True)
+            together = self.engines[0].minibatches.gather(
+                [torch.cat(role) for role in zip(*batches)], self._data, lazy_inputs=True
+            )
         else:
             together = LocalBatches(*(torch.cat(tensors) for tensors in zip(*batches)))
         with torch.no_grad():

@@ -6,7 +6,7 @@ import torch
 from fedml_perfedavg.core.evaluation import EvaluationConfig, adaptation_batches, evaluate, sgd_steps
 from fedml_perfedavg.core.functional import make_loss_fn, parameters_of
 from fedml_perfedavg.core.sampling import Purpose, generator_for
-from fedml_perfedavg.core.hand_batched import HandBatchedGradients
+from fedml_perfedavg.core.hand_batched import hand_batched_gradients
 from fedml_perfedavg.core.types import UserSplit
 from fedml_perfedavg.models import MLP
 
@@ -154,7 +154,7 @@ def _paper_mlp():
     """The paper's MLP: matrix kernels give batched and per-user logits the same bits at its sizes
     on the machines this was measured on; where they do not, the probe sends scoring user by user."""
     model = MLP(784, 10, (80, 60))
-    chain, why = HandBatchedGradients.for_network(model, (784,))
+    chain, why = hand_batched_gradients(model, (784,))
     assert chain is not None, why
     return model, chain
 

@@ -8,7 +8,7 @@ from torch.func import grad, jvp, vmap
 
 from fedml_perfedavg.core.functional import functional_network, make_loss_fn, parameters_of
 from fedml_perfedavg.core.client_maths import LocalBatches, LocalUpdateConfig, local_update
-from fedml_perfedavg.core.hand_batched import IndexedInputs, HandBatchedGradients
+from fedml_perfedavg.core.hand_batched import IndexedInputs, hand_batched_gradients
 from fedml_perfedavg.models import MLP, SmallCNN
 
 CHAINS = {
@@ -32,7 +32,7 @@ def _chain(name, seed, clients, batch):
     torch.manual_seed(seed)
     model = CHAINS[name]().double()
     network = functional_network(model)
-    stacked, why = HandBatchedGradients.for_network(network, (12,))
+    stacked, why = hand_batched_gradients(network, (12,))
     assert stacked is not None, why
     params = _client_params(model, clients)
     x, y = torch.randn(clients, batch, 12, dtype=torch.float64), torch.randint(0, 3, (clients, batch))
@@ -87,7 +87,7 @@ class Shortcut(nn.Module):
 )
 def test_what_is_not_a_plain_chain_is_refused_with_a_reason(model, reason):
     shape = (1, 4, 4) if not isinstance(model, Shortcut) else (12,)
-    stacked, why = HandBatchedGradients.for_network(functional_network(model), shape)
+    stacked, why = hand_batched_gradients(functional_network(model), shape)
     assert stacked is None and reason in why
 
 
@@ -103,7 +103,7 @@ class Doubling(nn.Module):
 
 
 def test_a_wrapper_that_changes_the_chains_output_is_refused():
-    stacked, why = HandBatchedGradients.for_network(functional_network(Doubling()), (12,))
+    stacked, why = hand_batched_gradients(functional_network(Doubling()), (12,))
     assert stacked is None and why == "its forward pass is not the chain of its layers"
 
 
@@ -125,7 +125,7 @@ def test_buffered_local_update_is_the_generic_loop_bit_for_bit(name, variant):
     # float32, as runs train: the flat reused buffers must not move a single bit
     torch.manual_seed(2)
     model = CHAINS[name]()
-    stacked, why = HandBatchedGradients.for_network(functional_network(model), (12,))
+    stacked, why = hand_batched_gradients(functional_network(model), (12,))
     assert stacked is not None, why
     clients, steps = 5, 3
     start = {k: v.expand(clients, *v.shape) for k, v in parameters_of(model).items()}
@@ -146,7 +146,7 @@ def test_buffered_local_update_is_the_generic_loop_bit_for_bit(name, variant):
 def test_inputs_gathered_a_step_at_a_time_give_the_same_bits(variant):
     torch.manual_seed(3)
     model = CHAINS["paper_mlp"]()
-    stacked, _ = HandBatchedGradients.for_network(functional_network(model), (12,))
+    stacked, _ = hand_batched_gradients(functional_network(model), (12,))
     clients, steps, batch = 4, 3, 6
     data, labels = torch.randn(50, 12), torch.randint(0, 3, (50,))
     index = [torch.randint(0, 50, (steps, clients, batch)) for _ in range(3)]
@@ -214,7 +214,7 @@ def test_exact_hvp_is_the_same_with_and_without_the_slope_shortcut():
 
     torch.manual_seed(0)
     model = MLP(784, 10, (80, 60))
-    stacked, why = HandBatchedGradients.for_network(functional_network(model), (784,))
+    stacked, why = hand_batched_gradients(functional_network(model), (784,))
     assert stacked is not None, why
     assert all(layer.activation.slope is not None for layer in stacked.layers[:-1])
     params = {k: v.expand(10, *v.shape) + 0.05 * torch.randn(10, *v.shape) for k, v in parameters_of(model).items()}

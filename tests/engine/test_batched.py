@@ -183,7 +183,7 @@ def test_a_model_vmap_cannot_batch_falls_back_to_the_per_client_path(caplog):
     algorithm = create_algorithm("PerFedAvg", model, config)
     start = copy.deepcopy(model.state_dict())
     [why] = algorithm.probe_model(start, users[0].train_x[:1], users[0].train_y[:1])
-    assert "data-dependent control flow" in why.lower() and not algorithm.vmappable
+    assert "data-dependent control flow" in why.lower() and not algorithm.paths.vmappable
     reference = per_client_rounds(algorithm, users, start, config.comm_round)
     engine = BatchedSimulation(algorithm, users, start, Driver(algorithm))
     got = engine.run(0, config.comm_round)
@@ -253,8 +253,8 @@ def test_the_algorithm_declares_what_the_engine_gathers_and_returns(optimizer, v
     algorithm = create_algorithm(optimizer, model, config)
     assert algorithm.batch_roles_read() == roles and algorithm.returns_whole_state is whole
     engine = BatchedSimulation(algorithm, users, copy.deepcopy(model.state_dict()), Driver(algorithm))
-    index = algorithm.client_batch_indices(0, 0, len(users[0].train_y))
-    batches = engine.gather(index)
+    [index] = algorithm.batch_indices(0, [0], [len(users[0].train_y)])
+    batches = engine.minibatches.gather(index)
     for role in (1, 2):  # a role never read is D's tensors, not a gather of its own
         assert (batches[2 * role] is batches[0]) is (role not in roles)
 

@@ -1,0 +1,106 @@
+"""A batched engine's minibatches: a round's every client's D, D', D'' at once.
+
+Where the algorithm draws its minibatches the standard way (the keyed draws of
+:meth:`~fedml_perfedavg.algorithms.base.FederatedAlgorithm.client_batches`), every user's training
+data is put in one tensor and a round's minibatches are one gather per role, at the same keyed
+indices; else each client's own draws are stacked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..algorithms.base import FederatedAlgorithm
+from ..core.client_maths import LocalBatches
+from ..core.hand_batched import IndexedInputs
+from ..core.types import UserSplit
+
+
+def stack_batches(batches: Sequence[LocalBatches]) -> LocalBatches:
+    """Stack per-client ``LocalBatches`` along a new leading client dimension."""
+    return LocalBatches(*(torch.stack(tensors) for tensors in zip(*batches)))
+
+
+class Minibatches:
+    """The minibatches of ``algorithm``'s clients over ``users``' training data."""
+
+    def __init__(self, algorithm: FederatedAlgorithm, users: Sequence[UserSplit]) -> None:
+        self.algorithm, self.users = algorithm, users
+        self.sample_counts = [len(u.train_y) for u in users]
+        # Roles (D, D', D'') the client maths never reads are not gathered (the algorithm says which).
+        self._roles_read = algorithm.batch_roles_read()
+        self.gathers = algorithm.uses_standard_batches
+        if self.gathers:
+            # Users that share their tensors (replicas of one user's data) share one copy here too.
+            first: dict = {}
+            xs, ys, self._offsets, total = [], [], [], 0
+            for u in users:
+                key = (id(u.train_x), id(u.train_y))
+                if key not in first:
+                    first[key] = total
+                    xs.append(u.train_x)
+                    ys.append(u.train_y)
+                    total += len(u.train_y)
+                self._offsets.append(first[key])
+            self._all_x, self._all_y = torch.cat(xs), torch.cat(ys)
+
+    @property
+    def training_data(self) -> Tuple[Tensor, Tensor]:
+        """All users' training data, concatenated (x, y), where :attr:`gathers`."""
+        return self._all_x, self._all_y
+
+    def round_batches(self, round_idx: int, clients: List[int], lazy_inputs: bool = False) -> LocalBatches:
+        """The round's minibatches, stacked (clients, steps, batch, ...); with ``lazy_inputs`` (for
+        the hand-batched path) their inputs as :class:`IndexedInputs` where they are gathered."""
+        hooks = self.algorithm.hooks
+        if not self.gathers:
+            return stack_batches(
+                [
+                    self.algorithm.client_batches(
+                        round_idx, c, self.users[c].train_x, hooks.client_labels(round_idx, c, self.users[c].train_y)
+                    )
+                    for c in clients
+                ]
+            )
+        batches = self.gather(self.batch_index(round_idx, clients), lazy_inputs=lazy_inputs)
+        if hooks.poisons_labels:  # a label map commutes with the gather: flip each client's gathered rows
+            batches = batches._replace(
+                **{
+                    role: torch.stack([hooks.client_labels(round_idx, c, labels[i]) for i, c in enumerate(clients)])
+                    for role, labels in batches._asdict().items()
+                    if role.endswith("_y")
+                }
+            )
+        return batches
+
+    def batch_index(self, round_idx: int, clients: List[int]) -> List[Tensor]:
+        """Per role (D, D', D''), the round's sample indices into all users' data concatenated,
+        ``(clients, steps, size)``: the algorithm's keyed indices."""
+        per_client = self.algorithm.batch_indices(round_idx, clients, [self.sample_counts[c] for c in clients])
+        offsets = torch.tensor([self._offsets[c] for c in clients]).view(-1, 1, 1)
+        return [torch.stack([idx[role] for idx in per_client]) + offsets for role in range(len(per_client[0]))]
+
+    def gather(
+        self, index: List[Tensor], data: Optional[Tuple[Tensor, Tensor]] = None, lazy_inputs: bool = False
+    ) -> LocalBatches:
+        """The minibatches at ``index`` (one gather per role) from ``data`` (default: this run's
+        users, concatenated). With ``lazy_inputs`` the inputs are :class:`IndexedInputs`, gathered
+        by the hand-batched local update one step at a time, into cache, as it reaches them."""
+        x, y = data if data is not None else (self._all_x, self._all_y)
+        tensors: List[Any] = []
+        for role, role_index in enumerate(index):
+            if role not in self._roles_read:  # never read: D's tensors stand in
+                tensors += tensors[:2]
+                continue
+            role_index = role_index.to(x.device)
+            flat = role_index.reshape(-1)  # index_select: the rows of x[index], in half the time
+            inputs = (
+                IndexedInputs(x, role_index.transpose(0, 1).contiguous())
+                if lazy_inputs
+                else x.index_select(0, flat).view(*role_index.shape, *x.shape[1:])
+            )
+            tensors += [inputs, y.index_select(0, flat).view(role_index.shape)]
+        return LocalBatches(*tensors)
