@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fedml_perfedavg.fedml_bridge.cross_silo import wire  # noqa: E402  (installs the plugin)
 from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig  # noqa: E402
 from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates  # noqa: E402
-from fedml_perfedavg.fedml_bridge.cross_silo.transport import SecureGRPCCommManager  # noqa: E402
+from fedml_perfedavg.fedml_bridge.cross_silo.transport import SecureGRPCCommManager, to_message  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 
 import fedml.core.distributed.communication.grpc.grpc_comm_manager as fedml_grpc  # noqa: E402
@@ -109,7 +109,7 @@ def plugin_transport(folder, state, n, tls_dir):
         for _ in range(n):
             start = time.perf_counter()
             sender.send_message(_message(state))
-            receiver._to_message(receiver._queue.get())
+            to_message(receiver._queue.get())
             times.append(time.perf_counter() - start)
     finally:
         sender.stop_receive_message()

@@ -164,6 +164,22 @@ class PortTaken(OSError):
     """The public address cannot be bound (in use, or not this host's)."""
 
 
+def listen_exclusively(ip: str, port: int) -> socket.socket:
+    """A non-blocking socket listening on ``ip:port`` that no other process shares;
+    :class:`PortTaken` if it cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # SO_REUSEADDR only lets a port in TIME_WAIT be bound again; never SO_REUSEPORT (sharing).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, port))
+        sock.listen(1024)
+    except OSError as err:
+        sock.close()
+        raise PortTaken(err.errno or errno.EADDRINUSE, f"{ip}:{port}: {err.strerror}") from None
+    sock.setblocking(False)
+    return sock
+
+
 class Gate:
     """Accepts on ``public`` and forwards to ``127.0.0.1:backend_port`` within ``limits``.
     ``on_refusal(host, port, reason, text)`` hears of every connection refused or closed without a
@@ -187,18 +203,7 @@ class Gate:
     def start(self) -> None:
         """Bind the public address (exclusively) and start serving; :class:`PortTaken` if it cannot."""
         ip, port = self.public
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            # SO_REUSEADDR only lets a port in TIME_WAIT be bound again; never SO_REUSEPORT (sharing).
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((ip, port))
-            sock.listen(1024)
-        except OSError as err:
-            sock.close()
-            raise PortTaken(err.errno or errno.EADDRINUSE, f"{ip}:{port}: {err.strerror}") from None
-        sock.setblocking(False)
-        self._sock = sock
+        self._sock = sock = listen_exclusively(ip, port)
         ready = threading.Event()
 
         def serve() -> None:

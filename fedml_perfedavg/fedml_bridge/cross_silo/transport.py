@@ -250,6 +250,46 @@ def listen(transport: "SecureGRPCCommManager", address: Tuple[str, int], ranks: 
     return server, gate
 
 
+def check_route(
+    envelope: wire.Envelope, peer_rank: Optional[int], rank: int, ranks: Collection[int], run_id: str
+) -> None:
+    """:class:`wire.Rejected` unless ``envelope`` may reach ``rank`` (of ``ranks``) in run
+    ``run_id``: its sender is the rank the peer's certificate names (``peer_rank``; None on an
+    insecure transport), it is addressed here, and it is a kind the server takes from a silo or a
+    silo from the server."""
+    sender, kind = envelope.sender, envelope.type
+    if peer_rank is not None and sender != peer_rank:
+        raise wire.Rejected(
+            f"type {kind} claims sender rank {sender}, but the peer's certificate is rank {peer_rank}'s", IDENTITY
+        )
+    if envelope.receiver != rank:
+        raise wire.Rejected(f"type {kind} is addressed to rank {envelope.receiver}, this is rank {rank}", IDENTITY)
+    if rank == 0:
+        if kind not in wire.FROM_SILO or sender == 0 or sender not in ranks:
+            raise wire.Rejected(f"the server takes no message of type {kind} from rank {sender}", IDENTITY)
+    elif kind not in wire.FROM_SERVER or sender != 0:
+        raise wire.Rejected(
+            f"a silo takes messages from the server (rank 0) only; got type {kind} from rank {sender}", IDENTITY
+        )
+    if envelope.run_id != run_id:
+        raise wire.Rejected(
+            f"type {kind} from rank {sender} is for run {wire.short(envelope.run_id)}, not this run ({run_id!r})",
+            OTHER_RUN,
+        )
+
+
+def to_message(envelope: wire.Envelope) -> Message:
+    """The FedML ``Message`` a checked envelope stands for (its round and session as the plugin's keys)."""
+    message = Message(envelope.type, envelope.sender, envelope.receiver)
+    for key, value in envelope.params.items():
+        message.add_params(key, value)
+    if envelope.model is not None:
+        message.add_params(wire.MODEL_KEY, envelope.model)
+    message.add_params(ROUND_KEY, envelope.round)
+    message.add_params(SESSION_KEY, envelope.session)
+    return message
+
+
 class SecureGRPCCommManager(BaseCommunicationManager):
     """A FedML communication manager (``BaseCommunicationManager``'s methods) over gRPC with the
     checks in the module doc. Built by FedML's ``FedMLCommManager`` for ``backend: GRPC`` with
@@ -312,43 +352,9 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         not one this rank takes now."""
         peer_rank = self._peer_rank(context)
         envelope = wire.decode(data, self.settings.size_cap)
-        self._check(envelope, peer_rank)
-        self._queue.put(envelope)
-
-    def _check(self, envelope: wire.Envelope, peer_rank: Optional[int]) -> None:
-        sender, kind = envelope.sender, envelope.type
-        if peer_rank is not None and sender != peer_rank:
-            raise wire.Rejected(
-                f"type {kind} claims sender rank {sender}, but the peer's certificate is rank {peer_rank}'s", IDENTITY
-            )
-        if envelope.receiver != self.rank:
-            raise wire.Rejected(
-                f"type {kind} is addressed to rank {envelope.receiver}, this is rank {self.rank}", IDENTITY
-            )
-        if self.rank == 0:
-            if kind not in wire.FROM_SILO or sender == 0 or sender not in self.addresses:
-                raise wire.Rejected(f"the server takes no message of type {kind} from rank {sender}", IDENTITY)
-        elif kind not in wire.FROM_SERVER or sender != 0:
-            raise wire.Rejected(
-                f"a silo takes messages from the server (rank 0) only; got type {kind} from rank {sender}", IDENTITY
-            )
-        if envelope.run_id != self.settings.run_id:
-            raise wire.Rejected(
-                f"type {kind} from rank {sender} is for run {wire.short(envelope.run_id)}, not this "
-                f"run ({self.settings.run_id!r})",
-                OTHER_RUN,
-            )
+        check_route(envelope, peer_rank, self.rank, self.addresses, self.settings.run_id)
         self.conversations.admit(envelope)
-
-    def _to_message(self, envelope: wire.Envelope):
-        message = Message(envelope.type, envelope.sender, envelope.receiver)
-        for key, value in envelope.params.items():
-            message.add_params(key, value)
-        if envelope.model is not None:
-            message.add_params(wire.MODEL_KEY, envelope.model)
-        message.add_params(ROUND_KEY, envelope.round)
-        message.add_params(SESSION_KEY, envelope.session)
-        return message
+        self._queue.put(envelope)
 
     def handle_receive_message(self) -> None:
         self._notify_connection_ready()
@@ -366,7 +372,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
                     if on_idle is not None:
                         on_idle()
                 continue
-            message = self._to_message(envelope)
+            message = to_message(envelope)
             for observer in list(self._observers):
                 observer.receive_message(message.get_type(), message)
 
