@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from fedml_perfedavg.run.cli import main
 
 from tests.helpers import REPO, needs_mnist
@@ -47,6 +49,7 @@ def test_describe_data_prints_the_paper_counts(mnist_root):
     assert len(lines) == 2 + 50
 
 
+@pytest.mark.backend  # the start gets as far as installing into FedML (about 13 s to import)
 def test_a_failed_start_leaves_no_run_directory(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert (
