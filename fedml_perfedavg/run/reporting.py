@@ -170,6 +170,12 @@ class SiloRecord:
     rejoined_silos: List[Dict[str, Any]] = field(default_factory=list)  # they came back
     refusals: Dict[str, int] = field(default_factory=dict)  # what the server's transport refused, by reason
 
+    def evaluated(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
+        """The silos' own evaluations of the model they received (``label``: the round, or final)."""
+        self.silo_evaluation.append(
+            {"when": label, "mean_accuracy": mean, "silos": {str(rank): metrics for rank, metrics in silos.items()}}
+        )
+
     def lost(self, round_idx: int, ranks: Sequence[int], why: str) -> None:
         """The server gave up on these silos in this round."""
         self.lost_silos.extend({"rank": int(rank), "round": round_idx, "why": why} for rank in ranks)
@@ -297,9 +303,7 @@ class RunRecorder:
 
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         """Cross-silo: the silos' own personalized evaluations of the model they received."""
-        self.silos.silo_evaluation.append(
-            {"when": label, "mean_accuracy": mean, "silos": {str(rank): metrics for rank, metrics in silos.items()}}
-        )
+        self.silos.evaluated(label, mean, silos)
         if self._wandb is not None and label != "final":
             self._wandb.log_silo_evaluation(int(label.split()[-1]), mean)
 

@@ -77,7 +77,7 @@ class ServerMail:
         """Answer a silo's announcement: "I hear you"."""
         self.notify([to_silo(MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, silo)])
 
-    def refuse_silo(self, silo: int, problem: str) -> None:
+    def tell_refused(self, silo: int, problem: str) -> None:
         """Tell a refused silo why; it stops."""
         reason = f"refused by the server: {problem}"
         self.notify([to_silo(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=reason, refused=True)])
@@ -89,7 +89,7 @@ class ServerMail:
             logger.info("silo rank %d was given up on and still sends work; it is told to announce itself", silo)
             self.notify([to_silo(MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, silo, left_out=True)])
 
-    def refuse(self, silo: int, reason: str, text: str) -> None:
+    def count_refusal(self, silo: int, reason: str, text: str) -> None:
         """Count and log (rate-limited) a refused message of ``silo``'s."""
         self.transport.refusals.refuse(f"rank {silo}", reason, text, f"silo rank {silo}")
 

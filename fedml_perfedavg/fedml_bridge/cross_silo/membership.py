@@ -65,8 +65,8 @@ class SiloMembership:
         """Refuse ``silo``'s announcement: it is told why and stops. Before training, the run
         stops if too few silos are left; after, it goes on. True if the silo was taking part."""
         logger.error("%s; it is refused", problem)
-        self.mail.refuse(silo, DISAGREEMENT, problem)
-        self.mail.refuse_silo(silo, problem)
+        self.mail.count_refusal(silo, DISAGREEMENT, problem)
+        self.mail.tell_refused(silo, problem)
         if silo not in self.roster.live:
             return False
         left = [s for s in self.roster.live if s != silo]

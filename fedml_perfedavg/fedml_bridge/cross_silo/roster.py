@@ -5,7 +5,7 @@ itself or of its users is checked here against that knowledge, never taken from 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .agreement import SiloSetup, data_problem, disagreement
 
@@ -23,6 +23,9 @@ class SiloRoster:
         self.sessions: Dict[int, Optional[str]] = {}  # silo -> its process's session
         self.refused: Set[int] = set()  # told why and ended; nothing more is sent to them
         self.told_left_out: Set[int] = set()  # given up on, and told so once (see left_out_notice)
+        # Called with the silos of each drop: what they owed the open round or evaluation is dropped
+        # there (server.py's rounds), whichever way they left.
+        self.on_drop: List[Callable[[Sequence[int]], None]] = []
 
     def all_online(self) -> bool:
         return all(s in self.online for s in self.live)
@@ -30,6 +33,8 @@ class SiloRoster:
     def drop(self, silos: Sequence[int]) -> None:
         """Give up on ``silos``: they take no further part unless they announce themselves again."""
         self.live = [s for s in self.live if s not in silos]
+        for listener in self.on_drop:
+            listener(silos)
 
     def take_back(self, silo: int) -> None:
         self.live = [s for s in self.setup.silos if s in self.live or s == silo]

@@ -10,7 +10,7 @@ FedML's counter ``args.round_idx`` is the round (its transport stamps it on ever
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from ...algorithms.base import RoundDriver
 from ..bootstrap import import_fedml
@@ -51,6 +51,7 @@ class SiloRounds:
         self.roster: SiloRoster = members.roster
         self.round = OpenRound(-1, [], {})
         self.evaluation = OpenEvaluation(-1, [])
+        self.roster.on_drop.append(self.drop_open_work)
 
     @property
     def round_idx(self) -> int:
@@ -58,10 +59,10 @@ class SiloRounds:
 
     def give_up_on(self, silos: List[int], why: str, go_on: bool) -> None:
         self.members.give_up_on(self.round_idx, silos, why, go_on)
-        self.drop_open_work(silos)
 
-    def drop_open_work(self, silos: List[int]) -> None:
-        """What ``silos``, no longer taking part, owed the open round or evaluation will not come."""
+    def drop_open_work(self, silos: Sequence[int]) -> None:
+        """What ``silos``, no longer taking part, owed the open round or evaluation will not come
+        (the roster calls this whenever silos leave)."""
         for silo in silos:
             self.round.assigned.pop(silo, None)
             self.evaluation.awaiting.discard(silo)
@@ -126,7 +127,7 @@ class SiloRounds:
             )
             self.mail.tell_if_left_out(silo)
             return False
-        if self.round.take(silo, declared, model, self.roster, self.mail.refuse):
+        if self.round.take(silo, declared, model, self.roster, self.mail.count_refusal):
             self.figures.note(silo, counts, self.round.user_of(silo), self.round_idx)
         else:
             self.driver.record_rejected_update(self.round_idx)
@@ -179,7 +180,7 @@ class SiloRounds:
             )
             self.mail.tell_if_left_out(silo)
             return False
-        self.evaluation.take(silo, counts, self.roster, self.mail.refuse)
+        self.evaluation.take(silo, counts, self.roster, self.mail.count_refusal)
         return self.close_if_complete()
 
     def close_evaluation(self, why_missing: Optional[str]) -> bool:

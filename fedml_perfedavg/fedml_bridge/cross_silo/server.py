@@ -114,7 +114,7 @@ class PluginServerManager(FedMLServerManager):
         self.clock = PhaseClock(policy)
         self.roster = SiloRoster(setup)
         self.mail = ServerMail(self.com_manager, self.roster)
-        self.figures = SiloFigures(self.roster, driver, self.mail.refuse)
+        self.figures = SiloFigures(self.roster, driver, self.mail.count_refusal)
         self.members = SiloMembership(self.roster, policy, driver, self.mail)
         self.rounds = SiloRounds(
             args, self.round_num, aggregator, self.clock, self.members, self.mail, self.figures, driver, setup
@@ -216,7 +216,6 @@ class PluginServerManager(FedMLServerManager):
         problem = self.roster.problem_with(silo, announced)
         if problem is not None:
             if self.members.refuse(self.round_idx, silo, problem, started):
-                self.rounds.drop_open_work([silo])
                 if started:
                     self._after(self.rounds.close_if_complete())
                 else:
