@@ -3,7 +3,8 @@
     fedml-perfedavg launch-silo --cf CONFIG.yaml [--clients N] [--set KEY=VALUE ...]
 
 starts one server and N silo processes (``fedml-perfedavg --rank R --role server|client``) on
-127.0.0.1, waits until the server says it listens before starting the silos, prefixes each
+127.0.0.1, waits until the server says it listens (in its state file, RUN_DIR/server_state.json:
+see fedml_bridge/cross_silo/readiness.py) before starting the silos, prefixes each
 line of their output with its rank, and exits non-zero if any process failed. A silo that
 fails is reported at once; SIGINT and SIGTERM are forwarded to every process, which write what
 they measured before they end.
@@ -37,7 +38,7 @@ from .config import add_config_options, load, load_yaml, parse_overrides
 from .files import write_json
 from .runner import resolve_run_dir
 from .silo_addresses import read_ipconfig, write_ipconfig
-from ..fedml_bridge.cross_silo import READY_MESSAGE, TRAINING_STARTED
+from ..fedml_bridge.cross_silo import readiness
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +52,27 @@ def _name(rank: int) -> str:
     return "the server" if rank == 0 else f"silo rank {rank}"
 
 
-def _wait_ready(
-    ready: threading.Event, process: subprocess.Popen, what: str, timeout: float, stop: StopSignals
-) -> None:
-    """Until the server says it listens (its own log line, not any listener on the port)."""
+class ServerState:
+    """What the server's state file says (:mod:`~fedml_perfedavg.fedml_bridge.cross_silo.readiness`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        if os.path.exists(path):
+            os.remove(path)  # an earlier launch's, in a reused run directory
+
+    def listening(self) -> bool:
+        return readiness.read(self.path) is not None
+
+    def training_started(self) -> bool:
+        state = readiness.read(self.path)
+        return state in readiness.TRAINING_STATES or state == "done"
+
+
+def _wait_ready(state: ServerState, process: subprocess.Popen, what: str, timeout: float, stop: StopSignals) -> None:
+    """Until the server says it listens (its state file, not any listener on the port)."""
     deadline = time.monotonic() + timeout
-    while not ready.wait(0.1):
-        stop.check()
+    while not state.listening():
+        stop.sleep(0.1)
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with code {process.returncode} before it listened on {what}")
         if time.monotonic() > deadline:
@@ -73,18 +88,12 @@ def _end_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
-def _stream(
-    process: subprocess.Popen, prefix: str, lock: threading.Lock, events: Optional[Dict[str, threading.Event]] = None
-) -> threading.Thread:
-    """Copy the process's lines to stdout with ``prefix``; set ``events[marker]`` when a line
-    holds ``marker``."""
+def _stream(process: subprocess.Popen, prefix: str, lock: threading.Lock) -> threading.Thread:
+    """Copy the process's lines to stdout with ``prefix``."""
 
     def pump() -> None:
         assert process.stdout is not None  # started with stdout=PIPE
         for line in process.stdout:
-            for marker, event in (events or {}).items():
-                if marker in line:
-                    event.set()
             with lock:
                 sys.stdout.write(f"{prefix} {line}")
                 sys.stdout.flush()
@@ -191,9 +200,8 @@ def _launch(
     lock = threading.Lock()
     processes: Dict[int, subprocess.Popen] = {}
     pumps: List[threading.Thread] = []
-    server_ready, training_started = threading.Event(), threading.Event()
+    server_state = ServerState(os.path.join(run_dir, "server_state.json"))
     server_address = "%s:%d" % addresses[0]
-    server_events = {READY_MESSAGE % ((0,) + addresses[0]): server_ready, TRAINING_STARTED: training_started}
 
     def start(rank: int) -> None:
         role = "server" if rank == 0 else "client"
@@ -204,21 +212,19 @@ def _launch(
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **threads},
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                **threads,
+                **({readiness.STATE_FILE_VARIABLE: server_state.path} if rank == 0 else {}),
+            },
             # Its own session: a terminal's Ctrl-C reaches the launcher alone,
             # which stops each process once (two signals at once interrupted
             # a process while it handled the first).
             start_new_session=True,
             preexec_fn=_end_with_parent,
         )
-        pumps.append(
-            _stream(
-                processes[rank],
-                "[server]" if rank == 0 else f"[silo {rank}]",
-                lock,
-                server_events if rank == 0 else None,
-            )
-        )
+        pumps.append(_stream(processes[rank], "[server]" if rank == 0 else f"[silo {rank}]", lock))
         write_json(os.path.join(run_dir, "silo_processes.json"), {str(r): p.pid for r, p in processes.items()})
 
     def stop_all() -> None:
@@ -246,7 +252,7 @@ def _launch(
         try:
             if server_delay is None:
                 start(0)
-                _wait_ready(server_ready, processes[0], server_address, config.connect_timeout, stop)
+                _wait_ready(server_state, processes[0], server_address, config.connect_timeout, stop)
                 for rank in range(1, clients + 1):
                     start(rank)
             else:  # silos first: they retry until the server listens
@@ -254,7 +260,7 @@ def _launch(
                     start(rank)
                 stop.sleep(server_delay)
                 start(0)
-            _watch(processes, config.min_clients_per_round or clients, training_started, stop)
+            _watch(processes, config.min_clients_per_round or clients, server_state, stop)
             # Silos end on their own after a finished run; after a failed one they may wait in vain.
             deadline = time.monotonic() + (grace_seconds if processes[0].returncode == 0 else 5.0)
             while time.monotonic() < deadline and any(p.poll() is None for p in processes.values()):
@@ -284,9 +290,7 @@ def _launch(
     return return_code or (1 if failed else 0)
 
 
-def _watch(
-    processes: Dict[int, subprocess.Popen], min_clients: int, training_started: threading.Event, stop: StopSignals
-) -> None:
+def _watch(processes: Dict[int, subprocess.Popen], min_clients: int, state: ServerState, stop: StopSignals) -> None:
     """Until the server exits. A silo that fails is reported at once. Before training starts
     (the server would wait comm_args.connect_timeout for it), a failure that leaves fewer silos
     than the run needs stops the run at once; later the server's round deadline handles it and
@@ -299,7 +303,7 @@ def _watch(
             if rank and code not in (None, 0) and rank not in failed:
                 failed[rank] = code
                 logger.error("silo rank %d exited with code %s while the server runs", rank, code)
-                if not training_started.is_set() and silos - len(failed) < min_clients:
+                if not state.training_started() and silos - len(failed) < min_clients:
                     raise RuntimeError(
                         f"silo rank(s) {sorted(failed)} failed at start; {silos - len(failed)} left, "
                         f"fewer than comm_args.min_clients_per_round={min_clients}: stopping the run"

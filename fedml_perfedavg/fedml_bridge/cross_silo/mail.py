@@ -1,17 +1,18 @@
-"""What the cross-silo server sends its silos, apart from when it sends it (server.py): every
-send has a deadline, a notice is never waited on long, and the end of a run reaches the silos
-given up on too. FedML's server manager sends each message with no deadline, one after another,
-so one silo that does not take a message holds up the others (cross_silo/server/fedml_server_manager.py)."""
+"""How the cross-silo server's sends are carried out (what and when is the protocol's,
+:mod:`.protocol`): every send has a deadline, several silos are sent to at once, a notice is never
+waited on long, and the end of a run reaches the silos given up on too. FedML's server manager
+sends each message with no deadline, one after another, so one silo that does not take a message
+holds up the others (cross_silo/server/fedml_server_manager.py)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from ..bootstrap import import_fedml
 from .delivery import PeerUnreachable
-from .roster import SiloRoster
+from .events import EndRun, ToSilo
 from .transport import ROUND_KEY
 from . import wire
 
@@ -20,12 +21,6 @@ from fedml.core.distributed.communication.message import Message  # noqa: E402
 from fedml.cross_silo.server.message_define import MyMessage  # noqa: E402
 
 logger = logging.getLogger(__name__)
-
-NOTICE_SECONDS = 2.0  # a notice to a silo (a refusal, an acknowledgement) is not waited on longer
-# The end of a run is told within this: a silo that misses it waits out its idle limit (minutes). A
-# silo that was heard from and whose port now refuses connections has ended and is not waited for,
-# so Ctrl-C stays quick; one never heard from may still be starting up and is retried.
-FINISH_SECONDS = 5.0
 
 
 def to_silo(
@@ -55,39 +50,34 @@ def to_silo(
     return message
 
 
+def fedml_message(message: ToSilo) -> Message:
+    """The FedML ``Message`` a protocol's :class:`~.events.ToSilo` stands for."""
+    return to_silo(
+        message.kind,
+        message.silo,
+        message.model,
+        message.user,
+        message.round,
+        message.reason,
+        message.refused,
+        message.left_out,
+    )
+
+
 class ServerMail:
-    """The server's sends through ``transport`` (the plugin's gRPC manager), with ``roster``
-    saying who was heard from and who was given up on."""
+    """The server's sends through ``transport`` (the plugin's gRPC manager)."""
 
-    def __init__(self, transport: Any, roster: SiloRoster) -> None:
-        self.transport, self.roster = transport, roster
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
 
-    def send(self, messages: List[Message], deadline: Optional[float]) -> Dict[int, PeerUnreachable]:
-        """Send at once, each before ``deadline`` (the open phase's); returns the silos that could
-        not be reached."""
-        assert deadline is not None  # every phase that sends models has a deadline
-        return self.transport.send_all(messages, deadline)
+    def send(self, messages: Sequence[ToSilo], deadline: float) -> Dict[int, PeerUnreachable]:
+        """Send at once, each before ``deadline``; returns the silos that could not be reached."""
+        return self.transport.send_all([fedml_message(m) for m in messages], deadline)
 
-    def notify(self, messages: List[Message]) -> None:
+    def notify(self, messages: Sequence[ToSilo], deadline: float) -> None:
         """Send notices without letting a silo that does not take them hold the server up."""
-        for silo, err in sorted(self.transport.send_all(messages, time.monotonic() + NOTICE_SECONDS).items()):
+        for silo, err in sorted(self.transport.send_all([fedml_message(m) for m in messages], deadline).items()):
             logger.info("a notice to silo rank %d was not delivered: %s", silo, err)
-
-    def acknowledge(self, silo: int) -> None:
-        """Answer a silo's announcement: "I hear you"."""
-        self.notify([to_silo(MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, silo)])
-
-    def tell_refused(self, silo: int, problem: str) -> None:
-        """Tell a refused silo why; it stops."""
-        reason = f"refused by the server: {problem}"
-        self.notify([to_silo(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=reason, refused=True)])
-
-    def tell_if_left_out(self, silo: int) -> None:
-        """A silo the server gave up on sent work (it answered late, or was frozen): tell it, once,
-        to announce itself again, rather than leave it to notice the server's silence."""
-        if self.roster.left_out_notice(silo):
-            logger.info("silo rank %d was given up on and still sends work; it is told to announce itself", silo)
-            self.notify([to_silo(MyMessage.MSG_TYPE_S2C_CHECK_CLIENT_STATUS, silo, left_out=True)])
 
     def count_refusal(self, silo: int, reason: str, text: str) -> None:
         """Count and log (rate-limited) a refused message of ``silo``'s."""
@@ -96,21 +86,21 @@ class ServerMail:
     def refusal_totals(self) -> Dict[str, int]:
         return dict(self.transport.refusals.totals)
 
-    def tell_run_over(self, reason: Optional[str], seconds: float) -> None:
-        """Tell the live silos that the run is over (``reason``: it failed) within ``seconds``,
-        then, within at most FINISH_SECONDS, those given up on (they may still be waiting, or be
-        gone for good), without waiting on any that do not answer."""
-        self.finish(self.roster.live, reason, seconds)
-        self.finish(self.roster.given_up(), reason, min(seconds, FINISH_SECONDS))
+    def end_run(self, end: EndRun, round_idx: int) -> None:
+        """Tell ``end.live`` that the run is over within ``end.seconds``, then ``end.given_up``
+        (they may still be waiting, or be gone for good) within ``end.given_up_seconds``, without
+        waiting on any that do not answer."""
+        self.finish(end.live, end, end.seconds, round_idx)
+        self.finish(end.given_up, end, end.given_up_seconds, round_idx)
 
-    def finish(self, silos: List[int], reason: Optional[str], seconds: float) -> None:
+    def finish(self, silos: Sequence[int], end: EndRun, seconds: float, round_idx: int) -> None:
         """Send ``silos`` FINISH within ``seconds``; best effort, for the run is ending either way."""
         if not silos:
             return
-        finish = [to_silo(MyMessage.MSG_TYPE_S2C_FINISH, silo, reason=reason) for silo in silos]
+        finish = [to_silo(MyMessage.MSG_TYPE_S2C_FINISH, s, round_idx=round_idx, reason=end.reason) for s in silos]
         try:
-            heard_from = set(self.roster.hellos)  # they listened: a closed port now means they ended
-            untold = self.transport.send_all(finish, time.monotonic() + seconds, gone_if_refused=heard_from)
+            # They listened: a closed port now means they ended.
+            untold = self.transport.send_all(finish, time.monotonic() + seconds, gone_if_refused=set(end.heard_from))
             for silo, err in sorted(untold.items()):
                 logger.warning(
                     "silo rank %d was not told that the run is over (%s); if it is still running it stops "

@@ -1,6 +1,7 @@
-"""Which silos take part in a cross-silo run, apart from the phases (server.py): announcements
-accepted or refused, silos given up on at a deadline and taken back when they announce themselves
-again. FedML's server has no such notion: it waits for every silo it ever knew, forever."""
+"""Which silos take part in a cross-silo run, apart from the phases (:mod:`.protocol`):
+announcements accepted or refused, silos given up on at a deadline and taken back when they
+announce themselves again. FedML's server has no such notion: it waits for every silo it ever
+knew, forever. Records and notices go to the event's :class:`~.events.Outbox`."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import enum
 import logging
 from typing import Any, Dict, List, Optional
 
-from ...algorithms.base import RoundDriver
 from ...core.errors import SiloFailure
-from .mail import ServerMail
-from .policy import SiloPolicy
+from . import wire
+from .events import NOTICE, Outbox, ToSilo
+from .policy import NOTICE_SECONDS, SiloPolicy
 from .roster import SiloRoster
 
 logger = logging.getLogger(__name__)
@@ -33,18 +34,18 @@ class Greeting(enum.Enum):
 
 
 class SiloMembership:
-    """``roster`` knows the silos; ``policy`` says how many must be left; ``driver`` records each
-    silo given up on or taken back; ``mail`` tells a refused silo why."""
+    """``roster`` knows the silos; ``policy`` says how many must be left; ``outbox`` takes the
+    record of each silo given up on or taken back, and the notice that tells a refused silo why."""
 
-    def __init__(self, roster: SiloRoster, policy: SiloPolicy, driver: RoundDriver, mail: ServerMail) -> None:
-        self.roster, self.policy, self.driver, self.mail = roster, policy, driver, mail
+    def __init__(self, roster: SiloRoster, policy: SiloPolicy, outbox: Outbox) -> None:
+        self.roster, self.policy, self.outbox = roster, policy, outbox
 
     def give_up_on(self, round_idx: int, silos: List[int], why: str, go_on: bool) -> None:
         """The run goes on without ``silos`` (``why``: what they failed to do), or, unless
         ``go_on``, stops (:class:`TooFewSilos`, with the silos still live so they are told)."""
         if not silos:
             return
-        self.driver.record_lost_silos(round_idx, sorted(silos), why)
+        self.outbox.record("record_lost_silos", round_idx, sorted(silos), why)
         if not go_on:
             raise TooFewSilos(
                 f"round {round_idx}: silo rank(s) {sorted(silos)} {why}; fewer than comm_args."
@@ -61,12 +62,13 @@ class SiloMembership:
         )
         self.roster.drop(silos)
 
-    def refuse(self, round_idx: int, silo: int, problem: str, training_started: bool) -> bool:
+    def refuse(self, now: float, round_idx: int, silo: int, problem: str, training_started: bool) -> bool:
         """Refuse ``silo``'s announcement: it is told why and stops. Before training, the run
         stops if too few silos are left; after, it goes on. True if the silo was taking part."""
         logger.error("%s; it is refused", problem)
-        self.mail.count_refusal(silo, DISAGREEMENT, problem)
-        self.mail.tell_refused(silo, problem)
+        self.outbox.refuse(silo, DISAGREEMENT, problem)
+        told = ToSilo(wire.FINISH, silo, round_idx, reason=f"refused by the server: {problem}"[:2000], refused=True)
+        self.outbox.send([told], now + NOTICE_SECONDS, NOTICE)
         if silo not in self.roster.live:
             return False
         left = [s for s in self.roster.live if s != silo]
@@ -89,6 +91,17 @@ class SiloMembership:
             logger.warning(
                 "round %d: silo rank %d is back (%s); it takes part from the next round", round_idx, silo, why
             )
-            self.driver.record_rejoined_silo(round_idx, silo, why)
+            self.outbox.record("record_rejoined_silo", round_idx, silo, why)
             return Greeting.BACK
         return Greeting.RESTARTED if restarted else Greeting.KNOWN
+
+    def tell_if_left_out(self, now: float, round_idx: int, silo: int) -> None:
+        """A silo the server gave up on sent work (it answered late, or was frozen): tell it, once,
+        to announce itself again, rather than leave it to notice the server's silence."""
+        if self.roster.left_out_notice(silo):
+            logger.info("silo rank %d was given up on and still sends work; it is told to announce itself", silo)
+            self.outbox.send([ToSilo(wire.CHECK_STATUS, silo, round_idx, left_out=True)], now + NOTICE_SECONDS, NOTICE)
+
+    def acknowledge(self, now: float, round_idx: int, silo: int) -> None:
+        """Answer a silo's announcement: "I hear you"."""
+        self.outbox.send([ToSilo(wire.CHECK_STATUS, silo, round_idx)], now + NOTICE_SECONDS, NOTICE)

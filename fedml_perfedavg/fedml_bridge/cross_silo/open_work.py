@@ -1,16 +1,16 @@
-"""What the cross-silo server is waiting for (server.py decides when): the open round's silos and
-their updates, the open evaluation's silos and their counts (data-owner mode), and the silos' own
-evaluations of the models they received (shared mode). What a silo sends is checked here against
-what the roster knows, never taken from the message."""
+"""What the cross-silo server's protocol is waiting for (:mod:`.protocol` decides when): the open
+round's silos and their updates, the open evaluation's silos and their counts (data-owner mode),
+and the silos' own evaluations of the models they received (shared mode). What a silo sends is
+checked here against what the roster knows, never taken from the message. Nothing here reads a
+clock or sends: refusals and records go to the event's :class:`~.events.Outbox`."""
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from ...algorithms.base import RoundDriver
+from .events import Outbox
 from .roster import Assignment, SiloRoster, silo_accuracies
 
 logger = logging.getLogger(__name__)
@@ -75,11 +75,11 @@ class OpenRound:
 class OpenEvaluation:
     """Data-owner mode: every live silo evaluates the model after ``round_idx`` on its own data."""
 
-    def __init__(self, round_idx: int, silos: List[int]) -> None:
+    def __init__(self, round_idx: int, silos: List[int], now: float = 0.0) -> None:
         self.round_idx = round_idx
         self.awaiting: Set[int] = set(silos)
         self.counts: Dict[int, Dict[str, Any]] = {}  # user -> counts
-        self.started = time.perf_counter()
+        self.started = now
 
     def take(self, silo: int, counts: Dict[str, Any], roster: SiloRoster, refuse: Refuse) -> None:
         """Note ``silo``'s counts, if they are of its own user's test split after this round."""
@@ -90,18 +90,18 @@ class OpenEvaluation:
         else:
             self.counts[silo - 1] = counts
 
-    def record(self, driver: RoundDriver, silos: List[int]) -> None:
-        """Hand the driver the counts; the users of ``silos`` without any are listed as missing."""
+    def record(self, outbox: Outbox, silos: List[int]) -> None:
+        """Record the counts; the users of ``silos`` without any are listed as missing."""
         missing = [s - 1 for s in silos if s - 1 not in self.counts]
-        driver.record_federated_evaluation(self.round_idx, dict(self.counts), missing, self.started)
+        outbox.record("record_federated_evaluation", self.round_idx, dict(self.counts), missing, self.started)
 
 
 class SiloFigures:
     """Shared mode: each silo's personalized evaluation of the model it received, sent with its
     update or goodbye, logged and recorded once per round."""
 
-    def __init__(self, roster: SiloRoster, driver: RoundDriver, refuse: Refuse) -> None:
-        self.roster, self.driver, self.refuse = roster, driver, refuse
+    def __init__(self, roster: SiloRoster, outbox: Outbox) -> None:
+        self.roster, self.outbox = roster, outbox
         self.reported: Dict[int, Dict[str, Any]] = {}  # silo -> its last counts
 
     def note(self, silo: int, counts: Optional[Dict[str, Any]], user: Optional[int], round_idx: int) -> None:
@@ -109,7 +109,7 @@ class SiloFigures:
             return
         problem = self.roster.figures_problem(silo, counts, user, round_idx)
         if problem is not None:
-            self.refuse(silo, BAD_FIGURES, f"{problem}; its figures are not recorded")
+            self.outbox.refuse(silo, BAD_FIGURES, f"{problem}; its figures are not recorded")
             return
         self.reported[silo] = counts
 
@@ -124,5 +124,5 @@ class SiloFigures:
             len(entries),
             ", ".join(f"rank {s} user {e['user']} {e['accuracy']:.4f}" for s, e in entries.items()),
         )
-        self.driver.record_silo_evaluation(label, mean, entries)
+        self.outbox.record("record_silo_evaluation", label, mean, entries)
         self.reported = {}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from typing import Optional
 
 from .policy import SiloPolicy
@@ -35,8 +34,9 @@ TRANSITIONS = {
 
 
 class PhaseClock:
-    """The open phase, when it opened and its deadline (``time.monotonic()``; None: none), and
-    the slowest of the rounds measured so far, from which ``policy`` adapts the round deadline."""
+    """The open phase, when it opened and its deadline (on the events' clock; None: none), and
+    the slowest of the rounds measured so far, from which ``policy`` adapts the round deadline.
+    It reads no clock: every call says what time it is."""
 
     def __init__(self, policy: SiloPolicy) -> None:
         self.policy = policy
@@ -47,25 +47,25 @@ class PhaseClock:
         self.rounds_measured = 0
         self._adaptive_logged = False
 
-    def enter(self, phase: Phase, seconds: Optional[float] = None) -> None:
-        """Open ``phase`` now, with a deadline ``seconds`` away (None: none)."""
+    def enter(self, phase: Phase, now: float, seconds: Optional[float] = None) -> None:
+        """Open ``phase`` at ``now``, with a deadline ``seconds`` away (None: none)."""
         if phase not in TRANSITIONS[self.phase]:
             raise RuntimeError(f"cross-silo server: no transition from {self.phase.name} to {phase.name}")
         self.phase = phase
-        self.opened = time.monotonic()
+        self.opened = now
         self.deadline = None if seconds is None else self.opened + seconds
 
     def disarm(self) -> None:
         """The open phase's deadline was acted on (or no longer applies): it passes no more."""
         self.deadline = None
 
-    def passed(self) -> bool:
-        """Whether the open phase has a deadline and it has passed."""
-        return self.deadline is not None and time.monotonic() >= self.deadline
+    def passed(self, now: float) -> bool:
+        """Whether the open phase has a deadline and it has passed at ``now``."""
+        return self.deadline is not None and now >= self.deadline
 
-    def measure_round(self) -> None:
+    def measure_round(self, now: float) -> None:
         """The open round was answered by every silo in time: it counts toward the adaptive deadline."""
-        self.slowest_round = max(time.monotonic() - self.opened, self.slowest_round or 0.0)
+        self.slowest_round = max(now - self.opened, self.slowest_round or 0.0)
         self.rounds_measured += 1
 
     def round_seconds(self) -> float:

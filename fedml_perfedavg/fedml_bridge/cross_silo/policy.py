@@ -49,3 +49,10 @@ class SiloPolicy:
         did not answer if at least ``min_clients`` did."""
         missing = [s for s in expected if s not in set(answered)]
         return len(expected) - len(missing) >= self.min_clients, missing
+
+
+NOTICE_SECONDS = 2.0  # a notice to a silo (a refusal, an acknowledgement) is not waited on longer
+# The end of a run is told within this: a silo that misses it waits out its idle limit (minutes). A
+# silo that was heard from and whose port now refuses connections has ended and is not waited for,
+# so Ctrl-C stays quick; one never heard from may still be starting up and is retried.
+FINISH_SECONDS = 5.0

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from .agreement import SiloSetup, data_problem, disagreement
-
-Assignment = Dict[int, Tuple[int, int]]  # silo -> (position in the round's sample, user)
+from .agreement import SiloSetup, disagreement
+from .modes import Assignment, data_mode
 
 
 class SiloRoster:
@@ -17,6 +16,7 @@ class SiloRoster:
 
     def __init__(self, setup: SiloSetup) -> None:
         self.setup = setup
+        self.mode = data_mode(setup.own_data)
         self.live: List[int] = list(setup.silos)  # not given up on, in rank order
         self.online: Set[int] = set()  # announced themselves before training started
         self.hellos: Dict[int, Dict[str, Any]] = {}  # silo -> what it announced
@@ -75,37 +75,19 @@ class SiloRoster:
         if announced is None:
             return f"silo rank {silo} announced no fingerprint: it does not run this version of the plugin"
         problem = disagreement(self.setup.fingerprint, announced["fingerprint"], silo)
-        if problem is not None or not self.setup.own_data:
+        if problem is not None:
             return problem
-        if announced["problem"] is not None:
-            return f"silo rank {silo} cannot train on its own data: {announced['problem']}"
-        if announced["user"] != silo - 1 or announced["train"] is None:
-            return (
-                f"silo rank {silo} announced user {announced['user']}'s data; in data-owner mode rank R holds "
-                f"user R-1's"
-            )
-        assert self.setup.model is not None  # a data-owner run's server holds its model
-        return data_problem(self.setup.model, announced, silo)
+        return self.mode.announcement_problem(self.setup, silo, announced)
 
     def assignment(self, users: Sequence[int]) -> Tuple[List[int], Assignment]:
         """(the round's silos, live silo -> (position, user)) for the round's sampled ``users``: in
         shared mode the k-th silo trains the k-th user; in data-owner mode each user's own silo."""
-        silos = self.setup.silos
-        if self.setup.own_data:
-            expected = [int(u) + 1 for u in users]
-            assigned = {int(u) + 1: (p, int(u)) for p, u in enumerate(users)}
-        else:
-            expected = list(self.live)
-            assigned = {s: (silos.index(s), int(users[silos.index(s)])) for s in self.live}
-        return expected, {s: pu for s, pu in assigned.items() if s in self.live}
+        return self.mode.assignment(self.setup.silos, self.live, users)
 
     def counts_of(self, silo: int, user: int) -> Tuple[int, int]:
         """(training, test) samples of ``user``, as the server knows them: its own data in shared
         mode, the silo's announcement in data-owner mode."""
-        if self.setup.own_data:
-            announced = self.hellos[silo]
-            return announced["train"], announced["test"]
-        return self.setup.user_counts[user]
+        return self.mode.counts_of(self.setup, self.hellos, silo, user)
 
     def figures_problem(self, silo: int, counts: Dict[str, Any], user: int, round_idx: int) -> Optional[str]:
         """Why a silo's reported counts cannot be its evaluation of ``user`` after ``round_idx``

@@ -1,0 +1,271 @@
+"""The cross-silo server's protocol with no process, port or clock: events in, actions out."""
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from fedml_perfedavg.core.errors import ConfigError, SiloFailure
+from fedml_perfedavg.fedml_bridge.cross_silo import wire
+from fedml_perfedavg.fedml_bridge.cross_silo.agreement import SiloSetup
+from fedml_perfedavg.fedml_bridge.cross_silo.events import (
+    EVALUATION,
+    FINAL,
+    NOTICE,
+    ROUND,
+    EndRun,
+    Evaluation,
+    Fail,
+    Finish,
+    Goodbye,
+    Hello,
+    Listening,
+    Record,
+    Refuse,
+    Send,
+    Stopped,
+    Tick,
+    Undelivered,
+    Update,
+)
+from fedml_perfedavg.fedml_bridge.cross_silo.phases import Phase
+from fedml_perfedavg.fedml_bridge.cross_silo.policy import SiloPolicy
+from fedml_perfedavg.fedml_bridge.cross_silo.protocol import SiloServerProtocol
+
+FINGERPRINT = {"train_args.learning_rate": 0.001}
+TRAIN, TEST = {1: 30, 2: 50, 3: 70}, {1: 10, 2: 20, 3: 30}
+
+
+class Plan:
+    """Every round samples ``users``; every round is evaluated."""
+
+    def __init__(self, users):
+        self.users = users
+
+    def sample_clients(self, round_idx):
+        return list(self.users)
+
+    def evaluates(self, round_idx):
+        return True
+
+
+class Model:
+    """A global model of one tensor; the average of the updates, as the aggregator would."""
+
+    def __init__(self):
+        self.state = {"w": torch.zeros(2)}
+        self.aggregated = []
+
+    def params(self):
+        return dict(self.state)
+
+    def aggregate(self, round_idx, updates):
+        self.aggregated.append((round_idx, sorted(updates)))
+        self.state = {"w": sum(m["w"] for _, m in updates.values()) / len(updates)} if updates else self.state
+        return self.state
+
+
+def hello(rank, own=True, **change):
+    announced = {
+        "fingerprint": dict(FINGERPRINT),
+        "user": rank - 1 if own else None,
+        "train": TRAIN[rank] if own else None,
+        "test": TEST[rank] if own else None,
+        "input_shape": [4] if own else None,
+        "input_dtype": "float32" if own else None,
+        "classes": [0, 1, 2] if own else None,
+        "problem": None,
+    }
+    announced.update(change)
+    return announced
+
+
+def counts(rank, round_idx, correct=5):
+    return {
+        "round": round_idx,
+        "user": rank - 1,
+        "correct": correct,
+        "correct_before": 3,
+        "total": TEST[rank],
+        "loss": 0.5,
+    }
+
+
+def protocol(silos=(1, 2), own=True, rounds=2, min_clients=1, users=None, timeout=30.0):
+    setup = SiloSetup(
+        own_data=own,
+        silos=list(silos),
+        fingerprint=dict(FINGERPRINT),
+        user_counts={r - 1: (TRAIN[r], TEST[r]) for r in silos},
+        model=nn.Sequential(nn.Linear(4, 3)),
+    )
+    policy = SiloPolicy(connect_timeout=60.0, round_timeout=timeout, min_clients=min_clients)
+    users = [r - 1 for r in silos] if users is None else users
+    model = Model()
+    return SiloServerProtocol(setup, policy, Plan(users), model, rounds, len(silos)), model
+
+
+def sends(actions, purpose=None):
+    return [m for a in actions if isinstance(a, Send) and (purpose is None or a.purpose == purpose) for m in a.messages]
+
+
+def records(actions, method):
+    return [a.args for a in actions if isinstance(a, Record) and a.method == method]
+
+
+def online(p, silos=(1, 2), own=True, now=1.0):
+    assert p.handle(Listening(0.0)) == []
+    actions = []
+    for rank in silos:
+        actions += p.handle(Hello(now, rank, hello(rank, own), f"s{rank}"))
+    return actions
+
+
+def update(rank, round_idx, value, now=2.0, declared=None):
+    return Update(now, rank, round_idx, TRAIN[rank] if declared is None else declared, {"w": torch.full((2,), value)})
+
+
+def test_a_data_owner_run_from_announcements_to_the_end_with_no_process():
+    p, model = protocol()
+    actions = online(p)
+    models = sends(actions, ROUND)
+    assert [(m.kind, m.silo, m.user, m.round) for m in models] == [
+        (wire.INIT_CONFIG, 1, 0, 0),
+        (wire.INIT_CONFIG, 2, 1, 0),
+    ]
+    assert p.phase is Phase.TRAINING
+    assert p.handle(update(1, 0, 1.0)) == []  # silo 2's update is still awaited
+    actions = p.handle(update(2, 0, 3.0))
+    (finished,) = records(actions, "round_finished")
+    assert finished[0] == 0 and torch.equal(finished[1]["w"], torch.full((2,), 2.0))
+    evaluate = sends(actions, EVALUATION)
+    assert [(m.kind, m.silo, m.user, m.round) for m in evaluate] == [(wire.EVALUATE, 1, 0, 0), (wire.EVALUATE, 2, 1, 0)]
+    assert p.handle(Evaluation(3.0, 1, counts(1, 0))) == []
+    actions = p.handle(Evaluation(3.0, 2, counts(2, 0)))
+    ((round_idx, by_user, missing, started),) = records(actions, "record_federated_evaluation")
+    assert (round_idx, sorted(by_user), missing, started) == (0, [0, 1], [], 2.0)
+    assert [(m.kind, m.round) for m in sends(actions, ROUND)] == [(wire.SYNC_MODEL, 1), (wire.SYNC_MODEL, 1)]
+    p.handle(update(1, 1, 0.0, now=4.0))
+    p.handle(update(2, 1, 0.0, now=4.0))
+    p.handle(Evaluation(5.0, 1, counts(1, 1)))
+    actions = p.handle(Evaluation(5.0, 2, counts(2, 1)))
+    end = [a for a in actions if isinstance(a, EndRun)]
+    assert len(end) == 1 and end[0].reason is None and end[0].live == (1, 2)
+    assert isinstance(actions[-1], Finish) and p.phase is Phase.DONE
+    assert model.aggregated == [(0, [0, 1]), (1, [0, 1])]
+    assert p.handle(Tick(1000.0)) == []  # nothing is left to time out
+
+
+def test_a_silo_that_misses_the_round_deadline_is_given_up_on_and_the_round_goes_on():
+    p, model = protocol(timeout=30.0)
+    online(p)
+    p.handle(update(1, 0, 1.0, now=5.0))
+    assert p.handle(Tick(30.9)) == []  # not yet: the round opened at 1.0
+    actions = p.handle(Tick(31.0))
+    ((round_idx, lost, why),) = records(actions, "record_lost_silos")
+    assert (round_idx, lost) == (0, [2]) and "sent no update within 30.0 s" in why
+    assert model.aggregated == [(0, [0])]
+    assert [m.silo for m in sends(actions, EVALUATION)] == [1]  # the silo given up on is not asked
+
+
+def test_too_few_silos_left_ends_the_run_telling_every_silo_why():
+    p, _ = protocol(min_clients=2)
+    online(p)
+    p.handle(update(1, 0, 1.0))
+    actions = p.handle(Tick(100.0))
+    assert isinstance(actions[-1], Fail) and isinstance(actions[-1].error, SiloFailure)
+    assert "min_clients_per_round=2" in str(actions[-1].error)
+    (end,) = [a for a in actions if isinstance(a, EndRun)]
+    assert end.live == (1, 2) and "the server stopped the run" in end.reason and end.stop_listening
+    assert p.phase is Phase.DONE
+    assert p.handle(Stopped(101.0, "interrupted")) == []  # told once
+
+
+def test_a_silo_the_models_cannot_reach_is_given_up_on_at_once():
+    p, _ = protocol()
+    online(p)
+    actions = p.handle(Undelivered(1.5, ROUND, {2: "rank 2 at 127.0.0.1:1 did not take a message"}))
+    assert records(actions, "record_lost_silos")[0][1] == [2]
+    assert records(actions, "round_finished") == []  # silo 1 still owes its update
+    assert records(p.handle(update(1, 0, 1.0)), "round_finished")[0][0] == 0
+
+
+def test_a_false_sample_count_is_refused_and_its_update_rejected():
+    p, model = protocol()
+    online(p)
+    actions = p.handle(update(1, 0, 1.0, declared=2**31 - 1))
+    (refused,) = [a for a in actions if isinstance(a, Refuse)]
+    assert refused.silo == 1 and refused.kind == "sample-count" and "30 training samples" in refused.text
+    assert records(actions, "record_rejected_update") == [(0,)]
+    p.handle(update(2, 0, 3.0))
+    assert model.aggregated == [(0, [1])]  # only silo 2's update is averaged
+
+
+def test_an_announcement_that_disagrees_is_refused_naming_the_key_and_both_values():
+    p, _ = protocol(silos=(1, 2, 3))
+    p.handle(Listening(0.0))
+    actions = p.handle(Hello(1.0, 3, hello(3, fingerprint={"train_args.learning_rate": 0.5}), "s3"))
+    (told,) = sends(actions, NOTICE)
+    assert told.kind == wire.FINISH and told.refused and "train_args.learning_rate" in told.reason
+    assert "0.001" in told.reason and "0.5" in told.reason
+    p.handle(Hello(1.0, 1, hello(1), "s1"))
+    actions = p.handle(Hello(1.0, 2, hello(2), "s2"))
+    assert p.phase is Phase.TRAINING and [m.silo for m in sends(actions, ROUND)] == [1, 2]
+
+
+def test_a_silo_given_up_on_that_announces_itself_again_takes_part_from_the_next_round():
+    p, _ = protocol(rounds=3)
+    online(p)
+    p.handle(update(1, 0, 1.0))
+    p.handle(Tick(100.0))  # silo 2 given up on
+    actions = p.handle(Hello(101.0, 2, hello(2), "s2-new"))
+    assert records(actions, "record_rejoined_silo")[0][1] == 2
+    assert [m.kind for m in sends(actions, NOTICE)] == [wire.CHECK_STATUS]
+    actions = p.handle(Evaluation(102.0, 1, counts(1, 0)))  # silo 2 was not asked: it was out
+    assert [m.silo for m in sends(actions, ROUND)] == [1, 2]
+
+
+def test_shared_mode_ends_with_the_final_model_and_the_silos_goodbyes():
+    p, _ = protocol(own=False, rounds=1)
+    online(p, own=False)
+    p.handle(update(1, 0, 1.0))
+    actions = p.handle(update(2, 0, 1.0))
+    assert records(actions, "record_federated_evaluation") == []  # the silos evaluate with their updates
+    final = sends(actions, FINAL)
+    assert [(m.kind, m.round) for m in final] == [(wire.SYNC_MODEL, 1), (wire.SYNC_MODEL, 1)]
+    assert p.phase is Phase.FINISHING
+    assert p.handle(Goodbye(3.0, 1, None)) == []
+    actions = p.handle(Goodbye(3.0, 2, None))
+    assert isinstance(actions[-1], Finish) and p.phase is Phase.DONE
+
+
+def test_shared_mode_needs_a_silo_for_each_sampled_user():
+    with pytest.raises(ConfigError, match="client_num_per_round=.*must equal the number of silos"):
+        setup = SiloSetup(own_data=False, silos=[1, 2], fingerprint={})
+        SiloServerProtocol(setup, SiloPolicy(1.0, 1.0, 1), Plan([0]), Model(), 1, 3)
+
+
+def test_an_error_while_aggregating_ends_the_run_and_tells_the_silos():
+    p, model = protocol()
+    online(p)
+
+    def broken(round_idx, updates):
+        raise RuntimeError("2 rounds had no acceptable client update")
+
+    model.aggregate = broken
+    p.handle(update(1, 0, 1.0))
+    actions = p.handle(update(2, 0, 1.0))
+    (end,) = [a for a in actions if isinstance(a, EndRun)]
+    assert "no acceptable client update" in end.reason and isinstance(actions[-1], Fail)
+
+
+def test_the_protocol_imports_no_fedml_grpc_or_socket_and_reads_no_clock():
+    import fedml_perfedavg.fedml_bridge.cross_silo.protocol as module
+
+    source = (
+        open(module.__file__).read()
+        + open(sys.modules["fedml_perfedavg.fedml_bridge.cross_silo.rounds"].__file__).read()
+    )
+    for word in ("import time", "import socket", "import grpc", "import fedml", "threading"):
+        assert word not in source
