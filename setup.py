@@ -47,7 +47,7 @@ setup(
     ],
     extras_require={
         "mpi": ["mpi4py", "mpich"],
-        "silo": ["grpcio", "cryptography>=40", "safetensors"],
+        "silo": ["grpcio", "cryptography>=40", "safetensors", "pycryptodome>=3.15"],
         "bench": ["matplotlib"],
         "test": ["pytest", "hypothesis"],
     },

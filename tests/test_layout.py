@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fedml_perfedavg"
-FEDML_FREE = ("core", "data", "algorithms", "engine", "models", "logs", "stopping")
+FEDML_FREE = ("core", "secagg", "data", "algorithms", "engine", "models", "logs", "stopping")
 LAYERS = {
     "core": 0,
+    "secagg": 0,
     "models": 0,
     "logs": 0,
     "stopping": 0,

@@ -1,0 +1,327 @@
+"""One round of secure aggregation (Bonawitz et al., CCS 2017, on the complete graph of the round's
+silos, as SecAgg+ is on a sparse one) as two pure objects, one per party: no sockets, no clock.
+The server learns the sum of the masked inputs of the silos that got through, nothing else.
+
+    ADVERTISE  each sampled silo: two fresh X25519 key pairs (one to encrypt shares, one for
+               masks) and a commitment to a fresh self-mask seed, signed with its certificate key
+    SHARE      with the advertisements (U1): Shamir shares, threshold t, of its seed and of its
+               mask key, one per silo of U1, each AES-GCM-encrypted for its receiver; the server
+               relays them and cannot read them
+    MASKED     with the shares addressed to it (their senders are U2): its encoded update plus the
+               seed's mask plus, for every other silo j of U2, +mask(s_ij) if i < j else -mask(s_ij),
+               s_ij agreed from the two mask keys; pairs cancel in the sum
+    UNMASK     with the silos whose masked input arrived (U3, at least t of them): for each j of U2,
+               the share of j's seed if j is in U3, else the share of j's mask key; never both, and
+               only once per round
+    sum        from any t answers the server rebuilds the seeds of U3 (checked against their
+               commitments) and the mask keys of U2 - U3 (checked against their public keys),
+               and takes their masks out
+
+A silo lost after SHARE costs the server only its input; fewer than t silos left at any stage
+ends the round without a model (:class:`RoundFailed`), never with a wrong one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .primitives import (
+    KEY_BYTES,
+    MASK_LABEL,
+    SECRET_BYTES,
+    SHARE_LABEL,
+    KeyPair,
+    SecAggError,
+    Share,
+    advert_payload,
+    agree,
+    combine_secret,
+    decrypt,
+    encrypt,
+    index_of,
+    mask,
+    pack_shares,
+    pair_context,
+    public_of,
+    split_secret,
+    unpack_shares,
+)
+
+SEED, KEY = "seed", "key"  # which secret an unmasking share is of
+MAX_CIPHERTEXT_BYTES = 512
+MAX_COMBINATIONS = 256  # subsets of shares tried when some shares are false
+
+
+class RoundFailed(SecAggError):
+    """Too few silos are left to finish the round (or their shares do not rebuild): no model."""
+
+
+def default_threshold(sampled: int) -> int:
+    """A majority of the round's sampled silos (the server cannot obtain both secrets of any silo)."""
+    return sampled // 2 + 1
+
+
+@dataclass(frozen=True)
+class Advert:
+    """A silo's round keys: its public keys, its seed's commitment, its signature over them and
+    the certificate that signature is checked with."""
+
+    rank: int
+    cipher_public: bytes
+    mask_public: bytes
+    seed_commitment: bytes
+    signature: bytes
+    certificate: bytes
+
+    def payload(self, run_id: str, round_idx: int) -> bytes:
+        keys = self.mask_public + self.seed_commitment
+        return advert_payload(run_id, round_idx, self.rank, self.cipher_public, keys)
+
+
+def commitment(seed: bytes) -> bytes:
+    return hashlib.sha256(b"pfa-secagg-seed" + seed).digest()
+
+
+def signed_mask(mine: int, other: int, pair_mask: np.ndarray) -> np.ndarray:
+    """The pairwise mask as silo ``mine`` adds it: + when it has the lower rank, - otherwise."""
+    return pair_mask if mine < other else (np.uint32(0) - pair_mask)
+
+
+# A certificate check for a peer's advertisement: why it cannot be the rank's (None: it is).
+CheckPeer = Callable[[Advert], Optional[str]]
+
+
+@dataclass
+class SiloRound:
+    """Silo ``rank``'s part of round ``round_idx`` of run ``run_id`` with threshold ``threshold``;
+    ``sign`` signs with the silo's certificate key, ``certificate`` is that certificate (PEM)."""
+
+    run_id: str
+    round_idx: int
+    rank: int
+    threshold: int
+    sign: Callable[[bytes], bytes]
+    certificate: bytes
+    cipher: KeyPair = field(default_factory=KeyPair.generate)
+    masks: KeyPair = field(default_factory=KeyPair.generate)
+    seed: bytes = field(default_factory=lambda: os.urandom(SECRET_BYTES))
+    adverts: Dict[int, Advert] = field(default_factory=dict)
+    received: Dict[int, Tuple[Share, Share]] = field(default_factory=dict)  # sender -> (seed share, key share)
+    unmasked: bool = False
+
+    def advertise(self) -> Advert:
+        unsigned = Advert(self.rank, self.cipher.public, self.masks.public, commitment(self.seed), b"", b"")
+        signature = self.sign(unsigned.payload(self.run_id, self.round_idx))
+        return Advert(
+            self.rank, self.cipher.public, self.masks.public, unsigned.seed_commitment, signature, self.certificate
+        )
+
+    def share(self, adverts: Dict[int, Advert], check_peer: CheckPeer) -> Dict[int, bytes]:
+        """The encrypted shares for every other silo of U1 (``adverts``: rank -> its advertisement)."""
+        from .primitives import verify
+
+        if self.advertise_as_sent(adverts) is None:
+            raise SecAggError(f"round {self.round_idx}: the server relayed no (or another) advertisement for this silo")
+        if len(adverts) < self.threshold:
+            raise RoundFailed(
+                f"round {self.round_idx}: {len(adverts)} silos advertised keys, fewer than {self.threshold}"
+            )
+        for rank, advert in adverts.items():
+            if rank == self.rank:
+                continue
+            if advert.rank != rank or len(advert.cipher_public) != KEY_BYTES or len(advert.mask_public) != KEY_BYTES:
+                raise SecAggError(f"round {self.round_idx}: the advertisement of rank {rank} is malformed")
+            problem = check_peer(advert)
+            if problem is not None:
+                raise SecAggError(f"round {self.round_idx}: rank {rank}'s keys: {problem}")
+            if not verify(advert.certificate, advert.payload(self.run_id, self.round_idx), advert.signature):
+                raise SecAggError(f"round {self.round_idx}: rank {rank}'s keys are not signed by its certificate's key")
+        self.adverts = dict(adverts)
+        index = index_of(sorted(adverts))
+        seed_shares = split_secret(self.seed, self.threshold, len(adverts))
+        key_shares = split_secret(self.masks.private, self.threshold, len(adverts))
+        out: Dict[int, bytes] = {}
+        for rank, position in index.items():
+            mine = (seed_shares[position - 1], key_shares[position - 1])
+            if rank == self.rank:
+                self.received[rank] = mine
+                continue
+            key = agree(self.cipher.private, adverts[rank].cipher_public, SHARE_LABEL)
+            context = pair_context(self.run_id, self.round_idx, self.rank, rank)
+            out[rank] = encrypt(key, pack_shares(self.rank, rank, *mine), context)
+        return out
+
+    def advertise_as_sent(self, adverts: Dict[int, Advert]) -> Optional[Advert]:
+        """This silo's advertisement as the server should relay it (its signature is randomised,
+        so the one relayed is compared on what it signs)."""
+        relayed = adverts.get(self.rank)
+        if relayed is None:
+            return None
+        same = (
+            relayed.cipher_public == self.cipher.public
+            and relayed.mask_public == self.masks.public
+            and relayed.seed_commitment == commitment(self.seed)
+        )
+        return relayed if same else None
+
+    def masked_input(self, encoded: np.ndarray, ciphertexts: Dict[int, bytes]) -> np.ndarray:
+        """``encoded`` (uint32, :mod:`.fixed_point`) masked, given the shares addressed to this silo
+        (sender -> ciphertext: their senders and this silo are U2)."""
+        if not self.adverts:
+            raise SecAggError(f"round {self.round_idx}: asked for a masked input before the shares")
+        senders = set(ciphertexts) | {self.rank}
+        unknown = senders - set(self.adverts)
+        if unknown:
+            raise SecAggError(f"round {self.round_idx}: shares from rank(s) {sorted(unknown)}, who advertised no keys")
+        if len(senders) < self.threshold:
+            raise RoundFailed(f"round {self.round_idx}: {len(senders)} silos shared, fewer than {self.threshold}")
+        for sender, ciphertext in ciphertexts.items():
+            key = agree(self.cipher.private, self.adverts[sender].cipher_public, SHARE_LABEL)
+            plain = decrypt(key, ciphertext, pair_context(self.run_id, self.round_idx, sender, self.rank))
+            self.received[sender] = unpack_shares(plain, sender, self.rank)
+        for sender in set(self.received) - senders:  # advertised, shared with nobody the server knows
+            del self.received[sender]
+        total = np.asarray(encoded, dtype=np.uint32) + mask(self.seed, len(encoded))
+        for other in sorted(senders - {self.rank}):
+            seed = agree(self.masks.private, self.adverts[other].mask_public, MASK_LABEL)
+            total = total + signed_mask(self.rank, other, mask(seed, len(encoded)))
+        return total
+
+    def unmask(self, survivors: Sequence[int]) -> Dict[int, Tuple[str, Share]]:
+        """For each silo of U2 (rank -> (which secret, this silo's share of it)): the seed's share
+        for the ``survivors`` (U3), the mask key's for the others. Once per round."""
+        if self.unmasked:
+            raise SecAggError(f"round {self.round_idx}: asked to unmask twice")
+        survivors_set = set(survivors)
+        if not survivors_set <= set(self.received) or self.rank not in survivors_set:
+            raise SecAggError(
+                f"round {self.round_idx}: the survivors {sorted(survivors_set)} are not silos that shared"
+            )
+        if len(survivors_set) < self.threshold:
+            raise RoundFailed(f"round {self.round_idx}: {len(survivors_set)} survivors, fewer than {self.threshold}")
+        self.unmasked = True
+        return {
+            rank: (SEED, seed_share) if rank in survivors_set else (KEY, key_share)
+            for rank, (seed_share, key_share) in self.received.items()
+        }
+
+
+@dataclass
+class ServerRound:
+    """The server's part of one round: ``sampled`` silos, threshold ``threshold``, inputs of
+    ``length`` words. It relays, collects and unmasks; it never holds a silo's secret before
+    the unmasking stage, and never both of one silo's."""
+
+    round_idx: int
+    sampled: List[int]
+    threshold: int
+    length: int
+    adverts: Dict[int, Advert] = field(default_factory=dict)
+    shares: Dict[int, Dict[int, bytes]] = field(default_factory=dict)  # sender -> receiver -> ciphertext
+    masked: Dict[int, np.ndarray] = field(default_factory=dict)
+    unmasking: Dict[int, Dict[int, Tuple[str, Share]]] = field(default_factory=dict)
+    survivors: List[int] = field(default_factory=list)
+
+    def u1(self) -> List[int]:
+        return sorted(self.adverts)
+
+    def u2(self) -> List[int]:
+        return sorted(self.shares)
+
+    def take_advert(self, rank: int, advert: Advert) -> None:
+        if rank not in self.sampled or rank in self.adverts or advert.rank != rank:
+            raise SecAggError(f"round {self.round_idx}: an advertisement from rank {rank} is not awaited")
+        self.adverts[rank] = advert
+
+    def take_shares(self, rank: int, ciphertexts: Dict[int, bytes]) -> None:
+        expected = set(self.adverts) - {rank}
+        if rank not in self.adverts or rank in self.shares or set(ciphertexts) != expected:
+            raise SecAggError(
+                f"round {self.round_idx}: rank {rank} sent shares for {sorted(ciphertexts)}; the round awaits "
+                f"shares for {sorted(expected)} from the silos that advertised keys"
+            )
+        if any(len(c) > MAX_CIPHERTEXT_BYTES for c in ciphertexts.values()):
+            raise SecAggError(f"round {self.round_idx}: rank {rank} sent a share longer than the protocol's")
+        self.shares[rank] = dict(ciphertexts)
+
+    def shares_for(self, receiver: int) -> Dict[int, bytes]:
+        """The ciphertexts addressed to ``receiver`` by the silos of U2."""
+        return {sender: out[receiver] for sender, out in self.shares.items() if sender != receiver}
+
+    def take_masked(self, rank: int, values: np.ndarray) -> None:
+        if rank not in self.shares or rank in self.masked:
+            raise SecAggError(f"round {self.round_idx}: a masked input from rank {rank} is not awaited")
+        if values.dtype != np.uint32 or values.shape != (self.length,):
+            raise SecAggError(
+                f"round {self.round_idx}: rank {rank}'s masked input is {values.dtype} of shape {values.shape}; "
+                f"the round takes uint32 of shape ({self.length},)"
+            )
+        self.masked[rank] = values
+
+    def close_masked(self) -> List[int]:
+        """U3: the silos whose masked input arrived; :class:`RoundFailed` if fewer than the threshold."""
+        if len(self.masked) < self.threshold:
+            raise RoundFailed(
+                f"round {self.round_idx}: masked inputs from {sorted(self.masked)}, fewer than "
+                f"secagg_args.reconstruction_threshold={self.threshold}; silos {self.dropped()} dropped out"
+            )
+        self.survivors = sorted(self.masked)
+        return self.survivors
+
+    def dropped(self) -> List[int]:
+        return [s for s in self.sampled if s not in self.masked]
+
+    def take_unmasking(self, rank: int, shares: Dict[int, Tuple[str, Share]]) -> None:
+        if rank not in self.survivors or rank in self.unmasking:
+            raise SecAggError(f"round {self.round_idx}: unmasking shares from rank {rank} are not awaited")
+        for owner, (kind, share) in shares.items():
+            want = SEED if owner in self.masked else KEY
+            if owner not in self.shares or kind != want or len(share[1]) != SECRET_BYTES:
+                raise SecAggError(f"round {self.round_idx}: rank {rank} sent a {kind} share of rank {owner}'s")
+        self.unmasking[rank] = shares
+
+    def ready(self) -> bool:
+        return len(self.unmasking) >= self.threshold
+
+    def total(self) -> np.ndarray:
+        """The modular sum of U3's encoded inputs, every mask taken out; :class:`RoundFailed` if
+        too few answered or their shares do not rebuild the committed secrets."""
+        if not self.ready():
+            raise RoundFailed(
+                f"round {self.round_idx}: unmasking shares from {sorted(self.unmasking)}, fewer than "
+                f"secagg_args.reconstruction_threshold={self.threshold}"
+            )
+        total = np.zeros(self.length, dtype=np.uint32)
+        for values in self.masked.values():
+            total = total + values
+        for owner in self.u2():
+            shares = [s[owner][1] for s in self.unmasking.values() if owner in s]
+            advert = self.adverts[owner]
+            if owner in self.masked:
+                seed = self._rebuild(owner, shares, commitment, advert.seed_commitment)
+                total = total - mask(seed, self.length)
+            else:
+                key = self._rebuild(owner, shares, public_of, advert.mask_public)
+                for survivor in self.survivors:
+                    pair = mask(agree(key, self.adverts[survivor].mask_public, MASK_LABEL), self.length)
+                    total = total - signed_mask(survivor, owner, pair)
+        return total
+
+    def _rebuild(self, owner: int, shares: List[Share], public: Callable[[bytes], bytes], known: bytes) -> bytes:
+        """``owner``'s secret from ``shares``, checked against what it published of it (``public``
+        of the secret must be ``known``): all the shares, else subsets of the threshold's size."""
+        candidates = itertools.chain([shares], itertools.combinations(shares, self.threshold))
+        for subset in itertools.islice(candidates, MAX_COMBINATIONS):
+            if len(subset) >= self.threshold:
+                secret = combine_secret(list(subset))
+                if public(secret) == known:
+                    return secret
+        raise RoundFailed(
+            f"round {self.round_idx}: the shares of rank {owner}'s secret do not rebuild it (a silo sent false shares)"
+        )

@@ -1,0 +1,216 @@
+"""Secure aggregation's rounds, each party a pure object: exact sums, dropouts, and what the
+server cannot read (no process, no port)."""
+
+import os
+
+import numpy as np
+import pytest
+
+from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
+from fedml_perfedavg.secagg import fixed_point
+from fedml_perfedavg.secagg.primitives import SecAggError, combine_secret, sign, split_secret
+from fedml_perfedavg.secagg.rounds import KEY, SEED, Advert, RoundFailed, ServerRound, SiloRound, commitment
+
+RUN = "run-1"
+LENGTH = 4000
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tls")
+    make_certificates(str(folder), 6)
+
+    def read(name):
+        with open(os.path.join(folder, name), "rb") as stream:
+            return stream.read()
+
+    return {rank: (read(f"rank-{rank}.pem"), read(f"rank-{rank}.key")) for rank in range(7)}
+
+
+def silos(certificates, ranks, threshold, round_idx=3):
+    return {
+        r: SiloRound(RUN, round_idx, r, threshold, lambda data, k=certificates[r][1]: sign(k, data), certificates[r][0])
+        for r in ranks
+    }
+
+
+def trusting(advert):
+    return None  # the certificate check of the cross-silo layer (CA, rank name) is tested there
+
+
+def updates(ranks, bound=0.5, seed=0):
+    generator = np.random.default_rng(seed)
+    return {r: fixed_point.clip(generator.normal(0, 0.05, LENGTH), bound) for r in ranks}
+
+
+def run_round(parties, threshold, inputs, bits, drop_before_masked=(), drop_before_unmask=(), server=None):
+    """Every stage as the cross-silo protocol runs it; returns (server, the decoded average)."""
+    ranks = sorted(parties)
+    server = server or ServerRound(3, ranks, threshold, LENGTH)
+    for r in ranks:
+        server.take_advert(r, parties[r].advertise())
+    adverts = {r: server.adverts[r] for r in server.u1()}
+    for r in ranks:
+        server.take_shares(r, parties[r].share(adverts, trusting))
+    weight = 1.0 / len(ranks)
+    for r in server.u2():
+        if r not in drop_before_masked:
+            encoded = fixed_point.encode(inputs[r], weight, bits)
+            server.take_masked(r, parties[r].masked_input(encoded, server.shares_for(r)))
+    survivors = server.close_masked()
+    for r in survivors:
+        if r not in drop_before_unmask:
+            server.take_unmasking(r, parties[r].unmask(survivors))
+    total = server.total()
+    return server, fixed_point.decode(total, bits, weight * len(survivors))
+
+
+def test_the_unmasked_sum_is_the_plaintext_average_within_the_stated_error(certificates):
+    ranks = [1, 2, 3, 4, 5]
+    inputs = updates(ranks)
+    bits = fixed_point.fraction_bits(0.5)
+    server, average = run_round(silos(certificates, ranks, 3), 3, inputs, bits)
+    plain = np.mean([inputs[r] for r in ranks], axis=0)
+    assert np.max(np.abs(average - plain)) <= fixed_point.worst_error(bits, 5) < 1e-7
+    assert server.dropped() == []
+
+
+def test_exact_modular_sum_of_the_encoded_inputs(certificates):
+    ranks = [1, 2, 3]
+    inputs = updates(ranks, seed=1)
+    parties = silos(certificates, ranks, 2)
+    server = ServerRound(3, ranks, 2, LENGTH)
+    run_round(parties, 2, inputs, 24, server=server)
+    expected = sum(fixed_point.encode(inputs[r], 1 / 3, 24).astype(np.uint64) for r in ranks) % 2**32
+    assert np.array_equal(server.total().astype(np.uint64), expected)
+
+
+@pytest.mark.parametrize("stage", ["before-masked", "before-unmask"])
+def test_a_silo_lost_after_sharing_is_recovered_and_only_the_survivors_are_summed(certificates, stage):
+    ranks = [1, 2, 3, 4, 5]
+    inputs = updates(ranks, seed=2)
+    parties = silos(certificates, ranks, 3)
+    lost = {"before-masked": {"drop_before_masked": (4,)}, "before-unmask": {"drop_before_unmask": (4, 5)}}[stage]
+    server, average = run_round(parties, 3, inputs, 24, **lost)
+    summed = [r for r in ranks if r not in lost.get("drop_before_masked", ())]
+    plain = np.mean([inputs[r] for r in summed], axis=0)
+    assert np.max(np.abs(average - plain)) <= fixed_point.worst_error(24, 5, len(summed) / 5)
+    assert server.survivors == summed
+
+
+def test_fewer_than_the_threshold_ends_the_round_without_a_model(certificates):
+    ranks = [1, 2, 3, 4, 5]
+    parties = silos(certificates, ranks, 3)
+    with pytest.raises(RoundFailed, match="fewer than secagg_args.reconstruction_threshold=3"):
+        run_round(parties, 3, updates(ranks), 24, drop_before_masked=(3, 4, 5))
+    parties = silos(certificates, ranks, 3)
+    with pytest.raises(RoundFailed, match="unmasking shares from \\[1, 2\\]"):
+        run_round(parties, 3, updates(ranks), 24, drop_before_unmask=(3, 4, 5))
+
+
+def test_a_masked_input_as_the_server_receives_it_is_uncorrelated_with_the_update(certificates):
+    ranks = [1, 2, 3]
+    parties = silos(certificates, ranks, 2)
+    server = ServerRound(3, ranks, 2, LENGTH)
+    for r in ranks:
+        server.take_advert(r, parties[r].advertise())
+    adverts = dict(server.adverts)
+    for r in ranks:
+        server.take_shares(r, parties[r].share(adverts, trusting))
+    update = np.linspace(-0.5, 0.5, LENGTH)  # as structured as an update can be
+    encoded = fixed_point.encode(update, 1 / 3, 24)
+    received = parties[1].masked_input(encoded, server.shares_for(1))
+    as_signed = received.astype(np.int64) - 2**31
+    assert abs(np.corrcoef(as_signed, update)[0, 1]) < 0.05
+    assert abs(np.corrcoef(as_signed, encoded.astype(np.int64))[0, 1]) < 0.05
+    # Its words are spread over the whole range, as uniform ones are (each quarter within 10%).
+    quarters = np.bincount((received >> np.uint32(30)).astype(np.int64), minlength=4) / LENGTH
+    assert np.all(np.abs(quarters - 0.25) < 0.025)
+
+
+def test_fewer_than_the_threshold_of_shares_reveal_nothing_the_server_can_use(certificates):
+    secret = os.urandom(32)
+    shares = split_secret(secret, 3, 5)
+    assert combine_secret(shares[:3]) == secret and combine_secret(shares[2:]) == secret
+    assert combine_secret(shares[:2]) != secret
+    # Any secret is as consistent with two shares as the true one: a third share can be chosen
+    # that makes them rebuild it (shares are points of a random polynomial).
+    other = os.urandom(32)
+    forged = split_secret(other, 2, 2)
+    assert combine_secret(forged) == other
+    # A server with the unmasking answers of fewer than t silos has no sum and no seed.
+    ranks = [1, 2, 3, 4, 5]
+    parties = silos(certificates, ranks, 3)
+    with pytest.raises(RoundFailed):
+        run_round(parties, 3, updates(ranks), 24, drop_before_unmask=(3, 4, 5))
+    seed_shares = [parties[r].received[1][0] for r in (1, 2)]
+    assert commitment(combine_secret(seed_shares)) != commitment(parties[1].seed)
+
+
+def test_a_silo_reveals_one_secret_of_each_silo_once(certificates):
+    ranks = [1, 2, 3]
+    parties = silos(certificates, ranks, 2)
+    server = ServerRound(3, ranks, 2, LENGTH)
+    for r in ranks:
+        server.take_advert(r, parties[r].advertise())
+    for r in ranks:
+        server.take_shares(r, parties[r].share(dict(server.adverts), trusting))
+    for r in ranks:
+        parties[r].masked_input(np.zeros(LENGTH, np.uint32), server.shares_for(r))
+    answer = parties[1].unmask([1, 2])
+    assert {owner: kind for owner, (kind, _) in answer.items()} == {1: SEED, 2: SEED, 3: KEY}
+    with pytest.raises(SecAggError, match="unmask twice"):
+        parties[1].unmask([1, 2, 3])  # the server asking again, claiming 3 survived, gets nothing
+
+
+def test_keys_the_server_swapped_are_refused(certificates):
+    ranks = [1, 2, 3]
+    parties = silos(certificates, ranks, 2)
+    adverts = {r: parties[r].advertise() for r in ranks}
+    impostor = SiloRound(RUN, 3, 2, 2, lambda data: sign(certificates[0][1], data), certificates[2][0])
+    fake = impostor.advertise()  # the server's own keys, in rank 2's name, over rank 2's certificate
+    with pytest.raises(SecAggError, match="rank 2's keys are not signed by its certificate's key"):
+        parties[1].share({**adverts, 2: fake}, trusting)
+    other_round = silos(certificates, [2], 2, round_idx=4)[2].advertise()
+    with pytest.raises(SecAggError, match="not signed"):
+        parties[3].share(
+            {**adverts, 2: Advert(2, *[getattr(other_round, f) for f in Advert.__dataclass_fields__][1:])}, trusting
+        )
+
+
+def test_a_changed_share_is_refused_and_a_false_share_does_not_rebuild_a_wrong_secret(certificates):
+    ranks = [1, 2, 3, 4]
+    parties = silos(certificates, ranks, 2)
+    server = ServerRound(3, ranks, 2, LENGTH)
+    for r in ranks:
+        server.take_advert(r, parties[r].advertise())
+    for r in ranks:
+        server.take_shares(r, parties[r].share(dict(server.adverts), trusting))
+    tampered = dict(server.shares_for(1))
+    tampered[2] = tampered[2][:-1] + bytes([tampered[2][-1] ^ 1])
+    with pytest.raises(SecAggError, match="does not decrypt"):
+        parties[1].masked_input(np.zeros(LENGTH, np.uint32), tampered)
+    inputs = updates(ranks, seed=3)
+    for r in ranks:
+        server.take_masked(r, parties[r].masked_input(fixed_point.encode(inputs[r], 0.25, 24), server.shares_for(r)))
+    survivors = server.close_masked()
+    for r in survivors:
+        answer = parties[r].unmask(survivors)
+        if r == 4:  # a liar: a false share of silo 1's seed
+            kind, (index, share) = answer[1]
+            answer[1] = (kind, (index, bytes(32)))
+        server.take_unmasking(r, answer)
+    average = fixed_point.decode(server.total(), 24, 1.0)
+    assert np.max(np.abs(average - np.mean([inputs[r] for r in ranks], axis=0))) < 1e-6
+
+
+def test_fixed_point_holds_the_extremes_of_the_bound_without_wrapping():
+    bound = 7.08
+    bits = fixed_point.fraction_bits(bound)
+    assert fixed_point.MIN_FRACTION_BITS <= bits <= fixed_point.MAX_FRACTION_BITS
+    for sign_ in (1.0, -1.0):
+        inputs = [np.full(10, sign_ * bound) for _ in range(10)]
+        total = sum(fixed_point.encode(x, 0.1, bits).astype(np.uint64) for x in inputs) % 2**32
+        decoded = fixed_point.decode(total.astype(np.uint32), bits, 1.0)
+        assert np.allclose(decoded, sign_ * bound, atol=fixed_point.worst_error(bits, 10))
+    assert fixed_point.fraction_bits(float("inf")) == -1
