@@ -269,3 +269,17 @@ def test_the_protocol_imports_no_fedml_grpc_or_socket_and_reads_no_clock():
     )
     for word in ("import time", "import socket", "import grpc", "import fedml", "threading"):
         assert word not in source
+
+
+def test_a_flood_of_announcements_from_one_session_is_acknowledged_once_per_interval_and_counted():
+    p, _ = protocol()
+    online(p)
+    acknowledged, refused = 0, 0
+    for i in range(100):  # 100 valid announcements in 10 s from a silo already taking part
+        actions = p.handle(Hello(2.0 + i * 0.1, 1, hello(1), "s1"))
+        acknowledged += len(sends(actions, NOTICE))
+        refused += len([a for a in actions if isinstance(a, Refuse) and a.kind == "repeated-announcement"])
+    assert acknowledged == 2 and refused == 98  # at 2.0 and at 7.0 (ANNOUNCE_INTERVAL_SECONDS = 5)
+    actions = p.handle(Hello(12.5, 1, hello(1), "s1-restarted"))  # a new process is answered at once
+    assert [m.kind for m in sends(actions, NOTICE)] == [wire.CHECK_STATUS]
+    assert p.phase is Phase.TRAINING and records(p.handle(Tick(31.0)), "record_lost_silos")[0][1] == [1, 2]

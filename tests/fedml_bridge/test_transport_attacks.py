@@ -352,3 +352,45 @@ def _insider_stub(world, rank):
         options=[("grpc.ssl_target_name_override", rank_name(0))],
     )
     return channel, pb2_grpc.gRPCCommManagerStub(channel)
+
+
+def test_the_managers_deadlines_tick_on_time_under_a_steady_stream_of_messages(world):
+    """A peer that keeps the queue from ever being empty must not stop the deadline ticks
+    (before: they came only when the queue was empty, so a flood held every deadline back)."""
+    import threading
+    import time
+
+    ticks, received = [], []
+
+    class Observer:
+        def receive_message(self, kind, message):
+            received.append(kind)
+            time.sleep(0.01)
+
+        def on_idle(self):
+            ticks.append(time.monotonic())
+
+    server = world.server
+    server.add_observer(Observer())
+    envelope = wire.decode(_encoded(wire.CLIENT_STATUS, 1, 0, client_status="ONLINE"), CAP)
+    stop = threading.Event()
+
+    def flood():
+        while not stop.is_set():
+            server._queue.put(envelope)
+            time.sleep(0.002)
+
+    feeder = threading.Thread(target=flood, daemon=True)
+    feeder.start()
+    loop = threading.Thread(target=server.message_handling_subroutine, daemon=True)
+    started = time.monotonic()
+    loop.start()
+    time.sleep(2.0)
+    stop.set()
+    server.is_running = False
+    loop.join(2.0)
+    feeder.join(1.0)
+    assert len(received) > 100 and server._queue.qsize() > 0  # the queue was never empty
+    gaps = [b - a for a, b in zip([started, *ticks], ticks)]
+    assert len(ticks) >= 6 and max(gaps) < 0.5
+    server.is_running = True  # the fixture stops it properly

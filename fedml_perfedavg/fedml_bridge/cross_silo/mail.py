@@ -7,6 +7,7 @@ holds up the others (cross_silo/server/fedml_server_manager.py)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Dict, Optional, Sequence
 
@@ -75,9 +76,19 @@ class ServerMail:
         return self.transport.send_all([fedml_message(m) for m in messages], deadline)
 
     def notify(self, messages: Sequence[ToSilo], deadline: float) -> None:
-        """Send notices without letting a silo that does not take them hold the server up."""
-        for silo, err in sorted(self.transport.send_all([fedml_message(m) for m in messages], deadline).items()):
-            logger.info("a notice to silo rank %d was not delivered: %s", silo, err)
+        """Send notices in the background: a silo that does not take them (its port closed, a
+        flood of announcements from it) never holds the server's protocol up."""
+        fedml_messages = [fedml_message(m) for m in messages]
+
+        def deliver() -> None:
+            try:
+                failed = self.transport.send_all(fedml_messages, deadline)
+            except Exception as err:  # noqa: BLE001 - a notice is best effort; the protocol's deadlines go on
+                failed = {m.silo: err for m in messages}
+            for silo, err in sorted(failed.items()):
+                logger.info("a notice to silo rank %d was not delivered: %s", silo, err)
+
+        threading.Thread(target=deliver, daemon=True, name="server-notices").start()
 
     def count_refusal(self, silo: int, reason: str, text: str) -> None:
         """Count and log (rate-limited) a refused message of ``silo``'s."""

@@ -12,12 +12,13 @@ from typing import Any, Dict, List, Optional
 from ...core.errors import SiloFailure
 from . import wire
 from .events import NOTICE, Outbox, ToSilo
-from .policy import NOTICE_SECONDS, SiloPolicy
+from .policy import ANNOUNCE_INTERVAL_SECONDS, NOTICE_SECONDS, SiloPolicy
 from .roster import SiloRoster
 
 logger = logging.getLogger(__name__)
 
 DISAGREEMENT = "disagreement"  # a refused announcement, as summary.json's refusals count it
+REPEATED = "repeated-announcement"  # one more announcement of a process already answered just now
 
 
 class TooFewSilos(SiloFailure):
@@ -39,6 +40,7 @@ class SiloMembership:
 
     def __init__(self, roster: SiloRoster, policy: SiloPolicy, outbox: Outbox) -> None:
         self.roster, self.policy, self.outbox = roster, policy, outbox
+        self.answered: Dict[int, float] = {}  # silo -> when its last announcement was answered
 
     def give_up_on(self, round_idx: int, silos: List[int], why: str, go_on: bool) -> None:
         """The run goes on without ``silos`` (``why``: what they failed to do), or, unless
@@ -102,6 +104,14 @@ class SiloMembership:
             logger.info("silo rank %d was given up on and still sends work; it is told to announce itself", silo)
             self.outbox.send([ToSilo(wire.CHECK_STATUS, silo, round_idx, left_out=True)], now + NOTICE_SECONDS, NOTICE)
 
-    def acknowledge(self, now: float, round_idx: int, silo: int) -> None:
-        """Answer a silo's announcement: "I hear you"."""
+    def acknowledge(self, now: float, round_idx: int, silo: int, greeting: Greeting) -> None:
+        """Answer a silo's announcement: "I hear you". A process already taking part is answered
+        at most once per ANNOUNCE_INTERVAL_SECONDS; its other announcements are counted refusals."""
+        if greeting is Greeting.KNOWN and now - self.answered.get(silo, -ANNOUNCE_INTERVAL_SECONDS) < (
+            ANNOUNCE_INTERVAL_SECONDS
+        ):
+            why = f"silo rank {silo} announced itself again within {ANNOUNCE_INTERVAL_SECONDS:g} s; not answered"
+            self.outbox.refuse(silo, REPEATED, why)
+            return
+        self.answered[silo] = now
         self.outbox.send([ToSilo(wire.CHECK_STATUS, silo, round_idx)], now + NOTICE_SECONDS, NOTICE)

@@ -56,3 +56,7 @@ NOTICE_SECONDS = 2.0  # a notice to a silo (a refusal, an acknowledgement) is no
 # silo that was heard from and whose port now refuses connections has ended and is not waited for,
 # so Ctrl-C stays quick; one never heard from may still be starting up and is retried.
 FINISH_SECONDS = 5.0
+# A silo that takes part and announces itself again from the same process is answered at most once
+# in this long; the rest are counted as refusals (a flood of valid announcements costs the server
+# nothing else).
+ANNOUNCE_INTERVAL_SECONDS = 5.0

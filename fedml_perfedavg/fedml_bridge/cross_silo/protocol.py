@@ -216,7 +216,7 @@ class SiloServerProtocol:
             return
         if greeting is Greeting.RESTARTED:
             self.rounds.restarted(silo)
-        self.members.acknowledge(now, round_idx, silo)
+        self.members.acknowledge(now, round_idx, silo, greeting)
         self._after(now, self.rounds.close_if_complete(now))
 
     def _start_if_all_online(self, now: float) -> None:

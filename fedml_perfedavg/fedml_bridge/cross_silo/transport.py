@@ -361,20 +361,29 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self.message_handling_subroutine()
 
     def message_handling_subroutine(self) -> None:
+        """Hand each queued message to the managers; at least every IDLE_TICK_SECONDS, whatever
+        the load, tick them (their deadlines fire on time even while messages keep coming)."""
+        last_tick = time.monotonic()
         while self.is_running:
             interrupt_if_stopping()
             try:
                 envelope = self._queue.get(timeout=IDLE_TICK_SECONDS)
             except queue.Empty:
-                self.refusals.tick()
+                envelope = None
+            if envelope is not None:
+                message = to_message(envelope)
                 for observer in list(self._observers):
-                    on_idle = getattr(observer, "on_idle", None)
-                    if on_idle is not None:
-                        on_idle()
-                continue
-            message = to_message(envelope)
-            for observer in list(self._observers):
-                observer.receive_message(message.get_type(), message)
+                    observer.receive_message(message.get_type(), message)
+            if envelope is None or time.monotonic() - last_tick >= IDLE_TICK_SECONDS:
+                last_tick = time.monotonic()
+                self._tick()
+
+    def _tick(self) -> None:
+        self.refusals.tick()
+        for observer in list(self._observers):
+            on_idle = getattr(observer, "on_idle", None)
+            if on_idle is not None and self.is_running:
+                on_idle()
 
     def _notify_connection_ready(self) -> None:
         message = Message(0, self.rank, self.rank)  # FedML's MSG_TYPE_CONNECTION_IS_READY
