@@ -82,11 +82,11 @@ class ServerMail:
 
         def deliver() -> None:
             try:
-                failed = self.transport.send_all(fedml_messages, deadline)
-            except Exception as err:  # noqa: BLE001 - a notice is best effort; the protocol's deadlines go on
-                failed = {m.silo: err for m in messages}
-            for silo, err in sorted(failed.items()):
-                logger.info("a notice to silo rank %d was not delivered: %s", silo, err)
+                failed = {s: str(e) for s, e in self.transport.send_all(fedml_messages, deadline).items()}
+            except Exception as error:  # noqa: BLE001 - a notice is best effort; the protocol's deadlines go on
+                failed = {m.silo: str(error) for m in messages}
+            for silo, why in sorted(failed.items()):
+                logger.info("a notice to silo rank %d was not delivered: %s", silo, why)
 
         threading.Thread(target=deliver, daemon=True, name="server-notices").start()
 
