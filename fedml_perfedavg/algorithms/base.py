@@ -130,6 +130,9 @@ class RoundDriver(Protocol):
     def record_refusals(self, totals: Dict[str, int]) -> None:
         """Cross-silo: what the server's transport refused so far, by reason."""
 
+    def record_secure_round(self, round_idx: int, record: Dict[str, Any]) -> None:
+        """Cross-silo with secure aggregation: who was summed, dropped and recovered, the bytes."""
+
 
 class RoundHooks:
     """What may act on a round between the algorithm's own steps, the same on every backend:

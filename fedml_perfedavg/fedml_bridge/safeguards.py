@@ -183,6 +183,26 @@ def _init_by_fedml(
     return feature
 
 
+def check_secure_aggregation(sections: Dict[str, Dict[str, Any]]) -> None:
+    """What cannot work when the server sees only the sum of the updates: FedML's defenses (each
+    reads every update: Krum, FoolsGold, norm clipping, ...) and model attacks (they rewrite
+    updates on the server). Central DP's noise on the sum stays; its per-update clipping is each
+    silo's own clipping to the update bound."""
+    defense = sections.get("defense_args", {})
+    if defense.get("enable_defense"):
+        raise ConfigError(
+            f"defense_args.enable_defense=True (defense_type={defense.get('defense_type')!r}) with "
+            f"secagg_args.enable_secagg: FedML's defenses read each silo's update, which secure aggregation "
+            f"hides from the server; the silos' clipping to train_args.max_update_ratio is the bound instead"
+        )
+    attack = sections.get("attack_args", {})
+    if attack.get("enable_attack") and attack.get("attack_type") in MODEL_ATTACKS:
+        raise ConfigError(
+            f"attack_args.attack_type={attack.get('attack_type')!r} with secagg_args.enable_secagg: a model "
+            f"attack rewrites updates on the server, which sees only their sum"
+        )
+
+
 def check(sections: Dict[str, Dict[str, Any]], run: Dict[str, Any]) -> None:
     """Errors at start, naming the key, for what FedML's classes would refuse or Per-FedAvg cannot
     use; builds each enabled feature once with FedML's own code to surface its own errors."""

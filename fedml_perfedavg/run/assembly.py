@@ -299,4 +299,16 @@ def silo_setup(parts: RunParts) -> Any:
         counts,
         announce,
         parts.model if parts.is_server else None,
+        secure_threshold(config),
+        config.aggregation == "sample_weighted",
     )
+
+
+def secure_threshold(config: Any) -> Optional[int]:
+    """Secure aggregation's threshold (None: updates travel in the clear): the config's, or a
+    majority of a round's silos."""
+    if not config.enable_secagg:
+        return None
+    from ..secagg.rounds import default_threshold
+
+    return int(config.reconstruction_threshold or default_threshold(config.client_num_per_round))

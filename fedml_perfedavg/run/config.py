@@ -57,6 +57,7 @@ SECTIONS = (
     "validation_args",
     "device_args",
     "comm_args",
+    "secagg_args",
     "tracking_args",
 )
 # FedML's DP, attack and defense sections: their keys go to FedML's own classes, section by
@@ -424,6 +425,29 @@ class CommArgs:
 
 
 @dataclass(frozen=True)
+@section("secagg_args")
+class SecAggArgs:
+    """``secagg_args``: secure aggregation across data-owner silos (the server learns only the sum)."""
+
+    enable_secagg: bool = _setting(
+        bool,
+        False,
+        "cross-silo with comm_args.silo_data own and TLS: each round the sampled silos mask their "
+        "clipped updates so that the server learns only their sum; a silo lost after sharing its "
+        "keys is recovered",
+    )
+    reconstruction_threshold: Optional[int] = _setting(
+        int,
+        None,
+        "secure aggregation: the silos a round needs to the end (and the fewest whose shares rebuild "
+        "a secret; fewer colluding with the server learn nothing beyond the sum); default: a "
+        "majority of client_num_per_round",
+        rule=(lambda v: v >= 2, ">= 2"),
+        optional=True,
+    )
+
+
+@dataclass(frozen=True)
 @section("tracking_args")
 class TrackingArgs:
     """``tracking_args``: wandb and the progress bar."""
@@ -437,7 +461,9 @@ class TrackingArgs:
 # Config inherits every section; dataclasses collect inherited fields from the last base to the
 # first, so the bases are listed in reverse to keep the YAML's (and the README table's) order.
 @dataclass(frozen=True)
-class Config(TrackingArgs, CommArgs, DeviceArgs, ValidationArgs, TrainArgs, ModelArgs, DataArgs, CommonArgs):
+class Config(
+    TrackingArgs, SecAggArgs, CommArgs, DeviceArgs, ValidationArgs, TrainArgs, ModelArgs, DataArgs, CommonArgs
+):
     """A validated run configuration (FedML flattens its YAML sections; so does this)."""
 
     # Not settings: where the config came from, and FedML keys that ride along unchecked.
@@ -755,7 +781,60 @@ def _rule_safeguards(c: Config) -> None:
     fedml_safeguards.check(c.safeguards, fedml_safeguards.run_facts(c))
 
 
-RULES: List[Callable[[Config], None]] = [_rule_algorithm, _rule_clients, _rule_platform, _rule_split, _rule_safeguards]
+def _rule_secagg(c: Config) -> None:
+    """Secure aggregation needs what makes it hold (own data, TLS, an update bound to clip to) and
+    refuses what needs to see one silo's update (FedML's defenses, model attacks, central DP's
+    per-update clipping)."""
+    if not c.enable_secagg:
+        if c.reconstruction_threshold is not None:
+            raise ConfigError(
+                f"secagg_args.reconstruction_threshold={c.reconstruction_threshold!r}: only with "
+                f"secagg_args.enable_secagg true"
+            )
+        return
+    need = "secagg_args.enable_secagg=True"
+    if not c.own_data:
+        raise ConfigError(
+            f"{need}: only across data-owner silos (common_args.training_type cross_silo, comm_args.silo_data "
+            f"own); here training_type={c.training_type!r}, silo_data={c.silo_data!r}"
+        )
+    if not c.tls_dir:
+        raise ConfigError(
+            f"{need}: needs comm_args.tls_dir (each silo's keys are bound to its certificate); "
+            f"comm_args.insecure cannot carry it"
+        )
+    if c.max_update_ratio is None and c.max_update_norm is None:
+        raise ConfigError(
+            f"{need}: needs train_args.max_update_ratio or train_args.max_update_norm (each silo clips its "
+            f"update to that bound, which makes the sum fit 32-bit fixed point); both are null"
+        )
+    if c.federated_optimizer == "FedAvgARUBA":
+        raise ConfigError(
+            f"{need}: train_args.federated_optimizer='FedAvgARUBA' sends per-client statistics the "
+            f"server reads one by one; use PerFedAvg or FedAvg"
+        )
+    threshold = c.reconstruction_threshold
+    if threshold is not None and threshold > c.client_num_per_round:
+        raise ConfigError(
+            f"secagg_args.reconstruction_threshold={threshold!r}: must be <= train_args.client_num_per_round "
+            f"({c.client_num_per_round}), the silos a round has"
+        )
+    if c.client_num_per_round < 2:
+        raise ConfigError(
+            f"{need}: train_args.client_num_per_round={c.client_num_per_round!r}: a sum of one silo's "
+            f"update is that update; secure aggregation needs at least 2 per round"
+        )
+    fedml_safeguards.check_secure_aggregation(c.safeguards)
+
+
+RULES: List[Callable[[Config], None]] = [
+    _rule_algorithm,
+    _rule_clients,
+    _rule_platform,
+    _rule_split,
+    _rule_secagg,  # before FedML's own checks of its sections: what cannot work at all is said first
+    _rule_safeguards,
+]
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -101,6 +101,10 @@ class RunDriver:
         if self.recorder is not None:
             self.recorder.silos.refusals = dict(totals)
 
+    def record_secure_round(self, round_idx: int, record: Dict[str, Any]) -> None:
+        if self.recorder is not None:
+            self.recorder.silos.secure_round(record)
+
     def record_failure(self, why: str) -> None:
         """Another rank ends the run (a failing MPI client): summary.json says so. Never raises:
         the caller is on its way to aborting the job (a rank on another machine may not see the

@@ -169,6 +169,15 @@ class SiloRecord:
     lost_silos: List[Dict[str, Any]] = field(default_factory=list)  # the server went on without them
     rejoined_silos: List[Dict[str, Any]] = field(default_factory=list)  # they came back
     refusals: Dict[str, int] = field(default_factory=dict)  # what the server's transport refused, by reason
+    # secagg_args.enable_secagg: rounds summed securely, those that could not be, and each round's record
+    secure_aggregation: Dict[str, Any] = field(default_factory=dict)
+
+    def secure_round(self, record: Dict[str, Any]) -> None:
+        """A securely aggregated round (or one that could not be: ``record["failed"]`` says why)."""
+        summary = self.secure_aggregation or {"rounds": 0, "failed_rounds": 0, "per_round": []}
+        summary["failed_rounds" if record["failed"] else "rounds"] += 1
+        summary["per_round"].append(record)
+        self.secure_aggregation = summary
 
     def evaluated(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         """The silos' own evaluations of the model they received (``label``: the round, or final)."""

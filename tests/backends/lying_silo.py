@@ -6,9 +6,13 @@
 - ``false-figures``: its evaluations claim user 424242 and every test sample right;
 - ``slow:R:S``: it is honest but takes S seconds more to train round R (past the round deadline);
 - ``late:PATH``: it is honest but starts listening only a second after the server's log PATH says
-  it refused a silo (a silo still starting up when the server stops the run).
+  it refused a silo (a silo still starting up when the server stops the run);
+- ``vanish:R:STAGE``: it is honest until, in round R, the server has taken its secure-aggregation
+  message of STAGE (``shares``: its key shares; ``masked``: its masked input); then it SIGKILLs itself.
 """
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -68,6 +72,19 @@ def lie(kind: str) -> None:
             return listen(*args, **kwargs)
 
         transport.listen = listen_late
+    elif kind.startswith("vanish:"):
+        from fedml_perfedavg.fedml_bridge.cross_silo import wire
+
+        _, vanish_round, stage = kind.split(":")
+        last = {"shares": wire.SECAGG_SHARES_OUT, "masked": wire.SECAGG_MASKED}[stage]
+        honest_send = client.PluginClientMasterManager._send_secagg
+
+        def send_then_vanish(self, message_kind, params, round_idx, tensors=None):
+            honest_send(self, message_kind, params, round_idx, tensors)
+            if round_idx == int(vanish_round) and message_kind == last:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        client.PluginClientMasterManager._send_secagg = send_then_vanish
     else:
         raise SystemExit(f"lying_silo.py: unknown lie {kind!r}")
 

@@ -53,6 +53,8 @@ AGREED = (
     ("data_args", "test_images_per_class"),
     ("model_args", "model"),
     ("comm_args", "silo_data"),
+    ("secagg_args", "enable_secagg"),
+    ("secagg_args", "reconstruction_threshold"),
 )
 ARCHITECTURE = "model_args.architecture"  # the model's tensor names, shapes and dtypes, hashed
 SAFEGUARDS = "dp_args/attack_args/defense_args"  # FedML's DP, attack and defense sections, hashed
@@ -183,3 +185,5 @@ class SiloSetup:
     user_counts: Dict[int, Tuple[int, int]] = field(default_factory=dict)
     hello: Optional[Dict[str, Any]] = None  # a silo's announcement
     model: Optional[nn.Module] = None  # the server's, to probe a silo's announced data
+    secure_threshold: Optional[int] = None  # secure aggregation's threshold (None: updates in the clear)
+    sample_weighted: bool = False  # train_args.aggregation: sample_weighted (secure weights by announced counts)

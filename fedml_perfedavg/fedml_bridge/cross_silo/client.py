@@ -38,7 +38,10 @@ from typing import Any, Dict, Optional
 from ...core.errors import SiloFailure
 from ..bootstrap import import_fedml
 from .agreement import SiloSetup
+from ...secagg.primitives import SecAggError
 from .policy import SiloPolicy
+from .secure_rounds import advert_to_wire
+from .secure_silo import SecureSiloRound
 from .transport import ROUND_KEY, PeerUnreachable
 from . import wire
 
@@ -140,6 +143,7 @@ class PluginClientMasterManager(ClientMasterManager):
         self.state = State.ANNOUNCING
         self.state_since = self.last_heard = self.last_awake = time.monotonic()
         self.last_model: Optional[float] = None
+        self.secure: Optional[SecureSiloRound] = None  # the round's secure aggregation, while it runs
         self.slowest_gap: Optional[float] = None  # between two models from the server
         self.gaps_measured = 0
 
@@ -158,6 +162,9 @@ class PluginClientMasterManager(ClientMasterManager):
         self.register_message_receive_handler(MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT, self._on_model)
         self.register_message_receive_handler(wire.EVALUATE, self._on_evaluate)
         self.register_message_receive_handler(MyMessage.MSG_TYPE_S2C_FINISH, self._on_finish)
+        self.register_message_receive_handler(wire.SECAGG_KEYS, self._on_secagg)
+        self.register_message_receive_handler(wire.SECAGG_SHARES, self._on_secagg)
+        self.register_message_receive_handler(wire.SECAGG_UNMASK, self._on_secagg)
 
     def receive_message(self, msg_type, msg_params) -> None:
         if msg_params.get_sender_id() != self.rank:  # a word from the server (not the local "ready")
@@ -215,12 +222,63 @@ class PluginClientMasterManager(ClientMasterManager):
             self.finish()
             return
         counts = None if self.setup.own_data else self.trainer.evaluate(round_idx)
+        received = msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)
         weights, samples = self.trainer_dist_adapter.train(round_idx)
+        terms = msg_params.get(wire.SECAGG)
+        if terms is not None or self.setup.secure_threshold:
+            self.secure = self._secure_round(round_idx, terms, received, weights)
+            if self.secure is not None:
+                self._send_secagg(wire.SECAGG_ADVERT, {"advert": advert_to_wire(self.secure.advertise())}, round_idx)
+            return
         message = Message(MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER, self.client_real_id, 0)
         message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, weights)
         message.add_params(MyMessage.MSG_ARG_KEY_NUM_SAMPLES, samples)
         message.add_params(wire.SILO_METRICS, counts)
         self._send_or_rejoin(message, f"its update for round {round_idx}")
+
+    # -- secure aggregation (secure_silo.py) ------------------------------------------------------------
+    def _secure_round(self, round_idx: int, terms: Any, received: Any, trained: Any) -> Optional[SecureSiloRound]:
+        """This silo's part of the round's secure aggregation, its update clipped and encoded;
+        None (logged) when the server's terms are not this run's."""
+        try:
+            return SecureSiloRound.start(
+                self.rank,
+                round_idx,
+                terms,
+                self.setup.secure_threshold,
+                received,
+                trained,
+                self.trainer.trainer,
+                self.com_manager.settings,
+            )
+        except SecAggError as err:
+            logger.error("silo rank %d: round %d: %s; it sends no update this round", self.rank, round_idx, err)
+            return None
+
+    def _on_secagg(self, msg_params: Message) -> None:
+        kind, round_idx = int(msg_params.get_type()), int(msg_params.get(ROUND_KEY))
+        if self.secure is None or self.secure.round_idx != round_idx:
+            logger.warning(
+                "silo rank %d: a secure-aggregation message for round %d, which it is not in", self.rank, round_idx
+            )
+            return
+        try:
+            answer, params, tensors = self.secure.answer(kind, dict(msg_params.get_params()))
+        except SecAggError as err:
+            logger.error(
+                "silo rank %d: round %d: %s; it leaves this round's secure aggregation", self.rank, round_idx, err
+            )
+            self.secure = None
+            return
+        self._send_secagg(answer, params, round_idx, tensors)
+
+    def _send_secagg(self, kind: int, params: Dict[str, Any], round_idx: int, tensors: Any = None) -> None:
+        message = Message(kind, self.client_real_id, 0)
+        for key, value in params.items():
+            message.add_params(key, value)
+        if tensors is not None:
+            message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, tensors)
+        self._send_or_rejoin(message, f"its secure-aggregation message (type {kind}) of round {round_idx}")
 
     def _on_evaluate(self, msg_params: Message) -> None:
         round_idx = int(msg_params.get(ROUND_KEY))

@@ -279,3 +279,31 @@ def check_security(tls_dir: Optional[str], insecure: bool) -> None:
             "or set comm_args.insecure: true for plaintext without authentication on a network you "
             "trust"
         )
+
+
+def certificate_rank_problem(pem: bytes, ca_pem: bytes, rank: int) -> Optional[str]:
+    """Why ``pem`` is not a certificate the run's CA (``ca_pem``) issued to ``rank`` and that is
+    valid now, or None: what a silo checks of another silo's certificate that the server relays
+    with its secure-aggregation keys (the server could otherwise put its own keys in a silo's name)."""
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
+
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+        ca = x509.load_pem_x509_certificate(ca_pem)
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature) as err:
+        return f"its certificate is not one the run's CA issued ({type(err).__name__}: {str(err)[:120]})"
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        return "its certificate is not valid now"
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName
+        )
+    except x509.ExtensionNotFound:
+        names = []
+    named = rank_of_names(names)
+    if named != rank:
+        return f"its certificate names rank {named}, not rank {rank}"
+    return None

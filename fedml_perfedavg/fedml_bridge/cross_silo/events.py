@@ -47,6 +47,20 @@ class Update:
 
 
 @dataclass(frozen=True)
+class SecAggMessage:
+    """A silo's message of a secure-aggregation stage (``kind``: a ``wire.SECAGG_*`` type) for
+    round ``stamped``: its parameters, its tensors (the masked input), its size in bytes."""
+
+    now: float
+    silo: int
+    kind: int
+    stamped: Any
+    params: Dict[str, Any]
+    model: Any = None
+    size: int = 0
+
+
+@dataclass(frozen=True)
 class Evaluation:
     """A silo's counts for an evaluation request (data-owner mode)."""
 
@@ -109,6 +123,7 @@ class ToSilo:
     reason: Optional[str] = None
     refused: bool = False
     left_out: bool = False
+    params: Optional[Dict[str, Any]] = None  # more of the wire's keys (secure aggregation's)
 
 
 # What a Send is for, as an Undelivered event names it back.

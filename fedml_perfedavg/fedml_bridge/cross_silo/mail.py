@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import AbstractSet, Any, Dict, Optional, Sequence
 
 from ..bootstrap import import_fedml
 from .delivery import PeerUnreachable
@@ -53,7 +53,7 @@ def to_silo(
 
 def fedml_message(message: ToSilo) -> Message:
     """The FedML ``Message`` a protocol's :class:`~.events.ToSilo` stands for."""
-    return to_silo(
+    fedml = to_silo(
         message.kind,
         message.silo,
         message.model,
@@ -63,6 +63,9 @@ def fedml_message(message: ToSilo) -> Message:
         message.refused,
         message.left_out,
     )
+    for key, value in (message.params or {}).items():
+        fedml.add_params(key, value)
+    return fedml
 
 
 class ServerMail:
@@ -71,9 +74,12 @@ class ServerMail:
     def __init__(self, transport: Any) -> None:
         self.transport = transport
 
-    def send(self, messages: Sequence[ToSilo], deadline: float) -> Dict[int, PeerUnreachable]:
-        """Send at once, each before ``deadline``; returns the silos that could not be reached."""
-        return self.transport.send_all([fedml_message(m) for m in messages], deadline)
+    def send(
+        self, messages: Sequence[ToSilo], deadline: float, heard_from: AbstractSet[int] = frozenset()
+    ) -> Dict[int, PeerUnreachable]:
+        """Send at once, each before ``deadline``; returns the silos that could not be reached (at
+        once for those ``heard_from`` whose port refuses connections: they ended)."""
+        return self.transport.send_all([fedml_message(m) for m in messages], deadline, gone_if_refused=heard_from)
 
     def notify(self, messages: Sequence[ToSilo], deadline: float) -> None:
         """Send notices in the background: a silo that does not take them (its port closed, a

@@ -69,6 +69,7 @@ from .events import (
     Hello,
     Listening,
     Outbox,
+    SecAggMessage,
     Stopped,
     Tick,
     Undelivered,
@@ -142,6 +143,9 @@ class SiloServerProtocol:
             self._after(
                 now, rounds.on_update(now, event.silo, event.stamped, event.declared, event.model, event.counts)
             )
+        elif isinstance(event, SecAggMessage):
+            e = event
+            self._after(now, self.rounds.on_secagg(now, e.silo, e.kind, e.stamped, e.params, e.model, e.size))
         elif isinstance(event, Evaluation):
             self._after(now, self.rounds.on_evaluation(now, event.silo, event.counts))
         elif isinstance(event, Hello):

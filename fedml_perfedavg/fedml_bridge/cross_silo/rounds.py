@@ -14,11 +14,15 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Optional, Protocol, Sequence
 
+from ...secagg import fixed_point
+from ...secagg.primitives import SecAggError
+from ...secagg.rounds import RoundFailed
 from .events import EVALUATION, ROUND, Outbox, ToSilo
 from .membership import SiloMembership
 from .open_work import OpenEvaluation, OpenRound
 from .phases import Phase, PhaseClock
 from .roster import SiloRoster
+from .secure_rounds import REFUSED_SECAGG, SecureRound
 from . import wire
 
 logger = logging.getLogger(__name__)
@@ -32,6 +36,18 @@ class GlobalModel(Protocol):
     def aggregate(self, round_idx: int, updates: Dict[int, tuple]) -> Any:
         """The new global model from ``updates`` (position in the round's sample -> (sample count,
         model)), taken in sp's order of sampled users, through the aggregator's hooks."""
+
+    def secure_average(self, round_idx: int, average_delta: Any) -> Any:
+        """The new global model from the securely aggregated average of the silos' deltas."""
+
+    def keep(self, round_idx: int) -> Any:
+        """A round that could not finish: the global model stays (a skipped round)."""
+
+    def update_bound(self) -> float:
+        """The L2 bound on an update from the current model (what a silo clips to)."""
+
+    def vector_length(self) -> int:
+        """Words in the vector of the model's parameters that secure aggregation sums."""
 
 
 class RoundPlan(Protocol):
@@ -64,6 +80,7 @@ class SiloRounds:
         self.round_idx = 0
         self.round = OpenRound(-1, [], {})
         self.evaluation = OpenEvaluation(-1, [])
+        self.secure: Optional[SecureRound] = None  # the open round's secure aggregation
         self.roster.on_drop.append(self.drop_open_work)
 
     def give_up_on(self, silos: List[int], why: str, go_on: bool) -> None:
@@ -75,6 +92,8 @@ class SiloRounds:
         for silo in silos:
             self.round.assigned.pop(silo, None)
             self.evaluation.awaiting.discard(silo)
+        if self.secure is not None:
+            self.secure.drop(list(silos), "left the run")
 
     def restarted(self, silo: int) -> None:
         """``silo`` restarted: what its earlier process owed will not come."""
@@ -83,6 +102,8 @@ class SiloRounds:
                 "round %d: silo rank %d restarted; its update for this round is missing", self.round_idx, silo
             )
         self.evaluation.awaiting.discard(silo)
+        if self.secure is not None:
+            self.secure.drop([silo], "restarted")
 
     # -- training ------------------------------------------------------------------------------------
     def open_round(self, now: float, kind: int) -> bool:
@@ -95,8 +116,30 @@ class SiloRounds:
                 self.round.offline(),
             )
         self.clock.enter(Phase.TRAINING, now, self.clock.round_seconds())
+        self.secure = self.secure_round() if self.roster.setup.secure_threshold else None
         self.outbox.send(self.models_for(self.round, kind), self.clock.deadline or now, ROUND)
         return self.close_if_complete(now)
+
+    def secure_round(self) -> SecureRound:
+        """The open round's secure aggregation: weights adding up to 1 over the silos sent its
+        model, fraction bits that the sum of inputs within the update bound cannot wrap."""
+        setup, silos = self.roster.setup, sorted(self.round.assigned)
+        if setup.sample_weighted:
+            counts = {s: self.roster.counts_of(s, self.round.assigned[s][1])[0] for s in silos}
+        else:
+            counts = {s: 1 for s in silos}
+        total = sum(counts.values()) or 1
+        bound = self.model.update_bound()
+        bits = fixed_point.fraction_bits(bound)
+        if bits < fixed_point.MIN_FRACTION_BITS:
+            raise SecAggError(
+                f"round {self.round_idx}: the update bound {bound:.4g} (train_args.max_update_ratio x max(||w||, 1), "
+                f"or max_update_norm) leaves {bits} fraction bits in 32-bit fixed point, fewer than "
+                f"{fixed_point.MIN_FRACTION_BITS}; lower train_args.max_update_ratio or set max_update_norm"
+            )
+        threshold = int(setup.secure_threshold or 2)
+        weights = {s: counts[s] / total for s in silos}
+        return SecureRound(self.round_idx, silos, weights, threshold, self.model.vector_length(), bits, bound)
 
     def sampled(self, round_idx: int) -> OpenRound:
         """Round ``round_idx``'s silos and users: the algorithm's keyed sample, as in sp."""
@@ -105,14 +148,25 @@ class SiloRounds:
     def models_for(self, round_: OpenRound, kind: int) -> List[ToSilo]:
         """The global model, to each silo of ``round_`` with the user it trains."""
         params = self.model.params()
-        return [ToSilo(kind, s, self.round_idx, params, user) for s, (_, user) in sorted(round_.assigned.items())]
+        secure = self.secure if round_ is self.round else None
+        return [
+            ToSilo(
+                kind, s, self.round_idx, params, user, params=None if secure is None else {wire.SECAGG: secure.terms(s)}
+            )
+            for s, (_, user) in sorted(round_.assigned.items())
+        ]
 
     def unreachable(self, now: float, purpose: str, silos: Dict[int, str]) -> bool:
         """The round's or the evaluation's models did not reach ``silos`` (silo -> why) in time."""
         for _, why in sorted(silos.items()):
             logger.warning("%s", why)
         words = f"unreachable for {self.clock.deadline_words()}"
-        if purpose == ROUND and self.clock.phase is Phase.TRAINING:
+        if purpose == ROUND and self.clock.phase is Phase.TRAINING and self.secure is not None:
+            go_on, _ = self.members.policy.after_deadline(
+                self.round.expected, [s for s in self.round.assigned if s not in silos]
+            )
+            self.give_up_on(sorted(s for s in silos if s in self.round.assigned), words, go_on)
+        elif purpose == ROUND and self.clock.phase is Phase.TRAINING:
             reachable = [s for s in self.round.assigned if s not in silos]
             go_on, _ = self.members.policy.after_deadline(self.round.expected, reachable)
             self.give_up_on(sorted(s for s in silos if s in self.round.assigned), words, go_on)
@@ -122,6 +176,8 @@ class SiloRounds:
 
     def close_if_complete(self, now: float) -> bool:
         """Close the open round or evaluation once nothing more is awaited."""
+        if self.clock.phase is Phase.TRAINING and self.secure is not None:
+            return self.advance_secure(now) if not self.secure.awaiting else False
         if self.clock.phase is Phase.TRAINING and self.round.complete():
             return self.close_round(now, None)
         if self.clock.phase is Phase.EVALUATING and not self.evaluation.awaiting:
@@ -131,6 +187,10 @@ class SiloRounds:
     def on_update(self, now: float, silo: int, stamped: Any, declared: Any, model: Any, counts: Any) -> bool:
         """``silo``'s update for round ``stamped``, declaring ``declared`` samples, with its own
         evaluation ``counts`` of the model it received (shared mode)."""
+        if self.secure is not None and self.clock.phase is Phase.TRAINING:
+            why = f"round {self.round_idx}: silo rank {silo} sent its update in the clear; this run aggregates securely"
+            self.outbox.refuse(silo, REFUSED_SECAGG, why)
+            return False
         if self.clock.phase is not Phase.TRAINING or not self.round.takes(silo, stamped):
             logger.warning(
                 "ignored an update from silo rank %d for round %s (the server is %s round %d%s)",
@@ -150,9 +210,75 @@ class SiloRounds:
             self.clock.measure_round(now)
         return self.close_if_complete(now)
 
+    # -- secure aggregation's stages (secure_rounds.py) ---------------------------------------------------
+    def on_secagg(self, now: float, silo: int, kind: int, stamped: Any, params: Any, model: Any, size: int) -> bool:
+        """``silo``'s message of a secure-aggregation stage for round ``stamped``."""
+        secure = self.secure
+        if (
+            self.clock.phase is not Phase.TRAINING
+            or secure is None
+            or stamped != self.round_idx
+            or silo not in secure.awaiting
+        ):
+            logger.warning(
+                "ignored a secure-aggregation message (type %d) from silo rank %d for round %s "
+                "(the server is %s round %d)",
+                kind,
+                silo,
+                stamped,
+                self.clock.phase.value,
+                self.round_idx,
+            )
+            self.members.tell_if_left_out(now, self.round_idx, silo)
+            return False
+        problem = secure.take(silo, kind, params, model, size)
+        if problem is not None:
+            self.outbox.refuse(silo, REFUSED_SECAGG, problem)
+        return self.close_if_complete(now)
+
+    def advance_secure(self, now: float) -> bool:
+        """Every silo of the stage answered (or the rest were given up on): the next stage, or the
+        round's end with the unmasked sum; fewer than the threshold left end it without one."""
+        assert self.secure is not None
+        try:
+            total = self.secure.advance(self.outbox, now + self.clock.round_seconds())
+        except RoundFailed as err:
+            logger.error("%s; the global model is kept", err)
+            return self.close_secure(now, None, str(err))
+        if total is None:
+            self.clock.deadline = now + self.clock.round_seconds()
+            return self.close_if_complete(now)
+        return self.close_secure(now, total, None)
+
+    def secure_deadline(self, now: float, why: str) -> bool:
+        """The stage's deadline passed: the silos it still awaits are given up on."""
+        assert self.secure is not None
+        missing = sorted(self.secure.awaiting)
+        go_on, _ = self.members.policy.after_deadline(self.round.expected, self.secure.answered())
+        self.give_up_on(missing, f"{why} ({self.secure.stage.value})", go_on)
+        self.secure.drop(missing, why)
+        return self.advance_secure(now)
+
+    def close_secure(self, now: float, total: Any, failed: Optional[str]) -> bool:
+        assert self.secure is not None
+        self.clock.disarm()
+        secure, round_idx = self.secure, self.round_idx
+        if total is not None and not secure.lost and set(secure.server.survivors) >= set(self.round.expected):
+            self.clock.measure_round(now)
+        if total is None:
+            params = self.model.keep(round_idx)
+        else:
+            params = self.model.secure_average(round_idx, secure.average(total))
+        self.outbox.record("record_secure_round", round_idx, secure.record(failed))
+        self.secure = None
+        return self.round_closed(now, round_idx, params)
+
+    # -- in the clear -----------------------------------------------------------------------------------
     def close_round(self, now: float, why_missing: Optional[str]) -> bool:
         """The round's deadline passed (``why_missing`` says what the missing silos failed to do)
         or every silo answered: give up on the missing, aggregate, evaluate, go on."""
+        if self.secure is not None:
+            return self.secure_deadline(now, why_missing or "missed the round")
         self.clock.disarm()
         go_on, missing = self.members.policy.after_deadline(self.round.expected, sorted(self.round.answered))
         waited = [s for s in missing if s in self.round.assigned]  # sent the round's model, sent nothing back
@@ -160,7 +286,11 @@ class SiloRounds:
             self.give_up_on(missing, why_missing or "missed the round", False)
         self.give_up_on(waited, why_missing or "missed the round", True)
         round_idx = self.round_idx
-        self.outbox.record("round_finished", round_idx, self.model.aggregate(round_idx, self.round.updates))
+        return self.round_closed(now, round_idx, self.model.aggregate(round_idx, self.round.updates))
+
+    def round_closed(self, now: float, round_idx: int, params: Any) -> bool:
+        """Round ``round_idx`` gave the global model ``params``: record it, evaluate, go on."""
+        self.outbox.record("round_finished", round_idx, params)
         self.figures.log(f"round {round_idx}")
         self.outbox.record("record_refusals")
         if self.mode.silos_evaluate(self.plan.evaluates(round_idx)):

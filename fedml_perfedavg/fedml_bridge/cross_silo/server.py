@@ -5,17 +5,20 @@ import time
 from typing import Any, Dict, List, Tuple
 
 from ...algorithms.base import RoundDriver
+from ...algorithms.secure_average import keep, secure_average
+from ...core.errors import ConfigError
+from ...secagg import vectors
 from ..bootstrap import import_fedml
 from ..shims import aggregate_with_hooks
 from . import readiness
 from .agreement import SiloSetup
 from .events import NOTICE, Action, EndRun, Fail, Finish, Goodbye, Hello, Listening, Record, Refuse, Send
-from .events import Evaluation, Stopped, Tick, Undelivered, Update
+from .events import Evaluation, SecAggMessage, Stopped, Tick, Undelivered, Update
 from .mail import ServerMail
 from .phases import Phase
 from .policy import SiloPolicy
 from .protocol import SiloServerProtocol
-from .transport import ROUND_KEY, SESSION_KEY
+from .transport import ARRIVED_KEY, ROUND_KEY, SESSION_KEY, SIZE_KEY
 from . import wire
 
 import_fedml()
@@ -36,6 +39,7 @@ RECORDS = frozenset(
         "record_federated_evaluation",
         "record_rejected_update",
         "record_refusals",
+        "record_secure_round",
     }
 )
 
@@ -65,6 +69,38 @@ class _FedMLGlobalModel:
         self.args.round_idx = round_idx
         return self.aggregator.aggregate_updates(updates)
 
+    # Secure aggregation: the plugin's algorithm on the global model, past FedML's per-update hooks
+    # (the server has no update to hand them).
+    @property
+    def algorithm(self) -> Any:
+        algorithm = getattr(self.aggregator.aggregator, "algorithm", None)
+        if algorithm is None:
+            raise ConfigError(
+                "secagg_args.enable_secagg: the server's aggregator is not the plugin's (a ServerAggregator "
+                "handed to FedMLRunner); secure aggregation needs the plugin's algorithm on the server"
+            )
+        return algorithm
+
+    def secure_average(self, round_idx: int, average_delta: Any) -> Any:
+        self.args.round_idx = round_idx
+        state = secure_average(self.algorithm, round_idx, average_delta, self.params())
+        self.aggregator.set_global_model_params(state)
+        return state
+
+    def keep(self, round_idx: int) -> Any:
+        self.args.round_idx = round_idx
+        state = keep(self.algorithm, round_idx, self.params())
+        self.aggregator.set_global_model_params(state)
+        return state
+
+    def update_bound(self) -> float:
+        settings = self.algorithm.settings
+        names = self.algorithm.parameter_names
+        return vectors.bound(self.params(), names, settings.max_update_ratio, settings.max_update_norm)
+
+    def vector_length(self) -> int:
+        return vectors.length(self.params(), self.algorithm.parameter_names)
+
 
 class PluginServerManager(FedMLServerManager):
     """FedML's face of :class:`~.protocol.SiloServerProtocol`. ``policy`` decides deadlines and
@@ -89,10 +125,22 @@ class PluginServerManager(FedMLServerManager):
         model = _FedMLGlobalModel(aggregator, args)
         self.protocol = SiloServerProtocol(setup, policy, driver, model, self.round_num, args.client_num_per_round)
         self.mail = ServerMail(self.com_manager)
+        self._arrived = 0.0  # when the last message handled arrived
 
     def on_idle(self) -> None:
-        """The transport's tick while no message comes: a deadline may have passed."""
-        self._handle(Tick(time.monotonic()))
+        """The transport's tick: a deadline may have passed. While messages wait in its queue (the
+        server was busy), the protocol's time is the arrival of the last one it handled: a message
+        that came before a deadline is never judged late because the server took it late."""
+        now = time.monotonic()
+        if self.com_manager.backlog():
+            now = min(now, self._arrived)
+        self._handle(Tick(now))
+
+    def _time_of(self, msg_params: Message) -> float:
+        """When a silo's message arrived: the protocol's time for it."""
+        arrived = msg_params.get(ARRIVED_KEY)
+        self._arrived = float(arrived) if arrived else time.monotonic()
+        return self._arrived
 
     def run(self) -> None:
         try:
@@ -121,6 +169,8 @@ class PluginServerManager(FedMLServerManager):
         self.register_message_receive_handler(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self._on_status)
         self.register_message_receive_handler(MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER, self._on_update)
         self.register_message_receive_handler(wire.EVALUATION, self._on_evaluation)
+        for kind in wire.SECAGG_FROM_SILO:
+            self.register_message_receive_handler(kind, self._on_secagg)
 
     def _on_listening(self, msg_params: Message) -> None:
         readiness.signal(readiness.LISTENING)
@@ -129,7 +179,7 @@ class PluginServerManager(FedMLServerManager):
     def _on_status(self, msg_params: Message) -> None:
         silo = int(msg_params.get_sender_id())
         status = msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_STATUS)
-        now = time.monotonic()
+        now = self._time_of(msg_params)
         if status == self.ONLINE_STATUS_FLAG:
             self._handle(Hello(now, silo, msg_params.get(wire.HELLO), msg_params.get(SESSION_KEY)))
         elif status == self.RUN_FINISHED_STATUS_FLAG:
@@ -138,7 +188,7 @@ class PluginServerManager(FedMLServerManager):
     def _on_update(self, msg_params: Message) -> None:
         self._handle(
             Update(
-                time.monotonic(),
+                self._time_of(msg_params),
                 int(msg_params.get_sender_id()),
                 msg_params.get(ROUND_KEY),
                 msg_params.get(MyMessage.MSG_ARG_KEY_NUM_SAMPLES),
@@ -148,7 +198,22 @@ class PluginServerManager(FedMLServerManager):
         )
 
     def _on_evaluation(self, msg_params: Message) -> None:
-        self._handle(Evaluation(time.monotonic(), int(msg_params.get_sender_id()), msg_params.get(wire.SILO_METRICS)))
+        now = self._time_of(msg_params)
+        self._handle(Evaluation(now, int(msg_params.get_sender_id()), msg_params.get(wire.SILO_METRICS)))
+
+    def _on_secagg(self, msg_params: Message) -> None:
+        params = dict(msg_params.get_params())
+        self._handle(
+            SecAggMessage(
+                self._time_of(msg_params),
+                int(msg_params.get_sender_id()),
+                int(msg_params.get_type()),
+                params.get(ROUND_KEY),
+                params,
+                params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS),
+                int(params.get(SIZE_KEY) or 0),
+            )
+        )
 
     # -- actions out --------------------------------------------------------------------------------
     def _handle(self, event: Any) -> None:
@@ -172,7 +237,8 @@ class PluginServerManager(FedMLServerManager):
             if action.purpose == NOTICE:
                 self.mail.notify(action.messages, action.deadline)
                 return []
-            failed = self.mail.send(action.messages, action.deadline)
+            # A silo heard from listened: its port refusing connections means it has ended.
+            failed = self.mail.send(action.messages, action.deadline, set(self.protocol.roster.hellos))
             if failed:
                 why = {silo: str(err) for silo, err in failed.items()}
                 return [Undelivered(time.monotonic(), action.purpose, why)]

@@ -66,6 +66,8 @@ logger = logging.getLogger(__name__)
 IDLE_TICK_SECONDS = 0.2
 ROUND_KEY = "round"  # the round an incoming message was stamped with, on the FedML Message
 SESSION_KEY = "plugin_session"  # the sending process's session, on the FedML Message
+SIZE_KEY = "plugin_bytes"  # the bytes the message took on the wire, on the FedML Message
+ARRIVED_KEY = "plugin_arrived"  # when it was taken (time.monotonic()), on the FedML Message
 FALLBACK_SIZE_CAP = 256 << 20  # where no model told the transport its size
 MODEL_SIZE_CAP = "model_size_cap"  # on FedML's args: the cap FedMLRunner's model gives (wire.default_size_cap)
 DESCRIPTORS_RESERVED = 256  # for the run's own files, channels and gRPC's threads
@@ -287,6 +289,8 @@ def to_message(envelope: wire.Envelope) -> Message:
         message.add_params(wire.MODEL_KEY, envelope.model)
     message.add_params(ROUND_KEY, envelope.round)
     message.add_params(SESSION_KEY, envelope.session)
+    message.add_params(SIZE_KEY, envelope.size)
+    message.add_params(ARRIVED_KEY, envelope.arrived)
     return message
 
 
@@ -354,7 +358,12 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         envelope = wire.decode(data, self.settings.size_cap)
         check_route(envelope, peer_rank, self.rank, self.addresses, self.settings.run_id)
         self.conversations.admit(envelope)
+        envelope.arrived = time.monotonic()
         self._queue.put(envelope)
+
+    def backlog(self) -> int:
+        """Messages taken and not yet handed to the managers."""
+        return self._queue.qsize()
 
     def handle_receive_message(self) -> None:
         self._notify_connection_ready()
@@ -400,6 +409,8 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         model = params.pop(wire.MODEL_KEY, None)
         stamped = params.pop(ROUND_KEY, None)  # a round the sender names (an evaluation's), else the current one
         params.pop(SESSION_KEY, None)
+        params.pop(SIZE_KEY, None)
+        params.pop(ARRIVED_KEY, None)
         for key in [k for k, v in params.items() if v is None]:
             del params[key]
         for key, value in params.items():  # numpy and 0-dim tensor scalars travel as plain numbers

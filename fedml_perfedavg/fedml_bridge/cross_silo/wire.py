@@ -16,6 +16,7 @@ transport counts by and whose text never echoes more than a few dozen characters
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import struct
@@ -43,8 +44,17 @@ LEFT_OUT = "plugin_left_out"  # on CHECK_STATUS: the server gave up on this silo
 # and the plugin's own (100 and up: FedML uses none there).
 INIT_CONFIG, SYNC_MODEL, UPLOAD, CLIENT_STATUS, CHECK_STATUS, FINISH = 1, 2, 3, 5, 6, 7
 EVALUATE, EVALUATION = 101, 102  # data-owner mode: the server asks every silo to evaluate a model; the counts
-FROM_SERVER = frozenset({INIT_CONFIG, SYNC_MODEL, CHECK_STATUS, FINISH, EVALUATE})
-FROM_SILO = frozenset({UPLOAD, CLIENT_STATUS, EVALUATION})
+# Secure aggregation's stages (fedml_perfedavg/secagg/rounds.py): what the server relays to a silo,
+# and what a silo sends it.
+SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNMASK = 103, 104, 105
+SECAGG_ADVERT, SECAGG_SHARES_OUT, SECAGG_MASKED, SECAGG_UNMASKING = 106, 107, 108, 109
+SECAGG_FROM_SILO = frozenset({SECAGG_ADVERT, SECAGG_SHARES_OUT, SECAGG_MASKED, SECAGG_UNMASKING})
+FROM_SERVER = frozenset(
+    {INIT_CONFIG, SYNC_MODEL, CHECK_STATUS, FINISH, EVALUATE, SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNMASK}
+)
+FROM_SILO = frozenset({UPLOAD, CLIENT_STATUS, EVALUATION}) | SECAGG_FROM_SILO
+SECAGG = "plugin_secagg"  # on a round's model: the round's secure-aggregation terms (threshold, bits, ...)
+MASKED_KEY = "masked"  # the one tensor of SECAGG_MASKED: the masked input's 32-bit words
 MODEL_MESSAGES = frozenset({INIT_CONFIG, SYNC_MODEL})  # a model a silo answers with an upload
 
 # Reasons a message is refused (counted by these codes; summary.json's ``refusals``).
@@ -165,6 +175,89 @@ def _hello(value: Any) -> bool:
     )
 
 
+def _b64(value: Any, max_bytes: int) -> bool:
+    """Base64 text of at most ``max_bytes`` bytes (keys, shares, signatures)."""
+    if not isinstance(value, str) or len(value) > 4 * (max_bytes // 3 + 1):
+        return False
+    try:
+        return len(base64.b64decode(value, validate=True)) <= max_bytes
+    except ValueError:
+        return False
+
+
+MAX_SILOS = 10_000
+
+
+def _pairs(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """A list of [rank, value] pairs, ranks distinct, each value passing ``check``."""
+
+    def pairs(value: Any) -> bool:
+        return (
+            isinstance(value, list)
+            and len(value) <= MAX_SILOS
+            and all(isinstance(p, list) and len(p) == 2 and _whole(p[0], 1) and check(p[1]) for p in value)
+            and len({p[0] for p in value}) == len(value)
+        )
+
+    return pairs
+
+
+def _advert(value: Any) -> bool:
+    """A silo's round keys: two public keys, a seed commitment, a signature, its certificate (PEM)."""
+    return (
+        isinstance(value, list)
+        and len(value) == 5
+        and all(_b64(v, 32) for v in value[:3])
+        and _b64(value[3], 160)
+        and _text(value[4], 8192)
+    )
+
+
+def _adverts(value: Any) -> bool:
+    return _pairs(_advert)(value)
+
+
+def _ciphertext(value: Any) -> bool:
+    return _b64(value, 512)
+
+
+def _unmasking(value: Any) -> bool:
+    """[owner, "seed" or "key", Shamir index, share] for each silo that shared."""
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_SILOS
+        and all(
+            isinstance(p, list)
+            and len(p) == 4
+            and _whole(p[0], 1)
+            and p[1] in ("seed", "key")
+            and _whole(p[2], 1, 65536)
+            and _b64(p[3], 32)
+            for p in value
+        )
+        and len({p[0] for p in value}) == len(value)
+    )
+
+
+def _ranks(value: Any) -> bool:
+    return isinstance(value, list) and len(value) <= MAX_SILOS and all(_whole(r, 1) for r in value)
+
+
+def _secagg_terms(value: Any) -> bool:
+    """The round's secure-aggregation terms, as the server sends them with its model."""
+    return (
+        isinstance(value, dict)
+        and set(value) == {"threshold", "bits", "weight", "bound", "length"}
+        and _whole(value["threshold"], 2)
+        and _whole(value["bits"], 0, 31)
+        and _number(value["weight"])
+        and 0 < value["weight"] <= 1
+        and _number(value["bound"])
+        and value["bound"] > 0
+        and _whole(value["length"], 1)
+    )
+
+
 def _status(value: Any) -> bool:
     return value in ("ONLINE", "FINISHED")
 
@@ -175,8 +268,8 @@ def _flag(value: Any) -> bool:
 
 # type -> {key: (check, required)}; MODEL_KEY is carried by the tensors, not the header.
 SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
-    INIT_CONFIG: {"client_idx": (_digits, True), "client_os": (_text, False)},
-    SYNC_MODEL: {"client_idx": (_digits, True), "client_os": (_text, False)},
+    INIT_CONFIG: {"client_idx": (_digits, True), "client_os": (_text, False), SECAGG: (_secagg_terms, False)},
+    SYNC_MODEL: {"client_idx": (_digits, True), "client_os": (_text, False), SECAGG: (_secagg_terms, False)},
     CHECK_STATUS: {"client_idx": (_digits, True), LEFT_OUT: (_flag, False)},
     FINISH: {
         "client_idx": (_digits, True),
@@ -192,8 +285,15 @@ SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
         HELLO: (_hello, False),
     },
     EVALUATION: {SILO_METRICS: (_counts, True)},
+    SECAGG_KEYS: {"client_idx": (_digits, True), "adverts": (_adverts, True)},
+    SECAGG_SHARES: {"client_idx": (_digits, True), "shares": (_pairs(_ciphertext), True)},
+    SECAGG_UNMASK: {"client_idx": (_digits, True), "survivors": (_ranks, True)},
+    SECAGG_ADVERT: {"advert": (_advert, True)},
+    SECAGG_SHARES_OUT: {"shares": (_pairs(_ciphertext), True)},
+    SECAGG_MASKED: {},
+    SECAGG_UNMASKING: {"shares": (_unmasking, True)},
 }
-CARRIES_MODEL = frozenset({INIT_CONFIG, SYNC_MODEL, UPLOAD, EVALUATE})
+CARRIES_MODEL = frozenset({INIT_CONFIG, SYNC_MODEL, UPLOAD, EVALUATE, SECAGG_MASKED})
 _HEADER_KEYS = {"type", "sender", "receiver", "run_id", "session", "round", "seq", "reply_to", "params", "tensors"}
 _ALLOWED_DTYPES = {
     torch.float16,
@@ -226,6 +326,8 @@ class Envelope:
     model: Optional["OrderedDict[str, torch.Tensor]"] = None
     reply_to: int = -1
     session: str = "0"
+    size: int = 0  # bytes on the wire (set when decoded)
+    arrived: float = 0.0  # when the receiver took it (time.monotonic(); set by the transport)
 
 
 def _as_state_dict(model: Any, msg_type: int) -> "OrderedDict[str, torch.Tensor]":
@@ -353,6 +455,7 @@ def decode(data: bytes, max_bytes: int) -> Envelope:
         session=session,
     )
     envelope.model = _decode_model(msg_type, header["tensors"], data[start + length :])
+    envelope.size = len(data)
     return envelope
 
 

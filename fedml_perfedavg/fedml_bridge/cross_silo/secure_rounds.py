@@ -1,0 +1,214 @@
+"""Secure aggregation as states of the cross-silo protocol's TRAINING phase
+(``secagg_args.enable_secagg``; the maths is :mod:`fedml_perfedavg.secagg`'s)::
+
+    ADVERTISE --all of the round's silos, or the deadline--> SHARE --> MASKED --> UNMASK --> sum
+    (the model went out; silos train, then advertise keys)
+
+Each stage waits for the silos the previous one left, with the round deadline; a silo that misses
+it is given up on as a silo that misses a plaintext round is, and the round goes on with the
+others while at least the threshold are left. Fewer end the round without a model: the global
+model is kept (a skipped round) and the log names who dropped out, never a wrong model. Nothing
+here reads a clock or sends: it is told the time, and its sends go to the event's outbox.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import logging
+from typing import Any, Dict, List, Optional, Set
+
+import numpy as np
+
+from ...secagg import fixed_point
+from ...secagg.primitives import SecAggError
+from ...secagg.rounds import Advert, RoundFailed, ServerRound
+from . import wire
+from .events import ROUND, Outbox, ToSilo
+
+logger = logging.getLogger(__name__)
+
+REFUSED_SECAGG = "secagg"  # a secure-aggregation message that is not what its stage takes (summary.json)
+
+
+class Stage(enum.Enum):
+    ADVERTISE = "training and advertising keys"
+    SHARE = "sharing keys"
+    MASKED = "sending masked inputs"
+    UNMASK = "unmasking"
+
+
+EXPECTS = {
+    Stage.ADVERTISE: wire.SECAGG_ADVERT,
+    Stage.SHARE: wire.SECAGG_SHARES_OUT,
+    Stage.MASKED: wire.SECAGG_MASKED,
+    Stage.UNMASK: wire.SECAGG_UNMASKING,
+}
+
+
+def _bytes(text: str) -> bytes:
+    return base64.b64decode(text, validate=True)
+
+
+def _text(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def advert_to_wire(advert: Advert) -> List[Any]:
+    return [
+        _text(advert.cipher_public),
+        _text(advert.mask_public),
+        _text(advert.seed_commitment),
+        _text(advert.signature),
+        advert.certificate.decode(),
+    ]
+
+
+def advert_from_wire(rank: int, value: List[Any]) -> Advert:
+    return Advert(rank, _bytes(value[0]), _bytes(value[1]), _bytes(value[2]), _bytes(value[3]), value[4].encode())
+
+
+class SecureRound:
+    """Round ``round_idx`` over ``silos`` (those sent its model), each with its weight (adding up
+    to 1), ``threshold`` of them needed to the end, inputs of ``length`` words with ``bits``
+    fraction bits, clipped to ``bound``."""
+
+    def __init__(
+        self,
+        round_idx: int,
+        silos: List[int],
+        weights: Dict[int, float],
+        threshold: int,
+        length: int,
+        bits: int,
+        bound: float,
+    ) -> None:
+        self.round_idx, self.weights, self.threshold = round_idx, weights, threshold
+        self.bits, self.bound, self.length = bits, bound, length
+        self.server = ServerRound(round_idx, list(silos), threshold, length)
+        self.stage = Stage.ADVERTISE
+        self.stage_silos: List[int] = list(silos)
+        self.awaiting: Set[int] = set(silos)
+        self.bytes: Dict[int, int] = {s: 0 for s in silos}
+        self.lost: Dict[int, str] = {}  # silo -> the stage it was lost in
+
+    def terms(self, silo: int) -> Dict[str, Any]:
+        """What ``silo`` needs with the round's model (:data:`wire.SECAGG`)."""
+        return {
+            "threshold": self.threshold,
+            "bits": self.bits,
+            "weight": self.weights[silo],
+            "bound": self.bound,
+            "length": self.length,
+        }
+
+    def take(self, silo: int, kind: int, params: Dict[str, Any], model: Any, size: int) -> Optional[str]:
+        """Take ``silo``'s message of ``kind``; why it is refused (the silo is then out of the
+        round), or None."""
+        if kind != EXPECTS[self.stage]:
+            problem = f"a message of type {kind} while the round is {self.stage.value}"
+        else:
+            try:
+                self._take(silo, kind, params, model)
+                problem = None
+            except (SecAggError, ValueError, KeyError, TypeError) as err:
+                problem = str(err)
+        self.awaiting.discard(silo)
+        self.bytes[silo] = self.bytes.get(silo, 0) + int(size)
+        if problem is not None:
+            self.lost[silo] = self.stage.name.lower()
+            return f"round {self.round_idx}: silo rank {silo}'s secure aggregation: {problem}; it is out of the round"
+        return None
+
+    def _take(self, silo: int, kind: int, params: Dict[str, Any], model: Any) -> None:
+        server = self.server
+        if kind == wire.SECAGG_ADVERT:
+            server.take_advert(silo, advert_from_wire(silo, params["advert"]))
+        elif kind == wire.SECAGG_SHARES_OUT:
+            server.take_shares(silo, {int(r): _bytes(c) for r, c in params["shares"]})
+        elif kind == wire.SECAGG_MASKED:
+            tensor = (model or {}).get(wire.MASKED_KEY)
+            if tensor is None or len(model) != 1 or str(tensor.dtype) != "torch.int32":
+                raise SecAggError(f"a masked input must be one int32 tensor named {wire.MASKED_KEY!r}")
+            server.take_masked(silo, tensor.numpy().reshape(-1).view(np.uint32))
+        else:
+            shares = {int(o): (k, (int(i), _bytes(b))) for o, k, i, b in params["shares"]}
+            server.take_unmasking(silo, shares)
+
+    def drop(self, silos: List[int], why: str) -> None:
+        """``silos`` left the run: they are awaited no more."""
+        for silo in silos:
+            if silo in self.awaiting:
+                self.awaiting.discard(silo)
+                self.lost[silo] = self.stage.name.lower()
+
+    def answered(self) -> List[int]:
+        return [s for s in self.stage_silos if s not in self.awaiting and s not in self.lost]
+
+    def advance(self, outbox: Outbox, deadline: float) -> Optional[np.ndarray]:
+        """The next stage (its messages to the outbox), or the unmasked sum after the last;
+        :class:`RoundFailed` when fewer than the threshold are left."""
+        server, round_idx = self.server, self.round_idx
+        if self.stage is Stage.ADVERTISE:
+            self._enough(server.u1())
+            adverts = [[r, advert_to_wire(server.adverts[r])] for r in server.u1()]
+            self._next(Stage.SHARE, server.u1())
+            outbox.send(
+                [ToSilo(wire.SECAGG_KEYS, s, round_idx, params={"adverts": adverts}) for s in server.u1()],
+                deadline,
+                ROUND,
+            )
+        elif self.stage is Stage.SHARE:
+            self._enough(server.u2())
+            self._next(Stage.MASKED, server.u2())
+            messages = [
+                ToSilo(
+                    wire.SECAGG_SHARES,
+                    s,
+                    round_idx,
+                    params={"shares": [[r, _text(c)] for r, c in sorted(server.shares_for(s).items())]},
+                )
+                for s in server.u2()
+            ]
+            outbox.send(messages, deadline, ROUND)
+        elif self.stage is Stage.MASKED:
+            survivors = server.close_masked()
+            self._next(Stage.UNMASK, survivors)
+            outbox.send(
+                [ToSilo(wire.SECAGG_UNMASK, s, round_idx, params={"survivors": survivors}) for s in survivors],
+                deadline,
+                ROUND,
+            )
+        else:
+            return server.total()
+        return None
+
+    def _enough(self, silos: List[int]) -> None:
+        if len(silos) < self.threshold:
+            raise RoundFailed(
+                f"round {self.round_idx}: {len(silos)} silo(s) {silos} finished {self.stage.value}, fewer than "
+                f"secagg_args.reconstruction_threshold={self.threshold}; lost: {self.lost}"
+            )
+
+    def _next(self, stage: Stage, silos: List[int]) -> None:
+        self.stage, self.stage_silos, self.awaiting = stage, list(silos), set(silos)
+
+    def average(self, total: np.ndarray) -> np.ndarray:
+        """The weighted average of the summed silos' deltas."""
+        weight = sum(self.weights[s] for s in self.server.survivors)
+        return fixed_point.decode(total, self.bits, weight)
+
+    def record(self, failed: Optional[str]) -> Dict[str, Any]:
+        """The round as summary.json's ``secure_aggregation`` keeps it."""
+        summed = list(self.server.survivors) if failed is None else []
+        return {
+            "round": self.round_idx,
+            "sampled": list(self.server.sampled),
+            "summed": summed,
+            "dropped": {str(s): stage for s, stage in sorted(self.lost.items())},
+            "recovered": [s for s in self.server.u2() if s not in self.server.masked] if failed is None else [],
+            "threshold": self.threshold,
+            "fraction_bits": self.bits,
+            "bytes_per_silo": {str(s): b for s, b in sorted(self.bytes.items())},
+            "failed": failed,
+        }

@@ -1,0 +1,171 @@
+"""Secure aggregation across data-owner silos (secagg_args.enable_secagg), run as a user runs it:
+one process per rank with its own folder, mutual TLS on loopback. The model equals the plaintext
+run's within the stated error; a silo killed mid-run is recovered from the others' shares."""
+
+import json
+import signal
+
+import pytest
+import torch
+
+from fedml_perfedavg.run.config import ConfigError, load_yaml, resolve
+
+from tests.backends.test_silo_own import OWN, _export, _sp
+from tests.helpers import HF_YAML, SILO_YAML, finish_all, needs_mnist, start_by_hand
+
+SECURE = {**OWN, "enable_secagg": True, "comm_round": 4}
+
+
+def _summary(tmp_path):
+    return json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
+@needs_mnist
+def test_four_silos_every_one_sampled_give_the_plaintext_model_within_1e_5(mnist_root, tmp_path):
+    folders = _export(mnist_root, tmp_path, 4)
+    settings = {**SECURE, "client_num_in_total": 4, "client_num_per_round": 4}
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders), timeout=400)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 4, outs[0][-4000:]
+    secure = summary["secure_aggregation"]
+    assert secure["rounds"] == 4 and secure["failed_rounds"] == 0
+    for record in secure["per_round"]:
+        assert record["summed"] == [1, 2, 3, 4] and record["dropped"] == {} and record["threshold"] == 3
+        assert all(size > 4 * 59_210 for size in record["bytes_per_silo"].values())  # the masked words and more
+    sp = _sp(mnist_root, tmp_path, 4, 4, client_num_per_round=4)
+    model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    worst = max(float((model[k] - v).abs().max()) for k, v in sp.final_state.items())
+    assert worst <= 1e-5
+    plain = sp.summary["personalized_accuracy"]
+    assert abs(summary["personalized_accuracy"] - plain) < 1e-9, (summary["personalized_accuracy"], plain)
+    for rank in range(1, 5):
+        assert "sends no update" not in outs[rank] and "leaves this round" not in outs[rank]
+
+
+@needs_mnist
+@pytest.mark.parametrize("stage, silos", [("shares", 6), ("masked", 4)])
+def test_a_silo_killed_after_sharing_its_keys_is_recovered_and_the_run_finishes_securely(
+    mnist_root, tmp_path, stage, silos
+):
+    """The last silo SIGKILLs itself in round 1 once the server has its key shares (before its
+    masked input; 6 silos, so 5 finish: the paper's split needs an even count) or its masked input
+    (before unmasking; 4 silos); the others finish the round and the run."""
+    folders = _export(mnist_root, tmp_path, silos)
+    settings = {
+        **SECURE,
+        "client_num_in_total": silos,
+        "client_num_per_round": silos,
+        "min_clients_per_round": silos - 1,
+        "round_timeout": 60,
+        "round_timeout_factor": 3,
+    }
+    processes = start_by_hand(tmp_path, settings, silos, folders, liars={silos: f"vanish:1:{stage}"})
+    outs = finish_all(processes, timeout=400)
+    assert processes[silos].returncode == -signal.SIGKILL
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 4, outs[0][-4000:]
+    secure = summary["secure_aggregation"]
+    assert secure["rounds"] == 4 and secure["failed_rounds"] == 0
+    everyone, survivors = list(range(1, silos + 1)), list(range(1, silos))
+    round_1 = secure["per_round"][1]
+    assert round_1["threshold"] == silos // 2 + 1
+    if stage == "shares":  # its input never came: its pairwise masks are taken out with its key's shares
+        assert round_1["summed"] == survivors and round_1["recovered"] == [silos]
+        assert round_1["dropped"] == {str(silos): "masked"}
+    else:  # its input is in the sum: its seed is rebuilt from the others' shares
+        assert round_1["summed"] == everyone and round_1["recovered"] == []
+        assert round_1["dropped"] == {str(silos): "unmask"}
+    assert [r["summed"] for r in secure["per_round"][2:]] == [survivors, survivors]
+    assert [entry["rank"] for entry in summary["lost_silos"]] == [silos]
+    accuracy = [h["personalized_accuracy"] for h in summary["history"]]
+    assert accuracy[-1] > accuracy[1], accuracy  # the model went on learning after the loss
+    sp = _sp(mnist_root, tmp_path, silos, 1, client_num_per_round=silos)  # round 0 had every silo: sp's model
+    assert abs(accuracy[0] - sp.summary["personalized_accuracy"]) < 1e-9
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"silo_data": "shared"}, "only across data-owner silos"),
+        ({"tls_dir": None, "insecure": True}, "needs comm_args.tls_dir"),
+        ({"max_update_ratio": None}, "needs train_args.max_update_ratio or train_args.max_update_norm"),
+        ({"reconstruction_threshold": 3}, "must be <= train_args.client_num_per_round \\(2\\)"),
+        ({"reconstruction_threshold": 1}, "secagg_args.reconstruction_threshold=1.*>= 2"),
+        ({"federated_optimizer": "FedAvgARUBA"}, "FedAvgARUBA"),
+    ],
+)
+def test_what_secure_aggregation_cannot_run_with_is_refused_at_start_naming_the_key(change, message):
+    values = {**SECURE, "client_num_in_total": 4, "tls_dir": "/nonexistent", **change}
+    with pytest.raises(ConfigError, match=message):
+        resolve(load_yaml(SILO_YAML), values)
+
+
+def test_fedml_defenses_and_model_attacks_are_refused_with_secure_aggregation():
+    sections = load_yaml(SILO_YAML)
+    values = {**SECURE, "client_num_in_total": 4, "tls_dir": "/nonexistent"}
+    defended = {**sections, "defense_args": {"enable_defense": True, "defense_type": "krum", "krum_param_m": 1}}
+    with pytest.raises(ConfigError, match="defense_args.enable_defense=True .*krum.* secure aggregation hides"):
+        resolve(defended, values)
+    attacked = {**sections, "attack_args": {"enable_attack": True, "attack_type": "byzantine"}}
+    with pytest.raises(ConfigError, match="attack_args.attack_type='byzantine' with secagg_args.enable_secagg"):
+        resolve(attacked, values)
+    assert resolve(load_yaml(HF_YAML), {"enable_secagg": False}).enable_secagg is False
+
+
+@needs_mnist
+def test_fedml_stock_main_with_one_import_aggregates_securely_across_data_owner_silos(mnist_root, tmp_path):
+    """FedML's own step-by-step main script and its cross-silo YAML, switched to data-owner silos
+    and secure aggregation by YAML keys alone, one process per rank, offline."""
+    import subprocess
+    import sys
+
+    from fedml_perfedavg.run.runner import load_split
+    from fedml_perfedavg.run.silo_data import export_split
+
+    from tests.backends.test_fedml_user import SCRIPT, _check, _env
+    from tests.helpers import NETWORK_GUARD, example_yaml, offline
+
+    (tmp_path / "ipconfig.csv").write_text(
+        "eid,rank,grpc_server_ip,grpc_server_port\n" + "".join(f"{r},{r},127.0.0.1,{19470 + r}\n" for r in range(3))
+    )
+    keys = {
+        "grpc_ipconfig_path": str(tmp_path / "ipconfig.csv"),
+        "silo_data": "own",
+        "client_num_in_total": 2,
+        "client_num_per_round": 2,
+        "enable_secagg": True,
+    }
+    base = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "secure", tmp_path / "runs", **keys)
+    export_split(resolve(load_yaml(base), {}), str(tmp_path / "export"), load_split)
+    (tmp_path / "server-data").mkdir()
+    folders = {0: tmp_path / "server-data", 1: tmp_path / "export" / "rank-1", 2: tmp_path / "export" / "rank-2"}
+    paths = {
+        r: example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "secure", tmp_path / "runs", **keys)
+        for r in range(3)
+    }
+    for rank, path in paths.items():  # each organization's copy names its own folder
+        text = open(path).read().replace(f"data_cache_dir: {mnist_root}", f"data_cache_dir: {folders[rank]}")
+        path = str(tmp_path / f"rank-{rank}.yaml")
+        open(path, "w").write(text)
+        paths[rank] = path
+    script = (
+        " & ".join(
+            f'{sys.executable} -c "$GUARD" --script {SCRIPT} --cf {paths[r]} --rank {r} --role '
+            f"{'server' if r == 0 else 'client'} --run_id 7"
+            for r in range(3)
+        )
+        + " & wait"
+    )
+    out = subprocess.run(
+        offline(["sh", "-c", script]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**_env(tmp_path), "GUARD": NETWORK_GUARD},
+        cwd=tmp_path,
+    )
+    _check(out, processes=3)
+    summary = json.loads((tmp_path / "runs" / "secure" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == 3
+    assert summary["secure_aggregation"]["rounds"] == 3
+    assert [r["summed"] for r in summary["secure_aggregation"]["per_round"]] == [[1, 2]] * 3

@@ -1,0 +1,170 @@
+"""Secure aggregation as states of the server's protocol, with no process or port: the silos are
+in-process parties answering the protocol's actions as the real silos do (secure_silo.py)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedml_perfedavg.fedml_bridge.cross_silo import wire
+from fedml_perfedavg.fedml_bridge.cross_silo.agreement import SiloSetup
+from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
+from fedml_perfedavg.fedml_bridge.cross_silo.events import ROUND, Hello, Listening, Record, Refuse, SecAggMessage, Send
+from fedml_perfedavg.fedml_bridge.cross_silo.events import Tick, Update
+from fedml_perfedavg.fedml_bridge.cross_silo.policy import SiloPolicy
+from fedml_perfedavg.fedml_bridge.cross_silo.protocol import SiloServerProtocol
+from fedml_perfedavg.fedml_bridge.cross_silo.secure_rounds import advert_to_wire
+from fedml_perfedavg.fedml_bridge.cross_silo.secure_silo import SecureSiloRound
+from fedml_perfedavg.secagg import fixed_point
+from fedml_perfedavg.secagg.primitives import sign
+from fedml_perfedavg.secagg.rounds import SiloRound
+
+from tests.fedml_bridge.test_server_protocol import Plan, hello
+
+LENGTH = 6
+
+
+class SecureModel:
+    """A global model of one vector; the protocol hands it the securely averaged delta."""
+
+    def __init__(self):
+        self.state = {"w": torch.zeros(LENGTH, dtype=torch.float64)}
+        self.averages, self.kept = [], []
+
+    def params(self):
+        return dict(self.state)
+
+    def aggregate(self, round_idx, updates):
+        raise AssertionError("a secure round never averages updates in the clear")
+
+    def secure_average(self, round_idx, average_delta):
+        self.averages.append(average_delta)
+        self.state = {"w": self.state["w"] + torch.from_numpy(average_delta)}
+        return self.state
+
+    def keep(self, round_idx):
+        self.kept.append(round_idx)
+        return self.state
+
+    def update_bound(self):
+        return 1.0
+
+    def vector_length(self):
+        return LENGTH
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tls")
+    make_certificates(str(folder), 3)
+    read = lambda name: open(os.path.join(folder, name), "rb").read()  # noqa: E731
+    return {"ca": read("ca.pem"), **{r: (read(f"rank-{r}.pem"), read(f"rank-{r}.key")) for r in (1, 2, 3)}}
+
+
+def deltas():
+    generator = np.random.default_rng(7)
+    return {s: fixed_point.clip(generator.normal(0, 0.1, LENGTH), 1.0) for s in (1, 2, 3)}
+
+
+def start(tls, threshold=2):
+    setup = SiloSetup(
+        own_data=True,
+        silos=[1, 2, 3],
+        fingerprint={"train_args.learning_rate": 0.001},
+        model=nn.Sequential(nn.Linear(4, 3)),
+        secure_threshold=threshold,
+    )
+    model = SecureModel()
+    p = SiloServerProtocol(setup, SiloPolicy(60.0, 30.0, 1), Plan([0, 1, 2]), model, 1, 3)
+    p.handle(Listening(0.0))
+    actions = []
+    for rank in (1, 2, 3):
+        actions += p.handle(Hello(1.0, rank, hello(rank) | {"train": 30, "test": 10}, f"s{rank}"))
+    models = [m for a in actions if isinstance(a, Send) and a.purpose == ROUND for m in a.messages]
+    parties = {}
+    for m in models:
+        terms = m.params[wire.SECAGG]
+        encoded = fixed_point.encode(deltas()[m.silo], terms["weight"], terms["bits"])
+        cert, key = tls[m.silo]
+        party = SiloRound("run-1", 0, m.silo, threshold, lambda data, k=key: sign(k, data), cert)
+        parties[m.silo] = SecureSiloRound(0, party, encoded, tls["ca"])
+    return p, model, parties, models
+
+
+def answer(p, parties, actions, skip=(), now=2.0):
+    """Each message of the protocol's sends answered by its silo (those in ``skip`` are gone)."""
+    out = []
+    for m in [m for a in actions if isinstance(a, Send) for m in a.messages]:
+        if m.silo in skip:
+            continue
+        kind, params, tensors = parties[m.silo].answer(m.kind, m.params)
+        out += p.handle(SecAggMessage(now, m.silo, kind, 0, params, tensors, 100))
+    return out
+
+
+def advertise(p, parties, skip=()):
+    out = []
+    for s, party in parties.items():
+        if s not in skip:
+            out += p.handle(SecAggMessage(1.5, s, wire.SECAGG_ADVERT, 0, {"advert": advert_to_wire(party.advertise())}))
+    return out
+
+
+def records(actions, method):
+    return [a.args for a in actions if isinstance(a, Record) and a.method == method]
+
+
+def test_every_silo_to_the_end_gives_the_plaintext_average(tls):
+    p, model, parties, models = start(tls)
+    assert {m.params[wire.SECAGG]["weight"] for m in models} == {1 / 3}
+    keys = advertise(p, parties)
+    shares = answer(p, parties, keys)
+    masked = answer(p, parties, shares)
+    actions = answer(p, parties, masked)
+    ((round_idx, record),) = records(actions, "record_secure_round")
+    assert record["summed"] == [1, 2, 3] and record["failed"] is None and record["fraction_bits"] == 30
+    plain = np.mean(list(deltas().values()), axis=0)
+    assert np.max(np.abs(model.averages[0] - plain)) <= fixed_point.worst_error(30, 3)
+    assert records(actions, "round_finished")[0][0] == 0
+
+
+def test_a_silo_gone_after_sharing_is_given_up_on_at_the_deadline_and_its_masks_taken_out(tls):
+    p, model, parties, _ = start(tls)
+    shares = answer(p, parties, advertise(p, parties))  # every silo shared its keys; now silo 3 is gone
+    assert answer(p, parties, shares, skip=(3,)) == []  # the stage still awaits silo 3's masked input
+    actions = p.handle(Tick(100.0))
+    assert records(actions, "record_lost_silos")[0][1] == [3]
+    actions = answer(p, parties, actions)
+    ((_, record),) = records(actions, "record_secure_round")
+    assert record["summed"] == [1, 2] and record["recovered"] == [3] and record["dropped"] == {"3": "masked"}
+    plain = np.mean([deltas()[1], deltas()[2]], axis=0)
+    assert np.max(np.abs(model.averages[0] - plain)) <= fixed_point.worst_error(30, 3, 2 / 3)
+
+
+def test_fewer_than_the_threshold_keeps_the_global_model_and_says_who_dropped(tls):
+    p, model, parties, _ = start(tls, threshold=3)
+    advertise(p, parties, skip=(3,))
+    actions = p.handle(Tick(100.0))
+    ((_, record),) = records(actions, "record_secure_round")
+    assert "fewer than secagg_args.reconstruction_threshold=3" in record["failed"] and record["summed"] == []
+    assert model.kept == [0] and model.averages == []
+
+
+def test_an_update_in_the_clear_is_refused_in_a_secure_run(tls):
+    p, model, parties, _ = start(tls)
+    actions = p.handle(Update(2.0, 1, 0, 30, {"w": torch.zeros(LENGTH)}))
+    (refused,) = [a for a in actions if isinstance(a, Refuse)]
+    assert refused.kind == "secagg" and "in the clear" in refused.text
+
+
+def test_a_stage_message_out_of_turn_puts_its_silo_out_of_the_round(tls):
+    p, model, parties, _ = start(tls)
+    actions = p.handle(
+        SecAggMessage(1.5, 2, wire.SECAGG_MASKED, 0, {}, {"masked": torch.zeros(LENGTH, dtype=torch.int32)})
+    )
+    (refused,) = [a for a in actions if isinstance(a, Refuse)]
+    assert "while the round is training and advertising keys" in refused.text
+    keys = advertise(p, parties, skip=(2,))  # silos 1 and 3 go on without it
+    assert sorted(m.silo for a in keys if isinstance(a, Send) for m in a.messages) == [1, 3]
