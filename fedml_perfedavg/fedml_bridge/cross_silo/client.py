@@ -38,6 +38,7 @@ from typing import Any, Dict, Optional
 from ...core.errors import SiloFailure
 from ..bootstrap import import_fedml
 from .agreement import SiloSetup
+from .modes import data_mode
 from ...secagg.primitives import SecAggError
 from .policy import SiloPolicy
 from .secure_rounds import advert_to_wire
@@ -139,7 +140,8 @@ class PluginClientMasterManager(ClientMasterManager):
     ) -> None:
         super().__init__(args, trainer_dist_adapter, comm, rank, size, backend)
         self.policy, self.setup = policy, setup
-        self.own_user = rank - 1 if setup.own_data else None
+        self.mode = data_mode(setup.own_data)
+        self.own_user = self.mode.own_user(rank)
         self.state = State.ANNOUNCING
         self.state_since = self.last_heard = self.last_awake = time.monotonic()
         self.last_model: Optional[float] = None
@@ -221,7 +223,7 @@ class PluginClientMasterManager(ClientMasterManager):
             self._goodbye(self.trainer.evaluate(round_idx))
             self.finish()
             return
-        counts = None if self.setup.own_data else self.trainer.evaluate(round_idx)
+        counts = self.trainer.evaluate(round_idx) if self.mode.figures_with_updates else None
         received = msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)
         weights, samples = self.trainer_dist_adapter.train(round_idx)
         terms = msg_params.get(wire.SECAGG)

@@ -52,6 +52,9 @@ class SharedData:
     figures_with_updates = True
     ends_with_final_model = True
 
+    def own_user(self, rank: int) -> Optional[int]:
+        return None  # a shared-mode silo trains whichever user the server names
+
 
 class OwnData:
     """Silo rank R holds user R-1's data only; the server holds none."""
@@ -92,6 +95,9 @@ class OwnData:
 
     figures_with_updates = False
     ends_with_final_model = False
+
+    def own_user(self, rank: int) -> Optional[int]:
+        return rank - 1  # and no other
 
 
 DataMode = Any  # SharedData | OwnData
