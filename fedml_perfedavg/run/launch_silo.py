@@ -68,15 +68,45 @@ class ServerState:
         return state in readiness.TRAINING_STATES or state == "done"
 
 
+def _cpu_seconds(pid: int) -> Optional[float]:
+    """CPU time ``pid`` has used so far (Linux's /proc), or None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as stream:
+            fields = stream.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _wait_ready(state: ServerState, process: subprocess.Popen, what: str, timeout: float, stop: StopSignals) -> None:
-    """Until the server says it listens (its state file, not any listener on the port)."""
-    deadline = time.monotonic() + timeout
+    """Until the server says it listens (its state file, not any listener on the port). Its start
+    (imports, loading the model) is not a network wait: on a loaded machine it can take longer than
+    ``timeout`` (comm_args.connect_timeout), so the wait goes on while the server runs and uses the
+    CPU, saying so every ``timeout`` seconds; it fails when the server exits, or has used no CPU for
+    ``timeout`` seconds (it is stuck)."""
+    started = last_progress = next_note = time.monotonic()
+    next_note += timeout
+    last_cpu = _cpu_seconds(process.pid)
     while not state.listening():
         stop.sleep(0.1)
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with code {process.returncode} before it listened on {what}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not listen on {what} within {timeout:g} s (comm_args.connect_timeout)")
+        now, cpu = time.monotonic(), _cpu_seconds(process.pid)
+        if cpu is not None and last_cpu is not None and cpu > last_cpu:
+            last_cpu, last_progress = cpu, now
+        if now - last_progress > timeout:
+            raise RuntimeError(
+                f"the server did not listen on {what}: it has used no CPU for {now - last_progress:.0f} s "
+                f"(comm_args.connect_timeout={timeout:g}); it is stuck"
+            )
+        if now >= next_note:
+            next_note += timeout
+            logger.info(
+                "the server is still starting (%.0f s; it is busy, %.1f s of CPU): waiting for it to listen on %s",
+                now - started,
+                last_cpu or 0.0,
+                what,
+            )
 
 
 def _end_with_parent() -> None:
