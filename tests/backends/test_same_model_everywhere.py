@@ -128,8 +128,9 @@ def test_batchnorm_models_give_the_same_bits_on_every_backend_with_one_thread_ea
 @pytest.mark.parametrize("name", ["batchnorm_cnn", "fedml_cnn"])
 def test_cpu_kernels_depend_on_the_thread_count_and_by_how_much(name):
     """What the README says of conv and BatchNorm models across processes with other thread
-    counts: one client's update, in one process, with 1 and with 2 torch threads (FedML's cnn on
-    MNIST's shape; sp and MPI -n 2 with the default thread counts once differed by 6e-8 in CI)."""
+    counts: one client's update, in one process, with 1 and with 2 torch threads, differs by float
+    noise at most (FedML's cnn on MNIST's shape; sp and MPI -n 2 with the default thread counts once
+    differed by 6e-8 in CI; on some CPUs its kernels give the same bits)."""
     from fedml_perfedavg.algorithms.registry import create_algorithm
     from fedml_perfedavg.run.config import resolve
 
@@ -159,4 +160,9 @@ def test_cpu_kernels_depend_on_the_thread_count_and_by_how_much(name):
     finally:
         torch.set_num_threads(threads)
     difference = max(float((results[0][k] - results[1][k]).abs().max()) for k in algorithm.parameter_names)
-    assert 0.0 < difference < 1e-6, difference  # one client, one round: float noise, which HF amplifies over rounds
+    # One client, one round: float noise at most, which HF amplifies over rounds. Whether there is any
+    # depends on the CPU's kernels: FedML's cnn differed by 3e-8 on one AMD EPYC and not at all on
+    # another (2026-11-25); BatchNorm's differs on both.
+    assert difference < 1e-6, difference
+    if name == "batchnorm_cnn":
+        assert difference > 0.0
