@@ -118,7 +118,68 @@ class State(enum.Enum):
     DONE = "done"
 
 
-class PluginClientMasterManager(ClientMasterManager):
+class SecureSiloMessages:
+    """A silo's messages of secure aggregation's stages (secure_silo.py), as
+    :class:`PluginClientMasterManager` handles them (its ``rank``, transport and trainer)."""
+
+    rank: int
+    client_real_id: int
+    secure: Optional[SecureSiloRound]
+    setup: SiloSetup
+    com_manager: Any
+
+    @property
+    def trainer(self) -> PluginFedMLTrainer:
+        raise NotImplementedError  # PluginClientMasterManager's
+
+    def _send_or_rejoin(self, message: Message, what: str) -> None:
+        raise NotImplementedError  # PluginClientMasterManager's
+
+    def _secure_round(self, round_idx: int, terms: Any, received: Any, trained: Any) -> Optional[SecureSiloRound]:
+        """This silo's part of the round's secure aggregation, its update clipped and encoded;
+        None (logged) when the server's terms are not this run's."""
+        try:
+            return SecureSiloRound.start(
+                self.rank,
+                round_idx,
+                terms,
+                self.setup.secure_threshold,
+                received,
+                trained,
+                self.trainer.trainer,
+                self.com_manager.settings,
+            )
+        except SecAggError as err:
+            logger.error("silo rank %d: round %d: %s; it sends no update this round", self.rank, round_idx, err)
+            return None
+
+    def _on_secagg(self, msg_params: Message) -> None:
+        kind, round_idx = int(msg_params.get_type()), int(msg_params.get(ROUND_KEY))
+        if self.secure is None or self.secure.round_idx != round_idx:
+            logger.warning(
+                "silo rank %d: a secure-aggregation message for round %d, which it is not in", self.rank, round_idx
+            )
+            return
+        try:
+            answer, params, tensors = self.secure.answer(kind, dict(msg_params.get_params()))
+        except SecAggError as err:
+            logger.error(
+                "silo rank %d: round %d: %s; it leaves this round's secure aggregation", self.rank, round_idx, err
+            )
+            self.secure = None
+            return
+        self._send_secagg(answer, params, round_idx, tensors)
+
+    def _send_secagg(self, kind: int, params: Dict[str, Any], round_idx: int, tensors: Any = None) -> None:
+        message = Message(kind, self.client_real_id, 0)
+        for key, value in params.items():
+            message.add_params(key, value)
+        if tensors is not None:
+            message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, tensors)
+        self._send_or_rejoin(message, f"its secure-aggregation message (type {kind}) of round {round_idx}")
+
+
+class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
     """The states of the module doc, over FedML's message dispatch and our transport."""
 
     GOODBYE_SECONDS = 2.0  # a finished run's goodbye: a server that has already ended is not waited for
@@ -237,50 +298,6 @@ class PluginClientMasterManager(ClientMasterManager):
         message.add_params(MyMessage.MSG_ARG_KEY_NUM_SAMPLES, samples)
         message.add_params(wire.SILO_METRICS, counts)
         self._send_or_rejoin(message, f"its update for round {round_idx}")
-
-    # -- secure aggregation (secure_silo.py) ------------------------------------------------------------
-    def _secure_round(self, round_idx: int, terms: Any, received: Any, trained: Any) -> Optional[SecureSiloRound]:
-        """This silo's part of the round's secure aggregation, its update clipped and encoded;
-        None (logged) when the server's terms are not this run's."""
-        try:
-            return SecureSiloRound.start(
-                self.rank,
-                round_idx,
-                terms,
-                self.setup.secure_threshold,
-                received,
-                trained,
-                self.trainer.trainer,
-                self.com_manager.settings,
-            )
-        except SecAggError as err:
-            logger.error("silo rank %d: round %d: %s; it sends no update this round", self.rank, round_idx, err)
-            return None
-
-    def _on_secagg(self, msg_params: Message) -> None:
-        kind, round_idx = int(msg_params.get_type()), int(msg_params.get(ROUND_KEY))
-        if self.secure is None or self.secure.round_idx != round_idx:
-            logger.warning(
-                "silo rank %d: a secure-aggregation message for round %d, which it is not in", self.rank, round_idx
-            )
-            return
-        try:
-            answer, params, tensors = self.secure.answer(kind, dict(msg_params.get_params()))
-        except SecAggError as err:
-            logger.error(
-                "silo rank %d: round %d: %s; it leaves this round's secure aggregation", self.rank, round_idx, err
-            )
-            self.secure = None
-            return
-        self._send_secagg(answer, params, round_idx, tensors)
-
-    def _send_secagg(self, kind: int, params: Dict[str, Any], round_idx: int, tensors: Any = None) -> None:
-        message = Message(kind, self.client_real_id, 0)
-        for key, value in params.items():
-            message.add_params(key, value)
-        if tensors is not None:
-            message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, tensors)
-        self._send_or_rejoin(message, f"its secure-aggregation message (type {kind}) of round {round_idx}")
 
     def _on_evaluate(self, msg_params: Message) -> None:
         round_idx = int(msg_params.get(ROUND_KEY))

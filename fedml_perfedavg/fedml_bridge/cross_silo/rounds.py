@@ -59,7 +59,114 @@ class RoundPlan(Protocol):
     def evaluates(self, round_idx: int) -> bool: ...
 
 
-class SiloRounds:
+class SecureStages:
+    """The open round's secure-aggregation stages (secure_rounds.py), as :class:`SiloRounds` runs
+    them: its state (``round``, ``secure``, ``clock``, ``members``, ``model``, ``outbox``) is
+    SiloRounds', and the round ends through its ``round_closed``."""
+
+    round: OpenRound
+    secure: Optional[SecureRound]
+    round_idx: int
+    clock: PhaseClock
+    members: SiloMembership
+    model: GlobalModel
+    outbox: Outbox
+    roster: SiloRoster
+
+    def give_up_on(self, silos: List[int], why: str, go_on: bool) -> None:
+        raise NotImplementedError  # SiloRounds'
+
+    def close_if_complete(self, now: float) -> bool:
+        raise NotImplementedError  # SiloRounds'
+
+    def round_closed(self, now: float, round_idx: int, params: Any) -> bool:
+        raise NotImplementedError  # SiloRounds'
+
+    def secure_round(self) -> SecureRound:
+        """The open round's secure aggregation: weights adding up to 1 over the silos sent its
+        model, fraction bits that the sum of inputs within the update bound cannot wrap."""
+        setup, silos = self.roster.setup, sorted(self.round.assigned)
+        if setup.sample_weighted:
+            counts = {s: self.roster.counts_of(s, self.round.assigned[s][1])[0] for s in silos}
+        else:
+            counts = {s: 1 for s in silos}
+        total = sum(counts.values()) or 1
+        bound = self.model.update_bound()
+        bits = fixed_point.fraction_bits(bound)
+        if bits < fixed_point.MIN_FRACTION_BITS:
+            raise SecAggError(
+                f"round {self.round_idx}: the update bound {bound:.4g} (train_args.max_update_ratio x max(||w||, 1), "
+                f"or max_update_norm) leaves {bits} fraction bits in 32-bit fixed point, fewer than "
+                f"{fixed_point.MIN_FRACTION_BITS}; lower train_args.max_update_ratio or set max_update_norm"
+            )
+        threshold = int(setup.secure_threshold or 2)
+        weights = {s: counts[s] / total for s in silos}
+        return SecureRound(self.round_idx, silos, weights, threshold, self.model.vector_length(), bits, bound)
+
+    def on_secagg(self, now: float, silo: int, kind: int, stamped: Any, params: Any, model: Any, size: int) -> bool:
+        """``silo``'s message of a secure-aggregation stage for round ``stamped``."""
+        secure = self.secure
+        if (
+            self.clock.phase is not Phase.TRAINING
+            or secure is None
+            or stamped != self.round_idx
+            or silo not in secure.awaiting
+        ):
+            logger.warning(
+                "ignored a secure-aggregation message (type %d) from silo rank %d for round %s "
+                "(the server is %s round %d)",
+                kind,
+                silo,
+                stamped,
+                self.clock.phase.value,
+                self.round_idx,
+            )
+            self.members.tell_if_left_out(now, self.round_idx, silo)
+            return False
+        problem = secure.take(silo, kind, params, model, size)
+        if problem is not None:
+            self.outbox.refuse(silo, REFUSED_SECAGG, problem)
+        return self.close_if_complete(now)
+
+    def advance_secure(self, now: float) -> bool:
+        """Every silo of the stage answered (or the rest were given up on): the next stage, or the
+        round's end with the unmasked sum; fewer than the threshold left end it without one."""
+        assert self.secure is not None
+        try:
+            total = self.secure.advance(self.outbox, now + self.clock.round_seconds())
+        except RoundFailed as err:
+            logger.error("%s; the global model is kept", err)
+            return self.close_secure(now, None, str(err))
+        if total is None:
+            self.clock.deadline = now + self.clock.round_seconds()
+            return self.close_if_complete(now)
+        return self.close_secure(now, total, None)
+
+    def secure_deadline(self, now: float, why: str) -> bool:
+        """The stage's deadline passed: the silos it still awaits are given up on."""
+        assert self.secure is not None
+        missing = sorted(self.secure.awaiting)
+        go_on, _ = self.members.policy.after_deadline(self.round.expected, self.secure.answered())
+        self.give_up_on(missing, f"{why} ({self.secure.stage.value})", go_on)
+        self.secure.drop(missing, why)
+        return self.advance_secure(now)
+
+    def close_secure(self, now: float, total: Any, failed: Optional[str]) -> bool:
+        assert self.secure is not None
+        self.clock.disarm()
+        secure, round_idx = self.secure, self.round_idx
+        if total is not None and not secure.lost and set(secure.server.survivors) >= set(self.round.expected):
+            self.clock.measure_round(now)
+        if total is None:
+            params = self.model.keep(round_idx)
+        else:
+            params = self.model.secure_average(round_idx, secure.average(total))
+        self.outbox.record("record_secure_round", round_idx, secure.record(failed))
+        self.secure = None
+        return self.round_closed(now, round_idx, params)
+
+
+class SiloRounds(SecureStages):
     """Rounds ``round_idx`` up to ``round_num`` over the silos ``members`` keeps; models come from
     and go to ``model``; ``plan`` samples each round's users and says which are evaluated."""
 
@@ -119,27 +226,6 @@ class SiloRounds:
         self.secure = self.secure_round() if self.roster.setup.secure_threshold else None
         self.outbox.send(self.models_for(self.round, kind), self.clock.deadline or now, ROUND)
         return self.close_if_complete(now)
-
-    def secure_round(self) -> SecureRound:
-        """The open round's secure aggregation: weights adding up to 1 over the silos sent its
-        model, fraction bits that the sum of inputs within the update bound cannot wrap."""
-        setup, silos = self.roster.setup, sorted(self.round.assigned)
-        if setup.sample_weighted:
-            counts = {s: self.roster.counts_of(s, self.round.assigned[s][1])[0] for s in silos}
-        else:
-            counts = {s: 1 for s in silos}
-        total = sum(counts.values()) or 1
-        bound = self.model.update_bound()
-        bits = fixed_point.fraction_bits(bound)
-        if bits < fixed_point.MIN_FRACTION_BITS:
-            raise SecAggError(
-                f"round {self.round_idx}: the update bound {bound:.4g} (train_args.max_update_ratio x max(||w||, 1), "
-                f"or max_update_norm) leaves {bits} fraction bits in 32-bit fixed point, fewer than "
-                f"{fixed_point.MIN_FRACTION_BITS}; lower train_args.max_update_ratio or set max_update_norm"
-            )
-        threshold = int(setup.secure_threshold or 2)
-        weights = {s: counts[s] / total for s in silos}
-        return SecureRound(self.round_idx, silos, weights, threshold, self.model.vector_length(), bits, bound)
 
     def sampled(self, round_idx: int) -> OpenRound:
         """Round ``round_idx``'s silos and users: the algorithm's keyed sample, as in sp."""
@@ -209,69 +295,6 @@ class SiloRounds:
         if self.round.answered_by_all():
             self.clock.measure_round(now)
         return self.close_if_complete(now)
-
-    # -- secure aggregation's stages (secure_rounds.py) ---------------------------------------------------
-    def on_secagg(self, now: float, silo: int, kind: int, stamped: Any, params: Any, model: Any, size: int) -> bool:
-        """``silo``'s message of a secure-aggregation stage for round ``stamped``."""
-        secure = self.secure
-        if (
-            self.clock.phase is not Phase.TRAINING
-            or secure is None
-            or stamped != self.round_idx
-            or silo not in secure.awaiting
-        ):
-            logger.warning(
-                "ignored a secure-aggregation message (type %d) from silo rank %d for round %s "
-                "(the server is %s round %d)",
-                kind,
-                silo,
-                stamped,
-                self.clock.phase.value,
-                self.round_idx,
-            )
-            self.members.tell_if_left_out(now, self.round_idx, silo)
-            return False
-        problem = secure.take(silo, kind, params, model, size)
-        if problem is not None:
-            self.outbox.refuse(silo, REFUSED_SECAGG, problem)
-        return self.close_if_complete(now)
-
-    def advance_secure(self, now: float) -> bool:
-        """Every silo of the stage answered (or the rest were given up on): the next stage, or the
-        round's end with the unmasked sum; fewer than the threshold left end it without one."""
-        assert self.secure is not None
-        try:
-            total = self.secure.advance(self.outbox, now + self.clock.round_seconds())
-        except RoundFailed as err:
-            logger.error("%s; the global model is kept", err)
-            return self.close_secure(now, None, str(err))
-        if total is None:
-            self.clock.deadline = now + self.clock.round_seconds()
-            return self.close_if_complete(now)
-        return self.close_secure(now, total, None)
-
-    def secure_deadline(self, now: float, why: str) -> bool:
-        """The stage's deadline passed: the silos it still awaits are given up on."""
-        assert self.secure is not None
-        missing = sorted(self.secure.awaiting)
-        go_on, _ = self.members.policy.after_deadline(self.round.expected, self.secure.answered())
-        self.give_up_on(missing, f"{why} ({self.secure.stage.value})", go_on)
-        self.secure.drop(missing, why)
-        return self.advance_secure(now)
-
-    def close_secure(self, now: float, total: Any, failed: Optional[str]) -> bool:
-        assert self.secure is not None
-        self.clock.disarm()
-        secure, round_idx = self.secure, self.round_idx
-        if total is not None and not secure.lost and set(secure.server.survivors) >= set(self.round.expected):
-            self.clock.measure_round(now)
-        if total is None:
-            params = self.model.keep(round_idx)
-        else:
-            params = self.model.secure_average(round_idx, secure.average(total))
-        self.outbox.record("record_secure_round", round_idx, secure.record(failed))
-        self.secure = None
-        return self.round_closed(now, round_idx, params)
 
     # -- in the clear -----------------------------------------------------------------------------------
     def close_round(self, now: float, why_missing: Optional[str]) -> bool:
