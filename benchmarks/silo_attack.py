@@ -10,11 +10,8 @@ moment round 0 starts until the run ends):
   per address every second and keeping whatever the server leaves open;
 - one making TLS handshakes without a client certificate from 127.0.0.250, back to back;
 
-under an insider with silo 2's key sending messages with a 60 KB field, back to back, on one
-channel (alone, so that what it measures is the server's refusal rate, not the outsiders' caps);
-and under an outsider on the silos' own address (127.0.0.1, as behind one NAT) holding idle
-connections, 200 more every second, from the moment the server listens, before any silo connects.
-For each run: how long the silos took to come online after the server listened (its state file).
+and under an insider with silo 2's key sending messages with a 60 KB field, back to back, on one
+channel (alone, so that what it measures is the server's refusal rate, not the outsiders' caps).
 
 Reports the attackers' rates, what the server refused by reason (summary.json), how much the
 server's log grew, a round's time, and the largest difference between the two runs' final models.
@@ -107,28 +104,16 @@ def one_run(root: str, rounds: int, work: str, attack: str) -> dict:
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": REPO},
     )
-    from fedml_perfedavg.fedml_bridge.cross_silo import readiness
-
-    log, state = os.path.join(run_dir, "run.log"), os.path.join(run_dir, "server_state.json")
-
-    def wait_for(done) -> float:
-        while not done():
-            if process.poll() is not None:
-                raise SystemExit(f"launch-silo failed with {process.returncode}; see {log}")
-            time.sleep(0.01)
-        return time.monotonic()
-
+    log = os.path.join(run_dir, "run.log")
+    while not (os.path.exists(log) and "round 0 starts" in open(log).read()):
+        if process.poll() is not None:
+            raise SystemExit(f"launch-silo failed with {process.returncode}; see {log}")
+        time.sleep(0.05)
+    log_at_start = os.path.getsize(log)
     tally = {"opened": 0, "most_held": 0, "handshakes": 0, "insider_delivered": 0}
     stop, threads = threading.Event(), []
-    listening = wait_for(lambda: readiness.read(state) is not None)
-    if attack == "same-address":
-        address = _server_address(__import__("pathlib").Path(run_dir))
-        threads = [threading.Thread(target=_hold, args=(address, stop, tally, [1], 200), daemon=True)]
-        threads[0].start()
-    online = wait_for(lambda: readiness.read(state) in readiness.TRAINING_STATES | {"done"})
-    log_at_start = os.path.getsize(log)
     started = time.monotonic()
-    if attack in ("outsiders", "insider"):
+    if attack != "undisturbed":
         tls = os.path.join(work, f"stolen-{attack}")
         shutil.copytree(os.path.join(run_dir, "tls"), tls)
         address = _server_address(__import__("pathlib").Path(run_dir))
@@ -166,7 +151,6 @@ def one_run(root: str, rounds: int, work: str, attack: str) -> dict:
         "status": summary["status"],
         "rounds": summary["rounds"],
         "seconds": seconds,
-        "silos_online_after_listening_s": online - listening,
         "ms_per_round": 1000 * (history[-1]["train_seconds"] - history[0]["train_seconds"]) / (rounds - 1),
         "refusals": summary.get("refusals", {}),
         "log_growth_bytes": os.path.getsize(log) - log_at_start,
@@ -185,7 +169,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         runs = {
             name: one_run(os.path.abspath(args.mnist_root), args.rounds, work, name)
-            for name in ("undisturbed", "outsiders", "insider", "same-address")
+            for name in ("undisturbed", "outsiders", "insider")
         }
     calm = runs["undisturbed"]
     when = time.strftime("%Y-%m-%d %H:%M")
@@ -193,13 +177,12 @@ def main() -> None:
         "# What a cross-silo TLS run withstands\n",
         f"`python benchmarks/silo_attack.py --mnist-root {args.mnist_root} --rounds {args.rounds}`, {when}: "
         f"launch-silo, 2 silos, mutual TLS, 1024 open files per process; each attack from round 0 to the end.\n",
-        "| | undisturbed | outsiders | insider | outsider on the silos' address |",
-        "| --- | --- | --- | --- | --- |",
+        "| | undisturbed | outsiders | insider |",
+        "| --- | --- | --- | --- |",
     ]
     row = lambda label, f: lines.append(f"| {label} | " + " | ".join(f(r) for r in runs.values()) + " |")  # noqa: E731
     row("status, rounds", lambda r: f"{r['status']}, {r['rounds']}")
     row("attack lasted, s", lambda r: f"{r['seconds']:.1f}")
-    row("silos online after the server listened, s", lambda r: f"{r['silos_online_after_listening_s']:.2f}")
     row("ms per round", lambda r: f"{r['ms_per_round']:.1f}")
     row("silos lost", lambda r: str(len(r["lost_silos"])))
     row(
@@ -210,7 +193,7 @@ def main() -> None:
         "largest difference to the undisturbed final model",
         lambda r: f"{max(float((r['model'][k] - calm['model'][k]).abs().max()) for k in calm['model']):.3g}",
     )
-    out, ins, same = runs["outsiders"], runs["insider"], runs["same-address"]
+    out, ins = runs["outsiders"], runs["insider"]
     a, i = out["attack"], ins["attack"]
     refused = sum(
         v
@@ -224,16 +207,12 @@ def main() -> None:
         f"| idle connections, 118 addresses | {a['opened']} opened, at most {a['most_held']} open at once on its "
         f"side | {a['opened'] / out['seconds']:.0f} connections/s |",
         f"| handshakes without a certificate | {a['handshakes']} | {a['handshakes'] / out['seconds']:.0f}/s |",
-        f"| idle connections from the silos' address (127.0.0.1), from the server's start | "
-        f"{same['attack']['opened']} opened, at most {same['attack']['most_held']} open at once on its side | "
-        f"{same['attack']['opened'] / (same['seconds'] + same['silos_online_after_listening_s']):.0f} connections/s |",
         "| insider (silo 2's key), 60 KB junk messages | "
         f"{json.dumps({k: v for k, v in i.items() if k.startswith('insider')})} "
         f"| {refused / ins['seconds']:.0f} refused/s |",
         "",
         f"Refused by the server, by reason (summary.json): outsiders {json.dumps(out['refusals'], sort_keys=True)}; "
-        f"insider {json.dumps(ins['refusals'], sort_keys=True)}; same address "
-        f"{json.dumps(same['refusals'], sort_keys=True)}\n",
+        f"insider {json.dumps(ins['refusals'], sort_keys=True)}\n",
     ]
     text = "\n".join(lines)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

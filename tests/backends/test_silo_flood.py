@@ -123,8 +123,9 @@ def test_thousands_of_idle_connections_and_a_handshake_flood_change_nothing(mnis
     refusals = summary["refusals"]
     # over the caps: closed at once; held to the first-request deadline: cut and named; handshakes
     # without a certificate that got a place: refused in the handshake
-    assert refusals["connection-cap"] > 1000 and refusals["handshake"] > 0, refusals
-    assert refusals.get("idle-connection", 0) > 100, refusals  # cut at the first-request deadline
+    assert refusals["connection-cap"] > 1000 and refusals["idle-connection"] > 100 and refusals["handshake"] > 0, (
+        refusals
+    )
     # the caps sit below what 1024 open files hold (3 descriptors a connection, 256 kept for the run)
     assert "connections capped at 14 per peer address and 256 in total" in out and "2.0 s to a first request" in out
     assert set(refusals) <= {"connection-cap", "handshake", "idle-connection", "not-tls"}  # no message refused
@@ -137,43 +138,4 @@ def test_thousands_of_idle_connections_and_a_handshake_flood_change_nothing(mnis
     sp = run(config, str(tmp_path / "sp"))
     model = torch.load(run_dir / "model.pt", weights_only=True)
     for k, v in sp.final_state.items():  # the processes' thread counts differ: float noise, nothing more
-        assert float((model[k] - v).abs().max()) <= 1e-6, k
-
-
-@needs_mnist
-def test_an_outsider_on_the_silos_own_address_cannot_keep_them_out(mnist_root, tmp_path):
-    """Issue 43: thousands of idle connections from 127.0.0.1, the address the silos connect from,
-    from the moment the server listens. Connections without a request give way to newer ones, so
-    the silos' handshakes get through and the run finishes with the undisturbed model."""
-    run_dir = tmp_path / "silo"
-    rounds = 10
-    process = launch_silo(
-        run_dir, {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root, "handshake_timeout": 2}
-    )
-    deadline = time.monotonic() + 120
-    while not (run_dir / "server_state.json").exists():  # the server listens; no silo has started yet
-        assert time.monotonic() < deadline and process.poll() is None
-        time.sleep(0.01)
-    address = _server_address(run_dir)
-    stop, tally = threading.Event(), {"opened": 0, "most_held": 0}
-    attacker = threading.Thread(target=_hold, args=(address, stop, tally, [1], 200), daemon=True)
-    attacker.start()
-    try:
-        out, _ = process.communicate(timeout=400)
-    finally:
-        stop.set()
-        attacker.join(timeout=30)
-    assert process.returncode == 0, out[-5000:]
-    assert tally["opened"] > 2000, tally
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["rounds"] == rounds and "lost_silos" not in summary
-    assert summary["refusals"]["connection-cap"] > 1000, summary["refusals"]
-    assert "refused a message" not in out
-    config = resolve(
-        load_yaml(HF_YAML),
-        {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root, "simulation_engine": "fedml"},
-    )
-    sp = run(config, str(tmp_path / "sp"))
-    model = torch.load(run_dir / "model.pt", weights_only=True)
-    for k, v in sp.final_state.items():
         assert float((model[k] - v).abs().max()) <= 1e-6, k

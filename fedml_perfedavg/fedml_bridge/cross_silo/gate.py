@@ -6,13 +6,8 @@ thousands of idle connections exhausts the process's file descriptors, and the r
 (``Too many open files``) or an honest silo cannot get in. gRPC's Python API offers no hook
 before the handshake, so the port a peer reaches is this gate's: it accepts, applies
 
-- a cap on concurrent connections per peer address and in total, counting only the connections
-  that have not carried a request yet (no valid client certificate has been shown through them):
-  at the cap per address, that address's oldest such connection is closed to make room, so an
-  outsider who holds connections from a silo's own address can only delay the silo by opening more
-  than the cap within one handshake's time; over the total, the newcomer is closed at once (an
-  outsider on many addresses cannot push a silo's handshake out; the first-request deadline frees
-  places); connections that carried a request never give way,
+- a cap on concurrent connections per peer address and in total (over either, the connection is
+  closed at once and counted),
 - a deadline for a connection's first request (the TLS handshake and gRPC's preface included),
 - an idle limit once it has carried requests,
 
@@ -47,9 +42,6 @@ _CHUNK = 1 << 20
 # deadline to arrive whole) and is held to the idle limit instead. gRPC's own handshake deadline still
 # ends a handshake that never completes, whatever was sent.
 HANDSHAKE_BYTES = 64 * 1024
-# Connections that carried a request (a silo's, its certificate good) do not count against the caps;
-# they are a handful per rank, and this many more than the total still fit the descriptors reserved.
-AUTHENTICATED_HEADROOM = 64
 
 
 @dataclass(frozen=True)
@@ -75,15 +67,11 @@ class _Connection:
     first_byte: Optional[int] = None
     closing: bool = False
     writers: list = field(default_factory=list)
-    released: bool = False  # no longer counted (closed, or closed to make room)
-    evicted: Optional[str] = None  # why it was closed to make room for a newer one
 
     def refusal(self, tls: bool) -> Tuple[str, str]:
         """(reason, text) for a connection that closed without carrying a request."""
         lasted = time.monotonic() - self.opened
         traffic = f"{self.bytes_in} bytes in, {self.bytes_out} out, {lasted:.2f} s"
-        if self.evicted is not None:
-            return CONNECTION_CAP, f"{self.evicted} ({traffic})"
         if self.bytes_in == 0:
             reason, what = IDLE, "sent nothing"
         elif tls and self.first_byte != 0x16:
@@ -99,16 +87,14 @@ class _Connection:
 
 
 class ConnectionBook:
-    """The gate's open connections: those without a request yet counted per peer address, all of
-    them in total, within ``limits``; found again from gRPC's side of them, and due to close at their
-    deadlines (the module doc). Used from the gate's thread only (gRPC's threads only raise a
-    connection's ``requests``, which this reads)."""
+    """The gate's open connections: counted per peer address and in total within ``limits``,
+    found again from gRPC's side of them, and due to close at their deadlines (the module doc).
+    Used from the gate's thread only."""
 
     def __init__(self, limits: GateLimits) -> None:
         self.limits = limits
         self._open: Dict[int, _Connection] = {}  # id -> connection
-        self._waiting: Dict[int, _Connection] = {}  # no request yet, oldest first
-        self._waiting_from: Dict[str, Dict[int, _Connection]] = {}  # the same, by peer address
+        self._per_peer: Dict[str, int] = {}
         self._by_backend_port: Dict[int, _Connection] = {}
         self.accepted = 0
         self.most_open = 0  # the highest number of concurrent connections seen
@@ -119,61 +105,32 @@ class ConnectionBook:
     def connections(self) -> List[_Connection]:
         return list(self._open.values())
 
-    def _forget_started(self, waiting: Dict[int, _Connection]) -> None:
-        """Connections that carried a request since they were counted as waiting are waiting no more."""
-        for key in [k for k, c in waiting.items() if c.requests > 0]:
-            self._stop_waiting(waiting[key])
-
-    def _stop_waiting(self, connection: _Connection) -> None:
-        self._waiting.pop(id(connection), None)
-        peers = self._waiting_from.get(connection.host)
-        if peers is not None:
-            peers.pop(id(connection), None)
-            if not peers:
-                del self._waiting_from[connection.host]
-
-    def make_room(self, host: str) -> Tuple[Optional[_Connection], Optional[str]]:
-        """Room for one more connection from ``host``: (the connection to close for it, why), or
-        (None, why the newcomer itself is refused), or (None, None): there is room. At the cap per
-        address, the address's oldest connection without a request gives way (an outsider behind a
-        silo's address cannot keep the silo out). At the total (connections without a request, from
-        many addresses) the newcomer is refused: the first-request deadline frees places, and an
-        outsider on many addresses cannot push out a silo's handshake under way."""
-        peers = self._waiting_from.get(host, {})
-        self._forget_started(peers)
-        peers = self._waiting_from.get(host, {})
-        if len(peers) >= self.limits.per_peer:
-            why = (
-                f"closed to make room: {len(peers)} connections without a request open from {host}, the cap per "
-                f"peer address (comm_args.max_connections_per_peer); this was the oldest"
+    def over_cap(self, host: str) -> Optional[str]:
+        """Why one more connection from ``host`` would be over a cap (None: it is not)."""
+        if len(self._open) >= self.limits.total:
+            return f"{len(self._open)} connections open, the cap in total (comm_args.max_connections)"
+        if self._per_peer.get(host, 0) >= self.limits.per_peer:
+            return (
+                f"{self._per_peer[host]} connections open from {host}, the cap per peer address "
+                f"(comm_args.max_connections_per_peer)"
             )
-            return next(iter(peers.values())), why
-        if len(self._waiting) >= self.limits.total:
-            self._forget_started(self._waiting)
-        if len(self._waiting) >= self.limits.total:
-            return None, (
-                f"{len(self._waiting)} connections without a request open, the cap in total (comm_args.max_connections)"
-            )
-        if len(self._open) >= self.limits.total + AUTHENTICATED_HEADROOM:
-            return None, f"{len(self._open)} connections open, the most this port holds"
-        return None, None
+        return None
 
     def open(self, host: str, port: int) -> _Connection:
         now = time.monotonic()
         connection = _Connection(host, port, now, now)
         self._open[id(connection)] = connection
-        self._waiting[id(connection)] = connection
-        self._waiting_from.setdefault(host, {})[id(connection)] = connection
+        self._per_peer[host] = self._per_peer.get(host, 0) + 1
         self.most_open = max(self.most_open, len(self._open))
         return connection
 
     def release(self, connection: _Connection) -> None:
-        """``connection`` no longer counts (it closed, or is being closed to make room)."""
-        if connection.released:
-            return
-        connection.released = True
         self._open.pop(id(connection), None)
-        self._stop_waiting(connection)
+        left = self._per_peer.get(connection.host, 1) - 1
+        if left > 0:
+            self._per_peer[connection.host] = left
+        else:
+            self._per_peer.pop(connection.host, None)
 
     def bind_backend(self, backend_port: int, connection: Optional[_Connection]) -> None:
         """``connection`` reaches gRPC from ``backend_port`` (None: no longer)."""
@@ -285,14 +242,10 @@ class Gate:
                 return
             host, port = str(peer[0]), int(peer[1])
             self.book.accepted += 1
-            victim, why = self.book.make_room(host)
-            if victim is not None:  # the oldest connection without a request gives way
-                victim.evicted = why
-                self.book.release(victim)  # not counted from now: the next newcomer finds the room made
-                self._close(victim)
-            elif why is not None:
+            over = self.book.over_cap(host)
+            if over is not None:
                 conn.close()
-                self.on_refusal(host, port, CONNECTION_CAP, f"connection closed at once: {why}")
+                self.on_refusal(host, port, CONNECTION_CAP, f"connection closed at once: {over}")
                 continue
             conn.setblocking(False)
             connection = self.book.open(host, port)  # counted now, before the next accept
