@@ -20,7 +20,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Iterable, List, Optional
+from typing import Any, Iterable, List, Optional
 
 from ...core.errors import ConfigError
 
@@ -191,12 +191,7 @@ def load_credentials(tls_dir: str, rank: int) -> Credentials:
         raise ConfigError(
             f"comm_args.tls_dir={tls_dir!r}: {CA_CERT} or {cert_file(rank)} is not a PEM certificate ({err})"
         ) from None
-    try:
-        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-            x509.DNSName
-        )
-    except x509.ExtensionNotFound:
-        names = []
+    names = dns_names(cert)
     named = rank_of_names(names)
     if named != rank:
         raise ConfigError(
@@ -281,6 +276,18 @@ def check_security(tls_dir: Optional[str], insecure: bool) -> None:
         )
 
 
+def dns_names(cert: Any) -> List[str]:
+    """The DNS subject alternative names of a certificate (``cryptography``'s x509 object)."""
+    from cryptography import x509
+
+    try:
+        return list(
+            cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+        )
+    except x509.ExtensionNotFound:
+        return []
+
+
 def certificate_rank_problem(pem: bytes, ca_pem: bytes, rank: int) -> Optional[str]:
     """Why ``pem`` is not a certificate the run's CA (``ca_pem``) issued to ``rank`` and that is
     valid now, or None: what a silo checks of another silo's certificate that the server relays
@@ -297,12 +304,7 @@ def certificate_rank_problem(pem: bytes, ca_pem: bytes, rank: int) -> Optional[s
     now = datetime.datetime.now(datetime.timezone.utc)
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         return "its certificate is not valid now"
-    try:
-        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-            x509.DNSName
-        )
-    except x509.ExtensionNotFound:
-        names = []
+    names = dns_names(cert)
     named = rank_of_names(names)
     if named != rank:
         return f"its certificate names rank {named}, not rank {rank}"
