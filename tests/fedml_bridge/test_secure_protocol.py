@@ -168,3 +168,15 @@ def test_a_stage_message_out_of_turn_puts_its_silo_out_of_the_round(tls):
     assert "while the round is training and advertising keys" in refused.text
     keys = advertise(p, parties, skip=(2,))  # silos 1 and 3 go on without it
     assert sorted(m.silo for a in keys if isinstance(a, Send) for m in a.messages) == [1, 3]
+
+
+def test_a_silo_that_does_not_clip_makes_its_round_dropped_not_averaged(tls):
+    """The server cannot see one update, but the average of clipped ones is within the bound: one
+    over it means a silo sent words of its own (here 5 per coordinate, against a bound of 1)."""
+    p, model, parties, models = start(tls)
+    terms = models[0].params[wire.SECAGG]
+    parties[2].encoded = fixed_point.encode(np.full(LENGTH, 5.0), terms["weight"], terms["bits"])
+    actions = answer(p, parties, answer(p, parties, answer(p, parties, advertise(p, parties))))
+    ((_, record),) = records(actions, "record_secure_round")
+    assert "over the bound 1 every silo clips to" in record["failed"] and record["summed"] == []
+    assert model.kept == [0] and model.averages == []

@@ -157,10 +157,14 @@ class SecureStages:
         secure, round_idx = self.secure, self.round_idx
         if total is not None and not secure.lost and set(secure.server.survivors) >= set(self.round.expected):
             self.clock.measure_round(now)
-        if total is None:
-            params = self.model.keep(round_idx)
-        else:
-            params = self.model.secure_average(round_idx, secure.average(total))
+        average = None
+        if total is not None:
+            try:
+                average = secure.average(total)
+            except RoundFailed as err:
+                logger.error("%s; the global model is kept", err)
+                failed = str(err)
+        params = self.model.keep(round_idx) if average is None else self.model.secure_average(round_idx, average)
         self.outbox.record("record_secure_round", round_idx, secure.record(failed))
         self.secure = None
         return self.round_closed(now, round_idx, params)

@@ -194,9 +194,21 @@ class SecureRound:
         self.stage, self.stage_silos, self.awaiting = stage, list(silos), set(silos)
 
     def average(self, total: np.ndarray) -> np.ndarray:
-        """The weighted average of the summed silos' deltas."""
+        """The weighted average of the summed silos' deltas; :class:`RoundFailed` when its norm is
+        over the bound. Each honest input is clipped to the bound and the weights make the average a
+        convex combination, so only a silo that did not clip (it sent words of its own) can push it
+        over: the server cannot see which, so the round is dropped rather than averaged."""
         weight = sum(self.weights[s] for s in self.server.survivors)
-        return fixed_point.decode(total, self.bits, weight)
+        average = fixed_point.decode(total, self.bits, weight)
+        slack = fixed_point.worst_error(self.bits, len(self.server.survivors), weight) * np.sqrt(len(average))
+        norm = float(np.linalg.norm(average))
+        if norm > self.bound + slack:
+            raise RoundFailed(
+                f"round {self.round_idx}: the securely summed average has norm {norm:.4g}, over the bound "
+                f"{self.bound:.4g} every silo clips to: a silo of {self.server.survivors} sent an unclipped "
+                f"update; the round is dropped"
+            )
+        return average
 
     def record(self, failed: Optional[str]) -> Dict[str, Any]:
         """The round as summary.json's ``secure_aggregation`` keeps it."""
