@@ -72,17 +72,20 @@ def interrupt_if_stopping() -> None:
 
 
 def _exit_as_signalled(hook: Any) -> Any:
-    """``sys.excepthook`` for a FedML user's main script: a run stopped by SIGTERM, whose
-    KeyboardInterrupt reaches the top, ends the process by SIGTERM (exit status 143), not by the
-    SIGINT Python would re-raise (-2, as if Ctrl-C), after the usual traceback."""
+    """``sys.excepthook`` for a FedML user's main script: a run stopped by a signal ends the process
+    by that signal, after the usual traceback, whatever exception reached the top. Python itself
+    does so only for a KeyboardInterrupt after SIGINT: a SIGTERM would end as -2 (as if Ctrl-C), and
+    an interrupt that landed in code turning it into an error of its own (a library's cleanup)
+    would end as exit status 1, which a launcher reads as a failure."""
 
     @functools.wraps(hook)
     def excepthook(kind, value, traceback):
         hook(kind, value, traceback)
-        if issubclass(kind, KeyboardInterrupt) and STOP_SIGNALLED.is_set() and _STOP_SIGNAL[0] == signal.SIGTERM:
+        signum = _STOP_SIGNAL[0]
+        if STOP_SIGNALLED.is_set() and not (issubclass(kind, KeyboardInterrupt) and signum == signal.SIGINT):
             sys.stderr.flush()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     excepthook.__wrapped__ = hook
     excepthook.exits_as_signalled = True  # type: ignore[attr-defined]
