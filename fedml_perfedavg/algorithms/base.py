@@ -32,7 +32,9 @@ from ..core import client_maths
 from ..core.client_maths import LocalBatches, LocalUpdateConfig, Step
 from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
+from ..core.errors import ConfigError
 from ..core.guards import apply_divergence_policy, is_finite
+from ..core.privacy import DPSGD, PrivateBatches, draw_private_batches, private_local_update
 from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
 from ..core.types import Params, StateDict, UserSplit
 from .model_probe import ModelPaths, probe
@@ -62,11 +64,13 @@ class AlgorithmSettings:
     max_update_norm: Optional[float] = None
     max_update_ratio: Optional[float] = 1.0
     max_skipped_rounds: int = 3
+    privacy: Optional[DPSGD] = None  # DP-SGD in the local steps and the evaluation's (core/privacy.py)
 
     @classmethod
     def from_config(cls, config: Any, variant: Optional[Step] = None) -> "AlgorithmSettings":
         """The settings a run config (:class:`fedml_perfedavg.run.config.Config`) asks for; the
         local step is ``variant`` if given (an algorithm's own), else ``perfedavg_variant``."""
+        privacy = config.privacy
         return cls(
             seed=config.random_seed,
             client_num_in_total=config.client_num_in_total,
@@ -84,6 +88,7 @@ class AlgorithmSettings:
                 adapt_steps=config.adapt_steps,
                 batch_size=config.batch_size,
                 seed=config.random_seed,
+                privacy=privacy,
             ),
             new_user_fraction=config.new_user_fraction,
             aggregation=config.aggregation,
@@ -91,6 +96,7 @@ class AlgorithmSettings:
             max_update_norm=config.max_update_norm,
             max_update_ratio=config.max_update_ratio,
             max_skipped_rounds=config.max_skipped_rounds,
+            privacy=privacy,
         )
 
 
@@ -235,10 +241,24 @@ class FederatedAlgorithm:
                 f"{self.name} takes {self.variant!r} steps; settings.local.variant={settings.local.variant!r}"
             )
         self.settings = settings
+        if settings.privacy is not None:
+            own = [
+                name
+                for name in ("local_update", "local_training", "client_batches", "refinement_step_sizes")
+                if getattr(type(self), name) is not getattr(FederatedAlgorithm, name)
+            ]
+            if own:
+                raise ConfigError(
+                    f"dp_args.dp_solution_type='dpsgd' with train_args.federated_optimizer={self.name!r}: it "
+                    f"has its own {own[0]}, which DP-SGD's per-sample clipping and noise do not reach; only "
+                    f"algorithms on the standard local update run it (PerFedAvg, FedAvgUpdate)"
+                )
         self.hooks: RoundHooks = NO_HOOKS
         self.network = functional_network(model)
         self.loss_fn = make_loss_fn(self.network)
         self.parameter_names = [name for name, _ in model.named_parameters()]
+        # shapes, dtypes and devices of the parameters: what DP-SGD's noise is drawn like
+        self._shapes = {name: torch.empty(p.shape, dtype=p.dtype) for name, p in model.named_parameters()}
         self.paths = ModelPaths(self.network)  # what the model allows; set by :meth:`probe_model`
         self.screen = UpdateScreen(
             self.parameter_names, settings.max_update_norm, settings.max_update_ratio, settings.max_skipped_rounds
@@ -278,7 +298,11 @@ class FederatedAlgorithm:
     def uses_standard_maths(self) -> bool:
         """True when the client update is this base class's Per-FedAvg/FedAvg maths on
         ``settings.local`` (an engine may compute it its own way, e.g. hand-batched)."""
-        return type(self).local_update is FederatedAlgorithm.local_update and not self.returns_whole_state
+        return (
+            type(self).local_update is FederatedAlgorithm.local_update
+            and not self.returns_whole_state
+            and self.settings.privacy is None  # DP-SGD's per-sample gradients are torch.func's alone
+        )
 
     @property
     def returns_whole_state(self) -> bool:
@@ -290,7 +314,7 @@ class FederatedAlgorithm:
     def uses_standard_batches(self) -> bool:
         """True when the minibatches are :meth:`client_batches`' keyed draws (an engine may gather
         every client's at once by :meth:`batch_indices`)."""
-        return type(self).client_batches is FederatedAlgorithm.client_batches
+        return type(self).client_batches is FederatedAlgorithm.client_batches and self.settings.privacy is None
 
     def batch_roles_read(self) -> FrozenSet[int]:
         """The minibatches (0: D, 1: D', 2: D'') the client maths reads; an engine gathers only
@@ -309,7 +333,15 @@ class FederatedAlgorithm:
 
     # -- client update --------------------------------------------------------------------
     def client_batches(self, round_idx: int, client_id: int, x: Tensor, y: Tensor) -> LocalBatches:
-        """Independent minibatches D, D', D'' for each local step, keyed by (seed, round, client)."""
+        """Independent minibatches D, D', D'' for each local step, keyed by (seed, round, client).
+        With DP-SGD, Poisson minibatches and the noise of each use (:class:`PrivateBatches`)."""
+        privacy = self.settings.privacy
+        if privacy is not None:
+            generator = generator_for(self.settings.seed, round_idx, client_id, Purpose.PRIVATE_TRAINING)
+            roles = self.settings.local.step.batch_roles
+            return draw_private_batches(  # type: ignore[return-value]
+                x, y, self.settings.batch_sizes[:roles], self.settings.local.local_steps, self._shapes, generator
+            )
         generator = generator_for(self.settings.seed, round_idx, client_id, Purpose.LOCAL_TRAINING)
         return sample_local_batches(x, y, self.settings.local.local_steps, self.settings.batch_sizes, generator)
 
@@ -326,8 +358,15 @@ class FederatedAlgorithm:
         """The client's maths: a pure function of the starting parameters and the minibatches
         (the batched engine vmaps it over the clients of a round), one step per leading index
         of ``batches`` (``local_steps`` of them; fewer give the iterate after that many steps)."""
-        steps = batches.adapt_x.shape[0]
         local = self.settings.local
+        if isinstance(batches, PrivateBatches):
+            assert self.settings.privacy is not None
+            config = dataclasses.replace(local, local_steps=batches.steps)
+            chain = self.paths.hand_batched_form(tuple(batches.x.shape[3:])) if self.paths.vmappable else None
+            return private_local_update(
+                self.loss_fn, params, batches, config, self.settings.privacy, chain, self.paths.forward_ad
+            )
+        steps = batches.adapt_x.shape[0]
         config = local if steps == local.local_steps else dataclasses.replace(local, local_steps=steps)
         oracle = client_maths.FunctionalGradients if self.paths.forward_ad else client_maths.ReverseModeGradients
         gradients = oracle(self.loss_fn, pair_by_vmap=self.paths.vmappable)

@@ -14,7 +14,9 @@ from torch.func import vmap
 
 from ..core import client_maths
 from ..core.client_maths import LocalBatches, Step
+from ..core.errors import ConfigError
 from ..core.hand_batched import HandBatchedGradients, hand_batched_gradients
+from ..core.privacy import per_sample_problem
 from ..core.types import LossFn, Params, StateDict
 
 
@@ -82,6 +84,13 @@ def probe(algorithm: Probed, global_state: StateDict, x: Tensor, y: Tensor) -> L
                 f"it cannot compute a loss and its gradient on a batch of {len(y)} samples of "
                 f"shape {tuple(x.shape[1:])} ({x.dtype}): {why}"
             )
+        privacy = getattr(algorithm.settings, "privacy", None)
+        if privacy is not None:
+            why = per_sample_problem(algorithm.network, loss_fn, params, x, y)  # type: ignore[attr-defined]
+            if why is not None:
+                raise ConfigError(
+                    f"dp_args.dp_solution_type='dpsgd': {type(algorithm.network).__name__} cannot run DP-SGD: {why}"  # type: ignore[attr-defined]
+                )
         if algorithm.settings.local.step is Step.EXACT:
             why = client_maths.forward_ad_problem(loss_fn, params, x, y)
             paths.forward_ad = why is None  # before the probes below: the local update reads it

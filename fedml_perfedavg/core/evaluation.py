@@ -9,7 +9,7 @@ user's adaptation has finished, and never by it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +20,9 @@ from .functional import logits_of, make_loss_fn
 from .sampling import Purpose, batch_indices, batch_indices_of_many, generator_for
 from .hand_batched import HandBatchedGradients
 from .types import LossFn, Params, UserSplit
+
+if TYPE_CHECKING:
+    from .privacy import DPSGD
 
 USERS_PER_CHUNK = 64  # batched adaptation: users per vmapped call (bounds memory as n grows)
 
@@ -37,6 +40,7 @@ class EvaluationConfig:
     batch_size: int = 40
     seed: int = 0
     batched: bool = True
+    privacy: Optional["DPSGD"] = None  # DP-SGD: each personalization step is a use of the mechanism
 
 
 @dataclass
@@ -136,6 +140,29 @@ def _adapted_one_by_one(
         generator = generator_for(config.seed, round_idx, user_id, Purpose.EVALUATION)
         batches = adaptation_batches(user.train_x, user.train_y, config.adapt_steps, config.batch_size, generator)
         yield sgd_steps(loss_fn, params, *batches, step)
+
+
+def _adapted_privately(
+    loss_fn: LossFn,
+    params: Params,
+    users: Sequence[UserSplit],
+    user_ids: Sequence[int],
+    config: EvaluationConfig,
+    round_idx: int,
+    step: Union[float, Params],
+    chain: Optional[HandBatchedGradients] = None,
+) -> Iterator[Params]:
+    """Each user's personalization steps as DP-SGD steps (its accuracy leaves the user): Poisson
+    minibatches of expected size ``batch_size``, per-sample gradients clipped and noised."""
+    from .privacy import draw_private_batches, private_sgd_steps
+
+    assert config.privacy is not None and not isinstance(step, dict)  # the run's rules refuse learned steps
+    for user_id, user in zip(user_ids, users):
+        generator = generator_for(config.seed, round_idx, user_id, Purpose.PRIVATE_EVALUATION)
+        batches = draw_private_batches(
+            user.train_x, user.train_y, [config.batch_size], config.adapt_steps, params, generator
+        )
+        yield private_sgd_steps(loss_fn, params, batches, step, config.privacy, chain)
 
 
 def _adapt_together(
@@ -307,6 +334,13 @@ def evaluate(
     if len(user_ids) != len(users):
         raise ValueError(f"{len(user_ids)} user ids for {len(users)} users")
     loss_fn = loss_fn if loss_fn is not None else make_loss_fn(network)
+    if config.privacy is not None:
+        return _score(
+            network,
+            params,
+            _adapted_privately(loss_fn, params, users, user_ids, config, round_idx, step, hand_batched),
+            users,
+        )
     stackable = len(users) > 1 and all(len(u.train_y) >= config.batch_size for u in users)
     if (
         config.batched

@@ -31,6 +31,9 @@ class Purpose(IntEnum):
     CENTRAL_PRIVACY = 7
     ATTACK = 8
     DEFENSE = 9
+    # DP-SGD's Poisson minibatches and noise (fedml_perfedavg.core.privacy): training, evaluation.
+    PRIVATE_TRAINING = 10
+    PRIVATE_EVALUATION = 11
 
 
 def _key(seed: int, round_idx: int, client_id: int, purpose: Purpose) -> int:

@@ -11,6 +11,7 @@ tensors, ...) runs the per-client path instead, with a log line saying why.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from typing import Callable, List, Optional, Sequence
@@ -19,7 +20,8 @@ import torch
 from torch.func import vmap
 
 from ..algorithms.base import FederatedAlgorithm
-from ..core.client_maths import LocalBatches
+from ..core.client_maths import LocalBatches, Step, run_steps
+from ..core.privacy import PrivateBatches, PrivateChainSteps
 from ..core.hand_batched import IndexedInputs, HandBatchedGradients
 from .minibatches import Minibatches
 from ..core.guards import nonfinite_clients
@@ -64,7 +66,10 @@ class BatchedSimulation:
             else self._hand_batched_gradients(try_hand_batched)
         )
         self.hand_batched: Optional[HandBatchedGradients] = gradients
-        if self.batched and gradients is None and not algorithm.paths.groups_exactly:
+        privacy = algorithm.settings.privacy
+        if privacy is not None:
+            self._private_paths(tuple(users[0].train_x.shape[1:]) if users else None)
+        elif self.batched and gradients is None and not algorithm.paths.groups_exactly:
             self.batched = False  # vmapped, a client's bits would depend on the others in its computation
             logger.info(
                 "batched engine: clients one by one (vmapped, a client's result would depend on which "
@@ -92,6 +97,37 @@ class BatchedSimulation:
             self.step = torch.compile(self.step, mode="reduce-overhead" if on_cuda else "default", dynamic=False)
         self.minibatches = Minibatches(algorithm, users)
         self.sample_counts = self.minibatches.sample_counts
+
+    def _private_paths(self, input_shape: Optional[tuple]) -> None:
+        """DP-SGD: a Linear chain's clients together (:class:`PrivateChainSteps`, no per-sample
+        gradient formed); any other model, or the exact variant, one client at a time (per-sample
+        gradients vmapped over the samples: vmapped over clients too, they run slower)."""
+        algorithm = self.algorithm
+        local = algorithm.settings.local
+        chain = (
+            algorithm.paths.hand_batched_form(input_shape)
+            if self.batched and input_shape is not None and local.step is not Step.EXACT
+            else None
+        )
+        if chain is None:
+            self.batched = False
+            logger.info("batched engine, DP-SGD: clients one by one, per-sample gradients by torch.func")
+            return
+        privacy = algorithm.settings.privacy
+
+        def step(params: Params, batches: LocalBatches) -> Params:
+            assert isinstance(batches, PrivateBatches) and privacy is not None
+            clients = batches.mask.shape[0]
+            start = {k: v.unsqueeze(0).expand(clients, *v.shape) for k, v in params.items()}
+            config = dataclasses.replace(local, local_steps=batches.mask.shape[2])
+            return run_steps(PrivateChainSteps(chain, batches, local.step, privacy), start, config)
+
+        self.step = step
+        logger.info(
+            "batched engine, DP-SGD: %s is a chain of Linear layers; each sample's gradient is clipped by "
+            "its outer-product norm, every client of a round at once (fedml_perfedavg.core.privacy)",
+            type(algorithm.network).__name__,
+        )
 
     def _hand_batched_gradients(self, try_hand_batched: bool):
         """Hand-batched gradients where they compute exactly what the algorithm's own

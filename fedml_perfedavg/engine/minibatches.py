@@ -16,11 +16,15 @@ from torch import Tensor
 from ..algorithms.base import FederatedAlgorithm
 from ..core.client_maths import LocalBatches
 from ..core.hand_batched import IndexedInputs
+from ..core.privacy import PrivateBatches, stack_private
 from ..core.types import UserSplit
 
 
 def stack_batches(batches: Sequence[LocalBatches]) -> LocalBatches:
-    """Stack per-client ``LocalBatches`` along a new leading client dimension."""
+    """Stack per-client ``LocalBatches`` (or DP-SGD's :class:`PrivateBatches`) along a new
+    leading client dimension."""
+    if isinstance(batches[0], PrivateBatches):
+        return stack_private(batches)  # type: ignore[arg-type,return-value]
     return LocalBatches(*(torch.stack(tensors) for tensors in zip(*batches)))
 
 

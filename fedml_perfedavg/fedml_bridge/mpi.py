@@ -44,6 +44,7 @@ import torch
 from ..algorithms.base import RoundDriver
 from ..core.errors import ConfigError
 from ..core.types import StateDict
+from .safeguards import plugin_dp_hidden
 from .shims import aggregate_with_hooks
 
 import_fedml()
@@ -270,17 +271,18 @@ class MPISimulation:
             replaced(mpi_api, "FedAVGClientManager", PluginFedAVGClientManager),
         ):
             try:
-                mpi_api.FedML_FedAvg_distributed(
-                    args,
-                    args.process_id,
-                    args.worker_num,
-                    args.comm,
-                    self.device,
-                    self.dataset,
-                    self.model,
-                    client_trainer=self.trainer,
-                    server_aggregator=self.aggregator,
-                )
+                with plugin_dp_hidden(args):  # FedML's DP singleton knows no dpsgd: the algorithm applies it
+                    mpi_api.FedML_FedAvg_distributed(
+                        args,
+                        args.process_id,
+                        args.worker_num,
+                        args.comm,
+                        self.device,
+                        self.dataset,
+                        self.model,
+                        client_trainer=self.trainer,
+                        server_aggregator=self.aggregator,
+                    )
             except KeyboardInterrupt:  # the job is being stopped (SIGINT/SIGTERM to every rank): not a failure
                 if args.process_id != 0:
                     # Rank 0 records the interrupted run, then ends the job (:meth:`end_job`); this rank

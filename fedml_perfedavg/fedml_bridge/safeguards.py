@@ -56,6 +56,8 @@ HOME_SECTION: Dict[str, str] = {
             "max_grad_norm",
             "enable_rdp_accountant",
             "rdp_alpha",
+            "noise_multiplier",  # DP-SGD's (the plugin's own, core/privacy.py)
+            "max_epsilon",
         )
     },
     **{
@@ -133,8 +135,16 @@ def _fedml_prints() -> Iterator[None]:
 
 
 def enabled(sections: Dict[str, Dict[str, Any]]) -> bool:
-    """Whether any of FedML's DP, attack or defense is switched on in these sections."""
-    return any(bool(sections.get(section, {}).get(switch)) for section, switch in SWITCHES.items())
+    """Whether any of FedML's DP, attack or defense is switched on in these sections (DP-SGD,
+    ``dp_solution_type: dpsgd``, is the plugin's own: core/privacy.py)."""
+    return any(
+        bool(sections.get(section, {}).get(switch)) and not _plugin_dp(sections.get(section, {}))
+        for section, switch in SWITCHES.items()
+    )
+
+
+def _plugin_dp(section: Dict[str, Any]) -> bool:
+    return section.get("dp_solution_type") == "dpsgd"
 
 
 def fedml_view(sections: Dict[str, Dict[str, Any]], run: Dict[str, Any]) -> argparse.Namespace:
@@ -215,7 +225,7 @@ def build_dp(section: Dict[str, Any], view: Any) -> Any:
     """FedML's differential privacy for ``section`` (None where it is not enabled), built by FedML
     from ``view``; :class:`ConfigError` naming the key for what FedML would refuse or Per-FedAvg
     cannot use."""
-    if not section.get("enable_dp"):
+    if not section.get("enable_dp") or _plugin_dp(section):
         return None
     from fedml.core.dp.fedml_differential_privacy import FedMLDifferentialPrivacy
 
@@ -519,6 +529,22 @@ def without_safeguards(args: Any) -> argparse.Namespace:
     for switch in SWITCHES.values():
         setattr(quiet, switch, False)
     return quiet
+
+
+@contextlib.contextmanager
+def plugin_dp_hidden(args: Any) -> Iterator[None]:
+    """Within: ``args.enable_dp`` off where ``dp_solution_type`` is the plugin's ``dpsgd``, for
+    FedML code that inits FedML's DP singleton from ``args`` (simulation/sp/fedavg's trainer,
+    simulation/mpi/fedavg/FedAvgAPI.py), which raises "dp solution is not defined" on a solution
+    it does not know. The algorithm applies DP-SGD itself; the plugin reads its config, not ``args``."""
+    hide = bool(getattr(args, "enable_dp", False)) and getattr(args, "dp_solution_type", None) == "dpsgd"
+    if hide:
+        args.enable_dp = False
+    try:
+        yield
+    finally:
+        if hide:
+            args.enable_dp = True
 
 
 def run_facts(config: Any) -> Dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 
 from .bootstrap import import_fedml
 from ..algorithms.base import RoundDriver
+from .safeguards import plugin_dp_hidden
 from .shims import aggregate_with_hooks
 
 import_fedml()
@@ -39,7 +40,8 @@ class PluginFedAvgAPI(FedAvgAPI):
         aggregator: Any,
         driver: Optional[RoundDriver] = None,
     ) -> None:
-        super().__init__(args, device, dataset, model)
+        with plugin_dp_hidden(args):
+            super().__init__(args, device, dataset, model)
         self.aggregator = aggregator
         self.driver = driver
         self.model_trainer = trainer

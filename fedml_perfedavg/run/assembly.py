@@ -18,6 +18,7 @@ from ..algorithms.base import FederatedAlgorithm
 from ..algorithms.model_probe import ModelMismatch
 from ..algorithms.registry import create_algorithm
 from ..core.errors import ConfigError
+from ..core.privacy import PrivacyLedger, UseRules, planned_epsilon
 from ..core.types import StateDict, UserSplit
 from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
 from ..fedml_bridge import safeguards as fedml_safeguards
@@ -132,7 +133,49 @@ def assemble(
     if is_server:
         checkpoint.save_config(run_dir, config.sections())
         parts.recorder = recorder_for(config, run_dir, deferred_wandb=grid)
+        parts.recorder.privacy = privacy_ledger(config, algorithm, users)
     return parts
+
+
+def privacy_ledger(config: Config, algorithm: FederatedAlgorithm, users: List[UserSplit]) -> Optional[PrivacyLedger]:
+    """The server's accountant of DP-SGD's uses (None without DP-SGD), after checking that the
+    run's keyed plan stays within ``dp_args.max_epsilon``: every round's clients and every
+    evaluation are known before the first round."""
+    dp = config.privacy
+    if dp is None or config.own_data:  # a data owner's silo accounts for its own user
+        return None
+    rules = UseRules.of(
+        algorithm.settings.local.step, config.batch_sizes, config.local_steps, config.batch_size, config.adapt_steps
+    )
+    ledger = PrivacyLedger(dp, rules, {user: len(u.train_y) for user, u in enumerate(users)})
+    if dp.max_epsilon is not None:
+        schedule = RoundSchedule.from_config(config)
+        everyone = range(len(users))
+
+        def planned(rounds: int) -> Tuple[float, Optional[int]]:
+            return planned_epsilon(ledger, range(rounds), algorithm.sample_clients, schedule.evaluates, everyone)
+
+        epsilon, user = planned(config.comm_round)
+        if epsilon > dp.max_epsilon:
+            low, high = 0, config.comm_round  # the first number of rounds that passes the budget
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if planned(middle)[0] <= dp.max_epsilon else (low, middle)
+            raise ConfigError(
+                f"dp_args.max_epsilon={dp.max_epsilon!r}: this run would reach epsilon {epsilon:.4g} (user {user}) "
+                f"at delta {dp.delta:g} after train_args.comm_round={config.comm_round} rounds; the budget is "
+                f"passed in round {high - 1}. Allowed: comm_round <= {low}, or a larger "
+                f"dp_args.noise_multiplier, or fewer uses (train_args.local_steps, client_num_per_round, "
+                f"validation_args.frequency_of_the_test)"
+            )
+        logger.info(
+            "DP-SGD: the run's plan reaches epsilon %.4g (user %s) at delta %g, within dp_args.max_epsilon=%g",
+            epsilon,
+            user,
+            dp.delta,
+            dp.max_epsilon,
+        )
+    return ledger
 
 
 def users_of(config: Config, dataset: list, rank: int, device: Any) -> Tuple[List[UserSplit], list]:

@@ -29,6 +29,7 @@ from ..algorithms.base import AGGREGATIONS, DIVERGENCE_POLICIES
 from ..algorithms.registry import FEDML_OWN, algorithm_names, canonical_name
 from ..core.client_maths import VARIANTS, Step
 from ..core.errors import ConfigError
+from ..core.privacy import DPSGD
 from ..data.loading import DATASETS, default_test_images_per_class
 from ..data.partition import PARTITIONS, plan_users
 from ..fedml_bridge import safeguards as fedml_safeguards
@@ -473,6 +474,11 @@ class Config(
     safeguards: Dict[str, Dict[str, Any]] = field(default_factory=dict, metadata={"internal": True})
 
     @property
+    def privacy(self) -> Optional[DPSGD]:
+        """DP-SGD in the local steps (``dp_args.dp_solution_type: dpsgd``), or None."""
+        return DPSGD.from_section(self.safeguards.get("dp_args", {}))
+
+    @property
     def own_data(self) -> bool:
         """Cross-silo in data-owner mode: each silo holds its own user's data alone."""
         return self.training_type == "cross_silo" and self.silo_data == "own"
@@ -827,11 +833,34 @@ def _rule_secagg(c: Config) -> None:
     fedml_safeguards.check_secure_aggregation(c.safeguards)
 
 
+def _rule_privacy(c: Config) -> None:
+    """DP-SGD's keys (core/privacy.py), and what would read a user's data outside the mechanism."""
+    if c.privacy is None:
+        return
+    need = "dp_args.dp_solution_type='dpsgd'"
+    if c.stationarity_every:
+        raise ConfigError(
+            f"validation_args.stationarity_every={c.stationarity_every!r} with {need}: the measure reads every "
+            f"user's gradients without clipping or noise; set it to 0"
+        )
+    if c.random_iterate:
+        raise ConfigError(
+            f"validation_args.random_iterate=True with {need}: evaluating a second model each round is a "
+            f"second personalization on every user's data, which the accountant does not count; set it false"
+        )
+    if c.federated_optimizer == "FedAvgARUBA":
+        raise ConfigError(
+            f"train_args.federated_optimizer='FedAvgARUBA' with {need}: ARUBA learns per-coordinate step "
+            f"sizes from each client's updates outside the mechanism; use PerFedAvg or FedAvgUpdate"
+        )
+
+
 RULES: List[Callable[[Config], None]] = [
     _rule_algorithm,
     _rule_clients,
     _rule_platform,
     _rule_split,
+    _rule_privacy,
     _rule_secagg,  # before FedML's own checks of its sections: what cannot work at all is said first
     _rule_safeguards,
 ]

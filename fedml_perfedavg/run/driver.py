@@ -11,6 +11,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..algorithms.base import FederatedAlgorithm
+from ..core.privacy import PrivacyLedger
 from ..core.types import StateDict
 from . import checkpoint
 from .measures import Measurements
@@ -39,8 +40,35 @@ class RunDriver:
         self.global_state = global_state
         self.recorder, self.measurements, self.checkpoints = recorder, measurements, checkpoints
 
+    @property
+    def privacy(self) -> Optional[PrivacyLedger]:
+        """DP-SGD's accountant (the server's record holds it), or None."""
+        return None if self.recorder is None else self.recorder.privacy
+
     def sample_clients(self, round_idx: int) -> List[int]:
-        return self.algorithm.sample_clients(round_idx)
+        """The round's clients (the algorithm's keyed sampling); with DP-SGD their local updates
+        are counted here, before any is computed, and a client whose epsilon would pass
+        ``max_epsilon`` is left out (the run's start refuses a plan that would: this guards the
+        rest, and the record says so)."""
+        clients = self.algorithm.sample_clients(round_idx)
+        ledger = self.privacy
+        if ledger is None:
+            return clients
+        budget = ledger.dp.max_epsilon
+        if budget is not None:
+            over = [c for c in clients if ledger.after_training(round_idx, c) > budget]
+            if over:
+                logger.warning(
+                    "round %d: user(s) %s left out: one more local update would take their epsilon past "
+                    "dp_args.max_epsilon=%g",
+                    round_idx,
+                    over,
+                    budget,
+                )
+                ledger.left_out(round_idx, over)
+                clients = [c for c in clients if c not in over]
+        ledger.trained(round_idx, clients)
+        return clients
 
     def evaluates(self, round_idx: int) -> bool:
         return self.schedule.evaluates(round_idx)
@@ -52,6 +80,8 @@ class RunDriver:
             self.recorder.round_finished(round_idx)
             if self.measurements is not None and schedule.evaluates(round_idx):  # data-owner mode: the silos do
                 started = time.perf_counter()  # evaluation time is not training time
+                if self.privacy is not None:
+                    self.privacy.evaluated(round_idx, range(len(self.measurements.users)))
                 result, extra = self.measurements.evaluate(
                     round_idx, global_state, previous, schedule.measures_stationarity(round_idx)
                 )
@@ -92,6 +122,8 @@ class RunDriver:
         self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: List[int], started: Optional[float] = None
     ) -> None:
         if self.recorder is not None:
+            if self.privacy is not None:
+                self.privacy.evaluated(round_idx, sorted(counts))
             self.recorder.record_federated_evaluation(round_idx, counts, missing, started)
 
     def record_rejected_update(self, round_idx: int) -> None:

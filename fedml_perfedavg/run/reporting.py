@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..core.evaluation import EvaluationResult, accuracy_of
+from ..core.privacy import PrivacyLedger
 from ..core.sampling import held_out_users
 from .files import write_json
 
@@ -220,6 +221,7 @@ class RunRecorder:
         self.last: Optional[EvaluationResult] = None
         self.rounds_done = 0
         self.silos = SiloRecord()
+        self.privacy: Optional[PrivacyLedger] = None  # DP-SGD's accountant (set by the run's assembly)
         self.started = time.perf_counter()
         self.evaluation_seconds = 0.0  # spent evaluating: not training time
         self._bar = None
@@ -276,10 +278,24 @@ class RunRecorder:
         ``evaluation_started`` on: what the accuracy-against-time plots use)."""
         now = time.perf_counter()
         evaluation_started = now if evaluation_started is None else evaluation_started
+        privacy = {}
+        if self.privacy is not None:  # the ledger already counts this evaluation's personalization
+            epsilon, user = self.privacy.largest()
+            privacy = {"epsilon": epsilon}
+            logger.info(
+                "round %d: epsilon %.4g at delta %g (the largest of any user: user %s; DP-SGD, sigma %g, C %g)",
+                round_idx,
+                epsilon,
+                self.privacy.dp.delta,
+                user,
+                self.privacy.dp.noise_multiplier,
+                self.privacy.dp.max_grad_norm,
+            )
         metrics = {
             "round": round_idx,
             **split_new_users(result, self.new_users),
             **(extra or {}),
+            **privacy,
             "train_seconds": evaluation_started - self.started - self.evaluation_seconds,
             "wall_seconds": now - self.started,
         }
@@ -325,6 +341,7 @@ class RunRecorder:
             "rounds_done": self.rounds_done,
             "elapsed": time.perf_counter() - self.started,
             "evaluation_seconds": self.evaluation_seconds,
+            "privacy": None if self.privacy is None else self.privacy.state_dict(),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -333,6 +350,8 @@ class RunRecorder:
         self.rounds_done = state["rounds_done"]
         self.started = time.perf_counter() - state["elapsed"]
         self.evaluation_seconds = float(state.get("evaluation_seconds", 0.0))
+        if self.privacy is not None and state.get("privacy") is not None:
+            self.privacy.load_state_dict(state["privacy"])
         if self._bar is not None:
             self._bar.update(self.rounds_done - self._bar.n)
 
@@ -358,6 +377,8 @@ class RunRecorder:
             "config": self.config_sections,
             **self.silos.summary(),
         }
+        if self.privacy is not None:
+            common["privacy"] = self.privacy.report()
         if self.last is None:
             return {
                 "personalized_accuracy": None,

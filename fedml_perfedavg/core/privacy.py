@@ -1,0 +1,634 @@
+"""Sample-level differential privacy for a user's own data: DP-SGD inside the local steps.
+
+Every gradient computed on a user's private data is one use of the subsampled Gaussian
+mechanism (Abadi et al. 2016): a Poisson sample of the user's training data with rate
+``q = batch_size / n`` (expected size ``batch_size``), each sample's contribution clipped to
+``max_grad_norm`` C, summed, ``N(0, sigma^2 C^2)`` added, divided by the expected size. In a
+Per-FedAvg step that is D's gradient, D''s gradient at the adapted point, and (HF, exact) D'''s
+per-sample second-order term (HF's finite difference, exact's Hessian-vector product), clipped
+and noised as one vector; FedAvg's step is one use, and so is each personalization step of the
+evaluation (its accuracy leaves the user). :class:`PrivacyLedger` composes every user's uses
+with Opacus' RDP accountant.
+
+The randomness (the Poisson draws and the noise) is drawn outside the maths, keyed by (seed,
+round, user), so a vmapped round, one client at a time, MPI ranks and silos compute the same
+numbers. FedML-free.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.func import grad, jvp, vjp, vmap
+
+from .client_maths import LocalBatches, Step, axpy
+from .errors import ConfigError
+from .types import LossFn, Params
+
+ACCOUNTANT = "opacus.rdp"  # Opacus' Renyi-DP accountant (opacus.accountants.analysis.rdp)
+SOLUTION = "dpsgd"
+# dp_args keys that belong to FedML's own local/central DP, never to DP-SGD.
+FEDML_ONLY_KEYS = ("epsilon", "sensitivity", "mechanism_type", "enable_rdp_accountant", "rdp_alpha")
+KEYS = ("enable_dp", "dp_solution_type", "noise_multiplier", "max_grad_norm", "delta", "max_epsilon")
+_NORM_FLOOR = 1e-6  # a per-sample norm below this is scaled as if it were this (Opacus' choice)
+
+
+@dataclass(frozen=True)
+class DPSGD:
+    """``dp_args`` with ``dp_solution_type: dpsgd``: the noise multiplier sigma, the clip bound C,
+    the delta epsilon is stated at, and an optional budget no user's epsilon may exceed."""
+
+    noise_multiplier: float
+    max_grad_norm: float
+    delta: float
+    max_epsilon: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        def number(key: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"dp_args.{key}={value!r}: must be a finite number")
+            return float(value)
+
+        if number("noise_multiplier", self.noise_multiplier) <= 0:
+            raise ConfigError(
+                f"dp_args.noise_multiplier={self.noise_multiplier!r}: must be > 0 (sigma; the noise's "
+                f"standard deviation is sigma * max_grad_norm)"
+            )
+        if number("max_grad_norm", self.max_grad_norm) <= 0:
+            raise ConfigError(
+                f"dp_args.max_grad_norm={self.max_grad_norm!r}: must be > 0 (C, the clip bound of each "
+                f"sample's gradient)"
+            )
+        if not 0 < number("delta", self.delta) < 1:
+            raise ConfigError(f"dp_args.delta={self.delta!r}: must be in (0, 1) (the delta epsilon is stated at)")
+        if self.max_epsilon is not None and number("max_epsilon", self.max_epsilon) <= 0:
+            raise ConfigError(f"dp_args.max_epsilon={self.max_epsilon!r}: must be > 0, or null for no budget")
+        for key in ("noise_multiplier", "max_grad_norm", "delta"):
+            object.__setattr__(self, key, float(getattr(self, key)))
+
+    @property
+    def noise_std(self) -> float:
+        """The standard deviation of the Gaussian noise added to a clipped sum."""
+        return self.noise_multiplier * self.max_grad_norm
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any]) -> Optional["DPSGD"]:
+        """The DP-SGD a ``dp_args`` section asks for, or None where it asks for none (disabled, or
+        FedML's own ldp/cdp); :class:`ConfigError` naming the key for what cannot run."""
+        solution = section.get("dp_solution_type")
+        if isinstance(solution, (list, tuple)):
+            raise ConfigError(
+                f"dp_args.dp_solution_type={solution!r}: one solution per run: {SOLUTION!r} (DP-SGD in the "
+                f"local steps) or one of FedML's 'ldp', 'cdp'"
+            )
+        if solution != SOLUTION:
+            for key in ("noise_multiplier", "max_epsilon"):
+                if key in section:
+                    raise ConfigError(
+                        f"dp_args.{key}={section[key]!r}: a key of dp_solution_type {SOLUTION!r}; here "
+                        f"dp_solution_type={solution!r}"
+                    )
+            return None
+        if not section.get("enable_dp"):
+            raise ConfigError(
+                f"dp_args.enable_dp={section.get('enable_dp')!r}: dp_solution_type {SOLUTION!r} is set; "
+                f"set enable_dp true, or remove dp_solution_type"
+            )
+        for key in FEDML_ONLY_KEYS:
+            if key in section:
+                raise ConfigError(
+                    f"dp_args.{key}={section[key]!r}: a key of FedML's ldp/cdp, not of {SOLUTION!r} (which "
+                    f"takes {list(KEYS[2:])}); DP-SGD and FedML's DP do not run together"
+                )
+        unknown = sorted(set(section) - set(KEYS))
+        if unknown:
+            raise ConfigError(f"dp_args.{unknown[0]}={section[unknown[0]]!r}: unknown key; allowed: {list(KEYS)}")
+        for key in ("noise_multiplier", "max_grad_norm", "delta"):
+            if key not in section:
+                raise ConfigError(f"dp_args.{key}: required with dp_solution_type {SOLUTION!r}")
+        return cls(
+            noise_multiplier=section["noise_multiplier"],
+            max_grad_norm=section["max_grad_norm"],
+            delta=section["delta"],
+            max_epsilon=section.get("max_epsilon"),
+        )
+
+
+def sample_rate(batch_size: int, num_samples: int) -> float:
+    """Poisson sampling's rate for an expected minibatch of ``batch_size`` (all data when fewer)."""
+    return min(1.0, batch_size / num_samples)
+
+
+def uses_per_step(step: Step) -> int:
+    """The private gradients one local step computes: D (and D' in FO; D'' too in HF and exact)."""
+    return step.batch_roles
+
+
+# -- the draws: Poisson minibatches and the noise ----------------------------------------------
+class PrivateBatches(NamedTuple):
+    """One client's Poisson minibatches (roles, steps, cap): D, D', D'' padded to a common size
+    ``cap`` with samples whose ``mask`` is 0, the noise of every use (each parameter's shape with
+    (roles, steps) first, standard normal) and the expected size of each role's minibatch."""
+
+    x: Tensor
+    y: Tensor
+    mask: Tensor
+    noise: Dict[str, Tensor]
+    expected: Tensor
+
+    @property
+    def steps(self) -> int:
+        return int(self.mask.shape[1])
+
+
+def poisson_draw(
+    num_samples: int, batch_sizes: Sequence[int], steps: int, generator: torch.Generator
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(index, mask, expected): for each role and step, each of ``num_samples`` samples is in
+    the minibatch with probability ``sample_rate(batch_size, num_samples)``, independently; the
+    chosen indices come first in a row of ``cap`` (the largest minibatch drawn), the rest padding."""
+    rates = torch.tensor([sample_rate(b, num_samples) for b in batch_sizes], dtype=torch.float64)
+    uniform = torch.rand(len(batch_sizes), steps, num_samples, generator=generator, dtype=torch.float64)
+    chosen = uniform < rates.view(-1, 1, 1)
+    counts = chosen.sum(-1)
+    cap = max(1, int(counts.max()))
+    # A stable sort of "not chosen" puts the chosen indices first, in increasing order.
+    index = torch.sort((~chosen).to(torch.int8), dim=-1, stable=True).indices[..., :cap]
+    mask = (torch.arange(cap).view(1, 1, -1) < counts.unsqueeze(-1)).to(torch.get_default_dtype())
+    expected = (rates * num_samples).to(torch.get_default_dtype())
+    return index, mask, expected
+
+
+def draw_private_batches(
+    x: Tensor, y: Tensor, batch_sizes: Sequence[int], steps: int, params: Params, generator: torch.Generator
+) -> PrivateBatches:
+    """A client's :class:`PrivateBatches` from its training data, every number from ``generator``
+    (the Poisson draws first, then the noise, parameter by parameter in ``params``' order; only
+    their shapes and dtypes are read)."""
+    index, mask, expected = poisson_draw(len(y), batch_sizes, steps, generator)
+    noise = {
+        k: torch.randn(len(batch_sizes), steps, *p.shape, generator=generator, dtype=p.dtype).to(x.device)
+        for k, p in params.items()
+    }
+    device_index = index.to(x.device)
+    return PrivateBatches(x[device_index], y[device_index.to(y.device)], mask.to(x.device), noise, expected.to(x.device))
+
+
+def stack_private(batches: Sequence[PrivateBatches]) -> PrivateBatches:
+    """Several clients' draws stacked along a new leading client dimension, padded to one cap."""
+    cap = max(b.mask.shape[-1] for b in batches)
+
+    def pad(t: Tensor) -> Tensor:  # with copies of a sample, whose mask is 0
+        extra = cap - t.shape[2]
+        return t if extra == 0 else torch.cat([t, t[:, :, :1].expand(-1, -1, extra, *t.shape[3:])], dim=2)
+
+    return PrivateBatches(
+        torch.stack([pad(b.x) for b in batches]),
+        torch.stack([pad(b.y) for b in batches]),
+        torch.stack([torch.nn.functional.pad(b.mask, (0, cap - b.mask.shape[-1])) for b in batches]),
+        {k: torch.stack([b.noise[k] for b in batches]) for k in batches[0].noise},
+        torch.stack([b.expected for b in batches]),
+    )
+
+
+# -- the mechanism -----------------------------------------------------------------------------
+def clip_and_sum(per_sample: Params, mask: Tensor, max_grad_norm: float) -> Params:
+    """Each sample's vector (all parameters together) scaled to norm at most ``max_grad_norm``,
+    the samples with ``mask`` 1 summed."""
+    squares = sum(v.reshape(v.shape[0], -1).pow(2).sum(1) for v in per_sample.values())
+    norms = torch.sqrt(squares)  # type: ignore[arg-type]
+    scale = torch.clamp(max_grad_norm / torch.clamp(norms, min=_NORM_FLOOR), max=1.0) * mask
+    return {k: torch.tensordot(scale, v, dims=1) for k, v in per_sample.items()}
+
+
+def privatize(per_sample: Params, mask: Tensor, noise: Params, expected: Tensor, dp: DPSGD) -> Params:
+    """One use of the subsampled Gaussian mechanism: (clipped sum + sigma C noise) / expected size."""
+    summed = clip_and_sum(per_sample, mask, dp.max_grad_norm)
+    return {k: (v + dp.noise_std * noise[k]) / expected for k, v in summed.items()}
+
+
+def single_sample_loss(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` on one sample (its input and label without a batch dimension)."""
+    return lambda params, x, y: loss_fn(params, x.unsqueeze(0), y.unsqueeze(0))
+
+
+class PrivateSteps:
+    """The local step's arithmetic (:class:`~fedml_perfedavg.core.client_maths.StepArithmetic`)
+    with every gradient on private data a use of the mechanism: per-sample gradients vectorized
+    by ``torch.func.vmap`` over the Poisson minibatch, clipped, summed and noised."""
+
+    def __init__(self, loss_fn: LossFn, batches: PrivateBatches, kind: Step, dp: DPSGD, forward_ad: bool = True):
+        self.kind, self.batches, self.dp, self.forward_ad = kind, batches, dp, forward_ad
+        self.sample_grad = grad(single_sample_loss(loss_fn))
+        self.per_sample = vmap(self.sample_grad, in_dims=(None, 0, 0))
+
+    def _use(self, per_sample: Params, role: int, t: int) -> Params:
+        b = self.batches
+        noise = {k: v[role, t] for k, v in b.noise.items()}
+        return privatize(per_sample, b.mask[role, t], noise, b.expected[role], self.dp)
+
+    def start(self, params: Params) -> Params:
+        return params
+
+    def gradient(self, point: Params, role: int, t: int) -> Params:
+        return self._use(self.per_sample(point, self.batches.x[role, t], self.batches.y[role, t]), role, t)
+
+    def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
+        return axpy(-alpha, gradient, w)
+
+    def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
+        """D'''s per-sample second-order term, clipped and noised as one vector: HF's central
+        difference of per-sample gradients at w +- delta g, or exact's Hessian-vector product."""
+        x, y = self.batches.x[2, t], self.batches.y[2, t]
+        if self.kind is Step.HF:
+            plus = self.per_sample(axpy(delta, g, w), x, y)
+            minus = self.per_sample(axpy(-delta, g, w), x, y)
+            per_sample = {k: (plus[k] - minus[k]) / (2.0 * delta) for k in plus}
+        else:
+            sample_grad = self.sample_grad
+            if self.forward_ad:
+
+                def hvp(xi: Tensor, yi: Tensor) -> Params:
+                    return jvp(lambda p: sample_grad(p, xi, yi), (w,), (g,))[1]
+
+            else:  # reverse over reverse, for operators without a forward-mode derivative
+
+                def hvp(xi: Tensor, yi: Tensor) -> Params:
+                    with torch.enable_grad():
+                        return vjp(lambda p: sample_grad(p, xi, yi), w)[1](g)[0]
+
+            per_sample = vmap(hvp)(x, y)
+        return self._use(per_sample, 2, t)
+
+    def correct(self, g: Params, hessian_g: Params, alpha: float) -> Params:
+        return axpy(-alpha, hessian_g, g)
+
+    def move(self, w: Params, direction: Params, beta: float) -> Params:
+        return axpy(-beta, direction, w)
+
+
+class PrivateChainSteps:
+    """:class:`PrivateSteps`' mechanism for a chain of Linear layers and activations
+    (:class:`~fedml_perfedavg.core.hand_batched.HandBatchedGradients`), for every client of a round
+    at once (parameters, and every tensor of ``batches``, client first). A sample's gradient of a
+    Linear layer is the outer product of the signal at its output and its input, so its norm is
+    the product of theirs and the clipped sum is one matrix product: per-sample gradients are
+    never formed (the "ghost clipping" of Goodfellow 2015; Li et al. 2022). HF's finite
+    difference of two such outer products, u+ a+^T - u- a-^T = (u+ - u-) a+^T + u- (a+ - a-)^T,
+    has its norm from differences that stay small, never from two large numbers' difference."""
+
+    def __init__(self, chain: Any, batches: PrivateBatches, kind: Step, dp: DPSGD) -> None:
+        if kind is Step.EXACT:
+            raise ValueError("the chain's private steps have no per-sample Hessian-vector product: use PrivateSteps")
+        self.chain, self.batches, self.kind, self.dp = chain, batches, kind, dp
+        self.layers = chain.layers
+
+    def _signals(self, params: Params, x: Tensor, y: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
+        """Each Linear layer's inputs (C, B, in) and each sample's own loss gradient at its output
+        (C, B, out): the backward pass of the summed, not the mean, loss."""
+        inputs, pre, logits = self.chain._forward(params, x.reshape(x.shape[0], x.shape[1], -1))
+        signal = torch.softmax(logits, dim=-1) - torch.nn.functional.one_hot(y, logits.shape[-1]).to(logits.dtype)
+        signals: List[Tensor] = [signal] * len(self.layers)
+        for position in range(len(self.layers) - 1, -1, -1):
+            layer = self.layers[position]
+            if layer.activation is not None:
+                output = inputs[position + 1] if position + 1 < len(inputs) else logits
+                signal = layer.activation.backward(signal, pre[position], output)
+            signals[position] = signal
+            if position > 0:
+                signal = torch.bmm(signal, params[layer.weight])
+        return inputs, signals
+
+    def _scale(self, squared_norms: Tensor, role: int, t: int, divide: float = 1.0) -> Tensor:
+        norms = torch.sqrt(torch.clamp(squared_norms, min=0.0))
+        clip = torch.clamp(self.dp.max_grad_norm / torch.clamp(norms, min=_NORM_FLOOR), max=1.0)
+        return (clip * self.batches.mask[:, role, t] / divide).unsqueeze(-1)
+
+    def _noised(self, summed: Params, role: int, t: int) -> Params:
+        expected = self.batches.expected[:, role]
+        out = {}
+        for k, v in summed.items():
+            noise = self.batches.noise[k][:, role, t]
+            out[k] = (v + self.dp.noise_std * noise) / expected.view(-1, *([1] * (v.dim() - 1)))
+        return out
+
+    def start(self, params: Params) -> Params:
+        return params
+
+    def gradient(self, point: Params, role: int, t: int) -> Params:
+        inputs, signals = self._signals(point, self.batches.x[:, role, t], self.batches.y[:, role, t])
+        squares = [s.pow(2).sum(-1) for s in signals]
+        total = sum(
+            sq * (a.pow(2).sum(-1) + (1.0 if layer.bias is not None else 0.0))
+            for layer, a, sq in zip(self.layers, inputs, squares)
+        )
+        scale = self._scale(total, role, t)  # type: ignore[arg-type]
+        summed: Params = {}
+        for layer, a, s in zip(self.layers, inputs, signals):
+            weighted = s * scale
+            summed[layer.weight] = torch.bmm(weighted.transpose(1, 2), a)
+            if layer.bias is not None:
+                summed[layer.bias] = weighted.sum(1)
+        return self._noised(summed, role, t)
+
+    def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
+        return axpy(-alpha, gradient, w)
+
+    def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
+        x, y = self.batches.x[:, 2, t], self.batches.y[:, 2, t]
+        plus_inputs, plus = self._signals(axpy(delta, g, w), x, y)
+        minus_inputs, minus = self._signals(axpy(-delta, g, w), x, y)
+        total: Any = 0.0
+        parts = []
+        for position, layer in enumerate(self.layers):
+            d_signal = plus[position] - minus[position]
+            a = plus_inputs[position]
+            d_input = None if position == 0 else a - minus_inputs[position]  # the data itself does not move
+            squared = d_signal.pow(2).sum(-1) * (a.pow(2).sum(-1) + (1.0 if layer.bias is not None else 0.0))
+            if d_input is not None:
+                squared = (
+                    squared
+                    + minus[position].pow(2).sum(-1) * d_input.pow(2).sum(-1)
+                    + 2.0 * (d_signal * minus[position]).sum(-1) * (a * d_input).sum(-1)
+                )
+            total = total + squared
+            parts.append((layer, d_signal, a, minus[position], d_input))
+        scale = self._scale(total / (4.0 * delta * delta), 2, t, divide=2.0 * delta)
+        summed: Params = {}
+        for layer, d_signal, a, minus_signal, d_input in parts:
+            weighted = d_signal * scale
+            summed[layer.weight] = torch.bmm(weighted.transpose(1, 2), a)
+            if d_input is not None:
+                summed[layer.weight].baddbmm_((minus_signal * scale).transpose(1, 2), d_input)
+            if layer.bias is not None:
+                summed[layer.bias] = weighted.sum(1)
+        return self._noised(summed, 2, t)
+
+    def correct(self, g: Params, hessian_g: Params, alpha: float) -> Params:
+        return axpy(-alpha, hessian_g, g)
+
+    def move(self, w: Params, direction: Params, beta: float) -> Params:
+        return axpy(-beta, direction, w)
+
+
+def one_client(batches: PrivateBatches) -> PrivateBatches:
+    """One client's draws with a client dimension of one in front (for :class:`PrivateChainSteps`)."""
+    return PrivateBatches(
+        batches.x.unsqueeze(0),
+        batches.y.unsqueeze(0),
+        batches.mask.unsqueeze(0),
+        {k: v.unsqueeze(0) for k, v in batches.noise.items()},
+        batches.expected.unsqueeze(0),
+    )
+
+
+def private_local_update(
+    loss_fn: LossFn,
+    params: Params,
+    batches: PrivateBatches,
+    config: Any,
+    dp: DPSGD,
+    chain: Any = None,
+    forward_ad: bool = True,
+) -> Params:
+    """One client's DP-SGD local update (``config``: a LocalUpdateConfig): by the chain's outer
+    products where ``chain`` is given and the step is not exact, else per-sample by torch.func."""
+    from .client_maths import run_steps
+
+    if chain is not None and config.step is not Step.EXACT:
+        start = {k: v.unsqueeze(0) for k, v in params.items()}
+        out = run_steps(PrivateChainSteps(chain, one_client(batches), config.step, dp), start, config)
+        return {k: v[0] for k, v in out.items()}
+    return run_steps(PrivateSteps(loss_fn, batches, config.step, dp, forward_ad), params, config)
+
+
+def private_sgd_steps(
+    loss_fn: LossFn, params: Params, batches: PrivateBatches, alpha: float, dp: DPSGD, chain: Any = None
+) -> Params:
+    """SGD steps of size ``alpha`` whose gradients are uses of the mechanism (role 0 of
+    ``batches``, one step per step): the personalization step of a private evaluation."""
+    config = _SGDSteps(batches.steps, alpha)
+    return private_local_update(loss_fn, params, batches, config, dp, chain)
+
+
+@dataclass(frozen=True)
+class _SGDSteps:
+    """What run_steps reads of a LocalUpdateConfig, for plain SGD steps of size ``beta``."""
+
+    local_steps: int
+    beta: float
+    alpha: float = 0.0
+    delta: float = 0.0
+    step: Step = Step.SGD
+
+
+def per_sample_problem(network: torch.nn.Module, loss_fn: LossFn, params: Params, x: Tensor, y: Tensor) -> Optional[str]:
+    """Why per-sample gradients of the model cannot be computed (BatchNorm, which mixes a
+    minibatch's samples; a model vmap cannot batch over samples), or None."""
+    norms = [type(m).__name__ for m in network.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if norms:
+        return (
+            f"the model has {norms[0]}, which normalizes each sample with its minibatch's statistics: a "
+            f"sample's gradient depends on the others, so it cannot be clipped alone (use GroupNorm or "
+            f"LayerNorm)"
+        )
+    try:
+        vmap(grad(single_sample_loss(loss_fn)), in_dims=(None, 0, 0))(params, x[:2], y[:2])
+    except Exception as err:  # noqa: BLE001 - whatever vmap raises is the reason
+        return f"torch.func.vmap cannot compute its per-sample gradients: {type(err).__name__}: {err}"
+    return None
+
+
+# -- the accountant ------------------------------------------------------------------------------
+def _rdp_module() -> Any:
+    try:
+        from opacus.accountants.analysis import rdp
+    except ImportError as err:  # pragma: no cover - the package's 'dp' extra installs it
+        raise ConfigError(
+            "dp_args.dp_solution_type='dpsgd': needs Opacus' accountant (pip install 'fedml-perfedavg[dp]')"
+        ) from err
+    return rdp
+
+
+def _orders() -> List[float]:
+    from opacus.accountants.rdp import RDPAccountant
+
+    return list(RDPAccountant.DEFAULT_ALPHAS)  # the orders Opacus' own accountant uses
+
+
+@functools.lru_cache(maxsize=4096)
+def _rdp_of_one_use(rate: float, noise_multiplier: float) -> Tuple[float, ...]:
+    """The RDP of one use at every order (Opacus' compute_rdp is ``steps`` times this): computed
+    once per sample rate, which a run has a handful of."""
+    rdp = _rdp_module()
+    return tuple(rdp.compute_rdp(q=rate, noise_multiplier=noise_multiplier, steps=1, orders=_orders()))
+
+
+def epsilon_of(uses: Mapping[float, int], noise_multiplier: float, delta: float) -> float:
+    """The (epsilon, delta)-DP of a user's uses (sample rate -> count) of the subsampled
+    Gaussian mechanism with ``noise_multiplier``: Opacus' RDP accountant (its compute_rdp for
+    each rate, composed by adding, and its get_privacy_spent); 0 with no use."""
+    if not any(uses.values()):
+        return 0.0
+    import numpy as np
+
+    total = sum(count * np.asarray(_rdp_of_one_use(float(rate), float(noise_multiplier))) for rate, count in uses.items())
+    epsilon, _ = _rdp_module().get_privacy_spent(orders=_orders(), rdp=total, delta=delta)
+    return float(epsilon)
+
+
+@dataclass(frozen=True)
+class UseRules:
+    """Which uses of the mechanism a user's data sees: a round's local update (``local_steps``
+    steps, each reading ``batch_sizes`` minibatches: D; D' in FO; D'' in HF and exact) and an
+    evaluation's personalization (``adapt_steps`` steps on minibatches of ``evaluation_batch_size``)."""
+
+    batch_sizes: Tuple[int, ...]
+    local_steps: int
+    evaluation_batch_size: int
+    adapt_steps: int
+
+    @classmethod
+    def of(cls, step: Step, batch_sizes: Sequence[int], local_steps: int, eval_batch: int, adapt_steps: int) -> "UseRules":
+        return cls(tuple(batch_sizes[: uses_per_step(step)]), local_steps, eval_batch, adapt_steps)
+
+    def training(self, num_samples: int) -> List[Tuple[float, int]]:
+        return [(sample_rate(b, num_samples), self.local_steps) for b in self.batch_sizes]
+
+    def evaluation(self, num_samples: int) -> List[Tuple[float, int]]:
+        return [(sample_rate(self.evaluation_batch_size, num_samples), self.adapt_steps)]
+
+
+class PrivacyLedger:
+    """Every user's uses of the mechanism so far (sample rate -> count) and their epsilon.
+
+    A round's training and an evaluation are counted once per (round, user), however often they
+    are computed: their randomness is keyed by (seed, round, user), so a computation done again
+    (a silo's evaluation of a model the server evaluated too) releases the same numbers. Its state
+    is in checkpoints; :meth:`report` is ``summary.json``'s ``privacy``."""
+
+    def __init__(self, dp: DPSGD, rules: UseRules, sample_counts: Mapping[int, int]) -> None:
+        self.dp, self.rules = dp, rules
+        self.sample_counts = {int(u): int(n) for u, n in sample_counts.items()}
+        self.uses: Dict[int, Dict[float, int]] = {}
+        self.counted: Dict[str, List[int]] = {"training": [], "evaluation": []}  # (round, user) pairs, flat
+        self._seen: set = set()
+        self._cache: Dict[int, Tuple[Tuple[Tuple[float, int], ...], float]] = {}
+
+    def _account(self, what: str, round_idx: int, users: Sequence[int]) -> None:
+        rule = self.rules.training if what == "training" else self.rules.evaluation
+        for user in users:
+            key = (what, int(round_idx), int(user))
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            self.counted[what] += [int(round_idx), int(user)]
+            by_rate = self.uses.setdefault(int(user), {})
+            for rate, count in rule(self.sample_counts[int(user)]):
+                by_rate[rate] = by_rate.get(rate, 0) + count
+
+    def after_training(self, round_idx: int, user: int) -> float:
+        """``user``'s epsilon were it to train in round ``round_idx`` too."""
+        if ("training", int(round_idx), int(user)) in self._seen:
+            return self.epsilon(user)
+        uses = dict(self.uses.get(int(user), {}))
+        for rate, count in self.rules.training(self.sample_counts[int(user)]):
+            uses[rate] = uses.get(rate, 0) + count
+        return epsilon_of(uses, self.dp.noise_multiplier, self.dp.delta)
+
+    def left_out(self, round_idx: int, users: Sequence[int]) -> None:
+        """``users`` were sampled for round ``round_idx`` but left out: the budget was spent."""
+        self.counted.setdefault("left_out", [])
+        self.counted["left_out"] += [x for u in users for x in (int(round_idx), int(u))]
+
+    def trained(self, round_idx: int, clients: Sequence[int]) -> None:
+        """Round ``round_idx``'s local updates of ``clients`` happened (each once)."""
+        self._account("training", round_idx, clients)
+
+    def evaluated(self, round_idx: int, users: Sequence[int]) -> None:
+        """The evaluation after round ``round_idx`` personalized the model on ``users``' data."""
+        self._account("evaluation", round_idx, users)
+
+    def copy(self) -> "PrivacyLedger":
+        other = PrivacyLedger(self.dp, self.rules, self.sample_counts)
+        other.load_state_dict(self.state_dict())
+        return other
+
+    def epsilon(self, user: int) -> float:
+        """``user``'s epsilon at the run's delta (0 before any use)."""
+        uses = self.uses.get(int(user), {})
+        key = tuple(sorted(uses.items()))
+        cached = self._cache.get(int(user))
+        if cached is None or cached[0] != key:
+            cached = (key, epsilon_of(uses, self.dp.noise_multiplier, self.dp.delta))
+            self._cache[int(user)] = cached
+        return cached[1]
+
+    def largest(self) -> Tuple[float, Optional[int]]:
+        """(the largest epsilon, its user), (0, None) before any use."""
+        best: Tuple[float, Optional[int]] = (0.0, None)
+        for user in sorted(self.uses):
+            epsilon = self.epsilon(user)
+            if epsilon > best[0]:
+                best = (epsilon, user)
+        return best
+
+    def report(self) -> Dict[str, Any]:
+        """``summary.json``'s ``privacy``: the mechanism's settings, the largest epsilon, and per user
+        its epsilon, its uses and its sample rate (the largest, where its minibatches differ)."""
+        per_user = {
+            str(user): {
+                "epsilon": self.epsilon(user),
+                "uses": sum(self.uses[user].values()),
+                "sample_rate": max(self.uses[user]) if self.uses[user] else 0.0,
+            }
+            for user in sorted(self.uses)
+        }
+        return {
+            "accountant": ACCOUNTANT,
+            "delta": self.dp.delta,
+            "noise_multiplier": self.dp.noise_multiplier,
+            "max_grad_norm": self.dp.max_grad_norm,
+            "max_epsilon": self.dp.max_epsilon,
+            "epsilon": self.largest()[0],
+            "per_user": per_user,
+            "left_out": [
+                {"round": flat[i], "user": flat[i + 1]} for flat in [self.counted.get("left_out", [])] for i in range(0, len(flat), 2)
+            ],
+        }
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"counted": {k: list(v) for k, v in self.counted.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.uses, self.counted, self._seen, self._cache = {}, {"training": [], "evaluation": []}, set(), {}
+        for what, flat in state["counted"].items():
+            if what == "left_out":
+                self.counted["left_out"] = [int(v) for v in flat]
+                continue
+            for i in range(0, len(flat), 2):
+                self._account(what, flat[i], [flat[i + 1]])
+
+
+def planned_epsilon(
+    ledger: PrivacyLedger,
+    rounds: Sequence[int],
+    sample: Any,
+    evaluates: Any,
+    evaluated_users: Sequence[int],
+) -> Tuple[float, Optional[int]]:
+    """(the largest epsilon, its user) once ``rounds`` have run on top of ``ledger``: each round's
+    clients (``sample(round)``) trained, and ``evaluated_users`` personalized where
+    ``evaluates(round)``. Every draw is keyed, so this is what the run will spend; a client that
+    drops out of a round spends less."""
+    plan = ledger.copy()
+    for round_idx in rounds:
+        plan.trained(round_idx, sample(round_idx))
+        if evaluates(round_idx):
+            plan.evaluated(round_idx, evaluated_users)
+    return plan.largest()
