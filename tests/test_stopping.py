@@ -4,11 +4,14 @@ launcher notes signals instead of raising them where they land."""
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
+from tests.helpers import REPO
 from fedml_perfedavg.stopping import (
     STOP_SIGNALLED,
     StopRequested,
@@ -80,3 +83,26 @@ def test_the_launcher_notes_signals_and_stops_between_its_own_steps():
         os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt
         assert (stop.name, stop.exit_status) == ("SIGTERM", 143)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+STOPPED_SCRIPT = """
+import os, signal, sys
+from fedml_perfedavg.stopping import exit_as_signalled, sigterm_as_interrupt
+exit_as_signalled()
+with sigterm_as_interrupt():
+    try:
+        os.kill(os.getpid(), {signum})
+        signal.sigtimedwait([], 0)  # the handler runs here at the latest
+    except KeyboardInterrupt:
+        {then}
+"""
+
+
+@pytest.mark.backend  # a subprocess
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("then", ["raise", "raise RuntimeError('a cleanup that failed on the interrupt')"])
+def test_a_stopped_script_ends_by_its_signal_even_when_the_interrupt_became_another_error(signum, then):
+    code = STOPPED_SCRIPT.format(signum=int(signum), then=then)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == -signum, out.stderr[-2000:]
+    assert ("RuntimeError" in out.stderr) == ("RuntimeError" in then)  # the traceback is still shown

@@ -1,0 +1,202 @@
+"""DP-SGD's mechanism (fedml_perfedavg.core.privacy): clipping, noise, Poisson draws, the chain's
+outer-product clipping against per-sample gradients, and the accountant against Opacus'."""
+
+import pytest
+import torch
+from torch import nn
+from torch.func import grad
+
+from fedml_perfedavg.core.client_maths import LocalUpdateConfig, Step
+from fedml_perfedavg.core.errors import ConfigError
+from fedml_perfedavg.core.functional import functional_network, make_loss_fn
+from fedml_perfedavg.core.hand_batched import hand_batched_gradients
+from fedml_perfedavg.core.privacy import (
+    DPSGD,
+    PrivacyLedger,
+    PrivateBatches,
+    PrivateChainSteps,
+    PrivateSteps,
+    UseRules,
+    clip_and_sum,
+    draw_private_batches,
+    epsilon_of,
+    one_client,
+    per_sample_problem,
+    poisson_draw,
+    private_local_update,
+)
+
+
+def _mlp(dtype=torch.float64):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(12, 7), nn.ELU(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
+    return net.to(dtype)
+
+
+def _setup(dtype=torch.float64, n=50):
+    net = functional_network(_mlp(dtype))
+    params = {k: v.detach().clone() for k, v in net.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 1, 3, 4, generator=g, dtype=dtype)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return net, make_loss_fn(net), params, x, y
+
+
+def _full_batches(x, y, params, roles=3, steps=1, zero_noise=True):
+    """Every sample in every minibatch (mask 1, expected size n) and zero noise: the mechanism
+    reduces to the clipped mean."""
+    n = len(y)
+    return PrivateBatches(
+        x.expand(roles, steps, *x.shape).clone(),
+        y.expand(roles, steps, n).clone(),
+        torch.ones(roles, steps, n, dtype=x.dtype),
+        {k: torch.zeros(roles, steps, *p.shape, dtype=p.dtype) for k, p in params.items()},
+        torch.full((roles,), float(n), dtype=x.dtype),
+    )
+
+
+def test_with_a_huge_clip_bound_and_no_noise_the_clipped_sum_is_the_batch_gradient():
+    _, loss, params, x, y = _setup()
+    batch_gradient = grad(loss)(params, x, y)
+    dp = DPSGD(noise_multiplier=1e-12, max_grad_norm=1e12, delta=1e-5)
+    for chain in (False, True):
+        batches = _full_batches(x, y, params)
+        if chain:
+            net = functional_network(_mlp())
+            steps = PrivateChainSteps(hand_batched_gradients(net, (1, 3, 4))[0], one_client(batches), Step.SGD, dp)
+            got = {k: v[0] for k, v in steps.gradient({k: v.unsqueeze(0) for k, v in params.items()}, 0, 0).items()}
+        else:
+            got = PrivateSteps(loss, batches, Step.SGD, dp).gradient(params, 0, 0)
+        for k in params:
+            assert torch.allclose(got[k], batch_gradient[k], atol=1e-6, rtol=0), (chain, k)
+
+
+def test_a_sample_whose_gradient_is_above_the_bound_is_clipped_to_it_and_one_below_is_not():
+    per_sample = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]]), "b": torch.zeros(2, 1)}
+    alone = [clip_and_sum({k: v[i : i + 1] for k, v in per_sample.items()}, torch.ones(1), 1.0) for i in (0, 1)]
+    assert torch.allclose(alone[0]["w"], torch.tensor([0.6, 0.8]))  # norm 5 -> 1
+    assert torch.allclose(alone[1]["w"], torch.tensor([0.3, 0.4]))  # norm 0.5 stays
+    masked = clip_and_sum(per_sample, torch.tensor([0.0, 1.0]), 1.0)  # padding contributes nothing
+    assert torch.allclose(masked["w"], torch.tensor([0.3, 0.4]))
+
+
+@pytest.mark.parametrize("variant", ["sgd", "fo", "hf"])
+@pytest.mark.parametrize("clip", [1e9, 0.05])
+def test_the_chain_clips_by_outer_products_as_per_sample_gradients_do(variant, clip):
+    net, loss, params, x, y = _setup()
+    chain = hand_batched_gradients(net, (1, 3, 4))[0]
+    dp = DPSGD(noise_multiplier=0.7, max_grad_norm=clip, delta=1e-5)
+    config = LocalUpdateConfig(variant, alpha=0.05, beta=0.1, delta=0.001, local_steps=3)
+    roles = Step(variant).batch_roles
+    batches = draw_private_batches(x, y, [8] * roles, 3, params, torch.Generator().manual_seed(3))
+    generic = private_local_update(loss, params, batches, config, dp, chain=None)
+    by_chain = private_local_update(loss, params, batches, config, dp, chain=chain)
+    moved = max(float((generic[k] - params[k]).abs().max()) for k in params)
+    assert moved > 1e-3
+    for k in params:
+        assert torch.allclose(generic[k], by_chain[k], atol=1e-12, rtol=0), k
+
+
+def test_the_second_order_term_is_clipped_as_one_vector():
+    """HF's D'' term: with C tiny, each sample's finite difference counts C at most, so the
+    correction's size is bounded by alpha * (C * |D''| + noise) / expected size."""
+    _, loss, params, x, y = _setup()
+    dp = DPSGD(noise_multiplier=1e-12, max_grad_norm=1e-3, delta=1e-5)
+    batches = _full_batches(x, y, params)
+    steps = PrivateSteps(loss, batches, Step.HF, dp)
+    g = {k: torch.ones_like(v) for k, v in params.items()}
+    term = steps.hessian_times(params, g, 0, 1e-3)
+    norm = torch.sqrt(sum(v.pow(2).sum() for v in term.values()))
+    assert norm <= 1e-3 * (1 + 1e-9)
+
+
+def test_poisson_draws_have_the_rate_asked_and_distinct_sorted_indices():
+    index, mask, expected = poisson_draw(200, [20, 50], 400, torch.Generator().manual_seed(0))
+    assert expected.tolist() == [20.0, 50.0]
+    sizes = mask.sum(-1)
+    assert abs(float(sizes[0].mean()) - 20) < 1 and abs(float(sizes[1].mean()) - 50) < 1.5
+    assert float(sizes[0].var()) > 10  # a Binomial's spread, not a fixed size
+    for role in range(2):
+        for t in range(5):
+            chosen = index[role, t, : int(sizes[role, t])]
+            assert len(set(chosen.tolist())) == len(chosen) and torch.equal(chosen, chosen.sort().values)
+    # all data when the batch is at least the data
+    _, mask_all, expected_all = poisson_draw(10, [40], 3, torch.Generator().manual_seed(0))
+    assert expected_all.tolist() == [10.0] and bool((mask_all == 1).all())
+
+
+def test_the_noise_is_really_there():
+    _, loss, params, x, y = _setup()
+    dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)
+    config = LocalUpdateConfig("hf", alpha=0.05, beta=0.1, delta=0.001, local_steps=2)
+    outs = []
+    for seed in (0, 1):
+        batches = draw_private_batches(x, y, [50, 50, 50], 2, params, torch.Generator().manual_seed(seed))
+        batches = batches._replace(mask=torch.ones_like(batches.mask))  # same samples: only the noise differs
+        batches = batches._replace(x=x.expand(3, 2, *x.shape), y=y.expand(3, 2, 50))
+        outs.append(private_local_update(loss, params, batches, config, dp))
+    assert max(float((outs[0][k] - outs[1][k]).abs().max()) for k in params) > 1e-3
+
+
+def test_epsilon_is_opacus_rdp_accountant_on_the_same_history():
+    from opacus.accountants import RDPAccountant
+
+    accountant = RDPAccountant()
+    accountant.history = [(1.3, 0.05, 120), (1.3, 0.1, 7)]
+    assert epsilon_of({0.05: 120, 0.1: 7}, 1.3, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    assert epsilon_of({}, 1.3, 1e-5) == 0.0
+
+
+def test_the_ledger_counts_each_round_and_user_once_and_survives_a_checkpoint():
+    dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)
+    rules = UseRules.of(Step.HF, (8, 8, 4), local_steps=3, eval_batch=8, adapt_steps=1)
+    ledger = PrivacyLedger(dp, rules, {0: 40, 1: 80})
+    ledger.trained(0, [0, 1])
+    ledger.trained(0, [0])  # computed again (same keyed draws): the same release, not a new one
+    ledger.evaluated(0, [0, 1])
+    # D and D' (8 of 40: rate 0.2) and D'' (4 of 40) for 3 steps, once; one evaluation step (8 of 40)
+    assert ledger.uses[0] == {0.2: 3 + 3 + 1, 0.1: 3}
+    assert ledger.uses[1] == {0.1: 3 + 3 + 1, 0.05: 3}
+    again = PrivacyLedger(dp, rules, {0: 40, 1: 80})
+    again.load_state_dict(ledger.state_dict())
+    assert again.uses == ledger.uses and again.report() == ledger.report()
+    report = ledger.report()
+    assert report["per_user"]["0"]["uses"] == 10 and report["per_user"]["0"]["sample_rate"] == 0.2
+    assert report["epsilon"] == max(ledger.epsilon(0), ledger.epsilon(1)) > 0
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"noise_multiplier": 0}, r"dp_args.noise_multiplier=0: must be > 0"),
+        ({"max_grad_norm": -1.0}, r"dp_args.max_grad_norm=-1.0: must be > 0"),
+        ({"delta": 1}, r"dp_args.delta=1: must be in \(0, 1\)"),
+        ({"delta": 0.0}, r"dp_args.delta=0.0: must be in \(0, 1\)"),
+        ({"epsilon": 1.0}, r"dp_args.epsilon=1.0: a key of FedML's ldp/cdp"),
+        ({"dp_solution_type": ["dpsgd", "ldp"]}, r"one solution per run"),
+        ({"enable_dp": False}, r"dp_args.enable_dp=False: dp_solution_type 'dpsgd' is set"),
+        ({"noise_multiplier": "1"}, r"dp_args.noise_multiplier='1': must be a finite number"),
+        ({"clip": 1.0}, r"dp_args.clip=1.0: unknown key"),
+    ],
+)
+def test_bad_dp_settings_are_refused_naming_the_key(change, message):
+    section = {"enable_dp": True, "dp_solution_type": "dpsgd", "noise_multiplier": 1.0, "max_grad_norm": 1.0}
+    section = {**section, "delta": 1e-5, **change}
+    with pytest.raises(ConfigError, match=message):
+        DPSGD.from_section(section)
+
+
+def test_fedml_own_dp_is_not_dpsgd():
+    assert DPSGD.from_section({"enable_dp": True, "dp_solution_type": "ldp", "epsilon": 1.0}) is None
+    with pytest.raises(ConfigError, match="dp_args.noise_multiplier=1.0: a key of dp_solution_type 'dpsgd'"):
+        DPSGD.from_section({"enable_dp": True, "dp_solution_type": "cdp", "noise_multiplier": 1.0})
+
+
+def test_a_model_with_batchnorm_cannot_clip_per_sample():
+    net = functional_network(nn.Sequential(nn.Flatten(), nn.Linear(12, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)))
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    why = per_sample_problem(net, make_loss_fn(net), params, torch.randn(4, 1, 3, 4), torch.zeros(4, dtype=torch.long))
+    assert why is not None and "BatchNorm1d" in why and "GroupNorm" in why
+    plain = functional_network(_mlp(torch.float32))
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+    assert per_sample_problem(plain, make_loss_fn(plain), params, torch.randn(4, 1, 3, 4), torch.zeros(4).long()) is None

@@ -1,0 +1,136 @@
+"""DP-SGD in a run (dp_args.dp_solution_type: dpsgd): every use counted, epsilon as Opacus
+computes it, reported each evaluation and in summary.json, the budget enforced at start, and
+what would read a user's data outside the mechanism refused."""
+
+import pytest
+import torch
+
+from fedml_perfedavg.core.errors import ConfigError
+from fedml_perfedavg.core.sampling import sample_clients
+from fedml_perfedavg.engine.batched import BatchedSimulation
+from fedml_perfedavg.run.runner import run
+
+from tests.helpers_tiny import tiny_config, tiny_data
+
+DP = {
+    "dp_args.enable_dp": True,
+    "dp_args.dp_solution_type": "dpsgd",
+    "dp_args.noise_multiplier": 1.1,
+    "dp_args.max_grad_norm": 1.0,
+    "dp_args.delta": 1e-5,
+}
+
+
+def _config(**overrides):
+    return tiny_config(**{"client_num_per_round": 3, "checkpoint_every": 0, **DP, **overrides})
+
+
+@pytest.mark.parametrize("variant, roles", [("hf", 3), ("fo", 2)])
+def test_every_use_is_counted_and_epsilon_is_opacus_on_those_uses(tmp_path, variant, roles):
+    from opacus.accountants import RDPAccountant
+
+    config = _config(perfedavg_variant=variant)
+    result = run(config, str(tmp_path / "run"), data=tiny_data())
+    privacy = result.summary["privacy"]
+    rounds, tau, evaluations = config.comm_round, config.local_steps, [0, 2, 4, 5]
+    assert [e["round"] for e in result.summary["history"]] == evaluations
+    sampled = {u: 0 for u in range(6)}
+    for r in range(rounds):
+        for c in sample_clients(config.random_seed, r, 6, 3):
+            sampled[c] += 1
+    assert sum(sampled.values()) == rounds * 3
+    total = sum(entry["uses"] for entry in privacy["per_user"].values())
+    assert total == rounds * 3 * tau * roles + len(evaluations) * 6 * config.adapt_steps
+    for user, entry in privacy["per_user"].items():
+        uses = sampled[int(user)] * tau * roles + len(evaluations) * config.adapt_steps
+        assert entry["uses"] == uses and entry["sample_rate"] == pytest.approx(8 / 24)
+        accountant = RDPAccountant()
+        accountant.history = [(1.1, 8 / 24, uses)]
+        assert entry["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+    assert privacy["epsilon"] == max(e["epsilon"] for e in privacy["per_user"].values())
+    assert {k: privacy[k] for k in ("accountant", "delta", "noise_multiplier", "max_grad_norm")} == {
+        "accountant": "opacus.rdp",
+        "delta": 1e-5,
+        "noise_multiplier": 1.1,
+        "max_grad_norm": 1.0,
+    }
+    epsilons = [e["epsilon"] for e in result.summary["history"]]
+    assert epsilons == sorted(epsilons) and epsilons[-1] == privacy["epsilon"]  # grows, reported each evaluation
+    log = (tmp_path / "run" / "run.log").read_text()
+    assert f"round 5: epsilon {privacy['epsilon']:.4g} at delta 1e-05" in log
+
+
+def test_the_noise_and_the_clipping_change_the_model(tmp_path):
+    data = tiny_data()
+    plain = run(tiny_config(checkpoint_every=0), str(tmp_path / "plain"), data=data).final_state
+    a = run(_config(), str(tmp_path / "a"), data=data).final_state
+    b = run(_config(random_seed=1), str(tmp_path / "b"), data=data).final_state
+    again = run(_config(), str(tmp_path / "again"), data=data).final_state
+    assert all(torch.equal(a[k], again[k]) for k in a)  # keyed: a seed gives the same model
+    assert not all(torch.equal(a[k], plain[k]) for k in a)
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_per_client_path_gives_the_batched_engines_model_and_epsilons(tmp_path, monkeypatch):
+    data = tiny_data()
+    batched = run(_config(), str(tmp_path / "batched"), data=data)
+    monkeypatch.setattr(BatchedSimulation, "clients_per_computation", 1)
+    original = BatchedSimulation.__init__
+
+    def one_by_one(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.batched = False  # every client through algorithm.client_update, as FedML's loops call it
+
+    monkeypatch.setattr(BatchedSimulation, "__init__", one_by_one)
+    alone = run(_config(), str(tmp_path / "alone"), data=data)
+    for k in batched.final_state:
+        assert torch.allclose(batched.final_state[k], alone.final_state[k], atol=1e-6, rtol=0)
+    assert batched.summary["privacy"] == alone.summary["privacy"]
+
+
+def test_a_budget_the_plan_would_pass_is_refused_at_start_naming_the_epsilon(tmp_path):
+    with pytest.raises(ConfigError, match=r"dp_args.max_epsilon=1.0: this run would reach epsilon [0-9.]+ \(user \d\)"):
+        run(_config(**{"dp_args.max_epsilon": 1.0}), str(tmp_path / "over"), data=tiny_data())
+    generous = run(_config(**{"dp_args.max_epsilon": 200.0}), str(tmp_path / "within"), data=tiny_data())
+    privacy = generous.summary["privacy"]
+    assert privacy["max_epsilon"] == 200.0 and privacy["epsilon"] <= 200.0 and privacy["left_out"] == []
+
+
+def test_a_resumed_run_keeps_its_privacy_record(tmp_path, monkeypatch):
+    data = tiny_data()
+    full = run(_config(checkpoint_every=2), str(tmp_path / "full"), data=data)
+    original = BatchedSimulation.train_round
+
+    def crash_at_round_3(self, round_idx):
+        if round_idx == 3:
+            raise KeyboardInterrupt("simulated kill")
+        return original(self, round_idx)
+
+    monkeypatch.setattr(BatchedSimulation, "train_round", crash_at_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(_config(checkpoint_every=2), str(tmp_path / "resumed"), data=data)
+    monkeypatch.setattr(BatchedSimulation, "train_round", original)
+    resumed = run(_config(checkpoint_every=2), str(tmp_path / "resumed"), data=data, resume=True)
+    assert resumed.summary["privacy"] == full.summary["privacy"]
+    assert all(torch.equal(full.final_state[k], resumed.final_state[k]) for k in full.final_state)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"stationarity_every": 2}, r"validation_args.stationarity_every=2 with dp_args.dp_solution_type='dpsgd'"),
+        ({"random_iterate": True}, r"validation_args.random_iterate=True with dp_args.dp_solution_type='dpsgd'"),
+        ({"federated_optimizer": "FedAvgARUBA"}, r"train_args.federated_optimizer='FedAvgARUBA' with dp_args"),
+        ({"dp_args.sensitivity": 1.0}, r"dp_args.sensitivity=1.0: a key of FedML's ldp/cdp"),
+    ],
+)
+def test_what_would_read_data_outside_the_mechanism_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _config(**overrides)
+
+
+def test_fedavg_takes_one_use_per_step(tmp_path):
+    config = _config(federated_optimizer="FedAvgUpdate")
+    privacy = run(config, str(tmp_path / "fedavg"), data=tiny_data()).summary["privacy"]
+    total = sum(entry["uses"] for entry in privacy["per_user"].values())
+    assert total == config.comm_round * 3 * config.local_steps + 4 * 6
