@@ -516,12 +516,14 @@ class PrivacyLedger:
         self.dp, self.rules = dp, rules
         self.sample_counts = {int(u): int(n) for u, n in sample_counts.items()}
         self.uses: Dict[int, Dict[float, int]] = {}
-        self.counted: Dict[str, List[int]] = {"training": [], "evaluation": []}  # (round, user) pairs, flat
+        # (round, user) pairs, flat, by what used the data: a round's training, the run's evaluation
+        # after it, and (cross-silo, shared mode) a silo's evaluation of the model it received
+        self.counted: Dict[str, List[int]] = {"training": [], "evaluation": [], "silo_evaluation": []}
         self._seen: set = set()
         self._cache: Dict[int, Tuple[Tuple[Tuple[float, int], ...], float]] = {}
 
     def _account(self, what: str, round_idx: int, users: Sequence[int]) -> None:
-        rule = self.rules.training if what == "training" else self.rules.evaluation
+        rule = self.rules.training if what == "training" else self.rules.evaluation  # or a silo's evaluation
         for user in users:
             key = (what, int(round_idx), int(user))
             if key in self._seen:
@@ -553,6 +555,11 @@ class PrivacyLedger:
     def evaluated(self, round_idx: int, users: Sequence[int]) -> None:
         """The evaluation after round ``round_idx`` personalized the model on ``users``' data."""
         self._account("evaluation", round_idx, users)
+
+    def silo_evaluated(self, round_idx: int, users: Sequence[int]) -> None:
+        """Cross-silo, shared mode: the silos personalized the model they received for round
+        ``round_idx`` (the final model: ``round_idx`` = comm_round) on ``users``' data."""
+        self._account("silo_evaluation", round_idx, users)
 
     def copy(self) -> "PrivacyLedger":
         other = PrivacyLedger(self.dp, self.rules, self.sample_counts)
@@ -606,7 +613,8 @@ class PrivacyLedger:
         return {"counted": {k: list(v) for k, v in self.counted.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.uses, self.counted, self._seen, self._cache = {}, {"training": [], "evaluation": []}, set(), {}
+        self.uses, self._seen, self._cache = {}, set(), {}
+        self.counted = {"training": [], "evaluation": [], "silo_evaluation": []}
         for what, flat in state["counted"].items():
             if what == "left_out":
                 self.counted["left_out"] = [int(v) for v in flat]
@@ -621,14 +629,66 @@ def planned_epsilon(
     sample: Any,
     evaluates: Any,
     evaluated_users: Sequence[int],
+    silo_evaluations: bool = False,
 ) -> Tuple[float, Optional[int]]:
     """(the largest epsilon, its user) once ``rounds`` have run on top of ``ledger``: each round's
     clients (``sample(round)``) trained, and ``evaluated_users`` personalized where
-    ``evaluates(round)``. Every draw is keyed, so this is what the run will spend; a client that
+    ``evaluates(round)`` (with ``silo_evaluations``, cross-silo shared mode: each round's clients
+    personalized on their silos too, and the next sample on the final model). Every draw is keyed, so this is what the run will spend; a client that
     drops out of a round spends less."""
     plan = ledger.copy()
     for round_idx in rounds:
         plan.trained(round_idx, sample(round_idx))
+        if silo_evaluations:
+            plan.silo_evaluated(round_idx, sample(round_idx))
         if evaluates(round_idx):
             plan.evaluated(round_idx, evaluated_users)
+    if silo_evaluations and len(rounds):
+        plan.silo_evaluated(rounds[-1] + 1, sample(rounds[-1] + 1))  # the final model, on the silos
     return plan.largest()
+
+
+def silo_report(ledger: PrivacyLedger, user: int) -> Dict[str, Any]:
+    """What a data owner's silo tells the server of its own user's privacy: its epsilon, its uses
+    and its sample rate (the per-user entry of :meth:`PrivacyLedger.report`)."""
+    entry = ledger.report()["per_user"].get(str(user), {"epsilon": 0.0, "uses": 0, "sample_rate": 0.0})
+    return {"user": int(user), **entry}
+
+
+class ReportedPrivacy:
+    """Data-owner cross-silo: each silo accounts for its own user and reports it; the server keeps
+    the latest report of each user (checked for shape by the wire, never above the budget a silo
+    refuses to pass) and reports them as :meth:`PrivacyLedger.report` does."""
+
+    def __init__(self, dp: DPSGD) -> None:
+        self.dp = dp
+        self.reports: Dict[int, Dict[str, Any]] = {}
+
+    def note(self, report: Mapping[str, Any]) -> None:
+        user = int(report["user"])
+        self.reports[user] = {k: report[k] for k in ("epsilon", "uses", "sample_rate")}
+
+    def largest(self) -> Tuple[float, Optional[int]]:
+        best: Tuple[float, Optional[int]] = (0.0, None)
+        for user in sorted(self.reports):
+            if self.reports[user]["epsilon"] > best[0]:
+                best = (float(self.reports[user]["epsilon"]), user)
+        return best
+
+    def report(self) -> Dict[str, Any]:
+        return {
+            "accountant": ACCOUNTANT,
+            "delta": self.dp.delta,
+            "noise_multiplier": self.dp.noise_multiplier,
+            "max_grad_norm": self.dp.max_grad_norm,
+            "max_epsilon": self.dp.max_epsilon,
+            "epsilon": self.largest()[0],
+            "per_user": {str(u): dict(self.reports[u]) for u in sorted(self.reports)},
+            "reported_by": "silos (each accounts for its own user)",
+        }
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"reports": {str(u): dict(r) for u, r in self.reports.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.reports = {int(u): dict(r) for u, r in state["reports"].items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -18,7 +18,7 @@ from ..algorithms.base import FederatedAlgorithm
 from ..algorithms.model_probe import ModelMismatch
 from ..algorithms.registry import create_algorithm
 from ..core.errors import ConfigError
-from ..core.privacy import PrivacyLedger, UseRules, planned_epsilon
+from ..core.privacy import PrivacyLedger, ReportedPrivacy, UseRules, planned_epsilon
 from ..core.types import StateDict, UserSplit
 from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
 from ..fedml_bridge import safeguards as fedml_safeguards
@@ -52,6 +52,7 @@ class RunParts:
     log_handler: Optional[logging.Handler]
     recorder: Optional[RunRecorder] = None  # the server's
     data_problem: Optional[str] = None  # a data owner's silo whose model cannot train on its data
+    silo_privacy: Optional[PrivacyLedger] = None  # a data owner's silo: DP-SGD's accountant of its user
 
     @property
     def is_server(self) -> bool:
@@ -130,6 +131,10 @@ def assemble(
     )  # fmt: skip
     if users:  # the server of a data-owner run trains nothing and holds no sample to probe with
         parts.data_problem = probe(parts)
+    parts.silo_privacy, over_budget = silo_privacy(config, algorithm, rank, users)
+    if over_budget is not None and parts.data_problem is None:
+        logger.error("silo rank %d: %s; announcing it to the server", rank, over_budget)
+        parts.data_problem = over_budget
     if is_server:
         checkpoint.save_config(run_dir, config.sections())
         parts.recorder = recorder_for(config, run_dir, deferred_wandb=grid)
@@ -137,23 +142,67 @@ def assemble(
     return parts
 
 
-def privacy_ledger(config: Config, algorithm: FederatedAlgorithm, users: List[UserSplit]) -> Optional[PrivacyLedger]:
+def privacy_ledger(
+    config: Config, algorithm: FederatedAlgorithm, users: List[UserSplit]
+) -> Optional[Union[PrivacyLedger, ReportedPrivacy]]:
     """The server's accountant of DP-SGD's uses (None without DP-SGD), after checking that the
     run's keyed plan stays within ``dp_args.max_epsilon``: every round's clients and every
     evaluation are known before the first round."""
     dp = config.privacy
-    if dp is None or config.own_data:  # a data owner's silo accounts for its own user
+    if dp is None:
         return None
+    if config.own_data:  # each data owner's silo accounts for its own user (silo_privacy) and reports it
+        return ReportedPrivacy(dp)
     rules = UseRules.of(
         algorithm.settings.local.step, config.batch_sizes, config.local_steps, config.batch_size, config.adapt_steps
     )
     ledger = PrivacyLedger(dp, rules, {user: len(u.train_y) for user, u in enumerate(users)})
+    check_budget(config, algorithm, ledger, range(len(users)), range(len(users)))
+    return ledger
+
+
+def silo_privacy(config: Config, algorithm: FederatedAlgorithm, rank: int, users: List[UserSplit]) -> Tuple[Optional[PrivacyLedger], Optional[str]]:
+    """A data owner's silo's accountant of its own user (None without DP-SGD), and why the silo
+    cannot take part (its user would pass ``dp_args.max_epsilon``: the silo announces it, and the
+    server goes on without it by the rule for any silo it refuses), or None."""
+    dp = config.privacy
+    if dp is None or not config.own_data or rank == 0 or not users:
+        return None, None
+    user = rank - 1
+    rules = UseRules.of(
+        algorithm.settings.local.step, config.batch_sizes, config.local_steps, config.batch_size, config.adapt_steps
+    )
+    ledger = PrivacyLedger(dp, rules, {user: len(users[0].train_y)})
+    try:
+        check_budget(config, algorithm, ledger, [user], [user])
+    except ConfigError as err:
+        return ledger, f"user {user} cannot take part: {err}"
+    return ledger, None
+
+
+def silos_evaluate_received(config: Config) -> bool:
+    """Cross-silo, shared mode: each silo evaluates the model it receives on the user it trains
+    (the final model too), a personalization of its own that DP-SGD counts."""
+    return config.training_type == "cross_silo" and not config.own_data
+
+
+def check_budget(
+    config: Config, algorithm: FederatedAlgorithm, ledger: PrivacyLedger, users: Sequence[int], evaluated: Sequence[int]
+) -> None:
+    """:class:`ConfigError` where the run's keyed plan takes ``users``' epsilon past
+    ``dp_args.max_epsilon``, naming the epsilon and the round; logs the plan's epsilon otherwise."""
+    dp = ledger.dp
     if dp.max_epsilon is not None:
         schedule = RoundSchedule.from_config(config)
-        everyone = range(len(users))
+        mine = set(users)
+
+        def sample(round_idx: int) -> List[int]:
+            return [c for c in algorithm.sample_clients(round_idx) if c in mine]
 
         def planned(rounds: int) -> Tuple[float, Optional[int]]:
-            return planned_epsilon(ledger, range(rounds), algorithm.sample_clients, schedule.evaluates, everyone)
+            return planned_epsilon(
+                ledger, range(rounds), sample, schedule.evaluates, evaluated, silos_evaluate_received(config)
+            )
 
         epsilon, user = planned(config.comm_round)
         if epsilon > dp.max_epsilon:
@@ -175,7 +224,6 @@ def privacy_ledger(config: Config, algorithm: FederatedAlgorithm, users: List[Us
             dp.delta,
             dp.max_epsilon,
         )
-    return ledger
 
 
 def users_of(config: Config, dataset: list, rank: int, device: Any) -> Tuple[List[UserSplit], list]:
@@ -256,6 +304,7 @@ def driver_for(parts: RunParts) -> RunDriver:
         parts.recorder,
         measurements,
         checkpoints,
+        silos_evaluate_received(config),
     )
 
 
@@ -344,6 +393,7 @@ def silo_setup(parts: RunParts) -> Any:
         parts.model if parts.is_server else None,
         secure_threshold(config),
         config.aggregation == "sample_weighted",
+        parts.silo_privacy,
     )
 
 

@@ -11,7 +11,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..algorithms.base import FederatedAlgorithm
-from ..core.privacy import PrivacyLedger
+from ..core.privacy import PrivacyLedger, ReportedPrivacy
 from ..core.types import StateDict
 from . import checkpoint
 from .measures import Measurements
@@ -35,15 +35,19 @@ class RunDriver:
         recorder: Optional[RunRecorder] = None,
         measurements: Optional[Measurements] = None,
         checkpoints: Optional[checkpoint.Checkpoints] = None,
+        silos_evaluate_received: bool = False,
     ) -> None:
         self.algorithm, self.run_dir, self.schedule = algorithm, run_dir, schedule
         self.global_state = global_state
         self.recorder, self.measurements, self.checkpoints = recorder, measurements, checkpoints
+        self.silos_evaluate_received = silos_evaluate_received  # cross-silo shared mode (DP-SGD counts it)
 
     @property
     def privacy(self) -> Optional[PrivacyLedger]:
-        """DP-SGD's accountant (the server's record holds it), or None."""
-        return None if self.recorder is None else self.recorder.privacy
+        """DP-SGD's accountant (the server's record holds it), or None (also where the silos
+        account for their own users)."""
+        privacy = None if self.recorder is None else self.recorder.privacy
+        return privacy if isinstance(privacy, PrivacyLedger) else None
 
     def sample_clients(self, round_idx: int) -> List[int]:
         """The round's clients (the algorithm's keyed sampling); with DP-SGD their local updates
@@ -53,6 +57,9 @@ class RunDriver:
         clients = self.algorithm.sample_clients(round_idx)
         ledger = self.privacy
         if ledger is None:
+            return clients
+        if round_idx >= self.schedule.comm_round:  # cross-silo shared mode: the final model, evaluated on silos
+            ledger.silo_evaluated(round_idx, clients)
             return clients
         budget = ledger.dp.max_epsilon
         if budget is not None:
@@ -68,6 +75,8 @@ class RunDriver:
                 ledger.left_out(round_idx, over)
                 clients = [c for c in clients if c not in over]
         ledger.trained(round_idx, clients)
+        if self.silos_evaluate_received:
+            ledger.silo_evaluated(round_idx, clients)
         return clients
 
     def evaluates(self, round_idx: int) -> bool:
@@ -122,8 +131,11 @@ class RunDriver:
         self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: List[int], started: Optional[float] = None
     ) -> None:
         if self.recorder is not None:
-            if self.privacy is not None:
-                self.privacy.evaluated(round_idx, sorted(counts))
+            privacy = self.recorder.privacy
+            if isinstance(privacy, ReportedPrivacy):  # data-owner silos account for their own users
+                for entry in counts.values():
+                    if "privacy" in entry:
+                        privacy.note(entry["privacy"])
             self.recorder.record_federated_evaluation(round_idx, counts, missing, started)
 
     def record_rejected_update(self, round_idx: int) -> None:

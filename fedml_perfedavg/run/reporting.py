@@ -8,10 +8,10 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..core.evaluation import EvaluationResult, accuracy_of
-from ..core.privacy import PrivacyLedger
+from ..core.privacy import PrivacyLedger, ReportedPrivacy
 from ..core.sampling import held_out_users
 from .files import write_json
 
@@ -221,7 +221,8 @@ class RunRecorder:
         self.last: Optional[EvaluationResult] = None
         self.rounds_done = 0
         self.silos = SiloRecord()
-        self.privacy: Optional[PrivacyLedger] = None  # DP-SGD's accountant (set by the run's assembly)
+        # DP-SGD's accountant, or the data-owner silos' reports of theirs (set by the run's assembly)
+        self.privacy: Optional[Union[PrivacyLedger, ReportedPrivacy]] = None
         self.started = time.perf_counter()
         self.evaluation_seconds = 0.0  # spent evaluating: not training time
         self._bar = None

@@ -36,6 +36,7 @@ import time
 from typing import Any, Dict, Optional
 
 from ...core.errors import SiloFailure
+from ...core.privacy import silo_report
 from ..bootstrap import import_fedml
 from .agreement import SiloSetup
 from .modes import data_mode
@@ -287,6 +288,8 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         counts = self.trainer.evaluate(round_idx) if self.mode.figures_with_updates else None
         received = msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)
         weights, samples = self.trainer_dist_adapter.train(round_idx)
+        if self.setup.privacy is not None:  # the round's local update used its user's data
+            self.setup.privacy.trained(round_idx, [user])
         terms = msg_params.get(wire.SECAGG)
         if terms is not None or self.setup.secure_threshold:
             self.secure = self._secure_round(round_idx, terms, received, weights)
@@ -304,7 +307,11 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         self.trainer_dist_adapter.update_dataset(self.own_user)
         self.trainer_dist_adapter.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
         message = Message(wire.EVALUATION, self.client_real_id, 0)
-        message.add_params(wire.SILO_METRICS, self.trainer.evaluate(round_idx))
+        counts = self.trainer.evaluate(round_idx)
+        if self.setup.privacy is not None:  # its user's epsilon, the personalization just done included
+            self.setup.privacy.evaluated(round_idx, [self.own_user])
+            counts["privacy"] = silo_report(self.setup.privacy, self.own_user)
+        message.add_params(wire.SILO_METRICS, counts)
         message.add_params(ROUND_KEY, round_idx)
         self._send_or_rejoin(message, f"its evaluation of round {round_idx}")
 

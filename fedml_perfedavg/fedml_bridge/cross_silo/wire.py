@@ -105,7 +105,10 @@ def _counts(value: Any) -> bool:
     split (correct after and before the alpha-step, and the total) and the mean loss."""
     if value is None:
         return True
-    if not isinstance(value, dict) or set(value) != {"round", "user", "correct", "correct_before", "total", "loss"}:
+    keys = {"round", "user", "correct", "correct_before", "total", "loss"}
+    if not isinstance(value, dict) or not (set(value) == keys or set(value) == keys | {"privacy"}):
+        return False
+    if "privacy" in value and not _privacy(value["privacy"], value["user"]):
         return False
     return (
         all(_whole(value[k]) for k in ("round", "user", "correct", "correct_before", "total"))
@@ -114,6 +117,21 @@ def _counts(value: Any) -> bool:
         and value["correct_before"] <= value["total"]
         and _number(value["loss"])
         and 0 <= value["loss"] < 1e12
+    )
+
+
+def _privacy(value: Any, user: Any) -> bool:
+    """A data owner's silo's DP-SGD account of its own user: epsilon, uses and sample rate."""
+    return (
+        isinstance(value, dict)
+        and set(value) == {"user", "epsilon", "uses", "sample_rate"}
+        and _whole(value["user"])
+        and value["user"] == user
+        and _number(value["epsilon"])
+        and 0 <= value["epsilon"] < 1e12
+        and _whole(value["uses"])
+        and _number(value["sample_rate"])
+        and 0 <= value["sample_rate"] <= 1
     )
 
 

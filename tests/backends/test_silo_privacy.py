@@ -1,0 +1,89 @@
+"""DP-SGD across silos, run as a user runs it (one process per rank, mutual TLS on loopback):
+the model and every user's epsilon equal the single-process run's; in data-owner mode each silo
+accounts for its own user and reports it, and a silo whose user would pass the budget stays out."""
+
+import json
+
+import torch
+
+from fedml_perfedavg.run.config import load_yaml, resolve
+from fedml_perfedavg.run.runner import run
+
+from tests.backends.test_silo_own import OWN, _export, _sp
+from tests.helpers import SILO_YAML, finish_all, needs_mnist, start_by_hand
+
+DP = {
+    "dp_args.enable_dp": True,
+    "dp_args.dp_solution_type": "dpsgd",
+    "dp_args.noise_multiplier": 1.0,
+    "dp_args.max_grad_norm": 1.0,
+    "dp_args.delta": 1e-5,
+}
+
+
+def _summary(tmp_path):
+    return json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
+@needs_mnist
+def test_shared_mode_gives_the_single_process_model_and_counts_the_silos_own_evaluations(mnist_root, tmp_path):
+    settings = {
+        "data_cache_dir": mnist_root,
+        "client_num_in_total": 6,
+        "client_num_per_round": 2,
+        "comm_round": 4,
+        "frequency_of_the_test": 2,
+        "show_progress": False,
+        **DP,
+    }
+    outs = finish_all(start_by_hand(tmp_path, settings, 2), timeout=300)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 4, outs[0][-4000:]
+    sp = run(resolve(load_yaml(SILO_YAML), {**settings, "training_type": "simulation", "backend": "sp"}), str(tmp_path / "sp"))
+    model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert all(torch.equal(model[k], v) for k, v in sp.final_state.items())
+    ours, theirs = summary["privacy"]["per_user"], sp.summary["privacy"]["per_user"]
+    # each silo also personalizes the model it receives (1 use per round it trains, and the final model)
+    sampled = {"0": 1, "1": 1, "2": 1, "3": 0, "4": 3, "5": 4}  # sample_clients(0, r, 6, 2), r = 0..4
+    for user, entry in theirs.items():
+        assert ours[user]["uses"] == entry["uses"] + sampled[user], user
+        assert ours[user]["epsilon"] >= entry["epsilon"]
+
+
+@needs_mnist
+def test_data_owner_silos_account_for_their_own_users_as_the_single_process_run_does(mnist_root, tmp_path):
+    folders = _export(mnist_root, tmp_path, 4)
+    settings = {**OWN, "client_num_in_total": 4, "comm_round": 3, **DP}
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders), timeout=300)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-4000:]
+    privacy = summary["privacy"]
+    assert privacy["reported_by"].startswith("silos")
+    sp = _sp(mnist_root, tmp_path, 4, 3, **DP)
+    model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert max(float((model[k] - v).abs().max()) for k, v in sp.final_state.items()) <= 1e-6
+    expected = sp.summary["privacy"]["per_user"]
+    assert privacy["per_user"].keys() == expected.keys()
+    for user, entry in expected.items():
+        assert privacy["per_user"][user]["uses"] == entry["uses"]
+        assert abs(privacy["per_user"][user]["epsilon"] - entry["epsilon"]) < 1e-9
+    assert privacy["epsilon"] == sp.summary["privacy"]["epsilon"]
+    assert [h["epsilon"] for h in summary["history"]] == [h["epsilon"] for h in sp.summary["history"]]
+
+
+@needs_mnist
+def test_a_silo_whose_user_would_pass_the_budget_stays_out_and_the_run_records_why(mnist_root, tmp_path):
+    folders = _export(mnist_root, tmp_path, 4)
+    # user 3 is sampled in every round of this seed's plan and reaches 6.27; the others stay under 4.3
+    settings = {**OWN, "client_num_in_total": 4, "comm_round": 3, "min_clients_per_round": 1, **DP}
+    settings["dp_args.max_epsilon"] = 5.0
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders), timeout=300)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-4000:]
+    assert [entry["rank"] for entry in summary["lost_silos"]] == [4]
+    assert "user 3 cannot take part: dp_args.max_epsilon=5.0: this run would reach epsilon 6.268" in (
+        summary["lost_silos"][0]["why"]
+    )
+    privacy = summary["privacy"]
+    assert set(privacy["per_user"]) == {"0", "1", "2"}
+    assert privacy["epsilon"] <= 5.0 and all(e["epsilon"] <= 5.0 for e in privacy["per_user"].values())
