@@ -320,3 +320,26 @@ def test_a_fedml_main_refused_at_start_leaves_no_run_directory(mnist_root, tmp_p
     out = _main(tmp_path, path)
     assert out.returncode != 0 and ("not found" in out.stderr or "LEAF" in out.stderr), out.stderr[-2000:]
     assert not (tmp_path / "runs" / "refused").exists()
+
+
+@needs_mnist
+def test_fedml_main_script_runs_dp_sgd_from_its_yaml_and_records_every_users_epsilon(mnist_root, tmp_path):
+    import yaml
+
+    path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "private", tmp_path / "runs")
+    config = yaml.safe_load(open(path))
+    config["dp_args"] = {
+        "enable_dp": True,
+        "dp_solution_type": "dpsgd",  # FedML's own DP would raise "dp solution is not defined"
+        "noise_multiplier": 1.0,
+        "max_grad_norm": 1.0,
+        "delta": 1e-5,
+    }
+    open(path, "w").write(yaml.safe_dump(config))
+    out = _main(tmp_path, path)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    summary = json.loads((tmp_path / "runs" / "private" / "summary.json").read_text())
+    privacy = summary["privacy"]
+    assert privacy["accountant"] == "opacus.rdp" and privacy["noise_multiplier"] == 1.0
+    assert len(privacy["per_user"]) == 50 and privacy["epsilon"] > 0  # every user is evaluated, so every one spends
+    assert "epsilon" in out.stderr

@@ -162,6 +162,14 @@ SAFEGUARDS = {
         "defense_args.enable_defense": True,
         "defense_args.defense_type": "wise_median",
     },
+    "the plugin's DP-SGD, 4 clients on 2 workers": {
+        "client_num_per_round": 4,
+        "dp_args.enable_dp": True,
+        "dp_args.dp_solution_type": "dpsgd",
+        "dp_args.noise_multiplier": 1.0,
+        "dp_args.max_grad_norm": 1.0,
+        "dp_args.delta": 1e-5,
+    },
 }
 
 
@@ -182,6 +190,8 @@ def test_fedmls_dp_attacks_and_defenses_give_the_single_process_model_under_mpi(
     for k in mpi_model:
         torch.testing.assert_close(mpi_model[k], batched.final_state[k], rtol=1e-5, atol=1e-6)
     assert max(float((mpi_model[k] - plain.final_state[k]).abs().max()) for k in mpi_model) > 1e-3
+    assert summary.get("privacy") == batched.summary.get("privacy")  # DP-SGD: every user's epsilon too
+    assert ("privacy" in summary) == (sets["dp_args.dp_solution_type"] == "dpsgd")
 
 
 @needs_mnist
