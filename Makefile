@@ -20,7 +20,7 @@ $(STAMP): setup.py constraints.txt fedml_perfedavg_torchvision.pth
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt "setuptools<81" wheel
 	# torch is named explicitly (==2.13.0, the CPU wheel) so pip never resolves a CUDA build.
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0 -e ".[mpi,silo,bench,test]"
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0 -e ".[mpi,silo,dp,bench,test]"
 	# An editable install does not ship the .pth a wheel install puts in site-packages (setup.py):
 	# it makes `import fedml` work before `import fedml_perfedavg`.
 	cp fedml_perfedavg_torchvision.pth "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

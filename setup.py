@@ -49,6 +49,7 @@ setup(
         "mpi": ["mpi4py", "mpich"],
         "silo": ["grpcio", "cryptography>=40", "safetensors", "pycryptodome>=3.15"],
         "bench": ["matplotlib"],
+        "dp": ["opacus>=1.4"],  # DP-SGD's accountant (dp_args.dp_solution_type: dpsgd)
         "test": ["pytest", "hypothesis"],
     },
     entry_points={"console_scripts": ["fedml-perfedavg = fedml_perfedavg.run.cli:main"]},

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, jvp, vjp, vmap
 
-from .client_maths import LocalBatches, Step, axpy
+from .client_maths import Step, axpy
 from .errors import ConfigError
 from .types import LossFn, Params
 
@@ -176,7 +176,9 @@ def draw_private_batches(
         for k, p in params.items()
     }
     device_index = index.to(x.device)
-    return PrivateBatches(x[device_index], y[device_index.to(y.device)], mask.to(x.device), noise, expected.to(x.device))
+    return PrivateBatches(
+        x[device_index], y[device_index.to(y.device)], mask.to(x.device), noise, expected.to(x.device)
+    )
 
 
 def stack_private(batches: Sequence[PrivateBatches]) -> PrivateBatches:
@@ -285,7 +287,8 @@ class PrivateChainSteps:
     def __init__(self, chain: Any, batches: PrivateBatches, kind: Step, dp: DPSGD) -> None:
         if kind is Step.EXACT:
             raise ValueError("the chain's private steps have no per-sample Hessian-vector product: use PrivateSteps")
-        self.chain, self.batches, self.kind, self.dp = chain, batches, kind, dp
+        self.kind: Step = kind
+        self.chain, self.batches, self.dp = chain, batches, dp
         self.layers = chain.layers
 
     def _signals(self, params: Params, x: Tensor, y: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
@@ -427,7 +430,9 @@ class _SGDSteps:
     step: Step = Step.SGD
 
 
-def per_sample_problem(network: torch.nn.Module, loss_fn: LossFn, params: Params, x: Tensor, y: Tensor) -> Optional[str]:
+def per_sample_problem(
+    network: torch.nn.Module, loss_fn: LossFn, params: Params, x: Tensor, y: Tensor
+) -> Optional[str]:
     """Why per-sample gradients of the model cannot be computed (BatchNorm, which mixes a
     minibatch's samples; a model vmap cannot batch over samples), or None."""
     norms = [type(m).__name__ for m in network.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
@@ -477,7 +482,9 @@ def epsilon_of(uses: Mapping[float, int], noise_multiplier: float, delta: float)
         return 0.0
     import numpy as np
 
-    total = sum(count * np.asarray(_rdp_of_one_use(float(rate), float(noise_multiplier))) for rate, count in uses.items())
+    total = sum(
+        count * np.asarray(_rdp_of_one_use(float(rate), float(noise_multiplier))) for rate, count in uses.items()
+    )
     epsilon, _ = _rdp_module().get_privacy_spent(orders=_orders(), rdp=total, delta=delta)
     return float(epsilon)
 
@@ -494,7 +501,9 @@ class UseRules:
     adapt_steps: int
 
     @classmethod
-    def of(cls, step: Step, batch_sizes: Sequence[int], local_steps: int, eval_batch: int, adapt_steps: int) -> "UseRules":
+    def of(
+        cls, step: Step, batch_sizes: Sequence[int], local_steps: int, eval_batch: int, adapt_steps: int
+    ) -> "UseRules":
         return cls(tuple(batch_sizes[: uses_per_step(step)]), local_steps, eval_batch, adapt_steps)
 
     def training(self, num_samples: int) -> List[Tuple[float, int]]:
@@ -605,7 +614,9 @@ class PrivacyLedger:
             "epsilon": self.largest()[0],
             "per_user": per_user,
             "left_out": [
-                {"round": flat[i], "user": flat[i + 1]} for flat in [self.counted.get("left_out", [])] for i in range(0, len(flat), 2)
+                {"round": flat[i], "user": flat[i + 1]}
+                for flat in [self.counted.get("left_out", [])]
+                for i in range(0, len(flat), 2)
             ],
         }
 
@@ -634,8 +645,8 @@ def planned_epsilon(
     """(the largest epsilon, its user) once ``rounds`` have run on top of ``ledger``: each round's
     clients (``sample(round)``) trained, and ``evaluated_users`` personalized where
     ``evaluates(round)`` (with ``silo_evaluations``, cross-silo shared mode: each round's clients
-    personalized on their silos too, and the next sample on the final model). Every draw is keyed, so this is what the run will spend; a client that
-    drops out of a round spends less."""
+    personalized on their silos too, and the next sample on the final model). Every draw is
+    keyed, so this is what the run will spend; a client that drops out of a round spends less."""
     plan = ledger.copy()
     for round_idx in rounds:
         plan.trained(round_idx, sample(round_idx))

@@ -24,7 +24,7 @@ def stack_batches(batches: Sequence[LocalBatches]) -> LocalBatches:
     """Stack per-client ``LocalBatches`` (or DP-SGD's :class:`PrivateBatches`) along a new
     leading client dimension."""
     if isinstance(batches[0], PrivateBatches):
-        return stack_private(batches)  # type: ignore[arg-type,return-value]
+        return stack_private(batches)
     return LocalBatches(*(torch.stack(tensors) for tensors in zip(*batches)))
 
 

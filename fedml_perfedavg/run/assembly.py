@@ -161,7 +161,9 @@ def privacy_ledger(
     return ledger
 
 
-def silo_privacy(config: Config, algorithm: FederatedAlgorithm, rank: int, users: List[UserSplit]) -> Tuple[Optional[PrivacyLedger], Optional[str]]:
+def silo_privacy(
+    config: Config, algorithm: FederatedAlgorithm, rank: int, users: List[UserSplit]
+) -> Tuple[Optional[PrivacyLedger], Optional[str]]:
     """A data owner's silo's accountant of its own user (None without DP-SGD), and why the silo
     cannot take part (its user would pass ``dp_args.max_epsilon``: the silo announces it, and the
     server goes on without it by the rule for any silo it refuses), or None."""

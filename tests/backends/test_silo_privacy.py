@@ -39,7 +39,10 @@ def test_shared_mode_gives_the_single_process_model_and_counts_the_silos_own_eva
     outs = finish_all(start_by_hand(tmp_path, settings, 2), timeout=300)
     summary = _summary(tmp_path)
     assert summary["status"] == "finished" and summary["rounds"] == 4, outs[0][-4000:]
-    sp = run(resolve(load_yaml(SILO_YAML), {**settings, "training_type": "simulation", "backend": "sp"}), str(tmp_path / "sp"))
+    sp = run(
+        resolve(load_yaml(SILO_YAML), {**settings, "training_type": "simulation", "backend": "sp"}),
+        str(tmp_path / "sp"),
+    )
     model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert all(torch.equal(model[k], v) for k, v in sp.final_state.items())
     ours, theirs = summary["privacy"]["per_user"], sp.summary["privacy"]["per_user"]
@@ -81,8 +84,9 @@ def test_a_silo_whose_user_would_pass_the_budget_stays_out_and_the_run_records_w
     summary = _summary(tmp_path)
     assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-4000:]
     assert [entry["rank"] for entry in summary["lost_silos"]] == [4]
-    assert "user 3 cannot take part: dp_args.max_epsilon=5.0: this run would reach epsilon 6.268" in (
-        summary["lost_silos"][0]["why"]
+    assert (
+        "user 3 cannot take part: dp_args.max_epsilon=5.0: this run would reach epsilon 6.268"
+        in (summary["lost_silos"][0]["why"])
     )
     privacy = summary["privacy"]
     assert set(privacy["per_user"]) == {"0", "1", "2"}

@@ -199,4 +199,6 @@ def test_a_model_with_batchnorm_cannot_clip_per_sample():
     assert why is not None and "BatchNorm1d" in why and "GroupNorm" in why
     plain = functional_network(_mlp(torch.float32))
     params = {k: v.detach() for k, v in plain.named_parameters()}
-    assert per_sample_problem(plain, make_loss_fn(plain), params, torch.randn(4, 1, 3, 4), torch.zeros(4).long()) is None
+    assert (
+        per_sample_problem(plain, make_loss_fn(plain), params, torch.randn(4, 1, 3, 4), torch.zeros(4).long()) is None
+    )
