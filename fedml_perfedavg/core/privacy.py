@@ -291,6 +291,13 @@ class PrivateChainSteps:
         self.chain, self.batches, self.dp = chain, batches, dp
         self.layers = chain.layers
 
+        # (roles, steps, clients, ...): each use reads contiguous (clients, ...) blocks, not strided ones
+        def step_major(t: Tensor) -> Tensor:
+            return t.movedim(0, 2).contiguous()
+
+        self.x, self.y, self.mask = step_major(batches.x), step_major(batches.y), step_major(batches.mask)
+        self.noise = {k: step_major(v) for k, v in batches.noise.items()}
+
     def _signals(self, params: Params, x: Tensor, y: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
         """Each Linear layer's inputs (C, B, in) and each sample's own loss gradient at its output
         (C, B, out): the backward pass of the summed, not the mean, loss."""
@@ -310,21 +317,22 @@ class PrivateChainSteps:
     def _scale(self, squared_norms: Tensor, role: int, t: int, divide: float = 1.0) -> Tensor:
         norms = torch.sqrt(torch.clamp(squared_norms, min=0.0))
         clip = torch.clamp(self.dp.max_grad_norm / torch.clamp(norms, min=_NORM_FLOOR), max=1.0)
-        return (clip * self.batches.mask[:, role, t] / divide).unsqueeze(-1)
+        return (clip * self.mask[role, t] / divide).unsqueeze(-1)
 
     def _noised(self, summed: Params, role: int, t: int) -> Params:
         expected = self.batches.expected[:, role]
         out = {}
-        for k, v in summed.items():
-            noise = self.batches.noise[k][:, role, t]
-            out[k] = (v + self.dp.noise_std * noise) / expected.view(-1, *([1] * (v.dim() - 1)))
+        for k, v in summed.items():  # (sum + sigma C noise) / expected size, in the sum's own tensor
+            out[k] = v.add_(self.noise[k][role, t], alpha=self.dp.noise_std).div_(
+                expected.view(-1, *([1] * (v.dim() - 1)))
+            )
         return out
 
     def start(self, params: Params) -> Params:
         return params
 
     def gradient(self, point: Params, role: int, t: int) -> Params:
-        inputs, signals = self._signals(point, self.batches.x[:, role, t], self.batches.y[:, role, t])
+        inputs, signals = self._signals(point, self.x[role, t], self.y[role, t])
         squares = [s.pow(2).sum(-1) for s in signals]
         total = sum(
             sq * (a.pow(2).sum(-1) + (1.0 if layer.bias is not None else 0.0))
@@ -343,7 +351,7 @@ class PrivateChainSteps:
         return axpy(-alpha, gradient, w)
 
     def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
-        x, y = self.batches.x[:, 2, t], self.batches.y[:, 2, t]
+        x, y = self.x[2, t], self.y[2, t]
         plus_inputs, plus = self._signals(axpy(delta, g, w), x, y)
         minus_inputs, minus = self._signals(axpy(-delta, g, w), x, y)
         total: Any = 0.0
