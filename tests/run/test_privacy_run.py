@@ -134,3 +134,12 @@ def test_fedavg_takes_one_use_per_step(tmp_path):
     privacy = run(config, str(tmp_path / "fedavg"), data=tiny_data()).summary["privacy"]
     total = sum(entry["uses"] for entry in privacy["per_user"].values())
     assert total == config.comm_round * 3 * config.local_steps + 4 * 6
+
+
+def test_a_model_with_batchnorm_is_refused_at_start_naming_dp_args(tmp_path):
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(16, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3)
+    )
+    with pytest.raises(ConfigError, match=r"dp_args.dp_solution_type='dpsgd': .*BatchNorm1d.*GroupNorm or LayerNorm"):
+        run(_config(), str(tmp_path / "bn"), data=tiny_data(), model=model)
+    assert not (tmp_path / "bn" / "summary.json").exists()  # refused before any round
