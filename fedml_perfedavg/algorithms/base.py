@@ -222,6 +222,41 @@ def average(updates: Sequence[Tuple[float, StateDict]], weighting: str) -> "Orde
     return averaged
 
 
+def refuse_own_maths_under_dp(cls: type) -> None:
+    """DP-SGD reaches only the standard local update: :class:`ConfigError` for an algorithm with
+    maths of its own (its own local update, training, minibatches or learned step sizes)."""
+    own = [
+        name
+        for name in ("local_update", "local_training", "client_batches", "refinement_step_sizes")
+        if getattr(cls, name) is not getattr(FederatedAlgorithm, name)
+    ]
+    if own:
+        raise ConfigError(
+            f"dp_args.dp_solution_type='dpsgd' with train_args.federated_optimizer={getattr(cls, 'name', cls)!r}: "
+            f"it has its own {own[0]}, which DP-SGD's per-sample clipping and noise do not reach; only "
+            f"algorithms on the standard local update run it (PerFedAvg, FedAvgUpdate)"
+        )
+
+
+def private_batches(
+    settings: AlgorithmSettings, round_idx: int, client_id: int, x: Tensor, y: Tensor, shapes: Params
+) -> PrivateBatches:
+    """DP-SGD's Poisson minibatches and noise for a client's round, keyed by (seed, round, client)."""
+    generator = generator_for(settings.seed, round_idx, client_id, Purpose.PRIVATE_TRAINING)
+    roles = settings.local.step.batch_roles
+    return draw_private_batches(x, y, settings.batch_sizes[:roles], settings.local.local_steps, shapes, generator)
+
+
+def private_update(algorithm: "FederatedAlgorithm", params: Params, batches: PrivateBatches) -> Params:
+    """``algorithm``'s local update with DP-SGD: by a Linear chain's outer products where the
+    model is one, else per-sample gradients by torch.func (core/privacy.py)."""
+    privacy, paths = algorithm.settings.privacy, algorithm.paths
+    assert privacy is not None
+    chain = paths.hand_batched_form(tuple(batches.x.shape[3:])) if paths.vmappable else None
+    config = dataclasses.replace(algorithm.settings.local, local_steps=batches.steps)
+    return private_local_update(algorithm.loss_fn, params, batches, config, privacy, chain, paths.forward_ad)
+
+
 class FederatedAlgorithm:
     """Base of every algorithm in the registry; the default client update is Per-FedAvg's
     local update (:func:`fedml_perfedavg.core.client_maths.local_update`) with ``settings.local``.
@@ -242,23 +277,12 @@ class FederatedAlgorithm:
             )
         self.settings = settings
         if settings.privacy is not None:
-            own = [
-                name
-                for name in ("local_update", "local_training", "client_batches", "refinement_step_sizes")
-                if getattr(type(self), name) is not getattr(FederatedAlgorithm, name)
-            ]
-            if own:
-                raise ConfigError(
-                    f"dp_args.dp_solution_type='dpsgd' with train_args.federated_optimizer={self.name!r}: it "
-                    f"has its own {own[0]}, which DP-SGD's per-sample clipping and noise do not reach; only "
-                    f"algorithms on the standard local update run it (PerFedAvg, FedAvgUpdate)"
-                )
+            refuse_own_maths_under_dp(type(self))
         self.hooks: RoundHooks = NO_HOOKS
         self.network = functional_network(model)
         self.loss_fn = make_loss_fn(self.network)
         self.parameter_names = [name for name, _ in model.named_parameters()]
-        # shapes, dtypes and devices of the parameters: what DP-SGD's noise is drawn like
-        self._shapes = {name: torch.empty(p.shape, dtype=p.dtype) for name, p in model.named_parameters()}
+        self._shapes = {name: torch.empty(p.shape, dtype=p.dtype) for name, p in model.named_parameters()}  # DP noise's
         self.paths = ModelPaths(self.network)  # what the model allows; set by :meth:`probe_model`
         self.screen = UpdateScreen(
             self.parameter_names, settings.max_update_norm, settings.max_update_ratio, settings.max_skipped_rounds
@@ -298,11 +322,8 @@ class FederatedAlgorithm:
     def uses_standard_maths(self) -> bool:
         """True when the client update is this base class's Per-FedAvg/FedAvg maths on
         ``settings.local`` (an engine may compute it its own way, e.g. hand-batched)."""
-        return (
-            type(self).local_update is FederatedAlgorithm.local_update
-            and not self.returns_whole_state
-            and self.settings.privacy is None  # DP-SGD's per-sample gradients are torch.func's alone
-        )
+        standard = type(self).local_update is FederatedAlgorithm.local_update and not self.returns_whole_state
+        return standard and self.settings.privacy is None  # DP-SGD's own arithmetic (core/privacy.py)
 
     @property
     def returns_whole_state(self) -> bool:
@@ -333,15 +354,10 @@ class FederatedAlgorithm:
 
     # -- client update --------------------------------------------------------------------
     def client_batches(self, round_idx: int, client_id: int, x: Tensor, y: Tensor) -> LocalBatches:
-        """Independent minibatches D, D', D'' for each local step, keyed by (seed, round, client).
-        With DP-SGD, Poisson minibatches and the noise of each use (:class:`PrivateBatches`)."""
-        privacy = self.settings.privacy
-        if privacy is not None:
-            generator = generator_for(self.settings.seed, round_idx, client_id, Purpose.PRIVATE_TRAINING)
-            roles = self.settings.local.step.batch_roles
-            return draw_private_batches(  # type: ignore[return-value]
-                x, y, self.settings.batch_sizes[:roles], self.settings.local.local_steps, self._shapes, generator
-            )
+        """Independent minibatches D, D', D'' for each local step, keyed by (seed, round, client)
+        (with DP-SGD, Poisson minibatches and the noise of each use: :class:`PrivateBatches`)."""
+        if self.settings.privacy is not None:
+            return private_batches(self.settings, round_idx, client_id, x, y, self._shapes)  # type: ignore[return-value]
         generator = generator_for(self.settings.seed, round_idx, client_id, Purpose.LOCAL_TRAINING)
         return sample_local_batches(x, y, self.settings.local.local_steps, self.settings.batch_sizes, generator)
 
@@ -360,12 +376,7 @@ class FederatedAlgorithm:
         of ``batches`` (``local_steps`` of them; fewer give the iterate after that many steps)."""
         local = self.settings.local
         if isinstance(batches, PrivateBatches):
-            assert self.settings.privacy is not None
-            config = dataclasses.replace(local, local_steps=batches.steps)
-            chain = self.paths.hand_batched_form(tuple(batches.x.shape[3:])) if self.paths.vmappable else None
-            return private_local_update(
-                self.loss_fn, params, batches, config, self.settings.privacy, chain, self.paths.forward_ad
-            )
+            return private_update(self, params, batches)
         steps = batches.adapt_x.shape[0]
         config = local if steps == local.local_steps else dataclasses.replace(local, local_steps=steps)
         oracle = client_maths.FunctionalGradients if self.paths.forward_ad else client_maths.ReverseModeGradients

@@ -150,6 +150,25 @@ def this_process() -> Dict[str, Any]:
     }
 
 
+def privacy_metrics(privacy: Optional[Union[PrivacyLedger, ReportedPrivacy]], round_idx: int) -> Dict[str, float]:
+    """DP-SGD's figure for an evaluation's record (the account already counts its personalization),
+    logged; none without DP-SGD."""
+    if privacy is None:
+        return {}
+    epsilon, user = privacy.largest()
+    dp = privacy.dp
+    logger.info(
+        "round %d: epsilon %.4g at delta %g (the largest of any user: user %s; DP-SGD, sigma %g, C %g)",
+        round_idx,
+        epsilon,
+        dp.delta,
+        user,
+        dp.noise_multiplier,
+        dp.max_grad_norm,
+    )
+    return {"epsilon": epsilon}
+
+
 def federated_result(counts: Dict[int, Dict[str, Any]]) -> EvaluationResult:
     """Data-owner cross-silo: the evaluation made of each user's counts from its own silo."""
     users = sorted(counts)
@@ -221,8 +240,7 @@ class RunRecorder:
         self.last: Optional[EvaluationResult] = None
         self.rounds_done = 0
         self.silos = SiloRecord()
-        # DP-SGD's accountant, or the data-owner silos' reports of theirs (set by the run's assembly)
-        self.privacy: Optional[Union[PrivacyLedger, ReportedPrivacy]] = None
+        self.privacy: Optional[Union[PrivacyLedger, ReportedPrivacy]] = None  # DP-SGD's account (assembly's)
         self.started = time.perf_counter()
         self.evaluation_seconds = 0.0  # spent evaluating: not training time
         self._bar = None
@@ -279,19 +297,7 @@ class RunRecorder:
         ``evaluation_started`` on: what the accuracy-against-time plots use)."""
         now = time.perf_counter()
         evaluation_started = now if evaluation_started is None else evaluation_started
-        privacy = {}
-        if self.privacy is not None:  # the ledger already counts this evaluation's personalization
-            epsilon, user = self.privacy.largest()
-            privacy = {"epsilon": epsilon}
-            logger.info(
-                "round %d: epsilon %.4g at delta %g (the largest of any user: user %s; DP-SGD, sigma %g, C %g)",
-                round_idx,
-                epsilon,
-                self.privacy.dp.delta,
-                user,
-                self.privacy.dp.noise_multiplier,
-                self.privacy.dp.max_grad_norm,
-            )
+        privacy = privacy_metrics(self.privacy, round_idx)
         metrics = {
             "round": round_idx,
             **split_new_users(result, self.new_users),
@@ -377,9 +383,8 @@ class RunRecorder:
             "history": self.history,
             "config": self.config_sections,
             **self.silos.summary(),
+            **({"privacy": self.privacy.report()} if self.privacy is not None else {}),
         }
-        if self.privacy is not None:
-            common["privacy"] = self.privacy.report()
         if self.last is None:
             return {
                 "personalized_accuracy": None,

@@ -83,6 +83,15 @@ class PluginFedMLTrainer(FedMLTrainer):
         }
 
 
+def with_privacy(counts: Dict[str, Any], ledger: Any) -> Dict[str, Any]:
+    """A data owner's evaluation counts, with its user's DP-SGD account (the personalization just
+    done included) where the run has DP-SGD."""
+    if ledger is not None:
+        ledger.evaluated(counts["round"], [counts["user"]])
+        counts["privacy"] = silo_report(ledger, counts["user"])
+    return counts
+
+
 class PluginTrainerDistAdapter(TrainerDistAdapter):
     def get_trainer(
         self,
@@ -307,11 +316,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         self.trainer_dist_adapter.update_dataset(self.own_user)
         self.trainer_dist_adapter.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
         message = Message(wire.EVALUATION, self.client_real_id, 0)
-        counts = self.trainer.evaluate(round_idx)
-        if self.setup.privacy is not None:  # its user's epsilon, the personalization just done included
-            self.setup.privacy.evaluated(round_idx, [self.own_user])
-            counts["privacy"] = silo_report(self.setup.privacy, self.own_user)
-        message.add_params(wire.SILO_METRICS, counts)
+        message.add_params(wire.SILO_METRICS, with_privacy(self.trainer.evaluate(round_idx), self.setup.privacy))
         message.add_params(ROUND_KEY, round_idx)
         self._send_or_rejoin(message, f"its evaluation of round {round_idx}")
 
