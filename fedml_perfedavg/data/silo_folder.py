@@ -167,6 +167,10 @@ def read_silo_folder(folder: str) -> SiloData:
             raise _fail(folder, f"{side}_y is {tuple(y.shape)} {y.dtype}, the manifest says ({count},) int64")
         if count and (int(y.min()) < 0 or int(y.max()) >= manifest["num_classes"]):
             raise _fail(folder, f"{side}_y holds labels outside 0..{manifest['num_classes'] - 1}")
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            # the hash says the file is the one the manifest names, not that what it holds can train
+            bad = int((~torch.isfinite(x)).sum())
+            raise _fail(folder, f"{side}_x holds {bad} non-finite value(s) (NaN or infinity), whatever its hash says")
     user = UserSplit(*(tensors[role] for role in ROLES))
     return SiloData(user, manifest["user"], manifest["rank"], manifest["dataset"], manifest["num_classes"], shape,
                     dict(manifest["split"]))
