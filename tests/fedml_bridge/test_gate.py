@@ -185,3 +185,23 @@ def test_refusals_are_counted_all_but_logged_a_few_per_peer_and_reason(caplog):
     assert len(lines) == 2 and "again" in lines[0]
     assert f"{600 - BURST} more refusals in the last" in lines[1]
     assert "totals so far: {'malformed': 602, 'replay': 1}" in lines[1]
+
+
+def test_refusals_from_rotating_addresses_share_one_log_budget(caplog):
+    """Issue 44: 20,000 source addresses wrote 5.2 MB of refusal lines; now at most GLOBAL_LINES a window."""
+    from fedml_perfedavg.fedml_bridge.cross_silo.refusals import GLOBAL_LINES
+
+    clock = Clock()
+    log = RefusalLog(0, logging.getLogger("test.refusals"), clock)
+    with caplog.at_level(logging.WARNING, logger="test.refusals"):
+        for i in range(20_000):
+            log.refuse(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}", "connection-cap", "over the cap")
+        clock.now += WINDOW_SECONDS
+        log.refuse("10.200.0.1", "connection-cap", "the next window")
+        clock.now += REPORT_SECONDS
+        log.tick()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == GLOBAL_LINES + 2 and "the next window" in lines[-2]
+    assert f"{20_000 - GLOBAL_LINES} more refusals" in lines[-1]
+    assert log.totals == {"connection-cap": 20_001}
+    assert sum(len(line) for line in lines) < 20_000  # 20,000 addresses: kilobytes, not megabytes

@@ -3,8 +3,10 @@
 Every message or connection a cross-silo process refuses goes through :class:`RefusalLog`: it is
 counted (``totals``, by reason: what summary.json's ``refusals`` shows), and logged with the
 peer's address, its text cut to :data:`MAX_TEXT` characters, at most :data:`BURST` lines per
-(peer address, reason) and then one per :data:`WINDOW_SECONDS`; what was held back is counted and
-said in one line every :data:`REPORT_SECONDS` (:meth:`RefusalLog.tick`).
+(peer address, reason) and then one per :data:`WINDOW_SECONDS`, and at most :data:`GLOBAL_LINES`
+per :data:`WINDOW_SECONDS` from all addresses together (a sender that rotates its source address
+gets no more); what was held back is counted and said in one line every :data:`REPORT_SECONDS`
+(:meth:`RefusalLog.tick`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ MAX_TEXT = 300
 BURST = 3
 WINDOW_SECONDS = 10.0
 REPORT_SECONDS = 30.0
+GLOBAL_LINES = 30  # refusal lines per WINDOW_SECONDS, all addresses together (about 9 KB)
 
 
 class RefusalLog:
@@ -30,6 +33,7 @@ class RefusalLog:
         self._lines: Dict[Tuple[str, str], Tuple[int, float]] = {}  # (host, reason) -> (lines in burst, last line)
         self._held_back: Counter = Counter()  # reason -> lines not written since the last report
         self._last_report = clock()
+        self._window: Tuple[float, int] = (-float("inf"), 0)  # (start, lines written in it), all addresses
         self._lock = threading.Lock()
 
     def refuse(self, host: str, reason: str, text: str, where: str = "") -> None:
@@ -39,7 +43,11 @@ class RefusalLog:
         with self._lock:
             self.totals[reason] += 1
             count, last = self._lines.get((host, reason), (0, -float("inf")))
-            if count < BURST or now - last >= WINDOW_SECONDS:
+            start, written = self._window
+            if now - start >= WINDOW_SECONDS:
+                start, written = now, 0
+            if written < GLOBAL_LINES and (count < BURST or now - last >= WINDOW_SECONDS):
+                self._window = (start, written + 1)
                 self._lines[(host, reason)] = (count + 1, now)
                 write = True
             else:
