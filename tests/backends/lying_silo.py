@@ -8,7 +8,8 @@
 - ``late:PATH``: it is honest but starts listening only a second after the server's log PATH says
   it refused a silo (a silo still starting up when the server stops the run);
 - ``vanish:R:STAGE``: it is honest until, in round R, the server has taken its secure-aggregation
-  message of STAGE (``shares``: its key shares; ``masked``: its masked input); then it SIGKILLs itself.
+  message of STAGE (``shares``: its key shares; ``masked``: its masked input); then it SIGKILLs itself;
+- ``fail:R``: it is honest until its training in round R raises an error (a crash in its own code).
 """
 
 import os
@@ -72,6 +73,16 @@ def lie(kind: str) -> None:
             return listen(*args, **kwargs)
 
         transport.listen = listen_late
+    elif kind.startswith("fail:"):
+        failing_round = int(kind.split(":")[1])
+        honest_train = client.PluginTrainerDistAdapter.train
+
+        def failing_train(self, round_idx):
+            if round_idx == failing_round:
+                raise RuntimeError(f"a crash in the silo's own code in round {round_idx}")
+            return honest_train(self, round_idx)
+
+        client.PluginTrainerDistAdapter.train = failing_train
     elif kind.startswith("vanish:"):
         from fedml_perfedavg.fedml_bridge.cross_silo import wire
 

@@ -395,3 +395,28 @@ def test_fedmls_own_main_script_runs_data_owner_silos(mnist_root, tmp_path):
     for k, v in sp.final_state.items():
         assert float((model[k] - v).abs().max()) <= 1e-6
     assert summary["per_user_accuracy"] == sp.summary["per_user_accuracy"]
+
+
+@needs_mnist
+def test_a_silo_whose_own_code_fails_tells_the_server_which_goes_on_at_once(mnist_root, tmp_path):
+    """Issue 44: a silo that fails mid-round says why before it exits; the server records it and
+    goes on without waiting out the round deadline (300 s here)."""
+    folders = _export(mnist_root, tmp_path, 4)
+    settings = {
+        **OWN,
+        "client_num_in_total": 4,
+        "client_num_per_round": 4,
+        "comm_round": 3,
+        "min_clients_per_round": 1,
+        "round_timeout": 300,
+    }
+    started = time.monotonic()
+    processes = start_by_hand(tmp_path, settings, 4, folders, liars={4: "fail:1"})
+    outs = finish_all(processes, timeout=250)
+    assert time.monotonic() - started < 150, "the server waited for the failed silo"
+    assert processes[4].returncode not in (0, None) and "RuntimeError: a crash in the silo's own code" in outs[4]
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-4000:]
+    (lost,) = summary["lost_silos"]
+    assert lost["rank"] == 4 and lost["round"] == 1
+    assert lost["why"] == "failed: silo rank 4: RuntimeError: a crash in the silo's own code in round 1"

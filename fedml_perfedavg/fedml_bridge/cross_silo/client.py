@@ -92,6 +92,21 @@ def with_privacy(counts: Dict[str, Any], ledger: Any) -> Dict[str, Any]:
     return counts
 
 
+FAILURE_SECONDS = 5.0  # how long a failing silo tries to tell the server before it exits
+
+
+def tell_failure(manager: Any, err: Exception) -> None:
+    """A silo's last word before an error ends it: FAILED and the error, to the server (best effort:
+    a server already gone is not waited for)."""
+    message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, manager.client_real_id, 0)
+    message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, wire.FAILED)
+    message.add_params(wire.REASON, f"silo rank {manager.rank}: {type(err).__name__}: {err}"[:2000])
+    try:
+        manager.com_manager.send_message(message, deadline=time.monotonic() + FAILURE_SECONDS)
+    except Exception as again:  # noqa: BLE001 - the original error is what ends the silo
+        logger.info("silo rank %d could not tell the server it fails (%s)", manager.rank, again)
+
+
 class PluginTrainerDistAdapter(TrainerDistAdapter):
     def get_trainer(
         self,
@@ -258,7 +273,12 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
                 # An upload to a server that was up and is gone is retried no longer than it is waited for.
                 limit = self.policy.client_idle_deadline(self.slowest_gap, self.gaps_measured)
                 self.com_manager.retry_seconds = min(self.policy.connect_timeout, limit)
-        super().receive_message(msg_type, msg_params)
+        try:
+            super().receive_message(msg_type, msg_params)
+        except Exception as err:  # the silo ends: the server hears why now, not at its deadline
+            if self.state is State.LISTENING:  # not when the server ended it, or is gone
+                tell_failure(self, err)
+            raise
         self.last_awake = time.monotonic()
 
     def _on_ready(self, msg_params: Message) -> None:

@@ -79,6 +79,15 @@ class Goodbye:
 
 
 @dataclass(frozen=True)
+class SiloFailed:
+    """A silo says it fails and why (an error in its training or evaluation) before it exits."""
+
+    now: float
+    silo: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed with nothing received: a deadline may have passed."""
 

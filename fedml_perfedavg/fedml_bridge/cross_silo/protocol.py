@@ -70,6 +70,7 @@ from .events import (
     Listening,
     Outbox,
     SecAggMessage,
+    SiloFailed,
     Stopped,
     Tick,
     Undelivered,
@@ -152,6 +153,8 @@ class SiloServerProtocol:
             self._on_hello(now, event.silo, event.announced, event.session)
         elif isinstance(event, Goodbye):
             self._on_goodbye(now, event)
+        elif isinstance(event, SiloFailed):
+            self._on_silo_failed(now, event)
         elif isinstance(event, Undelivered):
             self._on_undelivered(now, event)
         elif isinstance(event, Listening):
@@ -233,6 +236,19 @@ class SiloServerProtocol:
         self.finished.add(event.silo)
         self.figures.note(event.silo, event.counts, self.final.user_of(event.silo), self.round_idx)
         self._complete_if_all_said_goodbye()
+
+    def _on_silo_failed(self, now: float, event: SiloFailed) -> None:
+        """A silo said it fails: the run goes on without it at once (or stops, by the rule for a
+        silo that misses a deadline), its reason recorded, instead of waiting out the deadline."""
+        if event.silo not in self.roster.live or self.phase is Phase.DONE:
+            return
+        why = f"failed: {event.reason}"
+        logger.error("silo rank %d %s", event.silo, why)
+        if self.phase is Phase.FINISHING:
+            self.roster.drop([event.silo])
+            self._complete_if_all_said_goodbye()
+            return
+        self._after(now, self.rounds.failed(now, event.silo, why))
 
     # -- the start and the end --------------------------------------------------------------------------
     def _start_training(self, now: float) -> None:

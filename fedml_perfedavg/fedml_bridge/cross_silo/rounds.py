@@ -246,6 +246,15 @@ class SiloRounds(SecureStages):
             for s, (_, user) in sorted(round_.assigned.items())
         ]
 
+    def failed(self, now: float, silo: int, why: str) -> bool:
+        """``silo`` said it fails: given up on now; the run stops if its round cannot do without it."""
+        go_on = True
+        if self.clock.phase is Phase.TRAINING and silo in self.round.assigned:
+            others = [s for s in self.round.assigned if s != silo]
+            go_on, _ = self.members.policy.after_deadline(self.round.expected, others)
+        self.give_up_on([silo], why, go_on)
+        return self.close_if_complete(now) if self.clock.phase in (Phase.TRAINING, Phase.EVALUATING) else False
+
     def unreachable(self, now: float, purpose: str, silos: Dict[int, str]) -> bool:
         """The round's or the evaluation's models did not reach ``silos`` (silo -> why) in time."""
         for _, why in sorted(silos.items()):

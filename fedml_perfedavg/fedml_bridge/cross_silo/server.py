@@ -13,7 +13,7 @@ from ..shims import aggregate_with_hooks
 from . import readiness
 from .agreement import SiloSetup
 from .events import NOTICE, Action, EndRun, Fail, Finish, Goodbye, Hello, Listening, Record, Refuse, Send
-from .events import Evaluation, SecAggMessage, Stopped, Tick, Undelivered, Update
+from .events import Evaluation, SecAggMessage, SiloFailed, Stopped, Tick, Undelivered, Update
 from .mail import ServerMail
 from .phases import Phase
 from .policy import SiloPolicy
@@ -184,6 +184,8 @@ class PluginServerManager(FedMLServerManager):
             self._handle(Hello(now, silo, msg_params.get(wire.HELLO), msg_params.get(SESSION_KEY)))
         elif status == self.RUN_FINISHED_STATUS_FLAG:
             self._handle(Goodbye(now, silo, msg_params.get(wire.SILO_METRICS)))
+        elif status == wire.FAILED:
+            self._handle(SiloFailed(now, silo, str(msg_params.get(wire.REASON) or "no reason given")))
 
     def _on_update(self, msg_params: Message) -> None:
         self._handle(

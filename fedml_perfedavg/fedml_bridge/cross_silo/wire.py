@@ -276,8 +276,11 @@ def _secagg_terms(value: Any) -> bool:
     )
 
 
+FAILED = "FAILED"  # a silo's last word: it fails, and why (REASON)
+
+
 def _status(value: Any) -> bool:
-    return value in ("ONLINE", "FINISHED")
+    return value in ("ONLINE", "FINISHED", FAILED)
 
 
 def _flag(value: Any) -> bool:
@@ -301,6 +304,7 @@ SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
         "client_os": (_text, False),
         SILO_METRICS: (_counts, False),
         HELLO: (_hello, False),
+        REASON: (lambda v: _text(v, 2000), False),
     },
     EVALUATION: {SILO_METRICS: (_counts, True)},
     SECAGG_KEYS: {"client_idx": (_digits, True), "adverts": (_adverts, True)},
