@@ -92,12 +92,26 @@ def with_privacy(counts: Dict[str, Any], ledger: Any) -> Dict[str, Any]:
     return counts
 
 
+def say_goodbye(manager: Any, counts: Dict[str, Any]) -> None:
+    """Shared mode's last word: FINISHED, with the silo's evaluation of the final model."""
+    message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, manager.client_real_id, 0)
+    message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, manager.RUN_FINISHED_STATUS_FLAG)
+    message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_OS, platform.system())
+    message.add_params(wire.SILO_METRICS, counts)
+    try:
+        manager.com_manager.send_message(message, deadline=time.monotonic() + manager.GOODBYE_SECONDS)
+    except PeerUnreachable as err:
+        logger.info("silo rank %d: the server has already ended (%s); this silo is done", manager.rank, err)
+
+
 FAILURE_SECONDS = 5.0  # how long a failing silo tries to tell the server before it exits
 
 
 def tell_failure(manager: Any, err: Exception) -> None:
     """A silo's last word before an error ends it: FAILED and the error, to the server (best effort:
-    a server already gone is not waited for)."""
+    a server already gone is not waited for; none when the server ended the run, or is gone)."""
+    if manager.state is not State.LISTENING:
+        return
     message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, manager.client_real_id, 0)
     message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, wire.FAILED)
     message.add_params(wire.REASON, f"silo rank {manager.rank}: {type(err).__name__}: {err}"[:2000])
@@ -276,8 +290,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         try:
             super().receive_message(msg_type, msg_params)
         except Exception as err:  # the silo ends: the server hears why now, not at its deadline
-            if self.state is State.LISTENING:  # not when the server ended it, or is gone
-                tell_failure(self, err)
+            tell_failure(self, err)
             raise
         self.last_awake = time.monotonic()
 
@@ -352,14 +365,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
             logger.info("silo rank %d: the server ended the run", self.rank)
 
     def _goodbye(self, counts: Dict[str, Any]) -> None:
-        message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self.client_real_id, 0)
-        message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, self.RUN_FINISHED_STATUS_FLAG)
-        message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_OS, platform.system())
-        message.add_params(wire.SILO_METRICS, counts)
-        try:
-            self.com_manager.send_message(message, deadline=time.monotonic() + self.GOODBYE_SECONDS)
-        except PeerUnreachable as err:
-            logger.info("silo rank %d: the server has already ended (%s); this silo is done", self.rank, err)
+        say_goodbye(self, counts)
 
     # -- losing and finding the server --------------------------------------------------------------
     def _send_or_rejoin(self, message: Message, what: str) -> None:

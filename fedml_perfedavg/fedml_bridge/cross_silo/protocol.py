@@ -81,7 +81,7 @@ from .open_work import OpenRound, SiloFigures
 from .phases import Phase, PhaseClock
 from .policy import FINISH_SECONDS, NOTICE_SECONDS, SiloPolicy
 from .roster import SiloRoster
-from .rounds import GlobalModel, RoundPlan, SiloRounds
+from .rounds import GlobalModel, RoundPlan, SiloRounds, silo_failed
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +153,10 @@ class SiloServerProtocol:
             self._on_hello(now, event.silo, event.announced, event.session)
         elif isinstance(event, Goodbye):
             self._on_goodbye(now, event)
-        elif isinstance(event, SiloFailed):
-            self._on_silo_failed(now, event)
+        elif isinstance(event, SiloFailed) and self.phase is Phase.FINISHING:  # as a final model not delivered
+            self._on_undelivered(now, Undelivered(now, FINAL, {event.silo: f"silo rank {event.silo} failed"}))
+        elif isinstance(event, SiloFailed) and self.phase is not Phase.DONE:  # the run goes on without it now
+            self._after(now, silo_failed(self.rounds, now, event.silo, f"failed: {event.reason}"))
         elif isinstance(event, Undelivered):
             self._on_undelivered(now, event)
         elif isinstance(event, Listening):
@@ -236,19 +238,6 @@ class SiloServerProtocol:
         self.finished.add(event.silo)
         self.figures.note(event.silo, event.counts, self.final.user_of(event.silo), self.round_idx)
         self._complete_if_all_said_goodbye()
-
-    def _on_silo_failed(self, now: float, event: SiloFailed) -> None:
-        """A silo said it fails: the run goes on without it at once (or stops, by the rule for a
-        silo that misses a deadline), its reason recorded, instead of waiting out the deadline."""
-        if event.silo not in self.roster.live or self.phase is Phase.DONE:
-            return
-        why = f"failed: {event.reason}"
-        logger.error("silo rank %d %s", event.silo, why)
-        if self.phase is Phase.FINISHING:
-            self.roster.drop([event.silo])
-            self._complete_if_all_said_goodbye()
-            return
-        self._after(now, self.rounds.failed(now, event.silo, why))
 
     # -- the start and the end --------------------------------------------------------------------------
     def _start_training(self, now: float) -> None:

@@ -246,15 +246,6 @@ class SiloRounds(SecureStages):
             for s, (_, user) in sorted(round_.assigned.items())
         ]
 
-    def failed(self, now: float, silo: int, why: str) -> bool:
-        """``silo`` said it fails: given up on now; the run stops if its round cannot do without it."""
-        go_on = True
-        if self.clock.phase is Phase.TRAINING and silo in self.round.assigned:
-            others = [s for s in self.round.assigned if s != silo]
-            go_on, _ = self.members.policy.after_deadline(self.round.expected, others)
-        self.give_up_on([silo], why, go_on)
-        return self.close_if_complete(now) if self.clock.phase in (Phase.TRAINING, Phase.EVALUATING) else False
-
     def unreachable(self, now: float, purpose: str, silos: Dict[int, str]) -> bool:
         """The round's or the evaluation's models did not reach ``silos`` (silo -> why) in time."""
         for _, why in sorted(silos.items()):
@@ -369,3 +360,17 @@ class SiloRounds(SecureStages):
         self.evaluation.record(self.outbox, self.roster.setup.silos)
         self.outbox.record("record_refusals")
         return self.next_round(now)
+
+
+def silo_failed(rounds: SiloRounds, now: float, silo: int, why: str) -> bool:
+    """``silo`` said it fails: ``rounds`` give up on it now; the run stops if its round cannot do
+    without it (the rule for a silo that misses a deadline). True once the last round closed."""
+    if silo not in rounds.roster.live:
+        return False
+    logger.error("silo rank %d %s", silo, why)
+    go_on = True
+    if rounds.clock.phase is Phase.TRAINING and silo in rounds.round.assigned:
+        others = [s for s in rounds.round.assigned if s != silo]
+        go_on = rounds.members.policy.after_deadline(rounds.round.expected, others)[0]
+    rounds.give_up_on([silo], why, go_on)
+    return rounds.close_if_complete(now)
