@@ -30,12 +30,12 @@ QUICKSTART = os.path.join(REPO, "yaml_configs", "quickstart_mnist_hf.yaml")
 SIGMAS = (0.5, 1.0, 2.0)
 
 
-def _dp(sigma: float) -> dict:
+def _dp(sigma: float, clip: float = 1.0) -> dict:
     return {
         "dp_args.enable_dp": True,
         "dp_args.dp_solution_type": "dpsgd",
         "dp_args.noise_multiplier": sigma,
-        "dp_args.max_grad_norm": 1.0,
+        "dp_args.max_grad_norm": clip,
         "dp_args.delta": 1e-5,
     }
 
@@ -77,7 +77,7 @@ def _interval(values: list) -> float:
     return float(stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5)
 
 
-def accuracy(root: str, rounds: int, seeds: list, work: str) -> list:
+def accuracy(root: str, rounds: int, seeds: list, work: str, clip: float) -> list:
     rows = []
     for sigma in (None, *SIGMAS):
         accuracies, largest, median = [], [], []
@@ -86,7 +86,7 @@ def accuracy(root: str, rounds: int, seeds: list, work: str) -> list:
                 "data_cache_dir": root,
                 "comm_round": rounds,
                 "random_seed": seed,
-                **(_dp(sigma) if sigma else {}),
+                **(_dp(sigma, clip) if sigma else {}),
             }
             summary = _run(overrides, work, f"acc-{sigma}-{seed}")
             accuracies.append(summary["personalized_accuracy"])
@@ -98,11 +98,33 @@ def accuracy(root: str, rounds: int, seeds: list, work: str) -> list:
             {
                 "sigma": sigma,
                 "seeds": seeds,
+                "max_grad_norm": clip,
                 "accuracy": statistics.mean(accuracies),
                 "accuracy_ci95": _interval(accuracies),
                 "accuracies": accuracies,
                 "epsilon_largest": statistics.mean(largest) if largest else None,
                 "epsilon_median": statistics.mean(median) if median else None,
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+CLIPPING = ((0.01, 1.0), (1.0, 1.0), (1.0, 10.0))  # (sigma, C): which of the two costs accuracy
+
+
+def clipping(root: str, rounds: int, work: str) -> list:
+    rows = []
+    for sigma, clip in CLIPPING:
+        overrides = {"data_cache_dir": root, "comm_round": rounds, "random_seed": 0, **_dp(sigma)}
+        overrides["dp_args.max_grad_norm"] = clip
+        summary = _run(overrides, work, f"clip-{sigma}-{clip}")
+        rows.append(
+            {
+                "sigma": sigma,
+                "max_grad_norm": clip,
+                "accuracy": summary["personalized_accuracy"],
+                "epsilon_largest": summary["privacy"]["epsilon"],
             }
         )
         print(rows[-1], flush=True)
@@ -145,27 +167,31 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--speed-rounds", type=int, default=30)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--clip", type=float, default=10.0, help="C of the accuracy-against-epsilon part")
     parser.add_argument(
         "--parts",
         nargs="+",
-        choices=["speed", "accuracy"],
-        default=["speed", "accuracy"],
+        choices=["speed", "accuracy", "clipping"],
+        default=["speed", "accuracy", "clipping"],
         help="measure these; the other's figures are kept from the last results, with their command",
     )
     args = parser.parse_args()
     out = os.path.join(REPO, "benchmarks", "results")
     date = datetime.date.today().isoformat()
     command = "python benchmarks/dp_cost.py --mnist-root ../shared/datasets " + " ".join(sys.argv[3:])
-    previous: dict = {"speed": [], "accuracy": [], "speed_measured": {}, "accuracy_measured": {}}
+    previous: dict = {"speed": [], "accuracy": [], "clipping": [], "speed_measured": {}, "accuracy_measured": {}}
     if os.path.exists(os.path.join(out, "dp_cost.json")):
         with open(os.path.join(out, "dp_cost.json")) as f:
             previous = json.load(f)
     with tempfile.TemporaryDirectory() as work:
         speed_rows = speed(args.mnist_root, args.speed_rounds, work) if "speed" in args.parts else previous["speed"]
         accuracy_rows = (
-            accuracy(args.mnist_root, args.rounds, args.seeds, work)
+            accuracy(args.mnist_root, args.rounds, args.seeds, work, args.clip)
             if "accuracy" in args.parts
             else previous["accuracy"]
+        )
+        clipping_rows = (
+            clipping(args.mnist_root, args.rounds, work) if "clipping" in args.parts else previous.get("clipping", [])
         )
     record = {
         "speed": speed_rows,
@@ -173,6 +199,10 @@ def main() -> None:
         "accuracy": accuracy_rows,
         "accuracy_measured": (
             {"date": date, "command": command} if "accuracy" in args.parts else previous["accuracy_measured"]
+        ),
+        "clipping": clipping_rows,
+        "clipping_measured": (
+            {"date": date, "command": command} if "clipping" in args.parts else previous.get("clipping_measured", {})
         ),
     }
     with open(os.path.join(out, "dp_cost.json"), "w") as f:
@@ -190,7 +220,8 @@ def main() -> None:
         *[f"| {r['variant']} | {r['plain_s']:.3f} | {r['dp_s']:.3f} | {r['ratio']:.2f}x |" for r in speed_rows],
         "",
         f"Accuracy against epsilon, quickstart HF config, seeds {accuracy_rows[0]['seeds'] if accuracy_rows else []}, "
-        f"C 1, delta 1e-5 ({record['accuracy_measured'].get('date')}, `{record['accuracy_measured'].get('command')}`):",
+        f"C {accuracy_rows[0].get('max_grad_norm', 1.0) if accuracy_rows else ''}, delta 1e-5 "
+        f"({record['accuracy_measured'].get('date')}, `{record['accuracy_measured'].get('command')}`):",
         "",
         "| sigma | personalized accuracy (95% CI) | largest epsilon | median epsilon |",
         "|---|---|---|---|",
@@ -202,6 +233,16 @@ def main() -> None:
         ],
         "",
         "![accuracy against epsilon](dp_accuracy_epsilon.png)",
+        "",
+        f"Clipping or noise: the same config, seed 0 ({record['clipping_measured'].get('date')}, "
+        f"`{record['clipping_measured'].get('command')}`):",
+        "",
+        "| sigma | C | personalized accuracy | largest epsilon |",
+        "|---|---|---|---|",
+        *[
+            f"| {r['sigma']:g} | {r['max_grad_norm']:g} | {r['accuracy']:.4f} | {r['epsilon_largest']:.3g} |"
+            for r in clipping_rows
+        ],
     ]
     with open(os.path.join(out, "dp_cost.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

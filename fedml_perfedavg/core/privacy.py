@@ -526,21 +526,22 @@ class PrivacyLedger:
 
     A round's training and an evaluation are counted once per (round, user), however often they
     are computed: their randomness is keyed by (seed, round, user), so a computation done again
-    (a silo's evaluation of a model the server evaluated too) releases the same numbers. Its state
+    on the same model (a silo's evaluation of a model the server evaluated too) releases the same
+    numbers. Two computations with one key on different models would share their noise, which
+    the accounting does not allow: every caller keys by the round that made the model. Its state
     is in checkpoints; :meth:`report` is ``summary.json``'s ``privacy``."""
 
     def __init__(self, dp: DPSGD, rules: UseRules, sample_counts: Mapping[int, int]) -> None:
         self.dp, self.rules = dp, rules
         self.sample_counts = {int(u): int(n) for u, n in sample_counts.items()}
         self.uses: Dict[int, Dict[float, int]] = {}
-        # (round, user) pairs, flat, by what used the data: a round's training, the run's evaluation
-        # after it, and (cross-silo, shared mode) a silo's evaluation of the model it received
-        self.counted: Dict[str, List[int]] = {"training": [], "evaluation": [], "silo_evaluation": []}
+        # (round, user) pairs, flat, by what used the data: a round's training, the evaluation after it
+        self.counted: Dict[str, List[int]] = {"training": [], "evaluation": []}
         self._seen: set = set()
         self._cache: Dict[int, Tuple[Tuple[Tuple[float, int], ...], float]] = {}
 
     def _account(self, what: str, round_idx: int, users: Sequence[int]) -> None:
-        rule = self.rules.training if what == "training" else self.rules.evaluation  # or a silo's evaluation
+        rule = self.rules.training if what == "training" else self.rules.evaluation
         for user in users:
             key = (what, int(round_idx), int(user))
             if key in self._seen:
@@ -572,11 +573,6 @@ class PrivacyLedger:
     def evaluated(self, round_idx: int, users: Sequence[int]) -> None:
         """The evaluation after round ``round_idx`` personalized the model on ``users``' data."""
         self._account("evaluation", round_idx, users)
-
-    def silo_evaluated(self, round_idx: int, users: Sequence[int]) -> None:
-        """Cross-silo, shared mode: the silos personalized the model they received for round
-        ``round_idx`` (the final model: ``round_idx`` = comm_round) on ``users``' data."""
-        self._account("silo_evaluation", round_idx, users)
 
     def copy(self) -> "PrivacyLedger":
         other = PrivacyLedger(self.dp, self.rules, self.sample_counts)
@@ -633,7 +629,7 @@ class PrivacyLedger:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.uses, self._seen, self._cache = {}, set(), {}
-        self.counted = {"training": [], "evaluation": [], "silo_evaluation": []}
+        self.counted = {"training": [], "evaluation": []}
         for what, flat in state["counted"].items():
             if what == "left_out":
                 self.counted["left_out"] = [int(v) for v in flat]
@@ -653,17 +649,18 @@ def planned_epsilon(
     """(the largest epsilon, its user) once ``rounds`` have run on top of ``ledger``: each round's
     clients (``sample(round)``) trained, and ``evaluated_users`` personalized where
     ``evaluates(round)`` (with ``silo_evaluations``, cross-silo shared mode: each round's clients
-    personalized on their silos too, and the next sample on the final model). Every draw is
+    personalize the model they receive, keyed by the round that made it, and the next sample the
+    final model). Every draw is
     keyed, so this is what the run will spend; a client that drops out of a round spends less."""
     plan = ledger.copy()
     for round_idx in rounds:
         plan.trained(round_idx, sample(round_idx))
         if silo_evaluations:
-            plan.silo_evaluated(round_idx, sample(round_idx))
+            plan.evaluated(round_idx - 1, sample(round_idx))
         if evaluates(round_idx):
             plan.evaluated(round_idx, evaluated_users)
     if silo_evaluations and len(rounds):
-        plan.silo_evaluated(rounds[-1] + 1, sample(rounds[-1] + 1))  # the final model, on the silos
+        plan.evaluated(rounds[-1], sample(rounds[-1] + 1))  # the final model, on the silos
     return plan.largest()
 
 

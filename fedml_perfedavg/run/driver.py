@@ -59,7 +59,7 @@ class RunDriver:
         if ledger is None:
             return clients
         if round_idx >= self.schedule.comm_round:  # cross-silo shared mode: the final model, evaluated on silos
-            ledger.silo_evaluated(round_idx, clients)
+            ledger.evaluated(round_idx - 1, clients)  # (the server's last evaluation of it: the same release)
             return clients
         budget = ledger.dp.max_epsilon
         if budget is not None:
@@ -75,8 +75,8 @@ class RunDriver:
                 ledger.left_out(round_idx, over)
                 clients = [c for c in clients if c not in over]
         ledger.trained(round_idx, clients)
-        if self.silos_evaluate_received:
-            ledger.silo_evaluated(round_idx, clients)
+        if self.silos_evaluate_received:  # keyed by the round that made the model: see the silo's evaluate
+            ledger.evaluated(round_idx - 1, clients)
         return clients
 
     def evaluates(self, round_idx: int) -> bool:

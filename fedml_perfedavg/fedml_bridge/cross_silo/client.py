@@ -66,10 +66,14 @@ class PluginFedMLTrainer(FedMLTrainer):
         super().update_dataset(client_index)
         self.trainer.set_id(client_index)
 
-    def evaluate(self, round_idx: int) -> Dict[str, Any]:
+    def evaluate(self, round_idx: int, received: bool = False) -> Dict[str, Any]:
         """The personalized evaluation of the current model on the current user's test split, as
-        whole counts (what the server checks and averages)."""
-        self.args.round_idx = round_idx
+        whole counts (what the server checks and averages). ``received``: the model the server sent
+        for round ``round_idx`` (shared mode's figures); with DP-SGD its personalization is keyed
+        by the round that produced that model, so this and the server's evaluation of the same
+        model are one release, never two with the same noise on different models."""
+        private = getattr(self.trainer, "algorithm", None) is not None and self.trainer.algorithm.settings.privacy
+        self.args.round_idx = round_idx - 1 if received and private else round_idx
         result = self.trainer.test(self.test_local, self.device, self.args)
         total = int(result["test_total"])
         loss = float(result["test_loss"]) / total
@@ -324,10 +328,10 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         self.trainer_dist_adapter.update_dataset(user)
         self.trainer_dist_adapter.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
         if round_idx >= self.num_rounds:  # shared mode: the final model, evaluated and said goodbye to
-            self._goodbye(self.trainer.evaluate(round_idx))
+            self._goodbye(self.trainer.evaluate(round_idx, received=True))
             self.finish()
             return
-        counts = self.trainer.evaluate(round_idx) if self.mode.figures_with_updates else None
+        counts = self.trainer.evaluate(round_idx, received=True) if self.mode.figures_with_updates else None
         received = msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)
         weights, samples = self.trainer_dist_adapter.train(round_idx)
         if self.setup.privacy is not None:  # the round's local update used its user's data
