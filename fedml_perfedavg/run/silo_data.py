@@ -80,13 +80,6 @@ def own_split(config: Config, rank: int, whole_split) -> Optional[FederatedData]
                 f"data_args.dataset={config.dataset!r}"
             )
         check_split(silo, split_keys(config), folder)
-        known = server_data(config)  # what the server builds the model for
-        if silo.num_classes != known.num_classes or (known.input_shape and silo.input_shape != known.input_shape):
-            raise ConfigError(
-                f"data_args.data_cache_dir={folder!r} says {config.dataset!r} has {silo.num_classes} classes of "
-                f"inputs {silo.input_shape}; the server builds the model for {known.num_classes} classes of "
-                f"inputs {known.input_shape}"
-            )
         logger.info(
             "silo rank %d: user %d's data from %s (%d training, %d test samples)",
             rank,

@@ -46,8 +46,8 @@ def lie(kind: str) -> None:
     elif kind == "false-figures":
         honest_evaluate = client.PluginFedMLTrainer.evaluate
 
-        def evaluate(self, round_idx):
-            counts = honest_evaluate(self, round_idx)
+        def evaluate(self, round_idx, **how):
+            counts = honest_evaluate(self, round_idx, **how)
             return {**counts, "user": 424242, "correct": counts["total"], "correct_before": counts["total"]}
 
         client.PluginFedMLTrainer.evaluate = evaluate
