@@ -80,12 +80,14 @@ def _exit_as_signalled(hook: Any) -> Any:
 
     @functools.wraps(hook)
     def excepthook(kind, value, traceback):
-        hook(kind, value, traceback)
-        signum = _STOP_SIGNAL[0]
-        if STOP_SIGNALLED.is_set() and not (issubclass(kind, KeyboardInterrupt) and signum == signal.SIGINT):
-            sys.stderr.flush()
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        try:
+            hook(kind, value, traceback)  # FedML's reports the error to its MLOps first, which may fail
+        finally:
+            signum = _STOP_SIGNAL[0]
+            if STOP_SIGNALLED.is_set() and not (issubclass(kind, KeyboardInterrupt) and signum == signal.SIGINT):
+                sys.stderr.flush()
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
 
     excepthook.__wrapped__ = hook
     excepthook.exits_as_signalled = True  # type: ignore[attr-defined]

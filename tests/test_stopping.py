@@ -88,6 +88,7 @@ def test_the_launcher_notes_signals_and_stops_between_its_own_steps():
 STOPPED_SCRIPT = """
 import os, signal, sys
 from fedml_perfedavg.stopping import exit_as_signalled, sigterm_as_interrupt
+{hook}
 exit_as_signalled()
 with sigterm_as_interrupt():
     try:
@@ -102,7 +103,17 @@ with sigterm_as_interrupt():
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 @pytest.mark.parametrize("then", ["raise", "raise RuntimeError('a cleanup that failed on the interrupt')"])
 def test_a_stopped_script_ends_by_its_signal_even_when_the_interrupt_became_another_error(signum, then):
-    code = STOPPED_SCRIPT.format(signum=int(signum), then=then)
+    code = STOPPED_SCRIPT.format(signum=int(signum), then=then, hook="")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == -signum, out.stderr[-2000:]
     assert ("RuntimeError" in out.stderr) == ("RuntimeError" in then)  # the traceback is still shown
+
+
+@pytest.mark.backend  # a subprocess
+def test_a_stopped_script_ends_by_its_signal_even_when_the_hook_it_wraps_fails():
+    """FedML's excepthook reports an error to its MLOps first; should that fail, the stop still ends
+    the process by its signal."""
+    hook = "def broken(*info):\n    raise OSError('MLOps unreachable')\nsys.excepthook = broken"
+    code = STOPPED_SCRIPT.format(signum=int(signal.SIGTERM), then="raise RuntimeError('cleanup')", hook=hook)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == -signal.SIGTERM, out.stderr[-2000:]
