@@ -43,3 +43,19 @@ def tiny_config(**overrides):
     )
     base.update(overrides)
     return resolve({}, base)
+
+
+def killed_at_round(monkeypatch, round_idx, error=None):
+    """Make the batched engine raise ``error`` (default: KeyboardInterrupt, a simulated kill) when
+    it reaches ``round_idx``; returns a function that puts the engine back."""
+    from fedml_perfedavg.engine.batched import BatchedSimulation
+
+    original = BatchedSimulation.train_round
+
+    def train_round(self, current):
+        if current == round_idx:
+            raise error if error is not None else KeyboardInterrupt("simulated kill")
+        return original(self, current)
+
+    monkeypatch.setattr(BatchedSimulation, "train_round", train_round)
+    return lambda: monkeypatch.setattr(BatchedSimulation, "train_round", original)

@@ -135,34 +135,25 @@ def _adapted_one_by_one(
     config: EvaluationConfig,
     round_idx: int,
     step: Union[float, Params],
-) -> Iterator[Params]:
-    for user_id, user in zip(user_ids, users):
-        generator = generator_for(config.seed, round_idx, user_id, Purpose.EVALUATION)
-        batches = adaptation_batches(user.train_x, user.train_y, config.adapt_steps, config.batch_size, generator)
-        yield sgd_steps(loss_fn, params, *batches, step)
-
-
-def _adapted_privately(
-    loss_fn: LossFn,
-    params: Params,
-    users: Sequence[UserSplit],
-    user_ids: Sequence[int],
-    config: EvaluationConfig,
-    round_idx: int,
-    step: Union[float, Params],
     chain: Optional[HandBatchedGradients] = None,
 ) -> Iterator[Params]:
-    """Each user's personalization steps as DP-SGD steps (its accuracy leaves the user): Poisson
-    minibatches of expected size ``batch_size``, per-sample gradients clipped and noised."""
+    """Each user's adapted model in turn. With ``config.privacy`` the steps are DP-SGD's (its
+    accuracy leaves the user): Poisson minibatches of expected size ``batch_size``, per-sample
+    gradients clipped and noised (``chain``: a Linear chain's form, which clips without forming them)."""
     from .privacy import draw_private_batches, private_sgd_steps
 
-    assert config.privacy is not None and not isinstance(step, dict)  # the run's rules refuse learned steps
     for user_id, user in zip(user_ids, users):
+        if config.privacy is None:
+            generator = generator_for(config.seed, round_idx, user_id, Purpose.EVALUATION)
+            batches = adaptation_batches(user.train_x, user.train_y, config.adapt_steps, config.batch_size, generator)
+            yield sgd_steps(loss_fn, params, *batches, step)
+            continue
+        assert not isinstance(step, dict)  # the run's rules refuse learned step sizes with DP-SGD
         generator = generator_for(config.seed, round_idx, user_id, Purpose.PRIVATE_EVALUATION)
-        batches = draw_private_batches(
+        private = draw_private_batches(
             user.train_x, user.train_y, [config.batch_size], config.adapt_steps, params, generator
         )
-        yield private_sgd_steps(loss_fn, params, batches, step, config.privacy, chain)
+        yield private_sgd_steps(loss_fn, params, private, step, config.privacy, chain)
 
 
 def _adapt_together(
@@ -335,12 +326,8 @@ def evaluate(
         raise ValueError(f"{len(user_ids)} user ids for {len(users)} users")
     loss_fn = loss_fn if loss_fn is not None else make_loss_fn(network)
     if config.privacy is not None:
-        return _score(
-            network,
-            params,
-            _adapted_privately(loss_fn, params, users, user_ids, config, round_idx, step, hand_batched),
-            users,
-        )
+        adapted = _adapted_one_by_one(loss_fn, params, users, user_ids, config, round_idx, step, hand_batched)
+        return _score(network, params, adapted, users)
     stackable = len(users) > 1 and all(len(u.train_y) >= config.batch_size for u in users)
     if (
         config.batched

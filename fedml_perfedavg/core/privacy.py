@@ -71,6 +71,16 @@ class DPSGD:
         for key in ("noise_multiplier", "max_grad_norm", "delta"):
             object.__setattr__(self, key, float(getattr(self, key)))
 
+    def settings(self) -> Dict[str, Any]:
+        """How ``summary.json``'s ``privacy`` states the mechanism and its accountant."""
+        return {
+            "accountant": ACCOUNTANT,
+            "delta": self.delta,
+            "noise_multiplier": self.noise_multiplier,
+            "max_grad_norm": self.max_grad_norm,
+            "max_epsilon": self.max_epsilon,
+        }
+
     @property
     def noise_std(self) -> float:
         """The standard deviation of the Gaussian noise added to a clipped sum."""
@@ -497,6 +507,15 @@ def epsilon_of(uses: Mapping[float, int], noise_multiplier: float, delta: float)
     return float(epsilon)
 
 
+def largest_epsilon(by_user: Mapping[int, float]) -> Tuple[float, Optional[int]]:
+    """(the largest epsilon, the first user with it), (0, None) when none is above 0."""
+    best: Tuple[float, Optional[int]] = (0.0, None)
+    for user in sorted(by_user):
+        if by_user[user] > best[0]:
+            best = (by_user[user], user)
+    return best
+
+
 @dataclass(frozen=True)
 class UseRules:
     """Which uses of the mechanism a user's data sees: a round's local update (``local_steps``
@@ -591,12 +610,7 @@ class PrivacyLedger:
 
     def largest(self) -> Tuple[float, Optional[int]]:
         """(the largest epsilon, its user), (0, None) before any use."""
-        best: Tuple[float, Optional[int]] = (0.0, None)
-        for user in sorted(self.uses):
-            epsilon = self.epsilon(user)
-            if epsilon > best[0]:
-                best = (epsilon, user)
-        return best
+        return largest_epsilon({user: self.epsilon(user) for user in self.uses})
 
     def report(self) -> Dict[str, Any]:
         """``summary.json``'s ``privacy``: the mechanism's settings, the largest epsilon, and per user
@@ -610,11 +624,7 @@ class PrivacyLedger:
             for user in sorted(self.uses)
         }
         return {
-            "accountant": ACCOUNTANT,
-            "delta": self.dp.delta,
-            "noise_multiplier": self.dp.noise_multiplier,
-            "max_grad_norm": self.dp.max_grad_norm,
-            "max_epsilon": self.dp.max_epsilon,
+            **self.dp.settings(),
             "epsilon": self.largest()[0],
             "per_user": per_user,
             "left_out": [
@@ -685,19 +695,11 @@ class ReportedPrivacy:
         self.reports[user] = {k: report[k] for k in ("epsilon", "uses", "sample_rate")}
 
     def largest(self) -> Tuple[float, Optional[int]]:
-        best: Tuple[float, Optional[int]] = (0.0, None)
-        for user in sorted(self.reports):
-            if self.reports[user]["epsilon"] > best[0]:
-                best = (float(self.reports[user]["epsilon"]), user)
-        return best
+        return largest_epsilon({user: float(r["epsilon"]) for user, r in self.reports.items()})
 
     def report(self) -> Dict[str, Any]:
         return {
-            "accountant": ACCOUNTANT,
-            "delta": self.dp.delta,
-            "noise_multiplier": self.dp.noise_multiplier,
-            "max_grad_norm": self.dp.max_grad_norm,
-            "max_epsilon": self.dp.max_epsilon,
+            **self.dp.settings(),
             "epsilon": self.largest()[0],
             "per_user": {str(u): dict(self.reports[u]) for u in sorted(self.reports)},
             "reported_by": "silos (each accounts for its own user)",

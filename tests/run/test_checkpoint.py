@@ -4,11 +4,10 @@ seed gives bit-identical results."""
 import pytest
 import torch
 
-from fedml_perfedavg.engine.batched import BatchedSimulation
 from fedml_perfedavg.run.config import ConfigError
 from fedml_perfedavg.run.runner import run
 
-from tests.helpers_tiny import tiny_config, tiny_data
+from tests.helpers_tiny import killed_at_round, tiny_config, tiny_data
 
 
 def test_a_damaged_checkpoint_falls_back_to_the_previous_one_or_names_the_files(tmp_path, caplog):
@@ -29,19 +28,12 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one_or_names_the_files(
 def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, monkeypatch):
     data = tiny_data()
     full = run(tiny_config(), str(tmp_path / "full"), data=data)
-    original = BatchedSimulation.train_round
-
-    def crash_at_round_3(self, round_idx):
-        if round_idx == 3:
-            raise KeyboardInterrupt("simulated kill")
-        return original(self, round_idx)
-
-    monkeypatch.setattr(BatchedSimulation, "train_round", crash_at_round_3)
+    restore = killed_at_round(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         run(tiny_config(), str(tmp_path / "resumed"), data=data)
     assert (tmp_path / "resumed" / "checkpoint.pt").exists()
     assert not list((tmp_path / "resumed").glob("*.tmp"))
-    monkeypatch.setattr(BatchedSimulation, "train_round", original)
+    restore()
     resumed = run(tiny_config(), str(tmp_path / "resumed"), data=data, resume=True)
     a, b = full.final_state, resumed.final_state
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -66,14 +58,7 @@ class _HardKill(BaseException):
 def test_a_run_that_crashes_mid_round_is_recorded_failed_with_every_evaluation(tmp_path, monkeypatch):
     import json
 
-    original = BatchedSimulation.train_round
-
-    def killed_at_round_5(self, round_idx):
-        if round_idx == 5:
-            raise _HardKill()
-        return original(self, round_idx)
-
-    monkeypatch.setattr(BatchedSimulation, "train_round", killed_at_round_5)
+    killed_at_round(monkeypatch, 5, _HardKill())
     with pytest.raises(_HardKill):
         run(tiny_config(), str(tmp_path), data=tiny_data())
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -10,7 +10,7 @@ from fedml_perfedavg.core.sampling import sample_clients
 from fedml_perfedavg.engine.batched import BatchedSimulation
 from fedml_perfedavg.run.runner import run
 
-from tests.helpers_tiny import tiny_config, tiny_data
+from tests.helpers_tiny import killed_at_round, tiny_config, tiny_data
 
 DP = {
     "dp_args.enable_dp": True,
@@ -99,17 +99,10 @@ def test_a_budget_the_plan_would_pass_is_refused_at_start_naming_the_epsilon(tmp
 def test_a_resumed_run_keeps_its_privacy_record(tmp_path, monkeypatch):
     data = tiny_data()
     full = run(_config(checkpoint_every=2), str(tmp_path / "full"), data=data)
-    original = BatchedSimulation.train_round
-
-    def crash_at_round_3(self, round_idx):
-        if round_idx == 3:
-            raise KeyboardInterrupt("simulated kill")
-        return original(self, round_idx)
-
-    monkeypatch.setattr(BatchedSimulation, "train_round", crash_at_round_3)
+    restore = killed_at_round(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         run(_config(checkpoint_every=2), str(tmp_path / "resumed"), data=data)
-    monkeypatch.setattr(BatchedSimulation, "train_round", original)
+    restore()
     resumed = run(_config(checkpoint_every=2), str(tmp_path / "resumed"), data=data, resume=True)
     assert resumed.summary["privacy"] == full.summary["privacy"]
     assert all(torch.equal(full.final_state[k], resumed.final_state[k]) for k in full.final_state)
