@@ -654,23 +654,16 @@ def planned_epsilon(
     sample: Any,
     evaluates: Any,
     evaluated_users: Sequence[int],
-    silo_evaluations: bool = False,
 ) -> Tuple[float, Optional[int]]:
     """(the largest epsilon, its user) once ``rounds`` have run on top of ``ledger``: each round's
     clients (``sample(round)``) trained, and ``evaluated_users`` personalized where
-    ``evaluates(round)`` (with ``silo_evaluations``, cross-silo shared mode: each round's clients
-    personalize the model they receive, keyed by the round that made it, and the next sample the
-    final model). Every draw is
+    ``evaluates(round)``. Every draw is
     keyed, so this is what the run will spend; a client that drops out of a round spends less."""
     plan = ledger.copy()
     for round_idx in rounds:
         plan.trained(round_idx, sample(round_idx))
-        if silo_evaluations:
-            plan.evaluated(round_idx - 1, sample(round_idx))
         if evaluates(round_idx):
             plan.evaluated(round_idx, evaluated_users)
-    if silo_evaluations and len(rounds):
-        plan.evaluated(rounds[-1], sample(rounds[-1] + 1))  # the final model, on the silos
     return plan.largest()
 
 

@@ -182,12 +182,6 @@ def silo_privacy(
     return ledger, None
 
 
-def silos_evaluate_received(config: Config) -> bool:
-    """Cross-silo, shared mode: each silo evaluates the model it receives on the user it trains
-    (the final model too), a personalization of its own that DP-SGD counts."""
-    return config.training_type == "cross_silo" and not config.own_data
-
-
 def check_budget(
     config: Config, algorithm: FederatedAlgorithm, ledger: PrivacyLedger, users: Sequence[int], evaluated: Sequence[int]
 ) -> None:
@@ -202,9 +196,7 @@ def check_budget(
             return [c for c in algorithm.sample_clients(round_idx) if c in mine]
 
         def planned(rounds: int) -> Tuple[float, Optional[int]]:
-            return planned_epsilon(
-                ledger, range(rounds), sample, schedule.evaluates, evaluated, silos_evaluate_received(config)
-            )
+            return planned_epsilon(ledger, range(rounds), sample, schedule.evaluates, evaluated)
 
         epsilon, user = planned(config.comm_round)
         if epsilon > dp.max_epsilon:
@@ -306,7 +298,6 @@ def driver_for(parts: RunParts) -> RunDriver:
         parts.recorder,
         measurements,
         checkpoints,
-        silos_evaluate_received(config),
     )
 
 
@@ -396,6 +387,7 @@ def silo_setup(parts: RunParts) -> Any:
         secure_threshold(config),
         config.aggregation == "sample_weighted",
         parts.silo_privacy,
+        RoundSchedule.from_config(config).evaluates if config.privacy is not None and not config.own_data else None,
     )
 
 

@@ -35,12 +35,10 @@ class RunDriver:
         recorder: Optional[RunRecorder] = None,
         measurements: Optional[Measurements] = None,
         checkpoints: Optional[checkpoint.Checkpoints] = None,
-        silos_evaluate_received: bool = False,
     ) -> None:
         self.algorithm, self.run_dir, self.schedule = algorithm, run_dir, schedule
         self.global_state = global_state
         self.recorder, self.measurements, self.checkpoints = recorder, measurements, checkpoints
-        self.silos_evaluate_received = silos_evaluate_received  # cross-silo shared mode (DP-SGD counts it)
 
     @property
     def privacy(self) -> Optional[PrivacyLedger]:
@@ -59,8 +57,7 @@ class RunDriver:
         if ledger is None:
             return clients
         if round_idx >= self.schedule.comm_round:  # cross-silo shared mode: the final model, evaluated on silos
-            ledger.evaluated(round_idx - 1, clients)  # (the server's last evaluation of it: the same release)
-            return clients
+            return clients  # keyed as the server's last evaluation of it: the same release, counted there
         budget = ledger.dp.max_epsilon
         if budget is not None:
             over = [c for c in clients if ledger.after_training(round_idx, c) > budget]
@@ -75,8 +72,6 @@ class RunDriver:
                 ledger.left_out(round_idx, over)
                 clients = [c for c in clients if c not in over]
         ledger.trained(round_idx, clients)
-        if self.silos_evaluate_received:  # keyed by the round that made the model: see the silo's evaluate
-            ledger.evaluated(round_idx - 1, clients)
         return clients
 
     def evaluates(self, round_idx: int) -> bool:

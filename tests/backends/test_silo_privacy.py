@@ -6,7 +6,6 @@ import json
 
 import torch
 
-from fedml_perfedavg.core.sampling import sample_clients
 from fedml_perfedavg.run.config import load_yaml, resolve
 from fedml_perfedavg.run.runner import run
 
@@ -27,7 +26,7 @@ def _summary(tmp_path):
 
 
 @needs_mnist
-def test_shared_mode_gives_the_single_process_model_and_counts_the_silos_own_evaluations(mnist_root, tmp_path):
+def test_shared_mode_gives_the_single_process_model_and_epsilons(mnist_root, tmp_path):
     settings = {
         "data_cache_dir": mnist_root,
         "client_num_in_total": 6,
@@ -46,18 +45,11 @@ def test_shared_mode_gives_the_single_process_model_and_counts_the_silos_own_eva
     )
     model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert all(torch.equal(model[k], v) for k, v in sp.final_state.items())
-    ours, theirs = summary["privacy"]["per_user"], sp.summary["privacy"]["per_user"]
-    # Each silo also personalizes the model it receives for round r (and the final model), keyed by
-    # round r - 1 that made it: where the server evaluated that model too (rounds 0, 2, 3) it is the
-    # same release; elsewhere one use more.
-    extra = {str(u): 0 for u in range(6)}
-    for r in range(5):
-        for u in sample_clients(0, r, 6, 2):
-            extra[str(u)] += (r - 1) not in (0, 2, 3)
-    assert extra == {"0": 1, "1": 0, "2": 0, "3": 0, "4": 2, "5": 1}
-    for user, entry in theirs.items():
-        assert ours[user]["uses"] == entry["uses"] + extra[user], user
-        assert ours[user]["epsilon"] >= entry["epsilon"]
+    # Under DP-SGD a silo reports figures only of a model the server evaluated (keyed as that
+    # evaluation: the same release), so every user's epsilon is the single-process run's.
+    assert summary["privacy"] == sp.summary["privacy"]
+    reported = {m["round"] for entry in summary.get("silo_evaluation", []) for m in entry["silos"].values()}
+    assert reported and reported <= {1, 3, 4}, reported  # models after rounds 0, 2 and 3 (the final one)
 
 
 @needs_mnist

@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -188,3 +188,6 @@ class SiloSetup:
     secure_threshold: Optional[int] = None  # secure aggregation's threshold (None: updates in the clear)
     sample_weighted: bool = False  # train_args.aggregation: sample_weighted (secure weights by announced counts)
     privacy: Optional[Any] = None  # a data owner's silo: DP-SGD's accountant of its own user (core/privacy.py)
+    # DP-SGD, shared mode: the rounds whose model the server evaluates; a silo reports figures only
+    # of such a model, keyed as the server's evaluation of it, so they release nothing more
+    figures_after: Optional[Callable[[int], bool]] = None

@@ -331,7 +331,9 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
             self._goodbye(self.trainer.evaluate(round_idx, received=True))
             self.finish()
             return
-        counts = self.trainer.evaluate(round_idx, received=True) if self.mode.figures_with_updates else None
+        after = self.setup.figures_after  # DP-SGD: figures only of a model the server evaluates
+        figures = self.mode.figures_with_updates and (after is None or (round_idx >= 1 and after(round_idx - 1)))
+        counts = self.trainer.evaluate(round_idx, received=True) if figures else None
         received = msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)
         weights, samples = self.trainer_dist_adapter.train(round_idx)
         if self.setup.privacy is not None:  # the round's local update used its user's data
