@@ -3,7 +3,7 @@
     python benchmarks/silo_attack.py --mnist-root ../shared/datasets [--rounds 200]
 
 Runs ``fedml-perfedavg launch-silo`` (2 silos, mutual TLS, every process limited to 1024 open
-files: where FedML's own server died) three times: undisturbed; under the outsiders (from the
+files: where FedML's own server died) four times: undisturbed; under the outsiders (from the
 moment round 0 starts until the run ends):
 
 - one holding idle TCP connections from 118 loopback addresses (127.0.0.2-119), opening 40 more
@@ -11,10 +11,13 @@ moment round 0 starts until the run ends):
 - one making TLS handshakes without a client certificate from 127.0.0.250, back to back;
 
 and under an insider with silo 2's key sending messages with a 60 KB field, back to back, on one
-channel (alone, so that what it measures is the server's refusal rate, not the outsiders' caps).
+channel (alone, so that what it measures is the server's refusal rate, not the outsiders' caps);
+and under an outsider on the silos' own address (127.0.0.1): idle connections to every rank's port,
+300 every 0.1 s, from the moment the port listens, so that it shares the silos' cap per address.
 
 Reports the attackers' rates, what the server refused by reason (summary.json), how much the
-server's log grew, a round's time, and the largest difference between the two runs' final models.
+server's log grew, a round's time, how long after the server listened every silo was online, and
+the largest difference between each run's final model and the undisturbed one's.
 Writes ``benchmarks/results/silo_attack.md`` and ``.json``.
 """
 
@@ -34,7 +37,9 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, REPO)
 SILO_YAML = os.path.join(REPO, "yaml_configs", "mnist_tau10_alpha0.01_hf_silo.yaml")
 
-from tests.backends.test_silo_flood import _handshakes, _hold, _server_address  # noqa: E402
+from fedml_perfedavg.fedml_bridge.cross_silo.gate import CONNECTION_REASONS  # noqa: E402
+from fedml_perfedavg.fedml_bridge.cross_silo import TRAINING_STARTED  # noqa: E402
+from tests.backends.test_silo_flood import _addresses, _handshakes, _hold, _listening, _server_address  # noqa: E402
 
 
 def _insider(address, tls, stop, tally):
@@ -105,15 +110,28 @@ def one_run(root: str, rounds: int, work: str, attack: str) -> dict:
         env={**os.environ, "PYTHONPATH": REPO},
     )
     log = os.path.join(run_dir, "run.log")
-    while not (os.path.exists(log) and "round 0 starts" in open(log).read()):
-        if process.poll() is not None:
-            raise SystemExit(f"launch-silo failed with {process.returncode}; see {log}")
-        time.sleep(0.05)
-    log_at_start = os.path.getsize(log)
+    folder = __import__("pathlib").Path(run_dir)
+
+    def wait_for(what, ready):
+        while not ready():
+            if process.poll() is not None:
+                raise SystemExit(f"launch-silo failed with {process.returncode} before {what}; see {log}")
+            time.sleep(0.01)
+
+    wait_for("the server listened", lambda: os.path.exists(folder / "grpc_ipconfig.csv"))
+    wait_for("the server listened", lambda: _listening(_server_address(folder)))
+    listened = time.monotonic()
     tally = {"opened": 0, "most_held": 0, "handshakes": 0, "insider_delivered": 0}
     stop, threads = threading.Event(), []
+    if attack == "own-address":  # from the moment each port listens, from the silos' own address
+        for address in _addresses(folder):
+            threads.append(threading.Thread(target=_hold_own_address, args=(address, stop, tally), daemon=True))
+            threads[-1].start()
+    wait_for("round 0", lambda: os.path.exists(log) and TRAINING_STARTED in open(log).read())
+    silos_online = time.monotonic() - listened
+    log_at_start = os.path.getsize(log)
     started = time.monotonic()
-    if attack != "undisturbed":
+    if attack in ("outsiders", "insider"):
         tls = os.path.join(work, f"stolen-{attack}")
         shutil.copytree(os.path.join(run_dir, "tls"), tls)
         address = _server_address(__import__("pathlib").Path(run_dir))
@@ -157,7 +175,16 @@ def one_run(root: str, rounds: int, work: str, attack: str) -> dict:
         "attack": tally,
         "model": torch.load(os.path.join(run_dir, "model.pt"), weights_only=True),
         "lost_silos": summary.get("lost_silos", []),
+        "silos_online_seconds": silos_online,
     }
+
+
+def _hold_own_address(address, stop, tally):
+    """Idle connections from 127.0.0.1 (where the silos are), 300 every 0.1 s, from the moment
+    ``address`` listens (before that it could take the port itself)."""
+    while not (stop.is_set() or _listening(address)):
+        time.sleep(0.01)
+    _hold(address, stop, tally, sources=[1], per_source=300, period=0.1)
 
 
 def main() -> None:
@@ -169,7 +196,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         runs = {
             name: one_run(os.path.abspath(args.mnist_root), args.rounds, work, name)
-            for name in ("undisturbed", "outsiders", "insider")
+            for name in ("undisturbed", "outsiders", "insider", "own-address")
         }
     calm = runs["undisturbed"]
     when = time.strftime("%Y-%m-%d %H:%M")
@@ -177,12 +204,13 @@ def main() -> None:
         "# What a cross-silo TLS run withstands\n",
         f"`python benchmarks/silo_attack.py --mnist-root {args.mnist_root} --rounds {args.rounds}`, {when}: "
         f"launch-silo, 2 silos, mutual TLS, 1024 open files per process; each attack from round 0 to the end.\n",
-        "| | undisturbed | outsiders | insider |",
-        "| --- | --- | --- | --- |",
+        "| | undisturbed | outsiders | insider | outsider on the silos' address |",
+        "| --- | --- | --- | --- | --- |",
     ]
     row = lambda label, f: lines.append(f"| {label} | " + " | ".join(f(r) for r in runs.values()) + " |")  # noqa: E731
     row("status, rounds", lambda r: f"{r['status']}, {r['rounds']}")
-    row("attack lasted, s", lambda r: f"{r['seconds']:.1f}")
+    row("every silo online, s after the server listened", lambda r: f"{r['silos_online_seconds']:.1f}")
+    row("rounds lasted, s", lambda r: f"{r['seconds']:.1f}")
     row("ms per round", lambda r: f"{r['ms_per_round']:.1f}")
     row("silos lost", lambda r: str(len(r["lost_silos"])))
     row(
@@ -193,13 +221,9 @@ def main() -> None:
         "largest difference to the undisturbed final model",
         lambda r: f"{max(float((r['model'][k] - calm['model'][k]).abs().max()) for k in calm['model']):.3g}",
     )
-    out, ins = runs["outsiders"], runs["insider"]
+    out, ins, own = runs["outsiders"], runs["insider"], runs["own-address"]
     a, i = out["attack"], ins["attack"]
-    refused = sum(
-        v
-        for k, v in ins["refusals"].items()
-        if k not in ("connection-cap", "handshake", "idle-connection", "not-tls", "descriptors")
-    )
+    refused = sum(v for k, v in ins["refusals"].items() if k not in CONNECTION_REASONS)
     lines += [
         "",
         "| attacker | what it did | rate |",
@@ -211,8 +235,13 @@ def main() -> None:
         f"{json.dumps({k: v for k, v in i.items() if k.startswith('insider')})} "
         f"| {refused / ins['seconds']:.0f} refused/s |",
         "",
+        f"| idle connections from the silos' address, every port | {own['attack']['opened']} opened, at most "
+        f"{own['attack']['most_held']} open at once on its side | "
+        f"{own['attack']['opened'] / (own['seconds'] + own['silos_online_seconds']):.0f} connections/s |",
+        "",
         f"Refused by the server, by reason (summary.json): outsiders {json.dumps(out['refusals'], sort_keys=True)}; "
-        f"insider {json.dumps(ins['refusals'], sort_keys=True)}\n",
+        f"insider {json.dumps(ins['refusals'], sort_keys=True)}; outsider on the silos' address "
+        f"{json.dumps(own['refusals'], sort_keys=True)}\n",
     ]
     text = "\n".join(lines)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

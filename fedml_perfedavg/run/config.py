@@ -396,7 +396,8 @@ class CommArgs:
         None,
         "cross-silo: concurrent connections a rank's "
         "port holds in all (default 1024, and below what the open-file limit "
-        "holds); more are closed at once",
+        "holds); at the cap a waiting one (no request yet) is closed for a newcomer, "
+        "and a newcomer is refused only when none waits",
         rule=_at_least_one,
         optional=True,
     )
@@ -404,7 +405,8 @@ class CommArgs:
         int,
         None,
         "cross-silo: concurrent connections "
-        "from one address (default 2 x the run's ranks + 8: the "
+        "from one address still waiting for their first request (no certificate shown yet; "
+        "at the cap the one idle longest is closed for a newcomer; default 2 x the run's ranks + 8: the "
         "ranks of a run on one machine share one address)",
         rule=_at_least_one,
         optional=True,

@@ -22,6 +22,7 @@ class Echo:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
+        self.peers = []
         self.running = True
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -30,9 +31,10 @@ class Echo:
 
         while self.running:
             try:
-                conn, _ = self.sock.accept()
+                conn, peer = self.sock.accept()
             except OSError:
                 return
+            self.peers.append(peer[1])  # the gate's side: what gRPC would name the peer by
             threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
 
     @staticmethod
@@ -60,6 +62,7 @@ def gate():
     door.start()
     door.address = ("127.0.0.1", door.port)
     door.refused = refused
+    door.backend = backend
     yield door
     door.stop()
     backend.close()
@@ -97,28 +100,70 @@ def test_bytes_pass_both_ways_untouched(gate):
     sock.close()
 
 
-def test_one_address_cannot_hold_more_than_its_share_and_others_still_get_in(gate):
+def _echoes(sock, data=b"\x16ok") -> bool:
+    try:
+        sock.sendall(data)
+        return sock.recv(10) == data
+    except OSError:
+        return False
+
+
+def _authenticated(gate, source):
+    """A connection from ``source`` that carried a request, as the transport tells the gate when
+    one reaches gRPC."""
+    sock = _connect(gate.address, source)
+    assert _echoes(sock)  # through the gate: the backend has taken it
+    gate.note_request(f"ipv4:127.0.0.1:{gate.backend.peers[-1]}")
+    assert _echoes(sock)  # bytes after the request: the gate sees it is no longer waiting
+    return sock
+
+
+def test_one_address_holds_its_share_of_waiting_connections_and_a_newcomer_closes_the_idle_longest(gate):
     held = [_connect(gate.address, "127.0.0.2") for _ in range(3)]
     _wait(lambda: gate.open_connections == 3)
-    extra = _connect(gate.address, "127.0.0.2")
-    assert _closed(extra, 2.0)  # over the per-peer cap: closed at once
-    _wait(lambda: gate.refused)  # reported by the gate's thread as it closes it
-    assert [r[:2] for r in gate.refused] == [("127.0.0.2", "connection-cap")]
-    assert "cap per peer address (comm_args.max_connections_per_peer)" in gate.refused[0][2]
-    honest = _connect(gate.address, "127.0.0.1")  # another address: still served
-    honest.sendall(b"\x16ok")
-    assert honest.recv(10) == b"\x16ok"
-    for sock in held + [extra, honest]:
+    newcomer = _connect(gate.address, "127.0.0.2")
+    assert _echoes(newcomer)  # served: the cap per address made room
+    assert _closed(held[0], 2.0) and not _closed(held[1], 0.2)  # the idle longest went, the others stay
+    _wait(lambda: gate.refused)
+    assert [r[:2] for r in gate.refused] == [("127.0.0.2", "evicted")]
+    assert "to make room for a newcomer from 127.0.0.2" in gate.refused[0][2]
+    assert gate.open_connections == 3
+    for sock in held + [newcomer]:
+        sock.close()
+
+
+def test_a_waiting_connection_that_moved_bytes_lately_is_not_the_one_closed(gate):
+    first, second, third = (_connect(gate.address, "127.0.0.2") for _ in range(3))
+    _wait(lambda: gate.open_connections == 3)
+    assert _echoes(first)  # a handshake under way: now the idle longest is the second
+    newcomer = _connect(gate.address, "127.0.0.2")
+    assert _closed(second, 2.0) and _echoes(first) and _echoes(newcomer) and _echoes(third)
+    for sock in (first, second, third, newcomer):
+        sock.close()
+
+
+def test_connections_past_their_handshake_do_not_count_against_an_address_and_are_never_closed_for_room(gate):
+    silos = [_authenticated(gate, "127.0.0.1") for _ in range(3)]
+    outsiders = [_connect(gate.address, "127.0.0.1") for _ in range(2)]  # the same address: still let in
+    _wait(lambda: gate.open_connections == 5)
+    assert all(_echoes(sock) for sock in outsiders)
+    # The total cap (5) is reached: a newcomer closes the idle-longest waiting connection, never a silo's
+    late = _connect(gate.address, "127.0.0.1")
+    assert _closed(outsiders[0], 2.0) and _echoes(late) and all(_echoes(sock) for sock in silos)
+    assert [r[1] for r in gate.refused] == ["evicted"]
+    for sock in silos + outsiders + [late]:
         sock.close()
 
 
 def test_the_total_cap_holds_whatever_the_addresses(gate):
-    held = [_connect(gate.address, f"127.0.0.{i}") for i in range(2, 7)]
+    held = [_authenticated(gate, f"127.0.0.{i}") for i in range(2, 7)]
     _wait(lambda: gate.open_connections == 5)
     extra = _connect(gate.address, "127.0.0.9")
-    assert _closed(extra, 2.0)
+    assert _closed(extra, 2.0)  # nothing waiting to close for it: the newcomer goes
     _wait(lambda: gate.refused)
-    assert "the cap in total (comm_args.max_connections)" in gate.refused[-1][2]
+    assert gate.refused[-1][1] == "connection-cap"
+    assert "the cap in total (comm_args.max_connections), every one past its handshake" in gate.refused[-1][2]
+    assert all(_echoes(sock) for sock in held)
     for sock in held + [extra]:
         sock.close()
 

@@ -6,8 +6,13 @@ thousands of idle connections exhausts the process's file descriptors, and the r
 (``Too many open files``) or an honest silo cannot get in. gRPC's Python API offers no hook
 before the handshake, so the port a peer reaches is this gate's: it accepts, applies
 
-- a cap on concurrent connections per peer address and in total (over either, the connection is
-  closed at once and counted),
+- a cap on concurrent connections per peer address and in total. Only connections that have not
+  yet carried a request count against the cap per address: one that has is past mutual TLS (a
+  silo's), and an outsider who shares a silo's address (a NAT, a cloud egress) cannot take its share.
+  At a cap, room is made by closing a waiting connection (no request yet): the oldest that has
+  sent nothing, else the one idle longest, so a silo mid-handshake is not the one closed for
+  connections that sit there; only when every connection in the way is past its handshake is the
+  newcomer closed at once. Either is counted,
 - a deadline for a connection's first request (the TLS handshake and gRPC's preface included),
 - an idle limit once it has carried requests,
 
@@ -28,13 +33,17 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
 CONNECTION_CAP, HANDSHAKE, PLAINTEXT, IDLE = "connection-cap", "handshake", "not-tls", "idle-connection"
+EVICTED = "evicted"  # a waiting connection closed to make room for a newcomer
 DESCRIPTORS = "descriptors"
+#: What a refusal of a connection (not of a message) is counted as.
+CONNECTION_REASONS = (CONNECTION_CAP, HANDSHAKE, PLAINTEXT, IDLE, EVICTED, DESCRIPTORS)
 _SWEEP_SECONDS = 0.25
 _CHUNK = 1 << 20
 # A TLS handshake (hello, certificates, finished) takes a few KB each way; a connection that sent more
@@ -42,6 +51,8 @@ _CHUNK = 1 << 20
 # deadline to arrive whole) and is held to the idle limit instead. gRPC's own handshake deadline still
 # ends a handshake that never completes, whatever was sent.
 HANDSHAKE_BYTES = 64 * 1024
+# How far into the waiting queue a search for a silent connection to close goes (a bound per accept).
+_VICTIM_SCAN = 64
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,15 @@ class _Connection:
     bytes_out: int = 0
     first_byte: Optional[int] = None
     closing: bool = False
+    evicted: bool = False
+    raw: Optional[socket.socket] = None  # the accepted socket, until asyncio holds it
     writers: list = field(default_factory=list)
+
+    @property
+    def waiting(self) -> bool:
+        """No request yet, nor a message under way: not known to hold a certificate, so it may be
+        closed to make room (see :meth:`ConnectionBook.make_room`)."""
+        return self.requests == 0 and self.bytes_in < HANDSHAKE_BYTES
 
     def refusal(self, tls: bool) -> Tuple[str, str]:
         """(reason, text) for a connection that closed without carrying a request."""
@@ -89,12 +108,16 @@ class _Connection:
 class ConnectionBook:
     """The gate's open connections: counted per peer address and in total within ``limits``,
     found again from gRPC's side of them, and due to close at their deadlines (the module doc).
-    Used from the gate's thread only."""
+    Used from the gate's thread only (a request noted from gRPC's threads only raises a count,
+    which the book reads lazily)."""
 
     def __init__(self, limits: GateLimits) -> None:
         self.limits = limits
         self._open: Dict[int, _Connection] = {}  # id -> connection
-        self._per_peer: Dict[str, int] = {}
+        # The waiting connections, idle longest first, in all and per address. An entry whose
+        # connection has since carried a request is dropped when it is met (see _oldest_waiting).
+        self._waiting: "OrderedDict[int, _Connection]" = OrderedDict()
+        self._waiting_from: Dict[str, "OrderedDict[int, _Connection]"] = {}
         self._by_backend_port: Dict[int, _Connection] = {}
         self.accepted = 0
         self.most_open = 0  # the highest number of concurrent connections seen
@@ -105,32 +128,83 @@ class ConnectionBook:
     def connections(self) -> List[_Connection]:
         return list(self._open.values())
 
-    def over_cap(self, host: str) -> Optional[str]:
-        """Why one more connection from ``host`` would be over a cap (None: it is not)."""
+    def make_room(self, host: str) -> Tuple[List[_Connection], Optional[str]]:
+        """Room for one more connection from ``host``: (the waiting connections to close for it,
+        already released from the book; None, or why the newcomer itself must be closed: the
+        connections in the way have all carried requests)."""
+        closing: List[_Connection] = []
+        from_host = self._waiting_from.get(host)
+        while from_host is not None and len(from_host) >= self.limits.per_peer:
+            victim = self._oldest_waiting(from_host)
+            if victim is None:
+                break
+            closing.append(self._evict(victim))
         if len(self._open) >= self.limits.total:
-            return f"{len(self._open)} connections open, the cap in total (comm_args.max_connections)"
-        if self._per_peer.get(host, 0) >= self.limits.per_peer:
-            return (
-                f"{self._per_peer[host]} connections open from {host}, the cap per peer address "
-                f"(comm_args.max_connections_per_peer)"
-            )
-        return None
+            victim = self._oldest_waiting(self._waiting)
+            if victim is None:
+                return closing, (
+                    f"{len(self._open)} connections open, the cap in total (comm_args.max_connections), "
+                    f"every one past its handshake"
+                )
+            closing.append(self._evict(victim))
+        return closing, None
+
+    def _oldest_waiting(self, queue: "OrderedDict[int, _Connection]") -> Optional[_Connection]:
+        """The waiting connection to close first: the oldest that has sent nothing (the cheapest
+        way to hold a place), else the one idle longest (a handshake under way keeps moving back)."""
+        stale, talking, silent = [], None, None
+        for examined, connection in enumerate(queue.values()):
+            if not connection.waiting:
+                stale.append(connection)  # it has carried a request (or a message) since
+            elif connection.bytes_in == 0:
+                silent = connection
+                break
+            elif talking is None:
+                talking = connection
+            if examined >= _VICTIM_SCAN:
+                break
+        for connection in stale:
+            self._stop_waiting(connection)
+        return silent or talking
+
+    def _stop_waiting(self, connection: _Connection) -> None:
+        key = id(connection)
+        self._waiting.pop(key, None)
+        from_host = self._waiting_from.get(connection.host)
+        if from_host is not None:
+            from_host.pop(key, None)
+            if not from_host:
+                del self._waiting_from[connection.host]
+
+    def _evict(self, connection: _Connection) -> _Connection:
+        connection.evicted = True
+        self.release(connection)
+        return connection
+
+    def touched(self, connection: _Connection) -> None:
+        """Bytes moved on ``connection``: a waiting one goes to the back of the queues."""
+        key = id(connection)
+        if key in self._waiting:
+            if connection.waiting:
+                self._waiting.move_to_end(key)
+                self._waiting_from[connection.host].move_to_end(key)
+            else:
+                self._stop_waiting(connection)
 
     def open(self, host: str, port: int) -> _Connection:
         now = time.monotonic()
         connection = _Connection(host, port, now, now)
-        self._open[id(connection)] = connection
-        self._per_peer[host] = self._per_peer.get(host, 0) + 1
+        key = id(connection)
+        self._open[key] = connection
+        self._waiting[key] = connection
+        self._waiting_from.setdefault(host, OrderedDict())[key] = connection
         self.most_open = max(self.most_open, len(self._open))
         return connection
 
     def release(self, connection: _Connection) -> None:
+        """``connection`` no longer counts (again: nothing)."""
         self._open.pop(id(connection), None)
-        left = self._per_peer.get(connection.host, 1) - 1
-        if left > 0:
-            self._per_peer[connection.host] = left
-        else:
-            self._per_peer.pop(connection.host, None)
+        self._stop_waiting(connection)
 
     def bind_backend(self, backend_port: int, connection: Optional[_Connection]) -> None:
         """``connection`` reaches gRPC from ``backend_port`` (None: no longer)."""
@@ -242,13 +316,23 @@ class Gate:
                 return
             host, port = str(peer[0]), int(peer[1])
             self.book.accepted += 1
-            over = self.book.over_cap(host)
+            closing, over = self.book.make_room(host)
+            for victim in closing:
+                self._close(victim)
+                self.on_refusal(
+                    victim.host,
+                    victim.port,
+                    EVICTED,
+                    f"connection closed to make room for a newcomer from {host}: no request after "
+                    f"{time.monotonic() - victim.opened:.2f} s, idle longest ({victim.bytes_in} bytes in)",
+                )
             if over is not None:
                 conn.close()
                 self.on_refusal(host, port, CONNECTION_CAP, f"connection closed at once: {over}")
                 continue
             conn.setblocking(False)
             connection = self.book.open(host, port)  # counted now, before the next accept
+            connection.raw = conn
             self._loop.create_task(self._handle(conn, connection))
 
     def stop(self) -> None:
@@ -299,12 +383,26 @@ class Gate:
     # -- the loop -----------------------------------------------------------------------------------
     async def _handle(self, conn: socket.socket, connection: _Connection) -> None:
         try:
+            if connection.closing:  # closed for room before this handler ran
+                return
+            connection.raw = None  # asyncio owns the descriptor from here: it is closed through it
             try:
                 reader, writer = await asyncio.open_connection(sock=conn, limit=_CHUNK)
-            except OSError:
+            except (OSError, ValueError):
                 conn.close()
                 return
             connection.writers.append(writer)
+            if connection.closing:  # closed for room while asyncio took it
+                return
+            # gRPC is reached only once the peer has said something: a connection that sits silent
+            # (the cheapest way to hold a place) costs one descriptor, not three, and no handshake work.
+            try:
+                first = await reader.read(_CHUNK)
+            except (OSError, asyncio.IncompleteReadError):
+                return
+            if not first or connection.closing:
+                return
+            self._moved(connection, first, inbound=True)
             try:
                 backend_reader, backend_writer = await asyncio.wait_for(
                     asyncio.open_connection("127.0.0.1", self.backend_port, limit=_CHUNK), 5.0
@@ -315,6 +413,7 @@ class Gate:
             backend_port = backend_writer.get_extra_info("sockname")[1]
             self.book.bind_backend(backend_port, connection)
             try:
+                backend_writer.write(first)
                 await asyncio.gather(
                     self._pipe(reader, backend_writer, connection, inbound=True),
                     self._pipe(backend_reader, writer, connection, inbound=False),
@@ -325,7 +424,7 @@ class Gate:
             self._close(connection)
             conn.close()  # aborted with its transport already, or never handed to one
             self.book.release(connection)
-            if connection.requests == 0:
+            if connection.requests == 0 and not connection.evicted:  # an evicted one was reported then
                 reason, text = connection.refusal(self.limits.tls)
                 self.on_refusal(connection.host, connection.port, reason, text)
 
@@ -337,13 +436,7 @@ class Gate:
                 data = await source.read(_CHUNK)
                 if not data:
                     break
-                connection.last_activity = time.monotonic()
-                if inbound:
-                    if connection.first_byte is None:
-                        connection.first_byte = data[0]
-                    connection.bytes_in += len(data)
-                else:
-                    connection.bytes_out += len(data)
+                self._moved(connection, data, inbound)
                 sink.write(data)
                 await sink.drain()
         except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
@@ -358,8 +451,21 @@ class Gate:
             pass
         self._close(connection)
 
+    def _moved(self, connection: _Connection, data: bytes, inbound: bool) -> None:
+        """``data`` went through ``connection`` (``inbound``: from the peer)."""
+        connection.last_activity = time.monotonic()
+        if inbound:
+            if connection.first_byte is None:
+                connection.first_byte = data[0]
+            connection.bytes_in += len(data)
+        else:
+            connection.bytes_out += len(data)
+        self.book.touched(connection)
+
     def _close(self, connection: _Connection) -> None:
         connection.closing = True
+        if not connection.writers and connection.raw is not None:
+            connection.raw.close()  # its handler has not taken it yet: the descriptor goes now
         for writer in connection.writers:
             try:
                 writer.transport.abort()

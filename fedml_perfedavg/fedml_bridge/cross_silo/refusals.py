@@ -17,6 +17,8 @@ import time
 from collections import Counter
 from typing import Dict, Tuple
 
+from .gate import CONNECTION_REASONS
+
 MAX_TEXT = 300
 BURST = 3
 WINDOW_SECONDS = 10.0
@@ -80,4 +82,4 @@ class RefusalLog:
 
 
 def _what(reason: str) -> str:
-    return "a connection" if reason in ("connection-cap", "handshake", "not-tls", "idle-connection") else "a message"
+    return "a connection" if reason in CONNECTION_REASONS else "a message"
