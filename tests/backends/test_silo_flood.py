@@ -200,3 +200,45 @@ def test_an_outsider_on_the_silos_own_address_holding_connections_from_the_start
     for k, v in sp.final_state.items():  # the processes' thread counts differ: float noise, nothing more
         assert float((model[k] - v).abs().max()) <= 1e-6, k
 
+
+@needs_mnist
+def test_a_second_process_with_a_silos_key_announcing_mid_run_takes_nothing_from_it(mnist_root, tmp_path):
+    """Issue 44: a twin (another process holding silo 2's key) announced once, and 21 s later the
+    original silo was locked out and recorded as lost. Now the original keeps its seat."""
+    from fedml_perfedavg.fedml_bridge.cross_silo import wire
+
+    from tests.helpers import raw_send
+
+    run_dir = tmp_path / "silo"
+    rounds = 150  # about 10 s of training here: the twin announces early in it
+    settings = {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root, "frequency_of_the_test": 50}
+    process = launch_silo(run_dir, settings)
+    deadline = time.monotonic() + 120
+    while not ((run_dir / "run.log").exists() and TRAINING_STARTED in (run_dir / "run.log").read_text()):
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
+    server_pid = json.loads((run_dir / "silo_processes.json").read_text())["0"]
+    command = open(f"/proc/{server_pid}/cmdline", "rb").read().split(b"\0")
+    run_id = command[command.index(b"--run_id") + 1].decode()
+    announcement = wire.encode(
+        wire.Envelope(
+            type=wire.CLIENT_STATUS,
+            sender=2,
+            receiver=0,
+            run_id=run_id,
+            round=0,
+            seq=0,
+            params={"client_status": "ONLINE"},
+            session="twinprocess",
+        )
+    )
+    tls = run_dir / "tls"
+    assert (
+        raw_send(_server_address(run_dir), announcement, tls, 2, tls) == __import__("grpc").StatusCode.PERMISSION_DENIED
+    )
+    out, _ = process.communicate(timeout=400)
+    assert process.returncode == 0, out[-5000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == rounds and "lost_silos" not in summary
+    assert summary["refusals"] == {"twin-session": 1}
+    assert "announced itself from a second process (session twinprocess)" in out

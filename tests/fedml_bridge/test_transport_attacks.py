@@ -329,6 +329,27 @@ def test_a_certificate_whose_key_usage_excludes_clients_is_refused(world, tmp_pa
     assert _drain(world.server) == []
 
 
+def test_a_second_process_with_a_seated_silos_key_cannot_take_its_seat_until_it_is_given_up_on(world, caplog):
+    """Issue 44: a twin that announced once locked the original silo out (its session was retired)."""
+    _model_to_silo(world)
+    first = _with_session(_encoded(wire.CLIENT_STATUS, 1, 0, seq=5000, client_status="FINISHED"), "firstprocess")
+    assert raw_send(world.server, first, world.tls, 1, world.tls) == "delivered"
+    world.server.conversations.hold_seats({1, 2})  # training: silo 1's process takes part
+    twin = _with_session(_encoded(wire.CLIENT_STATUS, 1, 0, seq=0, client_status="ONLINE"), "twin")
+    with caplog.at_level(logging.WARNING):
+        assert raw_send(world.server, twin, world.tls, 1, world.tls) == grpc.StatusCode.PERMISSION_DENIED
+    assert "announced itself from a second process (session twin) while its process (session firstprocess)" in (
+        caplog.text
+    )
+    again = _with_session(_encoded(wire.CLIENT_STATUS, 1, 0, seq=5001, client_status="FINISHED"), "firstprocess")
+    assert raw_send(world.server, again, world.tls, 1, world.tls) == "delivered"  # the original goes on
+    world.server.conversations.hold_seats({2})  # silo 1 missed a deadline: given up on
+    later = _with_session(_encoded(wire.CLIENT_STATUS, 1, 0, seq=1, client_status="ONLINE"), "twin")
+    assert raw_send(world.server, later, world.tls, 1, world.tls) == "delivered"  # now a new process may take over
+    assert [m.session for m in _drain(world.server)] == ["firstprocess", "firstprocess", "twin"]
+    assert world.server.refusals.totals == {"twin-session": 1}
+
+
 def _eventually(predicate, seconds=3.0):
     import time
 

@@ -15,6 +15,7 @@ from . import wire
 logger = logging.getLogger(__name__)
 
 REPLAY, STALE, SESSION = "replay", "stale", "session"  # refusal reasons, counted by these codes
+TWIN = "twin-session"  # a second process announcing with the key of a rank whose process holds its seat
 
 
 class Conversations:
@@ -27,6 +28,7 @@ class Conversations:
         self._seen_seq: Dict[int, int] = {}  # sender -> last seq accepted (in its current session)
         self._sessions: Dict[int, str] = {}  # sender -> its current session
         self._retired: Dict[int, Set[str]] = {}  # sender -> its earlier sessions (their messages are replays now)
+        self._seated: Set[int] = set()  # the server: silos whose current session no new one may replace
         # silo -> seqs of the models sent to it and not answered yet. Usually one; FedML's own server
         # sends a silo its first model twice when the silo reports online twice (it has no guard).
         self._open_models: Dict[int, Set[int]] = {}
@@ -42,6 +44,13 @@ class Conversations:
             if kind in wire.MODEL_MESSAGES:
                 self._open_models.setdefault(receiver, set()).add(seq)
         return seq
+
+    def hold_seats(self, silos: Set[int]) -> None:
+        """The server: ``silos``' current processes keep their seats (they take part in training and
+        have missed no deadline); a second process announcing with one's key is refused, and the
+        seat changes hands only once the silo is given up on (see :meth:`_check_session`)."""
+        with self._lock:
+            self._seated = set(silos)
 
     def admit(self, envelope: wire.Envelope) -> None:
         """Accept ``envelope``'s place in its sender's sequence, or :class:`wire.Rejected`."""
@@ -69,7 +78,8 @@ class Conversations:
     def _check_session(self, envelope: wire.Envelope) -> None:
         """A sender's messages come from one process at a time (its session). A silo that restarts
         starts a new session, which only its announcement (an ONLINE status) may open; from then on
-        the earlier session's messages are replays. A silo takes one server session: the first."""
+        the earlier session's messages are replays; while the silo's current process holds its
+        seat (:meth:`hold_seats`), no new one may open. A silo takes one server session: the first."""
         sender, session = envelope.sender, envelope.session
         current = self._sessions.get(sender)
         if current == session:
@@ -88,6 +98,13 @@ class Conversations:
                     f"(session {session}, this rank talks to session {current})"
                     + ("; a silo's new process must announce itself first" if self.rank == 0 else ""),
                     SESSION,
+                )
+            if sender in self._seated:
+                raise wire.Rejected(
+                    f"rank {sender} announced itself from a second process (session {session}) while its "
+                    f"process (session {current}) takes part; the seat changes hands only once that process "
+                    f"misses a deadline (a restarted silo is taken back then); two processes with one key?",
+                    TWIN,
                 )
             self._retired.setdefault(sender, set()).add(current)
             self._open_models.pop(sender, None)

@@ -229,9 +229,16 @@ class PluginServerManager(FedMLServerManager):
             for action in actions:
                 pending.extend(self._carry_out(action))
             self.args.round_idx = self.protocol.round_idx
+            self._hold_seats()
             if self.protocol.phase is not phase:
                 self.is_initialized = self.protocol.phase not in (Phase.STARTING, Phase.ONLINE)
                 readiness.signal(self.protocol.phase.name.lower())
+
+    def _hold_seats(self) -> None:
+        """Once training started, each live silo's process keeps its seat against a second one with
+        its key (conversations.py); before, or once given up on, a new process may take over."""
+        training = self.protocol.phase not in (Phase.STARTING, Phase.ONLINE)
+        self.com_manager.conversations.hold_seats(set(self.protocol.roster.live) if training else set())
 
     def _carry_out(self, action: Action) -> List[Any]:
         """Carry out one action; the events it gives (a send that did not reach some silos)."""
