@@ -275,7 +275,10 @@ def probe(parts: RunParts) -> Optional[str]:
 
 
 def resumable(config: Config) -> bool:
-    """Whether runs of ``config`` checkpoint and resume (FedML's loops always start at round 0)."""
+    """Whether runs of ``config`` checkpoint and resume: the batched engine and the cross-silo
+    server (FedML's sp and MPI loops always start at round 0)."""
+    if config.training_type == "cross_silo":
+        return True
     return config.training_type == "simulation" and config.backend == "sp" and config.simulation_engine == "batched"
 
 

@@ -125,7 +125,11 @@ class CommonArgs:
         "where FedML writes its .fedml files: the run directory, the user's home (FedML's default), or a folder",
     )
     checkpoint_every: int = _setting(
-        int, 100, "checkpoint every this many rounds (0: never; batched engine)", rule=_non_negative
+        int,
+        100,
+        "checkpoint every this many rounds (0: never; batched engine); a cross-silo server: after every "
+        "round unless 0 (`--resume RUN_DIR --rank 0 --role server` continues a crashed one)",
+        rule=_non_negative,
     )
     overwrite: bool = _setting(
         bool,

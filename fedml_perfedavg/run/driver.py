@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ..algorithms.base import FederatedAlgorithm
 from ..core.privacy import PrivacyLedger, ReportedPrivacy
@@ -39,6 +39,10 @@ class RunDriver:
         self.algorithm, self.run_dir, self.schedule = algorithm, run_dir, schedule
         self.global_state = global_state
         self.recorder, self.measurements, self.checkpoints = recorder, measurements, checkpoints
+        # A backend's own state, kept in each checkpoint by name (the cross-silo server's session
+        # and run id), and what the checkpoint a run resumed from held of it.
+        self.backend_states: Dict[str, Callable[[], Dict[str, Any]]] = {}
+        self.restored: Dict[str, Dict[str, Any]] = {}
 
     @property
     def privacy(self) -> Optional[PrivacyLedger]:
@@ -100,7 +104,11 @@ class RunDriver:
         self.checkpoints.save(
             next_round,
             self.global_state,
-            {"algorithm": self.algorithm.state_dict(), "recorder": self.recorder.state_dict()},
+            {
+                "algorithm": self.algorithm.state_dict(),
+                "recorder": self.recorder.state_dict(),
+                **{name: state() for name, state in self.backend_states.items()},
+            },
         )
 
     def restore(self, device: Any) -> int:
@@ -114,6 +122,7 @@ class RunDriver:
         self.global_state = {k: v.to(device) for k, v in state["model"].items()}
         self.algorithm.load_state_dict(state["states"]["algorithm"])
         self.recorder.load_state_dict(state["states"]["recorder"])
+        self.restored = {k: v for k, v in state["states"].items() if k not in ("algorithm", "recorder")}
         logger.info("resumed %s at round %d", self.run_dir, state["next_round"])
         return int(state["next_round"])
 

@@ -46,6 +46,8 @@ from .config import (
 )
 from .assembly import assemble, backend_for, check_layout, driver_for, resumable
 
+CROSS_SILO_STATE = "cross_silo"  # the cross-silo server's part of a checkpoint (its session, the run id)
+
 logger = logging.getLogger(__name__)
 
 
@@ -361,6 +363,8 @@ class PluginRun:
         self.driver = driver_for(parts)
         self.backend, self.where = backend_for(parts, self.driver)
         self.start_round = 0
+        if config.training_type == "cross_silo" and self.is_server:
+            self.driver.backend_states[CROSS_SILO_STATE] = self.backend.checkpoint_state
         logger.info(
             "run %s: %s on %s, %d rounds, %d of %d users per round, %s",
             self.run_dir,
@@ -383,11 +387,20 @@ class PluginRun:
         if not resumable(self.config):
             raise ConfigError(
                 f"train_args.simulation_engine={self.config.simulation_engine!r}, comm_args.backend="
-                f"{self.config.backend!r}: resuming needs the batched engine on sp (FedML's loops "
-                f"always start at round 0)"
+                f"{self.config.backend!r}: resuming needs the batched engine on sp or a cross-silo server "
+                f"(FedML's sp and MPI loops always start at round 0)"
+            )
+        if self.config.training_type == "cross_silo" and not self.is_server:
+            raise ConfigError(
+                "--resume is the cross-silo server's (--role server): a silo that stopped is started again "
+                "as it was, without --resume, and announces itself to the server"
             )
         self.start_round = self.driver.restore(self.parts.device)
-        if self.start_round:
+        if self.config.training_type == "cross_silo":
+            with torch.no_grad():  # FedML's aggregator starts from the model it is handed
+                self.model.load_state_dict(self.driver.global_state)
+            self.backend.resume(self.start_round, self.driver.restored.get(CROSS_SILO_STATE))
+        elif self.start_round:
             self.backend.state = dict(self.driver.global_state)
 
     def execute(self) -> None:

@@ -280,3 +280,89 @@ def test_ctrl_c_to_launch_silo_ends_every_process_cleanly_every_time(mnist_root,
         assert launched_alive(run_dir) == []
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "interrupted"
+
+
+def _rank_process(run_dir, sets, rank, env, extra=()):
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedml_perfedavg",
+            *(["--cf", SILO_YAML] if "--resume" not in extra else []),
+            "--run-dir",
+            str(run_dir),
+            *[a for s in sets for a in ("--set", s)],
+            "--rank",
+            str(rank),
+            "--role",
+            "server" if rank == 0 else "client",
+            "--run_id",
+            "resumable1",
+            *extra,
+        ],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _by_hand(tmp_path, mnist_root, name, rounds, kill_after=None):
+    """A cross-silo run of 2 silos started by hand; with ``kill_after``, its server is SIGKILLed once
+    that round's evaluation is logged and started again with --resume. Returns (run dir, outputs)."""
+    run_dir = tmp_path / name
+    sets = [
+        f"{k}={v}"
+        for k, v in {
+            **SETTINGS,
+            "data_cache_dir": mnist_root,
+            "comm_round": rounds,
+            "grpc_ipconfig_path": write_ipconfig(str(tmp_path / f"{name}.csv"), 3),
+            "tls_dir": make_tls(tmp_path / f"{name}-tls", 2),
+        }.items()
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    processes = [_rank_process(run_dir, sets, rank, env) for rank in range(3)]
+    outs = []
+    try:
+        if kill_after is not None:
+            log, deadline = run_dir / "run.log", time.monotonic() + 120
+            while not (log.exists() and f"round {kill_after}: personalized accuracy" in log.read_text()):
+                assert time.monotonic() < deadline and processes[0].poll() is None
+                time.sleep(0.01)
+            processes[0].kill()  # as a crash would: no word to the silos, nothing written
+            outs.append(processes[0].communicate(timeout=30)[0])
+            processes[0] = _rank_process(run_dir, [], 0, env, ("--resume", str(run_dir)))
+        outs += [p.communicate(timeout=300)[0] for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    return run_dir, outs, [p.returncode for p in processes]
+
+
+@needs_mnist
+def test_a_killed_cross_silo_server_resumes_and_ends_with_the_uninterrupted_model(mnist_root, tmp_path):
+    """Issue 44: after SIGKILL at round 10, --resume was refused and a fresh server was refused by
+    the silos. Now the server checkpoints each round; restarted with --resume, it names the session
+    it resumes, the silos take it, and the run ends with the model of a run never interrupted."""
+    import torch
+
+    rounds = 40
+    calm_dir, _, codes = _by_hand(tmp_path, mnist_root, "calm", rounds)
+    assert codes == [0, 0, 0]
+    run_dir, outs, codes = _by_hand(tmp_path, mnist_root, "killed", rounds, kill_after=12)
+    assert codes == [0, 0, 0], "\n".join(out[-3000:] for out in outs)
+    assert "Traceback" not in "".join(outs[1:])
+    resumed = outs[1]
+    assert re.search(r"resumed .* at round (\d+)", resumed), resumed[-3000:]
+    assert re.search(r"resuming at round \d+ the run of server session [0-9a-f]{16}", resumed)
+    for silo_out in outs[2:]:
+        assert "the server resumed (session" in silo_out, silo_out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    calm = json.loads((calm_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == rounds and "lost_silos" not in summary
+    assert [h["round"] for h in summary["history"]] == [h["round"] for h in calm["history"]]
+    assert summary["personalized_accuracy"] == calm["personalized_accuracy"]
+    model = torch.load(run_dir / "model.pt", weights_only=True)
+    uninterrupted = torch.load(calm_dir / "model.pt", weights_only=True)
+    assert all(torch.equal(model[k], uninterrupted[k]) for k in uninterrupted)  # bit for bit

@@ -79,7 +79,8 @@ class Conversations:
         """A sender's messages come from one process at a time (its session). A silo that restarts
         starts a new session, which only its announcement (an ONLINE status) may open; from then on
         the earlier session's messages are replays; while the silo's current process holds its
-        seat (:meth:`hold_seats`), no new one may open. A silo takes one server session: the first."""
+        seat (:meth:`hold_seats`), no new one may open. A silo takes one server session: the first,
+        or one that resumes it (:meth:`_resumes`)."""
         sender, session = envelope.sender, envelope.session
         current = self._sessions.get(sender)
         if current == session:
@@ -91,6 +92,8 @@ class Conversations:
                     f"rank (session {session}), which a newer one replaced",
                     REPLAY,
                 )
+            if self._resumes(envelope, current):
+                return
             announces = envelope.type == wire.CLIENT_STATUS and envelope.params.get("client_status") == "ONLINE"
             if self.rank != 0 or not announces:
                 raise wire.Rejected(
@@ -117,3 +120,21 @@ class Conversations:
             )
         self._sessions[sender] = session
         self._seen_seq[sender] = -1
+
+    def _resumes(self, envelope: wire.Envelope, current: str) -> bool:
+        """A silo: ``envelope`` comes from a server process that resumed the one this silo talks
+        to (its checkpoint names that session), so it takes the new session from now on (the
+        certificate says it is the server; a run already over is not resumed)."""
+        if self.rank == 0 or envelope.sender != 0 or envelope.resumes != current or self.finish_received:
+            return False
+        self._retired.setdefault(0, set()).add(current)
+        self._sessions[0], self._seen_seq[0] = envelope.session, -1
+        self._open_models.pop(0, None)
+        logger.warning(
+            "rank %d: the server resumed (session %s continues session %s); the earlier process's "
+            "messages are refused from now on",
+            self.rank,
+            envelope.session,
+            current,
+        )
+        return True

@@ -11,9 +11,10 @@ every cross-silo run by :func:`fedml_perfedavg.fedml_bridge.install.install`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, List
+from typing import Any, Dict, List, Optional
 
 from ...algorithms.base import RoundDriver
+from ...core.errors import ConfigError
 from ..bootstrap import import_fedml, replaced
 from .agreement import SiloSetup
 from .client import PluginClientMasterManager, PluginTrainerDistAdapter
@@ -43,6 +44,28 @@ class CrossSiloProcess:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model
         self.trainer, self.aggregator, self.policy, self.driver = trainer, aggregator, policy, driver
         self.setup = setup
+        self.start_round = 0
+        self.resumes = ""  # the server: the session of the server process this one resumes
+        self._server: Any = None
+
+    def resume(self, start_round: int, saved: Optional[Dict[str, Any]]) -> None:
+        """The server goes on from ``start_round`` of the run its checkpoint (``saved``: what
+        :meth:`checkpoint_state` returned then) recorded; the silos take it as that server's
+        resumption. :class:`ConfigError` if it is another run's (``--run_id``)."""
+        if saved is None:
+            return  # no checkpoint yet: a fresh start
+        run_id = str(getattr(self.args, "run_id", "0"))
+        if saved["run_id"] != run_id:
+            raise ConfigError(
+                f"--resume: the checkpoint is of run id {saved['run_id']!r}, this server was started with "
+                f"--run_id {run_id!r}; the silos take only their run's messages: give --run_id {saved['run_id']}"
+            )
+        self.start_round, self.resumes = start_round, str(saved["session"])
+
+    def checkpoint_state(self) -> Dict[str, Any]:
+        """What a resumed server needs of this one: its session (the silos know it) and the run id."""
+        session = self._server.com_manager.session if self._server is not None else self.resumes
+        return {"session": session, "run_id": str(getattr(self.args, "run_id", "0"))}
 
     def run(self) -> None:
         args, dataset = self.args, self.dataset
@@ -52,6 +75,8 @@ class CrossSiloProcess:
             def build(*a: Any, **kw: Any) -> Any:
                 manager = cls(*a, **kw, **bound)
                 managers.append(manager)
+                if cls is PluginServerManager:
+                    self._server = manager
                 return manager
 
             return build
@@ -64,7 +89,14 @@ class CrossSiloProcess:
                         replaced(
                             server_init,
                             "FedMLServerManager",
-                            remembered(PluginServerManager, policy=self.policy, driver=self.driver, setup=self.setup),
+                            remembered(
+                                PluginServerManager,
+                                policy=self.policy,
+                                driver=self.driver,
+                                setup=self.setup,
+                                start_round=self.start_round,
+                                resumes=self.resumes,
+                            ),
                         )
                     )
                     server_init.init_server(

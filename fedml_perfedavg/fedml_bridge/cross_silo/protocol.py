@@ -99,6 +99,7 @@ class SiloServerProtocol:
         model: GlobalModel,
         round_num: int,
         client_num_per_round: int,
+        start_round: int = 0,
     ) -> None:
         self.roster = SiloRoster(setup)
         problem = self.roster.mode.start_problem(setup.silos, client_num_per_round)
@@ -110,6 +111,7 @@ class SiloServerProtocol:
         self.figures = SiloFigures(self.roster, self.outbox)
         self.members = SiloMembership(self.roster, policy, self.outbox)
         self.rounds = SiloRounds(round_num, model, plan, self.clock, self.members, self.outbox, self.figures)
+        self.rounds.round_idx = start_round  # a resumed server: the round after its checkpoint
         self.final = OpenRound(-1, [], {})  # shared mode: the silos sent the final model
         self.finished: Set[int] = set()  # shared mode: the silos that said goodbye
         self._now = 0.0  # the time of the event being handled

@@ -105,7 +105,8 @@ class _FedMLGlobalModel:
 class PluginServerManager(FedMLServerManager):
     """FedML's face of :class:`~.protocol.SiloServerProtocol`. ``policy`` decides deadlines and
     when to stop; ``driver`` samples each round's users and takes each new global model and
-    evaluation; ``setup`` says the mode, the silos and what they must agree on."""
+    evaluation; ``setup`` says the mode, the silos and what they must agree on; a resumed server
+    starts at ``start_round`` and names the session it ``resumes``."""
 
     def __init__(
         self,
@@ -119,11 +120,18 @@ class PluginServerManager(FedMLServerManager):
         policy: SiloPolicy,
         driver: RoundDriver,
         setup: SiloSetup,
+        start_round: int = 0,
+        resumes: str = "",
     ) -> None:
         super().__init__(args, aggregator, comm, client_rank, client_num, backend)
         self.driver = driver
         model = _FedMLGlobalModel(aggregator, args)
-        self.protocol = SiloServerProtocol(setup, policy, driver, model, self.round_num, args.client_num_per_round)
+        self.protocol = SiloServerProtocol(
+            setup, policy, driver, model, self.round_num, args.client_num_per_round, start_round
+        )
+        if resumes:  # every message says which server process this one resumes (the silos check it)
+            self.com_manager.resumes = resumes
+            logger.info("resuming at round %d the run of server session %s", start_round, resumes)
         self.mail = ServerMail(self.com_manager)
         self._arrived = 0.0  # when the last message handled arrived
 

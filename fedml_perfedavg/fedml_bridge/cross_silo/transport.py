@@ -308,6 +308,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self.settings = plugin_entry().transport_settings(args, self.rank)
         self.retry_seconds = self.settings.connect_timeout
         self.session = secrets.token_hex(8)  # this process: a silo that restarts is a new session
+        self.resumes = ""  # the server: the session of the server process it resumes (its checkpoint's)
         self.refusals = RefusalLog(self.rank, logger)
         self.addresses = read_ipconfig(grpc_ipconfig_path)
         self.grpc_ipconfig_path = grpc_ipconfig_path
@@ -435,6 +436,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             model=model,
             reply_to=reply_to,
             session=self.session,
+            resumes=self.resumes,
         )
 
     def send_message(self, message, deadline: Optional[float] = None) -> None:

@@ -316,7 +316,19 @@ SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
     SECAGG_UNMASKING: {"shares": (_unmasking, True)},
 }
 CARRIES_MODEL = frozenset({INIT_CONFIG, SYNC_MODEL, UPLOAD, EVALUATE, SECAGG_MASKED})
-_HEADER_KEYS = {"type", "sender", "receiver", "run_id", "session", "round", "seq", "reply_to", "params", "tensors"}
+_HEADER_KEYS = {
+    "type",
+    "sender",
+    "receiver",
+    "run_id",
+    "session",
+    "resumes",
+    "round",
+    "seq",
+    "reply_to",
+    "params",
+    "tensors",
+}
 _ALLOWED_DTYPES = {
     torch.float16,
     torch.bfloat16,
@@ -336,7 +348,8 @@ class Envelope:
     """One message of the protocol, decoded: who sent it to whom, for which run and round, and
     its content. ``session`` names the sending process (a silo that restarts starts a new one);
     ``seq`` numbers its messages to this receiver (strictly increasing within a session);
-    ``reply_to`` is the ``seq`` of the model an upload answers (-1: none)."""
+    ``reply_to`` is the ``seq`` of the model an upload answers (-1: none); ``resumes`` names the
+    session of the server process a resumed server continues ("" for none)."""
 
     type: int
     sender: int
@@ -348,6 +361,7 @@ class Envelope:
     model: Optional["OrderedDict[str, torch.Tensor]"] = None
     reply_to: int = -1
     session: str = "0"
+    resumes: str = ""
     size: int = 0  # bytes on the wire (set when decoded)
     arrived: float = 0.0  # when the receiver took it (time.monotonic(); set by the transport)
 
@@ -389,6 +403,7 @@ def encode(envelope: Envelope) -> bytes:
             "receiver": envelope.receiver,
             "run_id": envelope.run_id,
             "session": envelope.session,
+            "resumes": envelope.resumes,
             "round": envelope.round,
             "seq": envelope.seq,
             "reply_to": envelope.reply_to,
@@ -453,6 +468,9 @@ def decode(data: bytes, max_bytes: int) -> Envelope:
         raise Rejected(f"run_id={short(run_id)} is not a string of at most 128 characters")
     if not isinstance(session, str) or not 0 < len(session) <= 32 or not session.isalnum():
         raise Rejected(f"session={short(session)} is not 1 to 32 letters and digits")
+    resumes = header["resumes"]
+    if not isinstance(resumes, str) or len(resumes) > 32 or not (resumes == "" or resumes.isalnum()):
+        raise Rejected(f"resumes={short(resumes)} is not empty or 1 to 32 letters and digits")
     params = header["params"]
     if not isinstance(params, dict):
         raise Rejected("params must be a mapping")
@@ -475,6 +493,7 @@ def decode(data: bytes, max_bytes: int) -> Envelope:
         params=params,
         reply_to=_int(header, "reply_to", low=-1),
         session=session,
+        resumes=resumes,
     )
     envelope.model = _decode_model(msg_type, header["tensors"], data[start + length :])
     envelope.size = len(data)
