@@ -38,7 +38,7 @@ from ..core.privacy import DPSGD, PrivateBatches, draw_private_batches, private_
 from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
 from ..core.types import Params, StateDict, UserSplit
 from .model_probe import ModelPaths, probe
-from .update_screen import UpdateScreen
+from .update_screen import screen_for
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ class AlgorithmSettings:
     max_update_norm: Optional[float] = None
     max_update_ratio: Optional[float] = 1.0
     max_skipped_rounds: int = 3
+    update_norm_factor: Optional[float] = None  # the bound relative to accepted updates (update_screen.py)
+    max_weight_ratio: Optional[float] = None
     privacy: Optional[DPSGD] = None  # DP-SGD in the local steps and the evaluation's (core/privacy.py)
 
     @classmethod
@@ -96,6 +98,8 @@ class AlgorithmSettings:
             max_update_norm=config.max_update_norm,
             max_update_ratio=config.max_update_ratio,
             max_skipped_rounds=config.max_skipped_rounds,
+            update_norm_factor=config.update_norm_factor,
+            max_weight_ratio=config.max_weight_ratio,
             privacy=privacy,
         )
 
@@ -284,9 +288,7 @@ class FederatedAlgorithm:
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self._shapes = {name: torch.empty(p.shape, dtype=p.dtype) for name, p in model.named_parameters()}  # DP noise's
         self.paths = ModelPaths(self.network)  # what the model allows; set by :meth:`probe_model`
-        self.screen = UpdateScreen(
-            self.parameter_names, settings.max_update_norm, settings.max_update_ratio, settings.max_skipped_rounds
-        )
+        self.screen = screen_for(self.parameter_names, settings)
         self.aggregate_calls = 0
         self._test_stacks: dict = {}  # the evaluation's stacked test splits, kept between evaluations
 
@@ -416,15 +418,18 @@ class FederatedAlgorithm:
 
     # -- aggregate ------------------------------------------------------------------------
     def aggregate(
-        self, round_idx: int, updates: Sequence[Tuple[float, StateDict]], global_state: StateDict
+        self,
+        round_idx: int,
+        updates: Sequence[Tuple[float, StateDict]],
+        global_state: StateDict,
+        clients: Optional[Sequence[str]] = None,
     ) -> StateDict:
-        """The new global model: the average (``settings.aggregation``) of the acceptable
-        updates. Updates that do not fit the global model (keys, shapes, dtypes, finiteness,
-        ``max_update_ratio``, ``max_update_norm``) are rejected and logged; a round with none
-        left keeps the global model, and ``max_skipped_rounds`` such rounds stop the run."""
+        """The new global model: the average (``settings.aggregation``) of the updates the
+        screen accepts (update_screen.py; ``clients``: who sent each, for its record); a round
+        with none keeps the global model, and ``max_skipped_rounds`` such rounds stop the run."""
         self.aggregate_calls += 1
         updates = self.hooks.before_aggregation(round_idx, list(updates), global_state)
-        accepted = self.screen.accept(round_idx, updates, global_state)
+        accepted = self.screen.accept(round_idx, updates, global_state, clients)
         if accepted:
             accepted = self.hooks.filter_updates(round_idx, accepted, global_state)
             combined = self.hooks.combine(

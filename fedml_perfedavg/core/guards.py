@@ -48,6 +48,14 @@ def update_bound(reference: Dict[str, Tensor], max_update_ratio: float, norm_key
     return max_update_ratio * max(l2_norm(reference, keys), 1.0)
 
 
+def update_distance(update: Dict[str, Tensor], reference: Dict[str, Tensor], keys: List[str]) -> float:
+    """||update - reference|| over ``keys``, accumulated in float64."""
+    if not keys:
+        return 0.0
+    squares = sum(((update[k].double() - reference[k].double().to(update[k].device)) ** 2).sum() for k in keys)
+    return float(torch.sqrt(cast(Tensor, squares)))
+
+
 def update_problem(
     update: Dict[str, Tensor],
     reference: Dict[str, Tensor],
@@ -74,18 +82,7 @@ def update_problem(
     if max_update_norm is None and max_update_ratio is None:
         return None
     keys = list(norm_keys if norm_keys is not None else reference)
-    norm = (
-        float(
-            torch.sqrt(
-                cast(
-                    Tensor,
-                    sum(((update[k].double() - reference[k].double().to(update[k].device)) ** 2).sum() for k in keys),
-                )
-            )
-        )
-        if keys
-        else 0.0
-    )
+    norm = update_distance(update, reference, keys)
     if max_update_norm is not None and norm > max_update_norm:
         return f"update norm {norm:.4g} exceeds train_args.max_update_norm={max_update_norm}"
     if max_update_ratio is not None:

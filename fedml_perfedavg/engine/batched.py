@@ -187,9 +187,11 @@ class BatchedSimulation:
             for i, c in enumerate(clients)
         ]
 
-    def finish_round(self, round_idx: int, updates: List[tuple]) -> None:
-        """Aggregate the round's updates and hand the new global model to the driver."""
-        self.state = self.algorithm.aggregate(round_idx, updates, self.state)
+    def finish_round(self, round_idx: int, updates: List[tuple], clients: Optional[List[int]] = None) -> None:
+        """Aggregate the round's updates (of ``clients``, for the record) and hand the new global
+        model to the driver."""
+        labels = None if clients is None else [f"user {c}" for c in clients]
+        self.state = self.algorithm.aggregate(round_idx, updates, self.state, labels)
         self.driver.round_finished(round_idx, self.state)
 
     def _per_client_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
@@ -213,7 +215,7 @@ class BatchedSimulation:
         """One round: sample, train the sampled clients (together where vmap allows),
         aggregate, report. Returns the round's clients."""
         clients = self.driver.sample_clients(round_idx)
-        self.finish_round(round_idx, self.train_clients(round_idx, clients, self.state))
+        self.finish_round(round_idx, self.train_clients(round_idx, clients, self.state), clients)
         return clients
 
     def run(self, start_round: int, rounds: int) -> StateDict:

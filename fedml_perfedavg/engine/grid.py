@@ -96,7 +96,7 @@ class GridSimulation:
             mine = {k: v[offset : offset + len(clients)] for k, v in trained.items()}
             offset += len(clients)
             _, buffers = engine.algorithm.split_state(engine.state)
-            engine.finish_round(round_idx, engine.client_updates(round_idx, clients, mine, buffers))
+            engine.finish_round(round_idx, engine.client_updates(round_idx, clients, mine, buffers), clients)
 
     def run(self, start_round: int, rounds: int) -> List[dict]:
         """Rounds ``start_round`` .. ``rounds - 1`` of every run; returns their final states."""

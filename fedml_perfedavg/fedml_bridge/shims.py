@@ -139,6 +139,7 @@ class AlgorithmServerAggregator(ServerAggregator):
         self.args = args
         self.algorithm = algorithm
         self.on_evaluation = on_evaluation
+        self.senders: Optional[List[str]] = None  # who sent the next round's updates, where known
 
     def get_model_params(self) -> "OrderedDict[str, Tensor]":
         return state_copy(self.model)
@@ -156,7 +157,10 @@ class AlgorithmServerAggregator(ServerAggregator):
         return aggregated_model_or_grad
 
     def aggregate(self, raw_client_model_or_grad_list: List[Tuple[float, StateDict]]) -> StateDict:
-        return self.algorithm.aggregate(round_of(self.args), raw_client_model_or_grad_list, self.get_model_params())
+        # Who sent each update, where the loop knows (the cross-silo server sets it each round).
+        senders, self.senders = self.senders, None
+        params = self.get_model_params()
+        return self.algorithm.aggregate(round_of(self.args), raw_client_model_or_grad_list, params, senders)
 
     def test(self, test_data, device, args) -> Dict[str, float]:
         """Accuracy of the global model (no personalization) on ``test_data``."""

@@ -254,6 +254,23 @@ class TrainArgs:
         rule=_positive,
         optional=True,
     )
+    update_norm_factor: Optional[float] = _setting(
+        float,
+        8.0,
+        "reject client updates that move the model by more than this times the median of the last 20 "
+        "accepted ones and the round's (honest MNIST runs stayed within 5x over 1000 rounds; a liar "
+        "cannot move it by many honest updates' worth); null: off",
+        rule=_positive,
+        optional=True,
+    )
+    max_weight_ratio: Optional[float] = _setting(
+        float,
+        3.0,
+        "aggregation sample_weighted: a client's declared sample count weighs at most this times the "
+        "median of the last 20 accepted counts (one claiming 2^31 samples is not the average); null: off",
+        rule=_positive,
+        optional=True,
+    )
     max_skipped_rounds: int = _setting(
         int, 3, "stop after this many rounds without an acceptable update", rule=_at_least_one
     )

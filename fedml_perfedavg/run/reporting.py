@@ -366,20 +366,21 @@ class RunRecorder:
         self,
         status: str = "finished",
         error: Optional[str] = None,
-        rejected_updates: Optional[Dict[int, int]] = None,
-        aggregate_calls: Optional[int] = None,
+        aggregation: Optional[Dict[str, Any]] = None,
     ) -> Dict[str, Any]:
-        """The run's final numbers (last evaluation), how it ended, and its resolved config."""
+        """The run's final numbers (last evaluation), how it ended, and its resolved config
+        (``aggregation``: the algorithm's record of it, :meth:`FederatedAlgorithm.record`)."""
         headline_round = self.history[-1]["round"] if self.history else None
         common = {
             "status": status,
             "error": error,
             "rounds": self.rounds_done,
             "headline_round": headline_round,
-            "aggregate_calls": aggregate_calls,
+            "aggregate_calls": None,
+            "rejected_updates": {},
             "process": self.process,
             "wall_seconds": time.perf_counter() - self.started,
-            "rejected_updates": {str(k): v for k, v in (rejected_updates or {}).items()},
+            **(aggregation or {}),
             "history": self.history,
             "config": self.config_sections,
             **self.silos.summary(),
@@ -406,13 +407,12 @@ class RunRecorder:
         self,
         status: str = "finished",
         error: Optional[str] = None,
-        rejected_updates: Optional[Dict[int, int]] = None,
-        aggregate_calls: Optional[int] = None,
+        aggregation: Optional[Dict[str, Any]] = None,
     ) -> Dict[str, Any]:
         """Write ``summary.json`` (atomically) into the run directory; close the bar and wandb."""
         if self._bar is not None:
             self._bar.close()
-        summary = self.summary(status, error, rejected_updates, aggregate_calls)
+        summary = self.summary(status, error, aggregation)
         write_json(os.path.join(self.run_dir, "summary.json"), summary)
         if self._wandb is not None:
             self._wandb.finish(summary, self.last)

@@ -431,8 +431,7 @@ class PluginRun:
         summary = self.recorder.finish(
             status=status,
             error=error,
-            rejected_updates=self.algorithm.rejected,
-            aggregate_calls=self.algorithm.aggregate_calls,
+            aggregation={"aggregate_calls": self.algorithm.aggregate_calls, **self.algorithm.screen.record()},
         )
         if lost is not None:
             raise lost

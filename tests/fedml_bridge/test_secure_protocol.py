@@ -36,7 +36,7 @@ class SecureModel:
     def params(self):
         return dict(self.state)
 
-    def aggregate(self, round_idx, updates):
+    def aggregate(self, round_idx, updates, senders=None):
         raise AssertionError("a secure round never averages updates in the clear")
 
     def secure_average(self, round_idx, average_delta):

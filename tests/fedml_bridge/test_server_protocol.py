@@ -60,7 +60,7 @@ class Model:
     def params(self):
         return dict(self.state)
 
-    def aggregate(self, round_idx, updates):
+    def aggregate(self, round_idx, updates, senders=None):
         self.aggregated.append((round_idx, sorted(updates)))
         self.state = {"w": sum(m["w"] for _, m in updates.values()) / len(updates)} if updates else self.state
         return self.state
@@ -250,7 +250,7 @@ def test_an_error_while_aggregating_ends_the_run_and_tells_the_silos():
     p, model = protocol()
     online(p)
 
-    def broken(round_idx, updates):
+    def broken(round_idx, updates, senders):
         raise RuntimeError("2 rounds had no acceptable client update")
 
     model.aggregate = broken

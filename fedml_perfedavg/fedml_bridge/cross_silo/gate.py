@@ -81,6 +81,17 @@ class _Connection:
     raw: Optional[socket.socket] = None  # the accepted socket, until asyncio holds it
     writers: list = field(default_factory=list)
 
+    def close(self) -> None:
+        """Both sides go at once (what was buffered is dropped)."""
+        self.closing = True
+        if not self.writers and self.raw is not None:
+            self.raw.close()  # its handler has not taken it yet: the descriptor goes now
+        for writer in self.writers:
+            try:
+                writer.transport.abort()
+            except Exception:  # noqa: BLE001 - already closed
+                pass
+
     @property
     def waiting(self) -> bool:
         """No request yet, nor a message under way: not known to hold a certificate, so it may be
@@ -181,8 +192,16 @@ class ConnectionBook:
         self.release(connection)
         return connection
 
-    def touched(self, connection: _Connection) -> None:
-        """Bytes moved on ``connection``: a waiting one goes to the back of the queues."""
+    def moved(self, connection: _Connection, data: bytes, inbound: bool) -> None:
+        """``data`` went through ``connection`` (``inbound``: from the peer): counted, and a waiting
+        connection goes to the back of the queues."""
+        connection.last_activity = time.monotonic()
+        if inbound:
+            if connection.first_byte is None:
+                connection.first_byte = data[0]
+            connection.bytes_in += len(data)
+        else:
+            connection.bytes_out += len(data)
         key = id(connection)
         if key in self._waiting:
             if connection.waiting:
@@ -232,6 +251,13 @@ class ConnectionBook:
             elif started and now - connection.last_activity > self.limits.idle_seconds:
                 due.append(connection)
         return due
+
+
+def _evicted(victim: _Connection, newcomer: str) -> str:
+    return (
+        f"connection closed to make room for a newcomer from {newcomer}: no request after "
+        f"{time.monotonic() - victim.opened:.2f} s, idle longest ({victim.bytes_in} bytes in)"
+    )
 
 
 class PortTaken(OSError):
@@ -318,14 +344,8 @@ class Gate:
             self.book.accepted += 1
             closing, over = self.book.make_room(host)
             for victim in closing:
-                self._close(victim)
-                self.on_refusal(
-                    victim.host,
-                    victim.port,
-                    EVICTED,
-                    f"connection closed to make room for a newcomer from {host}: no request after "
-                    f"{time.monotonic() - victim.opened:.2f} s, idle longest ({victim.bytes_in} bytes in)",
-                )
+                victim.close()
+                self.on_refusal(victim.host, victim.port, EVICTED, _evicted(victim, host))
             if over is not None:
                 conn.close()
                 self.on_refusal(host, port, CONNECTION_CAP, f"connection closed at once: {over}")
@@ -347,7 +367,7 @@ class Gate:
             for sweeper in sweepers:
                 sweeper.cancel()
             for connection in self.book.connections():
-                self._close(connection)  # their handlers end on their own (a cancelled one would be logged)
+                connection.close()  # their handlers end on their own (a cancelled one would be logged)
             handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             await asyncio.wait([*sweepers, *handlers], timeout=2.0)
 
@@ -402,7 +422,7 @@ class Gate:
                 return
             if not first or connection.closing:
                 return
-            self._moved(connection, first, inbound=True)
+            self.book.moved(connection, first, inbound=True)
             try:
                 backend_reader, backend_writer = await asyncio.wait_for(
                     asyncio.open_connection("127.0.0.1", self.backend_port, limit=_CHUNK), 5.0
@@ -421,7 +441,7 @@ class Gate:
             finally:
                 self.book.bind_backend(backend_port, None)
         finally:
-            self._close(connection)
+            connection.close()
             conn.close()  # aborted with its transport already, or never handed to one
             self.book.release(connection)
             if connection.requests == 0 and not connection.evicted:  # an evicted one was reported then
@@ -436,11 +456,11 @@ class Gate:
                 data = await source.read(_CHUNK)
                 if not data:
                     break
-                self._moved(connection, data, inbound)
+                self.book.moved(connection, data, inbound)
                 sink.write(data)
                 await sink.drain()
         except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            self._close(connection)  # broken: both sides go at once
+            connection.close()  # broken: both sides go at once
             return
         # One side ended: what it sent last is delivered, then the other side is closed too.
         connection.closing = True
@@ -449,32 +469,11 @@ class Gate:
             await asyncio.wait_for(sink.wait_closed(), 2.0)
         except (OSError, asyncio.TimeoutError, asyncio.CancelledError):
             pass
-        self._close(connection)
-
-    def _moved(self, connection: _Connection, data: bytes, inbound: bool) -> None:
-        """``data`` went through ``connection`` (``inbound``: from the peer)."""
-        connection.last_activity = time.monotonic()
-        if inbound:
-            if connection.first_byte is None:
-                connection.first_byte = data[0]
-            connection.bytes_in += len(data)
-        else:
-            connection.bytes_out += len(data)
-        self.book.touched(connection)
-
-    def _close(self, connection: _Connection) -> None:
-        connection.closing = True
-        if not connection.writers and connection.raw is not None:
-            connection.raw.close()  # its handler has not taken it yet: the descriptor goes now
-        for writer in connection.writers:
-            try:
-                writer.transport.abort()
-            except Exception:  # noqa: BLE001 - already closed
-                pass
+        connection.close()
 
     async def _sweep(self) -> None:
         """Close connections past their deadline (:meth:`ConnectionBook.overdue`)."""
         while True:
             await asyncio.sleep(_SWEEP_SECONDS)
             for connection in self.book.overdue(time.monotonic()):
-                self._close(connection)
+                connection.close()

@@ -33,9 +33,10 @@ class GlobalModel(Protocol):
 
     def params(self) -> Any: ...
 
-    def aggregate(self, round_idx: int, updates: Dict[int, tuple]) -> Any:
+    def aggregate(self, round_idx: int, updates: Dict[int, tuple], senders: Dict[int, str]) -> Any:
         """The new global model from ``updates`` (position in the round's sample -> (sample count,
-        model)), taken in sp's order of sampled users, through the aggregator's hooks."""
+        model)), taken in sp's order of sampled users, through the aggregator's hooks; ``senders``
+        names who sent each (for the update screen's record)."""
 
     def secure_average(self, round_idx: int, average_delta: Any) -> Any:
         """The new global model from the securely aggregated average of the silos' deltas."""
@@ -192,6 +193,7 @@ class SiloRounds(SecureStages):
         self.round = OpenRound(-1, [], {})
         self.evaluation = OpenEvaluation(-1, [])
         self.secure: Optional[SecureRound] = None  # the open round's secure aggregation
+        self.averaged_from: List[int] = []  # the silos whose updates the last round's average was given
         self.roster.on_drop.append(self.drop_open_work)
 
     def give_up_on(self, silos: List[int], why: str, go_on: bool) -> None:
@@ -312,8 +314,10 @@ class SiloRounds(SecureStages):
         if not go_on:
             self.give_up_on(missing, why_missing or "missed the round", False)
         self.give_up_on(waited, why_missing or "missed the round", True)
-        round_idx = self.round_idx
-        return self.round_closed(now, round_idx, self.model.aggregate(round_idx, self.round.updates))
+        round_idx, senders = self.round_idx, {p: s for s, (p, _) in self.round.assigned.items()}
+        self.averaged_from = sorted(senders[p] for p in self.round.updates)  # before the screen's judgement
+        named = {p: f"silo rank {senders[p]}" for p in self.round.updates}
+        return self.round_closed(now, round_idx, self.model.aggregate(round_idx, self.round.updates, named))
 
     def round_closed(self, now: float, round_idx: int, params: Any) -> bool:
         """Round ``round_idx`` gave the global model ``params``: record it, evaluate, go on."""
@@ -367,6 +371,11 @@ def silo_failed(rounds: SiloRounds, now: float, silo: int, why: str) -> bool:
     without it (the rule for a silo that misses a deadline). True once the last round closed."""
     if silo not in rounds.roster.live:
         return False
+    if "DivergenceError" in why and rounds.averaged_from:  # the model it was sent may be what diverged
+        why += (
+            f" (training from the global model of round {rounds.round_idx - 1}, averaged from the updates of "
+            f"silo rank(s) {rounds.averaged_from}: a diverging model is not this silo's doing alone)"
+        )
     logger.error("silo rank %d %s", silo, why)
     go_on = True
     if rounds.clock.phase is Phase.TRAINING and silo in rounds.round.assigned:

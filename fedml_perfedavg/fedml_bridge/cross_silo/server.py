@@ -47,9 +47,12 @@ RECORDS = frozenset(
 class PluginFedMLAggregator(FedMLAggregator):
     """Averages one round's updates only (FedML's averages every upload slot it ever filled)."""
 
-    def aggregate_updates(self, updates: Dict[int, Tuple[float, Any]]) -> Any:
+    def aggregate_updates(self, updates: Dict[int, Tuple[float, Any]], senders: Dict[int, str]) -> Any:
         """The new global model from ``updates`` (position in the round's sample -> (sample count,
-        model)), taken in sp's order of sampled users, through the aggregator's hooks."""
+        model)), taken in sp's order of sampled users, through the aggregator's hooks; the
+        plugin's aggregator hears who sent each (``senders``), for its update screen's record."""
+        if hasattr(self.aggregator, "senders"):
+            self.aggregator.senders = [senders[p] for p in sorted(updates)]
         averaged, _, _ = aggregate_with_hooks(self.aggregator, [updates[p] for p in sorted(updates)])
         self.set_global_model_params(averaged)
         return averaged
@@ -65,9 +68,9 @@ class _FedMLGlobalModel:
     def params(self) -> Any:
         return self.aggregator.get_global_model_params()
 
-    def aggregate(self, round_idx: int, updates: Dict[int, Tuple[float, Any]]) -> Any:
+    def aggregate(self, round_idx: int, updates: Dict[int, Tuple[float, Any]], senders: Dict[int, str]) -> Any:
         self.args.round_idx = round_idx
-        return self.aggregator.aggregate_updates(updates)
+        return self.aggregator.aggregate_updates(updates, senders)
 
     # Secure aggregation: the plugin's algorithm on the global model, past FedML's per-update hooks
     # (the server has no update to hand them).
