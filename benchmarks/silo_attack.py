@@ -19,6 +19,12 @@ Reports the attackers' rates, what the server refused by reason (summary.json), 
 server's log grew, a round's time, how long after the server listened every silo was online, and
 the largest difference between each run's final model and the undisturbed one's.
 Writes ``benchmarks/results/silo_attack.md`` and ``.json``.
+
+``--part liars`` (issue 44): a server and 4 data-owner silos, one of which lies: it shrinks the
+model, steps against its data at the fixed bound, claims 2^31 - 1 samples, floods the server with
+announcements from a closed port, or has a twin with its key announce itself; the accuracy of each
+run against the honest one, what was rejected and lowered per silo, and who was lost. Writes
+``benchmarks/results/silo_attack_liars.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -187,12 +193,142 @@ def _hold_own_address(address, stop, tally):
     _hold(address, stop, tally, sources=[1], per_source=300, period=0.1)
 
 
+# -- one dishonest silo among four (issue 44) ------------------------------------------------------------
+LIARS = {  # scenario -> (rank 4's lie, settings beyond the base)
+    "honest": (None, {}),
+    "shrink": ("shrink", {}),
+    "boundmax": ("boundmax", {}),
+    "honest, sample_weighted": (None, {"aggregation": "sample_weighted"}),
+    "weight": ("weight", {"aggregation": "sample_weighted"}),
+    "flood": ("flood:3", {"min_clients_per_round": 1}),  # the run may go on without the flooding silo
+    # 20 rounds take about a second: the twin's announcement needs a longer run to land in one
+    "honest, 200 rounds": (None, {"comm_round": 200, "frequency_of_the_test": 200}),
+    "twin": (None, {"comm_round": 200, "frequency_of_the_test": 200}),
+}
+
+
+def _twin_announces(run_dir: str, stop: threading.Event, tally: dict) -> None:
+    """A second process with silo 4's key announces itself once, as soon as training has started."""
+    import grpc
+
+    from fedml_perfedavg.fedml_bridge.cross_silo import wire
+    from tests.helpers import raw_send
+
+    log = os.path.join(run_dir, "run", "run.log")
+    while not stop.is_set() and not (os.path.exists(log) and TRAINING_STARTED in open(log).read()):
+        time.sleep(0.005)  # the rounds take tens of ms: announce within the first ones
+    if stop.is_set():
+        return
+    import csv
+
+    with open(os.path.join(run_dir, "ip.csv")) as stream:  # the address file start_by_hand wrote
+        row = next(r for r in csv.DictReader(stream) if r["rank"] == "0")
+    server = (row["grpc_server_ip"], int(row["grpc_server_port"]))
+    envelope = wire.Envelope(wire.CLIENT_STATUS, 4, 0, "by-hand", 0, 0, {"client_status": "ONLINE"}, session="twin")
+    tls = os.path.join(run_dir, "tls")
+    answer = raw_send(server, wire.encode(envelope), tls, 4, tls)
+    tally["twin"] = "refused" if answer == grpc.StatusCode.PERMISSION_DENIED else str(answer)
+
+
+def liar_run(root: str, rounds: int, work: str, scenario: str) -> dict:
+    """Server + 4 data-owner silos started by hand (mutual TLS, loopback), MNIST paper split, HF,
+    beta 0.05, 2 silos a round; rank 4 (user 3) lies as ``LIARS[scenario]`` says."""
+    from pathlib import Path
+
+    from tests.backends.test_silo_own import OWN, _export
+    from tests.helpers import finish_all, start_by_hand
+
+    folder = Path(work) / scenario.replace(", ", "-")
+    folder.mkdir()
+    lie, extra = LIARS[scenario]
+    folders = _export(root, folder, 4)
+    settings = {**OWN, "client_num_in_total": 4, "comm_round": rounds, "frequency_of_the_test": rounds, **extra}
+    started, stop, tally = time.monotonic(), threading.Event(), {}
+    processes = start_by_hand(folder, settings, 4, folders, liars={4: lie} if lie else None)
+    twin = None
+    if scenario == "twin":
+        twin = threading.Thread(target=_twin_announces, args=(str(folder), stop, tally), daemon=True)
+        twin.start()
+    outs = finish_all(processes, timeout=900)
+    stop.set()
+    if twin is not None:
+        twin.join(30)
+    with open(folder / "run" / "summary.json") as stream:
+        summary = json.load(stream)
+    per_user = summary.get("per_user_accuracy") or []
+    honest_users = [a for a in per_user[:3] if a is not None]
+    return {
+        "status": summary["status"],
+        "rounds": summary["rounds"],
+        "seconds": time.monotonic() - started,
+        "accuracy": summary["personalized_accuracy"],
+        "honest_users_accuracy": sum(honest_users) / len(honest_users) if honest_users else None,
+        "per_user_accuracy": per_user,
+        "rejected_updates": sum(summary.get("rejected_updates", {}).values()),
+        "rejected_clients": summary.get("rejected_clients", {}),
+        "lowered_counts": summary.get("lowered_counts", {}),
+        "lost_silos": summary.get("lost_silos", []),
+        "refusals": summary.get("refusals", {}),
+        "exit_codes": {rank: p.returncode for rank, p in processes.items()},
+        "named": "of its updates rejected so far" in outs[0],
+        **tally,
+    }
+
+
+def liars(root: str, rounds: int, out: str) -> None:
+    with tempfile.TemporaryDirectory() as work:
+        runs = {name: liar_run(root, rounds, work, name) for name in LIARS}
+    when = time.strftime("%Y-%m-%d %H:%M")
+    honest = runs["honest"]["honest_users_accuracy"]
+    lines = [
+        "# One dishonest silo among four\n",
+        f"`python benchmarks/silo_attack.py --part liars --mnist-root {root} --liar-rounds {rounds}`, {when}: "
+        f"server + 4 data-owner silos by hand (mutual TLS), MNIST paper split (4 users), HF, beta 0.05, 2 silos a "
+        f"round, {rounds} rounds; rank 4 (user 3) lies. Accuracy is the personalized accuracy of the final "
+        f"model; 'honest users' is users 0-2's mean (user 3's figure is the liar's own report).\n",
+        "| scenario | status, rounds | accuracy | honest users | against honest | rejected (by silo) | lowered counts "
+        "| silos lost | refusals | s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in runs.items():
+        base = {"weight": runs["honest, sample_weighted"], "twin": runs["honest, 200 rounds"]}.get(name, runs["honest"])
+        base = r if name.startswith("honest") else base
+        mean = r["honest_users_accuracy"]
+        diff = (
+            ""
+            if mean is None or base["honest_users_accuracy"] is None
+            else f"{mean - base['honest_users_accuracy']:+.4f}"
+        )
+        lines.append(
+            f"| {name} | {r['status']}, {r['rounds']} | {r['accuracy']:.4f} | "
+            f"{'-' if mean is None else f'{mean:.4f}'} | {diff} | {r['rejected_updates']} "
+            f"{json.dumps(r['rejected_clients'])} | {json.dumps(r['lowered_counts'])} | "
+            f"{json.dumps([(x['rank'], x['why'][:60]) for x in r['lost_silos']])} | {json.dumps(r['refusals'])} | "
+            f"{r['seconds']:.0f} |"
+        )
+    lines.append(
+        f"\nThe twin's announcement (silo 4's key, a new process, once training started): {runs['twin'].get('twin')}."
+    )
+    text = "\n".join(lines) + "\n"
+    with open(out + "_liars.md", "w") as stream:
+        stream.write(text)
+    with open(out + "_liars.json", "w") as stream:
+        json.dump({"when": when, "rounds": rounds, "honest_users_accuracy": honest, **runs}, stream, indent=2)
+    print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mnist-root", required=True)
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--liar-rounds", type=int, default=20)
+    parser.add_argument("--part", choices=("transport", "liars", "all"), default="all")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "silo_attack"))
     args = parser.parse_args()
+    if args.part in ("liars", "all"):
+        liars(os.path.abspath(args.mnist_root), args.liar_rounds, args.out)
+    if args.part == "liars":
+        return
     with tempfile.TemporaryDirectory() as work:
         runs = {
             name: one_run(os.path.abspath(args.mnist_root), args.rounds, work, name)

@@ -9,7 +9,13 @@
   it refused a silo (a silo still starting up when the server stops the run);
 - ``vanish:R:STAGE``: it is honest until, in round R, the server has taken its secure-aggregation
   message of STAGE (``shares``: its key shares; ``masked``: its masked input); then it SIGKILLs itself;
-- ``fail:R``: it is honest until its training in round R raises an error (a crash in its own code).
+- ``fail:R``: it is honest until its training in round R raises an error (a crash in its own code);
+- ``shrink``: every upload is 0.001 times the model it received;
+- ``boundmax``: every upload steps against its honest update's direction, 0.99 of the fixed bound
+  (``max_update_ratio`` = 1 x max(||w||, 1)) away from the model it received;
+- ``weight``: it announces, and claims in every upload, 2^31 - 1 training samples;
+- ``flood:R``: it is honest until the server's model of round R comes; then it closes its own port
+  and sends the server 100 announcements in 10 s, from its own process, before it trains.
 """
 
 import os
@@ -83,6 +89,59 @@ def lie(kind: str) -> None:
             return honest_train(self, round_idx)
 
         client.PluginTrainerDistAdapter.train = failing_train
+    elif kind in ("shrink", "boundmax"):
+        honest_train = client.PluginTrainerDistAdapter.train
+        honest_update = client.PluginTrainerDistAdapter.update_model
+
+        def remember(self, model_params):
+            self.received = {k: v.detach().clone() for k, v in model_params.items()}
+            return honest_update(self, model_params)
+
+        def lying_train(self, round_idx):
+            weights, samples = honest_train(self, round_idx)
+            received = self.received
+            if kind == "shrink":
+                return type(weights)((k, 0.001 * received[k]) for k in weights), samples
+            delta = {k: weights[k].double() - received[k].double() for k in weights}
+            norm = float(torch.sqrt(sum((d**2).sum() for d in delta.values())))
+            size = float(torch.sqrt(sum((v.double() ** 2).sum() for v in received.values())))
+            step = 0.99 * max(size, 1.0) / max(norm, 1e-12)
+            return type(weights)(
+                (k, (received[k].double() - step * delta[k]).to(weights[k].dtype)) for k in weights
+            ), samples
+
+        client.PluginTrainerDistAdapter.update_model = remember
+        client.PluginTrainerDistAdapter.train = lying_train
+    elif kind == "weight":
+        from fedml_perfedavg.fedml_bridge.cross_silo import agreement
+
+        honest_hello, honest_train = agreement.hello, client.PluginTrainerDistAdapter.train
+        claimed = 2**31 - 1
+
+        def lying_hello(*args, **kwargs):
+            announced = honest_hello(*args, **kwargs)
+            return {**announced, "train": claimed} if announced["train"] is not None else announced
+
+        def lying_count(self, round_idx):
+            weights, _ = honest_train(self, round_idx)
+            return weights, claimed
+
+        agreement.hello = lying_hello
+        client.PluginTrainerDistAdapter.train = lying_count
+    elif kind.startswith("flood:"):
+        flood_round, honest_model = int(kind.split(":")[1]), client.PluginClientMasterManager._on_model
+
+        def flooding(self, msg_params):
+            from fedml_perfedavg.fedml_bridge.cross_silo.transport import ROUND_KEY
+
+            if int(msg_params.get(ROUND_KEY)) == flood_round:
+                self.com_manager.gate.stop()  # the server's answers meet a closed port
+                for _ in range(100):
+                    self._announce(time.monotonic() + 5)
+                    time.sleep(0.1)
+            return honest_model(self, msg_params)
+
+        client.PluginClientMasterManager._on_model = flooding
     elif kind.startswith("vanish:"):
         from fedml_perfedavg.fedml_bridge.cross_silo import wire
 

@@ -191,7 +191,7 @@ def test_a_silo_with_a_valid_certificate_that_lies_about_its_update_is_refused(
     if lie == "huge-once":
         assert summary["rejected_updates"] == {"1": 1}
         assert re.search(
-            r"round 1: rejected client update 1: update norm 2\.6\d*e\+32 exceeds train_args\."
+            r"round 1: rejected silo rank 2: update norm 2\.6\d*e\+32 exceeds train_args\."
             r"max_update_ratio=1\.0 x max\(\|\|w\|\|, 1\) = \d",
             outs[0],
         ), outs[0][-3000:]

@@ -165,6 +165,10 @@ def test_a_silo_that_misses_the_round_deadline_is_given_up_on_and_the_round_goes
     actions = p.handle(Tick(31.0))
     ((round_idx, lost, why),) = records(actions, "record_lost_silos")
     assert (round_idx, lost) == (0, [2]) and "sent no update within 30.0 s" in why
+    assert "acted on 30.0 s after the phase opened" in why  # the deadline applied, as the record keeps it
+    late = protocol(timeout=30.0)[0]  # a server that could act only later says so
+    online(late)
+    assert "acted on 44.0 s after" in records(late.handle(Tick(45.0)), "record_lost_silos")[0][2]
     assert model.aggregated == [(0, [0])]
     assert [m.silo for m in sends(actions, EVALUATION)] == [1]  # the silo given up on is not asked
 

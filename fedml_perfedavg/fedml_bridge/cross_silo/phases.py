@@ -83,7 +83,11 @@ class PhaseClock:
             )
         return wait
 
-    def deadline_words(self) -> str:
-        """The passed deadline, in words for a log line."""
+    def deadline_words(self, now: float) -> str:
+        """The passed deadline, and when at ``now`` it was acted on (the deadline actually
+        applied, which the record keeps), in words for a log line."""
         assert self.deadline is not None
-        return f"{self.deadline - self.opened:.1f} s (the round deadline, see comm_args.round_timeout_factor)"
+        return (
+            f"{self.deadline - self.opened:.1f} s (the round deadline, see comm_args.round_timeout_factor; "
+            f"acted on {now - self.opened:.1f} s after the phase opened)"
+        )

@@ -185,9 +185,9 @@ class SiloServerProtocol:
             self.rounds.give_up_on(missing, why, go_on)
             self._start_training(now)
         elif phase is Phase.TRAINING:
-            self._after(now, self.rounds.close_round(now, f"sent no update within {self.clock.deadline_words()}"))
+            self._after(now, self.rounds.close_round(now, f"sent no update within {self.clock.deadline_words(now)}"))
         elif phase is Phase.EVALUATING:
-            why = f"sent no evaluation within {self.clock.deadline_words()}"
+            why = f"sent no evaluation within {self.clock.deadline_words(now)}"
             self._after(now, self.rounds.close_evaluation(now, why))
         elif phase is Phase.FINISHING:
             self.clock.disarm()

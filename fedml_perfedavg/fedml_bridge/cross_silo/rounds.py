@@ -252,7 +252,7 @@ class SiloRounds(SecureStages):
         """The round's or the evaluation's models did not reach ``silos`` (silo -> why) in time."""
         for _, why in sorted(silos.items()):
             logger.warning("%s", why)
-        words = f"unreachable for {self.clock.deadline_words()}"
+        words = f"unreachable for {self.clock.deadline_words(now)}"
         if purpose == ROUND and self.clock.phase is Phase.TRAINING and self.secure is not None:
             go_on, _ = self.members.policy.after_deadline(
                 self.round.expected, [s for s in self.round.assigned if s not in silos]
