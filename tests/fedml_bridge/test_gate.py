@@ -8,20 +8,21 @@ import time
 
 import pytest
 
-from fedml_perfedavg.fedml_bridge.cross_silo.gate import Gate, GateLimits, PortTaken
+from fedml_perfedavg.fedml_bridge.cross_silo.gate import Backend, Gate, GateLimits, PortTaken
 from fedml_perfedavg.fedml_bridge.cross_silo.refusals import BURST, REPORT_SECONDS, WINDOW_SECONDS, RefusalLog
 
 
 class Echo:
-    """A backend that echoes what it gets (stands in for gRPC behind the gate)."""
+    """A backend that echoes what it gets (stands in for gRPC behind the gate), on the gate's
+    Unix socket."""
 
     def __init__(self):
         import threading
 
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.backend = Backend()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.backend.path)
         self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
         self.peers = []
         self.running = True
         threading.Thread(target=self._serve, daemon=True).start()
@@ -34,7 +35,7 @@ class Echo:
                 conn, peer = self.sock.accept()
             except OSError:
                 return
-            self.peers.append(peer[1])  # the gate's side: what gRPC would name the peer by
+            self.peers.append(peer)  # the gate's side: the name gRPC would know the peer by
             threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
 
     @staticmethod
@@ -57,12 +58,12 @@ def gate():
     refused = []
     limits = GateLimits(per_peer=3, total=5, first_request_seconds=1.0, idle_seconds=30.0, tls=True)
     door = Gate(
-        ("127.0.0.1", 0), backend.port, limits, lambda host, port, reason, text: refused.append((host, reason, text))
+        ("127.0.0.1", 0), backend.backend, limits, lambda host, port, reason, text: refused.append((host, reason, text))
     )
     door.start()
     door.address = ("127.0.0.1", door.port)
     door.refused = refused
-    door.backend = backend
+    door.echo = backend
     yield door
     door.stop()
     backend.close()
@@ -113,7 +114,7 @@ def _authenticated(gate, source):
     one reaches gRPC."""
     sock = _connect(gate.address, source)
     assert _echoes(sock)  # through the gate: the backend has taken it
-    gate.note_request(f"ipv4:127.0.0.1:{gate.backend.peers[-1]}")
+    gate.note_request(f"unix:{gate.echo.peers[-1]}")
     assert _echoes(sock)  # bytes after the request: the gate sees it is no longer waiting
     return sock
 
@@ -187,12 +188,12 @@ def test_a_connection_without_a_request_is_cut_at_its_deadline_and_named(gate, s
 def test_the_public_port_is_exclusive():
     backend = Echo()
     limits = GateLimits(per_peer=3, total=5, first_request_seconds=1.0, idle_seconds=30.0)
-    first = Gate(("127.0.0.1", 0), backend.port, limits, lambda *a: None)
+    first = Gate(("127.0.0.1", 0), backend.backend, limits, lambda *a: None)
     first.start()
     port = first.port
     try:
         with pytest.raises(PortTaken, match=f"127.0.0.1:{port}"):
-            Gate(("127.0.0.1", port), backend.port, limits, lambda *a: None).start()
+            Gate(("127.0.0.1", port), Backend(), limits, lambda *a: None).start()
     finally:
         first.stop()
         backend.close()

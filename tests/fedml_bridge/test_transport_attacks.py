@@ -415,3 +415,27 @@ def test_the_managers_deadlines_tick_on_time_under_a_steady_stream_of_messages(w
     gaps = [b - a for a, b in zip([started, *ticks], ticks)]
     assert len(ticks) >= 6 and max(gaps) < 0.5
     server.is_running = True  # the fixture stops it properly
+
+
+def test_grpc_behind_the_gate_listens_on_a_unix_socket_only_this_user_can_reach(world):
+    """Issue 44: gRPC behind the gate listened on a loopback TCP port, which any local process could
+    flood (it stopped a run at round 0). Now the only TCP ports are the gates' own."""
+    import os
+    import stat
+    import subprocess
+
+    for transport in (world.server, world.silo):
+        backend = transport.gate.backend
+        assert stat.S_ISSOCK(os.stat(backend.path).st_mode)
+        assert stat.S_IMODE(os.stat(backend.directory).st_mode) == 0o700
+    listening = subprocess.run(["ss", "-H", "-ltnp"], capture_output=True, text=True, check=True).stdout
+    ours = {int(line.split()[3].rsplit(":", 1)[1]) for line in listening.splitlines() if f"pid={os.getpid()}," in line}
+    assert ours == {world.server.addresses[0][1], world.silo.addresses[1][1]}, listening
+    assert _model_to_silo(world).type == wire.SYNC_MODEL  # through the gate to gRPC, as before
+    assert world.silo.refusals.totals == {}
+    # gRPC names the request's peer by the gate's socket (unix:PATH): matched to its connection, which
+    # then counts as past its handshake (issue 43)
+    assert any(c.requests > 0 and not c.waiting for c in world.silo.gate.book.connections())
+    server_dir = world.server.gate.backend.directory
+    world.server.stop_receive_message()
+    assert not os.path.exists(server_dir)  # removed with the gate

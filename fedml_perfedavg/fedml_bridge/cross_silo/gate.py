@@ -16,8 +16,10 @@ before the handshake, so the port a peer reaches is this gate's: it accepts, app
 - a deadline for a connection's first request (the TLS handshake and gRPC's preface included),
 - an idle limit once it has carried requests,
 
-and forwards the bytes, untouched, to the process's gRPC server on a private loopback port (TLS
-is still end to end: the gate holds no key and reads nothing but the first byte). A connection
+and forwards the bytes, untouched, to the process's gRPC server on a Unix socket in a directory
+only this user can enter (:class:`Backend`): no other process reaches gRPC but through the gate,
+and no TCP port is left for a local flood. TLS is still end to end: the gate holds no key and
+reads nothing but the first byte. A connection
 that closes without ever carrying a request (a failed or abandoned handshake, plaintext to a TLS
 port, an idle one cut at its deadline) is reported with its peer's address to ``on_refusal``,
 which the transport rate-limits and counts.
@@ -28,9 +30,14 @@ The gate runs an ``asyncio`` loop in one daemon thread per process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import itertools
 import logging
+import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -129,7 +136,7 @@ class ConnectionBook:
         # connection has since carried a request is dropped when it is met (see _oldest_waiting).
         self._waiting: "OrderedDict[int, _Connection]" = OrderedDict()
         self._waiting_from: Dict[str, "OrderedDict[int, _Connection]"] = {}
-        self._by_backend_port: Dict[int, _Connection] = {}
+        self._by_backend_name: Dict[str, _Connection] = {}
         self.accepted = 0
         self.most_open = 0  # the highest number of concurrent connections seen
 
@@ -225,20 +232,16 @@ class ConnectionBook:
         self._open.pop(id(connection), None)
         self._stop_waiting(connection)
 
-    def bind_backend(self, backend_port: int, connection: Optional[_Connection]) -> None:
-        """``connection`` reaches gRPC from ``backend_port`` (None: no longer)."""
+    def bind_backend(self, name: str, connection: Optional[_Connection]) -> None:
+        """``connection`` reaches gRPC from the Unix socket name ``name`` (None: no longer)."""
         if connection is None:
-            self._by_backend_port.pop(backend_port, None)
+            self._by_backend_name.pop(name, None)
         else:
-            self._by_backend_port[backend_port] = connection
+            self._by_backend_name[name] = connection
 
     def connection_of(self, grpc_peer: str) -> Optional[_Connection]:
-        """The connection behind gRPC's peer string for the backend side (``ipv4:127.0.0.1:PORT``)."""
-        try:
-            port = int(grpc_peer.rsplit(":", 1)[1])
-        except (IndexError, ValueError):
-            return None
-        return self._by_backend_port.get(port)
+        """The connection behind gRPC's peer string for the backend side (``unix:PATH``)."""
+        return self._by_backend_name.get(grpc_peer[len("unix:") :]) if grpc_peer.startswith("unix:") else None
 
     def overdue(self, now: float) -> List[_Connection]:
         """Connections past their deadline: no request (nor a message under way) within
@@ -258,6 +261,42 @@ def _evicted(victim: _Connection, newcomer: str) -> str:
         f"connection closed to make room for a newcomer from {newcomer}: no request after "
         f"{time.monotonic() - victim.opened:.2f} s, idle longest ({victim.bytes_in} bytes in)"
     )
+
+
+class Backend:
+    """Where gRPC listens behind the gate: a Unix socket in a fresh directory only this user can
+    enter (mode 0700). Each of the gate's connections to it binds a name of its own in that
+    directory, which gRPC reports as the request's peer (``unix:PATH``): so a request is matched
+    to the connection it came through."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="fedml-perfedavg-gate-")  # 0700
+        self.path = os.path.join(self.directory, "grpc.sock")
+        self._count = itertools.count()
+
+    @property
+    def address(self) -> str:
+        """gRPC's name for it (``server.add_secure_port``)."""
+        return "unix:" + self.path
+
+    async def connect(self) -> Tuple[socket.socket, str]:
+        """A connected socket to gRPC, and the name it is known by there."""
+        name = os.path.join(self.directory, f"c{next(self._count)}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(name)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, self.path)
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(name)  # the socket keeps its name; the directory does not fill up
+        return sock, name
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class PortTaken(OSError):
@@ -281,18 +320,18 @@ def listen_exclusively(ip: str, port: int) -> socket.socket:
 
 
 class Gate:
-    """Accepts on ``public`` and forwards to ``127.0.0.1:backend_port`` within ``limits``.
+    """Accepts on ``public`` and forwards to ``backend`` (gRPC's Unix socket) within ``limits``.
     ``on_refusal(host, port, reason, text)`` hears of every connection refused or closed without a
     request (called from the gate's thread)."""
 
     def __init__(
         self,
         public: Tuple[str, int],
-        backend_port: int,
+        backend: Backend,
         limits: GateLimits,
         on_refusal: Callable[[str, int, str, str], None],
     ) -> None:
-        self.public, self.backend_port, self.limits, self.on_refusal = public, backend_port, limits, on_refusal
+        self.public, self.backend, self.limits, self.on_refusal = public, backend, limits, on_refusal
         self._loop = asyncio.new_event_loop()
         self._sock: Optional[socket.socket] = None
         self._sweeper: Optional[asyncio.Task] = None
@@ -380,6 +419,7 @@ class Gate:
         self._thread = None
         if not self._loop.is_running():
             self._loop.close()
+        self.backend.remove()  # gRPC's socket and its directory (gRPC is stopped, or is being)
 
     # -- what the transport asks ------------------------------------------------------------------
     def peer_of(self, grpc_peer: str) -> Tuple[str, str]:
@@ -424,14 +464,12 @@ class Gate:
                 return
             self.book.moved(connection, first, inbound=True)
             try:
-                backend_reader, backend_writer = await asyncio.wait_for(
-                    asyncio.open_connection("127.0.0.1", self.backend_port, limit=_CHUNK), 5.0
-                )
+                backend_sock, backend_name = await asyncio.wait_for(self.backend.connect(), 5.0)
+                backend_reader, backend_writer = await asyncio.open_unix_connection(sock=backend_sock, limit=_CHUNK)
             except (OSError, asyncio.TimeoutError):
                 return  # the process's own gRPC server is gone: it is shutting down
             connection.writers.append(backend_writer)
-            backend_port = backend_writer.get_extra_info("sockname")[1]
-            self.book.bind_backend(backend_port, connection)
+            self.book.bind_backend(backend_name, connection)
             try:
                 backend_writer.write(first)
                 await asyncio.gather(
@@ -439,7 +477,7 @@ class Gate:
                     self._pipe(backend_reader, writer, connection, inbound=False),
                 )
             finally:
-                self.book.bind_backend(backend_port, None)
+                self.book.bind_backend(backend_name, None)
         finally:
             connection.close()
             conn.close()  # aborted with its transport already, or never handed to one

@@ -51,7 +51,7 @@ from .credentials import (
     peer_certificate_problem,
     rank_of_names,
 )
-from .gate import Gate, GateLimits, PortTaken
+from .gate import Backend, Gate, GateLimits, PortTaken
 from .refusals import RefusalLog
 
 import_fedml()
@@ -207,21 +207,25 @@ def listen(transport: "SecureGRPCCommManager", address: Tuple[str, int], ranks: 
         futures.ThreadPoolExecutor(max_workers=max(4, transport.client_num + 2)), options=server_options
     )
     pb2_grpc.add_gRPCCommManagerServicer_to_server(_Servicer(transport), server)
-    credentials = settings.credentials
+    credentials, backend = settings.credentials, Backend()
     if credentials is None:
-        backend_port = server.add_insecure_port("127.0.0.1:0")
+        bound = server.add_insecure_port(backend.address)
     else:
-        backend_port = server.add_secure_port(
-            "127.0.0.1:0",
+        bound = server.add_secure_port(
+            backend.address,
             grpc.ssl_server_credentials(
                 [(credentials.key, credentials.cert)], root_certificates=credentials.ca, require_client_auth=True
             ),
         )
-    gate = Gate((ip, port), backend_port, limits, transport._connection_refused)
+    if not bound:
+        backend.remove()
+        raise PortUnavailable(f"rank {rank}: gRPC could not listen on {backend.path} (behind the gate)")
+    gate = Gate((ip, port), backend, limits, transport._connection_refused)
     try:
         gate.start()
     except PortTaken as err:
         server.stop(None)
+        backend.remove()
         raise PortUnavailable(
             f"rank {rank} cannot listen on {ip}:{port} (comm_args.grpc_ipconfig_path="
             f"{transport.grpc_ipconfig_path!r}): the port is in use, maybe by a process of an earlier run, or the "
