@@ -219,6 +219,7 @@ def _twin_announces(run_dir: str, stop: threading.Event, tally: dict) -> None:
         time.sleep(0.005)  # the rounds take tens of ms: announce within the first ones
     if stop.is_set():
         return
+    time.sleep(0.3)  # inside training, not at the instant the seats are taken
     import csv
 
     with open(os.path.join(run_dir, "ip.csv")) as stream:  # the address file start_by_hand wrote

@@ -217,6 +217,7 @@ def test_a_second_process_with_a_silos_key_announcing_mid_run_takes_nothing_from
     while not ((run_dir / "run.log").exists() and TRAINING_STARTED in (run_dir / "run.log").read_text()):
         assert time.monotonic() < deadline and process.poll() is None
         time.sleep(0.05)
+    time.sleep(0.5)  # well inside training (about 10 s of it), not at the instant the seats are taken
     server_pid = json.loads((run_dir / "silo_processes.json").read_text())["0"]
     command = open(f"/proc/{server_pid}/cmdline", "rb").read().split(b"\0")
     run_id = command[command.index(b"--run_id") + 1].decode()

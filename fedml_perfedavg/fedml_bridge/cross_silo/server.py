@@ -237,6 +237,7 @@ class PluginServerManager(FedMLServerManager):
             phase = self.protocol.phase
             self.args.round_idx = self.protocol.round_idx  # FedML's counter, read by its aggregator
             actions = self.protocol.handle(pending.pop(0))
+            self._hold_seats()  # before the sends, which may take a while: the seats hold from now
             for action in actions:
                 pending.extend(self._carry_out(action))
             self.args.round_idx = self.protocol.round_idx
