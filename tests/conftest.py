@@ -87,7 +87,23 @@ def pytest_collection_finish(session):
 
         grpc.server = grpc.secure_channel = grpc.insecure_channel = _refusing("opens a gRPC server or channel")
     sys.meta_path.insert(0, _RefuseBackendImports())
+    _prepare_libraries()
     subprocess.Popen.__init__ = _refusing("starts a subprocess")
+
+
+def _prepare_libraries() -> None:
+    """Libraries that start a subprocess once, on first import, do it here, before subprocesses
+    are refused: matplotlib builds its font cache with ``fc-list`` (on a fresh machine, with no
+    cache yet, the first fast test that plotted failed), and numpy.testing, which scipy imports,
+    runs ``lscpu``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.font_manager  # noqa: F401  (builds the cache where there is none)
+        import numpy.testing  # noqa: F401
+    except ImportError:  # plotting is an extra; tests that need it skip without it
+        pass
 
 
 @pytest.fixture(scope="session")

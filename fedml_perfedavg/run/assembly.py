@@ -77,8 +77,35 @@ def check_layout(config: Config, args: Any) -> None:
             f"{max(1, args.worker_num - 1)}; or run mpirun -n 2 to "
             f"{config.client_num_per_round + 1})"
         )
+    check_one_process(config)
     if config.training_type == "cross_silo":
         check_silo_role(config, int(args.rank), str(args.role))
+
+
+# What MPICH's Hydra (PMI_SIZE), Open MPI (OMPI_COMM_WORLD_SIZE) and PMIx launchers (PMIX_SIZE) tell
+# each process they start: read without importing mpi4py, which a single-process run never needs.
+MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def check_one_process(config: Config) -> None:
+    """:class:`ConfigError` for a single-process simulation started as one of several processes by
+    mpirun: each would run the whole job into one run directory (issue 45)."""
+    ranks = mpi_job_size()
+    if config.training_type == "simulation" and config.backend != "MPI" and ranks > 1:
+        raise ConfigError(
+            f"comm_args.backend={config.backend!r}, but this process is one of {ranks} that mpirun started: "
+            f"each would run the whole single-process job into one run directory; set comm_args.backend: MPI "
+            f"(as the *_mpi.yaml configs do), or start it without mpirun"
+        )
+
+
+def mpi_job_size() -> int:
+    """How many processes the MPI launcher that started this one started (1 without one)."""
+    for name in MPI_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 1
 
 
 def assemble(

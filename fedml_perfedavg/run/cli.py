@@ -159,6 +159,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         from ..stopping import sigterm_as_interrupt
 
+        from .assembly import check_one_process
+
+        check_one_process(config)  # before any process resolves or creates the run directory
         if config.training_type == "cross_silo" or args.role is not None:
             from .silo_addresses import check_silo_role
 

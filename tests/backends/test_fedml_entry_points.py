@@ -160,3 +160,32 @@ sys.__stdout__.write(f"READS {{len(opened)}} {{args.perfedavg_variant}} {{typed}
 """
     out = _run([sys.executable, "-c", code, "--cf", path], tmp_path)
     assert "READS 1 exact True" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
+
+
+@needs_mnist
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun (PyPI mpich) not installed")
+@pytest.mark.parametrize("entry", ["cli", "run_simulation"])
+def test_a_single_process_config_under_mpirun_is_refused_at_once_naming_backend(mnist_root, tmp_path, entry):
+    """Issue 45: mpirun -n 3 over a config saying backend sp ran 3 copies of the whole job into one
+    run folder (2 "finished", 1 failed, exit status 0, no warning)."""
+    path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "sp", tmp_path / "runs")
+    if entry == "cli":
+        command = f"{sys.executable} -m fedml_perfedavg --cf {path} --run-dir {tmp_path / 'runs' / 'x'}"
+    else:
+        command = f"{sys.executable} {_one_line('MPI')} --cf {path}"
+    home = tmp_path / "home"
+    home.mkdir()
+    out = subprocess.run(
+        offline([MPIRUN, "-n", "3", "sh", "-c", command]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)},
+    )
+    printed = out.stdout + out.stderr
+    assert out.returncode != 0, printed[-3000:]
+    assert printed.count("comm_args.backend='sp', but this process is one of 3 that mpirun started") == 3, printed[
+        -3000:
+    ]
+    assert not any(p.name == "summary.json" for p in (tmp_path / "runs").rglob("*")), printed[-2000:]
