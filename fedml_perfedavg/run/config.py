@@ -667,6 +667,16 @@ def _rule_algorithm(c: Config) -> None:
     )
 
 
+# FedML's secure aggregation: its optimizer names, and the keys only it reads (cross_silo/lightsecagg).
+FEDML_SECURE_AGGREGATION = {"LSA": "LightSecAgg (LSA)", "SA": "SecAgg (SA)"}
+FEDML_SECURE_AGGREGATION_KEYS = (
+    "prime_number",
+    "precision_parameter",
+    "privacy_guarantee",
+    "targeted_number_active_clients",
+)
+
+
 def check_algorithm_name(args: Any) -> None:
     """``args.federated_optimizer`` made the registry's spelling when it names a plugin algorithm
     in another case; left alone when it is one of FedML's own; else an error listing the names
@@ -678,6 +688,14 @@ def check_algorithm_name(args: Any) -> None:
             logger.info("train_args.federated_optimizer=%r read as %r", name, canonical)
             args.federated_optimizer = canonical
         return
+    if name in FEDML_SECURE_AGGREGATION:
+        raise ConfigError(
+            f"train_args.federated_optimizer={name!r}: FedML's {FEDML_SECURE_AGGREGATION[name]} does not run with "
+            f"fedml_perfedavg imported (the plugin's cross-silo transport carries its own protocol's messages "
+            f"only, never pickles{'; and FedML 0.9.6 lacks the module SA needs' if name == 'SA' else ''}). For "
+            f"secure aggregation use the plugin's: federated_optimizer: PerFedAvg (or FedAvgUpdate) with "
+            f"secagg_args: {{enable_secagg: true}} (README: Secure aggregation)"
+        )
     if name is None or name in FEDML_OWN:
         return
     names = algorithm_names()
@@ -1023,6 +1041,13 @@ def resolve(
             if f is None:
                 suggestion = _suggest(name, BY_NAME)
                 known = name in FEDML_KEYS or name in FEDML_PASSTHROUGH
+                if name in FEDML_SECURE_AGGREGATION_KEYS:
+                    raise ConfigError(
+                        f"{section}.{name}={value!r}: a key of FedML's secure aggregation (LSA), which the plugin "
+                        f"does not run: with it the updates would be averaged in the clear. For secure "
+                        f"aggregation use secagg_args: {{enable_secagg: true}} (README: Secure aggregation), and "
+                        f"remove {name}"
+                    )
                 if not known and suggestion:
                     raise ConfigError(f"{section}.{name}={value!r}: unknown key{suggestion}")
                 if not known:

@@ -189,3 +189,34 @@ def test_a_single_process_config_under_mpirun_is_refused_at_once_naming_backend(
         -3000:
     ]
     assert not any(p.name == "summary.json" for p in (tmp_path / "runs").rglob("*")), printed[-2000:]
+
+
+@needs_mnist
+@pytest.mark.parametrize("optimizer", ["LSA", "SA"])
+def test_fedmls_own_secure_aggregation_is_refused_at_start_pointing_to_the_plugins(mnist_root, tmp_path, optimizer):
+    """Issue 45: with the plugin imported, LSA crashed every rank ("message type 9 is not part of the
+    cross-silo protocol") and SA died on FedML's missing module. Now both stop at start, saying why."""
+    address_file = write_ipconfig(str(tmp_path / "ipconfig.csv"), 3)
+    path = example_yaml(
+        tmp_path,
+        "fedml_config_silo.yaml",
+        mnist_root,
+        "silo",
+        tmp_path / "runs",
+        grpc_ipconfig_path=address_file,
+        federated_optimizer=optimizer,
+    )
+    home = tmp_path / "home"
+    home.mkdir()
+    out = subprocess.run(
+        offline(["sh", "-c", f"{sys.executable} {_one_line('server')} --cf {path} --rank 0 --role server"]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)},
+    )
+    printed = out.stdout + out.stderr
+    assert out.returncode != 0, printed[-3000:]
+    assert f"train_args.federated_optimizer={optimizer!r}: FedML's" in printed, printed[-3000:]
+    assert "secagg_args: {enable_secagg: true}" in printed and "message type 9" not in printed

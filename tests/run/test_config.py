@@ -230,3 +230,17 @@ def test_config_warnings_print_once_however_often_the_config_is_read(caplog):
         for _ in range(3):
             resolve({"train_args": {"momentum": 0.123}})
     assert caplog.text.count("momentum=0.123") == 1
+
+
+def test_keys_of_fedmls_secure_aggregation_are_refused_not_passed_on_in_the_clear():
+    """Issue 45: PerFedAvg with LSA's keys averaged in the clear, with only a warning."""
+    from argparse import Namespace
+
+    from fedml_perfedavg.run.config import check_algorithm_name
+
+    with pytest.raises(ConfigError, match=r"train_args\.prime_number=32749: a key of FedML's secure aggregation"):
+        resolve({"train_args": {"prime_number": 32749}}, {})
+    with pytest.raises(ConfigError, match=r"secagg_args: \{enable_secagg: true\}"):
+        check_algorithm_name(Namespace(federated_optimizer="LSA"))
+    with pytest.raises(ConfigError, match="lacks the module SA needs"):
+        check_algorithm_name(Namespace(federated_optimizer="SA"))
