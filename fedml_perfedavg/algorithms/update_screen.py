@@ -55,6 +55,7 @@ class UpdateScreen:
         self.norms: Deque[float] = deque(maxlen=HISTORY)
         self.counts: Deque[float] = deque(maxlen=HISTORY)
         self._named: Set[str] = set()
+        self.last_problem: Optional[str] = None  # why the last rejected update was (for a stopped run's error)
         self._bound_logged = False
 
     def relative_bound(self, candidates: Sequence[float] = ()) -> Optional[float]:
@@ -134,6 +135,7 @@ class UpdateScreen:
 
     def _reject(self, round_idx: int, client: str, known: bool, problem: Optional[str]) -> None:
         logger.warning("round %d: rejected %s: %s", round_idx, client, problem)
+        self.last_problem = problem
         if not known:
             return
         self.rejected_clients[client] = self.rejected_clients.get(client, 0) + 1
@@ -196,9 +198,10 @@ class UpdateScreen:
             self.max_skipped_rounds,
         )
         if self.skipped_rounds >= self.max_skipped_rounds:
+            last = f"; the last update rejected: {self.last_problem}" if self.last_problem else ""
             raise RunStopped(
                 f"{self.skipped_rounds} rounds had no acceptable client update (train_args."
-                f"max_skipped_rounds={self.max_skipped_rounds}); last at round {round_idx}"
+                f"max_skipped_rounds={self.max_skipped_rounds}); last at round {round_idx}{last}"
             )
 
     def state_dict(self) -> Dict[str, Any]:

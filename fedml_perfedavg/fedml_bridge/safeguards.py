@@ -24,6 +24,7 @@ import contextlib
 import copy
 import io
 import logging
+import math
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -560,6 +561,21 @@ def run_facts(config: Any) -> Dict[str, Any]:
         "train_data_num_in_total": None,
         "aggregation": config.aggregation,
     }
+
+
+def local_noise_norm(safeguards: Optional[FedMLSafeguards], parameters: int) -> Optional[float]:
+    """The norm FedML's local DP adds to a client update of ``parameters`` values (each gets
+    independent noise: the standard deviation times sqrt(parameters)), or None without local DP
+    (fedml/core/dp/mechanisms/gaussian.py, laplace.py give the scales)."""
+    if safeguards is None or safeguards.dp is None or not safeguards.dp.is_local_dp_enabled():
+        return None
+    view = safeguards.view
+    epsilon, delta, sensitivity = float(view.epsilon), float(view.delta), float(view.sensitivity)
+    if str(view.mechanism_type).lower() == "gaussian":
+        std = math.sqrt(2 * math.log(1.25 / delta)) * sensitivity / epsilon
+    else:  # laplace: scale b, standard deviation b * sqrt(2)
+        std = math.sqrt(2) * sensitivity / (epsilon - math.log(1 - delta))
+    return std * math.sqrt(parameters)
 
 
 def for_config(config: Any) -> Optional[FedMLSafeguards]:

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
+from torch import nn
 
 from .. import logs
 from ..algorithms.base import FederatedAlgorithm
 from ..algorithms.model_probe import ModelMismatch
 from ..algorithms.registry import create_algorithm
 from ..core.errors import ConfigError
+from ..core.guards import update_bound
 from ..core.privacy import PrivacyLedger, ReportedPrivacy, UseRules, planned_epsilon
 from ..core.types import StateDict, UserSplit
 from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
@@ -87,6 +89,33 @@ def check_layout(config: Config, args: Any) -> None:
 MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 
 
+def check_bound_holds_local_noise(config: Config, safeguards: Any, model: nn.Module) -> None:
+    """:class:`ConfigError` naming both keys when FedML's local DP adds more noise to an update
+    than the fixed update bound lets through: every update would be rejected, and the run stop
+    for rounds with no acceptable update (issue 45)."""
+    parameters = dict(model.named_parameters())
+    noise = fedml_safeguards.local_noise_norm(safeguards, sum(p.numel() for p in parameters.values()))
+    if noise is None:
+        return
+    bounds = []
+    if config.max_update_ratio is not None:
+        state = {k: v.detach() for k, v in parameters.items()}
+        limit = update_bound(state, config.max_update_ratio, list(parameters))
+        bounds.append((f"train_args.max_update_ratio={config.max_update_ratio:g} x max(||w||, 1) = {limit:.3g}", limit))
+    if config.max_update_norm is not None:
+        bounds.append((f"train_args.max_update_norm={config.max_update_norm:g}", config.max_update_norm))
+    over = [words for words, limit in bounds if noise > limit]
+    if over:
+        dp = config.safeguards["dp_args"]
+        raise ConfigError(
+            f"dp_args (local DP, {dp.get('mechanism_type')}, epsilon {dp.get('epsilon')}, sensitivity "
+            f"{dp.get('sensitivity')}) adds noise of norm about {noise:.3g} to every client update, over "
+            f"{' and '.join(over)}: every update would be rejected. Set train_args.max_update_ratio: null (and "
+            f"max_update_norm: null) to leave noisy updates unbounded, or raise dp_args.epsilon / lower "
+            f"dp_args.sensitivity"
+        )
+
+
 def check_one_process(config: Config) -> None:
     """:class:`ConfigError` for a single-process simulation started as one of several processes by
     mpirun: each would run the whole job into one run directory (issue 45)."""
@@ -152,6 +181,7 @@ def assemble(
     if safeguards is not None:
         algorithm.use_hooks(safeguards)
         logger.info("FedML's %s: applied by %s's round hooks", safeguards.describe(), algorithm.label)
+        check_bound_holds_local_noise(config, safeguards, model)
     parts = RunParts(
         args, config, run_dir, rank, device, dataset, model, users, algorithm, trainer, aggregator,
         aggregator.get_model_params(), log_handler,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedml_perfedavg.algorithms.base import NO_HOOKS
-from fedml_perfedavg.core.errors import ConfigError
+from fedml_perfedavg.core.errors import ConfigError, RunStopped
 from fedml_perfedavg.fedml_bridge.safeguards import FedMLSafeguards, applied_defenses
 from fedml_perfedavg.run.config import from_fedml_args, load, parse_overrides, resolve
 from fedml_perfedavg.run.runner import run
@@ -369,3 +369,23 @@ def test_keyed_draws_leave_the_global_generators_as_they_were():
         assert torch.equal(torch.rand(3), inside[0]) and np.array_equal(np.random.rand(3), inside[1])
     after = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(after[0], expected[0]) and np.array_equal(after[1], expected[1]) and after[2] == expected[2]
+
+
+def test_local_dp_noise_over_the_update_bound_is_refused_at_start_naming_both_keys(tmp_path):
+    """Issue 45: FedML's LDP at the issue's settings adds noise far over the default bound, so every
+    update was rejected and the run stopped saying neither DP nor the fix."""
+    noisy = {**LDP, "sensitivity": 0.1}
+    with pytest.raises(ConfigError) as err:
+        _run(tmp_path, {"dp_args": noisy}, "bounded")
+    words = str(err.value)
+    assert "dp_args (local DP, gaussian, epsilon 0.5, sensitivity 0.1) adds noise of norm about" in words
+    assert "train_args.max_update_ratio=1 x max(||w||, 1)" in words and "max_update_ratio: null" in words
+    result = _run(tmp_path, {"dp_args": noisy}, "unbounded", max_update_ratio=None)
+    assert result.summary["status"] == "finished" and result.summary["rejected_updates"] == {}
+
+
+def test_a_run_stopped_for_rejected_updates_says_why_in_the_users_keys(tmp_path):
+    with pytest.raises(
+        RunStopped, match=r"the last update rejected: update norm .* exceeds train_args\.max_update_norm"
+    ):
+        _run(tmp_path, {}, "tiny-bound", max_update_norm=1e-9)
