@@ -316,10 +316,10 @@ def probe(parts: RunParts) -> Optional[str]:
     try:
         notes = parts.algorithm.probe_model(parts.global_state, sample.train_x[:size], sample.train_y[:size])
     except ModelMismatch as err:
-        problem = (
-            f"the model ({type(parts.model).__name__}; model_args.model={config.model!r}) does not fit "
-            f"data_args.dataset={config.dataset!r}: {err}"
-        )
+        built = type(parts.model).__module__.split(".")[0] in ("fedml", "fedml_perfedavg")
+        origin = f"model_args.model={config.model!r}" if built else "your own module, not model_args.model"
+        name = type(parts.model).__name__
+        problem = f"the model ({name}; {origin}) does not fit data_args.dataset={config.dataset!r}: {err}"
         if not (config.own_data and not parts.is_server):
             raise ConfigError(problem) from None
         # A data owner's silo announces it: the server refuses it at once, naming it, and the run

@@ -55,7 +55,7 @@ def test_such_a_run_stops_at_start_naming_the_model_and_the_dataset(tmp_path):
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(16, 3))
     with pytest.raises(
         ConfigError,
-        match=r"the model \(Sequential; model_args.model='mlp'\) does not fit "
+        match=r"the model \(Sequential; your own module, not model_args.model\) does not fit "
         r"data_args.dataset='mnist': it cannot compute a loss",
     ):
         run(tiny_config(), str(tmp_path / "run"), data=tiny_data(), model=conv)
