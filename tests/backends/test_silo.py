@@ -120,10 +120,16 @@ def test_killed_silo_costs_seconds_with_the_default_timeouts_and_is_recorded(mni
     assert lost["rank"] == 2 and 1 <= lost["round"] < rounds
     # Killed while training (no update) or between rounds (the next model could not be sent),
     # after the adapted deadline (it may have grown since it was logged, if a later round was slower).
-    waited = re.match(r"(sent no update within|unreachable for) (\d+\.\d) s \(the round deadline", lost["why"])
-    assert waited, lost
-    waited = float(waited.group(2))
+    said = re.match(
+        r"(sent no update within|unreachable for) (\d+\.\d) s \(the round deadline.*acted on (\d+\.\d) s after",
+        lost["why"],
+    )
+    assert said, lost
+    waited, acted = float(said.group(2)), float(said.group(3))  # the deadline, and when the server acted
     assert deadline <= waited < 600
+    # No update: given up on at the deadline. Unreachable: at the deadline, or at once when its port
+    # refused the connection (a killed process's port does; a broken connection is retried).
+    assert acted >= waited or said.group(1) == "unreachable for", lost
     if min_clients == 1:  # the server finished every round with the silo that answered
         assert "going on without silo rank(s) [2]" in out
         assert summary["status"] == "finished" and summary["rounds"] == rounds
@@ -132,7 +138,7 @@ def test_killed_silo_costs_seconds_with_the_default_timeouts_and_is_recorded(mni
         # The dead silo cost the round in which it was lost the deadline, and no more.
         wall = {e["round"]: e["wall_seconds"] for e in summary["history"]}
         lost_round_took = wall[lost["round"]] - wall[lost["round"] - 1]
-        assert waited - 1 < lost_round_took < waited + 15, (lost_round_took, waited)
+        assert acted - 1 < lost_round_took < acted + 15, (lost_round_took, acted)
     else:  # not enough silos left: the server stops, names the missing rank and keeps its model
         assert summary["status"] == "stopped" and "silo rank(s) [2]" in summary["error"]
         assert "fewer than comm_args.min_clients_per_round=2" in summary["error"]
