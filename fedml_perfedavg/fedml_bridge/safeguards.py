@@ -79,6 +79,9 @@ HOME_SECTION: Dict[str, str] = {
     },
     **{k: "defense_args" for k in ("enable_defense", "defense_type", "norm_bound", "krum_param_m")},
 }
+# Keys FedML's attacks and defenses both read: given outside both sections, each section gets it
+# (its own value, where it has one, stays).
+SHARED_KEYS: Dict[str, Tuple[str, ...]] = {"byzantine_client_num": ("attack_args", "defense_args")}
 
 # fedml/core/dp/fedml_differential_privacy.py: is_local_dp_enabled / is_global_dp_enabled.
 DP_SOLUTIONS = ("ldp", "cdp")

@@ -1037,6 +1037,10 @@ def resolve(
             if home is not None:
                 safeguards.setdefault(home, {})[name] = _yaml_number(value)
                 continue
+            if name in fedml_safeguards.SHARED_KEYS:  # FedML's attack and defense both read it: both get it
+                for home in fedml_safeguards.SHARED_KEYS[name]:
+                    safeguards.setdefault(home, {}).setdefault(name, _yaml_number(value))
+                continue
             f = BY_NAME.get(name)
             if f is None:
                 suggestion = _suggest(name, BY_NAME)

@@ -389,3 +389,16 @@ def test_a_run_stopped_for_rejected_updates_says_why_in_the_users_keys(tmp_path)
         RunStopped, match=r"the last update rejected: update norm .* exceeds train_args\.max_update_norm"
     ):
         _run(tmp_path, {}, "tiny-bound", max_update_norm=1e-9)
+
+
+def test_byzantine_client_num_outside_the_attack_and_defense_sections_reaches_both(tmp_path):
+    """Issue 45: train_args.byzantine_client_num was reported as "attack_args.byzantine_client_num
+    ... not given", although the other attack keys in train_args were moved."""
+    attack = {k: v for k, v in BYZANTINE.items() if k != "byzantine_client_num"}
+    config = resolve({"attack_args": attack, "train_args": {"byzantine_client_num": 1}}, dict(BASE))
+    assert config.safeguards["attack_args"]["byzantine_client_num"] == 1
+    assert config.safeguards["defense_args"] == {"byzantine_client_num": 1}  # not switched on by it
+    assert (
+        _run(tmp_path, {"attack_args": attack, "train_args": {"byzantine_client_num": 1}}, "moved").summary["status"]
+        == "finished"
+    )
