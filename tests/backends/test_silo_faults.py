@@ -17,7 +17,7 @@ import pytest
 
 from fedml_perfedavg.run.silo_addresses import write_ipconfig
 
-from tests.helpers import HF_YAML, REPO, SILO_YAML, launch_silo, launched_alive, make_tls, needs_mnist
+from tests.helpers import HF_YAML, REPO, SILO_YAML, launch_silo, launched_alive, make_tls, needs_mnist, rank_command
 
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False}
 
@@ -283,44 +283,24 @@ def test_ctrl_c_to_launch_silo_ends_every_process_cleanly_every_time(mnist_root,
 
 
 def _rank_process(run_dir, sets, rank, env, extra=()):
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "fedml_perfedavg",
-            *(["--cf", SILO_YAML] if "--resume" not in extra else []),
-            "--run-dir",
-            str(run_dir),
-            *[a for s in sets for a in ("--set", s)],
-            "--rank",
-            str(rank),
-            "--role",
-            "server" if rank == 0 else "client",
-            "--run_id",
-            "resumable1",
-            *extra,
-        ],
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    command = rank_command([sys.executable, "-m", "fedml_perfedavg"], SILO_YAML, run_dir, sets, rank, "resumable1")
+    if "--resume" in extra:  # the run's own config.yaml, not --cf
+        at = command.index("--cf")
+        del command[at : at + 2]
+    return subprocess.Popen([*command, *extra], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _by_hand(tmp_path, mnist_root, name, rounds, kill_after=None):
     """A cross-silo run of 2 silos started by hand; with ``kill_after``, its server is SIGKILLed once
     that round's evaluation is logged and started again with --resume. Returns (run dir, outputs)."""
     run_dir = tmp_path / name
-    sets = [
-        f"{k}={v}"
-        for k, v in {
-            **SETTINGS,
-            "data_cache_dir": mnist_root,
-            "comm_round": rounds,
-            "grpc_ipconfig_path": write_ipconfig(str(tmp_path / f"{name}.csv"), 3),
-            "tls_dir": make_tls(tmp_path / f"{name}-tls", 2),
-        }.items()
-    ]
+    sets = {
+        **SETTINGS,
+        "data_cache_dir": mnist_root,
+        "comm_round": rounds,
+        "grpc_ipconfig_path": write_ipconfig(str(tmp_path / f"{name}.csv"), 3),
+        "tls_dir": make_tls(tmp_path / f"{name}-tls", 2),
+    }
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
     processes = [_rank_process(run_dir, sets, rank, env) for rank in range(3)]
     outs = []
@@ -332,7 +312,7 @@ def _by_hand(tmp_path, mnist_root, name, rounds, kill_after=None):
                 time.sleep(0.01)
             processes[0].kill()  # as a crash would: no word to the silos, nothing written
             outs.append(processes[0].communicate(timeout=30)[0])
-            processes[0] = _rank_process(run_dir, [], 0, env, ("--resume", str(run_dir)))
+            processes[0] = _rank_process(run_dir, {}, 0, env, ("--resume", str(run_dir)))
         outs += [p.communicate(timeout=300)[0] for p in processes]
     finally:
         for p in processes:
