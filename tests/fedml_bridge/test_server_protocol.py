@@ -287,3 +287,22 @@ def test_a_flood_of_announcements_from_one_session_is_acknowledged_once_per_inte
     actions = p.handle(Hello(12.5, 1, hello(1), "s1-restarted"))  # a new process is answered at once
     assert [m.kind for m in sends(actions, NOTICE)] == [wire.CHECK_STATUS]
     assert p.phase is Phase.TRAINING and records(p.handle(Tick(31.0)), "record_lost_silos")[0][1] == [1, 2]
+
+
+def test_a_report_of_undelivered_sends_that_comes_after_the_round_ended_changes_nothing():
+    """Sends run in the background, so their failure may be reported once the protocol moved on
+    (a send that took its model just past the deadline counts as not delivered, and the silo
+    answered): a stale report must not give the silo up in the round after."""
+    p, _ = protocol(rounds=3)
+    online(p)
+    sent_in = p.stage
+    assert sent_in == (0, "training")
+    p.handle(update(1, 0, 1.0))
+    p.handle(update(2, 0, 1.0))
+    p.handle(Evaluation(3.0, 1, counts(1, 0)))
+    p.handle(Evaluation(3.0, 2, counts(2, 0)))
+    assert p.stage == (1, "training") and 2 in p.rounds.round.assigned
+    assert p.handle(Undelivered(3.5, ROUND, {2: "rank 2 did not take a message"}, sent_in)) == []
+    assert 2 in p.rounds.round.assigned
+    current = p.handle(Undelivered(3.5, ROUND, {2: "rank 2 did not take a message"}, p.stage))
+    assert records(current, "record_lost_silos")[0][1] == [2]  # a report of this round is acted on

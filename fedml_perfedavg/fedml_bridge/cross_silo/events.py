@@ -97,11 +97,14 @@ class Tick:
 @dataclass(frozen=True)
 class Undelivered:
     """Sends of a :class:`Send` action (``purpose`` as it said) that did not reach these silos
-    before its deadline: silo -> why."""
+    before its deadline: silo -> why. ``sent_in``: the protocol's (round, phase) when the send was
+    made; sends are carried out in the background, so the protocol may have moved on since (the
+    silo was then given up on at the deadline already), and such a report is stale."""
 
     now: float
     purpose: str
     silos: Dict[int, str]
+    sent_in: Optional[Tuple[int, str]] = None
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import AbstractSet, Any, Dict, Optional, Sequence
+from typing import AbstractSet, Any, Callable, Dict, Optional, Sequence, Union
 
 from ..bootstrap import import_fedml
-from .delivery import PeerUnreachable
 from .events import EndRun, ToSilo
 from .transport import ROUND_KEY
 from . import wire
@@ -75,11 +74,28 @@ class ServerMail:
         self.transport = transport
 
     def send(
-        self, messages: Sequence[ToSilo], deadline: float, heard_from: AbstractSet[int] = frozenset()
-    ) -> Dict[int, PeerUnreachable]:
-        """Send at once, each before ``deadline``; returns the silos that could not be reached (at
-        once for those ``heard_from`` whose port refuses connections: they ended)."""
-        return self.transport.send_all([fedml_message(m) for m in messages], deadline, gone_if_refused=heard_from)
+        self,
+        messages: Sequence[ToSilo],
+        deadline: float,
+        heard_from: AbstractSet[int],
+        report: Callable[[Union[Dict[int, str], BaseException]], None],
+    ) -> None:
+        """Send at once, each before ``deadline``, without waiting: the messages are stamped now,
+        delivered in the background, and ``report`` hears of the silos that could not be reached
+        (silo -> why; at once for those ``heard_from`` whose port refuses connections: they
+        ended), or of an error. A silo that takes TCP and never its model holds nothing up."""
+        encoded = self.transport.encode_all([fedml_message(m) for m in messages])
+
+        def deliver() -> None:
+            try:
+                failed = self.transport.delivery.send_all(encoded, deadline, gone_if_refused=heard_from)
+            except Exception as error:  # noqa: BLE001 - the server raises it in its own thread
+                report(error)
+                return
+            if failed:
+                report({silo: str(err) for silo, err in failed.items()})
+
+        threading.Thread(target=deliver, daemon=True, name="server-sends").start()
 
     def notify(self, messages: Sequence[ToSilo], deadline: float) -> None:
         """Send notices in the background: a silo that does not take them (its port closed, a

@@ -50,7 +50,7 @@ The pieces: the rounds (TRAINING, EVALUATING) are :mod:`.rounds`'s, what they wa
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Set
+from typing import List, Optional, Set, Tuple
 
 from ...core.errors import ConfigError
 from . import TRAINING_STARTED, wire
@@ -105,8 +105,7 @@ class SiloServerProtocol:
         problem = self.roster.mode.start_problem(setup.silos, client_num_per_round)
         if problem is not None:
             raise ConfigError(problem)
-        self.setup, self.policy = setup, policy
-        self.outbox = Outbox()
+        self.setup, self.policy, self.outbox = setup, policy, Outbox()
         self.clock = PhaseClock(policy)
         self.figures = SiloFigures(self.roster, self.outbox)
         self.members = SiloMembership(self.roster, policy, self.outbox)
@@ -142,10 +141,8 @@ class SiloServerProtocol:
         if isinstance(event, Tick):
             self._on_tick(now)
         elif isinstance(event, Update):
-            rounds = self.rounds
-            self._after(
-                now, rounds.on_update(now, event.silo, event.stamped, event.declared, event.model, event.counts)
-            )
+            u = event
+            self._after(now, self.rounds.on_update(now, u.silo, u.stamped, u.declared, u.model, u.counts))
         elif isinstance(event, SecAggMessage):
             e = event
             self._after(now, self.rounds.on_secagg(now, e.silo, e.kind, e.stamped, e.params, e.model, e.size))
@@ -197,13 +194,20 @@ class SiloServerProtocol:
             )
             self._complete()
 
+    @property
+    def stage(self) -> Tuple[int, str]:  # what a send made now is stamped with (events.Undelivered)
+        return self.round_idx, self.phase.value
+
     def _on_undelivered(self, now: float, event: Undelivered) -> None:
+        if event.sent_in not in (None, self.stage):  # stale: the deadline dealt with those silos then
+            why = f"{event.purpose} sends of {event.sent_in} not delivered to silo rank(s) {sorted(event.silos)}"
+            logger.info("%s; the protocol is at %s now", why, self.stage)
+            return
         if event.purpose in (ROUND, EVALUATION):
             self._after(now, self.rounds.unreachable(now, event.purpose, event.silos))
         elif event.purpose == FINAL and self.phase is Phase.FINISHING:
-            for silo, why in sorted(event.silos.items()):
-                logger.warning("%s", why)
-                self.roster.drop([silo])
+            logger.warning("%s", "; ".join(why for _, why in sorted(event.silos.items())))
+            self.roster.drop(sorted(event.silos))
             self._complete_if_all_said_goodbye()
 
     # -- a silo comes online ------------------------------------------------------------------------
@@ -211,23 +215,22 @@ class SiloServerProtocol:
         if self.phase in (Phase.FINISHING, Phase.DONE) or silo not in self.setup.silos:
             return
         started = self.phase not in (Phase.STARTING, Phase.ONLINE)
-        round_idx = self.round_idx
         problem = self.roster.problem_with(silo, announced)
         if problem is not None:
-            if self.members.refuse(now, round_idx, silo, problem, started):
+            if self.members.refuse(now, self.round_idx, silo, problem, started):
                 if started:
                     self._after(now, self.rounds.close_if_complete(now))
                 else:
                     self._start_if_all_online(now)
             return
         assert announced is not None  # (no announcement is a problem)
-        greeting = self.members.greet(round_idx, silo, announced, session, started)
+        greeting = self.members.greet(self.round_idx, silo, announced, session, started)
         if greeting is Greeting.ONLINE:
             self._start_if_all_online(now)
             return
         if greeting is Greeting.RESTARTED:
             self.rounds.restarted(silo)
-        self.members.acknowledge(now, round_idx, silo, greeting)
+        self.members.acknowledge(now, self.round_idx, silo, greeting)
         self._after(now, self.rounds.close_if_complete(now))
 
     def _start_if_all_online(self, now: float) -> None:

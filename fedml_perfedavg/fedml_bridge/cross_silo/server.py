@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from typing import Any, Dict, List, Tuple
 
@@ -137,11 +138,20 @@ class PluginServerManager(FedMLServerManager):
             logger.info("resuming at round %d the run of server session %s", start_round, resumes)
         self.mail = ServerMail(self.com_manager)
         self._arrived = 0.0  # when the last message handled arrived
+        self._late: "queue.Queue[Any]" = queue.Queue()  # Undelivered events (or errors) of background sends
 
     def on_idle(self) -> None:
         """The transport's tick: a deadline may have passed. While messages wait in its queue (the
         server was busy), the protocol's time is the arrival of the last one it handled: a message
         that came before a deadline is never judged late because the server took it late."""
+        while True:  # what the background sends reported first: they happened before this tick
+            try:
+                late = self._late.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(late, BaseException):
+                raise late
+            self._handle(late)
         now = time.monotonic()
         if self.com_manager.backlog():
             now = min(now, self._arrived)
@@ -258,11 +268,18 @@ class PluginServerManager(FedMLServerManager):
             if action.purpose == NOTICE:
                 self.mail.notify(action.messages, action.deadline)
                 return []
+            purpose, stage = action.purpose, self.protocol.stage
+
+            def report(outcome: Any) -> None:  # from the sending thread: handled at the next tick
+                late = (
+                    outcome
+                    if isinstance(outcome, BaseException)
+                    else Undelivered(time.monotonic(), purpose, outcome, stage)
+                )
+                self._late.put(late)
+
             # A silo heard from listened: its port refusing connections means it has ended.
-            failed = self.mail.send(action.messages, action.deadline, set(self.protocol.roster.hellos))
-            if failed:
-                why = {silo: str(err) for silo, err in failed.items()}
-                return [Undelivered(time.monotonic(), action.purpose, why)]
+            self.mail.send(action.messages, action.deadline, set(self.protocol.roster.hellos), report)
         elif isinstance(action, Record):
             self._record(action)
         elif isinstance(action, Refuse):

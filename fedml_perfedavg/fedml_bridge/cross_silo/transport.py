@@ -460,8 +460,11 @@ class SecureGRPCCommManager(BaseCommunicationManager):
     ) -> Dict[int, PeerUnreachable]:
         """Send FedML ``Message`` s to several receivers at once, each before ``deadline``
         (:meth:`.Delivery.send_all`); returns the receivers that were unreachable."""
-        encoded = [(e.receiver, wire.encode(e)) for e in map(self._envelope, messages)]
-        return self.delivery.send_all(encoded, deadline, gone_if_refused=gone_if_refused)
+        return self.delivery.send_all(self.encode_all(messages), deadline, gone_if_refused=gone_if_refused)
+
+    def encode_all(self, messages: Iterable[Any]) -> List[Tuple[int, bytes]]:
+        """FedML ``Message`` s as (receiver, bytes), stamped now (the round the sender is in)."""
+        return [(e.receiver, wire.encode(e)) for e in map(self._envelope, messages)]
 
     def send_bytes(self, receiver: int, data: bytes, deadline: float) -> None:
         """Deliver encoded bytes to ``receiver`` before ``deadline`` (:meth:`.Delivery.send`)."""
