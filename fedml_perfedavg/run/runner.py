@@ -462,13 +462,11 @@ class PluginRun:
             yield
         except (DivergenceError, RunStopped) as err:
             self.finish(status="stopped", error=str(err))
-            self._close()
+            self._end_every_rank(f"run stopped: {err}", 1)
             raise
         except KeyboardInterrupt:
             self.finish(status="interrupted", error="interrupted (SIGINT or SIGTERM)")
-            self._close()
-            if self.config.backend == "MPI" and self.is_server:
-                self.backend.end_job(stopped_exit_code())  # the record is written: now every rank ends
+            self._end_every_rank("interrupted", stopped_exit_code())
             raise
         except BaseException as err:  # any other end is recorded too: `running` only while a process lives
             status = "interrupted" if STOP_SIGNALLED.is_set() else "failed"  # a stop the code around it re-raised
@@ -476,8 +474,19 @@ class PluginRun:
                 self.finish(status=status, error=f"{type(err).__name__}: {err}")
             except OutputError as again:
                 logger.error("%s", again)
-            self._close()
+            self._end_every_rank(f"run {status}: {type(err).__name__}: {err}", 1)
             raise
+
+    def _end_every_rank(self, why: str, code: int) -> None:
+        """Close the log; under MPI, rank 0's record is now written, so the whole job ends here
+        with ``code``: the workers wait for a model that will never come, and FedML's receive
+        threads would keep every process alive (FedML's own finish aborts the job the same way)."""
+        mpi_server = self.config.backend == "MPI" and self.is_server
+        if mpi_server:
+            logger.error("%s; ending every MPI rank (the record is in %s)", why, self.run_dir)
+        self._close()
+        if mpi_server:
+            self.backend.end_job(code)
 
     def conclude(self) -> RunResult:
         """A run that went through: summary.json and model.pt, the log closed, the result."""

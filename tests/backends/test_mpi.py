@@ -364,3 +364,29 @@ def test_a_failed_start_leaves_no_run_directory_even_with_a_slow_rank(mnist_root
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-4000:]
     assert "must be at least the number of ranks - 1 (this is mpirun -n 3: at least 2" in out.stderr
     assert not run_dir.exists(), sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+
+
+@needs_mnist
+@needs_mpi
+def test_a_run_rank_0_stops_ends_every_rank_within_seconds(mnist_root, tmp_path):
+    """Every update is over train_args.max_update_norm, so rank 0 stops the run at
+    max_skipped_rounds: it writes the record, then ends the whole job (the workers would wait for
+    a model that never comes, and FedML's receive threads keep them alive)."""
+    sets = {
+        **SETTINGS,
+        "backend": "MPI",
+        "data_cache_dir": mnist_root,
+        "comm_round": 50,
+        "max_update_norm": 1e-9,
+        "max_skipped_rounds": 2,
+    }
+    command = [MPIRUN, "-n", "3", sys.executable, "-m", "fedml_perfedavg", "--cf", HF_YAML, "--run-dir", str(tmp_path)]
+    command += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    out = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=90
+    )
+    printed = out.stdout + out.stderr
+    assert out.returncode != 0, printed[-4000:]
+    assert "ending every MPI rank" in printed, printed[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "stopped" and "train_args.max_skipped_rounds=2" in summary["error"]

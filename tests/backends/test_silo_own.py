@@ -420,3 +420,38 @@ def test_a_silo_whose_own_code_fails_tells_the_server_which_goes_on_at_once(mnis
     (lost,) = summary["lost_silos"]
     assert lost["rank"] == 4 and lost["round"] == 1
     assert lost["why"] == "failed: silo rank 4: RuntimeError: a crash in the silo's own code in round 1"
+
+
+@needs_mnist
+def test_a_run_the_server_stops_itself_ends_every_silo_within_seconds(mnist_root, tmp_path):
+    """Every update is over train_args.max_update_norm, so the server stops the run at
+    max_skipped_rounds: each silo is told why and ends within seconds of the server."""
+    import threading
+
+    folders = _export(mnist_root, tmp_path, 2)
+    settings = {**OWN, "client_num_in_total": 2, "comm_round": 50, "max_update_norm": 1e-9, "max_skipped_rounds": 2}
+    processes = start_by_hand(tmp_path, settings, 2, folders)
+    outs, ended = {}, {}
+
+    def wait(rank, process):
+        try:
+            outs[rank] = process.communicate(timeout=240)[0]
+        finally:
+            ended[rank] = time.monotonic()
+
+    threads = [threading.Thread(target=wait, args=item) for item in processes.items()]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(260)
+    finally:
+        for process in processes.values():
+            process.kill()
+    assert processes[0].returncode == 1, outs[0][-3000:]
+    summary = _summary(tmp_path)
+    assert summary["status"] == "stopped" and "train_args.max_skipped_rounds=2" in summary["error"]
+    for rank in (1, 2):
+        assert "Traceback" not in outs[rank], outs[rank][-3000:]
+        assert "the server ended the run early: the server stopped the run: 2 rounds had no acceptable" in outs[rank]
+        assert ended[rank] - ended[0] < 10, (rank, ended)
