@@ -36,7 +36,7 @@ from .. import logs
 from ..stopping import StopRequested, StopSignals
 from .config import add_config_options, load, load_yaml, parse_overrides
 from .files import write_json
-from .runner import resolve_run_dir
+from .runner import remove_if_never_started, resolve_run_dir
 from .silo_addresses import read_ipconfig, write_ipconfig
 from ..fedml_bridge.cross_silo import readiness
 
@@ -45,7 +45,11 @@ logger = logging.getLogger(__name__)
 # Forced on every process the launcher starts (the YAML may be a simulation config); progress
 # comes from the server's log lines.
 SILO_SETTINGS = ("training_type=cross_silo", "backend=GRPC", "show_progress=false")
-STOP_SECONDS = 10.0  # from SIGTERM to SIGKILL, for all the processes together
+# After SIGTERM a process that still uses the CPU is still writing what it measured (the model,
+# its record, the word to the silos; under load that took over 10 s): it is waited for, up to
+# STOP_BUSY_SECONDS. One that has used no CPU for STOP_IDLE_SECONDS is stuck: killed and named.
+STOP_IDLE_SECONDS = 10.0
+STOP_BUSY_SECONDS = 300.0
 
 
 def _name(rank: int) -> str:
@@ -109,6 +113,35 @@ def _wait_ready(state: ServerState, process: subprocess.Popen, what: str, timeou
             )
 
 
+def stop_processes(processes: Dict[int, subprocess.Popen]) -> None:
+    """SIGTERM to every process (rank -> process) still running, then wait for each while it
+    uses the CPU; one that has used none for STOP_IDLE_SECONDS, or is still running
+    STOP_BUSY_SECONDS after the signal, is killed and named (its record may be incomplete)."""
+    for process in processes.values():
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    progress = {rank: (_cpu_seconds(p.pid), started) for rank, p in processes.items()}
+    while True:
+        running = {rank: p for rank, p in processes.items() if p.poll() is None}
+        if not running:
+            return
+        time.sleep(0.1)
+        now = time.monotonic()
+        for rank, process in running.items():
+            cpu, (last_cpu, last_progress) = _cpu_seconds(process.pid), progress[rank]
+            if cpu is not None and (last_cpu is None or cpu > last_cpu):
+                progress[rank], last_progress = (cpu, now), now
+            stuck, too_long = now - last_progress > STOP_IDLE_SECONDS, now - started > STOP_BUSY_SECONDS
+            if (stuck or too_long) and process.poll() is None:
+                why = (
+                    f"no CPU used for {STOP_IDLE_SECONDS:g} s" if stuck else f"still busy after {STOP_BUSY_SECONDS:g} s"
+                )
+                logger.error("%s did not stop after SIGTERM (%s): killed", _name(rank), why)
+                process.kill()
+                process.wait()
+
+
 def _end_with_parent() -> None:
     """In a child: SIGTERM when the launcher dies, even by SIGKILL, so no process is left behind
     (Linux's PR_SET_PDEATHSIG; elsewhere only SIGINT and SIGTERM are forwarded)."""
@@ -159,6 +192,8 @@ def launch(
             f"train_args.client_num_per_round={config.client_num_per_round!r}: must equal --clients "
             f"({clients}): each silo trains one sampled user per round"
         )
+    run_dir = resolve_run_dir(config, run_dir, create=False)
+    existed = os.path.isdir(run_dir)
     run_dir = resolve_run_dir(config, run_dir)
     tls_dir = None
     if make_certs:  # one command still: this run's own CA and certificates, in its run directory
@@ -176,6 +211,11 @@ def launch(
     finally:
         if tls_dir is not None:
             shutil.rmtree(tls_dir, ignore_errors=True)
+        if not existed and not os.path.exists(os.path.join(run_dir, "summary.json")):
+            # Stopped (or failed) before the server recorded anything: only start-up files are there
+            # (the address file, the processes' ids, an exported split).
+            remove_if_never_started(run_dir)
+            logger.info("nothing was measured: the run directory %s was removed", run_dir)
 
 
 def own_folders(config, run_dir: str, clients: int) -> Dict[int, str]:
@@ -258,19 +298,7 @@ def _launch(
         write_json(os.path.join(run_dir, "silo_processes.json"), {str(r): p.pid for r, p in processes.items()})
 
     def stop_all() -> None:
-        """SIGTERM to every process still running; one still there STOP_SECONDS later is killed
-        and named (its record may be incomplete)."""
-        for process in processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_SECONDS
-        for rank, process in processes.items():
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.error("%s did not stop within %g s of SIGTERM: killed", _name(rank), STOP_SECONDS)
-                process.kill()
-                process.wait()
+        stop_processes(processes)
 
     logger.info(
         "run %s: server + %d silos on %s",

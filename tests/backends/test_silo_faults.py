@@ -346,3 +346,21 @@ def test_a_killed_cross_silo_server_resumes_and_ends_with_the_uninterrupted_mode
     model = torch.load(run_dir / "model.pt", weights_only=True)
     uninterrupted = torch.load(calm_dir / "model.pt", weights_only=True)
     assert all(torch.equal(model[k], uninterrupted[k]) for k in uninterrupted)  # bit for bit
+
+
+@needs_mnist
+def test_ctrl_c_before_anything_was_measured_leaves_no_run_directory(mnist_root, tmp_path):
+    """A Ctrl-C while the processes are still starting left a run folder holding only the
+    launcher's start-up files (the address file, the processes' ids): it goes."""
+    run_dir = tmp_path / "run"
+    process = launch_silo(run_dir, {**SETTINGS, "data_cache_dir": mnist_root, "comm_round": 400})
+    deadline = time.monotonic() + 60
+    while not (run_dir / "silo_processes.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    os.killpg(os.getpgid(process.pid), signal.SIGINT)
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, out[-3000:]
+    assert "nothing was measured: the run directory" in out and not run_dir.exists(), out[-3000:]
+    assert "Traceback" not in out and "ERROR" not in out, out[-3000:]
+    assert launched_alive(run_dir) == []

@@ -52,3 +52,40 @@ def test_a_stuck_server_is_given_up_on_after_connect_timeout_without_progress(tm
     finally:
         server.kill()
         server.wait()
+
+
+def test_stopping_waits_for_a_process_still_busy_writing_and_kills_one_that_is_stuck(tmp_path, monkeypatch, caplog):
+    """Ctrl-C under load: a server still writing its record after SIGTERM (busy) is waited for
+    past the idle limit (the old fixed 10 s killed it at load 6-10); one that sleeps through the
+    signal is killed once it has used no CPU for that long, and named."""
+    import time
+
+    from fedml_perfedavg.run import launch_silo
+
+    monkeypatch.setattr(launch_silo, "STOP_IDLE_SECONDS", 1.5)
+    busy = _server(
+        tmp_path,
+        """
+        import signal, sys, time
+        def finish(*_):
+            end = time.monotonic() + 4.0  # writing what it measured, on a loaded machine
+            while time.monotonic() < end:
+                sum(range(10000))
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, finish)
+        print("ready", flush=True)
+        time.sleep(60)
+        """,
+    )
+    stuck = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]
+    )
+    time.sleep(1.0)  # both have set their handlers
+    started = time.monotonic()
+    with caplog.at_level("ERROR"):
+        launch_silo.stop_processes({0: busy, 1: stuck})
+    took = time.monotonic() - started
+    assert busy.returncode == 0 and stuck.returncode == -9
+    assert 4.0 <= took < 10, took
+    assert "silo rank 1 did not stop after SIGTERM (no CPU used for 1.5 s): killed" in caplog.text
+    assert "the server did not stop" not in caplog.text
