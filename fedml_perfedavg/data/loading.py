@@ -5,7 +5,7 @@ import logging
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -69,6 +69,20 @@ def default_test_images_per_class(images_per_class: int, train_size: int, test_s
     return max(2, 2 * int(images_per_class * test_size / train_size / 2))
 
 
+def failing_checksum(cls: Any, root: str) -> List[str]:
+    """The files of a torchvision dataset with published checksums (CIFAR's ``train_list`` and
+    ``test_list``) that are present but fail their MD5."""
+    import torchvision.datasets.cifar as cifar
+
+    folder = os.path.join(root, getattr(cls, "base_folder", ""))
+    files = [*getattr(cls, "train_list", []), *getattr(cls, "test_list", [])]
+    return [
+        name
+        for name, md5 in files
+        if os.path.isfile(os.path.join(folder, name)) and not cifar.check_integrity(os.path.join(folder, name), md5)
+    ]
+
+
 def load_torchvision(dataset: str, root: str, download: bool) -> Tuple[Tuple[Tensor, Tensor], Tuple[Tensor, Tensor]]:
     """((train_x, train_y), (test_x, test_y)) as float tensors in [0, 1], shape (N, C, H, W)."""
     from .torchvision_ops import make_torchvision_importable
@@ -85,6 +99,11 @@ def load_torchvision(dataset: str, root: str, download: bool) -> Tuple[Tuple[Ten
         try:
             ds = cls(root=root, train=train, download=download)
         except RuntimeError as err:
+            damaged = failing_checksum(cls, root)
+            if damaged:  # torchvision says "not found or corrupted" for both
+                raise ConfigError(f"{dataset} under {expected}: {damaged} are there but fail torchvision's MD5 "
+                                  f"checksum (damaged, or not the python version of {dataset}): replace them "
+                                  f"(data_args.data_cache_dir={root!r})") from None
             if "not found" not in str(err).lower() and "download=true" not in str(err).lower():
                 raise ConfigError(f"{dataset} under {expected} cannot be read ({err}); the files may be damaged: "
                                   f"replace them (data_args.data_cache_dir={root!r})") from None

@@ -54,6 +54,41 @@ def reshaped(data: FederatedData, layout: Tuple[int, ...]) -> FederatedData:
 
 
 @contextlib.contextmanager
+def fedml_loader_arguments(args: Any) -> Iterator[None]:
+    """What FedML's loaders read and the plugin's YAML may not say.
+
+    - fedml/data/data_loader.py reads ``args.partition_alpha`` for every CIFAR-style partition
+      (an AttributeError when the YAML has none), though only ``hetero`` uses it.
+    - fedml/data/shakespeare/data_loader.py reads LEAF's files from "../../../data/shakespeare",
+      relative to wherever the process was started, ignoring ``data_cache_dir``: here it reads
+      ``data_cache_dir``/shakespeare/{train,test}, and says so when they are missing."""
+    if not hasattr(args, "partition_alpha"):
+        if getattr(args, "partition_method", None) == "hetero":
+            raise ConfigError(
+                f"data_args.partition_alpha: not given; FedML's {getattr(args, 'dataset', None)!r} loader with "
+                f"partition_method 'hetero' draws each client's classes from Dirichlet(partition_alpha): give it "
+                f"(FedML's examples use 0.5)"
+            )
+        args.partition_alpha = None  # read by FedML for every partition; unused but by 'hetero'
+    if getattr(args, "dataset", None) != "shakespeare":
+        yield
+        return
+    import fedml.data.shakespeare.data_loader as shakespeare
+
+    root = os.path.abspath(str(getattr(args, "data_cache_dir", ".")))
+    folders = [os.path.join(root, "shakespeare", split) for split in ("train", "test")]
+    if not all(glob.glob(os.path.join(folder, "*.json")) for folder in folders):
+        raise ConfigError(
+            f"data_args.dataset='shakespeare' is FedML's LEAF Shakespeare, read from {folders[0]}/*.json and "
+            f"{folders[1]}/*.json (data_args.data_cache_dir={root!r}), which are not there: put LEAF's "
+            f"Shakespeare files there"
+        )
+    read_data = shakespeare.read_data
+    with replaced(shakespeare, "read_data", lambda train, test: read_data(*folders)):
+        yield
+
+
+@contextlib.contextmanager
 def offline_fedml_loader(args: Any) -> Iterator[None]:
     """FedML's own loaders (fedml/data/data_loader.py), offline unless ``data_args.download``.
 
@@ -82,20 +117,37 @@ def offline_fedml_loader(args: Any) -> Iterator[None]:
                 f"torchvision's MNIST files)"
             )
         stack.enter_context(replaced(fedml_loader, "download_mnist", lambda data_cache_dir: None))
-    original_connect = socket.socket.connect
+    original_connect, original_getaddrinfo = socket.socket.connect, socket.getaddrinfo
+
+    def refused(address: Any) -> ConfigError:
+        return ConfigError(
+            f"data_args.dataset={dataset!r}: FedML's loader tried to download it (a connection to "
+            f"{address}); put its files under data_args.data_cache_dir={root!r}, or set "
+            f"data_args.download: true"
+        )
 
     def refuse(sock, address):
-        family = getattr(sock, "family", None)
-        if family in (socket.AF_INET, socket.AF_INET6):
-            raise ConfigError(
-                f"data_args.dataset={dataset!r}: FedML's loader tried to download it (a connection to "
-                f"{address}); put its files under data_args.data_cache_dir={root!r}, or set "
-                f"data_args.download: true"
-            )
+        if getattr(sock, "family", None) in (socket.AF_INET, socket.AF_INET6):
+            raise refused(address)
         return original_connect(sock, address)
 
-    with stack, replaced(socket.socket, "connect", refuse):
+    def refuse_lookup(host, port, *rest, **kwargs):  # offline, the name lookup fails first (a bare URLError)
+        if host not in (None, "localhost") and not _is_address(host):
+            raise refused(f"{host}:{port}")
+        return original_getaddrinfo(host, port, *rest, **kwargs)
+
+    with stack, replaced(socket.socket, "connect", refuse), replaced(socket, "getaddrinfo", refuse_lookup):
         yield
+
+
+def _is_address(host: Any) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host.decode() if isinstance(host, bytes) else str(host))
+    except ValueError:
+        return False
+    return True
 
 
 def loading_with_paper_split(original_load: Callable, load_split: Callable[[Any], Optional[FederatedData]]) -> Callable:
@@ -106,7 +158,7 @@ def loading_with_paper_split(original_load: Callable, load_split: Callable[[Any]
     def load(args):
         data = load_split(args)
         if data is None:
-            with offline_fedml_loader(args):
+            with fedml_loader_arguments(args), offline_fedml_loader(args):
                 return original_load(args)
         if data.users:
             data = reshaped(data, input_layout(getattr(args, "model", ""), args.dataset, data.input_shape))

@@ -33,7 +33,7 @@ FEDML_CLASSES = {
     "cinic10": 10,
     "svhn": 10,
     "fed_shakespeare": 90,
-    "shakespeare": 80,
+    "shakespeare": 90,  # fedml/data/shakespeare: VOCAB_SIZE (86 letters + 4), as its RNN_OriginalFedAvg
     "stackoverflow_lr": 500,
     "stackoverflow_nwp": 10004,
 }

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.data.loading import default_test_images_per_class, load_federated
 from fedml_perfedavg.data.partition import partition_indices, plan_users
 
@@ -104,3 +105,11 @@ def test_too_few_images_is_a_config_error_naming_the_key_and_the_data(fake_cifar
         load_federated("cifar10", fake_cifar_root, 10, "paper", 0, images_per_class=40, test_images_per_class=2)
     with pytest.raises(ConfigError, match=r"data_args.test_images_per_class=30: .* holds 20 of that class"):
         load_federated("cifar10", fake_cifar_root, 10, "paper", 0, images_per_class=4, test_images_per_class=30)
+
+
+def test_cifar10_files_that_fail_their_checksum_are_named_as_damaged_not_missing(tmp_path):
+    from tests.helpers_cifar import write_fake_cifar10
+
+    root = write_fake_cifar10(str(tmp_path / "cifar"))  # generated: they cannot match CIFAR-10's md5s
+    with pytest.raises(ConfigError, match=r"\['data_batch_1', .*'test_batch'\] are there but fail torchvision's MD5"):
+        load_federated("cifar10", root, 10, "paper", seed=0)

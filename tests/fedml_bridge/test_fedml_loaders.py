@@ -1,0 +1,55 @@
+"""FedML's own loaders with the plugin installed: what their YAML may leave out is handled or
+named, ``data_cache_dir`` is where they read, and offline a download is refused by name."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from fedml_perfedavg.core.errors import ConfigError
+from fedml_perfedavg.fedml_bridge.bootstrap import import_fedml
+from fedml_perfedavg.fedml_bridge.hub import loading_with_paper_split
+
+import_fedml()
+import fedml.data.data_loader as fedml_loader  # noqa: E402
+
+pytestmark = pytest.mark.fast
+
+
+def _load(**given):
+    args = SimpleNamespace(client_num_in_total=2, batch_size=4, download=False, training_type="simulation", **given)
+    return loading_with_paper_split(getattr(fedml_loader.load, "__wrapped__", fedml_loader.load), lambda a: None)(args)
+
+
+def test_cifar100_without_partition_alpha_names_the_key_and_offline_names_the_download(tmp_path):
+    with pytest.raises(ConfigError, match=r"data_args.partition_alpha: not given; FedML's 'cifar100' loader"):
+        _load(dataset="cifar100", data_cache_dir=str(tmp_path), partition_method="hetero")
+    # Offline the name lookup failed first, and FedML's loader gave a bare URLError.
+    with pytest.raises(ConfigError, match=r"data_args.dataset='cifar100': FedML's loader tried to download it"):
+        _load(dataset="cifar100", data_cache_dir=str(tmp_path), partition_method="hetero", partition_alpha=0.5)
+    with pytest.raises(ConfigError, match=r"tried to download it .*data_args.download: true"):
+        _load(dataset="cifar100", data_cache_dir=str(tmp_path), partition_method="homo")
+
+
+def _leaf_shakespeare(folder, users):
+    for split, count in (("train", 6), ("test", 2)):
+        (folder / split).mkdir(parents=True)
+        data = {
+            u: {
+                "x": ["to be or not to be, that is the question: whether 'tis nobler in the mind to s"[:80]] * count,
+                "y": ["u"] * count,
+            }
+            for u in users
+        }
+        (folder / split / "all.json").write_text(
+            json.dumps({"users": users, "num_samples": [count] * len(users), "user_data": data})
+        )
+
+
+def test_shakespeare_reads_data_cache_dir_and_names_it_when_its_files_are_missing(tmp_path):
+    with pytest.raises(ConfigError, match=r"shakespeare/train/\*.json .*data_args.data_cache_dir="):
+        _load(dataset="shakespeare", data_cache_dir=str(tmp_path))
+    _leaf_shakespeare(tmp_path / "shakespeare", ["alice", "bob", "carol"])
+    dataset, classes = _load(dataset="shakespeare", data_cache_dir=str(tmp_path))
+    train_num, test_num = dataset[0], dataset[1]
+    assert (train_num, test_num, classes) == (18, 6, 90)  # its 3 users, from data_cache_dir
