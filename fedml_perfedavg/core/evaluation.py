@@ -299,6 +299,25 @@ def _scores_together_exactly(
     return hand_batched.scores_exactly
 
 
+def personalized_params(
+    network: nn.Module,
+    params: Params,
+    user: UserSplit,
+    user_id: int,
+    config: EvaluationConfig,
+    round_idx: int,
+    loss_fn: Optional[LossFn] = None,
+    step_sizes: Optional[Params] = None,
+    hand_batched: Optional[HandBatchedGradients] = None,
+) -> Params:
+    """``params`` after user ``user_id``'s personalization step on its training data: the model
+    :func:`evaluate` tests for that user at ``round_idx`` (the same keyed minibatches; with DP-SGD
+    the same noise, so it is the model whose figures were released)."""
+    step = config.alpha if step_sizes is None else {k: step_sizes[k] for k in params}
+    loss_fn = loss_fn if loss_fn is not None else make_loss_fn(network)
+    return next(_adapted_one_by_one(loss_fn, params, [user], [user_id], config, round_idx, step, hand_batched))
+
+
 def evaluate(
     network: nn.Module,
     params: Params,

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..algorithms.base import FederatedAlgorithm
-from ..core.evaluation import EvaluationResult
+from ..core.evaluation import EvaluationResult, personalized_params
 from ..core.types import StateDict, UserSplit
 from ..data.fedml_format import client_samples, users_from_fedml_dataset
 from .bootstrap import import_fedml
@@ -122,6 +122,27 @@ class AlgorithmClientTrainer(ClientTrainer):
             "test_loss": result.per_user_loss[0] * total,
             "test_correct_before_adaptation": result.per_user_accuracy_before[0] * total,
         }
+
+    def personalized(self, round_idx: int, global_state: StateDict) -> StateDict:
+        """``global_state`` after this client's personalization step on its training data: the
+        model its evaluation of round ``round_idx`` tested (a data owner keeps it)."""
+        if self.local_train_dataset is None:
+            raise RuntimeError("personalized() needs the client's training data: call update_dataset() first")
+        device = next(iter(global_state.values())).device
+        x, y = self.tensors(self.local_train_dataset, device)
+        params, _ = self.algorithm.split_state(global_state)
+        adapted = personalized_params(
+            self.algorithm.network,
+            params,
+            UserSplit(x, y, x[:0], y[:0]),
+            int(self.id),
+            self.algorithm.settings.evaluation,
+            round_idx,
+            self.algorithm.loss_fn,
+            self.algorithm.refinement_step_sizes(global_state),
+            self.algorithm.paths.hand_batched_form(tuple(x.shape[1:])),
+        )
+        return {**global_state, **{k: v.detach() for k, v in adapted.items()}}
 
 
 class AlgorithmServerAggregator(ServerAggregator):

@@ -415,6 +415,13 @@ class PluginRun:
         """The server writes model.pt (the last global model, also of a stopped run) and summary.json.
         If model.pt cannot be written, summary.json says ``failed`` and why, and the error is raised."""
         if not self.is_server:
+            if self.config.training_type == "cross_silo" and self.config.own_data and self.backend.outcome is not None:
+                from .silo_record import write_silo_record
+
+                record = write_silo_record(
+                    self.run_dir, self.rank, self.backend.outcome, self.parts.trainer.personalized, status, error
+                )
+                status, error = record["status"], record["error"]
             return {"role": "client", "rank": self.rank, "status": status, "error": error}
         # The module the user handed FedMLRunner holds the final global model on every backend, as
         # after FedML's own FedAvg (the batched engine keeps its own state; FedML's loops train copies).

@@ -83,6 +83,28 @@ def test_each_silo_with_only_its_folder_and_a_server_without_data_give_the_singl
         h["personalized_accuracy"] for h in sp.summary["history"]
     ]
     assert all(h["evaluated_users"] == 4 and h["missing_users"] == [] for h in summary["history"])
+    for rank in range(1, 5):  # each organization keeps its own record and models
+        _assert_silo_record(tmp_path / "run" / f"silo-rank-{rank}", rank, folders[rank]["data_cache_dir"], sp)
+
+
+def _assert_silo_record(own, rank, folder, sp, rounds=3):
+    """Silo ``rank``'s record: its user's accuracy as sp measured it, the final global model, and
+    the personalized model whose test accuracy is the one reported."""
+    from fedml_perfedavg.core.functional import logits_of
+    from fedml_perfedavg.data.silo_folder import read_silo_folder
+
+    record = json.loads((own / "summary.json").read_text())
+    assert (record["status"], record["user"], record["evaluated_round"]) == ("finished", rank - 1, rounds - 1)
+    assert record["personalized_accuracy"] == sp.summary["per_user_accuracy"][rank - 1]
+    assert [h["round"] for h in record["history"]] == list(range(rounds))
+    final = torch.load(own / "model.pt", weights_only=True)
+    assert all(float((final[k] - v).abs().max()) <= 1e-6 for k, v in sp.final_state.items())
+    personalized = torch.load(own / "personalized.pt", weights_only=True)
+    assert any(not torch.equal(personalized[k], final[k]) for k in final)  # adapted
+    user = read_silo_folder(folder).user
+    with torch.no_grad():
+        correct = (logits_of(sp.algorithm.network, personalized, user.test_x).argmax(1) == user.test_y).sum()
+    assert abs(int(correct) / len(user.test_y) - record["personalized_accuracy"]) < 1e-6
 
 
 @needs_mnist
@@ -454,4 +476,6 @@ def test_a_run_the_server_stops_itself_ends_every_silo_within_seconds(mnist_root
     for rank in (1, 2):
         assert "Traceback" not in outs[rank], outs[rank][-3000:]
         assert "the server ended the run early: the server stopped the run: 2 rounds had no acceptable" in outs[rank]
+        record = json.loads((tmp_path / "run" / f"silo-rank-{rank}" / "summary.json").read_text())
+        assert record["status"] == "stopped" and "train_args.max_skipped_rounds=2" in record["error"]
         assert ended[rank] - ended[0] < 10, (rank, ended)

@@ -40,6 +40,7 @@ from ...core.privacy import silo_report
 from ..bootstrap import import_fedml
 from .agreement import SiloSetup
 from .modes import data_mode
+from .outcome import SiloOutcome
 from ...secagg.primitives import SecAggError
 from .policy import SiloPolicy
 from .secure_rounds import advert_to_wire
@@ -252,6 +253,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         self.secure: Optional[SecureSiloRound] = None  # the round's secure aggregation, while it runs
         self.slowest_gap: Optional[float] = None  # between two models from the server
         self.gaps_measured = 0
+        self.outcome = SiloOutcome(self.own_user)  # what a data owner keeps of the run
 
     def _become(self, state: State) -> None:
         self.state, self.state_since = state, time.monotonic()
@@ -354,8 +356,10 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         round_idx = int(msg_params.get(ROUND_KEY))
         self.trainer_dist_adapter.update_dataset(self.own_user)
         self.trainer_dist_adapter.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
+        counts = with_privacy(self.trainer.evaluate(round_idx), self.setup.privacy)
+        self.outcome.evaluated(counts, msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
         message = Message(wire.EVALUATION, self.client_real_id, 0)
-        message.add_params(wire.SILO_METRICS, with_privacy(self.trainer.evaluate(round_idx), self.setup.privacy))
+        message.add_params(wire.SILO_METRICS, counts)
         message.add_params(ROUND_KEY, round_idx)
         self._send_or_rejoin(message, f"its evaluation of round {round_idx}")
 
@@ -366,6 +370,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         if msg_params.get(wire.REFUSED):  # this silo cannot take part: its run fails, saying why
             raise SiloFailure(f"silo rank {self.rank}: {reason}")
         if reason:
+            self.outcome.ended_early = str(reason)
             logger.warning("silo rank %d: the server ended the run early: %s", self.rank, reason)
         else:
             logger.info("silo rank %d: the server ended the run", self.rank)

@@ -18,6 +18,7 @@ from ...core.errors import ConfigError
 from ..bootstrap import import_fedml, replaced
 from .agreement import SiloSetup
 from .client import PluginClientMasterManager, PluginTrainerDistAdapter
+from .outcome import SiloOutcome
 from .policy import SiloPolicy
 from .server import PluginFedMLAggregator, PluginServerManager
 
@@ -47,6 +48,7 @@ class CrossSiloProcess:
         self.start_round = 0
         self.resumes = ""  # the server: the session of the server process this one resumes
         self._server: Any = None
+        self._client: Any = None
 
     def resume(self, start_round: int, saved: Optional[Dict[str, Any]]) -> None:
         """The server goes on from ``start_round`` of the run its checkpoint (``saved``: what
@@ -67,6 +69,11 @@ class CrossSiloProcess:
         session = self._server.com_manager.session if self._server is not None else self.resumes
         return {"session": session, "run_id": str(getattr(self.args, "run_id", "0"))}
 
+    @property
+    def outcome(self) -> Optional[SiloOutcome]:
+        """A silo's: what it keeps of the run (None before its manager was built, and on the server)."""
+        return self._client.outcome if self._client is not None else None
+
     def run(self) -> None:
         args, dataset = self.args, self.dataset
         managers: List[Any] = []
@@ -77,6 +84,8 @@ class CrossSiloProcess:
                 managers.append(manager)
                 if cls is PluginServerManager:
                     self._server = manager
+                else:
+                    self._client = manager
                 return manager
 
             return build
