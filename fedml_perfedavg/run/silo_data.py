@@ -149,13 +149,18 @@ def whole_split(config: Config) -> FederatedData:
     )
 
 
+SPLIT_ONLY = ("training_type=simulation", "backend=sp", "silo_data=shared")
+
+
 def main(argv: Sequence[str]) -> int:
     from .. import logs
 
     args = build_parser().parse_args(list(argv))
     logs.use_console("INFO")
     try:
-        config = load(args.config, args.overrides)
+        # An export reads the split's keys alone (SPLIT_KEYS): the cross-silo YAML's transport rules
+        # (TLS, the address file) are for the hosts that run, not for the trusted machine.
+        config = load(args.config, [*args.overrides, *SPLIT_ONLY])
         folders = export_split(config, args.out, whole_split)
     except (ConfigError, FileNotFoundError) as err:
         print(f"fedml-perfedavg export-split: error: {err}", file=sys.stderr)
