@@ -9,7 +9,7 @@ neither FedML nor gRPC and changes nothing in FedML until FedML is imported.
 The folders: ``core/`` (FedML-free maths), ``algorithms/`` (the algorithm objects and their
 registry), ``data/`` (the paper's split, FedML's format), ``fedml_bridge/`` (everything that
 touches FedML), ``engine/`` (the batched simulation), ``run/`` (config, runner, reporting,
-command line). README.md, "Architecture", follows one round through them.
+command line). docs/architecture.md follows one round through them.
 """
 
 from typing import Any

@@ -2,7 +2,7 @@
 
 :class:`Config` is the one source of every key's section, type, default, allowed values and
 help text, declared section by section as FedML's YAML is (:class:`CommonArgs` to
-:class:`TrackingArgs`; the README's table is generated from them, :func:`markdown_table`), and of
+:class:`TrackingArgs`; docs/configuration.md's table is generated from them, :func:`markdown_table`), and of
 the rules that relate keys (:data:`RULES`). Choices come from the modules that own them. Errors name
 ``section.key=value`` and what is allowed. FedML's own keys are read as FedML means them
 (:data:`FEDML_KEYS`): ``learning_rate`` is beta, ``batch_size`` is |D|; keys Per-FedAvg does
@@ -483,7 +483,7 @@ class TrackingArgs:
 
 
 # Config inherits every section; dataclasses collect inherited fields from the last base to the
-# first, so the bases are listed in reverse to keep the YAML's (and the README table's) order.
+# first, so the bases are listed in reverse to keep the YAML's (and docs/configuration.md's table's) order.
 @dataclass(frozen=True)
 class Config(
     TrackingArgs, SecAggArgs, CommArgs, DeviceArgs, ValidationArgs, TrainArgs, ModelArgs, DataArgs, CommonArgs
@@ -694,7 +694,7 @@ def check_algorithm_name(args: Any) -> None:
             f"fedml_perfedavg imported (the plugin's cross-silo transport carries its own protocol's messages "
             f"only, never pickles{'; and FedML 0.9.6 lacks the module SA needs' if name == 'SA' else ''}). For "
             f"secure aggregation use the plugin's: federated_optimizer: PerFedAvg (or FedAvgUpdate) with "
-            f"secagg_args: {{enable_secagg: true}} (README: Secure aggregation)"
+            f"secagg_args: {{enable_secagg: true}} (docs/security.md: Secure aggregation)"
         )
     if name is None or name in FEDML_OWN:
         return
@@ -1049,7 +1049,7 @@ def resolve(
                     raise ConfigError(
                         f"{section}.{name}={value!r}: a key of FedML's secure aggregation (LSA), which the plugin "
                         f"does not run: with it the updates would be averaged in the clear. For secure "
-                        f"aggregation use secagg_args: {{enable_secagg: true}} (README: Secure aggregation), and "
+                        f"aggregation use secagg_args: {{enable_secagg: true}} (docs/security.md: Secure aggregation), and "
                         f"remove {name}"
                     )
                 if not known and suggestion:
@@ -1161,7 +1161,7 @@ def transport_values(args: Any, config: Optional[Config] = None) -> Dict[str, An
 
 
 def markdown_table() -> str:
-    """The README's configuration table, generated from :class:`Config`."""
+    """docs/configuration.md's table, generated from :class:`Config`."""
     rows = ["| section | key | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
     for f in settings():
         meta = f.metadata

@@ -174,11 +174,11 @@ def test_fedml_keys_mean_what_they_mean_in_fedml(caplog):
     assert "not used" not in caplog.text  # sgd is what Per-FedAvg does; equal values agree
 
 
-def test_readme_config_table_is_generated_from_the_config():
+def test_the_configuration_reference_table_is_generated_from_the_config():
     from fedml_perfedavg.run.config import markdown_table
 
-    readme = (REPO / "README.md").read_text()
-    assert markdown_table() in readme, "README's configuration table is stale: paste run.config.markdown_table()"
+    reference = (REPO / "docs" / "configuration.md").read_text()
+    assert markdown_table() in reference, "docs/configuration.md's table is stale: paste run.config.markdown_table()"
 
 
 def test_entry_point_algorithms_are_listed_and_loaded(monkeypatch):
