@@ -32,7 +32,7 @@ setup(
         "fedml==0.9.6",
         "torch==2.13.0",
         "torchvision==0.28.0",
-        # What keeps fedml 0.9.6 importable (see ../shared/FEDML_NOTES.md).
+        # Bounds under which fedml 0.9.6 imports and runs (its own requirements leave them open).
         "numpy<2",
         "setuptools<81",
         "wandb==0.13.2",

@@ -72,7 +72,7 @@ def probe(algorithm: Probed, global_state: StateDict, x: Tensor, y: Tensor) -> L
     batch its gradients, every client update and evaluation runs client by client; if its
     operators have no forward-mode derivative, the exact variant's HVP is reverse-over-reverse;
     if vmap's kernels change a client's bits, clients run one by one too. Returns a line for
-    each such fallback, saying why; :class:`~fedml_perfedavg.algorithms.base.ModelMismatch`
+    each such fallback, saying why; :class:`ModelMismatch`
     (with the model's own error) if it cannot compute a loss and gradient on them at all."""
     params, _ = algorithm.split_state({k: v.detach() for k, v in global_state.items()})
     loss_fn, paths = algorithm.loss_fn, algorithm.paths

@@ -1,12 +1,13 @@
 """Batched single-process simulation: a round's sampled clients train as one computation.
 
-The algorithm object's :meth:`~fedml_perfedavg.algorithms.base.FederatedAlgorithm.local_update`
-(a pure function) is vmapped over the clients of a round: all start from the same w (no
-copies), their minibatches gathered from tensors put on the device once (:mod:`.minibatches`). Sampling,
-minibatches, aggregation and evaluation are the algorithm's own, exactly as on FedML's
-per-client loops, so both give the same model up to floating-point summation order. A model
-``torch.func.vmap`` cannot batch (data-dependent control flow, in-place updates of captured
-tensors, ...) runs the per-client path instead, with a log line saying why.
+All clients start from the same w (no copies), their minibatches gathered from tensors put on
+the device once (:mod:`.minibatches`). How they are computed is probed once per run and logged
+(:mod:`~fedml_perfedavg.algorithms.model_probe`): a chain of Linear layers and activations by
+hand-batched matrix products (:mod:`~fedml_perfedavg.core.hand_batched`; under DP-SGD its per-sample
+form); any other model vmapped over the clients (``torch.func``) where the probe found that this
+gives each client the bits it gets alone, else client by client (vmap's batched kernels would make
+a client's result depend on which clients share its computation). Sampling, minibatches, aggregation and evaluation are the algorithm's own, as
+on FedML's per-client loops, so both give the same model (``benchmarks/bit_identity.py``).
 """
 
 from __future__ import annotations

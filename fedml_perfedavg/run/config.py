@@ -338,7 +338,7 @@ class DeviceArgs:
 @dataclass(frozen=True)
 @section("comm_args")
 class CommArgs:
-    """``comm_args``: mPI and cross-silo: the transport, its security, the deadlines and the silos' data."""
+    """``comm_args``: MPI and cross-silo: the transport, its security, the deadlines and the silos' data."""
 
     backend: str = _setting(str, "sp", "FedML backend (sp, MPI: simulation; GRPC: cross_silo)", ("sp", "MPI", "GRPC"))
     grpc_ipconfig_path: Optional[str] = _setting(
