@@ -6,8 +6,8 @@ the device once (:mod:`.minibatches`). How they are computed is probed once per 
 hand-batched matrix products (:mod:`~fedml_perfedavg.core.hand_batched`; under DP-SGD its per-sample
 form); any other model vmapped over the clients (``torch.func``) where the probe found that this
 gives each client the bits it gets alone, else client by client (vmap's batched kernels would make
-a client's result depend on which clients share its computation). Sampling, minibatches, aggregation and evaluation are the algorithm's own, as
-on FedML's per-client loops, so both give the same model (``benchmarks/bit_identity.py``).
+a client's result depend on which clients share its computation). Sampling, minibatches,
+aggregation and evaluation are the algorithm's own, as on FedML's per-client loops, so both give the same model (``benchmarks/bit_identity.py``).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 FedML 0.9.6 applies these through process-wide singletons (``FedMLDifferentialPrivacy``,
 ``FedMLAttacker``, ``FedMLDefender``) from its ``ClientTrainer``/``ServerAggregator`` hooks, and
 each backend calls a different subset of those hooks (its sp loop none, its MPI server the attack
-and defense only, cross-silo all: simulation/sp/fedavg, simulation/mpi/fedavg, cross_silo/). Here FedML's own classes are built once per
-process from the run's ``dp_args``/``attack_args``/``defense_args`` sections (never from the
+and defense only, cross-silo all: simulation/sp/fedavg, simulation/mpi/fedavg, cross_silo/).
+Here FedML's own classes are built once per process from the run's ``dp_args``/``attack_args``/``defense_args`` sections (never from the
 flattened ``args``, where ``dp_args.delta`` and Per-FedAvg's ``train_args.delta`` are one name)
 and called from :class:`~fedml_perfedavg.algorithms.base.RoundHooks`, which every backend runs
 at the same points of a round. The plugin's shims build FedML's singletons switched off
