@@ -1,14 +1,14 @@
 """Batched single-process simulation: a round's sampled clients train as one computation.
 
-All clients start from the same w (no copies), their minibatches gathered from tensors put on
-the device once (:mod:`.minibatches`). How they are computed is probed once per run and logged
+All clients start from the same w (no copies), their minibatches gathered from tensors put on the
+device once (:mod:`.minibatches`). How they are computed is probed once per run and logged
 (:mod:`~fedml_perfedavg.algorithms.model_probe`): a chain of Linear layers and activations by
 hand-batched matrix products (:mod:`~fedml_perfedavg.core.hand_batched`; under DP-SGD its per-sample
 form); any other model vmapped over the clients (``torch.func``) where the probe found that this
 gives each client the bits it gets alone, else client by client (vmap's batched kernels would make
 a client's result depend on which clients share its computation). Sampling, minibatches,
-aggregation and evaluation are the algorithm's own, as on FedML's per-client loops, so both give the same model (``benchmarks/bit_identity.py``).
-"""
+aggregation and evaluation are the algorithm's own, as on FedML's per-client loops, so both give
+the same model (``benchmarks/bit_identity.py``)."""
 
 from __future__ import annotations
 

@@ -3,12 +3,13 @@
 FedML 0.9.6 applies these through process-wide singletons (``FedMLDifferentialPrivacy``,
 ``FedMLAttacker``, ``FedMLDefender``) from its ``ClientTrainer``/``ServerAggregator`` hooks, and
 each backend calls a different subset of those hooks (its sp loop none, its MPI server the attack
-and defense only, cross-silo all: simulation/sp/fedavg, simulation/mpi/fedavg, cross_silo/).
-Here FedML's own classes are built once per process from the run's ``dp_args``/``attack_args``/``defense_args`` sections (never from the
-flattened ``args``, where ``dp_args.delta`` and Per-FedAvg's ``train_args.delta`` are one name)
-and called from :class:`~fedml_perfedavg.algorithms.base.RoundHooks`, which every backend runs
-at the same points of a round. The plugin's shims build FedML's singletons switched off
-(:func:`without_safeguards`), so nothing is applied twice.
+and defense only, cross-silo all: simulation/sp/fedavg, simulation/mpi/fedavg, cross_silo/). Here
+FedML's own classes are built once per process from the run's
+``dp_args``/``attack_args``/``defense_args`` sections (never from the flattened ``args``, where
+``dp_args.delta`` and Per-FedAvg's ``train_args.delta`` are one name) and called from
+:class:`~fedml_perfedavg.algorithms.base.RoundHooks`, which every backend runs at the same points
+of a round. The plugin's shims build FedML's singletons switched off (:func:`without_safeguards`),
+so nothing is applied twice.
 
 Every draw these classes make from the global generators (Gaussian and Laplace noise, the
 byzantine attack's choice of clients and random weights, ``attack_prob``) runs inside

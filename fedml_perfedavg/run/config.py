@@ -1049,8 +1049,8 @@ def resolve(
                     raise ConfigError(
                         f"{section}.{name}={value!r}: a key of FedML's secure aggregation (LSA), which the plugin "
                         f"does not run: with it the updates would be averaged in the clear. For secure "
-                        f"aggregation use secagg_args: {{enable_secagg: true}} (docs/security.md: Secure aggregation), and "
-                        f"remove {name}"
+                        f"aggregation use secagg_args: {{enable_secagg: true}} (docs/security.md: Secure "
+                        f"aggregation), and remove {name}"
                     )
                 if not known and suggestion:
                     raise ConfigError(f"{section}.{name}={value!r}: unknown key{suggestion}")
