@@ -154,7 +154,7 @@ def measure_one(method: str, path: str, repeats: int, device: str, clients: int 
     user_data, source = load_users(users, device)
     torch.manual_seed(0)
     model = create_model("mlp", (1, 28, 28), 10).to(dev)
-    from fedml_perfedavg.fedml_bridge.shims import create_fedml_pair
+    from fedml_perfedavg.fedml_bridge.trainer_aggregator import create_fedml_pair
 
     args = config.to_fedml_args()
     algorithm = create_algorithm(config.federated_optimizer, model, config)

@@ -54,7 +54,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "create_fedml_pair":  # FedML's trainer/aggregator classes: imports FedML (and so installs)
-        from .fedml_bridge.shims import create_fedml_pair
+        from .fedml_bridge.trainer_aggregator import create_fedml_pair
 
         return create_fedml_pair
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

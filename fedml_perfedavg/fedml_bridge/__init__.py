@@ -1,7 +1,8 @@
 """The FedML bridge: :func:`.install.install` is the one entry point; one module per thing
-it adapts (bootstrap: import/offline/home; dispatch: ``FedMLRunner``; hub: data and models;
-sp; mpi; cross_silo: transport, server, client; shims: ``ClientTrainer``/``ServerAggregator``
-over an algorithm object)."""
+it adapts (bootstrap: import, offline init, FedML's home; dispatch: ``FedMLRunner``;
+data_and_models: ``fedml.data.load`` and ``fedml.model.create``; sp; mpi; cross_silo: the
+transport, server and silo; trainer_aggregator: ``ClientTrainer``/``ServerAggregator`` over an
+algorithm object)."""
 
 from .install import install, is_installed
 

@@ -9,7 +9,7 @@ own module that names the FedML file and why:
 - ``fedml.init``: no cloud calls and FedML's files where the user says (:mod:`.bootstrap`);
 - ``FedMLRunner.__init__``: plugin algorithms, and trainer/aggregator pairs really used
   (:mod:`.dispatch`, then :mod:`.sp`, :mod:`.mpi`, :mod:`.cross_silo`);
-- ``fedml.data.load`` / ``fedml.model.create``: the paper's split and MLP (:mod:`.hub`);
+- ``fedml.data.load`` / ``fedml.model.create``: the paper's split and MLP (:mod:`.data_and_models`);
 - FedML's gRPC communication manager, for every cross-silo run in the process, FedML's own
   optimizers included: it unpickles what any peer sends (:mod:`.cross_silo.transport`).
 """
@@ -179,7 +179,7 @@ def install(entry: PluginEntry) -> None:
     from fedml.runner import FedMLRunner
 
     from .dispatch import dispatching_init
-    from .hub import creating_paper_models, loading_with_paper_split
+    from .data_and_models import creating_paper_models, loading_with_paper_split
 
     fedml.init = offline_init(fedml.init, entry)
     FedMLRunner.__init__ = dispatching_init(FedMLRunner.__init__, entry.is_plugin_algorithm, entry.build_runner)

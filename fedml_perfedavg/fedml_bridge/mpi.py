@@ -45,7 +45,7 @@ from ..algorithms.base import RoundDriver
 from ..core.errors import ConfigError
 from ..core.types import StateDict
 from .safeguards import plugin_dp_hidden
-from .shims import aggregate_with_hooks
+from .trainer_aggregator import aggregate_with_hooks
 
 import_fedml()
 import fedml.simulation.mpi.fedavg.FedAvgAPI as mpi_api  # noqa: E402

@@ -8,7 +8,7 @@ FedML's own classes are built once per process from the run's
 ``dp_args``/``attack_args``/``defense_args`` sections (never from the flattened ``args``, where
 ``dp_args.delta`` and Per-FedAvg's ``train_args.delta`` are one name) and called from
 :class:`~fedml_perfedavg.algorithms.base.RoundHooks`, which every backend runs at the same points
-of a round. The plugin's shims build FedML's singletons switched off (:func:`without_safeguards`),
+of a round. The plugin's trainer and aggregator build FedML's singletons switched off (:func:`without_safeguards`),
 so nothing is applied twice.
 
 Every draw these classes make from the global generators (Gaussian and Laplace noise, the

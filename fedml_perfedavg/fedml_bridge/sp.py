@@ -17,7 +17,7 @@ from typing import Any, List, Optional
 from .bootstrap import import_fedml
 from ..algorithms.base import RoundDriver
 from .safeguards import plugin_dp_hidden
-from .shims import aggregate_with_hooks
+from .trainer_aggregator import aggregate_with_hooks
 
 import_fedml()
 from fedml.simulation.sp.fedavg.fedavg_api import FedAvgAPI  # noqa: E402

@@ -30,7 +30,7 @@ from .driver import RunDriver
 from .measures import Measurements
 from .reporting import RunRecorder, recorder_for
 from .schedule import RoundSchedule
-from .silo_addresses import check_silo_role
+from .silo_roles import check_silo_role
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def assemble(
 ) -> RunParts:
     """This process's part of the run; ``trainer``/``aggregator``: the pair a user handed
     ``FedMLRunner`` (else the algorithm's own); ``grid``: one of several runs in the process."""
-    from ..fedml_bridge.shims import AlgorithmClientTrainer, AlgorithmServerAggregator, create_fedml_pair
+    from ..fedml_bridge.trainer_aggregator import AlgorithmClientTrainer, AlgorithmServerAggregator, create_fedml_pair
 
     is_server = rank == 0
     log_handler = logs.add_run_file(os.path.join(run_dir, "run.log" if is_server else f"run-rank{rank}.log"))

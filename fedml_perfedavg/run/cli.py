@@ -163,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         check_one_process(config)  # before any process resolves or creates the run directory
         if config.training_type == "cross_silo" or args.role is not None:
-            from .silo_addresses import check_silo_role
+            from .silo_roles import check_silo_role
 
             check_silo_role(config, args.rank, args.role)
         # Silos share the server's run directory and MPI ranks rank 0's, which rank 0 may have

@@ -37,7 +37,7 @@ from ..stopping import StopRequested, StopSignals
 from .config import add_config_options, load, load_yaml, parse_overrides
 from .files import write_json
 from .runner import remove_if_never_started, resolve_run_dir
-from .silo_addresses import read_ipconfig, write_ipconfig
+from ..fedml_bridge.cross_silo.addresses import read_ipconfig, write_ipconfig
 from ..fedml_bridge.cross_silo import readiness
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ import torch
 
 def lie(kind: str) -> None:
     from fedml_perfedavg.fedml_bridge.cross_silo import client
-    from fedml_perfedavg.fedml_bridge.shims import AlgorithmClientTrainer
+    from fedml_perfedavg.fedml_bridge.trainer_aggregator import AlgorithmClientTrainer
 
     if kind == "huge-once":
         honest = AlgorithmClientTrainer.get_model_params

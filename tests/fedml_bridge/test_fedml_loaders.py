@@ -8,7 +8,7 @@ import pytest
 
 from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.fedml_bridge.bootstrap import import_fedml
-from fedml_perfedavg.fedml_bridge.hub import loading_with_paper_split
+from fedml_perfedavg.fedml_bridge.data_and_models import loading_with_paper_split
 
 import_fedml()
 import fedml.data.data_loader as fedml_loader  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 from fedml_perfedavg.fedml_bridge.cross_silo.delivery import PeerUnreachable
 from fedml_perfedavg.fedml_bridge.cross_silo.events import Hello, Listening, ToSilo
-from fedml_perfedavg.fedml_bridge.cross_silo.mail import ServerMail
+from fedml_perfedavg.fedml_bridge.cross_silo.server_sends import ServerSends
 from fedml_perfedavg.fedml_bridge.cross_silo.phases import Phase
 from fedml_perfedavg.fedml_bridge.cross_silo.server import PluginServerManager
 
@@ -41,15 +41,15 @@ class StuckTransport:
 
 
 def test_server_mail_sends_in_the_background_and_reports_what_was_not_delivered():
-    mail, reports = ServerMail(StuckTransport(stuck=2)), queue.Queue()
+    sends, reports = ServerSends(StuckTransport(stuck=2)), queue.Queue()
     started = time.monotonic()
     messages = [ToSilo(1, silo, 0) for silo in (1, 2)]
-    mail.send(messages, started + 0.5, set(), reports.put)
+    sends.send(messages, started + 0.5, set(), reports.put)
     assert time.monotonic() - started < 0.2
     report = reports.get(timeout=5)
     assert list(report) == [2] and "did not take a message" in report[2]
     assert time.monotonic() - started >= 0.5
-    mail.send(messages[:1], time.monotonic() + 0.5, set(), reports.put)
+    sends.send(messages[:1], time.monotonic() + 0.5, set(), reports.put)
     time.sleep(0.2)
     assert reports.empty()  # delivered: nothing to report
 
@@ -70,7 +70,7 @@ def server_over(transport, timeout):
     server = object.__new__(PluginServerManager)
     server.protocol, _ = protocol(timeout=timeout)
     server.driver = Driver()
-    server.mail = ServerMail(transport)
+    server.sends = ServerSends(transport)
     server.com_manager = SimpleNamespace(
         conversations=SimpleNamespace(hold_seats=lambda seats: None), backlog=lambda: 0
     )

@@ -7,8 +7,8 @@
   the peer's certificate, replays dropped, every send with a deadline).
 - :mod:`.policy`: deadlines and the minimum of silos, as pure functions.
 - :mod:`.server`, :mod:`.client`: the protocol (each a state machine); the server's pieces:
-  :mod:`.rounds` (its rounds), :mod:`.open_work` (what a round waits for), :mod:`.membership`
-  (which silos take part), :mod:`.roster` (what is known of each), :mod:`.mail` (what it sends).
+  :mod:`.rounds` (its rounds), :mod:`.awaited` (what a round waits for), :mod:`.membership`
+  (which silos take part), :mod:`.roster` (what is known of each), :mod:`.server_sends` (what it sends).
 - :mod:`.process`: one process's part of a run through FedML's own initializers.
 
 Nothing here imports FedML at package import; the modules that adapt FedML classes do.

@@ -43,7 +43,7 @@ silos, an error, a signal) every silo that may still wait is told, except those 
 were told why and have ended.
 
 The pieces: the rounds (TRAINING, EVALUATING) are :mod:`.rounds`'s, what they wait for
-:mod:`.open_work`'s, who takes part :mod:`.membership`'s, what is known of each silo
+:mod:`.awaited`'s, who takes part :mod:`.membership`'s, what is known of each silo
 :mod:`.roster`'s; this class has the run's start and end and routes each event.
 """
 
@@ -77,7 +77,7 @@ from .events import (
     Update,
 )
 from .membership import Greeting, SiloMembership
-from .open_work import OpenRound, SiloFigures
+from .awaited import OpenRound, SiloOwnEvaluations
 from .phases import Phase, PhaseClock
 from .policy import FINISH_SECONDS, NOTICE_SECONDS, SiloPolicy
 from .roster import SiloRoster
@@ -107,7 +107,7 @@ class SiloServerProtocol:
             raise ConfigError(problem)
         self.setup, self.policy, self.outbox = setup, policy, Outbox()
         self.clock = PhaseClock(policy)
-        self.figures = SiloFigures(self.roster, self.outbox)
+        self.figures = SiloOwnEvaluations(self.roster, self.outbox)
         self.members = SiloMembership(self.roster, policy, self.outbox)
         self.rounds = SiloRounds(round_num, model, plan, self.clock, self.members, self.outbox, self.figures)
         self.rounds.round_idx = start_round  # a resumed server: the round after its checkpoint

@@ -1,6 +1,6 @@
 """The cross-silo protocol's rounds: its TRAINING and EVALUATING phases (:mod:`.protocol` has the
 run's start and end, and routes events here). Each round's model goes to the round's silos; their
-updates are checked (:mod:`.open_work`) and averaged by the global model's owner
+updates are checked (:mod:`.awaited`) and averaged by the global model's owner
 (:class:`GlobalModel`: FedML's aggregator with the plugin's hooks); where the data mode says so
 (data-owner mode, on the run's evaluation rounds) every live silo evaluates the new model on its
 own data. A silo that misses a deadline, or cannot be reached, is given up on (:mod:`.membership`).
@@ -19,7 +19,7 @@ from ...secagg.primitives import SecAggError
 from ...secagg.rounds import RoundFailed
 from .events import EVALUATION, ROUND, Outbox, ToSilo
 from .membership import SiloMembership
-from .open_work import OpenEvaluation, OpenRound
+from .awaited import OpenEvaluation, OpenRound
 from .phases import Phase, PhaseClock
 from .roster import SiloRoster
 from .secure_rounds import REFUSED_SECAGG, SecureRound
@@ -194,12 +194,12 @@ class SiloRounds(SecureStages):
         self.evaluation = OpenEvaluation(-1, [])
         self.secure: Optional[SecureRound] = None  # the open round's secure aggregation
         self.averaged_from: List[int] = []  # the silos whose updates the last round's average was given
-        self.roster.on_drop.append(self.drop_open_work)
+        self.roster.on_drop.append(self.drop_awaited)
 
     def give_up_on(self, silos: List[int], why: str, go_on: bool) -> None:
         self.members.give_up_on(self.round_idx, silos, why, go_on)
 
-    def drop_open_work(self, silos: Sequence[int]) -> None:
+    def drop_awaited(self, silos: Sequence[int]) -> None:
         """What ``silos``, no longer taking part, owed the open round or evaluation will not come
         (the roster calls this whenever silos leave)."""
         for silo in silos:

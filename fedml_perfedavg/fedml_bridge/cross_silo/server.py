@@ -10,12 +10,12 @@ from ...algorithms.secure_average import keep, secure_average
 from ...core.errors import ConfigError
 from ...secagg import vectors
 from ..bootstrap import import_fedml
-from ..shims import aggregate_with_hooks
+from ..trainer_aggregator import aggregate_with_hooks
 from . import readiness
 from .agreement import SiloSetup
 from .events import NOTICE, Action, EndRun, Fail, Finish, Goodbye, Hello, Listening, Record, Refuse, Send
 from .events import Evaluation, SecAggMessage, SiloFailed, Stopped, Tick, Undelivered, Update
-from .mail import ServerMail
+from .server_sends import ServerSends
 from .phases import Phase
 from .policy import SiloPolicy
 from .protocol import SiloServerProtocol
@@ -136,7 +136,7 @@ class PluginServerManager(FedMLServerManager):
         if resumes:  # every message says which server process this one resumes (the silos check it)
             self.com_manager.resumes = resumes
             logger.info("resuming at round %d the run of server session %s", start_round, resumes)
-        self.mail = ServerMail(self.com_manager)
+        self.sends = ServerSends(self.com_manager)
         self._arrived = 0.0  # when the last message handled arrived
         self._late: "queue.Queue[Any]" = queue.Queue()  # Undelivered events (or errors) of background sends
 
@@ -266,7 +266,7 @@ class PluginServerManager(FedMLServerManager):
         """Carry out one action; the events it gives (a send that did not reach some silos)."""
         if isinstance(action, Send):
             if action.purpose == NOTICE:
-                self.mail.notify(action.messages, action.deadline)
+                self.sends.notify(action.messages, action.deadline)
                 return []
             purpose, stage = action.purpose, self.protocol.stage
 
@@ -279,13 +279,13 @@ class PluginServerManager(FedMLServerManager):
                 self._late.put(late)
 
             # A silo heard from listened: its port refusing connections means it has ended.
-            self.mail.send(action.messages, action.deadline, set(self.protocol.roster.hellos), report)
+            self.sends.send(action.messages, action.deadline, set(self.protocol.roster.hellos), report)
         elif isinstance(action, Record):
             self._record(action)
         elif isinstance(action, Refuse):
-            self.mail.count_refusal(action.silo, action.kind, action.text)
+            self.sends.count_refusal(action.silo, action.kind, action.text)
         elif isinstance(action, EndRun):
-            self.mail.end_run(action, self.protocol.round_idx)
+            self.sends.end_run(action, self.protocol.round_idx)
             if action.stop_listening:
                 self.com_manager.stop_receive_message()
         elif isinstance(action, Finish):
@@ -301,7 +301,7 @@ class PluginServerManager(FedMLServerManager):
             raise ValueError(f"the cross-silo protocol asked for an unknown record {record.method!r}")
         args = record.args
         if record.method == "record_refusals":
-            args = (self.mail.refusal_totals(),)
+            args = (self.sends.refusal_totals(),)
         elif record.method == "record_federated_evaluation":  # its start, on the clock the record reads
             args = (*args[:3], time.perf_counter() - (time.monotonic() - args[3]))
         getattr(self.driver, record.method)(*args)

@@ -1,15 +1,14 @@
-"""A cross-silo process's identity: FedML's gRPC address file (grpc_ipconfig.csv) and the
-``--rank/--role`` each process is started with, checked against the config."""
+"""A cross-silo process's identity: the ``--rank/--role`` each process is started with, checked
+against the config and FedML's gRPC address file (read by
+:mod:`fedml_perfedavg.fedml_bridge.cross_silo.addresses`, the one module that knows that file)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from ..core.errors import ConfigError
-from ..fedml_bridge.cross_silo.addresses import free_ports, read_ipconfig, write_ipconfig
+from ..fedml_bridge.cross_silo.addresses import read_ipconfig
 from .config import Config
-
-__all__ = ["check_silo_role", "free_ports", "read_ipconfig", "write_ipconfig"]
 
 
 def check_silo_role(config: Config, rank: Optional[int], role: Optional[str]) -> None:

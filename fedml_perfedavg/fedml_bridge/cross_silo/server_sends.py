@@ -67,7 +67,7 @@ def fedml_message(message: ToSilo) -> Message:
     return fedml
 
 
-class ServerMail:
+class ServerSends:
     """The server's sends through ``transport`` (the plugin's gRPC manager)."""
 
     def __init__(self, transport: Any) -> None:

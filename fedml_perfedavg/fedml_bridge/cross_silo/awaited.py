@@ -96,7 +96,7 @@ class OpenEvaluation:
         outbox.record("record_federated_evaluation", self.round_idx, dict(self.counts), missing, self.started)
 
 
-class SiloFigures:
+class SiloOwnEvaluations:
     """Shared mode: each silo's personalized evaluation of the model it received, sent with its
     update or goodbye, logged and recorded once per round."""
 
