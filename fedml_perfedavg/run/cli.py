@@ -14,13 +14,14 @@ data-owner cross-silo runs (``comm_args.silo_data: own``). ``fedml-perfedavg sho
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..core.errors import ConfigError, DivergenceError, OutputError, RunStopped
-from .config import add_config_options, load
+from .config import Config, add_config_options, load
 from .. import logs
 
 
@@ -106,77 +107,75 @@ def _remove_failed_start(run_dir: Optional[str], existed: bool) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+SUBCOMMANDS = {  # fedml-perfedavg NAME ...: the module whose main() takes the rest
+    "launch-silo": "launch_silo",
+    "certs": "certs",
+    "show": "show",
+    "export-split": "silo_data",
+}
+
+
+def _config_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config:
+    """The run's config: ``--cf`` with ``--set``, or a run directory's own config.yaml for ``--resume``."""
+    if args.resume:
+        if args.config:
+            raise ConfigError("--resume takes the run's own config.yaml; do not pass --cf as well")
+        args.config = os.path.join(args.resume, "config.yaml")
+        if not os.path.isfile(args.config):
+            raise ConfigError(
+                f"--resume {args.resume!r}: no config.yaml there; is it a run directory (output_dir/run_name)?"
+            )
+        args.run_dir = args.resume
+    if not args.config:
+        parser.print_usage(sys.stderr)
+        raise ConfigError(
+            "--cf CONFIG.yaml is required (e.g. --cf yaml_configs/quickstart_mnist_hf.yaml), or --resume RUN_DIR"
+        )
+    return load(args.config, [*args.overrides, *(["overwrite=true"] if args.overwrite else [])])
+
+
+def _run_dir_of(config: Config, args: argparse.Namespace) -> Tuple[str, bool]:
+    """(the run directory, whether it existed before this process). Silos share the server's and
+    MPI ranks rank 0's, which rank 0 may have written to already: only the owner checks it, and
+    only the owner removes a failed start's (so to any other process it "existed")."""
+    from .runner import mpi_world_rank, resolve_run_dir, shared_run_dir
+
+    owner = args.role != "client" and (config.backend != "MPI" or mpi_world_rank() == 0)
+    resume = bool(args.resume)
+    planned = resolve_run_dir(config, args.run_dir, create=False, resume=resume) if owner else args.run_dir
+    existed = not owner or os.path.isdir(planned)
+    if config.backend == "MPI":
+        return shared_run_dir(config, planned, resume), existed
+    return resolve_run_dir(config, planned, resume=resume, owner=owner), existed
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["launch-silo"]:
-        from .launch_silo import main as launch_silo
-
-        return launch_silo(argv[1:])
-    if argv[:1] == ["certs"]:
-        from .certs import main as certs
-
-        return certs(argv[1:])
-    if argv[:1] == ["show"]:
-        from .show import main as show
-
-        return show(argv[1:])
-    if argv[:1] == ["export-split"]:
-        from .silo_data import main as export_split
-
-        return export_split(argv[1:])
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        module = importlib.import_module(f"{__package__}.{SUBCOMMANDS[argv[0]]}")
+        return module.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     run_dir: Optional[str] = None
     existed = True
     try:
-        if args.resume:
-            if args.config:
-                raise ConfigError("--resume takes the run's own config.yaml; do not pass --cf as well")
-            args.config = os.path.join(args.resume, "config.yaml")
-            if not os.path.isfile(args.config):
-                raise ConfigError(
-                    f"--resume {args.resume!r}: no config.yaml there; is it a run directory (output_dir/run_name)?"
-                )
-            args.run_dir = args.resume
-        if not args.config:
-            parser.print_usage(sys.stderr)
-            raise ConfigError(
-                "--cf CONFIG.yaml is required (e.g. --cf yaml_configs/quickstart_mnist_hf.yaml), or --resume RUN_DIR"
-            )
-        config = load(args.config, [*args.overrides, *(["overwrite=true"] if args.overwrite else [])])
+        config = _config_of(args, parser)
         if args.resume and _already_finished(args.resume, config.comm_round):
             return 0
         if args.describe_data:
             logs.use_console(args.log_level)
             print(describe_data(config))
             return 0
-        from .runner import (
-            fedml_args,
-            mpi_world_rank,
-            resolve_run_dir,
-            run_fedml_main,
-            shared_run_dir,
-        )
-        from ..stopping import sigterm_as_interrupt
-
         from .assembly import check_one_process
+        from .runner import fedml_args, run_fedml_main
+        from ..stopping import sigterm_as_interrupt
 
         check_one_process(config)  # before any process resolves or creates the run directory
         if config.training_type == "cross_silo" or args.role is not None:
             from .silo_roles import check_silo_role
 
             check_silo_role(config, args.rank, args.role)
-        # Silos share the server's run directory and MPI ranks rank 0's, which rank 0 may have
-        # written to already: only the owner checks it, and only the owner removes a failed start's.
-        owner = args.role != "client" and (config.backend != "MPI" or mpi_world_rank() == 0)
-        resume = bool(args.resume)
-        planned = resolve_run_dir(config, args.run_dir, create=False, resume=resume) if owner else args.run_dir
-        existed = not owner or os.path.isdir(planned)
-        run_dir = (
-            shared_run_dir(config, planned, resume)
-            if config.backend == "MPI"
-            else resolve_run_dir(config, planned, resume=resume, owner=owner)
-        )
+        run_dir, existed = _run_dir_of(config, args)
         logs.use_console(args.log_level)
         from tqdm.contrib.logging import logging_redirect_tqdm
 

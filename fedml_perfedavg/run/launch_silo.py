@@ -236,6 +236,73 @@ def own_folders(config, run_dir: str, clients: int) -> Dict[int, str]:
     return folders
 
 
+def _command(config_path: str, run_dir: str, overrides: List[str], ipconfig: str) -> List[str]:
+    """Every process's command line, less its rank and role; a run id of its own, so that a
+    message of another run (another launch) is refused."""
+    sets = [*overrides, f"grpc_ipconfig_path={os.path.abspath(ipconfig)}"]
+    return [
+        sys.executable,
+        "-m",
+        "fedml_perfedavg",
+        "--cf",
+        config_path,
+        "--run-dir",
+        run_dir,
+        *[a for s in sets for a in ("--set", s)],
+        "--run_id",
+        uuid.uuid4().hex[:16],
+    ]
+
+
+class SiloProcesses:
+    """One launch's processes: each started with ``command``, its rank and role (a data owner
+    with its own folder), its share of the machine's cores, and its output streamed with a prefix."""
+
+    def __init__(self, command: List[str], folders: Dict[int, str], clients: int, run_dir: str) -> None:
+        self.command, self.folders, self.run_dir = command, folders, run_dir
+        # torch would otherwise start one thread per core in every process, and they would fight.
+        share = str(max(1, (os.cpu_count() or 1) // (clients + 1)))
+        self.threads = {
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", share),
+            "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", share),
+        }
+        self.lock = threading.Lock()
+        self.processes: Dict[int, subprocess.Popen] = {}
+        self.pumps: List[threading.Thread] = []
+        self.server_state = ServerState(os.path.join(run_dir, "server_state.json"))
+
+    def start(self, rank: int) -> None:
+        role = "server" if rank == 0 else "client"
+        own = ["--set", f"data_cache_dir={self.folders[rank]}"] if rank in self.folders else []
+        self.processes[rank] = subprocess.Popen(
+            self.command + own + ["--rank", str(rank), "--role", role],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                **self.threads,
+                **({readiness.STATE_FILE_VARIABLE: self.server_state.path} if rank == 0 else {}),
+            },
+            # Its own session: a terminal's Ctrl-C reaches the launcher alone, which stops each
+            # process once (two signals at once interrupted a process while it handled the first).
+            start_new_session=True,
+            preexec_fn=_end_with_parent,
+        )
+        self.pumps.append(_stream(self.processes[rank], "[server]" if rank == 0 else f"[silo {rank}]", self.lock))
+        pids = {str(r): p.pid for r, p in self.processes.items()}
+        write_json(os.path.join(self.run_dir, "silo_processes.json"), pids)
+
+    def stop(self) -> None:
+        """Stop every process (:func:`stop_processes`) and keep the output they wrote before they ended."""
+        stop_processes(self.processes)
+        deadline = time.monotonic() + 5.0
+        for pump in self.pumps:
+            pump.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
 def _launch(
     config,
     config_path: str,
@@ -248,58 +315,8 @@ def _launch(
     folders = own_folders(config, run_dir, clients) if config.own_data else {}
     ipconfig = config.grpc_ipconfig_path or write_ipconfig(os.path.join(run_dir, "grpc_ipconfig.csv"), clients + 1)
     addresses = read_ipconfig(ipconfig, clients + 1)
-    command = [
-        sys.executable,
-        "-m",
-        "fedml_perfedavg",
-        "--cf",
-        config_path,
-        "--run-dir",
-        run_dir,
-        *[a for s in [*overrides, f"grpc_ipconfig_path={os.path.abspath(ipconfig)}"] for a in ("--set", s)],
-        "--run_id",
-        uuid.uuid4().hex[:16],
-    ]  # a message of another run (another launch) is refused
-    # The processes share this machine's cores: each gets its share of threads (torch would
-    # otherwise start one per core in every process and they would fight over them).
-    share = str(max(1, (os.cpu_count() or 1) // (clients + 1)))
-    threads = {
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", share),
-        "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", share),
-    }
-    lock = threading.Lock()
-    processes: Dict[int, subprocess.Popen] = {}
-    pumps: List[threading.Thread] = []
-    server_state = ServerState(os.path.join(run_dir, "server_state.json"))
-    server_address = "%s:%d" % addresses[0]
-
-    def start(rank: int) -> None:
-        role = "server" if rank == 0 else "client"
-        own = ["--set", f"data_cache_dir={folders[rank]}"] if rank in folders else []
-        processes[rank] = subprocess.Popen(
-            command + own + ["--rank", str(rank), "--role", role],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            env={
-                **os.environ,
-                "PYTHONUNBUFFERED": "1",
-                **threads,
-                **({readiness.STATE_FILE_VARIABLE: server_state.path} if rank == 0 else {}),
-            },
-            # Its own session: a terminal's Ctrl-C reaches the launcher alone,
-            # which stops each process once (two signals at once interrupted
-            # a process while it handled the first).
-            start_new_session=True,
-            preexec_fn=_end_with_parent,
-        )
-        pumps.append(_stream(processes[rank], "[server]" if rank == 0 else f"[silo {rank}]", lock))
-        write_json(os.path.join(run_dir, "silo_processes.json"), {str(r): p.pid for r, p in processes.items()})
-
-    def stop_all() -> None:
-        stop_processes(processes)
-
+    launched = SiloProcesses(_command(config_path, run_dir, overrides, ipconfig), folders, clients, run_dir)
+    processes = launched.processes
     logger.info(
         "run %s: server + %d silos on %s",
         run_dir,
@@ -309,16 +326,16 @@ def _launch(
     with StopSignals() as stop:
         try:
             if server_delay is None:
-                start(0)
-                _wait_ready(server_state, processes[0], server_address, config.connect_timeout, stop)
+                launched.start(0)
+                _wait_ready(launched.server_state, processes[0], "%s:%d" % addresses[0], config.connect_timeout, stop)
                 for rank in range(1, clients + 1):
-                    start(rank)
+                    launched.start(rank)
             else:  # silos first: they retry until the server listens
                 for rank in range(1, clients + 1):
-                    start(rank)
+                    launched.start(rank)
                 stop.sleep(server_delay)
-                start(0)
-            _watch(processes, config.min_clients_per_round or clients, server_state, stop)
+                launched.start(0)
+            _watch(processes, config.min_clients_per_round or clients, launched.server_state, stop)
             # Silos end on their own after a finished run; after a failed one they may wait in vain.
             deadline = time.monotonic() + (grace_seconds if processes[0].returncode == 0 else 5.0)
             while time.monotonic() < deadline and any(p.poll() is None for p in processes.values()):
@@ -332,10 +349,12 @@ def _launch(
         else:
             return_code = 0
         finally:
-            stop_all()
-            deadline = time.monotonic() + 5.0  # the output they wrote before they ended
-            for pump in pumps:
-                pump.join(timeout=max(0.0, deadline - time.monotonic()))
+            launched.stop()
+    return _exit_code(processes, return_code, run_dir)
+
+
+def _exit_code(processes: Dict[int, subprocess.Popen], return_code: int, run_dir: str) -> int:
+    """The launcher's exit status, naming every process that failed (one stopped as asked did not)."""
     failed = {rank: p.returncode for rank, p in sorted(processes.items()) if p.returncode != 0}
     stopped = (130, 143, -signal.SIGTERM, -signal.SIGINT)  # how a process ends when told to stop
     if return_code in (130, 143) and all(code in stopped for code in failed.values()):

@@ -68,17 +68,7 @@ def _write(path: str, data: bytes, private: bool) -> None:
     os.chmod(path, 0o600 if private else 0o644)  # an existing file keeps its mode through O_CREAT
 
 
-def make_certificates(
-    out_dir: str, clients: int, days: int = 30, overwrite: bool = False, keep_ca_key: bool = True
-) -> List[str]:
-    """A new CA and a certificate and key for ranks 0..clients in ``out_dir``; returns the files.
-    ``keep_ca_key=False`` never writes the CA's key (nobody can issue another certificate for
-    this run: what ``launch-silo`` does)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
+def _check_certificate_request(out_dir: str, clients: int, days: int, overwrite: bool, names: List[str]) -> None:
     if clients < 1:
         raise ConfigError(f"--clients {clients}: must be >= 1")
     if not 1 <= days <= MAX_DAYS:
@@ -86,27 +76,39 @@ def make_certificates(
             f"--days {days}: must be 1..{MAX_DAYS}; certificates of a run are replaced by making new "
             f"ones, not kept for years"
         )
-    os.makedirs(out_dir, exist_ok=True)
-    names = [CA_CERT, *([CA_KEY] if keep_ca_key else [])] + [
-        f for r in range(clients + 1) for f in (cert_file(r), key_file(r))
-    ]
     existing = [n for n in names if os.path.exists(os.path.join(out_dir, n))]
     if existing and not overwrite:
         raise ConfigError(
             f"--out {out_dir!r}: already holds {existing[:3]}; give an empty folder (or --overwrite "
             f"to replace them, which ends every run that uses the old ones)"
         )
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
 
-    def pem_key(key) -> bytes:
-        return key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
 
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{DOMAIN} run CA")])
-    ca = (
+def _pem_key(key: Any) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _ca_certificate(ca_key: Any, ca_name: Any, start: datetime.datetime, end: datetime.datetime) -> Any:
+    """The run CA's self-signed certificate: it may sign certificates, one level deep."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    usage = x509.KeyUsage(
+        digital_signature=True,
+        key_cert_sign=True,
+        crl_sign=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        encipher_only=False,
+        decipher_only=False,
+    )
+    return (
         x509.CertificateBuilder()
         .subject_name(ca_name)
         .issuer_name(ca_name)
@@ -115,45 +117,67 @@ def make_certificates(
         .not_valid_before(start)
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(usage, critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+
+def _rank_certificate(
+    rank: int, key: Any, ca_key: Any, ca_name: Any, start: datetime.datetime, end: datetime.datetime
+) -> Any:
+    """Rank ``rank``'s certificate: its name as the subject and the only DNS name, for a server
+    and a client of mutual TLS alike, signed by the run CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, rank_name(rank))]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(rank_name(rank))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
         )
         .sign(ca_key, hashes.SHA256())
     )
+
+
+def make_certificates(
+    out_dir: str, clients: int, days: int = 30, overwrite: bool = False, keep_ca_key: bool = True
+) -> List[str]:
+    """A new CA and a certificate and key for ranks 0..clients in ``out_dir``; returns the files.
+    ``keep_ca_key=False`` never writes the CA's key (nobody can issue another certificate for
+    this run: what ``launch-silo`` does)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    names = [CA_CERT, *([CA_KEY] if keep_ca_key else [])] + [
+        f for r in range(clients + 1) for f in (cert_file(r), key_file(r))
+    ]
+    _check_certificate_request(out_dir, clients, days, overwrite, names)
+    os.makedirs(out_dir, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{DOMAIN} run CA")])
+    ca = _ca_certificate(ca_key, ca_name, start, end)
     _write(os.path.join(out_dir, CA_CERT), ca.public_bytes(serialization.Encoding.PEM), private=False)
     if keep_ca_key:
-        _write(os.path.join(out_dir, CA_KEY), pem_key(ca_key), private=True)
+        _write(os.path.join(out_dir, CA_KEY), _pem_key(ca_key), private=True)
     for rank in range(clients + 1):
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, rank_name(rank))]))
-            .issuer_name(ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(start)
-            .not_valid_after(end)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(rank_name(rank))]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                critical=False,
-            )
-            .sign(ca_key, hashes.SHA256())
-        )
+        cert = _rank_certificate(rank, key, ca_key, ca_name, start, end)
         _write(os.path.join(out_dir, cert_file(rank)), cert.public_bytes(serialization.Encoding.PEM), private=False)
-        _write(os.path.join(out_dir, key_file(rank)), pem_key(key), private=True)
+        _write(os.path.join(out_dir, key_file(rank)), _pem_key(key), private=True)
     return [os.path.join(out_dir, n) for n in names]
 
 
