@@ -6,6 +6,7 @@ over any Dataset (FedML's CIFAR-10 loaders) or lists of (x, y) batches (FedML's 
 loaders). The algorithms work on each client's whole data as two tensors; these functions
 convert, and :func:`to_fedml_dataset` builds FedML's list from the paper's split.
 """
+
 from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
@@ -36,8 +37,10 @@ def client_tensors(data: Any) -> Tuple[Tensor, Tensor]:
         return _concatenate(batches, type(data).__name__)
     if isinstance(data, list):
         return _concatenate(data, "list")
-    raise TypeError(f"expected a client's data in one of FedML's formats (a DataLoader, a list of (x, y) "
-                    f"batches, a Dataset or an (x, y) pair), got {type(data).__name__}")
+    raise TypeError(
+        f"expected a client's data in one of FedML's formats (a DataLoader, a list of (x, y) "
+        f"batches, a Dataset or an (x, y) pair), got {type(data).__name__}"
+    )
 
 
 def _concatenate(batches: Sequence[Any], what: str) -> Tuple[Tensor, Tensor]:
@@ -60,8 +63,10 @@ def as_images(x: Tensor, where: str) -> Tensor:
     if x.dtype == torch.uint8:
         return x.float().div(255)
     if x.dtype == torch.bool or x.is_complex():
-        raise ConfigError(f"{where}: inputs of dtype {x.dtype}; give floating point inputs, integer token ids, or "
-                          f"uint8 images (scaled to [0, 1] as torchvision's ToTensor does)")
+        raise ConfigError(
+            f"{where}: inputs of dtype {x.dtype}; give floating point inputs, integer token ids, or "
+            f"uint8 images (scaled to [0, 1] as torchvision's ToTensor does)"
+        )
     return x
 
 
@@ -73,8 +78,9 @@ def as_labels(y: Tensor, where: str) -> Tensor:
         raise ConfigError(f"{where}: labels of shape {tuple(y.shape)}; expected one class index per sample")
     if y.is_floating_point():
         if not bool(torch.isfinite(y).all()) or not bool((y == y.round()).all()):
-            raise ConfigError(f"{where}: labels are not whole numbers (e.g. {y[y != y.round()][:3].tolist()}); "
-                              f"expected class indices")
+            raise ConfigError(
+                f"{where}: labels are not whole numbers (e.g. {y[y != y.round()][:3].tolist()}); expected class indices"
+            )
     elif y.dtype == torch.bool or y.is_complex():
         raise ConfigError(f"{where}: labels of dtype {y.dtype}; expected class indices")
     y = y.long()
@@ -114,24 +120,30 @@ def users_from_fedml_dataset(dataset: Sequence[Any], device: Optional[torch.devi
                 raise ConfigError(f"{where}: {len(x)} inputs but {len(y)} labels")
             if len(y) == 0:
                 if split == "training":
-                    raise ConfigError(f"client {client} has no training samples; every client trains when sampled, "
-                                      f"so each needs training data (or leave it out of the dataset)")
+                    raise ConfigError(
+                        f"client {client} has no training samples; every client trains when sampled, "
+                        f"so each needs training data (or leave it out of the dataset)"
+                    )
                 without_test.append(client)
                 continue
             tensors += [as_images(x, where), as_labels(y, where)]
         if len(tensors) == 4:
             users.append(UserSplit(*(t.to(device) if device is not None else t for t in tensors)))
     if without_test:
-        raise ConfigError(f"client(s) {without_test} have no test samples: the personalized accuracy is each user's "
-                          f"accuracy on its own test split after one alpha-step, so each user needs test data")
+        raise ConfigError(
+            f"client(s) {without_test} have no test samples: the personalized accuracy is each user's "
+            f"accuracy on its own test split after one alpha-step, so each user needs test data"
+        )
     return users
 
 
-def to_fedml_dataset(users: Sequence[UserSplit], num_classes: int, batch_size: int,
-                     ids: Optional[Sequence[int]] = None) -> list:
+def to_fedml_dataset(
+    users: Sequence[UserSplit], num_classes: int, batch_size: int, ids: Optional[Sequence[int]] = None
+) -> list:
     """FedML's 8-element dataset list over ``users`` (keyed 0..n-1, or by ``ids``); per-client
     loaders wrap the same tensors. No users (the server of a data-owner run): empty dicts and no
     global loaders."""
+
     def loader(x: Tensor, y: Tensor, shuffle: bool) -> DataLoader:
         return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
 
@@ -143,12 +155,21 @@ def to_fedml_dataset(users: Sequence[UserSplit], num_classes: int, batch_size: i
     if users:
         train_global = loader(torch.cat([u.train_x for u in users]), torch.cat([u.train_y for u in users]), True)
         test_global = loader(torch.cat([u.test_x for u in users]), torch.cat([u.test_y for u in users]), False)
-    return [sum(train_num.values()), sum(len(u.test_y) for u in users), train_global, test_global,
-            train_num, train_local, test_local, num_classes]
+    return [
+        sum(train_num.values()),
+        sum(len(u.test_y) for u in users),
+        train_global,
+        test_global,
+        train_num,
+        train_local,
+        test_local,
+        num_classes,
+    ]
 
 
-def own_user_from_fedml_dataset(dataset: Sequence[Any], user_id: int, device: Optional[torch.device] = None
-                                ) -> Tuple[UserSplit, list]:
+def own_user_from_fedml_dataset(
+    dataset: Sequence[Any], user_id: int, device: Optional[torch.device] = None
+) -> Tuple[UserSplit, list]:
     """A silo's own user from FedML's dataset list (data-owner mode): the client keyed
     ``user_id``, or the only client a loader of the silo's own data gave (under any key); and the
     dataset list with that client alone, keyed ``user_id`` (FedML's trainer reads it by that key)."""
@@ -159,10 +180,12 @@ def own_user_from_fedml_dataset(dataset: Sequence[Any], user_id: int, device: Op
     elif len(keys) == 1:
         key = keys[0]
     else:
-        raise ConfigError(f"comm_args.silo_data='own': silo rank {user_id + 1} owns user {user_id}, but its dataset "
-                          f"holds clients {keys[:10]}{'...' if len(keys) > 10 else ''} and not {user_id}; give the "
-                          f"silo its own data (data_args.data_cache_dir: its folder from fedml-perfedavg export-split, "
-                          f"or a loader that returns its client alone)")
+        raise ConfigError(
+            f"comm_args.silo_data='own': silo rank {user_id + 1} owns user {user_id}, but its dataset "
+            f"holds clients {keys[:10]}{'...' if len(keys) > 10 else ''} and not {user_id}; give the "
+            f"silo its own data (data_args.data_cache_dir: its folder from fedml-perfedavg export-split, "
+            f"or a loader that returns its client alone)"
+        )
     [user] = users_from_fedml_dataset([None] * 5 + [{0: train_dict[key]}, {0: test_dict.get(key)}], device)
     numbers = dataset[4] if isinstance(dataset[4], dict) else {}
     own = list(dataset)

@@ -1,6 +1,8 @@
 """Loading MNIST / CIFAR-10 through torchvision and splitting them over users as in the paper."""
+
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import pickle
@@ -29,9 +31,14 @@ class DatasetSpec:
 
 
 DATASETS: Dict[str, DatasetSpec] = {
-    "mnist": DatasetSpec(196, (1, 28, 28), 10, "MNIST/raw/",
-                         (5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949),
-                         (980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009)),
+    "mnist": DatasetSpec(
+        196,
+        (1, 28, 28),
+        10,
+        "MNIST/raw/",
+        (5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949),
+        (980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009),
+    ),
     "cifar10": DatasetSpec(68, (3, 32, 32), 10, "cifar-10-batches-py/", (5000,) * 10, (1000,) * 10),
 }
 
@@ -69,6 +76,49 @@ def default_test_images_per_class(images_per_class: int, train_size: int, test_s
     return max(2, 2 * int(images_per_class * test_size / train_size / 2))
 
 
+def check_paper_split(
+    dataset: str,
+    num_users: int,
+    images_per_class: Optional[int],
+    test_images_per_class: Optional[int],
+    partition: str,
+    seed: int,
+) -> Tuple[int, int]:
+    """The paper's split of ``dataset`` over ``num_users``, planned without the data: an even
+    number of users, and enough images of each class in the training and test sets. Returns (the
+    smallest user's training samples, the train ``a`` used); :class:`ConfigError` naming the key."""
+    if dataset not in DATASETS:
+        close = difflib.get_close_matches(str(dataset).lower(), list(DATASETS), n=1, cutoff=0.75)
+        raise ConfigError(
+            f"data_args.dataset={dataset!r}: the paper's split (data_args.partition_method={partition!r}) is "
+            f"defined for {list(DATASETS)}" + (f"; did you mean {close[0]!r}?" if close else "")
+        )
+    if num_users < 2 or num_users % 2:
+        raise ConfigError(
+            f"train_args.client_num_in_total={num_users!r}: the paper's split "
+            f"(data_args.partition_method={partition!r}) needs an even number >= 2"
+        )
+    spec = DATASETS[dataset]
+    a = images_per_class or spec.images_per_class
+    a_test = test_images_per_class or default_test_images_per_class(
+        a, sum(spec.train_class_counts), sum(spec.test_class_counts)
+    )
+    for key, count, available in (
+        ("images_per_class", a, spec.train_class_counts),
+        ("test_images_per_class", a_test, spec.test_class_counts),
+    ):
+        plans = plan_users(num_users, count, partition, seed)
+        for cls, have in enumerate(available):
+            need = sum(p.class_counts.get(cls, 0) for p in plans)
+            if need > have:
+                raise ConfigError(
+                    f"data_args.{key}={count!r}: {num_users} users would need {need} images of class {cls}, "
+                    f"but {dataset}'s {'training' if key == 'images_per_class' else 'test'} set has {have}; "
+                    f"lower it or train_args.client_num_in_total"
+                )
+    return min(p.total for p in plan_users(num_users, a, partition, seed)), a
+
+
 def failing_checksum(cls: Any, root: str) -> List[str]:
     """The files of a torchvision dataset with published checksums (CIFAR's ``train_list`` and
     ``test_list``) that are present but fail their MD5."""
@@ -101,12 +151,16 @@ def load_torchvision(dataset: str, root: str, download: bool) -> Tuple[Tuple[Ten
         except RuntimeError as err:
             damaged = failing_checksum(cls, root)
             if damaged:  # torchvision says "not found or corrupted" for both
-                raise ConfigError(f"{dataset} under {expected}: {damaged} are there but fail torchvision's MD5 "
-                                  f"checksum (damaged, or not the python version of {dataset}): replace them "
-                                  f"(data_args.data_cache_dir={root!r})") from None
+                raise ConfigError(
+                    f"{dataset} under {expected}: {damaged} are there but fail torchvision's MD5 "
+                    f"checksum (damaged, or not the python version of {dataset}): replace them "
+                    f"(data_args.data_cache_dir={root!r})"
+                ) from None
             if "not found" not in str(err).lower() and "download=true" not in str(err).lower():
-                raise ConfigError(f"{dataset} under {expected} cannot be read ({err}); the files may be damaged: "
-                                  f"replace them (data_args.data_cache_dir={root!r})") from None
+                raise ConfigError(
+                    f"{dataset} under {expected} cannot be read ({err}); the files may be damaged: "
+                    f"replace them (data_args.data_cache_dir={root!r})"
+                ) from None
             raise FileNotFoundError(
                 f"{dataset} not found: expected its files under {expected} "
                 f"(data_args.data_cache_dir={root!r}, data_args.download={download}). "
@@ -114,15 +168,19 @@ def load_torchvision(dataset: str, root: str, download: bool) -> Tuple[Tuple[Ten
             ) from None
         except (AssertionError, ValueError, EOFError, OSError, pickle.UnpicklingError) as err:
             # torchvision asserts on an IDX file's magic number and size; CIFAR's batches are pickles
-            raise ConfigError(f"{dataset} under {expected} is damaged or not {dataset} "
-                              f"({type(err).__name__}: {err or 'a file has the wrong header or size'}); replace "
-                              f"the files (data_args.data_cache_dir={root!r})") from None
+            raise ConfigError(
+                f"{dataset} under {expected} is damaged or not {dataset} "
+                f"({type(err).__name__}: {err or 'a file has the wrong header or size'}); replace "
+                f"the files (data_args.data_cache_dir={root!r})"
+            ) from None
         labels = torch.as_tensor(np.asarray(ds.targets), dtype=torch.long)
         classes = DATASETS[dataset].num_classes
         if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
-            raise ConfigError(f"{dataset} under {expected}: the {'training' if train else 'test'} labels hold "
-                              f"{int(labels.min())}..{int(labels.max())}, outside the {classes} classes 0..{classes - 1}; "
-                              f"the labels file is damaged or not {dataset}'s")
+            raise ConfigError(
+                f"{dataset} under {expected}: the {'training' if train else 'test'} labels hold "
+                f"{int(labels.min())}..{int(labels.max())}, outside the {classes} classes 0..{classes - 1}; "
+                f"the labels file is damaged or not {dataset}'s"
+            )
         data = torch.as_tensor(np.asarray(ds.data))
         if data.ndim == 3:  # MNIST: (N, H, W)
             data = data.unsqueeze(1)
@@ -133,16 +191,21 @@ def load_torchvision(dataset: str, root: str, download: bool) -> Tuple[Tuple[Ten
 
 
 def split_over_users(
-    train: Tuple[Tensor, Tensor], test: Tuple[Tensor, Tensor], num_users: int, images_per_class: int,
-    test_images_per_class: int, partition: str, seed: int,
+    train: Tuple[Tensor, Tensor],
+    test: Tuple[Tensor, Tensor],
+    num_users: int,
+    images_per_class: int,
+    test_images_per_class: int,
+    partition: str,
+    seed: int,
 ) -> List[UserSplit]:
     """Apply the paper's partition to a train and a test set (same classes per user)."""
     train_plans: List[UserPlan] = plan_users(num_users, images_per_class, partition, seed)
     test_plans = plan_users(num_users, test_images_per_class, partition, seed)
-    train_idx = partition_indices(train[1].numpy(), train_plans, seed,
-                                  f"data_args.images_per_class={images_per_class}")
-    test_idx = partition_indices(test[1].numpy(), test_plans, seed + 1,
-                                 f"data_args.test_images_per_class={test_images_per_class}")
+    train_idx = partition_indices(train[1].numpy(), train_plans, seed, f"data_args.images_per_class={images_per_class}")
+    test_idx = partition_indices(
+        test[1].numpy(), test_plans, seed + 1, f"data_args.test_images_per_class={test_images_per_class}"
+    )
     return [
         UserSplit(train[0][tr], train[1][tr], test[0][te], test[1][te])
         for tr, te in zip(map(torch.as_tensor, train_idx), map(torch.as_tensor, test_idx))
@@ -150,8 +213,14 @@ def split_over_users(
 
 
 def load_federated(
-    dataset: str, root: str, num_users: int, partition: str, seed: int, download: bool = False,
-    images_per_class: Optional[int] = None, test_images_per_class: Optional[int] = None,
+    dataset: str,
+    root: str,
+    num_users: int,
+    partition: str,
+    seed: int,
+    download: bool = False,
+    images_per_class: Optional[int] = None,
+    test_images_per_class: Optional[int] = None,
 ) -> FederatedData:
     """Load ``dataset`` and split it over ``num_users`` users with the paper's partition."""
     spec = DATASETS.get(dataset)

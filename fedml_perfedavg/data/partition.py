@@ -7,6 +7,7 @@ class of 0-4 and of 5-9 is given to the same number of second-half users (a bala
 assignment, shuffled by the seed), so the split never asks for more images of one class
 than the dataset has.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,8 +54,9 @@ def plan_users(num_users: int, images_per_class: int, partition: str, seed: int)
     return plans
 
 
-def partition_indices(labels: np.ndarray, plans: List[UserPlan], seed: int,
-                      key: str = "data_args.images_per_class") -> List[np.ndarray]:
+def partition_indices(
+    labels: np.ndarray, plans: List[UserPlan], seed: int, key: str = "data_args.images_per_class"
+) -> List[np.ndarray]:
     """Draw disjoint sample indices for each user's plan from ``labels``; ``key`` names the
     setting that sized the plans, for the error when the data holds too few images."""
     rng = np.random.default_rng([seed, 11])

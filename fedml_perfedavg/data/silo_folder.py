@@ -9,6 +9,7 @@ Silo rank R owns user R-1. The folder is self-contained: an organization can be 
 Reading it trusts nothing in it: the manifest is size-capped strict JSON checked field by field,
 the tensors file must match the manifest's hash, names, dtypes, shapes and label range.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,10 +28,22 @@ MANIFEST, TENSORS = "silo.json", "data.safetensors"
 MAX_MANIFEST_BYTES = 1 << 20
 ROLES = ("train_x", "train_y", "test_x", "test_y")
 # The keys of a run's config that define a split (a folder made for another split is refused).
-SPLIT_KEYS = ("dataset", "partition_method", "random_seed", "client_num_in_total", "images_per_class",
-              "test_images_per_class")
-_INPUT_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-                 "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
+SPLIT_KEYS = (
+    "dataset",
+    "partition_method",
+    "random_seed",
+    "client_num_in_total",
+    "images_per_class",
+    "test_images_per_class",
+)
+_INPUT_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
 
 
 def folder_of(root: str, rank: int) -> str:
@@ -69,8 +82,9 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def write_silo_folder(folder: str, user: UserSplit, rank: int, dataset: str, num_classes: int,
-                      split: Dict[str, Any]) -> None:
+def write_silo_folder(
+    folder: str, user: UserSplit, rank: int, dataset: str, num_classes: int, split: Dict[str, Any]
+) -> None:
     """Rank ``rank``'s folder (user ``rank - 1``): the tensors, then the manifest that names
     their hash (a folder without a manifest is not a silo's folder: a write cut short shows)."""
     from safetensors.torch import save_file
@@ -83,22 +97,34 @@ def write_silo_folder(folder: str, user: UserSplit, rank: int, dataset: str, num
     save_file(tensors, path + ".tmp")
     os.replace(path + ".tmp", path)
     classes = sorted(set(user.train_y.tolist()) | set(user.test_y.tolist()))
-    manifest = {"format": FORMAT, "rank": rank, "user": rank - 1, "dataset": dataset, "num_classes": num_classes,
-                "input_shape": list(user.train_x.shape[1:]), "input_dtype": str(user.train_x.dtype).split(".")[-1],
-                "train": len(user.train_y), "test": len(user.test_y), "classes": classes, "split": split,
-                "sha256": _sha256(path)}
+    manifest = {
+        "format": FORMAT,
+        "rank": rank,
+        "user": rank - 1,
+        "dataset": dataset,
+        "num_classes": num_classes,
+        "input_shape": list(user.train_x.shape[1:]),
+        "input_dtype": str(user.train_x.dtype).split(".")[-1],
+        "train": len(user.train_y),
+        "test": len(user.test_y),
+        "classes": classes,
+        "split": split,
+        "sha256": _sha256(path),
+    }
     with open(os.path.join(folder, MANIFEST + ".tmp"), "w") as stream:
         json.dump(manifest, stream, indent=2, allow_nan=False)
     os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
 
 
 def _fail(folder: str, problem: str) -> ConfigError:
-    return ConfigError(f"data_args.data_cache_dir={folder!r}: {problem}; export the split again "
-                       f"(fedml-perfedavg export-split --cf CONFIG --out DIR) and give this silo its DIR/rank-R")
+    return ConfigError(
+        f"data_args.data_cache_dir={folder!r}: {problem}; export the split again "
+        f"(fedml-perfedavg export-split --cf CONFIG --out DIR) and give this silo its DIR/rank-R"
+    )
 
 
 def _whole(value: Any, low: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value < 2 ** 31
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < 2**31
 
 
 def _read_manifest(folder: str) -> Dict[str, Any]:
@@ -116,29 +142,48 @@ def _read_manifest(folder: str) -> Dict[str, Any]:
         raise _fail(folder, f"cannot read {MANIFEST} ({err.strerror})") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise _fail(folder, f"{MANIFEST} is not JSON ({type(err).__name__})") from None
-    expected = {"format", "rank", "user", "dataset", "num_classes", "input_shape", "input_dtype", "train", "test",
-                "classes", "split", "sha256"}
+    expected = {
+        "format",
+        "rank",
+        "user",
+        "dataset",
+        "num_classes",
+        "input_shape",
+        "input_dtype",
+        "train",
+        "test",
+        "classes",
+        "split",
+        "sha256",
+    }
     if not isinstance(manifest, dict) or set(manifest) != expected:
         raise _fail(folder, f"{MANIFEST} must hold exactly {sorted(expected)}")
     if manifest["format"] != FORMAT:
         raise _fail(folder, f"{MANIFEST} is of format {str(manifest['format'])[:60]!r}, not {FORMAT!r}")
-    checks = {"rank": _whole(manifest["rank"], 1), "user": _whole(manifest["user"]),
-              "num_classes": _whole(manifest["num_classes"], 1), "train": _whole(manifest["train"], 1),
-              "test": _whole(manifest["test"], 1),
-              "dataset": isinstance(manifest["dataset"], str) and 0 < len(manifest["dataset"]) <= 64,
-              "input_shape": isinstance(manifest["input_shape"], list) and len(manifest["input_shape"]) <= 8
-              and all(_whole(d, 1) for d in manifest["input_shape"]),
-              "input_dtype": manifest["input_dtype"] in _INPUT_DTYPES,
-              "classes": isinstance(manifest["classes"], list) and 0 < len(manifest["classes"]) <= 100_000
-              and all(_whole(c) for c in manifest["classes"]),
-              "split": isinstance(manifest["split"], dict) and set(manifest["split"]) <= set(SPLIT_KEYS),
-              "sha256": isinstance(manifest["sha256"], str) and len(manifest["sha256"]) == 64}
+    checks = {
+        "rank": _whole(manifest["rank"], 1),
+        "user": _whole(manifest["user"]),
+        "num_classes": _whole(manifest["num_classes"], 1),
+        "train": _whole(manifest["train"], 1),
+        "test": _whole(manifest["test"], 1),
+        "dataset": isinstance(manifest["dataset"], str) and 0 < len(manifest["dataset"]) <= 64,
+        "input_shape": isinstance(manifest["input_shape"], list)
+        and len(manifest["input_shape"]) <= 8
+        and all(_whole(d, 1) for d in manifest["input_shape"]),
+        "input_dtype": manifest["input_dtype"] in _INPUT_DTYPES,
+        "classes": isinstance(manifest["classes"], list)
+        and 0 < len(manifest["classes"]) <= 100_000
+        and all(_whole(c) for c in manifest["classes"]),
+        "split": isinstance(manifest["split"], dict) and set(manifest["split"]) <= set(SPLIT_KEYS),
+        "sha256": isinstance(manifest["sha256"], str) and len(manifest["sha256"]) == 64,
+    }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
         raise _fail(folder, f"{MANIFEST} has fields of the wrong type or range: {bad}")
     if manifest["user"] != manifest["rank"] - 1:
-        raise _fail(folder, f"{MANIFEST} says rank {manifest['rank']} holds user {manifest['user']}; rank R holds "
-                            f"user R-1")
+        raise _fail(
+            folder, f"{MANIFEST} says rank {manifest['rank']} holds user {manifest['user']}; rank R holds user R-1"
+        )
     return manifest
 
 
@@ -172,8 +217,15 @@ def read_silo_folder(folder: str) -> SiloData:
             bad = int((~torch.isfinite(x)).sum())
             raise _fail(folder, f"{side}_x holds {bad} non-finite value(s) (NaN or infinity), whatever its hash says")
     user = UserSplit(*(tensors[role] for role in ROLES))
-    return SiloData(user, manifest["user"], manifest["rank"], manifest["dataset"], manifest["num_classes"], shape,
-                    dict(manifest["split"]))
+    return SiloData(
+        user,
+        manifest["user"],
+        manifest["rank"],
+        manifest["dataset"],
+        manifest["num_classes"],
+        shape,
+        dict(manifest["split"]),
+    )
 
 
 def check_split(silo: SiloData, config_split: Dict[str, Any], folder: str) -> None:
@@ -181,12 +233,19 @@ def check_split(silo: SiloData, config_split: Dict[str, Any], folder: str) -> No
     is refused, naming the key and both values."""
     for key in SPLIT_KEYS:
         if key in silo.split and key in config_split and silo.split[key] != config_split[key]:
-            raise _fail(folder, f"it was exported for {key}={silo.split[key]!r}; this run has {key}="
-                                f"{config_split[key]!r}")
+            raise _fail(
+                folder, f"it was exported for {key}={silo.split[key]!r}; this run has {key}={config_split[key]!r}"
+            )
 
 
-def export_users(out_dir: str, users: Sequence[UserSplit], dataset: str, num_classes: int, split: Dict[str, Any],
-                 ranks: Optional[Sequence[int]] = None) -> List[str]:
+def export_users(
+    out_dir: str,
+    users: Sequence[UserSplit],
+    dataset: str,
+    num_classes: int,
+    split: Dict[str, Any],
+    ranks: Optional[Sequence[int]] = None,
+) -> List[str]:
     """``out_dir/rank-R/`` for user R-1 of ``users`` (every user, or ``ranks``); returns the folders."""
     chosen = list(ranks) if ranks is not None else list(range(1, len(users) + 1))
     folders = []

@@ -30,8 +30,8 @@ from ..algorithms.registry import FEDML_OWN, algorithm_names, canonical_name
 from ..core.client_maths import VARIANTS, Step
 from ..core.errors import ConfigError
 from ..core.privacy import DPSGD
-from ..data.loading import DATASETS, default_test_images_per_class
-from ..data.partition import PARTITIONS, plan_users
+from ..data.loading import check_paper_split
+from ..data.partition import PARTITIONS
 from ..fedml_bridge import safeguards as fedml_safeguards
 from ..fedml_bridge.cross_silo.credentials import check_security
 from ..fedml_bridge.install import YAML_SECTIONS
@@ -775,39 +775,13 @@ def check_scenario(training_type: Any, scenario: Any) -> None:
 
 
 def _rule_split(c: Config) -> None:
-    """The paper's split needs an even n and enough images of each class; batches are drawn
-    without replacement, so they must fit in the smallest user's training data."""
+    """The paper's split, planned (:func:`~fedml_perfedavg.data.loading.check_paper_split`);
+    batches are drawn without replacement, so they must fit in the smallest user's training data."""
     if c.partition_method not in PARTITIONS:
         return  # FedML's own loaders: checked against the data once it is loaded
-    if c.dataset not in DATASETS:
-        raise ConfigError(
-            f"data_args.dataset={c.dataset!r}: the paper's split (data_args.partition_method="
-            f"{c.partition_method!r}) is defined for {list(DATASETS)}{_suggest(c.dataset, DATASETS)}"
-        )
-    if c.client_num_in_total < 2 or c.client_num_in_total % 2:
-        raise ConfigError(
-            f"train_args.client_num_in_total={c.client_num_in_total!r}: the paper's split "
-            f"(data_args.partition_method={c.partition_method!r}) needs an even number >= 2"
-        )
-    spec = DATASETS[c.dataset]
-    a = c.images_per_class or spec.images_per_class
-    a_test = c.test_images_per_class or default_test_images_per_class(
-        a, sum(spec.train_class_counts), sum(spec.test_class_counts)
+    smallest, a = check_paper_split(
+        c.dataset, c.client_num_in_total, c.images_per_class, c.test_images_per_class, c.partition_method, c.random_seed
     )
-    for key, count, available in (
-        ("images_per_class", a, spec.train_class_counts),
-        ("test_images_per_class", a_test, spec.test_class_counts),
-    ):
-        plans = plan_users(c.client_num_in_total, count, c.partition_method, c.random_seed)
-        for cls, have in enumerate(available):
-            need = sum(p.class_counts.get(cls, 0) for p in plans)
-            if need > have:
-                raise ConfigError(
-                    f"data_args.{key}={count!r}: {c.client_num_in_total} users would need {need} "
-                    f"images of class {cls}, but {c.dataset}'s {'training' if key == 'images_per_class' else 'test'} "
-                    f"set has {have}; lower it or train_args.client_num_in_total"
-                )
-    smallest = min(p.total for p in plan_users(c.client_num_in_total, a, c.partition_method, c.random_seed))
     check_batch_sizes(
         c,
         smallest,

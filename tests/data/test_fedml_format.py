@@ -1,5 +1,6 @@
 """FedML's per-client data formats all read as the same tensors: DataLoaders over any Dataset,
 FedML's lists of (x, y) batches (its MNIST/LEAF loaders), Datasets and (x, y) pairs."""
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -26,10 +27,13 @@ X, Y = torch.randn(10, 1, 4, 4), torch.arange(10) % 3
 
 @pytest.mark.parametrize("form", ["tensor_loader", "dataset_loader", "batches", "dataset", "pair"])
 def test_every_fedml_format_gives_the_same_tensors(form):
-    data = {"tensor_loader": DataLoader(TensorDataset(X, Y), batch_size=4, shuffle=True),
-            "dataset_loader": DataLoader(Pairs(X, Y), batch_size=3, shuffle=True),
-            "batches": [(X[i:i + 4], Y[i:i + 4]) for i in range(0, 10, 4)],
-            "dataset": Pairs(X, Y), "pair": (X, Y)}[form]
+    data = {
+        "tensor_loader": DataLoader(TensorDataset(X, Y), batch_size=4, shuffle=True),
+        "dataset_loader": DataLoader(Pairs(X, Y), batch_size=3, shuffle=True),
+        "batches": [(X[i : i + 4], Y[i : i + 4]) for i in range(0, 10, 4)],
+        "dataset": Pairs(X, Y),
+        "pair": (X, Y),
+    }[form]
     x, y = client_tensors(data)
     assert torch.equal(x, X) and torch.equal(y, Y) and y.dtype == torch.long
 
@@ -53,7 +57,7 @@ def _as_format(x, y, kind):
     if kind == "loader":
         return DataLoader(TensorDataset(x, y), batch_size=3)
     if kind == "list":
-        return [(x[i:i + 3], y[i:i + 3]) for i in range(0, len(y), 3)]
+        return [(x[i : i + 3], y[i : i + 3]) for i in range(0, len(y), 3)]
     return (x, y)
 
 
@@ -82,11 +86,14 @@ def test_labels_and_images_are_converted_the_same_way_in_every_format(kind):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-@pytest.mark.parametrize("labels,images,message", [
-    ([0.0, 1.5, 2.0, 1.0, 0.0], None, r"client 1's training data: labels are not whole numbers \(e.g. \[1.5\]\)"),
-    ([0, -1, 2, 1, 0], None, "client 1's training data: negative labels"),
-    (None, "bool", "client 1's training data: inputs of dtype torch.bool"),
-])
+@pytest.mark.parametrize(
+    "labels,images,message",
+    [
+        ([0.0, 1.5, 2.0, 1.0, 0.0], None, r"client 1's training data: labels are not whole numbers \(e.g. \[1.5\]\)"),
+        ([0, -1, 2, 1, 0], None, "client 1's training data: negative labels"),
+        (None, "bool", "client 1's training data: inputs of dtype torch.bool"),
+    ],
+)
 def test_labels_and_inputs_the_model_cannot_take_are_refused_naming_the_client(kind, labels, images, message):
     import torch
 

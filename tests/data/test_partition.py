@@ -1,4 +1,5 @@
 """The paper's split: exact per-user counts, disjointness, determinism."""
+
 import numpy as np
 import pytest
 import torch
@@ -72,8 +73,9 @@ def test_real_mnist_split_matches_the_paper_exactly(mnist_root):
     for train_u, test_u in zip(data.users, data.users):
         assert set(train_u.train_y.tolist()) == set(test_u.test_y.tolist())  # same classes in test
     again = load_federated("mnist", mnist_root, 50, "paper", seed=0)
-    assert all(torch.equal(u.train_x, v.train_x) and torch.equal(u.test_y, v.test_y)
-               for u, v in zip(data.users, again.users))
+    assert all(
+        torch.equal(u.train_x, v.train_x) and torch.equal(u.test_y, v.test_y) for u, v in zip(data.users, again.users)
+    )
     hetero = load_federated("mnist", mnist_root, 50, "paper_diff_hetero", seed=0)
     _check_paper_counts(hetero.users, 196, diff_hetero=True)
     x = data.users[0].train_x
@@ -81,8 +83,7 @@ def test_real_mnist_split_matches_the_paper_exactly(mnist_root):
 
 
 def test_cifar10_path_on_generated_files(fake_cifar_root):
-    data = load_federated("cifar10", fake_cifar_root, 10, "paper", seed=0, images_per_class=8,
-                          test_images_per_class=2)
+    data = load_federated("cifar10", fake_cifar_root, 10, "paper", seed=0, images_per_class=8, test_images_per_class=2)
     assert data.input_shape == (3, 32, 32) and data.users[0].train_x.shape[1:] == (3, 32, 32)
     _check_paper_counts(data.users, 8)
     _check_paper_counts(data.users, 2, train=False)
@@ -100,8 +101,11 @@ def test_too_few_images_is_a_config_error_naming_the_key_and_the_data(fake_cifar
     from fedml_perfedavg.core.errors import ConfigError
 
     # the generated files hold 50 training images per class; 10 users with a=40 need 200 of class 0-4
-    with pytest.raises(ConfigError, match=r"data_args.images_per_class=40: user \d+ needs \d+ images of class \d "
-                                          r"but the data holds 50 of that class for 10 users"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data_args.images_per_class=40: user \d+ needs \d+ images of class \d "
+        r"but the data holds 50 of that class for 10 users",
+    ):
         load_federated("cifar10", fake_cifar_root, 10, "paper", 0, images_per_class=40, test_images_per_class=2)
     with pytest.raises(ConfigError, match=r"data_args.test_images_per_class=30: .* holds 20 of that class"):
         load_federated("cifar10", fake_cifar_root, 10, "paper", 0, images_per_class=4, test_images_per_class=30)
