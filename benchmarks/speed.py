@@ -36,6 +36,7 @@ from fedml_perfedavg.data.loading import FederatedData  # noqa: E402
 from fedml_perfedavg.engine.batched import BatchedSimulation  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 from fedml_perfedavg.run.config import resolve  # noqa: E402
+from fedml_perfedavg.run.fedml_args import to_fedml_args  # noqa: E402
 
 METHODS = {
     "fedavg": ("FedAvgUpdate", "hf"),
@@ -156,7 +157,7 @@ def measure_one(method: str, path: str, repeats: int, device: str, clients: int 
     model = create_model("mlp", (1, 28, 28), 10).to(dev)
     from fedml_perfedavg.fedml_bridge.trainer_aggregator import create_fedml_pair
 
-    args = config.to_fedml_args()
+    args = to_fedml_args(config)
     algorithm = create_algorithm(config.federated_optimizer, model, config)
     trainer, aggregator = create_fedml_pair(algorithm, model, args)
 

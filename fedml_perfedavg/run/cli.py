@@ -21,7 +21,8 @@ import sys
 from typing import List, Optional, Tuple
 
 from ..core.errors import ConfigError, DivergenceError, OutputError, RunStopped
-from .config import Config, add_config_options, load
+from .config import Config, load
+from .options import add_config_options
 from .. import logs
 
 

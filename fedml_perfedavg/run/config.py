@@ -2,16 +2,19 @@
 
 :class:`Config` is the one source of every key's section, type, default, allowed values and
 help text, declared section by section as FedML's YAML is (:class:`CommonArgs` to
-:class:`TrackingArgs`; docs/configuration.md's table is generated from them, :func:`markdown_table`), and of
-the rules that relate keys (:data:`RULES`). Choices come from the modules that own them. Errors name
-``section.key=value`` and what is allowed. FedML's own keys are read as FedML means them
-(:data:`FEDML_KEYS`): ``learning_rate`` is beta, ``batch_size`` is |D|; keys Per-FedAvg does
-not use are named in a warning.
+:class:`TrackingArgs`; docs/configuration.md's table is generated from them by
+:mod:`.reference`), and of the rules that relate keys (:data:`RULES`). Choices come from the modules
+that own them, and so do the checks that need their domain (the paper split's plan:
+:func:`~fedml_perfedavg.data.loading.check_paper_split`; FedML's safeguards:
+:mod:`~fedml_perfedavg.fedml_bridge.safeguards`). Errors name ``section.key=value`` and what is
+allowed. FedML's own keys are read as FedML means them (:data:`FEDML_KEYS`): ``learning_rate`` is
+beta, ``batch_size`` is |D|; keys Per-FedAvg does not use are named in a warning. FedML's flat
+``args`` to and from a config, and the transport's values: :mod:`.fedml_args`; the command line's
+options: :mod:`.options`.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import difflib
@@ -34,7 +37,6 @@ from ..data.loading import check_paper_split
 from ..data.partition import PARTITIONS
 from ..fedml_bridge import safeguards as fedml_safeguards
 from ..fedml_bridge.cross_silo.credentials import check_security
-from ..fedml_bridge.install import YAML_SECTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +47,6 @@ __all__ = [
     "load_yaml",
     "parse_overrides",
     "resolve",
-    "from_fedml_args",
-    "markdown_table",
     "SECTIONS",
 ]
 
@@ -533,31 +533,6 @@ class Config(
             out.setdefault(section, {})[name] = value
         return out
 
-    def to_fedml_args(self, **overrides: Any) -> argparse.Namespace:
-        """A FedML ``args`` object: every section flattened, FedML's command-line keys set."""
-        # gpu_mapping_*: FedML's MPI path reads them even on CPU.
-        args = argparse.Namespace(
-            yaml_config_file=self.source or "",
-            run_id="0",
-            rank=0,
-            local_rank=0,
-            node_rank=0,
-            role="client",
-            run_device_id="0",
-            using_mlops=False,
-            gpu_mapping_file=None,
-            gpu_mapping_key=None,
-        )
-        # FedML flattens every section into one namespace: the safeguard sections go first, so a
-        # name they share with the plugin (delta, alpha, beta) reads as the plugin's on ``args``.
-        sections = self.sections()
-        for section in sorted(sections, key=lambda name: name not in SAFEGUARD_SECTIONS):
-            for name, value in sections[section].items():
-                setattr(args, name, copy.deepcopy(value))
-        for name, value in overrides.items():
-            setattr(args, name, value)
-        return args
-
 
 def settings() -> List[dataclasses.Field]:
     """The fields of :class:`Config` that are settings, in table order."""
@@ -602,7 +577,7 @@ FEDML_PASSTHROUGH = {
 }
 
 
-def _suggest(name: str, candidates: Iterable[str]) -> str:
+def suggest(name: str, candidates: Iterable[str]) -> str:
     """ "; did you mean X?" for the closest candidate (case-insensitive), or ""."""
     by_lower = {c.lower(): c for c in candidates}
     close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.75)
@@ -620,7 +595,7 @@ def _yaml_number(value: Any) -> Any:
     return value
 
 
-def _check_value(f: dataclasses.Field, value: Any) -> Any:
+def check_value(f: dataclasses.Field, value: Any) -> Any:
     meta = f.metadata
     kind = meta["kind"]
     where = f"{meta['section']}.{f.name}={value!r}"
@@ -643,7 +618,7 @@ def _check_value(f: dataclasses.Field, value: Any) -> Any:
     if meta["choices"] is not None:
         if value not in meta["choices"]:
             allowed = [str(c) for c in meta["choices"]]
-            raise ConfigError(f"{where}: must be one of {allowed}{_suggest(str(value), allowed)}")
+            raise ConfigError(f"{where}: must be one of {allowed}{suggest(str(value), allowed)}")
         value = next(c for c in meta["choices"] if c == value)  # the owner's typed value (a Step), kept from here on
     if meta["check"] is not None and not meta["check"](value):
         raise ConfigError(f"{where}: must be {meta['rule']}")
@@ -663,46 +638,17 @@ def _rule_algorithm(c: Config) -> None:
         )
     raise ConfigError(
         f"train_args.federated_optimizer={c.federated_optimizer!r}: must be one of "
-        f"{names}{_suggest(c.federated_optimizer, names)}"
+        f"{names}{suggest(c.federated_optimizer, names)}"
     )
 
 
-# FedML's secure aggregation: its optimizer names, and the keys only it reads (cross_silo/lightsecagg).
-FEDML_SECURE_AGGREGATION = {"LSA": "LightSecAgg (LSA)", "SA": "SecAgg (SA)"}
+# The keys only FedML's secure aggregation reads (cross_silo/lightsecagg).
 FEDML_SECURE_AGGREGATION_KEYS = (
     "prime_number",
     "precision_parameter",
     "privacy_guarantee",
     "targeted_number_active_clients",
 )
-
-
-def check_algorithm_name(args: Any) -> None:
-    """``args.federated_optimizer`` made the registry's spelling when it names a plugin algorithm
-    in another case; left alone when it is one of FedML's own; else an error listing the names
-    (FedML itself would raise a bare ``Exception`` only after the data has loaded)."""
-    name = getattr(args, "federated_optimizer", None)
-    canonical = canonical_name(name)
-    if canonical is not None:
-        if canonical != name:
-            logger.info("train_args.federated_optimizer=%r read as %r", name, canonical)
-            args.federated_optimizer = canonical
-        return
-    if name in FEDML_SECURE_AGGREGATION:
-        raise ConfigError(
-            f"train_args.federated_optimizer={name!r}: FedML's {FEDML_SECURE_AGGREGATION[name]} does not run with "
-            f"fedml_perfedavg imported (the plugin's cross-silo transport carries its own protocol's messages "
-            f"only, never pickles{'; and FedML 0.9.6 lacks the module SA needs' if name == 'SA' else ''}). For "
-            f"secure aggregation use the plugin's: federated_optimizer: PerFedAvg (or FedAvgUpdate) with "
-            f"secagg_args: {{enable_secagg: true}} (docs/security.md: Secure aggregation)"
-        )
-    if name is None or name in FEDML_OWN:
-        return
-    names = algorithm_names()
-    raise ConfigError(
-        f"train_args.federated_optimizer={name!r}: neither a plugin algorithm ({names}) nor one of "
-        f"FedML's own ({list(FEDML_OWN)}){_suggest(str(name), [*names, *FEDML_OWN])}"
-    )
 
 
 def _rule_clients(c: Config) -> None:
@@ -916,7 +862,7 @@ def parse_overrides(pairs: Sequence[str]) -> Dict[str, Any]:
             out[f"{fedml_safeguards.HOME_SECTION[name]}.{name}"] = yaml.safe_load(raw)
             continue
         if name not in BY_NAME and name not in FEDML_KEYS and name not in FEDML_PASSTHROUGH:
-            raise ConfigError(f"--set {pair!r}: unknown key {name!r}{_suggest(name, BY_NAME)}")
+            raise ConfigError(f"--set {pair!r}: unknown key {name!r}{suggest(name, BY_NAME)}")
         out[name] = yaml.safe_load(raw)
     return out
 
@@ -937,7 +883,7 @@ def _fedml_key_meanings(given: Dict[str, Any], where: Dict[str, str]) -> None:
     if "learning_rate" in given:
         lr = given["learning_rate"]
         try:
-            _check_value(BY_NAME["beta"], lr)
+            check_value(BY_NAME["beta"], lr)
         except ConfigError as err:
             raise ConfigError(
                 str(err).replace(
@@ -945,7 +891,7 @@ def _fedml_key_meanings(given: Dict[str, Any], where: Dict[str, str]) -> None:
                     f"{where.get('learning_rate', 'train_args')}.learning_rate={lr!r} (read as train_args.beta)",
                 )
             ) from None
-        if "beta" in given and _check_value(BY_NAME["beta"], given["beta"]) != _check_value(BY_NAME["beta"], lr):
+        if "beta" in given and check_value(BY_NAME["beta"], given["beta"]) != check_value(BY_NAME["beta"], lr):
             raise ConfigError(
                 f"{where.get('learning_rate', 'train_args')}.learning_rate={lr!r} and train_args.beta="
                 f"{given['beta']!r} both set the step size applied to the model; give one, or the "
@@ -1005,7 +951,7 @@ def resolve(
     for section, values in sections.items():
         if section not in SECTIONS + SAFEGUARD_SECTIONS:
             allowed = list(SECTIONS + SAFEGUARD_SECTIONS)
-            raise ConfigError(f"section {section!r}: unknown; allowed: {allowed}{_suggest(section, allowed)}")
+            raise ConfigError(f"section {section!r}: unknown; allowed: {allowed}{suggest(section, allowed)}")
         for name, value in values.items():
             home = section if section in SAFEGUARD_SECTIONS else fedml_safeguards.HOME_SECTION.get(name)
             if home is not None:
@@ -1017,7 +963,7 @@ def resolve(
                 continue
             f = BY_NAME.get(name)
             if f is None:
-                suggestion = _suggest(name, BY_NAME)
+                suggestion = suggest(name, BY_NAME)
                 known = name in FEDML_KEYS or name in FEDML_PASSTHROUGH
                 if name in FEDML_SECURE_AGGREGATION_KEYS:
                     raise ConfigError(
@@ -1043,7 +989,7 @@ def resolve(
         given["federated_optimizer"] = canonical_name(given["federated_optimizer"])
     _fedml_key_meanings(given, where)
     values = {
-        name: _check_value(
+        name: check_value(
             f,
             copy.deepcopy(given.get(name, field_default(f))),
         )
@@ -1057,94 +1003,7 @@ def resolve(
     return config
 
 
-def add_config_options(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    """``--cf CONFIG.yaml`` and ``--set KEY=VALUE`` (repeatable): how every command takes a config."""
-    parser.add_argument("--cf", "--yaml_config_file", dest="config", required=required, help="FedML-style YAML config")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set comm_round=20 (repeatable; section.key works too)",
-    )
-
-
 def load(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
     """Load, override (``--set`` pairs) and validate a config file."""
     sections = load_yaml(path) if path else {}
     return resolve(sections, parse_overrides(overrides), source=path)
-
-
-def from_fedml_args(
-    args: Any, enable_wandb: Optional[bool] = None, sections: Optional[Dict[str, Dict[str, Any]]] = None
-) -> Config:
-    """The config of a run started from FedML's entry points: the YAML FedML read
-    (``args.yaml_config_file``, for sections and FedML's keys) with ``args``' current values,
-    which a user's script may have changed. ``enable_wandb`` replaces ``args.enable_wandb``
-    (which the run layer turns off for FedML's own wandb.init); ``sections`` replace the YAML
-    (a config already resolved, ``--set`` values included)."""
-    path = getattr(args, "yaml_config_file", "") or ""
-    if sections is None:  # the sections fedml.init read (the file is read once), else the file
-        sections = getattr(args, YAML_SECTIONS, None)
-    sections = copy.deepcopy(sections) if sections is not None else load_yaml(path) if path else {}
-    # A name in two sections (train_args.delta and dp_args.delta) is one attribute of FedML's
-    # flattened args, holding whichever came last: those are read from the YAML, section by section.
-    seen: Dict[str, int] = {}
-    for values in sections.values():
-        for name in values:
-            seen[name] = seen.get(name, 0) + 1
-    shared = {name for name, count in seen.items() if count > 1}
-    current = {name: getattr(args, name) for name in BY_NAME if hasattr(args, name) and name not in shared}
-    if enable_wandb is not None:
-        current["enable_wandb"] = enable_wandb
-    for values in sections.values():
-        for name in list(values):
-            if name in shared:
-                continue
-            if name in current:
-                values[name] = current.pop(name)
-            elif hasattr(args, name):
-                values[name] = getattr(args, name)
-    return resolve(sections, current, source=path or None)
-
-
-TRANSPORT_KEYS = (
-    "tls_dir",
-    "insecure",
-    "max_message_bytes",
-    "connect_timeout",
-    "max_connections",
-    "max_connections_per_peer",
-    "handshake_timeout",
-    "idle_timeout",
-)
-
-
-def transport_values(args: Any, config: Optional[Config] = None) -> Dict[str, Any]:
-    """The cross-silo transport's comm_args values, typed and checked: a plugin run's ``config``'s;
-    for FedML's own algorithms (which have no config), FedML's ``args`` by the same fields' rules."""
-    if config is not None:
-        return {name: getattr(config, name) for name in TRANSPORT_KEYS}
-    values = {}
-    for name in TRANSPORT_KEYS:
-        value = getattr(args, name, None)
-        values[name] = field_default(BY_NAME[name]) if value is None else _check_value(BY_NAME[name], value)
-    check_security(values["tls_dir"], values["insecure"])
-    return values
-
-
-def markdown_table() -> str:
-    """docs/configuration.md's table, generated from :class:`Config`."""
-    rows = ["| section | key | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
-    for f in settings():
-        meta = f.metadata
-        default = field_default(f)
-        if meta["choices"]:
-            allowed = ", ".join(map(str, meta["choices"]))
-        elif meta["rule"]:
-            allowed = meta["rule"] + (" or null" if meta["optional"] else "")
-        else:
-            allowed = meta["kind"].__name__ + (" or null" if meta["optional"] else "")
-        rows.append(f"| {meta['section']} | `{f.name}` | `{default}` | {allowed} | {meta['help']} |")
-    return "\n".join(rows)

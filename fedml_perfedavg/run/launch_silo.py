@@ -34,7 +34,8 @@ from ..core.errors import ConfigError, OutputError
 from ..fedml_bridge.cross_silo.credentials import make_certificates
 from .. import logs
 from ..stopping import StopRequested, StopSignals
-from .config import add_config_options, load, load_yaml, parse_overrides
+from .options import add_config_options
+from .config import load, load_yaml, parse_overrides
 from .files import write_json
 from .runner import remove_if_never_started, resolve_run_dir
 from ..fedml_bridge.cross_silo.addresses import read_ipconfig, write_ipconfig

@@ -34,16 +34,8 @@ from .. import logs
 from ..stopping import STOP_SIGNALLED, exit_as_signalled, sigterm_as_interrupt, stopped_exit_code
 from . import checkpoint
 from .files import make_dir, write_torch
-from .config import (
-    BY_NAME,
-    Config,
-    check_algorithm_name,
-    check_scenario,
-    field_default,
-    from_fedml_args,
-    load_yaml,
-    transport_values,
-)
+from .config import BY_NAME, Config, check_scenario, field_default, load_yaml
+from .fedml_args import check_algorithm_name, from_fedml_args, to_fedml_args, transport_values
 from .assembly import assemble, backend_for, check_layout, driver_for, resumable
 
 CROSS_SILO_STATE = "cross_silo"  # the cross-silo server's part of a checkpoint (its session, the run id)
@@ -529,7 +521,7 @@ def fedml_args(
     run_id: str = "0",
 ) -> argparse.Namespace:
     """FedML's ``args`` for ``config`` (what ``fedml.init()`` would read from the YAML)."""
-    args = config.to_fedml_args()
+    args = to_fedml_args(config)
     setattr(args, CONTEXT, RunContext(config, requested_run_dir=run_dir, resume=resume))
     if config.training_type == "cross_silo":
         args.rank, args.role, args.run_id = rank, role, run_id

@@ -21,7 +21,8 @@ from ..core.errors import ConfigError
 from ..data.loading import DATASETS, FederatedData
 from ..data.partition import PARTITIONS
 from ..data.silo_folder import SPLIT_KEYS, check_split, export_users, is_export, is_silo_folder, read_silo_folder
-from .config import Config, add_config_options, load
+from .options import add_config_options
+from .config import Config, load
 
 logger = logging.getLogger(__name__)
 

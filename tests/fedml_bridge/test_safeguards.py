@@ -11,7 +11,8 @@ import torch
 from fedml_perfedavg.algorithms.base import NO_HOOKS
 from fedml_perfedavg.core.errors import ConfigError, RunStopped
 from fedml_perfedavg.fedml_bridge.safeguards import FedMLSafeguards, applied_defenses
-from fedml_perfedavg.run.config import from_fedml_args, load, parse_overrides, resolve
+from fedml_perfedavg.run.config import load, parse_overrides, resolve
+from fedml_perfedavg.run.fedml_args import from_fedml_args, to_fedml_args
 from fedml_perfedavg.run.runner import run
 
 from tests.helpers_tiny import tiny_data
@@ -299,7 +300,7 @@ def test_switched_off_sections_are_kept_and_change_nothing(tmp_path):
 def test_dp_delta_and_per_fedavgs_delta_stay_apart(tmp_path):
     config = resolve({"train_args": {"delta": 0.002}, "dp_args": LDP}, dict(BASE))
     assert config.delta == 0.002 and config.safeguards["dp_args"]["delta"] == 1e-5
-    assert config.to_fedml_args().delta == 0.002  # FedML's flat args: the plugin's reading
+    assert to_fedml_args(config).delta == 0.002  # FedML's flat args: the plugin's reading
     assert config.sections()["dp_args"]["delta"] == 1e-5
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from fedml_perfedavg.run.config import ConfigError, load, parse_overrides, resolve
+from fedml_perfedavg.run.fedml_args import to_fedml_args
 from fedml_perfedavg.algorithms.registry import algorithm_names
 
 from tests.helpers import REPO
@@ -140,7 +141,7 @@ def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
 
 
 def test_fedml_args_flatten_sections():
-    args = resolve({}).to_fedml_args(federated_optimizer="FedAvg")
+    args = to_fedml_args(resolve({}), federated_optimizer="FedAvg")
     assert args.federated_optimizer == "FedAvg" and args.alpha == 0.01 and args.backend == "sp"
 
 
@@ -175,10 +176,10 @@ def test_fedml_keys_mean_what_they_mean_in_fedml(caplog):
 
 
 def test_the_configuration_reference_table_is_generated_from_the_config():
-    from fedml_perfedavg.run.config import markdown_table
+    from fedml_perfedavg.run.reference import markdown_table
 
     reference = (REPO / "docs" / "configuration.md").read_text()
-    assert markdown_table() in reference, "docs/configuration.md's table is stale: paste run.config.markdown_table()"
+    assert markdown_table() in reference, "docs/configuration.md's table is stale: paste run.reference.markdown_table()"
 
 
 def test_entry_point_algorithms_are_listed_and_loaded(monkeypatch):
@@ -236,7 +237,7 @@ def test_keys_of_fedmls_secure_aggregation_are_refused_not_passed_on_in_the_clea
     """Issue 45: PerFedAvg with LSA's keys averaged in the clear, with only a warning."""
     from argparse import Namespace
 
-    from fedml_perfedavg.run.config import check_algorithm_name
+    from fedml_perfedavg.run.fedml_args import check_algorithm_name
 
     with pytest.raises(ConfigError, match=r"train_args\.prime_number=32749: a key of FedML's secure aggregation"):
         resolve({"train_args": {"prime_number": 32749}}, {})

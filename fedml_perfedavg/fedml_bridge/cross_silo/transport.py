@@ -98,7 +98,7 @@ class TransportSettings:
     def from_values(
         cls, values: Mapping[str, Any], run_id: str, rank: int, model_size_cap: Optional[int]
     ) -> "TransportSettings":
-        """The settings from comm_args' typed, checked ``values`` (``TRANSPORT_KEYS`` of the run
+        """The settings from comm_args' typed, checked ``values`` (``fedml_args.TRANSPORT_KEYS`` of the run
         config), this rank's credentials loaded; without ``max_message_bytes``, the cap the
         model's size gives (:data:`MODEL_SIZE_CAP`), else :data:`FALLBACK_SIZE_CAP`."""
         cap = values["max_message_bytes"] or model_size_cap

@@ -1,0 +1,21 @@
+"""docs/configuration.md's table, generated from the config's schema (:mod:`.config`)."""
+
+from __future__ import annotations
+
+from .config import field_default, settings
+
+
+def markdown_table() -> str:
+    """docs/configuration.md's table, generated from :class:`Config`."""
+    rows = ["| section | key | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
+    for f in settings():
+        meta = f.metadata
+        default = field_default(f)
+        if meta["choices"]:
+            allowed = ", ".join(map(str, meta["choices"]))
+        elif meta["rule"]:
+            allowed = meta["rule"] + (" or null" if meta["optional"] else "")
+        else:
+            allowed = meta["kind"].__name__ + (" or null" if meta["optional"] else "")
+        rows.append(f"| {meta['section']} | `{f.name}` | `{default}` | {allowed} | {meta['help']} |")
+    return "\n".join(rows)
