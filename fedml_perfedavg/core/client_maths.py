@@ -92,14 +92,19 @@ class LocalBatches(NamedTuple):
 
 
 class Gradients(Protocol):
-    """How the local update gets gradients of the loss: ``grad(params, x, y)``, and
-    ``grad_pair`` at two parameter points at once (a leading dimension of 2), which the HF
-    estimator uses for w + delta g and w - delta g. A specialised oracle may also offer
-    ``finite_difference_hvp`` (HF) and ``hessian_vector_product`` (exact), used when present."""
+    """How the local update gets the loss's derivatives: ``grad(params, x, y)``; ``grad_pair`` at
+    two parameter points at once (a leading dimension of 2); HF's Hessian-vector estimate
+    ``finite_difference_hvp`` ([grad(w + delta g) - grad(w - delta g)] / (2 delta)); and the exact
+    ``hessian_vector_product``. :class:`FunctionalGradients` computes them by ``torch.func`` for
+    any model; a specialised oracle (a Linear chain's, :mod:`.hand_batched`) its own way."""
 
     def grad(self, params: Params, x: Tensor, y: Tensor) -> Params: ...
 
     def grad_pair(self, params: Params, x: Tensor, y: Tensor) -> Params: ...
+
+    def finite_difference_hvp(self, w: Params, g: Params, x: Tensor, y: Tensor, delta: float) -> Params: ...
+
+    def hessian_vector_product(self, params: Params, v: Params, x: Tensor, y: Tensor) -> Params: ...
 
 
 class FunctionalGradients:
@@ -115,6 +120,15 @@ class FunctionalGradients:
             return vmap(self.grad, in_dims=(0, None, None))(params, x, y)
         first, second = (self.grad({k: v[i] for k, v in params.items()}, x, y) for i in (0, 1))
         return {k: torch.stack((first[k], second[k])) for k in first}
+
+    def finite_difference_hvp(self, w: Params, g: Params, x: Tensor, y: Tensor, delta: float) -> Params:
+        plus_minus = {k: torch.stack((p + delta * g[k], p - delta * g[k])) for k, p in w.items()}
+        grads = self.grad_pair(plus_minus, x, y)
+        return {k: (v[0] - v[1]) / (2.0 * delta) for k, v in grads.items()}
+
+    def hessian_vector_product(self, params: Params, v: Params, x: Tensor, y: Tensor) -> Params:
+        """Forward over reverse: the jvp of the gradient."""
+        return jvp(lambda p: self.grad(p, x, y), (params,), (v,))[1]
 
 
 class ReverseModeGradients(FunctionalGradients):
@@ -219,18 +233,9 @@ class FunctionalSteps:
     def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
         """H(w; D'') g: HF's central difference of gradients at w +- delta g, or exact."""
         x, y = self.hessian[0][t], self.hessian[1][t]
-        gradients = self.gradients
         if self.kind is Step.HF:
-            fused = getattr(gradients, "finite_difference_hvp", None)  # a specialised oracle's own
-            if fused is not None:
-                return fused(w, g, x, y, delta)
-            plus_minus = {k: torch.stack((p + delta * g[k], p - delta * g[k])) for k, p in w.items()}
-            grads = gradients.grad_pair(plus_minus, x, y)
-            return {k: (v[0] - v[1]) / (2.0 * delta) for k, v in grads.items()}
-        by_hand = getattr(gradients, "hessian_vector_product", None)  # a specialised oracle's own
-        if by_hand is not None:
-            return by_hand(w, g, x, y)
-        return jvp(lambda p: gradients.grad(p, x, y), (w,), (g,))[1]
+            return self.gradients.finite_difference_hvp(w, g, x, y, delta)
+        return self.gradients.hessian_vector_product(w, g, x, y)
 
     def correct(self, g: Params, hessian_g: Params, alpha: float) -> Params:
         return axpy(-alpha, hessian_g, g)
