@@ -407,6 +407,7 @@ class FedMLSafeguards(RoundHooks):
         """FedML's defense before aggregation (Krum, norm-difference clipping, ...)."""
         if self.defender is None or not self.defender.is_defense_before_aggregation():
             return updates
+        self._fit_positional_memory(round_idx, len(updates))
         template = updates[0][1]
         try:
             with _fedml_prints(), keyed_global_randomness(self.seed, round_idx, -1, Purpose.DEFENSE):
@@ -437,6 +438,25 @@ class FedMLSafeguards(RoundHooks):
                 len(updates),
             )
         return [(n, _like(template, sd)) for n, sd in kept]
+
+    def _fit_positional_memory(self, round_idx: int, count: int) -> None:
+        """FedML's FoolsGold adds each update's features to a memory kept by position in the round
+        (foolsgold_defense.py, which warns that "grads in different iterations may be from
+        different clients"), so a round with more updates than its memory holds (a round after one
+        that lost or rejected an update) failed with an IndexError that stopped the run. The
+        memory starts again then, and the log says so."""
+        from fedml.core.security.defense.foolsgold_defense import FoolsGoldDefense
+
+        defense = self.defender.defender if self.defender is not None else None
+        if isinstance(defense, FoolsGoldDefense) and defense.memory is not None and len(defense.memory) != count:
+            logger.warning(
+                "round %d: FedML's foolsgold remembers %d updates by their position and this round has %d; "
+                "its memory starts again (it cannot tell which client an update came from)",
+                round_idx,
+                len(defense.memory),
+                count,
+            )
+            defense.memory = None
 
     def combine(
         self,

@@ -183,6 +183,17 @@ def test_krum_removes_the_attackers_update_in_a_hand_built_round():
         assert any(torch.equal(sd["w"], w) for w in honest_ws)  # only honest updates survive
 
 
+def test_foolsgold_after_a_round_with_fewer_updates_starts_its_memory_again(caplog):
+    """FedML's FoolsGold keeps its memory by position: a round after one that lost or rejected an
+    update had more updates than the memory and stopped the run with an IndexError."""
+    hooks, global_state, honest, attacker = _hand_built_round({"enable_defense": True, "defense_type": "foolsgold"})
+    assert len(hooks.filter_updates(0, honest[:4], global_state)) == 4  # one of 5 was rejected
+    with caplog.at_level("WARNING"):
+        kept = hooks.filter_updates(1, honest + [attacker], global_state)
+    assert len(kept) == 6
+    assert "foolsgold remembers 4 updates by their position and this round has 6" in caplog.text
+
+
 def test_norm_difference_clipping_bounds_the_attackers_update():
     hooks, global_state, honest, attacker = _hand_built_round(CLIPPING)
     kept = hooks.filter_updates(0, honest + [attacker], global_state)
