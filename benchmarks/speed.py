@@ -338,7 +338,7 @@ def write_report(results: dict, out_dir: Path) -> None:
         "Paths: `per_client` is FedML's loop (one client after the other); `vmap` the batched engine with "
         "torch.func's vmap over the clients (any model); `batched` the default engine, which for a chain of "
         "Linear layers and activations (the paper's MLP) computes every client's gradients as batched matrix "
-        "products (`fedml_perfedavg/core/try_hand_batched.py`).",
+        "products (`fedml_perfedavg/core/hand_batched.py`).",
         "",
         "| method | batched speed-up over per-client (train) |",
         "| --- | --- |",
