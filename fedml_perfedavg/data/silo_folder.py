@@ -36,7 +36,7 @@ SPLIT_KEYS = (
     "images_per_class",
     "test_images_per_class",
 )
-_INPUT_DTYPES = {
+INPUT_DTYPES = {  # the sample dtypes a folder or a silo's announcement may name
     "float32": torch.float32,
     "float64": torch.float64,
     "float16": torch.float16,
@@ -170,7 +170,7 @@ def _read_manifest(folder: str) -> Dict[str, Any]:
         "input_shape": isinstance(manifest["input_shape"], list)
         and len(manifest["input_shape"]) <= 8
         and all(_whole(d, 1) for d in manifest["input_shape"]),
-        "input_dtype": manifest["input_dtype"] in _INPUT_DTYPES,
+        "input_dtype": manifest["input_dtype"] in INPUT_DTYPES,
         "classes": isinstance(manifest["classes"], list)
         and 0 < len(manifest["classes"]) <= 100_000
         and all(_whole(c) for c in manifest["classes"]),
@@ -203,7 +203,7 @@ def read_silo_folder(folder: str) -> SiloData:
         raise _fail(folder, f"{TENSORS} is not a safetensors file ({type(err).__name__})") from None
     if set(tensors) != set(ROLES):
         raise _fail(folder, f"{TENSORS} must hold exactly {list(ROLES)}")
-    shape, dtype = tuple(manifest["input_shape"]), _INPUT_DTYPES[manifest["input_dtype"]]
+    shape, dtype = tuple(manifest["input_shape"]), INPUT_DTYPES[manifest["input_dtype"]]
     for side, count in (("train", manifest["train"]), ("test", manifest["test"])):
         x, y = tensors[f"{side}_x"], tensors[f"{side}_y"]
         if tuple(x.shape) != (count, *shape) or x.dtype != dtype:

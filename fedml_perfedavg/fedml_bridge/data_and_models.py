@@ -15,7 +15,7 @@ import glob
 import logging
 import os
 import socket
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -53,6 +53,13 @@ def reshaped(data: FederatedData, layout: Tuple[int, ...]) -> FederatedData:
     return FederatedData(users, data.num_classes, data.input_shape, data.user_ids)
 
 
+def leaf_folders(root: str, name: str) -> Tuple[List[str], bool]:
+    """LEAF's train and test folders of dataset ``name`` under ``root``, and whether both hold
+    their JSON files (what FedML's LEAF loaders read)."""
+    folders = [os.path.join(root, name, split) for split in ("train", "test")]
+    return folders, all(glob.glob(os.path.join(folder, "*.json")) for folder in folders)
+
+
 @contextlib.contextmanager
 def fedml_loader_arguments(args: Any) -> Iterator[None]:
     """What FedML's loaders read and the plugin's YAML may not say.
@@ -76,8 +83,8 @@ def fedml_loader_arguments(args: Any) -> Iterator[None]:
     import fedml.data.shakespeare.data_loader as shakespeare
 
     root = os.path.abspath(str(getattr(args, "data_cache_dir", ".")))
-    folders = [os.path.join(root, "shakespeare", split) for split in ("train", "test")]
-    if not all(glob.glob(os.path.join(folder, "*.json")) for folder in folders):
+    folders, present = leaf_folders(root, "shakespeare")
+    if not present:
         raise ConfigError(
             f"data_args.dataset='shakespeare' is FedML's LEAF Shakespeare, read from {folders[0]}/*.json and "
             f"{folders[1]}/*.json (data_args.data_cache_dir={root!r}), which are not there: put LEAF's "
@@ -106,8 +113,8 @@ def offline_fedml_loader(args: Any) -> Iterator[None]:
     dataset = getattr(args, "dataset", None)
     stack = contextlib.ExitStack()
     if dataset == "mnist":
-        leaf = [os.path.join(root, "MNIST", split) for split in ("train", "test")]
-        if not all(glob.glob(os.path.join(folder, "*.json")) for folder in leaf):
+        leaf, present = leaf_folders(root, "MNIST")
+        if not present:
             raise ConfigError(
                 f"data_args.dataset='mnist' with data_args.partition_method="
                 f"{getattr(args, 'partition_method', None)!r} is FedML's MNIST loader, which reads LEAF's "

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ...core.types import StateDict, UserSplit
+from ...data.silo_folder import INPUT_DTYPES
 from .wire import short
 
 # (section, key) of the config values every process of a cross-silo run must share.
@@ -59,14 +60,6 @@ AGREED = (
 ARCHITECTURE = "model_args.architecture"  # the model's tensor names, shapes and dtypes, hashed
 SAFEGUARDS = "dp_args/attack_args/defense_args"  # FedML's DP, attack and defense sections, hashed
 _PROBE_ELEMENTS = 10_000_000  # a sample larger than this is not probed (a lie meant to exhaust memory)
-_INPUT_DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
 
 
 def _digest(value: Any) -> str:
@@ -151,10 +144,10 @@ def data_problem(model: nn.Module, announced: Dict[str, Any], rank: int) -> Opti
     its labels go beyond the model's outputs), or None. The model runs on two zero samples of the
     announced shape and dtype, in a copy in eval mode."""
     shape, dtype_name, classes = announced["input_shape"], announced["input_dtype"], announced["classes"]
-    dtype = _INPUT_DTYPES.get(dtype_name)
+    dtype = INPUT_DTYPES.get(dtype_name)
     what = f"silo rank {rank}'s data (samples of shape {tuple(shape)}, {dtype_name}; labels up to {max(classes)})"
     if dtype is None:
-        return f"{what}: inputs of dtype {dtype_name} are not among {sorted(_INPUT_DTYPES)}"
+        return f"{what}: inputs of dtype {dtype_name} are not among {sorted(INPUT_DTYPES)}"
     if math.prod(shape) > _PROBE_ELEMENTS:
         return f"{what}: a sample of {math.prod(shape)} values is larger than any model here takes"
     probe = copy.deepcopy(model).cpu().eval()
