@@ -1,4 +1,4 @@
-"""The round protocol every algorithm follows, in the spirit of a Flower ``Strategy``.
+"""The round protocol every algorithm follows, in the spirit of a Flower ``Strategy``; no maths.
 
 An algorithm object owns what happens in a round, with the round number always passed in:
 
@@ -8,13 +8,17 @@ An algorithm object owns what happens in a round, with the round number always p
     evaluate(round, global_state, users)                   -> EvaluationResult
 
 FedML's sp loop, its MPI simulator, its cross-silo server and client, and the batched engine
-call these and nothing else of the algorithm. A subclass changes the client's maths by
-overriding :meth:`FederatedAlgorithm.local_update` (a pure function, so the batched engine can
-``vmap`` it over the clients of a round) and, if it needs other minibatches,
-:meth:`FederatedAlgorithm.client_batches`. Clients that send back more than a model override
-:meth:`FederatedAlgorithm.local_training` (the whole state, buffers included), the server's
-side :meth:`FederatedAlgorithm.combine`, and a learned personalization step
-:meth:`FederatedAlgorithm.refinement_step_sizes` (FedAvgARUBA does all three).
+call these and nothing else of the algorithm. An algorithm is one file: a subclass that gives
+its client's maths as :meth:`FederatedAlgorithm.local_update` (a pure function of the starting
+parameters and the minibatches, so the batched engine can ``vmap`` it over the clients of a
+round) or, to send back more than parameters, :meth:`FederatedAlgorithm.local_training`, and
+declares its own settings as a ``Settings`` dataclass of
+:func:`~fedml_perfedavg.core.settings.setting` fields (they join the config, its docs table and
+the cross-silo fingerprint). Optional hooks: :meth:`~FederatedAlgorithm.client_batches` (other
+minibatches), :meth:`~FederatedAlgorithm.combine` (the server's side) and
+:meth:`~FederatedAlgorithm.refinement_step_sizes` (a learned personalization step).
+Per-FedAvg and FedAvg's local SGD are :class:`~.gradient_steps.GradientSteps` algorithms: their
+maths is :mod:`fedml_perfedavg.core.client_maths`, which engines may compute their own way.
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, NamedTuple, O
 import torch
 from torch import Tensor, nn
 
-from ..core import client_maths
-from ..core.client_maths import LocalBatches, LocalUpdateConfig, Step
+from ..core.client_maths import LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
 from ..core.functional import functional_network, make_loss_fn
 from ..core.errors import ConfigError
 from ..core.guards import apply_divergence_policy, is_finite
-from ..core.privacy import DPSGD, PrivateBatches, draw_private_batches, private_local_update
+from ..core.privacy import DPSGD, PrivateBatches, draw_private_batches
+from ..core.settings import check_settings, settings_of
 from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
 from ..core.types import Params, StateDict, UserSplit
 from .model_probe import ModelPaths, probe
@@ -55,7 +59,9 @@ class AlgorithmSettings:
     seed: int
     client_num_in_total: int
     client_num_per_round: int
-    local: LocalUpdateConfig
+    local_steps: int  # tau
+    alpha: float  # the personalization step of F (and of every method's evaluation)
+    beta: float  # the step size applied to the model (FedML's learning_rate)
     batch_sizes: Tuple[int, int, int]  # |D|, |D'|, |D''|
     evaluation: EvaluationConfig
     new_user_fraction: float = 0.0
@@ -67,23 +73,23 @@ class AlgorithmSettings:
     update_norm_factor: Optional[float] = None  # the bound relative to accepted updates (update_screen.py)
     max_weight_ratio: Optional[float] = None
     privacy: Optional[DPSGD] = None  # DP-SGD in the local steps and the evaluation's (core/privacy.py)
+    own: Any = None  # the algorithm's own settings (an instance of its ``Settings``), or None
 
     @classmethod
-    def from_config(cls, config: Any, variant: Optional[Step] = None) -> "AlgorithmSettings":
-        """The settings a run config (:class:`fedml_perfedavg.run.config.Config`) asks for; the
-        local step is ``variant`` if given (an algorithm's own), else ``perfedavg_variant``."""
+    def from_config(cls, config: Any, own_settings: Optional[type] = None) -> "AlgorithmSettings":
+        """The settings a run config (:class:`fedml_perfedavg.run.config.Config`) asks for, with
+        the algorithm's own (``own_settings``, its ``Settings`` dataclass) read from it by name."""
         privacy = config.privacy
+        own = None
+        if own_settings is not None:
+            own = own_settings(**{f.name: getattr(config, f.name) for f in settings_of(own_settings)})
         return cls(
             seed=config.random_seed,
             client_num_in_total=config.client_num_in_total,
             client_num_per_round=config.client_num_per_round,
-            local=LocalUpdateConfig(
-                variant=variant or config.perfedavg_variant,
-                alpha=config.alpha,
-                beta=config.beta,
-                delta=config.delta,
-                local_steps=config.local_steps,
-            ),
+            local_steps=config.local_steps,
+            alpha=config.alpha,
+            beta=config.beta,
             batch_sizes=config.batch_sizes,
             evaluation=EvaluationConfig(
                 alpha=config.alpha,
@@ -101,6 +107,7 @@ class AlgorithmSettings:
             update_norm_factor=config.update_norm_factor,
             max_weight_ratio=config.max_weight_ratio,
             privacy=privacy,
+            own=own,
         )
 
 
@@ -226,62 +233,78 @@ def average(updates: Sequence[Tuple[float, StateDict]], weighting: str) -> "Orde
     return averaged
 
 
-def refuse_own_maths_under_dp(cls: type) -> None:
-    """DP-SGD reaches only the standard local update: :class:`ConfigError` for an algorithm with
-    maths of its own (its own local update, training, minibatches or learned step sizes)."""
-    own = [
-        name
-        for name in ("local_update", "local_training", "client_batches", "refinement_step_sizes")
-        if getattr(cls, name) is not getattr(FederatedAlgorithm, name)
-    ]
-    if own:
+def private_batches(
+    algorithm: "FederatedAlgorithm", round_idx: int, client_id: int, x: Tensor, y: Tensor
+) -> PrivateBatches:
+    """DP-SGD's Poisson minibatches and noise for a client's round, keyed by (seed, round, client)."""
+    settings, standard = algorithm.settings, algorithm.standard_update
+    assert standard is not None  # DP-SGD runs only the standard maths (checked when it is built)
+    generator = generator_for(settings.seed, round_idx, client_id, Purpose.PRIVATE_TRAINING)
+    roles = standard.step.batch_roles
+    return draw_private_batches(x, y, settings.batch_sizes[:roles], settings.local_steps, algorithm._shapes, generator)
+
+
+def check_declarations(cls: "type[FederatedAlgorithm]") -> None:
+    """TypeError for an algorithm class whose declarations do not match its methods: an engine
+    that trains many clients at once must know what a client sends back, or a local_training of
+    its own that changed buffers would be silently dropped."""
+    if "local_training" in vars(cls) and not cls.returns_whole_state:
+        raise TypeError(
+            f"{cls.__name__} defines local_training: declare returns_whole_state = True (a client "
+            f"sends back its whole state), or give its maths as local_update(params, batches)"
+        )
+
+
+def with_own_settings(cls: "type[FederatedAlgorithm]", settings: AlgorithmSettings) -> AlgorithmSettings:
+    """``settings`` with ``cls``'s own (its ``Settings``; their defaults where none were given),
+    checked against their declaration."""
+    if cls.Settings is None:
+        return settings
+    own = settings.own if settings.own is not None else cls.Settings()
+    if not isinstance(own, cls.Settings):
+        raise TypeError(f"{cls.name}: settings.own is a {type(own).__name__}, not its {cls.Settings.__name__}")
+    check_settings(own)
+    return dataclasses.replace(settings, own=own)
+
+
+def refuse_own_maths_under_dp(algorithm: "FederatedAlgorithm") -> None:
+    """DP-SGD reaches only the standard local update: :class:`ConfigError` for an algorithm
+    whose client maths is its own."""
+    if algorithm.settings.privacy is not None and not (
+        algorithm.standard_update is not None and not algorithm.returns_whole_state
+    ):
         raise ConfigError(
-            f"dp_args.dp_solution_type='dpsgd' with train_args.federated_optimizer={getattr(cls, 'name', cls)!r}: "
-            f"it has its own {own[0]}, which DP-SGD's per-sample clipping and noise do not reach; only "
+            f"dp_args.dp_solution_type='dpsgd' with train_args.federated_optimizer={algorithm.name!r}: its "
+            f"client maths is its own, which DP-SGD's per-sample clipping and noise do not reach; only "
             f"algorithms on the standard local update run it (PerFedAvg, FedAvgUpdate)"
         )
 
 
-def private_batches(
-    settings: AlgorithmSettings, round_idx: int, client_id: int, x: Tensor, y: Tensor, shapes: Params
-) -> PrivateBatches:
-    """DP-SGD's Poisson minibatches and noise for a client's round, keyed by (seed, round, client)."""
-    generator = generator_for(settings.seed, round_idx, client_id, Purpose.PRIVATE_TRAINING)
-    roles = settings.local.step.batch_roles
-    return draw_private_batches(x, y, settings.batch_sizes[:roles], settings.local.local_steps, shapes, generator)
-
-
-def private_update(algorithm: "FederatedAlgorithm", params: Params, batches: PrivateBatches) -> Params:
-    """``algorithm``'s local update with DP-SGD: by a Linear chain's outer products where the
-    model is one, else per-sample gradients by torch.func (core/privacy.py)."""
-    privacy, paths = algorithm.settings.privacy, algorithm.paths
-    assert privacy is not None
-    chain = paths.hand_batched_form(tuple(batches.x.shape[3:])) if paths.vmappable else None
-    config = dataclasses.replace(algorithm.settings.local, local_steps=batches.steps)
-    return private_local_update(algorithm.loss_fn, params, batches, config, privacy, chain, paths.forward_ad)
-
-
 class FederatedAlgorithm:
-    """Base of every algorithm in the registry; the default client update is Per-FedAvg's
-    local update (:func:`fedml_perfedavg.core.client_maths.local_update`) with ``settings.local``.
+    """Base of every algorithm in the registry: the round protocol, no maths of its own.
 
     The object holds no model weights: global states come in and go out explicitly. Its only
     state is the aggregation's record (rounds skipped, updates rejected), which checkpoints
     keep through :meth:`state_dict` / :meth:`load_state_dict`."""
 
     name: ClassVar[str] = "base"
-    #: The local step every run of this algorithm takes (``Step.SGD`` for FedAvg's), or None: the
-    #: config's ``perfedavg_variant`` (Per-FedAvg's estimator).
-    variant: ClassVar[Optional[Step]] = None
+    #: The algorithm's own settings: a frozen dataclass of :func:`~fedml_perfedavg.core.settings.setting`
+    #: fields (section ``train_args``; keys named after the algorithm), or None. They join the
+    #: config, its docs table and the cross-silo fingerprint; ``settings.own`` holds their values.
+    Settings: ClassVar[Optional[type]] = None
+    #: True when a client sends back its whole state, buffers included (its :meth:`local_training`
+    #: changes them, as FedAvgARUBA's does), not only its parameters.
+    returns_whole_state: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_declarations(cls)
 
     def __init__(self, model: nn.Module, settings: AlgorithmSettings) -> None:
-        if self.variant is not None and settings.local.variant != self.variant:
-            raise ValueError(
-                f"{self.name} takes {self.variant!r} steps; settings.local.variant={settings.local.variant!r}"
-            )
-        self.settings = settings
-        if settings.privacy is not None:
-            refuse_own_maths_under_dp(type(self))
+        self.settings = with_own_settings(type(self), settings)
+        #: The client's maths when it is core.client_maths' local update (resolved once, here).
+        self.standard_update: Optional[LocalUpdateConfig] = self.standard_maths()
+        refuse_own_maths_under_dp(self)
         self.hooks: RoundHooks = NO_HOOKS
         self.network = functional_network(model)
         self.loss_fn = make_loss_fn(self.network)
@@ -292,6 +315,12 @@ class FederatedAlgorithm:
         self.aggregate_calls = 0
         self._test_stacks: dict = {}  # the evaluation's stacked test splits, kept between evaluations
 
+    def standard_maths(self) -> Optional[LocalUpdateConfig]:
+        """The config of :func:`fedml_perfedavg.core.client_maths.local_update` when that is this
+        algorithm's client maths (an engine may then compute it its own way: hand-batched, or
+        under DP-SGD), or None: its :meth:`local_update` is its own. Read once, at construction."""
+        return None
+
     @property
     def rejected(self) -> Dict[int, int]:
         """Round -> client updates rejected (:class:`UpdateScreen`; the driver adds the silos' refused uploads)."""
@@ -300,7 +329,7 @@ class FederatedAlgorithm:
     @classmethod
     def from_config(cls, model: nn.Module, config: Any) -> "FederatedAlgorithm":
         """The algorithm for ``model`` as a run config asks for it."""
-        return cls(model, AlgorithmSettings.from_config(config, cls.variant))
+        return cls(model, AlgorithmSettings.from_config(config, cls.Settings))
 
     def use_hooks(self, hooks: RoundHooks) -> None:
         """Act on every round with ``hooks`` (the run layer sets FedML's DP, attacks and
@@ -322,16 +351,10 @@ class FederatedAlgorithm:
     # -- what an engine needs to know (declared here, not guessed by the engine) ---------------
     @property
     def uses_standard_maths(self) -> bool:
-        """True when the client update is this base class's Per-FedAvg/FedAvg maths on
-        ``settings.local`` (an engine may compute it its own way, e.g. hand-batched)."""
-        standard = type(self).local_update is FederatedAlgorithm.local_update and not self.returns_whole_state
+        """True when the client update is :attr:`standard_update`'s maths on the parameters alone
+        (an engine may compute it its own way, e.g. hand-batched)."""
+        standard = self.standard_update is not None and not self.returns_whole_state
         return standard and self.settings.privacy is None  # DP-SGD's own arithmetic (core/privacy.py)
-
-    @property
-    def returns_whole_state(self) -> bool:
-        """True when a client returns its whole state, buffers included (:meth:`local_training`
-        overridden, as FedAvgARUBA does), not only its parameters."""
-        return type(self).local_training is not FederatedAlgorithm.local_training
 
     @property
     def uses_standard_batches(self) -> bool:
@@ -346,7 +369,8 @@ class FederatedAlgorithm:
         its own reads all three unless it says otherwise."""
         if not self.uses_standard_maths:
             return frozenset({0, 1, 2})
-        return frozenset(range(self.settings.local.step.batch_roles))
+        assert self.standard_update is not None
+        return frozenset(range(self.standard_update.step.batch_roles))
 
     # -- sample ---------------------------------------------------------------------------
     def sample_clients(self, round_idx: int) -> List[int]:
@@ -359,37 +383,33 @@ class FederatedAlgorithm:
         """Independent minibatches D, D', D'' for each local step, keyed by (seed, round, client)
         (with DP-SGD, Poisson minibatches and the noise of each use: :class:`PrivateBatches`)."""
         if self.settings.privacy is not None:
-            return private_batches(self.settings, round_idx, client_id, x, y, self._shapes)  # type: ignore[return-value]
+            return private_batches(self, round_idx, client_id, x, y)  # type: ignore[return-value]
         generator = generator_for(self.settings.seed, round_idx, client_id, Purpose.LOCAL_TRAINING)
-        return sample_local_batches(x, y, self.settings.local.local_steps, self.settings.batch_sizes, generator)
+        return sample_local_batches(x, y, self.settings.local_steps, self.settings.batch_sizes, generator)
 
     def batch_indices(self, round_idx: int, clients: Sequence[int], num_samples: Sequence[int]) -> List[List[Tensor]]:
         """Per client of ``clients`` (with ``num_samples`` training samples each), the sample
         indices of :meth:`client_batches` (D, D', D''; each ``(steps, size)``), the same numbers,
         drawn together, so an engine can gather every client's batches at once."""
         generators = [generator_for(self.settings.seed, round_idx, c, Purpose.LOCAL_TRAINING) for c in clients]
-        return batch_indices_of_many(
-            num_samples, self.settings.local.local_steps, self.settings.batch_sizes, generators
-        )
+        return batch_indices_of_many(num_samples, self.settings.local_steps, self.settings.batch_sizes, generators)
 
     def local_update(self, params: Params, batches: LocalBatches) -> Params:
         """The client's maths: a pure function of the starting parameters and the minibatches
         (the batched engine vmaps it over the clients of a round), one step per leading index
-        of ``batches`` (``local_steps`` of them; fewer give the iterate after that many steps)."""
-        local = self.settings.local
-        if isinstance(batches, PrivateBatches):
-            return private_update(self, params, batches)
-        steps = batches.adapt_x.shape[0]
-        config = local if steps == local.local_steps else dataclasses.replace(local, local_steps=steps)
-        oracle = client_maths.FunctionalGradients if self.paths.forward_ad else client_maths.ReverseModeGradients
-        gradients = oracle(self.loss_fn, pair_by_vmap=self.paths.vmappable)
-        return client_maths.local_update(self.loss_fn, params, batches, config, gradients)
+        of ``batches`` (``local_steps`` of them; fewer give the iterate after that many steps).
+        Every algorithm gives its own (or its own :meth:`local_training`)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no client maths: define local_update(params, batches), or "
+            f"local_training(state, batches) with returns_whole_state = True"
+        )
 
     def local_training(self, state: StateDict, batches: LocalBatches) -> StateDict:
         """The client's whole update as a pure function of its starting state (parameters and
         buffers). The default trains the parameters with :meth:`local_update` and returns the
         buffers as received; an algorithm that sends more than a model back (per-client
-        statistics kept in buffers, as FedAvgARUBA) overrides this."""
+        statistics kept in buffers, as FedAvgARUBA) overrides this and sets
+        :attr:`returns_whole_state`."""
         params, buffers = self.split_state(state)
         return {**buffers, **self.local_update(params, batches)}
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Sequence, Tuple
+from typing import Dict, FrozenSet, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.func import grad
 
-from ..core.client_maths import LocalBatches, Step
+from ..core.client_maths import LocalBatches
+from ..core.settings import NON_NEGATIVE, POSITIVE, check_settings, setting
 from ..core.types import Params, StateDict
 from .base import AlgorithmSettings, FederatedAlgorithm, average
 
@@ -43,19 +44,23 @@ TASKS = "aruba_tasks"
 
 @dataclass(frozen=True)
 class ArubaSettings:
-    """ARUBA's hyper-parameters: eta starts at epsilon / zeta; epsilon^2 (t + 1)^-p keeps eta from
-    collapsing while few tasks have been seen."""
+    """ARUBA's hyper-parameters (``train_args``): eta starts at epsilon / zeta; epsilon^2 (t + 1)^-p
+    keeps eta from collapsing while few tasks have been seen."""
 
-    epsilon: float = 0.03
-    zeta: float = 0.1
-    p: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("epsilon", "zeta"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"train_args.aruba_{name}={getattr(self, name)!r}: must be > 0")
-        if not self.p >= 0:
-            raise ValueError(f"train_args.aruba_p={self.p!r}: must be >= 0")
+    aruba_epsilon: float = setting(
+        float,
+        0.03,
+        "FedAvgARUBA: epsilon; the learned per-coordinate step starts at aruba_epsilon / aruba_zeta "
+        "(0.03 / 0.1: tuned on MNIST tau=4, benchmarks/results/aruba_tuning.md)",
+        rule=POSITIVE,
+        section="train_args",
+    )
+    aruba_zeta: float = setting(
+        float, 0.1, "FedAvgARUBA: zeta, the prior on the squared-gradient sum", rule=POSITIVE, section="train_args"
+    )
+    aruba_p: float = setting(
+        float, 1.0, "FedAvgARUBA: epsilon^2 decays as (tasks + 1)^-p", rule=NON_NEGATIVE, section="train_args"
+    )
 
 
 def buffer_name(role: str, parameter: str) -> str:
@@ -67,12 +72,15 @@ class FedAvgARUBA(FederatedAlgorithm):
     """FedAvg whose local and refinement steps use ARUBA's learned per-coordinate rates."""
 
     name = "FedAvgARUBA"
-    variant = Step.SGD
+    Settings = ArubaSettings
+    returns_whole_state = True  # the client's squared gradients travel in its state
 
-    def __init__(self, model: nn.Module, settings: AlgorithmSettings, aruba: ArubaSettings = ArubaSettings()) -> None:
+    def __init__(self, model: nn.Module, settings: AlgorithmSettings) -> None:
+        aruba = settings.own if settings.own is not None else ArubaSettings()
+        check_settings(aruba)
         self.aruba = aruba
         names = [n for n, _ in model.named_parameters()]
-        eta0 = aruba.epsilon / aruba.zeta
+        eta0 = aruba.aruba_epsilon / aruba.aruba_zeta
         for parameter, value in model.named_parameters():
             for role in ROLES:
                 start = torch.full_like(value.detach(), eta0 if role == "lr" else 0.0)
@@ -85,14 +93,6 @@ class FedAvgARUBA(FederatedAlgorithm):
             "aruba_epsilon / aruba_zeta = %.4g; train_args.beta and alpha do not set them (alpha still "
             "defines F for the stationarity measure)",
             eta0,
-        )
-
-    @classmethod
-    def from_config(cls, model: nn.Module, config: Any) -> "FedAvgARUBA":
-        return cls(
-            model,
-            AlgorithmSettings.from_config(config, cls.variant),
-            ArubaSettings(config.aruba_epsilon, config.aruba_zeta, config.aruba_p),
         )
 
     @property
@@ -123,12 +123,6 @@ class FedAvgARUBA(FederatedAlgorithm):
         out.update({self.buffers["grad_sq"][n]: squares[n] for n in params})
         return out
 
-    def local_update(self, params: Params, batches: LocalBatches) -> Params:
-        raise NotImplementedError(
-            "FedAvgARUBA's client step needs its learning rates: call local_training(state, "
-            "batches) with the whole model state"
-        )
-
     # -- server -----------------------------------------------------------------------------
     def combine(
         self, round_idx: int, accepted: Sequence[Tuple[float, StateDict]], global_state: StateDict
@@ -137,7 +131,7 @@ class FedAvgARUBA(FederatedAlgorithm):
         device = next(iter(global_state.values())).device
         tasks = float(global_state[TASKS]) + len(accepted)
         s = self.aruba
-        decay = s.epsilon**2 * (tasks + 1.0) ** (-s.p)
+        decay = s.aruba_epsilon**2 * (tasks + 1.0) ** (-s.aruba_p)
         for n in self.parameter_names:
             old = global_state[n]
             moved = sum((old - update[n].to(device)) ** 2 for _, update in accepted) / 2.0
@@ -146,7 +140,7 @@ class FedAvgARUBA(FederatedAlgorithm):
             g = global_state[self.buffers["g"][n]] + squares
             new[self.buffers["b"][n]] = b
             new[self.buffers["g"][n]] = g
-            new[self.buffers["lr"][n]] = torch.sqrt((decay + b) / (s.zeta**2 + g))
+            new[self.buffers["lr"][n]] = torch.sqrt((decay + b) / (s.aruba_zeta**2 + g))
             new[self.buffers["grad_sq"][n]] = torch.zeros_like(old)
         new[TASKS] = torch.tensor(tasks, dtype=global_state[TASKS].dtype, device=global_state[TASKS].device)
         return OrderedDict((k, new[k]) for k in global_state)

@@ -8,12 +8,15 @@ personalization; with the plugin imported, ``federated_optimizer: FedAvg`` still
 
 from __future__ import annotations
 
-from ..core.client_maths import Step
-from .base import FederatedAlgorithm
+from ..core.client_maths import LocalUpdateConfig, Step
+from .gradient_steps import GradientSteps
 
 
-class FedAvgUpdate(FederatedAlgorithm):
+class FedAvgUpdate(GradientSteps):
     """FedAvg + one-step personalization at evaluation (the paper's comparison)."""
 
     name = "FedAvgUpdate"
-    variant = Step.SGD
+
+    def standard_maths(self) -> LocalUpdateConfig:
+        s = self.settings
+        return LocalUpdateConfig(Step.SGD, s.alpha, s.beta, local_steps=s.local_steps)

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.func import vmap
 
 from ..core import client_maths
-from ..core.client_maths import LocalBatches, Step
+from ..core.client_maths import LocalBatches, LocalUpdateConfig, Step
 from ..core.errors import ConfigError
 from ..core.hand_batched import HandBatchedGradients, hand_batched_gradients
 from ..core.privacy import per_sample_problem
@@ -58,6 +58,7 @@ class Probed(Protocol):
     """What the probe reads of an algorithm, and the paths it sets."""
 
     settings: Any
+    standard_update: Optional[LocalUpdateConfig]
     loss_fn: LossFn
     parameter_names: List[str]
     paths: ModelPaths
@@ -91,7 +92,8 @@ def probe(algorithm: Probed, global_state: StateDict, x: Tensor, y: Tensor) -> L
                 raise ConfigError(
                     f"dp_args.dp_solution_type='dpsgd': {type(algorithm.network).__name__} cannot run DP-SGD: {why}"  # type: ignore[attr-defined]
                 )
-        if algorithm.settings.local.step is Step.EXACT:
+        standard = algorithm.standard_update
+        if standard is not None and standard.step is Step.EXACT:
             why = client_maths.forward_ad_problem(loss_fn, params, x, y)
             paths.forward_ad = why is None  # before the probes below: the local update reads it
             if why is not None:

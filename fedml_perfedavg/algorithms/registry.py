@@ -14,13 +14,19 @@ imported they still mean FedML's own algorithms.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
+import logging
 from importlib.metadata import entry_points
 from typing import Any, Dict, List, Type
 
 from torch import nn
 
+from ..core.settings import settings_of
 from .base import FederatedAlgorithm
+
+logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "fedml_perfedavg.algorithms"
 # simulation/simulator.py, cross_silo/fedml_server.py: the names FedML 0.9.6 dispatches on itself.
@@ -66,7 +72,9 @@ def register(name: str, cls: Type[FederatedAlgorithm]) -> None:
     _REGISTERED[name] = cls
 
 
+@functools.lru_cache(maxsize=None)
 def _entry_points() -> Dict[str, Any]:
+    # Installed packages' entry points, read once: scanning every distribution takes ~0.1 s.
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
@@ -99,6 +107,28 @@ def algorithm_class(name: str) -> Type[FederatedAlgorithm]:
     if name in points and name not in FEDML_OWN:
         return points[name].load()
     raise KeyError(f"train_args.federated_optimizer={name!r}: must be one of {algorithm_names()}")
+
+
+def algorithm_settings(name: str) -> Dict[str, dataclasses.Field]:
+    """The keys of ``name``'s own settings (its ``Settings`` dataclass), by name; none for an
+    algorithm without, or one whose entry point cannot be loaded (choosing it names the error)."""
+    try:
+        cls = algorithm_class(name)
+    except Exception as err:  # a third party's broken entry point: reported when it is chosen
+        logger.warning("algorithm %r: its settings cannot be read (%s)", name, err)
+        return {}
+    return {f.name: f for f in settings_of(cls.Settings)}
+
+
+def method_choices(name: str, values: Dict[str, Any]) -> List[str]:
+    """The values in ``values`` (a run's train_args) of ``name``'s own settings that pick a
+    variant of it (those with choices): ``["hf"]`` for PerFedAvg, none for FedAvgUpdate. Reports
+    and wandb's tags name a method by them."""
+    return [
+        str(getattr(values.get(key), "value", values.get(key)))
+        for key, f in algorithm_settings(name).items()
+        if f.metadata.get("choices") and key in values
+    ]
 
 
 def create_algorithm(name: str, model: nn.Module, config) -> FederatedAlgorithm:

@@ -104,7 +104,8 @@ class BatchedSimulation:
         gradient formed); any other model, or the exact variant, one client at a time (per-sample
         gradients vmapped over the samples: vmapped over clients too, they run slower)."""
         algorithm = self.algorithm
-        local = algorithm.settings.local
+        local = algorithm.standard_update
+        assert local is not None  # DP-SGD runs only the standard maths (checked when the algorithm is built)
         chain = (
             algorithm.paths.hand_batched_form(input_shape)
             if self.batched and input_shape is not None and local.step is not Step.EXACT
@@ -136,7 +137,7 @@ class BatchedSimulation:
         if not try_hand_batched:
             return None, "turned off"
         if not self.algorithm.uses_standard_maths:
-            return None, f"{type(self.algorithm).__name__} has its own local_update or local_training"
+            return None, f"{type(self.algorithm).__name__}'s client maths is its own (not core.client_maths')"
         return self.algorithm.paths.hand_batched(tuple(self.users[0].train_x.shape[1:]))
 
     def _hand_batched_step(self) -> Callable[[Params, LocalBatches], Params]:
@@ -156,8 +157,9 @@ class BatchedSimulation:
                 for t in batches
             )
         )
-        assert self.hand_batched is not None  # the hand-batched path is taken only with its gradients
-        return self.hand_batched.local_update(start, by_step, self.algorithm.settings.local)
+        standard = self.algorithm.standard_update
+        assert self.hand_batched is not None and standard is not None  # taken only for the standard maths
+        return self.hand_batched.local_update(start, by_step, standard)
 
     def _batched_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
         params, buffers = self.algorithm.split_state(self.state)

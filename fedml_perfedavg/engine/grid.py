@@ -35,8 +35,8 @@ def why_not_together(engines: Sequence[BatchedSimulation]) -> Optional[str]:
             return f"run {position} is not on the hand-batched path"
         if engine.algorithm.hooks is not NO_HOOKS:
             return f"run {position} applies FedML's DP, attacks or defenses (round hooks)"
-        if engine.algorithm.settings.local != first.algorithm.settings.local:
-            return f"run {position} has other client maths ({engine.algorithm.settings.local})"
+        if engine.algorithm.standard_update != first.algorithm.standard_update:
+            return f"run {position} has other client maths ({engine.algorithm.standard_update})"
         if engine.algorithm.settings.batch_sizes != first.algorithm.settings.batch_sizes:
             return f"run {position} has other batch sizes"
         if repr(engine.algorithm.network) != repr(first.algorithm.network):

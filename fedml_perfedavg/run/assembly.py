@@ -199,6 +199,13 @@ def assemble(
     return parts
 
 
+def use_rules(config: Config, algorithm: FederatedAlgorithm) -> UseRules:
+    """How DP-SGD uses each user's data in a round and an evaluation (the standard maths' step)."""
+    assert algorithm.standard_update is not None  # DP-SGD runs only the standard maths
+    step = algorithm.standard_update.step
+    return UseRules.of(step, config.batch_sizes, config.local_steps, config.batch_size, config.adapt_steps)
+
+
 def privacy_ledger(
     config: Config, algorithm: FederatedAlgorithm, users: List[UserSplit]
 ) -> Optional[Union[PrivacyLedger, ReportedPrivacy]]:
@@ -210,9 +217,7 @@ def privacy_ledger(
         return None
     if config.own_data:  # each data owner's silo accounts for its own user (silo_privacy) and reports it
         return ReportedPrivacy(dp)
-    rules = UseRules.of(
-        algorithm.settings.local.step, config.batch_sizes, config.local_steps, config.batch_size, config.adapt_steps
-    )
+    rules = use_rules(config, algorithm)
     ledger = PrivacyLedger(dp, rules, {user: len(u.train_y) for user, u in enumerate(users)})
     check_budget(config, algorithm, ledger, range(len(users)), range(len(users)))
     return ledger
@@ -228,9 +233,7 @@ def silo_privacy(
     if dp is None or not config.own_data or rank == 0 or not users:
         return None, None
     user = rank - 1
-    rules = UseRules.of(
-        algorithm.settings.local.step, config.batch_sizes, config.local_steps, config.batch_size, config.adapt_steps
-    )
+    rules = use_rules(config, algorithm)
     ledger = PrivacyLedger(dp, rules, {user: len(users[0].train_y)})
     try:
         check_budget(config, algorithm, ledger, [user], [user])

@@ -17,21 +17,25 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import logging
 import math
 import os
 from dataclasses import dataclass, field
 from enum import Enum
-from types import MappingProxyType
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
 from ..algorithms.base import AGGREGATIONS, DIVERGENCE_POLICIES
-from ..algorithms.registry import FEDML_OWN, algorithm_names, canonical_name
-from ..core.client_maths import VARIANTS, Step
+from ..algorithms.registry import FEDML_OWN, algorithm_names, algorithm_settings, canonical_name
 from ..core.errors import ConfigError
+from ..core.settings import AT_LEAST_ONE as _at_least_one
+from ..core.settings import EVEN as _even
+from ..core.settings import NON_NEGATIVE as _non_negative
+from ..core.settings import POSITIVE as _positive
+from ..core.settings import check_value, field_default, suggest
+from ..core.settings import in_section
+from ..core.settings import setting as _setting
 from ..core.privacy import DPSGD
 from ..data.loading import check_paper_split
 from ..data.partition import PARTITIONS
@@ -71,48 +75,8 @@ SILO_DATA = ("shared", "own")
 FEDML_HOME = "run_dir, user, or a folder"
 
 
-def _setting(
-    kind: type,
-    default: Any,
-    help: str,
-    choices: Optional[Sequence[Any]] = None,
-    rule: Optional[Tuple[Callable[[Any], bool], str]] = None,
-    optional: bool = False,
-) -> Any:
-    metadata = {
-        "kind": kind,
-        "help": help,
-        "choices": tuple(choices) if choices else None,
-        "check": rule[0] if rule else None,
-        "rule": rule[1] if rule else "",
-        "optional": optional,
-    }
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def section(name: str) -> Callable[[type], type]:
-    """Declares a class of :func:`_setting` fields as YAML section ``name`` (applied before
-    ``@dataclass``, while the fields are still class attributes)."""
-
-    def declare(cls: type) -> type:
-        for value in vars(cls).values():
-            if isinstance(value, dataclasses.Field):
-                value.metadata = MappingProxyType({**value.metadata, "section": name})
-        return cls
-
-    return declare
-
-
-_positive = (lambda v: v > 0, "> 0")
-_at_least_one = (lambda v: v >= 1, ">= 1")
-_non_negative = (lambda v: v >= 0, ">= 0")
-_even = (lambda v: v >= 2 and v % 2 == 0, "an even number >= 2")
-
-
 @dataclass(frozen=True)
-@section("common_args")
+@in_section("common_args")
 class CommonArgs:
     """``common_args``: the platform, the seed, and where a run and its checkpoints go."""
 
@@ -141,7 +105,7 @@ class CommonArgs:
 
 
 @dataclass(frozen=True)
-@section("data_args")
+@in_section("data_args")
 class DataArgs:
     """``data_args``: the dataset and its split into users."""
 
@@ -164,7 +128,7 @@ class DataArgs:
 
 
 @dataclass(frozen=True)
-@section("model_args")
+@in_section("model_args")
 class ModelArgs:
     """``model_args``: the model every user trains."""
 
@@ -186,7 +150,7 @@ class ModelArgs:
 
 
 @dataclass(frozen=True)
-@section("train_args")
+@in_section("train_args")
 class TrainArgs:
     """``train_args``: the algorithm, its step sizes, the users, the rounds, the checks on updates."""
 
@@ -195,7 +159,6 @@ class TrainArgs:
         "PerFedAvg",
         "algorithm: a name in the plugin's registry (PerFedAvg, FedAvgUpdate, FedAvgARUBA, ...)",
     )
-    perfedavg_variant: Step = _setting(str, Step.HF, "meta-gradient estimator", VARIANTS)
     client_num_in_total: int = _setting(int, 50, "n, number of users", rule=_at_least_one)
     client_num_per_round: int = _setting(int, 10, "r*n, users sampled per round", rule=_at_least_one)
     new_user_fraction: float = _setting(
@@ -213,7 +176,6 @@ class TrainArgs:
         "meta step size; FedAvgUpdate's local SGD step size (FedML's learning_rate means the same)",
         rule=_positive,
     )
-    delta: float = _setting(float, 0.001, "finite-difference width of the HF variant", rule=_positive)
     batch_size: int = _setting(int, 40, "|D|: batch of the inner step (and of FedAvgUpdate)", rule=_at_least_one)
     meta_batch_size: Optional[int] = _setting(
         int,
@@ -274,16 +236,6 @@ class TrainArgs:
     max_skipped_rounds: int = _setting(
         int, 3, "stop after this many rounds without an acceptable update", rule=_at_least_one
     )
-    aruba_epsilon: float = _setting(
-        float,
-        0.03,
-        "FedAvgARUBA: epsilon; the learned per-coordinate "
-        "step starts at aruba_epsilon / aruba_zeta (0.03 / 0.1: tuned on MNIST tau=4, "
-        "benchmarks/results/aruba_tuning.md)",
-        rule=_positive,
-    )
-    aruba_zeta: float = _setting(float, 0.1, "FedAvgARUBA: zeta, the prior on the squared-gradient sum", rule=_positive)
-    aruba_p: float = _setting(float, 1.0, "FedAvgARUBA: epsilon^2 decays as (tasks + 1)^-p", rule=_non_negative)
     simulation_engine: str = _setting(
         str,
         "batched",
@@ -293,7 +245,7 @@ class TrainArgs:
 
 
 @dataclass(frozen=True)
-@section("validation_args")
+@in_section("validation_args")
 class ValidationArgs:
     """``validation_args``: which rounds are evaluated, and how."""
 
@@ -320,7 +272,7 @@ class ValidationArgs:
 
 
 @dataclass(frozen=True)
-@section("device_args")
+@in_section("device_args")
 class DeviceArgs:
     """``device_args``: where the maths runs."""
 
@@ -336,7 +288,7 @@ class DeviceArgs:
 
 
 @dataclass(frozen=True)
-@section("comm_args")
+@in_section("comm_args")
 class CommArgs:
     """``comm_args``: MPI and cross-silo: the transport, its security, the deadlines and the silos' data."""
 
@@ -449,7 +401,7 @@ class CommArgs:
 
 
 @dataclass(frozen=True)
-@section("secagg_args")
+@in_section("secagg_args")
 class SecAggArgs:
     """``secagg_args``: secure aggregation across data-owner silos (the server learns only the sum)."""
 
@@ -472,7 +424,7 @@ class SecAggArgs:
 
 
 @dataclass(frozen=True)
-@section("tracking_args")
+@in_section("tracking_args")
 class TrackingArgs:
     """``tracking_args``: wandb and the progress bar."""
 
@@ -495,6 +447,19 @@ class Config(
     extra: Dict[str, Tuple[str, Any]] = field(default_factory=dict, compare=False, metadata={"internal": True})
     # dp_args, attack_args, defense_args as given: FedML's keys for its own DP/attack/defense classes.
     safeguards: Dict[str, Dict[str, Any]] = field(default_factory=dict, metadata={"internal": True})
+    # The algorithms' own settings (each algorithm's ``Settings``), by key: read as attributes.
+    algorithm_values: Dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names that are no field: an algorithm's own key (config.perfedavg_variant).
+        values = self.__dict__.get("algorithm_values")
+        if values is not None and name in values:
+            return values[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def algorithm_settings(self, algorithm: str) -> Dict[str, Any]:
+        """``algorithm``'s own keys and their values in this config."""
+        return {name: self.algorithm_values[name] for name in algorithm_settings(algorithm)}
 
     @property
     def privacy(self) -> Optional[DPSGD]:
@@ -535,11 +500,52 @@ class Config(
 
 
 def settings() -> List[dataclasses.Field]:
-    """The fields of :class:`Config` that are settings, in table order."""
-    return [f for f in dataclasses.fields(Config) if not f.metadata.get("internal")]
+    """Every setting, in table order: :class:`Config`'s fields, and after ``train_args``' own the
+    algorithms' (each algorithm's ``Settings``; the built-ins and those registered so far)."""
+    own = [f for f in dataclasses.fields(Config) if not f.metadata.get("internal")]
+    last_train = max(i for i, f in enumerate(own) if f.metadata["section"] == "train_args")
+    taken = {f.name for f in own}
+    algorithms = []
+    for f in algorithm_fields().values():
+        if f.name in taken:
+            raise TypeError(f"an algorithm's setting {f.name!r} is already a config key: name it after the algorithm")
+        algorithms.append(f)
+    return own[: last_train + 1] + algorithms + own[last_train + 1 :]
 
 
-BY_NAME: Dict[str, dataclasses.Field] = {f.name: f for f in settings()}
+def algorithm_fields() -> Dict[str, dataclasses.Field]:
+    """The algorithms' own settings by key (the built-ins and those registered so far)."""
+    fields: Dict[str, dataclasses.Field] = {}
+    for name in algorithm_names():
+        for f in algorithm_settings(name).values():
+            fields.setdefault(f.name, f)
+    return fields
+
+
+class _SettingsByName(Mapping):
+    """Every setting by key, as :func:`settings` lists them when read (an algorithm registered
+    later is in it)."""
+
+    def __init__(self) -> None:
+        self._cached: Tuple[Tuple[str, ...], Dict[str, dataclasses.Field]] = ((), {})
+
+    def _index(self) -> Dict[str, dataclasses.Field]:
+        algorithms = tuple(algorithm_names())
+        if self._cached[0] != algorithms or not self._cached[1]:
+            self._cached = (algorithms, {f.name: f for f in settings()})
+        return self._cached[1]
+
+    def __getitem__(self, name: str) -> dataclasses.Field:
+        return self._index()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index())
+
+    def __len__(self) -> int:
+        return len(self._index())
+
+
+BY_NAME: Mapping[str, dataclasses.Field] = _SettingsByName()
 
 # FedML's own keys Per-FedAvg reads as FedML means them (learning_rate), or names in a warning
 # because it does not use them; FEDML_PASSTHROUGH below lists those that configure FedML itself.
@@ -577,13 +583,6 @@ FEDML_PASSTHROUGH = {
 }
 
 
-def suggest(name: str, candidates: Iterable[str]) -> str:
-    """ "; did you mean X?" for the closest candidate (case-insensitive), or ""."""
-    by_lower = {c.lower(): c for c in candidates}
-    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.75)
-    return f"; did you mean {by_lower[close[0]]!r}?" if close else ""
-
-
 def _yaml_number(value: Any) -> Any:
     """``1e-5`` as a float: PyYAML follows YAML 1.1, where an exponent without a dot is a string."""
     if isinstance(value, str):
@@ -592,36 +591,6 @@ def _yaml_number(value: Any) -> Any:
         except ValueError:
             return value
         return number if math.isfinite(number) and any(c.isdigit() for c in value) else value
-    return value
-
-
-def check_value(f: dataclasses.Field, value: Any) -> Any:
-    meta = f.metadata
-    kind = meta["kind"]
-    where = f"{meta['section']}.{f.name}={value!r}"
-    if value is None:
-        if meta["optional"]:
-            return None
-        raise ConfigError(f"{where}: a value is required ({meta['help']})")
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if kind is float and isinstance(value, str):
-        # PyYAML follows YAML 1.1, where 1e-3 (no dot) is a string, not a number.
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
-        raise ConfigError(f"{where}: must be of type {kind.__name__} ({meta['help']})")
-    if kind is float and not math.isfinite(value):
-        raise ConfigError(f"{where}: must be a finite number")
-    if meta["choices"] is not None:
-        if value not in meta["choices"]:
-            allowed = [str(c) for c in meta["choices"]]
-            raise ConfigError(f"{where}: must be one of {allowed}{suggest(str(value), allowed)}")
-        value = next(c for c in meta["choices"] if c == value)  # the owner's typed value (a Step), kept from here on
-    if meta["check"] is not None and not meta["check"](value):
-        raise ConfigError(f"{where}: must be {meta['rule']}")
     return value
 
 
@@ -926,16 +895,6 @@ def _fedml_key_meanings(given: Dict[str, Any], where: Dict[str, str]) -> None:
         _warn_once(f"{where.get(name, 'train_args')}.{name}={value!r} is {meaning}")
 
 
-def field_default(f: "dataclasses.Field[Any]") -> Any:
-    """A config field's default (its value, or a fresh one from its factory)."""
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    factory = f.default_factory
-    if not callable(factory):
-        raise TypeError(f"config field {f.name!r} has no default")
-    return factory()
-
-
 def resolve(
     sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, Any]] = None, source: Optional[str] = None
 ) -> Config:
@@ -988,19 +947,34 @@ def resolve(
     if canonical_name(given.get("federated_optimizer")) is not None:  # plugin names in any case
         given["federated_optimizer"] = canonical_name(given["federated_optimizer"])
     _fedml_key_meanings(given, where)
-    values = {
-        name: check_value(
-            f,
-            copy.deepcopy(given.get(name, field_default(f))),
-        )
-        for name, f in BY_NAME.items()
-    }
-    for name in set(given) - set(BY_NAME):
+    index = dict(BY_NAME)
+    values = {name: check_value(f, copy.deepcopy(given.get(name, field_default(f)))) for name, f in index.items()}
+    for name in set(given) - set(index):
         extra[name] = (extra.get(name, (where.get(name, "train_args"), None))[0], given[name])
-    config = Config(**values, source=source, extra=extra, safeguards=safeguards)
+    own_keys = algorithm_fields()
+    _name_other_algorithms_keys(given, own_keys, values["federated_optimizer"])
+    config = Config(
+        **{k: v for k, v in values.items() if k not in own_keys},
+        source=source,
+        extra=extra,
+        safeguards=safeguards,
+        algorithm_values={k: v for k, v in values.items() if k in own_keys},
+    )
     for rule in RULES:
         rule(config)
     return config
+
+
+def _name_other_algorithms_keys(given: Dict[str, Any], own_keys: Dict[str, dataclasses.Field], chosen: str) -> None:
+    """A warning for each algorithm key given that the chosen algorithm does not read (a YAML
+    kept from a run of another algorithm): used by none, not silently."""
+    read = set(algorithm_settings(chosen)) if chosen in algorithm_names() else set()
+    for name in sorted(set(given) & set(own_keys) - read):
+        owners = [a for a in algorithm_names() if name in algorithm_settings(a)]
+        _warn_once(
+            f"train_args.{name}={given[name]!r} is {' and '.join(owners)}'s; "
+            f"train_args.federated_optimizer={chosen!r} does not read it"
+        )
 
 
 def load(path: Optional[str], overrides: Sequence[str] = ()) -> Config:

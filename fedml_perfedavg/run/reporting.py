@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from ..algorithms.registry import method_choices
 from ..core.evaluation import EvaluationResult, accuracy_of
 from ..core.privacy import PrivacyLedger, ReportedPrivacy
 from ..core.sampling import held_out_users
@@ -422,9 +423,8 @@ class RunRecorder:
 def wandb_tags(config: Any) -> List[str]:
     """A run's wandb tags: its method (with the variant), seed and dataset, so that a grouped
     grid (group = cell) can be filtered and compared per method and seed in wandb's UI."""
-    method = config.federated_optimizer
-    if method == "PerFedAvg":
-        method = f"PerFedAvg-{config.perfedavg_variant}"
+    name = config.federated_optimizer
+    method = "-".join([name, *method_choices(name, config.algorithm_settings(name))])
     return [method, f"seed{config.random_seed}", config.dataset]
 
 

@@ -10,6 +10,7 @@ import socket
 import sys
 from typing import Any, Dict, List, Optional
 
+from ..algorithms.registry import algorithm_names, method_choices
 from ..core.errors import ConfigError
 
 
@@ -32,7 +33,8 @@ def _percent(value: Optional[float]) -> str:
 def _method(summary: Dict[str, Any]) -> str:
     train = summary.get("config", {}).get("train_args", {})
     name = train.get("federated_optimizer", "?")
-    return f"{name} ({train.get('perfedavg_variant')})" if name == "PerFedAvg" else name
+    choices = method_choices(name, train) if name in algorithm_names() else []
+    return f"{name} ({', '.join(choices)})" if choices else name
 
 
 def status_of(summary: Dict[str, Any]) -> str:

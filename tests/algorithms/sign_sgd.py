@@ -7,14 +7,13 @@ from fedml_perfedavg.algorithms import FederatedAlgorithm, register
 
 
 class SignSGD(FederatedAlgorithm):
-    name = "SignSGD"
-    variant = "sgd"  # its settings: beta and tau, no meta-gradient
+    name = "SignSGD"  # its settings: every method's beta and tau; none of its own
 
     def local_update(self, params, batches):
         grad_fn = grad(self.loss_fn)
-        for t in range(self.settings.local.local_steps):
+        for t in range(batches.adapt_x.shape[0]):
             g = grad_fn(params, batches.adapt_x[t], batches.adapt_y[t])
-            params = {k: params[k] - self.settings.local.beta * torch.sign(g[k]) for k in params}
+            params = {k: params[k] - self.settings.beta * torch.sign(g[k]) for k in params}
         return params
 
 

@@ -154,8 +154,9 @@ from fedml_perfedavg.run.runner import context_of
 args = fedml.init()
 config = context_of(args).config
 from fedml_perfedavg.algorithms.base import AlgorithmSettings
-local = AlgorithmSettings.from_config(config).local
-typed = config.perfedavg_variant is Step.EXACT and local.variant is Step.EXACT
+from fedml_perfedavg.algorithms.perfedavg import PerFedAvgSettings
+own = AlgorithmSettings.from_config(config, PerFedAvgSettings).own
+typed = config.perfedavg_variant is Step.EXACT and own.perfedavg_variant is Step.EXACT
 sys.__stdout__.write(f"READS {{len(opened)}} {{args.perfedavg_variant}} {{typed}}\\n")
 """
     out = _run([sys.executable, "-c", code, "--cf", path], tmp_path)

@@ -85,7 +85,11 @@ def test_every_method_runs(mnist_root, mnist_data, tmp_path, optimizer, variant)
     )
     result = run(config, str(tmp_path), data=mnist_data)
     assert result.summary["rounds"] == 2 and result.trainer.train_calls == 6
-    assert result.algorithm.settings.local.variant == (variant if optimizer == "PerFedAvg" else "sgd")
+    standard = result.algorithm.standard_update  # the client maths each algorithm declares
+    if optimizer == "FedAvgARUBA":
+        assert standard is None  # its own (learned rates), not core.client_maths'
+    else:
+        assert standard.variant == (variant if optimizer == "PerFedAvg" else "sgd")
 
 
 def test_cifar10_run_on_generated_files(fake_cifar_root, tmp_path):

@@ -182,7 +182,16 @@ def test_the_configuration_reference_table_is_generated_from_the_config():
     assert markdown_table() in reference, "docs/configuration.md's table is stale: paste run.reference.markdown_table()"
 
 
-def test_entry_point_algorithms_are_listed_and_loaded(monkeypatch):
+@pytest.fixture
+def fresh_entry_points():
+    from fedml_perfedavg.algorithms import registry
+
+    registry._entry_points.cache_clear()  # read once per process: the test's fake is read anew
+    yield
+    registry._entry_points.cache_clear()
+
+
+def test_entry_point_algorithms_are_listed_and_loaded(monkeypatch, fresh_entry_points):
     from fedml_perfedavg.algorithms import registry
     from fedml_perfedavg.algorithms.perfedavg import PerFedAvg
 

@@ -1,7 +1,7 @@
 """What server and silos must agree on, and what a silo tells the server when it comes online.
 
 A silo announces itself (its ONLINE status carries :func:`hello`): the values that must be the
-same in every process of a run (:func:`fingerprint`: the algorithm, its variant and step sizes,
+same in every process of a run (:func:`fingerprint`: the algorithm and its own settings, step sizes,
 tau, the batch sizes, the model and its architecture, the seed, the dataset and the split, the
 number of users, FedML's DP/attack/defense sections), and, in data-owner mode, its own data's
 counts, shape and classes. The server refuses a silo whose values differ, naming the key and
@@ -30,10 +30,8 @@ from .wire import short
 # (section, key) of the config values every process of a cross-silo run must share.
 AGREED = (
     ("train_args", "federated_optimizer"),
-    ("train_args", "perfedavg_variant"),
     ("train_args", "alpha"),
     ("train_args", "beta"),
-    ("train_args", "delta"),
     ("train_args", "local_steps"),
     ("train_args", "batch_size"),
     ("train_args", "meta_batch_size"),
@@ -43,9 +41,6 @@ AGREED = (
     ("train_args", "new_user_fraction"),
     ("train_args", "comm_round"),
     ("train_args", "on_divergence"),
-    ("train_args", "aruba_epsilon"),
-    ("train_args", "aruba_zeta"),
-    ("train_args", "aruba_p"),
     ("validation_args", "adapt_steps"),
     ("common_args", "random_seed"),
     ("data_args", "dataset"),
@@ -74,6 +69,9 @@ def architecture(state: StateDict) -> str:
 def fingerprint(config: Any, state: StateDict) -> Dict[str, Any]:
     """The values of :data:`AGREED` (batch sizes resolved), the architecture and the safeguards."""
     values = {f"{section}.{key}": _plain(getattr(config, key, None)) for section, key in AGREED}
+    # The chosen algorithm's own settings (its Settings dataclass), whatever they are.
+    own = config.algorithm_settings(config.federated_optimizer)
+    values.update({f"train_args.{key}": _plain(value) for key, value in own.items()})
     sizes = config.batch_sizes
     values["train_args.meta_batch_size"], values["train_args.hessian_batch_size"] = sizes[1], sizes[2]
     values[ARCHITECTURE] = architecture(state)
