@@ -14,7 +14,11 @@ from fedml_perfedavg.core.settings import POSITIVE, setting
 @dataclass(frozen=True)
 class ClippedFedSGDSettings:
     clip_norm: float = setting(
-        float, 1.0, "ClippedFedSGD: each local step's gradient clipped to this L2 norm", rule=POSITIVE, section="train_args"
+        float,
+        1.0,
+        "ClippedFedSGD: each local step's gradient clipped to this L2 norm",
+        rule=POSITIVE,
+        section="train_args",
     )
 
 

@@ -41,7 +41,13 @@ def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_
         runs["mpi"] = tmp_path / "mpi" / "mpi"
     address_file = write_ipconfig(str(tmp_path / "ipconfig.csv"), 3)
     path = example_yaml(
-        tmp_path, "fedml_config_silo.yaml", mnist_root, "silo", tmp_path / "silo", grpc_ipconfig_path=address_file, **EDITS
+        tmp_path,
+        "fedml_config_silo.yaml",
+        mnist_root,
+        "silo",
+        tmp_path / "silo",
+        grpc_ipconfig_path=address_file,
+        **EDITS,
     )
     script = " & ".join(
         f"{sys.executable} {_one_line('server' if r == 0 else 'client')} --cf {path} --rank {r} "
@@ -90,7 +96,9 @@ def test_its_setting_is_what_its_clients_read(tmp_path):
 
     moved = {}
     for clip in (CLIP, 10 * CLIP):
-        config = tiny_config(federated_optimizer="ClippedFedSGD", clip_norm=clip, beta=BETA, local_steps=2, comm_round=3)
+        config = tiny_config(
+            federated_optimizer="ClippedFedSGD", clip_norm=clip, beta=BETA, local_steps=2, comm_round=3
+        )
         result = run(config, str(tmp_path / str(clip)), data=tiny_data())
         torch.manual_seed(0)  # the run's own initial model (runner: seeded by random_seed)
         start = create_model("mlp", (1, 4, 4), 3, list(config.hidden_sizes)).state_dict()
