@@ -2,15 +2,16 @@
 
 :class:`Config` is the one source of every key's section, type, default, allowed values and
 help text, declared section by section as FedML's YAML is (:class:`CommonArgs` to
-:class:`TrackingArgs`; docs/configuration.md's table is generated from them by
-:mod:`.reference`), and of the rules that relate keys (:data:`RULES`). Choices come from the modules
-that own them, and so do the checks that need their domain (the paper split's plan:
-:func:`~fedml_perfedavg.data.loading.check_paper_split`; FedML's safeguards:
-:mod:`~fedml_perfedavg.fedml_bridge.safeguards`). Errors name ``section.key=value`` and what is
-allowed. FedML's own keys are read as FedML means them (:data:`FEDML_KEYS`): ``learning_rate`` is
-beta, ``batch_size`` is |D|; keys Per-FedAvg does not use are named in a warning. FedML's flat
-``args`` to and from a config, and the transport's values: :mod:`.fedml_args`; the command line's
-options: :mod:`.options`.
+:class:`TrackingArgs`, and each algorithm's own ``Settings``; docs/configuration.md's table is
+generated from them by :mod:`.reference`), and of the rules that relate keys (:data:`RULES`).
+Choices come from the modules that own them, and so do the checks that need their domain (the
+paper split's plan: :func:`~fedml_perfedavg.data.loading.check_paper_split`), or they add them
+(:func:`add_rule`: FedML's rehearsal of its safeguard sections, :mod:`.safeguard_rules`); this
+module imports no FedML. Errors name ``section.key=value`` and what is allowed. FedML's own keys
+are read as FedML means them (:data:`FEDML_KEYS`): ``learning_rate`` is beta, ``batch_size`` is
+|D|; keys the chosen algorithm does not use are named in a warning. FedML's flat ``args`` to and
+from a config, and the transport's values: :mod:`.fedml_args`; the command line's options:
+:mod:`.options`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import yaml
 
 from ..algorithms.base import AGGREGATIONS, DIVERGENCE_POLICIES
-from ..algorithms.registry import FEDML_OWN, algorithm_names, algorithm_settings, canonical_name
+from ..algorithms.registry import FEDML_OWN, algorithm_class, algorithm_names, algorithm_settings, canonical_name
 from ..core.errors import ConfigError
 from ..core.settings import AT_LEAST_ONE as _at_least_one
 from ..core.settings import EVEN as _even
@@ -39,7 +40,7 @@ from ..core.settings import setting as _setting
 from ..core.privacy import DPSGD
 from ..data.loading import check_paper_split
 from ..data.partition import PARTITIONS
-from ..fedml_bridge import safeguards as fedml_safeguards
+from ..fedml_bridge import safeguard_keys as fedml_safeguards
 from ..fedml_bridge.cross_silo.credentials import check_security
 
 logger = logging.getLogger(__name__)
@@ -713,10 +714,6 @@ def check_batch_sizes(c: Config, smallest: int, whose: str) -> None:
             raise ConfigError(f"train_args.{name}={value!r}: must be <= {whose} ({smallest} samples)")
 
 
-def _rule_safeguards(c: Config) -> None:
-    fedml_safeguards.check(c.safeguards, fedml_safeguards.run_facts(c))
-
-
 def _rule_secagg(c: Config) -> None:
     """Secure aggregation needs what makes it hold (own data, TLS, an update bound to clip to) and
     refuses what needs to see one silo's update (FedML's defenses, model attacks, central DP's
@@ -744,10 +741,10 @@ def _rule_secagg(c: Config) -> None:
             f"{need}: needs train_args.max_update_ratio or train_args.max_update_norm (each silo clips its "
             f"update to that bound, which makes the sum fit 32-bit fixed point); both are null"
         )
-    if c.federated_optimizer == "FedAvgARUBA":
+    if algorithm_class(c.federated_optimizer).returns_whole_state:
         raise ConfigError(
-            f"{need}: train_args.federated_optimizer='FedAvgARUBA' sends per-client statistics the "
-            f"server reads one by one; use PerFedAvg or FedAvg"
+            f"{need}: train_args.federated_optimizer={c.federated_optimizer!r} sends back more than its "
+            f"parameters (per-client statistics the server reads one by one); use PerFedAvg or FedAvgUpdate"
         )
     threshold = c.reconstruction_threshold
     if threshold is not None and threshold > c.client_num_per_round:
@@ -760,7 +757,6 @@ def _rule_secagg(c: Config) -> None:
             f"{need}: train_args.client_num_per_round={c.client_num_per_round!r}: a sum of one silo's "
             f"update is that update; secure aggregation needs at least 2 per round"
         )
-    fedml_safeguards.check_secure_aggregation(c.safeguards)
 
 
 def _rule_privacy(c: Config) -> None:
@@ -792,8 +788,15 @@ RULES: List[Callable[[Config], None]] = [
     _rule_split,
     _rule_privacy,
     _rule_secagg,  # before FedML's own checks of its sections: what cannot work at all is said first
-    _rule_safeguards,
 ]
+
+
+def add_rule(rule: Callable[[Config], None]) -> None:
+    """Check every config with ``rule`` too, after the config's own: a module whose domain a check
+    is in adds it (run/safeguard_rules.py: FedML's rehearsal of its DP, attack and defense
+    sections), so that this module imports none of them."""
+    if rule not in RULES:
+        RULES.append(rule)
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -254,3 +254,33 @@ def test_keys_of_fedmls_secure_aggregation_are_refused_not_passed_on_in_the_clea
         check_algorithm_name(Namespace(federated_optimizer="LSA"))
     with pytest.raises(ConfigError, match="lacks the module SA needs"):
         check_algorithm_name(Namespace(federated_optimizer="SA"))
+
+
+@pytest.mark.backend  # a subprocess: a fresh interpreter shows what importing the config imports
+def test_the_config_module_imports_no_fedml_and_fedmls_own_checks_still_run():
+    """Issue 42: config owns its schema; FedML's rehearsal of its sections is added from its domain."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import fedml_perfedavg.run.config as config_module
+
+    tree = ast.parse(Path(config_module.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    bridge = sorted(m for m in imported if "fedml_bridge" in m or m.split(".")[0] == "fedml")
+    assert bridge == ["fedml_bridge", "fedml_bridge.cross_silo.credentials"], bridge
+    assert "from ..fedml_bridge import safeguard_keys" in Path(config_module.__file__).read_text()
+    code = (
+        "import sys; import fedml_perfedavg.run.config as c; c.resolve({}, {}); print('fedml' in sys.modules)\n"
+        "try:\n"
+        "    c.resolve({'attack_args': {'enable_attack': True, 'attack_type': 'byzantine', 'attack_mode': 'nope',"
+        " 'byzantine_client_num': 1}}, {})\n"
+        "except c.ConfigError as err:\n"
+        "    print(err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert lines[0] == "False", out.stdout + out.stderr  # a config without FedML's sections: no FedML
+    assert lines[1].startswith("attack_args.attack_mode='nope': must be one of"), out.stdout + out.stderr
