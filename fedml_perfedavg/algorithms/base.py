@@ -41,6 +41,7 @@ from ..core.privacy import DPSGD, PrivateBatches, draw_private_batches
 from ..core.settings import check_settings, settings_of
 from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
 from ..core.types import Params, StateDict, UserSplit
+from .client_states import ClientStates
 from .model_probe import ModelPaths, probe
 from .update_screen import screen_for
 
@@ -253,6 +254,8 @@ def check_declarations(cls: "type[FederatedAlgorithm]") -> None:
             f"{cls.__name__} defines local_training: declare returns_whole_state = True (a client "
             f"sends back its whole state), or give its maths as local_update(params, batches)"
         )
+    if "local_training_with_state" in vars(cls) and not cls.keeps_client_state:
+        raise TypeError(f"{cls.__name__} defines local_training_with_state: declare keeps_client_state = True")
 
 
 def with_own_settings(cls: "type[FederatedAlgorithm]", settings: AlgorithmSettings) -> AlgorithmSettings:
@@ -270,9 +273,8 @@ def with_own_settings(cls: "type[FederatedAlgorithm]", settings: AlgorithmSettin
 def refuse_own_maths_under_dp(algorithm: "FederatedAlgorithm") -> None:
     """DP-SGD reaches only the standard local update: :class:`ConfigError` for an algorithm
     whose client maths is its own."""
-    if algorithm.settings.privacy is not None and not (
-        algorithm.standard_update is not None and not algorithm.returns_whole_state
-    ):
+    own_maths = algorithm.returns_whole_state or algorithm.keeps_client_state
+    if algorithm.settings.privacy is not None and (algorithm.standard_update is None or own_maths):
         raise ConfigError(
             f"dp_args.dp_solution_type='dpsgd' with train_args.federated_optimizer={algorithm.name!r}: its "
             f"client maths is its own, which DP-SGD's per-sample clipping and noise do not reach; only "
@@ -281,11 +283,9 @@ def refuse_own_maths_under_dp(algorithm: "FederatedAlgorithm") -> None:
 
 
 class FederatedAlgorithm:
-    """Base of every algorithm in the registry: the round protocol, no maths of its own.
-
-    The object holds no model weights: global states come in and go out explicitly. Its only
-    state is the aggregation's record (rounds skipped, updates rejected), which checkpoints
-    keep through :meth:`state_dict` / :meth:`load_state_dict`."""
+    """Base of every algorithm in the registry: the round protocol, no maths of its own. It holds
+    no model weights (global states come in and go out explicitly); its state, the aggregation's
+    record and any clients' own states, is in :meth:`state_dict` for checkpoints."""
 
     name: ClassVar[str] = "base"
     #: The algorithm's own settings: a frozen dataclass of :func:`~fedml_perfedavg.core.settings.setting`
@@ -295,6 +295,12 @@ class FederatedAlgorithm:
     #: True when a client sends back its whole state, buffers included (its :meth:`local_training`
     #: changes them, as FedAvgARUBA's does), not only its parameters.
     returns_whole_state: ClassVar[bool] = False
+    #: True when each client keeps a state of its own from one of its rounds to its next
+    #: (:meth:`initial_client_state`, :meth:`local_training_with_state`; see client_states.py).
+    keeps_client_state: ClassVar[bool] = False
+    #: The minibatch roles (0: D, 1: D', 2: D'') maths of the algorithm's own reads (an engine
+    #: gathers only these); for the standard maths its step says (engine/plan.py).
+    batch_roles: ClassVar[FrozenSet[int]] = frozenset({0, 1, 2})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -313,6 +319,7 @@ class FederatedAlgorithm:
         self.paths = ModelPaths(self.network)  # what the model allows; set by :meth:`probe_model`
         self.screen = screen_for(self.parameter_names, settings)
         self.aggregate_calls = 0
+        self.client_states = ClientStates()  # kept only by an algorithm that keeps_client_state
         self._test_stacks: dict = {}  # the evaluation's stacked test splits, kept between evaluations
 
     def standard_maths(self) -> Optional[LocalUpdateConfig]:
@@ -332,8 +339,7 @@ class FederatedAlgorithm:
         return cls(model, AlgorithmSettings.from_config(config, cls.Settings))
 
     def use_hooks(self, hooks: RoundHooks) -> None:
-        """Act on every round with ``hooks`` (the run layer sets FedML's DP, attacks and
-        defenses here, for whichever backend runs the algorithm)."""
+        """Act on every round with ``hooks`` (FedML's DP, attacks and defenses, on every backend)."""
         self.hooks = hooks
 
     @property
@@ -342,35 +348,9 @@ class FederatedAlgorithm:
         return self.name
 
     def probe_model(self, global_state: StateDict, x: Tensor, y: Tensor) -> List[str]:
-        """Probe once, on a batch ``x, y`` of the run's size, what the model allows and set
-        ``paths`` by it (:func:`~fedml_perfedavg.algorithms.model_probe.probe`). Returns a line for
-        each fallback, saying why; :class:`~.model_probe.ModelMismatch` if the model cannot train
-        on such samples at all."""
+        """Probe once, on a batch ``x, y`` of the run's size, what the model allows and set ``paths``
+        by it (model_probe.py): a line for each fallback, saying why, or ModelMismatch."""
         return probe(self, global_state, x, y)
-
-    # -- what an engine needs to know (declared here, not guessed by the engine) ---------------
-    @property
-    def uses_standard_maths(self) -> bool:
-        """True when the client update is :attr:`standard_update`'s maths on the parameters alone
-        (an engine may compute it its own way, e.g. hand-batched)."""
-        standard = self.standard_update is not None and not self.returns_whole_state
-        return standard and self.settings.privacy is None  # DP-SGD's own arithmetic (core/privacy.py)
-
-    @property
-    def uses_standard_batches(self) -> bool:
-        """True when the minibatches are :meth:`client_batches`' keyed draws (an engine may gather
-        every client's at once by :meth:`batch_indices`)."""
-        return type(self).client_batches is FederatedAlgorithm.client_batches and self.settings.privacy is None
-
-    def batch_roles_read(self) -> FrozenSet[int]:
-        """The minibatches (0: D, 1: D', 2: D'') the client maths reads; an engine gathers only
-        these (the keyed indices are drawn all the same). The standard maths read D alone for
-        FedAvg's update, D and D' for FO, all three for HF and exact; an algorithm with maths of
-        its own reads all three unless it says otherwise."""
-        if not self.uses_standard_maths:
-            return frozenset({0, 1, 2})
-        assert self.standard_update is not None
-        return frozenset(range(self.standard_update.step.batch_roles))
 
     # -- sample ---------------------------------------------------------------------------
     def sample_clients(self, round_idx: int) -> List[int]:
@@ -413,6 +393,17 @@ class FederatedAlgorithm:
         params, buffers = self.split_state(state)
         return {**buffers, **self.local_update(params, batches)}
 
+    def initial_client_state(self, client_id: int, global_state: StateDict) -> StateDict:
+        """A client's own state before its first round (only with :attr:`keeps_client_state`)."""
+        return {}
+
+    def local_training_with_state(
+        self, state: StateDict, batches: LocalBatches, client_state: StateDict
+    ) -> Tuple[StateDict, StateDict]:
+        """The update of a client that keeps a state of its own: (what it sends back, as
+        :meth:`local_training` returns it; its own new state, which it keeps)."""
+        return self.local_training(state, batches), client_state
+
     def split_state(self, state: StateDict) -> Tuple[Params, StateDict]:
         """(trainable parameters, the rest: buffers) of a model state."""
         params = {k: state[k] for k in self.parameter_names}
@@ -430,9 +421,17 @@ class FederatedAlgorithm:
         round's hooks do to what it sends (local DP)."""
         y = self.hooks.client_labels(round_idx, client_id, y)
         batches = self.client_batches(round_idx, client_id, x, y)
+        start = {k: v.detach() for k, v in global_state.items()}
         with torch.no_grad():  # torch.func computes the gradients; no autograd graph is kept
-            new_state = self.local_training({k: v.detach() for k, v in global_state.items()}, batches)
+            if self.keeps_client_state:
+                kept = self.client_states.get(client_id)
+                own = self.initial_client_state(client_id, start) if kept is None else kept
+                new_state, own = self.local_training_with_state(start, batches, own)
+            else:
+                new_state = self.local_training(start, batches)
         self.check_client_result(round_idx, client_id, {k: new_state[k] for k in self.parameter_names})
+        if self.keeps_client_state:  # a dropped update (skip_client) leaves the client's state as it was
+            self.client_states.put(client_id, own)
         state = OrderedDict((k, new_state[k]) for k in global_state)
         return ClientUpdate(len(y), self.hooks.client_result(round_idx, client_id, state))
 
@@ -515,8 +514,10 @@ class FederatedAlgorithm:
     # -- checkpoint state -----------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """The aggregation's record, for checkpoints."""
-        return {**self.screen.state_dict(), "aggregate_calls": self.aggregate_calls}
+        own = {"client_states": self.client_states.state_dict()} if self.keeps_client_state else {}
+        return {**self.screen.state_dict(), "aggregate_calls": self.aggregate_calls, **own}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.screen.load_state_dict(state)
         self.aggregate_calls = int(state.get("aggregate_calls", 0))
+        self.client_states.load_state_dict(state.get("client_states", {}))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -74,6 +74,7 @@ class FedAvgARUBA(FederatedAlgorithm):
     name = "FedAvgARUBA"
     Settings = ArubaSettings
     returns_whole_state = True  # the client's squared gradients travel in its state
+    batch_roles = frozenset({0})  # its local steps read D alone (FedAvg's steps with learned step sizes)
 
     def __init__(self, model: nn.Module, settings: AlgorithmSettings) -> None:
         aruba = settings.own if settings.own is not None else ArubaSettings()
@@ -104,10 +105,6 @@ class FedAvgARUBA(FederatedAlgorithm):
         return {n: state[b] for n, b in self.buffers["lr"].items()}
 
     # -- client -----------------------------------------------------------------------------
-    def batch_roles_read(self) -> FrozenSet[int]:
-        """Its local steps read D alone (FedAvg's steps with learned step sizes)."""
-        return frozenset({0})
-
     def local_training(self, state: StateDict, batches: LocalBatches) -> StateDict:
         """tau steps of size eta on batches of D; the state sent back carries G_i."""
         params, _ = self.split_state(state)

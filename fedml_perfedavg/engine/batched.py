@@ -21,10 +21,11 @@ import torch
 from torch.func import vmap
 
 from ..algorithms.base import FederatedAlgorithm
-from ..core.client_maths import LocalBatches, Step, run_steps
+from ..core.client_maths import LocalBatches, run_steps
 from ..core.privacy import PrivateBatches, PrivateChainSteps
 from ..core.hand_batched import IndexedInputs, HandBatchedGradients
 from .minibatches import Minibatches
+from .plan import ClientPlan, Path, resolve_plan
 from ..core.guards import nonfinite_clients
 from ..core.types import Params, StateDict, UserSplit
 from ..algorithms.base import RoundDriver
@@ -53,92 +54,50 @@ class BatchedSimulation:
         self.users = users
         self.state: StateDict = OrderedDict(global_state)
         self.driver = driver
-        # Decided once by a probe (FederatedAlgorithm.probe_model), not by a round's error.
-        self.batched = algorithm.paths.vmappable
-        self.step: Callable[[Params, LocalBatches], Params] = vmap(algorithm.local_update, in_dims=(None, 0))
-        # An algorithm whose clients send back more than parameters (its own local_training)
-        # is vmapped over whole states: parameters and buffers per client.
-        self.whole_state = algorithm.returns_whole_state
-        if self.whole_state:
-            self.step = vmap(algorithm.local_training, in_dims=(None, 0))
-        gradients, why = (
-            (None, "device_args.compile_local_update compiles the generic path")
-            if compile_local_update
-            else self._hand_batched_gradients(try_hand_batched)
+        input_shape = tuple(users[0].train_x.shape[1:]) if users else None
+        #: How the clients are computed, resolved once (engine/plan.py), not by a round's error.
+        self.plan = resolve_plan(algorithm, input_shape, compile_local_update, try_hand_batched)
+        logger.info("batched engine: %s", self.plan.why)
+        self.batched = self.plan.together
+        self.whole_state = self.plan.whole_state
+        self.hand_batched: Optional[HandBatchedGradients] = (
+            self.plan.hand_batched if self.plan.path is Path.HAND_BATCHED else None
         )
-        self.hand_batched: Optional[HandBatchedGradients] = gradients
-        privacy = algorithm.settings.privacy
-        if privacy is not None:
-            self._private_paths(tuple(users[0].train_x.shape[1:]) if users else None)
-        elif self.batched and gradients is None and not algorithm.paths.groups_exactly:
-            self.batched = False  # vmapped, a client's bits would depend on the others in its computation
-            logger.info(
-                "batched engine: clients one by one (vmapped, a client's result would depend on which "
-                "clients share its computation; see the model probe's warning)"
-            )
-        elif not self.batched:
-            logger.info("batched engine: clients one by one (the model cannot be vmapped)")
-        elif gradients is not None:
-            self.step = self._hand_batched_step()
-            logger.info(
-                "batched engine: %s is a chain of Linear layers and activations; its clients' gradients "
-                "are hand-batched matrix products (fedml_perfedavg.core.hand_batched)",
-                type(algorithm.network).__name__,
-            )
-        else:
-            logger.info(
-                "batched engine: the clients' updates vmapped with torch.func (hand-batched gradients do not "
-                "apply: %s)",
-                why,
-            )
-        if compile_local_update:
+        self.step: Callable[[Params, LocalBatches], Params] = self._step_of(self.plan)
+        if compile_local_update and self.batched:
             # The round is thousands of tiny kernels: on a GPU, CUDA graphs ("reduce-overhead")
             # replay them without per-kernel launch cost. Shapes are the same every round.
             on_cuda = next(iter(global_state.values())).is_cuda
             self.step = torch.compile(self.step, mode="reduce-overhead" if on_cuda else "default", dynamic=False)
-        self.minibatches = Minibatches(algorithm, users)
+        self.minibatches = Minibatches(algorithm, users, self.plan)
         self.sample_counts = self.minibatches.sample_counts
 
-    def _private_paths(self, input_shape: Optional[tuple]) -> None:
-        """DP-SGD: a Linear chain's clients together (:class:`PrivateChainSteps`, no per-sample
-        gradient formed); any other model, or the exact variant, one client at a time (per-sample
-        gradients vmapped over the samples: vmapped over clients too, they run slower)."""
+    def _step_of(self, plan: ClientPlan) -> Callable[[Params, LocalBatches], Params]:
+        """The function that trains a computation's clients together, as ``plan`` says (the
+        per-client path has none: it calls ``client_update``)."""
         algorithm = self.algorithm
-        local = algorithm.standard_update
-        assert local is not None  # DP-SGD runs only the standard maths (checked when the algorithm is built)
-        chain = (
-            algorithm.paths.hand_batched_form(input_shape)
-            if self.batched and input_shape is not None and local.step is not Step.EXACT
-            else None
-        )
-        if chain is None:
-            self.batched = False
-            logger.info("batched engine, DP-SGD: clients one by one, per-sample gradients by torch.func")
-            return
-        privacy = algorithm.settings.privacy
+        if plan.path is Path.HAND_BATCHED:
+            return self._hand_batched_step()
+        if plan.path is Path.PRIVATE_CHAIN:
+            return self._private_chain_step(plan)
+        # An algorithm whose clients send back more than parameters (its own local_training)
+        # is vmapped over whole states: parameters and buffers per client.
+        return vmap(algorithm.local_training if plan.whole_state else algorithm.local_update, in_dims=(None, 0))
+
+    def _private_chain_step(self, plan: ClientPlan) -> Callable[[Params, LocalBatches], Params]:
+        """DP-SGD on a Linear chain: every client of the computation at once (:class:`PrivateChainSteps`,
+        no per-sample gradient formed)."""
+        local, privacy, chain = self.algorithm.standard_update, self.algorithm.settings.privacy, plan.hand_batched
+        assert local is not None and privacy is not None and chain is not None
 
         def step(params: Params, batches: LocalBatches) -> Params:
-            assert isinstance(batches, PrivateBatches) and privacy is not None
+            assert isinstance(batches, PrivateBatches)
             clients = batches.mask.shape[0]
             start = {k: v.unsqueeze(0).expand(clients, *v.shape) for k, v in params.items()}
             config = dataclasses.replace(local, local_steps=batches.mask.shape[2])
             return run_steps(PrivateChainSteps(chain, batches, local.step, privacy), start, config)
 
-        self.step = step
-        logger.info(
-            "batched engine, DP-SGD: %s is a chain of Linear layers; each sample's gradient is clipped by "
-            "its outer-product norm, every client of a round at once (fedml_perfedavg.core.privacy)",
-            type(algorithm.network).__name__,
-        )
-
-    def _hand_batched_gradients(self, try_hand_batched: bool):
-        """Hand-batched gradients where they compute exactly what the algorithm's own
-        ``local_update`` would (Per-FedAvg's or FedAvg's update on a Linear chain), else why not."""
-        if not try_hand_batched:
-            return None, "turned off"
-        if not self.algorithm.uses_standard_maths:
-            return None, f"{type(self.algorithm).__name__}'s client maths is its own (not core.client_maths')"
-        return self.algorithm.paths.hand_batched(tuple(self.users[0].train_x.shape[1:]))
+        return step
 
     def _hand_batched_step(self) -> Callable[[Params, LocalBatches], Params]:
         def step(params: Params, batches: LocalBatches) -> Params:

@@ -18,6 +18,7 @@ from ..core.client_maths import LocalBatches
 from ..core.hand_batched import IndexedInputs
 from ..core.privacy import PrivateBatches, stack_private
 from ..core.types import UserSplit
+from .plan import ClientPlan
 
 
 def stack_batches(batches: Sequence[LocalBatches]) -> LocalBatches:
@@ -31,12 +32,12 @@ def stack_batches(batches: Sequence[LocalBatches]) -> LocalBatches:
 class Minibatches:
     """The minibatches of ``algorithm``'s clients over ``users``' training data."""
 
-    def __init__(self, algorithm: FederatedAlgorithm, users: Sequence[UserSplit]) -> None:
+    def __init__(self, algorithm: FederatedAlgorithm, users: Sequence[UserSplit], plan: "ClientPlan") -> None:
         self.algorithm, self.users = algorithm, users
         self.sample_counts = [len(u.train_y) for u in users]
-        # Roles (D, D', D'') the client maths never reads are not gathered (the algorithm says which).
-        self._roles_read = algorithm.batch_roles_read()
-        self.gathers = algorithm.uses_standard_batches
+        # Roles (D, D', D'') the client maths never reads are not gathered (the plan says which).
+        self._roles_read = plan.roles_read
+        self.gathers = plan.gathers_keyed_batches
         if self.gathers:
             # Users that share their tensors (replicas of one user's data) share one copy here too.
             first: dict = {}

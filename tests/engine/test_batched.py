@@ -9,6 +9,7 @@ from torch import nn
 from fedml_perfedavg.algorithms.registry import create_algorithm
 from fedml_perfedavg.core.types import UserSplit
 from fedml_perfedavg.engine.batched import BatchedSimulation
+from fedml_perfedavg.engine.plan import roles_read, standard_maths
 from fedml_perfedavg.models import MLP
 from fedml_perfedavg.run.config import ConfigError, resolve
 
@@ -251,8 +252,8 @@ def test_batched_engine_on_cuda_equals_per_client_path_on_cpu(optimizer, variant
 def test_the_algorithm_declares_what_the_engine_gathers_and_returns(optimizer, variant, roles, whole):
     config, users, model = _setup(optimizer, variant)
     algorithm = create_algorithm(optimizer, model, config)
-    assert algorithm.batch_roles_read() == roles and algorithm.returns_whole_state is whole
     engine = BatchedSimulation(algorithm, users, copy.deepcopy(model.state_dict()), Driver(algorithm))
+    assert engine.plan.roles_read == roles and engine.plan.whole_state is whole
     [index] = algorithm.batch_indices(0, [0], [len(users[0].train_y)])
     batches = engine.minibatches.gather(index)
     for role in (1, 2):  # a role never read is D's tensors, not a gather of its own
@@ -264,7 +265,7 @@ def test_an_algorithm_with_its_own_maths_gets_every_role_unless_it_says_otherwis
 
     config, _, model = _setup("PerFedAvg", "fo")
     algorithm = create_algorithm("SignSGD", model, resolve({}, dict(SMALL, federated_optimizer="SignSGD")))
-    assert not algorithm.uses_standard_maths and algorithm.batch_roles_read() == {0, 1, 2}
+    assert standard_maths(algorithm) is None and roles_read(algorithm) == {0, 1, 2}
 
 
 def test_a_round_larger_than_one_computation_trains_in_pieces_with_the_same_result(monkeypatch):
