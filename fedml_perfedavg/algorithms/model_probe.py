@@ -6,7 +6,7 @@ algorithm's paths (:class:`ModelPaths`), so every backend computes each client a
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Protocol, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -59,6 +59,7 @@ class Probed(Protocol):
 
     settings: Any
     standard_update: Optional[LocalUpdateConfig]
+    keeps_client_state: ClassVar[bool]
     loss_fn: LossFn
     parameter_names: List[str]
     paths: ModelPaths
@@ -107,6 +108,10 @@ def probe(algorithm: Probed, global_state: StateDict, x: Tensor, y: Tensor) -> L
                 f"torch.func.vmap cannot batch its gradients ({why}); every client trains and is "
                 f"evaluated one by one (the per-client path)"
             )
+        elif paths.hand_batched(tuple(x.shape[1:]))[0] is None and algorithm.keeps_client_state:
+            # Clients with states of their own train one by one (engine/plan.py); their evaluation,
+            # unprobed, runs one by one too, as a silo evaluates its user.
+            paths.groups_exactly = False
         elif paths.hand_batched(tuple(x.shape[1:]))[0] is None:
             difference = grouping_difference(algorithm, global_state, x, y)
             paths.groups_exactly = difference == 0.0

@@ -24,6 +24,10 @@ simulation/mpi/fedavg/FedAvgAPI.py, and:
   the next model, but a run of one round never sends one (FedAvgServerManager.py finishes when the
   round count is reached): the job hangs. A worker finishes after its last round here, FedML's own
   FedAvg included (:func:`install_one_round_fix`).
+- Per-client state (an algorithm that ``keeps_client_state``): a client is trained by whichever
+  worker its round assigns it to, so the server keeps every client's state, sends a client's with
+  its assignment and takes it back with its update (:data:`CLIENT_STATES`, beside FedML's own
+  message arguments); FedML's messages carry none.
 - A rank that fails before FedML's loop (its data, its device) would leave the others waiting
   for it there forever: every rank agrees to start or stops with its error (:func:`agree_to_start`).
 FedML runs the MPI loop inside ``FedMLRunner``'s constructor; here it runs in ``run()``.
@@ -42,6 +46,7 @@ from .bootstrap import import_fedml, replaced
 import torch
 
 from ..algorithms.base import RoundDriver
+from ..algorithms.client_states import ClientStates
 from ..core.errors import ConfigError
 from ..core.types import StateDict
 from .safeguards import plugin_dp_hidden
@@ -170,20 +175,64 @@ def install_one_round_fix() -> None:
 install_one_round_fix()
 
 
+CLIENT_STATES = "plugin_client_states"  # a message argument: {client: its own state}
+
+
+def _assigned(message: Any) -> List[int]:
+    """The clients a server-to-worker message assigns (FedML's one index, or a share)."""
+    assignment = parse_assignment(message.get(MyMessage.MSG_ARG_KEY_CLIENT_INDEX))
+    return assignment if isinstance(assignment, list) else [assignment]
+
+
+class PluginFedAVGServerManager(mpi_api.FedAVGServerManager):
+    """FedML's MPI server, which also keeps the clients' own states (``client_states``, where the
+    algorithm keeps any): each goes out with its client's assignment and comes back with its update."""
+
+    def __init__(self, *args: Any, client_states: Optional[ClientStates] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.client_states = client_states
+
+    def send_message(self, message: Any) -> None:
+        assigns = (MyMessage.MSG_TYPE_S2C_INIT_CONFIG, MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT)
+        if self.client_states is not None and message.get_type() in assigns:
+            message.add_params(CLIENT_STATES, self.client_states.of(_assigned(message)))
+        super().send_message(message)
+
+    def handle_message_receive_model_from_client(self, msg_params):
+        if self.client_states is not None:  # before the next round's assignments go out
+            self.client_states.update(msg_params.get(CLIENT_STATES) or {})
+        super().handle_message_receive_model_from_client(msg_params)
+
+
 class PluginFedAVGClientManager(mpi_api.FedAVGClientManager):
     """A worker that reads a share where FedML's message holds a client index (FedML's own
-    handlers cast it with ``int``)."""
+    handlers cast it with ``int``), and takes and returns its clients' own states (``client_states``)."""
+
+    def __init__(self, *args: Any, client_states: Optional[ClientStates] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.client_states = client_states
+        self.assigned: List[int] = []
+
+    def _assignment(self, msg_params: Any) -> None:
+        self.trainer.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
+        self.assigned = _assigned(msg_params)
+        if self.client_states is not None:
+            self.client_states.update(msg_params.get(CLIENT_STATES) or {})
+        self.trainer.update_dataset(parse_assignment(msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_INDEX)))
+
+    def send_message(self, message: Any) -> None:
+        if self.client_states is not None and message.get_type() == MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER:
+            message.add_params(CLIENT_STATES, self.client_states.of(self.assigned))
+        super().send_message(message)
 
     @finishing_after_one_round
     def handle_message_init(self, msg_params):
-        self.trainer.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
-        self.trainer.update_dataset(parse_assignment(msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_INDEX)))
+        self._assignment(msg_params)
         self.args.round_idx = 0
         self._FedAVGClientManager__train()
 
     def handle_message_receive_model_from_server(self, msg_params):
-        self.trainer.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
-        self.trainer.update_dataset(parse_assignment(msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_INDEX)))
+        self._assignment(msg_params)
         self.args.round_idx += 1
         self._FedAVGClientManager__train()
         if self.args.round_idx == self.num_rounds - 1:
@@ -249,10 +298,12 @@ class MPISimulation:
         aggregator: Any,
         driver: Optional[RoundDriver] = None,
         share_trainer: Optional[ShareTrainer] = None,
+        client_states: Optional[ClientStates] = None,
     ) -> None:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model
         self.trainer, self.aggregator, self.driver = trainer, aggregator, driver
         self.share_trainer = share_trainer
+        self.client_states = client_states  # this rank's algorithm's, where its clients keep states
         self.progress: Dict[str, Any] = {}  # this worker's round and clients, for the record of a failure
 
     INTERRUPT_GRACE_SECONDS = 10.0
@@ -268,7 +319,16 @@ class MPISimulation:
         with (
             replaced(mpi_api, "FedAVGAggregator", functools.partial(PluginFedAVGAggregator, driver=self.driver)),
             replaced(mpi_api, "FedAVGTrainer", trainer),
-            replaced(mpi_api, "FedAVGClientManager", PluginFedAVGClientManager),
+            replaced(
+                mpi_api,
+                "FedAVGClientManager",
+                functools.partial(PluginFedAVGClientManager, client_states=self.client_states),
+            ),
+            replaced(
+                mpi_api,
+                "FedAVGServerManager",
+                functools.partial(PluginFedAVGServerManager, client_states=self.client_states),
+            ),
         ):
             try:
                 with plugin_dp_hidden(args):  # FedML's DP singleton knows no dpsgd: the algorithm applies it

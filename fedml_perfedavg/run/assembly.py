@@ -406,8 +406,17 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
             share_trainer = BatchedSimulation(
                 parts.algorithm, parts.users, on_device, driver, config.compile_local_update
             ).train_clients
+        own_states = parts.algorithm.client_states if parts.algorithm.keeps_client_state else None
         simulation = MPISimulation(
-            args, parts.device, parts.dataset, parts.model, parts.trainer, parts.aggregator, driver, share_trainer
+            args,
+            parts.device,
+            parts.dataset,
+            parts.model,
+            parts.trainer,
+            parts.aggregator,
+            driver,
+            share_trainer,
+            own_states,
         )
         return simulation, where
     if config.simulation_engine == "fedml":

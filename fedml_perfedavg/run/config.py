@@ -759,6 +759,17 @@ def _rule_secagg(c: Config) -> None:
         )
 
 
+def _rule_client_state(c: Config) -> None:
+    """A client's own state stays with whoever holds the client: across silos, only a data
+    owner's silo always holds the same client (algorithms/client_states.py)."""
+    if algorithm_class(c.federated_optimizer).keeps_client_state and c.training_type == "cross_silo" and not c.own_data:
+        raise ConfigError(
+            f"comm_args.silo_data={c.silo_data!r}: train_args.federated_optimizer={c.federated_optimizer!r} keeps "
+            f"a state of each client's own, which stays with the silo that holds the client; across silos that "
+            f"is data-owner mode (comm_args.silo_data: own), where each silo holds one user for the whole run"
+        )
+
+
 def _rule_privacy(c: Config) -> None:
     """DP-SGD's keys (core/privacy.py), and what would read a user's data outside the mechanism."""
     if c.privacy is None:
@@ -787,6 +798,7 @@ RULES: List[Callable[[Config], None]] = [
     _rule_platform,
     _rule_split,
     _rule_privacy,
+    _rule_client_state,
     _rule_secagg,  # before FedML's own checks of its sections: what cannot work at all is said first
 ]
 

@@ -1,6 +1,8 @@
-"""A test-only algorithm in one file, with a setting of its own: FedAvg whose local SGD steps
-clip the gradient to ``clip_norm`` (per step, over all parameters). Importing this file is all it
-takes: the config, its docs table, the cross-silo fingerprint and every backend pick it up."""
+"""A test-only algorithm in one file, with settings and a per-client state of its own: FedAvg
+whose local SGD steps clip the gradient to ``clip_norm`` (per step, over all parameters) and
+follow each client's own momentum, which the client keeps from one of its rounds to its next.
+Importing this file is all it takes: the config, its docs table, the cross-silo fingerprint and
+every backend pick it up."""
 
 from dataclasses import dataclass
 
@@ -8,7 +10,7 @@ import torch
 from torch.func import grad
 
 from fedml_perfedavg.algorithms import FederatedAlgorithm, register
-from fedml_perfedavg.core.settings import POSITIVE, setting
+from fedml_perfedavg.core.settings import NON_NEGATIVE, POSITIVE, setting
 
 
 @dataclass(frozen=True)
@@ -20,21 +22,35 @@ class ClippedFedSGDSettings:
         rule=POSITIVE,
         section="train_args",
     )
+    client_momentum: float = setting(
+        float,
+        0.5,
+        "ClippedFedSGD: each client's own momentum, kept between its rounds",
+        rule=NON_NEGATIVE,
+        section="train_args",
+    )
 
 
 class ClippedFedSGD(FederatedAlgorithm):
     name = "ClippedFedSGD"
     Settings = ClippedFedSGDSettings
+    keeps_client_state = True  # each client's momentum
+    batch_roles = frozenset({0})  # its steps read D alone
 
-    def local_update(self, params, batches):
+    def initial_client_state(self, client_id, global_state):
+        return {k: torch.zeros_like(global_state[k]) for k in self.parameter_names}
+
+    def local_training_with_state(self, state, batches, momentum):
+        params, buffers = self.split_state(state)
         grad_fn = grad(self.loss_fn)
-        clip = self.settings.own.clip_norm
+        own = self.settings.own
         for t in range(batches.adapt_x.shape[0]):
             g = grad_fn(params, batches.adapt_x[t], batches.adapt_y[t])
             norm = torch.sqrt(sum((v * v).sum() for v in g.values()))
-            scale = torch.clamp(clip / (norm + 1e-12), max=1.0)
-            params = {k: params[k] - self.settings.beta * scale * g[k] for k in params}
-        return params
+            scale = torch.clamp(own.clip_norm / (norm + 1e-12), max=1.0)
+            momentum = {k: own.client_momentum * momentum[k] + scale * g[k] for k in params}
+            params = {k: params[k] - self.settings.beta * momentum[k] for k in params}
+        return {**buffers, **params}, momentum
 
 
 register("ClippedFedSGD", ClippedFedSGD)

@@ -14,9 +14,17 @@ from tests.backends.test_fedml_entry_points import MPIRUN, _run
 from tests.helpers import example_yaml, needs_mnist
 from tests.helpers_tiny import tiny_config
 
-CLIP = 0.02  # far below an MNIST gradient's norm: every step moves the model by beta * CLIP exactly
+CLIP = 0.02  # far below an MNIST gradient's norm: every step's gradient is clipped
 BETA = 0.05
-EDITS = dict(federated_optimizer="ClippedFedSGD", clip_norm=CLIP, learning_rate=BETA, local_steps=2)
+USERS = 4  # 2 a round for 3 rounds: some user trains twice, with the momentum it kept
+EDITS = dict(
+    federated_optimizer="ClippedFedSGD",
+    clip_norm=CLIP,
+    client_momentum=0.5,
+    learning_rate=BETA,
+    local_steps=2,
+    client_num_in_total=USERS,
+)
 ENTRY = {
     "sp": "fedml.run_simulation()",
     "MPI": "fedml.run_simulation(backend='MPI')",
@@ -31,6 +39,12 @@ def _one_line(call):
 
 @needs_mnist
 def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_path):
+    """FedML's one-line entry points with the algorithm's file imported; across silos each data
+    owner (one YAML each, its own folder) keeps its user's momentum, so the same model comes out
+    only if every backend carried each client's state from one of its rounds to its next."""
+    from tests.backends.test_silo_own import _export
+    from tests.helpers import make_tls
+
     runs = {}
     path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "sp", tmp_path / "sp", **EDITS)
     _run(["sh", "-c", f"{sys.executable} {_one_line('sp')} --cf {path}"], tmp_path)
@@ -39,22 +53,27 @@ def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_
         path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "mpi", **EDITS)
         _run([MPIRUN, "-n", "3", "sh", "-c", f"{sys.executable} {_one_line('MPI')} --cf {path}"], tmp_path)
         runs["mpi"] = tmp_path / "mpi" / "mpi"
-    address_file = write_ipconfig(str(tmp_path / "ipconfig.csv"), 3)
-    path = example_yaml(
-        tmp_path,
-        "fedml_config_silo.yaml",
-        mnist_root,
-        "silo",
-        tmp_path / "silo",
-        grpc_ipconfig_path=address_file,
-        **EDITS,
-    )
-    script = " & ".join(
-        f"{sys.executable} {_one_line('server' if r == 0 else 'client')} --cf {path} --rank {r} "
-        f"--role {'server' if r == 0 else 'client'} --run_id 7"
-        for r in range(3)
-    )
-    _run(["sh", "-c", script + " & wait"], tmp_path)
+    folders = _export(mnist_root, tmp_path, USERS)
+    address_file = write_ipconfig(str(tmp_path / "ipconfig.csv"), USERS + 1)
+    tls = make_tls(tmp_path / "tls", USERS)
+    commands = []
+    for rank in range(USERS + 1):
+        own_yaml = tmp_path / f"rank-{rank}"  # each organization's own YAML: its folder, its rank's run
+        own_yaml.mkdir()
+        path = example_yaml(
+            own_yaml,
+            "fedml_config_silo.yaml",
+            mnist_root,
+            "silo",
+            tmp_path / "silo",
+            grpc_ipconfig_path=address_file,
+            tls_dir=tls,
+            silo_data="own",
+            **{**EDITS, "data_cache_dir": folders[rank]["data_cache_dir"]},
+        )
+        role = "server" if rank == 0 else "client"
+        commands.append(f"{sys.executable} {_one_line(role)} --cf {path} --rank {rank} --role {role} --run_id 7")
+    _run(["sh", "-c", " & ".join(commands) + " & wait"], tmp_path)
     runs["silo"] = tmp_path / "silo" / "silo"
 
     reference = torch.load(runs["sp"] / "model.pt")
@@ -97,7 +116,12 @@ def test_its_setting_is_what_its_clients_read(tmp_path):
     moved = {}
     for clip in (CLIP, 10 * CLIP):
         config = tiny_config(
-            federated_optimizer="ClippedFedSGD", clip_norm=clip, beta=BETA, local_steps=2, comm_round=3
+            federated_optimizer="ClippedFedSGD",
+            clip_norm=clip,
+            client_momentum=0.0,
+            beta=BETA,
+            local_steps=2,
+            comm_round=3,
         )
         result = run(config, str(tmp_path / str(clip)), data=tiny_data())
         torch.manual_seed(0)  # the run's own initial model (runner: seeded by random_seed)
@@ -107,3 +131,61 @@ def test_its_setting_is_what_its_clients_read(tmp_path):
     # gradients are larger than clip_norm): the average of the clients' moves cannot go further.
     assert 0 < moved[CLIP] <= 6 * BETA * CLIP * (1 + 1e-5)
     assert moved[10 * CLIP] > 3 * moved[CLIP]
+
+
+def test_each_client_keeps_its_own_state_between_its_rounds_and_in_checkpoints():
+    import tests.algorithms.clipped_fedsgd  # noqa: F401  registers ClippedFedSGD
+
+    from fedml_perfedavg.algorithms.registry import create_algorithm
+    from fedml_perfedavg.models import create_model
+
+    from tests.helpers_tiny import tiny_data
+
+    config = tiny_config(federated_optimizer="ClippedFedSGD", clip_norm=10.0, client_momentum=0.9)
+    model = create_model("mlp", (1, 4, 4), 3, [5])
+    user = tiny_data().users[0]
+    state = model.state_dict()
+    algorithm = create_algorithm("ClippedFedSGD", model, config)
+    first = algorithm.client_update(0, 0, state, user.train_x, user.train_y)
+    again = algorithm.client_update(1, 0, state, user.train_x, user.train_y)  # client 0's momentum carried over
+    fresh = create_algorithm("ClippedFedSGD", model, config).client_update(1, 0, state, user.train_x, user.train_y)
+    assert not torch.equal(again.state["net.1.weight"], fresh.state["net.1.weight"])
+    assert not torch.equal(first.state["net.1.weight"], again.state["net.1.weight"])
+    saved = algorithm.state_dict()
+    assert set(saved["client_states"]) == {0}
+    restored = create_algorithm("ClippedFedSGD", model, config)
+    restored.load_state_dict(saved)
+    third = restored.client_update(2, 0, state, user.train_x, user.train_y)
+    assert torch.equal(
+        third.state["net.1.weight"],
+        algorithm.client_update(2, 0, state, user.train_x, user.train_y).state["net.1.weight"],
+    )
+
+
+def test_a_run_whose_clients_forgot_their_states_gives_another_model(tmp_path, monkeypatch):
+    """What the three backends' agreement rests on: a client's kept state changes the model."""
+    import tests.algorithms.clipped_fedsgd  # noqa: F401  registers ClippedFedSGD
+
+    from fedml_perfedavg.algorithms.client_states import ClientStates
+    from fedml_perfedavg.run.runner import run
+
+    from tests.helpers_tiny import tiny_data
+
+    config = tiny_config(federated_optimizer="ClippedFedSGD", clip_norm=10.0, client_momentum=0.9, comm_round=3)
+    kept = run(config, str(tmp_path / "kept"), data=tiny_data()).final_state
+    monkeypatch.setattr(ClientStates, "get", lambda self, client: None)  # every round starts afresh
+    forgot = run(config, str(tmp_path / "forgot"), data=tiny_data()).final_state
+    assert any(not torch.allclose(kept[k], forgot[k]) for k in kept)
+
+
+def test_across_silos_its_clients_states_stay_with_data_owners():
+    import tests.algorithms.clipped_fedsgd  # noqa: F401  registers ClippedFedSGD
+
+    from fedml_perfedavg.run.config import ConfigError, load_yaml, resolve
+
+    from tests.helpers import SILO_YAML
+
+    with pytest.raises(ConfigError, match=r"comm_args.silo_data='shared': .*'ClippedFedSGD' keeps a state of each"):
+        resolve(load_yaml(SILO_YAML), {"federated_optimizer": "ClippedFedSGD", "tls_dir": "/nonexistent"})
+    own = resolve(load_yaml(SILO_YAML), {"federated_optimizer": "ClippedFedSGD", "tls_dir": "/x", "silo_data": "own"})
+    assert own.own_data
