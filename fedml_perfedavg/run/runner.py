@@ -410,8 +410,10 @@ class PluginRun:
             if self.config.training_type == "cross_silo" and self.config.own_data and self.backend.outcome is not None:
                 from .silo_record import write_silo_record
 
+                algorithm, outcome = self.parts.algorithm, self.backend.outcome
+                own_state = algorithm.client_states.get(outcome.user) if outcome.user is not None else None
                 record = write_silo_record(
-                    self.run_dir, self.rank, self.backend.outcome, self.parts.trainer.personalized, status, error
+                    self.run_dir, self.rank, outcome, self.parts.trainer.personalized, status, error, own_state
                 )
                 status, error = record["status"], record["error"]
             return {"role": "client", "rank": self.rank, "status": status, "error": error}

@@ -5,7 +5,9 @@ run's): ``silo-rank-R/`` in the silo's run directory, holding
   evaluated, every evaluation it sent, how the run ended for it and why;
 - ``model.pt``: the last global model it evaluated;
 - ``personalized.pt``: that model after its personalization step on its own training data (the
-  model whose accuracy it reported)."""
+  model whose accuracy it reported);
+- ``client_state.pt``: its user's own state, where the algorithm keeps one for each client
+  (``keeps_client_state``): it never left the silo."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ def write_silo_record(
     personalize: Personalize,
     status: str,
     error: Optional[str],
+    client_state: Optional[StateDict] = None,
 ) -> Dict[str, Any]:
     """Write silo ``rank``'s record (see the module doc) and return its summary. A run the
     server ended early is ``stopped`` here, with the server's reason."""
@@ -64,12 +67,16 @@ def write_silo_record(
         "history": history,
         "model": None,
         "personalized_model": None,
+        "client_state": None,
     }
     if outcome.model is not None and outcome.model_round is not None:
         write_torch(os.path.join(folder, "model.pt"), {k: v.detach().cpu() for k, v in outcome.model.items()})
         personalized = personalize(outcome.model_round, outcome.model)
         write_torch(os.path.join(folder, "personalized.pt"), {k: v.detach().cpu() for k, v in personalized.items()})
         summary["model"], summary["personalized_model"] = "model.pt", "personalized.pt"
+    if client_state:
+        write_torch(os.path.join(folder, "client_state.pt"), {k: v.detach().cpu() for k, v in client_state.items()})
+        summary["client_state"] = "client_state.pt"
     write_json(os.path.join(folder, "summary.json"), summary)
     if last:
         logger.info(

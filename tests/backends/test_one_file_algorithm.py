@@ -76,6 +76,16 @@ def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_
     _run(["sh", "-c", " & ".join(commands) + " & wait"], tmp_path)
     runs["silo"] = tmp_path / "silo" / "silo"
 
+    # Each data owner's record holds its user's momentum (once that user trained), and nothing else does.
+    kept = [r for r in range(1, USERS + 1) if (runs["silo"] / f"silo-rank-{r}" / "client_state.pt").exists()]
+    assert len(kept) >= 2, kept  # 6 trainings of 4 users
+    for rank in kept:
+        momentum = torch.load(runs["silo"] / f"silo-rank-{rank}" / "client_state.pt")
+        assert set(momentum) == set(torch.load(runs["sp"] / "model.pt")) and any(
+            v.abs().sum() > 0 for v in momentum.values()
+        )
+    assert not list(runs["silo"].glob("client_state*")) and not list(runs["sp"].rglob("client_state*"))
+
     reference = torch.load(runs["sp"] / "model.pt")
     for backend, run_dir in runs.items():
         summary = json.loads((run_dir / "summary.json").read_text())
