@@ -58,6 +58,7 @@ class Probed(Protocol):
     """What the probe reads of an algorithm, and the paths it sets."""
 
     settings: Any
+    network: Any
     standard_update: Optional[LocalUpdateConfig]
     keeps_client_state: ClassVar[bool]
     loss_fn: LossFn
@@ -86,12 +87,11 @@ def probe(algorithm: Probed, global_state: StateDict, x: Tensor, y: Tensor) -> L
                 f"it cannot compute a loss and its gradient on a batch of {len(y)} samples of "
                 f"shape {tuple(x.shape[1:])} ({x.dtype}): {why}"
             )
-        privacy = getattr(algorithm.settings, "privacy", None)
-        if privacy is not None:
-            why = per_sample_problem(algorithm.network, loss_fn, params, x, y)  # type: ignore[attr-defined]
+        if algorithm.settings.privacy is not None:
+            why = per_sample_problem(algorithm.network, loss_fn, params, x, y)
             if why is not None:
                 raise ConfigError(
-                    f"dp_args.dp_solution_type='dpsgd': {type(algorithm.network).__name__} cannot run DP-SGD: {why}"  # type: ignore[attr-defined]
+                    f"dp_args.dp_solution_type='dpsgd': {type(algorithm.network).__name__} cannot run DP-SGD: {why}"
                 )
         standard = algorithm.standard_update
         if standard is not None and standard.step is Step.EXACT:

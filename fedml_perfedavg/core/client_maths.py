@@ -191,9 +191,16 @@ def axpy(scale: float, x: Params, y: Params) -> Params:
 
 class StepArithmetic(Protocol):
     """Where a local update's numbers live and how each part of a step is computed; the step
-    itself (:func:`run_steps`) is the same for every arithmetic. ``role`` names a step's
-    minibatch: 0 is D, 1 is D', 2 is D''. A value returned may live in a buffer that a later call
-    overwrites: the loop reads each value once, in its order."""
+    itself (:func:`step_direction`, :func:`run_steps`) is the same for every arithmetic, and they
+    are its only callers. ``role`` names a step's minibatch: 0 is D, 1 is D', 2 is D''.
+
+    An arithmetic may keep its numbers in buffers it reuses (the hand-batched one does, for
+    speed): a value it returns is valid until the next call, except ``w`` (from :meth:`start` and
+    :meth:`move`), valid until the next ``move``; so the loop passes each value on once, in its
+    order. The loop is held to that by a test, not by convention:
+    ``tests/core/test_hand_batched.py::test_buffered_local_update_is_the_generic_loop_bit_for_bit``
+    runs it over the reusing arithmetic and the allocating one (:class:`FunctionalSteps`) and
+    requires the same bits for every variant."""
 
     def start(self, params: Params) -> Params: ...
 
