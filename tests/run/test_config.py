@@ -2,9 +2,9 @@
 
 import pytest
 
-from fedml_perfedavg.run.config import ConfigError, load, parse_overrides, resolve
+from fedml_perfedavg.run.config import ConfigError, load, load_yaml, parse_overrides, resolve
 from fedml_perfedavg.run.fedml_args import to_fedml_args
-from fedml_perfedavg.algorithms.registry import algorithm_names
+from fedml_perfedavg.algorithms.registry import algorithm_names, algorithm_settings
 
 from tests.helpers import REPO
 
@@ -284,3 +284,20 @@ def test_the_config_module_imports_no_fedml_and_fedmls_own_checks_still_run():
     lines = out.stdout.splitlines()
     assert lines[0] == "False", out.stdout + out.stderr  # a config without FedML's sections: no FedML
     assert lines[1].startswith("attack_args.attack_mode='nope': must be one of"), out.stdout + out.stderr
+
+
+def test_every_shipped_yaml_gives_only_keys_its_algorithm_reads():
+    """A FedAvgUpdate YAML with Per-FedAvg's delta would be named in a warning at every run."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    paths = sorted((repo / "yaml_configs").glob("*.yaml")) + sorted((repo / "examples").rglob("*.yaml"))
+    assert len(paths) > 20
+    for path in paths:
+        sections = load_yaml(str(path))
+        given = {key for values in sections.values() for key in values}
+        chosen = sections["train_args"]["federated_optimizer"]
+        others = {key for name in algorithm_names() if name != chosen for key in algorithm_settings(name)} - set(
+            algorithm_settings(chosen)
+        )
+        assert not given & others, (path.name, sorted(given & others))
