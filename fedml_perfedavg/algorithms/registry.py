@@ -61,6 +61,7 @@ _BUILTIN: Dict[str, str] = {
     "FedAvgARUBA": "fedml_perfedavg.algorithms.fedavg_aruba:FedAvgARUBA",
 }
 _REGISTERED: Dict[str, Type[FederatedAlgorithm]] = {}
+BUILTIN_ALGORITHMS = tuple(_BUILTIN)
 
 
 def register(name: str, cls: Type[FederatedAlgorithm]) -> None:

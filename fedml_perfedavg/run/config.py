@@ -28,7 +28,14 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import yaml
 
 from ..algorithms.base import AGGREGATIONS, DIVERGENCE_POLICIES
-from ..algorithms.registry import FEDML_OWN, algorithm_class, algorithm_names, algorithm_settings, canonical_name
+from ..algorithms.registry import (
+    BUILTIN_ALGORITHMS,
+    FEDML_OWN,
+    algorithm_class,
+    algorithm_names,
+    algorithm_settings,
+    canonical_name,
+)
 from ..core.errors import ConfigError
 from ..core.settings import AT_LEAST_ONE as _at_least_one
 from ..core.settings import EVEN as _even
@@ -485,14 +492,19 @@ class Config(
 
     @property
     def values(self) -> Dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in settings()}
+        return {f.name: getattr(self, f.name) for f in self.own_settings()}
+
+    def own_settings(self) -> List[dataclasses.Field]:
+        """The settings this config holds: every section's, and its algorithm's own alone."""
+        others = set(algorithm_fields()) - set(self.algorithm_values)
+        return [f for f in settings() if f.name not in others]
 
     def sections(self) -> Dict[str, Dict[str, Any]]:
         """The config as FedML-style nested sections (what ``summary.json`` and config.yaml record)."""
         out: Dict[str, Dict[str, Any]] = {s: {} for s in SECTIONS}
         for section, values in self.safeguards.items():
             out[section] = copy.deepcopy(values)
-        for f in settings():
+        for f in self.own_settings():
             value = getattr(self, f.name)  # a Step is recorded as its name, as YAML and FedML spell it
             out[f.metadata["section"]][f.name] = value.value if isinstance(value, Enum) else copy.deepcopy(value)
         for name, (section, value) in self.extra.items():
@@ -500,24 +512,26 @@ class Config(
         return out
 
 
-def settings() -> List[dataclasses.Field]:
+def settings(builtin_only: bool = False) -> List[dataclasses.Field]:
     """Every setting, in table order: :class:`Config`'s fields, and after ``train_args``' own the
-    algorithms' (each algorithm's ``Settings``; the built-ins and those registered so far)."""
+    algorithms' (each algorithm's ``Settings``: the built-ins', and unless ``builtin_only`` those
+    registered so far)."""
     own = [f for f in dataclasses.fields(Config) if not f.metadata.get("internal")]
     last_train = max(i for i, f in enumerate(own) if f.metadata["section"] == "train_args")
     taken = {f.name for f in own}
     algorithms = []
-    for f in algorithm_fields().values():
+    for f in algorithm_fields(builtin_only).values():
         if f.name in taken:
             raise TypeError(f"an algorithm's setting {f.name!r} is already a config key: name it after the algorithm")
         algorithms.append(f)
     return own[: last_train + 1] + algorithms + own[last_train + 1 :]
 
 
-def algorithm_fields() -> Dict[str, dataclasses.Field]:
-    """The algorithms' own settings by key (the built-ins and those registered so far)."""
+def algorithm_fields(builtin_only: bool = False) -> Dict[str, dataclasses.Field]:
+    """The algorithms' own settings by key (the built-ins, and unless ``builtin_only`` those
+    registered so far)."""
     fields: Dict[str, dataclasses.Field] = {}
-    for name in algorithm_names():
+    for name in BUILTIN_ALGORITHMS if builtin_only else algorithm_names():
         for f in algorithm_settings(name).values():
             fields.setdefault(f.name, f)
     return fields
@@ -967,23 +981,27 @@ def resolve(
     for name in set(given) - set(index):
         extra[name] = (extra.get(name, (where.get(name, "train_args"), None))[0], given[name])
     own_keys = algorithm_fields()
-    _name_other_algorithms_keys(given, own_keys, values["federated_optimizer"])
+    chosen = values["federated_optimizer"]
+    chosen_keys = set(algorithm_settings(chosen)) if chosen in algorithm_names() else set()
+    _name_other_algorithms_keys(given, own_keys, chosen_keys, chosen)
     config = Config(
         **{k: v for k, v in values.items() if k not in own_keys},
         source=source,
         extra=extra,
         safeguards=safeguards,
-        algorithm_values={k: v for k, v in values.items() if k in own_keys},
+        # The chosen algorithm's own keys alone (another's, given, were checked and named above).
+        algorithm_values={k: v for k, v in values.items() if k in chosen_keys},
     )
     for rule in RULES:
         rule(config)
     return config
 
 
-def _name_other_algorithms_keys(given: Dict[str, Any], own_keys: Dict[str, dataclasses.Field], chosen: str) -> None:
-    """A warning for each algorithm key given that the chosen algorithm does not read (a YAML
+def _name_other_algorithms_keys(
+    given: Dict[str, Any], own_keys: Dict[str, dataclasses.Field], read: set, chosen: str
+) -> None:
+    """A warning for each algorithm key given that the chosen algorithm does not ``read`` (a YAML
     kept from a run of another algorithm): used by none, not silently."""
-    read = set(algorithm_settings(chosen)) if chosen in algorithm_names() else set()
     for name in sorted(set(given) & set(own_keys) - read):
         owners = [a for a in algorithm_names() if name in algorithm_settings(a)]
         _warn_once(

@@ -5,10 +5,11 @@ from __future__ import annotations
 from .config import field_default, settings
 
 
-def markdown_table() -> str:
-    """docs/configuration.md's table, generated from :class:`Config`."""
+def markdown_table(builtin_only: bool = False) -> str:
+    """docs/configuration.md's table (``builtin_only``: the built-in algorithms' keys alone), or
+    this process's, with the keys of algorithms registered in it, generated from :class:`Config`."""
     rows = ["| section | key | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
-    for f in settings():
+    for f in settings(builtin_only):
         meta = f.metadata
         default = field_default(f)
         if meta["choices"]:
