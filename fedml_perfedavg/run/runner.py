@@ -85,9 +85,9 @@ def context_of(args: Any) -> RunContext:
         return context
     config = context.config
     changed = sorted(
-        name
-        for name in BY_NAME
-        if name != "enable_wandb" and hasattr(args, name) and getattr(args, name) != getattr(config, name)
+        f.name  # its algorithm's keys alone: another's, in FedML's args from the YAML, it never held
+        for f in config.own_settings()
+        if f.name != "enable_wandb" and hasattr(args, f.name) and getattr(args, f.name) != getattr(config, f.name)
     )
     if changed:
         context.config = from_fedml_args(args, enable_wandb=config.enable_wandb, sections=config.sections())

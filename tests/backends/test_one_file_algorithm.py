@@ -47,7 +47,11 @@ def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_
 
     runs = {}
     path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "sp", tmp_path / "sp", **EDITS)
-    _run(["sh", "-c", f"{sys.executable} {_one_line('sp')} --cf {path}"], tmp_path)
+    out = _run(["sh", "-c", f"{sys.executable} {_one_line('sp')} --cf {path}"], tmp_path)
+    # FedML's example YAML still gives Per-FedAvg's estimator: named, not used, not an error.
+    assert "train_args.perfedavg_variant='hf' is PerFedAvg's; train_args.federated_optimizer='ClippedFedSGD'" in (
+        out.stdout + out.stderr
+    )
     runs["sp"] = tmp_path / "sp" / "sp"
     if MPIRUN is not None:
         path = example_yaml(tmp_path, "fedml_config_mpi.yaml", mnist_root, "mpi", tmp_path / "mpi", **EDITS)
