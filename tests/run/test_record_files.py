@@ -47,3 +47,27 @@ def test_a_running_run_whose_process_is_gone_is_shown_dead(tmp_path, capsys):
     (tmp_path / "summary.json").write_text(json.dumps(_summary(gone.pid, 12345)))
     assert show([str(tmp_path)]) == 0
     assert ", dead (summary.json says running" in capsys.readouterr().out
+
+
+def test_an_interrupt_during_a_write_is_raised_once_the_file_is_whole(tmp_path):
+    """Ctrl-C inside torch.save left its zip writer half-closed and raised a RuntimeError of its
+    own (CI, test_ctrl_c_to_launch_silo...): the write finishes first, then the interrupt."""
+    import os
+    import signal
+
+    import pytest
+    import torch
+
+    from fedml_perfedavg.run.files import write_atomic
+
+    path = str(tmp_path / "checkpoint.pt")
+    state = {"w": torch.arange(100000.0)}
+
+    def write(stream):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives in the middle of the write
+        torch.save(state, stream)
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(path, write)
+    assert torch.equal(torch.load(path, weights_only=True)["w"], state["w"])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
