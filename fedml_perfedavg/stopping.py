@@ -20,7 +20,26 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
-STOP_SIGNALLED = threading.Event()  # SIGTERM or SIGINT reached this process during the current run
+
+class _SignalFlag:
+    """A flag a signal handler may set: no lock (a ``threading.Event``'s ``set`` takes its
+    Condition's lock, and a handler that blocks on a lock held where the signal landed never
+    returns: a server that caught its parent-death SIGTERM so hung for minutes in CI)."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def clear(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+STOP_SIGNALLED = _SignalFlag()  # SIGTERM or SIGINT reached this process during the current run
 _STOP_SIGNAL: List[int] = [signal.SIGINT]  # which one (the first)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
