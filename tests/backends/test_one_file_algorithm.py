@@ -10,7 +10,7 @@ import torch
 
 from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
 
-from tests.backends.test_fedml_entry_points import MPIRUN, _run
+from tests.backends.test_fedml_entry_points import MPIRUN, ONE_LINE, _run
 from tests.helpers import example_yaml, needs_mnist
 from tests.helpers_tiny import tiny_config
 
@@ -25,16 +25,11 @@ EDITS = dict(
     local_steps=2,
     client_num_in_total=USERS,
 )
-ENTRY = {
-    "sp": "fedml.run_simulation()",
-    "MPI": "fedml.run_simulation(backend='MPI')",
-    "server": "fedml.run_cross_silo_server()",
-    "client": "fedml.run_cross_silo_client()",
-}
 
 
 def _one_line(call):
-    return f'-c "import fedml_perfedavg, fedml, tests.algorithms.clipped_fedsgd; {ENTRY[call]}"'
+    """FedML's one-line entry point (test_fedml_entry_points.ONE_LINE) with the algorithm's file imported."""
+    return f'-c "import fedml_perfedavg, fedml, tests.algorithms.clipped_fedsgd; {ONE_LINE[call]}"'
 
 
 @needs_mnist
