@@ -96,9 +96,10 @@ def test_no_import_cycles_between_modules():
 # Classes are kept to about 200 lines (one job each). The one allowed more, and why:
 LONGER_CLASSES = {
     # The algorithm protocol's one base class: every hook an algorithm author may override (client
-    # batches, local update and training, combine, evaluation's step sizes, ...), each documented;
-    # splitting it would split the extension point in two.
-    "algorithms/base.py::FederatedAlgorithm": 240,
+    # batches, local update and training, per-client state, combine, evaluation's step sizes and
+    # per-user figures, ...) and every declaration, each documented; splitting it would split the
+    # extension point in two.
+    "algorithms/base.py::FederatedAlgorithm": 255,
 }
 MAX_CLASS_LINES = 200
 

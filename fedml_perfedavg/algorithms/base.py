@@ -15,8 +15,9 @@ round) or, to send back more than parameters, :meth:`FederatedAlgorithm.local_tr
 declares its own settings as a ``Settings`` dataclass of
 :func:`~fedml_perfedavg.core.settings.setting` fields (they join the config, its docs table and
 the cross-silo fingerprint). Optional hooks: :meth:`~FederatedAlgorithm.client_batches` (other
-minibatches), :meth:`~FederatedAlgorithm.combine` (the server's side) and
-:meth:`~FederatedAlgorithm.refinement_step_sizes` (a learned personalization step).
+minibatches), :meth:`~FederatedAlgorithm.combine` (the server's side),
+:meth:`~FederatedAlgorithm.refinement_step_sizes` (a learned personalization step) and
+:meth:`~FederatedAlgorithm.user_metrics` (per-user figures of its own, named in ``metric_names``).
 Per-FedAvg and FedAvg's local SGD are :class:`~.gradient_steps.GradientSteps` algorithms: their
 maths is :mod:`fedml_perfedavg.core.client_maths`, which engines may compute their own way.
 """
@@ -33,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.client_maths import LocalBatches, LocalUpdateConfig
-from ..core.evaluation import EvaluationConfig, EvaluationResult, evaluate
+from ..core.evaluation import EvaluationConfig, EvaluationResult, check_metric_names, evaluate, finite_figure
 from ..core.functional import functional_network, make_loss_fn
 from ..core.errors import ConfigError
 from ..core.guards import apply_divergence_policy, is_finite
@@ -256,6 +257,34 @@ def check_declarations(cls: "type[FederatedAlgorithm]") -> None:
         )
     if "local_training_with_state" in vars(cls) and not cls.keeps_client_state:
         raise TypeError(f"{cls.__name__} defines local_training_with_state: declare keeps_client_state = True")
+    check_metric_names(cls.__name__, cls.metric_names)
+    if bool(cls.metric_names) != (cls.user_metrics is not FederatedAlgorithm.user_metrics):
+        raise TypeError(
+            f"{cls.__name__}: metric_names and user_metrics go together (one declares what the other gives)"
+        )
+
+
+def own_metrics(
+    algorithm: "FederatedAlgorithm",
+    round_idx: int,
+    global_state: StateDict,
+    users: Sequence[UserSplit],
+    user_ids: Sequence[int],
+) -> Dict[str, List[float]]:
+    """Each user's figures of the algorithm's own (``metric_names``), by name: ValueError for a
+    user whose ``user_metrics`` gives other names or a value that is not a finite number."""
+    names = algorithm.metric_names
+    own: Dict[str, List[float]] = {name: [] for name in names}
+    for user_id, user in zip(user_ids, users):
+        figures = algorithm.user_metrics(round_idx, global_state, user, int(user_id))
+        if not isinstance(figures, dict) or set(figures) != set(names):
+            given = sorted(figures) if isinstance(figures, dict) else type(figures).__name__
+            raise ValueError(
+                f"{algorithm.label}.user_metrics gave {given} for user {user_id}; its metric_names are {list(names)}"
+            )
+        for name in names:
+            own[name].append(finite_figure(figures[name], f"{algorithm.label}.user_metrics' {name} of user {user_id}"))
+    return own
 
 
 def with_own_settings(cls: "type[FederatedAlgorithm]", settings: AlgorithmSettings) -> AlgorithmSettings:
@@ -273,6 +302,11 @@ def with_own_settings(cls: "type[FederatedAlgorithm]", settings: AlgorithmSettin
 def refuse_own_maths_under_dp(algorithm: "FederatedAlgorithm") -> None:
     """DP-SGD reaches only the standard local update: :class:`ConfigError` for an algorithm
     whose client maths is its own."""
+    if algorithm.settings.privacy is not None and algorithm.metric_names:
+        raise ConfigError(
+            f"dp_args.dp_solution_type='dpsgd' with train_args.federated_optimizer={algorithm.name!r}: its own "
+            f"per-user figures {list(algorithm.metric_names)} would be released with no DP-SGD account of them"
+        )
     own_maths = algorithm.returns_whole_state or algorithm.keeps_client_state
     if algorithm.settings.privacy is not None and (algorithm.standard_update is None or own_maths):
         raise ConfigError(
@@ -301,6 +335,10 @@ class FederatedAlgorithm:
     #: The minibatch roles (0: D, 1: D', 2: D'') maths of the algorithm's own reads (an engine
     #: gathers only these); for the standard maths its step says (engine/plan.py).
     batch_roles: ClassVar[FrozenSet[int]] = frozenset({0, 1, 2})
+    #: The per-user figures :meth:`user_metrics` adds to every evaluation, beside the protocol's
+    #: (accuracy after and before the personalization step, loss): reported, logged, in wandb, in
+    #: ``show``, and sent by a data owner's silo to the server.
+    metric_names: ClassVar[Tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -489,7 +527,7 @@ class FederatedAlgorithm:
         batched = batched and self.paths.batches_evaluation(shape)
         if config.batched != batched:
             config = dataclasses.replace(config, batched=batched)
-        return evaluate(
+        result = evaluate(
             self.network,
             params,
             users,
@@ -501,6 +539,13 @@ class FederatedAlgorithm:
             hand_batched=self.paths.hand_batched_form(shape),
             test_stacks=self._test_stacks,
         )
+        ids = range(len(users)) if user_ids is None else user_ids
+        return result.with_own(own_metrics(self, round_idx, global_state, users, ids)) if self.metric_names else result
+
+    def user_metrics(self, round_idx: int, global_state: StateDict, user: UserSplit, user_id: int) -> Dict[str, float]:
+        """One user's figures of :attr:`metric_names` at an evaluation of ``global_state`` (a
+        client's own state: ``self.client_states.get(user_id)``); a finite number each."""
+        return {}
 
     def refinement_step_sizes(self, global_state: StateDict) -> Optional[Params]:
         """Per-coordinate step sizes of the personalization step at evaluation, or None for

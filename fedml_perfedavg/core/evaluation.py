@@ -8,8 +8,9 @@ user's adaptation has finished, and never by it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -43,19 +44,120 @@ class EvaluationConfig:
     privacy: Optional["DPSGD"] = None  # DP-SGD: each personalization step is a use of the mechanism
 
 
+#: The evaluation protocol's own per-user metrics, the same for every method: accuracy after the
+#: personalization step, accuracy of the global model itself (before it), and the loss after it.
+ACCURACY, ACCURACY_BEFORE, LOSS = "accuracy", "accuracy_before_adaptation", "loss"
+PROTOCOL_METRICS = (ACCURACY, ACCURACY_BEFORE, LOSS)
+
+
+#: Names an algorithm's own metric may not take: an evaluation's record already uses them.
+RESERVED_NAMES = frozenset(
+    {*PROTOCOL_METRICS, "round", "stationarity", "epsilon", "train_seconds", "wall_seconds", "evaluated_users"}
+    | {"missing_users", "personalized_accuracy", "personalized_accuracy_std", "personalized_accuracy_min"}
+    | {"personalized_loss", "new_users"}
+)
+RESERVED_PREFIXES = ("random_iterate_", "new_user_", "per_user_", "eval/", "silo/", "final/")
+MAX_OWN_METRICS = 16  # what a silo may send (the wire's bound) and an algorithm may declare
+
+
+def check_metric_names(owner: str, names: Sequence[str]) -> None:
+    """TypeError unless ``names`` (an algorithm's ``metric_names``) are distinct identifiers of
+    at most 64 characters that no evaluation record uses already, at most :data:`MAX_OWN_METRICS`."""
+    if not isinstance(names, tuple):
+        raise TypeError(f"{owner}.metric_names is a {type(names).__name__}: give a tuple of names")
+    problems = [
+        name
+        for name in names
+        if not (isinstance(name, str) and name.isidentifier() and len(name) <= 64)
+        or name in RESERVED_NAMES
+        or name.startswith(RESERVED_PREFIXES)
+    ]
+    if problems or len(set(names)) != len(names) or len(names) > MAX_OWN_METRICS:
+        raise TypeError(
+            f"{owner}.metric_names={names!r}: give at most {MAX_OWN_METRICS} distinct identifiers of at most 64 "
+            f"characters, none of {sorted(RESERVED_NAMES)} and none starting {RESERVED_PREFIXES}"
+            + (f" (not: {problems})" if problems else "")
+        )
+
+
+def finite_figure(value: Any, what: str) -> float:
+    """``value`` (a number, or a tensor of one element) as a float: ValueError naming ``what``
+    unless it is finite."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{what} is {value!r}: a finite number is needed")
+    return float(value)
+
+
 @dataclass
 class EvaluationResult:
-    """Per-user accuracies (in [0, 1]) before and after the personalization step, of users
-    0..n-1 or of ``user_ids`` (a federated evaluation that some users missed)."""
+    """Per-user metrics by name, a value for each user (users 0..n-1, or ``user_ids``: a
+    federated evaluation that some users missed): the protocol's (:data:`PROTOCOL_METRICS`) and
+    any an algorithm adds of its own (``FederatedAlgorithm.metric_names``)."""
 
-    per_user_accuracy: List[float]
-    per_user_accuracy_before: List[float]
-    per_user_loss: List[float] = field(default_factory=list)
+    per_user: Dict[str, List[float]]
     user_ids: Optional[List[int]] = None
+
+    @classmethod
+    def of(
+        cls,
+        accuracy: List[float],
+        before: List[float],
+        loss: Sequence[float] = (),
+        user_ids: Optional[List[int]] = None,
+    ) -> "EvaluationResult":
+        """The protocol's figures of each user (accuracy after and before the step, the loss)."""
+        per_user = {ACCURACY: list(accuracy), ACCURACY_BEFORE: list(before)}
+        if loss:
+            per_user[LOSS] = list(loss)
+        return cls(per_user, user_ids)
+
+    @classmethod
+    def from_record(cls, record: Dict[str, Any]) -> "EvaluationResult":
+        """A result as :meth:`record` wrote it (a checkpoint), or as checkpoints before named
+        metrics did (``per_user_accuracy``, ...)."""
+        if "per_user" in record:
+            return cls({k: list(v) for k, v in record["per_user"].items()}, record.get("user_ids"))
+        return cls.of(
+            record["per_user_accuracy"],
+            record["per_user_accuracy_before"],
+            record.get("per_user_loss") or (),
+            record.get("user_ids"),
+        )
+
+    def record(self) -> Dict[str, Any]:
+        return {"per_user": {k: list(v) for k, v in self.per_user.items()}, "user_ids": self.user_ids}
 
     @property
     def ids(self) -> List[int]:
         return list(range(len(self.per_user_accuracy))) if self.user_ids is None else list(self.user_ids)
+
+    @property
+    def per_user_accuracy(self) -> List[float]:
+        return self.per_user[ACCURACY]
+
+    @property
+    def per_user_accuracy_before(self) -> List[float]:
+        return self.per_user[ACCURACY_BEFORE]
+
+    @property
+    def per_user_loss(self) -> List[float]:
+        return self.per_user.get(LOSS, [])
+
+    @property
+    def own_names(self) -> List[str]:
+        """The names of the metrics an algorithm added (beyond the protocol's)."""
+        return [name for name in self.per_user if name not in PROTOCOL_METRICS]
+
+    def with_own(self, own: Dict[str, List[float]]) -> "EvaluationResult":
+        """This result with an algorithm's own per-user metrics added (a value for each user)."""
+        for name, values in own.items():
+            if name in PROTOCOL_METRICS:
+                raise ValueError(f"own metric {name!r} is the evaluation protocol's ({', '.join(PROTOCOL_METRICS)})")
+            if len(values) != len(self.per_user_accuracy):
+                raise ValueError(f"own metric {name!r}: {len(values)} values for {len(self.ids)} users")
+        return EvaluationResult({**self.per_user, **{k: list(v) for k, v in own.items()}}, self.user_ids)
 
     @property
     def personalized_accuracy(self) -> float:
@@ -71,22 +173,18 @@ class EvaluationResult:
 
     def subset(self, positions: Sequence[int]) -> "EvaluationResult":
         """The result restricted to the users at ``positions``."""
-        pick = lambda values: [values[i] for i in positions]  # noqa: E731
-        return EvaluationResult(
-            pick(self.per_user_accuracy),
-            pick(self.per_user_accuracy_before),
-            pick(self.per_user_loss) if self.per_user_loss else [],
-            None if self.user_ids is None else pick(self.user_ids),
-        )
+        picked = {name: [values[i] for i in positions] for name, values in self.per_user.items()}
+        return EvaluationResult(picked, None if self.user_ids is None else [self.user_ids[i] for i in positions])
 
-    def metrics(self) -> dict:
-        """Flat scalar metrics for logging."""
+    def metrics(self) -> Dict[str, float]:
+        """Flat scalar metrics for logging: the protocol's, then each own metric's mean over users."""
         return {
             "personalized_accuracy": self.personalized_accuracy,
             "personalized_accuracy_std": self.personalized_accuracy_std,
             "personalized_accuracy_min": min(self.per_user_accuracy),
             "accuracy_before_adaptation": self.accuracy_before_adaptation,
             "personalized_loss": float(torch.tensor(self.per_user_loss).mean()) if self.per_user_loss else float("nan"),
+            **{name: float(torch.tensor(self.per_user[name], dtype=torch.float64).mean()) for name in self.own_names},
         }
 
 
@@ -213,7 +311,7 @@ def _score(
         after.append(accuracy)
         losses.append(loss)
         before.append(_accuracy_and_loss(network, params, user.test_x, user.test_y)[0])
-    return EvaluationResult(after, before, losses)
+    return EvaluationResult.of(after, before, losses)
 
 
 def _evaluate_together(
@@ -252,7 +350,7 @@ def _evaluate_together(
                 for row, i in enumerate(chunk):
                     after[i], before[i] = accuracy[row], accuracy_before[row]
                     losses[i] = float(torch.nn.functional.cross_entropy(logits[row], y[row]))
-    return EvaluationResult(after, before, losses)
+    return EvaluationResult.of(after, before, losses)
 
 
 def _global_logits(hand_batched: HandBatchedGradients, params: Params, x: Tensor) -> Tensor:

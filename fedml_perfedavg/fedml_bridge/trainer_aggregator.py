@@ -116,11 +116,13 @@ class AlgorithmClientTrainer(ClientTrainer):
             round_of(args), state, [UserSplit(train_x, train_y, test_x, test_y)], user_ids=[int(self.id)], batched=False
         )
         total = len(test_y)
+        own = {name: result.per_user[name][0] for name in result.own_names}  # the algorithm's own figures
         return {
             "test_correct": result.per_user_accuracy[0] * total,
             "test_total": total,
             "test_loss": result.per_user_loss[0] * total,
             "test_correct_before_adaptation": result.per_user_accuracy_before[0] * total,
+            **({"test_own_metrics": own} if own else {}),
         }
 
     def personalized(self, round_idx: int, global_state: StateDict) -> StateDict:

@@ -460,6 +460,7 @@ def silo_setup(parts: RunParts) -> Any:
         config.aggregation == "sample_weighted",
         parts.silo_privacy,
         RoundSchedule.from_config(config).evaluates if config.privacy is not None and not config.own_data else None,
+        parts.algorithm.metric_names,
     )
 
 

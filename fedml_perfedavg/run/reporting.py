@@ -8,10 +8,10 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ..algorithms.registry import method_choices
-from ..core.evaluation import EvaluationResult, accuracy_of
+from ..core.evaluation import ACCURACY, ACCURACY_BEFORE, EvaluationResult, accuracy_of
 from ..core.privacy import PrivacyLedger, ReportedPrivacy
 from ..core.sampling import held_out_users
 from .files import write_json
@@ -94,12 +94,14 @@ class WandbSink:
             for round_idx, metrics, per_user in deferred:
                 self.log_evaluation(round_idx, metrics, per_user)
         if last is not None:
+            names = [ACCURACY, ACCURACY_BEFORE, *last.own_names]
             table = wandb.Table(
-                columns=["user", "accuracy", "accuracy_before_adaptation"],
-                data=[[i, a, b] for i, a, b in zip(last.ids, last.per_user_accuracy, last.per_user_accuracy_before)],
+                columns=["user", *names],
+                data=[[user, *(last.per_user[n][i] for n in names)] for i, user in enumerate(last.ids)],
             )
             self.run.log({"final/per_user_accuracy": table})
         self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+        self.run.summary.update({f"own/{k}": v for k, v in (summary.get("own_metrics") or {}).items()})
         self.run.finish()
 
 
@@ -107,38 +109,56 @@ def split_new_users(result: EvaluationResult, new_users: Sequence[int]) -> Dict[
     """Headline metrics over the users trained on; new (held-out) users reported apart."""
     if not new_users:
         return result.metrics()
-    new, ids = set(new_users), result.ids
-    pick = lambda values, held: [v for i, v in zip(ids, values) if (i in new) == held]  # noqa: E731
-    trained = EvaluationResult(
-        pick(result.per_user_accuracy, False),
-        pick(result.per_user_accuracy_before, False),
-        pick(result.per_user_loss, False),
-    ).metrics()
-    held = EvaluationResult(pick(result.per_user_accuracy, True), pick(result.per_user_accuracy_before, True))
+    new = set(new_users)
+    held = [i for i, user in enumerate(result.ids) if user in new]
+    trained = result.subset([i for i, user in enumerate(result.ids) if user not in new]).metrics()
     held_metrics: Dict[str, Optional[float]] = {
         "new_user_personalized_accuracy": None,
         "new_user_accuracy_before_adaptation": None,
     }
-    if held.per_user_accuracy:
+    if held:
+        held_result = result.subset(held)
         held_metrics = {
-            "new_user_personalized_accuracy": held.personalized_accuracy,
-            "new_user_accuracy_before_adaptation": held.accuracy_before_adaptation,
+            "new_user_personalized_accuracy": held_result.personalized_accuracy,
+            "new_user_accuracy_before_adaptation": held_result.accuracy_before_adaptation,
         }
     return {**trained, **held_metrics}
 
 
-def per_user_table(
-    result: EvaluationResult, num_users: Optional[int]
-) -> Tuple[List[Optional[float]], List[Optional[float]]]:
-    """Per-user accuracies by user id; a user the evaluation missed is None."""
+def per_user_table(result: EvaluationResult, num_users: Optional[int]) -> Dict[str, List[Optional[float]]]:
+    """Each per-user metric by user id (metric name -> a value for each user); a user the
+    evaluation missed is None."""
     if result.user_ids is None:
-        return list(result.per_user_accuracy), list(result.per_user_accuracy_before)
+        return {name: list(values) for name, values in result.per_user.items()}
     size = num_users if num_users is not None else max(result.user_ids) + 1
-    after: List[Optional[float]] = [None] * size
-    before: List[Optional[float]] = [None] * size
-    for user, a, b in zip(result.user_ids, result.per_user_accuracy, result.per_user_accuracy_before):
-        after[user], before[user] = a, b
-    return after, before
+    table: Dict[str, List[Optional[float]]] = {}
+    for name, values in result.per_user.items():
+        column: List[Optional[float]] = [None] * size
+        for user, value in zip(result.user_ids, values):
+            column[user] = value
+        table[name] = column
+    return table
+
+
+def log_per_user(round_idx: int, result: EvaluationResult, metrics: Dict[str, Any]) -> None:
+    """The per-user figures of an evaluation (``fedml_perfedavg.per_user``), and the means of an
+    algorithm's own figures."""
+    per_user_logger.info(
+        "round %d: per-user accuracy after/before adaptation: %s",
+        round_idx,
+        " ".join(
+            f"{i}:{a:.4f}/{b:.4f}"
+            for i, a, b in zip(result.ids, result.per_user_accuracy, result.per_user_accuracy_before)
+        ),
+    )
+    for name in result.own_names:
+        logger.info("round %d: %s %.4g (mean over users)", round_idx, name, metrics[name])
+        per_user_logger.info(
+            "round %d: per-user %s: %s",
+            round_idx,
+            name,
+            " ".join(f"{i}:{v:.4g}" for i, v in zip(result.ids, result.per_user[name])),
+        )
 
 
 def this_process() -> Dict[str, Any]:
@@ -171,14 +191,17 @@ def privacy_metrics(privacy: Optional[Union[PrivacyLedger, ReportedPrivacy]], ro
 
 
 def federated_result(counts: Dict[int, Dict[str, Any]]) -> EvaluationResult:
-    """Data-owner cross-silo: the evaluation made of each user's counts from its own silo."""
+    """Data-owner cross-silo: the evaluation made of each user's counts from its own silo (the
+    protocol's accuracies from whole counts, an algorithm's own figures as its silo sent them)."""
     users = sorted(counts)
-    return EvaluationResult(
+    result = EvaluationResult.of(
         [accuracy_of(counts[u]["correct"], counts[u]["total"]) for u in users],
         [accuracy_of(counts[u]["correct_before"], counts[u]["total"]) for u in users],
         [float(counts[u]["loss"]) for u in users],
         user_ids=users,
     )
+    own_names = list(counts[users[0]].get("own", {})) if users else []
+    return result.with_own({name: [float(counts[u]["own"][name]) for u in users] for name in own_names})
 
 
 @dataclass
@@ -319,14 +342,7 @@ class RunRecorder:
         )
         if "stationarity" in metrics:
             logger.info("round %d: ||grad F(w)||^2 = %.4g", round_idx, metrics["stationarity"])
-        per_user_logger.info(
-            "round %d: per-user accuracy after/before adaptation: %s",
-            round_idx,
-            " ".join(
-                f"{i}:{a:.4f}/{b:.4f}"
-                for i, a, b in zip(result.ids, result.per_user_accuracy, result.per_user_accuracy_before)
-            ),
-        )
+        log_per_user(round_idx, result, metrics)
         if self._bar is not None:
             self._bar.set_postfix(pers_acc=f"{metrics['personalized_accuracy']:.4f}")
         # Kept current, so a process killed without warning (SIGKILL, MPI_Abort) loses nothing measured.
@@ -342,7 +358,7 @@ class RunRecorder:
 
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint needs to continue the record exactly."""
-        last = None if self.last is None else vars(self.last).copy()
+        last = None if self.last is None else self.last.record()
         return {
             "history": self.history,
             "last": last,
@@ -354,7 +370,7 @@ class RunRecorder:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.history = list(state["history"])
-        self.last = None if state["last"] is None else EvaluationResult(**state["last"])
+        self.last = None if state["last"] is None else EvaluationResult.from_record(state["last"])
         self.rounds_done = state["rounds_done"]
         self.started = time.perf_counter() - state["elapsed"]
         self.evaluation_seconds = float(state.get("evaluation_seconds", 0.0))
@@ -395,12 +411,18 @@ class RunRecorder:
                 **common,
             }
         headline = split_new_users(self.last, self.new_users)
-        after, before = per_user_table(self.last, self.num_users)
+        table = per_user_table(self.last, self.num_users)
+        own = self.last.own_names  # the algorithm's own figures: their means and tables apart, by name
         return {
-            **{k: v for k, v in headline.items() if k != "personalized_loss"},
+            **{k: v for k, v in headline.items() if k != "personalized_loss" and k not in own},
             "new_users": self.new_users,
-            "per_user_accuracy": after,
-            "per_user_accuracy_before_adaptation": before,
+            "per_user_accuracy": table[ACCURACY],
+            "per_user_accuracy_before_adaptation": table[ACCURACY_BEFORE],
+            **(
+                {"own_metrics": {n: headline[n] for n in own}, "per_user_metrics": {n: table[n] for n in own}}
+                if own
+                else {}
+            ),
             **common,
         }
 

@@ -73,19 +73,33 @@ def describe_run(path: str, summary: Dict[str, Any]) -> str:
         f"(before adaptation {_percent(summary.get('accuracy_before_adaptation'))}%) "
         f"at round {summary.get('headline_round')}"
     )
+    own: Dict[str, List[Any]] = summary.get("per_user_metrics") or {}
+    if own:
+        means = summary.get("own_metrics") or {}
+        lines.append("  " + ", ".join(f"{name} {_figure(means.get(name))}" for name in own) + " (mean over users)")
     for lost in summary.get("lost_silos", []):
         lines.append(f"  lost silo rank {lost['rank']} in round {lost['round']}: {lost['why']}")
     after = summary.get("per_user_accuracy") or []
     before = summary.get("per_user_accuracy_before_adaptation") or [None] * len(after)
     new = set(summary.get("new_users") or [])
     if after:
-        lines.append("  user  after%  before%")
-        lines.extend(
-            f"  {user:4d}  {_percent(a):>6}  {_percent(b):>7}{'  (new user)' if user in new else ''}"
-            f"{'  (missing from the last evaluation)' if a is None else ''}"
-            for user, (a, b) in enumerate(zip(after, before))
-        )
+        widths = [max(len(name), 8) for name in own]
+        lines.append("  user  after%  before%" + "".join(f"  {name:>{w}}" for name, w in zip(own, widths)))
+        for user, (a, b) in enumerate(zip(after, before)):
+            figures = "".join(f"  {_figure(_at(values, user)):>{w}}" for values, w in zip(own.values(), widths))
+            lines.append(
+                f"  {user:4d}  {_percent(a):>6}  {_percent(b):>7}{figures}{'  (new user)' if user in new else ''}"
+                f"{'  (missing from the last evaluation)' if a is None else ''}"
+            )
     return "\n".join(lines)
+
+
+def _figure(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _at(values: List[Any], user: int) -> Optional[float]:
+    return values[user] if user < len(values) else None
 
 
 def compare_runs(paths: List[str], summaries: List[Dict[str, Any]]) -> str:

@@ -1,8 +1,8 @@
 """A data owner's own record of a cross-silo run, kept by its organization (the server keeps the
 run's): ``silo-rank-R/`` in the silo's run directory, holding
 
-- ``summary.json``: its user's personalized accuracy (and before adaptation) at the last round it
-  evaluated, every evaluation it sent, how the run ended for it and why;
+- ``summary.json``: its user's personalized accuracy (and before adaptation, and the algorithm's
+  own figures) at the last round it evaluated, every evaluation it sent, how the run ended for it and why;
 - ``model.pt``: the last global model it evaluated;
 - ``personalized.pt``: that model after its personalization step on its own training data (the
   model whose accuracy it reported);
@@ -33,6 +33,7 @@ def _figures(counts: Dict[str, Any]) -> Dict[str, Any]:
         "accuracy_before_adaptation": accuracy_of(int(counts["correct_before"]), total) if total else None,
         "loss": float(counts["loss"]),
         "test_samples": total,
+        **({"own": dict(counts["own"])} if counts.get("own") else {}),
     }
 
 
@@ -62,6 +63,7 @@ def write_silo_record(
         "personalized_accuracy": last.get("personalized_accuracy"),
         "accuracy_before_adaptation": last.get("accuracy_before_adaptation"),
         "evaluated_round": last.get("round"),
+        "own_metrics": last.get("own", {}),  # the algorithm's own figures of its user (its metric_names)
         "test_samples": last.get("test_samples"),
         "privacy": outcome.evaluations[-1].get("privacy") if outcome.evaluations else None,
         "history": history,

@@ -1,8 +1,9 @@
 """A test-only algorithm in one file, with settings and a per-client state of its own: FedAvg
 whose local SGD steps clip the gradient to ``clip_norm`` (per step, over all parameters) and
-follow each client's own momentum, which the client keeps from one of its rounds to its next.
-Importing this file is all it takes: the config, its docs table, the cross-silo fingerprint and
-every backend pick it up."""
+follow each client's own momentum, which the client keeps from one of its rounds to its next;
+each evaluation reports each user's momentum norm beside the protocol's accuracies. Importing
+this file is all it takes: the config, its docs table, the cross-silo fingerprint and every
+backend pick it up."""
 
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class ClippedFedSGD(FederatedAlgorithm):
     Settings = ClippedFedSGDSettings
     keeps_client_state = True  # each client's momentum
     batch_roles = frozenset({0})  # its steps read D alone
+    metric_names = ("momentum_norm",)  # a figure of its own in every evaluation, per user
 
     def initial_client_state(self, client_id, global_state):
         return {k: torch.zeros_like(global_state[k]) for k in self.parameter_names}
@@ -51,6 +53,10 @@ class ClippedFedSGD(FederatedAlgorithm):
             momentum = {k: own.client_momentum * momentum[k] + scale * g[k] for k in params}
             params = {k: params[k] - self.settings.beta * momentum[k] for k in params}
         return {**buffers, **params}, momentum
+
+    def user_metrics(self, round_idx, global_state, user, user_id):
+        momentum = self.client_states.get(user_id) or {}
+        return {"momentum_norm": float(torch.sqrt(sum((v * v).sum() for v in momentum.values()) + torch.zeros(())))}
 
 
 register("ClippedFedSGD", ClippedFedSGD)

@@ -85,15 +85,38 @@ def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_
         )
     assert not list(runs["silo"].glob("client_state*")) and not list(runs["sp"].rglob("client_state*"))
 
+    # Its own per-user figure (each user's momentum norm) is reported by every backend, the same.
+    sp_summary = json.loads((runs["sp"] / "summary.json").read_text())
+    norms = sp_summary["per_user_metrics"]["momentum_norm"]
+    assert len(norms) == USERS and [r for r in range(1, USERS + 1) if norms[r - 1] > 0] == kept
+    assert sp_summary["own_metrics"]["momentum_norm"] == pytest.approx(sum(norms) / USERS)
+    for rank in range(1, USERS + 1):  # each data owner's record: its own user's figure
+        own = json.loads((runs["silo"] / f"silo-rank-{rank}" / "summary.json").read_text())["own_metrics"]
+        assert own["momentum_norm"] == pytest.approx(norms[rank - 1], rel=1e-5, abs=1e-7), rank
+
     reference = torch.load(runs["sp"] / "model.pt")
     for backend, run_dir in runs.items():
         summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["per_user_metrics"]["momentum_norm"] == pytest.approx(norms, rel=1e-5, abs=1e-7), backend
+        shown = _show(run_dir)
+        assert "momentum_norm" in shown and f"{norms[kept[0] - 1]:.4g}" in shown, backend
         assert summary["status"] == "finished" and summary["aggregate_calls"] == 3, backend
         train_args = summary["config"]["train_args"]
         assert train_args["federated_optimizer"] == "ClippedFedSGD" and train_args["clip_norm"] == CLIP, backend
         model = torch.load(run_dir / "model.pt")
         for k in reference:
             torch.testing.assert_close(model[k], reference[k], rtol=1e-5, atol=1e-6, msg=backend)
+
+
+def _show(run_dir):
+    """``fedml-perfedavg show RUN_DIR`` as a user types it."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "fedml_perfedavg", "show", str(run_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
 
 
 def test_its_setting_joins_the_config_the_docs_table_and_the_fingerprint():

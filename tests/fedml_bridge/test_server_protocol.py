@@ -92,13 +92,14 @@ def counts(rank, round_idx, correct=5):
     }
 
 
-def protocol(silos=(1, 2), own=True, rounds=2, min_clients=1, users=None, timeout=30.0):
+def protocol(silos=(1, 2), own=True, rounds=2, min_clients=1, users=None, timeout=30.0, metric_names=()):
     setup = SiloSetup(
         own_data=own,
         silos=list(silos),
         fingerprint=dict(FINGERPRINT),
         user_counts={r - 1: (TRAIN[r], TEST[r]) for r in silos},
         model=nn.Sequential(nn.Linear(4, 3)),
+        metric_names=metric_names,
     )
     policy = SiloPolicy(connect_timeout=60.0, round_timeout=timeout, min_clients=min_clients)
     users = [r - 1 for r in silos] if users is None else users
@@ -204,6 +205,23 @@ def test_a_false_sample_count_is_refused_and_its_update_rejected():
     assert records(actions, "record_rejected_update") == [(0,)]
     p.handle(update(2, 0, 3.0))
     assert model.aggregated == [(0, [1])]  # only silo 2's update is averaged
+
+
+def test_a_silo_must_report_exactly_the_algorithms_own_figures():
+    """An algorithm's own per-user figures (metric_names) travel with a silo's counts; figures
+    under other names, or none, are refused and the user is left out, never half-recorded."""
+    p, _ = protocol(silos=(1, 2, 3), metric_names=("momentum_norm",))
+    online(p, silos=(1, 2, 3))
+    for rank in (1, 2, 3):
+        p.handle(update(rank, 0, 1.0))
+    p.handle(Evaluation(3.0, 1, {**counts(1, 0), "own": {"momentum_norm": 0.25}}))
+    refused = p.handle(Evaluation(3.0, 2, counts(2, 0)))
+    actions = p.handle(Evaluation(3.0, 3, {**counts(3, 0), "own": {"momentum": 1.0}}))
+    texts = [a.text for a in refused + actions if isinstance(a, Refuse)]
+    assert len(texts) == 2 and all("the run's algorithm reports ['momentum_norm']" in t for t in texts), texts
+    assert "silo rank 2 reported the figures [] of its own" in texts[0]
+    ((_, by_user, missing, _),) = records(actions, "record_federated_evaluation")
+    assert by_user[0]["own"] == {"momentum_norm": 0.25} and sorted(by_user) == [0] and missing == [1, 2]
 
 
 def test_an_announcement_that_disagrees_is_refused_naming_the_key_and_both_values():

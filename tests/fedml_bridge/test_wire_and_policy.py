@@ -101,6 +101,13 @@ def test_bytes_that_are_not_a_message_are_rejected_without_running_anything(data
         (lambda h: h["params"][wire.SILO_METRICS].update(total=0, correct=0, correct_before=0), "plugin_silo_metrics"),
         (lambda h: h["params"][wire.SILO_METRICS].update(loss=1e300), "plugin_silo_metrics"),
         (lambda h: h["params"][wire.SILO_METRICS].update(user=-1), "plugin_silo_metrics"),
+        # an algorithm's own figures: a few named finite numbers
+        (lambda h: h["params"][wire.SILO_METRICS].update(own={"m": 1e400}), "Infinity is not a JSON number"),
+        (lambda h: h["params"][wire.SILO_METRICS].update(own={"m": "1"}), "plugin_silo_metrics"),
+        (lambda h: h["params"][wire.SILO_METRICS].update(own={"a b": 1.0}), "plugin_silo_metrics"),
+        (lambda h: h["params"][wire.SILO_METRICS].update(own={}), "plugin_silo_metrics"),
+        (lambda h: h["params"][wire.SILO_METRICS].update(own={f"m{i}": 0.0 for i in range(17)}), "plugin_silo_metrics"),
+        (lambda h: h["params"][wire.SILO_METRICS].update(own=[["m", 1.0]]), "plugin_silo_metrics"),
         (lambda h: h.update(tensors=["w", "b"]), "tensor names in the header and in the tensors differ"),
         (lambda h: h.update(tensors="w"), "list of at most 100000 distinct strings"),
         (lambda h: h.update(extra=1), "header fields"),
@@ -109,6 +116,12 @@ def test_bytes_that_are_not_a_message_are_rejected_without_running_anything(data
 def test_headers_outside_the_schema_are_rejected(edit, why):
     with pytest.raises(wire.Rejected, match=why):
         wire.decode(reencode(wire.encode(_upload()), edit), 1 << 20)
+
+
+def test_a_silos_counts_carry_its_algorithms_own_figures():
+    sent = _upload()
+    sent.params[wire.SILO_METRICS]["own"] = {"momentum_norm": 0.125, "steps_clipped": 3}
+    assert wire.decode(wire.encode(sent), 1 << 20).params == sent.params
 
 
 def test_a_nan_token_in_the_header_is_refused():

@@ -182,3 +182,4 @@ class SiloSetup:
     # DP-SGD, shared mode: the rounds whose model the server evaluates; a silo reports figures only
     # of such a model, keyed as the server's evaluation of it, so they release nothing more
     figures_after: Optional[Callable[[int], bool]] = None
+    metric_names: Tuple[str, ...] = ()  # the algorithm's own per-user figures, which a silo's evaluation carries

@@ -78,6 +78,7 @@ class PluginFedMLTrainer(FedMLTrainer):
         result = self.trainer.test(self.test_local, self.device, self.args)
         total = int(result["test_total"])
         loss = float(result["test_loss"]) / total
+        own = result.get("test_own_metrics")
         return {
             "round": int(round_idx),
             "user": int(self.client_index),
@@ -85,6 +86,7 @@ class PluginFedMLTrainer(FedMLTrainer):
             "correct_before": int(round(result["test_correct_before_adaptation"])),
             "total": total,
             "loss": loss if math.isfinite(loss) and loss < 1e11 else 1e11,
+            **({"own": {name: float(value) for name, value in own.items()}} if own else {}),
         }
 
 

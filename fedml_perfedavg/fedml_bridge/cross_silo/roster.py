@@ -100,6 +100,12 @@ class SiloRoster:
         test = self.counts_of(silo, user)[1]
         if counts["total"] != test:
             return f"silo rank {silo} reported {counts['total']} test samples for user {user}, who has {test}"
+        own = sorted(counts.get("own", {}))
+        if own != sorted(self.setup.metric_names):
+            return (
+                f"silo rank {silo} reported the figures {own} of its own; the run's algorithm reports "
+                f"{sorted(self.setup.metric_names)}"
+            )
         return None
 
 
@@ -113,6 +119,7 @@ def silo_accuracies(reported: Dict[int, Dict[str, Any]]) -> Tuple[float, Dict[in
             "user": c["user"],
             "accuracy": accuracy_of(c["correct"], c["total"]),
             "accuracy_before_adaptation": accuracy_of(c["correct_before"], c["total"]),
+            **c.get("own", {}),
         }
         for silo, c in sorted(reported.items())
     }

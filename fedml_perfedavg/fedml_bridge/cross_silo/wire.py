@@ -28,6 +28,8 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from ...core.evaluation import MAX_OWN_METRICS
+
 MAGIC = b"PFAWIRE2"
 _LENGTH = struct.Struct(">I")
 MAX_HEADER_BYTES = 256 * 1024  # ids, a few figures and the model's tensor names; the model rides in the tensors
@@ -102,13 +104,16 @@ def _text(value: Any, limit: int = 64) -> bool:
 
 def _counts(value: Any) -> bool:
     """A silo's personalized evaluation of one model on one user: whole counts of its test
-    split (correct after and before the alpha-step, and the total) and the mean loss."""
+    split (correct after and before the alpha-step, and the total), the mean loss, and (``own``)
+    the algorithm's own figures by name (the server checks the names are its algorithm's)."""
     if value is None:
         return True
     keys = {"round", "user", "correct", "correct_before", "total", "loss"}
-    if not isinstance(value, dict) or not (set(value) == keys or set(value) == keys | {"privacy"}):
+    if not isinstance(value, dict) or not keys <= set(value) <= keys | {"privacy", "own"}:
         return False
     if "privacy" in value and not _privacy(value["privacy"], value["user"]):
+        return False
+    if "own" in value and not _own_figures(value["own"]):
         return False
     return (
         all(_whole(value[k]) for k in ("round", "user", "correct", "correct_before", "total"))
@@ -117,6 +122,15 @@ def _counts(value: Any) -> bool:
         and value["correct_before"] <= value["total"]
         and _number(value["loss"])
         and 0 <= value["loss"] < 1e12
+    )
+
+
+def _own_figures(value: Any) -> bool:
+    """An algorithm's own figures of one user: a few names (identifiers), finite numbers."""
+    return (
+        isinstance(value, dict)
+        and 0 < len(value) <= MAX_OWN_METRICS
+        and all(_text(k) and k.isidentifier() and _number(v) for k, v in value.items())
     )
 
 
