@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -55,6 +55,7 @@ class RunParts:
     recorder: Optional[RunRecorder] = None  # the server's
     data_problem: Optional[str] = None  # a data owner's silo whose model cannot train on its data
     silo_privacy: Optional[PrivacyLedger] = None  # a data owner's silo: DP-SGD's accountant of its user
+    silo_progress: Optional[Any] = None  # a data owner's silo: its progress.pt (run/silo_record.py)
 
     @property
     def is_server(self) -> bool:
@@ -461,7 +462,24 @@ def silo_setup(parts: RunParts) -> Any:
         parts.silo_privacy,
         RoundSchedule.from_config(config).evaluates if config.privacy is not None and not config.own_data else None,
         parts.algorithm.metric_names,
+        silo_outcome(parts, values) if config.own_data and not parts.is_server else None,
     )
+
+
+def silo_outcome(parts: RunParts, values: Dict[str, Any]) -> Any:
+    """A data owner's silo's record of the run as it goes, carried on from an earlier process of
+    this silo in the same run directory (its progress.pt), and kept after every change."""
+    from ..fedml_bridge.cross_silo.outcome import SiloOutcome
+    from .silo_record import SiloProgress, run_identity
+
+    user = parts.rank - 1
+    identity = run_identity(getattr(parts.args, "run_id", "0"), values, user)
+    progress = SiloProgress(parts.run_dir, parts.rank, identity, parts.algorithm, parts.silo_privacy)
+    outcome = SiloOutcome(user)
+    progress.restore(outcome)
+    outcome.keep = progress.save
+    parts.silo_progress = progress
+    return outcome
 
 
 def secure_threshold(config: Any) -> Optional[int]:

@@ -7,14 +7,24 @@ run's): ``silo-rank-R/`` in the silo's run directory, holding
 - ``personalized.pt``: that model after its personalization step on its own training data (the
   model whose accuracy it reported);
 - ``client_state.pt``: its user's own state, where the algorithm keeps one for each client
-  (``keeps_client_state``): it never left the silo."""
+  (``keeps_client_state``): it never left the silo;
+- ``progress.pt``, while the run goes on: what the silo process has done so far (its evaluations,
+  its user's own state, its DP-SGD account of its user), kept after every round it trains and every
+  evaluation (:class:`SiloProgress`). A silo process started again in the same run directory (a
+  crash, a reboot: the same ``run_name`` or ``--run-dir``, ``--run_id`` and config) carries on from
+  it; a finished or stopped run removes it."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from typing import Any, Callable, Dict, Optional
 
+import torch
+
+from ..core.errors import ConfigError
 from ..core.evaluation import accuracy_of
 from ..core.types import StateDict
 from ..fedml_bridge.cross_silo.outcome import SiloOutcome
@@ -34,6 +44,7 @@ def _figures(counts: Dict[str, Any]) -> Dict[str, Any]:
         "loss": float(counts["loss"]),
         "test_samples": total,
         **({"own": dict(counts["own"])} if counts.get("own") else {}),
+        **({"privacy": dict(counts["privacy"])} if counts.get("privacy") else {}),  # its account then
     }
 
 
@@ -94,3 +105,95 @@ def write_silo_record(
     else:
         logger.info("silo rank %d evaluated no model (run %s); its record is in %s", rank, status, folder)
     return summary
+
+
+PROGRESS = "progress.pt"
+
+
+def run_identity(run_id: Any, fingerprint: Dict[str, Any], user: int) -> Dict[str, Any]:
+    """What makes a silo's progress its own: the run id, the run's agreed config (the cross-silo
+    fingerprint, as a digest) and its user."""
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {"run_id": str(run_id), "fingerprint": digest, "user": int(user)}
+
+
+class SiloProgress:
+    """A data owner's silo's ``progress.pt`` (see the module doc): kept as the silo goes, read
+    back by a process of the same silo started again in the same run."""
+
+    def __init__(self, run_dir: str, rank: int, identity: Dict[str, Any], algorithm: Any, ledger: Any) -> None:
+        self.folder = os.path.join(run_dir, f"silo-rank-{rank}")
+        self.path = os.path.join(self.folder, PROGRESS)
+        self.rank, self.identity, self.algorithm, self.ledger = rank, identity, algorithm, ledger
+
+    def restore(self, outcome: SiloOutcome) -> bool:
+        """Carry on from an earlier process's progress, if there is one of this run: True then."""
+        if not os.path.exists(self.path):
+            return False
+        try:
+            saved = torch.load(self.path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001  a damaged file is named, not a traceback
+            raise ConfigError(f"{self.path}: not a readable silo progress file ({type(err).__name__}: {err})") from None
+        if not isinstance(saved, dict) or saved.get("identity") != self.identity:
+            theirs = saved.get("identity") if isinstance(saved, dict) else None
+            logger.warning(
+                "silo rank %d: %s is another run's (%s; this run is %s): its user starts afresh and the file is "
+                "replaced",
+                self.rank,
+                self.path,
+                theirs,
+                self.identity,
+            )
+            return False
+        try:
+            self._load(saved, outcome)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ConfigError(f"{self.path}: {err}; remove the file to start this silo's user afresh") from None
+        logger.info(
+            "silo rank %d: carries on from its earlier process (%s): trained up to round %s, %d evaluation(s)%s%s",
+            self.rank,
+            self.path,
+            outcome.trained_round,
+            len(outcome.evaluations),
+            ", its user's own state" if saved.get("client_state") is not None else "",
+            ", its DP-SGD account" if saved.get("privacy") is not None else "",
+        )
+        return True
+
+    def _load(self, saved: Dict[str, Any], outcome: SiloOutcome) -> None:
+        evaluations = saved["evaluations"]
+        if not isinstance(evaluations, list) or not all(isinstance(e, dict) for e in evaluations):
+            raise TypeError("its evaluations are not a list of records")
+        trained = saved["trained_round"]
+        if trained is not None and (not isinstance(trained, int) or isinstance(trained, bool)):
+            raise TypeError(f"its trained_round is {trained!r}")
+        state, privacy = saved.get("client_state"), saved.get("privacy")
+        if state is not None:
+            if not self.algorithm.keeps_client_state:
+                raise ValueError(f"it holds a client state; {self.algorithm.label} keeps none")
+            self.algorithm.client_states.update({self.identity["user"]: state})
+        if privacy is not None:
+            if self.ledger is None:
+                raise ValueError("it holds a DP-SGD account; this run has no DP-SGD")
+            self.ledger.load_state_dict(privacy)
+        outcome.evaluations, outcome.trained_round = [dict(e) for e in evaluations], trained
+
+    def save(self, outcome: SiloOutcome) -> None:
+        """Keep what the silo has done so far (called as it trains and evaluates)."""
+        state = self.algorithm.client_states.get(self.identity["user"]) if self.algorithm.keeps_client_state else None
+        make_dir(self.folder)
+        write_torch(
+            self.path,
+            {
+                "identity": self.identity,
+                "trained_round": outcome.trained_round,
+                "evaluations": [dict(e) for e in outcome.evaluations],
+                "client_state": None if state is None else {k: v.detach().cpu() for k, v in state.items()},
+                "privacy": None if self.ledger is None else self.ledger.state_dict(),
+            },
+        )
+
+    def done(self) -> None:
+        """The run is over for this silo (finished, or stopped by the server): nothing to carry on."""
+        if os.path.exists(self.path):
+            os.remove(self.path)

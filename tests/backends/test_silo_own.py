@@ -260,7 +260,7 @@ def test_a_silo_frozen_for_a_while_is_missing_then_comes_back(mnist_root, tmp_pa
     )
     log = tmp_path / "run" / "run.log"
     deadline = time.monotonic() + 120
-    while not (log.exists() and "round 10: personalized accuracy" in log.read_text()):
+    while not (log.exists() and "round 40: personalized accuracy" in log.read_text()):
         assert time.monotonic() < deadline and processes[0].poll() is None
         time.sleep(0.05)
     os.kill(processes[2].pid, signal.SIGSTOP)
@@ -287,6 +287,52 @@ def test_a_silo_frozen_for_a_while_is_missing_then_comes_back(mnist_root, tmp_pa
     assert "announcing itself again" in outs[2]
     assert "the server answered; the silo is back in the run" in outs[2]
     assert processes[2].returncode == 0
+
+
+@needs_mnist
+def test_a_killed_silo_started_again_carries_on_with_its_record_and_dp_account(mnist_root, tmp_path):
+    """SIGKILL, then the same command: the silo's record keeps the evaluations from before, and its
+    DP-SGD account counts every use of its user's data, before the kill as well (a fresh account
+    would report a smaller epsilon than the data gave)."""
+    import subprocess
+
+    from tests.helpers import REPO
+
+    folders = _export(mnist_root, tmp_path, 2)
+    dp = {"dp_args.enable_dp": True, "dp_args.dp_solution_type": "dpsgd", "dp_args.noise_multiplier": 1.1}
+    dp.update({"dp_args.max_grad_norm": 1.0, "dp_args.delta": 1e-5})
+    # round_timeout and connect_timeout short: the server gives up on the killed process's seat
+    # after 2 s, and the new process announces itself again after 2 x 2 + 10 s of silence
+    settings = {**OWN, "client_num_in_total": 2, "comm_round": 800, "min_clients_per_round": 1, **dp}
+    settings.update({"round_timeout": 2, "connect_timeout": 10})
+    processes = start_by_hand(tmp_path, {**settings, "frequency_of_the_test": 20}, 2, folders)
+    log, progress = tmp_path / "run" / "run.log", tmp_path / "run" / "silo-rank-2" / "progress.pt"
+    deadline = time.monotonic() + 180
+    while not (log.exists() and "round 40: personalized accuracy" in log.read_text()):
+        assert time.monotonic() < deadline and processes[0].poll() is None
+        time.sleep(0.05)
+    os.kill(processes[2].pid, signal.SIGKILL)
+    processes[2].wait()
+    before = torch.load(progress, weights_only=True)
+    uses_before = before["evaluations"][-1]["privacy"]["uses"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    processes[2] = subprocess.Popen(
+        processes[2].args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    outs = finish_all(processes)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 800, outs[0][-4000:]
+    assert "silo rank 2: carries on from its earlier process" in outs[2] and "its DP-SGD account" in outs[2], outs[2]
+    record = json.loads((tmp_path / "run" / "silo-rank-2" / "summary.json").read_text())
+    assert [h["round"] for h in record["history"][: len(before["evaluations"])]] == [
+        e["round"] for e in before["evaluations"]
+    ]
+    assert record["history"][-1]["round"] == 799, outs[2][-3000:]
+    # its first evaluation after the restart counts on from its account before the kill, not from zero
+    after = record["history"][len(before["evaluations"])]
+    assert after["round"] > before["evaluations"][-1]["round"] and after["privacy"]["uses"] > uses_before
+    assert record["privacy"]["uses"] > after["privacy"]["uses"]
+    assert not progress.exists()  # the run is over: nothing to carry on
 
 
 @needs_mnist

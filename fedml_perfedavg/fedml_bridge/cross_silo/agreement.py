@@ -183,3 +183,4 @@ class SiloSetup:
     # of such a model, keyed as the server's evaluation of it, so they release nothing more
     figures_after: Optional[Callable[[int], bool]] = None
     metric_names: Tuple[str, ...] = ()  # the algorithm's own per-user figures, which a silo's evaluation carries
+    outcome: Optional[Any] = None  # a data owner's silo: its SiloOutcome, as the run layer restored and keeps it

@@ -246,8 +246,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         setup: SiloSetup,
     ) -> None:
         super().__init__(args, trainer_dist_adapter, comm, rank, size, backend)
-        self.policy, self.setup = policy, setup
-        self.mode = data_mode(setup.own_data)
+        self.policy, self.setup, self.mode = policy, setup, data_mode(setup.own_data)
         self.own_user = self.mode.own_user(rank)
         self.state = State.ANNOUNCING
         self.state_since = self.last_heard = self.last_awake = time.monotonic()
@@ -255,7 +254,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         self.secure: Optional[SecureSiloRound] = None  # the round's secure aggregation, while it runs
         self.slowest_gap: Optional[float] = None  # between two models from the server
         self.gaps_measured = 0
-        self.outcome = SiloOutcome(self.own_user)  # what a data owner keeps of the run
+        self.outcome = setup.outcome or SiloOutcome(self.own_user)  # what a data owner keeps (run layer's)
 
     def _become(self, state: State) -> None:
         self.state, self.state_since = state, time.monotonic()
@@ -342,6 +341,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         weights, samples = self.trainer_dist_adapter.train(round_idx)
         if self.setup.privacy is not None:  # the round's local update used its user's data
             self.setup.privacy.trained(round_idx, [user])
+        self.outcome.trained(round_idx)  # kept after its account: a restarted silo counts this use
         terms = msg_params.get(wire.SECAGG)
         if terms is not None or self.setup.secure_threshold:
             self.secure = self._secure_round(round_idx, terms, received, weights)
