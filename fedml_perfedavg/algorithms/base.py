@@ -16,7 +16,8 @@ declares its own settings as a ``Settings`` dataclass of
 :func:`~fedml_perfedavg.core.settings.setting` fields (they join the config, its docs table and
 the cross-silo fingerprint). Optional hooks: :meth:`~FederatedAlgorithm.client_batches` (other
 minibatches), :meth:`~FederatedAlgorithm.combine` (the server's side),
-:meth:`~FederatedAlgorithm.refinement_step_sizes` (a learned personalization step) and
+:meth:`~FederatedAlgorithm.refinement_step_sizes` (a learned personalization step),
+:meth:`~FederatedAlgorithm.initial_server_state` (the server's own tensors beside the model) and
 :meth:`~FederatedAlgorithm.user_metrics` (per-user figures of its own, named in ``metric_names``).
 Per-FedAvg and FedAvg's local SGD are :class:`~.gradient_steps.GradientSteps` algorithms: their
 maths is :mod:`fedml_perfedavg.core.client_maths`, which engines may compute their own way.
@@ -212,6 +213,19 @@ class ClientUpdate(NamedTuple):
     state: StateDict
 
 
+def initial_global_state(algorithm: "FederatedAlgorithm", model: nn.Module) -> "OrderedDict[str, Tensor]":
+    """The global state a run starts from: ``model``'s state, then the algorithm's own tensors
+    beside it (:meth:`FederatedAlgorithm.initial_server_state`). Every backend carries it whole
+    (FedML's "model params" are this state); ValueError if a name of the algorithm's is the model's."""
+    state = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
+    extra = algorithm.initial_server_state(state)
+    clash = sorted(set(extra) & set(state))
+    if clash:
+        raise ValueError(f"{algorithm.label}.initial_server_state names tensors of the model's own: {clash}")
+    state.update((k, v.detach().clone()) for k, v in extra.items())
+    return state
+
+
 def average(updates: Sequence[Tuple[float, StateDict]], weighting: str) -> "OrderedDict[str, Tensor]":
     """Average of client models: plain (``uniform``, Algorithm 1) or by sample count."""
     if not updates:
@@ -326,8 +340,8 @@ class FederatedAlgorithm:
     #: fields (section ``train_args``; keys named after the algorithm), or None. They join the
     #: config, its docs table and the cross-silo fingerprint; ``settings.own`` holds their values.
     Settings: ClassVar[Optional[type]] = None
-    #: True when a client sends back its whole state, buffers included (its :meth:`local_training`
-    #: changes them, as FedAvgARUBA's does), not only its parameters.
+    #: True when a client sends back its whole state, buffers and server state included (its
+    #: :meth:`local_training` changes them, as FedAvgARUBA's does), not only its parameters.
     returns_whole_state: ClassVar[bool] = False
     #: True when each client keeps a state of its own from one of its rounds to its next
     #: (:meth:`initial_client_state`, :meth:`local_training_with_state`; see client_states.py).
@@ -425,11 +439,16 @@ class FederatedAlgorithm:
     def local_training(self, state: StateDict, batches: LocalBatches) -> StateDict:
         """The client's whole update as a pure function of its starting state (parameters and
         buffers). The default trains the parameters with :meth:`local_update` and returns the
-        buffers as received; an algorithm that sends more than a model back (per-client
-        statistics kept in buffers, as FedAvgARUBA) overrides this and sets
+        buffers as received; an algorithm that sends more than a model back (statistics in its
+        server state, as FedAvgARUBA's squared gradients) overrides this and sets
         :attr:`returns_whole_state`."""
         params, buffers = self.split_state(state)
         return {**buffers, **self.local_update(params, batches)}
+
+    def initial_server_state(self, model_state: StateDict) -> StateDict:
+        """Tensors of the algorithm's own that go with the global model on every backend, never
+        registered on the model (FedAvgARUBA's learned rates; :func:`initial_global_state`)."""
+        return {}
 
     def initial_client_state(self, client_id: int, global_state: StateDict) -> StateDict:
         """A client's own state before its first round (only with :attr:`keeps_client_state`)."""

@@ -16,8 +16,9 @@ so eta starts at epsilon / zeta. At evaluation each user refines the global mode
 step of the learned eta on its training data (``theta = w - eta * grad f_i(w; D)``), where the
 other methods take an alpha-step; the batches and the test protocol are the same.
 
-eta, b, g, the client's G and t live in buffers registered on the model (``aruba_*``), so they
-travel with the model state on every backend (sp, MPI, cross-silo) and are in ``model.pt``.
+eta, b, g, the client's G and t are the server's state, beside the model in the global state
+(``aruba_*``, :meth:`FedAvgARUBA.initial_server_state`), so they travel with the model on every
+backend (sp, MPI, cross-silo) and are in ``model.pt``; nothing is registered on the caller's model.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class ArubaSettings:
     )
 
 
-def buffer_name(role: str, parameter: str) -> str:
-    """The buffer holding ARUBA's ``role`` statistic of ``parameter`` (dots are not allowed)."""
+def statistic_name(role: str, parameter: str) -> str:
+    """The global state's name of ARUBA's ``role`` statistic of ``parameter``."""
     return f"aruba_{role}__{parameter.replace('.', '__')}"
 
 
@@ -80,15 +81,9 @@ class FedAvgARUBA(FederatedAlgorithm):
         aruba = settings.own if settings.own is not None else ArubaSettings()
         check_settings(aruba)
         self.aruba = aruba
-        names = [n for n, _ in model.named_parameters()]
         eta0 = aruba.aruba_epsilon / aruba.aruba_zeta
-        for parameter, value in model.named_parameters():
-            for role in ROLES:
-                start = torch.full_like(value.detach(), eta0 if role == "lr" else 0.0)
-                model.register_buffer(buffer_name(role, parameter), start)
-        model.register_buffer(TASKS, torch.zeros((), dtype=torch.float64))
         super().__init__(model, settings)
-        self.buffers = {role: {n: buffer_name(role, n) for n in names} for role in ROLES}
+        self.statistics = {role: {n: statistic_name(role, n) for n in self.parameter_names} for role in ROLES}
         logger.info(
             "FedAvgARUBA: local and refinement steps take learned per-coordinate rates starting at "
             "aruba_epsilon / aruba_zeta = %.4g; train_args.beta and alpha do not set them (alpha still "
@@ -100,9 +95,19 @@ class FedAvgARUBA(FederatedAlgorithm):
     def label(self) -> str:
         return "FedAvg + ARUBA"
 
+    def initial_server_state(self, model_state: StateDict) -> StateDict:
+        """eta = epsilon / zeta, b = g = G = 0 for each parameter; no task seen."""
+        eta0 = self.aruba.aruba_epsilon / self.aruba.aruba_zeta
+        state: Dict[str, torch.Tensor] = {}
+        for role in ROLES:
+            for parameter, name in self.statistics[role].items():
+                state[name] = torch.full_like(model_state[parameter], eta0 if role == "lr" else 0.0)
+        state[TASKS] = torch.zeros((), dtype=torch.float64)
+        return state
+
     def learning_rates(self, state: StateDict) -> Params:
         """eta, per parameter, as held in a model state."""
-        return {n: state[b] for n, b in self.buffers["lr"].items()}
+        return {n: state[b] for n, b in self.statistics["lr"].items()}
 
     # -- client -----------------------------------------------------------------------------
     def local_training(self, state: StateDict, batches: LocalBatches) -> StateDict:
@@ -117,7 +122,7 @@ class FedAvgARUBA(FederatedAlgorithm):
             params = {n: params[n] - eta[n] * g[n] for n in params}
         out: Dict[str, torch.Tensor] = dict(state)
         out.update(params)
-        out.update({self.buffers["grad_sq"][n]: squares[n] for n in params})
+        out.update({self.statistics["grad_sq"][n]: squares[n] for n in params})
         return out
 
     # -- server -----------------------------------------------------------------------------
@@ -132,13 +137,13 @@ class FedAvgARUBA(FederatedAlgorithm):
         for n in self.parameter_names:
             old = global_state[n]
             moved = sum((old - update[n].to(device)) ** 2 for _, update in accepted) / 2.0
-            squares = sum(update[self.buffers["grad_sq"][n]].to(device) for _, update in accepted)
-            b = global_state[self.buffers["b"][n]] + moved
-            g = global_state[self.buffers["g"][n]] + squares
-            new[self.buffers["b"][n]] = b
-            new[self.buffers["g"][n]] = g
-            new[self.buffers["lr"][n]] = torch.sqrt((decay + b) / (s.aruba_zeta**2 + g))
-            new[self.buffers["grad_sq"][n]] = torch.zeros_like(old)
+            squares = sum(update[self.statistics["grad_sq"][n]].to(device) for _, update in accepted)
+            b = global_state[self.statistics["b"][n]] + moved
+            g = global_state[self.statistics["g"][n]] + squares
+            new[self.statistics["b"][n]] = b
+            new[self.statistics["g"][n]] = g
+            new[self.statistics["lr"][n]] = torch.sqrt((decay + b) / (s.aruba_zeta**2 + g))
+            new[self.statistics["grad_sq"][n]] = torch.zeros_like(old)
         new[TASKS] = torch.tensor(tasks, dtype=global_state[TASKS].dtype, device=global_state[TASKS].device)
         return OrderedDict((k, new[k]) for k in global_state)
 

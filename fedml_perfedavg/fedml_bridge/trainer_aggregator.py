@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..algorithms.base import FederatedAlgorithm
+from ..algorithms.base import FederatedAlgorithm, initial_global_state
 from ..core.evaluation import EvaluationResult, personalized_params
 from ..core.types import StateDict, UserSplit
 from ..data.fedml_format import client_samples, users_from_fedml_dataset
@@ -50,11 +50,46 @@ def round_of(args: Any) -> int:
 
 
 def state_copy(model: nn.Module) -> "OrderedDict[str, Tensor]":
-    """A detached CPU copy of the model's state (what FedML sends)."""
+    """A detached CPU copy of the model's state."""
     return OrderedDict((k, v.detach().cpu().clone()) for k, v in model.state_dict().items())
 
 
-class AlgorithmClientTrainer(ClientTrainer):
+class CarriesGlobalState:
+    """What FedML carries as "model params" for a plugin algorithm: the global state, that is the
+    model's state and the algorithm's own tensors beside it (``initial_server_state``: FedAvgARUBA's
+    learned rates), which are kept here, never registered on the model. FedML's ``ClientTrainer`` and
+    ``ServerAggregator`` get and set a model's ``state_dict`` alone (core/alg_frame/)."""
+
+    model: nn.Module
+    algorithm: FederatedAlgorithm
+
+    def _carry_server_state(self) -> None:
+        model_keys = set(self.model.state_dict())
+        state = initial_global_state(self.algorithm, self.model)
+        self.server_state = OrderedDict((k, v) for k, v in state.items() if k not in model_keys)
+
+    def global_state(self, device: Optional[torch.device] = None) -> Dict[str, Tensor]:
+        """The current global state (on ``device``)."""
+        state = {**self.model.state_dict(), **self.server_state}
+        return state if device is None else {k: v.to(device) for k, v in state.items()}
+
+    def get_model_params(self) -> "OrderedDict[str, Tensor]":
+        state = state_copy(self.model)
+        state.update((k, v.detach().cpu().clone()) for k, v in self.server_state.items())
+        return state
+
+    def set_model_params(self, model_parameters: Dict[str, Tensor]) -> None:
+        extra = [k for k in model_parameters if k not in self.model.state_dict()]
+        if sorted(extra) != sorted(self.server_state):
+            raise ValueError(
+                f"a global state whose tensors beside the model are {sorted(extra)}; "
+                f"{self.algorithm.label} carries {sorted(self.server_state)}"
+            )
+        self.model.load_state_dict({k: v for k, v in model_parameters.items() if k not in self.server_state})
+        self.server_state = OrderedDict((k, model_parameters[k].detach().clone()) for k in self.server_state)
+
+
+class AlgorithmClientTrainer(CarriesGlobalState, ClientTrainer):
     """FedML's client side of any plugin algorithm: ``train`` is one ``client_update``."""
 
     def __init__(self, model: nn.Module, args: Any, algorithm: FederatedAlgorithm) -> None:
@@ -65,12 +100,7 @@ class AlgorithmClientTrainer(ClientTrainer):
         # (client, role) -> (FedML data, x, y): converted once while the client's data stays the same object.
         self._tensors: Dict[Tuple[int, str], Tuple[Any, Tensor, Tensor]] = {}
         self.local_train_dataset = None
-
-    def get_model_params(self) -> "OrderedDict[str, Tensor]":
-        return state_copy(self.model)
-
-    def set_model_params(self, model_parameters: Dict[str, Tensor]) -> None:
-        self.model.load_state_dict(model_parameters)
+        self._carry_server_state()
 
     # FedML's ClientTrainer poisons data in update_dataset and adds local DP noise in
     # on_after_local_training (core/alg_frame/client_trainer.py), through process-wide singletons
@@ -99,9 +129,8 @@ class AlgorithmClientTrainer(ClientTrainer):
         """The algorithm's client update of this client (``self.id``) from the current model."""
         self.local_train_dataset = train_data
         x, y = self.tensors(train_data, device)
-        state = {k: v.to(device) for k, v in self.model.state_dict().items()}
-        update = self.algorithm.client_update(round_of(args), int(self.id), state, x, y)
-        self.model.load_state_dict(update.state)
+        update = self.algorithm.client_update(round_of(args), int(self.id), self.global_state(device), x, y)
+        self.set_model_params(update.state)
         self.train_calls += 1
 
     def test(self, test_data, device, args) -> Dict[str, float]:
@@ -111,9 +140,12 @@ class AlgorithmClientTrainer(ClientTrainer):
             raise RuntimeError("test() needs the client's training data: call update_dataset() or train() first")
         train_x, train_y = self.tensors(self.local_train_dataset, device)
         test_x, test_y = self.tensors(test_data, device, "test")
-        state = {k: v.to(device) for k, v in self.model.state_dict().items()}
         result = self.algorithm.evaluate(
-            round_of(args), state, [UserSplit(train_x, train_y, test_x, test_y)], user_ids=[int(self.id)], batched=False
+            round_of(args),
+            self.global_state(device),
+            [UserSplit(train_x, train_y, test_x, test_y)],
+            user_ids=[int(self.id)],
+            batched=False,
         )
         total = len(test_y)
         own = {name: result.per_user[name][0] for name in result.own_names}  # the algorithm's own figures
@@ -147,7 +179,7 @@ class AlgorithmClientTrainer(ClientTrainer):
         return {**global_state, **{k: v.detach() for k, v in adapted.items()}}
 
 
-class AlgorithmServerAggregator(ServerAggregator):
+class AlgorithmServerAggregator(CarriesGlobalState, ServerAggregator):
     """FedML's server side of any plugin algorithm: ``aggregate`` is the algorithm's
     ``aggregate`` (update checks included), ``test_all`` its personalized evaluation."""
 
@@ -163,12 +195,7 @@ class AlgorithmServerAggregator(ServerAggregator):
         self.algorithm = algorithm
         self.on_evaluation = on_evaluation
         self.senders: Optional[List[str]] = None  # who sent the next round's updates, where known
-
-    def get_model_params(self) -> "OrderedDict[str, Tensor]":
-        return state_copy(self.model)
-
-    def set_model_params(self, model_parameters: Dict[str, Tensor]) -> None:
-        self.model.load_state_dict(model_parameters)
+        self._carry_server_state()
 
     # FedML's ServerAggregator applies DP clipping and noise, model attacks and defenses in
     # on_before/on_after_aggregation (core/alg_frame/server_aggregator.py); here the algorithm's
@@ -202,8 +229,7 @@ class AlgorithmServerAggregator(ServerAggregator):
         """Personalized evaluation of every client, reported to ``on_evaluation``."""
         dataset = [None] * 5 + [train_data_local_dict, test_data_local_dict]
         users = users_from_fedml_dataset(dataset, device)
-        state = {k: v.to(device) for k, v in self.model.state_dict().items()}
-        result = self.algorithm.evaluate(round_of(args), state, users)
+        result = self.algorithm.evaluate(round_of(args), self.global_state(device), users)
         if self.on_evaluation is not None:
             self.on_evaluation(round_of(args), result)
         return True

@@ -306,6 +306,15 @@ class Entry:
         return PluginRun(args, device, dataset, model, trainer, aggregator)
 
 
+def cap_messages_by_global_state(args: Any, global_state: StateDict) -> None:
+    """Cross-silo: the default message cap from the whole global state (an algorithm's own tensors
+    beside the model included), not from the model FedMLRunner was handed (fedml_bridge/dispatch.py)."""
+    from ..fedml_bridge.cross_silo.transport import MODEL_SIZE_CAP
+    from ..fedml_bridge.cross_silo.wire import default_size_cap
+
+    setattr(args, MODEL_SIZE_CAP, default_size_cap(global_state))
+
+
 # -- the run --------------------------------------------------------------------------------------
 class PluginRun:
     """``FedMLRunner``'s runner for a plugin algorithm: built by FedML's entry points (what the
@@ -351,6 +360,8 @@ class PluginRun:
             self.args, config, self.run_dir, self.rank, device, dataset, model, trainer, aggregator, self.context.grid
         )
         self.is_server, self.model, self.algorithm = parts.is_server, model, parts.algorithm
+        if config.training_type == "cross_silo":
+            cap_messages_by_global_state(self.args, parts.global_state)
         self.recorder = parts.recorder
         self.driver = driver_for(parts)
         self.backend, self.where = backend_for(parts, self.driver)
@@ -389,8 +400,8 @@ class PluginRun:
             )
         self.start_round = self.driver.restore(self.parts.device)
         if self.config.training_type == "cross_silo":
-            with torch.no_grad():  # FedML's aggregator starts from the model it is handed
-                self.model.load_state_dict(self.driver.global_state)
+            with torch.no_grad():  # FedML's aggregator starts from the model (and state beside it) it holds
+                self.parts.aggregator.set_model_params(self.driver.global_state)
             self.backend.resume(self.start_round, self.driver.restored.get(CROSS_SILO_STATE))
         elif self.start_round:
             self.backend.state = dict(self.driver.global_state)
@@ -421,8 +432,8 @@ class PluginRun:
             return {"role": "client", "rank": self.rank, "status": status, "error": error}
         # The module the user handed FedMLRunner holds the final global model on every backend, as
         # after FedML's own FedAvg (the batched engine keeps its own state; FedML's loops train copies).
-        with torch.no_grad():
-            self.model.load_state_dict({k: v.detach() for k, v in self.global_state.items()})
+        with torch.no_grad():  # the model's part of the global state (an algorithm's own tensors stay beside it)
+            self.model.load_state_dict({k: self.global_state[k].detach() for k in self.model.state_dict()})
         lost: Optional[OutputError] = None
         try:
             write_torch(

@@ -1,6 +1,7 @@
 """FedAvg + ARUBA: the update against a case computed by hand, its refinement step, and the
 learned rates travelling with the model state."""
 
+import argparse
 import dataclasses
 import math
 from collections import OrderedDict
@@ -9,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedml_perfedavg.algorithms.base import AlgorithmSettings
-from fedml_perfedavg.algorithms.fedavg_aruba import TASKS, ArubaSettings, FedAvgARUBA, buffer_name
+from fedml_perfedavg.algorithms.base import AlgorithmSettings, initial_global_state
+from fedml_perfedavg.algorithms.fedavg_aruba import TASKS, ArubaSettings, FedAvgARUBA, statistic_name
 from fedml_perfedavg.algorithms.registry import algorithm_names, create_algorithm
 from fedml_perfedavg.core.client_maths import LocalBatches
 from fedml_perfedavg.core.types import UserSplit
@@ -56,8 +57,8 @@ def _one_sample(x, y):
 def test_one_round_matches_the_hand_computed_case():
     model = _two_logit_model()
     algorithm = _aruba(model, epsilon=1.0, zeta=10.0, p=1.0)
-    state = model.state_dict()
-    weight, lr = "0.weight", buffer_name("lr", "0.weight")
+    state = initial_global_state(algorithm, model)
+    weight, lr = "0.weight", statistic_name("lr", "0.weight")
     assert torch.equal(state[lr], torch.full((2, 1), 0.1, dtype=torch.float64))  # eta0 = epsilon / zeta
 
     # client A: x=1, y=0 -> grad (-0.5, 0.5), theta = (0.05, -0.05), G = (0.25, 0.25)
@@ -66,27 +67,29 @@ def test_one_round_matches_the_hand_computed_case():
     b = algorithm.local_training(dict(state), _one_sample(2.0, 1))
     assert torch.allclose(a[weight].flatten(), torch.tensor([0.05, -0.05], dtype=torch.float64))
     assert torch.allclose(b[weight].flatten(), torch.tensor([-0.1, 0.1], dtype=torch.float64))
-    assert torch.allclose(a[buffer_name("grad_sq", weight)].flatten(), torch.tensor([0.25, 0.25], dtype=torch.float64))
-    assert torch.allclose(b[buffer_name("grad_sq", weight)].flatten(), torch.tensor([1.0, 1.0], dtype=torch.float64))
+    assert torch.allclose(
+        a[statistic_name("grad_sq", weight)].flatten(), torch.tensor([0.25, 0.25], dtype=torch.float64)
+    )
+    assert torch.allclose(b[statistic_name("grad_sq", weight)].flatten(), torch.tensor([1.0, 1.0], dtype=torch.float64))
 
     new = algorithm.aggregate(0, [(1, a), (1, b)], state)
     # w = mean theta; b = (0.05^2 + 0.1^2) / 2; g = 0.25 + 1; t = 2 tasks;
     # eta = sqrt((1^2 * 3^-1 + 0.00625) / (10^2 + 1.25))
     assert torch.allclose(new[weight].flatten(), torch.tensor([-0.025, 0.025], dtype=torch.float64))
-    assert torch.allclose(new[buffer_name("b", weight)], torch.full((2, 1), 0.00625, dtype=torch.float64))
-    assert torch.allclose(new[buffer_name("g", weight)], torch.full((2, 1), 1.25, dtype=torch.float64))
+    assert torch.allclose(new[statistic_name("b", weight)], torch.full((2, 1), 0.00625, dtype=torch.float64))
+    assert torch.allclose(new[statistic_name("g", weight)], torch.full((2, 1), 1.25, dtype=torch.float64))
     expected_eta = math.sqrt((1.0 / 3.0 + 0.00625) / 101.25)
     assert expected_eta == pytest.approx(0.0579134, abs=1e-6)
     assert torch.allclose(new[lr], torch.full((2, 1), expected_eta, dtype=torch.float64))
     assert float(new[TASKS]) == 2.0
-    assert torch.equal(new[buffer_name("grad_sq", weight)], torch.zeros(2, 1, dtype=torch.float64))
+    assert torch.equal(new[statistic_name("grad_sq", weight)], torch.zeros(2, 1, dtype=torch.float64))
 
 
 def test_local_steps_use_eta_per_coordinate_and_sum_the_squared_gradients():
     model = _two_logit_model()
     algorithm = _aruba(model, local_steps=2)
-    state = model.state_dict()
-    state[buffer_name("lr", "0.weight")] = torch.tensor([[0.5], [0.0]], dtype=torch.float64)  # 2nd row frozen
+    state = initial_global_state(algorithm, model)
+    state[statistic_name("lr", "0.weight")] = torch.tensor([[0.5], [0.0]], dtype=torch.float64)  # 2nd row frozen
     batches = LocalBatches(*(t.expand(2, *t.shape[1:]) for t in _one_sample(1.0, 0)))
     out = algorithm.local_training(state, batches)
     first = 0.25  # step 1: grad -0.5 -> w0 = 0.25
@@ -94,7 +97,7 @@ def test_local_steps_use_eta_per_coordinate_and_sum_the_squared_gradients():
     second = first + 0.5 * (1 - float(p[0]))
     assert out["0.weight"][0, 0].item() == pytest.approx(second)
     assert out["0.weight"][1, 0].item() == 0.0
-    squares = out[buffer_name("grad_sq", "0.weight")]
+    squares = out[statistic_name("grad_sq", "0.weight")]
     assert squares[0, 0].item() == pytest.approx(0.25 + (1 - float(p[0])) ** 2)
     assert squares[1, 0].item() == pytest.approx(0.25 + float(p[1]) ** 2)
 
@@ -102,8 +105,8 @@ def test_local_steps_use_eta_per_coordinate_and_sum_the_squared_gradients():
 def test_refinement_at_evaluation_takes_the_learned_rates_not_alpha():
     model = _two_logit_model()
     algorithm = _aruba(model)
-    state = model.state_dict()
-    state[buffer_name("lr", "0.weight")] = torch.tensor([[4.0], [0.0]], dtype=torch.float64)
+    state = initial_global_state(algorithm, model)
+    state[statistic_name("lr", "0.weight")] = torch.tensor([[4.0], [0.0]], dtype=torch.float64)
     # one user, x=1 labelled 0 in training and test: an eta-step of 4 on grad (-0.5, 0.5) makes
     # logits (2, 0): correct. Before it, logits tie at zero and argmax picks class 0 as well, so
     # test with label 1 where only a step on the second row (frozen here) could help.
@@ -113,32 +116,49 @@ def test_refinement_at_evaluation_takes_the_learned_rates_not_alpha():
     assert result.per_user_accuracy == [0.0]
     user_right = UserSplit(x, torch.zeros(2, dtype=torch.long), x, torch.zeros(2, dtype=torch.long))
     assert algorithm.evaluate(0, state, [user_right]).per_user_accuracy == [1.0]
-    state[buffer_name("lr", "0.weight")] = torch.tensor([[0.0], [4.0]], dtype=torch.float64)
+    state[statistic_name("lr", "0.weight")] = torch.tensor([[0.0], [4.0]], dtype=torch.float64)
     # now only the second row moves: logits (0, -2) -> class 0 for the label-0 test
     assert algorithm.evaluate(0, state, [user_right]).per_user_accuracy == [1.0]
     assert algorithm.evaluate(0, state, [user]).per_user_accuracy == [0.0]
     refined = algorithm.refinement_step_sizes(state)
-    assert torch.equal(refined["0.weight"], state[buffer_name("lr", "0.weight")])
+    assert torch.equal(refined["0.weight"], state[statistic_name("lr", "0.weight")])
 
 
-def test_rates_are_model_buffers_so_they_travel_with_the_state():
+def test_rates_travel_in_the_global_state_and_the_callers_model_is_left_alone():
+    from fedml_perfedavg.fedml_bridge.trainer_aggregator import create_fedml_pair
     from fedml_perfedavg.models import create_model
 
     model = create_model("mlp", (1, 4, 4), 3, (5,))
-    algorithm = create_algorithm(
-        "FedAvgARUBA", model, tiny_config(federated_optimizer="FedAvgARUBA", aruba_epsilon=0.02, aruba_zeta=2.0)
-    )
-    state = model.state_dict()
+    before = dict(model.state_dict())
+    config = tiny_config(federated_optimizer="FedAvgARUBA", aruba_epsilon=0.02, aruba_zeta=2.0)
+    algorithm = create_algorithm("FedAvgARUBA", model, config)
+    assert dict(model.state_dict()).keys() == before.keys()  # nothing registered on the caller's model
+    state = initial_global_state(algorithm, model)
     for name, _ in model.named_parameters():
         for role in ("lr", "b", "g", "grad_sq"):
-            assert buffer_name(role, name) in state
-        assert torch.allclose(state[buffer_name("lr", name)], torch.full_like(state[name], 0.01))
-    assert algorithm.parameter_names == [n for n, _ in model.named_parameters()]  # buffers are not trained
-    reloaded = create_model("mlp", (1, 4, 4), 3, (5,))
-    create_algorithm("FedAvgARUBA", reloaded, tiny_config(federated_optimizer="FedAvgARUBA"))
-    reloaded.load_state_dict(state)  # another process builds the same buffers
+            assert statistic_name(role, name) in state
+        assert torch.allclose(state[statistic_name("lr", name)], torch.full_like(state[name], 0.01))
+    assert algorithm.parameter_names == [n for n, _ in model.named_parameters()]  # the statistics are not trained
     assert "FedAvgARUBA" in algorithm_names()
     assert algorithm.describe(state)["aruba_lr_mean"] == pytest.approx(0.01)
+    # What FedML carries as "model params" is the whole global state, and it is taken back whole.
+    trainer, aggregator = create_fedml_pair(algorithm, model, argparse.Namespace())
+    assert aggregator.get_model_params().keys() == state.keys() == trainer.get_model_params().keys()
+    learned = {k: v + 1.0 if k.startswith("aruba_lr__") else v for k, v in state.items()}
+    trainer.set_model_params(learned)
+    assert torch.equal(
+        trainer.get_model_params()[statistic_name("lr", "net.1.weight")], learned[statistic_name("lr", "net.1.weight")]
+    )
+    with pytest.raises(ValueError, match="carries \\['aruba_b__"):
+        trainer.set_model_params(dict(model.state_dict()))  # the rates missing: refused, not dropped
+    # Cross-silo messages carry the whole global state: the default cap counts the rates too.
+    from fedml_perfedavg.fedml_bridge.cross_silo.wire import model_bytes
+    from fedml_perfedavg.run.runner import cap_messages_by_global_state
+
+    args = argparse.Namespace()
+    cap_messages_by_global_state(args, state)
+    assert args.model_size_cap == 2 * model_bytes(state) + (1 << 20)
+    assert model_bytes(state) > 4 * model_bytes(dict(model.state_dict()))  # eta, b, g and G per parameter
 
 
 def test_bad_hyper_parameters_name_the_key():
@@ -155,7 +175,7 @@ def test_bad_hyper_parameters_name_the_key():
 def test_a_rejected_update_leaves_the_statistics_alone():
     model = _two_logit_model()
     algorithm = _aruba(model)
-    state = model.state_dict()
+    state = initial_global_state(algorithm, model)
     a = algorithm.local_training(dict(state), _one_sample(1.0, 0))
     bad = OrderedDict((k, v.clone()) for k, v in a.items())
     bad["0.weight"][0, 0] = float("nan")

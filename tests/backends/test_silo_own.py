@@ -290,6 +290,26 @@ def test_a_silo_frozen_for_a_while_is_missing_then_comes_back(mnist_root, tmp_pa
 
 
 @needs_mnist
+def test_an_algorithm_with_server_state_beside_the_model_gives_the_single_process_run(mnist_root, tmp_path):
+    """FedAvgARUBA's learned rates (and each silo's squared gradients) cross the wire in the global
+    state beside the model, never registered on it: the silos' run gives sp's model and rates."""
+    folders = _export(mnist_root, tmp_path, 2)
+    settings = {**OWN, "client_num_in_total": 2, "comm_round": 3, "federated_optimizer": "FedAvgARUBA"}
+    outs = finish_all(start_by_hand(tmp_path, settings, 2, folders))
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-4000:]
+    sp = _sp(mnist_root, tmp_path, 2, 3, federated_optimizer="FedAvgARUBA")
+    assert any(k.startswith("aruba_lr__") for k in sp.final_state)
+    _assert_same_model(tmp_path, sp.final_state)
+    rates = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert float(rates["aruba_tasks"]) == 6.0  # 2 silos' tasks a round for 3 rounds
+    for k in (k for k in rates if k.startswith(("aruba_lr__", "aruba_b__", "aruba_g__"))):  # to each one's scale
+        scale = float(sp.final_state[k].abs().max())
+        torch.testing.assert_close(rates[k], sp.final_state[k], rtol=1e-5, atol=1e-6 * scale)
+        assert not torch.equal(rates[k], torch.full_like(rates[k], float(rates[k].flatten()[0]))), k  # learned
+
+
+@needs_mnist
 def test_a_killed_silo_started_again_carries_on_with_its_record_and_dp_account(mnist_root, tmp_path):
     """SIGKILL, then the same command: the silo's record keeps the evaluations from before, and its
     DP-SGD account counts every use of its user's data, before the kill as well (a fresh account

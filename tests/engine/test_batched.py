@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedml_perfedavg.algorithms.base import initial_global_state
 from fedml_perfedavg.algorithms.registry import create_algorithm
 from fedml_perfedavg.core.types import UserSplit
 from fedml_perfedavg.engine.batched import BatchedSimulation
@@ -119,7 +120,7 @@ def test_fedavg_aruba_batched_equals_per_client_path_float64(model_kind, caplog)
         users = [UserSplit(u.train_x.repeat(1, 6), u.train_y, u.test_x.repeat(1, 6), u.test_y) for u in users]
         model = ConvBatchNorm().double()
     algorithm = create_algorithm("FedAvgARUBA", model, config)
-    start = copy.deepcopy(model.state_dict())
+    start = initial_global_state(algorithm, model)
     reference = per_client_rounds(algorithm, users, start, config.comm_round)
     with caplog.at_level("INFO"):
         engine = BatchedSimulation(algorithm, users, start, Driver(algorithm))
