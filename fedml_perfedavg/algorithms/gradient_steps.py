@@ -43,9 +43,9 @@ class GradientSteps(FederatedAlgorithm):
             return self._private_update(params, batches, standard)
         steps = batches.adapt_x.shape[0]
         config = standard if steps == standard.local_steps else dataclasses.replace(standard, local_steps=steps)
-        oracle = client_maths.FunctionalGradients if self.paths.forward_ad else client_maths.ReverseModeGradients
-        gradients = oracle(self.loss_fn, pair_by_vmap=self.paths.vmappable)
-        return client_maths.local_update(self.loss_fn, params, batches, config, gradients)
+        return client_maths.local_update(
+            self.loss_fn, params, batches, config, self.paths.gradient_oracle(self.loss_fn)
+        )
 
     def _private_update(self, params: Params, batches: PrivateBatches, standard: LocalUpdateConfig) -> Params:
         """The local update with DP-SGD: by a Linear chain's outer products where the model is

@@ -53,6 +53,27 @@ class ModelPaths:
         by the hand-batched form)."""
         return self.vmappable and (self.groups_exactly or self.hand_batched_form(input_shape) is not None)
 
+    def evaluation_path(self, input_shape: Optional[Tuple[int, ...]]) -> str:
+        """How the personalized evaluation computes users with samples of ``input_shape`` (the
+        plan's log line; the scoring together is still checked bit for bit where it is tried)."""
+        if not self.batches_evaluation(input_shape):
+            return "one user at a time"
+        if self.hand_batched_form(input_shape) is not None:
+            return "users adapted together, scored together by the hand-batched form where that gives the same bits"
+        return "users adapted together (vmap), scored one by one"
+
+    def gradient_oracle(self, loss_fn: LossFn) -> client_maths.FunctionalGradients:
+        """The client maths' gradients: torch.func's, the exact Hessian-vector product forward-over-
+        reverse unless the model has no forward-mode derivative (then reverse-over-reverse), pairs
+        vmapped unless the model cannot be."""
+        oracle = client_maths.FunctionalGradients if self.forward_ad else client_maths.ReverseModeGradients
+        return oracle(loss_fn, pair_by_vmap=self.vmappable)
+
+    def gradients_path(self) -> str:
+        """The gradient oracle in words (the plan's log line)."""
+        hvp = "forward-over-reverse" if self.forward_ad else "reverse-over-reverse"
+        return f"torch.func gradients, Hessian-vector products {hvp}" + ("" if self.vmappable else ", no vmap")
+
 
 class Probed(Protocol):
     """What the probe reads of an algorithm, and the paths it sets."""

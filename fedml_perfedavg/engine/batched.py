@@ -57,7 +57,7 @@ class BatchedSimulation:
         input_shape = tuple(users[0].train_x.shape[1:]) if users else None
         #: How the clients are computed, resolved once (engine/plan.py), not by a round's error.
         self.plan = resolve_plan(algorithm, input_shape, compile_local_update, try_hand_batched)
-        logger.info("batched engine: %s", self.plan.why)
+        logger.info("batched engine: %s", self.plan.describe())
         self.batched = self.plan.together
         self.whole_state = self.plan.whole_state
         self.hand_batched: Optional[HandBatchedGradients] = (

@@ -12,7 +12,9 @@ It is read from what the algorithm declares (its ``standard_update``, ``returns_
 - ``per client``: ``client_update``, one client at a time, as FedML's loops call it.
 
 The batched engine (:mod:`.batched`) builds its step from the plan and calls nothing else to
-decide; the minibatches (:mod:`.minibatches`) gather the roles the plan reads.
+decide; the minibatches (:mod:`.minibatches`) gather the roles the plan reads. The plan's log
+line also says how the evaluation computes users and which gradient oracle the client maths
+uses: decisions of the model probe (``ModelPaths``), which every backend reads, not only this engine.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ class ClientPlan:
     #: The minibatches are the algorithm's keyed draws, which an engine may gather for every client at once.
     gathers_keyed_batches: bool
     hand_batched: Optional[HandBatchedGradients] = field(default=None, compare=False, repr=False)
+    #: How the evaluation computes users, and the client maths' gradient oracle: the model probe's
+    #: decisions (ModelPaths), which every backend reads; here so the one logged line says them all.
+    evaluation: str = ""
+    gradients: str = ""
+
+    def describe(self) -> str:
+        """The plan as the engine logs it."""
+        return f"{self.why}; evaluation: {self.evaluation}; client maths: {self.gradients}"
 
     @property
     def together(self) -> bool:
@@ -90,8 +100,12 @@ def resolve_plan(
     paths = algorithm.paths
     reads, gathers = roles_read(algorithm), gathers_keyed_batches(algorithm)
 
+    evaluation = paths.evaluation_path(input_shape)
+    oracle = paths.gradients_path() if algorithm.standard_update is not None else "the algorithm's own"
+
     def plan(path: Path, why: str, hand_batched: Optional[HandBatchedGradients] = None) -> ClientPlan:
-        return ClientPlan(path, why, algorithm.returns_whole_state, reads, gathers, hand_batched)
+        whole = algorithm.returns_whole_state
+        return ClientPlan(path, why, whole, reads, gathers, hand_batched, evaluation, oracle)
 
     if algorithm.keeps_client_state:
         return plan(Path.PER_CLIENT, "clients one by one (each keeps a state of its own)")

@@ -253,7 +253,7 @@ def test_batched_engine_on_cuda_equals_per_client_path_on_cpu(optimizer, variant
 def test_the_algorithm_declares_what_the_engine_gathers_and_returns(optimizer, variant, roles, whole):
     config, users, model = _setup(optimizer, variant)
     algorithm = create_algorithm(optimizer, model, config)
-    engine = BatchedSimulation(algorithm, users, copy.deepcopy(model.state_dict()), Driver(algorithm))
+    engine = BatchedSimulation(algorithm, users, initial_global_state(algorithm, model), Driver(algorithm))
     assert engine.plan.roles_read == roles and engine.plan.whole_state is whole
     [index] = algorithm.batch_indices(0, [0], [len(users[0].train_y)])
     batches = engine.minibatches.gather(index)
@@ -285,3 +285,27 @@ def test_a_round_larger_than_one_computation_trains_in_pieces_with_the_same_resu
     assert calls == [2, 2, 1] * config.comm_round  # 5 clients a round: three computations
     for k in got:
         torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)
+
+
+def test_the_logged_plan_says_how_clients_users_and_gradients_are_computed(caplog):
+    """One line at the start names every decision: the clients' path, the evaluation's, and the
+    gradient oracle (forward-over-reverse unless the model has no forward-mode derivative)."""
+    from fedml_perfedavg.core.client_maths import ReverseModeGradients
+
+    config, users, model = _setup("PerFedAvg", "exact")
+    algorithm = create_algorithm("PerFedAvg", model, config)
+    with caplog.at_level("INFO"):
+        BatchedSimulation(algorithm, users, initial_global_state(algorithm, model), Driver(algorithm))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("batched engine:"))
+    assert "chain of Linear layers" in line
+    assert "evaluation: users adapted together, scored together by the hand-batched form" in line
+    assert line.endswith("client maths: torch.func gradients, Hessian-vector products forward-over-reverse")
+    algorithm.paths.forward_ad = False  # what the probe finds of a model with no forward-mode derivative
+    assert isinstance(algorithm.paths.gradient_oracle(algorithm.loss_fn), ReverseModeGradients)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        BatchedSimulation(
+            algorithm, users, initial_global_state(algorithm, model), Driver(algorithm), try_hand_batched=False
+        )
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("batched engine:"))
+    assert "vmapped with torch.func" in line and line.endswith("Hessian-vector products reverse-over-reverse")
