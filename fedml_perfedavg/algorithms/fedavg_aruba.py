@@ -81,23 +81,27 @@ class FedAvgARUBA(FederatedAlgorithm):
         aruba = settings.own if settings.own is not None else ArubaSettings()
         check_settings(aruba)
         self.aruba = aruba
-        eta0 = aruba.aruba_epsilon / aruba.aruba_zeta
         super().__init__(model, settings)
         self.statistics = {role: {n: statistic_name(role, n) for n in self.parameter_names} for role in ROLES}
         logger.info(
             "FedAvgARUBA: local and refinement steps take learned per-coordinate rates starting at "
             "aruba_epsilon / aruba_zeta = %.4g; train_args.beta and alpha do not set them (alpha still "
             "defines F for the stationarity measure)",
-            eta0,
+            self.initial_rate,
         )
 
     @property
     def label(self) -> str:
         return "FedAvg + ARUBA"
 
+    @property
+    def initial_rate(self) -> float:
+        """eta before any task: epsilon / zeta."""
+        return self.aruba.aruba_epsilon / self.aruba.aruba_zeta
+
     def initial_server_state(self, model_state: StateDict) -> StateDict:
         """eta = epsilon / zeta, b = g = G = 0 for each parameter; no task seen."""
-        eta0 = self.aruba.aruba_epsilon / self.aruba.aruba_zeta
+        eta0 = self.initial_rate
         state: Dict[str, torch.Tensor] = {}
         for role in ROLES:
             for parameter, name in self.statistics[role].items():

@@ -64,9 +64,9 @@ class CarriesGlobalState:
     algorithm: FederatedAlgorithm
 
     def _carry_server_state(self) -> None:
-        model_keys = set(self.model.state_dict())
+        self._model_keys = frozenset(self.model.state_dict())  # fixed: the model's names never change
         state = initial_global_state(self.algorithm, self.model)
-        self.server_state = OrderedDict((k, v) for k, v in state.items() if k not in model_keys)
+        self.server_state = OrderedDict((k, v) for k, v in state.items() if k not in self._model_keys)
 
     def global_state(self, device: Optional[torch.device] = None) -> Dict[str, Tensor]:
         """The current global state (on ``device``)."""
@@ -79,7 +79,7 @@ class CarriesGlobalState:
         return state
 
     def set_model_params(self, model_parameters: Dict[str, Tensor]) -> None:
-        extra = [k for k in model_parameters if k not in self.model.state_dict()]
+        extra = [k for k in model_parameters if k not in self._model_keys]
         if sorted(extra) != sorted(self.server_state):
             raise ValueError(
                 f"a global state whose tensors beside the model are {sorted(extra)}; "
