@@ -346,8 +346,8 @@ class FederatedAlgorithm:
     #: True when each client keeps a state of its own from one of its rounds to its next
     #: (:meth:`initial_client_state`, :meth:`local_training_with_state`; see client_states.py).
     keeps_client_state: ClassVar[bool] = False
-    #: The minibatch roles (0: D, 1: D', 2: D'') maths of the algorithm's own reads (an engine
-    #: gathers only these); for the standard maths its step says (engine/plan.py).
+    #: The minibatches of :class:`LocalBatches` (0: ``x, y``; 1: ``second_*``; 2: ``third_*``) its
+    #: own maths reads (an engine gathers only these); the standard maths' step says (plan.py).
     batch_roles: ClassVar[FrozenSet[int]] = frozenset({0, 1, 2})
     #: The per-user figures :meth:`user_metrics` adds to every evaluation, beside the protocol's
     #: (accuracy after and before the personalization step, loss): reported, logged, in wandb, in
@@ -412,8 +412,8 @@ class FederatedAlgorithm:
 
     # -- client update --------------------------------------------------------------------
     def client_batches(self, round_idx: int, client_id: int, x: Tensor, y: Tensor) -> LocalBatches:
-        """Independent minibatches D, D', D'' for each local step, keyed by (seed, round, client)
-        (with DP-SGD, Poisson minibatches and the noise of each use: :class:`PrivateBatches`)."""
+        """Three independent minibatches for each local step (:class:`LocalBatches`), keyed by
+        (seed, round, client) (with DP-SGD, Poisson minibatches and the noise of each use: :class:`PrivateBatches`)."""
         if self.settings.privacy is not None:
             return private_batches(self, round_idx, client_id, x, y)  # type: ignore[return-value]
         generator = generator_for(self.settings.seed, round_idx, client_id, Purpose.LOCAL_TRAINING)
@@ -421,7 +421,7 @@ class FederatedAlgorithm:
 
     def batch_indices(self, round_idx: int, clients: Sequence[int], num_samples: Sequence[int]) -> List[List[Tensor]]:
         """Per client of ``clients`` (with ``num_samples`` training samples each), the sample
-        indices of :meth:`client_batches` (D, D', D''; each ``(steps, size)``), the same numbers,
+        indices of :meth:`client_batches` (three, each ``(steps, size)``), the same numbers,
         drawn together, so an engine can gather every client's batches at once."""
         generators = [generator_for(self.settings.seed, round_idx, c, Purpose.LOCAL_TRAINING) for c in clients]
         return batch_indices_of_many(num_samples, self.settings.local_steps, self.settings.batch_sizes, generators)

@@ -120,8 +120,8 @@ class FedAvgARUBA(FederatedAlgorithm):
         eta = self.learning_rates(state)
         grad_fn = grad(self.loss_fn)
         squares = {n: torch.zeros_like(v) for n, v in params.items()}
-        for t in range(batches.adapt_x.shape[0]):
-            g = grad_fn(params, batches.adapt_x[t], batches.adapt_y[t])
+        for t in range(batches.x.shape[0]):
+            g = grad_fn(params, batches.x[t], batches.y[t])
             squares = {n: squares[n] + g[n] * g[n] for n in params}
             params = {n: params[n] - eta[n] * g[n] for n in params}
         out: Dict[str, torch.Tensor] = dict(state)

@@ -41,7 +41,7 @@ class GradientSteps(FederatedAlgorithm):
             return super().local_update(params, batches)
         if isinstance(batches, PrivateBatches):
             return self._private_update(params, batches, standard)
-        steps = batches.adapt_x.shape[0]
+        steps = batches.x.shape[0]
         config = standard if steps == standard.local_steps else dataclasses.replace(standard, local_steps=steps)
         return client_maths.local_update(
             self.loss_fn, params, batches, config, self.paths.gradient_oracle(self.loss_fn)

@@ -74,18 +74,19 @@ class LocalUpdateConfig:
 
 
 class LocalBatches(NamedTuple):
-    """Minibatches for ``local_steps`` steps; every tensor has the step index first.
-
-    ``adapt`` is D (the inner alpha-step, and FedAvg's only batch), ``meta`` is D' (the
-    gradient at the adapted point) and ``hessian`` is D'' (the Hessian correction).
+    """Three independent minibatches for each of ``local_steps`` steps; every tensor has the step
+    index first. ``x, y`` is the step's minibatch (FedAvg's and most algorithms' only one);
+    ``second_*`` and ``third_*`` are drawn independently of it for estimators that need more
+    (an algorithm's ``batch_roles`` says which it reads). Per-FedAvg reads them as D (the inner
+    alpha-step), D' (the gradient at the adapted point) and D'' (the Hessian correction).
     """
 
-    adapt_x: Tensor
-    adapt_y: Tensor
-    meta_x: Tensor
-    meta_y: Tensor
-    hessian_x: Tensor
-    hessian_y: Tensor
+    x: Tensor
+    y: Tensor
+    second_x: Tensor
+    second_y: Tensor
+    third_x: Tensor
+    third_y: Tensor
 
     def step(self, t: int) -> "LocalBatches":
         return LocalBatches(*(tensor[t] for tensor in self))
@@ -224,8 +225,8 @@ class FunctionalSteps:
     def __init__(self, gradients: Gradients, batches: LocalBatches, kind: Step) -> None:
         self.kind = kind
         self.gradients = gradients
-        self.roles = ((batches.adapt_x, batches.adapt_y), (batches.meta_x, batches.meta_y))
-        self.hessian = (batches.hessian_x, batches.hessian_y)
+        self.roles = ((batches.x, batches.y), (batches.second_x, batches.second_y))
+        self.hessian = (batches.third_x, batches.third_y)
 
     def start(self, params: Params) -> Params:
         return params

@@ -137,7 +137,7 @@ class _StepInputs:
     a time (:class:`IndexedInputs`) into one buffer per role."""
 
     def __init__(self, batches: LocalBatches, buffers: Dict[tuple, Tensor]) -> None:
-        self.roles = (batches.adapt_x, batches.meta_x, batches.hessian_x)
+        self.roles = (batches.x, batches.second_x, batches.third_x)
         self.buffers = buffers  # kept by the caller from call to call, by role and shape
 
     def get(self, role: int, t: int) -> Tensor:
@@ -487,7 +487,7 @@ class _BufferedSteps:
         # the minibatches the step reads.
         self.targets = [
             F.one_hot(y, oracle.classes).to(layout.dtype)
-            for y in (batches.adapt_y, batches.meta_y, batches.hessian_y)[: kind.batch_roles]
+            for y in (batches.y, batches.second_y, batches.third_y)[: kind.batch_roles]
         ]
         self.inputs = _StepInputs(batches, oracle._input_buffers)
 

@@ -101,7 +101,7 @@ class BatchedSimulation:
 
     def _hand_batched_step(self) -> Callable[[Params, LocalBatches], Params]:
         def step(params: Params, batches: LocalBatches) -> Params:
-            clients = batches.adapt_y.shape[0]
+            clients = batches.y.shape[0]
             return self.train_from({k: v.unsqueeze(0).expand(clients, *v.shape) for k, v in params.items()}, batches)
 
         return step

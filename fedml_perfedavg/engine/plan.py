@@ -46,7 +46,8 @@ class ClientPlan:
     why: str
     #: Each client sends back its whole state (parameters and buffers), not its parameters alone.
     whole_state: bool
-    #: The minibatch roles (0: D, 1: D', 2: D'') the client maths reads; only these are gathered.
+    #: The minibatches of LocalBatches (0: x, y; 1: second_*; 2: third_*) the client maths
+    #: reads; only these are gathered.
     roles_read: FrozenSet[int]
     #: The minibatches are the algorithm's keyed draws, which an engine may gather for every client at once.
     gathers_keyed_batches: bool

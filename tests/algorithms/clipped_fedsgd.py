@@ -46,8 +46,8 @@ class ClippedFedSGD(FederatedAlgorithm):
         params, buffers = self.split_state(state)
         grad_fn = grad(self.loss_fn)
         own = self.settings.own
-        for t in range(batches.adapt_x.shape[0]):
-            g = grad_fn(params, batches.adapt_x[t], batches.adapt_y[t])
+        for t in range(batches.x.shape[0]):
+            g = grad_fn(params, batches.x[t], batches.y[t])
             norm = torch.sqrt(sum((v * v).sum() for v in g.values()))
             scale = torch.clamp(own.clip_norm / (norm + 1e-12), max=1.0)
             momentum = {k: own.client_momentum * momentum[k] + scale * g[k] for k in params}

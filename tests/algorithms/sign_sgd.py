@@ -11,8 +11,8 @@ class SignSGD(FederatedAlgorithm):
 
     def local_update(self, params, batches):
         grad_fn = grad(self.loss_fn)
-        for t in range(batches.adapt_x.shape[0]):
-            g = grad_fn(params, batches.adapt_x[t], batches.adapt_y[t])
+        for t in range(batches.x.shape[0]):
+            g = grad_fn(params, batches.x[t], batches.y[t])
             params = {k: params[k] - self.settings.beta * torch.sign(g[k]) for k in params}
         return params
 

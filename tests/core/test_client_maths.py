@@ -32,9 +32,9 @@ def _max_diff(a, b):
 def test_exact_equals_autograd_gradient_of_meta_objective_when_hessian_batch_is_d():
     model, loss_fn, params, batches = _problem()
     step = batches.step(0)
-    step = step._replace(hessian_x=step.adapt_x, hessian_y=step.adapt_y)
+    step = step._replace(third_x=step.x, third_y=step.y)
     alpha = 0.3
-    expected = _autograd_meta_gradient(loss_fn, params, step.adapt_x, step.adapt_y, step.meta_x, step.meta_y, alpha)
+    expected = _autograd_meta_gradient(loss_fn, params, step.x, step.y, step.second_x, step.second_y, alpha)
     got = meta_gradient(loss_fn, params, step, "exact", alpha, delta=1e-3)
     assert _max_diff(got, expected) < 1e-12
     # and the Hessian term matters: first order is measurably different
@@ -45,9 +45,7 @@ def test_exact_equals_autograd_gradient_of_meta_objective_when_hessian_batch_is_
 def test_exact_uses_the_hessian_batch_d_double_prime():
     model, loss_fn, params, batches = _problem()
     step = batches.step(0)
-    on_d = meta_gradient(
-        loss_fn, params, step._replace(hessian_x=step.adapt_x, hessian_y=step.adapt_y), "exact", 0.3, 1e-3
-    )
+    on_d = meta_gradient(loss_fn, params, step._replace(third_x=step.x, third_y=step.y), "exact", 0.3, 1e-3)
     on_dpp = meta_gradient(loss_fn, params, step, "exact", 0.3, 1e-3)
     assert _max_diff(on_d, on_dpp) > 1e-6
 
@@ -81,7 +79,7 @@ def test_meta_step_starts_from_w_not_from_adapted_point(variant):
     direction = meta_gradient(loss_fn, params, step, variant, alpha, 1e-4)
     from_w = {k: params[k] - beta * direction[k] for k in params}
     assert _max_diff(new, from_w) < 1e-14
-    grads = torch.func.grad(loss_fn)(params, step.adapt_x, step.adapt_y)
+    grads = torch.func.grad(loss_fn)(params, step.x, step.y)
     adapted = {k: params[k] - alpha * grads[k] for k in params}
     from_adapted = {k: adapted[k] - beta * direction[k] for k in params}
     assert _max_diff(new, from_adapted) > 1e-4
@@ -107,7 +105,7 @@ def test_fedavg_is_plain_local_sgd_with_step_beta():
     opt = torch.optim.SGD(w.values(), lr=0.1)
     for t in range(2):
         opt.zero_grad()
-        loss_fn(w, batches.adapt_x[t], batches.adapt_y[t]).backward()
+        loss_fn(w, batches.x[t], batches.y[t]).backward()
         opt.step()
     assert _max_diff(got, {k: v.detach() for k, v in w.items()}) < 1e-14
 

@@ -44,7 +44,7 @@ def test_batchnorm_and_dropout_model_is_deterministic_and_left_untouched():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # running stats untouched
     assert model.training and any(isinstance(m, nn.BatchNorm2d) and m.track_running_stats for m in model.modules())
     # BatchNorm uses each batch's own statistics: shifting the whole batch changes nothing
-    x = batches.adapt_x[0]
+    x = batches.x[0]
     params = parameters_of(model)
     out = torch.func.functional_call(network, params, (x,))
     shifted = torch.func.functional_call(network, params, (x + 3.0,))

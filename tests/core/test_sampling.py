@@ -36,11 +36,11 @@ def test_d_dprime_dsecond_are_independent_batches_without_repeats():
 def test_batches_depend_only_on_seed_round_client():
     x, y = torch.randn(50, 3), torch.arange(50)
     make = lambda *key: sample_local_batches(x, y, 2, [4, 4, 4], generator_for(*key, Purpose.LOCAL_TRAINING))  # noqa
-    assert torch.equal(make(0, 1, 2).adapt_y, make(0, 1, 2).adapt_y)
-    assert not torch.equal(make(0, 1, 2).adapt_y, make(0, 1, 3).adapt_y)
-    assert not torch.equal(make(0, 1, 2).adapt_y, make(0, 2, 2).adapt_y)
+    assert torch.equal(make(0, 1, 2).y, make(0, 1, 2).y)
+    assert not torch.equal(make(0, 1, 2).y, make(0, 1, 3).y)
+    assert not torch.equal(make(0, 1, 2).y, make(0, 2, 2).y)
     b = make(0, 1, 2)
-    assert torch.equal(b.meta_x, x[b.meta_y])
+    assert torch.equal(b.second_x, x[b.second_y])
 
 
 def test_held_out_users_are_never_sampled_for_training():
