@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple, Optional, Protocol, Union
+from typing import Callable, NamedTuple, Optional, Protocol, Union
 
 import torch
 from torch import Tensor
@@ -90,6 +90,10 @@ class LocalBatches(NamedTuple):
 
     def step(self, t: int) -> "LocalBatches":
         return LocalBatches(*(tensor[t] for tensor in self))
+
+    def with_labels(self, change: Callable[[Tensor], Tensor]) -> "LocalBatches":
+        """The same minibatches with ``change`` applied to each of the three label tensors."""
+        return self._replace(y=change(self.y), second_y=change(self.second_y), third_y=change(self.third_y))
 
 
 class Gradients(Protocol):

@@ -134,7 +134,7 @@ def batch_indices_of_many(
 def sample_local_batches(
     x: Tensor, y: Tensor, steps: int, batch_sizes: Sequence[int], generator: torch.Generator
 ) -> LocalBatches:
-    """Independent minibatches D, D', D'' for each of ``steps`` local steps."""
+    """Three independent minibatches (:class:`LocalBatches`) for each of ``steps`` local steps."""
     adapt, meta, hessian = batch_indices(len(y), steps, batch_sizes, generator)
     index = lambda idx: (x[idx.to(x.device)], y[idx.to(y.device)])  # noqa: E731
     return LocalBatches(*index(adapt), *index(meta), *index(hessian))

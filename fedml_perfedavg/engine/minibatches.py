@@ -1,4 +1,4 @@
-"""A batched engine's minibatches: a round's every client's D, D', D'' at once.
+"""A batched engine's minibatches: a round's every client's three minibatches (LocalBatches) at once.
 
 Where the algorithm draws its minibatches the standard way (the keyed draws of
 :meth:`~fedml_perfedavg.algorithms.base.FederatedAlgorithm.client_batches`), every user's training
@@ -35,7 +35,7 @@ class Minibatches:
     def __init__(self, algorithm: FederatedAlgorithm, users: Sequence[UserSplit], plan: "ClientPlan") -> None:
         self.algorithm, self.users = algorithm, users
         self.sample_counts = [len(u.train_y) for u in users]
-        # Roles (D, D', D'') the client maths never reads are not gathered (the plan says which).
+        # Minibatches the client maths never reads are not gathered (the plan says which).
         self._roles_read = plan.roles_read
         self.gathers = plan.gathers_keyed_batches
         if self.gathers:
@@ -72,17 +72,15 @@ class Minibatches:
             )
         batches = self.gather(self.batch_index(round_idx, clients), lazy_inputs=lazy_inputs)
         if hooks.poisons_labels:  # a label map commutes with the gather: flip each client's gathered rows
-            batches = batches._replace(
-                **{
-                    role: torch.stack([hooks.client_labels(round_idx, c, labels[i]) for i, c in enumerate(clients)])
-                    for role, labels in batches._asdict().items()
-                    if role.endswith("_y")
-                }
+            batches = batches.with_labels(
+                lambda labels: torch.stack(
+                    [hooks.client_labels(round_idx, c, labels[i]) for i, c in enumerate(clients)]
+                )
             )
         return batches
 
     def batch_index(self, round_idx: int, clients: List[int]) -> List[Tensor]:
-        """Per role (D, D', D''), the round's sample indices into all users' data concatenated,
+        """Per minibatch of LocalBatches (three), the round's sample indices into all users' data concatenated,
         ``(clients, steps, size)``: the algorithm's keyed indices."""
         per_client = self.algorithm.batch_indices(round_idx, clients, [self.sample_counts[c] for c in clients])
         offsets = torch.tensor([self._offsets[c] for c in clients]).view(-1, 1, 1)
