@@ -928,14 +928,46 @@ def resolve(
     sections: Dict[str, Dict[str, Any]], overrides: Optional[Dict[str, Any]] = None, source: Optional[str] = None
 ) -> Config:
     """Merge YAML sections, defaults and overrides into a validated :class:`Config`."""
-    given: Dict[str, Any] = {}
-    where: Dict[str, str] = {}
-    extra: Dict[str, Tuple[str, Any]] = {}
-    safeguards: Dict[str, Dict[str, Any]] = {}
     overrides = dict(overrides or {})
     for dotted in [k for k in overrides if "." in k]:  # --set dp_args.epsilon=0.5
         section, _, name = dotted.partition(".")
         sections = {**sections, section: {**sections.get(section, {}), name: overrides.pop(dotted)}}
+    given, where, extra, safeguards = _sort_keys(sections)
+    given.update(overrides)
+    if canonical_name(given.get("federated_optimizer")) is not None:  # plugin names in any case
+        given["federated_optimizer"] = canonical_name(given["federated_optimizer"])
+    _fedml_key_meanings(given, where)
+    index = dict(BY_NAME)
+    values = {name: check_value(f, copy.deepcopy(given.get(name, field_default(f)))) for name, f in index.items()}
+    for name in set(given) - set(index):
+        extra[name] = (extra.get(name, (where.get(name, "train_args"), None))[0], given[name])
+    own_keys = algorithm_fields()
+    chosen = values["federated_optimizer"]
+    chosen_keys = set(algorithm_settings(chosen)) if chosen in algorithm_names() else set()
+    _name_other_algorithms_keys(given, own_keys, chosen_keys, chosen)
+    config = Config(
+        **{k: v for k, v in values.items() if k not in own_keys},
+        source=source,
+        extra=extra,
+        safeguards=safeguards,
+        # The chosen algorithm's own keys alone (another's, given, were checked and named above).
+        algorithm_values={k: v for k, v in values.items() if k in chosen_keys},
+    )
+    for rule in RULES:
+        rule(config)
+    return config
+
+
+def _sort_keys(
+    sections: Dict[str, Dict[str, Any]],
+) -> Tuple[Dict[str, Any], Dict[str, str], Dict[str, Tuple[str, Any]], Dict[str, Dict[str, Any]]]:
+    """Each YAML key to its place: (the plugin's and FedML's known keys given, the section each
+    FedML key came from, keys passed to FedML unchecked, FedML's attack/defense sections); a key
+    in the wrong section, an unknown key close to a known one, or FedML's LSA keys raise."""
+    given: Dict[str, Any] = {}
+    where: Dict[str, str] = {}
+    extra: Dict[str, Tuple[str, Any]] = {}
+    safeguards: Dict[str, Dict[str, Any]] = {}
     for section, values in sections.items():
         if section not in SECTIONS + SAFEGUARD_SECTIONS:
             allowed = list(SECTIONS + SAFEGUARD_SECTIONS)
@@ -972,29 +1004,7 @@ def resolve(
                 raise ConfigError(f"{section}.{name}={value!r}: belongs in section {f.metadata['section']!r}")
             else:
                 given[name] = value
-    given.update(overrides)
-    if canonical_name(given.get("federated_optimizer")) is not None:  # plugin names in any case
-        given["federated_optimizer"] = canonical_name(given["federated_optimizer"])
-    _fedml_key_meanings(given, where)
-    index = dict(BY_NAME)
-    values = {name: check_value(f, copy.deepcopy(given.get(name, field_default(f)))) for name, f in index.items()}
-    for name in set(given) - set(index):
-        extra[name] = (extra.get(name, (where.get(name, "train_args"), None))[0], given[name])
-    own_keys = algorithm_fields()
-    chosen = values["federated_optimizer"]
-    chosen_keys = set(algorithm_settings(chosen)) if chosen in algorithm_names() else set()
-    _name_other_algorithms_keys(given, own_keys, chosen_keys, chosen)
-    config = Config(
-        **{k: v for k, v in values.items() if k not in own_keys},
-        source=source,
-        extra=extra,
-        safeguards=safeguards,
-        # The chosen algorithm's own keys alone (another's, given, were checked and named above).
-        algorithm_values={k: v for k, v in values.items() if k in chosen_keys},
-    )
-    for rule in RULES:
-        rule(config)
-    return config
+    return given, where, extra, safeguards
 
 
 def _name_other_algorithms_keys(

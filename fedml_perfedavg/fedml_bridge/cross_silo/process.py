@@ -11,7 +11,7 @@ every cross-silo run by :func:`fedml_perfedavg.fedml_bridge.install.install`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ...algorithms.base import RoundDriver
 from ...core.errors import ConfigError
@@ -75,7 +75,7 @@ class CrossSiloProcess:
         return self._client.outcome if self._client is not None else None
 
     def run(self) -> None:
-        args, dataset = self.args, self.dataset
+        """FedML's own initializer for this process's role, with the plugin's pieces in its names."""
         managers: List[Any] = []
 
         def remembered(cls: type, **bound: Any):
@@ -92,60 +92,70 @@ class CrossSiloProcess:
 
         with contextlib.ExitStack() as patches:
             try:
-                if args.role == "server":
-                    patches.enter_context(replaced(server_init, "FedMLAggregator", PluginFedMLAggregator))
-                    patches.enter_context(
-                        replaced(
-                            server_init,
-                            "FedMLServerManager",
-                            remembered(
-                                PluginServerManager,
-                                policy=self.policy,
-                                driver=self.driver,
-                                setup=self.setup,
-                                start_round=self.start_round,
-                                resumes=self.resumes,
-                            ),
-                        )
-                    )
-                    server_init.init_server(
-                        args,
-                        self.device,
-                        args.comm,
-                        args.rank,
-                        args.worker_num,
-                        self.model,
-                        dataset[0],
-                        dataset[2],
-                        dataset[3],
-                        dataset[5],
-                        dataset[6],
-                        dataset[4],
-                        self.aggregator,
-                    )
+                if self.args.role == "server":
+                    self._init_server(patches, remembered)
                 else:
-                    patches.enter_context(replaced(client_init, "TrainerDistAdapter", PluginTrainerDistAdapter))
-                    patches.enter_context(
-                        replaced(
-                            client_init,
-                            "ClientMasterManager",
-                            remembered(PluginClientMasterManager, policy=self.policy, setup=self.setup),
-                        )
-                    )
-                    client_init.init_client(
-                        args,
-                        self.device,
-                        args.comm,
-                        args.rank,
-                        args.worker_num,
-                        self.model,
-                        dataset[0],
-                        dataset[4],
-                        dataset[5],
-                        dataset[6],
-                        self.trainer,
-                    )
+                    self._init_client(patches, remembered)
             finally:
                 for manager in managers:  # no gRPC server threads left behind on an error
                     if manager.com_manager is not None and manager.com_manager.is_running:
                         manager.com_manager.stop_receive_message()
+
+    def _init_server(self, patches: contextlib.ExitStack, remembered: Callable[..., Any]) -> None:
+        """FedML's ``init_server`` with the plugin's aggregator and server manager in its names."""
+        args, dataset = self.args, self.dataset
+        patches.enter_context(replaced(server_init, "FedMLAggregator", PluginFedMLAggregator))
+        patches.enter_context(
+            replaced(
+                server_init,
+                "FedMLServerManager",
+                remembered(
+                    PluginServerManager,
+                    policy=self.policy,
+                    driver=self.driver,
+                    setup=self.setup,
+                    start_round=self.start_round,
+                    resumes=self.resumes,
+                ),
+            )
+        )
+        server_init.init_server(
+            args,
+            self.device,
+            args.comm,
+            args.rank,
+            args.worker_num,
+            self.model,
+            dataset[0],
+            dataset[2],
+            dataset[3],
+            dataset[5],
+            dataset[6],
+            dataset[4],
+            self.aggregator,
+        )
+
+    def _init_client(self, patches: contextlib.ExitStack, remembered: Callable[..., Any]) -> None:
+        """FedML's ``init_client`` with the plugin's trainer adapter and client manager in its names."""
+        args, dataset = self.args, self.dataset
+        patches.enter_context(replaced(client_init, "TrainerDistAdapter", PluginTrainerDistAdapter))
+        patches.enter_context(
+            replaced(
+                client_init,
+                "ClientMasterManager",
+                remembered(PluginClientMasterManager, policy=self.policy, setup=self.setup),
+            )
+        )
+        client_init.init_client(
+            args,
+            self.device,
+            args.comm,
+            args.rank,
+            args.worker_num,
+            self.model,
+            dataset[0],
+            dataset[4],
+            dataset[5],
+            dataset[6],
+            self.trainer,
+        )
