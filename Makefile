@@ -31,7 +31,7 @@ run: $(STAMP) data/MNIST
 	$(VENV)/bin/fedml-perfedavg --cf yaml_configs/quickstart_mnist_hf.yaml $(DATA_ARGS)
 
 test: $(STAMP) data/MNIST
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 # Unit and property checks only (no FedML loops, MPI, gRPC, subprocesses or real datasets; tests/conftest.py
 # makes a fast test that does one of those fail): about 30 s.
