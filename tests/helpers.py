@@ -174,6 +174,15 @@ def lost_round_cost(summary: dict):
     return lost, waited, wall[lost["round"]] - wall[lost["round"] - 1]
 
 
+def failure_tail(out: str, chars: int = 6000) -> str:
+    """The end of a launch's output for an assertion's message, without asyncio's "Task was destroyed
+    but it is pending" pairs: a process stopped while the outsider held hundreds of connections
+    prints one per connection, and they once hid the line that said why a silo failed."""
+    noise = ("Task was destroyed but it is pending", "task: <Task pending")
+    kept = [line for line in out.splitlines() if not any(n in line for n in noise)]
+    return "\n".join(kept)[-chars:]
+
+
 def launch_silo(run_dir, settings: dict, extra=(), loopback_only: bool = False, open_files=None):
     """``fedml-perfedavg launch-silo`` with 2 silos on the silo YAML and ``settings`` (key ->
     value, as --set), started as a subprocess (stdout and stderr together). With

@@ -20,7 +20,7 @@ from fedml_perfedavg.fedml_bridge.cross_silo.gate import CONNECTION_REASONS
 from fedml_perfedavg.run.config import load_yaml, resolve
 from fedml_perfedavg.run.runner import run
 
-from tests.helpers import HF_YAML, launch_silo, needs_mnist
+from tests.helpers import HF_YAML, failure_tail, launch_silo, needs_mnist
 
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
 
@@ -132,7 +132,7 @@ def test_thousands_of_idle_connections_and_a_handshake_flood_change_nothing(mnis
         stop.set()
         for attacker in attackers:
             attacker.join(timeout=30)
-    assert process.returncode == 0, out[-5000:]
+    assert process.returncode == 0, failure_tail(out)
     assert tally["opened"] > 3000 and tally["most_held"] > 1000 and tally["handshakes"] > 50, tally
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == rounds and "lost_silos" not in summary
@@ -186,7 +186,7 @@ def test_an_outsider_on_the_silos_own_address_holding_connections_from_the_start
         out, _ = process.communicate(timeout=400)
     finally:
         stop.set()
-    assert process.returncode == 0, out[-5000:]
+    assert process.returncode == 0, failure_tail(out)
     assert sum(t["opened"] for t in tallies) > 20000 and tallies[0]["most_held"] > 250, tallies
     assert silos_in < 30, silos_in  # the silos' start-up (imports, data) takes ~5 s here
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -238,7 +238,7 @@ def test_a_second_process_with_a_silos_key_announcing_mid_run_takes_nothing_from
         raw_send(_server_address(run_dir), announcement, tls, 2, tls) == __import__("grpc").StatusCode.PERMISSION_DENIED
     )
     out, _ = process.communicate(timeout=400)
-    assert process.returncode == 0, out[-5000:]
+    assert process.returncode == 0, failure_tail(out)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == rounds and "lost_silos" not in summary
     assert summary["refusals"] == {"twin-session": 1}

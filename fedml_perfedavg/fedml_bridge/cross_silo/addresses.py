@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import ipaddress
+import random
 import socket
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -14,9 +15,36 @@ from ...core.errors import ConfigError
 IPCONFIG_FIELDS = ("eid", "rank", "grpc_server_ip", "grpc_server_port")
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
-    """``count`` distinct TCP ports that are free on ``host`` right now."""
-    sockets = []
+#: Where the kernel says which ports it hands out as the local end of outgoing connections.
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+#: Ports below this are left to the machine's services.
+LOWEST_CHOSEN_PORT = 10000
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> Optional[Tuple[int, int]]:
+    """(low, high) of the kernel's ephemeral ports, or None where it cannot be read (not Linux)."""
+    try:
+        with open(path) as stream:
+            low, high = (int(value) for value in stream.read().split())
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def free_ports(count: int, host: str = "127.0.0.1", ephemeral: Optional[Tuple[int, int]] = None) -> List[int]:
+    """``count`` distinct TCP ports that are free on ``host`` right now, chosen outside the
+    kernel's ephemeral range where it can be read. A port from that range, once released, can
+    become the local end of any outgoing connection on the machine before its rank binds it (the
+    run's own connections, or an outsider's hundreds: a launch then failed with "in use")."""
+    ephemeral = ephemeral if ephemeral is not None else ephemeral_range()
+    if ephemeral is not None:
+        low, high = ephemeral
+        outside = [p for p in range(LOWEST_CHOSEN_PORT, 65536) if not low <= p <= high]
+        if len(outside) >= 10 * count:
+            chosen = _bindable(random.SystemRandom().sample(outside, min(len(outside), 50 * count)), count, host)
+            if chosen is not None:
+                return chosen
+    sockets = []  # the kernel's choice: any free port
     try:
         for _ in range(count):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -26,6 +54,21 @@ def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def _bindable(candidates: Sequence[int], count: int, host: str) -> Optional[List[int]]:
+    """The first ``count`` of ``candidates`` that ``host`` can bind now, or None."""
+    chosen: List[int] = []
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        chosen.append(port)
+        if len(chosen) == count:
+            return chosen
+    return None
 
 
 def write_ipconfig(
