@@ -186,9 +186,10 @@ def test_a_single_process_config_under_mpirun_is_refused_at_once_naming_backend(
     )
     printed = out.stdout + out.stderr
     assert out.returncode != 0, printed[-3000:]
-    assert printed.count("comm_args.backend='sp', but this process is one of 3 that mpirun started") == 3, printed[
-        -3000:
-    ]
+    # Each rank refuses; mpirun ends the others once the first has exited, so one that is slower to
+    # start (FedML's import) may be ended before it says so: at least one says why, none runs.
+    refusals = printed.count("comm_args.backend='sp', but this process is one of 3 that mpirun started")
+    assert 1 <= refusals <= 3, printed[-3000:]
     assert not any(p.name == "summary.json" for p in (tmp_path / "runs").rglob("*")), printed[-2000:]
 
 
