@@ -39,7 +39,7 @@ def free_ports(count: int, host: str = "127.0.0.1", ephemeral: Optional[Tuple[in
     ephemeral = ephemeral if ephemeral is not None else ephemeral_range()
     if ephemeral is not None:
         low, high = ephemeral
-        outside = [p for p in range(LOWEST_CHOSEN_PORT, 65536) if not low <= p <= high]
+        outside = [*range(LOWEST_CHOSEN_PORT, low), *range(max(LOWEST_CHOSEN_PORT, high + 1), 65536)]
         if len(outside) >= 10 * count:
             chosen = _bindable(random.SystemRandom().sample(outside, min(len(outside), 50 * count)), count, host)
             if chosen is not None:

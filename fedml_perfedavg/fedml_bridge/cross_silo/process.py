@@ -11,7 +11,7 @@ every cross-silo run by :func:`fedml_perfedavg.fedml_bridge.install.install`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ...algorithms.base import RoundDriver
 from ...core.errors import ConfigError
@@ -101,9 +101,14 @@ class CrossSiloProcess:
                     if manager.com_manager is not None and manager.com_manager.is_running:
                         manager.com_manager.stop_receive_message()
 
+    def _initializer_args(self) -> Tuple[Any, ...]:
+        """The arguments FedML's ``init_server`` and ``init_client`` both start with."""
+        args = self.args
+        return (args, self.device, args.comm, args.rank, args.worker_num, self.model)
+
     def _init_server(self, patches: contextlib.ExitStack, remembered: Callable[..., Any]) -> None:
         """FedML's ``init_server`` with the plugin's aggregator and server manager in its names."""
-        args, dataset = self.args, self.dataset
+        dataset = self.dataset
         patches.enter_context(replaced(server_init, "FedMLAggregator", PluginFedMLAggregator))
         patches.enter_context(
             replaced(
@@ -120,12 +125,7 @@ class CrossSiloProcess:
             )
         )
         server_init.init_server(
-            args,
-            self.device,
-            args.comm,
-            args.rank,
-            args.worker_num,
-            self.model,
+            *self._initializer_args(),
             dataset[0],
             dataset[2],
             dataset[3],
@@ -137,7 +137,7 @@ class CrossSiloProcess:
 
     def _init_client(self, patches: contextlib.ExitStack, remembered: Callable[..., Any]) -> None:
         """FedML's ``init_client`` with the plugin's trainer adapter and client manager in its names."""
-        args, dataset = self.args, self.dataset
+        dataset = self.dataset
         patches.enter_context(replaced(client_init, "TrainerDistAdapter", PluginTrainerDistAdapter))
         patches.enter_context(
             replaced(
@@ -147,12 +147,7 @@ class CrossSiloProcess:
             )
         )
         client_init.init_client(
-            args,
-            self.device,
-            args.comm,
-            args.rank,
-            args.worker_num,
-            self.model,
+            *self._initializer_args(),
             dataset[0],
             dataset[4],
             dataset[5],
