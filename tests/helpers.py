@@ -339,3 +339,35 @@ def certificate_from(ca_dir, out, usages, rank: int = 1) -> bytes:
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def launched_threads(clients: int) -> int:
+    """The torch threads of each process that launch-silo starts for ``clients`` silos here."""
+    from fedml_perfedavg.run.launch_silo import threads_per_process
+
+    return int(os.environ.get("OMP_NUM_THREADS") or threads_per_process(clients + 1))
+
+
+def single_process_at(threads: int, config, run_dir):
+    """sp's run of ``config`` with ``threads`` torch threads, those of the processes it is compared
+    with: MKL splits a small matrix product's sum over its threads (docs/backends.md), so only the
+    same count promises the same bits."""
+    import torch
+
+    from fedml_perfedavg.run.runner import run
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return run(config, str(run_dir))
+    finally:
+        torch.set_num_threads(before)
+
+
+def assert_same_bits(model: dict, reference: dict) -> None:
+    """Every tensor of ``reference`` equal to ``model``'s, bit for bit (the worst gap named)."""
+    import torch
+
+    assert model.keys() >= reference.keys(), sorted(reference.keys() - model.keys())
+    gaps = {k: float((model[k] - v).abs().max()) for k, v in reference.items() if not torch.equal(model[k], v)}
+    assert not gaps, gaps

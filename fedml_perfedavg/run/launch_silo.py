@@ -255,14 +255,23 @@ def _command(config_path: str, run_dir: str, overrides: List[str], ipconfig: str
     ]
 
 
+def threads_per_process(processes: int) -> int:
+    """Each of ``processes`` processes' share of this machine's cores, as torch threads (at least 1).
+
+    torch would otherwise start one thread per core in every process, and they would fight. The
+    share also decides the float order of some CPU kernels (MKL splits a small matrix product's
+    sum over its threads), so a single-process run gives a launch's model bit for bit only when it
+    runs with this many threads (docs/backends.md, "Same model on every backend")."""
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
 class SiloProcesses:
     """One launch's processes: each started with ``command``, its rank and role (a data owner
     with its own folder), its share of the machine's cores, and its output streamed with a prefix."""
 
     def __init__(self, command: List[str], folders: Dict[int, str], clients: int, run_dir: str) -> None:
         self.command, self.folders, self.run_dir = command, folders, run_dir
-        # torch would otherwise start one thread per core in every process, and they would fight.
-        share = str(max(1, (os.cpu_count() or 1) // (clients + 1)))
+        share = str(threads_per_process(clients + 1))
         self.threads = {
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", share),
             "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", share),

@@ -13,7 +13,15 @@ import torch
 from fedml_perfedavg.run.config import load_yaml, resolve
 from fedml_perfedavg.run.runner import run
 
-from tests.helpers import HF_YAML, NETWORK_GUARD, REPO, needs_mnist, unshare_works
+from tests.helpers import (
+    HF_YAML,
+    NETWORK_GUARD,
+    REPO,
+    assert_same_bits,
+    needs_mnist,
+    single_process_at,
+    unshare_works,
+)
 
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 needs_mpi = pytest.mark.skipif(MPIRUN is None, reason="mpirun (PyPI mpich) not installed")
@@ -53,7 +61,8 @@ def _mpi_run(mnist_root, run_dir, optimizer="PerFedAvg", variant="hf", extra=(),
     ]
     if unshare_works():
         command = ["unshare", "-n"] + command
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home")}
+    # one torch thread a rank, the single-process reference's count in the tests that compare bits
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(run_dir.parent / "home"), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert out.stdout.count("NETWORK_ATTEMPTS") == ranks  # every rank ran the guard; any attempt fails its exit code
@@ -69,7 +78,8 @@ def test_mpi_three_ranks_equals_single_process(mnist_root, tmp_path, optimizer, 
     assert summary["status"] == "finished" and summary["rounds"] == 3
     assert summary["aggregate_calls"] == 3  # the plugin's aggregator averaged every round
     assert [h["round"] for h in summary["history"]] == [0, 1, 2]
-    sp = run(
+    sp = single_process_at(
+        1,  # the ranks' threads (_mpi_run)
         resolve(
             load_yaml(HF_YAML),
             {
@@ -80,12 +90,9 @@ def test_mpi_three_ranks_equals_single_process(mnist_root, tmp_path, optimizer, 
                 "simulation_engine": "fedml",
             },
         ),
-        str(tmp_path / "sp"),
+        tmp_path / "sp",
     )
-    mpi_model = torch.load(tmp_path / "mpi" / "model.pt")
-    sp_model = sp.final_state
-    for k in sp_model:
-        torch.testing.assert_close(mpi_model[k], sp_model[k], rtol=1e-6, atol=1e-7)
+    assert_same_bits(torch.load(tmp_path / "mpi" / "model.pt"), sp.final_state)
     assert summary["per_user_accuracy"] == sp.summary["per_user_accuracy"]
 
 

@@ -19,7 +19,16 @@ from fedml_perfedavg.fedml_bridge.cross_silo.addresses import read_ipconfig, wri
 from fedml_perfedavg.run.silo_roles import check_silo_role
 from fedml_perfedavg.run.runner import load_split, run
 
-from tests.helpers import HF_YAML, REPO, launch_silo, launched_alive, needs_mnist
+from tests.helpers import (
+    HF_YAML,
+    REPO,
+    assert_same_bits,
+    launch_silo,
+    launched_alive,
+    launched_threads,
+    needs_mnist,
+    single_process_at,
+)
 
 needs_grpc = pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="grpcio not installed (.[silo])")
 from tests.helpers import SILO_YAML  # noqa: E402
@@ -55,11 +64,9 @@ def test_launcher_with_silos_started_first_equals_single_process(mnist_root, tmp
     config = resolve(
         load_yaml(HF_YAML), {**SETTINGS, "comm_round": 3, "data_cache_dir": mnist_root, "simulation_engine": "fedml"}
     )
-    sp = run(config, str(tmp_path / "sp"))
+    sp = single_process_at(launched_threads(2), config, tmp_path / "sp")
     silo_model = torch.load(tmp_path / "silo" / "model.pt")
-    sp_model = sp.final_state
-    for k in sp_model:
-        torch.testing.assert_close(silo_model[k], sp_model[k], rtol=1e-6, atol=1e-7)
+    assert_same_bits(silo_model, sp.final_state)
     assert summary["per_user_accuracy"] == sp.summary["per_user_accuracy"]
 
     # Each silo evaluated the final model on its own user of that (K-th) selection, as documented.

@@ -18,9 +18,16 @@ import torch
 from fedml_perfedavg.fedml_bridge.cross_silo import TRAINING_STARTED
 from fedml_perfedavg.fedml_bridge.cross_silo.gate import CONNECTION_REASONS
 from fedml_perfedavg.run.config import load_yaml, resolve
-from fedml_perfedavg.run.runner import run
 
-from tests.helpers import HF_YAML, failure_tail, launch_silo, needs_mnist
+from tests.helpers import (
+    HF_YAML,
+    assert_same_bits,
+    failure_tail,
+    launch_silo,
+    launched_threads,
+    needs_mnist,
+    single_process_at,
+)
 
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
 
@@ -149,10 +156,8 @@ def test_thousands_of_idle_connections_and_a_handshake_flood_change_nothing(mnis
         load_yaml(HF_YAML),
         {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root, "simulation_engine": "fedml"},
     )
-    sp = run(config, str(tmp_path / "sp"))
-    model = torch.load(run_dir / "model.pt", weights_only=True)
-    for k, v in sp.final_state.items():  # the processes' thread counts differ: float noise, nothing more
-        assert float((model[k] - v).abs().max()) <= 1e-6, k
+    sp = single_process_at(launched_threads(2), config, tmp_path / "sp")
+    assert_same_bits(torch.load(run_dir / "model.pt", weights_only=True), sp.final_state)
 
 
 @needs_mnist
@@ -195,10 +200,8 @@ def test_an_outsider_on_the_silos_own_address_holding_connections_from_the_start
     assert "connections capped at 14 per peer address" in out and "refused a message" not in out
     print(f"every silo online {silos_in:.1f} s after the server listened; refusals", summary["refusals"], tallies)
     config = resolve(load_yaml(HF_YAML), {**settings, "simulation_engine": "fedml"})
-    sp = run(config, str(tmp_path / "sp"))
-    model = torch.load(run_dir / "model.pt", weights_only=True)
-    for k, v in sp.final_state.items():  # the processes' thread counts differ: float noise, nothing more
-        assert float((model[k] - v).abs().max()) <= 1e-6, k
+    sp = single_process_at(launched_threads(2), config, tmp_path / "sp")
+    assert_same_bits(torch.load(run_dir / "model.pt", weights_only=True), sp.final_state)
 
 
 @needs_mnist
