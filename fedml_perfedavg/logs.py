@@ -54,6 +54,23 @@ def use_console(level: str = "INFO") -> None:
     root.handlers[:] = [console_handler(getattr(logging, level))]
 
 
+@contextlib.contextmanager
+def as_found_afterwards() -> Iterator[None]:
+    """The root's handlers and level as they were once the block ends; those added meanwhile are
+    closed. A command called in-process (a test, a notebook) would otherwise leave its console
+    handler on a stream that its caller may close, and every later line would fail to print."""
+    root = _real_root()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        for handler in root.handlers[:]:
+            if handler not in handlers:
+                remove_handler(handler)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 def console_if_unconfigured() -> None:
     """A library call in a script or notebook that configured no logging shows the run's
     progress lines and warnings, as the command line does; configured logging is left alone.

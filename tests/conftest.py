@@ -137,3 +137,9 @@ def restore_logging_root():
     yield
     logging.root = logging.Logger.root = root
     root.setLevel(level)
+    # A handler left on a stream that closed (a test's capture) fails every later line with a
+    # "Logging error" block in whatever test runs next: the test that left it fails instead.
+    dead = [h for h in root.handlers if getattr(getattr(h, "stream", None), "closed", False)]
+    for handler in dead:
+        root.removeHandler(handler)
+    assert not dead, f"the test left logging handlers on closed streams: {dead}"

@@ -151,7 +151,12 @@ def _run_dir_of(config: Config, args: argparse.Namespace) -> Tuple[str, bool]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """The console script and ``python -m fedml_perfedavg``: a run, or a subcommand (exit code)."""
+    with logs.as_found_afterwards():
+        return _main(sys.argv[1:] if argv is None else list(argv))
+
+
+def _main(argv: List[str]) -> int:
     if argv[:1] and argv[0] in SUBCOMMANDS:
         module = importlib.import_module(f"{__package__}.{SUBCOMMANDS[argv[0]]}")
         return module.main(argv[1:])

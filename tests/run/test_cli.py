@@ -24,6 +24,22 @@ def test_cli_reports_config_errors_without_a_traceback(capsys, tmp_path):
     assert "no config.yaml there; is it a run directory" in capsys.readouterr().err
 
 
+def test_a_command_called_in_process_leaves_logging_as_it_found_it(tmp_path, capsys):
+    """main() called from a test or a notebook: its console handler, on a stream the caller may
+    close (capsys's here), is gone afterwards, so later lines do not fail with "I/O operation on a
+    closed file" (every later test's output once held dozens of those blocks)."""
+    import logging
+
+    root = logging.Logger.manager.root
+    handlers, level = root.handlers[:], root.level
+    # export-split sets the command line's console, then fails on the missing YAML
+    assert main(["export-split", "--cf", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "out")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert root.handlers == handlers and root.level == level
+    logging.getLogger("fedml_perfedavg.test").warning("a line after the command")
+    assert "Logging error" not in capsys.readouterr().err
+
+
 @needs_mnist
 def test_describe_data_prints_the_paper_counts(mnist_root):
     out = subprocess.run(
