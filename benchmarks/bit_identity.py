@@ -7,8 +7,9 @@ For FedAvg and Per-FedAvg FO, HF and exact on the paper's MNIST config, each eng
 hand-batched default, torch.func's vmap, and the per-client path), the SHA-256 of the global
 model's bytes after ``--rounds`` rounds, of the personalized evaluation's per-user numbers, and of
 a 50-clients-per-round round (two computations). ``--check`` exits with 1 naming every
-fingerprint that moved. Floating-point results depend on the CPU's kernels, so compare on one
-machine: the recorded file says which.
+fingerprint that moved. Floating-point results depend on the CPU's kernels and, through MKL's
+matrix products, on the number of torch threads: the record names the CPU and the thread count,
+and ``--check`` runs with the recorded count (and says so when the CPU is another).
 """
 
 from __future__ import annotations
@@ -64,6 +65,18 @@ def fingerprint(method: str, path: str, rounds: int, clients: int) -> dict:
     }
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the platform's word for it."""
+    try:
+        with open("/proc/cpuinfo") as stream:
+            for line in stream:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def all_fingerprints(rounds: int) -> dict:
     out = {}
     for method in METHODS:
@@ -89,6 +102,9 @@ def main() -> None:
         record = {
             "commit": commit,
             "machine": f"{platform.machine()}, torch {torch.__version__}",
+            "cpu": cpu_name(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(),
             "rounds": args.rounds,
             "fingerprints": all_fingerprints(args.rounds),
         }
@@ -96,6 +112,10 @@ def main() -> None:
         print(json.dumps(record, indent=2))
         return
     record = json.loads(Path(args.check).read_text())
+    if "threads" in record:
+        torch.set_num_threads(record["threads"])
+    if record.get("cpu", cpu_name()) != cpu_name():
+        print(f"recorded on {record['cpu']}, checked on {cpu_name()}: the kernels may differ, and so the bits")
     now = all_fingerprints(record["rounds"])
     moved = [name for name, value in record["fingerprints"].items() if now.get(name) != value]
     for name in record["fingerprints"]:
