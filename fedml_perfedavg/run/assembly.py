@@ -265,12 +265,21 @@ def check_budget(
             while high - low > 1:
                 middle = (low + high) // 2
                 low, high = (middle, high) if planned(middle)[0] <= dp.max_epsilon else (low, middle)
+            fewer_uses = (
+                "a larger dp_args.noise_multiplier, or fewer uses (train_args.local_steps, client_num_per_round, "
+                "validation_args.frequency_of_the_test)"
+            )
+            if low == 0:  # not even one round fits: fewer rounds cannot help
+                first, first_user = planned(1)
+                raise ConfigError(
+                    f"dp_args.max_epsilon={dp.max_epsilon!r}: no round fits in the budget; round 0 alone reaches "
+                    f"epsilon {first:.4g} (user {first_user}) at delta {dp.delta:g}. Allowed: a max_epsilon of "
+                    f"at least {first:.4g}, or {fewer_uses}"
+                )
             raise ConfigError(
                 f"dp_args.max_epsilon={dp.max_epsilon!r}: this run would reach epsilon {epsilon:.4g} (user {user}) "
                 f"at delta {dp.delta:g} after train_args.comm_round={config.comm_round} rounds; the budget is "
-                f"passed in round {high - 1}. Allowed: comm_round <= {low}, or a larger "
-                f"dp_args.noise_multiplier, or fewer uses (train_args.local_steps, client_num_per_round, "
-                f"validation_args.frequency_of_the_test)"
+                f"passed in round {high - 1}. Allowed: comm_round <= {low}, or {fewer_uses}"
             )
         logger.info(
             "DP-SGD: the run's plan reaches epsilon %.4g (user %s) at delta %g, within dp_args.max_epsilon=%g",

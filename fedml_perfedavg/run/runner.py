@@ -451,11 +451,14 @@ class PluginRun:
             raise lost
         if summary["personalized_accuracy"] is not None:
             logger.info(
-                "personalized accuracy %.4f (before adaptation %.4f) at round %s of %d; %.1f s; results in %s",
+                "personalized accuracy %.4f (before adaptation %.4f), evaluated after round %s; %s of %d rounds "
+                "run (%s); %.1f s; results in %s",
                 summary["personalized_accuracy"],
                 summary["accuracy_before_adaptation"],
                 summary["headline_round"],
                 summary["rounds"],
+                self.config.comm_round,
+                status,
                 summary["wall_seconds"],
                 self.run_dir,
             )

@@ -88,3 +88,11 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint.pt"):
         checkpoint.load(str(tmp_path))
     assert not marker.exists()
+
+
+def test_a_stopped_runs_last_line_says_how_many_of_its_rounds_ran(tmp_path, monkeypatch, caplog):
+    """A 6-round run stopped in round 2 once said "at round 1 of 2": the 2 was the rounds run."""
+    killed_at_round(monkeypatch, 2)
+    with caplog.at_level("INFO", logger="fedml_perfedavg"), pytest.raises(KeyboardInterrupt):
+        run(tiny_config(frequency_of_the_test=1), str(tmp_path / "run"), data=tiny_data())
+    assert "evaluated after round 1; 2 of 6 rounds run (interrupted)" in caplog.text, caplog.text[-2000:]

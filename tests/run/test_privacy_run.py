@@ -89,11 +89,25 @@ def test_the_per_client_path_gives_the_batched_engines_model_and_epsilons(tmp_pa
 
 
 def test_a_budget_the_plan_would_pass_is_refused_at_start_naming_the_epsilon(tmp_path):
-    with pytest.raises(ConfigError, match=r"dp_args.max_epsilon=1.0: this run would reach epsilon [0-9.]+ \(user \d\)"):
-        run(_config(**{"dp_args.max_epsilon": 1.0}), str(tmp_path / "over"), data=tiny_data())
+    with pytest.raises(
+        ConfigError,
+        match=r"dp_args.max_epsilon=10.0: this run would reach epsilon [0-9.]+ \(user \d\) .*passed in round 2\. "
+        r"Allowed: comm_round <= 2, or a larger dp_args.noise_multiplier",
+    ):
+        run(_config(**{"dp_args.max_epsilon": 10.0}), str(tmp_path / "over"), data=tiny_data())
     generous = run(_config(**{"dp_args.max_epsilon": 200.0}), str(tmp_path / "within"), data=tiny_data())
     privacy = generous.summary["privacy"]
     assert privacy["max_epsilon"] == 200.0 and privacy["epsilon"] <= 200.0 and privacy["left_out"] == []
+
+
+def test_a_budget_that_no_round_fits_says_so_and_what_to_change(tmp_path):
+    """It once said "Allowed: comm_round <= 0", a run of no rounds."""
+    with pytest.raises(ConfigError) as err:
+        run(_config(**{"dp_args.max_epsilon": 0.01}), str(tmp_path / "over"), data=tiny_data())
+    text = str(err.value)
+    assert "dp_args.max_epsilon=0.01: no round fits in the budget; round 0 alone reaches epsilon" in text
+    assert "Allowed: a max_epsilon of at least" in text and "dp_args.noise_multiplier" in text
+    assert "comm_round <= 0" not in text
 
 
 def test_a_resumed_run_keeps_its_privacy_record(tmp_path, monkeypatch):
