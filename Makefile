@@ -16,11 +16,14 @@ data/MNIST:
 	@if [ -d $(SHARED_DATA)/MNIST ]; then mkdir -p data && ln -s ../$(SHARED_DATA)/MNIST data/MNIST && \
 		echo "data/MNIST -> $(SHARED_DATA)/MNIST"; fi
 
+# TORCH_INDEX: a PyTorch wheel index to take torch 2.13.0 from (a CUDA version's; docs/fedml.md,
+# "On a CUDA machine"); unset, pip's own configuration decides.
+TORCH_INDEX ?=
 $(STAMP): setup.py constraints.txt fedml_perfedavg_torchvision.pth
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt "setuptools<81" wheel
-	# torch is named explicitly (==2.13.0, the CPU wheel) so pip never resolves a CUDA build.
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0 -e ".[mpi,silo,dp,bench,test]"
+	# torch is named explicitly (==2.13.0) so pip never resolves a newer build.
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==2.13.0 -e ".[mpi,silo,dp,bench,test]"
 	# An editable install does not ship the .pth a wheel install puts in site-packages (setup.py):
 	# it makes `import fedml` work before `import fedml_perfedavg`.
 	cp fedml_perfedavg_torchvision.pth "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -81,8 +81,25 @@ def check_layout(config: Config, args: Any) -> None:
             f"{config.client_num_per_round + 1})"
         )
     check_one_process(config)
+    check_device(config)
     if config.training_type == "cross_silo":
         check_silo_role(config, int(args.rank), str(args.role))
+
+
+def check_device(config: Config) -> None:
+    """:class:`ConfigError` for ``device_args.using_gpu`` where torch has no CUDA device: FedML
+    would train on the CPU and say only "ML engine install was not built with GPU enabled"."""
+    if not config.using_gpu or torch.cuda.is_available():
+        return
+    why = (
+        f"this torch ({torch.__version__}) is a CPU build"
+        if torch.version.cuda is None
+        else f"this torch ({torch.__version__}, CUDA {torch.version.cuda}) sees no CUDA device"
+    )
+    raise ConfigError(
+        f"device_args.using_gpu=True: {why}, so the run would train on the CPU. Set using_gpu: false, or "
+        f"install a CUDA build of torch 2.13.0 (docs/fedml.md, 'On a CUDA machine')"
+    )
 
 
 # What MPICH's Hydra (PMI_SIZE), Open MPI (OMPI_COMM_WORLD_SIZE) and PMIx launchers (PMIX_SIZE) tell
@@ -196,6 +213,7 @@ def assemble(
     if is_server:
         checkpoint.save_config(run_dir, config.sections())
         parts.recorder = recorder_for(config, run_dir, deferred_wandb=grid)
+        parts.recorder.process["device"] = str(device)  # the one used, whatever the config asked
         parts.recorder.privacy = privacy_ledger(config, algorithm, users)
     return parts
 

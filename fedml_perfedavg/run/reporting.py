@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+import torch
+
 from ..algorithms.registry import method_choices
 from ..core.evaluation import ACCURACY, ACCURACY_BEFORE, EvaluationResult, accuracy_of
 from ..core.privacy import PrivacyLedger, ReportedPrivacy
@@ -162,10 +164,12 @@ def log_per_user(round_idx: int, result: EvaluationResult, metrics: Dict[str, An
 
 
 def this_process() -> Dict[str, Any]:
-    """Who writes a record: `show` tells a live run from one whose process died without a word."""
+    """Who writes a record: `show` tells a live run from one whose process died without a word; the
+    torch threads, on which some CPU kernels' float order depends (docs/backends.md)."""
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "torch_threads": torch.get_num_threads(),
         "started": time.time(),
         "start_ticks": process_start_ticks(os.getpid()),
     }

@@ -1,6 +1,8 @@
 """Checkpoints: a damaged one falls back, a resumed run equals an uninterrupted one, and a
 seed gives bit-identical results."""
 
+import json
+
 import pytest
 import torch
 
@@ -96,3 +98,10 @@ def test_a_stopped_runs_last_line_says_how_many_of_its_rounds_ran(tmp_path, monk
     with caplog.at_level("INFO", logger="fedml_perfedavg"), pytest.raises(KeyboardInterrupt):
         run(tiny_config(frequency_of_the_test=1), str(tmp_path / "run"), data=tiny_data())
     assert "evaluated after round 1; 2 of 6 rounds run (interrupted)" in caplog.text, caplog.text[-2000:]
+
+
+def test_the_record_names_the_device_and_the_torch_threads_the_run_used(tmp_path):
+    result = run(tiny_config(comm_round=1), str(tmp_path / "run"), data=tiny_data())
+    process = json.loads((tmp_path / "run" / "summary.json").read_text())["process"]
+    assert process["device"] == "cpu" and process["torch_threads"] == torch.get_num_threads()
+    assert result.summary["process"] == process

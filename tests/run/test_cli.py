@@ -101,6 +101,24 @@ def test_a_failed_start_leaves_no_run_directory(tmp_path, capsys):
     assert kept.exists()
 
 
+@pytest.mark.parametrize("build", [None, "12.8"])
+def test_using_gpu_where_torch_has_no_cuda_device_is_refused_at_start(tmp_path, capsys, monkeypatch, build):
+    """It once trained on the CPU, FedML saying only "ML engine install was not built with GPU
+    enabled", and summary.json recorded using_gpu: True."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", build)
+    run_dir = tmp_path / "run"
+    yaml = str(REPO / "yaml_configs" / "quickstart_mnist_hf.yaml")
+    assert main(["--cf", yaml, "--set", "using_gpu=true", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "device_args.using_gpu=True: this torch (" in err and "so the run would train on the CPU" in err
+    assert ("is a CPU build" if build is None else "CUDA 12.8) sees no CUDA device") in err
+    assert "docs/fedml.md, 'On a CUDA machine'" in err
+    assert not run_dir.exists()
+
+
 def _summary(**overrides):
     summary = {
         "status": "finished",
