@@ -81,9 +81,42 @@ def check_layout(config: Config, args: Any) -> None:
             f"{config.client_num_per_round + 1})"
         )
     check_one_process(config)
+    check_extras(config)
     check_device(config)
     if config.training_type == "cross_silo":
         check_silo_role(config, int(args.rank), str(args.role))
+
+
+#: The modules each of the plugin's extras (setup.py) brings, by what a config asks for.
+EXTRA_MODULES = {
+    "silo": ("grpc", "cryptography", "safetensors", "Crypto"),
+    "mpi": ("mpi4py",),
+    "dp": ("opacus",),
+}
+
+
+def check_extras(config: Config) -> None:
+    """:class:`ConfigError` naming the extra to install where the config needs one whose modules
+    are missing (a plain ``pip install .`` brings none), before the run fails deep inside with a
+    ModuleNotFoundError."""
+    import importlib.util
+
+    needs = []
+    if config.training_type == "cross_silo":
+        needs.append(("silo", f"common_args.training_type={config.training_type!r}"))
+    if config.backend == "MPI":
+        needs.append(("mpi", f"comm_args.backend={config.backend!r}"))
+    if config.privacy is not None:
+        needs.append(("dp", "dp_args.dp_solution_type='dpsgd'"))
+    for extra, because in needs:
+        missing = [m for m in EXTRA_MODULES[extra] if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ConfigError(
+                f"{because} needs the plugin's {extra!r} extra, and {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not installed here: pip install -c constraints.txt "
+                f"'fedml-perfedavg[{extra}]' (from a checkout: pip install -c constraints.txt '.[{extra}]'; "
+                f"make setup installs every extra)"
+            )
 
 
 def check_device(config: Config) -> None:

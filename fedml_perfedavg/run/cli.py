@@ -172,11 +172,12 @@ def _main(argv: List[str]) -> int:
             logs.use_console(args.log_level)
             print(describe_data(config))
             return 0
-        from .assembly import check_device, check_one_process
+        from .assembly import check_device, check_extras, check_one_process
         from .runner import fedml_args, run_fedml_main
         from ..stopping import sigterm_as_interrupt
 
         check_one_process(config)  # before any process resolves or creates the run directory
+        check_extras(config)
         check_device(config)
         if config.training_type == "cross_silo" or args.role is not None:
             from .silo_roles import check_silo_role

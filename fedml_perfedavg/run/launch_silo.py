@@ -182,6 +182,9 @@ def launch(
     given.update(parse_overrides(overrides))
     make_certs = not given.get("tls_dir") and not given.get("insecure")
     config = load(config_path, [*overrides, "tls_dir=made-below"] if make_certs else overrides)
+    from .assembly import check_extras
+
+    check_extras(config)  # here, before the certificates (cryptography) and the processes
     clients = config.silo_count if clients is None else clients
     if clients != config.silo_count:
         if config.own_data:

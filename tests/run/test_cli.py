@@ -119,6 +119,47 @@ def test_using_gpu_where_torch_has_no_cuda_device_is_refused_at_start(tmp_path, 
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize(
+    "sets, extra, missing",
+    [
+        pytest.param(  # looks gRPC up, which a fast test may not
+            ["training_type=cross_silo", "backend=GRPC", "tls_dir=/nowhere"],
+            "silo",
+            "safetensors",
+            marks=pytest.mark.backend,
+        ),
+        (["backend=MPI"], "mpi", "mpi4py"),
+        (
+            [
+                "dp_args.enable_dp=true",
+                "dp_args.dp_solution_type=dpsgd",
+                "dp_args.noise_multiplier=1",
+                "dp_args.max_grad_norm=1",
+                "dp_args.delta=1e-5",
+            ],
+            "dp",
+            "opacus",
+        ),
+    ],
+)
+def test_a_run_whose_extra_is_not_installed_is_refused_naming_the_extra(
+    tmp_path, capsys, monkeypatch, sets, extra, missing
+):
+    """A plain `pip install .` brings no extra: cross-silo once failed deep inside with
+    "ModuleNotFoundError: safetensors" (issue 55, item 9)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
+    run_dir = tmp_path / "run"
+    yaml = str(REPO / "yaml_configs" / "quickstart_mnist_hf.yaml")
+    assert main(["--cf", yaml, *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"needs the plugin's {extra!r} extra, and {missing} is not installed here" in err, err
+    assert f"pip install -c constraints.txt 'fedml-perfedavg[{extra}]'" in err
+    assert not run_dir.exists()
+
+
 def _summary(**overrides):
     summary = {
         "status": "finished",
