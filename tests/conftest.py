@@ -10,6 +10,21 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+def _worker_ports() -> None:
+    """Under pytest-xdist, each worker's launches choose ports from a range of their own (2,000
+    ports from 12000 up, below the kernel's ephemeral range), inherited by every process a test
+    starts: two tests side by side can never pick the same port."""
+    from fedml_perfedavg.fedml_bridge.cross_silo.addresses import PORTS_VARIABLE
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        low = 12000 + 2000 * (int(worker[2:]) % 10)
+        os.environ[PORTS_VARIABLE] = f"{low}-{low + 1999}"
+
+
+_worker_ports()
+
+
 # Whole tests that are slow by what they do (real MNIST, generated CIFAR files, whole grids).
 SLOW_FIXTURES = {"mnist_root", "fake_cifar_root"}
 

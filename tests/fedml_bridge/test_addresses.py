@@ -4,7 +4,16 @@ ephemeral range, so no outgoing connection on the machine can take one before it
 
 import socket
 
-from fedml_perfedavg.fedml_bridge.cross_silo.addresses import ephemeral_range, free_ports, read_ipconfig, write_ipconfig
+import pytest
+
+from fedml_perfedavg.core.errors import ConfigError
+from fedml_perfedavg.fedml_bridge.cross_silo.addresses import (
+    PORTS_VARIABLE,
+    ephemeral_range,
+    free_ports,
+    read_ipconfig,
+    write_ipconfig,
+)
 
 
 def test_chosen_ports_are_free_distinct_and_outside_the_ephemeral_range(tmp_path):
@@ -21,7 +30,8 @@ def test_chosen_ports_are_free_distinct_and_outside_the_ephemeral_range(tmp_path
     assert all(not ephemeral[0] <= port <= ephemeral[1] for _, port in read_ipconfig(path, 3).values())
 
 
-def test_a_port_in_use_is_not_chosen_and_a_full_range_falls_back_to_the_kernels_choice():
+def test_a_port_in_use_is_not_chosen_and_a_full_range_falls_back_to_the_kernels_choice(monkeypatch):
+    monkeypatch.delenv(PORTS_VARIABLE, raising=False)  # the ephemeral window alone decides here
     window = (10010, 65535)  # leaves ten ports outside: 10000-10009
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 10003))
@@ -30,3 +40,24 @@ def test_a_port_in_use_is_not_chosen_and_a_full_range_falls_back_to_the_kernels_
             assert 10000 <= port <= 10009 and port != 10003
         assert free_ports(2, ephemeral=(1024, 65535))[0] != 10003  # nothing outside: the kernel's choice
     assert ephemeral_range("/nonexistent") is None
+
+
+def test_the_ports_variable_keeps_every_choice_in_its_range(monkeypatch):
+    """A firewall's open range, or a test worker's own: nothing outside it, a taken port never."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        monkeypatch.setenv(PORTS_VARIABLE, f"{port}-{port + 3}")
+        for _ in range(10):
+            ports = free_ports(3)
+            assert len(set(ports)) == 3 and all(port < p <= port + 3 for p in ports), ports
+        monkeypatch.setenv(PORTS_VARIABLE, f"{port}-{port}")
+        with pytest.raises(ConfigError, match=rf"{PORTS_VARIABLE}='{port}-{port}': fewer than 1 free ports in it"):
+            free_ports(1)
+
+
+@pytest.mark.parametrize("value", ["20000", "30000-20000", "80-90", "a-b", "20000-70000"])
+def test_a_malformed_ports_variable_is_refused_naming_it(monkeypatch, value):
+    monkeypatch.setenv(PORTS_VARIABLE, value)
+    with pytest.raises(ConfigError, match=rf"{PORTS_VARIABLE}='{value}': must be LOW-HIGH"):
+        free_ports(1)

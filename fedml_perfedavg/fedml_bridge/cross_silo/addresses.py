@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import ipaddress
+import os
 import random
 import socket
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -31,11 +32,39 @@ def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> Optional[Tuple[int, int
     return low, high
 
 
+#: ``LOW-HIGH``: the ports that launch-silo may choose (a firewall's open range; each pytest-xdist
+#: worker's own, so that two tests' launches never pick the same port).
+PORTS_VARIABLE = "FEDML_PERFEDAVG_PORTS"
+
+
+def allowed_ports(value: Optional[str]) -> Optional[Tuple[int, int]]:
+    """(low, high) of :data:`PORTS_VARIABLE`'s ``LOW-HIGH``, or None where it is unset or empty."""
+    if not value:
+        return None
+    low, _, high = value.partition("-")
+    try:
+        bounds = int(low), int(high)
+    except ValueError:
+        bounds = (0, -1)
+    if not 1024 <= bounds[0] <= bounds[1] <= 65535:
+        raise ConfigError(f"{PORTS_VARIABLE}={value!r}: must be LOW-HIGH, two ports with 1024 <= LOW <= HIGH <= 65535")
+    return bounds
+
+
 def free_ports(count: int, host: str = "127.0.0.1", ephemeral: Optional[Tuple[int, int]] = None) -> List[int]:
     """``count`` distinct TCP ports that are free on ``host`` right now, chosen outside the
     kernel's ephemeral range where it can be read. A port from that range, once released, can
     become the local end of any outgoing connection on the machine before its rank binds it (the
-    run's own connections, or an outsider's hundreds: a launch then failed with "in use")."""
+    run's own connections, or an outsider's hundreds: a launch then failed with "in use"). With
+    :data:`PORTS_VARIABLE` set, only from its range: :class:`ConfigError` where too few are free."""
+    allowed = allowed_ports(os.environ.get(PORTS_VARIABLE))
+    if allowed is not None:
+        chosen = _bindable(
+            random.SystemRandom().sample(range(allowed[0], allowed[1] + 1), allowed[1] - allowed[0] + 1), count, host
+        )
+        if chosen is None:
+            raise ConfigError(f"{PORTS_VARIABLE}={os.environ[PORTS_VARIABLE]!r}: fewer than {count} free ports in it")
+        return chosen
     ephemeral = ephemeral if ephemeral is not None else ephemeral_range()
     if ephemeral is not None:
         low, high = ephemeral
