@@ -90,17 +90,31 @@ def interrupt_if_stopping() -> None:
         raise KeyboardInterrupt
 
 
+_RECORDED_STOP: List[str] = []  # the line that says where a stopped run's record is
+
+
+def note_recorded_stop(line: str) -> None:
+    """The run layer wrote what a stopped run measured: a KeyboardInterrupt that then reaches the
+    top of a FedML user's main script prints ``line`` instead of a traceback of wherever the signal
+    landed, which helps nobody (the plugin's command line prints the same line itself)."""
+    _RECORDED_STOP[:] = [line]
+
+
 def _exit_as_signalled(hook: Any) -> Any:
     """``sys.excepthook`` for a FedML user's main script: a run stopped by a signal ends the process
     by that signal, after the usual traceback, whatever exception reached the top. Python itself
     does so only for a KeyboardInterrupt after SIGINT: a SIGTERM would end as -2 (as if Ctrl-C), and
     an interrupt that landed in code turning it into an error of its own (a library's cleanup)
-    would end as exit status 1, which a launcher reads as a failure."""
+    would end as exit status 1, which a launcher reads as a failure. A KeyboardInterrupt after the
+    run recorded its stop prints that one line (:func:`note_recorded_stop`), not a traceback."""
 
     @functools.wraps(hook)
     def excepthook(kind, value, traceback):
         try:
-            hook(kind, value, traceback)  # FedML's reports the error to its MLOps first, which may fail
+            if issubclass(kind, KeyboardInterrupt) and _RECORDED_STOP:
+                print(_RECORDED_STOP[0], file=sys.stderr)
+            else:
+                hook(kind, value, traceback)  # FedML's reports the error to its MLOps first, which may fail
         finally:
             signum = _STOP_SIGNAL[0]
             if STOP_SIGNALLED.is_set() and not (issubclass(kind, KeyboardInterrupt) and signum == signal.SIGINT):

@@ -31,7 +31,13 @@ from ..core.types import StateDict
 from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
 from .. import logs
-from ..stopping import STOP_SIGNALLED, exit_as_signalled, sigterm_as_interrupt, stopped_exit_code
+from ..stopping import (
+    STOP_SIGNALLED,
+    exit_as_signalled,
+    note_recorded_stop,
+    sigterm_as_interrupt,
+    stopped_exit_code,
+)
 from . import checkpoint
 from .files import make_dir, write_torch
 from .config import BY_NAME, Config, check_scenario, field_default, load_yaml
@@ -483,6 +489,9 @@ class PluginRun:
             raise
         except KeyboardInterrupt:
             self.finish(status="interrupted", error="interrupted (SIGINT or SIGTERM)")
+            record = os.path.join(self.run_dir, "summary.json")
+            where = f"; what was measured so far is in {record}" if self.is_server and os.path.isfile(record) else ""
+            note_recorded_stop(f"fedml-perfedavg: interrupted{where}")
             self._end_every_rank("interrupted", stopped_exit_code())
             raise
         except BaseException as err:  # any other end is recorded too: `running` only while a process lives

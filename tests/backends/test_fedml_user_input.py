@@ -82,6 +82,9 @@ def test_fedml_main_script_stopped_by_a_signal_keeps_its_record(mnist_root, tmp_
     process.send_signal(how)
     out, _ = process.communicate(timeout=60)
     assert process.returncode == -how, out[-4000:]  # the process ends by the signal it was sent, as without the plugin
+    # one line says where the record is, where a traceback of wherever the signal landed once followed
+    assert f"fedml-perfedavg: interrupted; what was measured so far is in {run_dir}/summary.json" in out, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["rounds"] >= 4, out[-3000:]
     model = torch.load(run_dir / "model.pt", weights_only=True)
