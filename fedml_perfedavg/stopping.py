@@ -44,6 +44,21 @@ _STOP_SIGNAL: List[int] = [signal.SIGINT]  # which one (the first)
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+# A process's exit status, for monitoring (README, "Exit codes"): every process of one run ends
+# with the same code for the same end, the server's and each silo's alike.
+EXIT_FINISHED = 0  # every round ran
+EXIT_FAILED = 1  # an error ended it (or this silo could not take part)
+EXIT_REFUSED = 2  # refused at start: the config, an input or the run folder, named on stderr
+EXIT_STOPPED = 3  # the server stopped the run early by its rules (divergence, rounds without an update)
+
+
+def exit_code_of(status: str) -> int:
+    """The exit status of a process whose part of the run ended with ``status`` (summary.json's)."""
+    if status == "interrupted":
+        return stopped_exit_code()
+    return {"finished": EXIT_FINISHED, "stopped": EXIT_STOPPED}.get(status, EXIT_FAILED)
+
+
 def exit_status(signum: int) -> int:
     """As the shell reports a process ended by ``signum``: 130 for SIGINT, 143 for SIGTERM."""
     return 128 + int(signum)

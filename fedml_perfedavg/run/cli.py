@@ -24,6 +24,7 @@ from ..core.errors import ConfigError, DivergenceError, OutputError, RunStopped
 from .config import Config, load
 from .options import add_config_options
 from .. import logs
+from ..stopping import EXIT_STOPPED, exit_code_of
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,7 +193,7 @@ def _main(argv: List[str]) -> int:
                 fedml_args(config, run_dir, bool(args.resume), args.rank, args.role, str(args.run_id))
             )
         if result.summary.get("role") == "client":  # an MPI client rank or a silo: the server reports
-            return 0
+            return exit_code_of(result.summary["status"])  # a run the server stopped is no success here either
         print(
             f"personalized_accuracy={result.summary['personalized_accuracy']:.4f} "
             f"accuracy_before_adaptation={result.summary['accuracy_before_adaptation']:.4f} "
@@ -208,7 +209,7 @@ def _main(argv: List[str]) -> int:
         return 1
     except (DivergenceError, RunStopped) as err:
         print(f"fedml-perfedavg: run stopped: {err}{_record_of(run_dir, 'what was measured')}", file=sys.stderr)
-        return 1
+        return EXIT_STOPPED
     except KeyboardInterrupt:
         print(f"fedml-perfedavg: interrupted{_record_of(run_dir, 'what was measured so far')}", file=sys.stderr)
         from ..stopping import stopped_exit_code

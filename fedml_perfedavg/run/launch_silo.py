@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence
 from ..core.errors import ConfigError, OutputError
 from ..fedml_bridge.cross_silo.credentials import make_certificates
 from .. import logs
-from ..stopping import StopRequested, StopSignals
+from ..stopping import EXIT_STOPPED, StopRequested, StopSignals
 from .options import add_config_options
 from .config import load, load_yaml, parse_overrides
 from .files import write_json
@@ -373,6 +373,11 @@ def _exit_code(processes: Dict[int, subprocess.Popen], return_code: int, run_dir
     if return_code in (130, 143) and all(code in stopped for code in failed.values()):
         logger.info("every process stopped as asked; what was measured is in %s", run_dir)
         return return_code
+    if return_code == 0 and failed and set(failed.values()) == {EXIT_STOPPED}:
+        logger.warning(
+            "the server stopped the run early (exit code %d); what was measured is in %s", EXIT_STOPPED, run_dir
+        )
+        return EXIT_STOPPED
     for rank, code in failed.items():
         logger.error("%s exited with code %s", _name(rank), code)
     if return_code == 0 and not failed:

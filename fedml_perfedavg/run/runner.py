@@ -32,6 +32,7 @@ from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
 from .. import logs
 from ..stopping import (
+    EXIT_STOPPED,
     STOP_SIGNALLED,
     exit_as_signalled,
     note_recorded_stop,
@@ -424,6 +425,9 @@ class PluginRun:
         """The server writes model.pt (the last global model, also of a stopped run) and summary.json.
         If model.pt cannot be written, summary.json says ``failed`` and why, and the error is raised."""
         if not self.is_server:
+            outcome = getattr(self.backend, "outcome", None)
+            if status == "finished" and outcome is not None and outcome.ended_early:
+                status, error = "stopped", outcome.ended_early  # the server's reason: the run did not finish
             if self.config.training_type == "cross_silo" and self.config.own_data and self.backend.outcome is not None:
                 from .silo_record import write_silo_record
 
@@ -485,7 +489,7 @@ class PluginRun:
             yield
         except (DivergenceError, RunStopped) as err:
             self.finish(status="stopped", error=str(err))
-            self._end_every_rank(f"run stopped: {err}", 1)
+            self._end_every_rank(f"run stopped: {err}", EXIT_STOPPED)
             raise
         except KeyboardInterrupt:
             self.finish(status="interrupted", error="interrupted (SIGINT or SIGTERM)")
