@@ -369,7 +369,8 @@ def _launch(
 def _exit_code(processes: Dict[int, subprocess.Popen], return_code: int, run_dir: str) -> int:
     """The launcher's exit status, naming every process that failed (one stopped as asked did not)."""
     failed = {rank: p.returncode for rank, p in sorted(processes.items()) if p.returncode != 0}
-    stopped = (130, 143, -signal.SIGTERM, -signal.SIGINT)  # how a process ends when told to stop
+    # how a process ends when told to stop: by the signal, or a silo told by its stopping server first
+    stopped = (130, 143, -signal.SIGTERM, -signal.SIGINT, EXIT_STOPPED)
     if return_code in (130, 143) and all(code in stopped for code in failed.values()):
         logger.info("every process stopped as asked; what was measured is in %s", run_dir)
         return return_code
