@@ -430,7 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
-    logs.use_console("INFO")
+    with logs.as_found_afterwards():
+        logs.use_console("INFO")
+        return _launch_reporting_errors(args)
+
+
+def _launch_reporting_errors(args: argparse.Namespace) -> int:
     try:
         return launch(args.config, args.overrides, args.clients, args.run_dir, args.server_delay)
     except (ConfigError, FileNotFoundError) as err:

@@ -157,7 +157,12 @@ def main(argv: Sequence[str]) -> int:
     from .. import logs
 
     args = build_parser().parse_args(list(argv))
-    logs.use_console("INFO")
+    with logs.as_found_afterwards():
+        logs.use_console("INFO")
+        return _export(args)
+
+
+def _export(args: argparse.Namespace) -> int:
     try:
         # An export reads the split's keys alone (SPLIT_KEYS): the cross-silo YAML's transport rules
         # (TLS, the address file) are for the hosts that run, not for the trusted machine.
