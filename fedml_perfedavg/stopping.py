@@ -59,6 +59,14 @@ def exit_code_of(status: str) -> int:
     return {"finished": EXIT_FINISHED, "stopped": EXIT_STOPPED}.get(status, EXIT_FAILED)
 
 
+def stop_exit_code(err: BaseException) -> int:
+    """A run that raised ``err`` (the run layer's stop): this process failed (a cross-silo peer
+    gone, its port taken: :class:`SiloFailure`), or the server's rules stopped the run."""
+    from .core.errors import SiloFailure
+
+    return EXIT_FAILED if isinstance(err, SiloFailure) else EXIT_STOPPED
+
+
 def exit_status(signum: int) -> int:
     """As the shell reports a process ended by ``signum``: 130 for SIGINT, 143 for SIGTERM."""
     return 128 + int(signum)

@@ -24,7 +24,7 @@ from ..core.errors import ConfigError, DivergenceError, OutputError, RunStopped
 from .config import Config, load
 from .options import add_config_options
 from .. import logs
-from ..stopping import EXIT_STOPPED, exit_code_of
+from ..stopping import exit_code_of, stop_exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,7 +209,7 @@ def _main(argv: List[str]) -> int:
         return 1
     except (DivergenceError, RunStopped) as err:
         print(f"fedml-perfedavg: run stopped: {err}{_record_of(run_dir, 'what was measured')}", file=sys.stderr)
-        return EXIT_STOPPED
+        return stop_exit_code(err)
     except KeyboardInterrupt:
         print(f"fedml-perfedavg: interrupted{_record_of(run_dir, 'what was measured so far')}", file=sys.stderr)
         from ..stopping import stopped_exit_code

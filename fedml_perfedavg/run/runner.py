@@ -32,11 +32,11 @@ from ..data.loading import DATASETS, FederatedData, load_federated
 from ..data.partition import PARTITIONS
 from .. import logs
 from ..stopping import (
-    EXIT_STOPPED,
     STOP_SIGNALLED,
     exit_as_signalled,
     note_recorded_stop,
     sigterm_as_interrupt,
+    stop_exit_code,
     stopped_exit_code,
 )
 from . import checkpoint
@@ -489,7 +489,7 @@ class PluginRun:
             yield
         except (DivergenceError, RunStopped) as err:
             self.finish(status="stopped", error=str(err))
-            self._end_every_rank(f"run stopped: {err}", EXIT_STOPPED)
+            self._end_every_rank(f"run stopped: {err}", stop_exit_code(err))
             raise
         except KeyboardInterrupt:
             self.finish(status="interrupted", error="interrupted (SIGINT or SIGTERM)")

@@ -152,7 +152,8 @@ def test_killed_silo_costs_seconds_with_the_default_timeouts_and_is_recorded(mni
         assert "fewer than comm_args.min_clients_per_round=2" in summary["error"]
         assert summary["rounds"] < rounds and summary["headline_round"] == summary["rounds"] - 1
         assert (run_dir / "model.pt").exists()
-        assert "the server exited with code 3" in out  # stopped early by its rules (README, "Exit codes")
+        assert "the server exited with code 1" in out  # failed: too few silos (README, "Exit codes")
+        assert "silo rank 1 exited with code 3" in out  # the live silo: its server ended the run early
         assert ended_after < waited + 30  # the deadline, then the server and the live silo end
     assert launched_alive(run_dir) == []
 
