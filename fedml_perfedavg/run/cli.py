@@ -25,6 +25,7 @@ from .config import Config, load
 from .options import add_config_options
 from .. import logs
 from ..stopping import exit_code_of, stop_exit_code
+from .files import record_of
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,14 +68,6 @@ def describe_data(config) -> str:
         detail = " ".join(f"{c}:{tr}/{te}" for c, (tr, te) in counts.items())
         lines.append(f"{user_id:4d}  {train:5d}  {test:4d}  {detail}")
     return "\n".join(lines)
-
-
-def _record_of(run_dir: Optional[str], what: str) -> str:
-    """ "; <what> is in RUN_DIR/summary.json" where this process's run wrote one (a silo, or a run
-    that stopped before it started, has none)."""
-    if run_dir and os.path.isfile(os.path.join(run_dir, "summary.json")):
-        return f"; {what} is in {run_dir}/summary.json"
-    return ""
 
 
 def _already_finished(run_dir: str, comm_round: int) -> bool:
@@ -208,10 +201,10 @@ def _main(argv: List[str]) -> int:
         print(f"fedml-perfedavg: error: {err}", file=sys.stderr)
         return 1
     except (DivergenceError, RunStopped) as err:
-        print(f"fedml-perfedavg: run stopped: {err}{_record_of(run_dir, 'what was measured')}", file=sys.stderr)
+        print(f"fedml-perfedavg: run stopped: {err}{record_of(run_dir, 'what was measured')}", file=sys.stderr)
         return stop_exit_code(err)
     except KeyboardInterrupt:
-        print(f"fedml-perfedavg: interrupted{_record_of(run_dir, 'what was measured so far')}", file=sys.stderr)
+        print(f"fedml-perfedavg: interrupted{record_of(run_dir, 'what was measured so far')}", file=sys.stderr)
         from ..stopping import stopped_exit_code
 
         return stopped_exit_code()

@@ -18,6 +18,15 @@ import yaml
 
 from ..core.errors import OutputError
 
+
+def record_of(run_dir: Optional[str], what: str) -> str:
+    """ "; <what> is in RUN_DIR/summary.json" where this process's run wrote one (a silo, or a run
+    that stopped before it started, has none)."""
+    if run_dir and os.path.isfile(os.path.join(run_dir, "summary.json")):
+        return f"; {what} is in {run_dir}/summary.json"
+    return ""
+
+
 _WHY = {
     errno.ENOSPC: "the disk is full",
     errno.EDQUOT: "the disk quota is used up",

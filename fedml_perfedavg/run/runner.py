@@ -40,7 +40,7 @@ from ..stopping import (
     stopped_exit_code,
 )
 from . import checkpoint
-from .files import make_dir, write_torch
+from .files import make_dir, record_of, write_torch
 from .config import BY_NAME, Config, check_scenario, field_default, load_yaml
 from .fedml_args import check_algorithm_name, from_fedml_args, to_fedml_args, transport_values
 from .assembly import assemble, backend_for, check_layout, driver_for, resumable
@@ -428,10 +428,10 @@ class PluginRun:
             outcome = getattr(self.backend, "outcome", None)
             if status == "finished" and outcome is not None and outcome.ended_early:
                 status, error = "stopped", outcome.ended_early  # the server's reason: the run did not finish
-            if self.config.training_type == "cross_silo" and self.config.own_data and self.backend.outcome is not None:
+            if self.config.training_type == "cross_silo" and self.config.own_data and outcome is not None:
                 from .silo_record import write_silo_record
 
-                algorithm, outcome = self.parts.algorithm, self.backend.outcome
+                algorithm = self.parts.algorithm
                 own_state = algorithm.client_states.get(outcome.user) if outcome.user is not None else None
                 record = write_silo_record(
                     self.run_dir, self.rank, outcome, self.parts.trainer.personalized, status, error, own_state
@@ -493,8 +493,7 @@ class PluginRun:
             raise
         except KeyboardInterrupt:
             self.finish(status="interrupted", error="interrupted (SIGINT or SIGTERM)")
-            record = os.path.join(self.run_dir, "summary.json")
-            where = f"; what was measured so far is in {record}" if self.is_server and os.path.isfile(record) else ""
+            where = record_of(self.run_dir, "what was measured so far") if self.is_server else ""
             note_recorded_stop(f"fedml-perfedavg: interrupted{where}")
             self._end_every_rank("interrupted", stopped_exit_code())
             raise

@@ -57,10 +57,8 @@ def write_silo_record(
     error: Optional[str],
     client_state: Optional[StateDict] = None,
 ) -> Dict[str, Any]:
-    """Write silo ``rank``'s record (see the module doc) and return its summary. A run the
-    server ended early is ``stopped`` here, with the server's reason."""
-    if status == "finished" and outcome.ended_early:
-        status, error = "stopped", outcome.ended_early
+    """Write silo ``rank``'s record (see the module doc) and return its summary (``status``: a
+    run the server ended early comes as ``stopped``, with the server's reason: the runner's)."""
     folder = os.path.join(run_dir, f"silo-rank-{rank}")
     make_dir(folder)
     history = [_figures(counts) for counts in outcome.evaluations]
