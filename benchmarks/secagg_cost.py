@@ -113,8 +113,8 @@ def ours_in_process(silos: int, length: int) -> dict:
         read = lambda name: open(os.path.join(tls, name), "rb").read()  # noqa: E731
         keys = {r: (read(f"rank-{r}.pem"), read(f"rank-{r}.key")) for r in ranks}
     parties = {r: SiloRound("run", 0, r, t, lambda data, k=keys[r][1]: sign(k, data), keys[r][0]) for r in ranks}
-    server = ServerRound(0, ranks, t, length)
-    seconds = {"advertise": 0.0, "share_keys": 0.0, "masked": 0.0, "unmask": 0.0}
+    server = ServerRound(0, ranks, t, length, run_id="run")
+    seconds = {"advertise": 0.0, "share_keys": 0.0, "masked": 0.0, "consistency": 0.0, "unmask": 0.0}
     generator = np.random.default_rng(0)
 
     def timed(stage, call):
@@ -134,7 +134,10 @@ def ours_in_process(silos: int, length: int) -> dict:
         server.take_masked(r, masked)
     survivors = server.close_masked()
     for r in survivors:
-        server.take_unmasking(r, timed("unmask", lambda r=r: parties[r].unmask(survivors)))
+        server.take_signature(r, timed("consistency", lambda r=r: parties[r].sign_survivors(survivors)))
+    server.close_signatures()
+    for r in survivors:
+        server.take_unmasking(r, timed("unmask", lambda r=r: parties[r].unmask(survivors, server.signatures)))
     start = time.perf_counter()
     server.total()
     unmask = time.perf_counter() - start

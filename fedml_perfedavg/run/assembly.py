@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -523,6 +523,9 @@ def silo_setup(parts: RunParts) -> Any:
         RoundSchedule.from_config(config).evaluates if config.privacy is not None and not config.own_data else None,
         parts.algorithm.metric_names,
         silo_outcome(parts, values) if config.own_data and not parts.is_server else None,
+        str(getattr(parts.args, "run_id", "0")),
+        silo_rules(config, rank),
+        silo_schedule(parts),
     )
 
 
@@ -549,4 +552,31 @@ def secure_threshold(config: Any) -> Optional[int]:
         return None
     from ..secagg.rounds import default_threshold
 
-    return int(config.reconstruction_threshold or default_threshold(config.client_num_per_round))
+    return int(
+        config.reconstruction_threshold or default_threshold(config.client_num_per_round, config.max_colluding_silos)
+    )
+
+
+def silo_rules(config: Any, rank: int) -> Optional[Any]:
+    """What a data owner's silo enforces of each secure round itself (None: no secure aggregation,
+    or the server)."""
+    threshold = secure_threshold(config)
+    if threshold is None or rank == 0:
+        return None
+    from ..secagg.rounds import SiloRules
+
+    return SiloRules(threshold, config.max_colluding_silos, config.min_summed_silos)
+
+
+def silo_schedule(parts: RunParts) -> Optional[Callable[[int], List[int]]]:
+    """A data owner's silo's copy of the keyed schedule (the algorithm's own sampling, keyed by
+    (seed, round) as the server's): round -> the silo ranks it samples (user u is silo u + 1);
+    None for the server and in shared mode."""
+    if parts.is_server or not parts.config.own_data:
+        return None
+    algorithm = parts.algorithm
+
+    def scheduled(round_idx: int) -> List[int]:
+        return [user + 1 for user in algorithm.sample_clients(round_idx)]
+
+    return scheduled

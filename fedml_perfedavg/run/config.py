@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import yaml
 
-from ..algorithms.base import AGGREGATIONS, DIVERGENCE_POLICIES
+from ..algorithms.base import AGGREGATIONS, DIVERGENCE_POLICIES, FederatedAlgorithm
 from ..algorithms.registry import (
     BUILTIN_ALGORITHMS,
     FEDML_OWN,
@@ -424,10 +424,24 @@ class SecAggArgs:
         int,
         None,
         "secure aggregation: the silos a round needs to the end (and the fewest whose shares rebuild "
-        "a secret; fewer colluding with the server learn nothing beyond the sum); default: a "
-        "majority of client_num_per_round",
+        "a secret; fewer colluding with the server learn nothing beyond the sum); must be above "
+        "(client_num_per_round + max_colluding_silos) / 2, which is the default's smallest value",
         rule=(lambda v: v >= 2, ">= 2"),
         optional=True,
+    )
+    max_colluding_silos: int = _setting(
+        int,
+        0,
+        "secure aggregation: the silos that may collude with the server, which each silo allows for "
+        "by refusing a threshold not above (the round's sampled silos + this) / 2",
+        rule=(lambda v: v >= 0, ">= 0"),
+    )
+    min_summed_silos: int = _setting(
+        int,
+        3,
+        "secure aggregation: the fewest silos a silo lets its input be summed with, itself included "
+        "(with 2, each would learn the other's update from the new model)",
+        rule=(lambda v: v >= 3, ">= 3 (two silos summed learn each other's update)"),
     )
 
 
@@ -760,16 +774,44 @@ def _rule_secagg(c: Config) -> None:
             f"{need}: train_args.federated_optimizer={c.federated_optimizer!r} sends back more than its "
             f"parameters (per-client statistics the server reads one by one); use PerFedAvg or FedAvgUpdate"
         )
+    algorithm = algorithm_class(c.federated_optimizer)
+    if algorithm.combine is not FederatedAlgorithm.combine:
+        raise ConfigError(
+            f"{need}: train_args.federated_optimizer={c.federated_optimizer!r} overrides combine "
+            f"({algorithm.__module__}.{algorithm.__qualname__}.combine), its own aggregation of the clients' "
+            f"updates; under secure aggregation the server holds only their weighted sum, so it could apply "
+            f"the plain weighted mean alone. Use an algorithm that aggregates by the mean, or secure "
+            f"aggregation off"
+        )
+    _rule_secagg_counts(c)
+
+
+def _rule_secagg_counts(c: Config) -> None:
+    """The numbers each silo enforces of a secure round (secagg/rounds.py ``SiloRules``), refused
+    at start rather than by every silo in every round."""
+    k, colluding, fewest = c.client_num_per_round, c.max_colluding_silos, c.min_summed_silos
+    if k < fewest:
+        raise ConfigError(
+            f"train_args.client_num_per_round={k!r}: with secagg_args.enable_secagg each round sums at least "
+            f"secagg_args.min_summed_silos={fewest} silos (with 2, each would learn the other's update from the "
+            f"new model; with 1, the sum is that silo's update). Allowed: client_num_per_round >= {fewest}"
+        )
     threshold = c.reconstruction_threshold
-    if threshold is not None and threshold > c.client_num_per_round:
+    if threshold is not None and threshold > k:
         raise ConfigError(
             f"secagg_args.reconstruction_threshold={threshold!r}: must be <= train_args.client_num_per_round "
-            f"({c.client_num_per_round}), the silos a round has"
+            f"({k}), the silos a round has"
         )
-    if c.client_num_per_round < 2:
+    if threshold is not None and 2 * threshold <= k + colluding:
         raise ConfigError(
-            f"{need}: train_args.client_num_per_round={c.client_num_per_round!r}: a sum of one silo's "
-            f"update is that update; secure aggregation needs at least 2 per round"
+            f"secagg_args.reconstruction_threshold={threshold!r}: must be above (client_num_per_round {k} + "
+            f"secagg_args.max_colluding_silos {colluding}) / 2, or a server (with that many silos) could rebuild "
+            f"both secrets of a silo and unmask its update. Allowed: {(k + colluding) // 2 + 1} to {k}"
+        )
+    if threshold is None and (k + colluding) // 2 + 1 > k:
+        raise ConfigError(
+            f"secagg_args.max_colluding_silos={colluding!r}: a threshold above (client_num_per_round {k} + "
+            f"{colluding}) / 2 would need more silos than a round has. Allowed: max_colluding_silos <= {k - 1}"
         )
 
 

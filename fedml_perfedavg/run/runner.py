@@ -437,8 +437,6 @@ class PluginRun:
                     self.run_dir, self.rank, outcome, self.parts.trainer.personalized, status, error, own_state
                 )
                 status, error = record["status"], record["error"]
-                if status in ("finished", "stopped") and self.parts.silo_progress is not None:
-                    self.parts.silo_progress.done()  # the run is over: a later process starts afresh
             return {"role": "client", "rank": self.rank, "status": status, "error": error}
         # The module the user handed FedMLRunner holds the final global model on every backend, as
         # after FedML's own FedAvg (the batched engine keeps its own state; FedML's loops train copies).

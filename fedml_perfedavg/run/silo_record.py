@@ -8,11 +8,13 @@ run's): ``silo-rank-R/`` in the silo's run directory, holding
   model whose accuracy it reported);
 - ``client_state.pt``: its user's own state, where the algorithm keeps one for each client
   (``keeps_client_state``): it never left the silo;
-- ``progress.pt``, while the run goes on: what the silo process has done so far (its evaluations,
-  its user's own state, its DP-SGD account of its user), kept after every round it trains and every
-  evaluation (:class:`SiloProgress`). A silo process started again in the same run directory (a
-  crash, a reboot: the same ``run_name`` or ``--run-dir``, ``--run_id`` and config) carries on from
-  it; a finished or stopped run removes it."""
+- ``progress.pt``: what the silo process has done so far (its evaluations, its user's own state,
+  its DP-SGD account of its user, the last round it trained and its answer to it, the survivor
+  list it last unmasked for), kept after every round it trains and every evaluation
+  (:class:`SiloProgress`). A silo process started again in the same run directory (a crash, a
+  reboot, the server's stop and resume: the same ``run_name`` or ``--run-dir``, ``--run_id`` and
+  config) carries on from it. The end of a run leaves it: it is the organization's account of
+  what its data has been used for, which no later process of the same run starts again from zero."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch
 from ..core.errors import ConfigError
 from ..core.evaluation import accuracy_of
 from ..core.types import StateDict
-from ..fedml_bridge.cross_silo.outcome import SiloOutcome
+from ..fedml_bridge.cross_silo.outcome import SiloOutcome, StoredAnswer
 from .files import make_dir, write_json, write_torch
 
 logger = logging.getLogger(__name__)
@@ -175,10 +177,18 @@ class SiloProgress:
                 raise ValueError("it holds a DP-SGD account; this run has no DP-SGD")
             self.ledger.load_state_dict(privacy)
         outcome.evaluations, outcome.trained_round = [dict(e) for e in evaluations], trained
+        answer, unmasked = saved.get("answer"), saved.get("unmasked")
+        if answer is not None:
+            outcome.answer = StoredAnswer(
+                int(answer["round"]), str(answer["model_digest"]), dict(answer["weights"]), int(answer["samples"])
+            )
+        if unmasked is not None:
+            outcome.unmasked = (int(unmasked[0]), tuple(int(r) for r in unmasked[1]))
 
     def save(self, outcome: SiloOutcome) -> None:
         """Keep what the silo has done so far (called as it trains and evaluates)."""
         state = self.algorithm.client_states.get(self.identity["user"]) if self.algorithm.keeps_client_state else None
+        answer = outcome.answer
         make_dir(self.folder)
         write_torch(
             self.path,
@@ -188,10 +198,14 @@ class SiloProgress:
                 "evaluations": [dict(e) for e in outcome.evaluations],
                 "client_state": None if state is None else {k: v.detach().cpu() for k, v in state.items()},
                 "privacy": None if self.ledger is None else self.ledger.state_dict(),
+                "answer": None
+                if answer is None
+                else {
+                    "round": answer.round_idx,
+                    "model_digest": answer.model_digest,
+                    "weights": {k: v.detach().cpu() for k, v in answer.weights.items()},
+                    "samples": answer.samples,
+                },
+                "unmasked": None if outcome.unmasked is None else [outcome.unmasked[0], list(outcome.unmasked[1])],
             },
         )
-
-    def done(self) -> None:
-        """The run is over for this silo (finished, or stopped by the server): nothing to carry on."""
-        if os.path.exists(self.path):
-            os.remove(self.path)

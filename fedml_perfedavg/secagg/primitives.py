@@ -139,6 +139,25 @@ def advert_payload(run_id: str, round_idx: int, rank: int, cipher_public: bytes,
     return b"|".join([b"pfa-secagg-keys", run_id.encode(), b"%d" % round_idx, b"%d" % rank, cipher_public, mask_public])
 
 
+def survivors_payload(run_id: str, round_idx: int, survivors: Sequence[int]) -> bytes:
+    """What a survivor signs in the consistency check (Bonawitz et al. 2017, section 4): the run,
+    the round and the survivor list it was given."""
+    ranks = b",".join(b"%d" % r for r in sorted(survivors))
+    return b"|".join([b"pfa-secagg-survivors", run_id.encode(), b"%d" % round_idx, ranks])
+
+
+def usable_public_key(public: bytes) -> bool:
+    """Whether ``public`` is an X25519 key that agrees with a fresh key to a non-zero secret (a
+    low-order point, the all-zero key among them, gives every party the same known secret)."""
+    if len(public) != KEY_BYTES:
+        return False
+    try:
+        X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(public))
+    except ValueError:
+        return False
+    return True
+
+
 _SHARE_HEADER = struct.Struct(">IIHH")  # sender, receiver, index of the b share, index of the key share
 
 

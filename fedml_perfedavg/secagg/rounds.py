@@ -10,9 +10,12 @@ The server learns the sum of the masked inputs of the silos that got through, no
     MASKED     with the shares addressed to it (their senders are U2): its encoded update plus the
                seed's mask plus, for every other silo j of U2, +mask(s_ij) if i < j else -mask(s_ij),
                s_ij agreed from the two mask keys; pairs cancel in the sum
-    UNMASK     with the silos whose masked input arrived (U3, at least t of them): for each j of U2,
-               the share of j's seed if j is in U3, else the share of j's mask key; never both, and
-               only once per round
+    CONSISTENCY with the silos whose masked input arrived (U3, at least t of them): each signs the
+               list U3 it was given (the paper's consistency check, section 4), once a round
+    UNMASK     with at least t valid signatures over that one list: for each j of U2, the share of
+               j's seed if j is in U3, else the share of j's mask key; never both, and only once per
+               round. A server that shows two silos two lists cannot gather t signatures over either
+               (t is more than half of the round's silos plus the colluders allowed for)
     sum        from any t answers the server rebuilds the seeds of U3 (checked against their
                commitments) and the mask keys of U2 - U3 (checked against their public keys),
                and takes their masks out
@@ -40,6 +43,9 @@ from .primitives import (
     SecAggError,
     Share,
     advert_payload,
+    survivors_payload,
+    usable_public_key,
+    verify,
     agree,
     combine_secret,
     decrypt,
@@ -62,15 +68,43 @@ class RoundFailed(SecAggError):
     """Too few silos are left to finish the round (or their shares do not rebuild): no model."""
 
 
-def default_threshold(sampled: int) -> int:
-    """A majority of the round's sampled silos (the server cannot obtain both secrets of any silo)."""
-    return sampled // 2 + 1
+def default_threshold(sampled: int, colluding: int = 0) -> int:
+    """The smallest t > (sampled + colluding) / 2: a server with ``colluding`` silos cannot
+    obtain both secrets of any silo, nor gather t signatures over two survivor lists."""
+    return (sampled + colluding) // 2 + 1
+
+
+@dataclass(frozen=True)
+class SiloRules:
+    """What a silo enforces of every securely aggregated round, whatever the server asks (its own
+    config's ``secagg_args``): the threshold, the colluding silos it allows for, and the fewest
+    silos its input is summed with (itself included)."""
+
+    threshold: int
+    max_colluding: int = 0
+    min_summed: int = 3
+
+    def problem_with(self, sampled: int, silos: int) -> Optional[str]:
+        """Why this silo will not take part in a round whose keyed schedule samples ``sampled``
+        silos, ``silos`` of which the server sent the model (None: it will)."""
+        if 2 * self.threshold <= sampled + self.max_colluding:
+            return (
+                f"the threshold {self.threshold} is not above half of the round's {sampled} sampled silos plus "
+                f"secagg_args.max_colluding_silos={self.max_colluding}: a server could rebuild both secrets of a silo"
+            )
+        if silos < self.min_summed:
+            return (
+                f"the round has {silos} silo(s); this silo's input is summed with at least "
+                f"secagg_args.min_summed_silos={self.min_summed} silos (fewer would learn each other's updates)"
+            )
+        return None
 
 
 @dataclass(frozen=True)
 class Advert:
-    """A silo's round keys: its public keys, its seed's commitment, its signature over them and
-    the certificate that signature is checked with."""
+    """A silo's round keys: its public keys, its seed's commitment, the digest of the round's terms
+    as it was given them (the model, the silos, the weights' basis: every silo checks that all
+    were given the same), its signature over them and the certificate that signature is checked with."""
 
     rank: int
     cipher_public: bytes
@@ -78,9 +112,10 @@ class Advert:
     seed_commitment: bytes
     signature: bytes
     certificate: bytes
+    terms_digest: bytes = bytes(32)
 
     def payload(self, run_id: str, round_idx: int) -> bytes:
-        keys = self.mask_public + self.seed_commitment
+        keys = self.mask_public + self.seed_commitment + self.terms_digest
         return advert_payload(run_id, round_idx, self.rank, self.cipher_public, keys)
 
 
@@ -100,7 +135,9 @@ CheckPeer = Callable[[Advert], Optional[str]]
 @dataclass
 class SiloRound:
     """Silo ``rank``'s part of round ``round_idx`` of run ``run_id`` with threshold ``threshold``;
-    ``sign`` signs with the silo's certificate key, ``certificate`` is that certificate (PEM)."""
+    ``sign`` signs with the silo's certificate key, ``certificate`` is that certificate (PEM);
+    ``terms_digest``: the round's terms as this silo was given them; ``min_summed``: the fewest
+    silos this silo lets its input be summed with (itself included)."""
 
     run_id: str
     round_idx: int
@@ -108,24 +145,33 @@ class SiloRound:
     threshold: int
     sign: Callable[[bytes], bytes]
     certificate: bytes
+    terms_digest: bytes = bytes(32)
+    min_summed: int = 2
     cipher: KeyPair = field(default_factory=KeyPair.generate)
     masks: KeyPair = field(default_factory=KeyPair.generate)
     seed: bytes = field(default_factory=lambda: os.urandom(SECRET_BYTES))
     adverts: Dict[int, Advert] = field(default_factory=dict)
     received: Dict[int, Tuple[Share, Share]] = field(default_factory=dict)  # sender -> (seed share, key share)
     unmasked: bool = False
+    signed: Optional[Tuple[int, ...]] = None  # the survivor list this silo signed
 
     def advertise(self) -> Advert:
-        unsigned = Advert(self.rank, self.cipher.public, self.masks.public, commitment(self.seed), b"", b"")
+        unsigned = Advert(
+            self.rank, self.cipher.public, self.masks.public, commitment(self.seed), b"", b"", self.terms_digest
+        )
         signature = self.sign(unsigned.payload(self.run_id, self.round_idx))
         return Advert(
-            self.rank, self.cipher.public, self.masks.public, unsigned.seed_commitment, signature, self.certificate
+            self.rank,
+            self.cipher.public,
+            self.masks.public,
+            unsigned.seed_commitment,
+            signature,
+            self.certificate,
+            self.terms_digest,
         )
 
     def share(self, adverts: Dict[int, Advert], check_peer: CheckPeer) -> Dict[int, bytes]:
         """The encrypted shares for every other silo of U1 (``adverts``: rank -> its advertisement)."""
-        from .primitives import verify
-
         if self.advertise_as_sent(adverts) is None:
             raise SecAggError(f"round {self.round_idx}: the server relayed no (or another) advertisement for this silo")
         if len(adverts) < self.threshold:
@@ -142,6 +188,13 @@ class SiloRound:
                 raise SecAggError(f"round {self.round_idx}: rank {rank}'s keys: {problem}")
             if not verify(advert.certificate, advert.payload(self.run_id, self.round_idx), advert.signature):
                 raise SecAggError(f"round {self.round_idx}: rank {rank}'s keys are not signed by its certificate's key")
+            if advert.terms_digest != self.terms_digest:
+                raise SecAggError(
+                    f"round {self.round_idx}: rank {rank} was given other terms for this round than this silo "
+                    f"(another model, silo list, weights or threshold): the server shows silos different rounds"
+                )
+            if not (usable_public_key(advert.cipher_public) and usable_public_key(advert.mask_public)):
+                raise SecAggError(f"round {self.round_idx}: rank {rank} advertised a low-order key")
         self.adverts = dict(adverts)
         index = index_of(sorted(adverts))
         seed_shares = split_secret(self.seed, self.threshold, len(adverts))
@@ -193,18 +246,52 @@ class SiloRound:
             total = total + signed_mask(self.rank, other, mask(seed, len(encoded)))
         return total
 
-    def unmask(self, survivors: Sequence[int]) -> Dict[int, Tuple[str, Share]]:
+    def sign_survivors(self, survivors: Sequence[int]) -> bytes:
+        """This silo's signature over the survivor list U3 it was given (the consistency check);
+        one list a round: a second, other list is refused."""
+        listed = tuple(sorted(set(int(r) for r in survivors)))
+        if len(listed) != len(survivors):
+            raise SecAggError(f"round {self.round_idx}: the survivor list {list(survivors)} repeats a silo")
+        if self.signed is not None and self.signed != listed:
+            raise SecAggError(
+                f"round {self.round_idx}: asked to sign the survivor list {list(listed)} after {list(self.signed)}"
+            )
+        if not set(listed) <= set(self.received) or self.rank not in listed:
+            raise SecAggError(f"round {self.round_idx}: the survivors {list(listed)} are not silos that shared")
+        if len(listed) < max(self.threshold, self.min_summed):
+            raise RoundFailed(
+                f"round {self.round_idx}: {len(listed)} survivor(s) {list(listed)}: this silo's input is summed with "
+                f"at least {max(self.threshold, self.min_summed)} silos (the threshold, secagg_args.min_summed_silos)"
+            )
+        self.signed = listed
+        return self.sign(survivors_payload(self.run_id, self.round_idx, listed))
+
+    def unmask(self, survivors: Sequence[int], signatures: Dict[int, bytes]) -> Dict[int, Tuple[str, Share]]:
         """For each silo of U2 (rank -> (which secret, this silo's share of it)): the seed's share
-        for the ``survivors`` (U3), the mask key's for the others. Once per round."""
+        for the ``survivors`` (U3), the mask key's for the others. Only for the list this silo
+        signed, with at least the threshold of valid ``signatures`` (rank -> signature) over it
+        from survivors; once per round."""
         if self.unmasked:
             raise SecAggError(f"round {self.round_idx}: asked to unmask twice")
         survivors_set = set(survivors)
-        if not survivors_set <= set(self.received) or self.rank not in survivors_set:
+        if self.signed is None or tuple(sorted(survivors_set)) != self.signed:
             raise SecAggError(
-                f"round {self.round_idx}: the survivors {sorted(survivors_set)} are not silos that shared"
+                f"round {self.round_idx}: asked to unmask for the survivors {sorted(survivors_set)}; this silo "
+                f"signed {None if self.signed is None else list(self.signed)}"
             )
-        if len(survivors_set) < self.threshold:
-            raise RoundFailed(f"round {self.round_idx}: {len(survivors_set)} survivors, fewer than {self.threshold}")
+        payload = survivors_payload(self.run_id, self.round_idx, self.signed)
+        valid = [
+            rank
+            for rank, signature in signatures.items()
+            if rank in survivors_set
+            and verify(self.certificate if rank == self.rank else self.adverts[rank].certificate, payload, signature)
+        ]
+        if len(valid) < self.threshold:
+            raise SecAggError(
+                f"round {self.round_idx}: {len(valid)} valid signature(s) {sorted(valid)} over the survivor list "
+                f"{list(self.signed)}, fewer than the threshold {self.threshold}: the server may have shown other "
+                f"silos another list; this silo reveals nothing"
+            )
         self.unmasked = True
         return {
             rank: (SEED, seed_share) if rank in survivors_set else (KEY, key_share)
@@ -225,8 +312,11 @@ class ServerRound:
     adverts: Dict[int, Advert] = field(default_factory=dict)
     shares: Dict[int, Dict[int, bytes]] = field(default_factory=dict)  # sender -> receiver -> ciphertext
     masked: Dict[int, np.ndarray] = field(default_factory=dict)
+    signatures: Dict[int, bytes] = field(default_factory=dict)  # survivor -> its signature over the list
     unmasking: Dict[int, Dict[int, Tuple[str, Share]]] = field(default_factory=dict)
     survivors: List[int] = field(default_factory=list)
+    false_shares: Dict[int, str] = field(default_factory=dict)  # silo -> whose secret it sent a false share of
+    run_id: str = ""
 
     def u1(self) -> List[int]:
         return sorted(self.adverts)
@@ -237,6 +327,8 @@ class ServerRound:
     def take_advert(self, rank: int, advert: Advert) -> None:
         if rank not in self.sampled or rank in self.adverts or advert.rank != rank:
             raise SecAggError(f"round {self.round_idx}: an advertisement from rank {rank} is not awaited")
+        if not (usable_public_key(advert.cipher_public) and usable_public_key(advert.mask_public)):
+            raise SecAggError(f"round {self.round_idx}: rank {rank} advertised a low-order key")
         self.adverts[rank] = advert
 
     def take_shares(self, rank: int, ciphertexts: Dict[int, bytes]) -> None:
@@ -277,13 +369,43 @@ class ServerRound:
     def dropped(self) -> List[int]:
         return [s for s in self.sampled if s not in self.masked]
 
+    def take_signature(self, rank: int, signature: bytes) -> None:
+        """``rank``'s signature over the survivor list (checked here too: a false one puts its
+        sender out of the round before the list goes to the others)."""
+        if rank not in self.survivors or rank in self.signatures:
+            raise SecAggError(f"round {self.round_idx}: a survivor-list signature from rank {rank} is not awaited")
+        payload = survivors_payload(self.run_id, self.round_idx, self.survivors)
+        if not verify(self.adverts[rank].certificate, payload, signature):
+            raise SecAggError(f"round {self.round_idx}: rank {rank}'s signature over the survivor list is not valid")
+        self.signatures[rank] = signature
+
+    def close_signatures(self) -> List[int]:
+        """The survivors that signed the list (U4); :class:`RoundFailed` if fewer than the threshold."""
+        if len(self.signatures) < self.threshold:
+            raise RoundFailed(
+                f"round {self.round_idx}: {len(self.signatures)} survivor(s) signed the survivor list, fewer than "
+                f"secagg_args.reconstruction_threshold={self.threshold}"
+            )
+        return sorted(self.signatures)
+
     def take_unmasking(self, rank: int, shares: Dict[int, Tuple[str, Share]]) -> None:
-        if rank not in self.survivors or rank in self.unmasking:
+        if rank not in self.signatures or rank in self.unmasking:
             raise SecAggError(f"round {self.round_idx}: unmasking shares from rank {rank} are not awaited")
+        own_index = index_of(self.u1())[rank]
+        if set(shares) != set(self.shares):
+            raise SecAggError(
+                f"round {self.round_idx}: rank {rank} sent shares of {sorted(shares)}; the round takes one of each "
+                f"silo that shared: {self.u2()}"
+            )
         for owner, (kind, share) in shares.items():
             want = SEED if owner in self.masked else KEY
-            if owner not in self.shares or kind != want or len(share[1]) != SECRET_BYTES:
+            if kind != want or len(share[1]) != SECRET_BYTES:
                 raise SecAggError(f"round {self.round_idx}: rank {rank} sent a {kind} share of rank {owner}'s")
+            if share[0] != own_index:
+                raise SecAggError(
+                    f"round {self.round_idx}: rank {rank} sent a share with Shamir index {share[0]}; its own is "
+                    f"{own_index}"
+                )
         self.unmasking[rank] = shares
 
     def ready(self) -> bool:
@@ -301,7 +423,7 @@ class ServerRound:
         for values in self.masked.values():
             total = total + values
         for owner in self.u2():
-            shares = [s[owner][1] for s in self.unmasking.values() if owner in s]
+            shares = {sender: s[owner][1] for sender, s in self.unmasking.items() if owner in s}
             advert = self.adverts[owner]
             if owner in self.masked:
                 seed = self._rebuild(owner, shares, commitment, advert.seed_commitment)
@@ -313,15 +435,31 @@ class ServerRound:
                     total = total - signed_mask(survivor, owner, pair)
         return total
 
-    def _rebuild(self, owner: int, shares: List[Share], public: Callable[[bytes], bytes], known: bytes) -> bytes:
-        """``owner``'s secret from ``shares``, checked against what it published of it (``public``
-        of the secret must be ``known``): all the shares, else subsets of the threshold's size."""
-        candidates = itertools.chain([shares], itertools.combinations(shares, self.threshold))
+    def _rebuild(self, owner: int, shares: Dict[int, Share], public: Callable[[bytes], bytes], known: bytes) -> bytes:
+        """``owner``'s secret from ``shares`` (sender -> share), checked against what it published
+        of it (``public`` of the secret must be ``known``): all the shares, else subsets of the
+        threshold's size; a sender whose share does not lie on the rebuilt secret's polynomial is
+        noted in :attr:`false_shares`."""
+        senders = sorted(shares)
+        candidates = itertools.chain([senders], itertools.combinations(senders, self.threshold))
         for subset in itertools.islice(candidates, MAX_COMBINATIONS):
-            if len(subset) >= self.threshold:
-                secret = combine_secret(list(subset))
-                if public(secret) == known:
-                    return secret
+            if len(subset) < self.threshold:
+                continue
+            try:
+                secret = combine_secret([shares[s] for s in subset])
+            except SecAggError:
+                continue
+            if public(secret) != known:
+                continue
+            base = list(subset[: self.threshold - 1])
+            for sender in senders:
+                if sender not in subset:
+                    try:
+                        if combine_secret([shares[s] for s in base] + [shares[sender]]) != secret:
+                            self.false_shares[sender] = f"a false share of rank {owner}'s secret"
+                    except SecAggError:
+                        self.false_shares[sender] = f"a false share of rank {owner}'s secret"
+            return secret
         raise RoundFailed(
             f"round {self.round_idx}: the shares of rank {owner}'s secret do not rebuild it (a silo sent false shares)"
         )

@@ -16,6 +16,14 @@
 - ``weight``: it announces, and claims in every upload, 2^31 - 1 training samples;
 - ``flood:R``: it is honest until the server's model of round R comes; then it closes its own port
   and sends the server 100 announcements in 10 s, from its own process, before it trains.
+
+Run as rank 0, a lie is the server's (its certificate is the run's, its code patched):
+
+- ``server-sample-all``: every silo is sent every round's model, whatever the keyed schedule says;
+- ``server-skew-weights``: under secure aggregation, silo 2's weight in the round's terms is 1 and
+  every other silo's 1e-300 (so that the sum is silo 2's update).
+
+Lies join with ``+`` (``server-sample-all+server-skew-weights``).
 """
 
 import os
@@ -31,7 +39,24 @@ def lie(kind: str) -> None:
     from fedml_perfedavg.fedml_bridge.cross_silo import client
     from fedml_perfedavg.fedml_bridge.trainer_aggregator import AlgorithmClientTrainer
 
-    if kind == "huge-once":
+    if "+" in kind:
+        for one in kind.split("+"):
+            lie(one)
+    elif kind == "server-sample-all":
+        from fedml_perfedavg.algorithms.base import FederatedAlgorithm
+
+        def every_user(self, round_idx):
+            return list(range(self.settings.client_num_in_total))
+
+        FederatedAlgorithm.sample_clients = every_user
+    elif kind == "server-skew-weights":
+        from fedml_perfedavg.fedml_bridge.cross_silo import secure_rounds
+
+        def skewed(silos, counts):
+            return {s: 1.0 if s == 2 else 1e-300 for s in silos}
+
+        secure_rounds.protocol_weights = skewed
+    elif kind == "huge-once":
         honest = AlgorithmClientTrainer.get_model_params
 
         def get_model_params(self):

@@ -56,13 +56,13 @@ def test_shared_mode_gives_the_single_process_model_and_epsilons(mnist_root, tmp
 def test_data_owner_silos_account_for_their_own_users_under_secure_aggregation_as_sp_does(mnist_root, tmp_path):
     """Each silo's noise is its own; the server only sums (secagg_args.enable_secagg)."""
     folders = _export(mnist_root, tmp_path, 4)
-    settings = {**OWN, "client_num_in_total": 4, "comm_round": 3, "enable_secagg": True, **DP}
-    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders), timeout=300)
+    settings = {**OWN, "client_num_in_total": 4, "client_num_per_round": 3, "comm_round": 3, "enable_secagg": True}
+    outs = finish_all(start_by_hand(tmp_path, {**settings, **DP}, 4, folders), timeout=300)
     summary = _summary(tmp_path)
     assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-4000:]
     privacy = summary["privacy"]
     assert privacy["reported_by"].startswith("silos")
-    sp = _sp(mnist_root, tmp_path, 4, 3, **DP)
+    sp = _sp(mnist_root, tmp_path, 4, 3, client_num_per_round=3, **DP)
     model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert max(float((model[k] - v).abs().max()) for k, v in sp.final_state.items()) <= 1e-5
     assert summary["secure_aggregation"]["rounds"] == 3 and summary["secure_aggregation"]["failed_rounds"] == 0

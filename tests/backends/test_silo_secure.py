@@ -13,7 +13,7 @@ from fedml_perfedavg.run.config import ConfigError, load_yaml, resolve
 from tests.backends.test_silo_own import OWN, _export, _sp
 from tests.helpers import HF_YAML, SILO_YAML, finish_all, needs_mnist, start_by_hand
 
-SECURE = {**OWN, "enable_secagg": True, "comm_round": 4}
+SECURE = {**OWN, "enable_secagg": True, "comm_round": 4, "client_num_per_round": 4}
 
 
 def _summary(tmp_path):
@@ -74,7 +74,7 @@ def test_a_silo_killed_after_sharing_its_keys_is_recovered_and_the_run_finishes_
         assert round_1["dropped"] == {str(silos): "masked"}
     else:  # its input is in the sum: its seed is rebuilt from the others' shares
         assert round_1["summed"] == everyone and round_1["recovered"] == []
-        assert round_1["dropped"] == {str(silos): "unmask"}
+        assert round_1["dropped"] == {str(silos): "consistency"}  # gone before signing the survivor list
     assert [r["summed"] for r in secure["per_round"][2:]] == [survivors, survivors]
     assert [entry["rank"] for entry in summary["lost_silos"]] == [silos]
     accuracy = [h["personalized_accuracy"] for h in summary["history"]]
@@ -89,13 +89,18 @@ def test_a_silo_killed_after_sharing_its_keys_is_recovered_and_the_run_finishes_
         ({"silo_data": "shared"}, "only across data-owner silos"),
         ({"tls_dir": None, "insecure": True}, "needs comm_args.tls_dir"),
         ({"max_update_ratio": None}, "needs train_args.max_update_ratio or train_args.max_update_norm"),
-        ({"reconstruction_threshold": 3}, "must be <= train_args.client_num_per_round \\(2\\)"),
+        ({"reconstruction_threshold": 5}, "must be <= train_args.client_num_per_round \\(4\\)"),
         ({"reconstruction_threshold": 1}, "secagg_args.reconstruction_threshold=1.*>= 2"),
+        ({"reconstruction_threshold": 2}, r"reconstruction_threshold=2: must be above .* Allowed: 3 to 4"),
+        ({"reconstruction_threshold": 3, "max_colluding_silos": 2}, r"threshold=3: must be above .* Allowed: 4 to 4"),
+        ({"max_colluding_silos": 4}, r"max_colluding_silos=4: .* Allowed: max_colluding_silos <= 3"),
+        ({"client_num_per_round": 2}, r"client_num_per_round=2: .*min_summed_silos=3 .*each would learn the other"),
+        ({"min_summed_silos": 2}, r"secagg_args.min_summed_silos=2.*>= 3"),
         ({"federated_optimizer": "FedAvgARUBA"}, "FedAvgARUBA"),
     ],
 )
 def test_what_secure_aggregation_cannot_run_with_is_refused_at_start_naming_the_key(change, message):
-    values = {**SECURE, "client_num_in_total": 4, "tls_dir": "/nonexistent", **change}
+    values = {**SECURE, "client_num_in_total": 4, "client_num_per_round": 4, "tls_dir": "/nonexistent", **change}
     with pytest.raises(ConfigError, match=message):
         resolve(load_yaml(SILO_YAML), values)
 
@@ -126,25 +131,26 @@ def test_fedml_stock_main_with_one_import_aggregates_securely_across_data_owner_
     from fedml_perfedavg.run.silo_data import export_split
 
     from tests.backends.test_fedml_user import SCRIPT, _check, _env
-    from tests.helpers import NETWORK_GUARD, example_yaml, offline
+    from tests.helpers import NETWORK_GUARD, example_yaml, make_tls, offline
 
     (tmp_path / "ipconfig.csv").write_text(
-        "eid,rank,grpc_server_ip,grpc_server_port\n" + "".join(f"{r},{r},127.0.0.1,{19470 + r}\n" for r in range(3))
+        "eid,rank,grpc_server_ip,grpc_server_port\n" + "".join(f"{r},{r},127.0.0.1,{19470 + r}\n" for r in range(5))
     )
-    keys = {
+    keys = {  # three silos summed at least (secagg_args.min_summed_silos); the paper's split wants an even count
         "grpc_ipconfig_path": str(tmp_path / "ipconfig.csv"),
         "silo_data": "own",
-        "client_num_in_total": 2,
-        "client_num_per_round": 2,
+        "client_num_in_total": 4,
+        "client_num_per_round": 4,
         "enable_secagg": True,
+        "tls_dir": make_tls(tmp_path / "tls", 4),
     }
     base = example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "secure", tmp_path / "runs", **keys)
     export_split(resolve(load_yaml(base), {}), str(tmp_path / "export"), load_split)
     (tmp_path / "server-data").mkdir()
-    folders = {0: tmp_path / "server-data", 1: tmp_path / "export" / "rank-1", 2: tmp_path / "export" / "rank-2"}
+    folders = {0: tmp_path / "server-data", **{r: tmp_path / "export" / f"rank-{r}" for r in range(1, 5)}}
     paths = {
         r: example_yaml(tmp_path, "fedml_config_silo.yaml", mnist_root, "secure", tmp_path / "runs", **keys)
-        for r in range(3)
+        for r in range(5)
     }
     for rank, path in paths.items():  # each organization's copy names its own folder
         text = open(path).read().replace(f"data_cache_dir: {mnist_root}", f"data_cache_dir: {folders[rank]}")
@@ -155,7 +161,7 @@ def test_fedml_stock_main_with_one_import_aggregates_securely_across_data_owner_
         " & ".join(
             f'{sys.executable} -c "$GUARD" --script {SCRIPT} --cf {paths[r]} --rank {r} --role '
             f"{'server' if r == 0 else 'client'} --run_id 7"
-            for r in range(3)
+            for r in range(5)
         )
         + " & wait"
     )
@@ -167,8 +173,71 @@ def test_fedml_stock_main_with_one_import_aggregates_securely_across_data_owner_
         env={**_env(tmp_path), "GUARD": NETWORK_GUARD},
         cwd=tmp_path,
     )
-    _check(out, processes=3)
+    _check(out, processes=5)
     summary = json.loads((tmp_path / "runs" / "secure" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == 3
     assert summary["secure_aggregation"]["rounds"] == 3
-    assert [r["summed"] for r in summary["secure_aggregation"]["per_round"]] == [[1, 2]] * 3
+    assert [r["summed"] for r in summary["secure_aggregation"]["per_round"]] == [[1, 2, 3, 4]] * 3
+
+
+def test_an_algorithm_with_its_own_combine_is_refused_under_secure_aggregation(monkeypatch):
+    """The server holds only the weighted sum: an algorithm that aggregates its own way (a median,
+    a trimmed mean) would silently become the mean, so it is refused at start, named."""
+    from fedml_perfedavg.algorithms import registry
+    from fedml_perfedavg.algorithms.perfedavg import PerFedAvg
+
+    class MedianPerFedAvg(PerFedAvg):
+        def combine(self, round_idx, accepted, global_state):
+            return super().combine(round_idx, accepted[:1], global_state)
+
+    monkeypatch.setattr(registry, "_REGISTERED", {})
+    registry.register("MedianPerFedAvg", MedianPerFedAvg)
+    values = {**SECURE, "client_num_in_total": 4, "tls_dir": "/nonexistent", "federated_optimizer": "MedianPerFedAvg"}
+    with pytest.raises(ConfigError, match=r"'MedianPerFedAvg' overrides combine .*MedianPerFedAvg.combine"):
+        resolve(load_yaml(SILO_YAML), values)
+    assert resolve(load_yaml(SILO_YAML), {**values, "federated_optimizer": "PerFedAvg"}).enable_secagg
+
+
+def _lying_server_run(mnist_root, tmp_path, lie, per_round):
+    """Four data-owner silos, one secure round, a server that lies (tests/backends/lying_silo.py)."""
+    folders = _export(mnist_root, tmp_path, 4)
+    settings = {
+        **SECURE,
+        "client_num_in_total": 4,
+        "client_num_per_round": per_round,
+        "comm_round": 1,
+        "round_timeout": 8,
+        "min_clients_per_round": 1,
+    }
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={0: lie}), timeout=200)
+    summary = _summary(tmp_path)
+    assert all(not r["summed"] for r in summary.get("secure_aggregation", {}).get("per_round", [])), outs[0][-3000:]
+    return outs
+
+
+@needs_mnist
+def test_a_dishonest_server_that_skews_the_weights_gets_no_masked_input(mnist_root, tmp_path):
+    """The server weights silo 2 by 1 and the others by 1e-300, so that the sum would be silo 2's
+    update: every silo checks its weight against the protocol's (equal here) before it masks
+    anything, refuses, and the round sums nothing."""
+    outs = _lying_server_run(mnist_root, tmp_path, "server-skew-weights", 4)
+    for rank in range(1, 5):
+        expected = 1.0 if rank == 2 else 1e-300
+        assert f"the server's weight {expected!r} for this silo is not the protocol's (0.25)" in outs[rank], outs[rank]
+        assert "it sends no update this round" in outs[rank]
+
+
+@needs_mnist
+def test_a_silo_the_keyed_schedule_does_not_sample_refuses_to_train(mnist_root, tmp_path):
+    """The server sends every silo the model although the keyed schedule (seed, round) samples 3
+    of 4: the unscheduled silo refuses to train (its data is not used), and the scheduled ones
+    refuse a round whose silo list is not the schedule's."""
+    from fedml_perfedavg.core.sampling import sample_clients
+
+    outs = _lying_server_run(mnist_root, tmp_path, "server-sample-all", 3)
+    scheduled = [u + 1 for u in sample_clients(0, 0, 4, 3)]
+    (unscheduled,) = [r for r in range(1, 5) if r not in scheduled]
+    assert "refuses round 0 from the server (session " in outs[unscheduled], outs[unscheduled]
+    assert f"does not sample this silo in round 0; it samples silo rank(s) {scheduled}" in outs[unscheduled]
+    for rank in scheduled:
+        assert "for round 0 are not of the keyed schedule" in outs[rank], outs[rank]

@@ -8,8 +8,18 @@ import pytest
 
 from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
 from fedml_perfedavg.secagg import fixed_point
-from fedml_perfedavg.secagg.primitives import SecAggError, combine_secret, sign, split_secret
-from fedml_perfedavg.secagg.rounds import KEY, SEED, Advert, RoundFailed, ServerRound, SiloRound, commitment
+from fedml_perfedavg.secagg.primitives import SecAggError, combine_secret, sign, split_secret, usable_public_key
+from fedml_perfedavg.secagg.rounds import (
+    KEY,
+    SEED,
+    Advert,
+    RoundFailed,
+    ServerRound,
+    SiloRound,
+    SiloRules,
+    commitment,
+    default_threshold,
+)
 
 RUN = "run-1"
 LENGTH = 4000
@@ -27,11 +37,24 @@ def certificates(tmp_path_factory):
     return {rank: (read(f"rank-{rank}.pem"), read(f"rank-{rank}.key")) for rank in range(7)}
 
 
-def silos(certificates, ranks, threshold, round_idx=3):
+def silos(certificates, ranks, threshold, round_idx=3, digest=bytes(32)):
     return {
-        r: SiloRound(RUN, round_idx, r, threshold, lambda data, k=certificates[r][1]: sign(k, data), certificates[r][0])
+        r: SiloRound(
+            RUN, round_idx, r, threshold, lambda data, k=certificates[r][1]: sign(k, data), certificates[r][0], digest
+        )
         for r in ranks
     }
+
+
+def server_round(ranks, threshold):
+    return ServerRound(3, list(ranks), threshold, LENGTH, run_id=RUN)
+
+
+def sign_survivors(server, parties, survivors):
+    """The consistency stage: each survivor signs the list, the server checks and collects."""
+    for r in survivors:
+        server.take_signature(r, parties[r].sign_survivors(survivors))
+    return server.close_signatures()
 
 
 def trusting(advert):
@@ -46,7 +69,7 @@ def updates(ranks, bound=0.5, seed=0):
 def run_round(parties, threshold, inputs, bits, drop_before_masked=(), drop_before_unmask=(), server=None):
     """Every stage as the cross-silo protocol runs it; returns (server, the decoded average)."""
     ranks = sorted(parties)
-    server = server or ServerRound(3, ranks, threshold, LENGTH)
+    server = server or server_round(ranks, threshold)
     for r in ranks:
         server.take_advert(r, parties[r].advertise())
     adverts = {r: server.adverts[r] for r in server.u1()}
@@ -58,9 +81,10 @@ def run_round(parties, threshold, inputs, bits, drop_before_masked=(), drop_befo
             encoded = fixed_point.encode(inputs[r], weight, bits)
             server.take_masked(r, parties[r].masked_input(encoded, server.shares_for(r)))
     survivors = server.close_masked()
+    sign_survivors(server, parties, survivors)
     for r in survivors:
         if r not in drop_before_unmask:
-            server.take_unmasking(r, parties[r].unmask(survivors))
+            server.take_unmasking(r, parties[r].unmask(survivors, server.signatures))
     total = server.total()
     return server, fixed_point.decode(total, bits, weight * len(survivors))
 
@@ -79,7 +103,7 @@ def test_exact_modular_sum_of_the_encoded_inputs(certificates):
     ranks = [1, 2, 3]
     inputs = updates(ranks, seed=1)
     parties = silos(certificates, ranks, 2)
-    server = ServerRound(3, ranks, 2, LENGTH)
+    server = server_round(ranks, 2)
     run_round(parties, 2, inputs, 24, server=server)
     expected = sum(fixed_point.encode(inputs[r], 1 / 3, 24).astype(np.uint64) for r in ranks) % 2**32
     assert np.array_equal(server.total().astype(np.uint64), expected)
@@ -111,7 +135,7 @@ def test_fewer_than_the_threshold_ends_the_round_without_a_model(certificates):
 def test_a_masked_input_as_the_server_receives_it_is_uncorrelated_with_the_update(certificates):
     ranks = [1, 2, 3]
     parties = silos(certificates, ranks, 2)
-    server = ServerRound(3, ranks, 2, LENGTH)
+    server = server_round(ranks, 2)
     for r in ranks:
         server.take_advert(r, parties[r].advertise())
     adverts = dict(server.adverts)
@@ -150,17 +174,20 @@ def test_fewer_than_the_threshold_of_shares_reveal_nothing_the_server_can_use(ce
 def test_a_silo_reveals_one_secret_of_each_silo_once(certificates):
     ranks = [1, 2, 3]
     parties = silos(certificates, ranks, 2)
-    server = ServerRound(3, ranks, 2, LENGTH)
+    server = server_round(ranks, 2)
     for r in ranks:
         server.take_advert(r, parties[r].advertise())
     for r in ranks:
         server.take_shares(r, parties[r].share(dict(server.adverts), trusting))
     for r in ranks:
         parties[r].masked_input(np.zeros(LENGTH, np.uint32), server.shares_for(r))
-    answer = parties[1].unmask([1, 2])
+    signatures = {r: parties[r].sign_survivors([1, 2]) for r in (1, 2)}
+    answer = parties[1].unmask([1, 2], signatures)
     assert {owner: kind for owner, (kind, _) in answer.items()} == {1: SEED, 2: SEED, 3: KEY}
     with pytest.raises(SecAggError, match="unmask twice"):
-        parties[1].unmask([1, 2, 3])  # the server asking again, claiming 3 survived, gets nothing
+        parties[1].unmask([1, 2, 3], signatures)  # the server asking again, claiming 3 survived, gets nothing
+    with pytest.raises(SecAggError, match=r"asked to sign the survivor list \[1, 2, 3\] after \[1, 2\]"):
+        parties[2].sign_survivors([1, 2, 3])
 
 
 def test_keys_the_server_swapped_are_refused(certificates):
@@ -181,7 +208,7 @@ def test_keys_the_server_swapped_are_refused(certificates):
 def test_a_changed_share_is_refused_and_a_false_share_does_not_rebuild_a_wrong_secret(certificates):
     ranks = [1, 2, 3, 4]
     parties = silos(certificates, ranks, 2)
-    server = ServerRound(3, ranks, 2, LENGTH)
+    server = server_round(ranks, 2)
     for r in ranks:
         server.take_advert(r, parties[r].advertise())
     for r in ranks:
@@ -194,14 +221,105 @@ def test_a_changed_share_is_refused_and_a_false_share_does_not_rebuild_a_wrong_s
     for r in ranks:
         server.take_masked(r, parties[r].masked_input(fixed_point.encode(inputs[r], 0.25, 24), server.shares_for(r)))
     survivors = server.close_masked()
+    sign_survivors(server, parties, survivors)
     for r in survivors:
-        answer = parties[r].unmask(survivors)
+        answer = parties[r].unmask(survivors, server.signatures)
         if r == 4:  # a liar: a false share of silo 1's seed
             kind, (index, share) = answer[1]
             answer[1] = (kind, (index, bytes(32)))
         server.take_unmasking(r, answer)
     average = fixed_point.decode(server.total(), 24, 1.0)
     assert np.max(np.abs(average - np.mean([inputs[r] for r in ranks], axis=0))) < 1e-6
+    assert server.false_shares == {4: "a false share of rank 1's secret"}  # traced to its sender
+
+
+def prepared(certificates, ranks, threshold, inputs, bits=24):
+    """A round up to its masked inputs, every silo honest so far."""
+    parties = silos(certificates, ranks, threshold)
+    server = server_round(ranks, threshold)
+    for r in ranks:
+        server.take_advert(r, parties[r].advertise())
+    for r in ranks:
+        server.take_shares(r, parties[r].share(dict(server.adverts), trusting))
+    weight = 1.0 / len(ranks)
+    for r in ranks:
+        encoded = fixed_point.encode(inputs[r], weight, bits)
+        server.take_masked(r, parties[r].masked_input(encoded, server.shares_for(r)))
+    return parties, server
+
+
+def test_a_share_under_another_silos_index_puts_its_sender_out_not_the_round(certificates):
+    ranks = [1, 2, 3, 4]
+    inputs = updates(ranks, seed=5)
+    parties, server = prepared(certificates, ranks, 3, inputs)
+    survivors = server.close_masked()
+    sign_survivors(server, parties, survivors)
+    answers = {r: parties[r].unmask(survivors, server.signatures) for r in survivors}
+    forged = {owner: (kind, (1, share)) for owner, (kind, (_, share)) in answers[4].items()}  # silo 1's index
+    with pytest.raises(SecAggError, match="rank 4 sent a share with Shamir index 1; its own is 4"):
+        server.take_unmasking(4, forged)
+    for r in (1, 2, 3):
+        server.take_unmasking(r, answers[r])
+    average = fixed_point.decode(server.total(), 24, 1.0)  # three honest answers: the round is recovered
+    assert np.max(np.abs(average - np.mean([inputs[r] for r in ranks], axis=0))) < 1e-6
+
+
+def test_silos_given_other_terms_or_a_low_order_key_refuse_before_sharing_anything(certificates):
+    ranks = [1, 2, 3]
+    honest = silos(certificates, ranks, 2, digest=bytes([1]) * 32)
+    skewed = silos(certificates, [2], 2, digest=bytes([2]) * 32)[2]  # the server gave silo 2 other terms
+    adverts = {1: honest[1].advertise(), 2: skewed.advertise(), 3: honest[3].advertise()}
+    with pytest.raises(SecAggError, match="rank 2 was given other terms for this round than this silo"):
+        honest[1].share(adverts, trusting)
+    assert not honest[1].received  # nothing shared
+    assert not usable_public_key(bytes(32)) and usable_public_key(honest[1].masks.public)
+    zero = SiloRound(RUN, 3, 2, 2, lambda d: sign(certificates[2][1], d), certificates[2][0], bytes([1]) * 32)
+    zero.masks = type(zero.masks)(zero.masks.private, bytes(32))  # a silo advertising the all-zero mask key
+    server = server_round(ranks, 2)
+    with pytest.raises(SecAggError, match="rank 2 advertised a low-order key"):
+        server.take_advert(2, zero.advertise())
+    with pytest.raises(SecAggError, match="rank 2 advertised a low-order key"):
+        honest[1].share({1: adverts[1], 2: zero.advertise(), 3: adverts[3]}, trusting)
+
+
+def test_two_survivor_lists_cannot_both_gather_the_threshold_of_signatures(certificates):
+    """The server tells silos 1, 2, 3 that [1, 2, 3] survived and silo 4 that [1, 2, 4] did (to
+    learn silo 4's pairwise masks from the first and its seed from the second): with t = 3 > 4/2,
+    only one list gets three signatures, and a silo unmasks only the list it signed."""
+    ranks = [1, 2, 3, 4]
+    parties, server = prepared(certificates, ranks, 3, updates(ranks, seed=6))
+    first, second = [1, 2, 3], [1, 2, 4]
+    signatures = {r: parties[r].sign_survivors(first) for r in first}
+    signatures_second = {4: parties[4].sign_survivors(second)}
+    for r in (1, 2):  # the server asks them to sign the second list too
+        with pytest.raises(SecAggError, match="asked to sign the survivor list"):
+            parties[r].sign_survivors(second)
+    assert set(parties[1].unmask(first, signatures)) == {1, 2, 3, 4}
+    with pytest.raises(SecAggError, match=r"1 valid signature\(s\) \[4\] over the survivor list \[1, 2, 4\]"):
+        parties[4].unmask(second, {**signatures_second, 1: signatures[1], 2: signatures[2]})
+
+
+def test_a_silo_refuses_a_threshold_below_its_rule_and_too_few_summed_silos(certificates):
+    rules = SiloRules(threshold=2, max_colluding=0, min_summed=3)
+    assert "not above half of the round's 4 sampled silos" in rules.problem_with(4, 4)
+    assert SiloRules(3).problem_with(4, 4) is None
+    assert SiloRules(3, max_colluding=1).problem_with(4, 4) is None
+    assert "max_colluding_silos=2" in SiloRules(3, max_colluding=2).problem_with(4, 4)
+    assert "min_summed_silos=3" in SiloRules(2).problem_with(2, 2)
+    assert [default_threshold(n) for n in (3, 4, 5)] == [2, 3, 3] and default_threshold(4, 1) == 3
+    assert default_threshold(4, 2) == 4
+    ranks = [1, 2, 3]
+    parties = silos(certificates, ranks, 2)
+    for party in parties.values():
+        party.min_summed = 3
+    server = server_round(ranks, 2)
+    for r in ranks:
+        server.take_advert(r, parties[r].advertise())
+    for r in ranks:
+        server.take_shares(r, parties[r].share(dict(server.adverts), trusting))
+    parties[1].masked_input(np.zeros(LENGTH, np.uint32), server.shares_for(1))
+    with pytest.raises(RoundFailed, match="summed with at least 3 silos"):
+        parties[1].sign_survivors([1, 2])  # two survivors: each would learn the other's input
 
 
 def test_fixed_point_holds_the_extremes_of_the_bound_without_wrapping():

@@ -75,6 +75,7 @@ def start(tls, threshold=2):
         fingerprint={"train_args.learning_rate": 0.001},
         model=nn.Sequential(nn.Linear(4, 3)),
         secure_threshold=threshold,
+        run_id="run-1",
     )
     model = SecureModel()
     p = SiloServerProtocol(setup, SiloPolicy(60.0, 30.0, 1), Plan([0, 1, 2]), model, 1, 3)
@@ -122,7 +123,8 @@ def test_every_silo_to_the_end_gives_the_plaintext_average(tls):
     keys = advertise(p, parties)
     shares = answer(p, parties, keys)
     masked = answer(p, parties, shares)
-    actions = answer(p, parties, masked)
+    survivors = answer(p, parties, masked)
+    actions = answer(p, parties, survivors)
     ((round_idx, record),) = records(actions, "record_secure_round")
     assert record["summed"] == [1, 2, 3] and record["failed"] is None and record["fraction_bits"] == 30
     plain = np.mean(list(deltas().values()), axis=0)
@@ -136,7 +138,7 @@ def test_a_silo_gone_after_sharing_is_given_up_on_at_the_deadline_and_its_masks_
     assert answer(p, parties, shares, skip=(3,)) == []  # the stage still awaits silo 3's masked input
     actions = p.handle(Tick(100.0))
     assert records(actions, "record_lost_silos")[0][1] == [3]
-    actions = answer(p, parties, actions)
+    actions = answer(p, parties, answer(p, parties, actions))
     ((_, record),) = records(actions, "record_secure_round")
     assert record["summed"] == [1, 2] and record["recovered"] == [3] and record["dropped"] == {"3": "masked"}
     plain = np.mean([deltas()[1], deltas()[2]], axis=0)
@@ -166,6 +168,8 @@ def test_a_stage_message_out_of_turn_puts_its_silo_out_of_the_round(tls):
     )
     (refused,) = [a for a in actions if isinstance(a, Refuse)]
     assert "while the round is training and advertising keys" in refused.text
+    ((_, lost, why),) = records(actions, "record_lost_silos")  # named, with the reason
+    assert lost == [2] and "while the round is training and advertising keys" in why
     keys = advertise(p, parties, skip=(2,))  # silos 1 and 3 go on without it
     assert sorted(m.silo for a in keys if isinstance(a, Send) for m in a.messages) == [1, 3]
 
@@ -176,7 +180,9 @@ def test_a_silo_that_does_not_clip_makes_its_round_dropped_not_averaged(tls):
     p, model, parties, models = start(tls)
     terms = models[0].params[wire.SECAGG]
     parties[2].encoded = fixed_point.encode(np.full(LENGTH, 5.0), terms["weight"], terms["bits"])
-    actions = answer(p, parties, answer(p, parties, answer(p, parties, advertise(p, parties))))
+    actions = advertise(p, parties)
+    for _ in range(4):  # shares, masked inputs, survivor-list signatures, unmasking
+        actions = answer(p, parties, actions)
     ((_, record),) = records(actions, "record_secure_round")
     assert "over the bound 1 every silo clips to" in record["failed"] and record["summed"] == []
     assert model.kept == [0] and model.averages == []

@@ -184,3 +184,7 @@ class SiloSetup:
     figures_after: Optional[Callable[[int], bool]] = None
     metric_names: Tuple[str, ...] = ()  # the algorithm's own per-user figures, which a silo's evaluation carries
     outcome: Optional[Any] = None  # a data owner's silo: its SiloOutcome, as the run layer restored and keeps it
+    run_id: str = "0"  # FedML's --run_id: what secure aggregation's signatures are bound to
+    secure_rules: Optional[Any] = None  # a data owner's silo: secagg/rounds.py SiloRules, its own config's
+    # a data owner's silo: the keyed schedule (round -> the silo ranks sampled), which it checks the server against
+    scheduled: Optional[Callable[[int], List[int]]] = None

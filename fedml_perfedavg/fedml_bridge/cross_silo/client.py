@@ -13,7 +13,9 @@ server forever, and its evaluations never reach the server. Here::
 - ANNOUNCING: the silo's ONLINE status carries its announcement (:func:`.agreement.hello`): the
   values that must agree with the server's and, in data-owner mode, its data's counts and shape.
 - LISTENING: each model is trained at the round the server stamped on it, on the user the server
-  names (data-owner mode: only the silo's own); an evaluation request (data-owner mode) is
+  names (data-owner mode: only the silo's own, and only in a round the keyed schedule samples it,
+  each round once and in order, within its own DP budget; a round it trained comes again only
+  from a resumed server, which gets the stored answer); an evaluation request (data-owner mode) is
   answered with the counts of the silo's own test split; shared mode's silo also evaluates each
   model it receives and sends the counts with its update.
 - REJOINING: after ``SiloPolicy.client_idle_deadline`` without a word from the server (adaptive,
@@ -40,12 +42,12 @@ from ...core.privacy import silo_report
 from ..bootstrap import import_fedml
 from .agreement import SiloSetup
 from .modes import data_mode
-from .outcome import SiloOutcome
+from .outcome import SiloOutcome, StoredAnswer, state_digest
 from ...secagg.primitives import SecAggError
 from .policy import SiloPolicy
 from .secure_rounds import advert_to_wire
 from .secure_silo import SecureSiloRound
-from .transport import ROUND_KEY, PeerUnreachable
+from .transport import ROUND_KEY, SESSION_KEY, PeerUnreachable
 from . import wire
 
 import_fedml()
@@ -173,6 +175,7 @@ class SecureSiloMessages:
     secure: Optional[SecureSiloRound]
     setup: SiloSetup
     com_manager: Any
+    outcome: SiloOutcome
 
     @property
     def trainer(self) -> PluginFedMLTrainer:
@@ -189,7 +192,7 @@ class SecureSiloMessages:
                 self.rank,
                 round_idx,
                 terms,
-                self.setup.secure_threshold,
+                self.setup,
                 received,
                 trained,
                 self.trainer.trainer,
@@ -207,7 +210,12 @@ class SecureSiloMessages:
             )
             return
         try:
-            answer, params, tensors = self.secure.answer(kind, dict(msg_params.get_params()))
+            params = dict(msg_params.get_params())
+            if kind == wire.SECAGG_SURVIVORS and self.outcome.user is not None:
+                problem = self.outcome.unmasking(round_idx, [int(r) for r in params["survivors"]])
+                if problem is not None:
+                    raise SecAggError(problem)
+            answer, params, tensors = self.secure.answer(kind, params)
         except SecAggError as err:
             logger.error(
                 "silo rank %d: round %d: %s; it leaves this round's secure aggregation", self.rank, round_idx, err
@@ -273,6 +281,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         self.register_message_receive_handler(MyMessage.MSG_TYPE_S2C_FINISH, self._on_finish)
         self.register_message_receive_handler(wire.SECAGG_KEYS, self._on_secagg)
         self.register_message_receive_handler(wire.SECAGG_SHARES, self._on_secagg)
+        self.register_message_receive_handler(wire.SECAGG_SURVIVORS, self._on_secagg)
         self.register_message_receive_handler(wire.SECAGG_UNMASK, self._on_secagg)
 
     def receive_message(self, msg_type, msg_params) -> None:
@@ -338,10 +347,32 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         figures = self.mode.figures_with_updates and (after is None or (round_idx >= 1 and after(round_idx - 1)))
         counts = self.trainer.evaluate(round_idx, received=True) if figures else None
         received = msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)
-        weights, samples = self.trainer_dist_adapter.train(round_idx)
-        if self.setup.privacy is not None:  # the round's local update used its user's data
-            self.setup.privacy.trained(round_idx, [user])
-        self.outcome.trained(round_idx)  # kept after its account: a restarted silo counts this use
+        refusal, stored = self._own_round(round_idx, received) if self.own_user is not None else (None, None)
+        if refusal is not None:
+            logger.error(
+                "silo rank %d: refuses round %d from the server (session %s): %s",
+                self.rank,
+                round_idx,
+                msg_params.get(SESSION_KEY),
+                refusal,
+            )
+            return
+        if stored is not None:
+            logger.warning(
+                "silo rank %d: round %d again, on the model it trained it on (a resumed server): the stored answer "
+                "goes, not a retraining",
+                self.rank,
+                round_idx,
+            )
+            weights, samples = stored.weights, stored.samples
+        else:
+            weights, samples = self.trainer_dist_adapter.train(round_idx)
+            if self.setup.privacy is not None:  # the round's local update used its user's data
+                self.setup.privacy.trained(round_idx, [user])
+            answer = None
+            if self.own_user is not None:
+                answer = StoredAnswer(round_idx, state_digest(received), dict(weights), int(samples))
+            self.outcome.trained(round_idx, answer)  # kept after its account: a restarted silo counts this use
         terms = msg_params.get(wire.SECAGG)
         if terms is not None or self.setup.secure_threshold:
             self.secure = self._secure_round(round_idx, terms, received, weights)
@@ -353,6 +384,34 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         message.add_params(MyMessage.MSG_ARG_KEY_NUM_SAMPLES, samples)
         message.add_params(wire.SILO_METRICS, counts)
         self._send_or_rejoin(message, f"its update for round {round_idx}")
+
+    def _own_round(self, round_idx: int, received: Any) -> Any:
+        """A data owner's checks of a round's model: (why it refuses to train it, None) or (None,
+        its stored answer to it) or (None, None): train it. It trains only in a round the keyed
+        schedule samples it, each round once and in order, within its own DP budget."""
+        scheduled = self.setup.scheduled
+        if scheduled is not None and self.rank not in scheduled(round_idx):
+            return (
+                f"the keyed schedule (train_args.random_seed, round) does not sample this silo in round "
+                f"{round_idx}; it samples silo rank(s) {scheduled(round_idx)}"
+            ), None
+        last, answer = self.outcome.trained_round, self.outcome.answer
+        if last is not None and round_idx < last:
+            return f"it has trained round {last}; rounds go forwards, each trained once", None
+        if last is not None and round_idx == last:
+            if answer is not None and answer.round_idx == round_idx and answer.model_digest == state_digest(received):
+                return None, answer
+            return f"it trained round {round_idx} already, on another model; a round is trained once", None
+        ledger = self.setup.privacy
+        budget = None if ledger is None else ledger.dp.max_epsilon
+        if ledger is not None and budget is not None:
+            after = ledger.after_training(round_idx, self.own_user)
+            if after > budget:
+                return (
+                    f"training would take user {self.own_user}'s epsilon from {ledger.epsilon(self.own_user):.4g} "
+                    f"to {after:.4g}, past this silo's dp_args.max_epsilon={budget:g}"
+                ), None
+        return None, None
 
     def _on_evaluate(self, msg_params: Message) -> None:
         round_idx = int(msg_params.get(ROUND_KEY))

@@ -1,15 +1,42 @@
 """What a data-owner silo keeps of a run, for its organization's own record (the server keeps
 the run's): its user's evaluations, the last global model it evaluated and the round that keyed
-that evaluation, the last round it trained, and why the server ended the run early, if it did.
+that evaluation, the last round it trained and its answer to that round (so a server that resumes
+gets it again, never a retraining), the survivor list it unmasked that round for, and why the
+server ended the run early, if it did.
 The run layer may keep it as it changes (``keep``), so a silo process started again carries on
 from it (run/silo_record.py's ``SiloProgress``)."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from ...core.types import StateDict
+
+
+def state_digest(state: Dict[str, torch.Tensor]) -> str:
+    """A digest of a model's every name, dtype, shape and bit (which model a round was trained on)."""
+    digest = hashlib.sha256(b"pfa-model")
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(b"|%s|%s|%s|" % (name.encode(), str(tensor.dtype).encode(), str(tuple(tensor.shape)).encode()))
+        if tensor.numel():
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@dataclass
+class StoredAnswer:
+    """A silo's answer to the last round it trained: the model it was sent (digest), the model it
+    trained and the samples it declared."""
+
+    round_idx: int
+    model_digest: str
+    weights: StateDict
+    samples: int
 
 
 @dataclass
@@ -22,6 +49,8 @@ class SiloOutcome:
     model_round: Optional[int] = None  # the round that keyed that evaluation (its personalization)
     ended_early: Optional[str] = None  # the server's reason, when it ended the run early
     trained_round: Optional[int] = None  # the last round the silo trained its user in
+    answer: Optional[StoredAnswer] = None  # its answer to that round
+    unmasked: Optional[Tuple[int, Tuple[int, ...]]] = None  # (round, survivors) it last revealed shares for
     keep: Optional[Callable[["SiloOutcome"], None]] = field(default=None, repr=False, compare=False)
 
     def evaluated(self, counts: Dict[str, Any], model: StateDict) -> None:
@@ -29,9 +58,23 @@ class SiloOutcome:
         self.model, self.model_round = model, int(counts["round"])
         self._kept()
 
-    def trained(self, round_idx: int) -> None:
-        self.trained_round = int(round_idx)
+    def trained(self, round_idx: int, answer: Optional[StoredAnswer] = None) -> None:
+        self.trained_round, self.answer = int(round_idx), answer
         self._kept()
+
+    def unmasking(self, round_idx: int, survivors: Sequence[int]) -> Optional[str]:
+        """Note that the silo reveals its shares of round ``round_idx`` for ``survivors``; why it
+        must not (it did so for another list that round: two sums of one round over two lists
+        give a silo's update by subtraction), or None."""
+        listed = tuple(sorted(int(s) for s in survivors))
+        if self.unmasked is not None and self.unmasked[0] == int(round_idx) and self.unmasked[1] != listed:
+            return (
+                f"round {round_idx} was already unmasked for the survivors {list(self.unmasked[1])}; a second sum "
+                f"over {list(listed)} would give the missing silos' updates by subtraction"
+            )
+        self.unmasked = (int(round_idx), listed)
+        self._kept()
+        return None
 
     def _kept(self) -> None:
         if self.keep is not None:

@@ -91,7 +91,6 @@ class SecureStages:
             counts = {s: self.roster.counts_of(s, self.round.assigned[s][1])[0] for s in silos}
         else:
             counts = {s: 1 for s in silos}
-        total = sum(counts.values()) or 1
         bound = self.model.update_bound()
         bits = fixed_point.fraction_bits(bound)
         if bits < fixed_point.MIN_FRACTION_BITS:
@@ -101,8 +100,9 @@ class SecureStages:
                 f"{fixed_point.MIN_FRACTION_BITS}; lower train_args.max_update_ratio or set max_update_norm"
             )
         threshold = int(setup.secure_threshold or 2)
-        weights = {s: counts[s] / total for s in silos}
-        return SecureRound(self.round_idx, silos, weights, threshold, self.model.vector_length(), bits, bound)
+        weighted = counts if setup.sample_weighted else None
+        length = self.model.vector_length()
+        return SecureRound(self.round_idx, silos, weighted, threshold, length, bits, bound, setup.run_id)
 
     def on_secagg(self, now: float, silo: int, kind: int, stamped: Any, params: Any, model: Any, size: int) -> bool:
         """``silo``'s message of a secure-aggregation stage for round ``stamped``."""
@@ -127,6 +127,9 @@ class SecureStages:
         problem = secure.take(silo, kind, params, model, size)
         if problem is not None:
             self.outbox.refuse(silo, REFUSED_SECAGG, problem)
+            standing = [s for s in secure.stage_silos if s not in secure.lost]
+            go_on, _ = self.members.policy.after_deadline(self.round.expected, standing)
+            self.give_up_on([silo], problem, go_on)  # one bad silo fails only itself, named in lost_silos
         return self.close_if_complete(now)
 
     def advance_secure(self, now: float) -> bool:
@@ -141,6 +144,10 @@ class SecureStages:
         if total is None:
             self.clock.deadline = now + self.clock.round_seconds()
             return self.close_if_complete(now)
+        for silo, why in sorted(self.secure.false_shares.items()):  # the round was rebuilt without them
+            problem = f"round {self.round_idx}: silo rank {silo}'s secure aggregation: {why}"
+            self.outbox.refuse(silo, REFUSED_SECAGG, problem)
+            self.give_up_on([silo], problem, True)
         return self.close_secure(now, total, None)
 
     def secure_deadline(self, now: float, why: str) -> bool:

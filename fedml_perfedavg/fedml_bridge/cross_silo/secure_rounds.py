@@ -1,7 +1,7 @@
 """Secure aggregation as states of the cross-silo protocol's TRAINING phase
 (``secagg_args.enable_secagg``; the maths is :mod:`fedml_perfedavg.secagg`'s)::
 
-    ADVERTISE --all of the round's silos, or the deadline--> SHARE --> MASKED --> UNMASK --> sum
+    ADVERTISE --all of the round's silos, or the deadline--> SHARE --> MASKED --> CONSISTENCY --> UNMASK --> sum
     (the model went out; silos train, then advertise keys)
 
 Each stage waits for the silos the previous one left, with the round deadline; a silo that misses
@@ -35,6 +35,7 @@ class Stage(enum.Enum):
     ADVERTISE = "training and advertising keys"
     SHARE = "sharing keys"
     MASKED = "sending masked inputs"
+    CONSISTENCY = "signing the survivor list"
     UNMASK = "unmasking"
 
 
@@ -42,6 +43,7 @@ EXPECTS = {
     Stage.ADVERTISE: wire.SECAGG_ADVERT,
     Stage.SHARE: wire.SECAGG_SHARES_OUT,
     Stage.MASKED: wire.SECAGG_MASKED,
+    Stage.CONSISTENCY: wire.SECAGG_SIGNED,
     Stage.UNMASK: wire.SECAGG_UNMASKING,
 }
 
@@ -54,6 +56,15 @@ def _text(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def protocol_weights(silos: List[int], counts: Optional[Dict[int, int]]) -> Dict[int, float]:
+    """Each silo's weight as the protocol fixes it, which the server sends and each silo checks:
+    equal, or its announced training samples over the round's silos' total."""
+    if counts is None:
+        return {s: 1.0 / len(silos) for s in silos}
+    total = sum(int(counts[s]) for s in silos)
+    return {s: int(counts[s]) / total for s in silos}
+
+
 def advert_to_wire(advert: Advert) -> List[Any]:
     return [
         _text(advert.cipher_public),
@@ -61,45 +72,61 @@ def advert_to_wire(advert: Advert) -> List[Any]:
         _text(advert.seed_commitment),
         _text(advert.signature),
         advert.certificate.decode(),
+        _text(advert.terms_digest),
     ]
 
 
 def advert_from_wire(rank: int, value: List[Any]) -> Advert:
-    return Advert(rank, _bytes(value[0]), _bytes(value[1]), _bytes(value[2]), _bytes(value[3]), value[4].encode())
+    return Advert(
+        rank,
+        _bytes(value[0]),
+        _bytes(value[1]),
+        _bytes(value[2]),
+        _bytes(value[3]),
+        value[4].encode(),
+        _bytes(value[5]),
+    )
 
 
 class SecureRound:
-    """Round ``round_idx`` over ``silos`` (those sent its model), each with its weight (adding up
-    to 1), ``threshold`` of them needed to the end, inputs of ``length`` words with ``bits``
-    fraction bits, clipped to ``bound``."""
+    """Round ``round_idx`` of run ``run_id`` over ``silos`` (those sent its model), each with its
+    weight (adding up to 1; from the silos' announced sample ``counts`` where the run weights by
+    samples, else equal), ``threshold`` of them needed to the end, inputs of ``length`` words with
+    ``bits`` fraction bits, clipped to ``bound``."""
 
     def __init__(
         self,
         round_idx: int,
         silos: List[int],
-        weights: Dict[int, float],
+        counts: Optional[Dict[int, int]],
         threshold: int,
         length: int,
         bits: int,
         bound: float,
+        run_id: str = "",
     ) -> None:
-        self.round_idx, self.weights, self.threshold = round_idx, weights, threshold
+        self.round_idx, self.counts, self.threshold = round_idx, counts, threshold
+        self.weights = protocol_weights(silos, counts)
         self.bits, self.bound, self.length = bits, bound, length
-        self.server = ServerRound(round_idx, list(silos), threshold, length)
+        self.server = ServerRound(round_idx, list(silos), threshold, length, run_id=run_id)
         self.stage = Stage.ADVERTISE
         self.stage_silos: List[int] = list(silos)
         self.awaiting: Set[int] = set(silos)
         self.bytes: Dict[int, int] = {s: 0 for s in silos}
         self.lost: Dict[int, str] = {}  # silo -> the stage it was lost in
+        self.false_shares: Dict[int, str] = {}  # silo -> what false share it sent (found while unmasking)
 
     def terms(self, silo: int) -> Dict[str, Any]:
-        """What ``silo`` needs with the round's model (:data:`wire.SECAGG`)."""
+        """What ``silo`` needs with the round's model (:data:`wire.SECAGG`): the same for every
+        silo of the round but its own weight, which each silo recomputes from the rest."""
         return {
             "threshold": self.threshold,
             "bits": self.bits,
             "weight": self.weights[silo],
             "bound": self.bound,
             "length": self.length,
+            "silos": list(self.server.sampled),
+            "counts": None if self.counts is None else [[s, int(self.counts[s])] for s in self.server.sampled],
         }
 
     def take(self, silo: int, kind: int, params: Dict[str, Any], model: Any, size: int) -> Optional[str]:
@@ -131,6 +158,8 @@ class SecureRound:
             if tensor is None or len(model) != 1 or str(tensor.dtype) != "torch.int32":
                 raise SecAggError(f"a masked input must be one int32 tensor named {wire.MASKED_KEY!r}")
             server.take_masked(silo, tensor.numpy().reshape(-1).view(np.uint32))
+        elif kind == wire.SECAGG_SIGNED:
+            server.take_signature(silo, _bytes(params["signature"]))
         else:
             shares = {int(o): (k, (int(i), _bytes(b))) for o, k, i, b in params["shares"]}
             server.take_unmasking(silo, shares)
@@ -173,14 +202,24 @@ class SecureRound:
             outbox.send(messages, deadline, ROUND)
         elif self.stage is Stage.MASKED:
             survivors = server.close_masked()
-            self._next(Stage.UNMASK, survivors)
+            self._next(Stage.CONSISTENCY, survivors)
             outbox.send(
-                [ToSilo(wire.SECAGG_UNMASK, s, round_idx, params={"survivors": survivors}) for s in survivors],
+                [ToSilo(wire.SECAGG_SURVIVORS, s, round_idx, params={"survivors": survivors}) for s in survivors],
                 deadline,
                 ROUND,
             )
+        elif self.stage is Stage.CONSISTENCY:
+            signers = server.close_signatures()
+            self._next(Stage.UNMASK, signers)
+            params = {
+                "survivors": server.survivors,
+                "signatures": [[r, _text(server.signatures[r])] for r in signers],
+            }
+            outbox.send([ToSilo(wire.SECAGG_UNMASK, s, round_idx, params=params) for s in signers], deadline, ROUND)
         else:
-            return server.total()
+            total = server.total()
+            self.false_shares.update(server.false_shares)
+            return total
         return None
 
     def _enough(self, silos: List[int]) -> None:
@@ -220,6 +259,7 @@ class SecureRound:
             "dropped": {str(s): stage for s, stage in sorted(self.lost.items())},
             "recovered": [s for s in self.server.u2() if s not in self.server.masked] if failed is None else [],
             "threshold": self.threshold,
+            "false_shares": {str(s): why for s, why in sorted(self.false_shares.items())},
             "fraction_bits": self.bits,
             "bytes_per_silo": {str(s): b for s, b in sorted(self.bytes.items())},
             "failed": failed,

@@ -2,12 +2,17 @@
 (the trained model minus the round's model, over the model's parameters) clipped to the bound the
 server would enforce in the clear, encoded in the round's fixed point, and its answers to each of
 the server's stages (:mod:`fedml_perfedavg.secagg.rounds`). The silo checks the server's terms
-against what it computes itself, and every other silo's keys against the run's CA, so a dishonest
-server can neither widen the bound unseen nor pass its own keys off as a silo's."""
+against what it computes itself (the bound, the weights the protocol fixes, the round's silos
+against its own copy of the keyed schedule, its own config's threshold rules), signs a digest of
+them with its keys so that every silo sees whether all were given the same round, and checks every
+other silo's keys against the run's CA: a dishonest server can neither widen the bound or skew the
+weights unseen, nor show silos different rounds, nor pass its own keys off as a silo's."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -25,6 +30,39 @@ def _text(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def terms_digest(terms: Dict[str, Any], received: Dict[str, torch.Tensor]) -> bytes:
+    """What every silo of a round must have been given alike: the terms but the silo's own weight
+    (the threshold, bits, bound, length, silos, counts) and the model itself."""
+    shared = {k: v for k, v in terms.items() if k != "weight"}
+    digest = hashlib.sha256(b"pfa-secagg-terms" + json.dumps(shared, sort_keys=True).encode())
+    for name in sorted(received):
+        tensor = received[name].detach().cpu().contiguous()
+        digest.update(name.encode() + str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.digest()
+
+
+def weight_problem(rank: int, terms: Dict[str, Any], setup: Any) -> Optional[str]:
+    """Why the server's weight for this silo is not the protocol's (None: it is): equal over the
+    round's silos, or, weighting by samples, this silo's own count (checked) over the counts all
+    silos were given (every silo checks its own entry, and the digest that all got one table)."""
+    silos = [int(s) for s in terms["silos"]]
+    counts = terms.get("counts")
+    if setup.sample_weighted != (counts is not None):
+        return "the server's weights are not of this run's train_args.aggregation"
+    if counts is None:
+        expected = 1.0 / len(silos)
+    else:
+        table = {int(s): int(n) for s, n in counts}
+        own = setup.user_counts.get(rank - 1, (None, None))[0]
+        if sorted(table) != sorted(silos) or table.get(rank) != own or min(table.values()) < 1:
+            return f"the server's sample counts {counts} do not give this silo's own ({own})"
+        expected = own / sum(table.values())
+    if abs(float(terms["weight"]) - expected) > 1e-12 * max(expected, 1e-300):
+        return f"the server's weight {terms['weight']!r} for this silo is not the protocol's ({expected!r})"
+    return None
+
+
 class SecureSiloRound:
     """Silo ``party.rank``'s part of round ``round_idx``, its input ``encoded``; ``ca``: the run's CA."""
 
@@ -37,21 +75,34 @@ class SecureSiloRound:
         rank: int,
         round_idx: int,
         terms: Optional[Dict[str, Any]],
-        threshold: Optional[int],
+        setup: Any,
         received: Dict[str, torch.Tensor],
         trained: Dict[str, torch.Tensor],
         client_trainer: Any,
         settings: Any,
     ) -> "SecureSiloRound":
-        """The silo's round from the server's ``terms`` (:data:`wire.SECAGG`), the model it
-        ``received`` and the one it ``trained``; :class:`SecAggError` naming what does not fit."""
-        if terms is None or threshold is None:
+        """The silo's round from the server's ``terms`` (:data:`wire.SECAGG`), the run's
+        ``setup`` (:class:`SiloSetup`: its rules and schedule), the model it ``received`` and the
+        one it ``trained``; :class:`SecAggError` naming what does not fit."""
+        rules = setup.secure_rules
+        if terms is None or rules is None:
             raise SecAggError(
                 "the server's model came without secure-aggregation terms, or with them while this silo's "
                 "secagg_args.enable_secagg is false: the two disagree"
             )
+        threshold = rules.threshold
         if terms["threshold"] != threshold:
             raise SecAggError(f"the server's threshold {terms['threshold']} is not this run's ({threshold})")
+        silos = [int(s) for s in terms["silos"]]
+        scheduled = setup.scheduled(round_idx) if setup.scheduled is not None else silos
+        if rank not in silos or not set(silos) <= set(scheduled) or len(set(silos)) != len(silos):
+            raise SecAggError(
+                f"the server's silos {silos} for round {round_idx} are not of the keyed schedule, which samples "
+                f"{scheduled}"
+            )
+        problem = rules.problem_with(len(scheduled), len(silos)) or weight_problem(rank, terms, setup)
+        if problem is not None:
+            raise SecAggError(problem)
         algorithm = getattr(client_trainer, "algorithm", None)
         credentials = getattr(settings, "credentials", None)
         if algorithm is None or credentials is None:
@@ -71,7 +122,14 @@ class SecureSiloRound:
         delta = fixed_point.clip(vectors.delta(received, trained, names), bound)
         encoded = fixed_point.encode(delta, float(terms["weight"]), bits)
         party = SiloRound(
-            settings.run_id, round_idx, rank, threshold, lambda data: sign(credentials.key, data), credentials.cert
+            settings.run_id,
+            round_idx,
+            rank,
+            threshold,
+            lambda data: sign(credentials.key, data),
+            credentials.cert,
+            terms_digest(terms, received),
+            rules.min_summed,
         )
         return cls(round_idx, party, encoded, credentials.ca)
 
@@ -92,8 +150,12 @@ class SecureSiloRound:
             ciphertexts = {int(r): base64.b64decode(c, validate=True) for r, c in params["shares"]}
             masked = party.masked_input(self.encoded, ciphertexts)
             return wire.SECAGG_MASKED, {}, {wire.MASKED_KEY: torch.from_numpy(masked.view(np.int32).copy())}
+        if kind == wire.SECAGG_SURVIVORS:
+            signature = party.sign_survivors([int(r) for r in params["survivors"]])
+            return wire.SECAGG_SIGNED, {"signature": _text(signature)}, None
         if kind == wire.SECAGG_UNMASK:
-            shares = party.unmask([int(r) for r in params["survivors"]])
+            signatures = {int(r): base64.b64decode(s, validate=True) for r, s in params["signatures"]}
+            shares = party.unmask([int(r) for r in params["survivors"]], signatures)
             rows = [[owner, which, index, _text(share)] for owner, (which, (index, share)) in sorted(shares.items())]
             return wire.SECAGG_UNMASKING, {"shares": rows}, None
         raise SecAggError(f"message type {kind} is not a stage of secure aggregation")

@@ -48,11 +48,21 @@ INIT_CONFIG, SYNC_MODEL, UPLOAD, CLIENT_STATUS, CHECK_STATUS, FINISH = 1, 2, 3, 
 EVALUATE, EVALUATION = 101, 102  # data-owner mode: the server asks every silo to evaluate a model; the counts
 # Secure aggregation's stages (fedml_perfedavg/secagg/rounds.py): what the server relays to a silo,
 # and what a silo sends it.
-SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNMASK = 103, 104, 105
-SECAGG_ADVERT, SECAGG_SHARES_OUT, SECAGG_MASKED, SECAGG_UNMASKING = 106, 107, 108, 109
-SECAGG_FROM_SILO = frozenset({SECAGG_ADVERT, SECAGG_SHARES_OUT, SECAGG_MASKED, SECAGG_UNMASKING})
+SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNMASK, SECAGG_SURVIVORS = 103, 104, 105, 110
+SECAGG_ADVERT, SECAGG_SHARES_OUT, SECAGG_MASKED, SECAGG_UNMASKING, SECAGG_SIGNED = 106, 107, 108, 109, 111
+SECAGG_FROM_SILO = frozenset({SECAGG_ADVERT, SECAGG_SHARES_OUT, SECAGG_MASKED, SECAGG_UNMASKING, SECAGG_SIGNED})
 FROM_SERVER = frozenset(
-    {INIT_CONFIG, SYNC_MODEL, CHECK_STATUS, FINISH, EVALUATE, SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNMASK}
+    {
+        INIT_CONFIG,
+        SYNC_MODEL,
+        CHECK_STATUS,
+        FINISH,
+        EVALUATE,
+        SECAGG_KEYS,
+        SECAGG_SHARES,
+        SECAGG_SURVIVORS,
+        SECAGG_UNMASK,
+    }
 )
 FROM_SILO = frozenset({UPLOAD, CLIENT_STATUS, EVALUATION}) | SECAGG_FROM_SILO
 SECAGG = "plugin_secagg"  # on a round's model: the round's secure-aggregation terms (threshold, bits, ...)
@@ -235,14 +245,20 @@ def _pairs(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 
 def _advert(value: Any) -> bool:
-    """A silo's round keys: two public keys, a seed commitment, a signature, its certificate (PEM)."""
+    """A silo's round keys: two public keys, a seed commitment, a signature, its certificate (PEM),
+    the digest of the round's terms as it was given them."""
     return (
         isinstance(value, list)
-        and len(value) == 5
+        and len(value) == 6
         and all(_b64(v, 32) for v in value[:3])
         and _b64(value[3], 160)
         and _text(value[4], 8192)
+        and _b64(value[5], 32)
     )
+
+
+def _signature(value: Any) -> bool:
+    return _b64(value, 160)
 
 
 def _adverts(value: Any) -> bool:
@@ -279,7 +295,7 @@ def _secagg_terms(value: Any) -> bool:
     """The round's secure-aggregation terms, as the server sends them with its model."""
     return (
         isinstance(value, dict)
-        and set(value) == {"threshold", "bits", "weight", "bound", "length"}
+        and set(value) == {"threshold", "bits", "weight", "bound", "length", "silos", "counts"}
         and _whole(value["threshold"], 2)
         and _whole(value["bits"], 0, 31)
         and _number(value["weight"])
@@ -287,6 +303,9 @@ def _secagg_terms(value: Any) -> bool:
         and _number(value["bound"])
         and value["bound"] > 0
         and _whole(value["length"], 1)
+        and _ranks(value["silos"])
+        and 0 < len(value["silos"])
+        and (value["counts"] is None or _pairs(lambda n: _whole(n, 1))(value["counts"]))
     )
 
 
@@ -323,11 +342,17 @@ SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
     EVALUATION: {SILO_METRICS: (_counts, True)},
     SECAGG_KEYS: {"client_idx": (_digits, True), "adverts": (_adverts, True)},
     SECAGG_SHARES: {"client_idx": (_digits, True), "shares": (_pairs(_ciphertext), True)},
-    SECAGG_UNMASK: {"client_idx": (_digits, True), "survivors": (_ranks, True)},
+    SECAGG_SURVIVORS: {"client_idx": (_digits, True), "survivors": (_ranks, True)},
+    SECAGG_UNMASK: {
+        "client_idx": (_digits, True),
+        "survivors": (_ranks, True),
+        "signatures": (_pairs(_signature), True),
+    },
     SECAGG_ADVERT: {"advert": (_advert, True)},
     SECAGG_SHARES_OUT: {"shares": (_pairs(_ciphertext), True)},
     SECAGG_MASKED: {},
     SECAGG_UNMASKING: {"shares": (_unmasking, True)},
+    SECAGG_SIGNED: {"signature": (_signature, True)},
 }
 CARRIES_MODEL = frozenset({INIT_CONFIG, SYNC_MODEL, UPLOAD, EVALUATE, SECAGG_MASKED})
 _HEADER_KEYS = {
