@@ -255,7 +255,8 @@ def private_batches(
     """DP-SGD's Poisson minibatches and noise for a client's round, keyed by (seed, round, client)."""
     settings, standard = algorithm.settings, algorithm.standard_update
     assert standard is not None  # DP-SGD runs only the standard maths (checked when it is built)
-    generator = generator_for(settings.seed, round_idx, client_id, Purpose.PRIVATE_TRAINING)
+    secret = None if settings.privacy is None else settings.privacy.secret
+    generator = generator_for(settings.seed, round_idx, client_id, Purpose.PRIVATE_TRAINING, secret)
     roles = standard.step.batch_roles
     return draw_private_batches(x, y, settings.batch_sizes[:roles], settings.local_steps, algorithm._shapes, generator)
 

@@ -247,7 +247,7 @@ def _adapted_one_by_one(
             yield sgd_steps(loss_fn, params, *batches, step)
             continue
         assert not isinstance(step, dict)  # the run's rules refuse learned step sizes with DP-SGD
-        generator = generator_for(config.seed, round_idx, user_id, Purpose.PRIVATE_EVALUATION)
+        generator = generator_for(config.seed, round_idx, user_id, Purpose.PRIVATE_EVALUATION, config.privacy.secret)
         private = draw_private_batches(
             user.train_x, user.train_y, [config.batch_size], config.adapt_steps, params, generator
         )

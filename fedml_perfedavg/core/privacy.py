@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -47,6 +47,9 @@ class DPSGD:
     max_grad_norm: float
     delta: float
     max_epsilon: Optional[float] = None
+    # A data owner's silo's own secret, in the key of its noise and minibatches beside (seed, round,
+    # user): the server, which knows the seed, cannot recompute the noise and take it out.
+    secret: Optional[bytes] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def number(key: str, value: Any) -> float:

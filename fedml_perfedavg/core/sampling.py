@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import random
 from enum import IntEnum
-from typing import Iterator, List, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -36,15 +36,21 @@ class Purpose(IntEnum):
     PRIVATE_EVALUATION = 11
 
 
-def _key(seed: int, round_idx: int, client_id: int, purpose: Purpose) -> int:
-    entropy = np.random.SeedSequence([int(seed), int(round_idx) + 1, int(client_id) + 1, int(purpose)])
+def _key(seed: int, round_idx: int, client_id: int, purpose: Purpose, secret: Optional[bytes] = None) -> int:
+    words = [int(seed), int(round_idx) + 1, int(client_id) + 1, int(purpose)]
+    if secret is not None:  # a party's own secret: nobody without it can predict these draws
+        words += np.frombuffer(secret, dtype="<u4").tolist()
+    entropy = np.random.SeedSequence(words)
     return int(entropy.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
-def generator_for(seed: int, round_idx: int, client_id: int, purpose: Purpose) -> torch.Generator:
-    """A CPU torch generator seeded from the key (seed, round, client, purpose)."""
+def generator_for(
+    seed: int, round_idx: int, client_id: int, purpose: Purpose, secret: Optional[bytes] = None
+) -> torch.Generator:
+    """A CPU torch generator seeded from the key (seed, round, client, purpose), and ``secret``
+    (a multiple of 4 bytes) where the draws must be the holder's alone (a data owner's DP noise)."""
     generator = torch.Generator()
-    generator.manual_seed(_key(seed, round_idx, client_id, purpose))
+    generator.manual_seed(_key(seed, round_idx, client_id, purpose, secret))
     return generator
 
 

@@ -240,6 +240,8 @@ def assemble(
     if users:  # the server of a data-owner run trains nothing and holds no sample to probe with
         parts.data_problem = probe(parts)
     parts.silo_privacy, over_budget = silo_privacy(config, algorithm, rank, users)
+    if parts.silo_privacy is not None:
+        keep_noise_secret(algorithm, run_dir, rank)
     if over_budget is not None and parts.data_problem is None:
         logger.error("silo rank %d: %s; announcing it to the server", rank, over_budget)
         parts.data_problem = over_budget
@@ -273,6 +275,42 @@ def privacy_ledger(
     ledger = PrivacyLedger(dp, rules, {user: len(u.train_y) for user, u in enumerate(users)})
     check_budget(config, algorithm, ledger, range(len(users)), range(len(users)))
     return ledger
+
+
+NOISE_KEY = "noise.key"
+
+
+def keep_noise_secret(algorithm: FederatedAlgorithm, run_dir: str, rank: int) -> None:
+    """A data owner's DP-SGD draws its noise and minibatches keyed by a secret of its own beside
+    (seed, round, user), so that the server, which knows the seed, cannot recompute the noise and
+    take it out: ``silo-rank-R/noise.key`` in its run directory, made once (32 random bytes,
+    readable by its owner alone) and read back by a later process of the silo, so a round computed
+    again releases the same numbers."""
+    import dataclasses
+
+    from .files import make_dir, write_atomic
+
+    folder = os.path.join(run_dir, f"silo-rank-{rank}")
+    path = os.path.join(folder, NOISE_KEY)
+    if os.path.exists(path):
+        with open(path, "rb") as stream:
+            secret = stream.read()
+        if len(secret) != 32:
+            raise ConfigError(f"{path}: {len(secret)} bytes, not a silo's 32-byte noise key; it was changed")
+    else:
+        secret = os.urandom(32)
+        make_dir(folder)
+
+        def write(stream: Any) -> None:
+            os.fchmod(stream.fileno(), 0o600)  # before the secret is in it
+            stream.write(secret)
+
+        write_atomic(path, write)
+    settings = algorithm.settings
+    assert settings.privacy is not None
+    dp = dataclasses.replace(settings.privacy, secret=secret)
+    evaluation = dataclasses.replace(settings.evaluation, privacy=dp)
+    algorithm.settings = dataclasses.replace(settings, privacy=dp, evaluation=evaluation)
 
 
 def silo_privacy(

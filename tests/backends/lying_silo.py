@@ -16,12 +16,21 @@
 - ``weight``: it announces, and claims in every upload, 2^31 - 1 training samples;
 - ``flood:R``: it is honest until the server's model of round R comes; then it closes its own port
   and sends the server 100 announcements in 10 s, from its own process, before it trains.
+- ``zero-key``: under secure aggregation it advertises the all-zero (low-order) mask key;
+- ``share-index``: under secure aggregation its unmasking shares carry Shamir index 1 (another
+  silo's) instead of its own.
+- ``unclipped``: under secure aggregation its input is its update scaled to 6 times the bound it
+  should clip to (inside its fixed point's range, so the sum does not wrap).
 
 Run as rank 0, a lie is the server's (its certificate is the run's, its code patched):
 
 - ``server-sample-all``: every silo is sent every round's model, whatever the keyed schedule says;
 - ``server-skew-weights``: under secure aggregation, silo 2's weight in the round's terms is 1 and
   every other silo's 1e-300 (so that the sum is silo 2's update).
+- ``server-replay``: once round 1 is summed, it runs round 1 again on the same model without silo
+  2 (two sums of one round over two silo lists give silo 2's update by subtraction);
+- ``server-other-model``: once round 1 is summed, it sends every silo round 1 again with another
+  model (with DP-SGD, training it would reuse the round's noise on a second model).
 
 Lies join with ``+`` (``server-sample-all+server-skew-weights``).
 """
@@ -56,6 +65,66 @@ def lie(kind: str) -> None:
             return {s: 1.0 if s == 2 else 1e-300 for s in silos}
 
         secure_rounds.protocol_weights = skewed
+    elif kind == "zero-key":
+        from fedml_perfedavg.secagg.rounds import KeyPair, SiloRound
+
+        honest_advertise = SiloRound.advertise
+
+        def zero_key(self):
+            self.masks = KeyPair(self.masks.private, bytes(32))
+            return honest_advertise(self)
+
+        SiloRound.advertise = zero_key
+    elif kind == "share-index":
+        from fedml_perfedavg.secagg.rounds import SiloRound
+
+        honest_unmask = SiloRound.unmask
+
+        def other_index(self, survivors, signatures):
+            answer = honest_unmask(self, survivors, signatures)
+            return {owner: (which, (1, share)) for owner, (which, (_, share)) in answer.items()}
+
+        SiloRound.unmask = other_index
+    elif kind == "unclipped":
+        import numpy as np
+
+        from fedml_perfedavg.secagg import fixed_point
+
+        def unclipped(vector, bound):
+            return vector * (6 * bound / max(float(np.linalg.norm(vector)), 1e-12))
+
+        fixed_point.clip = unclipped
+    elif kind in ("server-replay", "server-other-model"):
+        from fedml_perfedavg.fedml_bridge.cross_silo import rounds, wire
+
+        honest_open, honest_closed = rounds.SiloRounds.open_round, rounds.SiloRounds.round_closed
+        kept = {}
+
+        def remembering_open(self, now, message_kind):
+            if self.round_idx == 1 and "model" not in kept:
+                kept["model"] = {k: v.detach().clone() for k, v in self.model.params().items()}
+            return honest_open(self, now, message_kind)
+
+        def replaying_close(self, now, round_idx, params):
+            if round_idx != 1 or kept.get("replayed"):
+                self.__dict__.pop("sampled", None)
+                return honest_closed(self, now, round_idx, params)
+            kept["replayed"] = True
+            model = kept["model"]
+            if kind == "server-other-model":
+                model = {k: v + 0.01 if v.is_floating_point() else v for k, v in model.items()}
+            else:
+                honest_sampled = self.sampled
+                self.sampled = lambda r: (
+                    rounds.OpenRound(r, *self.roster.assignment([u for u in self.plan.sample_clients(r) if u != 1]))
+                    if r == 1
+                    else honest_sampled(r)
+                )
+            self.model.aggregator.set_global_model_params(model)
+            return self.open_round(now, wire.SYNC_MODEL)
+
+        rounds.SiloRounds.open_round = remembering_open
+        rounds.SiloRounds.round_closed = replaying_close
     elif kind == "huge-once":
         honest = AlgorithmClientTrainer.get_model_params
 

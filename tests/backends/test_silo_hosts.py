@@ -294,3 +294,77 @@ def test_a_silo_cut_off_for_a_while_comes_back_while_the_run_goes_on(hosts, tmp_
     assert lost["rank"] == back["rank"] == 2 and lost["round"] <= back["round"] < 149
     assert "announcing itself again" in outs[2] and "the silo is back in the run" in outs[2]
     assert processes[2].returncode == 0 and "is the server gone?" not in outs[2]
+
+
+def _owners(names, tmp_path, run_dir, settings, silos, tls, resume=False):
+    """The server and each data owner in its namespace (each owner with its own exported folder),
+    as docs/deployment.md starts them; the server with --resume when ``resume``."""
+    addresses = ["198.18.1.1"] + [f"198.18.{k}.2" for k in range(1, silos + 1)]
+    ipconfig = write_ipconfig(
+        str(tmp_path / "ip.csv"), silos + 1, hosts=addresses, ports=[50581 + r for r in range(silos + 1)]
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    processes = {}
+    for rank in range(silos + 1):
+        folder = tmp_path / "export" / f"rank-{rank}" if rank else tmp_path / "server-data"
+        sets = {**settings, "data_cache_dir": folder, "grpc_ipconfig_path": ipconfig, "tls_dir": tls[rank]}
+        entry = ["ip", "netns", "exec", names[rank], sys.executable, "-m", "fedml_perfedavg"]
+        command = rank_command(entry, SILO_YAML, run_dir, sets, rank, "pilot-1")
+        if resume and rank == 0:
+            command += ["--resume", str(run_dir)]
+        processes[rank] = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+    return processes
+
+
+@needs_mnist
+@needs_netns
+def test_a_server_stopped_with_ctrl_c_and_resumed_leaves_every_organizations_dp_account_whole(tmp_path, mnist_root):
+    """DP-SGD across four data-owner hosts. The server is stopped with Ctrl-C after round 2 (each
+    silo is told, records its run as stopped and exits 3), then every organization starts its silo
+    again with the same command and the server resumes, as docs/deployment.md says. Each
+    organization's epsilon and uses at the end are an uninterrupted run's: its account carried on
+    from its progress file, never from zero (on 6b34a60 user 3 ended at 3.59 / 755 against 4.60 / 1177)."""
+    import signal
+
+    from fedml_perfedavg.run.silo_data import export_split
+
+    from tests.backends.test_silo_privacy import DP
+
+    silos = 4
+    settings = {
+        **SETTINGS,
+        "silo_data": "own",
+        "client_num_in_total": silos,
+        "comm_round": 6,
+        "checkpoint_every": 1,
+        **DP,
+    }
+    config = resolve(load_yaml(HF_YAML), {**settings, "data_cache_dir": mnist_root, "silo_data": "shared"})
+    export_split(config, str(tmp_path / "export"), load_split)
+    (tmp_path / "server-data").mkdir()
+    tls = _own_tls(tmp_path, silos)
+    names, _ = _make_hosts(silos)
+    try:
+        calm = finish_all(_owners(names, tmp_path, tmp_path / "calm", settings, silos, tls))
+        stopped_dir = tmp_path / "stopped"
+        processes = _owners(names, tmp_path, stopped_dir, settings, silos, tls)
+        wait_for_text(stopped_dir / "run.log", "round 2: personalized accuracy", lambda: processes[0].poll() is None)
+        processes[0].send_signal(signal.SIGINT)
+        first = finish_all(processes)
+        codes = {rank: p.returncode for rank, p in processes.items()}
+        resumed = finish_all(_owners(names, tmp_path, stopped_dir, settings, silos, tls, resume=True))
+    finally:
+        _remove_hosts(names)
+    assert codes == {0: 130, 1: 3, 2: 3, 3: 3, 4: 3}, (codes, first[0][-3000:])
+    for rank in range(1, silos + 1):
+        assert "carries on from its earlier process" in resumed[rank], resumed[rank][-3000:]
+    summary = json.loads((stopped_dir / "summary.json").read_text())
+    uninterrupted = json.loads((tmp_path / "calm" / "summary.json").read_text())
+    assert uninterrupted["status"] == "finished", calm[0][-3000:]
+    assert summary["status"] == "finished" and summary["rounds"] == 6, resumed[0][-3000:]
+    for user, entry in uninterrupted["privacy"]["per_user"].items():
+        again = summary["privacy"]["per_user"][user]
+        assert again["uses"] == entry["uses"] and again["epsilon"] == pytest.approx(entry["epsilon"], rel=1e-12)
+    assert summary["privacy"]["epsilon"] == pytest.approx(uninterrupted["privacy"]["epsilon"], rel=1e-12)

@@ -241,3 +241,103 @@ def test_a_silo_the_keyed_schedule_does_not_sample_refuses_to_train(mnist_root, 
     assert f"does not sample this silo in round 0; it samples silo rank(s) {scheduled}" in outs[unscheduled]
     for rank in scheduled:
         assert "for round 0 are not of the keyed schedule" in outs[rank], outs[rank]
+
+
+@needs_mnist
+def test_a_silo_with_a_low_order_key_or_a_share_under_another_index_fails_only_itself(mnist_root, tmp_path):
+    """Six silos, threshold 4: silo 5 advertises the all-zero mask key, silo 4 sends its unmasking
+    shares under silo 1's Shamir index. Each is traced to its sender, given up on for the round and
+    named in lost_silos with the reason; every round is recovered from the honest silos."""
+    folders = _export(mnist_root, tmp_path, 6)
+    settings = {
+        **SECURE,
+        "client_num_in_total": 6,
+        "client_num_per_round": 6,
+        "comm_round": 2,
+        "min_clients_per_round": 4,
+        "round_timeout": 60,
+        "round_timeout_factor": 3,
+    }
+    liars = {5: "zero-key", 4: "share-index"}
+    outs = finish_all(start_by_hand(tmp_path, settings, 6, folders, liars=liars), timeout=400)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 2, outs[0][-4000:]
+    secure = summary["secure_aggregation"]
+    assert secure["failed_rounds"] == 0
+    for record in secure["per_round"]:
+        assert {1, 2, 3, 6} <= set(record["summed"]) and 5 not in record["summed"], record
+    why = {}
+    for entry in summary["lost_silos"]:
+        why.setdefault(entry["rank"], []).append(entry["why"])
+    assert set(why) == {4, 5}, summary["lost_silos"]
+    assert all("advertised a low-order key" in w for w in why[5])
+    assert all("sent a share with Shamir index 1; its own is" in w for w in why[4])
+    assert "round 0: silo rank 5's secure aggregation" in outs[0] and "Traceback" not in outs[0]
+
+
+@needs_mnist
+def test_a_silo_that_keeps_sending_unclipped_inputs_is_named_and_refused(mnist_root, tmp_path):
+    """Silo 2 scales its input to 6 times the bound it should clip to, every round. The server sees
+    only the sums: each round with silo 2 is over the bound and dropped. Once three or more such
+    rounds leave silo 2 alone in all of them and in no good round (the keyed schedule samples 4 of 6:
+    silo 6 shares its first three), it is named and refused, and the rounds after sum the honest silos."""
+    import re
+
+    folders = _export(mnist_root, tmp_path, 6)
+    settings = {
+        **SECURE,
+        "client_num_in_total": 6,
+        "client_num_per_round": 4,
+        "comm_round": 10,
+        "min_clients_per_round": 3,
+        "max_skipped_rounds": 10,
+    }
+    outs = finish_all(start_by_hand(tmp_path, settings, 6, folders, liars={2: "unclipped"}), timeout=400)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 10, outs[0][-4000:]
+    per_round = summary["secure_aggregation"]["per_round"]
+    over = [r["round"] for r in per_round if r["failed"] and "over the bound" in r["failed"]]
+    found = re.search(r"round (\d+): silo rank 2 was summed in every one of the last rounds", outs[0])
+    assert found and len(over) >= 3, (per_round, outs[0][-4000:])
+    named_at = int(found.group(1))
+    assert named_at == over[-1] and "silo rank 6 was summed" not in outs[0]
+    assert [entry["rank"] for entry in summary["lost_silos"] if "does not clip" in entry["why"]] == [2]
+    after = [r for r in per_round if r["round"] > named_at]
+    assert after and all(r["failed"] is None and 2 not in r["summed"] for r in after), after
+
+
+def _replayed(mnist_root, tmp_path, lie):
+    folders = _export(mnist_root, tmp_path, 4)
+    settings = {**SECURE, "client_num_in_total": 4, "comm_round": 3, "min_clients_per_round": 3, "round_timeout": 30}
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={0: lie}), timeout=300)
+    summary = _summary(tmp_path)
+    # The silos that refuse send nothing more that round: the server gives up on them at its
+    # deadline and, too few left, stops the run (a refusal, not a failure of the silos).
+    assert summary["status"] in ("finished", "stopped"), outs[0][-4000:]
+    return outs, summary
+
+
+@needs_mnist
+def test_a_server_that_runs_a_round_again_without_one_silo_gets_no_second_sum(mnist_root, tmp_path):
+    """Round 1 summed over silos 1-4, the server runs it again on the same model without silo 2:
+    silos 1, 3, 4 send their stored answers (no retraining) but will not reveal their shares for a
+    second survivor list of round 1, so the server gets no sum to subtract from the first."""
+    outs, summary = _replayed(mnist_root, tmp_path, "server-replay")
+    records = [r for r in summary["secure_aggregation"]["per_round"] if r["round"] == 1]
+    assert [r["summed"] for r in records if r["summed"]] == [[1, 2, 3, 4]], records
+    for rank in (1, 3, 4):
+        assert "round 1 again, on the model it trained it on" in outs[rank], outs[rank][-3000:]
+        assert "round 1 was already unmasked for the survivors [1, 2, 3, 4]; a second sum over [1, 3, 4]" in outs[rank]
+    assert "round 1 again" not in outs[2]
+
+
+@needs_mnist
+def test_a_server_that_sends_a_trained_round_again_with_another_model_is_refused(mnist_root, tmp_path):
+    """With DP-SGD, training round 1 again on another model would draw the round's noise a second
+    time for a second release; every silo refuses the round it trained already, naming why."""
+    outs, summary = _replayed(mnist_root, tmp_path, "server-other-model")
+    for rank in range(1, 5):
+        assert "refuses round 1 from the server (session" in outs[rank], outs[rank][-3000:]
+        assert "it trained round 1 already, on another model; a round is trained once" in outs[rank]
+    records = [r for r in summary["secure_aggregation"]["per_round"] if r["round"] == 1]
+    assert [r["summed"] for r in records if r["summed"]] == [[1, 2, 3, 4]], records

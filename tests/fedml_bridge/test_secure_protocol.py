@@ -186,3 +186,17 @@ def test_a_silo_that_does_not_clip_makes_its_round_dropped_not_averaged(tls):
     ((_, record),) = records(actions, "record_secure_round")
     assert "over the bound 1 every silo clips to" in record["failed"] and record["summed"] == []
     assert model.kept == [0] and model.averages == []
+
+
+def test_the_silo_found_in_every_round_over_the_bound_and_no_good_one_is_named_after_three():
+    from fedml_perfedavg.fedml_bridge.cross_silo.secure_rounds import UnclippedInputs
+
+    tracker = UnclippedInputs()
+    assert tracker.note([1, 2, 3], True) == [] and tracker.note([2, 3, 4], True) == []
+    assert tracker.note([1, 3, 4], False) == []  # silos 1, 3, 4 kept to the bound here
+    assert tracker.note([2, 3, 5], True) == [2]  # three rounds over the bound: only silo 2 is in all, and no good one
+    assert tracker.note([2, 3, 6], True) == []  # named once
+    pair = UnclippedInputs()
+    assert [pair.note([2, 6, k], True) for k in (3, 4, 5)] == [[], [], []]  # 2 and 6 always together: nobody
+    same = UnclippedInputs()
+    assert [same.note([1, 2, 3], True) for _ in range(4)] == [[], [], [], []]  # the same silos every round: nobody

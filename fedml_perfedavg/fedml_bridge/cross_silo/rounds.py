@@ -22,7 +22,7 @@ from .membership import SiloMembership
 from .awaited import OpenEvaluation, OpenRound
 from .phases import Phase, PhaseClock
 from .roster import SiloRoster
-from .secure_rounds import REFUSED_SECAGG, SecureRound
+from .secure_rounds import REFUSED_SECAGG, SecureRound, UnclippedInputs
 from . import wire
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class SecureStages:
 
     round: OpenRound
     secure: Optional[SecureRound]
+    unclipped: UnclippedInputs
     round_idx: int
     clock: PhaseClock
     members: SiloMembership
@@ -172,10 +173,23 @@ class SecureStages:
             except RoundFailed as err:
                 logger.error("%s; the global model is kept", err)
                 failed = str(err)
+            self.found_out(now, round_idx, list(secure.server.survivors), average is None)
         params = self.model.keep(round_idx) if average is None else self.model.secure_average(round_idx, average)
         self.outbox.record("record_secure_round", round_idx, secure.record(failed))
         self.secure = None
         return self.round_closed(now, round_idx, params)
+
+    def found_out(self, now: float, round_idx: int, summed: List[int], over_bound: bool) -> None:
+        """Refuse the silos that the rounds over the bound single out (:class:`UnclippedInputs`):
+        one silo that keeps sending unclipped inputs stops failing everyone's rounds."""
+        named = self.unclipped.note(summed, over_bound)
+        for silo in named:
+            problem = (
+                f"round {round_idx}: silo rank {silo} was summed in every one of the last rounds whose secure "
+                f"average broke the update bound ({len(self.unclipped.failed)}), and in no round that kept to it: "
+                f"it sends inputs it does not clip"
+            )
+            self.members.refuse(now, round_idx, silo, problem, True)
 
 
 class SiloRounds(SecureStages):
@@ -200,6 +214,7 @@ class SiloRounds(SecureStages):
         self.round = OpenRound(-1, [], {})
         self.evaluation = OpenEvaluation(-1, [])
         self.secure: Optional[SecureRound] = None  # the open round's secure aggregation
+        self.unclipped = UnclippedInputs()  # which silo's inputs keep breaking the bound
         self.averaged_from: List[int] = []  # the silos whose updates the last round's average was given
         self.roster.on_drop.append(self.drop_awaited)
 

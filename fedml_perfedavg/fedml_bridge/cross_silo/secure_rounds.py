@@ -31,6 +31,41 @@ logger = logging.getLogger(__name__)
 REFUSED_SECAGG = "secagg"  # a secure-aggregation message that is not what its stage takes (summary.json)
 
 
+class OverBound(RoundFailed):
+    """The securely summed average is over the bound every silo clips to: a silo of the round sent
+    words it did not clip (which one, the sum alone cannot say)."""
+
+
+NAMED_AFTER = 3  # rounds over the bound before the silos found in all of them (and no good one) are named
+
+
+class UnclippedInputs:
+    """Which silo keeps sending unclipped inputs, from the rounds it was summed in: the silos summed
+    in every round whose average broke the bound, less those summed in a round that did not. Once
+    :data:`NAMED_AFTER` rounds broke it and that leaves one silo, it is named (as the plaintext
+    screen names a client whose updates it keeps rejecting). Where every round sums the same silos,
+    or two silos are always summed together, nobody can be told apart, and nobody is named."""
+
+    def __init__(self) -> None:
+        self.failed: List[Set[int]] = []
+        self.passed: Set[int] = set()
+        self.named: Set[int] = set()
+
+    def note(self, summed: List[int], over_bound: bool) -> List[int]:
+        """A round that summed ``summed``; the silos newly found out (sorted)."""
+        if not over_bound:
+            self.passed.update(summed)
+            return []
+        self.failed.append(set(summed))
+        if len(self.failed) < NAMED_AFTER:
+            return []
+        suspects = set.intersection(*self.failed) - self.passed - self.named
+        if len(suspects) != 1:
+            return []
+        self.named |= suspects
+        return sorted(suspects)
+
+
 class Stage(enum.Enum):
     ADVERTISE = "training and advertising keys"
     SHARE = "sharing keys"
@@ -242,7 +277,7 @@ class SecureRound:
         slack = fixed_point.worst_error(self.bits, len(self.server.survivors), weight) * np.sqrt(len(average))
         norm = float(np.linalg.norm(average))
         if norm > self.bound + slack:
-            raise RoundFailed(
+            raise OverBound(
                 f"round {self.round_idx}: the securely summed average has norm {norm:.4g}, over the bound "
                 f"{self.bound:.4g} every silo clips to: a silo of {self.server.survivors} sent an unclipped "
                 f"update; the round is dropped"
