@@ -513,6 +513,26 @@ class FederatedAlgorithm:
                 round_idx, accepted, global_state, lambda kept: self.combine(round_idx, kept, global_state)
             )
             return self.hooks.after_aggregation(round_idx, combined, global_state)
+        return self.keep_global(round_idx, global_state)
+
+    def aggregate_secure_mean(self, round_idx: int, mean_delta: Any, global_state: StateDict) -> StateDict:
+        """The new global model from the securely summed weighted mean of the clients' parameter
+        deltas (``mean_delta``: flat, in :attr:`parameter_names`' order), the only aggregate a
+        server that sees no single update holds: the screen's checks are each client's clipping,
+        and :meth:`combine` is the mean (secure aggregation refuses an algorithm that overrides it).
+        Buffers stay the global model's, as :meth:`combine` keeps them; the round's hooks after
+        aggregation (central DP's noise) apply as to a plain average."""
+        from ..secagg.vectors import unflatten
+
+        self.aggregate_calls += 1
+        delta = unflatten(mean_delta, global_state, self.parameter_names)
+        combined = OrderedDict((k, (v + delta[k]) if k in delta else v.clone()) for k, v in global_state.items())
+        return self.hooks.after_aggregation(round_idx, combined, global_state)
+
+    def keep_global(self, round_idx: int, global_state: StateDict) -> StateDict:
+        """A round with nothing to aggregate (no update accepted, or a secure round that could not
+        finish) keeps the global model and counts as skipped (``max_skipped_rounds`` such rounds stop
+        the run)."""
         self.screen.skip(round_idx)
         return OrderedDict((k, v.clone()) for k, v in global_state.items())
 

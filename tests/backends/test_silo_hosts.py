@@ -309,9 +309,12 @@ def _owners(names, tmp_path, run_dir, settings, silos, tls, resume=False):
         folder = tmp_path / "export" / f"rank-{rank}" if rank else tmp_path / "server-data"
         sets = {**settings, "data_cache_dir": folder, "grpc_ipconfig_path": ipconfig, "tls_dir": tls[rank]}
         entry = ["ip", "netns", "exec", names[rank], sys.executable, "-m", "fedml_perfedavg"]
-        command = rank_command(entry, SILO_YAML, run_dir, sets, rank, "pilot-1")
-        if resume and rank == 0:
-            command += ["--resume", str(run_dir)]
+        if resume and rank == 0:  # the run's own config.yaml, as docs/deployment.md resumes it
+            command = rank_command(entry, SILO_YAML, run_dir, {}, rank, "pilot-1") + ["--resume", str(run_dir)]
+            at = command.index("--cf")
+            del command[at : at + 2]
+        else:
+            command = rank_command(entry, SILO_YAML, run_dir, sets, rank, "pilot-1")
         processes[rank] = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )

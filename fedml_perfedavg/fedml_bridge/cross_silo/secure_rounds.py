@@ -9,6 +9,11 @@ it is given up on as a silo that misses a plaintext round is, and the round goes
 others while at least the threshold are left. Fewer end the round without a model: the global
 model is kept (a skipped round) and the log names who dropped out, never a wrong model. Nothing
 here reads a clock or sends: it is told the time, and its sends go to the event's outbox.
+
+:class:`SecureRound` is the stage machine of one round; :class:`SecureAggregation` is the round's
+aggregation that :class:`~.rounds.SiloRounds` picks when secure aggregation is on (beside
+:class:`~.rounds.ClearAggregation`): it drives the stages on the round's events and deadlines and
+hands the unmasked mean to the algorithm.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import base64
 import enum
 import logging
-from typing import Any, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set
 
 import numpy as np
 
@@ -25,6 +30,10 @@ from ...secagg.primitives import SecAggError
 from ...secagg.rounds import Advert, RoundFailed, ServerRound
 from . import wire
 from .events import ROUND, Outbox, ToSilo
+from .phases import Phase
+
+if TYPE_CHECKING:  # the rounds this drives (rounds.py constructs this class: no import at run time)
+    from .rounds import SiloRounds
 
 logger = logging.getLogger(__name__)
 
@@ -299,3 +308,138 @@ class SecureRound:
             "bytes_per_silo": {str(s): b for s, b in sorted(self.bytes.items())},
             "failed": failed,
         }
+
+
+class SecureAggregation:
+    """A round of :class:`~.rounds.SiloRounds` aggregated securely: :class:`SecureRound`'s stages
+    driven by the round's events and deadlines, the sum through the algorithm (the global model's
+    owner), the round's end through ``rounds.round_closed``."""
+
+    def __init__(self, rounds: "SiloRounds", secure: SecureRound) -> None:
+        self.rounds, self.secure, self.closed = rounds, secure, False
+
+    @classmethod
+    def open(cls, rounds: "SiloRounds") -> "SecureAggregation":
+        """The open round's secure aggregation: the protocol's weights over the silos sent its model
+        (equal, or by the counts they announced), fraction bits that the sum of inputs within the
+        update bound cannot wrap."""
+        setup, silos, round_idx = rounds.roster.setup, sorted(rounds.round.assigned), rounds.round_idx
+        counts = None
+        if setup.sample_weighted:
+            counts = {s: rounds.roster.counts_of(s, rounds.round.assigned[s][1])[0] for s in silos}
+        bound = rounds.model.update_bound()
+        bits = fixed_point.fraction_bits(bound)
+        if bits < fixed_point.MIN_FRACTION_BITS:
+            raise SecAggError(
+                f"round {round_idx}: the update bound {bound:.4g} (train_args.max_update_ratio x max(||w||, 1), "
+                f"or max_update_norm) leaves {bits} fraction bits in 32-bit fixed point, fewer than "
+                f"{fixed_point.MIN_FRACTION_BITS}; lower train_args.max_update_ratio or set max_update_norm"
+            )
+        threshold = int(setup.secure_threshold or 2)
+        length = rounds.model.vector_length()
+        return cls(rounds, SecureRound(round_idx, silos, counts, threshold, length, bits, bound, setup.run_id))
+
+    def terms(self, silo: int) -> Optional[Dict[str, Any]]:
+        return {wire.SECAGG: self.secure.terms(silo)}
+
+    def on_update(self, now: float, silo: int, stamped: Any, declared: Any, model: Any, counts: Any) -> bool:
+        r = self.rounds
+        if r.clock.phase is Phase.TRAINING and not self.closed:
+            why = f"round {r.round_idx}: silo rank {silo} sent its update in the clear; this run aggregates securely"
+            r.outbox.refuse(silo, REFUSED_SECAGG, why)
+            return False
+        logger.warning(
+            "ignored an update from silo rank %d for round %s (the server is %s round %d)",
+            silo,
+            stamped,
+            r.clock.phase.value,
+            r.round_idx,
+        )
+        r.members.tell_if_left_out(now, r.round_idx, silo)
+        return False
+
+    def on_secagg(self, now: float, silo: int, kind: int, stamped: Any, params: Any, model: Any, size: int) -> bool:
+        r, secure = self.rounds, self.secure
+        if r.clock.phase is not Phase.TRAINING or self.closed or stamped != r.round_idx or silo not in secure.awaiting:
+            logger.warning(
+                "ignored a secure-aggregation message (type %d) from silo rank %d for round %s "
+                "(the server is %s round %d)",
+                kind,
+                silo,
+                stamped,
+                r.clock.phase.value,
+                r.round_idx,
+            )
+            r.members.tell_if_left_out(now, r.round_idx, silo)
+            return False
+        problem = secure.take(silo, kind, params, model, size)
+        if problem is not None:
+            r.outbox.refuse(silo, REFUSED_SECAGG, problem)
+            standing = [s for s in secure.stage_silos if s not in secure.lost]
+            go_on, _ = r.members.policy.after_deadline(r.round.expected, standing)
+            r.give_up_on([silo], problem, go_on)  # one bad silo fails only itself, named in lost_silos
+        return r.close_if_complete(now)
+
+    def drop(self, silos: Sequence[int], why: str) -> None:
+        self.secure.drop(list(silos), why)
+
+    def ready(self) -> bool:
+        return not self.closed and not self.secure.awaiting
+
+    def advance(self, now: float) -> bool:
+        """Every silo of the stage answered (or the rest were given up on): the next stage, or the
+        round's end with the unmasked sum; fewer than the threshold left end it without one."""
+        r = self.rounds
+        try:
+            total = self.secure.advance(r.outbox, now + r.clock.round_seconds())
+        except RoundFailed as err:
+            logger.error("%s; the global model is kept", err)
+            return self.close(now, None, str(err))
+        if total is None:
+            r.clock.deadline = now + r.clock.round_seconds()
+            return r.close_if_complete(now)
+        for silo, why in sorted(self.secure.false_shares.items()):  # the round was rebuilt without them
+            problem = f"round {r.round_idx}: silo rank {silo}'s secure aggregation: {why}"
+            r.outbox.refuse(silo, REFUSED_SECAGG, problem)
+            r.give_up_on([silo], problem, True)
+        return self.close(now, total, None)
+
+    def deadline(self, now: float, why: str) -> bool:
+        """The stage's deadline passed: the silos it still awaits are given up on."""
+        r, secure = self.rounds, self.secure
+        missing = sorted(secure.awaiting)
+        go_on, _ = r.members.policy.after_deadline(r.round.expected, secure.answered())
+        r.give_up_on(missing, f"{why} ({secure.stage.value})", go_on)
+        secure.drop(missing, why)
+        return self.advance(now)
+
+    def close(self, now: float, total: Any, failed: Optional[str]) -> bool:
+        """The round's end: the new global model from the sum (or the kept one), recorded."""
+        r, secure, round_idx = self.rounds, self.secure, self.rounds.round_idx
+        r.clock.disarm()
+        self.closed = True
+        if total is not None and not secure.lost and set(secure.server.survivors) >= set(r.round.expected):
+            r.clock.measure_round(now)
+        average = None
+        if total is not None:
+            try:
+                average = secure.average(total)
+            except RoundFailed as err:
+                logger.error("%s; the global model is kept", err)
+                failed = str(err)
+            self.found_out(now, list(secure.server.survivors), average is None)
+        params = r.model.keep(round_idx) if average is None else r.model.secure_average(round_idx, average)
+        r.outbox.record("record_secure_round", round_idx, secure.record(failed))
+        return r.round_closed(now, round_idx, params)
+
+    def found_out(self, now: float, summed: List[int], over_bound: bool) -> None:
+        """Refuse the silo that the rounds over the bound single out (:class:`UnclippedInputs`):
+        one silo that keeps sending unclipped inputs stops failing everyone's rounds."""
+        r = self.rounds
+        for silo in r.unclipped.note(summed, over_bound):
+            problem = (
+                f"round {r.round_idx}: silo rank {silo} was summed in every one of the last rounds whose secure "
+                f"average broke the update bound ({len(r.unclipped.failed)}), and in no round that kept to it: "
+                f"it sends inputs it does not clip"
+            )
+            r.members.refuse(now, r.round_idx, silo, problem, True)

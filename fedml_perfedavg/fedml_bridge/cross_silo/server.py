@@ -6,7 +6,6 @@ import time
 from typing import Any, Dict, List, Tuple
 
 from ...algorithms.base import RoundDriver
-from ...algorithms.secure_average import keep, secure_average
 from ...core.errors import ConfigError
 from ...secagg import vectors
 from ..bootstrap import import_fedml
@@ -87,13 +86,13 @@ class _FedMLGlobalModel:
 
     def secure_average(self, round_idx: int, average_delta: Any) -> Any:
         self.args.round_idx = round_idx
-        state = secure_average(self.algorithm, round_idx, average_delta, self.params())
+        state = self.algorithm.aggregate_secure_mean(round_idx, average_delta, self.params())
         self.aggregator.set_global_model_params(state)
         return state
 
     def keep(self, round_idx: int) -> Any:
         self.args.round_idx = round_idx
-        state = keep(self.algorithm, round_idx, self.params())
+        state = self.algorithm.keep_global(round_idx, self.params())
         self.aggregator.set_global_model_params(state)
         return state
 
