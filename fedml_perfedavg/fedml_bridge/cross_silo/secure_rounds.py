@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import enum
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Set
 
 import numpy as np
 
@@ -30,10 +30,10 @@ from ...secagg.primitives import SecAggError
 from ...secagg.rounds import Advert, RoundFailed, ServerRound
 from . import wire
 from .events import ROUND, Outbox, ToSilo
-from .phases import Phase
-
-if TYPE_CHECKING:  # the rounds this drives (rounds.py constructs this class: no import at run time)
-    from .rounds import SiloRounds
+from .awaited import OpenRound
+from .membership import SiloMembership
+from .phases import Phase, PhaseClock
+from .roster import SiloRoster
 
 logger = logging.getLogger(__name__)
 
@@ -310,16 +310,35 @@ class SecureRound:
         }
 
 
+class OpenRounds(Protocol):
+    """What :class:`SecureAggregation` uses of the rounds that run it (``rounds.SiloRounds``)."""
+
+    round_idx: int
+    round: OpenRound
+    roster: SiloRoster
+    model: Any  # rounds.GlobalModel, whose module imports this one
+    clock: PhaseClock
+    members: SiloMembership
+    outbox: Outbox
+    unclipped: "UnclippedInputs"
+
+    def give_up_on(self, silos: List[int], why: str, go_on: bool) -> None: ...
+
+    def close_if_complete(self, now: float) -> bool: ...
+
+    def round_closed(self, now: float, round_idx: int, params: Any) -> bool: ...
+
+
 class SecureAggregation:
     """A round of :class:`~.rounds.SiloRounds` aggregated securely: :class:`SecureRound`'s stages
     driven by the round's events and deadlines, the sum through the algorithm (the global model's
     owner), the round's end through ``rounds.round_closed``."""
 
-    def __init__(self, rounds: "SiloRounds", secure: SecureRound) -> None:
+    def __init__(self, rounds: OpenRounds, secure: SecureRound) -> None:
         self.rounds, self.secure, self.closed = rounds, secure, False
 
     @classmethod
-    def open(cls, rounds: "SiloRounds") -> "SecureAggregation":
+    def open(cls, rounds: OpenRounds) -> "SecureAggregation":
         """The open round's secure aggregation: the protocol's weights over the silos sent its model
         (equal, or by the counts they announced), fraction bits that the sum of inputs within the
         update bound cannot wrap."""
