@@ -211,19 +211,22 @@ def main() -> None:
         "",
         "One round in one process, every party in turn (seconds per client for each stage; the server's unmasking):",
         "",
-        "| model | implementation | keys | share keys | masked input | unmask | server unmask | bytes per client |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | implementation | keys | share keys | masked input | survivor list signed | unmask | server unmask "
+        "| bytes per client |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model, r in results.items():
         ours, flower = r["ours_in_process"], r["flower_in_process"]
         c, f = ours["client_seconds"], flower["client_seconds"]
         rows.append(
             f"| {model} | fedml-perfedavg | {c['advertise']:.4f} | {c['share_keys']:.4f} | {c['masked']:.4f} | "
-            f"{c['unmask']:.4f} | {ours['server_unmask_seconds']:.3f} | {r['secure']['bytes_per_silo']:,.0f} (wire) |"
+            f"{c['consistency']:.4f} | {c['unmask']:.4f} | {ours['server_unmask_seconds']:.3f} | "
+            f"{r['secure']['bytes_per_silo']:,.0f} (wire) |"
         )
         rows.append(
             f"| {model} | Flower SecAgg+ | {f['setup']:.4f} | {f['share_keys']:.4f} | {f['masked']:.4f} | "
-            f"{f['unmask']:.4f} | {flower['server_unmask_seconds']:.3f} | {flower['bytes_per_client']:,.0f} (values) |"
+            f"(none) | {f['unmask']:.4f} | {flower['server_unmask_seconds']:.3f} | "
+            f"{flower['bytes_per_client']:,.0f} (values) |"
         )
     with open(args.out + ".json", "w") as stream:
         json.dump({"when": when, "command": command, "results": results}, stream, indent=2)
