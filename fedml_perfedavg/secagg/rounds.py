@@ -10,12 +10,17 @@ The server learns the sum of the masked inputs of the silos that got through, no
     MASKED     with the shares addressed to it (their senders are U2): its encoded update plus the
                seed's mask plus, for every other silo j of U2, +mask(s_ij) if i < j else -mask(s_ij),
                s_ij agreed from the two mask keys; pairs cancel in the sum
-    CONSISTENCY with the silos whose masked input arrived (U3, at least t of them): each signs the
-               list U3 it was given (the paper's consistency check, section 4), once a round
-    UNMASK     with at least t valid signatures over that one list: for each j of U2, the share of
-               j's seed if j is in U3, else the share of j's mask key; never both, and only once per
-               round. A server that shows two silos two lists cannot gather t signatures over either
-               (t is more than half of the round's silos plus the colluders allowed for)
+    CONSISTENCY where a silo of U2 sent no masked input (U3 smaller than U2, at least t): each
+               survivor signs the list U3 it was given (the paper's consistency check, section 4),
+               once a round
+    UNMASK     for each j of U2, the share of j's seed if j is in U3, else the share of j's mask key;
+               never both, only once per round, and for a U3 smaller than U2 only with at least t
+               valid signatures over that one list. A server that shows two silos two lists cannot
+               gather t signatures over either (t is more than half of the round's silos plus the
+               colluders allowed for). Where U3 is the whole of U2 a silo reveals seed shares only,
+               which no mask key can be rebuilt from, so that round needs no signatures: a server
+               that tells other silos that some silo dropped still needs t signatures from silos
+               that were not told the whole list (at most n - t of them, plus colluders: fewer than t)
     sum        from any t answers the server rebuilds the seeds of U3 (checked against their
                commitments) and the mask keys of U2 - U3 (checked against their public keys),
                and takes their masks out
@@ -268,12 +273,16 @@ class SiloRound:
 
     def unmask(self, survivors: Sequence[int], signatures: Dict[int, bytes]) -> Dict[int, Tuple[str, Share]]:
         """For each silo of U2 (rank -> (which secret, this silo's share of it)): the seed's share
-        for the ``survivors`` (U3), the mask key's for the others. Only for the list this silo
-        signed, with at least the threshold of valid ``signatures`` (rank -> signature) over it
-        from survivors; once per round."""
+        for the ``survivors`` (U3), the mask key's for the others; once per round. Where U3 is
+        the whole of U2 (seed shares only), unsigned; else only for the list this silo signed,
+        with at least the threshold of valid ``signatures`` (rank -> signature) over it."""
         if self.unmasked:
             raise SecAggError(f"round {self.round_idx}: asked to unmask twice")
         survivors_set = set(survivors)
+        if self.signed is None and survivors_set == set(self.received) and len(survivors_set) == len(survivors):
+            self.sign_survivors(survivors)  # one list a round: this one (its checks: the threshold, min_summed)
+            self.unmasked = True
+            return {rank: (SEED, seed_share) for rank, (seed_share, _) in self.received.items()}
         if self.signed is None or tuple(sorted(survivors_set)) != self.signed:
             raise SecAggError(
                 f"round {self.round_idx}: asked to unmask for the survivors {sorted(survivors_set)}; this silo "
@@ -379,6 +388,11 @@ class ServerRound:
             raise SecAggError(f"round {self.round_idx}: rank {rank}'s signature over the survivor list is not valid")
         self.signatures[rank] = signature
 
+    def needs_consistency(self) -> bool:
+        """Whether a silo that shared sent no masked input: then unmasking reveals mask-key shares,
+        and the survivors must first sign the list (:meth:`SiloRound.unmask`)."""
+        return set(self.survivors) != set(self.shares)
+
     def close_signatures(self) -> List[int]:
         """The survivors that signed the list (U4); :class:`RoundFailed` if fewer than the threshold."""
         if len(self.signatures) < self.threshold:
@@ -389,7 +403,8 @@ class ServerRound:
         return sorted(self.signatures)
 
     def take_unmasking(self, rank: int, shares: Dict[int, Tuple[str, Share]]) -> None:
-        if rank not in self.signatures or rank in self.unmasking:
+        asked = self.signatures if self.needs_consistency() else self.survivors
+        if rank not in asked or rank in self.unmasking:
             raise SecAggError(f"round {self.round_idx}: unmasking shares from rank {rank} are not awaited")
         own_index = index_of(self.u1())[rank]
         if set(shares) != set(self.shares):

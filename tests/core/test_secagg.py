@@ -332,3 +332,25 @@ def test_fixed_point_holds_the_extremes_of_the_bound_without_wrapping():
         decoded = fixed_point.decode(total.astype(np.uint32), bits, 1.0)
         assert np.allclose(decoded, sign_ * bound, atol=fixed_point.worst_error(bits, 10))
     assert fixed_point.fraction_bits(float("inf")) == -1
+
+
+def test_a_round_that_sums_every_silo_that_shared_needs_no_signatures_and_reveals_seeds_only(certificates):
+    """Where U3 is the whole of U2 a silo reveals only seed shares, from which no mask key can be
+    rebuilt: the server skips the consistency stage. A shorter list still needs t signatures, and a
+    silo that unmasked the whole list signs no other."""
+    ranks = [1, 2, 3, 4]
+    inputs = updates(ranks, seed=8)
+    parties, server = prepared(certificates, ranks, 3, inputs)
+    survivors = server.close_masked()
+    assert not server.needs_consistency()
+    for r in survivors:
+        answer = parties[r].unmask(survivors, {})
+        assert {kind for kind, _ in answer.values()} == {SEED}
+        server.take_unmasking(r, answer)
+    average = fixed_point.decode(server.total(), 24, 1.0)
+    assert np.max(np.abs(average - np.mean([inputs[r] for r in ranks], axis=0))) < 1e-6
+    with pytest.raises(SecAggError, match="asked to sign the survivor list"):
+        parties[1].sign_survivors([1, 2, 3])  # the same round, a shorter list: refused
+    others, _ = prepared(certificates, ranks, 3, inputs)
+    with pytest.raises(SecAggError, match=r"this silo signed None"):
+        others[1].unmask([1, 2, 3], {})  # silo 4 "dropped": its mask key's shares only with t signatures

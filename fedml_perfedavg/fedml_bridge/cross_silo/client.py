@@ -211,7 +211,7 @@ class SecureSiloMessages:
             return
         try:
             params = dict(msg_params.get_params())
-            if kind == wire.SECAGG_SURVIVORS and self.outcome.user is not None:
+            if kind in (wire.SECAGG_SURVIVORS, wire.SECAGG_UNMASK) and self.outcome.user is not None:
                 problem = self.outcome.unmasking(round_idx, [int(r) for r in params["survivors"]])
                 if problem is not None:
                     raise SecAggError(problem)

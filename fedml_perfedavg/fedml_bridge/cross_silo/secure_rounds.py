@@ -1,7 +1,8 @@
 """Secure aggregation as states of the cross-silo protocol's TRAINING phase
 (``secagg_args.enable_secagg``; the maths is :mod:`fedml_perfedavg.secagg`'s)::
 
-    ADVERTISE --all of the round's silos, or the deadline--> SHARE --> MASKED --> CONSISTENCY --> UNMASK --> sum
+    ADVERTISE --all of the round's silos, or the deadline--> SHARE --> MASKED --> [CONSISTENCY] --> UNMASK --> sum
+    (CONSISTENCY only where a silo that shared sent no masked input: secagg/rounds.py says why)
     (the model went out; silos train, then advertise keys)
 
 Each stage waits for the silos the previous one left, with the round deadline; a silo that misses
@@ -246,20 +247,27 @@ class SecureRound:
             outbox.send(messages, deadline, ROUND)
         elif self.stage is Stage.MASKED:
             survivors = server.close_masked()
-            self._next(Stage.CONSISTENCY, survivors)
-            outbox.send(
-                [ToSilo(wire.SECAGG_SURVIVORS, s, round_idx, params={"survivors": survivors}) for s in survivors],
-                deadline,
-                ROUND,
-            )
+            if server.needs_consistency():  # mask-key shares will be revealed: the list is signed first
+                stage, kind, params = Stage.CONSISTENCY, wire.SECAGG_SURVIVORS, {"survivors": survivors}
+            else:  # every silo that shared is summed: seed shares only, no list to sign
+                stage, kind, params = Stage.UNMASK, wire.SECAGG_UNMASK, {"survivors": survivors, "signatures": []}
+            self._next(stage, survivors)
+            outbox.send([ToSilo(kind, s, round_idx, params=params) for s in survivors], deadline, ROUND)
         elif self.stage is Stage.CONSISTENCY:
             signers = server.close_signatures()
             self._next(Stage.UNMASK, signers)
-            params = {
-                "survivors": server.survivors,
-                "signatures": [[r, _text(server.signatures[r])] for r in signers],
-            }
-            outbox.send([ToSilo(wire.SECAGG_UNMASK, s, round_idx, params=params) for s in signers], deadline, ROUND)
+            signed = [[r, _text(server.signatures[r])] for r in signers]
+            outbox.send(
+                [
+                    ToSilo(
+                        wire.SECAGG_UNMASK, s, round_idx, params={"survivors": server.survivors, "signatures": signed}
+                    )
+                    for s in signers
+                ],
+                deadline,
+                ROUND,
+            )
+            return None
         else:
             total = server.total()
             self.false_shares.update(server.false_shares)
