@@ -198,8 +198,6 @@ class SiloRound:
                     f"round {self.round_idx}: rank {rank} was given other terms for this round than this silo "
                     f"(another model, silo list, weights or threshold): the server shows silos different rounds"
                 )
-            if not (usable_public_key(advert.cipher_public) and usable_public_key(advert.mask_public)):
-                raise SecAggError(f"round {self.round_idx}: rank {rank} advertised a low-order key")
         self.adverts = dict(adverts)
         index = index_of(sorted(adverts))
         seed_shares = split_secret(self.seed, self.threshold, len(adverts))
@@ -210,10 +208,18 @@ class SiloRound:
             if rank == self.rank:
                 self.received[rank] = mine
                 continue
-            key = agree(self.cipher.private, adverts[rank].cipher_public, SHARE_LABEL)
+            key = self._agree(rank, self.cipher.private, adverts[rank].cipher_public, SHARE_LABEL)
             context = pair_context(self.run_id, self.round_idx, self.rank, rank)
             out[rank] = encrypt(key, pack_shares(self.rank, rank, *mine), context)
         return out
+
+    def _agree(self, rank: int, private: bytes, public: bytes, label: bytes) -> bytes:
+        """:func:`agree` with ``rank``'s key, naming ``rank`` where its key is a low-order point
+        (the exchange itself finds it: no separate check is paid for every peer)."""
+        try:
+            return agree(private, public, label)
+        except SecAggError:
+            raise SecAggError(f"round {self.round_idx}: rank {rank} advertised a low-order key") from None
 
     def advertise_as_sent(self, adverts: Dict[int, Advert]) -> Optional[Advert]:
         """This silo's advertisement as the server should relay it (its signature is randomised,
@@ -247,13 +253,19 @@ class SiloRound:
             del self.received[sender]
         total = np.asarray(encoded, dtype=np.uint32) + mask(self.seed, len(encoded))
         for other in sorted(senders - {self.rank}):
-            seed = agree(self.masks.private, self.adverts[other].mask_public, MASK_LABEL)
+            seed = self._agree(other, self.masks.private, self.adverts[other].mask_public, MASK_LABEL)
             total = total + signed_mask(self.rank, other, mask(seed, len(encoded)))
         return total
 
     def sign_survivors(self, survivors: Sequence[int]) -> bytes:
         """This silo's signature over the survivor list U3 it was given (the consistency check);
         one list a round: a second, other list is refused."""
+        listed = self._take_list(survivors)
+        return self.sign(survivors_payload(self.run_id, self.round_idx, listed))
+
+    def _take_list(self, survivors: Sequence[int]) -> Tuple[int, ...]:
+        """``survivors`` as this round's one survivor list (checked: silos that shared, this one
+        among them, at least the threshold and ``min_summed``, no other list before)."""
         listed = tuple(sorted(set(int(r) for r in survivors)))
         if len(listed) != len(survivors):
             raise SecAggError(f"round {self.round_idx}: the survivor list {list(survivors)} repeats a silo")
@@ -269,7 +281,7 @@ class SiloRound:
                 f"at least {max(self.threshold, self.min_summed)} silos (the threshold, secagg_args.min_summed_silos)"
             )
         self.signed = listed
-        return self.sign(survivors_payload(self.run_id, self.round_idx, listed))
+        return listed
 
     def unmask(self, survivors: Sequence[int], signatures: Dict[int, bytes]) -> Dict[int, Tuple[str, Share]]:
         """For each silo of U2 (rank -> (which secret, this silo's share of it)): the seed's share
@@ -280,7 +292,7 @@ class SiloRound:
             raise SecAggError(f"round {self.round_idx}: asked to unmask twice")
         survivors_set = set(survivors)
         if self.signed is None and survivors_set == set(self.received) and len(survivors_set) == len(survivors):
-            self.sign_survivors(survivors)  # one list a round: this one (its checks: the threshold, min_summed)
+            self._take_list(survivors)  # one list a round: this one (its checks: the threshold, min_summed)
             self.unmasked = True
             return {rank: (SEED, seed_share) for rank, (seed_share, _) in self.received.items()}
         if self.signed is None or tuple(sorted(survivors_set)) != self.signed:

@@ -278,8 +278,11 @@ def test_silos_given_other_terms_or_a_low_order_key_refuse_before_sharing_anythi
     server = server_round(ranks, 2)
     with pytest.raises(SecAggError, match="rank 2 advertised a low-order key"):
         server.take_advert(2, zero.advertise())
-    with pytest.raises(SecAggError, match="rank 2 advertised a low-order key"):
-        honest[1].share({1: adverts[1], 2: zero.advertise(), 3: adverts[3]}, trusting)
+    silo_view = {1: adverts[1], 2: zero.advertise(), 3: adverts[3]}  # a server that relays it anyway
+    honest[1].share(silo_view, trusting)
+    shares = {2: zero.share(silo_view, trusting)[1], 3: honest[3].share(silo_view, trusting)[1]}
+    with pytest.raises(SecAggError, match="rank 2 advertised a low-order key"):  # agreeing the pair's mask finds it
+        honest[1].masked_input(np.zeros(LENGTH, np.uint32), shares)
 
 
 def test_two_survivor_lists_cannot_both_gather_the_threshold_of_signatures(certificates):
