@@ -3,6 +3,7 @@ one process per rank with its own folder, mutual TLS on loopback. The model equa
 run's within the stated error; a silo killed mid-run is recovered from the others' shares."""
 
 import json
+import os
 import signal
 
 import pytest
@@ -341,3 +342,25 @@ def test_a_server_that_sends_a_trained_round_again_with_another_model_is_refused
         assert "it trained round 1 already, on another model; a round is trained once" in outs[rank]
     records = [r for r in summary["secure_aggregation"]["per_round"] if r["round"] == 1]
     assert [r["summed"] for r in records if r["summed"]] == [[1, 2, 3, 4]], records
+
+
+@needs_mnist
+def test_a_silo_started_for_a_secure_round_of_two_refuses_at_start_saying_why(mnist_root, tmp_path):
+    """`client_num_per_round: 2` (the deployment example's) under secure aggregation: two silos
+    summed each learn the other's update from the new model. The organization's own process refuses
+    at start (exit 2), naming the key, whatever the server's config says."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, make_tls, rank_command
+
+    folders = _export(mnist_root, tmp_path, 4)
+    sets = {**SECURE, "client_num_in_total": 4, "client_num_per_round": 2, "tls_dir": make_tls(tmp_path / "tls", 4)}
+    sets.update(folders[1])
+    command = rank_command([sys.executable, "-m", "fedml_perfedavg"], SILO_YAML, tmp_path / "run", sets, 1, "two")
+    out = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "train_args.client_num_per_round=2: with secagg_args.enable_secagg each round sums at least" in out.stderr
+    assert "each would learn the other's update" in out.stderr and "Traceback" not in out.stderr
