@@ -98,16 +98,8 @@ class ClearAggregation:
     def on_update(self, now: float, silo: int, stamped: Any, declared: Any, model: Any, counts: Any) -> bool:
         r = self.rounds
         if r.clock.phase is not Phase.TRAINING or not r.round.takes(silo, stamped):
-            logger.warning(
-                "ignored an update from silo rank %d for round %s (the server is %s round %d%s)",
-                silo,
-                stamped,
-                r.clock.phase.value,
-                r.round_idx,
-                "; it already sent one" if silo in r.round.answered else "",
-            )
-            r.members.tell_if_left_out(now, r.round_idx, silo)
-            return False
+            again = "; it already sent one" if silo in r.round.answered else ""
+            return r.ignore(now, "an update", silo, stamped, again)
         if r.round.take(silo, declared, model, r.roster, r.outbox.refuse):
             r.figures.note(silo, counts, r.round.user_of(silo), r.round_idx)
         else:
@@ -117,18 +109,8 @@ class ClearAggregation:
         return r.close_if_complete(now)
 
     def on_secagg(self, now: float, silo: int, kind: int, stamped: Any, params: Any, model: Any, size: int) -> bool:
-        r = self.rounds
-        logger.warning(
-            "ignored a secure-aggregation message (type %d) from silo rank %d for round %s (this round "
-            "aggregates in the clear; the server is %s round %d)",
-            kind,
-            silo,
-            stamped,
-            r.clock.phase.value,
-            r.round_idx,
-        )
-        r.members.tell_if_left_out(now, r.round_idx, silo)
-        return False
+        what = f"a secure-aggregation message (type {kind}); this round aggregates in the clear,"
+        return self.rounds.ignore(now, what, silo, stamped)
 
     def drop(self, silos: Sequence[int], why: str) -> None:
         pass  # the round's assignment forgets them (SiloRounds.drop_awaited)
@@ -186,6 +168,21 @@ class SiloRounds:
 
     def give_up_on(self, silos: List[int], why: str, go_on: bool) -> None:
         self.members.give_up_on(self.round_idx, silos, why, go_on)
+
+    def ignore(self, now: float, what: str, silo: int, stamped: Any, note: str = "") -> bool:
+        """A message the open round does not take (``what``, for round ``stamped``): logged, and a
+        silo the server gave up on is told so. False: nothing closed."""
+        logger.warning(
+            "ignored %s from silo rank %d for round %s (the server is %s round %d%s)",
+            what,
+            silo,
+            stamped,
+            self.clock.phase.value,
+            self.round_idx,
+            note,
+        )
+        self.members.tell_if_left_out(now, self.round_idx, silo)
+        return False
 
     def drop_awaited(self, silos: Sequence[int]) -> None:
         """What ``silos``, no longer taking part, owed the open round or evaluation will not come
@@ -294,14 +291,7 @@ class SiloRounds:
 
     def on_evaluation(self, now: float, silo: int, counts: Any) -> bool:
         if self.clock.phase is not Phase.EVALUATING or silo not in self.evaluation.awaiting:
-            logger.warning(
-                "ignored an evaluation from silo rank %d (the server is %s round %d)",
-                silo,
-                self.clock.phase.value,
-                self.round_idx,
-            )
-            self.members.tell_if_left_out(now, self.round_idx, silo)
-            return False
+            return self.ignore(now, "an evaluation", silo, self.evaluation.round_idx)
         self.evaluation.take(silo, counts, self.roster, self.outbox.refuse)
         return self.close_if_complete(now)
 

@@ -332,6 +332,8 @@ class OpenRounds(Protocol):
 
     def give_up_on(self, silos: List[int], why: str, go_on: bool) -> None: ...
 
+    def ignore(self, now: float, what: str, silo: int, stamped: Any, note: str = "") -> bool: ...
+
     def close_if_complete(self, now: float) -> bool: ...
 
     def round_closed(self, now: float, round_idx: int, params: Any) -> bool: ...
@@ -375,30 +377,12 @@ class SecureAggregation:
             why = f"round {r.round_idx}: silo rank {silo} sent its update in the clear; this run aggregates securely"
             r.outbox.refuse(silo, REFUSED_SECAGG, why)
             return False
-        logger.warning(
-            "ignored an update from silo rank %d for round %s (the server is %s round %d)",
-            silo,
-            stamped,
-            r.clock.phase.value,
-            r.round_idx,
-        )
-        r.members.tell_if_left_out(now, r.round_idx, silo)
-        return False
+        return r.ignore(now, "an update", silo, stamped)
 
     def on_secagg(self, now: float, silo: int, kind: int, stamped: Any, params: Any, model: Any, size: int) -> bool:
         r, secure = self.rounds, self.secure
         if r.clock.phase is not Phase.TRAINING or self.closed or stamped != r.round_idx or silo not in secure.awaiting:
-            logger.warning(
-                "ignored a secure-aggregation message (type %d) from silo rank %d for round %s "
-                "(the server is %s round %d)",
-                kind,
-                silo,
-                stamped,
-                r.clock.phase.value,
-                r.round_idx,
-            )
-            r.members.tell_if_left_out(now, r.round_idx, silo)
-            return False
+            return r.ignore(now, f"a secure-aggregation message (type {kind})", silo, stamped)
         problem = secure.take(silo, kind, params, model, size)
         if problem is not None:
             r.outbox.refuse(silo, REFUSED_SECAGG, problem)

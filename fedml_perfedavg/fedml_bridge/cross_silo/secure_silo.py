@@ -23,6 +23,7 @@ from ...secagg.primitives import SecAggError, sign
 from ...secagg.rounds import Advert, SiloRound
 from . import wire
 from .credentials import certificate_rank_problem
+from .outcome import state_digest
 from .secure_rounds import advert_from_wire
 
 
@@ -34,12 +35,8 @@ def terms_digest(terms: Dict[str, Any], received: Dict[str, torch.Tensor]) -> by
     """What every silo of a round must have been given alike: the terms but the silo's own weight
     (the threshold, bits, bound, length, silos, counts) and the model itself."""
     shared = {k: v for k, v in terms.items() if k != "weight"}
-    digest = hashlib.sha256(b"pfa-secagg-terms" + json.dumps(shared, sort_keys=True).encode())
-    for name in sorted(received):
-        tensor = received[name].detach().cpu().contiguous()
-        digest.update(name.encode() + str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode())
-        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.digest()
+    text = json.dumps({"terms": shared, "model": state_digest(received)}, sort_keys=True)
+    return hashlib.sha256(b"pfa-secagg-terms" + text.encode()).digest()
 
 
 def weight_problem(rank: int, terms: Dict[str, Any], setup: Any) -> Optional[str]:
