@@ -429,12 +429,14 @@ class PluginRun:
             if status == "finished" and outcome is not None and outcome.ended_early:
                 status, error = "stopped", outcome.ended_early  # the server's reason: the run did not finish
             if self.config.training_type == "cross_silo" and self.config.own_data and outcome is not None:
+                from ..core.privacy import silo_report
                 from .silo_record import write_silo_record
 
-                algorithm = self.parts.algorithm
+                algorithm, ledger = self.parts.algorithm, self.parts.silo_privacy
                 own_state = algorithm.client_states.get(outcome.user) if outcome.user is not None else None
+                privacy = None if ledger is None or outcome.user is None else silo_report(ledger, outcome.user)
                 record = write_silo_record(
-                    self.run_dir, self.rank, outcome, self.parts.trainer.personalized, status, error, own_state
+                    self.run_dir, self.rank, outcome, self.parts.trainer.personalized, status, error, own_state, privacy
                 )
                 status, error = record["status"], record["error"]
             return {"role": "client", "rank": self.rank, "status": status, "error": error}

@@ -58,9 +58,12 @@ def write_silo_record(
     status: str,
     error: Optional[str],
     client_state: Optional[StateDict] = None,
+    privacy: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Write silo ``rank``'s record (see the module doc) and return its summary (``status``: a
-    run the server ended early comes as ``stopped``, with the server's reason: the runner's)."""
+    run the server ended early comes as ``stopped``, with the server's reason: the runner's).
+    ``privacy`` is its user's DP-SGD account at the end (every training and evaluation it ran,
+    none at all included), where the run has DP-SGD."""
     folder = os.path.join(run_dir, f"silo-rank-{rank}")
     make_dir(folder)
     history = [_figures(counts) for counts in outcome.evaluations]
@@ -76,7 +79,7 @@ def write_silo_record(
         "evaluated_round": last.get("round"),
         "own_metrics": last.get("own", {}),  # the algorithm's own figures of its user (its metric_names)
         "test_samples": last.get("test_samples"),
-        "privacy": outcome.evaluations[-1].get("privacy") if outcome.evaluations else None,
+        "privacy": privacy,  # its ledger's, not its last evaluation's: trainings after it count too
         "history": history,
         "model": None,
         "personalized_model": None,
