@@ -27,6 +27,9 @@ Run as rank 0, a lie is the server's (its certificate is the run's, its code pat
 - ``server-sample-all``: every silo is sent every round's model, whatever the keyed schedule says;
 - ``server-skew-weights``: under secure aggregation, silo 2's weight in the round's terms is 1 and
   every other silo's 1e-300 (so that the sum is silo 2's update).
+- ``server-threshold-2``: under secure aggregation, the round's terms and the server's own unmasking
+  ask for 2 silos' shares, whatever the config says (two survivor lists of two could then each be
+  unmasked, giving one silo's update by subtraction).
 - ``server-replay``: once round 1 is summed, it runs round 1 again on the same model without silo
   2 (two sums of one round over two silo lists give silo 2's update by subtraction);
 - ``server-other-model``: once round 1 is summed, it sends every silo round 1 again with another
@@ -65,6 +68,15 @@ def lie(kind: str) -> None:
             return {s: 1.0 if s == 2 else 1e-300 for s in silos}
 
         secure_rounds.protocol_weights = skewed
+    elif kind == "server-threshold-2":
+        from fedml_perfedavg.fedml_bridge.cross_silo import secure_rounds
+
+        honest_init = secure_rounds.SecureRound.__init__
+
+        def low_threshold(self, round_idx, silos, counts, threshold, *rest, **kwargs):
+            honest_init(self, round_idx, silos, counts, 2, *rest, **kwargs)
+
+        secure_rounds.SecureRound.__init__ = low_threshold
     elif kind == "zero-key":
         from fedml_perfedavg.secagg.rounds import KeyPair, SiloRound
 

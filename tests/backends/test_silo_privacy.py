@@ -96,3 +96,33 @@ def test_a_silo_whose_user_would_pass_the_budget_stays_out_and_the_run_records_w
     privacy = summary["privacy"]
     assert set(privacy["per_user"]) == {"0", "1", "2"}
     assert privacy["epsilon"] <= 5.0 and all(e["epsilon"] <= 5.0 for e in privacy["per_user"].values())
+
+
+@needs_mnist
+def test_a_server_that_sends_every_silo_every_round_spends_no_budget_past_the_keyed_plan(mnist_root, tmp_path):
+    """The server sends every round's model to every silo (the keyed schedule samples 2 of 4),
+    DP-SGD with max_epsilon 5: a silo trains only in a round the schedule samples it in and
+    refuses the others, logged with the server's session, so its user's epsilon stays within the
+    plan (a silo that trained all 3 rounds would reach 6.27). The silo's own record holds its
+    account, a silo that never trained included (epsilon 0)."""
+    from fedml_perfedavg.core.sampling import sample_clients
+
+    folders = _export(mnist_root, tmp_path, 4)
+    settings = {**OWN, "client_num_in_total": 4, "comm_round": 3, "min_clients_per_round": 1, **DP}
+    settings.update({"dp_args.max_epsilon": 5.0, "round_timeout": 3})
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={0: "server-sample-all"}), timeout=300)
+    summary = _summary(tmp_path)
+    # The refusing silos send nothing that round; the server gives up on them at its deadline.
+    assert summary["status"] in ("finished", "stopped") and summary["rounds"] >= 1, outs[0][-4000:]
+    first = [u + 1 for u in sample_clients(0, 0, 4, 2)]
+    assert 4 in first  # silo 4 (user 3, past its budget in this plan) is refused at start; one silo trains round 0
+    (trained,) = [rank for rank in first if rank != 4]
+    for rank in (1, 2, 3):
+        refused = "refuses round 0 from the server (session " in outs[rank]
+        assert refused == (rank != trained), (rank, outs[rank][-3000:])
+        if refused:
+            assert f"does not sample this silo in round 0; it samples silo rank(s) {first}" in outs[rank]
+        record = json.loads((tmp_path / "run" / f"silo-rank-{rank}" / "summary.json").read_text())
+        privacy = record["privacy"]
+        assert privacy["user"] == rank - 1 and privacy["epsilon"] <= 5.0, privacy
+        assert (privacy["uses"] == 0) == (rank != trained), privacy

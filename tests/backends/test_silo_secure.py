@@ -181,22 +181,47 @@ def test_fedml_stock_main_with_one_import_aggregates_securely_across_data_owner_
     assert [r["summed"] for r in summary["secure_aggregation"]["per_round"]] == [[1, 2, 3, 4]] * 3
 
 
-def test_an_algorithm_with_its_own_combine_is_refused_under_secure_aggregation(monkeypatch):
+MEDIAN = """# An algorithm that aggregates its own way, registered as a user's script does.
+import sys
+
+import fedml_perfedavg
+from fedml_perfedavg.algorithms.perfedavg import PerFedAvg
+from fedml_perfedavg.run.cli import main
+
+
+class MedianPerFedAvg(PerFedAvg):
+    def combine(self, round_idx, accepted, global_state):
+        return super().combine(round_idx, accepted[:1], global_state)
+
+
+fedml_perfedavg.register("MedianPerFedAvg", MedianPerFedAvg)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("algorithm", ["MedianPerFedAvg", "PerFedAvg"])
+def test_an_algorithm_with_its_own_combine_is_refused_under_secure_aggregation(tmp_path, algorithm):
     """The server holds only the weighted sum: an algorithm that aggregates its own way (a median,
-    a trimmed mean) would silently become the mean, so it is refused at start, named."""
-    from fedml_perfedavg.algorithms import registry
-    from fedml_perfedavg.algorithms.perfedavg import PerFedAvg
+    a trimmed mean) would silently become the mean, so the server's process refuses it at start
+    (exit 2), naming it; the same script with PerFedAvg gets past that check (and stops at the
+    next: this test's TLS folder does not exist)."""
+    import subprocess
+    import sys
 
-    class MedianPerFedAvg(PerFedAvg):
-        def combine(self, round_idx, accepted, global_state):
-            return super().combine(round_idx, accepted[:1], global_state)
+    from tests.helpers import REPO, rank_command
 
-    monkeypatch.setattr(registry, "_REGISTERED", {})
-    registry.register("MedianPerFedAvg", MedianPerFedAvg)
-    values = {**SECURE, "client_num_in_total": 4, "tls_dir": "/nonexistent", "federated_optimizer": "MedianPerFedAvg"}
-    with pytest.raises(ConfigError, match=r"'MedianPerFedAvg' overrides combine .*MedianPerFedAvg.combine"):
-        resolve(load_yaml(SILO_YAML), values)
-    assert resolve(load_yaml(SILO_YAML), {**values, "federated_optimizer": "PerFedAvg"}).enable_secagg
+    script = tmp_path / "median_main.py"
+    script.write_text(MEDIAN)
+    sets = {**SECURE, "client_num_in_total": 4, "tls_dir": tmp_path / "no-tls", "federated_optimizer": algorithm}
+    command = rank_command([sys.executable, str(script)], SILO_YAML, tmp_path / "run", sets, 0, "median")
+    out = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    refusal = "train_args.federated_optimizer='MedianPerFedAvg' overrides combine"
+    assert (refusal in out.stderr) == (algorithm == "MedianPerFedAvg"), out.stderr[-2000:]
+    assert "MedianPerFedAvg.combine" in out.stderr or algorithm == "PerFedAvg"
+    assert "Traceback" not in out.stderr
 
 
 def _lying_server_run(mnist_root, tmp_path, lie, per_round):
@@ -225,6 +250,18 @@ def test_a_dishonest_server_that_skews_the_weights_gets_no_masked_input(mnist_ro
     for rank in range(1, 5):
         expected = 1.0 if rank == 2 else 1e-300
         assert f"the server's weight {expected!r} for this silo is not the protocol's (0.25)" in outs[rank], outs[rank]
+        assert "it sends no update this round" in outs[rank]
+
+
+@needs_mnist
+def test_a_server_that_asks_for_a_threshold_of_two_gets_no_masked_input(mnist_root, tmp_path):
+    """A threshold of 2 with 4 silos a round would let the server unmask two survivor lists, [1, 2]
+    and [3, 4], and so one silo's update. The server's config refuses it at start; a server patched
+    to ask for 2 anyway meets each silo's own threshold (3, from its own config, which refuses less
+    than a majority of the round plus secagg_args.max_colluding_silos) and gets no masked input."""
+    outs = _lying_server_run(mnist_root, tmp_path, "server-threshold-2", 4)
+    for rank in range(1, 5):
+        assert "the server's threshold 2 is not this run's (3)" in outs[rank], outs[rank][-3000:]
         assert "it sends no update this round" in outs[rank]
 
 
@@ -307,9 +344,10 @@ def test_a_silo_that_keeps_sending_unclipped_inputs_is_named_and_refused(mnist_r
     assert after and all(r["failed"] is None and 2 not in r["summed"] for r in after), after
 
 
-def _replayed(mnist_root, tmp_path, lie):
+def _replayed(mnist_root, tmp_path, lie, **extra):
     folders = _export(mnist_root, tmp_path, 4)
     settings = {**SECURE, "client_num_in_total": 4, "comm_round": 3, "min_clients_per_round": 3, "round_timeout": 30}
+    settings.update(extra)
     outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={0: lie}), timeout=300)
     summary = _summary(tmp_path)
     # The silos that refuse send nothing more that round: the server gives up on them at its
@@ -335,32 +373,57 @@ def test_a_server_that_runs_a_round_again_without_one_silo_gets_no_second_sum(mn
 @needs_mnist
 def test_a_server_that_sends_a_trained_round_again_with_another_model_is_refused(mnist_root, tmp_path):
     """With DP-SGD, training round 1 again on another model would draw the round's noise a second
-    time for a second release; every silo refuses the round it trained already, naming why."""
-    outs, summary = _replayed(mnist_root, tmp_path, "server-other-model")
+    time for a second release (and count one training of two); every silo refuses the round it
+    trained already, naming why, and its account holds the trainings it ran."""
+    from tests.backends.test_silo_privacy import DP
+
+    outs, summary = _replayed(mnist_root, tmp_path, "server-other-model", **DP)
     for rank in range(1, 5):
         assert "refuses round 1 from the server (session" in outs[rank], outs[rank][-3000:]
         assert "it trained round 1 already, on another model; a round is trained once" in outs[rank]
+        record = json.loads((tmp_path / "run" / f"silo-rank-{rank}" / "summary.json").read_text())
+        reported = [entry["privacy"] for entry in record["history"]]
+        assert record["privacy"]["uses"] > reported[-1]["uses"], (record["privacy"], reported)  # round 1's training
     records = [r for r in summary["secure_aggregation"]["per_round"] if r["round"] == 1]
     assert [r["summed"] for r in records if r["summed"]] == [[1, 2, 3, 4]], records
 
 
 @needs_mnist
-def test_a_silo_started_for_a_secure_round_of_two_refuses_at_start_saying_why(mnist_root, tmp_path):
-    """`client_num_per_round: 2` (the deployment example's) under secure aggregation: two silos
-    summed each learn the other's update from the new model. The organization's own process refuses
-    at start (exit 2), naming the key, whatever the server's config says."""
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"client_num_per_round": 2},
+            "train_args.client_num_per_round=2: with secagg_args.enable_secagg each round sums at least",
+        ),
+        (
+            {"reconstruction_threshold": 2},
+            "secagg_args.reconstruction_threshold=2: must be above (client_num_per_round 4 + "
+            "secagg_args.max_colluding_silos 0) / 2, or a server (with that many silos) could rebuild both secrets",
+        ),
+    ],
+)
+def test_a_silo_started_with_terms_that_expose_one_update_refuses_at_start_saying_why(
+    mnist_root, tmp_path, change, message
+):
+    """`client_num_per_round: 2` (the deployment example's): two silos summed each learn the
+    other's update from the new model. `reconstruction_threshold: 2` with 4 silos a round: the
+    server could unmask two survivor lists, [1, 2] and [3, 4], and subtract. The organization's own
+    process refuses either at start (exit 2), naming the key, whatever the server's config says."""
     import subprocess
     import sys
 
     from tests.helpers import REPO, make_tls, rank_command
 
     folders = _export(mnist_root, tmp_path, 4)
-    sets = {**SECURE, "client_num_in_total": 4, "client_num_per_round": 2, "tls_dir": make_tls(tmp_path / "tls", 4)}
+    sets = {**SECURE, "client_num_in_total": 4, "tls_dir": make_tls(tmp_path / "tls", 4), **change}
     sets.update(folders[1])
     command = rank_command([sys.executable, "-m", "fedml_perfedavg"], SILO_YAML, tmp_path / "run", sets, 1, "two")
     out = subprocess.run(
         command, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}
     )
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "train_args.client_num_per_round=2: with secagg_args.enable_secagg each round sums at least" in out.stderr
-    assert "each would learn the other's update" in out.stderr and "Traceback" not in out.stderr
+    assert message in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    if "client_num_per_round" in change:
+        assert "each would learn the other's update" in out.stderr
