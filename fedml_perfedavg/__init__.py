@@ -14,11 +14,14 @@ command line). docs/architecture.md follows one round through them.
 
 from typing import Any
 
-from .algorithms import FederatedAlgorithm, algorithm_names, create_algorithm, register
-from .core.errors import ConfigError, DivergenceError, OutputError, RunStopped, SiloFailure
-from .core.client_maths import LocalBatches, LocalUpdateConfig, local_update, meta_gradient
-from .core.functional import functional_network, make_loss_fn, parameters_of
-from .fedml_bridge.bootstrap import when_fedml_is_imported
+from .import_cost import collector_paused
+
+with collector_paused():  # torch's import, without the collector walking it (import_cost.py)
+    from .algorithms import FederatedAlgorithm, algorithm_names, create_algorithm, register
+    from .core.errors import ConfigError, DivergenceError, OutputError, RunStopped, SiloFailure
+    from .core.client_maths import LocalBatches, LocalUpdateConfig, local_update, meta_gradient
+    from .core.functional import functional_network, make_loss_fn, parameters_of
+    from .fedml_bridge.bootstrap import when_fedml_is_imported
 
 
 def _install() -> None:

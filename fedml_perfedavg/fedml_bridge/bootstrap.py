@@ -18,6 +18,7 @@ import warnings
 from typing import Any, Callable, Iterator, Optional
 
 from ..data.torchvision_ops import make_torchvision_importable
+from ..import_cost import collector_paused
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def _fedml_import_context() -> Iterator[None]:
     warning of computing/scheduler/comm_utils/sys_utils.py's ``import pkg_resources`` silenced."""
     make_torchvision_importable()
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), collector_paused(freeze=True):  # see import_cost.py
         warnings.filterwarnings("ignore", message="pkg_resources is deprecated", category=UserWarning)
         yield
 
