@@ -474,10 +474,12 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         elif self.state in (State.ANNOUNCING, State.LISTENING):
             limit = self.policy.client_idle_deadline(self.slowest_gap, self.gaps_measured)
             if now - self.last_heard > limit:
+                gap = "none measured" if self.slowest_gap is None else f"{self.slowest_gap:.2f} s"
                 self._rejoin(
-                    f"nothing from the server for {now - self.last_heard:.1f} s (comm_args."
-                    f"round_timeout_factor x the slowest gap between its models so far; before two: 2 x "
-                    f"comm_args.round_timeout + comm_args.connect_timeout)"
+                    f"nothing from the server for {now - self.last_heard:.1f} s (its limit {limit:.1f} s: comm_args."
+                    f"round_timeout_factor x the slowest gap between its models so far ({gap}, "
+                    f"{self.gaps_measured} measured), + {self.policy.MIN_ADAPTIVE_SECONDS:g} s; before "
+                    f"{self.policy.ADAPT_AFTER_ROUNDS}: 2 x comm_args.round_timeout + comm_args.connect_timeout)"
                 )
         elif self.state is State.REJOINING and now - self.state_since > self.policy.connect_timeout:
             self._gone(
