@@ -33,8 +33,10 @@ run: $(STAMP) data/MNIST
 	@echo "Per-FedAvg (HF), MNIST, 200 rounds: expect personalized_accuracy=0.5491 in about a minute (benchmarks/RESULTS.md)"
 	$(VENV)/bin/fedml-perfedavg --cf yaml_configs/quickstart_mnist_hf.yaml $(DATA_ARGS)
 
+# TEST_WORKERS: pytest-xdist workers (docs/testing.md); 0 runs the suite in one process.
+TEST_WORKERS ?= 4
 test: $(STAMP) data/MNIST
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=30 tests
 
 # Unit and property checks only (no FedML loops, MPI, gRPC, subprocesses or real datasets; tests/conftest.py
 # makes a fast test that does one of those fail): about 30 s.

@@ -50,7 +50,7 @@ setup(
         "silo": ["grpcio", "cryptography>=40", "safetensors", "pycryptodome>=3.15"],
         "bench": ["matplotlib"],
         "dp": ["opacus>=1.4"],  # DP-SGD's accountant (dp_args.dp_solution_type: dpsgd)
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "pytest-xdist"],  # make test runs the suite on several workers
     },
     entry_points={"console_scripts": ["fedml-perfedavg = fedml_perfedavg.run.cli:main"]},
 )
