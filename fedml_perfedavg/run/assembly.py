@@ -441,6 +441,22 @@ def resumable(config: Config) -> bool:
     return config.training_type == "simulation" and config.backend == "sp" and config.simulation_engine == "batched"
 
 
+def resume_problem(config: Config, is_server: bool) -> Optional[str]:
+    """Why a process of ``config`` cannot ``--resume`` (checked before anything is written), or None."""
+    if not resumable(config):
+        return (
+            f"train_args.simulation_engine={config.simulation_engine!r}, comm_args.backend={config.backend!r}: "
+            f"resuming needs the batched engine on sp or a cross-silo server (FedML's sp and MPI loops always "
+            f"start at round 0)"
+        )
+    if config.training_type == "cross_silo" and not is_server:
+        return (
+            "--resume is the cross-silo server's (--role server): a silo that stopped is started again as it was, "
+            "without --resume, and announces itself to the server"
+        )
+    return None
+
+
 def driver_for(parts: RunParts) -> RunDriver:
     """The run's round driver, with the server's measurements and checkpoints."""
     config = parts.config

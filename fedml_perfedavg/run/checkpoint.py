@@ -70,6 +70,29 @@ def load(run_dir: str) -> Optional[Dict[str, Any]]:
     return None
 
 
+# What ``--resume RUN_DIR --set KEY=VALUE`` may change: how many rounds, how often a checkpoint is
+# written, and the reporting (wandb, the progress bar). Anything else would make the resumed rounds
+# another run's (a model whose tensors the checkpoint does not hold, another step size or privacy).
+RESUME_MAY_CHANGE = ("comm_round", "checkpoint_every", "enable_wandb", "wandb_project", "wandb_group", "show_progress")
+
+
+def resume_changes_problem(saved: Dict[str, Dict[str, Any]], asked: Dict[str, Dict[str, Any]]) -> Optional[str]:
+    """Why ``--resume`` refuses the ``--set`` changes between the run's ``saved`` config.yaml
+    sections and the ``asked`` ones (both as :meth:`Config.sections` gives them), or None."""
+    changed = []
+    for section in sorted(set(saved) | set(asked)):
+        before, after = saved.get(section) or {}, asked.get(section) or {}
+        for key in sorted(set(before) | set(after)):
+            if key not in RESUME_MAY_CHANGE and before.get(key) != after.get(key):
+                changed.append(f"{section}.{key}={after.get(key)!r} (the run's: {before.get(key)!r})")
+    if not changed:
+        return None
+    return (
+        f"--resume continues the run as it was configured; it cannot change {', '.join(changed)}. Allowed with "
+        f"--resume: --set {', '.join(RESUME_MAY_CHANGE)}; for other settings start a new run"
+    )
+
+
 def save_config(run_dir: str, sections: Dict[str, Dict[str, Any]]) -> None:
     """The resolved config, so ``--resume RUN_DIR`` needs nothing else."""
     write_yaml(os.path.join(run_dir, CONFIG), sections)

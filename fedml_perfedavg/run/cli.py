@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its last checkpoint (its config.yaml is used; a "
-        "finished run continues only with a larger --set comm_round)",
+        "finished run continues only with a larger --set comm_round; --set may change only comm_round, "
+        "checkpoint_every and the reporting)",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="start the run even where --run-dir holds one, replacing its results"
@@ -126,7 +127,14 @@ def _config_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Con
         raise ConfigError(
             "--cf CONFIG.yaml is required (e.g. --cf yaml_configs/quickstart_mnist_hf.yaml), or --resume RUN_DIR"
         )
-    return load(args.config, [*args.overrides, *(["overwrite=true"] if args.overwrite else [])])
+    config = load(args.config, [*args.overrides, *(["overwrite=true"] if args.overwrite else [])])
+    if args.resume:  # refused before anything in the run's folder is touched
+        from .checkpoint import resume_changes_problem
+
+        problem = resume_changes_problem(load(args.config).sections(), config.sections())
+        if problem is not None:
+            raise ConfigError(problem)
+    return config
 
 
 def _run_dir_of(config: Config, args: argparse.Namespace) -> Tuple[str, bool]:
@@ -170,6 +178,12 @@ def _main(argv: List[str]) -> int:
         from .runner import fedml_args, run_fedml_main
         from ..stopping import sigterm_as_interrupt
 
+        if args.resume:
+            from .assembly import resume_problem
+
+            problem = resume_problem(config, is_server=args.role != "client")
+            if problem is not None:  # before the run's files are touched: a refused resume leaves them as they were
+                raise ConfigError(problem)
         check_one_process(config)  # before any process resolves or creates the run directory
         check_extras(config)
         check_device(config)

@@ -43,7 +43,7 @@ from . import checkpoint
 from .files import make_dir, record_of, write_torch
 from .config import BY_NAME, Config, check_scenario, field_default, load_yaml
 from .fedml_args import check_algorithm_name, from_fedml_args, to_fedml_args, transport_values
-from .assembly import assemble, backend_for, check_layout, driver_for, resumable
+from .assembly import assemble, backend_for, check_layout, driver_for, resume_problem
 
 CROSS_SILO_STATE = "cross_silo"  # the cross-silo server's part of a checkpoint (its session, the run id)
 
@@ -394,17 +394,9 @@ class PluginRun:
     def restore(self) -> None:
         if not self.context.resume:
             return
-        if not resumable(self.config):
-            raise ConfigError(
-                f"train_args.simulation_engine={self.config.simulation_engine!r}, comm_args.backend="
-                f"{self.config.backend!r}: resuming needs the batched engine on sp or a cross-silo server "
-                f"(FedML's sp and MPI loops always start at round 0)"
-            )
-        if self.config.training_type == "cross_silo" and not self.is_server:
-            raise ConfigError(
-                "--resume is the cross-silo server's (--role server): a silo that stopped is started again "
-                "as it was, without --resume, and announces itself to the server"
-            )
+        problem = resume_problem(self.config, self.is_server)
+        if problem is not None:
+            raise ConfigError(problem)
         self.start_round = self.driver.restore(self.parts.device)
         if self.config.training_type == "cross_silo":
             with torch.no_grad():  # FedML's aggregator starts from the model (and state beside it) it holds

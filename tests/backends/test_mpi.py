@@ -277,6 +277,15 @@ def test_one_round_on_mpi_finishes(mnist_root, tmp_path):
     _mpi_run(mnist_root, tmp_path / "mpi", extra=["--set", "comm_round=1"])
     summary = json.loads((tmp_path / "mpi" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == 1 and (tmp_path / "mpi" / "model.pt").exists()
+    # `mpirun -n 3 fedml-perfedavg --resume RUN --set comm_round=3` cannot resume FedML's MPI loop:
+    # every rank refuses before it touches the finished run's files (they used to end "failed").
+    files = {p: p.read_bytes() for p in (tmp_path / "mpi").rglob("*") if p.is_file()}
+    command = [MPIRUN, "-n", "3", sys.executable, "-m", "fedml_perfedavg", "--resume", str(tmp_path / "mpi")]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([*command, "--set", "comm_round=3"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.count("resuming needs the batched engine on sp or a cross-silo server") == 3, out.stderr
+    assert {p: p.read_bytes() for p in (tmp_path / "mpi").rglob("*") if p.is_file()} == files
 
 
 @needs_mnist

@@ -212,3 +212,47 @@ def test_cli_resume_continues_an_interrupted_run(mnist_root, tmp_path):
     assert resumed["per_user_accuracy"] == full["per_user_accuracy"] and resumed["rounds"] == 4
     a, b = torch.load(tmp_path / "full" / "model.pt"), torch.load(run_dir / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@needs_mnist
+def test_a_refused_resume_leaves_a_finished_runs_files_byte_for_byte(mnist_root, tmp_path, capsys):
+    """``--resume`` may change comm_round, checkpoint_every and the reporting; any other --set, or a
+    run that cannot resume (FedML's sp loop), is refused (exit 2) naming the key, before a file of
+    the run is touched (it used to end the run "failed", replace model.pt, or keep `model: cnn` in
+    config.yaml so that every later resume failed)."""
+    from fedml_perfedavg.run.cli import main
+
+    def files(run_dir):
+        return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+    common = ["--set", f"data_cache_dir={mnist_root}", "--set", "show_progress=false", "--set", "comm_round=2"]
+    runs = {engine: tmp_path / engine for engine in ("batched", "fedml")}
+    for engine, run_dir in runs.items():
+        sets = [
+            "--set",
+            f"simulation_engine={engine}",
+            "--set",
+            "client_num_in_total=4",
+            "--set",
+            "client_num_per_round=2",
+        ]
+        assert main(["--cf", HF_YAML, *common, *sets, "--run-dir", str(run_dir)]) == 0
+    before = {engine: files(run_dir) for engine, run_dir in runs.items()}
+    capsys.readouterr()
+    refusals = [
+        ("batched", ["model=cnn"], "cannot change model_args.model='cnn' (the run's: "),
+        ("batched", ["comm_round=4", "local_steps=5", "alpha=0.5"], "train_args.alpha=0.5 (the run's: "),
+        ("batched", ["simulation_engine=fedml"], "train_args.simulation_engine='fedml' (the run's: 'batched')"),
+        ("fedml", ["comm_round=4"], "resuming needs the batched engine on sp or a cross-silo server"),
+    ]
+    for engine, sets, says in refusals:
+        assert main(["--resume", str(runs[engine]), *[a for s in sets for a in ("--set", s)]]) == 2
+        err = capsys.readouterr().err
+        assert says in err, err
+        if "cannot change" in says:
+            assert "train_args.local_steps=5" in err or "local_steps" not in " ".join(sets)
+            assert "Allowed with --resume: --set comm_round, checkpoint_every, enable_wandb" in err
+        assert files(runs[engine]) == before[engine], engine
+    # What --resume may change, it takes: two more rounds, from the checkpoint, without a progress bar.
+    assert main(["--resume", str(runs["batched"]), "--set", "comm_round=4", "--set", "checkpoint_every=1"]) == 0
+    assert json.loads((runs["batched"] / "summary.json").read_text())["rounds"] == 4
