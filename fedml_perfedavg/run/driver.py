@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ..algorithms.base import FederatedAlgorithm
 from ..core.privacy import PrivacyLedger, ReportedPrivacy
 from ..core.types import StateDict
+from ..stopping import RoundEndInterrupt
 from . import checkpoint
 from .measures import Measurements
 from .reporting import RunRecorder, record_failure
@@ -43,6 +44,8 @@ class RunDriver:
         # and run id), and what the checkpoint a run resumed from held of it.
         self.backend_states: Dict[str, Callable[[], Dict[str, Any]]] = {}
         self.restored: Dict[str, Dict[str, Any]] = {}
+        # Set while the batched engine runs: a stop signal ends the run at the end of its round.
+        self.stop_at_round_end: Optional[RoundEndInterrupt] = None
 
     @property
     def privacy(self) -> Optional[PrivacyLedger]:
@@ -96,6 +99,11 @@ class RunDriver:
                 self.recorder.record_evaluation(round_idx, result, extra, started)
         if self.checkpoints is not None and schedule.checkpoints(round_idx):
             self.save_checkpoint(round_idx + 1)
+        stop = self.stop_at_round_end
+        if stop is not None and stop.requested:
+            if self.checkpoints is not None and schedule.checkpoint_every and not schedule.checkpoints(round_idx):
+                self.save_checkpoint(round_idx + 1)  # the signal came in this round: keep it for --resume
+            stop.stop()
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, next_round: int) -> None:

@@ -33,6 +33,7 @@ from ..data.partition import PARTITIONS
 from .. import logs
 from ..stopping import (
     STOP_SIGNALLED,
+    RoundEndInterrupt,
     exit_as_signalled,
     note_recorded_stop,
     sigterm_as_interrupt,
@@ -409,7 +410,12 @@ class PluginRun:
         from ..engine.batched import BatchedSimulation
 
         if isinstance(self.backend, BatchedSimulation):
-            self.driver.global_state = self.backend.run(self.start_round, self.config.comm_round)
+            with RoundEndInterrupt() as stop:  # Ctrl-C keeps the round it lands in (a checkpoint)
+                self.driver.stop_at_round_end = stop
+                try:
+                    self.driver.global_state = self.backend.run(self.start_round, self.config.comm_round)
+                finally:
+                    self.driver.stop_at_round_end = None
         else:
             self.backend.run()
 

@@ -256,3 +256,50 @@ def test_a_refused_resume_leaves_a_finished_runs_files_byte_for_byte(mnist_root,
     # What --resume may change, it takes: two more rounds, from the checkpoint, without a progress bar.
     assert main(["--resume", str(runs["batched"]), "--set", "comm_round=4", "--set", "checkpoint_every=1"]) == 0
     assert json.loads((runs["batched"] / "summary.json").read_text())["rounds"] == 4
+
+
+@needs_mnist
+def test_ctrl_c_keeps_the_round_it_lands_in_and_resume_gives_the_uninterrupted_model(mnist_root, tmp_path):
+    """The quick start interrupted by Ctrl-C (SIGINT) mid-run, checkpoint_every 100 as shipped:
+    the run stops at the end of the round the signal came in, with a checkpoint of it, exits 130,
+    and ``--resume`` gives the uninterrupted run's model bit for bit (it used to find no checkpoint
+    and start again from round 0)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    quickstart = str(REPO / "yaml_configs" / "quickstart_mnist_hf.yaml")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    sets = [f"data_cache_dir={mnist_root}", "comm_round=30", "show_progress=false"]
+    command = [sys.executable, "-m", "fedml_perfedavg", "--cf", quickstart, *[a for s in sets for a in ("--set", s)]]
+
+    def finish(*args):
+        out = subprocess.run([*command[:3], *args], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out
+
+    finish(*command[3:], "--run-dir", str(tmp_path / "whole"))
+    run_dir = tmp_path / "interrupted"
+    process = subprocess.Popen(
+        [*command, "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    try:
+        log, deadline = run_dir / "run.log", time.monotonic() + 200
+        while not (log.exists() and "round 10: personalized accuracy" in log.read_text()):
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.02)
+        process.send_signal(signal.SIGINT)
+        out = process.communicate(timeout=120)[0]
+    finally:
+        process.kill()
+    assert process.returncode == 130, out[-3000:]
+    assert "SIGINT: the run stops at the end of this round, kept for --resume" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and 10 < summary["rounds"] < 30, summary["rounds"]
+    resumed = finish("--resume", str(run_dir))
+    assert f"resumed {run_dir} at round {summary['rounds']}" in resumed.stderr + resumed.stdout
+    whole = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    again = torch.load(run_dir / "model.pt", weights_only=True)
+    assert all(torch.equal(whole[k], again[k]) for k in whole)
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 30
