@@ -97,10 +97,15 @@ class WandbSink:
                 self.log_evaluation(round_idx, metrics, per_user)
         if last is not None:
             names = [ACCURACY, ACCURACY_BEFORE, *last.own_names]
-            table = wandb.Table(
-                columns=["user", *names],
-                data=[[user, *(last.per_user[n][i] for n in names)] for i, user in enumerate(last.ids)],
-            )
+            dp = (summary.get("privacy") or {}).get("per_user") or {}  # each user's epsilon and uses, under DP-SGD
+            columns = ["user", *names]
+            rows: List[List[Any]] = [[user, *(last.per_user[n][i] for n in names)] for i, user in enumerate(last.ids)]
+            if dp:
+                columns += ["epsilon", "dp_uses"]
+                for row in rows:
+                    entry = dp.get(str(row[0])) or {}
+                    row += [entry.get("epsilon"), entry.get("uses")]
+            table = wandb.Table(columns=columns, data=rows)
             self.run.log({"final/per_user_accuracy": table})
         self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float))})
         self.run.summary.update({f"own/{k}": v for k, v in (summary.get("own_metrics") or {}).items()})
@@ -142,9 +147,18 @@ def per_user_table(result: EvaluationResult, num_users: Optional[int]) -> Dict[s
     return table
 
 
-def log_per_user(round_idx: int, result: EvaluationResult, metrics: Dict[str, Any]) -> None:
-    """The per-user figures of an evaluation (``fedml_perfedavg.per_user``), and the means of an
-    algorithm's own figures."""
+def per_user_epsilons(privacy: Optional[Union[PrivacyLedger, ReportedPrivacy]]) -> Dict[int, float]:
+    """Each user's DP-SGD epsilon so far (none without DP-SGD)."""
+    if privacy is None:
+        return {}
+    return {int(user): float(entry["epsilon"]) for user, entry in privacy.report()["per_user"].items()}
+
+
+def log_per_user(
+    round_idx: int, result: EvaluationResult, metrics: Dict[str, Any], epsilons: Optional[Dict[int, float]] = None
+) -> None:
+    """The per-user figures of an evaluation (``fedml_perfedavg.per_user``), each user's DP-SGD
+    epsilon where the run has DP-SGD, and the means of an algorithm's own figures."""
     per_user_logger.info(
         "round %d: per-user accuracy after/before adaptation: %s",
         round_idx,
@@ -153,6 +167,10 @@ def log_per_user(round_idx: int, result: EvaluationResult, metrics: Dict[str, An
             for i, a, b in zip(result.ids, result.per_user_accuracy, result.per_user_accuracy_before)
         ),
     )
+    if epsilons:
+        per_user_logger.info(
+            "round %d: per-user epsilon: %s", round_idx, " ".join(f"{u}:{e:.4g}" for u, e in sorted(epsilons.items()))
+        )
     for name in result.own_names:
         logger.info("round %d: %s %.4g (mean over users)", round_idx, name, metrics[name])
         per_user_logger.info(
@@ -346,7 +364,7 @@ class RunRecorder:
         )
         if "stationarity" in metrics:
             logger.info("round %d: ||grad F(w)||^2 = %.4g", round_idx, metrics["stationarity"])
-        log_per_user(round_idx, result, metrics)
+        log_per_user(round_idx, result, metrics, per_user_epsilons(self.privacy))
         if self._bar is not None:
             self._bar.set_postfix(pers_acc=f"{metrics['personalized_accuracy']:.4f}")
         # Kept current, so a process killed without warning (SIGKILL, MPI_Abort) loses nothing measured.

@@ -60,8 +60,44 @@ def status_of(summary: Dict[str, Any]) -> str:
     )
 
 
+def _privacy_line(privacy: Dict[str, Any]) -> str:
+    return f"epsilon {_figure(privacy.get('epsilon'))} over {privacy.get('uses')} uses of its data (DP-SGD)"
+
+
+def describe_silo(path: str, summary: Dict[str, Any]) -> str:
+    """A data owner's own record (``silo-rank-R/summary.json``): its user's figures and DP account."""
+    lines = [
+        f"{path}: silo rank {summary.get('rank')} (user {summary.get('user')}), {summary.get('status')}, "
+        f"last evaluated the model of round {summary.get('evaluated_round')}"
+    ]
+    if summary.get("error"):
+        lines.append(f"  ended by: {summary['error']}")
+    lines.append(
+        f"  user {summary.get('user')}'s personalized accuracy {_percent(summary.get('personalized_accuracy'))}% "
+        f"(before adaptation {_percent(summary.get('accuracy_before_adaptation'))}%) on "
+        f"{summary.get('test_samples')} test samples"
+    )
+    if summary.get("privacy"):
+        lines.append("  " + _privacy_line(summary["privacy"]))
+    return "\n".join(lines)
+
+
+def silo_records(path: str) -> List[str]:
+    """The silo records in an organization's run folder (``silo-rank-R/summary.json``)."""
+    if not os.path.isdir(path):
+        return []
+    return sorted(
+        os.path.join(path, name)
+        for name in os.listdir(path)
+        if name.startswith("silo-rank-") and os.path.isfile(os.path.join(path, name, "summary.json"))
+    )
+
+
 def describe_run(path: str, summary: Dict[str, Any]) -> str:
-    """One run: how it ended, its headline figures and the per-user table."""
+    """One run: how it ended, its headline figures and the per-user table (with each user's
+    epsilon under DP-SGD); a silo's own record as :func:`describe_silo`."""
+    if summary.get("role") == "silo":
+        return describe_silo(path, summary)
     lines = [
         f"{path}: {_method(summary)}, {status_of(summary)}, {summary.get('rounds')} rounds, "
         f"{summary.get('wall_seconds', 0):.1f} s"
@@ -82,11 +118,19 @@ def describe_run(path: str, summary: Dict[str, Any]) -> str:
     after = summary.get("per_user_accuracy") or []
     before = summary.get("per_user_accuracy_before_adaptation") or [None] * len(after)
     new = set(summary.get("new_users") or [])
+    dp = (summary.get("privacy") or {}).get("per_user") or {}
     if after:
         widths = [max(len(name), 8) for name in own]
-        lines.append("  user  after%  before%" + "".join(f"  {name:>{w}}" for name, w in zip(own, widths)))
+        lines.append(
+            "  user  after%  before%"
+            + "".join(f"  {name:>{w}}" for name, w in zip(own, widths))
+            + ("   epsilon  uses" if dp else "")
+        )
         for user, (a, b) in enumerate(zip(after, before)):
             figures = "".join(f"  {_figure(_at(values, user)):>{w}}" for values, w in zip(own.values(), widths))
+            if dp:
+                entry = dp.get(str(user)) or {}
+                figures += f"  {_figure(entry.get('epsilon')):>8}  {entry.get('uses', '-'):>4}"
             lines.append(
                 f"  {user:4d}  {_percent(a):>6}  {_percent(b):>7}{figures}{'  (new user)' if user in new else ''}"
                 f"{'  (missing from the last evaluation)' if a is None else ''}"
@@ -127,13 +171,18 @@ def main(argv: List[str]) -> int:
     )
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR")
     args = parser.parse_args(argv)
+    paths: List[str] = []
+    for path in args.runs:  # an organization's folder holds its silo's record, not the run's summary
+        records = silo_records(path)
+        server_side = os.path.isfile(os.path.join(path, "summary.json"))
+        paths += records if records and not server_side else [path]
     try:
-        summaries = [read_summary(path) for path in args.runs]
+        summaries = [read_summary(path) for path in paths]
     except ConfigError as err:
         print(f"fedml-perfedavg show: error: {err}", file=sys.stderr)
         return 2
-    if len(summaries) == 1:
-        print(describe_run(args.runs[0], summaries[0]))
+    if len(summaries) == 1 or all(summary.get("role") == "silo" for summary in summaries):
+        print("\n".join(describe_run(path, summary) for path, summary in zip(paths, summaries)))
     else:
-        print(compare_runs(args.runs, summaries))
+        print(compare_runs(paths, summaries))
     return 0

@@ -94,19 +94,21 @@ def write_silo_record(
         write_torch(os.path.join(folder, "client_state.pt"), {k: v.detach().cpu() for k, v in client_state.items()})
         summary["client_state"] = "client_state.pt"
     write_json(os.path.join(folder, "summary.json"), summary)
+    spent = "" if not privacy else f"; epsilon {privacy['epsilon']:.4g} over {privacy['uses']} uses of its data"
     if last:
         logger.info(
-            "silo rank %d: user %s's personalized accuracy %.4f (before adaptation %.4f) at round %d; its record "
+            "silo rank %d: user %s's personalized accuracy %.4f (before adaptation %.4f) at round %d%s; its record "
             "and models in %s",
             rank,
             outcome.user,
             last["personalized_accuracy"],
             last["accuracy_before_adaptation"],
             last["round"],
+            spent,
             folder,
         )
     else:
-        logger.info("silo rank %d evaluated no model (run %s); its record is in %s", rank, status, folder)
+        logger.info("silo rank %d evaluated no model (run %s)%s; its record is in %s", rank, status, spent, folder)
     return summary
 
 

@@ -54,7 +54,7 @@ def test_shared_mode_gives_the_single_process_model_and_epsilons(mnist_root, tmp
 
 
 @needs_mnist
-def test_data_owner_silos_account_for_their_own_users_under_secure_aggregation_as_sp_does(mnist_root, tmp_path):
+def test_data_owner_silos_account_for_their_own_users_under_secure_aggregation_as_sp_does(mnist_root, tmp_path, capsys):
     """Each silo's noise is its own; the server only sums (secagg_args.enable_secagg)."""
     folders = _export(mnist_root, tmp_path, 4)
     settings = {**OWN, "client_num_in_total": 4, "client_num_per_round": 3, "comm_round": 3, "enable_secagg": True}
@@ -77,6 +77,16 @@ def test_data_owner_silos_account_for_their_own_users_under_secure_aggregation_a
         assert abs(privacy["per_user"][user]["epsilon"] - entry["epsilon"]) < 1e-9
     assert privacy["epsilon"] == sp.summary["privacy"]["epsilon"]
     assert [h["epsilon"] for h in summary["history"]] == [h["epsilon"] for h in sp.summary["history"]]
+    # Where an organization looks: its own record, `fedml-perfedavg show` on it, its last log line.
+    from fedml_perfedavg.run.show import main as show
+
+    record = json.loads((tmp_path / "run" / "silo-rank-2" / "summary.json").read_text())
+    spent = f"epsilon {record['privacy']['epsilon']:.4g} over {record['privacy']['uses']} uses of its data"
+    assert record["privacy"]["epsilon"] == privacy["per_user"]["1"]["epsilon"] and spent in outs[2], outs[2][-2000:]
+    capsys.readouterr()
+    assert show([str(tmp_path / "run" / "silo-rank-2")]) == 0
+    shown = capsys.readouterr().out
+    assert "silo rank 2 (user 1), finished" in shown and spent in shown, shown
 
 
 @needs_mnist

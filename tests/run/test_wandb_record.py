@@ -92,7 +92,7 @@ def test_the_wandb_group_defaults_to_the_run_name(tmp_path, monkeypatch):
 
 
 @pytest.mark.backend
-def test_a_dp_sgd_run_logs_its_epsilon_at_every_evaluation(tmp_path, monkeypatch):
+def test_a_dp_sgd_run_logs_its_epsilon_at_every_evaluation(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")
     dp = {
         "dp_args.enable_dp": True,
@@ -109,3 +109,21 @@ def test_a_dp_sgd_run_logs_its_epsilon_at_every_evaluation(tmp_path, monkeypatch
     epsilons = [h["epsilon"] for h in result.summary["history"]]
     assert [float(row["eval/epsilon"]) for row in rows] == pytest.approx(epsilons)
     assert epsilons[-1] == result.summary["privacy"]["epsilon"] > 0
+    # The per-user table carries each user's epsilon and uses, as summary.json's privacy has them.
+    (table_file,) = (tmp_path / "run" / "wandb").rglob("per_user_accuracy_*.table.json")
+    table = json.loads(table_file.read_text())
+    assert table["columns"] == ["user", "accuracy", "accuracy_before_adaptation", "epsilon", "dp_uses"]
+    per_user = result.summary["privacy"]["per_user"]
+    for user, *_, epsilon, uses in table["data"]:
+        assert epsilon == pytest.approx(per_user[str(user)]["epsilon"]) and uses == per_user[str(user)]["uses"]
+    # ... and so does the run's log and `fedml-perfedavg show`.
+    from fedml_perfedavg.run.show import main as show
+
+    log_text = (tmp_path / "run" / "run.log").read_text()
+    assert f"per-user epsilon: 0:{per_user['0']['epsilon']:.4g} 1:" in log_text
+    capsys.readouterr()
+    assert show([str(tmp_path / "run")]) == 0
+    table_rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert any(row[-2:] == ["epsilon", "uses"] for row in table_rows), table_rows
+    row0 = next(r for r in table_rows if r[0] == "0")
+    assert row0[-2:] == [f"{per_user['0']['epsilon']:.4g}", str(per_user["0"]["uses"])]
