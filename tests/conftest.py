@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from tests.helpers import MNIST_ROOT, mnist_available
+from tests.helpers import MNIST_ROOT, REPO, mnist_available
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -44,6 +44,26 @@ _one_torch_thread_per_worker()
 SLOW_FIXTURES = {"mnist_root", "fake_cifar_root"}
 
 
+# Each slow test's measured wall time (seconds, under 4 workers; tests/durations.json): under
+# pytest-xdist the longest start first, so no worker is left with one at the end while the others
+# wait (xdist's load scheduling hands tests out in this order as workers free up).
+DURATIONS = REPO / "tests" / "durations.json"
+
+
+def _longest_first(items) -> None:
+    import json
+
+    try:
+        measured = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        measured = {}
+
+    def expected(item) -> float:  # an unmeasured test: a guess by its marker
+        return measured.get(item.nodeid, 10.0 if item.get_closest_marker("backend") else 0.1)
+
+    items.sort(key=expected, reverse=True)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests are marked by what they do: "backend" for runs through FedML's loops, MPI, gRPC,
     subprocesses, real datasets or whole grids; "fast" for unit and property checks, which
@@ -61,6 +81,8 @@ def pytest_collection_modifyitems(config, items):
             or _uses_backend_modules(item.module)
         )
         item.add_marker(pytest.mark.backend if slow else pytest.mark.fast)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and sorts, alike
+        _longest_first(items)
 
 
 # What a fast test must not do: run FedML's loops, open gRPC channels or servers, use MPI or wandb,
