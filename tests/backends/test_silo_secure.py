@@ -224,6 +224,27 @@ def test_an_algorithm_with_its_own_combine_is_refused_under_secure_aggregation(t
     assert "Traceback" not in out.stderr
 
 
+@needs_mnist
+def test_a_silo_that_lies_inside_its_clip_bound_moves_the_model_no_further_than_its_weight_times_the_bound(
+    mnist_root, tmp_path
+):
+    """Under secure aggregation the server sees only the sum: silo 2 stepping against its honest
+    update (-0.99 ||w||, the issue's -0.8 w kind) is summed, unseen (docs/security.md says so). What
+    bounds it is the clip each silo's own process applies, max_update_ratio x max(||w||, 1): the
+    model differs from the honest one by at most silo 2's weight x twice the bound."""
+    folders = _export(mnist_root, tmp_path, 4)
+    settings = {**SECURE, "client_num_in_total": 4, "comm_round": 1, "max_update_ratio": 0.5}
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={2: "boundmax"}), timeout=300)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished", outs[0][-4000:]
+    (record,) = summary["secure_aggregation"]["per_round"]
+    assert record["summed"] == [1, 2, 3, 4] and record["failed"] is None, record
+    sp = _sp(mnist_root, tmp_path, 4, 1, client_num_per_round=4, max_update_ratio=0.5)
+    model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    moved = float(torch.sqrt(sum(((model[k] - v).double() ** 2).sum() for k, v in sp.final_state.items())))
+    assert 0.01 * record["bound"] < moved <= 0.25 * 2 * record["bound"] + 1e-5, (moved, record["bound"])
+
+
 def _lying_server_run(mnist_root, tmp_path, lie, per_round):
     """Four data-owner silos, one secure round, a server that lies (tests/backends/lying_silo.py)."""
     folders = _export(mnist_root, tmp_path, 4)

@@ -313,6 +313,7 @@ class SecureRound:
             "threshold": self.threshold,
             "false_shares": {str(s): why for s, why in sorted(self.false_shares.items())},
             "fraction_bits": self.bits,
+            "bound": self.bound,  # each silo's input clipped to it: how far one silo can move the model
             "bytes_per_silo": {str(s): b for s, b in sorted(self.bytes.items())},
             "failed": failed,
         }
