@@ -36,7 +36,7 @@ run: $(STAMP) data/MNIST
 # TEST_WORKERS: pytest-xdist workers (docs/testing.md); 0 runs the suite in one process.
 TEST_WORKERS ?= 4
 test: $(STAMP) data/MNIST
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=30 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 1 --durations=30 tests
 
 # Unit and property checks only (no FedML loops, MPI, gRPC, subprocesses or real datasets; tests/conftest.py
 # makes a fast test that does one of those fail): about 30 s.

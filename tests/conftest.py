@@ -46,7 +46,8 @@ SLOW_FIXTURES = {"mnist_root", "fake_cifar_root"}
 
 # Each slow test's measured wall time (seconds, under 4 workers; tests/durations.json): under
 # pytest-xdist the longest start first, so no worker is left with one at the end while the others
-# wait (xdist's load scheduling hands tests out in this order as workers free up).
+# wait (xdist's load scheduling with --maxschedchunk 1 hands tests out in this order as workers free
+# up; by default it gave the first worker the first quarter of the list at once).
 DURATIONS = REPO / "tests" / "durations.json"
 
 
