@@ -592,6 +592,7 @@ def silo_outcome(parts: RunParts, values: Dict[str, Any]) -> Any:
     user = parts.rank - 1
     identity = run_identity(getattr(parts.args, "run_id", "0"), values, user)
     progress = SiloProgress(parts.run_dir, parts.rank, identity, parts.algorithm, parts.silo_privacy)
+    progress.refuse_a_finished_record(parts.config.overwrite)
     outcome = SiloOutcome(user)
     progress.restore(outcome)
     outcome.keep = progress.save

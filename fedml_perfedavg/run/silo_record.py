@@ -131,6 +131,23 @@ class SiloProgress:
         self.path = os.path.join(self.folder, PROGRESS)
         self.rank, self.identity, self.algorithm, self.ledger = rank, identity, algorithm, ledger
 
+    def refuse_a_finished_record(self, overwrite: bool) -> None:
+        """:class:`ConfigError` (refused at start) where this silo's folder holds the record of a
+        finished run: a process started there again would write its record over it, beside the
+        old models. ``common_args.overwrite`` (``--overwrite``) replaces it. A record of a run
+        that did not finish (interrupted, stopped, failed) is carried on from, as before."""
+        summary = os.path.join(self.folder, "summary.json")
+        try:
+            with open(summary) as stream:
+                status = json.load(stream).get("status")
+        except (OSError, ValueError, AttributeError):
+            return
+        if status == "finished" and not overwrite:
+            raise ConfigError(
+                f"{summary}: this organization's record of a run that finished; a process started here would write "
+                f"over it. Start it with another --run-dir (a new run), or with --overwrite to replace the record"
+            )
+
     def restore(self, outcome: SiloOutcome) -> bool:
         """Carry on from an earlier process's progress, if there is one of this run: True then."""
         if not os.path.exists(self.path):
