@@ -180,8 +180,8 @@ class StopSignals:
         self._previous: Dict[int, Any] = {}
 
     def __enter__(self) -> "StopSignals":
-        for signum in _SIGNALS:
-            self._previous[signum] = signal.signal(signum, self._note)
+        if threading.current_thread() is threading.main_thread():  # elsewhere the signals stay as they were
+            self._previous = {signum: signal.signal(signum, self._note) for signum in _SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -216,26 +216,13 @@ class StopSignals:
             time.sleep(min(0.1, left))
 
 
-class RoundEndInterrupt:
+class RoundEndInterrupt(StopSignals):
     """SIGINT or SIGTERM during a loop whose rounds are checkpointed (the batched engine): the
     first is noted and the loop stops at the end of the round it is in, once that round is kept
     (the driver writes a checkpoint, then calls :meth:`stop`), so that ``--resume`` gives the
     uninterrupted run's model; a second one interrupts at once. Ctrl-C at round 21 of the quick
     start used to leave no checkpoint (``checkpoint_every`` is 100). Main thread only: elsewhere
     the signals stay as they were."""
-
-    def __init__(self) -> None:
-        self.signum: Optional[int] = None
-        self._previous: Dict[int, Any] = {}
-
-    def __enter__(self) -> "RoundEndInterrupt":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {signum: signal.signal(signum, self._note) for signum in _SIGNALS}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
 
     def _note(self, signum: int, frame: object) -> None:
         if self.signum is None:

@@ -410,7 +410,8 @@ class PluginRun:
         from ..engine.batched import BatchedSimulation
 
         if isinstance(self.backend, BatchedSimulation):
-            with RoundEndInterrupt() as stop:  # Ctrl-C keeps the round it lands in (a checkpoint)
+            stop = RoundEndInterrupt()
+            with stop:  # Ctrl-C keeps the round it lands in (a checkpoint)
                 self.driver.stop_at_round_end = stop
                 try:
                     self.driver.global_state = self.backend.run(self.start_round, self.config.comm_round)
