@@ -1,0 +1,127 @@
+"""Imports deferred to first use (import_cost.ImportDeferral): on made-up packages, then on FedML."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fedml_perfedavg.import_cost import ImportDeferral
+
+HEAVY = """
+LOADS = __import__("os").environ.get("HEAVY_LOADS")
+if LOADS:
+    open(LOADS, "a").write("loaded\\n")
+VALUE = 42
+class Base:
+    pass
+class Thing(Base):
+    pass
+def make():
+    return Thing()
+"""
+
+IMPORTER_MODULE = """
+import heavy_pkg
+from heavy_pkg import make, Base
+from heavy_pkg.part import half
+import other_importer
+
+class Local(Base):  # a base class: the real one, loaded here
+    pass
+
+def value():
+    return heavy_pkg.VALUE
+
+def built():
+    return make()
+"""
+
+
+@pytest.fixture()
+def packages(tmp_path, monkeypatch):
+    """``importer_pkg`` (defers), ``heavy_pkg`` (deferred, counts its loads), ``other_importer``
+    (a plain module that imports heavy_pkg too)."""
+    (tmp_path / "heavy_pkg").mkdir()
+    (tmp_path / "heavy_pkg" / "__init__.py").write_text(HEAVY)
+    (tmp_path / "heavy_pkg" / "part.py").write_text("def half():\n    return 21\n")
+    (tmp_path / "importer_pkg").mkdir()
+    (tmp_path / "importer_pkg" / "__init__.py").write_text("")
+    (tmp_path / "importer_pkg" / "uses.py").write_text(IMPORTER_MODULE)
+    (tmp_path / "importer_pkg" / "light.py").write_text("import heavy_pkg\nfrom heavy_pkg import make\n")
+    (tmp_path / "other_importer.py").write_text("import heavy_pkg\nSEEN = heavy_pkg.VALUE\n")
+    loads = tmp_path / "loads.txt"
+    monkeypatch.setenv("HEAVY_LOADS", str(loads))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    deferral = ImportDeferral(["heavy_pkg"], "importer_pkg")
+    sys.meta_path.insert(0, deferral)
+    yield loads
+    sys.meta_path.remove(deferral)
+    for name in list(sys.modules):
+        if name.split(".")[0] in ("heavy_pkg", "importer_pkg", "other_importer"):
+            del sys.modules[name]
+
+
+@pytest.mark.fast
+def test_a_deferred_package_loads_at_the_first_use_of_a_name(packages):
+    light = importlib.import_module("importer_pkg.light")
+    assert not packages.exists() and "heavy_pkg" not in sys.modules  # imported, not loaded
+    assert repr(light.make) == "<deferred heavy_pkg.make>"
+    inspect.getmodule(light)  # probes every module's __file__: loads nothing
+    assert not packages.exists()
+    thing = light.make()
+    assert type(thing).__name__ == "Thing" and packages.read_text() == "loaded\n"
+    assert light.heavy_pkg.VALUE == 42 and isinstance(thing, light.heavy_pkg.Base)
+    assert sys.modules["heavy_pkg"].make is light.make._real()  # the one real module, loaded once
+    assert packages.read_text() == "loaded\n"
+
+
+@pytest.mark.fast
+def test_other_importers_base_classes_and_functions_get_the_real_objects(packages):
+    uses = importlib.import_module("importer_pkg.uses")
+    # other_importer's top-level code read heavy_pkg.VALUE: it got the real module, loaded once,
+    # and the class body's base class is the real Base
+    assert sys.modules["other_importer"].SEEN == 42 and packages.read_text() == "loaded\n"
+    real = sys.modules["heavy_pkg"]
+    assert uses.Local.__mro__[1] is real.Base and uses.half() == 21
+    assert uses.value() == 42 and isinstance(uses.built(), real.Thing)
+    assert isinstance(uses.built(), uses.Base) and issubclass(uses.Local, uses.Base)
+
+
+@pytest.mark.fast
+def test_after_the_import_the_stand_ins_leave_sys_modules(packages):
+    light = importlib.import_module("importer_pkg.light")
+    assert "heavy_pkg" not in sys.modules
+    import heavy_pkg  # noqa: F401  a later importer: the real package
+
+    assert packages.read_text() == "loaded\n" and not hasattr(sys.modules["heavy_pkg"], "_deferral_")
+    assert light.make() is not None and packages.read_text() == "loaded\n"
+
+
+@pytest.mark.backend
+def test_import_fedml_loads_none_of_what_it_defers_and_fedml_still_reaches_it():
+    """``import fedml_perfedavg, fedml`` in a fresh interpreter: none of the deferred packages is
+    loaded (torchvision would bring torch._dynamo), and FedML's names for them reach the real
+    objects: torchvision's transforms (the DLG attack), scipy (FedML's RDP accountant), wandb."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import fedml_perfedavg, fedml
+        from fedml_perfedavg.fedml_bridge.bootstrap import _FEDML_DEFERS
+        tops = {name.split(".")[0] for name in _FEDML_DEFERS if not name.startswith("fedml.")}
+        print(sorted(tops & {name.split(".")[0] for name in sys.modules}), "torch._dynamo" in sys.modules)
+        from fedml.core.security.attack import dlg_attack
+        from fedml.core.dp.budget_accountant import rdp_analysis
+        from fedml.core.mlops import stats_impl
+        import torchvision.transforms, scipy.special, wandb
+        print(dlg_attack.transforms.ToTensor is torchvision.transforms.ToTensor,
+              rdp_analysis.special.gammaln(3.0) == scipy.special.gammaln(3.0),
+              stats_impl.wandb.util is wandb.util)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[] False", "True True True"], out
