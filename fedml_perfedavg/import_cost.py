@@ -13,6 +13,7 @@
 Every process of a run (each cross-silo rank, each MPI rank) pays these at start. Nothing here
 imports anything beyond the standard library, so it can come first.
 """
+
 from __future__ import annotations
 
 import contextlib
