@@ -268,11 +268,20 @@ def start_by_hand(tmp_path, settings: dict, ranks: int, per_rank=None, liars=Non
 
 
 def finish_all(processes, timeout=240):
-    """Each process's output once it ends (all killed after ``timeout``)."""
+    """Each process's output once it ends; all killed after ``timeout``, failing with the end of
+    every process's output (what a hung one last said is what explains it)."""
+    import subprocess
+
     outs = {}
     try:
         for rank, process in processes.items():
             outs[rank] = process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        for process in processes.values():
+            process.kill()
+        hung = [rank for rank in processes if rank not in outs]
+        tails = {rank: (outs.get(rank) or processes[rank].communicate()[0] or "")[-3000:] for rank in processes}
+        raise AssertionError(f"rank {hung[0]} still ran after {timeout} s; each rank's output ends:\n{tails}") from None
     finally:
         for process in processes.values():
             process.kill()

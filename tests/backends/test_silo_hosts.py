@@ -371,3 +371,52 @@ def test_a_server_stopped_with_ctrl_c_and_resumed_leaves_every_organizations_dp_
         again = summary["privacy"]["per_user"][user]
         assert again["uses"] == entry["uses"] and again["epsilon"] == pytest.approx(entry["epsilon"], rel=1e-12)
     assert summary["privacy"]["epsilon"] == pytest.approx(uninterrupted["privacy"]["epsilon"], rel=1e-12)
+
+
+@needs_mnist
+@needs_netns
+def test_an_organization_stopped_with_ctrl_c_and_started_again_is_back_and_ends_with_its_figures(tmp_path, mnist_root):
+    """Issue 55 item 3: Ctrl-C on organization 2's silo, then the same command at once. The stopped
+    silo tells the server it leaves (the server gives it up at once, not at a deadline), so the new
+    process is taken back when it announces itself, never refused as a second process with the
+    silo's key; it ends finished with its own figures up to the last round (on 6b34a60 it was
+    refused, never announced itself again and ended 'finished', exit 0, evaluated_round 0)."""
+    import signal
+
+    from fedml_perfedavg.run.silo_data import export_split
+
+    silos = 2
+    settings = {**SETTINGS, "silo_data": "own", "client_num_in_total": silos, "comm_round": 300}
+    settings.update({"frequency_of_the_test": 50, "min_clients_per_round": 1})
+    config = resolve(load_yaml(HF_YAML), {**settings, "data_cache_dir": mnist_root, "silo_data": "shared"})
+    export_split(config, str(tmp_path / "export"), load_split)
+    (tmp_path / "server-data").mkdir()
+    tls = _own_tls(tmp_path, silos)
+    names, _ = _make_hosts(silos)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    try:
+        processes = _owners(names, tmp_path, run_dir, settings, silos, tls)
+        wait_for_text(run_dir / "run.log", "round 50: personalized accuracy", lambda: processes[0].poll() is None)
+        processes[2].send_signal(signal.SIGINT)
+        stopped_out = processes[2].communicate(timeout=60)[0]
+        stopped_code = processes[2].returncode
+        processes[2] = subprocess.Popen(
+            processes[2].args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        outs = finish_all(processes)
+    finally:
+        _remove_hosts(names)
+    assert stopped_code == 130, stopped_out[-3000:]
+    assert "silo rank 2 was stopped: silo rank 2's process was stopped (SIGINT or SIGTERM)" in outs[0], outs[0][-4000:]
+    assert "rank 2 is a new process" in outs[0]
+    assert "still seats this silo's earlier process" not in outs[2] and "twin-session" not in outs[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == 300, outs[0][-3000:]
+    [back] = summary["rejoined_silos"]
+    assert back["rank"] == 2 and back["round"] < 299
+    assert summary["history"][-1]["missing_users"] == []
+    assert processes[2].returncode == 0, outs[2][-3000:]
+    record = json.loads((run_dir / "silo-rank-2" / "summary.json").read_text())
+    assert (record["status"], record["user"], record["evaluated_round"]) == ("finished", 1, 299), record
+    assert record["personalized_accuracy"] is not None and record["history"][-1]["round"] == 299

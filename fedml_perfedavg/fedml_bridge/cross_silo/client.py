@@ -25,7 +25,9 @@ server forever, and its evaluations never reach the server. Here::
   may be gone.
 
 A FINISH from the server ends the silo: the run is over (or ended early, saying why), or this
-silo was refused (its announcement), which is this silo's failure.
+silo was refused (its announcement), which is this silo's failure. A silo's own error ends it with
+FAILED to the server, a stop signal with LEAVING: either way the server gives it up at once, and a
+new process of it (started again) is taken back when it announces itself.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ...secagg.primitives import SecAggError
 from .policy import SiloPolicy
 from .secure_rounds import advert_to_wire
 from .secure_silo import SecureSiloRound
+from .conversations import TWIN
 from .transport import ROUND_KEY, SESSION_KEY, PeerUnreachable
 from . import wire
 
@@ -114,6 +117,7 @@ def say_goodbye(manager: Any, counts: Dict[str, Any]) -> None:
 
 
 FAILURE_SECONDS = 5.0  # how long a failing silo tries to tell the server before it exits
+LEAVING_SECONDS = 2.0  # how long a stopped silo tries to tell the server (its operator waits)
 
 
 def tell_failure(manager: Any, err: Exception) -> None:
@@ -128,6 +132,21 @@ def tell_failure(manager: Any, err: Exception) -> None:
         manager.com_manager.send_message(message, deadline=time.monotonic() + FAILURE_SECONDS)
     except Exception as again:  # noqa: BLE001 - the original error is what ends the silo
         logger.info("silo rank %d could not tell the server it fails (%s)", manager.rank, again)
+
+
+def tell_leaving(manager: Any) -> None:
+    """A stopped silo's last word (SIGINT or SIGTERM to its process): LEAVING, so that the server
+    gives up on it at once, not at its deadline, and a new process started with the same command
+    takes its place when it announces itself (best effort, as :func:`tell_failure`)."""
+    if manager.state not in (State.LISTENING, State.ANNOUNCING, State.REJOINING):
+        return
+    message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, manager.client_real_id, 0)
+    message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, wire.LEAVING)
+    message.add_params(wire.REASON, f"silo rank {manager.rank}'s process was stopped (SIGINT or SIGTERM)")
+    try:
+        manager.com_manager.send_message(message, deadline=time.monotonic() + LEAVING_SECONDS)
+    except Exception as again:  # noqa: BLE001 - the stop is what ends the silo
+        logger.info("silo rank %d could not tell the server it stops (%s)", manager.rank, again)
 
 
 class PluginTrainerDistAdapter(TrainerDistAdapter):
@@ -240,6 +259,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
     # Idle, the silo looks at its clock every fraction of a second: a gap this long means it was not
     # running (frozen, a suspended machine), and the server may have gone on without it.
     FROZEN_SECONDS = 5.0
+    TWIN_RETRY_SECONDS = 5.0  # refused while its earlier process holds the seat: announce again this often
 
     def __init__(
         self,
@@ -263,6 +283,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         self.slowest_gap: Optional[float] = None  # between two models from the server
         self.gaps_measured = 0
         self.outcome = setup.outcome or SiloOutcome(self.own_user)  # what a data owner keeps (run layer's)
+        self.announce_again_at: Optional[float] = None  # refused as a twin: when to announce again
 
     def _become(self, state: State) -> None:
         self.state, self.state_since = state, time.monotonic()
@@ -315,12 +336,25 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
 
     def _announce(self, deadline: float) -> None:
         """The silo's ONLINE status with its announcement; :class:`PeerUnreachable` if the server
-        did not take it by ``deadline``."""
+        did not take it by ``deadline``. Refused because the silo's earlier process still holds
+        its seat (this one was started again after a kill), it announces itself again every few
+        seconds until the server gives that process up (at its deadline)."""
         message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self.client_real_id, 0)
         message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, self.ONLINE_STATUS_FLAG)
         message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_OS, platform.system())
         message.add_params(wire.HELLO, self.setup.hello)
-        self.com_manager.send_message(message, deadline=deadline)
+        refused = self.com_manager.send_message(message, deadline=deadline)
+        self.announce_again_at = None
+        if refused is not None and f"({TWIN})" in refused:
+            wait = min(self.TWIN_RETRY_SECONDS, self.policy.round_timeout)
+            self.announce_again_at = time.monotonic() + wait
+            self.state_since = self.last_heard = time.monotonic()  # the server answered: it is there
+            logger.warning(
+                "silo rank %d: the server still seats this silo's earlier process; announcing itself again "
+                "every %g s until the server gives that process up at its deadline",
+                self.rank,
+                wait,
+            )
 
     def _on_check_status(self, msg_params: Message) -> None:
         """The server hears this silo, or (LEFT_OUT) it gave up on it: then the silo announces
@@ -469,7 +503,12 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
     def on_idle(self) -> None:
         now = time.monotonic()
         asleep, self.last_awake = now - self.last_awake, now
-        if self.state is State.LISTENING and asleep > self.FROZEN_SECONDS:
+        if self.announce_again_at is not None and now >= self.announce_again_at and self.state is not State.LISTENING:
+            try:
+                self._announce(now + self.policy.connect_timeout)
+            except PeerUnreachable as err:
+                self._gone(f"it did not take the silo's announcement ({err})")
+        elif self.state is State.LISTENING and asleep > self.FROZEN_SECONDS:
             self._rejoin(f"this silo was not running for {asleep:.1f} s (frozen or suspended)")
         elif self.state in (State.ANNOUNCING, State.LISTENING):
             limit = self.policy.client_idle_deadline(self.slowest_gap, self.gaps_measured)

@@ -93,11 +93,12 @@ class Delivery:
             self._channels[receiver] = channel
         return channel
 
-    def send(self, receiver: int, data: bytes, deadline: float, *, gone_if_refused: bool = False) -> None:
+    def send(self, receiver: int, data: bytes, deadline: float, *, gone_if_refused: bool = False) -> Optional[str]:
         """Deliver encoded bytes to ``receiver`` before ``deadline`` (``time.monotonic()``),
         retrying an unreachable receiver with backoff until then; :class:`PeerUnreachable` when it
         did not take them in time. A receiver that refuses the message is logged, not raised: it
-        logged why, and the protocol's deadlines go on. ``gone_if_refused``: a receiver whose host
+        logged why, and the protocol's deadlines go on; its words are returned (None: taken).
+        ``gone_if_refused``: a receiver whose host
         refuses the connection (nothing listens on its port) is :class:`PeerUnreachable` at once,
         not retried; only for a receiver known to have listened (it was heard from), since one
         still starting up refuses connections too and must be retried."""
@@ -109,7 +110,7 @@ class Delivery:
         while True:
             if self.run_over():  # its finish waits in the queue; the server stopped listening
                 logger.info("rank %d: the server ended the run; a message to rank %d is not sent", self.rank, receiver)
-                return
+                return None
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PeerUnreachable(
@@ -118,7 +119,7 @@ class Delivery:
                 )
             try:
                 stub.sendMessage(request, timeout=left)
-                return
+                return None
             except grpc.RpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -138,7 +139,7 @@ class Delivery:
                         self.rank,
                         err.details(),
                     )
-                    return
+                    return str(err.details())
                 if code != grpc.StatusCode.UNAVAILABLE:
                     raise
                 last_error = err.details() or "unavailable"

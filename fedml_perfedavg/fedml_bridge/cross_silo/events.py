@@ -80,11 +80,13 @@ class Goodbye:
 
 @dataclass(frozen=True)
 class SiloFailed:
-    """A silo says it fails and why (an error in its training or evaluation) before it exits."""
+    """A silo says it fails and why (an error in its training or evaluation) before it exits, or
+    (``stopped``) that its process was stopped by its operator: a new one may take its place."""
 
     now: float
     silo: int
     reason: str
+    stopped: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from ...algorithms.base import RoundDriver
 from ...core.errors import ConfigError
 from ..bootstrap import import_fedml, replaced
 from .agreement import SiloSetup
-from .client import PluginClientMasterManager, PluginTrainerDistAdapter
+from .client import PluginClientMasterManager, PluginTrainerDistAdapter, tell_leaving
 from .outcome import SiloOutcome
 from .policy import SiloPolicy
 from .server import PluginFedMLAggregator, PluginServerManager
@@ -96,6 +96,10 @@ class CrossSiloProcess:
                     self._init_server(patches, remembered)
                 else:
                     self._init_client(patches, remembered)
+            except KeyboardInterrupt:  # SIGINT or SIGTERM (stopping.py): a silo says it leaves
+                if self._client is not None:
+                    tell_leaving(self._client)
+                raise
             finally:
                 for manager in managers:  # no gRPC server threads left behind on an error
                     if manager.com_manager is not None and manager.com_manager.is_running:

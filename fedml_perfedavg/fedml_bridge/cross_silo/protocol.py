@@ -155,7 +155,8 @@ class SiloServerProtocol:
         elif isinstance(event, SiloFailed) and self.phase is Phase.FINISHING:  # as a final model not delivered
             self._on_undelivered(now, Undelivered(now, FINAL, {event.silo: f"silo rank {event.silo} failed"}))
         elif isinstance(event, SiloFailed) and self.phase is not Phase.DONE:  # the run goes on without it now
-            self._after(now, silo_failed(self.rounds, now, event.silo, f"failed: {event.reason}"))
+            what = f"was stopped: {event.reason}" if event.stopped else f"failed: {event.reason}"
+            self._after(now, silo_failed(self.rounds, now, event.silo, what, stopped=event.stopped))
         elif isinstance(event, Undelivered):
             self._on_undelivered(now, event)
         elif isinstance(event, Listening):

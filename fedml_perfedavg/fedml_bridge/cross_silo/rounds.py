@@ -304,17 +304,21 @@ class SiloRounds:
         return self.next_round(now)
 
 
-def silo_failed(rounds: SiloRounds, now: float, silo: int, why: str) -> bool:
-    """``silo`` said it fails: ``rounds`` give up on it now; the run stops if its round cannot do
-    without it (the rule for a silo that misses a deadline). True once the last round closed."""
+def silo_failed(rounds: SiloRounds, now: float, silo: int, why: str, stopped: bool = False) -> bool:
+    """``silo`` said it fails (or, ``stopped``, that its process was stopped): ``rounds`` give up
+    on it now, so a new process of it is taken back when it announces itself; the run stops if its
+    round cannot do without it (the rule for a silo that misses a deadline). True once the last
+    round closed."""
     if silo not in rounds.roster.live:
         return False
+    if stopped:
+        why += "; a new process of it is taken back when it announces itself"
     if "DivergenceError" in why and rounds.averaged_from:  # the model it was sent may be what diverged
         why += (
             f" (training from the global model of round {rounds.round_idx - 1}, averaged from the updates of "
             f"silo rank(s) {rounds.averaged_from}: a diverging model is not this silo's doing alone)"
         )
-    logger.error("silo rank %d %s", silo, why)
+    logger.log(logging.WARNING if stopped else logging.ERROR, "silo rank %d %s", silo, why)
     go_on = True
     if rounds.clock.phase is Phase.TRAINING and silo in rounds.round.assigned:
         others = [s for s in rounds.round.assigned if s != silo]

@@ -206,6 +206,8 @@ class PluginServerManager(FedMLServerManager):
             self._handle(Goodbye(now, silo, msg_params.get(wire.SILO_METRICS)))
         elif status == wire.FAILED:
             self._handle(SiloFailed(now, silo, str(msg_params.get(wire.REASON) or "no reason given")))
+        elif status == wire.LEAVING:
+            self._handle(SiloFailed(now, silo, str(msg_params.get(wire.REASON) or "stopped"), stopped=True))
 
     def _on_update(self, msg_params: Message) -> None:
         self._handle(

@@ -443,13 +443,14 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             resumes=self.resumes,
         )
 
-    def send_message(self, message, deadline: Optional[float] = None) -> None:
+    def send_message(self, message, deadline: Optional[float] = None) -> Optional[str]:
         """Send ``message`` (a FedML ``Message``) before ``deadline`` (``time.monotonic()``; default:
         ``retry_seconds`` from now), retrying an unreachable receiver with backoff until then.
         :class:`PeerUnreachable` when it did not take it in time. A receiver that refuses the
-        message is logged, not raised: it logged why, and the protocol's deadlines go on."""
+        message is logged, not raised: it logged why, and the protocol's deadlines go on; its
+        words are returned (None: taken)."""
         envelope = self._envelope(message)
-        self.send_bytes(
+        return self.send_bytes(
             envelope.receiver,
             wire.encode(envelope),
             time.monotonic() + self.retry_seconds if deadline is None else deadline,
@@ -466,9 +467,9 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         """FedML ``Message`` s as (receiver, bytes), stamped now (the round the sender is in)."""
         return [(e.receiver, wire.encode(e)) for e in map(self._envelope, messages)]
 
-    def send_bytes(self, receiver: int, data: bytes, deadline: float) -> None:
+    def send_bytes(self, receiver: int, data: bytes, deadline: float) -> Optional[str]:
         """Deliver encoded bytes to ``receiver`` before ``deadline`` (:meth:`.Delivery.send`)."""
-        self.delivery.send(receiver, data, deadline)
+        return self.delivery.send(receiver, data, deadline)
 
     # -- FedML's BaseCommunicationManager, the rest ---------------------------------------------------
     def add_observer(self, observer) -> None:

@@ -310,10 +310,11 @@ def _secagg_terms(value: Any) -> bool:
 
 
 FAILED = "FAILED"  # a silo's last word: it fails, and why (REASON)
+LEAVING = "LEAVING"  # a silo's last word when its process is stopped (SIGINT, SIGTERM): given up on at once
 
 
 def _status(value: Any) -> bool:
-    return value in ("ONLINE", "FINISHED", FAILED)
+    return value in ("ONLINE", "FINISHED", FAILED, LEAVING)
 
 
 def _flag(value: Any) -> bool:
