@@ -64,6 +64,7 @@ from fedml.core.distributed.communication.message import Message  # noqa: E402
 logger = logging.getLogger(__name__)
 
 IDLE_TICK_SECONDS = 0.2
+STOP_GRACE_SECONDS = 3.0  # a stopping rank still answers the requests it has taken this long
 ROUND_KEY = "round"  # the round an incoming message was stamped with, on the FedML Message
 SESSION_KEY = "plugin_session"  # the sending process's session, on the FedML Message
 SIZE_KEY = "plugin_bytes"  # the bytes the message took on the wire, on the FedML Message
@@ -486,7 +487,9 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         if not self.is_running:
             return
         self.is_running = False
-        # Requests in flight (the one that ended the run, say) are answered, then the door closes.
-        self._server.stop(1.0).wait(2.0)
+        # Requests in flight (the one that ended the run, say) are answered, then the door closes:
+        # with 1 s of grace a loaded machine's silo could close before its answer to the server's
+        # FINISH went out, and the server logged that it had not told the silo (CI run of 98ddab7).
+        self._server.stop(STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 1.0)
         self.gate.stop()
         self.delivery.close()
