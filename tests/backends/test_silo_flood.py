@@ -192,7 +192,9 @@ def test_an_outsider_on_the_silos_own_address_holding_connections_from_the_start
     finally:
         stop.set()
     assert process.returncode == 0, failure_tail(out)
-    assert sum(t["opened"] for t in tallies) > 20000 and tallies[0]["most_held"] > 250, tallies
+    # a heavy flood: 17,038 connections in a fresh-clone run on 5 workers (7dce9b9), 20,000 and more
+    # before the processes started faster (the run, and so the flood, is shorter now)
+    assert sum(t["opened"] for t in tallies) > 10000 and tallies[0]["most_held"] > 250, tallies
     assert silos_in < 30, silos_in  # the silos' start-up (imports, data) takes ~5 s here
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == rounds and "lost_silos" not in summary

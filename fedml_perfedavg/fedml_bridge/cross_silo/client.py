@@ -50,7 +50,7 @@ from .policy import SiloPolicy
 from .secure_rounds import advert_to_wire
 from .secure_silo import SecureSiloRound
 from .conversations import TWIN
-from .transport import ROUND_KEY, SESSION_KEY, PeerUnreachable
+from .transport import IDENTITY, OTHER_RUN, ROUND_KEY, SESSION_KEY, PeerUnreachable
 from . import wire
 
 import_fedml()
@@ -338,13 +338,19 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         """The silo's ONLINE status with its announcement; :class:`PeerUnreachable` if the server
         did not take it by ``deadline``. Refused because the silo's earlier process still holds
         its seat (this one was started again after a kill), it announces itself again every few
-        seconds until the server gives that process up (at its deadline)."""
+        seconds until the server gives that process up (at its deadline); refused as another run's
+        or another rank's, it stops at once (:class:`SiloFailure`), naming the server's words."""
         message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self.client_real_id, 0)
         message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, self.ONLINE_STATUS_FLAG)
         message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_OS, platform.system())
         message.add_params(wire.HELLO, self.setup.hello)
         refused = self.com_manager.send_message(message, deadline=deadline)
         self.announce_again_at = None
+        if refused is not None and any(f"({reason})" in refused for reason in (OTHER_RUN, IDENTITY)):
+            raise SiloFailure(
+                f"silo rank {self.rank}: the server refused its announcement: {refused}; this silo cannot "
+                f"take part as it was started (its --run_id, its certificate, or its rank in the address file)"
+            )
         if refused is not None and f"({TWIN})" in refused:
             wait = min(self.TWIN_RETRY_SECONDS, self.policy.round_timeout)
             self.announce_again_at = time.monotonic() + wait
