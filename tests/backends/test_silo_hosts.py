@@ -387,7 +387,11 @@ def test_an_organization_stopped_with_ctrl_c_and_started_again_is_back_and_ends_
 
     silos = 2
     settings = {**SETTINGS, "silo_data": "own", "client_num_in_total": silos, "comm_round": 300}
+    # a fixed 30 s deadline: nothing here waits for one (the stopped silo says it leaves); with the
+    # adaptive one (5 s here), a fresh-clone run of bf0ab01 on 4 workers had the restarted silo
+    # missing from the last evaluation (its cause not kept); this takes the load out of the test
     settings.update({"frequency_of_the_test": 50, "min_clients_per_round": 1})
+    settings.update({"round_timeout": 30, "round_timeout_factor": 0})
     config = resolve(load_yaml(HF_YAML), {**settings, "data_cache_dir": mnist_root, "silo_data": "shared"})
     export_split(config, str(tmp_path / "export"), load_split)
     (tmp_path / "server-data").mkdir()
