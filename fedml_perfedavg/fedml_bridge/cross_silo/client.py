@@ -345,13 +345,14 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_OS, platform.system())
         message.add_params(wire.HELLO, self.setup.hello)
         refused = self.com_manager.send_message(message, deadline=deadline)
+        reason = wire.refusal_reason(refused)
         self.announce_again_at = None
-        if refused is not None and any(f"({reason})" in refused for reason in (OTHER_RUN, IDENTITY)):
+        if reason in (OTHER_RUN, IDENTITY):
             raise SiloFailure(
                 f"silo rank {self.rank}: the server refused its announcement: {refused}; this silo cannot "
                 f"take part as it was started (its --run_id, its certificate, or its rank in the address file)"
             )
-        if refused is not None and f"({TWIN})" in refused:
+        if reason == TWIN:
             wait = min(self.TWIN_RETRY_SECONDS, self.policy.round_timeout)
             self.announce_again_at = time.monotonic() + wait
             self.state_since = self.last_heard = time.monotonic()  # the server answered: it is there

@@ -155,8 +155,7 @@ class SiloServerProtocol:
         elif isinstance(event, SiloFailed) and self.phase is Phase.FINISHING:  # as a final model not delivered
             self._on_undelivered(now, Undelivered(now, FINAL, {event.silo: f"silo rank {event.silo} failed"}))
         elif isinstance(event, SiloFailed) and self.phase is not Phase.DONE:  # the run goes on without it now
-            what = f"was stopped: {event.reason}" if event.stopped else f"failed: {event.reason}"
-            self._after(now, silo_failed(self.rounds, now, event.silo, what, stopped=event.stopped))
+            self._after(now, silo_failed(self.rounds, now, event.silo, event.reason, stopped=event.stopped))
         elif isinstance(event, Undelivered):
             self._on_undelivered(now, event)
         elif isinstance(event, Listening):

@@ -304,15 +304,17 @@ class SiloRounds:
         return self.next_round(now)
 
 
-def silo_failed(rounds: SiloRounds, now: float, silo: int, why: str, stopped: bool = False) -> bool:
-    """``silo`` said it fails (or, ``stopped``, that its process was stopped): ``rounds`` give up
-    on it now, so a new process of it is taken back when it announces itself; the run stops if its
-    round cannot do without it (the rule for a silo that misses a deadline). True once the last
-    round closed."""
+def silo_failed(rounds: SiloRounds, now: float, silo: int, reason: str, stopped: bool = False) -> bool:
+    """``silo`` said it fails, and why (or, ``stopped``, that its process was stopped): ``rounds``
+    give up on it now, so a new process of it is taken back when it announces itself; the run stops
+    if its round cannot do without it (the rule for a silo that misses a deadline). True once the
+    last round closed."""
     if silo not in rounds.roster.live:
         return False
     if stopped:
-        why += "; a new process of it is taken back when it announces itself"
+        why = f"was stopped: {reason}; a new process of it is taken back when it announces itself"
+    else:
+        why = f"failed: {reason}"
     if "DivergenceError" in why and rounds.averaged_from:  # the model it was sent may be what diverged
         why += (
             f" (training from the global model of round {rounds.round_idx - 1}, averaged from the updates of "

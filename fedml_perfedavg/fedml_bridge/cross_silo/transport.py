@@ -183,7 +183,7 @@ class _Servicer:
                 transport.rejected += 1
             host, where = transport.gate.peer_of(context.peer())
             transport.refusals.refuse(host, rejected.reason, str(rejected), where)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"refused ({rejected.reason}): {str(rejected)[:200]}")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, rejected.words())
         return pb2.CommResponse()
 
     def handleReceiveMessage(self, request, context):  # noqa: N802 - FedML's service declares it

@@ -81,6 +81,18 @@ class Rejected(ValueError):
         super().__init__(message)
         self.reason = reason
 
+    def words(self) -> str:
+        """What the sender is told (its text cut to 200 characters); :func:`refusal_reason` reads
+        the reason back."""
+        return f"refused ({self.reason}): {str(self)[:200]}"
+
+
+def refusal_reason(words: Optional[str]) -> Optional[str]:
+    """The reason code in a refusal's words (:meth:`Rejected.words`), None if there is none."""
+    if not words or not words.startswith("refused ("):
+        return None
+    return words[len("refused (") :].partition(")")[0]
+
 
 def short(value: Any, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters: what a refusal may echo of a peer's input."""
