@@ -296,6 +296,13 @@ def test_a_silo_cut_off_for_a_while_comes_back_while_the_run_goes_on(hosts, tmp_
     assert processes[2].returncode == 0 and "is the server gone?" not in outs[2]
 
 
+def _silo_lines(log: str, rank: int) -> str:
+    """The server's WARNING and ERROR lines about silo ``rank``: what a failure message shows."""
+    return "\n".join(
+        line for line in log.splitlines() if (" WARNING " in line or " ERROR " in line) and f"rank {rank}" in line
+    )[-6000:]
+
+
 def _owners(names, tmp_path, run_dir, settings, silos, tls, resume=False):
     """The server and each data owner in its namespace (each owner with its own exported folder),
     as docs/deployment.md starts them; the server with --resume when ``resume``."""
@@ -419,7 +426,8 @@ def test_an_organization_stopped_with_ctrl_c_and_started_again_is_back_and_ends_
     assert summary["status"] == "finished" and summary["rounds"] == 300, outs[0][-3000:]
     [back] = summary["rejoined_silos"]
     assert back["rank"] == 2 and back["round"] < 299
-    assert summary["history"][-1]["missing_users"] == []
+    told = (summary["lost_silos"], summary["rejoined_silos"], _silo_lines(outs[0], 2), outs[2][-3000:])
+    assert summary["history"][-1]["missing_users"] == [], told
     assert processes[2].returncode == 0, outs[2][-3000:]
     record = json.loads((run_dir / "silo-rank-2" / "summary.json").read_text())
     assert (record["status"], record["user"], record["evaluated_round"]) == ("finished", 1, 299), record

@@ -60,6 +60,12 @@ class Delivery:
     so nothing more is sent."""
 
     SEND_GRACE_SECONDS = 2.0  # past a send's deadline, before it is counted as not delivered
+    # gRPC keeps a channel's last connection error while it waits out its reconnect backoff (at
+    # most max_reconnect_backoff_ms=1000 plus 20% jitter) and fails every call at once with it: a
+    # "Connection refused" can be a second old, from before a restarted silo listened again. A
+    # refusal says "nothing listens there" only once it has stood longer than that (a restarted
+    # silo taken back at round 105 was given up on at round 106 as "ended": fresh-clone run, 64).
+    REFUSAL_STANDS_SECONDS = 1.5
 
     def __init__(
         self,
@@ -99,14 +105,16 @@ class Delivery:
         did not take them in time. A receiver that refuses the message is logged, not raised: it
         logged why, and the protocol's deadlines go on; its words are returned (None: taken).
         ``gone_if_refused``: a receiver whose host
-        refuses the connection (nothing listens on its port) is :class:`PeerUnreachable` at once,
-        not retried; only for a receiver known to have listened (it was heard from), since one
-        still starting up refuses connections too and must be retried."""
+        refuses the connection (nothing listens on its port) for REFUSAL_STANDS_SECONDS is
+        :class:`PeerUnreachable` then, before the deadline; only for a receiver known to have
+        listened (it was heard from), since one still starting up refuses connections too and must
+        be retried to the deadline."""
         with self._lock:
             stub = pb2_grpc.gRPCCommManagerStub(self._channel(receiver))
         request = pb2.CommRequest(client_id=self.rank, message=data)
         ip, port = self.addresses[receiver]
         delay, last_error, window = 0.1, "no answer", max(0.0, deadline - time.monotonic())
+        refused_since: Optional[float] = None
         while True:
             if self.run_over():  # its finish waits in the queue; the server stopped listening
                 logger.info("rank %d: the server ended the run; a message to rank %d is not sent", self.rank, receiver)
@@ -143,7 +151,11 @@ class Delivery:
                 if code != grpc.StatusCode.UNAVAILABLE:
                     raise
                 last_error = err.details() or "unavailable"
-                if gone_if_refused and "Connection refused" in last_error:  # the OS's words, via gRPC
+                if "Connection refused" not in last_error:  # the OS's words, via gRPC
+                    refused_since = None
+                elif refused_since is None:
+                    refused_since = time.monotonic()
+                elif gone_if_refused and time.monotonic() - refused_since >= self.REFUSAL_STANDS_SECONDS:
                     raise PeerUnreachable(
                         f"rank {receiver} at {ip}:{port} refuses connections (nothing listens there: it has ended)"
                     ) from None

@@ -1,0 +1,89 @@
+"""A send reaches a peer that listens again: gRPC's cached "Connection refused" (kept while the
+channel waits out its reconnect backoff) never passes for a peer that has ended."""
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from fedml_perfedavg.fedml_bridge.cross_silo.addresses import free_ports
+from fedml_perfedavg.fedml_bridge.cross_silo.delivery import Delivery, PeerUnreachable, channel_options
+from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as pb2
+from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc
+
+pytestmark = pytest.mark.fast
+
+
+class _Taker:
+    def __init__(self):
+        self.taken = []
+
+    def sendMessage(self, request, context):  # noqa: N802 - FedML's service method name
+        self.taken.append(request.message)
+        return pb2.CommResponse(client_id=0, message=b"")
+
+    def handleReceiveMessage(self, request, context):  # noqa: N802 - FedML's service has both
+        raise NotImplementedError
+
+
+def _listen(port):
+    taker, server = _Taker(), grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb2_grpc.add_gRPCCommManagerServicer_to_server(taker, server)
+    assert server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return taker, server
+
+
+def _delivery(port):
+    options = channel_options(1 << 20, handshake_timeout=5.0)
+    return Delivery(0, {1: ("127.0.0.1", port)}, "ip.csv", None, options, run_over=lambda: False)
+
+
+def test_a_peer_listening_again_takes_a_send_that_ends_on_refusal():
+    """The channel to rank 1 failed (nothing listened) and waits out its backoff; rank 1 listens
+    again (a restarted silo) and a send that gives up on a refusal reaches it (it was given up on
+    at once as 'it has ended' before: the cached error counted as the peer's present state)."""
+    [port] = free_ports(1)
+    delivery = _delivery(port)
+    try:
+        with pytest.raises(PeerUnreachable):
+            delivery.send(1, b"early", time.monotonic() + 0.6)  # retried to its deadline: the channel backs off
+        taker, server = _listen(port)
+        try:
+            assert delivery.send(1, b"again", time.monotonic() + 10, gone_if_refused=True) is None
+            assert taker.taken == [b"again"]
+        finally:
+            server.stop(None)
+    finally:
+        delivery.close()
+
+
+def test_a_peer_that_stays_refusing_is_given_up_on_within_seconds_not_at_the_deadline():
+    [port] = free_ports(1)
+    taker, server = _listen(port)
+    delivery = _delivery(port)
+    try:
+        assert delivery.send(1, b"first", time.monotonic() + 10, gone_if_refused=True) is None
+        server.stop(None)
+        started = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="refuses connections"):
+            delivery.send(1, b"second", started + 30, gone_if_refused=True)
+        took = time.monotonic() - started
+        assert Delivery.REFUSAL_STANDS_SECONDS <= took < 5, took
+    finally:
+        delivery.close()
+
+
+def test_a_refusal_while_a_peer_starts_is_retried_until_it_listens():
+    [port] = free_ports(1)
+    delivery, servers = _delivery(port), []
+    threading.Timer(0.5, lambda: servers.append(_listen(port))).start()
+    try:
+        assert delivery.send(1, b"hello", time.monotonic() + 10) is None
+        assert servers[0][0].taken == [b"hello"]
+    finally:
+        delivery.close()
+        for _, server in servers:
+            server.stop(None)
