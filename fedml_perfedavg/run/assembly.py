@@ -547,10 +547,16 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
 
 def silo_setup(parts: RunParts) -> Any:
     """What this cross-silo process knows beyond FedML's args (see ``SiloSetup``)."""
-    from ..fedml_bridge.cross_silo.agreement import SiloSetup, fingerprint, hello
+    from ..fedml_bridge.cross_silo.addresses import read_ipconfig
+    from ..fedml_bridge.cross_silo.agreement import ADDRESSES, SiloSetup, address_table, addresses_seen
+    from ..fedml_bridge.cross_silo.agreement import fingerprint, hello
 
     config, rank, users = parts.config, parts.rank, parts.users
     values = fingerprint(config, parts.global_state)
+    # compared at each announcement, not part of the run's identity (a silo whose file was
+    # corrected carries on with its record and DP account)
+    table = read_ipconfig(config.grpc_ipconfig_path) if config.grpc_ipconfig_path else {}
+    agreed = {**values, ADDRESSES: address_table(table) if parts.is_server else addresses_seen(table, rank)}
     counts = {}
     if parts.is_server and not config.own_data:
         counts = {user: (len(u.train_y), len(u.test_y)) for user, u in enumerate(users)}
@@ -559,7 +565,7 @@ def silo_setup(parts: RunParts) -> Any:
     announce = None
     if not parts.is_server:
         announce = hello(
-            values,
+            agreed,
             rank - 1 if config.own_data else None,
             users[0] if config.own_data else None,
             parts.data_problem,
@@ -567,7 +573,7 @@ def silo_setup(parts: RunParts) -> Any:
     return SiloSetup(
         config.own_data,
         list(range(1, config.silo_count + 1)),
-        values,
+        agreed,
         counts,
         announce,
         parts.model if parts.is_server else None,

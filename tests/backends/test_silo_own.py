@@ -155,6 +155,36 @@ def test_a_silo_that_disagrees_is_refused_at_once_naming_the_key_and_both_values
 
 
 @needs_mnist
+def test_an_organization_whose_address_file_gives_another_port_is_refused_at_once_on_both_sides(mnist_root, tmp_path):
+    """Issue 55 item 5: organization 2's copy of the address file gives it another port. The server
+    cannot reach it there, so the refusal comes in the answer to its announcement: it stops at
+    once naming both rows, and the server names the same (on 6b34a60 the server said "nothing
+    listens there: it has ended" and the organization hung)."""
+    from fedml_perfedavg.fedml_bridge.cross_silo.addresses import free_ports, read_ipconfig, write_ipconfig
+
+    folders = _export(mnist_root, tmp_path, 2)
+    ports = free_ports(4)
+    write_ipconfig(str(tmp_path / "ip.csv"), 3, ports=ports[:3])
+    write_ipconfig(str(tmp_path / "ip-org2.csv"), 3, ports=[ports[0], ports[1], ports[3]])
+    assert read_ipconfig(str(tmp_path / "ip-org2.csv"))[2] != read_ipconfig(str(tmp_path / "ip.csv"))[2]
+    folders[2]["grpc_ipconfig_path"] = str(tmp_path / "ip-org2.csv")
+    started = time.monotonic()
+    outs = finish_all(start_by_hand(tmp_path, {**OWN, "client_num_in_total": 2, "comm_round": 3}, 2, folders))
+    took = time.monotonic() - started
+    said = (
+        f"silo rank 2's address file (comm_args.grpc_ipconfig_path) differs from the server's: rank 2 is "
+        f"'127.0.0.1:{ports[3]}' there and 127.0.0.1:{ports[2]} here"
+    )
+    assert f"refused by the server: {said}" in outs[2], outs[2][-3000:]
+    assert said in outs[0], outs[0][-3000:]
+    summary = _summary(tmp_path)
+    assert summary["status"] == "stopped" and said in summary["error"], summary
+    assert summary["refusals"] == {"disagreement": 1}
+    assert took < 50  # at once, not after connect_timeout (60 s)
+    assert "Traceback" not in outs[0] + outs[2]
+
+
+@needs_mnist
 def test_a_silo_still_starting_when_the_server_stops_the_run_is_told(mnist_root, tmp_path):
     """A closed port means "ended" only for a silo that was heard from: one that starts listening
     after the server stopped the run (here 1 s after) still hears why, not after connect_timeout."""

@@ -8,7 +8,10 @@ from torch import nn
 from fedml_perfedavg.core.types import UserSplit
 from fedml_perfedavg.fedml_bridge.cross_silo import wire
 from fedml_perfedavg.fedml_bridge.cross_silo.agreement import (
+    ADDRESSES,
     ARCHITECTURE,
+    address_table,
+    addresses_seen,
     data_problem,
     disagreement,
     fingerprint,
@@ -58,6 +61,29 @@ def test_another_architecture_is_a_disagreement():
     other = create_model("mlp", (1, 28, 28), 10, [80, 40])
     problem = disagreement(fingerprint(_config(), _state(MODEL)), fingerprint(_config(), _state(other)), 3)
     assert problem.startswith(f"silo rank 3 disagrees with the server on {ARCHITECTURE} (a hash)")
+
+
+TABLE = {0: ("198.18.1.1", 8890), 1: ("198.18.1.2", 8891), 2: ("198.18.2.2", 8892)}
+
+
+def test_the_address_rows_a_silo_uses_must_be_the_servers():
+    """Issue 55 item 5: organization 2's file gives its own port as 8899; the server sends to 8892
+    (it was 'nothing listens there: it has ended' and a silo that hung). Rows the silo does not use
+    (another organization's) are not compared; an IPv4 address compares as the address file reads it."""
+    server = {**fingerprint(_config(), _state(MODEL)), ADDRESSES: address_table(TABLE)}
+    same = {**fingerprint(_config(), _state(MODEL)), ADDRESSES: addresses_seen(TABLE, 2)}
+    assert disagreement(server, same, 2) is None
+    assert disagreement(server, {**same, ADDRESSES: addresses_seen({**TABLE, 1: ("10.0.0.9", 1)}, 2)}, 2) is None
+    moved = {**same, ADDRESSES: addresses_seen({**TABLE, 2: ("198.18.2.2", 8899)}, 2)}
+    assert disagreement(server, moved, 2) == (
+        f"silo rank 2's address file ({ADDRESSES}) differs from the server's: rank 2 is '198.18.2.2:8899' "
+        f"there and 198.18.2.2:8892 here; every party must use the same file (docs/deployment.md)"
+    )
+    elsewhere = {**same, ADDRESSES: addresses_seen({**TABLE, 0: ("198.18.9.9", 8890)}, 2)}
+    assert "rank 0 is '198.18.9.9:8890' there and 198.18.1.1:8890 here" in disagreement(server, elsewhere, 2)
+    assert "rank 0 is '(no row)' there" in disagreement(server, {**same, ADDRESSES: None}, 2)
+    announced = hello(same, None, None)
+    assert wire.SCHEMA[wire.CLIENT_STATUS][wire.HELLO][0](announced)  # the wire takes it
 
 
 def _user(shape=(1, 28, 28), classes=(0, 4), dtype=torch.float32):

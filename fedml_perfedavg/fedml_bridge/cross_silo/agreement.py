@@ -54,6 +54,9 @@ AGREED = (
 )
 ARCHITECTURE = "model_args.architecture"  # the model's tensor names, shapes and dtypes, hashed
 SAFEGUARDS = "dp_args/attack_args/defense_args"  # FedML's DP, attack and defense sections, hashed
+# Every party reads the same address file (docs/deployment.md): a silo whose rows differ listens
+# where the server never sends (a port that disagreed was "nothing listens there" and a hang).
+ADDRESSES = "comm_args.grpc_ipconfig_path"
 _PROBE_ELEMENTS = 10_000_000  # a sample larger than this is not probed (a lie meant to exhaust memory)
 
 
@@ -84,12 +87,41 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
+def address_table(addresses: Dict[int, Tuple[str, int]]) -> Dict[str, str]:
+    """The server's fingerprint entry for the address file: rank -> "host:port" (never sent)."""
+    return {str(rank): f"{host}:{port}" for rank, (host, port) in sorted(addresses.items())}
+
+
+def addresses_seen(addresses: Dict[int, Tuple[str, int]], rank: int) -> str:
+    """A silo's fingerprint entry for the address file: the rows it uses, the server's (where it
+    sends) and its own (where it listens), as "0=host:port R=host:port"."""
+    rows = (f"{r}={addresses[r][0]}:{addresses[r][1]}" if r in addresses else f"{r}=(no row)" for r in (0, rank))
+    return " ".join(rows)
+
+
+def _address_disagreement(table: Dict[str, str], theirs: Any, rank: int) -> Optional[str]:
+    """The row of rank 0 or ``rank`` where the silo's address file differs from the server's, or None."""
+    rows = dict(part.partition("=")[::2] for part in theirs.split()) if isinstance(theirs, str) else {}
+    for r in ("0", str(rank)):
+        if rows.get(r) != table.get(r, "(no row)"):
+            return (
+                f"silo rank {rank}'s address file ({ADDRESSES}) differs from the server's: rank {r} is "
+                f"{short(rows.get(r, '(no row)'), 80)} there and {table.get(r, '(no row)')} here; every party "
+                f"must use the same file (docs/deployment.md)"
+            )
+    return None
+
+
 def disagreement(server: Dict[str, Any], silo: Dict[str, Any], rank: int) -> Optional[str]:
     """The first value a silo's fingerprint does not share with the server's, named with both
     values, or None."""
     for key in sorted(set(server) | set(silo)):
         mine, theirs = server.get(key, "(not given)"), silo.get(key, "(not given)")
-        if not _equal(mine, theirs):
+        if key == ADDRESSES and isinstance(mine, dict):
+            problem = _address_disagreement(mine, theirs, rank)
+            if problem is not None:
+                return problem
+        elif not _equal(mine, theirs):
             what = f"{key} (a hash)" if key in (ARCHITECTURE, SAFEGUARDS) else key
             return (
                 f"silo rank {rank} disagrees with the server on {what}: the server has {mine!r}, the silo has "

@@ -347,6 +347,8 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         refused = self.com_manager.send_message(message, deadline=deadline)
         reason = wire.refusal_reason(refused)
         self.announce_again_at = None
+        if reason == wire.DISAGREEMENT:  # told at once, even where the server cannot reach this silo
+            raise SiloFailure(f"silo rank {self.rank}: refused by the server: {wire.refusal_text(str(refused))}")
         if reason in (OTHER_RUN, IDENTITY):
             raise SiloFailure(
                 f"silo rank {self.rank}: the server refused its announcement: {refused}; this silo cannot "

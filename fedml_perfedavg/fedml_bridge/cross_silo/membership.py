@@ -17,7 +17,7 @@ from .roster import SiloRoster
 
 logger = logging.getLogger(__name__)
 
-DISAGREEMENT = "disagreement"  # a refused announcement, as summary.json's refusals count it
+DISAGREEMENT = wire.DISAGREEMENT  # a refused announcement, as summary.json's refusals count it
 REPEATED = "repeated-announcement"  # one more announcement of a process already answered just now
 
 

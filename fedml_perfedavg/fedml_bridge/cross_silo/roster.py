@@ -72,12 +72,18 @@ class SiloRoster:
 
     def problem_with(self, silo: int, announced: Optional[Dict[str, Any]]) -> Optional[str]:
         """Why a silo's announcement is refused (see :mod:`.agreement`), or None."""
-        if announced is None:
-            return f"silo rank {silo} announced no fingerprint: it does not run this version of the plugin"
-        problem = disagreement(self.setup.fingerprint, announced["fingerprint"], silo)
-        if problem is not None:
+        problem = self.fingerprint_problem(silo, announced)
+        if problem is not None or announced is None:
             return problem
         return self.mode.announcement_problem(self.setup, silo, announced)
+
+    def fingerprint_problem(self, silo: int, announced: Any) -> Optional[str]:
+        """Why ``announced`` does not agree with the server's fingerprint, or None. It reads only
+        the setup, so the transport calls it from gRPC's threads to answer the announcement's send
+        (:attr:`.transport.SecureGRPCCommManager.screen_announcement`)."""
+        if not isinstance(announced, dict) or not isinstance(announced.get("fingerprint"), dict):
+            return f"silo rank {silo} announced no fingerprint: it does not run this version of the plugin"
+        return disagreement(self.setup.fingerprint, announced["fingerprint"], silo)
 
     def assignment(self, users: Sequence[int]) -> Tuple[List[int], Assignment]:
         """(the round's silos, live silo -> (position, user)) for the round's sampled ``users``: in

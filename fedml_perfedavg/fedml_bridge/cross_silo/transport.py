@@ -36,7 +36,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ...core.errors import ConfigError, SiloFailure
 from ...stopping import interrupt_if_stopping
@@ -179,10 +179,11 @@ class _Servicer:
                 if isinstance(err, wire.Rejected)
                 else wire.Rejected(f"could not be read ({type(err).__name__}: {wire.short(str(err), 80)})", INTERNAL)
             )
-            with transport.rejected_lock:
-                transport.rejected += 1
-            host, where = transport.gate.peer_of(context.peer())
-            transport.refusals.refuse(host, rejected.reason, str(rejected), where)
+            if rejected.counted:
+                with transport.rejected_lock:
+                    transport.rejected += 1
+                host, where = transport.gate.peer_of(context.peer())
+                transport.refusals.refuse(host, rejected.reason, str(rejected), where)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, rejected.words())
         return pb2.CommResponse()
 
@@ -326,6 +327,9 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self._queue: "queue.Queue[wire.Envelope]" = queue.Queue()
         self.conversations = Conversations(self.rank)
         self.rejected, self.rejected_lock = 0, threading.Lock()  # messages refused (from gRPC's threads)
+        # the server: why an announcement (an ONLINE status's hello) is refused, or None; the
+        # silo hears it in the answer to its send, even where the server cannot reach it back
+        self.screen_announcement: Optional[Callable[[int, Any], Optional[str]]] = None
         self.is_running = False
         self.delivery = Delivery(
             self.rank,
@@ -365,7 +369,15 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         check_route(envelope, peer_rank, self.rank, self.addresses, self.settings.run_id)
         self.conversations.admit(envelope)
         envelope.arrived = time.monotonic()
-        self._queue.put(envelope)
+        problem = self._announcement_problem(envelope)
+        self._queue.put(envelope)  # a refused announcement too: the protocol refuses it, counts it and decides
+        if problem is not None:
+            raise wire.Rejected(problem, wire.DISAGREEMENT, counted=False)
+
+    def _announcement_problem(self, envelope: wire.Envelope) -> Optional[str]:
+        screen = self.screen_announcement
+        announces = envelope.type == wire.CLIENT_STATUS and envelope.params.get("client_status") == "ONLINE"
+        return screen(envelope.sender, envelope.params.get(wire.HELLO)) if screen and announces else None
 
     def backlog(self) -> int:
         """Messages taken and not yet handed to the managers."""

@@ -73,18 +73,22 @@ MODEL_MESSAGES = frozenset({INIT_CONFIG, SYNC_MODEL})  # a model a silo answers 
 MALFORMED, PICKLE, OVERSIZE = "malformed", "pickle", "oversize"
 
 
+DISAGREEMENT = "disagreement"  # an announcement the server refuses (its fingerprint, its data)
+
+
 class Rejected(ValueError):
     """Bytes that are not a well-formed message of the protocol, or a message this rank does not
-    take now; the text says what is wrong, ``reason`` is the code it is counted by."""
+    take now; the text says what is wrong, ``reason`` is the code it is counted by. ``counted``:
+    False where the protocol counts and logs it itself (a refused announcement)."""
 
-    def __init__(self, message: str, reason: str = MALFORMED) -> None:
+    def __init__(self, message: str, reason: str = MALFORMED, *, counted: bool = True) -> None:
         super().__init__(message)
-        self.reason = reason
+        self.reason, self.counted = reason, counted
 
     def words(self) -> str:
-        """What the sender is told (its text cut to 200 characters); :func:`refusal_reason` reads
+        """What the sender is told (its text cut to 400 characters); :func:`refusal_reason` reads
         the reason back."""
-        return f"refused ({self.reason}): {str(self)[:200]}"
+        return f"refused ({self.reason}): {str(self)[:400]}"
 
 
 def refusal_reason(words: Optional[str]) -> Optional[str]:
@@ -92,6 +96,11 @@ def refusal_reason(words: Optional[str]) -> Optional[str]:
     if not words or not words.startswith("refused ("):
         return None
     return words[len("refused (") :].partition(")")[0]
+
+
+def refusal_text(words: str) -> str:
+    """A refusal's words (:meth:`Rejected.words`) without their reason code."""
+    return words.partition("): ")[2] if refusal_reason(words) is not None else words
 
 
 def short(value: Any, limit: int = 60) -> str:
