@@ -142,24 +142,33 @@ def test_tls_across_hosts_gives_the_single_process_model(hosts, tmp_path, mnist_
 @needs_netns
 @pytest.mark.parametrize("min_clients", [1, 2])
 def test_a_silo_with_a_certificate_from_another_ca_is_refused_and_named(hosts, tmp_path, mnist_root, min_clients):
+    """Issue 55 item 5: the organization with another run's CA stops within seconds, exit 1, naming
+    the CA (it waited connect_timeout and said "did not take a message ... is it gone?", the cause
+    only in an INFO line); the server, which cannot tell a wrong CA from noise on its port until
+    its deadline, then names what it saw from that silo's address."""
     names, _ = hosts
     tls, other = str(tmp_path / "tls"), str(tmp_path / "other")
     make_certificates(tls, 2)
     make_certificates(other, 2)
-    outs = finish_all(
-        _start(
-            names,
-            tmp_path,
-            mnist_root,
-            {"comm_round": 3, "connect_timeout": 8, "min_clients_per_round": min_clients},
-            {0: tls, 1: tls, 2: other},
-        )
+    processes = _start(
+        names,
+        tmp_path,
+        mnist_root,
+        {"comm_round": 3, "connect_timeout": 15, "min_clients_per_round": min_clients},
+        {0: tls, 1: tls, 2: other},
     )
+    silo_out = processes[2].communicate(timeout=120)[0]
+    outs = finish_all(processes)
+    assert processes[2].returncode == 1, silo_out[-3000:]
+    assert f"the TLS handshake with rank 0 at {SERVER}:50551 fails: its certificate is not signed by" in silo_out
+    # told by the handshake's failure (2 s of it), not by the end of its wait for the server (the
+    # words say which; the wall clock of a silo's start on a loaded machine says little)
+    assert "another run's CA?" in silo_out and "did not take a message" not in silo_out, silo_out[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     [lost] = summary["lost_silos"]
-    assert lost["rank"] == 2 and "did not come online within comm_args.connect_timeout=8 s" in lost["why"]
+    assert lost["rank"] == 2 and "did not come online within comm_args.connect_timeout=15 s" in lost["why"]
+    assert f"{SILO2} sent: " in lost["why"] and "closed in the TLS handshake" in lost["why"], lost
     assert "silo rank(s) [2]" in outs[0] and "did not come online" in outs[0]
-    assert "CERTIFICATE_VERIFY_FAILED" in outs[2] or "handshake" in outs[2].lower(), outs[2][-3000:]
     if min_clients == 1:
         assert summary["status"] == "finished" and summary["rounds"] == 3 and summary["aggregate_calls"] == 3
     else:

@@ -31,6 +31,20 @@ class PeerUnreachable(SiloFailure):
     """A peer did not take a message before its deadline."""
 
 
+class HandshakeFailed(PeerUnreachable):
+    """A peer's TLS handshake keeps failing: the two parties' certificates are not from one CA
+    (waiting for the peer's deadline would change nothing)."""
+
+
+def handshake_cause(error: str) -> str:
+    """What a gRPC TLS handshake error most likely means, in a party's words."""
+    if "BAD_SIGNATURE" in error or "CERTIFICATE_VERIFY_FAILED" in error or "certificate signature" in error:
+        return "its certificate is not signed by this party's CA (tls_dir's ca.pem): another run's CA?"
+    if "ALERT" in error.upper():
+        return "it refused this party's certificate (not from its CA: another run's?)"
+    return "the two parties' certificates are not from one CA?"
+
+
 def channel_options(size_cap: int, handshake_timeout: float) -> List[Tuple[str, int]]:
     """gRPC's options for every channel and the server: the size cap (with gRPC's own a little
     above ours, so our log sees what is a little over), no proxy, an exclusive port, quick
@@ -66,6 +80,9 @@ class Delivery:
     # refusal says "nothing listens there" only once it has stood longer than that (a restarted
     # silo taken back at round 105 was given up on at round 106 as "ended": fresh-clone run, 64).
     REFUSAL_STANDS_SECONDS = 1.5
+    # A failed TLS handshake is the certificates' doing and fails the same way until the deadline;
+    # it is told as such once it has stood this long (the same backoff caveat as above).
+    HANDSHAKE_STANDS_SECONDS = 2.0
 
     def __init__(
         self,
@@ -115,6 +132,7 @@ class Delivery:
         ip, port = self.addresses[receiver]
         delay, last_error, window = 0.1, "no answer", max(0.0, deadline - time.monotonic())
         refused_since: Optional[float] = None
+        handshake_failing_since: Optional[float] = None
         while True:
             if self.run_over():  # its finish waits in the queue; the server stopped listening
                 logger.info("rank %d: the server ended the run; a message to rank %d is not sent", self.rank, receiver)
@@ -151,6 +169,15 @@ class Delivery:
                 if code != grpc.StatusCode.UNAVAILABLE:
                     raise
                 last_error = err.details() or "unavailable"
+                if "handshake failed" not in last_error.lower():
+                    handshake_failing_since = None
+                elif handshake_failing_since is None:
+                    handshake_failing_since = time.monotonic()
+                elif time.monotonic() - handshake_failing_since >= self.HANDSHAKE_STANDS_SECONDS:
+                    raise HandshakeFailed(
+                        f"the TLS handshake with rank {receiver} at {ip}:{port} fails: {handshake_cause(last_error)} "
+                        f"(gRPC: {last_error})"
+                    ) from None
                 if "Connection refused" not in last_error:  # the OS's words, via gRPC
                     refused_since = None
                 elif refused_since is None:

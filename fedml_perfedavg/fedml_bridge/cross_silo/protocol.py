@@ -50,7 +50,7 @@ The pieces: the rounds (TRAINING, EVALUATING) are :mod:`.rounds`'s, what they wa
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Set, Tuple
+from typing import Callable, List, Optional, Set, Tuple
 
 from ...core.errors import ConfigError
 from . import TRAINING_STARTED, wire
@@ -114,6 +114,9 @@ class SiloServerProtocol:
         self.final = OpenRound(-1, [], {})  # shared mode: the silos sent the final model
         self.finished: Set[int] = set()  # shared mode: the silos that said goodbye
         self._now = 0.0  # the time of the event being handled
+        # what the transport refused from the addresses of silos that never came online, in words
+        # (the server manager plugs in the transport's; the protocol itself knows no addresses)
+        self.sightings: Callable[[List[int]], str] = lambda silos: ""
 
     @property
     def phase(self) -> Phase:
@@ -179,6 +182,8 @@ class SiloServerProtocol:
             missing = [s for s in self.roster.live if s not in self.roster.online]
             go_on, _ = self.policy.after_deadline(self.roster.live, sorted(self.roster.online))
             why = f"did not come online within comm_args.connect_timeout={self.policy.connect_timeout:g} s"
+            seen = self.sightings(missing)
+            why += f"; connections from their addresses refused: {seen}" if seen else ""
             self.rounds.give_up_on(missing, why, go_on)
             self._start_training(now)
         elif phase is Phase.TRAINING:

@@ -24,6 +24,15 @@ BURST = 3
 WINDOW_SECONDS = 10.0
 REPORT_SECONDS = 30.0
 GLOBAL_LINES = 30  # refusal lines per WINDOW_SECONDS, all addresses together (about 9 KB)
+MAX_HOSTS = 10_000  # addresses whose refusals are counted by reason (beyond, only the totals)
+# What refusals of a kind from a silo's address most likely say about it (the server's words
+# when that silo did not come online).
+_LIKELY = {
+    "handshake": "closed in the TLS handshake (its certificate not from this run's CA?)",
+    "not-tls": "spoke no TLS (started with comm_args.insecure?)",
+    "other-run": "were for another run (another --run_id?)",
+    "identity": "claimed another rank (its certificate or --rank?)",
+}
 
 
 class RefusalLog:
@@ -37,6 +46,7 @@ class RefusalLog:
         self._last_report = clock()
         self._window: Tuple[float, int] = (-float("inf"), 0)  # (start, lines written in it), all addresses
         self._lock = threading.Lock()
+        self._by_host: Dict[str, Counter] = {}  # host -> reason -> refusals (at most MAX_HOSTS hosts)
 
     def refuse(self, host: str, reason: str, text: str, where: str = "") -> None:
         """Count one refusal from ``host`` (``where``: its "host:port", if known) and log it unless
@@ -44,6 +54,8 @@ class RefusalLog:
         now = self.clock()
         with self._lock:
             self.totals[reason] += 1
+            if host in self._by_host or len(self._by_host) < MAX_HOSTS:
+                self._by_host.setdefault(host, Counter())[reason] += 1
             count, last = self._lines.get((host, reason), (0, -float("inf")))
             start, written = self._window
             if now - start >= WINDOW_SECONDS:
@@ -62,6 +74,14 @@ class RefusalLog:
             if len(text) > MAX_TEXT:
                 text = text[:MAX_TEXT] + f"... ({len(text)} characters)"
             self.logger.warning("rank %d refused %s from %s: %s", self.rank, _what(reason), where or host, text)
+
+    def seen_from(self, host: str) -> str:
+        """What was refused from ``host``, in words ("" if nothing): what a silo that never came
+        online most likely got wrong, as far as its address shows."""
+        with self._lock:
+            counts = dict(self._by_host.get(host, {}))
+        parts = [f"{n} {_LIKELY.get(reason, f'refused ({reason})')}" for reason, n in sorted(counts.items())]
+        return f"{host} sent: " + "; ".join(parts) if parts else ""
 
     def tick(self) -> None:
         """Say how many refusal lines were held back since the last report (every REPORT_SECONDS)."""

@@ -133,6 +133,7 @@ class PluginServerManager(FedMLServerManager):
             setup, policy, driver, model, self.round_num, args.client_num_per_round, start_round
         )
         self.com_manager.screen_announcement = self.protocol.roster.fingerprint_problem
+        self.protocol.sightings = self.com_manager.sightings
         if resumes:  # every message says which server process this one resumes (the silos check it)
             self.com_manager.resumes = resumes
             logger.info("resuming at round %d the run of server session %s", start_round, resumes)

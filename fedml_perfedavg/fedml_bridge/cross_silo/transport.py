@@ -358,6 +358,12 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             raise wire.Rejected(f"the peer's certificate (rank {rank}) {problem}", IDENTITY)
         return rank
 
+    def sightings(self, ranks: Iterable[int]) -> str:
+        """What this rank refused from the addresses of ``ranks`` (ranks that never came online),
+        in words; "" when nothing."""
+        seen = [self.refusals.seen_from(self.addresses[r][0]) for r in sorted(ranks) if r in self.addresses]
+        return "; ".join(s for s in seen if s)
+
     def _connection_refused(self, host: str, port: int, reason: str, text: str) -> None:
         self.refusals.refuse(host, reason, text, f"{host}:{port}")
 
