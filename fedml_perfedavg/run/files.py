@@ -145,3 +145,81 @@ def make_dir(path: str) -> None:
         os.makedirs(path, exist_ok=True)
     except OSError as err:
         raise OutputError(f"cannot create {os.path.abspath(path)}: {_why(err)}") from None
+
+
+RUN_LOCK = ".run.lock"  # held (flock) by the process that owns a run directory's record, for its life
+_held_locks: dict = {}  # run directory -> open lock file (closing it would release the lock)
+
+
+def hold_run_dir(run_dir: str) -> None:
+    """Hold ``run_dir`` for this process's life (an advisory ``flock`` the kernel releases when
+    the process ends, however it ends): a second process that would start, overwrite or resume
+    the run there while this one writes it gets :class:`~..core.errors.ConfigError` naming the
+    holder. Where the filesystem has no locks, a warning says the folder is not guarded."""
+    import fcntl
+    import logging
+    import socket
+    import time
+
+    from ..core.errors import ConfigError
+
+    if run_dir in _held_locks:
+        return
+    path = os.path.join(run_dir, RUN_LOCK)
+    try:
+        stream = open(path, "a+")
+    except OSError as err:
+        raise OutputError(f"cannot create {path}: {_why(err)}") from None
+    try:
+        fcntl.flock(stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        stream.seek(0)
+        holder = stream.read(200).strip() or "a process that wrote nothing about itself"
+        stream.close()
+        raise ConfigError(
+            f"run directory {run_dir!r} is in use by a live process ({holder}); wait for it to end, or give "
+            f"another --run-dir (or common_args.run_name)"
+        ) from None
+    except OSError as err:  # a filesystem without flock (some network filesystems)
+        logging.getLogger(__name__).warning(
+            "run directory %s cannot be locked (%s): nothing stops a second process from writing it too",
+            run_dir,
+            _why(err),
+        )
+    stream.seek(0)
+    stream.truncate()
+    stream.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    stream.flush()
+    _held_locks[run_dir] = stream
+
+
+def refuse_if_held(run_dir: str) -> None:
+    """:class:`~..core.errors.ConfigError` naming the process if another live process holds
+    ``run_dir`` (:func:`hold_run_dir`); nothing is changed either way."""
+    import fcntl
+
+    from ..core.errors import ConfigError
+
+    path = os.path.join(run_dir, RUN_LOCK)
+    if run_dir in _held_locks or not os.path.exists(path):
+        return
+    try:
+        with open(path) as stream:
+            try:
+                fcntl.flock(stream.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = stream.read(200).strip() or "a process that wrote nothing about itself"
+                raise ConfigError(
+                    f"run directory {run_dir!r} is in use by a live process ({holder}); wait for it to end, or "
+                    f"give another --run-dir (or common_args.run_name)"
+                ) from None
+    except OSError:  # unreadable, or no locks on this filesystem: hold_run_dir says so
+        return
+
+
+def release_run_dir(run_dir: str) -> None:
+    """Let go of ``run_dir`` (its run is over: a later run in this same process, or another
+    process, may use it)."""
+    stream = _held_locks.pop(run_dir, None)
+    if stream is not None:
+        stream.close()

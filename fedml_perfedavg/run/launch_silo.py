@@ -198,7 +198,7 @@ def launch(
         )
     run_dir = resolve_run_dir(config, run_dir, create=False)
     existed = os.path.isdir(run_dir)
-    run_dir = resolve_run_dir(config, run_dir)
+    run_dir = resolve_run_dir(config, run_dir, owner=False)  # the server it starts owns (and holds) the record
     tls_dir = None
     if make_certs:  # one command still: this run's own CA and certificates, in its run directory
         tls_dir = os.path.join(run_dir, "tls")

@@ -15,6 +15,7 @@ import argparse
 import atexit
 import contextlib
 import functools
+import json
 import logging
 import os
 import shutil
@@ -41,7 +42,7 @@ from ..stopping import (
     stopped_exit_code,
 )
 from . import checkpoint
-from .files import make_dir, record_of, write_torch
+from .files import hold_run_dir, make_dir, record_of, refuse_if_held, release_run_dir, write_torch
 from .config import BY_NAME, Config, check_scenario, field_default, load_yaml
 from .fedml_args import check_algorithm_name, from_fedml_args, to_fedml_args, transport_values
 from .assembly import assemble, backend_for, check_layout, driver_for, resume_problem
@@ -124,8 +125,11 @@ def resolve_run_dir(
     run_dir = os.path.abspath(run_dir)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"run directory {run_dir!r} is a file; give another --run-dir (or common_args.run_name)")
+    if owner:
+        refuse_if_held(run_dir)  # a live run's folder, whatever is asked of it (a new run, --overwrite, --resume)
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))] if owner and not resume else []
-    if held and not config.overwrite:
+    failed_start = never_started(run_dir) if held else None
+    if held and not config.overwrite and failed_start is None:
         raise ConfigError(
             f"run directory {run_dir!r} holds a run ({', '.join(held)}); give another --run-dir (or "
             f"common_args.run_name), --resume {run_dir} to continue it, or --overwrite "
@@ -133,9 +137,30 @@ def resolve_run_dir(
         )
     if create:
         make_dir(run_dir)
+        if owner:  # before anything of a run there is replaced: a live one keeps its folder
+            hold_run_dir(run_dir)
+        if held and failed_start is not None:
+            logger.warning("run directory %s: replacing the record of a start that failed (%s)", run_dir, failed_start)
         for name in held:  # overwrite: the old run's files go, so nothing of it is mistaken for the new one's
             os.remove(os.path.join(run_dir, name))
     return run_dir
+
+
+def never_started(run_dir: str) -> Optional[str]:
+    """The error of the run recorded in ``run_dir`` if it ended before its first round (nothing
+    measured, no checkpoint: a retry replaces it rather than trip on it), else None."""
+    if any(os.path.exists(os.path.join(run_dir, name)) for name in (checkpoint.CHECKPOINT, checkpoint.PREVIOUS)):
+        return None
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as stream:
+            summary = json.load(stream)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("status") == "finished" or summary.get("rounds") not in (0, None):
+        return None
+    if summary.get("history") or summary.get("personalized_accuracy") is not None:
+        return None
+    return f"{summary.get('status')}: {summary.get('error')}"
 
 
 def mpi_world_rank() -> int:
@@ -529,6 +554,7 @@ class PluginRun:
     def _close(self) -> None:
         logs.remove_handler(self.parts.log_handler)
         self.parts.log_handler = None
+        release_run_dir(self.run_dir)  # the run is over: the folder is free for the next (a resume, say)
 
 
 def install() -> None:
@@ -589,8 +615,13 @@ def run_fedml_main(
     args: argparse.Namespace, data: Optional[FederatedData] = None, model: Optional[torch.nn.Module] = None
 ) -> RunResult:
     """What FedML's example main script does, returning the plugin run's result."""
-    runner = prepare_fedml_run(args, data, model)
-    runner.run()
+    try:
+        runner = prepare_fedml_run(args, data, model)
+        runner.run()
+    finally:  # however it ended (a failed start too), its folder is free for the next run of this process
+        context = getattr(args, CONTEXT, None)
+        if context is not None and context.run_dir is not None:
+            release_run_dir(context.run_dir)
     return runner.runner.result
 
 

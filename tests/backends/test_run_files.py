@@ -136,3 +136,91 @@ def test_a_run_directory_is_never_silently_reused(tmp_path, mnist_root):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == 6 and summary["config"]["common_args"]["random_seed"] == 1
     assert not all(torch.equal(v, first_model[k]) for k, v in torch.load(run_dir / "model.pt").items())
+
+
+def _popen_cli(tmp_path, mnist_root, *extra, settings=None):
+    sets = {**SETTINGS, "data_cache_dir": mnist_root, **(settings or {})}
+    command = [sys.executable, "-m", "fedml_perfedavg", "--cf", QUICK]
+    command += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")] + list(extra)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env)
+
+
+@needs_mnist
+def test_overwrite_or_resume_of_a_folder_a_live_run_writes_is_refused_naming_the_process(tmp_path, mnist_root):
+    """Issue 55 item 7: --overwrite on the folder of a run still going rewrote its config.yaml and
+    summary.json. The live run holds its folder (a lock the kernel drops when the process ends):
+    --overwrite and --resume are refused, exit 2, naming its pid; the live run ends untouched;
+    once it has ended (killed, here) --resume goes on."""
+    import signal
+
+    from tests.helpers import wait_for_text
+
+    run_dir = tmp_path / "run"
+    live = _popen_cli(tmp_path, mnist_root, "--run-dir", str(run_dir), settings={"comm_round": 100000})
+    try:
+        wait_for_text(run_dir / "run.log", "round 2: personalized accuracy", lambda: live.poll() is None)
+        config_before = (run_dir / "config.yaml").read_bytes()
+        for extra in (["--overwrite"], []):
+            refused = _cli(tmp_path, mnist_root, "--run-dir", str(run_dir), *extra, settings={"random_seed": 1})
+            assert refused.returncode == 2, refused.stderr[-3000:]
+            assert f"run directory '{run_dir}' is in use by a live process (pid {live.pid} on " in refused.stderr
+        resumed = subprocess.run(
+            [sys.executable, "-m", "fedml_perfedavg", "--resume", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert resumed.returncode == 2 and f"in use by a live process (pid {live.pid} on " in resumed.stderr
+        assert (run_dir / "config.yaml").read_bytes() == config_before
+        assert live.poll() is None  # still running, its folder as it left it
+    finally:
+        live.send_signal(signal.SIGKILL)
+        live.communicate(timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-m", "fedml_perfedavg", "--resume", str(run_dir), "--set", "comm_round=6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+
+
+@needs_mnist
+def test_a_server_that_fails_at_start_leaves_nothing_its_corrected_retry_trips_on(tmp_path, mnist_root):
+    """Issue 55 item 7: a cross-silo server whose own port is taken fails at start; its record
+    (summary.json: stopped, 0 rounds) was then "holds a run" to the corrected retry. A record of a
+    start that failed before round 0 is replaced, saying so; one with rounds stays refused."""
+    import socket
+
+    from fedml_perfedavg.fedml_bridge.cross_silo.addresses import free_ports, write_ipconfig
+    from tests.helpers import SILO_YAML, make_tls, rank_command
+
+    run_dir = tmp_path / "run"
+    ports = free_ports(2)
+    ipconfig = write_ipconfig(str(tmp_path / "ip.csv"), 2, ports=ports)
+    sets = {"data_cache_dir": mnist_root, "grpc_ipconfig_path": ipconfig, "tls_dir": make_tls(tmp_path / "tls", 1)}
+    sets.update({"client_num_in_total": 2, "client_num_per_round": 1, "comm_round": 2, "connect_timeout": 3})
+    command = rank_command([sys.executable, "-m", "fedml_perfedavg"], SILO_YAML, run_dir, sets, 0, "retry")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")}
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", ports[0]))
+    busy.listen(1)
+    try:
+        first = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        busy.close()
+    assert first.returncode != 0 and "the port is in use" in first.stdout + first.stderr, first.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 0
+    retry = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    said = retry.stdout + retry.stderr
+    assert "holds a run" not in said, said[-3000:]
+    assert "replacing the record of a start that failed (stopped: " in said, said[:3000]
+    assert "the port is in use" in said.split("replacing the record", 1)[1].split("\n", 1)[0], said[:3000]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "did not come online" in str(summary["error"]), summary  # it ran this time: no silo came

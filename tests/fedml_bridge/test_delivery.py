@@ -50,7 +50,6 @@ def _delivery(port, credentials=None):
     return Delivery(0, {1: ("127.0.0.1", port)}, "ip.csv", credentials, options, run_over=lambda: False)
 
 
-@pytest.mark.fast
 def test_a_peer_listening_again_takes_a_send_that_ends_on_refusal():
     """The channel to rank 1 failed (nothing listened) and waits out its backoff; rank 1 listens
     again (a restarted silo) and a send that gives up on a refusal reaches it (it was given up on
@@ -70,7 +69,6 @@ def test_a_peer_listening_again_takes_a_send_that_ends_on_refusal():
         delivery.close()
 
 
-@pytest.mark.fast
 def test_a_peer_that_stays_refusing_is_given_up_on_within_seconds_not_at_the_deadline():
     [port] = free_ports(1)
     taker, server = _listen(port)
@@ -87,7 +85,6 @@ def test_a_peer_that_stays_refusing_is_given_up_on_within_seconds_not_at_the_dea
         delivery.close()
 
 
-@pytest.mark.fast
 def test_a_refusal_while_a_peer_starts_is_retried_until_it_listens():
     [port] = free_ports(1)
     delivery, servers = _delivery(port), []
