@@ -9,6 +9,9 @@
   torch._dynamo), wandb, scipy, pandas, sqlalchemy, docker and more at ``import fedml``, for
   MLOps, schedulers and other datasets' loaders; deferred to their first use, the same import
   takes 1.0 s of user CPU instead of 2.2. fedml_bridge/bootstrap.py names what is deferred.
+- TorchDynamo not loaded by torch.func (:func:`dynamo_on_first_use`): the first gradient of every
+  process imported all of it (1.0 s of CPU) to switch off compiled autograd, which is off unless
+  TorchDynamo is loaded; a one-round quick-start run took 2.1 s of CPU instead of 3.4.
 
 Every process of a run (each cross-silo rank, each MPI rank) pays these at start. Nothing here
 imports anything beyond the standard library, so it can come first.
@@ -238,3 +241,50 @@ def imports_deferred(packages: Iterable[str], importer: str) -> ImportDeferral:
         _deferrals[importer] = ImportDeferral(packages, importer)
         sys.meta_path.insert(0, _deferrals[importer])
     return _deferrals[importer]
+
+
+# -- torch._dynamo, read by torch.func at every gradient --------------------------------------------
+class _DynamoUntilUsed(types.ModuleType):
+    """``torch._dynamo`` as an attribute of ``torch`` until something of it is used: reading any
+    name but ``compiled_autograd`` imports the real package (which makes itself the attribute)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "compiled_autograd":
+            return _COMPILED_AUTOGRAD_UNTIL_USED
+        if name.startswith("__") and name not in _DUNDERS_OF_THE_REAL_MODULE:
+            raise AttributeError(name)
+        return getattr(importlib.import_module("torch._dynamo"), name)
+
+
+class _CompiledAutogradUntilUsed(types.ModuleType):
+    @staticmethod
+    def _disable() -> Any:
+        """Compiled autograd is switched on only through torch._dynamo itself: while that is not
+        loaded there is nothing to switch off; once it is, its own ``_disable``."""
+        real = sys.modules.get("torch._dynamo.compiled_autograd")
+        return real._disable() if real is not None else contextlib.nullcontext()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name not in _DUNDERS_OF_THE_REAL_MODULE:
+            raise AttributeError(name)
+        return getattr(importlib.import_module("torch._dynamo.compiled_autograd"), name)
+
+
+_COMPILED_AUTOGRAD_UNTIL_USED = _CompiledAutogradUntilUsed("torch._dynamo.compiled_autograd")
+_DYNAMO_DEFERRED_FOR = ("2.13.",)  # torch versions whose torch.func reads it so (checked on each)
+
+
+def dynamo_on_first_use(torch_module: Any) -> bool:
+    """Every ``torch.func.grad`` enters ``torch._dynamo.compiled_autograd._disable()`` around its
+    ``autograd.grad`` (torch/_functorch/eager_transforms.py, ``_autograd_grad``), and reading
+    ``torch._dynamo`` imports all of TorchDynamo: 1.0 s of CPU at the first gradient of every
+    process that trains (each cross-silo rank, each MPI rank), for a switch that is off unless
+    TorchDynamo was loaded. Until then, ``torch._dynamo`` is :class:`_DynamoUntilUsed` (never in
+    ``sys.modules``: ``import torch._dynamo``, ``torch.compile`` and any other name of it load
+    the real package, which replaces the stand-in). True if installed."""
+    if not str(getattr(torch_module, "__version__", "")).startswith(_DYNAMO_DEFERRED_FOR):
+        return False
+    if "torch._dynamo" in sys.modules or "_dynamo" in vars(torch_module):
+        return False
+    torch_module._dynamo = _DynamoUntilUsed("torch._dynamo")
+    return True

@@ -125,3 +125,40 @@ def test_import_fedml_loads_none_of_what_it_defers_and_fedml_still_reaches_it():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[:2] == ["[] False", "True True True"], out
+
+
+@pytest.mark.backend
+def test_torch_func_gradients_do_not_load_torchdynamo_and_torchdynamo_still_works():
+    """torch.func's every gradient reads torch._dynamo.compiled_autograd (1.0 s of CPU to import
+    TorchDynamo at the first one, in every process that trains). With the plugin imported, the
+    gradients (plain and under vmap) are autograd's and TorchDynamo stays unloaded; ``import
+    torch._dynamo``, any other name of it and torch.compile get the real package, after which the
+    gradients go through its own switch."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import torch
+        import fedml_perfedavg
+        from torch.func import functional_call, grad, vmap
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ELU(), torch.nn.Linear(5, 3))
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        x, y = torch.randn(4, 6), torch.tensor([0, 1, 2, 0])
+        def loss(p, x, y):
+            return torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
+        g = grad(loss)(params, x, y)
+        per_user = vmap(grad(loss), in_dims=(None, 0, 0))(params, x.view(2, 2, 6), y.view(2, 2))
+        wanted = torch.autograd.grad(loss(dict(model.named_parameters()), x, y), list(model.parameters()))
+        same = all(torch.equal(g[k], w) for k, w in zip(params, wanted))
+        print("torch._dynamo" in sys.modules, same, tuple(per_user["0.weight"].shape))
+        config = type(torch._dynamo.config).__name__
+        print(config, "torch._dynamo" in sys.modules, torch._dynamo is sys.modules["torch._dynamo"])
+        double = torch.compile(lambda t: 2 * t, backend="eager")
+        again = grad(loss)(params, x, y)
+        print(torch.equal(double(x), 2 * x), all(torch.equal(again[k], g[k]) for k in g))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.split("\n")
+    assert lines[:3] == ["False True (2, 5, 6)", "ConfigModuleInstance True True", "True True"], out.stdout
