@@ -5,6 +5,8 @@
 - ``false-count``: every upload claims 1000 times its user's training samples;
 - ``false-figures``: its evaluations claim user 424242 and every test sample right;
 - ``slow:R:S``: it is honest but takes S seconds more to train round R (past the round deadline);
+- ``pace:S``: it is honest but each round's training takes at least S seconds (a slower
+  organization: the run's rounds take that long at least, whatever the machine's load);
 - ``late:PATH``: it is honest but starts listening only a second after the server's log PATH says
   it refused a silo (a silo still starting up when the server stops the run);
 - ``vanish:R:STAGE``: it is honest until, in round R, the server has taken its secure-aggregation
@@ -173,6 +175,16 @@ def lie(kind: str) -> None:
             return honest_train(self, round_idx)
 
         client.PluginTrainerDistAdapter.train = slow_train
+    elif kind.startswith("pace:"):
+        seconds, honest_train = float(kind.split(":")[1]), client.PluginTrainerDistAdapter.train
+
+        def paced_train(self, round_idx):
+            started = time.monotonic()
+            result = honest_train(self, round_idx)
+            time.sleep(max(0.0, seconds - (time.monotonic() - started)))
+            return result
+
+        client.PluginTrainerDistAdapter.train = paced_train
     elif kind.startswith("late:"):
         from fedml_perfedavg.fedml_bridge.cross_silo import transport
 
