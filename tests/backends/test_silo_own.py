@@ -185,6 +185,32 @@ def test_an_organization_whose_address_file_gives_another_port_is_refused_at_onc
 
 
 @needs_mnist
+def test_a_run_whose_round_would_sample_only_refused_organizations_is_stopped_at_start(mnist_root, tmp_path):
+    """Issue 55 item 8: organizations 3 and 4 cannot take part (their data does not fit the model;
+    a spent DP budget is refused the same way) and the keyed schedule samples exactly them in
+    round 2 of 3. The server stops the run before round 0, naming round 2 and the silos, and every
+    organization is told; it ran rounds 0 and 1 and stopped in round 2 before."""
+    folders = _export(mnist_root, tmp_path, 4)
+    config = resolve(
+        load_yaml(HF_YAML), {"client_num_in_total": 4, "client_num_per_round": 2, "data_cache_dir": mnist_root}
+    )
+    for rank in (3, 4):
+        wrong = tmp_path / f"rgb-{rank}"
+        x, y = torch.rand(40, 3, 32, 32), torch.arange(40) % 5
+        write_silo_folder(str(wrong), UserSplit(x, y, x[:10], y[:10]), rank, "mnist", 10, split_keys(config))
+        folders[rank]["data_cache_dir"] = str(wrong)
+    settings = {**OWN, "client_num_in_total": 4, "comm_round": 3, "min_clients_per_round": 1}
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders))
+    summary = _summary(tmp_path)
+    assert summary["status"] == "stopped" and summary["rounds"] == 0, outs[0][-4000:]
+    said = "the keyed schedule samples silo rank(s) [3, 4] for round 2, of which 0 can take part ([]), fewer than"
+    assert "silo rank(s) [3, 4] were refused at start" in summary["error"] and said in summary["error"]
+    for rank in (1, 2):
+        assert said in outs[rank], outs[rank][-3000:]  # told why the run stopped
+    assert "round 0: personalized accuracy" not in outs[0]
+
+
+@needs_mnist
 def test_a_silo_still_starting_when_the_server_stops_the_run_is_told(mnist_root, tmp_path):
     """A closed port means "ended" only for a silo that was heard from: one that starts listening
     after the server stopped the run (here 1 s after) still hears why, not after connect_timeout."""

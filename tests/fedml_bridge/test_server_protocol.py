@@ -324,3 +324,55 @@ def test_a_report_of_undelivered_sends_that_comes_after_the_round_ended_changes_
     assert 2 in p.rounds.round.assigned
     current = p.handle(Undelivered(3.5, ROUND, {2: "rank 2 did not take a message"}, p.stage))
     assert records(current, "record_lost_silos")[0][1] == [2]  # a report of this round is acted on
+
+
+class RoundPlan(Plan):
+    """Round r samples ``by_round[r]`` (the last entry for the rounds after)."""
+
+    def __init__(self, by_round):
+        self.by_round = by_round
+
+    def sample_clients(self, round_idx):
+        return list(self.by_round[min(round_idx, len(self.by_round) - 1)])
+
+
+def test_a_plan_whose_rounds_sample_only_refused_silos_is_refused_at_start():
+    """Issue 55 item 8: silo 3 is refused at start (its user's DP budget, here announced as a
+    problem); round 2 samples user 2 alone, whose silo that is: the run is stopped before round 0,
+    naming round 2 and the silos, not after rounds 0 and 1 have run."""
+    setup = SiloSetup(
+        own_data=True,
+        silos=[1, 2, 3],
+        fingerprint=dict(FINGERPRINT),
+        user_counts={r - 1: (TRAIN[r], TEST[r]) for r in (1, 2, 3)},
+        model=nn.Sequential(nn.Linear(4, 3)),
+    )
+    policy = SiloPolicy(connect_timeout=60.0, round_timeout=30.0, min_clients=1)
+    p = SiloServerProtocol(setup, policy, RoundPlan([[0, 2], [1, 2], [2]]), Model(), 4, 3)
+    assert p.handle(Listening(0.0)) == []
+    p.handle(Hello(1.0, 1, hello(1), "s1"))
+    p.handle(Hello(1.0, 2, hello(2), "s2"))
+    actions = p.handle(Hello(1.0, 3, hello(3, problem="user 2 cannot take part: dp_args.max_epsilon=5.0"), "s3"))
+    [fail] = [a for a in actions if isinstance(a, Fail)]
+    assert str(fail.error).startswith("silo rank(s) [3] were refused at start (the reasons above)")
+    assert "samples silo rank(s) [3] for round 2, of which 0 can take part ([]), fewer than " in str(fail.error)
+    assert "comm_args.min_clients_per_round=1" in str(fail.error)
+    assert not sends(actions, ROUND)  # no round was opened
+
+
+def test_a_plan_whose_every_round_keeps_enough_silos_runs_without_the_refused_one():
+    setup = SiloSetup(
+        own_data=True,
+        silos=[1, 2, 3],
+        fingerprint=dict(FINGERPRINT),
+        user_counts={r - 1: (TRAIN[r], TEST[r]) for r in (1, 2, 3)},
+        model=nn.Sequential(nn.Linear(4, 3)),
+    )
+    policy = SiloPolicy(connect_timeout=60.0, round_timeout=30.0, min_clients=1)
+    p = SiloServerProtocol(setup, policy, RoundPlan([[0, 2], [1, 2]]), Model(), 4, 3)
+    assert p.handle(Listening(0.0)) == []
+    p.handle(Hello(1.0, 1, hello(1), "s1"))
+    p.handle(Hello(1.0, 2, hello(2), "s2"))
+    actions = p.handle(Hello(1.0, 3, hello(3, problem="user 2 cannot take part"), "s3"))
+    assert not [a for a in actions if isinstance(a, Fail)]
+    assert [m.silo for m in sends(actions, ROUND)] == [1]  # round 0: silo 1 (silo 3 is out)

@@ -76,7 +76,7 @@ from .events import (
     Undelivered,
     Update,
 )
-from .membership import Greeting, SiloMembership
+from .membership import Greeting, SiloMembership, TooFewSilos
 from .awaited import OpenRound, SiloOwnEvaluations
 from .phases import Phase, PhaseClock
 from .policy import FINISH_SECONDS, NOTICE_SECONDS, SiloPolicy
@@ -251,8 +251,32 @@ class SiloServerProtocol:
 
     # -- the start and the end --------------------------------------------------------------------------
     def _start_training(self, now: float) -> None:
+        self._refuse_a_plan_that_cannot_run()
         logger.info("silos %s %s", self.roster.live, TRAINING_STARTED)
         self._after(now, self.rounds.open_round(now, wire.INIT_CONFIG))
+
+    def _refuse_a_plan_that_cannot_run(self) -> None:
+        """Silos refused at start (a DP budget their user's plan would pass, data that does not
+        fit) take no part in any round, yet the keyed schedule samples them as it does on every
+        backend: a round whose other silos are too few would stop the run there (secure rounds
+        one after another, "no acceptable client update"). :class:`TooFewSilos` now, naming the
+        first such round, rather than after the rounds before it."""
+        out = set(self.roster.refused)
+        if not out:
+            return
+        needed, why = self.policy.min_clients, f"comm_args.min_clients_per_round={self.policy.min_clients}"
+        threshold = self.setup.secure_threshold
+        if threshold is not None and threshold > needed:
+            needed, why = threshold, f"secure aggregation's threshold of {threshold} silos to unmask a round"
+        short = self.rounds.first_round_short_of(out, needed)
+        if short is not None:
+            round_idx, expected, able = short
+            raise TooFewSilos(
+                f"silo rank(s) {sorted(out)} were refused at start (the reasons above) and take no part; the keyed "
+                f"schedule samples silo rank(s) {expected} for round {round_idx}, of which {len(able)} can take part "
+                f"({able}), fewer than {why}. The run would stop there: start it with the users of the "
+                f"organizations that can take part, or set right what refused the others"
+            )
 
     def _after(self, now: float, rounds_over: bool) -> None:
         """Once the last round closed: in data-owner mode the run is over (its last evaluation is

@@ -15,7 +15,7 @@ to the event's :class:`~.events.Outbox`."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from .events import EVALUATION, ROUND, Outbox, ToSilo
 from .membership import SiloMembership
@@ -216,6 +216,18 @@ class SiloRounds:
         self.aggregation = SecureAggregation.open(self) if secure else ClearAggregation(self)
         self.outbox.send(self.models_for(self.round, kind), self.clock.deadline or now, ROUND)
         return self.close_if_complete(now)
+
+    def first_round_short_of(self, out: Set[int], needed: int) -> Optional[Tuple[int, List[int], List[int]]]:
+        """The first round left to run whose keyed sample, ``out`` silos taken away, leaves fewer
+        than ``needed`` silos, as (round, its silos, those that can take part); None if every
+        round has enough."""
+        silos = self.roster.setup.silos
+        for round_idx in range(self.round_idx, self.round_num):
+            expected, _ = self.mode.assignment(silos, silos, self.plan.sample_clients(round_idx))
+            able = [s for s in expected if s not in out]
+            if len(able) < needed:
+                return round_idx, sorted(expected), sorted(able)
+        return None
 
     def sampled(self, round_idx: int) -> OpenRound:
         """Round ``round_idx``'s silos and users: the algorithm's keyed sample, as in sp."""
