@@ -186,3 +186,52 @@ def test_a_data_owners_noise_is_keyed_by_a_secret_of_its_own_which_it_keeps(tmp_
     key.write_bytes(b"short")
     with pytest.raises(ConfigError, match="not a silo's 32-byte noise key"):
         keep_noise_secret(algorithm(), str(tmp_path), 3)
+
+
+def _docs_dp_example():
+    """The ``dp_args`` YAML block of docs/security.md's DP-SGD section."""
+    import re
+
+    import yaml
+
+    from tests.helpers import REPO
+
+    text = (REPO / "docs" / "security.md").read_text()
+    [block] = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "dpsgd" in b]
+    return yaml.safe_load(block)["dp_args"]
+
+
+@pytest.mark.backend
+@pytest.mark.parametrize("sigma", [None, 1.0], ids=["docs", "sigma-1"])
+def test_the_docs_dp_example_fits_the_deployment_the_docs_describe(mnist_root, sigma):
+    """Issue 55 item 9: docs/security.md's DP-SGD values, in the deployment of docs/deployment.md
+    (four organizations, two a round, the YAML's 1000 rounds), pass the start-time budget check,
+    at the epsilon the docs give (6.41, user 3); sigma 1.0, the example before, is refused."""
+    from fedml_perfedavg.algorithms import create_algorithm
+    from fedml_perfedavg.core.privacy import planned_epsilon
+    from fedml_perfedavg.models import create_model
+    from fedml_perfedavg.run.assembly import privacy_ledger  # (FedML's import, hence here)
+    from fedml_perfedavg.run.config import load_yaml, resolve
+    from fedml_perfedavg.run.runner import load_split
+    from fedml_perfedavg.run.schedule import RoundSchedule
+
+    from tests.helpers import SILO_YAML
+
+    dp = {f"dp_args.{key}": value for key, value in _docs_dp_example().items()}
+    if sigma is not None:
+        dp["dp_args.noise_multiplier"] = sigma
+    deployment = {"client_num_in_total": 4, "client_num_per_round": 2, "data_cache_dir": mnist_root}
+    config = resolve(load_yaml(SILO_YAML), {**deployment, "training_type": "simulation", "backend": "sp", **dp})
+    assert config.comm_round == 1000 and dp["dp_args.max_epsilon"] == 8.0
+    model = create_model("mlp", (1, 28, 28), 10, [80, 60])
+    algorithm = create_algorithm(config.federated_optimizer, model, config)
+    users = load_split(config).users
+    if sigma is not None:
+        with pytest.raises(ConfigError, match=r"this run would reach epsilon 143\.4 \(user 3\)"):
+            privacy_ledger(config, algorithm, users)
+        return
+    ledger = privacy_ledger(config, algorithm, users)
+    epsilon, user = planned_epsilon(
+        ledger, range(1000), algorithm.sample_clients, RoundSchedule.from_config(config).evaluates, range(4)
+    )
+    assert (round(epsilon, 2), user) == (6.41, 3)
