@@ -347,6 +347,13 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         refused = self.com_manager.send_message(message, deadline=deadline)
         reason = wire.refusal_reason(refused)
         self.announce_again_at = None
+        if reason == wire.RUN_OVER:  # it started (or came back) after the server ended the run
+            words = wire.refusal_text(str(refused))
+            self._become(State.DONE)
+            self.finish()
+            self.outcome.ended_early = words
+            logger.warning("silo rank %d: the server ended the run before this silo took part: %s", self.rank, words)
+            return
         if reason == wire.DISAGREEMENT:  # told at once, even where the server cannot reach this silo
             raise SiloFailure(f"silo rank {self.rank}: refused by the server: {wire.refusal_text(str(refused))}")
         if reason in (OTHER_RUN, IDENTITY):

@@ -288,6 +288,7 @@ class PluginServerManager(FedMLServerManager):
         elif isinstance(action, Refuse):
             self.sends.count_refusal(action.silo, action.kind, action.text)
         elif isinstance(action, EndRun):
+            self.com_manager.ended = action.reason or ""  # a silo that announces itself from now on is told
             self.sends.end_run(action, self.protocol.round_idx)
             if action.stop_listening:
                 self.com_manager.stop_receive_message()

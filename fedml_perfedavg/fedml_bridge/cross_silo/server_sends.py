@@ -135,6 +135,9 @@ class ServerSends:
             # They listened: a closed port now means they ended.
             untold = self.transport.send_all(finish, time.monotonic() + seconds, gone_if_refused=set(end.heard_from))
             for silo, err in sorted(untold.items()):
+                if silo in getattr(self.transport, "told_run_over", ()):
+                    logger.info("silo rank %d heard that the run is over when it announced itself", silo)
+                    continue
                 logger.warning(
                     "silo rank %d was not told that the run is over (%s); if it is still running it stops "
                     "at its own idle limit",

@@ -36,7 +36,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from ...core.errors import ConfigError, SiloFailure
 from ...stopping import interrupt_if_stopping
@@ -330,6 +330,10 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         # the server: why an announcement (an ONLINE status's hello) is refused, or None; the
         # silo hears it in the answer to its send, even where the server cannot reach it back
         self.screen_announcement: Optional[Callable[[int, Any], Optional[str]]] = None
+        # the server: set once it ended the run (its reason; "" when it finished): a silo that
+        # announces itself after that (one still starting) is told so in the answer, not left waiting
+        self.ended: Optional[str] = None
+        self.told_run_over: Set[int] = set()  # silos told so in the answer to their announcement
         self.is_running = False
         self.delivery = Delivery(
             self.rank,
@@ -375,15 +379,20 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         check_route(envelope, peer_rank, self.rank, self.addresses, self.settings.run_id)
         self.conversations.admit(envelope)
         envelope.arrived = time.monotonic()
-        problem = self._announcement_problem(envelope)
+        refusal = self._announcement_refusal(envelope)
         self._queue.put(envelope)  # a refused announcement too: the protocol refuses it, counts it and decides
-        if problem is not None:
-            raise wire.Rejected(problem, wire.DISAGREEMENT, counted=False)
+        if refusal is not None:
+            raise refusal
 
-    def _announcement_problem(self, envelope: wire.Envelope) -> Optional[str]:
+    def _announcement_refusal(self, envelope: wire.Envelope) -> Optional[wire.Rejected]:
+        if envelope.type != wire.CLIENT_STATUS or envelope.params.get("client_status") != "ONLINE":
+            return None
+        if self.ended is not None:
+            self.told_run_over.add(envelope.sender)
+            return wire.Rejected(self.ended or "the run is over (it finished)", wire.RUN_OVER, counted=False)
         screen = self.screen_announcement
-        announces = envelope.type == wire.CLIENT_STATUS and envelope.params.get("client_status") == "ONLINE"
-        return screen(envelope.sender, envelope.params.get(wire.HELLO)) if screen and announces else None
+        problem = screen(envelope.sender, envelope.params.get(wire.HELLO)) if screen else None
+        return None if problem is None else wire.Rejected(problem, wire.DISAGREEMENT, counted=False)
 
     def backlog(self) -> int:
         """Messages taken and not yet handed to the managers."""

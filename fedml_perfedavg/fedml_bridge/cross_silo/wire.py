@@ -74,6 +74,7 @@ MALFORMED, PICKLE, OVERSIZE = "malformed", "pickle", "oversize"
 
 
 DISAGREEMENT = "disagreement"  # an announcement the server refuses (its fingerprint, its data)
+RUN_OVER = "run-over"  # an announcement that comes after the server ended the run
 
 
 class Rejected(ValueError):
