@@ -324,15 +324,12 @@ def test_a_silo_that_reports_false_figures_is_refused_and_its_user_listed_missin
 
 @needs_mnist
 def test_a_silo_frozen_for_a_while_is_missing_then_comes_back(mnist_root, tmp_path):
-    """Organization 1 takes 0.2 s a round at least: the 160 rounds after the freeze last 32 s or
-    more, whatever the load (300 unpaced rounds were the time budget: 79 s of a fresh-clone run)."""
     folders = _export(mnist_root, tmp_path, 2)
     processes = start_by_hand(
         tmp_path,
-        {**OWN, "client_num_in_total": 2, "comm_round": 200, "frequency_of_the_test": 5, "min_clients_per_round": 1},
+        {**OWN, "client_num_in_total": 2, "comm_round": 300, "frequency_of_the_test": 5, "min_clients_per_round": 1},
         2,
         folders,
-        liars={1: "pace:0.2"},
     )
     log = tmp_path / "run" / "run.log"
     deadline = time.monotonic() + 120
@@ -347,10 +344,10 @@ def test_a_silo_frozen_for_a_while_is_missing_then_comes_back(mnist_root, tmp_pa
     os.kill(processes[2].pid, signal.SIGCONT)  # it sees it was not running (or the server's silence): it announces
     outs = finish_all(processes)
     summary = _summary(tmp_path)
-    assert summary["status"] == "finished" and summary["rounds"] == 200, outs[0][-4000:]
+    assert summary["status"] == "finished" and summary["rounds"] == 300, outs[0][-4000:]
     [lost] = summary["lost_silos"]
     [back] = summary["rejoined_silos"]
-    assert lost["rank"] == back["rank"] == 2 and lost["round"] <= back["round"] < 199
+    assert lost["rank"] == back["rank"] == 2 and lost["round"] <= back["round"] < 299
     missing = [h["round"] for h in summary["history"] if h["missing_users"] == [1]]
     assert missing and all(lost["round"] <= r <= back["round"] for r in missing)
     assert summary["history"][-1]["missing_users"] == [] and summary["per_user_accuracy"][1] is not None
