@@ -44,6 +44,13 @@ def _cli(tmp_path, mnist_root, *extra, settings=None):
     )
 
 
+def _resume(tmp_path, run_dir, *extra):
+    """``fedml-perfedavg --resume RUN_DIR`` with ``extra`` arguments, as a user types it."""
+    command = [sys.executable, "-m", "fedml_perfedavg", "--resume", str(run_dir), *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+
+
 @pytest.fixture
 def mounted(tmp_path):
     """A tmpfs of a given size (and options) under tmp_path; unmounted afterwards."""
@@ -106,25 +113,11 @@ def test_a_run_directory_is_never_silently_reused(tmp_path, mnist_root):
     assert "--resume" in again.stderr and "--overwrite" in again.stderr
     assert json.loads((run_dir / "summary.json").read_text()) == first  # untouched
 
-    done = subprocess.run(
-        [sys.executable, "-m", "fedml_perfedavg", "--resume", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    done = _resume(tmp_path, run_dir)
     assert done.returncode == 0 and "finished all 6 rounds already; nothing to train" in done.stdout
     assert json.loads((run_dir / "summary.json").read_text()) == first
 
-    more = subprocess.run(
-        [sys.executable, "-m", "fedml_perfedavg", "--resume", str(run_dir), "--set", "comm_round=8"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    more = _resume(tmp_path, run_dir, "--set", "comm_round=8")
     assert more.returncode == 0, more.stderr[-3000:]
     assert "finished 6 rounds; continuing it to comm_round=8" in more.stderr
     longer = json.loads((run_dir / "summary.json").read_text())
@@ -179,14 +172,7 @@ def test_overwrite_or_resume_of_a_folder_a_live_run_writes_is_refused_naming_the
     finally:
         live.send_signal(signal.SIGKILL)
         live.communicate(timeout=60)
-    again = subprocess.run(
-        [sys.executable, "-m", "fedml_perfedavg", "--resume", str(run_dir), "--set", "comm_round=6"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    again = _resume(tmp_path, run_dir, "--set", "comm_round=6")
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
 

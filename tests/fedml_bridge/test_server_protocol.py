@@ -336,10 +336,8 @@ class RoundPlan(Plan):
         return list(self.by_round[min(round_idx, len(self.by_round) - 1)])
 
 
-def test_a_plan_whose_rounds_sample_only_refused_silos_is_refused_at_start():
-    """Issue 55 item 8: silo 3 is refused at start (its user's DP budget, here announced as a
-    problem); round 2 samples user 2 alone, whose silo that is: the run is stopped before round 0,
-    naming round 2 and the silos, not after rounds 0 and 1 have run."""
+def _three_silos(plan):
+    """A data-owner server of three silos, four rounds, sampling by ``plan``."""
     setup = SiloSetup(
         own_data=True,
         silos=[1, 2, 3],
@@ -348,7 +346,14 @@ def test_a_plan_whose_rounds_sample_only_refused_silos_is_refused_at_start():
         model=nn.Sequential(nn.Linear(4, 3)),
     )
     policy = SiloPolicy(connect_timeout=60.0, round_timeout=30.0, min_clients=1)
-    p = SiloServerProtocol(setup, policy, RoundPlan([[0, 2], [1, 2], [2]]), Model(), 4, 3)
+    return SiloServerProtocol(setup, policy, plan, Model(), 4, 3)
+
+
+def test_a_plan_whose_rounds_sample_only_refused_silos_is_refused_at_start():
+    """Issue 55 item 8: silo 3 is refused at start (its user's DP budget, here announced as a
+    problem); round 2 samples user 2 alone, whose silo that is: the run is stopped before round 0,
+    naming round 2 and the silos, not after rounds 0 and 1 have run."""
+    p = _three_silos(RoundPlan([[0, 2], [1, 2], [2]]))
     assert p.handle(Listening(0.0)) == []
     p.handle(Hello(1.0, 1, hello(1), "s1"))
     p.handle(Hello(1.0, 2, hello(2), "s2"))
@@ -361,15 +366,7 @@ def test_a_plan_whose_rounds_sample_only_refused_silos_is_refused_at_start():
 
 
 def test_a_plan_whose_every_round_keeps_enough_silos_runs_without_the_refused_one():
-    setup = SiloSetup(
-        own_data=True,
-        silos=[1, 2, 3],
-        fingerprint=dict(FINGERPRINT),
-        user_counts={r - 1: (TRAIN[r], TEST[r]) for r in (1, 2, 3)},
-        model=nn.Sequential(nn.Linear(4, 3)),
-    )
-    policy = SiloPolicy(connect_timeout=60.0, round_timeout=30.0, min_clients=1)
-    p = SiloServerProtocol(setup, policy, RoundPlan([[0, 2], [1, 2]]), Model(), 4, 3)
+    p = _three_silos(RoundPlan([[0, 2], [1, 2]]))
     assert p.handle(Listening(0.0)) == []
     p.handle(Hello(1.0, 1, hello(1), "s1"))
     p.handle(Hello(1.0, 2, hello(2), "s2"))
