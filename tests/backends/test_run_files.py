@@ -158,14 +158,7 @@ def test_overwrite_or_resume_of_a_folder_a_live_run_writes_is_refused_naming_the
             refused = _cli(tmp_path, mnist_root, "--run-dir", str(run_dir), *extra, settings={"random_seed": 1})
             assert refused.returncode == 2, refused.stderr[-3000:]
             assert f"run directory '{run_dir}' is in use by a live process (pid {live.pid} on " in refused.stderr
-        resumed = subprocess.run(
-            [sys.executable, "-m", "fedml_perfedavg", "--resume", str(run_dir)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
+        resumed = _resume(tmp_path, run_dir)
         assert resumed.returncode == 2 and f"in use by a live process (pid {live.pid} on " in resumed.stderr
         assert (run_dir / "config.yaml").read_bytes() == config_before
         assert live.poll() is None  # still running, its folder as it left it
