@@ -6,6 +6,8 @@ refused connection is counted by reason."""
 
 import csv
 import json
+import os
+import resource
 import shutil
 import socket
 import ssl
@@ -38,43 +40,66 @@ def _server_address(run_dir):
     return row["grpc_server_ip"], int(row["grpc_server_port"])
 
 
+def _descriptors_to_spare() -> int:
+    """How many sockets this test process may hold without starving itself: its own open-file
+    limit (raised to 8192 where the hard limit allows) less what it has open and a margin of 512."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 8192 if hard == resource.RLIM_INFINITY else min(8192, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        soft = wanted
+    in_use = len(os.listdir("/proc/self/fd"))
+    return max(0, min(soft, 8192) - in_use - 512)
+
+
 def _hold(address, stop, tally, sources=range(2, 120), per_source=40, period=1.0):
     """Idle connections from 118 addresses (127.0.0.2 ...), each trying 40 every ``period`` seconds,
-    kept open and opened again when closed, until ``stop``."""
+    kept open and opened again when closed, until ``stop``. Never more than this process can spare:
+    when the server stops accepting, unanswered connects stay open in SYN_SENT and would otherwise
+    take every descriptor of the pytest worker (stop 65's CI: the worker's later tests failed with
+    "Too many open files")."""
     held = []
-    while not stop.is_set():
-        for source in sources:
-            for _ in range(per_source):
-                sock = socket.socket()
-                sock.setblocking(False)
+    budget = _descriptors_to_spare()
+    try:
+        while not stop.is_set():
+            for source in sources:
+                for _ in range(per_source):
+                    if len(held) >= budget:
+                        break
+                    try:
+                        sock = socket.socket()
+                    except OSError:
+                        break
+                    sock.setblocking(False)
+                    try:
+                        sock.bind((f"127.0.0.{source}", 0))
+                        sock.connect_ex(address)
+                    except OSError:
+                        sock.close()
+                        continue
+                    held.append(sock)
+                    tally["opened"] += 1
+                if stop.is_set():
+                    break
+            tally["most_held"] = max(tally["most_held"], len(held))
+            stop.wait(period)
+            alive = []
+            for sock in held:  # drop what the server closed, keep the rest
                 try:
-                    sock.bind((f"127.0.0.{source}", 0))
-                    sock.connect_ex(address)
+                    if sock.recv(1) == b"":
+                        sock.close()
+                        continue
+                except BlockingIOError:
+                    alive.append(sock)
+                    continue
                 except OSError:
                     sock.close()
                     continue
-                held.append(sock)
-                tally["opened"] += 1
-            if stop.is_set():
-                break
-        tally["most_held"] = max(tally["most_held"], len(held))
-        stop.wait(period)
-        alive = []
-        for sock in held:  # drop what the server closed, keep the rest
-            try:
-                if sock.recv(1) == b"":
-                    sock.close()
-                    continue
-            except BlockingIOError:
                 alive.append(sock)
-                continue
-            except OSError:
-                sock.close()
-                continue
-            alive.append(sock)
-        held = alive
-    for sock in held:
-        sock.close()
+            held = alive
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def _addresses(run_dir):
