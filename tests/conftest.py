@@ -40,6 +40,21 @@ def _one_torch_thread_per_worker() -> None:
 _one_torch_thread_per_worker()
 
 
+def _fork_server() -> None:
+    """Under pytest-xdist, the tests' own ``python -m fedml_perfedavg`` processes are forked from a
+    server that imported torch, FedML and gRPC once (tests/zygote.py says which commands, and why;
+    ``TESTS_FRESH_PROCESSES=1`` starts every one as a fresh interpreter)."""
+    from tests import zygote
+
+    if zygote.enabled():
+        import subprocess
+
+        subprocess.Popen = zygote.ForkedPopen  # type: ignore[misc]
+
+
+_fork_server()
+
+
 # Whole tests that are slow by what they do (real MNIST, generated CIFAR files, whole grids).
 SLOW_FIXTURES = {"mnist_root", "fake_cifar_root"}
 

@@ -1,0 +1,135 @@
+"""The tests' fork server (tests/zygote.py) gives a process what a fresh interpreter gets: the
+same argv, working directory, environment, stdin, session, exit statuses and ending, compared on
+one probe script started both ways."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests import zygote
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.backend
+
+
+def _start(forked: bool, action: str, tmp_path, **kwargs):
+    popen = zygote.ForkedPopen if forked else zygote.FreshPopen
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",  # the fork server's (tests/zygote.py)
+        "PROBE_VARIABLE": "from the test",
+        **kwargs.pop("env", {}),
+    }
+    process = popen(
+        [sys.executable, str(zygote.PROBE), action],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+    assert getattr(process, "_forked", False) is forked, "the fork server did not take the probe"
+    return process
+
+
+def _both(action: str, tmp_path, **kwargs):
+    """(fresh, forked): each process's (returncode, what it said of itself, the rest of stdout, stderr)."""
+    results = []
+    for forked in (False, True):
+        process = _start(forked, action, tmp_path, **kwargs)
+        out, err = process.communicate(input="a line for stdin\n", timeout=60)
+        first, _, rest = out.partition("\n")
+        results.append((process.returncode, json.loads(first), rest, err))
+    return results
+
+
+def test_a_forked_process_sees_what_a_fresh_one_sees_and_ends_alike(tmp_path):
+    fresh, forked = _both("exit:3", tmp_path, env={"PROBE_READS": "1"}, start_new_session=True)
+    assert fresh[0] == forked[0] == 3
+    assert fresh[1]["random"] != forked[1]["random"]
+    for said in (fresh[1], forked[1]):
+        said.pop("random")
+    assert (
+        forked[1]
+        == fresh[1]
+        == {
+            "argv": ["exit:3"],
+            "cwd": str(tmp_path),
+            "variable": "from the test",
+            "leader": True,
+            "read": "a line for stdin",
+            "main": "__main__",
+            "path0": str(REPO / "tests"),
+        }
+    )
+    # without a session of its own, a process stays in its parent's
+    assert _both("exit:0", tmp_path)[1][1]["leader"] is False
+
+
+def test_two_forked_processes_do_not_share_a_random_sequence(tmp_path):
+    """Python's and numpy's global generators, each seeded from the OS in a fresh interpreter."""
+    first, second = (
+        json.loads(_start(True, "exit:0", tmp_path).communicate(timeout=60)[0].splitlines()[0])["random"]
+        for _ in range(2)
+    )
+    assert first[0] != second[0] and first[1] != second[1]
+
+
+@pytest.mark.parametrize(
+    "action, code, said",
+    [
+        ("raise", 1, "ValueError: the probe's own error"),
+        ("interrupt", -signal.SIGINT, "KeyboardInterrupt"),
+    ],
+)
+def test_an_uncaught_error_ends_a_forked_process_as_it_ends_a_fresh_one(tmp_path, action, code, said):
+    fresh, forked = _both(action, tmp_path)
+    assert fresh[0] == forked[0] == code
+    assert said in fresh[3] and said in forked[3]
+    assert fresh[3].splitlines()[-1] == forked[3].splitlines()[-1]
+
+
+def test_non_daemon_threads_and_atexit_run_before_a_forked_process_ends(tmp_path):
+    fresh, forked = _both("thread", tmp_path)
+    assert fresh[0] == forked[0] == 0
+    assert fresh[2] == forked[2] == "thread ended\natexit ran\n"
+
+
+@pytest.mark.parametrize("how", ["kill", "terminate"])
+def test_signals_reach_a_forked_process_and_its_status_says_so(tmp_path, how):
+    codes = []
+    for forked in (False, True):
+        process = _start(forked, "sleep", tmp_path)
+        assert process.stdout.readline().startswith("{")
+        assert process.poll() is None
+        getattr(process, how)()
+        codes.append(process.wait(timeout=30))
+    assert codes == [-signal.SIGKILL if how == "kill" else -signal.SIGTERM] * 2
+
+
+def test_commands_the_server_does_not_take_start_fresh(tmp_path):
+    process = zygote.ForkedPopen([sys.executable, "-c", "print(6 * 7)"], stdout=subprocess.PIPE, text=True)
+    assert process.communicate(timeout=60)[0] == "42\n" and process.returncode == 0
+    assert process._forked is False
+    # an environment that differs in what is read while importing torch: fresh too
+    other = _start(False, "exit:0", tmp_path, env={"OMP_NUM_THREADS": "7"})
+    other.communicate(timeout=60)
+    assert (
+        zygote.forkable(
+            [sys.executable, str(zygote.PROBE), "exit:0"],
+            None,
+            False,
+            None,
+            (),
+            {**os.environ, "OMP_NUM_THREADS": "7"},
+            None,
+        )
+        is None
+    )

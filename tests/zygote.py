@@ -1,0 +1,442 @@
+"""A fork server for the processes the tests start as ``python -m fedml_perfedavg ...``.
+
+Why: a test's cross-silo run is several processes, and each fresh interpreter spends about 2 s of
+CPU importing torch, FedML and gRPC before it does anything (2026-11-28: 213 such processes in a
+suite, about a third of its CPU). Under pytest-xdist each worker starts one server process
+(``python -m tests.zygote``) that imports them once and then forks a child for each such command
+a test starts: the child takes the command's stdin/stdout/stderr, working directory, environment
+and session, runs ``fedml_perfedavg``'s ``__main__`` (or the lying-silo script) as ``python -m``
+would, and ends as the interpreter would (non-daemon threads joined, atexit run, streams flushed).
+It is a real process with its own pid, signals, process group and exit status, which the test
+reads through an ordinary ``subprocess.Popen`` (:class:`ForkedPopen`, installed by conftest.py).
+
+What keeps a fresh interpreter (:func:`forkable` says no): any other program or script (FedML's
+example scripts and the user's one-file scripts, which are what those tests check), commands
+under ``mpirun``, ``ip netns exec``, ``unshare`` or ``prlimit``, python flags, ``preexec_fn``,
+``pass_fds``, and an environment that differs in what is read while importing (thread counts,
+``PYTHON*`` variables, coverage). ``TESTS_FRESH_PROCESSES=1`` turns the server off; without
+pytest-xdist it is off too. The launcher's own children (``launch-silo``) are fresh interpreters:
+they are started by the product's code, in another process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+import types
+from pathlib import Path
+from typing import List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+LIAR = REPO / "tests" / "backends" / "lying_silo.py"
+PROBE = REPO / "tests" / "zygote_probe.py"  # what tests/test_zygote.py compares with a fresh interpreter
+SWITCH = "TESTS_FRESH_PROCESSES"
+FreshPopen = subprocess.Popen  # before conftest.py puts ForkedPopen in its place
+
+# What a silo, a server or a single-process run imports before its first round: imported once,
+# in the server, in this order (a user's `import fedml_perfedavg` first, then FedML, as the
+# command line does).
+PRELOAD = (
+    "torch",
+    "fedml_perfedavg",
+    "fedml_perfedavg.run.cli",
+    "fedml_perfedavg.run.runner",
+    "fedml",
+    "grpc",
+    "fedml_perfedavg.fedml_bridge.cross_silo.transport",
+)
+
+# Read while the preloaded modules are imported (OpenMP's thread count when torch loads it, the
+# interpreter's own PYTHON* settings, coverage's start-up hook): a command whose value differs
+# from the server's gets a fresh interpreter.
+_IMPORT_TIME = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "COVERAGE_PROCESS_START", "LD_PRELOAD", "LD_LIBRARY_PATH")
+_PYTHON_RUNTIME = ("PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONPATH")
+
+
+def _import_time_environment(env) -> dict:
+    return {
+        key: value
+        for key, value in env.items()
+        if key in _IMPORT_TIME or (key.startswith("PYTHON") and key not in _PYTHON_RUNTIME)
+    }
+
+
+# ----------------------------------------------------------------------------------- the server
+
+
+def serve(path: str) -> None:
+    """Import PRELOAD, listen on ``path`` and fork a child for each request until stdin closes
+    (the pytest worker that started this process has ended)."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    threads = os.listdir("/proc/self/task")
+    if len(threads) != 1:  # a fork would leave those threads behind, holding whatever they held
+        print(f"not forking: the preloaded modules started {len(threads) - 1} threads", flush=True)
+        return
+    gc.collect()
+    gc.freeze()  # the children share these pages instead of touching them
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    waiting = {}  # pid -> the connection its exit status goes back on
+    print("ready", flush=True)
+    while True:
+        readable = select.select([listener, wake_read, sys.stdin], [], [])[0]
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
+            return
+        if wake_read in readable:
+            while True:
+                try:
+                    if not os.read(wake_read, 512):
+                        break
+                except BlockingIOError:
+                    break
+            _reap(waiting)
+        if listener in readable:
+            connection, _ = listener.accept()
+            try:
+                _fork_one(connection, waiting, closing=[listener, wake_read, wake_write])
+            except OSError:  # the test that asked has gone; nothing was started for it
+                connection.close()
+
+
+def _reap(waiting: dict) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = waiting.pop(pid, None)
+        if connection is not None:
+            try:
+                connection.send(str(status).encode())
+            except OSError:
+                pass
+            connection.close()
+
+
+def _fork_one(connection: socket.socket, waiting: dict, closing: list) -> None:
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+    request = json.loads(message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for item in [*closing, *waiting.values()]:
+                if isinstance(item, int):
+                    os.close(item)
+                else:
+                    item.close()
+            _become(request, fds, connection)
+        except BaseException:  # noqa: BLE001  (a child must never return into the server's loop)
+            try:
+                traceback.print_exc()
+            finally:
+                os._exit(70)
+    for fd in fds:
+        os.close(fd)
+    waiting[pid] = connection
+    connection.send(json.dumps({"pid": pid}).encode())
+
+
+def _become(request: dict, fds: List[int], connection: socket.socket) -> None:
+    """In the child: take the command's streams, place, environment and session, run it, end."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    connection.close()
+    if request["new_session"]:
+        os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target, inheritable=True)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # a fresh interpreter seeds from the OS, so children must not share a sequence: Python's random
+    # reseeds itself in a forked child (os.register_at_fork), numpy's global generator does not
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if request["env"].get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
+    argv = request["argv"]
+    base = [p for p in sys.path[1:] if p not in _PYTHONPATH_AT_START]
+    paths = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[:] = [os.getcwd(), *paths, *base]
+            sys.modules["__main__"] = types.ModuleType("__main__")  # not this server's namespace
+            runpy._run_module_as_main(argv[1])  # type: ignore[attr-defined]
+        else:
+            sys.argv = list(argv)
+            sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *paths, *base]
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        _end(1, killed_by=signal.SIGINT)  # as the interpreter ends on an uncaught Ctrl-C
+    except BaseException:  # noqa: BLE001
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _end(code)
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _end(code: int, killed_by: Optional[int] = None) -> None:
+    """As the interpreter ends: wait for non-daemon threads, run atexit, flush the streams."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if killed_by is not None:
+        signal.signal(killed_by, signal.SIG_DFL)
+        os.kill(os.getpid(), killed_by)
+    os._exit(code)
+
+
+_PYTHONPATH_AT_START = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+# ----------------------------------------------------------------------------------- the client
+
+
+class _Server:
+    """This worker's fork server, started on first use; ``None`` where it cannot start."""
+
+    started: Optional["_Server"] = None
+    failed = False
+
+    def __init__(self) -> None:
+        folder = tempfile.mkdtemp(prefix="zygote-")
+        self.path = os.path.join(folder, "socket")
+        # one OpenMP/BLAS thread unless the worker says otherwise (conftest.py gives each worker
+        # one): with more, importing torch starts a BLAS thread, and the server refuses to fork
+        threads = os.environ.get("OMP_NUM_THREADS", "1")
+        self.environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": threads}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote", self.path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=str(REPO),
+            env=self.environment,
+            text=True,
+        )
+        said = self.process.stdout.readline().strip() if self.process.stdout else ""
+        if said != "ready":
+            self.process.kill()
+            raise RuntimeError(f"the tests' fork server did not start: {said or 'it ended'}")
+        self.import_time = _import_time_environment(self.environment)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """At the worker's end: the server reads the end of its stdin, stops, and is waited for."""
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+    @classmethod
+    def get(cls) -> Optional["_Server"]:
+        if cls.started is None and not cls.failed:
+            try:
+                cls.started = cls()
+            except (OSError, RuntimeError) as failure:
+                cls.failed = True  # said once; every command then gets a fresh interpreter
+                print(f"tests/zygote.py: {failure}; processes start fresh", file=sys.stderr)
+        if cls.started is not None and cls.started.process.poll() is not None:
+            print("tests/zygote.py: the fork server ended; processes start fresh", file=sys.stderr)
+            cls.started, cls.failed = None, True
+        return cls.started
+
+
+def enabled() -> bool:
+    """Whether this pytest process forks its commands (a pytest-xdist worker, not switched off)."""
+    return (
+        os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw")
+        and os.environ.get(SWITCH, "") != "1"
+        and "COVERAGE_PROCESS_START" not in os.environ
+    )
+
+
+def forkable(args, executable, shell, preexec_fn, pass_fds, env, cwd, **rest) -> Optional[List[str]]:
+    """The command's arguments after the interpreter (``["-m", "fedml_perfedavg", ...]`` or the
+    lying-silo script's), or None when it must start as a fresh interpreter."""
+    if shell or preexec_fn is not None or pass_fds or executable not in (None, sys.executable):
+        return None
+    if any(value not in (None, -1, False, True) for value in rest.values()):  # uid, gid, umask, group
+        return None
+    if isinstance(args, (str, bytes)) or len(args) < 2 or str(args[0]) != sys.executable:
+        return None
+    argv = [str(a) for a in args[1:]]
+    module = argv[:2] == ["-m", "fedml_perfedavg"]
+    if not module and Path(argv[0]).resolve() not in (LIAR, PROBE):
+        return None
+    if cwd is not None and not os.path.isdir(cwd):
+        return None  # Popen's own start says what is wrong with it
+    server = _Server.get()
+    environment = os.environ if env is None else env
+    if server is None or _import_time_environment(environment) != server.import_time:
+        return None
+    return argv
+
+
+class ForkedPopen(subprocess.Popen):
+    """``subprocess.Popen`` that asks this worker's fork server for the commands
+    :func:`forkable` accepts; every other command starts as Popen starts it."""
+
+    _link: Optional[socket.socket] = None  # the server's connection, until it sends the exit status
+    _forked = False
+
+    def _execute_child(  # type: ignore[override]
+        self,
+        args,
+        executable,
+        preexec_fn,
+        close_fds,
+        pass_fds,
+        cwd,
+        env,
+        startupinfo,
+        creationflags,
+        shell,
+        p2cread,
+        p2cwrite,
+        c2pread,
+        c2pwrite,
+        errread,
+        errwrite,
+        restore_signals,
+        gid,
+        gids,
+        uid,
+        umask,
+        start_new_session,
+        process_group,
+    ):
+        argv = forkable(
+            args,
+            executable,
+            shell,
+            preexec_fn,
+            pass_fds,
+            env,
+            cwd,
+            gid=gid,
+            gids=gids,
+            uid=uid,
+            umask=umask,
+            process_group=process_group,
+        )
+        if argv is None:
+            return super()._execute_child(
+                args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell,
+                p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
+                start_new_session, process_group,
+            )  # fmt: skip
+        server = _Server.get()
+        assert server is not None
+        environment = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in (os.environ if env is None else env).items()
+        }
+        request = {
+            "argv": argv,
+            "cwd": os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd(),
+            "env": environment,
+            "new_session": bool(start_new_session),
+        }
+        streams = [
+            p2cread if p2cread != -1 else 0,
+            c2pwrite if c2pwrite != -1 else 1,
+            errwrite if errwrite != -1 else 2,
+        ]
+        link = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            link.connect(server.path)
+            socket.send_fds(link, [json.dumps(request).encode()], streams)
+            answer = link.recv(4096)
+        except OSError:
+            link.close()
+            raise
+        finally:
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+        if not answer:
+            link.close()
+            raise OSError(f"the tests' fork server did not start {args!r}")
+        self.pid = json.loads(answer)["pid"]
+        self._child_created = self._forked = True
+        self._link = link
+
+    def _try_wait(self, wait_flags):
+        if not self._forked:
+            return super()._try_wait(wait_flags)
+        if self._link is None:  # only under the wait lock, after the status was read
+            return (self.pid, 255 << 8)
+        self._link.setblocking(not wait_flags & os.WNOHANG)
+        try:
+            said = self._link.recv(64)
+        except BlockingIOError:
+            return (0, 0)
+        self._link.close()
+        self._link = None
+        if not said:  # the server ended before this child: its status is lost
+            return (self.pid, 255 << 8)
+        return (self.pid, int(said))
+
+    def _internal_poll(self, _deadstate=None, **_ignored):
+        if not self._forked:
+            return super()._internal_poll(_deadstate)
+        if self.returncode is None and self._waitpid_lock.acquire(False):
+            try:
+                if self.returncode is None:
+                    pid, status = self._try_wait(os.WNOHANG)
+                    if pid == self.pid:
+                        self._handle_exitstatus(status)
+            finally:
+                self._waitpid_lock.release()
+        return self.returncode
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
