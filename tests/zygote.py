@@ -56,6 +56,8 @@ PRELOAD = (
     "fedml",
     "grpc",
     "fedml_perfedavg.fedml_bridge.cross_silo.transport",
+    "matplotlib.figure",  # accuracy.png at every run's end (run/plot.py)
+    "matplotlib.backends.backend_agg",
 )
 
 # Read while the preloaded modules are imported (OpenMP's thread count when torch loads it, the

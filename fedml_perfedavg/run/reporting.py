@@ -459,6 +459,10 @@ class RunRecorder:
             self._bar.close()
         summary = self.summary(status, error, aggregation)
         write_json(os.path.join(self.run_dir, "summary.json"), summary)
+        if self.history:
+            from .plot import plot_at_end
+
+            plot_at_end(summary, self.run_dir)
         if self._wandb is not None:
             self._wandb.finish(summary, self.last)
         return summary

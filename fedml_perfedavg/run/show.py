@@ -1,5 +1,5 @@
-"""``fedml-perfedavg show RUN_DIR [RUN_DIR ...]``: a finished run's summary and per-user table,
-or several runs side by side."""
+"""``fedml-perfedavg show RUN_DIR [RUN_DIR ...] [--plot]``: a run's summary and per-user table, or
+several runs side by side; ``--plot`` draws each run's accuracy.png (run/plot.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from ..algorithms.registry import algorithm_names, method_choices
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, OutputError
 
 
 def read_summary(path: str) -> Dict[str, Any]:
@@ -170,6 +170,12 @@ def main(argv: List[str]) -> int:
         prog="fedml-perfedavg show", description="Print a run's summary and per-user table, or compare runs."
     )
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument(
+        "--plot",
+        action="store_true",
+        help="also draw each run's accuracy.png into its folder (accuracy and loss against the round; "
+        "a running run as far as it got)",
+    )
     args = parser.parse_args(argv)
     paths: List[str] = []
     for path in args.runs:  # an organization's folder holds its silo's record, not the run's summary
@@ -185,4 +191,25 @@ def main(argv: List[str]) -> int:
         print("\n".join(describe_run(path, summary) for path, summary in zip(paths, summaries)))
     else:
         print(compare_runs(paths, summaries))
+    if args.plot:
+        return _plot(paths, summaries)
     return 0
+
+
+def _plot(paths: List[str], summaries: List[Dict[str, Any]]) -> int:
+    from .plot import write_plot
+
+    failed = False
+    for path, summary in zip(paths, summaries):
+        if summary.get("role") == "silo" or not summary.get("history"):
+            why = "a silo's own record holds no history" if summary.get("role") == "silo" else "no evaluation yet"
+            print(f"fedml-perfedavg show: {path}: nothing to plot ({why})", file=sys.stderr)
+            failed = True
+            continue
+        run_dir = path if os.path.isdir(path) else os.path.dirname(path) or "."
+        try:
+            print(f"plotted {write_plot(summary, run_dir)}")
+        except (ConfigError, OutputError) as err:
+            print(f"fedml-perfedavg show: error: {err}", file=sys.stderr)
+            failed = True
+    return 2 if failed else 0
