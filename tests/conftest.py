@@ -1,5 +1,6 @@
 import logging
 import os
+import tempfile
 import types
 
 import pytest
@@ -8,6 +9,9 @@ from tests.helpers import MNIST_ROOT, REPO, mnist_available
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
+# Tests give their processes a HOME of their own; matplotlib (accuracy.png at a run's end) would
+# build its font cache, seconds of CPU, in each of them: one cache for the whole suite instead.
+os.environ.setdefault("MPLCONFIGDIR", os.path.join(tempfile.gettempdir(), "fedml-perfedavg-tests-matplotlib"))
 
 
 def _worker_ports() -> None:

@@ -109,7 +109,13 @@ class CommonArgs:
         "start a new run in a run directory that holds one, "
         "replacing its results (without it that is an error; --resume continues it instead)",
     )
-    run_name: Optional[str] = _setting(str, None, "run directory name (default: config name + time)", optional=True)
+    run_name: Optional[str] = _setting(
+        str,
+        None,
+        "run directory name (default: config name + time; cross-silo: config name + `-run-` + --run_id, "
+        "the same folder for every process of the run)",
+        optional=True,
+    )
 
 
 @dataclass(frozen=True)

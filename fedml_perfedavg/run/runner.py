@@ -110,18 +110,32 @@ def context_of(args: Any) -> RunContext:
 RUN_FILES = ("summary.json", "config.yaml", "model.pt", checkpoint.CHECKPOINT, checkpoint.PREVIOUS)
 
 
+def default_run_name(config: Config, run_id: Optional[str] = None) -> str:
+    """``common_args.run_name``, else the config file's name and, for a cross-silo run, its
+    ``--run_id`` (every process of the run, started apart, names the same folder), for any other
+    run the start time."""
+    if config.run_name:
+        return config.run_name
+    stem = os.path.splitext(os.path.basename(config.source))[0] if config.source else "run"
+    if config.training_type == "cross_silo" and run_id is not None:
+        return f"{stem}-run-{run_id}"
+    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def resolve_run_dir(
-    config: Config, run_dir: Optional[str] = None, create: bool = True, resume: bool = False, owner: bool = True
+    config: Config,
+    run_dir: Optional[str] = None,
+    create: bool = True,
+    resume: bool = False,
+    owner: bool = True,
+    run_id: Optional[str] = None,
 ) -> str:
-    """The run's output directory: ``run_dir`` or ``output_dir/run_name`` (default: the config
-    file's name and the start time). The process that owns the run's record (``owner``: sp,
-    MPI rank 0, the cross-silo server) never starts a new run in a directory that holds one:
-    that is an error unless ``resume`` (continue it) or ``common_args.overwrite`` (its run files
-    are removed first)."""
+    """The run's output directory: ``run_dir`` or ``output_dir/`` :func:`default_run_name`. The
+    process that owns the run's record (``owner``: sp, MPI rank 0, the cross-silo server) never
+    starts a new run in a directory that holds one: that is an error unless ``resume`` (continue
+    it) or ``common_args.overwrite`` (its run files are removed first)."""
     if run_dir is None:
-        stem = os.path.splitext(os.path.basename(config.source))[0] if config.source else "run"
-        name = config.run_name or f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir = os.path.join(config.output_dir, name)
+        run_dir = os.path.join(config.output_dir, default_run_name(config, run_id))
     run_dir = os.path.abspath(run_dir)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"run directory {run_dir!r} is a file; give another --run-dir (or common_args.run_name)")
@@ -193,15 +207,18 @@ def run_dir_of(context: RunContext, args: Any) -> str:
     if context.run_dir is None:
         config, requested = context.config, context.requested_run_dir
         owner = rank_of(config, args) == 0
+        run_id = str(getattr(args, "run_id", "0"))
         # the name is chosen once (a default one holds the time): rank 0's, under MPI
         planned = (
-            resolve_run_dir(config, requested, create=False, resume=context.resume, owner=owner) if owner else requested
+            resolve_run_dir(config, requested, create=False, resume=context.resume, owner=owner, run_id=run_id)
+            if owner
+            else requested
         )
         new = planned is not None and not os.path.exists(planned)
         if config.backend == "MPI":
             context.run_dir = shared_run_dir(config, planned, context.resume)
         else:
-            context.run_dir = resolve_run_dir(config, planned, resume=context.resume, owner=owner)
+            context.run_dir = resolve_run_dir(config, planned, resume=context.resume, owner=owner, run_id=run_id)
         if new and owner:
             atexit.register(remove_if_never_started, context.run_dir)
     return context.run_dir

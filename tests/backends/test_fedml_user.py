@@ -82,6 +82,10 @@ def test_fedml_stock_main_runs_perfedavg_on_every_backend_with_one_model(mnist_r
         tmp_path / "runs",
         grpc_ipconfig_path=str(tmp_path / "ipconfig.csv"),
     )
+    # no run_name: the server and each silo, started apart, name one folder from the YAML and --run_id
+    silo_yaml = yaml.safe_load(Path(path).read_text())
+    del silo_yaml["common_args"]["run_name"]
+    Path(path).write_text(yaml.safe_dump(silo_yaml))
     script = (
         " & ".join(
             f'{sys.executable} -c "$GUARD" --script {USER_MODEL} --cf {path} --rank {r} --role '
@@ -99,6 +103,8 @@ def test_fedml_stock_main_runs_perfedavg_on_every_backend_with_one_model(mnist_r
         cwd=tmp_path,
     )
     _check(out, processes=3)
+    assert not [name for name in os.listdir(tmp_path / "runs") if name.startswith("silo") and name != "silo-run-5"]
+    os.rename(tmp_path / "runs" / "silo-run-5", tmp_path / "runs" / "silo")
     runs["silo"] = _summary(tmp_path, "silo")
     # the module FedML's main handed FedMLRunner holds the final global model, on every backend
     for name in ("sp-batched", "sp-fedml", *(["mpi"] if MPIRUN is not None else []), "silo"):
