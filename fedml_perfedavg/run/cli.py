@@ -146,7 +146,9 @@ def _run_dir_of(config: Config, args: argparse.Namespace) -> Tuple[str, bool]:
     owner = args.role != "client" and (config.backend != "MPI" or mpi_world_rank() == 0)
     resume = bool(args.resume)
     run_id = str(args.run_id)
-    planned = resolve_run_dir(config, args.run_dir, create=False, resume=resume, run_id=run_id) if owner else args.run_dir
+    planned = args.run_dir
+    if owner:
+        planned = resolve_run_dir(config, args.run_dir, create=False, resume=resume, run_id=run_id)
     existed = not owner or os.path.isdir(planned)
     if config.backend == "MPI":
         return shared_run_dir(config, planned, resume), existed
