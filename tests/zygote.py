@@ -97,6 +97,9 @@ def serve(path: str) -> None:
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    # a Ctrl-C meant for a test's process group must not end the server (and lose its children's
+    # exit statuses); each child gets Python's own handler back
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     waiting = {}  # pid -> the connection its exit status goes back on
     print("ready", flush=True)
     while True:
@@ -165,6 +168,7 @@ def _become(request: dict, fds: List[int], connection: socket.socket) -> None:
     """In the child: take the command's streams, place, environment and session, run it, end."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     connection.close()
     if request["new_session"]:
         os.setsid()
