@@ -102,18 +102,42 @@ def test_non_daemon_threads_and_atexit_run_before_a_forked_process_ends(tmp_path
     assert fresh[2] == forked[2] == "thread ended\natexit ran\n"
 
 
-@pytest.mark.parametrize("sent", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def _sleeping(forked: bool, tmp_path):
+    process = _start(forked, "sleep", tmp_path)
+    assert process.stdout.readline().startswith("{")
+    assert process.poll() is None
+    return process
+
+
+@pytest.mark.parametrize("sent", [signal.SIGKILL, signal.SIGTERM])
 def test_signals_reach_a_forked_process_and_its_status_says_so(tmp_path, sent):
-    """SIGINT included: Python's own handler (KeyboardInterrupt) is back in the child, although
-    the server ignores Ctrl-C."""
     codes = []
     for forked in (False, True):
-        process = _start(forked, "sleep", tmp_path)
-        assert process.stdout.readline().startswith("{")
-        assert process.poll() is None
+        process = _sleeping(forked, tmp_path)
         process.send_signal(sent)
         codes.append(process.wait(timeout=30))
     assert codes == [-sent] * 2
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_ctrl_c_is_taken_or_ignored_as_a_fresh_interpreter_would(tmp_path, ignored):
+    """An exec'd interpreter keeps an ignored SIGINT (pytest-xdist's workers ignore it) and
+    otherwise ends on KeyboardInterrupt; the server itself ignores Ctrl-C."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler)
+    try:
+        processes = [_sleeping(forked, tmp_path) for forked in (False, True)]
+    finally:
+        signal.signal(signal.SIGINT, before)
+    for process in processes:
+        process.send_signal(signal.SIGINT)
+    if ignored:
+        with pytest.raises(subprocess.TimeoutExpired):
+            processes[1].wait(timeout=1)
+        assert processes[0].poll() is None
+        for process in processes:
+            process.kill()
+    codes = [process.wait(timeout=30) for process in processes]
+    assert codes == ([-signal.SIGKILL] * 2 if ignored else [-signal.SIGINT] * 2)
 
 
 def test_commands_the_server_does_not_take_start_fresh(tmp_path):

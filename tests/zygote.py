@@ -98,7 +98,7 @@ def serve(path: str) -> None:
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     # a Ctrl-C meant for a test's process group must not end the server (and lose its children's
-    # exit statuses); each child gets Python's own handler back
+    # exit statuses); each child gets what a fresh interpreter would have (_become)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     waiting = {}  # pid -> the connection its exit status goes back on
     print("ready", flush=True)
@@ -168,7 +168,7 @@ def _become(request: dict, fds: List[int], connection: socket.socket) -> None:
     """In the child: take the command's streams, place, environment and session, run it, end."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
     connection.close()
     if request["new_session"]:
         os.setsid()
@@ -391,6 +391,9 @@ class ForkedPopen(subprocess.Popen):
             "cwd": os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd(),
             "env": environment,
             "new_session": bool(start_new_session),
+            # an exec'd interpreter keeps an ignored SIGINT (pytest-xdist's workers ignore it) and
+            # otherwise installs its own handler
+            "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
         }
         streams = [
             p2cread if p2cread != -1 else 0,
