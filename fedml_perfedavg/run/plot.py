@@ -51,7 +51,7 @@ def draw(summary: Dict[str, Any], title: str = ""):
     except ImportError:
         raise ConfigError(f"drawing {PLOT} needs matplotlib: {EXTRA}") from None
     history = summary.get("history") or []
-    figure = Figure(figsize=(10, 3.8), layout="constrained")
+    figure = Figure(figsize=(10, 3.8))
     FigureCanvasAgg(figure)
     accuracy, loss = figure.subplots(1, 2)
     for key, label in (
@@ -69,6 +69,9 @@ def draw(summary: Dict[str, Any], title: str = ""):
     loss.grid(alpha=0.3)
     status = summary.get("status")
     figure.suptitle(f"{title}{' - ' if title else ''}{status}, {summary.get('rounds')} rounds")
+    # fixed margins: matplotlib's constrained layout doubled the time to draw (0.16 s against 0.08),
+    # paid at the end of every run
+    figure.subplots_adjust(left=0.06, right=0.99, bottom=0.13, top=0.89, wspace=0.22)
     return figure
 
 
