@@ -250,6 +250,7 @@ class _Server:
 
     started: Optional["_Server"] = None
     failed = False
+    _starting = threading.Lock()  # tests may start processes from several threads at once
 
     def __init__(self) -> None:
         folder = tempfile.mkdtemp(prefix="zygote-")
@@ -284,6 +285,11 @@ class _Server:
 
     @classmethod
     def get(cls) -> Optional["_Server"]:
+        with cls._starting:
+            return cls._get()
+
+    @classmethod
+    def _get(cls) -> Optional["_Server"]:
         if cls.started is None and not cls.failed:
             try:
                 cls.started = cls()
