@@ -65,6 +65,8 @@ PRELOAD = (
 # from the server's gets a fresh interpreter.
 _IMPORT_TIME = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "COVERAGE_PROCESS_START", "LD_PRELOAD", "LD_LIBRARY_PATH")
 _PYTHON_RUNTIME = ("PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONPATH")
+# the server's own PYTHONPATH entries, replaced in each child by the command's
+_PYTHONPATH_AT_START = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 def _import_time_environment(env) -> dict:
@@ -237,9 +239,6 @@ def _end(code: int, killed_by: Optional[int] = None) -> None:
         signal.signal(killed_by, signal.SIG_DFL)
         os.kill(os.getpid(), killed_by)
     os._exit(code)
-
-
-_PYTHONPATH_AT_START = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 # ----------------------------------------------------------------------------------- the client
