@@ -233,9 +233,12 @@ def assemble(
         algorithm.use_hooks(safeguards)
         logger.info("FedML's %s: applied by %s's round hooks", safeguards.describe(), algorithm.label)
         check_bound_holds_local_noise(config, safeguards, model)
+    # The global state lives where the users' data does (FedML's aggregator hands a CPU copy): the
+    # probe, the batched engine and the evaluation compute on the run's device.
+    global_state = {k: v.to(device) for k, v in aggregator.get_model_params().items()}
     parts = RunParts(
         args, config, run_dir, rank, device, dataset, model, users, algorithm, trainer, aggregator,
-        aggregator.get_model_params(), log_handler,
+        global_state, log_handler,
     )  # fmt: skip
     if users:  # the server of a data-owner run trains nothing and holds no sample to probe with
         parts.data_problem = probe(parts)

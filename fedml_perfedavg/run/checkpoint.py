@@ -28,13 +28,15 @@ def save(run_dir: str, next_round: int, model_state: Dict[str, torch.Tensor], st
     """Write ``run_dir/checkpoint.pt`` through a temporary file and a rename, keeping the one
     before as ``checkpoint.prev.pt`` (``states``: each owner's ``state_dict()`` by name)."""
     path = os.path.join(run_dir, CHECKPOINT)
+    model_state = {k: v.detach().cpu() for k, v in model_state.items()}  # read back on any device (restore moves it)
     state = {"next_round": next_round, "model": model_state, "states": states, "torch_rng": torch.get_rng_state()}
     write_atomic(path, lambda stream: torch.save(state, stream), previous=os.path.join(run_dir, PREVIOUS))
     return path
 
 
 def _read(path: str) -> Dict[str, Any]:
-    state = torch.load(path, weights_only=True)  # a checkpoint is data: never code from whoever wrote the file
+    # a checkpoint is data: never code from whoever wrote the file; a GPU run's is read on any machine
+    state = torch.load(path, weights_only=True, map_location="cpu")
     if not isinstance(state, dict) or not {"next_round", "model", "states", "torch_rng"} <= set(state):
         raise ValueError("not a checkpoint of this plugin")
     return state
