@@ -7,10 +7,12 @@
 
 Uses the plugin's algorithm objects and batched engine directly (no FedML loop):
 1. equivalence, float64: the batched engine on CUDA vs the per-client maths on the CPU
-   (``algorithm.local_update`` per sampled client, plain average), 3 rounds, FedAvg/FO/HF/exact;
+   (``algorithm.local_update`` per sampled client, plain average), 3 rounds, FedAvg/FO/HF/exact,
+   the models and the rounds' training figures (mean loss and accuracy of the local steps);
    and the batched personalized evaluation on CUDA vs the per-user one on the CPU;
-2. speed, float32 on real MNIST (paper config): ms per training round of each method and ms of
-   one personalized evaluation of all 50 users, CUDA-synchronised medians;
+2. speed, float32 on real MNIST (paper config): ms per training round of each method (its
+   training figures taken every round, as a run does; HF once more without recording them) and
+   ms of one personalized evaluation of all 50 users, CUDA-synchronised medians;
 3. a full run: Per-FedAvg (HF), tau=10, K rounds, evaluation every 10 rounds, on the GPU; its
    wall time and final personalized accuracy.
 Writes cuda.md and cuda.json under --out.
@@ -44,16 +46,23 @@ METHODS = ("fedavg", "fo", "hf", "exact")
 
 
 class Driver:
-    """The engine's round driver: the algorithm's sampling, nothing at the end of a round."""
+    """The engine's round driver: the algorithm's sampling; at the end of a round, the round's
+    training figures taken as a run's driver takes them (one read of the device a round)."""
 
     def __init__(self, algorithm) -> None:
         self.algorithm = algorithm
+        self.training: Dict[int, dict] = {}
 
     def sample_clients(self, round_idx: int) -> List[int]:
         return self.algorithm.sample_clients(round_idx)
 
     def round_finished(self, round_idx: int, state) -> None:
-        pass
+        self.training[round_idx] = self.algorithm.training.take(round_idx)
+
+
+def training_difference(got: Dict[int, dict], reference: Dict[int, dict]) -> float:
+    """The largest difference of the rounds' mean training loss and accuracy."""
+    return max(abs(got[r][key] - reference[r][key]) for r in reference for key in ("train_loss", "train_accuracy"))
 
 
 def config_for(method: str, **overrides):
@@ -118,18 +127,23 @@ def equivalence(device: torch.device) -> Dict[str, float]:
         model = create_model("mlp", (1, 28, 28), 10, [80, 60]).double()
         algorithm = create_algorithm(config.federated_optimizer, model, config)
         reference = {k: v.clone() for k, v in model.state_dict().items()}
+        reference_training = {}
         for r in range(3):
             updates = [
                 algorithm.client_update(r, c, reference, users[c].train_x, users[c].train_y)
                 for c in algorithm.sample_clients(r)
             ]
             reference = algorithm.aggregate(r, updates, reference)
+            reference_training[r] = algorithm.training.take(r)
         for try_hand_batched in (True, False):
             _, engine = engine_for(config, on(users, device), model, device, try_hand_batched)
             got = engine.run(0, 3)
             path = "default" if try_hand_batched else "vmap"
             out[f"train_{method}_{path}_max_abs_diff"] = max(
                 float((got[k].cpu() - reference[k]).abs().max()) for k in reference
+            )
+            out[f"training_figures_{method}_{path}_max_abs_diff"] = training_difference(
+                engine.driver.training, reference_training
             )
         if method == "hf":
             cpu = algorithm.evaluate(0, reference, users, batched=False)
@@ -178,6 +192,12 @@ def speed(users: List[UserSplit], device: torch.device, repeats: int = 20) -> Di
                 lambda: engine.train_round(next(counter)), device, repeats
             )
             if method == "hf" and try_hand_batched:
+                # the same engine recording no training figures: what recording them costs
+                engine.reports_training = False
+                engine.step = engine._step_of(engine.plan)
+                out["train_hf_default_no_training_figures_ms_per_round"] = timed_ms(
+                    lambda: engine.train_round(next(counter)), device, repeats
+                )
                 out["evaluation_50_users_ms"] = timed_ms(
                     lambda: algorithm.evaluate(0, engine.state, users), device, max(2, repeats // 2)
                 )

@@ -45,6 +45,7 @@ from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sampl
 from ..core.types import Params, StateDict, UserSplit
 from .client_states import ClientStates
 from .model_probe import ModelPaths, probe
+from ..core.training_record import TrainingRecord
 from .update_screen import screen_for
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,10 @@ class RoundDriver(Protocol):
     def sample_clients(self, round_idx: int) -> List[int]: ...
 
     def round_finished(self, round_idx: int, global_state: StateDict) -> None: ...
+
+    def record_training(self, round_idx: int, client: int, figures: List[Any]) -> None:
+        """A client's training figures [loss, accuracy] of ``round_idx`` from the process that
+        trained it (an MPI worker, a silo)."""
 
     def record_failure(self, why: str) -> None:
         """Another process ends the run (a failing MPI rank): the run's record says so."""
@@ -373,6 +378,8 @@ class FederatedAlgorithm:
         self.screen = screen_for(self.parameter_names, settings)
         self.aggregate_calls = 0
         self.client_states = ClientStates()  # kept only by an algorithm that keeps_client_state
+        #: The clients' training figures, by round (training_record.py), where :attr:`reports_training`.
+        self.training = TrainingRecord()
         self._test_stacks: dict = {}  # the evaluation's stacked test splits, kept between evaluations
 
     def standard_maths(self) -> Optional[LocalUpdateConfig]:
@@ -380,6 +387,18 @@ class FederatedAlgorithm:
         algorithm's client maths (an engine may then compute it its own way: hand-batched, or
         under DP-SGD), or None: its :meth:`local_update` is its own. Read once, at construction."""
         return None
+
+    @property
+    def reports_training(self) -> bool:
+        """Whether a client's training figures (its local steps' mean loss and accuracy on D) are
+        recorded: for the standard maths without DP-SGD (they are functions of the private data,
+        released with no account of them); an algorithm with maths of its own gives none."""
+        return self.standard_update is not None and self.settings.privacy is None
+
+    def local_update_and_figures(self, params: Params, batches: LocalBatches) -> Tuple[Params, Tensor]:
+        """:meth:`local_update` and the update's training figures, (2,): its steps' mean loss and
+        accuracy (only where :attr:`reports_training`)."""
+        raise NotImplementedError(f"{type(self).__name__} records no training figures")
 
     @property
     def rejected(self) -> Dict[int, int]:
@@ -480,14 +499,21 @@ class FederatedAlgorithm:
         y = self.hooks.client_labels(round_idx, client_id, y)
         batches = self.client_batches(round_idx, client_id, x, y)
         start = {k: v.detach() for k, v in global_state.items()}
+        figures = None
         with torch.no_grad():  # torch.func computes the gradients; no autograd graph is kept
             if self.keeps_client_state:
                 kept = self.client_states.get(client_id)
                 own = self.initial_client_state(client_id, start) if kept is None else kept
                 new_state, own = self.local_training_with_state(start, batches, own)
+            elif self.reports_training:
+                params, buffers = self.split_state(start)
+                trained, figures = self.local_update_and_figures(params, batches)
+                new_state = {**buffers, **trained}
             else:
                 new_state = self.local_training(start, batches)
         self.check_client_result(round_idx, client_id, {k: new_state[k] for k in self.parameter_names})
+        if figures is not None:
+            self.training.add(round_idx, [client_id], figures.unsqueeze(0))
         if self.keeps_client_state:  # a dropped update (skip_client) leaves the client's state as it was
             self.client_states.put(client_id, own)
         state = OrderedDict((k, new_state[k]) for k in global_state)

@@ -7,10 +7,12 @@ per-sample clipping and noise (core/privacy.py)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, List, Optional, Tuple
+
+from torch import Tensor
 
 from ..core import client_maths
-from ..core.client_maths import LocalBatches, LocalUpdateConfig
+from ..core.client_maths import LocalBatches, LocalUpdateConfig, StepFigures
 from ..core.privacy import PrivateBatches, private_local_update
 from ..core.types import Params
 from .base import FederatedAlgorithm
@@ -41,11 +43,23 @@ class GradientSteps(FederatedAlgorithm):
             return super().local_update(params, batches)
         if isinstance(batches, PrivateBatches):
             return self._private_update(params, batches, standard)
+        return self._update(params, batches, standard, None)
+
+    def local_update_and_figures(self, params: Params, batches: LocalBatches) -> Tuple[Params, Tensor]:
+        standard = self.standard_update
+        if standard is None or isinstance(batches, PrivateBatches):
+            return super().local_update_and_figures(params, batches)
+        figures: List[StepFigures] = []
+        trained = self._update(params, batches, standard, figures)
+        return trained, client_maths.mean_figures(figures)
+
+    def _update(
+        self, params: Params, batches: LocalBatches, standard: LocalUpdateConfig, figures: Optional[List[StepFigures]]
+    ) -> Params:
         steps = batches.x.shape[0]
         config = standard if steps == standard.local_steps else dataclasses.replace(standard, local_steps=steps)
-        return client_maths.local_update(
-            self.loss_fn, params, batches, config, self.paths.gradient_oracle(self.loss_fn)
-        )
+        oracle = self.paths.gradient_oracle(self.loss_fn)
+        return client_maths.local_update(self.loss_fn, params, batches, config, oracle, figures)
 
     def _private_update(self, params: Params, batches: PrivateBatches, standard: LocalUpdateConfig) -> Params:
         """The local update with DP-SGD: by a Linear chain's outer products where the model is

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, NamedTuple, Optional, Protocol, Union
+from typing import Callable, List, NamedTuple, Optional, Protocol, Tuple, Union, cast
 
 import torch
 from torch import Tensor
-from torch.func import grad, jvp, vjp, vmap
+from torch.func import grad, grad_and_value, jvp, vjp, vmap
 
+from .functional import training_figures
 from .types import LossFn, Params
 
 
@@ -96,14 +97,29 @@ class LocalBatches(NamedTuple):
         return self._replace(y=change(self.y), second_y=change(self.second_y), third_y=change(self.third_y))
 
 
+class StepFigures(NamedTuple):
+    """What a step keeps of grad f(w; D)'s forward pass for its training figures: the loss where
+    the oracle computes it (torch.func's does), the outputs (logits) where it has them, and D's
+    labels (or one-hot targets). :func:`mean_figures` turns a local update's steps into its
+    figures in one batched computation, not a few small kernels a step."""
+
+    loss: Optional[Tensor]
+    logits: Optional[Tensor]
+    y: Tensor
+
+
 class Gradients(Protocol):
     """How the local update gets the loss's derivatives: ``grad(params, x, y)``; ``grad_pair`` at
     two parameter points at once (a leading dimension of 2); HF's Hessian-vector estimate
     ``finite_difference_hvp`` ([grad(w + delta g) - grad(w - delta g)] / (2 delta)); and the exact
-    ``hessian_vector_product``. :class:`FunctionalGradients` computes them by ``torch.func`` for
-    any model; a specialised oracle (a Linear chain's, :mod:`.hand_batched`) its own way."""
+    ``hessian_vector_product``; ``grad_and_figures``, the gradient with what its forward pass
+    gives of the minibatch's training figures (:class:`StepFigures`). :class:`FunctionalGradients`
+    computes them by ``torch.func`` for any model; a specialised oracle (a Linear chain's,
+    :mod:`.hand_batched`) its own way."""
 
     def grad(self, params: Params, x: Tensor, y: Tensor) -> Params: ...
+
+    def grad_and_figures(self, params: Params, x: Tensor, y: Tensor) -> Tuple[Params, StepFigures]: ...
 
     def grad_pair(self, params: Params, x: Tensor, y: Tensor) -> Params: ...
 
@@ -119,6 +135,18 @@ class FunctionalGradients:
     def __init__(self, loss_fn: LossFn, pair_by_vmap: bool = True) -> None:
         self.grad = grad(loss_fn)
         self.pair_by_vmap = pair_by_vmap
+        # The same gradient with its forward pass's value and logits beside it (make_loss_fn's
+        # loss has them; any other loss gives its value alone, so no accuracy is recorded).
+        with_logits = getattr(loss_fn, "with_logits", None)
+        self._with_logits = None if with_logits is None else grad_and_value(with_logits, has_aux=True)
+        self._with_value = grad_and_value(loss_fn)
+
+    def grad_and_figures(self, params: Params, x: Tensor, y: Tensor) -> Tuple[Params, StepFigures]:
+        if self._with_logits is not None:
+            gradient, (loss, logits) = self._with_logits(params, x, y)
+            return gradient, StepFigures(loss.detach(), logits, y)
+        gradient, loss = self._with_value(params, x, y)
+        return gradient, StepFigures(loss.detach(), None, y)
 
     def grad_pair(self, params: Params, x: Tensor, y: Tensor) -> Params:
         if self.pair_by_vmap:  # one vmapped call with twice the work instead of two small passes
@@ -222,6 +250,14 @@ class StepArithmetic(Protocol):
     def move(self, w: Params, direction: Params, beta: float) -> Params: ...  # w - beta direction
 
 
+class RecordingSteps(StepArithmetic, Protocol):
+    """An arithmetic that also gives grad f(w; D) with D's training figures (loss, accuracy:
+    :meth:`Gradients.grad_and_figures`), for a loop that records them; DP-SGD's do not (they
+    release no figure of the private data)."""
+
+    def gradient_and_figures(self, point: Params, role: int, t: int) -> Tuple[Params, StepFigures]: ...
+
+
 class FunctionalSteps:
     """The step's arithmetic on parameter dicts, each value a new tensor (``axpy``), with
     ``gradients`` (:class:`FunctionalGradients` by default) on the minibatches of ``batches``."""
@@ -238,6 +274,10 @@ class FunctionalSteps:
     def gradient(self, point: Params, role: int, t: int) -> Params:
         x, y = self.roles[role]
         return self.gradients.grad(point, x[t], y[t])
+
+    def gradient_and_figures(self, point: Params, role: int, t: int) -> Tuple[Params, StepFigures]:
+        x, y = self.roles[role]
+        return self.gradients.grad_and_figures(point, x[t], y[t])
 
     def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
         return axpy(-alpha, gradient, w)
@@ -256,11 +296,20 @@ class FunctionalSteps:
         return axpy(-beta, direction, w)
 
 
-def step_direction(steps: StepArithmetic, w: Params, t: int, alpha: float, delta: float) -> Params:
+def step_direction(
+    steps: StepArithmetic, w: Params, t: int, alpha: float, delta: float, figures: Optional[List[StepFigures]] = None
+) -> Params:
     """Step ``t``'s direction at ``w`` (never at the adapted point): SGD's grad f(w; D); FO's
-    g = grad f(w~; D') with w~ = w - alpha grad f(w; D); HF's and exact's g - alpha H(w; D'') g."""
+    g = grad f(w~; D') with w~ = w - alpha grad f(w; D); HF's and exact's g - alpha H(w; D'') g.
+    With ``figures``, what D's training figures at w (loss, accuracy) need is appended to it:
+    grad f(w; D)'s own forward pass, the same for every step kind, so FedAvg's and Per-FedAvg's
+    training losses are the same quantity."""
     kind = steps.kind
-    gradient = steps.gradient(w, 0, t)
+    if figures is None:
+        gradient = steps.gradient(w, 0, t)
+    else:
+        gradient, step_figures = cast(RecordingSteps, steps).gradient_and_figures(w, 0, t)
+        figures.append(step_figures)
     if kind is Step.SGD:
         return gradient
     g = steps.gradient(steps.adapt(w, gradient, alpha), 1, t)
@@ -269,15 +318,29 @@ def step_direction(steps: StepArithmetic, w: Params, t: int, alpha: float, delta
     return steps.correct(g, steps.hessian_times(w, g, t, delta), alpha)
 
 
-def run_steps(steps: StepArithmetic, params: Params, config: LocalUpdateConfig) -> Params:
+def run_steps(
+    steps: StepArithmetic, params: Params, config: LocalUpdateConfig, figures: Optional[List[StepFigures]] = None
+) -> Params:
     """The local update's loop, for every arithmetic: ``config.local_steps`` steps of size
     ``config.beta`` from ``params``, each starting from the current w, as in Algorithm 1 of
-    Fallah et al. (2020)."""
+    Fallah et al. (2020). With ``figures``, each step's training figures are appended to it
+    (:func:`step_direction`)."""
     w = steps.start(params)
     for t in range(config.local_steps):
-        direction = step_direction(steps, w, t, config.alpha, config.delta)
+        direction = step_direction(steps, w, t, config.alpha, config.delta, figures)
         w = steps.move(w, direction, config.beta)
     return w
+
+
+def mean_figures(figures: List[StepFigures]) -> Tensor:
+    """The local update's training figures from its steps' (:func:`step_direction`): the mean over
+    its steps of D's loss and accuracy, (..., 2) (accuracy NaN where the oracle gave no logits)."""
+    loss = None if figures[0].loss is None else torch.stack([f.loss for f in figures if f.loss is not None])
+    if figures[0].logits is None:
+        assert loss is not None  # an oracle gives the loss or the logits
+        return torch.stack((loss, torch.full_like(loss, float("nan"))), dim=-1).mean(0)
+    logits = torch.stack([f.logits for f in figures if f.logits is not None])
+    return training_figures(logits, torch.stack([f.y for f in figures]), loss).mean(0)
 
 
 def meta_gradient(
@@ -308,9 +371,12 @@ def local_update(
     batches: LocalBatches,
     config: LocalUpdateConfig,
     gradients: Optional[Gradients] = None,
+    figures: Optional[List[StepFigures]] = None,
 ) -> Params:
     """Run one client's ``config.local_steps`` steps from ``params`` and return the new params
-    (:func:`run_steps` with :class:`FunctionalSteps`). ``gradients`` defaults to ``torch.func``
-    on ``loss_fn``; :meth:`fedml_perfedavg.core.hand_batched.HandBatchedGradients.local_update`
-    runs the same loop for all clients of a round at once, in reused buffers."""
-    return run_steps(FunctionalSteps(gradients or FunctionalGradients(loss_fn), batches, config.step), params, config)
+    (:func:`run_steps` with :class:`FunctionalSteps`; ``figures``: each step's training figures
+    are appended to it). ``gradients`` defaults to ``torch.func`` on ``loss_fn``;
+    :meth:`fedml_perfedavg.core.hand_batched.HandBatchedGradients.local_update` runs the same loop
+    for all clients of a round at once, in reused buffers."""
+    steps = FunctionalSteps(gradients or FunctionalGradients(loss_fn), batches, config.step)
+    return run_steps(steps, params, config, figures)

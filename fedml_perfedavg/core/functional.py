@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,15 +42,41 @@ def functional_network(model: nn.Module) -> nn.Module:
     return network
 
 
+def training_figures(logits: Tensor, y: Tensor, loss: Optional[Tensor] = None) -> Tensor:
+    """A minibatch's training figures from its logits (..., B, classes) and labels (..., B), or
+    their one-hot encoding (..., B, classes): its mean cross-entropy (``loss`` where the caller
+    has it) and its accuracy, stacked as (..., 2). Detached: a record of the step, never part
+    of its gradient."""
+    logits = logits.detach()
+    labels = y.argmax(-1) if y.dim() == logits.dim() else y
+    if loss is None:
+        log_probs = F.log_softmax(logits, dim=-1)
+        loss = -torch.gather(log_probs, -1, labels.unsqueeze(-1)).squeeze(-1).mean(-1)
+    loss = loss.detach()
+    accuracy = (logits.argmax(-1) == labels).to(logits.dtype).mean(-1)
+    return torch.stack((loss, accuracy), dim=-1)
+
+
 def make_loss_fn(network: nn.Module) -> LossFn:
-    """Cross-entropy of ``network`` as a pure function of its parameters."""
+    """Cross-entropy of ``network`` as a pure function of its parameters. Its attribute
+    ``with_logits`` is the same loss returning ``(loss, logits)``, the logits detached, for
+    ``torch.func.grad_and_value(..., has_aux=True)``: the forward pass the gradient needs
+    anyway, whose logits give the step's accuracy (:func:`training_figures`)."""
     buffers = {name: b.detach() for name, b in network.named_buffers()}
 
-    def loss_fn(params: Params, x: Tensor, y: Tensor) -> Tensor:
+    def logits_and_loss(params: Params, x: Tensor, y: Tensor) -> Tuple[Tensor, Tensor]:
         logits = functional_call(network, {**params, **buffers}, (x,))
         # Same value as F.cross_entropy; its nll_loss is slower under vmap than a gather.
-        return -torch.gather(F.log_softmax(logits, dim=-1), 1, y.unsqueeze(1)).mean()
+        return logits, -torch.gather(F.log_softmax(logits, dim=-1), 1, y.unsqueeze(1)).mean()
 
+    def loss_fn(params: Params, x: Tensor, y: Tensor) -> Tensor:
+        return logits_and_loss(params, x, y)[1]
+
+    def with_logits(params: Params, x: Tensor, y: Tensor) -> Tuple[Tensor, Tensor]:
+        logits, loss = logits_and_loss(params, x, y)
+        return loss, logits.detach()
+
+    loss_fn.with_logits = with_logits  # type: ignore[attr-defined]
     return loss_fn
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .client_maths import LocalBatches, LocalUpdateConfig, Step, run_steps
+from .client_maths import LocalBatches, LocalUpdateConfig, Step, StepFigures, run_steps
 from .functional import logits_of, parameters_of
 from .types import Params
 
@@ -293,11 +293,17 @@ class HandBatchedGradients:
 
     def grad(self, params: Params, x: Tensor, y: Tensor, out: Optional[Params] = None) -> Params:
         """Gradients of the mean cross-entropy (written into ``out``'s tensors where given)."""
+        return self.grad_and_figures(params, x, y, out)[0]
+
+    def grad_and_figures(
+        self, params: Params, x: Tensor, y: Tensor, out: Optional[Params] = None
+    ) -> Tuple[Params, StepFigures]:
+        """:meth:`grad`, and its logits and ``y`` for the clients' training figures."""
         h = x.reshape(x.shape[0], x.shape[1], -1)
         inputs, pre, logits = self._forward(params, h)
         grads, delta = self._backward(params, inputs, pre, logits, y, out=out)
         self.layers[0].add_gradients(grads, delta, h, out)
-        return {k: grads[k] for k in params}
+        return {k: grads[k] for k in params}, StepFigures(None, logits, y)
 
     def hessian_vector_product(
         self, params: Params, direction: Params, x: Tensor, y: Tensor, out: Optional[Params] = None
@@ -357,13 +363,19 @@ class HandBatchedGradients:
                 delta = torch.bmm(delta, params[layer.weight])
         return {k: hvp[k] for k in params}
 
-    def local_update(self, params: Params, batches: LocalBatches, config: LocalUpdateConfig) -> Params:
+    def local_update(
+        self,
+        params: Params,
+        batches: LocalBatches,
+        config: LocalUpdateConfig,
+        figures: Optional[List[StepFigures]] = None,
+    ) -> Params:
         """``config.local_steps`` local steps of every client from ``params`` (client first;
         ``batches`` step first): the one step loop (:func:`~fedml_perfedavg.core.client_maths.run_steps`)
         in this oracle's flat per-client buffers (:class:`_BufferedSteps`), reused from call to
         call; its numbers are those of :func:`~fedml_perfedavg.core.client_maths.local_update`
-        with this oracle, bit for bit."""
-        return run_steps(_BufferedSteps(self, params, batches, config.step), params, config)
+        with this oracle, bit for bit. ``figures``: what each step's training figures need is appended."""
+        return run_steps(_BufferedSteps(self, params, batches, config.step), params, config, figures)
 
     def grad_pair(self, params: Params, x: Tensor, y: Tensor) -> Params:
         # the two points as 2C clients: one batched pass
@@ -500,6 +512,11 @@ class _BufferedSteps:
         out = self.work if role == 0 else self.meta
         self.oracle.grad(point, self.inputs.get(role, t), self.targets[role][t], out=out)
         return out
+
+    def gradient_and_figures(self, point: Params, role: int, t: int) -> Tuple[Params, StepFigures]:
+        out = self.work if role == 0 else self.meta
+        _, figures = self.oracle.grad_and_figures(point, self.inputs.get(role, t), self.targets[role][t], out=out)
+        return out, figures
 
     def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
         self.work_flat.mul_(-alpha).add_(self.w_flat)  # w + (-alpha grad f(w; D)), in grad's buffer

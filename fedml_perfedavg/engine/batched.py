@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
+from torch import Tensor
 from torch.func import vmap
 
 from ..algorithms.base import FederatedAlgorithm
-from ..core.client_maths import LocalBatches, run_steps
+from ..core.client_maths import LocalBatches, StepFigures, mean_figures, run_steps
 from ..core.privacy import PrivateBatches, PrivateChainSteps
 from ..core.hand_batched import IndexedInputs, HandBatchedGradients
 from .minibatches import Minibatches
@@ -31,6 +32,18 @@ from ..core.types import Params, StateDict, UserSplit
 from ..algorithms.base import RoundDriver
 
 logger = logging.getLogger(__name__)
+
+#: A computation's result: the clients' stacked states, and their training figures (C, 2) or None.
+Trained = Tuple[Params, Optional[Tensor]]
+
+
+def _without_figures(step: Callable[[Params, LocalBatches], Params]) -> Callable[[Params, LocalBatches], Trained]:
+    """A step whose clients' training figures are not recorded (DP-SGD; an algorithm's own maths)."""
+
+    def trained(params: Params, batches: LocalBatches) -> Trained:
+        return step(params, batches), None
+
+    return trained
 
 
 class BatchedSimulation:
@@ -63,7 +76,9 @@ class BatchedSimulation:
         self.hand_batched: Optional[HandBatchedGradients] = (
             self.plan.hand_batched if self.plan.path is Path.HAND_BATCHED else None
         )
-        self.step: Callable[[Params, LocalBatches], Params] = self._step_of(self.plan)
+        #: Whether the clients' training figures come with their updates (the algorithm's record keeps them).
+        self.reports_training = algorithm.reports_training and self.plan.together and not self.plan.whole_state
+        self.step: Callable[[Params, LocalBatches], Trained] = self._step_of(self.plan)
         if compile_local_update and self.batched:
             # The round is thousands of tiny kernels: on a GPU, CUDA graphs ("reduce-overhead")
             # replay them without per-kernel launch cost. Shapes are the same every round.
@@ -72,17 +87,22 @@ class BatchedSimulation:
         self.minibatches = Minibatches(algorithm, users, self.plan)
         self.sample_counts = self.minibatches.sample_counts
 
-    def _step_of(self, plan: ClientPlan) -> Callable[[Params, LocalBatches], Params]:
+    def _step_of(self, plan: ClientPlan) -> Callable[[Params, LocalBatches], Trained]:
         """The function that trains a computation's clients together, as ``plan`` says (the
-        per-client path has none: it calls ``client_update``)."""
+        per-client path has none: it calls ``client_update``): their stacked results, and their
+        training figures (C, 2) where the engine records them."""
         algorithm = self.algorithm
         if plan.path is Path.HAND_BATCHED:
             return self._hand_batched_step()
         if plan.path is Path.PRIVATE_CHAIN:
-            return self._private_chain_step(plan)
+            return _without_figures(self._private_chain_step(plan))
+        if self.reports_training:
+            return vmap(algorithm.local_update_and_figures, in_dims=(None, 0))
         # An algorithm whose clients send back more than parameters (its own local_training)
         # is vmapped over whole states: parameters and buffers per client.
-        return vmap(algorithm.local_training if plan.whole_state else algorithm.local_update, in_dims=(None, 0))
+        return _without_figures(
+            vmap(algorithm.local_training if plan.whole_state else algorithm.local_update, in_dims=(None, 0))
+        )
 
     def _private_chain_step(self, plan: ClientPlan) -> Callable[[Params, LocalBatches], Params]:
         """DP-SGD on a Linear chain: every client of the computation at once (:class:`PrivateChainSteps`,
@@ -99,17 +119,21 @@ class BatchedSimulation:
 
         return step
 
-    def _hand_batched_step(self) -> Callable[[Params, LocalBatches], Params]:
-        def step(params: Params, batches: LocalBatches) -> Params:
+    def _hand_batched_step(self) -> Callable[[Params, LocalBatches], Trained]:
+        def step(params: Params, batches: LocalBatches) -> Trained:
             clients = batches.y.shape[0]
-            return self.train_from({k: v.unsqueeze(0).expand(clients, *v.shape) for k, v in params.items()}, batches)
+            start = {k: v.unsqueeze(0).expand(clients, *v.shape) for k, v in params.items()}
+            figures: Optional[List[StepFigures]] = [] if self.reports_training else None
+            trained = self.train_from(start, batches, figures)
+            return trained, None if figures is None else mean_figures(figures)
 
         return step
 
-    def train_from(self, start: Params, batches: LocalBatches) -> Params:
+    def train_from(self, start: Params, batches: LocalBatches, figures: Optional[List[StepFigures]] = None) -> Params:
         """Hand-batched path: every client's local update from its own starting parameters
         (``start`` and ``batches`` have the client first; inputs may be :class:`IndexedInputs`,
-        which are step first), e.g. the clients of several runs."""
+        which are step first), e.g. the clients of several runs; ``figures``: each step's (C, 2)
+        training figures are appended."""
         by_step = LocalBatches(
             *(
                 t if isinstance(t, IndexedInputs) else t.transpose(0, 1)  # (steps, clients, ...)
@@ -118,7 +142,7 @@ class BatchedSimulation:
         )
         standard = self.algorithm.standard_update
         assert self.hand_batched is not None and standard is not None  # taken only for the standard maths
-        return self.hand_batched.local_update(start, by_step, standard)
+        return self.hand_batched.local_update(start, by_step, standard, figures)
 
     def _batched_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
         params, buffers = self.algorithm.split_state(self.state)
@@ -126,11 +150,14 @@ class BatchedSimulation:
         batches = self.minibatches.round_batches(round_idx, clients, lazy_inputs)
         with torch.no_grad():
             if self.whole_state:
-                stacked = self.step({k: v.detach() for k, v in self.state.items()}, batches)
+                stacked, figures = self.step({k: v.detach() for k, v in self.state.items()}, batches)
                 buffers, stacked = {}, {k: v for k, v in stacked.items()}
             else:
-                stacked = self.step({k: v.detach() for k, v in params.items()}, batches)
-        return self.client_updates(round_idx, clients, stacked, buffers)
+                stacked, figures = self.step({k: v.detach() for k, v in params.items()}, batches)
+        updates = self.client_updates(round_idx, clients, stacked, buffers)
+        if figures is not None:
+            self.algorithm.training.add(round_idx, clients, figures)
+        return updates
 
     def client_updates(self, round_idx: int, clients: List[int], stacked: StateDict, buffers: StateDict) -> List[tuple]:
         """(samples, state) per client from the stacked results (the divergence guard applied)."""

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..core.client_maths import LocalBatches
+from ..core.client_maths import LocalBatches, StepFigures, mean_figures
 from ..algorithms.base import NO_HOOKS
 from .batched import BatchedSimulation
 
@@ -89,14 +89,19 @@ class GridSimulation:
             )
         else:
             together = LocalBatches(*(torch.cat(tensors) for tensors in zip(*batches)))
+        figures: Optional[List[StepFigures]] = [] if self.engines[0].reports_training else None
         with torch.no_grad():
-            trained = self.engines[0].train_from(start, together)
+            trained = self.engines[0].train_from(start, together, figures)
+        every = None if figures is None else mean_figures(figures)
         offset = 0
         for engine, clients in zip(self.engines, chosen):
             mine = {k: v[offset : offset + len(clients)] for k, v in trained.items()}
-            offset += len(clients)
             _, buffers = engine.algorithm.split_state(engine.state)
-            engine.finish_round(round_idx, engine.client_updates(round_idx, clients, mine, buffers), clients)
+            updates = engine.client_updates(round_idx, clients, mine, buffers)
+            if every is not None:
+                engine.algorithm.training.add(round_idx, clients, every[offset : offset + len(clients)])
+            offset += len(clients)
+            engine.finish_round(round_idx, updates, clients)
 
     def run(self, start_round: int, rounds: int) -> List[dict]:
         """Rounds ``start_round`` .. ``rounds - 1`` of every run; returns their final states."""

@@ -28,6 +28,8 @@ simulation/mpi/fedavg/FedAvgAPI.py, and:
   worker its round assigns it to, so the server keeps every client's state, sends a client's with
   its assignment and takes it back with its update (:data:`CLIENT_STATES`, beside FedML's own
   message arguments); FedML's messages carry none.
+- The clients' training figures (their local steps' loss and accuracy) travel with their updates
+  (:data:`TRAINING`), for the server's record of each round.
 - A rank that fails before FedML's loop (its data, its device) would leave the others waiting
   for it there forever: every rank agrees to start or stops with its error (:func:`agree_to_start`).
 FedML runs the MPI loop inside ``FedMLRunner``'s constructor; here it runs in ``run()``.
@@ -47,6 +49,7 @@ import torch
 
 from ..algorithms.base import RoundDriver
 from ..algorithms.client_states import ClientStates
+from ..core.training_record import TrainingRecord
 from ..core.errors import ConfigError
 from ..core.types import StateDict
 from .safeguards import plugin_dp_hidden
@@ -176,6 +179,7 @@ install_one_round_fix()
 
 
 CLIENT_STATES = "plugin_client_states"  # a message argument: {client: its own state}
+TRAINING = "plugin_training"  # a message argument: [[client, loss, accuracy], ...] (training_record.py)
 
 
 def _assigned(message: Any) -> List[int]:
@@ -186,11 +190,19 @@ def _assigned(message: Any) -> List[int]:
 
 class PluginFedAVGServerManager(mpi_api.FedAVGServerManager):
     """FedML's MPI server, which also keeps the clients' own states (``client_states``, where the
-    algorithm keeps any): each goes out with its client's assignment and comes back with its update."""
+    algorithm keeps any): each goes out with its client's assignment and comes back with its update;
+    the clients' training figures come with it too, for the run's ``driver``."""
 
-    def __init__(self, *args: Any, client_states: Optional[ClientStates] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        client_states: Optional[ClientStates] = None,
+        driver: Optional[RoundDriver] = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.client_states = client_states
+        self.driver = driver
 
     def send_message(self, message: Any) -> None:
         assigns = (MyMessage.MSG_TYPE_S2C_INIT_CONFIG, MyMessage.MSG_TYPE_S2C_SYNC_MODEL_TO_CLIENT)
@@ -201,6 +213,10 @@ class PluginFedAVGServerManager(mpi_api.FedAVGServerManager):
     def handle_message_receive_model_from_client(self, msg_params):
         if self.client_states is not None:  # before the next round's assignments go out
             self.client_states.update(msg_params.get(CLIENT_STATES) or {})
+        if self.driver is not None:  # before the round closes in FedML's handler
+            for row in msg_params.get(TRAINING) or []:
+                if isinstance(row, list) and len(row) == 3 and isinstance(row[0], int):
+                    self.driver.record_training(int(self.args.round_idx), row[0], row[1:])
         super().handle_message_receive_model_from_client(msg_params)
 
 
@@ -208,9 +224,16 @@ class PluginFedAVGClientManager(mpi_api.FedAVGClientManager):
     """A worker that reads a share where FedML's message holds a client index (FedML's own
     handlers cast it with ``int``), and takes and returns its clients' own states (``client_states``)."""
 
-    def __init__(self, *args: Any, client_states: Optional[ClientStates] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        client_states: Optional[ClientStates] = None,
+        training: Optional[TrainingRecord] = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.client_states = client_states
+        self.training = training  # this rank's algorithm's record of its clients' training figures
         self.assigned: List[int] = []
 
     def _assignment(self, msg_params: Any) -> None:
@@ -221,8 +244,11 @@ class PluginFedAVGClientManager(mpi_api.FedAVGClientManager):
         self.trainer.update_dataset(parse_assignment(msg_params.get(MyMessage.MSG_ARG_KEY_CLIENT_INDEX)))
 
     def send_message(self, message: Any) -> None:
-        if self.client_states is not None and message.get_type() == MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER:
-            message.add_params(CLIENT_STATES, self.client_states.of(self.assigned))
+        if message.get_type() == MyMessage.MSG_TYPE_C2S_SEND_MODEL_TO_SERVER:
+            if self.client_states is not None:
+                message.add_params(CLIENT_STATES, self.client_states.of(self.assigned))
+            if self.training is not None:
+                message.add_params(TRAINING, self.training.of(int(self.args.round_idx), self.assigned))
         super().send_message(message)
 
     @finishing_after_one_round
@@ -299,11 +325,13 @@ class MPISimulation:
         driver: Optional[RoundDriver] = None,
         share_trainer: Optional[ShareTrainer] = None,
         client_states: Optional[ClientStates] = None,
+        training: Optional[TrainingRecord] = None,
     ) -> None:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model
         self.trainer, self.aggregator, self.driver = trainer, aggregator, driver
         self.share_trainer = share_trainer
         self.client_states = client_states  # this rank's algorithm's, where its clients keep states
+        self.training = training  # this rank's algorithm's training figures, where it records them
         self.progress: Dict[str, Any] = {}  # this worker's round and clients, for the record of a failure
 
     INTERRUPT_GRACE_SECONDS = 10.0
@@ -322,12 +350,12 @@ class MPISimulation:
             replaced(
                 mpi_api,
                 "FedAVGClientManager",
-                functools.partial(PluginFedAVGClientManager, client_states=self.client_states),
+                functools.partial(PluginFedAVGClientManager, client_states=self.client_states, training=self.training),
             ),
             replaced(
                 mpi_api,
                 "FedAVGServerManager",
-                functools.partial(PluginFedAVGServerManager, client_states=self.client_states),
+                functools.partial(PluginFedAVGServerManager, client_states=self.client_states, driver=self.driver),
             ),
         ):
             try:

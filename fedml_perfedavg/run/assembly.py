@@ -535,6 +535,7 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
             driver,
             share_trainer,
             own_states,
+            parts.algorithm.training if parts.algorithm.reports_training else None,
         )
         return simulation, where
     if config.simulation_engine == "fedml":

@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from ..algorithms.base import FederatedAlgorithm
+from ..core.training_record import valid_figures
 from ..core.privacy import PrivacyLedger, ReportedPrivacy
 from ..core.types import StateDict
 from ..stopping import RoundEndInterrupt
@@ -87,8 +88,9 @@ class RunDriver:
     def round_finished(self, round_idx: int, global_state: StateDict) -> None:
         previous, self.global_state = self.global_state, global_state
         schedule = self.schedule
+        training = self.algorithm.training.take(round_idx)
         if self.recorder is not None:
-            self.recorder.round_finished(round_idx)
+            self.recorder.round_finished(round_idx, training)
             if self.measurements is not None and schedule.evaluates(round_idx):  # data-owner mode: the silos do
                 started = time.perf_counter()  # evaluation time is not training time
                 if self.privacy is not None:
@@ -135,6 +137,16 @@ class RunDriver:
         return int(state["next_round"])
 
     # -- what other processes report ------------------------------------------------------------
+    def record_training(self, round_idx: int, client: int, figures: List[Any]) -> None:
+        """A client's training figures of ``round_idx`` [loss, accuracy], from the process that
+        trained it (an MPI worker, a silo): kept for the round's record, checked first."""
+        if not valid_figures(figures):
+            logger.warning(
+                "round %d: user %s's training figures %r are not [loss, accuracy]: left out", round_idx, client, figures
+            )
+            return
+        self.algorithm.training.note(round_idx, client, figures)
+
     def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
         if self.recorder is not None:
             self.recorder.record_silo_evaluation(label, mean, silos)

@@ -68,9 +68,20 @@ class WandbSink:
             reinit=True,
         )
 
+    def log_training(self, round_idx: int, training: Dict[str, Any]) -> None:
+        """A round's training figures: the plugin's ``train/*`` and FedML's own keys (``Train/Loss``,
+        ``Train/Acc``, ``round``: what FedML's trainers log, so its dashboards find them)."""
+        if self.deferred is not None:
+            self.deferred.append((self.log_training, (round_idx, training)))
+            return
+        scalars = {"train/loss": training["train_loss"], "Train/Loss": training["train_loss"], "round": round_idx}
+        if training.get("train_accuracy") is not None:
+            scalars.update({"train/accuracy": training["train_accuracy"], "Train/Acc": training["train_accuracy"]})
+        self.run.log(scalars, step=round_idx)
+
     def log_evaluation(self, round_idx: int, metrics: Dict[str, Any], per_user: List[float]) -> None:
         if self.deferred is not None:
-            self.deferred.append((round_idx, metrics, list(per_user)))
+            self.deferred.append((self.log_evaluation, (round_idx, metrics, list(per_user))))
             return
         import wandb
 
@@ -81,6 +92,10 @@ class WandbSink:
         }
         if "missing_users" in metrics:  # a federated evaluation: how many users sent nothing
             scalars["eval/missing_users"] = len(metrics["missing_users"])
+        # FedML's own keys for the test figures: the personalized evaluation's (the protocol's headline)
+        fedml_keys = {"Test/Acc": metrics.get("personalized_accuracy"), "Test/Loss": metrics.get("personalized_loss")}
+        scalars.update({k: v for k, v in fedml_keys.items() if isinstance(v, (int, float))})
+        scalars["round"] = round_idx
         self.run.log({**scalars, "eval/per_user_accuracy": wandb.Histogram(per_user)}, step=round_idx)
 
     def log_silo_evaluation(self, round_idx: int, mean: float) -> None:
@@ -93,8 +108,8 @@ class WandbSink:
 
         if self.deferred is not None:
             self.run, deferred, self.deferred = self._start(), self.deferred, None
-            for round_idx, metrics, per_user in deferred:
-                self.log_evaluation(round_idx, metrics, per_user)
+            for log, arguments in deferred:
+                log(*arguments)
         if last is not None:
             names = [ACCURACY, ACCURACY_BEFORE, *last.own_names]
             dp = (summary.get("privacy") or {}).get("per_user") or {}  # each user's epsilon and uses, under DP-SGD
@@ -283,6 +298,8 @@ class RunRecorder:
         self.total_rounds = total_rounds
         self.config_sections = config_sections
         self.history: List[Dict[str, Any]] = []
+        #: Each round's training figures (training_record.py): its clients' mean loss and accuracy.
+        self.train_history: List[Dict[str, Any]] = []
         self.last: Optional[EvaluationResult] = None
         self.rounds_done = 0
         self.silos = SiloRecord()
@@ -297,8 +314,13 @@ class RunRecorder:
             self._bar = tqdm(total=total_rounds, desc="rounds", unit="round", dynamic_ncols=True, disable=None)
         self._wandb = WandbSink(wandb_settings, run_dir, config_sections) if wandb_settings else None
 
-    def round_finished(self, round_idx: int) -> None:
+    def round_finished(self, round_idx: int, training: Optional[Dict[str, Any]] = None) -> None:
+        """Round ``round_idx`` is done; ``training``: its clients' training figures, if recorded."""
         self.rounds_done = round_idx + 1
+        if training is not None:
+            self.train_history.append(training)
+            if self._wandb is not None:
+                self._wandb.log_training(round_idx, training)
         if self._bar is not None:
             self._bar.update(self.rounds_done - self._bar.n)
 
@@ -383,6 +405,7 @@ class RunRecorder:
         last = None if self.last is None else self.last.record()
         return {
             "history": self.history,
+            "train_history": self.train_history,
             "last": last,
             "rounds_done": self.rounds_done,
             "elapsed": time.perf_counter() - self.started,
@@ -392,6 +415,7 @@ class RunRecorder:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.history = list(state["history"])
+        self.train_history = list(state.get("train_history", []))  # absent from checkpoints before it
         self.last = None if state["last"] is None else EvaluationResult.from_record(state["last"])
         self.rounds_done = state["rounds_done"]
         self.started = time.perf_counter() - state["elapsed"]
@@ -421,6 +445,7 @@ class RunRecorder:
             "wall_seconds": time.perf_counter() - self.started,
             **(aggregation or {}),
             "history": self.history,
+            "train_history": self.train_history,
             "config": self.config_sections,
             **self.silos.summary(),
             **({"privacy": self.privacy.report()} if self.privacy is not None else {}),

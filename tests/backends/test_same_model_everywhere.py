@@ -3,6 +3,7 @@ its company (per rank, per process, per vmap stack), so sp, MPI with any -n and 
 the same bits where the CPU kernels do not depend on the thread count (FedML's cnn), and the
 same bits with one torch thread everywhere where they do (BatchNorm models, resnet56)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -92,6 +93,16 @@ def _models(tmp_path, script, paths, env, ranks=(2, 3)):
     return models
 
 
+def _train_histories(tmp_path):
+    """Each backend's record of its rounds' training figures (summary.json's train_history)."""
+    runs = tmp_path / "runs"
+    return {
+        folder.name: json.loads((folder / "summary.json").read_text())["train_history"]
+        for folder in sorted(runs.iterdir())
+        if (folder / "summary.json").exists()
+    }
+
+
 def _largest_difference(models):
     reference = models["sp"]
     return {
@@ -109,6 +120,17 @@ def test_fedmls_cnn_gives_the_same_bits_on_every_backend(mnist_root, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
     differences = _largest_difference(_models(tmp_path, STOCK, paths, env, ranks=(2,)))
     assert differences and all(d == 0.0 for d in differences.values()), differences
+    # the rounds' training figures travel from wherever the clients trained (the sp loop, an MPI
+    # worker's share, two silos) to the server's record: the same numbers on every backend
+    histories = _train_histories(tmp_path)
+    assert sorted(histories) == ["mpi2", "silo", "sp"]
+    reference = histories["sp"]
+    assert [t["round"] for t in reference] == [0, 1, 2] and {t["train_clients"] for t in reference} == {2}
+    assert all(0.0 < t["train_loss"] < 10.0 and 0.0 <= t["train_accuracy"] <= 1.0 for t in reference)
+    for backend, history in histories.items():
+        for key in ("train_loss", "train_accuracy"):
+            assert [t[key] for t in history] == pytest.approx([t[key] for t in reference], rel=1e-6), backend
+        assert [(t["round"], t["train_clients"]) for t in history] == [(t["round"], 2) for t in reference]
 
 
 @pytest.mark.parametrize("model", ["batchnorm_cnn", "resnet56"])

@@ -1,10 +1,18 @@
 """Properties of the meta-gradient estimators and the local update (float64, small MLP)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from fedml_perfedavg.core.functional import make_loss_fn, parameters_of
-from fedml_perfedavg.core.client_maths import LocalBatches, LocalUpdateConfig, local_update, meta_gradient
+from fedml_perfedavg.core.client_maths import (
+    LocalBatches,
+    LocalUpdateConfig,
+    local_update,
+    mean_figures,
+    meta_gradient,
+)
 from fedml_perfedavg.models import MLP
 
 
@@ -138,3 +146,42 @@ def test_reverse_mode_hvp_and_the_sequential_pair_equal_the_default_oracle_float
             got = meta_gradient(loss_fn, params, step, variant, 0.1, 1e-3, oracle)
             for k in reference:
                 torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)
+
+
+def _figures_by_hand(loss_fn, network_params_and_batches, t):
+    """(loss, accuracy) of step t's minibatch D at the iterate step t starts from."""
+    model, params, batches, config = network_params_and_batches
+    w_t = local_update(make_loss_fn(model), params, batches, dataclasses.replace(config, local_steps=t))
+    x, y = batches.x[t], batches.y[t]
+    logits = torch.func.functional_call(model, w_t, (x,))
+    return float(loss_fn(w_t, x, y)), float((logits.argmax(-1) == y).double().mean())
+
+
+@pytest.mark.parametrize("variant", ["sgd", "fo", "hf", "exact"])
+def test_training_figures_are_each_steps_loss_and_accuracy_on_d_and_move_no_bit(variant):
+    model, loss_fn, params, batches = _problem(batch=12, steps=4)
+    config = LocalUpdateConfig(variant=variant, alpha=0.3, beta=0.5, delta=1e-3, local_steps=4)
+    plain = local_update(loss_fn, params, batches, config)
+    figures = []
+    recorded = local_update(loss_fn, params, batches, config, figures=figures)
+    assert all(torch.equal(recorded[k], plain[k]) for k in plain)  # recording changes no bit of the update
+    assert len(figures) == 4
+    steps = [mean_figures([step]) for step in figures]
+    for t, step in enumerate(steps):  # the step's own forward pass at w_t, on D (never D' or D'')
+        loss, accuracy = _figures_by_hand(loss_fn, (model, params, batches, config), t)
+        assert float(step[0]) == pytest.approx(loss, abs=1e-12) and float(step[1]) == accuracy
+    assert float(steps[-1][0]) < float(steps[0][0])  # it trained: the loss on D went down
+    torch.testing.assert_close(mean_figures(figures), torch.stack(steps).mean(0), rtol=1e-14, atol=1e-14)
+
+
+def test_a_loss_of_ones_own_gives_its_value_and_no_accuracy():
+    model, loss_fn, params, batches = _problem(steps=2)
+
+    def own_loss(p, x, y):  # a plain function: no with_figures beside it
+        return loss_fn(p, x, y)
+
+    figures = []
+    local_update(own_loss, params, batches, LocalUpdateConfig(local_steps=2), figures=figures)
+    first = mean_figures(figures[:1])
+    assert float(first[0]) == pytest.approx(float(loss_fn(params, batches.x[0], batches.y[0])), abs=1e-12)
+    assert torch.isnan(mean_figures(figures)[1])

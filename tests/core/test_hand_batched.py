@@ -7,7 +7,7 @@ from torch import nn
 from torch.func import grad, jvp, vmap
 
 from fedml_perfedavg.core.functional import functional_network, make_loss_fn, parameters_of
-from fedml_perfedavg.core.client_maths import LocalBatches, LocalUpdateConfig, local_update
+from fedml_perfedavg.core.client_maths import LocalBatches, LocalUpdateConfig, local_update, mean_figures
 from fedml_perfedavg.core.hand_batched import IndexedInputs, hand_batched_gradients
 from fedml_perfedavg.models import MLP, SmallCNN
 
@@ -238,3 +238,37 @@ def test_the_slope_shortcut_is_not_taken_for_half_types():
     z = torch.randn(4, 5, 6, dtype=torch.bfloat16)
     assert _LayerDerivative(elu, z, elu.forward(z)).slope is None
     assert _LayerDerivative(elu, z.float(), elu.forward(z.float())).slope is not None
+
+
+@pytest.mark.parametrize("variant", ["sgd", "fo", "hf", "exact"])
+@pytest.mark.parametrize("name", CHAINS)
+def test_hand_batched_training_figures_are_torch_funcs_and_move_no_bit(name, variant):
+    # float64: each client's figures equal its own torch.func update's; the update's bits are the same
+    torch.manual_seed(3)
+    model = CHAINS[name]().double()
+    network = functional_network(model)
+    stacked, why = hand_batched_gradients(network, (12,))
+    assert stacked is not None, why
+    clients, steps = 4, 3
+    start = {k: v.expand(clients, *v.shape).clone() for k, v in parameters_of(model).items()}
+    batches = LocalBatches(
+        *(
+            t
+            for _ in range(3)
+            for t in (torch.randn(steps, clients, 6, 12, dtype=torch.float64), torch.randint(0, 3, (steps, clients, 6)))
+        )
+    )
+    config = LocalUpdateConfig(variant=variant, alpha=0.3, beta=0.2, delta=1e-3, local_steps=steps)
+    plain = stacked.local_update(start, batches, config)
+    plain = {k: v.clone() for k, v in plain.items()}
+    figures = []
+    recorded = stacked.local_update(start, batches, config, figures)
+    assert all(torch.equal(recorded[k], plain[k]) for k in plain)
+    got = mean_figures(figures)  # (clients, 2)
+    assert got.shape == (clients, 2)
+    loss_fn = make_loss_fn(network)
+    for client in range(clients):
+        own = []
+        mine = LocalBatches(*(t[:, client] for t in batches))
+        local_update(loss_fn, {k: v[client] for k, v in start.items()}, mine, config, figures=own)
+        torch.testing.assert_close(got[client], mean_figures(own), rtol=1e-12, atol=1e-12)

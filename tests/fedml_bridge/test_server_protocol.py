@@ -123,8 +123,9 @@ def online(p, silos=(1, 2), own=True, now=1.0):
     return actions
 
 
-def update(rank, round_idx, value, now=2.0, declared=None):
-    return Update(now, rank, round_idx, TRAIN[rank] if declared is None else declared, {"w": torch.full((2,), value)})
+def update(rank, round_idx, value, now=2.0, declared=None, training=None):
+    model = {"w": torch.full((2,), value)}
+    return Update(now, rank, round_idx, TRAIN[rank] if declared is None else declared, model, training=training)
 
 
 def test_a_data_owner_run_from_announcements_to_the_end_with_no_process():
@@ -205,6 +206,17 @@ def test_a_false_sample_count_is_refused_and_its_update_rejected():
     assert records(actions, "record_rejected_update") == [(0,)]
     p.handle(update(2, 0, 3.0))
     assert model.aggregated == [(0, [1])]  # only silo 2's update is averaged
+
+
+def test_an_accepted_updates_training_figures_go_to_the_record_before_its_round_closes():
+    p, model = protocol()
+    online(p)
+    refused = p.handle(update(1, 0, 1.0, declared=2**31 - 1, training=[9.0, 0.0]))
+    assert records(refused, "record_training") == []  # a refused update's figures are not kept
+    actions = p.handle(update(2, 0, 3.0, training=[0.5, 0.75]))
+    kinds = [a.method for a in actions if isinstance(a, Record)]
+    assert records(actions, "record_training") == [(0, 1, [0.5, 0.75])]  # round 0, user 1 (silo rank 2)
+    assert kinds.index("record_training") < kinds.index("round_finished")
 
 
 def test_a_silo_must_report_exactly_the_algorithms_own_figures():

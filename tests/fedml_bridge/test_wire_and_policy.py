@@ -108,6 +108,12 @@ def test_bytes_that_are_not_a_message_are_rejected_without_running_anything(data
         (lambda h: h["params"][wire.SILO_METRICS].update(own={}), "plugin_silo_metrics"),
         (lambda h: h["params"][wire.SILO_METRICS].update(own={f"m{i}": 0.0 for i in range(17)}), "plugin_silo_metrics"),
         (lambda h: h["params"][wire.SILO_METRICS].update(own=[["m", 1.0]]), "plugin_silo_metrics"),
+        # a silo's training figures: [loss >= 0, accuracy in [0, 1] or null]
+        (lambda h: h["params"].update(plugin_training=[-0.5, 0.5]), "plugin_training"),
+        (lambda h: h["params"].update(plugin_training=[0.5, 1.5]), "plugin_training"),
+        (lambda h: h["params"].update(plugin_training=[0.5]), "plugin_training"),
+        (lambda h: h["params"].update(plugin_training={"loss": 0.5}), "plugin_training"),
+        (lambda h: h["params"].update(plugin_training=[1e400, 0.5]), "Infinity is not a JSON number"),
         (lambda h: h.update(tensors=["w", "b"]), "tensor names in the header and in the tensors differ"),
         (lambda h: h.update(tensors="w"), "list of at most 100000 distinct strings"),
         (lambda h: h.update(extra=1), "header fields"),
@@ -116,6 +122,13 @@ def test_bytes_that_are_not_a_message_are_rejected_without_running_anything(data
 def test_headers_outside_the_schema_are_rejected(edit, why):
     with pytest.raises(wire.Rejected, match=why):
         wire.decode(reencode(wire.encode(_upload()), edit), 1 << 20)
+
+
+def test_an_upload_carries_its_training_figures():
+    for figures in ([0.7, 0.25], [2.3, None]):
+        sent = _upload()
+        sent.params[wire.TRAINING] = figures
+        assert wire.decode(wire.encode(sent), 1 << 20).params[wire.TRAINING] == figures
 
 
 def test_a_silos_counts_carry_its_algorithms_own_figures():

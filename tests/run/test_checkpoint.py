@@ -42,6 +42,9 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, monkeypatch)
     strip = lambda h: [{k: v for k, v in e.items() if not k.endswith("_seconds")} for e in h]  # noqa: E731
     assert strip(full.summary["history"]) == strip(resumed.summary["history"])
     assert resumed.summary["per_user_accuracy"] == full.summary["per_user_accuracy"]
+    # the rounds' training figures before the checkpoint come back with it, none counted twice
+    assert [t["round"] for t in full.summary["train_history"]] == list(range(6))
+    assert resumed.summary["train_history"] == full.summary["train_history"]
 
 
 def test_same_config_and_seed_give_bit_identical_results(tmp_path):

@@ -32,6 +32,7 @@ def test_every_use_is_counted_and_epsilon_is_opacus_on_those_uses(tmp_path, vari
     config = _config(perfedavg_variant=variant)
     result = run(config, str(tmp_path / "run"), data=tiny_data())
     privacy = result.summary["privacy"]
+    assert result.summary["train_history"] == []  # the local steps' losses are the private data's: not released
     rounds, tau, evaluations = config.comm_round, config.local_steps, [0, 2, 4, 5]
     assert [e["round"] for e in result.summary["history"]] == evaluations
     sampled = {u: 0 for u in range(6)}

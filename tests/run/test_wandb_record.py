@@ -1,5 +1,6 @@
 """An offline wandb run read back with wandb's own reader: config, tags and group, one history
-row per evaluation, and the per-user table."""
+row per round (the training figures, under the plugin's and FedML's keys) with each evaluation's
+figures in its round's row, and the per-user table."""
 
 import json
 
@@ -47,11 +48,23 @@ def test_offline_run_reads_back_with_wandbs_reader(tmp_path, monkeypatch):
         for r in records
         if r.WhichOneof("record_type") == "history"
     ]
+    # every round: its clients' training figures, as the plugin and FedML name them
+    training = result.summary["train_history"]
+    assert [int(row["_step"]) for row in rows] == [t["round"] for t in training] == list(range(6))
+    for row, expected in zip(rows, training):
+        assert int(row["round"]) == expected["round"]
+        assert float(row["Train/Loss"]) == float(row["train/loss"]) == pytest.approx(expected["train_loss"])
+        assert float(row["Train/Acc"]) == float(row["train/accuracy"]) == pytest.approx(expected["train_accuracy"])
+        assert 0.0 < expected["train_loss"] < 10.0 and expected["train_clients"] == config.client_num_per_round
+    # the evaluations, in their rounds' rows: FedML's Test/* keys are the personalized figures
+    evaluated = [row for row in rows if "eval/personalized_accuracy" in row]
     evaluations = result.summary["history"]
-    assert [int(row["_step"]) for row in rows] == [h["round"] for h in evaluations] == [0, 2, 4, 5]
-    for row, expected in zip(rows, evaluations):
+    assert [int(row["_step"]) for row in evaluated] == [h["round"] for h in evaluations] == [0, 2, 4, 5]
+    for row, expected in zip(evaluated, evaluations):
         for key in ("personalized_accuracy", "accuracy_before_adaptation", "stationarity", "train_seconds"):
             assert float(row[f"eval/{key}"]) == pytest.approx(expected[key])
+        assert float(row["Test/Acc"]) == pytest.approx(expected["personalized_accuracy"])
+        assert float(row["Test/Loss"]) == pytest.approx(expected["personalized_loss"])
 
     (table_file,) = (folder / "files").rglob("per_user_accuracy_*.table.json")
     table = json.loads(table_file.read_text())
@@ -75,6 +88,11 @@ def test_grid_mode_runs_write_the_same_wandb_records_at_the_end(tmp_path, monkey
         rows = [
             {i.key: i.value_json for i in r.history.item} for r in records if r.WhichOneof("record_type") == "history"
         ]
+        assert [int(row["_step"]) for row in rows] == list(range(6))
+        assert [float(row["Train/Loss"]) for row in rows] == pytest.approx(
+            [t["train_loss"] for t in result.summary["train_history"]]
+        )
+        rows = [row for row in rows if "eval/personalized_accuracy" in row]
         assert [int(row["_step"]) for row in rows] == [0, 2, 4, 5]
         assert [float(row["eval/personalized_accuracy"]) for row in rows] == pytest.approx(
             [h["personalized_accuracy"] for h in result.summary["history"]]

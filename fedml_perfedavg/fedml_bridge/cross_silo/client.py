@@ -37,7 +37,7 @@ import logging
 import math
 import platform
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from ...core.errors import SiloFailure
 from ...core.privacy import silo_report
@@ -71,6 +71,15 @@ class PluginFedMLTrainer(FedMLTrainer):
     def update_dataset(self, client_index):
         super().update_dataset(client_index)
         self.trainer.set_id(client_index)
+
+    def training_figures(self, round_idx: int) -> Optional[List[Any]]:
+        """The current user's training figures of round ``round_idx`` [loss, accuracy], where the
+        algorithm records them (not under DP-SGD: core/training_record.py) and this process trained it."""
+        algorithm = getattr(self.trainer, "algorithm", None)
+        if algorithm is None or not algorithm.reports_training:
+            return None
+        rows = algorithm.training.of(round_idx, [int(self.client_index)])
+        return rows[0][1:] if rows else None
 
     def evaluate(self, round_idx: int, received: bool = False) -> Dict[str, Any]:
         """The personalized evaluation of the current model on the current user's test split, as
@@ -433,6 +442,9 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, weights)
         message.add_params(MyMessage.MSG_ARG_KEY_NUM_SAMPLES, samples)
         message.add_params(wire.SILO_METRICS, counts)
+        training = self.trainer.training_figures(round_idx)
+        if training is not None:
+            message.add_params(wire.TRAINING, training)
         self._send_or_rejoin(message, f"its update for round {round_idx}")
 
     def _own_round(self, round_idx: int, received: Any) -> Any:

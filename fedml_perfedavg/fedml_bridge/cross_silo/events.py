@@ -36,7 +36,8 @@ class Hello:
 @dataclass(frozen=True)
 class Update:
     """A silo's update for round ``stamped``, declaring ``declared`` training samples, with its own
-    evaluation ``counts`` of the model it received (shared mode)."""
+    evaluation ``counts`` of the model it received (shared mode) and its ``training`` figures
+    [loss, accuracy] (training_record.py; checked by the wire's schema)."""
 
     now: float
     silo: int
@@ -44,6 +45,7 @@ class Update:
     declared: Any
     model: Any
     counts: Optional[Dict[str, Any]] = None
+    training: Optional[List[Any]] = None
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ class SiloServerProtocol:
             self._on_tick(now)
         elif isinstance(event, Update):
             u = event
-            self._after(now, self.rounds.on_update(now, u.silo, u.stamped, u.declared, u.model, u.counts))
+            self._after(now, self.rounds.on_update(now, u.silo, u.stamped, u.declared, u.model, u.counts, u.training))
         elif isinstance(event, SecAggMessage):
             e = event
             self._after(now, self.rounds.on_secagg(now, e.silo, e.kind, e.stamped, e.params, e.model, e.size))

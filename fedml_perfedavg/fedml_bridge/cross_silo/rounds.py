@@ -66,8 +66,10 @@ class RoundAggregation(Protocol):
     def terms(self, silo: int) -> Optional[Dict[str, Any]]:
         """What goes to ``silo`` with the round's model, beside it (None: nothing)."""
 
-    def on_update(self, now: float, silo: int, stamped: Any, declared: Any, model: Any, counts: Any) -> bool:
-        """A silo's update in the clear."""
+    def on_update(
+        self, now: float, silo: int, stamped: Any, declared: Any, model: Any, counts: Any, training: Any = None
+    ) -> bool:
+        """A silo's update in the clear (``training``: its training figures, or None)."""
 
     def on_secagg(self, now: float, silo: int, kind: int, stamped: Any, params: Any, model: Any, size: int) -> bool:
         """A silo's message of a secure-aggregation stage."""
@@ -95,13 +97,18 @@ class ClearAggregation:
     def terms(self, silo: int) -> Optional[Dict[str, Any]]:
         return None
 
-    def on_update(self, now: float, silo: int, stamped: Any, declared: Any, model: Any, counts: Any) -> bool:
+    def on_update(
+        self, now: float, silo: int, stamped: Any, declared: Any, model: Any, counts: Any, training: Any = None
+    ) -> bool:
         r = self.rounds
         if r.clock.phase is not Phase.TRAINING or not r.round.takes(silo, stamped):
             again = "; it already sent one" if silo in r.round.answered else ""
             return r.ignore(now, "an update", silo, stamped, again)
         if r.round.take(silo, declared, model, r.roster, r.outbox.refuse):
             r.figures.note(silo, counts, r.round.user_of(silo), r.round_idx)
+            user = r.round.user_of(silo)
+            if training is not None and user is not None:  # an accepted update's figures only
+                r.outbox.record("record_training", r.round_idx, user, training)
         else:
             r.outbox.record("record_rejected_update", r.round_idx)
         if r.round.answered_by_all():
@@ -263,10 +270,12 @@ class SiloRounds:
             return self.close_evaluation(now, None)
         return False
 
-    def on_update(self, now: float, silo: int, stamped: Any, declared: Any, model: Any, counts: Any) -> bool:
+    def on_update(
+        self, now: float, silo: int, stamped: Any, declared: Any, model: Any, counts: Any, training: Any = None
+    ) -> bool:
         """``silo``'s update for round ``stamped``, declaring ``declared`` samples, with its own
-        evaluation ``counts`` of the model it received (shared mode)."""
-        return self.aggregation.on_update(now, silo, stamped, declared, model, counts)
+        evaluation ``counts`` of the model it received (shared mode) and its training figures."""
+        return self.aggregation.on_update(now, silo, stamped, declared, model, counts, training)
 
     def on_secagg(self, now: float, silo: int, kind: int, stamped: Any, params: Any, model: Any, size: int) -> bool:
         """``silo``'s message of a secure-aggregation stage for round ``stamped``."""

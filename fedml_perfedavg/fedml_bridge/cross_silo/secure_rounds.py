@@ -372,7 +372,9 @@ class SecureAggregation:
     def terms(self, silo: int) -> Optional[Dict[str, Any]]:
         return {wire.SECAGG: self.secure.terms(silo)}
 
-    def on_update(self, now: float, silo: int, stamped: Any, declared: Any, model: Any, counts: Any) -> bool:
+    def on_update(
+        self, now: float, silo: int, stamped: Any, declared: Any, model: Any, counts: Any, training: Any = None
+    ) -> bool:
         r = self.rounds
         if r.clock.phase is Phase.TRAINING and not self.closed:
             why = f"round {r.round_idx}: silo rank {silo} sent its update in the clear; this run aggregates securely"

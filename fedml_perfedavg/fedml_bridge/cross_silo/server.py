@@ -40,6 +40,7 @@ RECORDS = frozenset(
         "record_rejected_update",
         "record_refusals",
         "record_secure_round",
+        "record_training",
     }
 )
 
@@ -220,6 +221,7 @@ class PluginServerManager(FedMLServerManager):
                 msg_params.get(MyMessage.MSG_ARG_KEY_NUM_SAMPLES),
                 msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS),
                 msg_params.get(wire.SILO_METRICS),
+                msg_params.get(wire.TRAINING),
             )
         )
 

@@ -29,6 +29,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from ...core.evaluation import MAX_OWN_METRICS
+from ...core.training_record import valid_figures
 
 MAGIC = b"PFAWIRE2"
 _LENGTH = struct.Struct(">I")
@@ -37,6 +38,7 @@ MAX_BRACKETS = 256  # a header of the protocol nests a handful of lists and mapp
 MAX_TENSORS = 100_000
 MODEL_KEY = "model_params"  # FedML's MyMessage.MSG_ARG_KEY_MODEL_PARAMS
 SILO_METRICS = "plugin_silo_metrics"  # a silo's personalized evaluation: counts, never ratios (see _counts)
+TRAINING = "plugin_training"  # a silo's training figures of its update: [loss, accuracy] (training_record.py)
 HELLO = "plugin_hello"  # what a silo announces when it comes online (fedml_bridge/cross_silo/agreement.py)
 REASON = "plugin_reason"  # why the server ends the run early, or a silo's part, on FINISH
 REFUSED = "plugin_refused"  # on FINISH: the server refused this silo (its announcement), REASON says why
@@ -354,7 +356,7 @@ SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
         REFUSED: (_flag, False),
     },
     EVALUATE: {"client_idx": (_digits, True)},
-    UPLOAD: {"num_samples": (_count, True), SILO_METRICS: (_counts, False)},
+    UPLOAD: {"num_samples": (_count, True), SILO_METRICS: (_counts, False), TRAINING: (valid_figures, False)},
     CLIENT_STATUS: {
         "client_status": (_status, True),
         "client_os": (_text, False),
