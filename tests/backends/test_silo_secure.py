@@ -253,7 +253,7 @@ def _lying_server_run(mnist_root, tmp_path, lie, per_round):
         "client_num_in_total": 4,
         "client_num_per_round": per_round,
         "comm_round": 1,
-        "round_timeout": 3,  # the silos refuse at once; the round then ends at its deadline
+        "round_timeout": 3,  # the silos refuse at once and say so; a silent one would be given up on here
         "min_clients_per_round": 1,
     }
     outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={0: lie}), timeout=200)
@@ -284,6 +284,9 @@ def test_a_server_that_asks_for_a_threshold_of_two_gets_no_masked_input(mnist_ro
     for rank in range(1, 5):
         assert "the server's threshold 2 is not this run's (3)" in outs[rank], outs[rank][-3000:]
         assert "it sends no update this round" in outs[rank]
+        # and says so: the server's operator reads each silo's reason, at once, not a missed deadline
+        declined = f"silo rank {rank} declined round 0: silo rank {rank}: the server's threshold 2"
+        assert declined in outs[0], outs[0][-3000:]
 
 
 @needs_mnist

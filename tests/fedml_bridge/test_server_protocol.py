@@ -24,6 +24,7 @@ from fedml_perfedavg.fedml_bridge.cross_silo.events import (
     Record,
     Refuse,
     Send,
+    SiloDeclined,
     Stopped,
     Tick,
     Undelivered,
@@ -195,6 +196,31 @@ def test_a_silo_the_models_cannot_reach_is_given_up_on_at_once():
     assert records(actions, "record_lost_silos")[0][1] == [2]
     assert records(actions, "round_finished") == []  # silo 1 still owes its update
     assert records(p.handle(update(1, 0, 1.0)), "round_finished")[0][0] == 0
+
+
+def test_a_silo_that_declines_its_round_is_given_up_on_at_once_told_and_named():
+    p, model = protocol(timeout=30.0)
+    online(p)
+    actions = p.handle(SiloDeclined(2.0, 2, "silo rank 2: the model is not round 0's"))
+    ((round_idx, lost, why),) = records(actions, "record_lost_silos")
+    assert (round_idx, lost) == (0, [2]) and why == "declined round 0: silo rank 2: the model is not round 0's"
+    (told,) = sends(actions, NOTICE)  # told it was left out: it announces itself again for a later round
+    assert told.silo == 2 and told.kind == wire.CHECK_STATUS and told.left_out
+    assert records(actions, "round_finished") == []  # silo 1 still owes its update, not the deadline
+    assert records(p.handle(update(1, 0, 1.0, now=3.0)), "round_finished")[0][0] == 0
+    assert model.aggregated == [(0, [0])]
+    # a decline of a round it is no longer awaited in, or outside a round, changes nothing
+    assert records(p.handle(SiloDeclined(3.5, 2, "again")), "record_lost_silos") == []
+
+
+def test_a_declining_silo_the_round_cannot_do_without_ends_the_run_with_its_reason():
+    p, _ = protocol(min_clients=2)
+    online(p)
+    actions = p.handle(SiloDeclined(2.0, 1, "silo rank 1: its DP budget is spent"))
+    assert isinstance(actions[-1], Fail) and "declined round 0: silo rank 1: its DP budget is spent" in str(
+        actions[-1].error
+    )
+    assert p.phase is Phase.DONE
 
 
 def test_a_false_sample_count_is_refused_and_its_update_rejected():

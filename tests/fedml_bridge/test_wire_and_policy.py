@@ -197,3 +197,11 @@ def test_policy_goes_on_only_with_enough_silos():
     assert policy.after_deadline([1, 2, 3], [3, 1]) == (True, [2])
     assert policy.after_deadline([1, 2, 3], [1]) == (False, [2, 3])
     assert policy.after_deadline([1, 2], [1, 2]) == (True, [])
+
+
+@pytest.mark.parametrize("status", ["ONLINE", "FINISHED", wire.FAILED, wire.LEAVING, wire.DECLINED])
+def test_a_silos_status_and_reason_round_trip_and_other_words_are_refused(status):
+    sent = _upload(type=wire.CLIENT_STATUS, params={"client_status": status, wire.REASON: "silo rank 1: why"})
+    assert wire.decode(wire.encode(sent), 1 << 20).params == sent.params
+    with pytest.raises(wire.Rejected, match="client_status"):
+        wire.decode(reencode(wire.encode(sent), lambda h: h["params"].update(client_status=status + "!")), 1 << 20)

@@ -212,6 +212,15 @@ class SecureSiloMessages:
     def _send_or_rejoin(self, message: Message, what: str) -> None:
         raise NotImplementedError  # PluginClientMasterManager's
 
+    def _decline(self, round_idx: int, reason: str) -> None:
+        """Tell the server that this silo's own checks refused round ``round_idx``, and why, so the
+        round goes on without it now rather than at its deadline, and the server's operator reads
+        the cause (the refusal itself is this silo's: nothing of its data goes with it)."""
+        message = Message(MyMessage.MSG_TYPE_C2S_CLIENT_STATUS, self.client_real_id, 0)
+        message.add_params(MyMessage.MSG_ARG_KEY_CLIENT_STATUS, wire.DECLINED)
+        message.add_params(wire.REASON, f"silo rank {self.rank}: {reason}"[:2000])
+        self._send_or_rejoin(message, f"its refusal of round {round_idx}")
+
     def _secure_round(self, round_idx: int, terms: Any, received: Any, trained: Any) -> Optional[SecureSiloRound]:
         """This silo's part of the round's secure aggregation, its update clipped and encoded;
         None (logged) when the server's terms are not this run's."""
@@ -228,6 +237,7 @@ class SecureSiloMessages:
             )
         except SecAggError as err:
             logger.error("silo rank %d: round %d: %s; it sends no update this round", self.rank, round_idx, err)
+            self._decline(round_idx, str(err))
             return None
 
     def _on_secagg(self, msg_params: Message) -> None:
@@ -249,6 +259,7 @@ class SecureSiloMessages:
                 "silo rank %d: round %d: %s; it leaves this round's secure aggregation", self.rank, round_idx, err
             )
             self.secure = None
+            self._decline(round_idx, str(err))
             return
         self._send_secagg(answer, params, round_idx, tensors)
 
@@ -415,6 +426,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
                 msg_params.get(SESSION_KEY),
                 refusal,
             )
+            self._decline(round_idx, refusal)
             return
         if stored is not None:
             logger.warning(

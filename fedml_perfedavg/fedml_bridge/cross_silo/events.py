@@ -92,6 +92,16 @@ class SiloFailed:
 
 
 @dataclass(frozen=True)
+class SiloDeclined:
+    """A silo's own checks refused the round the server sent it (a model, terms or schedule that
+    are not this run's, a spent DP budget), and why: the round goes on without it now."""
+
+    now: float
+    silo: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed with nothing received: a deadline may have passed."""
 

@@ -70,6 +70,7 @@ from .events import (
     Listening,
     Outbox,
     SecAggMessage,
+    SiloDeclined,
     SiloFailed,
     Stopped,
     Tick,
@@ -81,7 +82,7 @@ from .awaited import OpenRound, SiloOwnEvaluations
 from .phases import Phase, PhaseClock
 from .policy import FINISH_SECONDS, NOTICE_SECONDS, SiloPolicy
 from .roster import SiloRoster
-from .rounds import GlobalModel, RoundPlan, SiloRounds, silo_failed
+from .rounds import GlobalModel, RoundPlan, SiloRounds, silo_declined, silo_failed
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,12 @@ class SiloServerProtocol:
             self._on_undelivered(now, Undelivered(now, FINAL, {event.silo: f"silo rank {event.silo} failed"}))
         elif isinstance(event, SiloFailed) and self.phase is not Phase.DONE:  # the run goes on without it now
             self._after(now, silo_failed(self.rounds, now, event.silo, event.reason, stopped=event.stopped))
+        elif isinstance(event, SiloDeclined):  # the round goes on without it now; outside a round, noted
+            if self.phase is Phase.TRAINING:
+                self._after(now, silo_declined(self.rounds, now, event.silo, event.reason))
+            else:
+                phase, reason = self.phase.value, event.reason
+                logger.warning("ignored a refusal from silo rank %d (the server is %s): %s", event.silo, phase, reason)
         elif isinstance(event, Undelivered):
             self._on_undelivered(now, event)
         elif isinstance(event, Listening):

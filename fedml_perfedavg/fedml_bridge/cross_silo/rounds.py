@@ -342,9 +342,29 @@ def silo_failed(rounds: SiloRounds, now: float, silo: int, reason: str, stopped:
             f"silo rank(s) {rounds.averaged_from}: a diverging model is not this silo's doing alone)"
         )
     logger.log(logging.WARNING if stopped else logging.ERROR, "silo rank %d %s", silo, why)
+    return _without(rounds, now, silo, why)
+
+
+def _without(rounds: SiloRounds, now: float, silo: int, why: str) -> bool:
+    """Give up on ``silo`` now (``why``); the run stops if the open round cannot do without it."""
     go_on = True
     if rounds.clock.phase is Phase.TRAINING and silo in rounds.round.assigned:
         others = [s for s in rounds.round.assigned if s != silo]
         go_on = rounds.members.policy.after_deadline(rounds.round.expected, others)[0]
     rounds.give_up_on([silo], why, go_on)
     return rounds.close_if_complete(now)
+
+
+def silo_declined(rounds: SiloRounds, now: float, silo: int, reason: str) -> bool:
+    """``silo``'s own checks refused the open round (a model, terms or schedule that are not this
+    run's, a spent DP budget; ``reason`` is its words): the round goes on without it now, by the
+    rule for a silo that misses a deadline, rather than at the deadline; the silo is told it was
+    left out, announces itself again and takes part from a later round. A decline of a round the
+    silo is not awaited in (late, or sent twice) changes nothing. True once the last round closed."""
+    if rounds.clock.phase is not Phase.TRAINING or silo not in rounds.round.assigned:
+        return rounds.ignore(now, "a refusal", silo, rounds.round_idx, f"; it said: {reason}"[:300])
+    why = f"declined round {rounds.round_idx}: {reason}"
+    logger.error("silo rank %d %s", silo, why)
+    closed = _without(rounds, now, silo, why)
+    rounds.members.tell_if_left_out(now, rounds.round_idx, silo)
+    return closed

@@ -13,7 +13,7 @@ from ..trainer_aggregator import aggregate_with_hooks
 from . import readiness
 from .agreement import SiloSetup
 from .events import NOTICE, Action, EndRun, Fail, Finish, Goodbye, Hello, Listening, Record, Refuse, Send
-from .events import Evaluation, SecAggMessage, SiloFailed, Stopped, Tick, Undelivered, Update
+from .events import Evaluation, SecAggMessage, SiloDeclined, SiloFailed, Stopped, Tick, Undelivered, Update
 from .server_sends import ServerSends
 from .phases import Phase
 from .policy import SiloPolicy
@@ -211,6 +211,8 @@ class PluginServerManager(FedMLServerManager):
             self._handle(SiloFailed(now, silo, str(msg_params.get(wire.REASON) or "no reason given")))
         elif status == wire.LEAVING:
             self._handle(SiloFailed(now, silo, str(msg_params.get(wire.REASON) or "stopped"), stopped=True))
+        elif status == wire.DECLINED:
+            self._handle(SiloDeclined(now, silo, str(msg_params.get(wire.REASON) or "no reason given")))
 
     def _on_update(self, msg_params: Message) -> None:
         self._handle(

@@ -334,11 +334,12 @@ def _secagg_terms(value: Any) -> bool:
 
 
 FAILED = "FAILED"  # a silo's last word: it fails, and why (REASON)
+DECLINED = "DECLINED"  # a silo's own checks refused the round the server sent, and why (REASON); it stays
 LEAVING = "LEAVING"  # a silo's last word when its process is stopped (SIGINT, SIGTERM): given up on at once
 
 
 def _status(value: Any) -> bool:
-    return value in ("ONLINE", "FINISHED", FAILED, LEAVING)
+    return value in ("ONLINE", "FINISHED", FAILED, LEAVING, DECLINED)
 
 
 def _flag(value: Any) -> bool:
