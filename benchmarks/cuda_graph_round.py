@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--synthetic", action="store_true")
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--blocks", type=int, default=5, help="alternating timed blocks of each kind")
+    parser.add_argument("--block-rounds", type=int, default=20, help="rounds in a timed block")
     parser.add_argument("--out", default=str(cuda_check.REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -158,18 +160,16 @@ def main(argv=None) -> int:
     # speed, alternating blocks of rounds (the host behind a lent GPU drifts)
     blocks: Dict[str, list] = {"eager_ms": [], "graph_block_ms": [], "graph_synchronised_ms": [], "host_index_ms": []}
     counter = iter(range(args.rounds, 10**6))
-    for _ in range(5):
-        blocks["eager_ms"].append(block_ms(lambda r: eager.train_round(r), [next(counter) for _ in range(20)], device))
-        blocks["graph_block_ms"].append(block_ms(graph.round, [next(counter) for _ in range(20)], device))
-        per_round = []
-        for _ in range(20):
-            r = next(counter)
-            per_round.append(block_ms(graph.round, [r], device))
+    size = args.block_rounds
+    for _ in range(args.blocks):
+        blocks["eager_ms"].append(block_ms(eager.train_round, [next(counter) for _ in range(size)], device))
+        blocks["graph_block_ms"].append(block_ms(graph.round, [next(counter) for _ in range(size)], device))
+        per_round = [block_ms(graph.round, [next(counter)], device) for _ in range(size)]
         blocks["graph_synchronised_ms"].append(statistics.median(per_round))
         start = time.perf_counter()
-        for _ in range(20):
+        for _ in range(size):
             graph.index_of(next(counter))
-        blocks["host_index_ms"].append((time.perf_counter() - start) * 1000 / 20)
+        blocks["host_index_ms"].append((time.perf_counter() - start) * 1000 / size)
     results.update({k: statistics.median(v) for k, v in blocks.items()})
     results["blocks"] = blocks
     Path(args.out).mkdir(parents=True, exist_ok=True)
