@@ -322,7 +322,18 @@ class RunRecorder:
             if self._wandb is not None:
                 self._wandb.log_training(round_idx, training)
         if self._bar is not None:
+            if training is not None:
+                self._bar.set_postfix(self._postfix(), refresh=False)
             self._bar.update(self.rounds_done - self._bar.n)
+
+    def _postfix(self) -> Dict[str, str]:
+        """The progress bar's figures: the last round's training loss, the last evaluation's accuracy."""
+        figures = {}
+        if self.train_history:
+            figures["loss"] = f"{self.train_history[-1]['train_loss']:.4f}"
+        if self.history and self.history[-1].get("personalized_accuracy") is not None:
+            figures["pers_acc"] = f"{self.history[-1]['personalized_accuracy']:.4f}"
+        return figures
 
     def headline(self, result: EvaluationResult) -> Dict[str, float]:
         """The metrics of ``result`` as the run reports them (training users; new users apart)."""
@@ -388,7 +399,7 @@ class RunRecorder:
             logger.info("round %d: ||grad F(w)||^2 = %.4g", round_idx, metrics["stationarity"])
         log_per_user(round_idx, result, metrics, per_user_epsilons(self.privacy))
         if self._bar is not None:
-            self._bar.set_postfix(pers_acc=f"{metrics['personalized_accuracy']:.4f}")
+            self._bar.set_postfix(self._postfix())
         # Kept current, so a process killed without warning (SIGKILL, MPI_Abort) loses nothing measured.
         write_json(os.path.join(self.run_dir, "summary.json"), self.summary(status="running"))
         if self._wandb is not None:

@@ -109,6 +109,15 @@ def describe_run(path: str, summary: Dict[str, Any]) -> str:
         f"(before adaptation {_percent(summary.get('accuracy_before_adaptation'))}%) "
         f"at round {summary.get('headline_round')}"
     )
+    training = summary.get("train_history") or []
+    if training:  # the last round's training figures (its clients' local steps on their minibatches)
+        last = training[-1]
+        accuracy = last.get("train_accuracy")
+        lines.append(
+            f"  training loss {_figure(last.get('train_loss'))}"
+            + (f", accuracy {_percent(accuracy)}%" if accuracy is not None else "")
+            + f" in round {last.get('round')} ({last.get('train_clients')} clients' local steps)"
+        )
     own: Dict[str, List[Any]] = summary.get("per_user_metrics") or {}
     if own:
         means = summary.get("own_metrics") or {}

@@ -190,6 +190,10 @@ def test_show_prints_a_run_and_compares_runs(tmp_path, capsys):
             lost_silos=[{"rank": 2, "round": 1, "why": "gone"}],
             config={"train_args": {"federated_optimizer": "FedAvgUpdate"}},
             personalized_accuracy=0.6,
+            train_history=[
+                {"round": 2, "train_loss": 2.5, "train_accuracy": 0.25, "train_clients": 10},
+                {"round": 3, "train_loss": 1.234, "train_accuracy": 0.5625, "train_clients": 10},
+            ],
         ),
     }.items():
         (tmp_path / name).mkdir()
@@ -199,8 +203,10 @@ def test_show_prints_a_run_and_compares_runs(tmp_path, capsys):
     assert "PerFedAvg (hf), finished, 4 rounds" in out
     assert "personalized accuracy 75.00% (before adaptation 50.00%) at round 3" in out
     assert "     0   50.00    25.00\n" in out and "     1  100.00    75.00  (new user)" in out
+    assert "training loss" not in out  # a run that recorded none says nothing of it
     assert main(["show", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
+    assert "  training loss 1.234, accuracy 56.25% in round 3 (10 clients' local steps)" in out
     assert "ended by: silo rank(s) [2] sent no update" in out and "lost silo rank 2 in round 1: gone" in out
     assert main(["show", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     lines = capsys.readouterr().out.splitlines()
