@@ -19,11 +19,11 @@ import functools
 import importlib
 import logging
 from importlib.metadata import entry_points
-from typing import Any, Dict, List, Type
+from typing import Any, Dict, List, Optional, Type
 
 from torch import nn
 
-from ..core.settings import settings_of
+from ..core.settings import declaration, settings_of
 from .base import FederatedAlgorithm
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,30 @@ def register(name: str, cls: Type[FederatedAlgorithm]) -> None:
         raise ValueError(f"{name!r} is FedML's own algorithm name; register under another name")
     if not (isinstance(cls, type) and issubclass(cls, FederatedAlgorithm)):
         raise TypeError(f"{cls!r} is not a FederatedAlgorithm subclass")
+    for other in algorithm_names():
+        if other != name:
+            clash = settings_clash(
+                name, {f.name: f for f in settings_of(cls.Settings)}, other, algorithm_settings(other)
+            )
+            if clash is not None:
+                raise TypeError(clash)
     _REGISTERED[name] = cls
+
+
+def settings_clash(
+    name: str, mine: Dict[str, dataclasses.Field], other: str, theirs: Dict[str, dataclasses.Field]
+) -> Optional[str]:
+    """Why algorithms ``name`` and ``other`` cannot both be offered: a key of their own settings
+    (one flat ``train_args`` namespace) that each declares with another meaning; None if none. One
+    key may serve two algorithms only as one declaration (kind, default, choices, rule, section)."""
+    for key, f in mine.items():
+        if key in theirs and declaration(f) != declaration(theirs[key]):
+            return (
+                f"algorithm {name!r} declares the setting {key!r} as {declaration(f)}; algorithm {other!r} declares "
+                f"it as {declaration(theirs[key])}: a key means one thing in train_args (name yours after "
+                f"the algorithm, or declare it exactly as {other!r} does)"
+            )
+    return None
 
 
 @functools.lru_cache(maxsize=None)

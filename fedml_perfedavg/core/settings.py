@@ -12,7 +12,7 @@ import difflib
 import math
 from dataclasses import field
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 from .errors import ConfigError
 
@@ -111,6 +111,21 @@ def check_value(f: dataclasses.Field, value: Any) -> Any:
     if meta["check"] is not None and not meta["check"](value):
         raise ConfigError(f"{where}: must be {meta['rule']}")
     return value
+
+
+def declaration(f: dataclasses.Field) -> Dict[str, Any]:
+    """What a setting means, for comparing two declarations of one key: its kind, default,
+    choices, rule, whether it may be null, and its section (not its help text)."""
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    meta = f.metadata
+    return {
+        "kind": getattr(meta.get("kind"), "__name__", meta.get("kind")),
+        "default": default,
+        "choices": meta.get("choices"),
+        "rule": meta.get("rule"),
+        "optional": meta.get("optional"),
+        "section": meta.get("section"),
+    }
 
 
 def settings_of(cls: Optional[type]) -> Tuple[dataclasses.Field, ...]:

@@ -34,6 +34,7 @@ from ..algorithms.registry import (
     algorithm_class,
     algorithm_names,
     algorithm_settings,
+    settings_clash,
     canonical_name,
 )
 from ..core.errors import ConfigError
@@ -551,9 +552,16 @@ def algorithm_fields(builtin_only: bool = False) -> Dict[str, dataclasses.Field]
     """The algorithms' own settings by key (the built-ins, and unless ``builtin_only`` those
     registered so far)."""
     fields: Dict[str, dataclasses.Field] = {}
+    owners: Dict[str, str] = {}
     for name in BUILTIN_ALGORITHMS if builtin_only else algorithm_names():
-        for f in algorithm_settings(name).values():
-            fields.setdefault(f.name, f)
+        mine = algorithm_settings(name)
+        for key, f in mine.items():
+            if key in fields:  # an installed algorithm (an entry point) is not checked by register()
+                clash = settings_clash(name, {key: f}, owners[key], {key: fields[key]})
+                if clash is not None:
+                    raise TypeError(clash)
+                continue
+            fields[key], owners[key] = f, name
     return fields
 
 

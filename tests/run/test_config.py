@@ -314,3 +314,55 @@ def test_a_config_holds_and_records_its_own_algorithms_keys_alone():
     assert aruba.aruba_p == 2.0 and aruba.sections()["train_args"]["aruba_p"] == 2.0
     with pytest.raises(AttributeError):
         aruba.perfedavg_variant  # noqa: B018  not its key
+
+
+def test_an_algorithm_that_gives_a_taken_key_another_meaning_is_refused_naming_both(monkeypatch, fresh_entry_points):
+    """Algorithms' own settings share train_args: a key PerFedAvg declares (delta, 0.001, > 0)
+    cannot mean something else for another algorithm; the same declaration may be shared."""
+    from dataclasses import dataclass
+
+    from fedml_perfedavg.algorithms import FederatedAlgorithm, registry
+    from fedml_perfedavg.core.settings import NON_NEGATIVE, POSITIVE, setting
+
+    monkeypatch.setattr(registry, "_REGISTERED", {})
+
+    @dataclass(frozen=True)
+    class Other:
+        delta: float = setting(float, 0.5, "Mine: another delta", rule=NON_NEGATIVE, section="train_args")
+
+    @dataclass(frozen=True)
+    class Same:
+        delta: float = setting(float, 0.001, "Shared: HF's width", rule=POSITIVE, section="train_args")
+
+    class Clashing(FederatedAlgorithm):
+        name = "Clashing"
+        Settings = Other
+
+    class Sharing(FederatedAlgorithm):
+        name = "Sharing"
+        Settings = Same
+
+    with pytest.raises(
+        TypeError,
+        match=r"algorithm 'Clashing' declares the setting 'delta' as .*'default': 0.5.*"
+        r"algorithm 'PerFedAvg' declares it as .*'default': 0.001",
+    ):
+        registry.register("Clashing", Clashing)
+    assert "Clashing" not in registry.algorithm_names()
+    registry.register("Sharing", Sharing)  # one declaration, two algorithms: allowed
+    assert resolve({}, {"federated_optimizer": "Sharing"}).federated_optimizer == "Sharing"
+
+    class FakeEntryPoint:  # an installed algorithm is checked when the settings are read
+        name = "Installed"
+
+        def load(self):
+            return Clashing
+
+    monkeypatch.setattr(
+        registry, "entry_points", lambda group: [FakeEntryPoint()] if group == registry.ENTRY_POINT_GROUP else []
+    )
+    registry._entry_points.cache_clear()
+    from fedml_perfedavg.run.config import algorithm_fields
+
+    with pytest.raises(TypeError, match="algorithm 'Installed' declares the setting 'delta'"):
+        algorithm_fields()
