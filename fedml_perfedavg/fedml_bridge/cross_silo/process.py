@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ...algorithms.base import RoundDriver
+from ...algorithms.base import SiloServerDriver
 from ...core.errors import ConfigError
 from ..bootstrap import import_fedml, replaced
 from .agreement import SiloSetup
@@ -39,7 +39,7 @@ class CrossSiloProcess:
         trainer: Any,
         aggregator: Any,
         policy: SiloPolicy,
-        driver: RoundDriver,
+        driver: SiloServerDriver,
         setup: SiloSetup,
     ) -> None:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model

@@ -5,7 +5,7 @@ import queue
 import time
 from typing import Any, Dict, List, Tuple
 
-from ...algorithms.base import RoundDriver
+from ...algorithms.base import SiloServerDriver
 from ...core.errors import ConfigError
 from ...secagg import vectors
 from ..bootstrap import import_fedml
@@ -29,7 +29,7 @@ from fedml.cross_silo.server.message_define import MyMessage  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-# What the protocol may ask of the run's record (the RoundDriver's methods).
+# What the protocol may ask of the run's record (the SiloServerDriver's methods).
 RECORDS = frozenset(
     {
         "round_finished",
@@ -122,7 +122,7 @@ class PluginServerManager(FedMLServerManager):
         backend: str = "GRPC",
         *,
         policy: SiloPolicy,
-        driver: RoundDriver,
+        driver: SiloServerDriver,
         setup: SiloSetup,
         start_round: int = 0,
         resumes: str = "",
