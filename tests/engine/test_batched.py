@@ -94,20 +94,27 @@ def test_batched_engine_equals_per_client_path_float64(optimizer, variant, try_h
         torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.backend  # torch.compile takes about 40 s here
+@pytest.mark.backend  # torch.compile takes about 40 s here (alone)
 def test_compiled_local_update_gives_the_eager_result(monkeypatch):
     calls = []
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or real_compile(fn, **kw))
-    config, users, model = _setup("PerFedAvg", "hf", compile_local_update=True)
-    algorithm = create_algorithm("PerFedAvg", model, config)
+    # two local steps: the second starts from the moved w, and the graph torch.compile unrolls
+    # (its compile time grows with tau: 56 s at three steps, 42 at two, on the 2-core machine)
+    config, users, model = _setup("PerFedAvg", "hf", compile_local_update=True, local_steps=2)
+    algorithm, one_by_one = (create_algorithm("PerFedAvg", model, config) for _ in range(2))
     start = copy.deepcopy(model.state_dict())
-    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    reference = per_client_rounds(one_by_one, users, start, config.comm_round)
     engine = BatchedSimulation(algorithm, users, start, Driver(algorithm), compile_local_update=True)
     assert calls == [{"mode": "default", "dynamic": False}]  # on the CPU; "reduce-overhead" on CUDA
     got = engine.run(0, config.comm_round)
     for k in got:
         torch.testing.assert_close(got[k], reference[k], rtol=1e-9, atol=1e-11)
+    # the compiled step records the clients' training figures, as each client alone does
+    compiled, alone = algorithm.training.take(config.comm_round - 1), one_by_one.training.take(config.comm_round - 1)
+    assert compiled["train_clients"] == alone["train_clients"] == 3
+    assert compiled["train_loss"] == pytest.approx(alone["train_loss"], rel=1e-9)
+    assert compiled["train_accuracy"] == pytest.approx(alone["train_accuracy"], abs=1e-12)
     with pytest.raises(ConfigError, match="device_args.compile_local_update=True: only the batched engine"):
         resolve({}, {"compile_local_update": True, "simulation_engine": "fedml"})
 
