@@ -84,10 +84,13 @@ def engine_for(
     device: torch.device,
     try_hand_batched: bool = True,
     compile_local_update: bool = False,
+    record_training: bool = True,
 ):
     algorithm = create_algorithm(config.federated_optimizer, model, config)
     state = {k: v.to(device) for k, v in model.state_dict().items()}
-    engine = BatchedSimulation(algorithm, users, state, Driver(algorithm), compile_local_update, try_hand_batched)
+    engine = BatchedSimulation(
+        algorithm, users, state, Driver(algorithm), compile_local_update, try_hand_batched, record_training
+    )
     return algorithm, engine
 
 
@@ -192,11 +195,10 @@ def speed(users: List[UserSplit], device: torch.device, repeats: int = 20) -> Di
                 lambda: engine.train_round(next(counter)), device, repeats
             )
             if method == "hf" and try_hand_batched:
-                # the same engine recording no training figures: what recording them costs
-                engine.reports_training = False
-                engine.step = engine._step_of(engine.plan)
+                # an engine recording no training figures: what recording them costs
+                _, plain = engine_for(config, users, model, device, record_training=False)
                 out["train_hf_default_no_training_figures_ms_per_round"] = timed_ms(
-                    lambda: engine.train_round(next(counter)), device, repeats
+                    lambda: plain.train_round(next(counter)), device, repeats
                 )
                 out["evaluation_50_users_ms"] = timed_ms(
                     lambda: algorithm.evaluate(0, engine.state, users), device, max(2, repeats // 2)

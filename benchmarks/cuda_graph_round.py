@@ -30,8 +30,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cuda_check  # noqa: E402  (its config, data and engine)
 
-from fedml_perfedavg.core.client_maths import LocalBatches  # noqa: E402
-from fedml_perfedavg.core.hand_batched import IndexedInputs  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 
 
@@ -41,12 +39,11 @@ class CapturedRounds:
     def __init__(self, engine, capture: bool) -> None:
         self.engine, self.algorithm = engine, engine.algorithm
         assert engine.hand_batched is not None, engine.plan.describe()
-        self.all_x, self.all_y = engine.minibatches.training_data
         params, _ = self.algorithm.split_state(engine.state)
         self.w = {k: v.detach().clone() for k, v in params.items()}  # the global model, updated in place
         index = self.index_of(0)
         self.clients = index.shape[1]
-        device = self.all_x.device
+        device = engine.minibatches.training_data[0].device
         self.index = index.to(device)  # (roles, clients, steps, batch): the graph's one input
         # two pinned host buffers in turn, each reused only once its last copy to the device ran
         on_cuda = device.type == "cuda"
@@ -72,13 +69,9 @@ class CapturedRounds:
         return torch.stack(self.engine.minibatches.batch_index(round_idx, clients))
 
     def step(self) -> None:
-        tensors = []
-        for role in range(self.index.shape[0]):
-            index = self.index[role]
-            inputs = IndexedInputs(self.all_x, index.transpose(0, 1).contiguous())
-            tensors += [inputs, self.all_y.index_select(0, index.reshape(-1)).view(index.shape)]
+        batches = self.engine.minibatches.gather(list(self.index), lazy_inputs=True)  # the engine's own gathers
         start = {k: v.unsqueeze(0).expand(self.clients, *v.shape) for k, v in self.w.items()}
-        trained = self.engine.train_from(start, LocalBatches(*tensors))
+        trained = self.engine.train_from(start, batches)
         for k, v in trained.items():
             self.w[k].copy_(v.mean(0))
 

@@ -31,10 +31,7 @@ def measure(users, device: torch.device, method: str, repeats: int) -> dict:
         config = cuda_check.config_for(method)
         torch.manual_seed(0)
         model = create_model("mlp", (1, 28, 28), 10, [80, 60])
-        _, engine = cuda_check.engine_for(config, users, model, device)
-        if not records:  # the same engine without the figures
-            engine.reports_training = False
-            engine.step = engine._step_of(engine.plan)
+        _, engine = cuda_check.engine_for(config, users, model, device, record_training=records)
         engines[records] = (engine, iter(range(10**6)))
     samples = {True: [], False: []}
     for repeat in range(repeats):

@@ -62,6 +62,7 @@ class BatchedSimulation:
         driver: RoundDriver,
         compile_local_update: bool = False,
         try_hand_batched: bool = True,
+        record_training: bool = True,
     ) -> None:
         self.algorithm = algorithm
         self.users = users
@@ -76,8 +77,10 @@ class BatchedSimulation:
         self.hand_batched: Optional[HandBatchedGradients] = (
             self.plan.hand_batched if self.plan.path is Path.HAND_BATCHED else None
         )
-        #: Whether the clients' training figures come with their updates (the algorithm's record keeps them).
-        self.reports_training = algorithm.reports_training and self.plan.together and not self.plan.whole_state
+        #: Whether the clients' training figures come with their updates (the algorithm's record keeps
+        #: them); ``record_training=False`` leaves them out (what recording costs, benchmarks).
+        together = self.plan.together and not self.plan.whole_state
+        self.reports_training = record_training and algorithm.reports_training and together
         self.step: Callable[[Params, LocalBatches], Trained] = self._step_of(self.plan)
         if compile_local_update and self.batched:
             # The round is thousands of tiny kernels: on a GPU, CUDA graphs ("reduce-overhead")
