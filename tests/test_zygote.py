@@ -16,7 +16,7 @@ from tests.helpers import REPO
 pytestmark = pytest.mark.backend
 
 
-def _start(forked: bool, action: str, tmp_path, **kwargs):
+def _start(forked: bool, action: str, tmp_path, prefix=(), **kwargs):
     popen = zygote.ForkedPopen if forked else zygote.FreshPopen
     env = {
         **os.environ,
@@ -26,7 +26,7 @@ def _start(forked: bool, action: str, tmp_path, **kwargs):
         **kwargs.pop("env", {}),
     }
     process = popen(
-        [sys.executable, str(zygote.PROBE), action],
+        [*prefix, sys.executable, str(zygote.PROBE), action],
         cwd=tmp_path,
         env=env,
         stdin=subprocess.PIPE,
@@ -43,7 +43,7 @@ def _both(action: str, tmp_path, **kwargs):
     """(fresh, forked): each process's (returncode, what it said of itself, the rest of stdout, stderr)."""
     results = []
     for forked in (False, True):
-        process = _start(forked, action, tmp_path, **kwargs)
+        process = _start(forked, action, tmp_path, **dict(kwargs))
         out, err = process.communicate(input="a line for stdin\n", timeout=60)
         first, _, rest = out.partition("\n")
         results.append((process.returncode, json.loads(first), rest, err))
@@ -67,10 +67,50 @@ def test_a_forked_process_sees_what_a_fresh_one_sees_and_ends_alike(tmp_path):
             "read": "a line for stdin",
             "main": "__main__",
             "path0": str(REPO / "tests"),
+            "netns": os.readlink("/proc/self/ns/net"),
+            "interfaces": sorted(name for _, name in __import__("socket").if_nameindex()),
         }
     )
     # without a session of its own, a process stays in its parent's
     assert _both("exit:0", tmp_path)[1][1]["leader"] is False
+
+
+def _network_namespace():
+    """A new network namespace's name (only loopback, down), or None where the machine gives none."""
+    import shutil
+    import uuid
+
+    name = f"pfa-zygote-{uuid.uuid4().hex[:6]}"
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return None
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True)
+    return name if made.returncode == 0 else None
+
+
+def test_a_command_under_ip_netns_exec_runs_in_that_namespace_forked_as_fresh(tmp_path):
+    """``ip netns exec NAME python ...`` is forked too: the child joins the namespace itself."""
+    name = _network_namespace()
+    if name is None:
+        pytest.skip("needs root and ip netns")
+    try:
+        veth = f"v{name[-6:]}"  # an interface only that namespace has
+        subprocess.run(["ip", "link", "add", veth, "type", "veth", "peer", "name", f"p{name[-6:]}"], check=True)
+        subprocess.run(["ip", "link", "set", veth, "netns", name], check=True)
+        fresh, forked = _both("exit:0", tmp_path, prefix=("ip", "netns", "exec", name))
+        assert fresh[0] == forked[0] == 0
+        assert fresh[1]["netns"] == forked[1]["netns"] != os.readlink("/proc/self/ns/net")
+        assert fresh[1]["interfaces"] == forked[1]["interfaces"] == ["lo", veth]
+        # a namespace that is not there: ip's own error, from a fresh start
+        gone = zygote.ForkedPopen(
+            ["ip", "netns", "exec", f"{name}-gone", sys.executable, str(zygote.PROBE), "exit:0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        out, err = gone.communicate(timeout=60)
+        assert gone._forked is False and out == "" and gone.returncode != 0 and f"{name}-gone" in err
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def test_two_forked_processes_do_not_share_a_random_sequence(tmp_path):

@@ -10,9 +10,14 @@ would, and ends as the interpreter would (non-daemon threads joined, atexit run,
 It is a real process with its own pid, signals, process group and exit status, which the test
 reads through an ordinary ``subprocess.Popen`` (:class:`ForkedPopen`, installed by conftest.py).
 
+A command under ``ip netns exec NAME`` is forked too: the child enters the network namespace
+itself (``setns`` on ``/run/netns/NAME``, as ``ip`` does before it execs), so its sockets live
+there as they would under ``ip``. What ``ip netns exec`` adds besides (a mount namespace with the
+namespace's own ``/sys`` and ``/etc/netns/NAME`` files) no test's process reads.
+
 What keeps a fresh interpreter (:func:`forkable` says no): any other program or script (FedML's
 example scripts and the user's one-file scripts, which are what those tests check), commands
-under ``mpirun``, ``ip netns exec``, ``unshare`` or ``prlimit``, python flags, ``preexec_fn``,
+under ``mpirun``, ``unshare`` or ``prlimit``, python flags, ``preexec_fn``,
 ``pass_fds``, and an environment that differs in what is read while importing (thread counts,
 ``PYTHON*`` variables, coverage). ``TESTS_FRESH_PROCESSES=1`` turns the server off; without
 pytest-xdist it is off too. The launcher's own children (``launch-silo``) are fresh interpreters:
@@ -37,7 +42,7 @@ import threading
 import traceback
 import types
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 LIAR = REPO / "tests" / "backends" / "lying_silo.py"
@@ -166,8 +171,25 @@ def _fork_one(connection: socket.socket, waiting: dict, closing: list) -> None:
     connection.send(json.dumps({"pid": pid}).encode())
 
 
+def _enter_network_namespace(name: str) -> None:
+    """What ``ip netns exec NAME`` does before it execs the command: join the named namespace."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into network namespace {name}: {os.strerror(error)}")
+    finally:
+        os.close(fd)
+
+
 def _become(request: dict, fds: List[int], connection: socket.socket) -> None:
     """In the child: take the command's streams, place, environment and session, run it, end."""
+    if request.get("netns"):
+        _enter_network_namespace(request["netns"])
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
@@ -310,16 +332,25 @@ def enabled() -> bool:
     )
 
 
-def forkable(args, executable, shell, preexec_fn, pass_fds, env, cwd, **rest) -> Optional[List[str]]:
+NETNS_EXEC = ["ip", "netns", "exec"]
+
+
+def forkable(args, executable, shell, preexec_fn, pass_fds, env, cwd, **rest) -> Optional[Tuple[List[str], str]]:
     """The command's arguments after the interpreter (``["-m", "fedml_perfedavg", ...]`` or the
-    lying-silo script's), or None when it must start as a fresh interpreter."""
+    lying-silo script's) and the network namespace it runs in ("" for this one), or None when it
+    must start as a fresh interpreter."""
     if shell or preexec_fn is not None or pass_fds or executable not in (None, sys.executable):
         return None
     if any(value not in (None, -1, False, True) for value in rest.values()):  # uid, gid, umask, group
         return None
-    if isinstance(args, (str, bytes)) or len(args) < 2 or str(args[0]) != sys.executable:
+    if isinstance(args, (str, bytes)):
         return None
-    argv = [str(a) for a in args[1:]]
+    args, netns = [str(a) for a in args], ""
+    if args[:3] == NETNS_EXEC and len(args) > 4 and os.path.exists(f"/run/netns/{args[3]}"):
+        args, netns = args[4:], args[3]
+    if len(args) < 2 or args[0] != sys.executable:
+        return None
+    argv = args[1:]
     module = argv[:2] == ["-m", "fedml_perfedavg"]
     if not module and Path(argv[0]).resolve() not in (LIAR, PROBE):
         return None
@@ -329,7 +360,7 @@ def forkable(args, executable, shell, preexec_fn, pass_fds, env, cwd, **rest) ->
     environment = os.environ if env is None else env
     if server is None or _import_time_environment(environment) != server.import_time:
         return None
-    return argv
+    return argv, netns
 
 
 class ForkedPopen(subprocess.Popen):
@@ -365,7 +396,7 @@ class ForkedPopen(subprocess.Popen):
         start_new_session,
         process_group,
     ):
-        argv = forkable(
+        forked = forkable(
             args,
             executable,
             shell,
@@ -379,7 +410,7 @@ class ForkedPopen(subprocess.Popen):
             umask=umask,
             process_group=process_group,
         )
-        if argv is None:
+        if forked is None:
             return super()._execute_child(
                 args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell,
                 p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
@@ -391,8 +422,10 @@ class ForkedPopen(subprocess.Popen):
             (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in (os.environ if env is None else env).items()
         }
+        argv, netns = forked
         request = {
             "argv": argv,
+            "netns": netns,
             "cwd": os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd(),
             "env": environment,
             "new_session": bool(start_new_session),

@@ -1,6 +1,7 @@
 """What a process sees of itself, for tests/test_zygote.py: ``python zygote_probe.py ACTION``
 prints one JSON line (its argv, working directory, a variable of its environment, session, the
-line it read from stdin, and whether it shares the random sequence) and then does ACTION:
+line it read from stdin, whether it shares the random sequence, its network namespace and the
+interfaces it sees there) and then does ACTION:
 ``exit:N``, ``raise``, ``interrupt`` (an uncaught KeyboardInterrupt), ``sleep`` (until killed), or
 ``thread`` (a non-daemon thread prints after the main thread returns, then atexit prints)."""
 
@@ -8,6 +9,7 @@ import atexit
 import json
 import os
 import random
+import socket
 import sys
 import threading
 import time
@@ -29,6 +31,8 @@ def main() -> None:
                 "random": [random.random(), float(numpy.random.random())],
                 "main": __name__,
                 "path0": sys.path[0],
+                "netns": os.readlink("/proc/self/ns/net"),
+                "interfaces": sorted(name for _, name in socket.if_nameindex()),
             }
         ),
         flush=True,
