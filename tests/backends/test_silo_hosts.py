@@ -177,6 +177,8 @@ def test_a_silo_with_a_certificate_from_another_ca_is_refused_and_named(hosts, t
     assert lost["rank"] == 2 and "did not come online within comm_args.connect_timeout=15 s" in lost["why"]
     assert f"{SILO2} sent: " in lost["why"] and "closed in the TLS handshake" in lost["why"], lost
     assert "silo rank(s) [2]" in outs[0] and "did not come online" in outs[0]
+    # and when it happens, in the server's WARNING of the refused handshake, not only at the deadline
+    assert f"refused a connection from {SILO2}:" in outs[0] and "(the address file's row of rank 2)" in outs[0]
     if min_clients == 1:
         assert summary["status"] == "finished" and summary["rounds"] == 3 and summary["aggregate_calls"] == 3
     else:

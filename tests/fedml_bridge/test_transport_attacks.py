@@ -439,3 +439,17 @@ def test_grpc_behind_the_gate_listens_on_a_unix_socket_only_this_user_can_reach(
     server_dir = world.server.gate.backend.directory
     world.server.stop_receive_message()
     assert not os.path.exists(server_dir)  # removed with the gate
+
+
+def test_a_refused_connection_from_an_organizations_host_names_its_rank():
+    """The WARNING of a refused connection says whose row of the address file the host is (a silo
+    with another run's CA is named when its handshake fails); on a shared host it says nothing."""
+    from types import SimpleNamespace
+
+    rows = {0: ("198.18.1.1", 1), 1: ("198.18.1.2", 2), 2: ("198.18.2.2", 3), 3: ("198.18.2.2", 4)}
+    server = SimpleNamespace(rank=0, addresses=rows)
+    assert SecureGRPCCommManager._rows_at(server, "198.18.1.2") == " (the address file's row of rank 1)"
+    assert SecureGRPCCommManager._rows_at(server, "198.18.2.2") == " (the address file's rows of ranks [2, 3])"
+    assert SecureGRPCCommManager._rows_at(server, "203.0.113.9") == ""  # nobody's row
+    loopback = SimpleNamespace(rank=0, addresses={r: ("127.0.0.1", r) for r in range(3)})
+    assert SecureGRPCCommManager._rows_at(loopback, "127.0.0.1") == ""  # every rank there: no one named

@@ -369,7 +369,21 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         return "; ".join(s for s in seen if s)
 
     def _connection_refused(self, host: str, port: int, reason: str, text: str) -> None:
-        self.refusals.refuse(host, reason, text, f"{host}:{port}")
+        self.refusals.refuse(host, reason, text, f"{host}:{port}{self._rows_at(host)}")
+
+    def _rows_at(self, host: str) -> str:
+        """Which ranks the address file places at ``host``, in words, so that a refused connection
+        from an organization's host names it when it happens (a silo with another run's CA), not
+        only when its seat is given up on; "" where this rank shares the host (loopback)."""
+        own = self.addresses.get(self.rank, ("", 0))[0]
+        ranks = sorted(r for r, (ip, _) in self.addresses.items() if ip == host and r != self.rank)
+        if not ranks or host == own:
+            return ""
+        return (
+            f" (the address file's row of rank {ranks[0]})"
+            if len(ranks) == 1
+            else f" (the address file's rows of ranks {ranks})"
+        )
 
     def accept(self, data: bytes, context) -> None:
         """Check one message (bytes from the wire) and queue it; :class:`wire.Rejected` if it is
