@@ -61,3 +61,30 @@ def test_a_malformed_ports_variable_is_refused_naming_it(monkeypatch, value):
     monkeypatch.setenv(PORTS_VARIABLE, value)
     with pytest.raises(ConfigError, match=rf"{PORTS_VARIABLE}='{value}': must be LOW-HIGH"):
         free_ports(1)
+
+
+def test_the_address_file_is_never_seen_half_written(tmp_path, monkeypatch):
+    """A reader meanwhile sees the earlier file whole (or none), never the first rows alone: a
+    silo's test once read a file with no row for rank 0 yet."""
+    import csv
+
+    from fedml_perfedavg.fedml_bridge.cross_silo import addresses
+
+    path = str(tmp_path / "grpc_ipconfig.csv")
+    write_ipconfig(path, 3, ports=[12001, 12002, 12003])
+    seen, plain_writer = [], csv.writer
+
+    class Watching:
+        def __init__(self, stream):
+            self.inner = plain_writer(stream)
+
+        def writerow(self, row):
+            self.inner.writerow(row)
+            seen.append(read_ipconfig(path, 3))  # while the new file is being written
+
+    monkeypatch.setattr(addresses.csv, "writer", Watching)
+    write_ipconfig(path, 3, ports=[12011, 12012, 12013])
+    assert len(seen) == 4 and all(s == {r: ("127.0.0.1", 12001 + r) for r in range(3)} for s in seen)
+    monkeypatch.undo()
+    assert read_ipconfig(path, 3) == {r: ("127.0.0.1", 12011 + r) for r in range(3)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grpc_ipconfig.csv"]  # no temporary file left

@@ -108,14 +108,22 @@ def write_ipconfig(
     hosts: Optional[Sequence[str]] = None,
 ) -> str:
     """Write FedML's gRPC address file: rank r (0 = server) listens on ``hosts[r]:ports[r]``
-    (``host`` for every rank when ``hosts`` is not given)."""
+    (``host`` for every rank when ``hosts`` is not given). Written whole and then renamed into
+    place: a process that reads it meanwhile (a silo, another organization) sees every row or no
+    file, never the first rows alone."""
     hosts = list(hosts) if hosts is not None else [host] * ranks
     ports = list(ports) if ports is not None else free_ports(ranks, host)
-    with open(path, "w", newline="") as stream:
-        writer = csv.writer(stream)
-        writer.writerow(IPCONFIG_FIELDS)
-        for rank in range(ranks):
-            writer.writerow([rank, rank, hosts[rank], ports[rank]])
+    partial = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(partial, "w", newline="") as stream:
+            writer = csv.writer(stream)
+            writer.writerow(IPCONFIG_FIELDS)
+            for rank in range(ranks):
+                writer.writerow([rank, rank, hosts[rank], ports[rank]])
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
     return path
 
 
