@@ -189,8 +189,11 @@ def test_a_run_whose_round_would_sample_only_refused_organizations_is_stopped_at
     """Issue 55 item 8: organizations 3 and 4 cannot take part (their data does not fit the model;
     a spent DP budget is refused the same way) and the keyed schedule samples exactly them in
     round 2 of 3. The server stops the run before round 0, naming round 2 and the silos, and every
-    organization is told; it ran rounds 0 and 1 and stopped in round 2 before."""
+    organization is told; it ran rounds 0 and 1 and stopped in round 2 before. Then organizations 3
+    and 4 set their data right and everybody starts the same commands again: nothing the stopped
+    start left in the run folders trips the retry (issue 55 item 7), and it finishes."""
     folders = _export(mnist_root, tmp_path, 4)
+    own = {rank: dict(folders[rank]) for rank in (3, 4)}
     config = resolve(
         load_yaml(HF_YAML), {"client_num_in_total": 4, "client_num_per_round": 2, "data_cache_dir": mnist_root}
     )
@@ -208,6 +211,14 @@ def test_a_run_whose_round_would_sample_only_refused_organizations_is_stopped_at
     for rank in (1, 2):
         assert said in outs[rank], outs[rank][-3000:]  # told why the run stopped
     assert "round 0: personalized accuracy" not in outs[0]
+    folders.update(own)
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders))
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-4000:]
+    assert "replacing the record of a start that failed" in outs[0]
+    for rank in (1, 2, 3, 4):
+        record = json.loads((tmp_path / "run" / f"silo-rank-{rank}" / "summary.json").read_text())
+        assert record["status"] == "finished", (rank, outs[rank][-3000:])
 
 
 @needs_mnist
