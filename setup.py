@@ -49,7 +49,9 @@ setup(
         "mpi": ["mpi4py", "mpich"],
         "silo": ["grpcio", "cryptography>=40", "safetensors", "pycryptodome>=3.15"],
         "bench": ["matplotlib"],
-        "dp": ["opacus>=1.4"],  # DP-SGD's accountant (dp_args.dp_solution_type: dpsgd)
+        # DP-SGD's accountants (dp_args.dp_solution_type: dpsgd); threadpoolctl keeps PRV's one BLAS
+        # dot product on one thread, so every process states the same epsilon to the bit
+        "dp": ["opacus>=1.4", "threadpoolctl>=3"],
         "test": ["pytest", "hypothesis", "pytest-xdist"],  # make test runs the suite on several workers
     },
     entry_points={"console_scripts": ["fedml-perfedavg = fedml_perfedavg.run.cli:main"]},

@@ -8,7 +8,8 @@ Per-FedAvg step that is D's gradient, D''s gradient at the adapted point, and (H
 per-sample second-order term (HF's finite difference, exact's Hessian-vector product), clipped
 and noised as one vector; FedAvg's step is one use, and so is each personalization step of the
 evaluation (its accuracy leaves the user). :class:`PrivacyLedger` composes every user's uses
-with Opacus' RDP accountant.
+with the accountant ``dp_args.accountant`` names (core/accounting.py: Opacus' PRV, tight, by
+default; its RDP bound beside it).
 
 The randomness (the Poisson draws and the noise) is drawn outside the maths, keyed by (seed,
 round, user), so a vmapped round, one client at a time, MPI ranks and silos compute the same
@@ -17,7 +18,6 @@ numbers. FedML-free.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
@@ -26,27 +26,30 @@ import torch
 from torch import Tensor
 from torch.func import grad, jvp, vjp, vmap
 
+from . import accounting
+from .accounting import epsilon as accountant_epsilon
 from .client_maths import Step, axpy
 from .errors import ConfigError
 from .types import LossFn, Params
 
-ACCOUNTANT = "opacus.rdp"  # Opacus' Renyi-DP accountant (opacus.accountants.analysis.rdp)
 SOLUTION = "dpsgd"
 # dp_args keys that belong to FedML's own local/central DP, never to DP-SGD.
 FEDML_ONLY_KEYS = ("epsilon", "sensitivity", "mechanism_type", "enable_rdp_accountant", "rdp_alpha")
-KEYS = ("enable_dp", "dp_solution_type", "noise_multiplier", "max_grad_norm", "delta", "max_epsilon")
+KEYS = ("enable_dp", "dp_solution_type", "noise_multiplier", "max_grad_norm", "delta", "max_epsilon", "accountant")
 _NORM_FLOOR = 1e-6  # a per-sample norm below this is scaled as if it were this (Opacus' choice)
 
 
 @dataclass(frozen=True)
 class DPSGD:
     """``dp_args`` with ``dp_solution_type: dpsgd``: the noise multiplier sigma, the clip bound C,
-    the delta epsilon is stated at, and an optional budget no user's epsilon may exceed."""
+    the delta epsilon is stated at, an optional budget no user's epsilon may exceed, and the
+    accountant that states epsilon (core/accounting.py)."""
 
     noise_multiplier: float
     max_grad_norm: float
     delta: float
     max_epsilon: Optional[float] = None
+    accountant: str = accounting.DEFAULT
     # A data owner's silo's own secret, in the key of its noise and minibatches beside (seed, round,
     # user): the server, which knows the seed, cannot recompute the noise and take it out.
     secret: Optional[bytes] = field(default=None, repr=False, compare=False)
@@ -71,13 +74,18 @@ class DPSGD:
             raise ConfigError(f"dp_args.delta={self.delta!r}: must be in (0, 1) (the delta epsilon is stated at)")
         if self.max_epsilon is not None and number("max_epsilon", self.max_epsilon) <= 0:
             raise ConfigError(f"dp_args.max_epsilon={self.max_epsilon!r}: must be > 0, or null for no budget")
+        if self.accountant not in accounting.ACCOUNTANTS:
+            raise ConfigError(
+                f"dp_args.accountant={self.accountant!r}: allowed: {sorted(accounting.ACCOUNTANTS)} ('prv': "
+                f"Opacus' PRV accountant, tight; 'rdp': its RDP accountant, a looser bound)"
+            )
         for key in ("noise_multiplier", "max_grad_norm", "delta"):
             object.__setattr__(self, key, float(getattr(self, key)))
 
     def settings(self) -> Dict[str, Any]:
         """How ``summary.json``'s ``privacy`` states the mechanism and its accountant."""
         return {
-            "accountant": ACCOUNTANT,
+            "accountant": accounting.ACCOUNTANTS[self.accountant],
             "delta": self.delta,
             "noise_multiplier": self.noise_multiplier,
             "max_grad_norm": self.max_grad_norm,
@@ -129,6 +137,7 @@ class DPSGD:
             max_grad_norm=section["max_grad_norm"],
             delta=section["delta"],
             max_epsilon=section.get("max_epsilon"),
+            accountant=section.get("accountant", accounting.DEFAULT),
         )
 
 
@@ -471,43 +480,9 @@ def per_sample_problem(
 
 
 # -- the accountant ------------------------------------------------------------------------------
-def _rdp_module() -> Any:
-    try:
-        from opacus.accountants.analysis import rdp
-    except ImportError as err:  # pragma: no cover - the package's 'dp' extra installs it
-        raise ConfigError(
-            "dp_args.dp_solution_type='dpsgd': needs Opacus' accountant (pip install 'fedml-perfedavg[dp]')"
-        ) from err
-    return rdp
-
-
-def _orders() -> List[float]:
-    from opacus.accountants.rdp import RDPAccountant
-
-    return list(RDPAccountant.DEFAULT_ALPHAS)  # the orders Opacus' own accountant uses
-
-
-@functools.lru_cache(maxsize=4096)
-def _rdp_of_one_use(rate: float, noise_multiplier: float) -> Tuple[float, ...]:
-    """The RDP of one use at every order (Opacus' compute_rdp is ``steps`` times this): computed
-    once per sample rate, which a run has a handful of."""
-    rdp = _rdp_module()
-    return tuple(rdp.compute_rdp(q=rate, noise_multiplier=noise_multiplier, steps=1, orders=_orders()))
-
-
 def epsilon_of(uses: Mapping[float, int], noise_multiplier: float, delta: float) -> float:
-    """The (epsilon, delta)-DP of a user's uses (sample rate -> count) of the subsampled
-    Gaussian mechanism with ``noise_multiplier``: Opacus' RDP accountant (its compute_rdp for
-    each rate, composed by adding, and its get_privacy_spent); 0 with no use."""
-    if not any(uses.values()):
-        return 0.0
-    import numpy as np
-
-    total = sum(
-        count * np.asarray(_rdp_of_one_use(float(rate), float(noise_multiplier))) for rate, count in uses.items()
-    )
-    epsilon, _ = _rdp_module().get_privacy_spent(orders=_orders(), rdp=total, delta=delta)
-    return float(epsilon)
+    """The RDP bound of a user's uses (sample rate -> count): core/accounting.py's ``rdp_epsilon``."""
+    return accounting.rdp_epsilon(uses, noise_multiplier, delta)
 
 
 def largest_epsilon(by_user: Mapping[int, float]) -> Tuple[float, Optional[int]]:
@@ -551,7 +526,12 @@ class PrivacyLedger:
     on the same model (a silo's evaluation of a model the server evaluated too) releases the same
     numbers. Two computations with one key on different models would share their noise, which
     the accounting does not allow: every caller keys by the round that made the model. Its state
-    is in checkpoints; :meth:`report` is ``summary.json``'s ``privacy``."""
+    is in checkpoints; :meth:`report` is ``summary.json``'s ``privacy``.
+
+    Two figures per user: :meth:`bound`, the RDP accountant's (milliseconds; what a running
+    record shows), and :meth:`epsilon`, ``dp_args.accountant``'s (PRV by default: tight, a tenth
+    of a second or more, so computed for a final record, a silo's own user and a budget check the
+    bound does not already pass)."""
 
     def __init__(self, dp: DPSGD, rules: UseRules, sample_counts: Mapping[int, int]) -> None:
         self.dp, self.rules = dp, rules
@@ -560,7 +540,7 @@ class PrivacyLedger:
         # (round, user) pairs, flat, by what used the data: a round's training, the evaluation after it
         self.counted: Dict[str, List[int]] = {"training": [], "evaluation": []}
         self._seen: set = set()
-        self._cache: Dict[int, Tuple[Tuple[Tuple[float, int], ...], float]] = {}
+        self._cache: Dict[Tuple[int, str], Tuple[Tuple[Tuple[float, int], ...], float]] = {}
 
     def _account(self, what: str, round_idx: int, users: Sequence[int]) -> None:
         rule = self.rules.training if what == "training" else self.rules.evaluation
@@ -574,14 +554,34 @@ class PrivacyLedger:
             for rate, count in rule(self.sample_counts[int(user)]):
                 by_rate[rate] = by_rate.get(rate, 0) + count
 
-    def after_training(self, round_idx: int, user: int) -> float:
-        """``user``'s epsilon were it to train in round ``round_idx`` too."""
-        if ("training", int(round_idx), int(user)) in self._seen:
-            return self.epsilon(user)
+    def _uses_after_training(self, round_idx: int, user: int) -> Dict[float, int]:
         uses = dict(self.uses.get(int(user), {}))
-        for rate, count in self.rules.training(self.sample_counts[int(user)]):
-            uses[rate] = uses.get(rate, 0) + count
-        return epsilon_of(uses, self.dp.noise_multiplier, self.dp.delta)
+        if ("training", int(round_idx), int(user)) not in self._seen:
+            for rate, count in self.rules.training(self.sample_counts[int(user)]):
+                uses[rate] = uses.get(rate, 0) + count
+        return uses
+
+    def after_training(self, round_idx: int, user: int) -> float:
+        """``user``'s epsilon (the accountant's) were it to train in round ``round_idx`` too."""
+        uses = self._uses_after_training(round_idx, user)
+        return accounting.epsilon(self.dp.accountant, uses, self.dp.noise_multiplier, self.dp.delta)
+
+    def would_pass(self, round_idx: int, user: int, budget: float) -> bool:
+        """Whether training in round ``round_idx`` would take ``user``'s epsilon past ``budget``
+        (the accountant's figure; the RDP bound answers where it is within)."""
+        uses = self._uses_after_training(round_idx, user)
+        return not accounting.within(self.dp.accountant, uses, self.dp.noise_multiplier, self.dp.delta, budget)
+
+    def first_past(self, budget: float) -> Optional[Tuple[float, int]]:
+        """(epsilon, user) of a user whose epsilon is past ``budget`` (the largest RDP bound first),
+        or None: the accountant's figure is computed only for users whose bound is past it."""
+        for bound, user in sorted(((self.bound(u), u) for u in self.uses), key=lambda bu: (-bu[0], bu[1])):
+            if bound <= budget:
+                return None
+            tight = self.epsilon(user)
+            if tight > budget:
+                return tight, user
+        return None
 
     def left_out(self, round_idx: int, users: Sequence[int]) -> None:
         """``users`` were sampled for round ``round_idx`` but left out: the budget was spent."""
@@ -601,34 +601,48 @@ class PrivacyLedger:
         other.load_state_dict(self.state_dict())
         return other
 
-    def epsilon(self, user: int) -> float:
-        """``user``'s epsilon at the run's delta (0 before any use)."""
+    def _figure(self, user: int, accountant: str) -> float:
         uses = self.uses.get(int(user), {})
         key = tuple(sorted(uses.items()))
-        cached = self._cache.get(int(user))
+        cached = self._cache.get((int(user), accountant))
         if cached is None or cached[0] != key:
-            cached = (key, epsilon_of(uses, self.dp.noise_multiplier, self.dp.delta))
-            self._cache[int(user)] = cached
+            cached = (key, accountant_epsilon(accountant, uses, self.dp.noise_multiplier, self.dp.delta))
+            self._cache[(int(user), accountant)] = cached
         return cached[1]
 
-    def largest(self) -> Tuple[float, Optional[int]]:
-        """(the largest epsilon, its user), (0, None) before any use."""
-        return largest_epsilon({user: self.epsilon(user) for user in self.uses})
+    def epsilon(self, user: int) -> float:
+        """``user``'s epsilon at the run's delta by ``dp_args.accountant`` (0 before any use)."""
+        return self._figure(user, self.dp.accountant)
 
-    def report(self) -> Dict[str, Any]:
+    def bound(self, user: int) -> float:
+        """``user``'s epsilon by the RDP accountant: an upper bound of :meth:`epsilon`, in milliseconds."""
+        return self._figure(user, accounting.RDP)
+
+    def largest(self, final: bool = False) -> Tuple[float, Optional[int]]:
+        """(the largest epsilon, its user), (0, None) before any use; the RDP bounds where not ``final``."""
+        figure = self.epsilon if final else self.bound
+        return largest_epsilon({user: figure(user) for user in self.uses})
+
+    def report(self, final: bool = False) -> Dict[str, Any]:
         """``summary.json``'s ``privacy``: the mechanism's settings, the largest epsilon, and per user
-        its epsilon, its uses and its sample rate (the largest, where its minibatches differ)."""
+        its epsilon, its RDP bound, its uses and its sample rate (the largest, where its minibatches
+        differ). Not ``final`` (a running record), each epsilon is its RDP bound: ``epsilon_from``
+        says which accountant the figures are."""
+        figure = self.epsilon if final else self.bound
         per_user = {
             str(user): {
-                "epsilon": self.epsilon(user),
+                "epsilon": figure(user),
+                "epsilon_rdp": self.bound(user),
                 "uses": sum(self.uses[user].values()),
                 "sample_rate": max(self.uses[user]) if self.uses[user] else 0.0,
             }
             for user in sorted(self.uses)
         }
+        accountant = self.dp.accountant if final else accounting.RDP
         return {
             **self.dp.settings(),
-            "epsilon": self.largest()[0],
+            "epsilon_from": accounting.ACCOUNTANTS[accountant],
+            "epsilon": largest_epsilon({int(u): e["epsilon"] for u, e in per_user.items()})[0],
             "per_user": per_user,
             "left_out": [
                 {"round": flat[i], "user": flat[i + 1]}
@@ -651,6 +665,24 @@ class PrivacyLedger:
                 self._account(what, flat[i], [flat[i + 1]])
 
 
+def planned_ledger(
+    ledger: PrivacyLedger,
+    rounds: Sequence[int],
+    sample: Any,
+    evaluates: Any,
+    evaluated_users: Sequence[int],
+) -> PrivacyLedger:
+    """``ledger`` once ``rounds`` have run on top of it: each round's clients (``sample(round)``)
+    trained, and ``evaluated_users`` personalized where ``evaluates(round)``. Every draw is keyed,
+    so this is what the run will spend; a client that drops out of a round spends less."""
+    plan = ledger.copy()
+    for round_idx in rounds:
+        plan.trained(round_idx, sample(round_idx))
+        if evaluates(round_idx):
+            plan.evaluated(round_idx, evaluated_users)
+    return plan
+
+
 def planned_epsilon(
     ledger: PrivacyLedger,
     rounds: Sequence[int],
@@ -658,23 +690,18 @@ def planned_epsilon(
     evaluates: Any,
     evaluated_users: Sequence[int],
 ) -> Tuple[float, Optional[int]]:
-    """(the largest epsilon, its user) once ``rounds`` have run on top of ``ledger``: each round's
-    clients (``sample(round)``) trained, and ``evaluated_users`` personalized where
-    ``evaluates(round)``. Every draw is
-    keyed, so this is what the run will spend; a client that drops out of a round spends less."""
-    plan = ledger.copy()
-    for round_idx in rounds:
-        plan.trained(round_idx, sample(round_idx))
-        if evaluates(round_idx):
-            plan.evaluated(round_idx, evaluated_users)
-    return plan.largest()
+    """(epsilon, user) of :func:`planned_ledger` for the user with the largest RDP bound (each
+    user's own accountant figure would be a call each: seconds for a paper-sized plan)."""
+    plan = planned_ledger(ledger, rounds, sample, evaluates, evaluated_users)
+    _, user = plan.largest(final=False)
+    return (0.0, None) if user is None else (plan.epsilon(user), user)
 
 
 def silo_report(ledger: PrivacyLedger, user: int) -> Dict[str, Any]:
     """What a data owner's silo tells the server of its own user's privacy: its epsilon, its uses
     and its sample rate (the per-user entry of :meth:`PrivacyLedger.report`)."""
-    entry = ledger.report()["per_user"].get(str(user), {"epsilon": 0.0, "uses": 0, "sample_rate": 0.0})
-    return {"user": int(user), **entry}
+    entry = ledger.report(final=True)["per_user"].get(str(user), {"epsilon": 0.0, "uses": 0, "sample_rate": 0.0})
+    return {"user": int(user), **{k: entry[k] for k in ("epsilon", "uses", "sample_rate")}}
 
 
 class ReportedPrivacy:
@@ -690,12 +717,15 @@ class ReportedPrivacy:
         user = int(report["user"])
         self.reports[user] = {k: report[k] for k in ("epsilon", "uses", "sample_rate")}
 
-    def largest(self) -> Tuple[float, Optional[int]]:
+    def largest(self, final: bool = False) -> Tuple[float, Optional[int]]:
+        """(the largest epsilon a silo reported, its user); ``final`` changes nothing: each silo
+        reports its own accountant's figure."""
         return largest_epsilon({user: float(r["epsilon"]) for user, r in self.reports.items()})
 
-    def report(self) -> Dict[str, Any]:
+    def report(self, final: bool = False) -> Dict[str, Any]:
         return {
             **self.dp.settings(),
+            "epsilon_from": accounting.ACCOUNTANTS[self.dp.accountant],
             "epsilon": self.largest()[0],
             "per_user": {str(u): dict(self.reports[u]) for u in sorted(self.reports)},
             "reported_by": "silos (each accounts for its own user)",

@@ -26,6 +26,7 @@ HOME_SECTION: Dict[str, str] = {
             "rdp_alpha",
             "noise_multiplier",  # DP-SGD's (the plugin's own, core/privacy.py)
             "max_epsilon",
+            "accountant",  # DP-SGD's accountant (core/accounting.py)
         )
     },
     **{

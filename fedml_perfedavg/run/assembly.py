@@ -20,7 +20,8 @@ from ..algorithms.model_probe import ModelMismatch
 from ..algorithms.registry import create_algorithm
 from ..core.errors import ConfigError
 from ..core.guards import update_bound
-from ..core.privacy import PrivacyLedger, ReportedPrivacy, UseRules, planned_epsilon
+from ..core.accounting import ACCOUNTANTS
+from ..core.privacy import PrivacyLedger, ReportedPrivacy, UseRules, planned_epsilon, planned_ledger
 from ..core.types import StateDict, UserSplit
 from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
 from ..fedml_bridge import safeguards as fedml_safeguards
@@ -342,27 +343,30 @@ def check_budget(
     ``dp_args.max_epsilon``, naming the epsilon and the round; logs the plan's epsilon otherwise."""
     dp = ledger.dp
     if dp.max_epsilon is not None:
+        budget = dp.max_epsilon
         schedule = RoundSchedule.from_config(config)
         mine = set(users)
 
         def sample(round_idx: int) -> List[int]:
             return [c for c in algorithm.sample_clients(round_idx) if c in mine]
 
-        def planned(rounds: int) -> Tuple[float, Optional[int]]:
-            return planned_epsilon(ledger, range(rounds), sample, schedule.evaluates, evaluated)
+        def past(rounds: int) -> Optional[Tuple[float, int]]:  # (epsilon, user) past the budget, or None
+            plan = planned_ledger(ledger, range(rounds), sample, schedule.evaluates, evaluated)
+            return plan.first_past(budget)
 
-        epsilon, user = planned(config.comm_round)
-        if epsilon > dp.max_epsilon:
+        over = past(config.comm_round)
+        if over is not None:
+            epsilon, user = over
             low, high = 0, config.comm_round  # the first number of rounds that passes the budget
             while high - low > 1:
                 middle = (low + high) // 2
-                low, high = (middle, high) if planned(middle)[0] <= dp.max_epsilon else (low, middle)
+                low, high = (middle, high) if past(middle) is None else (low, middle)
             fewer_uses = (
                 "a larger dp_args.noise_multiplier, or fewer uses (train_args.local_steps, client_num_per_round, "
                 "validation_args.frequency_of_the_test)"
             )
             if low == 0:  # not even one round fits: fewer rounds cannot help
-                first, first_user = planned(1)
+                first, first_user = planned_epsilon(ledger, range(1), sample, schedule.evaluates, evaluated)
                 raise ConfigError(
                     f"dp_args.max_epsilon={dp.max_epsilon!r}: no round fits in the budget; round 0 alone reaches "
                     f"epsilon {first:.4g} (user {first_user}) at delta {dp.delta:g}. Allowed: a max_epsilon of "
@@ -373,10 +377,12 @@ def check_budget(
                 f"at delta {dp.delta:g} after train_args.comm_round={config.comm_round} rounds; the budget is "
                 f"passed in round {high - 1}. Allowed: comm_round <= {low}, or {fewer_uses}"
             )
+        planned, planned_user = planned_epsilon(ledger, range(config.comm_round), sample, schedule.evaluates, evaluated)
         logger.info(
-            "DP-SGD: the run's plan reaches epsilon %.4g (user %s) at delta %g, within dp_args.max_epsilon=%g",
-            epsilon,
-            user,
+            "DP-SGD: the run's plan reaches epsilon %.4g (user %s; %s) at delta %g, within dp_args.max_epsilon=%g",
+            planned,
+            planned_user,
+            ACCOUNTANTS[dp.accountant],
             dp.delta,
             dp.max_epsilon,
         )

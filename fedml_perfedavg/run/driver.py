@@ -68,7 +68,7 @@ class RunDriver:
             return clients  # keyed as the server's last evaluation of it: the same release, counted there
         budget = ledger.dp.max_epsilon
         if budget is not None:
-            over = [c for c in clients if ledger.after_training(round_idx, c) > budget]
+            over = [c for c in clients if ledger.would_pass(round_idx, c, budget)]
             if over:
                 logger.warning(
                     "round %d: user(s) %s left out: one more local update would take their epsilon past "

@@ -459,7 +459,7 @@ class RunRecorder:
             "train_history": self.train_history,
             "config": self.config_sections,
             **self.silos.summary(),
-            **({"privacy": self.privacy.report()} if self.privacy is not None else {}),
+            **({"privacy": self.privacy.report(final=status != "running")} if self.privacy is not None else {}),
         }
         if self.last is None:
             return {

@@ -343,6 +343,6 @@ def test_fedml_main_script_runs_dp_sgd_from_its_yaml_and_records_every_users_eps
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     summary = json.loads((tmp_path / "runs" / "private" / "summary.json").read_text())
     privacy = summary["privacy"]
-    assert privacy["accountant"] == "opacus.rdp" and privacy["noise_multiplier"] == 1.0
+    assert privacy["accountant"] == privacy["epsilon_from"] == "opacus.prv" and privacy["noise_multiplier"] == 1.0
     assert len(privacy["per_user"]) == 50 and privacy["epsilon"] > 0  # every user is evaluated, so every one spends
     assert "epsilon" in out.stderr

@@ -160,9 +160,52 @@ def test_the_ledger_counts_each_round_and_user_once_and_survives_a_checkpoint():
     again = PrivacyLedger(dp, rules, {0: 40, 1: 80})
     again.load_state_dict(ledger.state_dict())
     assert again.uses == ledger.uses and again.report() == ledger.report()
-    report = ledger.report()
+    report = ledger.report()  # a running record: the RDP bounds
     assert report["per_user"]["0"]["uses"] == 10 and report["per_user"]["0"]["sample_rate"] == 0.2
-    assert report["epsilon"] == max(ledger.epsilon(0), ledger.epsilon(1)) > 0
+    assert report["epsilon"] == max(ledger.bound(0), ledger.bound(1)) > 0 and report["epsilon_from"] == "opacus.rdp"
+    final = ledger.report(final=True)  # the run's last record: the accountant's (PRV) figures
+    assert final["epsilon"] == max(ledger.epsilon(0), ledger.epsilon(1)) and final["epsilon_from"] == "opacus.prv"
+    for user in ("0", "1"):
+        assert (
+            final["per_user"][user]["epsilon"]
+            < final["per_user"][user]["epsilon_rdp"]
+            == report["per_user"][user]["epsilon"]
+        )
+
+
+# Google dp-accounting 0.6.0's PLD accountant (an independent implementation: privacy loss
+# distributions, not Opacus' PRVs), value_discretization_interval 1e-4, delta 1e-5, computed with
+# `PLDAccountant(1e-4).compose(ComposedDpEvent([SelfComposedDpEvent(PoissonSampledDpEvent(q,
+# GaussianDpEvent(sigma)), count) ...])).get_epsilon(1e-5)` in a venv of its own, 2026-11-28.
+GOOGLE_PLD = [
+    ({0.0408: 1200, 0.0816: 60}, 1.1, 8.95607),
+    ({0.05: 300}, 8.0, 0.37762),
+    ({0.08: 400}, 100.0, 0.04594),
+    ({8 / 24: 100}, 1.1, 21.6247),
+    ({0.05: 120, 0.1: 7}, 1.3, 2.60576),
+]
+
+
+@pytest.mark.parametrize("uses, sigma, google", GOOGLE_PLD)
+def test_the_tight_accountant_agrees_with_googles_pld_and_stays_below_the_rdp_bound(uses, sigma, google):
+    from fedml_perfedavg.core.accounting import prv_epsilon, rdp_epsilon, within
+
+    tight, bound = prv_epsilon(uses, sigma, 1e-5), rdp_epsilon(uses, sigma, 1e-5)
+    # an upper estimate: at or above the PLD figure, by PRV_RELATIVE_ERROR of the bound at most
+    assert google <= tight <= google + 0.011 * bound + 1e-3, (tight, google, bound)
+    assert tight <= bound
+    # a budget between the two figures passes by the tight one only; the RDP bound answers first
+    between = (tight + bound) / 2
+    assert within("prv", uses, sigma, 1e-5, between) and not within("rdp", uses, sigma, 1e-5, between)
+    assert not within("prv", uses, sigma, 1e-5, tight * 0.99)
+
+
+def test_the_accountant_is_a_setting_and_a_wrong_one_is_refused_naming_the_choices():
+    assert DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5).accountant == "prv"
+    section = {"enable_dp": True, "dp_solution_type": "dpsgd", "noise_multiplier": 1.0, "max_grad_norm": 1.0}
+    assert DPSGD.from_section({**section, "delta": 1e-5, "accountant": "rdp"}).settings()["accountant"] == "opacus.rdp"
+    with pytest.raises(ConfigError, match=r"dp_args.accountant='pld': allowed: \['prv', 'rdp'\]"):
+        DPSGD.from_section({**section, "delta": 1e-5, "accountant": "pld"})
 
 
 @pytest.mark.parametrize(

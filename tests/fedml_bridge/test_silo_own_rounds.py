@@ -41,7 +41,10 @@ def test_a_round_the_schedule_does_not_sample_this_silo_in_is_refused():
 
 def test_training_past_the_silos_own_budget_is_refused():
     ledger = SimpleNamespace(
-        dp=SimpleNamespace(max_epsilon=5.0), after_training=lambda r, u: 5.2 if r >= 7 else 4.9, epsilon=lambda u: 4.9
+        dp=SimpleNamespace(max_epsilon=5.0),
+        after_training=lambda r, u: 5.2 if r >= 7 else 4.9,
+        would_pass=lambda r, u, budget: (5.2 if r >= 7 else 4.9) > budget,
+        epsilon=lambda u: 4.9,
     )
     assert own_round(silo(ledger=ledger), 6, {"w": torch.ones(1)}) == (None, None)
     refusal, _ = own_round(silo(ledger=ledger), 7, {"w": torch.ones(1)})

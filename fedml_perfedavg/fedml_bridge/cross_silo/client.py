@@ -478,7 +478,7 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
             return f"it trained round {round_idx} already, on another model; a round is trained once", None
         ledger = self.setup.privacy
         budget = None if ledger is None else ledger.dp.max_epsilon
-        if ledger is not None and budget is not None:
+        if ledger is not None and budget is not None and ledger.would_pass(round_idx, self.own_user, budget):
             after = ledger.after_training(round_idx, self.own_user)
             if after > budget:
                 return (
