@@ -273,3 +273,19 @@ def test_the_tight_epsilon_is_the_same_bits_whatever_the_processs_blas_threads()
         assert out.returncode == 0, out.stderr[-2000:]
         said.add(out.stdout.strip())
     assert len(said) == 1, said
+
+
+@pytest.mark.backend  # a benchmark's smoke run: a few PRV calls
+def test_the_accountants_benchmark_runs_and_its_tight_figures_sit_below_the_bounds(tmp_path):
+    import importlib.util
+    import json
+
+    from tests.helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("accountants", REPO / "benchmarks" / "accountants.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "accountants.json").read_text())
+    assert len(rows) == len(module.HISTORIES) and all(0 < r["prv"] < r["rdp"] for r in rows)
+    assert (tmp_path / "accountants.md").read_text().count("\n") == len(rows) + 2
