@@ -33,7 +33,8 @@ HISTORIES = [  # (name, uses, sigma)
     ("the tests' tiny run", {8 / 24: 100}, 1.1),
 ]
 
-GOOGLE = """
+GOOGLE = (
+    """
 import json, sys
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
@@ -45,7 +46,9 @@ for uses, sigma in json.loads(sys.stdin.read()):
         for q, c in uses]))
     out.append(accountant.get_epsilon(%r))
 print(json.dumps(out))
-""" % DELTA
+"""
+    % DELTA
+)
 
 
 def google_pld(python: str) -> list:
