@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from ..algorithms.registry import create_algorithm
 from ..core.errors import ConfigError
 from ..core.guards import update_bound
 from ..core.accounting import ACCOUNTANTS
-from ..core.privacy import PrivacyLedger, ReportedPrivacy, UseRules, planned_epsilon, planned_ledger
+from ..core.ledger import PrivacyLedger, PrivacyRecord, ReportedPrivacy, UseRules, planned_epsilon, planned_ledger
 from ..core.types import StateDict, UserSplit
 from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
 from ..fedml_bridge import safeguards as fedml_safeguards
@@ -264,9 +264,7 @@ def use_rules(config: Config, algorithm: FederatedAlgorithm) -> UseRules:
     return UseRules.of(step, config.batch_sizes, config.local_steps, config.batch_size, config.adapt_steps)
 
 
-def privacy_ledger(
-    config: Config, algorithm: FederatedAlgorithm, users: List[UserSplit]
-) -> Optional[Union[PrivacyLedger, ReportedPrivacy]]:
+def privacy_ledger(config: Config, algorithm: FederatedAlgorithm, users: List[UserSplit]) -> Optional[PrivacyRecord]:
     """The server's accountant of DP-SGD's uses (None without DP-SGD), after checking that the
     run's keyed plan stays within ``dp_args.max_epsilon``: every round's clients and every
     evaluation are known before the first round."""

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..algorithms.base import FederatedAlgorithm
 from ..core.training_record import valid_figures
-from ..core.privacy import PrivacyLedger, ReportedPrivacy
+from ..core.ledger import PrivacyLedger, ReportedPrivacy
 from ..core.types import StateDict
 from ..stopping import RoundEndInterrupt
 from . import checkpoint

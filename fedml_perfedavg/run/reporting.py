@@ -8,13 +8,13 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from ..algorithms.registry import method_choices
 from ..core.evaluation import ACCURACY, ACCURACY_BEFORE, EvaluationResult, accuracy_of
-from ..core.privacy import PrivacyLedger, ReportedPrivacy
+from ..core.ledger import PrivacyRecord
 from ..core.sampling import held_out_users
 from .files import write_json
 
@@ -162,7 +162,7 @@ def per_user_table(result: EvaluationResult, num_users: Optional[int]) -> Dict[s
     return table
 
 
-def per_user_epsilons(privacy: Optional[Union[PrivacyLedger, ReportedPrivacy]]) -> Dict[int, float]:
+def per_user_epsilons(privacy: Optional[PrivacyRecord]) -> Dict[int, float]:
     """Each user's DP-SGD epsilon so far (none without DP-SGD)."""
     if privacy is None:
         return {}
@@ -208,7 +208,7 @@ def this_process() -> Dict[str, Any]:
     }
 
 
-def privacy_metrics(privacy: Optional[Union[PrivacyLedger, ReportedPrivacy]], round_idx: int) -> Dict[str, float]:
+def privacy_metrics(privacy: Optional[PrivacyRecord], round_idx: int) -> Dict[str, float]:
     """DP-SGD's figure for an evaluation's record (the account already counts its personalization),
     logged; none without DP-SGD."""
     if privacy is None:
@@ -303,7 +303,7 @@ class RunRecorder:
         self.last: Optional[EvaluationResult] = None
         self.rounds_done = 0
         self.silos = SiloRecord()
-        self.privacy: Optional[Union[PrivacyLedger, ReportedPrivacy]] = None  # DP-SGD's account (assembly's)
+        self.privacy: Optional[PrivacyRecord] = None  # DP-SGD's account (assembly's)
         self.started = time.perf_counter()
         self.evaluation_seconds = 0.0  # spent evaluating: not training time
         self._bar = None

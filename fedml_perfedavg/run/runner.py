@@ -470,7 +470,7 @@ class PluginRun:
             if status == "finished" and outcome is not None and outcome.ended_early:
                 status, error = "stopped", outcome.ended_early  # the server's reason: the run did not finish
             if self.config.training_type == "cross_silo" and self.config.own_data and outcome is not None:
-                from ..core.privacy import silo_report
+                from ..core.ledger import silo_report
                 from .silo_record import write_silo_record
 
                 algorithm, ledger = self.parts.algorithm, self.parts.silo_privacy

@@ -10,16 +10,14 @@ from fedml_perfedavg.core.client_maths import LocalUpdateConfig, Step
 from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.core.functional import functional_network, make_loss_fn
 from fedml_perfedavg.core.hand_batched import hand_batched_gradients
+from fedml_perfedavg.core.ledger import PrivacyLedger, UseRules, epsilon_of
 from fedml_perfedavg.core.privacy import (
     DPSGD,
-    PrivacyLedger,
     PrivateBatches,
     PrivateChainSteps,
     PrivateSteps,
-    UseRules,
     clip_and_sum,
     draw_private_batches,
-    epsilon_of,
     one_client,
     per_sample_problem,
     poisson_draw,

@@ -223,7 +223,7 @@ def test_the_docs_dp_example_fits_the_deployment_the_docs_describe(mnist_root, s
     at the epsilon the docs give (6.01, user 3, PRV; 6.41 by RDP); sigma 1.0, the example before,
     is refused."""
     from fedml_perfedavg.algorithms import create_algorithm
-    from fedml_perfedavg.core.privacy import planned_epsilon
+    from fedml_perfedavg.core.ledger import planned_epsilon
     from fedml_perfedavg.models import create_model
     from fedml_perfedavg.run.assembly import privacy_ledger  # (FedML's import, hence here)
     from fedml_perfedavg.run.config import load_yaml, resolve

@@ -40,7 +40,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ...core.errors import SiloFailure
-from ...core.privacy import silo_report
+from ...core.ledger import silo_report
 from ..bootstrap import import_fedml
 from .agreement import SiloSetup
 from .modes import data_mode
