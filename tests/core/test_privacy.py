@@ -243,3 +243,19 @@ def test_a_model_with_batchnorm_cannot_clip_per_sample():
     assert (
         per_sample_problem(plain, make_loss_fn(plain), params, torch.randn(4, 1, 3, 4), torch.zeros(4).long()) is None
     )
+
+
+def test_the_tight_epsilon_is_the_same_bits_whatever_the_processs_blas_threads():
+    """PRV has a BLAS dot product, whose sum order follows the thread count: once a silo (one
+    thread) and the single process (two) stated one user's epsilon 1 ulp apart."""
+    from threadpoolctl import threadpool_limits
+
+    from fedml_perfedavg.core import accounting
+
+    uses = {0.04081632653061224: 33, 0.08163265306122448: 3}
+    said = set()
+    for threads in (1, 2):
+        accounting._prv.cache_clear()
+        with threadpool_limits(threads, user_api="blas"):
+            said.add(accounting.prv_epsilon(uses, 1.0, 1e-5))
+    assert len(said) == 1, said
