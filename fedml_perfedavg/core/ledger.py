@@ -251,10 +251,12 @@ def planned_epsilon(
     return (0.0, None) if user is None else (plan.epsilon(user), user)
 
 
-def silo_report(ledger: PrivacyLedger, user: int) -> Dict[str, Any]:
-    """What a data owner's silo tells the server of its own user's privacy: its epsilon, its uses
-    and its sample rate (the per-user entry of :meth:`PrivacyLedger.report`)."""
-    entry = ledger.report(final=True)["per_user"].get(str(user), {"epsilon": 0.0, "uses": 0, "sample_rate": 0.0})
+def silo_report(ledger: PrivacyLedger, user: int, final: bool = False) -> Dict[str, Any]:
+    """What a data owner's silo tells of its own user's privacy: its epsilon, its uses and its
+    sample rate (the per-user entry of :meth:`PrivacyLedger.report`): the RDP bound with each
+    evaluation it sends (inside the round's deadline), the accountant's figure in its own ``final``
+    record."""
+    entry = ledger.report(final=final)["per_user"].get(str(user), {"epsilon": 0.0, "uses": 0, "sample_rate": 0.0})
     return {"user": int(user), **{k: entry[k] for k in ("epsilon", "uses", "sample_rate")}}
 
 
@@ -279,7 +281,8 @@ class ReportedPrivacy:
     def report(self, final: bool = False) -> Dict[str, Any]:
         return {
             **self.dp.settings(),
-            "epsilon_from": accounting.ACCOUNTANTS[self.dp.accountant],
+            # each silo's report with its evaluation: the RDP bound (its own record has the tight figure)
+            "epsilon_from": accounting.ACCOUNTANTS[accounting.RDP],
             "epsilon": self.largest()[0],
             "per_user": {str(u): dict(self.reports[u]) for u in sorted(self.reports)},
             "reported_by": "silos (each accounts for its own user)",

@@ -475,7 +475,9 @@ class PluginRun:
 
                 algorithm, ledger = self.parts.algorithm, self.parts.silo_privacy
                 own_state = algorithm.client_states.get(outcome.user) if outcome.user is not None else None
-                privacy = None if ledger is None or outcome.user is None else silo_report(ledger, outcome.user)
+                privacy = (
+                    None if ledger is None or outcome.user is None else silo_report(ledger, outcome.user, final=True)
+                )
                 record = write_silo_record(
                     self.run_dir, self.rank, outcome, self.parts.trainer.personalized, status, error, own_state, privacy
                 )

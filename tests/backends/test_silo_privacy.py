@@ -74,19 +74,18 @@ def test_data_owner_silos_account_for_their_own_users_under_secure_aggregation_a
     assert privacy["per_user"].keys() == expected.keys()
     for user, entry in expected.items():
         assert privacy["per_user"][user]["uses"] == entry["uses"]
-        assert abs(privacy["per_user"][user]["epsilon"] - entry["epsilon"]) < 1e-9
-    assert privacy["epsilon"] == sp.summary["privacy"]["epsilon"]
-    # each silo reports its own user's tight (PRV) figure with every evaluation; sp's running
-    # records carry the RDP bound, above it, and its last record the same tight figure
-    history, sp_history = [h["epsilon"] for h in summary["history"]], [h["epsilon"] for h in sp.summary["history"]]
-    assert len(history) == len(sp_history) and all(h < b for h, b in zip(history, sp_history))
-    assert history[-1] == sp.summary["privacy"]["epsilon"]
+        assert abs(privacy["per_user"][user]["epsilon"] - entry["epsilon_rdp"]) < 1e-9
+    # each silo sends its user's RDP bound with its evaluations (sp's running records carry the same)
+    assert privacy["epsilon_from"] == "opacus.rdp"
+    assert privacy["epsilon"] == max(e["epsilon_rdp"] for e in sp.summary["privacy"]["per_user"].values())
+    assert [h["epsilon"] for h in summary["history"]] == [h["epsilon"] for h in sp.summary["history"]]
     # Where an organization looks: its own record, `fedml-perfedavg show` on it, its last log line.
     from fedml_perfedavg.run.show import main as show
 
     record = json.loads((tmp_path / "run" / "silo-rank-2" / "summary.json").read_text())
     spent = f"epsilon {record['privacy']['epsilon']:.4g} over {record['privacy']['uses']} uses of its data"
-    assert record["privacy"]["epsilon"] == privacy["per_user"]["1"]["epsilon"] and spent in outs[2], outs[2][-2000:]
+    # its own record: the tight figure, sp's final one for that user
+    assert record["privacy"]["epsilon"] == expected["1"]["epsilon"] and spent in outs[2], outs[2][-2000:]
     capsys.readouterr()
     assert show([str(tmp_path / "run" / "silo-rank-2")]) == 0
     shown = capsys.readouterr().out
