@@ -34,11 +34,6 @@ class PrivacyRecord(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-def epsilon_of(uses: Mapping[float, int], noise_multiplier: float, delta: float) -> float:
-    """The RDP bound of a user's uses (sample rate -> count): core/accounting.py's ``rdp_epsilon``."""
-    return accounting.rdp_epsilon(uses, noise_multiplier, delta)
-
-
 def largest_epsilon(by_user: Mapping[int, float]) -> Tuple[float, Optional[int]]:
     """(the largest epsilon, the first user with it), (0, None) when none is above 0."""
     best: Tuple[float, Optional[int]] = (0.0, None)
@@ -274,8 +269,8 @@ class ReportedPrivacy:
         self.reports[user] = {k: report[k] for k in ("epsilon", "uses", "sample_rate")}
 
     def largest(self, final: bool = False) -> Tuple[float, Optional[int]]:
-        """(the largest epsilon a silo reported, its user); ``final`` changes nothing: each silo
-        reports its own accountant's figure."""
+        """(the largest epsilon a silo reported, its user); ``final`` changes nothing: a silo sends
+        its user's RDP bound with each evaluation (its own record has the accountant's figure)."""
         return largest_epsilon({user: float(r["epsilon"]) for user, r in self.reports.items()})
 
     def report(self, final: bool = False) -> Dict[str, Any]:

@@ -10,7 +10,8 @@ from fedml_perfedavg.core.client_maths import LocalUpdateConfig, Step
 from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.core.functional import functional_network, make_loss_fn
 from fedml_perfedavg.core.hand_batched import hand_batched_gradients
-from fedml_perfedavg.core.ledger import PrivacyLedger, UseRules, epsilon_of
+from fedml_perfedavg.core.accounting import rdp_epsilon as epsilon_of
+from fedml_perfedavg.core.ledger import PrivacyLedger, UseRules
 from fedml_perfedavg.core.privacy import (
     DPSGD,
     PrivateBatches,
