@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, List, Mapping, Tuple
+from typing import Any, Iterable, List, Mapping, Tuple
 
 from .errors import ConfigError
 
@@ -49,6 +49,15 @@ def _rdp_of_one_use(rate: float, noise_multiplier: float) -> Tuple[float, ...]:
     once per sample rate, which a run has a handful of."""
     rdp = _opacus("rdp")
     return tuple(rdp.compute_rdp(q=rate, noise_multiplier=noise_multiplier, steps=1, orders=_orders()))
+
+
+def prepare(rates: Iterable[float], noise_multiplier: float) -> None:
+    """Import the accountants and compute one use's RDP at each of ``rates`` now: the first call
+    imports Opacus and SciPy (about 2 s of CPU, 10 s on a loaded machine), which a silo must not
+    spend inside a round's deadline (its first evaluation's report)."""
+    for rate in sorted(set(rates)):
+        _rdp_of_one_use(float(rate), float(noise_multiplier))
+    _opacus("PRVAccountant")
 
 
 def rdp_epsilon(uses: Mapping[float, int], noise_multiplier: float, delta: float) -> float:

@@ -90,6 +90,10 @@ class PrivacyLedger:
         self.counted: Dict[str, List[int]] = {"training": [], "evaluation": []}
         self._seen: set = set()
         self._cache: Dict[Tuple[int, str], Tuple[Tuple[Tuple[float, int], ...], float]] = {}
+        accounting.prepare(
+            (rate for n in self.sample_counts.values() for rate, _ in rules.training(n) + rules.evaluation(n)),
+            dp.noise_multiplier,
+        )
 
     def _account(self, what: str, round_idx: int, users: Sequence[int]) -> None:
         rule = self.rules.training if what == "training" else self.rules.evaluation

@@ -172,6 +172,21 @@ def test_the_ledger_counts_each_round_and_user_once_and_survives_a_checkpoint():
         )
 
 
+def test_a_new_ledger_has_its_accountant_ready_before_any_round():
+    """A silo's first evaluation report must not import Opacus inside the round's deadline (a fresh-
+    clone run beside busy loops: both silos missed round 0's 10 s deadline doing so)."""
+    from fedml_perfedavg.core import accounting
+
+    accounting._rdp_of_one_use.cache_clear()
+    dp = DPSGD(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5)
+    PrivacyLedger(dp, UseRules.of(Step.HF, (8, 8, 4), local_steps=3, eval_batch=8, adapt_steps=1), {0: 40, 1: 80})
+    # the rates 0.2, 0.1 (user 0) and 0.1, 0.05 (user 1), each computed once already
+    assert accounting._rdp_of_one_use.cache_info().currsize == 3
+    calls = accounting._rdp_of_one_use.cache_info().misses
+    accounting.rdp_epsilon({0.2: 7, 0.1: 3, 0.05: 1}, 1.1, 1e-5)
+    assert accounting._rdp_of_one_use.cache_info().misses == calls
+
+
 # Google dp-accounting 0.6.0's PLD accountant (an independent implementation: privacy loss
 # distributions, not Opacus' PRVs), value_discretization_interval 1e-4, delta 1e-5, computed with
 # `PLDAccountant(1e-4).compose(ComposedDpEvent([SelfComposedDpEvent(PoissonSampledDpEvent(q,
