@@ -199,3 +199,82 @@ def test_commands_the_server_does_not_take_start_fresh(tmp_path):
         )
         is None
     )
+
+
+MPIRUN = __import__("shutil").which("mpirun", path=os.path.dirname(sys.executable))
+
+
+def _ranks(forked: bool, action: str, tmp_path):
+    """``unshare -n mpirun -n 2 python probe ACTION`` (the MPI tests' form), started fresh or forked."""
+    from tests.helpers import unshare_works
+
+    command = [MPIRUN, "-n", "2", sys.executable, str(zygote.PROBE), action]
+    command = ["unshare", "-n", *command] if unshare_works() else command
+    popen = zygote.ForkedPopen if forked else zygote.FreshPopen
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _said(out: str) -> list:
+    """Every JSON object the ranks printed (mpirun interleaves their lines), those with a rank last, by rank."""
+    decoder, found, at = json.JSONDecoder(), [], out.find("{")
+    while at != -1:
+        said, end = decoder.raw_decode(out, at)
+        found.append(said)
+        at = out.find("{", end)
+    return sorted(found, key=lambda said: said.get("rank", -1))
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun (PyPI mpich) not installed")
+def test_mpi_ranks_forked_from_the_server_run_mpi_as_fresh_ones_do(tmp_path):
+    """Under mpirun each rank is forked through its stand-in (tests/zygote_rank.py): MPI starts from
+    the stand-in's PMI socket, in its network namespace, and the job's ranks talk to each other."""
+    from tests.helpers import unshare_works
+
+    results = {}
+    for forked in (False, True):
+        process = _ranks(forked, "mpi", tmp_path)
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, (forked, out[-2000:], err[-3000:])
+        results[forked] = _said(out)
+    python = os.path.basename(sys.executable)
+    for forked, said in results.items():
+        probes, ranks = said[:2], said[2:]  # each rank's probe line (no rank), then its MPI line
+        assert [(r["rank"], r["size"], r["sum"]) for r in ranks] == [(0, 2, 3), (1, 2, 3)]
+        for probe in probes:
+            if unshare_works():  # unshare -n's namespace, with loopback only, as the stand-in's
+                assert probe["netns"] != os.readlink("/proc/self/ns/net") and probe["interfaces"] == ["lo"]
+        parents = [r["parent"][:1] if not forked else r["parent"] for r in ranks]  # the proxy's port varies
+        assert parents == ([[python, "-m", "tests.zygote"]] * 2 if forked else [["hydra_pmi_proxy"]] * 2)
+    # the probes' own lines (argv, working directory, variables, ...) are the same either way
+    strip = lambda probe: {k: v for k, v in probe.items() if k not in ("random", "netns")}  # noqa: E731
+    assert [strip(p) for p in results[True][:2]] == [strip(p) for p in results[False][:2]]
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun (PyPI mpich) not installed")
+def test_a_forked_rank_ends_with_its_stand_in_and_mpirun_ends_the_job(tmp_path):
+    """SIGKILL to a rank's stand-in (what mpirun's proxy does to a job it aborts) ends the rank."""
+    import time
+
+    process = _ranks(True, "mpi-sleep", tmp_path)
+    from tests.helpers import processes_naming
+
+    printed = ""
+    while len([said for said in _said(printed) if "rank" in said]) < 2:
+        line = process.stdout.readline()
+        assert line, process.stderr.read()[-3000:]
+        printed += line
+    ranks = [said for said in _said(printed) if "rank" in said]
+
+    def command_line(pid: int) -> list:
+        return open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+
+    stand_ins = [pid for pid in processes_naming(str(zygote.RANK)) if command_line(pid)[1:3] == ["-I", "-S"]]
+    assert len(stand_ins) == 2
+    os.kill(stand_ins[0], signal.SIGKILL)
+    process.communicate(timeout=60)
+    assert process.returncode != 0
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{r['pid']}") for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{r['pid']}") for r in ranks)

@@ -15,9 +15,16 @@ itself (``setns`` on ``/run/netns/NAME``, as ``ip`` does before it execs), so it
 there as they would under ``ip``. What ``ip netns exec`` adds besides (a mount namespace with the
 namespace's own ``/sys`` and ``/etc/netns/NAME`` files) no test's process reads.
 
+The ranks of ``mpirun -n N python -m fedml_perfedavg ...`` (or ``python -c CODE ...``, the tests'
+network guard around the command line) are forked too: mpirun (a fresh process, with whatever
+wraps it, ``unshare -n`` included) starts a small stand-in for each rank instead
+(tests/zygote_rank.py, standard library only), which hands the fork server the rank's streams,
+its PMI socket (MPICH's ``PMI_FD``, at the same number) and its network namespace, forwards the
+signals mpirun sends, ends with the rank's status, and takes the rank with it if it is killed.
+
 What keeps a fresh interpreter (:func:`forkable` says no): any other program or script (FedML's
-example scripts and the user's one-file scripts, which are what those tests check), commands
-under ``mpirun``, ``unshare`` or ``prlimit``, python flags, ``preexec_fn``,
+example scripts and the user's one-file scripts, which are what those tests check, under mpirun
+too), commands under ``unshare`` or ``prlimit``, python flags, ``preexec_fn``,
 ``pass_fds``, and an environment that differs in what is read while importing (thread counts,
 ``PYTHON*`` variables, coverage). ``TESTS_FRESH_PROCESSES=1`` turns the server off; without
 pytest-xdist it is off too. The launcher's own children (``launch-silo``) are fresh interpreters:
@@ -27,6 +34,8 @@ they are started by the product's code, in another process.
 from __future__ import annotations
 
 import atexit
+import builtins
+import fcntl
 import gc
 import importlib
 import json
@@ -47,6 +56,7 @@ from typing import List, Optional, Tuple
 REPO = Path(__file__).resolve().parents[1]
 LIAR = REPO / "tests" / "backends" / "lying_silo.py"
 PROBE = REPO / "tests" / "zygote_probe.py"  # what tests/test_zygote.py compares with a fresh interpreter
+RANK = REPO / "tests" / "zygote_rank.py"  # what mpirun starts for a forked rank
 SWITCH = "TESTS_FRESH_PROCESSES"
 FreshPopen = subprocess.Popen  # before conftest.py puts ForkedPopen in its place
 
@@ -108,11 +118,16 @@ def serve(path: str) -> None:
     # exit statuses); each child gets what a fresh interpreter would have (_become)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     waiting = {}  # pid -> the connection its exit status goes back on
+    tied = {}  # a rank's stand-in's connection -> its rank's pid: the rank ends if the stand-in does
     print("ready", flush=True)
     while True:
-        readable = select.select([listener, wake_read, sys.stdin], [], [])[0]
+        readable = select.select([listener, wake_read, sys.stdin, *tied], [], [])[0]
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
             return
+        for connection in [c for c in readable if c in tied]:
+            pid = tied.pop(connection)  # the stand-in sends nothing more: it has ended (SIGKILL from mpirun)
+            if waiting.get(pid) is connection:
+                os.kill(pid, signal.SIGKILL)
         if wake_read in readable:
             while True:
                 try:
@@ -120,16 +135,16 @@ def serve(path: str) -> None:
                         break
                 except BlockingIOError:
                     break
-            _reap(waiting)
+            _reap(waiting, tied)
         if listener in readable:
             connection, _ = listener.accept()
             try:
-                _fork_one(connection, waiting, closing=[listener, wake_read, wake_write])
+                _fork_one(connection, waiting, tied, closing=[listener, wake_read, wake_write])
             except OSError:  # the test that asked has gone; nothing was started for it
                 connection.close()
 
 
-def _reap(waiting: dict) -> None:
+def _reap(waiting: dict, tied: dict) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -139,6 +154,7 @@ def _reap(waiting: dict) -> None:
             return
         connection = waiting.pop(pid, None)
         if connection is not None:
+            tied.pop(connection, None)
             try:
                 connection.send(str(status).encode())
             except OSError:
@@ -146,15 +162,15 @@ def _reap(waiting: dict) -> None:
             connection.close()
 
 
-def _fork_one(connection: socket.socket, waiting: dict, closing: list) -> None:
-    message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+def _fork_one(connection: socket.socket, waiting: dict, tied: dict, closing: list) -> None:
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 8)
     request = json.loads(message)
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         try:
-            for item in [*closing, *waiting.values()]:
+            for item in [*closing, *waiting.values(), *tied]:
                 if isinstance(item, int):
                     os.close(item)
                 else:
@@ -168,39 +184,52 @@ def _fork_one(connection: socket.socket, waiting: dict, closing: list) -> None:
     for fd in fds:
         os.close(fd)
     waiting[pid] = connection
+    if request.get("tied"):
+        tied[connection] = pid
     connection.send(json.dumps({"pid": pid}).encode())
 
 
 def _enter_network_namespace(name: str) -> None:
     """What ``ip netns exec NAME`` does before it execs the command: join the named namespace."""
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _join_network_namespace(fd, name)
+    finally:
+        os.close(fd)
+
+
+def _join_network_namespace(fd: int, name: str) -> None:
     import ctypes
 
     clone_newnet = 0x40000000
     libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if libc.setns(fd, clone_newnet) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, f"setns into network namespace {name}: {os.strerror(error)}")
-    finally:
-        os.close(fd)
+    if libc.setns(fd, clone_newnet) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"setns into network namespace {name}: {os.strerror(error)}")
 
 
 def _become(request: dict, fds: List[int], connection: socket.socket) -> None:
     """In the child: take the command's streams, place, environment and session, run it, end."""
     if request.get("netns"):
         _enter_network_namespace(request["netns"])
+    if request.get("netns_fd") is not None:  # a rank's stand-in's namespace (mpirun under unshare -n)
+        _join_network_namespace(fds[request["netns_fd"]], "of the rank's stand-in")
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
     connection.close()
     if request["new_session"]:
         os.setsid()
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target, inheritable=True)
+    # each received descriptor to its number in the command's process: 0-2, then a rank's PMI
+    # socket at the number its PMI_FD names; moved out of the way first, as one may hold another's number
+    targets = {0: 0, 1: 1, 2: 2, **{int(number): index for number, index in request.get("fds_at", {}).items()}}
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 256) for fd in fds]
     for fd in fds:
-        if fd > 2:
-            os.close(fd)
+        os.close(fd)
+    for number, index in targets.items():
+        os.dup2(moved[index], number, inheritable=number <= 2)
+    for fd in moved:
+        os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -221,6 +250,12 @@ def _become(request: dict, fds: List[int], connection: socket.socket) -> None:
             sys.path[:] = [os.getcwd(), *paths, *base]
             sys.modules["__main__"] = types.ModuleType("__main__")  # not this server's namespace
             runpy._run_module_as_main(argv[1])  # type: ignore[attr-defined]
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path[:] = ["", *paths, *base]
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            main.__dict__["__builtins__"] = builtins
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
         else:
             sys.argv = list(argv)
             sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *paths, *base]
@@ -234,6 +269,15 @@ def _become(request: dict, fds: List[int], connection: socket.socket) -> None:
         sys.excepthook(*sys.exc_info())
         code = 1
     _end(code)
+
+
+def _finalize_mpi() -> None:
+    """What mpi4py does at the interpreter's finalization (``Py_AtExit``, which ``os._exit`` skips): an
+    MPI rank that ends without ``MPI_Finalize`` closes its PMI socket unfinished, and mpirun kills
+    the whole job for it."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
 
 
 def _exit_code(code) -> int:
@@ -252,6 +296,7 @@ def _end(code: int, killed_by: Optional[int] = None) -> None:
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
     atexit._run_exitfuncs()
+    _finalize_mpi()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -260,6 +305,10 @@ def _end(code: int, killed_by: Optional[int] = None) -> None:
     if killed_by is not None:
         signal.signal(killed_by, signal.SIG_DFL)
         os.kill(os.getpid(), killed_by)
+    if "mpi4py.MPI" in sys.modules:  # MPICH says goodbye to mpirun in its C exit handler
+        import ctypes
+
+        ctypes.CDLL(None).exit(code)
     os._exit(code)
 
 
@@ -363,6 +412,33 @@ def forkable(args, executable, shell, preexec_fn, pass_fds, env, cwd, **rest) ->
     return argv, netns
 
 
+MPIRUN_NAMES = ("mpirun", "mpiexec", "mpiexec.hydra")
+
+
+def forkable_ranks(args, executable, shell, env) -> Optional[List[str]]:
+    """``mpirun -n N python ...`` (whatever wraps mpirun) with each rank started by the fork server
+    through tests/zygote_rank.py, or None: the rank's command must be ``-m fedml_perfedavg`` or the
+    lying-silo or probe script, or ``-c CODE`` that runs no script of the user's (``--script``)."""
+    if shell or executable is not None or isinstance(args, (str, bytes)):
+        return None
+    args = [str(a) for a in args]
+    at = next((i for i, a in enumerate(args) if os.path.basename(a) in MPIRUN_NAMES), None)
+    if at is None or args[at + 1 : at + 2] != ["-n"] or not args[at + 2 : at + 3] or not args[at + 2].isdigit():
+        return None
+    rank = args[at + 3 :]
+    if len(rank) < 2 or rank[0] != sys.executable:
+        return None
+    argv = rank[1:]
+    script = not argv[0].startswith("-") and Path(argv[0]).resolve() in (LIAR, PROBE)
+    if not (argv[:2] == ["-m", "fedml_perfedavg"] or script or (argv[0] == "-c" and "--script" not in argv)):
+        return None
+    server = _Server.get()
+    environment = os.environ if env is None else env
+    if server is None or _import_time_environment(environment) != server.import_time:
+        return None
+    return [*args[: at + 3], sys.executable, "-I", "-S", str(RANK), server.path, *argv]
+
+
 class ForkedPopen(subprocess.Popen):
     """``subprocess.Popen`` that asks this worker's fork server for the commands
     :func:`forkable` accepts; every other command starts as Popen starts it."""
@@ -411,6 +487,7 @@ class ForkedPopen(subprocess.Popen):
             process_group=process_group,
         )
         if forked is None:
+            args = forkable_ranks(args, executable, shell, env) or args
             return super()._execute_child(
                 args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell,
                 p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,

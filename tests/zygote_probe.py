@@ -3,7 +3,9 @@ prints one JSON line (its argv, working directory, a variable of its environment
 line it read from stdin, whether it shares the random sequence, its network namespace and the
 interfaces it sees there) and then does ACTION:
 ``exit:N``, ``raise``, ``interrupt`` (an uncaught KeyboardInterrupt), ``sleep`` (until killed), or
-``thread`` (a non-daemon thread prints after the main thread returns, then atexit prints)."""
+``thread`` (a non-daemon thread prints after the main thread returns, then atexit prints); under
+mpirun, ``mpi`` (a second line: its rank, the world's size, an allreduce, its pid and parent)
+and ``mpi-sleep`` (the same, then sleep until killed)."""
 
 import atexit
 import json
@@ -37,6 +39,27 @@ def main() -> None:
         ),
         flush=True,
     )
+    if action in ("mpi", "mpi-sleep"):  # a rank under mpirun: MPI works, and what runs it
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        total = world.allreduce(world.Get_rank() + 1)
+        parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\0")
+        print(
+            json.dumps(
+                {
+                    "rank": world.Get_rank(),
+                    "size": world.Get_size(),
+                    "sum": total,
+                    "pid": os.getpid(),
+                    "parent": [os.path.basename(a.decode()) for a in parent[:3]],
+                }
+            ),
+            flush=True,
+        )
+        if action == "mpi-sleep":
+            time.sleep(600)
+        return
     if action.startswith("exit:"):
         sys.exit(int(action[5:]))
     if action == "raise":
