@@ -21,9 +21,13 @@ data/MNIST:
 TORCH_INDEX ?=
 $(STAMP): setup.py constraints.txt fedml_perfedavg_torchvision.pth
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt "setuptools<81" wheel
+	$(PY) -m pip install -q --no-compile --disable-pip-version-check -c constraints.txt "setuptools<81" wheel
 	# torch is named explicitly (==2.13.0) so pip never resolves a newer build.
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==2.13.0 -e ".[mpi,silo,dp,bench,test]"
+	$(PY) -m pip install -q --no-compile --disable-pip-version-check -c constraints.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==2.13.0 -e ".[mpi,silo,dp,bench,test]"
+	# The bytecode pip would write, one file after another (half of the install's 100 s), written on
+	# every core instead. As pip does, files that this Python cannot compile are passed over: torch's
+	# tests for Python 3.12 syntax.
+	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 	# An editable install does not ship the .pth a wheel install puts in site-packages (setup.py):
 	# it makes `import fedml` work before `import fedml_perfedavg`.
 	cp fedml_perfedavg_torchvision.pth "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
