@@ -1,6 +1,6 @@
 """The folders tell the architecture: the core, data, algorithms and engine never import FedML
 or the run layer; the FedML bridge never imports the run layer; no import cycles, including
-imports inside functions; no class over about 200 lines."""
+imports inside functions."""
 
 import ast
 from pathlib import Path
