@@ -29,7 +29,21 @@ import dataclasses
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Protocol, Sequence, Tuple, cast
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Dict,
+    FrozenSet,
+    List,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    Type,
+    cast,
+)
 
 import torch
 from torch import Tensor, nn
@@ -330,20 +344,32 @@ def with_own_settings(cls: "type[FederatedAlgorithm]", settings: AlgorithmSettin
     return dataclasses.replace(settings, own=own)
 
 
+_OWN_MATHS = (
+    "its client maths is its own, which DP-SGD's per-sample clipping and noise do not reach; only "
+    "algorithms on the standard local update run it (PerFedAvg, FedAvgUpdate)"
+)
+
+
+def dp_refusal(cls: Type["FederatedAlgorithm"]) -> Optional[str]:
+    """Why DP-SGD cannot run algorithm class ``cls``, or None: its own per-user figures, or client
+    maths of its own (in its words, ``dp_refusal_reason``). The one owner of that decision: the
+    config's rules ask it when the settings are read, the algorithm when it is built."""
+    if cls.metric_names:
+        return f"its own per-user figures {list(cls.metric_names)} would be released with no DP-SGD account of them"
+    if cls.returns_whole_state or cls.keeps_client_state:
+        return cls.dp_refusal_reason or _OWN_MATHS
+    return None
+
+
 def refuse_own_maths_under_dp(algorithm: "FederatedAlgorithm") -> None:
     """DP-SGD reaches only the standard local update: :class:`ConfigError` for an algorithm
-    whose client maths is its own."""
-    if algorithm.settings.privacy is not None and algorithm.metric_names:
+    whose client maths is its own (:func:`dp_refusal`, or no standard update on this model)."""
+    if algorithm.settings.privacy is None:
+        return
+    why = dp_refusal(type(algorithm)) or (_OWN_MATHS if algorithm.standard_update is None else None)
+    if why is not None:
         raise ConfigError(
-            f"dp_args.dp_solution_type='dpsgd' with train_args.federated_optimizer={algorithm.name!r}: its own "
-            f"per-user figures {list(algorithm.metric_names)} would be released with no DP-SGD account of them"
-        )
-    own_maths = algorithm.returns_whole_state or algorithm.keeps_client_state
-    if algorithm.settings.privacy is not None and (algorithm.standard_update is None or own_maths):
-        raise ConfigError(
-            f"dp_args.dp_solution_type='dpsgd' with train_args.federated_optimizer={algorithm.name!r}: its "
-            f"client maths is its own, which DP-SGD's per-sample clipping and noise do not reach; only "
-            f"algorithms on the standard local update run it (PerFedAvg, FedAvgUpdate)"
+            f"dp_args.dp_solution_type='dpsgd' with train_args.federated_optimizer={algorithm.name!r}: {why}"
         )
 
 
@@ -370,6 +396,9 @@ class FederatedAlgorithm:
     #: (accuracy after and before the personalization step, loss): reported, logged, in wandb, in
     #: ``show``, and sent by a data owner's silo to the server.
     metric_names: ClassVar[Tuple[str, ...]] = ()
+    #: Why DP-SGD cannot reach this algorithm's own client maths, in its words (:func:`dp_refusal`;
+    #: None: the general reason).
+    dp_refusal_reason: ClassVar[Optional[str]] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -75,6 +75,10 @@ class FedAvgARUBA(FederatedAlgorithm):
     name = "FedAvgARUBA"
     Settings = ArubaSettings
     returns_whole_state = True  # the client's squared gradients travel in its state
+    dp_refusal_reason = (
+        "ARUBA learns per-coordinate step sizes from each client's updates outside the mechanism; use "
+        "PerFedAvg or FedAvgUpdate"
+    )
     batch_roles = frozenset({0})  # its local steps read D alone (FedAvg's steps with learned step sizes)
 
     def __init__(self, model: nn.Module, settings: AlgorithmSettings) -> None:

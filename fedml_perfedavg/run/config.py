@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import yaml
 
-from ..algorithms.base import AGGREGATIONS, DIVERGENCE_POLICIES, FederatedAlgorithm
+from ..algorithms.base import AGGREGATIONS, DIVERGENCE_POLICIES, FederatedAlgorithm, dp_refusal
 from ..algorithms.registry import (
     BUILTIN_ALGORITHMS,
     FEDML_OWN,
@@ -855,11 +855,9 @@ def _rule_privacy(c: Config) -> None:
             f"validation_args.random_iterate=True with {need}: evaluating a second model each round is a "
             f"second personalization on every user's data, which the accountant does not count; set it false"
         )
-    if c.federated_optimizer == "FedAvgARUBA":
-        raise ConfigError(
-            f"train_args.federated_optimizer='FedAvgARUBA' with {need}: ARUBA learns per-coordinate step "
-            f"sizes from each client's updates outside the mechanism; use PerFedAvg or FedAvgUpdate"
-        )
+    why = dp_refusal(algorithm_class(c.federated_optimizer))  # the algorithm's own answer (algorithms/base.py)
+    if why is not None:
+        raise ConfigError(f"train_args.federated_optimizer={c.federated_optimizer!r} with {need}: {why}")
 
 
 RULES: List[Callable[[Config], None]] = [

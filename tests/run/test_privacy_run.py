@@ -150,6 +150,30 @@ def test_what_would_read_data_outside_the_mechanism_is_refused(overrides, messag
         _config(**overrides)
 
 
+def test_an_algorithm_says_itself_why_dp_sgd_cannot_reach_its_maths(monkeypatch):
+    """The config's rule asks the algorithm class (algorithms/base.py's dp_refusal), as its
+    construction does: a registered algorithm with maths of its own is refused at start in its words,
+    with no name of it written in the rules."""
+    from fedml_perfedavg.algorithms import registry
+    from fedml_perfedavg.algorithms.fedavg_aruba import FedAvgARUBA
+
+    class OwnStatistics(FedAvgARUBA):
+        dp_refusal_reason = "its clients send their gradient statistics in the clear"
+
+    class OwnStatisticsPlain(FedAvgARUBA):
+        dp_refusal_reason = None
+
+    monkeypatch.setattr(registry, "_REGISTERED", {})
+    registry.register("OwnStatistics", OwnStatistics)
+    registry.register("OwnStatisticsPlain", OwnStatisticsPlain)
+    with pytest.raises(ConfigError, match=r"'OwnStatistics' with dp_args.* in the clear$"):
+        _config(federated_optimizer="OwnStatistics")
+    with pytest.raises(ConfigError, match=r"'OwnStatisticsPlain' with dp_args.*: its client maths is its own"):
+        _config(federated_optimizer="OwnStatisticsPlain")
+    with pytest.raises(ConfigError, match=r"'FedAvgARUBA' with dp_args.*: ARUBA learns per-coordinate step sizes"):
+        _config(federated_optimizer="FedAvgARUBA")
+
+
 def test_fedavg_takes_one_use_per_step(tmp_path):
     config = _config(federated_optimizer="FedAvgUpdate")
     privacy = run(config, str(tmp_path / "fedavg"), data=tiny_data()).summary["privacy"]
