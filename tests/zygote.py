@@ -405,11 +405,19 @@ def forkable(args, executable, shell, preexec_fn, pass_fds, env, cwd, **rest) ->
         return None
     if cwd is not None and not os.path.isdir(cwd):
         return None  # Popen's own start says what is wrong with it
+    if _server_for(env) is None:
+        return None
+    return argv, netns
+
+
+def _server_for(env) -> Optional["_Server"]:
+    """This worker's fork server, where a command with environment ``env`` (None: this process's)
+    may be forked from it: it has started, and the command reads at import what the server read."""
     server = _Server.get()
     environment = os.environ if env is None else env
     if server is None or _import_time_environment(environment) != server.import_time:
         return None
-    return argv, netns
+    return server
 
 
 MPIRUN_NAMES = ("mpirun", "mpiexec", "mpiexec.hydra")
@@ -432,9 +440,8 @@ def forkable_ranks(args, executable, shell, env) -> Optional[List[str]]:
     script = not argv[0].startswith("-") and Path(argv[0]).resolve() in (LIAR, PROBE)
     if not (argv[:2] == ["-m", "fedml_perfedavg"] or script or (argv[0] == "-c" and "--script" not in argv)):
         return None
-    server = _Server.get()
-    environment = os.environ if env is None else env
-    if server is None or _import_time_environment(environment) != server.import_time:
+    server = _server_for(env)
+    if server is None:
         return None
     return [*args[: at + 3], sys.executable, "-I", "-S", str(RANK), server.path, *argv]
 

@@ -182,6 +182,9 @@ def install_one_round_fix() -> None:
 install_one_round_fix()
 
 
+WAKE_SECONDS = 0.05  # how soon a waiting rank sees a stop set from another thread
+
+
 def waiting_receive_loop(comm_manager: Any) -> None:
     """core/distributed/communication/mpi/com_manager.py's ``handle_receive_message``, waiting on
     its queue instead of polling it every 0.1 ms (that loop kept an idle rank at 16% of a core:
@@ -202,9 +205,6 @@ def waiting_receive_loop(comm_manager: Any) -> None:
         MLOpsProfilerEvent.log_to_wandb({"BusyTime": time.time() - handling})
     MLOpsProfilerEvent.log_to_wandb({"TotalTime": time.time() - start})
     logging.info("Handle receive message stopped!")
-
-
-WAKE_SECONDS = 0.05
 
 
 def install_waiting_receive_loop() -> None:
