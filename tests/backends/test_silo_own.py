@@ -425,7 +425,9 @@ def test_a_killed_silo_started_again_carries_on_with_its_record_and_dp_account(m
     # the load, for the new process to start and be taken back (800 unpaced rounds were 174 s of
     # a fresh-clone run and, on a loaded machine, over the 240 s the test waits)
     settings = {**OWN, "client_num_in_total": 2, "comm_round": 200, "min_clients_per_round": 1, **dp}
-    settings.update({"round_timeout": 10, "connect_timeout": 10})
+    # connect_timeout 30: at load 8 (a profiled suite beside other tests) both silos once took over
+    # 10 s to come up, and the server, done waiting, ended the run before round 0
+    settings.update({"round_timeout": 10, "connect_timeout": 30})
     processes = start_by_hand(tmp_path, {**settings, "frequency_of_the_test": 20}, 2, folders, liars={1: "pace:0.25"})
     log, progress = tmp_path / "run" / "run.log", tmp_path / "run" / "silo-rank-2" / "progress.pt"
     deadline = time.monotonic() + 180
