@@ -35,6 +35,7 @@ from typing import (
     ClassVar,
     Dict,
     FrozenSet,
+    Iterable,
     List,
     NamedTuple,
     Optional,
@@ -48,6 +49,7 @@ from typing import (
 import torch
 from torch import Tensor, nn
 
+from ..core import adaptive_clipping
 from ..core.client_maths import LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, check_metric_names, evaluate, finite_figure
 from ..core.functional import functional_network, make_loss_fn
@@ -288,7 +290,10 @@ def private_batches(
     secret = None if settings.privacy is None else settings.privacy.secret
     generator = generator_for(settings.seed, round_idx, client_id, Purpose.PRIVATE_TRAINING, secret)
     roles = standard.step.batch_roles
-    return draw_private_batches(x, y, settings.batch_sizes[:roles], settings.local_steps, algorithm._shapes, generator)
+    bounds = algorithm.clip_bounds_of(client_id)
+    return draw_private_batches(
+        x, y, settings.batch_sizes[:roles], settings.local_steps, algorithm._shapes, generator, bounds
+    )
 
 
 def check_declarations(cls: "type[FederatedAlgorithm]") -> None:
@@ -429,6 +434,30 @@ class FederatedAlgorithm:
         return None
 
     @property
+    def holds_client_states(self) -> bool:
+        """Whether each client keeps a state from one of its rounds to its next: the algorithm's own
+        (:attr:`keeps_client_state`), or DP-SGD's adaptive clip bounds (core/adaptive_clipping.py).
+        Whoever holds a client holds its state (client_states.py)."""
+        privacy = self.settings.privacy
+        return self.keeps_client_state or (privacy is not None and privacy.adaptive)
+
+    def clip_bounds_of(self, client_id: int) -> Optional[Tensor]:
+        """Client ``client_id``'s adaptive clip bounds now, one per minibatch role (its starting
+        bounds before its first round), or None without adaptive clipping."""
+        privacy, standard = self.settings.privacy, self.standard_update
+        if privacy is None or not privacy.adaptive or standard is None:
+            return None
+        kept = self.client_states.get(client_id)
+        if kept is not None and adaptive_clipping.STATE_KEY in kept:
+            return kept[adaptive_clipping.STATE_KEY]
+        return adaptive_clipping.initial_bounds(standard.step.batch_roles, privacy.max_grad_norm)
+
+    def private_update(self, params: Params, batches: PrivateBatches) -> Tuple[Params, Optional[Tensor]]:
+        """DP-SGD's local update of the standard maths, and the client's adaptive clip bounds
+        after it (None for a fixed C): an algorithm of gradient steps gives it (gradient_steps.py)."""
+        raise NotImplementedError(f"{type(self).__name__} has no DP-SGD update")
+
+    @property
     def reports_training(self) -> bool:
         """Whether a client's training figures (its local steps' mean loss and accuracy on D) are
         recorded: for the standard maths without DP-SGD (they are functions of the private data,
@@ -545,6 +574,11 @@ class FederatedAlgorithm:
                 kept = self.client_states.get(client_id)
                 own = self.initial_client_state(client_id, start) if kept is None else kept
                 new_state, own = self.local_training_with_state(start, batches, own)
+            elif isinstance(batches, PrivateBatches) and batches.clip_bounds is not None:
+                params, buffers = self.split_state(start)
+                trained, bounds = self.private_update(params, batches)
+                assert bounds is not None
+                new_state, own = {**buffers, **trained}, {adaptive_clipping.STATE_KEY: bounds}
             elif self.reports_training:
                 params, buffers = self.split_state(start)
                 trained, figures = self.local_update_and_figures(params, batches)
@@ -554,7 +588,7 @@ class FederatedAlgorithm:
         self.check_client_result(round_idx, client_id, {k: new_state[k] for k in self.parameter_names})
         if figures is not None:
             self.training.add(round_idx, [client_id], figures.unsqueeze(0))
-        if self.keeps_client_state:  # a dropped update (skip_client) leaves the client's state as it was
+        if self.holds_client_states:  # a dropped update (skip_client) leaves the client's state as it was
             self.client_states.put(client_id, own)
         state = OrderedDict((k, new_state[k]) for k in global_state)
         return ClientUpdate(len(y), self.hooks.client_result(round_idx, client_id, state))
@@ -644,9 +678,29 @@ class FederatedAlgorithm:
             step_sizes=self.refinement_step_sizes(global_state),
             hand_batched=self.paths.hand_batched_form(shape),
             test_stacks=self._test_stacks,
+            clip_bounds=self.evaluation_clip_bounds(range(len(users)) if user_ids is None else user_ids),
         )
         ids = range(len(users)) if user_ids is None else user_ids
         return result.with_own(own_metrics(self, round_idx, global_state, users, ids)) if self.metric_names else result
+
+    def evaluation_clip_bounds(self, user_ids: Iterable[int]) -> Optional[Dict[int, float]]:
+        """With adaptive clipping, each of ``user_ids``' bound of its personalization step: its D
+        bound now (core/evaluation.py's ``personalization_dp``); else None."""
+        bounds = {}
+        for user in user_ids:
+            own = self.clip_bounds_of(int(user))
+            if own is None:
+                return None
+            bounds[int(user)] = float(own[0])
+        return bounds
+
+    def clip_bounds_record(self) -> Dict[str, Dict[str, List[float]]]:
+        """summary.json's ``dp_clip_bounds``: with adaptive clipping, the bounds of each user whose
+        state this process holds (every trained user on sp and MPI; none on a data owners' server),
+        one per minibatch role; else nothing."""
+        kept = {c: s[adaptive_clipping.STATE_KEY] for c, s in self.client_states.state_dict().items()}
+        bounds = {str(c): [float(b) for b in v] for c, v in kept.items() if self.clip_bounds_of(c) is not None}
+        return {"dp_clip_bounds": bounds} if bounds else {}
 
     def user_metrics(self, round_idx: int, global_state: StateDict, user: UserSplit, user_id: int) -> Dict[str, float]:
         """One user's figures of :attr:`metric_names` at an evaluation of ``global_state`` (a
@@ -665,7 +719,7 @@ class FederatedAlgorithm:
     # -- checkpoint state -----------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """The aggregation's record, for checkpoints."""
-        own = {"client_states": self.client_states.state_dict()} if self.keeps_client_state else {}
+        own = {"client_states": self.client_states.state_dict()} if self.holds_client_states else {}
         return {**self.screen.state_dict(), "aggregate_calls": self.aggregate_calls, **own}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

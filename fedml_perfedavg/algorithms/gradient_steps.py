@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..core import client_maths
 from ..core.client_maths import LocalBatches, LocalUpdateConfig, StepFigures
-from ..core.privacy import PrivateBatches, private_local_update
+from ..core.privacy import PrivateBatches, private_update
 from ..core.types import Params
 from .base import FederatedAlgorithm
 
@@ -42,7 +42,7 @@ class GradientSteps(FederatedAlgorithm):
         if standard is None:  # a subclass that said its maths is its own must define this method
             return super().local_update(params, batches)
         if isinstance(batches, PrivateBatches):
-            return self._private_update(params, batches, standard)
+            return self.private_update(params, batches)[0]
         return self._update(params, batches, standard, None)
 
     def local_update_and_figures(self, params: Params, batches: LocalBatches) -> Tuple[Params, Tensor]:
@@ -61,11 +61,12 @@ class GradientSteps(FederatedAlgorithm):
         oracle = self.paths.gradient_oracle(self.loss_fn)
         return client_maths.local_update(self.loss_fn, params, batches, config, oracle, figures)
 
-    def _private_update(self, params: Params, batches: PrivateBatches, standard: LocalUpdateConfig) -> Params:
+    def private_update(self, params: Params, batches: PrivateBatches) -> Tuple[Params, Optional[Tensor]]:
         """The local update with DP-SGD: by a Linear chain's outer products where the model is
-        one, else per-sample gradients by torch.func (core/privacy.py)."""
-        privacy, paths = self.settings.privacy, self.paths
-        assert privacy is not None
+        one, else per-sample gradients by torch.func (core/privacy.py); and the client's adaptive
+        clip bounds after it (None for a fixed C)."""
+        privacy, paths, standard = self.settings.privacy, self.paths, self.standard_update
+        assert privacy is not None and standard is not None
         chain = paths.hand_batched_form(tuple(batches.x.shape[3:])) if paths.vmappable else None
         config = dataclasses.replace(standard, local_steps=batches.steps)
-        return private_local_update(self.loss_fn, params, batches, config, privacy, chain, paths.forward_ad)
+        return private_update(self.loss_fn, params, batches, config, privacy, chain, paths.forward_ad)

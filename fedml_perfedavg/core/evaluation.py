@@ -8,9 +8,10 @@ user's adaptation has finished, and never by it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -234,10 +235,13 @@ def _adapted_one_by_one(
     round_idx: int,
     step: Union[float, Params],
     chain: Optional[HandBatchedGradients] = None,
+    clip_bounds: Optional[Mapping[int, float]] = None,
 ) -> Iterator[Params]:
     """Each user's adapted model in turn. With ``config.privacy`` the steps are DP-SGD's (its
     accuracy leaves the user): Poisson minibatches of expected size ``batch_size``, per-sample
-    gradients clipped and noised (``chain``: a Linear chain's form, which clips without forming them)."""
+    gradients clipped and noised (``chain``: a Linear chain's form, which clips without forming them);
+    with adaptive clipping at the user's own D bound (``clip_bounds``, by user id; the starting
+    bound for a user not trained yet), releasing no count."""
     from .privacy import draw_private_batches, private_sgd_steps
 
     for user_id, user in zip(user_ids, users):
@@ -251,7 +255,20 @@ def _adapted_one_by_one(
         private = draw_private_batches(
             user.train_x, user.train_y, [config.batch_size], config.adapt_steps, params, generator
         )
-        yield private_sgd_steps(loss_fn, params, private, step, config.privacy, chain)
+        yield private_sgd_steps(loss_fn, params, private, step, personalization_dp(config, user_id, clip_bounds), chain)
+
+
+def personalization_dp(
+    config: EvaluationConfig, user_id: int, clip_bounds: Optional[Mapping[int, float]] = None
+) -> "DPSGD":
+    """The DP-SGD of user ``user_id``'s personalization step: the run's, and with adaptive clipping
+    a fixed C at the user's own D bound (``clip_bounds``; the starting bound where it has none)."""
+    dp = config.privacy
+    assert dp is not None
+    if not dp.adaptive:
+        return dp
+    bound = dp.max_grad_norm if clip_bounds is None else clip_bounds.get(int(user_id), dp.max_grad_norm)
+    return dataclasses.replace(dp, clip="fixed", max_grad_norm=float(bound))
 
 
 def _adapt_together(
@@ -407,13 +424,15 @@ def personalized_params(
     loss_fn: Optional[LossFn] = None,
     step_sizes: Optional[Params] = None,
     hand_batched: Optional[HandBatchedGradients] = None,
+    clip_bounds: Optional[Mapping[int, float]] = None,
 ) -> Params:
     """``params`` after user ``user_id``'s personalization step on its training data: the model
     :func:`evaluate` tests for that user at ``round_idx`` (the same keyed minibatches; with DP-SGD
-    the same noise, so it is the model whose figures were released)."""
+    the same noise and bound, so it is the model whose figures were released)."""
     step = config.alpha if step_sizes is None else {k: step_sizes[k] for k in params}
     loss_fn = loss_fn if loss_fn is not None else make_loss_fn(network)
-    return next(_adapted_one_by_one(loss_fn, params, [user], [user_id], config, round_idx, step, hand_batched))
+    one = _adapted_one_by_one(loss_fn, params, [user], [user_id], config, round_idx, step, hand_batched, clip_bounds)
+    return next(one)
 
 
 def evaluate(
@@ -427,6 +446,7 @@ def evaluate(
     step_sizes: Optional[Params] = None,
     hand_batched: Optional[HandBatchedGradients] = None,
     test_stacks: Optional[dict] = None,
+    clip_bounds: Optional[Mapping[int, float]] = None,
 ) -> EvaluationResult:
     """Personalized evaluation of ``params`` on ``users`` (see the module doc).
 
@@ -436,14 +456,17 @@ def evaluate(
     ``step_sizes`` replaces alpha with per-coordinate step sizes (an algorithm that learns them).
     ``hand_batched``, the network's hand-batched form where it is a Linear hand_batched, scores users together
     where that gives the same bits (``config.batched``), keeping the stacked test splits in
-    ``test_stacks`` (a dict the caller holds on to) for the next evaluation."""
+    ``test_stacks`` (a dict the caller holds on to) for the next evaluation. ``clip_bounds``: with
+    DP-SGD's adaptive clipping, each user's D bound by user id (:func:`personalization_dp`)."""
     user_ids = list(range(len(users))) if user_ids is None else list(user_ids)
     step = config.alpha if step_sizes is None else {k: step_sizes[k] for k in params}
     if len(user_ids) != len(users):
         raise ValueError(f"{len(user_ids)} user ids for {len(users)} users")
     loss_fn = loss_fn if loss_fn is not None else make_loss_fn(network)
     if config.privacy is not None:
-        adapted = _adapted_one_by_one(loss_fn, params, users, user_ids, config, round_idx, step, hand_batched)
+        adapted = _adapted_one_by_one(
+            loss_fn, params, users, user_ids, config, round_idx, step, hand_batched, clip_bounds
+        )
         return _score(network, params, adapted, users)
     stackable = len(users) > 1 and all(len(u.train_y) >= config.batch_size for u in users)
     if (

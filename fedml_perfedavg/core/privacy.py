@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 from torch.func import grad, jvp, vjp, vmap
 
-from . import accounting
+from . import accounting, adaptive_clipping
+from .adaptive_clipping import ADAPTIVE, FIXED
 from .client_maths import Step, axpy
 from .errors import ConfigError
 from .types import LossFn, Params
@@ -34,21 +35,40 @@ from .types import LossFn, Params
 SOLUTION = "dpsgd"
 # dp_args keys that belong to FedML's own local/central DP, never to DP-SGD.
 FEDML_ONLY_KEYS = ("epsilon", "sensitivity", "mechanism_type", "enable_rdp_accountant", "rdp_alpha")
-KEYS = ("enable_dp", "dp_solution_type", "noise_multiplier", "max_grad_norm", "delta", "max_epsilon", "accountant")
+KEYS = (
+    "enable_dp",
+    "dp_solution_type",
+    "noise_multiplier",
+    "max_grad_norm",
+    "delta",
+    "max_epsilon",
+    "accountant",
+    "clip",
+    "target_quantile",
+    "clip_learning_rate",
+    "clip_count_stddev",
+)
+ADAPTIVE_KEYS = ("target_quantile", "clip_learning_rate", "clip_count_stddev")
 _NORM_FLOOR = 1e-6  # a per-sample norm below this is scaled as if it were this (Opacus' choice)
 
 
 @dataclass(frozen=True)
 class DPSGD:
-    """``dp_args`` with ``dp_solution_type: dpsgd``: the noise multiplier sigma, the clip bound C,
-    the delta epsilon is stated at, an optional budget no user's epsilon may exceed, and the
-    accountant that states epsilon (core/accounting.py)."""
+    """``dp_args`` with ``dp_solution_type: dpsgd``: the noise multiplier sigma, the clip bound C
+    (with ``clip: adaptive`` each user's starting bound, then following ``target_quantile`` of its
+    per-sample norms: core/adaptive_clipping.py), the delta epsilon is stated at, an optional budget
+    no user's epsilon may exceed, and the accountant that states epsilon (core/accounting.py)."""
 
     noise_multiplier: float
     max_grad_norm: float
     delta: float
     max_epsilon: Optional[float] = None
     accountant: str = accounting.DEFAULT
+    clip: str = FIXED
+    target_quantile: float = adaptive_clipping.DEFAULT_TARGET_QUANTILE
+    clip_learning_rate: float = adaptive_clipping.DEFAULT_LEARNING_RATE
+    #: sigma_b, the noise on each use's count (in samples); None: DEFAULT_COUNT_STDDEV_PER_SIGMA x sigma.
+    clip_count_stddev: Optional[float] = None
     # A data owner's silo's own secret, in the key of its noise and minibatches beside (seed, round,
     # user): the server, which knows the seed, cannot recompute the noise and take it out.
     secret: Optional[bytes] = field(default=None, repr=False, compare=False)
@@ -80,6 +100,57 @@ class DPSGD:
             )
         for key in ("noise_multiplier", "max_grad_norm", "delta"):
             object.__setattr__(self, key, float(getattr(self, key)))
+        self._check_clip(number)
+
+    def _check_clip(self, number: Any) -> None:
+        if self.clip not in adaptive_clipping.MODES:
+            raise ConfigError(
+                f"dp_args.clip={self.clip!r}: allowed: {list(adaptive_clipping.MODES)} ('fixed': every sample "
+                f"clipped at max_grad_norm; 'adaptive': each user's bound follows target_quantile of its norms)"
+            )
+        if not 0 < number("target_quantile", self.target_quantile) < 1:
+            raise ConfigError(
+                f"dp_args.target_quantile={self.target_quantile!r}: must be in (0, 1) (the fraction of samples "
+                f"whose norm the adaptive bound should be above; 0.5, the median, by default)"
+            )
+        if number("clip_learning_rate", self.clip_learning_rate) <= 0:
+            raise ConfigError(
+                f"dp_args.clip_learning_rate={self.clip_learning_rate!r}: must be > 0 (eta, the geometric step of "
+                f"the adaptive bound; {adaptive_clipping.DEFAULT_LEARNING_RATE} by default)"
+            )
+        if self.clip_count_stddev is None:
+            stddev = adaptive_clipping.DEFAULT_COUNT_STDDEV_PER_SIGMA * self.noise_multiplier
+            object.__setattr__(self, "clip_count_stddev", stddev)
+        elif not number("clip_count_stddev", self.clip_count_stddev) > self.noise_multiplier / 2:
+            raise ConfigError(
+                f"dp_args.clip_count_stddev={self.clip_count_stddev!r}: must be above noise_multiplier / 2 = "
+                f"{self.noise_multiplier / 2:g} (the count and the gradient share sigma's budget: "
+                f"(2 clip_count_stddev)^-2 + sigma_grad^-2 = sigma^-2); null: "
+                f"{adaptive_clipping.DEFAULT_COUNT_STDDEV_PER_SIGMA:g} x sigma"
+            )
+        for key in ADAPTIVE_KEYS:
+            object.__setattr__(self, key, float(getattr(self, key)))
+
+    @property
+    def clip_label(self) -> str:
+        """How a log line states the clip bound."""
+        if not self.adaptive:
+            return f"C {self.max_grad_norm:g}"
+        return f"C adaptive from {self.max_grad_norm:g} toward quantile {self.target_quantile:g} of each user's norms"
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether each user's clip bound adapts (``clip: adaptive``)."""
+        return self.clip == ADAPTIVE
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """The noise multiplier of a clipped gradient: sigma, or with adaptive clipping the larger
+        sigma_grad that leaves the count its share of sigma's budget (core/adaptive_clipping.py)."""
+        if not self.adaptive:
+            return self.noise_multiplier
+        assert self.clip_count_stddev is not None  # resolved in __post_init__
+        return adaptive_clipping.gradient_noise_multiplier(self.noise_multiplier, self.clip_count_stddev)
 
     def settings(self) -> Dict[str, Any]:
         """How ``summary.json``'s ``privacy`` states the mechanism and its accountant."""
@@ -89,6 +160,17 @@ class DPSGD:
             "noise_multiplier": self.noise_multiplier,
             "max_grad_norm": self.max_grad_norm,
             "max_epsilon": self.max_epsilon,
+            "clip": self.clip,
+            **(
+                {
+                    "target_quantile": self.target_quantile,
+                    "clip_learning_rate": self.clip_learning_rate,
+                    "clip_count_stddev": self.clip_count_stddev,
+                    "gradient_noise_multiplier": self.gradient_noise_multiplier,
+                }
+                if self.adaptive
+                else {}
+            ),
         }
 
     @property
@@ -131,12 +213,21 @@ class DPSGD:
         for key in ("noise_multiplier", "max_grad_norm", "delta"):
             if key not in section:
                 raise ConfigError(f"dp_args.{key}: required with dp_solution_type {SOLUTION!r}")
+        clip = section.get("clip", FIXED)
+        if clip != ADAPTIVE:
+            for key in ADAPTIVE_KEYS:
+                if key in section:
+                    raise ConfigError(
+                        f"dp_args.{key}={section[key]!r}: a key of clip: {ADAPTIVE!r}; here clip={clip!r}"
+                    )
         return cls(
             noise_multiplier=section["noise_multiplier"],
             max_grad_norm=section["max_grad_norm"],
             delta=section["delta"],
             max_epsilon=section.get("max_epsilon"),
             accountant=section.get("accountant", accounting.DEFAULT),
+            clip=clip,
+            **{key: section[key] for key in ADAPTIVE_KEYS if key in section and section[key] is not None},
         )
 
 
@@ -161,6 +252,10 @@ class PrivateBatches(NamedTuple):
     mask: Tensor
     noise: Dict[str, Tensor]
     expected: Tensor
+    #: With adaptive clipping: the noise of each use's count (roles, steps), standard normal, and
+    #: the client's bounds at the start (roles,) (core/adaptive_clipping.py); else None.
+    count_noise: Optional[Tensor] = None
+    clip_bounds: Optional[Tensor] = None
 
     @property
     def steps(self) -> int:
@@ -186,19 +281,36 @@ def poisson_draw(
 
 
 def draw_private_batches(
-    x: Tensor, y: Tensor, batch_sizes: Sequence[int], steps: int, params: Params, generator: torch.Generator
+    x: Tensor,
+    y: Tensor,
+    batch_sizes: Sequence[int],
+    steps: int,
+    params: Params,
+    generator: torch.Generator,
+    clip_bounds: Optional[Tensor] = None,
 ) -> PrivateBatches:
     """A client's :class:`PrivateBatches` from its training data, every number from ``generator``
     (the Poisson draws first, then the noise, parameter by parameter in ``params``' order; only
-    their shapes and dtypes are read)."""
+    their shapes and dtypes are read; with adaptive clipping, the client's ``clip_bounds``, then
+    the counts' noise last)."""
     index, mask, expected = poisson_draw(len(y), batch_sizes, steps, generator)
     noise = {
         k: torch.randn(len(batch_sizes), steps, *p.shape, generator=generator, dtype=p.dtype).to(x.device)
         for k, p in params.items()
     }
+    count_noise = None
+    if clip_bounds is not None:
+        count_noise = torch.randn(len(batch_sizes), steps, generator=generator, dtype=torch.float64).to(x.device)
+        clip_bounds = clip_bounds.to(device=x.device, dtype=torch.float64)
     device_index = index.to(x.device)
     return PrivateBatches(
-        x[device_index], y[device_index.to(y.device)], mask.to(x.device), noise, expected.to(x.device)
+        x[device_index],
+        y[device_index.to(y.device)],
+        mask.to(x.device),
+        noise,
+        expected.to(x.device),
+        count_noise,
+        clip_bounds,
     )
 
 
@@ -210,21 +322,29 @@ def stack_private(batches: Sequence[PrivateBatches]) -> PrivateBatches:
         extra = cap - t.shape[2]
         return t if extra == 0 else torch.cat([t, t[:, :, :1].expand(-1, -1, extra, *t.shape[3:])], dim=2)
 
+    adaptive = batches[0].clip_bounds is not None
     return PrivateBatches(
         torch.stack([pad(b.x) for b in batches]),
         torch.stack([pad(b.y) for b in batches]),
         torch.stack([torch.nn.functional.pad(b.mask, (0, cap - b.mask.shape[-1])) for b in batches]),
         {k: torch.stack([b.noise[k] for b in batches]) for k in batches[0].noise},
         torch.stack([b.expected for b in batches]),
+        torch.stack([b.count_noise for b in batches]) if adaptive else None,  # type: ignore[misc]
+        torch.stack([b.clip_bounds for b in batches]) if adaptive else None,  # type: ignore[misc]
     )
 
 
 # -- the mechanism -----------------------------------------------------------------------------
-def clip_and_sum(per_sample: Params, mask: Tensor, max_grad_norm: float) -> Params:
+def sample_norms(per_sample: Params) -> Tensor:
+    """Each sample's norm, all parameters together."""
+    squares = sum(v.reshape(v.shape[0], -1).pow(2).sum(1) for v in per_sample.values())
+    return torch.sqrt(squares)  # type: ignore[arg-type]
+
+
+def clip_and_sum(per_sample: Params, mask: Tensor, max_grad_norm: Union[float, Tensor]) -> Params:
     """Each sample's vector (all parameters together) scaled to norm at most ``max_grad_norm``,
     the samples with ``mask`` 1 summed."""
-    squares = sum(v.reshape(v.shape[0], -1).pow(2).sum(1) for v in per_sample.values())
-    norms = torch.sqrt(squares)  # type: ignore[arg-type]
+    norms = sample_norms(per_sample)
     scale = torch.clamp(max_grad_norm / torch.clamp(norms, min=_NORM_FLOOR), max=1.0) * mask
     return {k: torch.tensordot(scale, v, dims=1) for k, v in per_sample.items()}
 
@@ -233,6 +353,43 @@ def privatize(per_sample: Params, mask: Tensor, noise: Params, expected: Tensor,
     """One use of the subsampled Gaussian mechanism: (clipped sum + sigma C noise) / expected size."""
     summed = clip_and_sum(per_sample, mask, dp.max_grad_norm)
     return {k: (v + dp.noise_std * noise[k]) / expected for k, v in summed.items()}
+
+
+class _Bounds:
+    """A use's clip bound, and with adaptive clipping each role's bound moved after each use
+    (core/adaptive_clipping.py); ``bounds``: (roles,) or (clients, roles), or None for fixed C."""
+
+    def __init__(self, dp: DPSGD, batches: PrivateBatches) -> None:
+        self.dp = dp
+        self.adaptive = batches.clip_bounds is not None
+        if self.adaptive != dp.adaptive:
+            raise ValueError(f"dp_args.clip={dp.clip!r}, but the minibatches were drawn for the other mode")
+        self.bounds = None if batches.clip_bounds is None else batches.clip_bounds.clone()
+        self.count_noise, self.expected = batches.count_noise, batches.expected
+
+    def of(self, role: int, dtype: torch.dtype) -> Union[float, Tensor]:
+        """The bound of ``role``'s use now: C, or the client's (each client's: (clients,))."""
+        return self.dp.max_grad_norm if self.bounds is None else self.bounds[..., role].to(dtype)
+
+    def noise_std(self, bound: Union[float, Tensor]) -> Union[float, Tensor]:
+        """The noise's standard deviation of a use clipped at ``bound``."""
+        return self.dp.noise_std if self.bounds is None else self.dp.gradient_noise_multiplier * bound
+
+    def after_use(self, norms: Tensor, mask: Tensor, role: int, t: int) -> None:
+        """Move ``role``'s bound by the use's noised count of the samples at most at it."""
+        if self.bounds is None:
+            return
+        assert self.count_noise is not None and self.dp.clip_count_stddev is not None
+        self.bounds[..., role] = adaptive_clipping.updated_bounds(
+            self.bounds[..., role],
+            norms,
+            mask,
+            self.count_noise[..., role, t],
+            self.expected[..., role],
+            self.dp.clip_count_stddev,
+            self.dp.target_quantile,
+            self.dp.clip_learning_rate,
+        )
 
 
 def single_sample_loss(loss_fn: LossFn) -> LossFn:
@@ -249,11 +406,25 @@ class PrivateSteps:
         self.kind, self.batches, self.dp, self.forward_ad = kind, batches, dp, forward_ad
         self.sample_grad = grad(single_sample_loss(loss_fn))
         self.per_sample = vmap(self.sample_grad, in_dims=(None, 0, 0))
+        self.clip = _Bounds(dp, batches)
+
+    @property
+    def bounds(self) -> Optional[Tensor]:
+        """The client's adaptive bounds now (roles,), or None for a fixed C."""
+        return self.clip.bounds
 
     def _use(self, per_sample: Params, role: int, t: int) -> Params:
         b = self.batches
         noise = {k: v[role, t] for k, v in b.noise.items()}
-        return privatize(per_sample, b.mask[role, t], noise, b.expected[role], self.dp)
+        mask = b.mask[role, t]
+        if not self.clip.adaptive:
+            return privatize(per_sample, mask, noise, b.expected[role], self.dp)
+        norms = sample_norms(per_sample)
+        bound = self.clip.of(role, norms.dtype)
+        summed = clip_and_sum(per_sample, mask, bound)
+        std = self.clip.noise_std(bound)
+        self.clip.after_use(norms, mask, role, t)
+        return {k: (v + std * noise[k]) / b.expected[role] for k, v in summed.items()}
 
     def start(self, params: Params) -> Params:
         return params
@@ -318,6 +489,13 @@ class PrivateChainSteps:
 
         self.x, self.y, self.mask = step_major(batches.x), step_major(batches.y), step_major(batches.mask)
         self.noise = {k: step_major(v) for k, v in batches.noise.items()}
+        self.clip = _Bounds(dp, batches)
+        self._noise_std: Union[float, Tensor] = dp.noise_std  # of the use being computed
+
+    @property
+    def bounds(self) -> Optional[Tensor]:
+        """Each client's adaptive bounds now (clients, roles), or None for a fixed C."""
+        return self.clip.bounds
 
     def _signals(self, params: Params, x: Tensor, y: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
         """Each Linear layer's inputs (C, B, in) and each sample's own loss gradient at its output
@@ -336,17 +514,27 @@ class PrivateChainSteps:
         return inputs, signals
 
     def _scale(self, squared_norms: Tensor, role: int, t: int, divide: float = 1.0) -> Tensor:
+        """Each sample's clip factor (clients, B, 1) of a use (the samples' squared norms); with
+        adaptive clipping, each client's bound moved after it."""
         norms = torch.sqrt(torch.clamp(squared_norms, min=0.0))
-        clip = torch.clamp(self.dp.max_grad_norm / torch.clamp(norms, min=_NORM_FLOOR), max=1.0)
+        bound = self.clip.of(role, norms.dtype)
+        per_client = bound.unsqueeze(-1) if isinstance(bound, Tensor) else bound
+        clip = torch.clamp(per_client / torch.clamp(norms, min=_NORM_FLOOR), max=1.0)
+        self._noise_std = self.clip.noise_std(bound)
+        self.clip.after_use(norms, self.mask[role, t], role, t)
         return (clip * self.mask[role, t] / divide).unsqueeze(-1)
 
     def _noised(self, summed: Params, role: int, t: int) -> Params:
         expected = self.batches.expected[:, role]
+        std = self._noise_std
         out = {}
         for k, v in summed.items():  # (sum + sigma C noise) / expected size, in the sum's own tensor
-            out[k] = v.add_(self.noise[k][role, t], alpha=self.dp.noise_std).div_(
-                expected.view(-1, *([1] * (v.dim() - 1)))
-            )
+            shape = (-1, *([1] * (v.dim() - 1)))
+            if isinstance(std, Tensor):  # each client's own bound
+                v.addcmul_(self.noise[k][role, t], std.view(shape))
+            else:
+                v.add_(self.noise[k][role, t], alpha=std)
+            out[k] = v.div_(expected.view(shape))
         return out
 
     def start(self, params: Params) -> Params:
@@ -416,6 +604,8 @@ def one_client(batches: PrivateBatches) -> PrivateBatches:
         batches.mask.unsqueeze(0),
         {k: v.unsqueeze(0) for k, v in batches.noise.items()},
         batches.expected.unsqueeze(0),
+        None if batches.count_noise is None else batches.count_noise.unsqueeze(0),
+        None if batches.clip_bounds is None else batches.clip_bounds.unsqueeze(0),
     )
 
 
@@ -430,13 +620,29 @@ def private_local_update(
 ) -> Params:
     """One client's DP-SGD local update (``config``: a LocalUpdateConfig): by the chain's outer
     products where ``chain`` is given and the step is not exact, else per-sample by torch.func."""
+    return private_update(loss_fn, params, batches, config, dp, chain, forward_ad)[0]
+
+
+def private_update(
+    loss_fn: LossFn,
+    params: Params,
+    batches: PrivateBatches,
+    config: Any,
+    dp: DPSGD,
+    chain: Any = None,
+    forward_ad: bool = True,
+) -> Tuple[Params, Optional[Tensor]]:
+    """:func:`private_local_update`, and the client's adaptive clip bounds after it (roles,), or
+    None for a fixed C."""
     from .client_maths import run_steps
 
     if chain is not None and config.step is not Step.EXACT:
         start = {k: v.unsqueeze(0) for k, v in params.items()}
-        out = run_steps(PrivateChainSteps(chain, one_client(batches), config.step, dp), start, config)
-        return {k: v[0] for k, v in out.items()}
-    return run_steps(PrivateSteps(loss_fn, batches, config.step, dp, forward_ad), params, config)
+        steps = PrivateChainSteps(chain, one_client(batches), config.step, dp)
+        out = run_steps(steps, start, config)
+        return {k: v[0] for k, v in out.items()}, None if steps.bounds is None else steps.bounds[0]
+    generic = PrivateSteps(loss_fn, batches, config.step, dp, forward_ad)
+    return run_steps(generic, params, config), generic.bounds
 
 
 def private_sgd_steps(

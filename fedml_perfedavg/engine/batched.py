@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.func import vmap
 
 from ..algorithms.base import FederatedAlgorithm
+from ..core.adaptive_clipping import STATE_KEY
 from ..core.client_maths import LocalBatches, StepFigures, mean_figures, run_steps
 from ..core.privacy import PrivateBatches, PrivateChainSteps
 from ..core.hand_batched import IndexedInputs, HandBatchedGradients
@@ -81,6 +82,8 @@ class BatchedSimulation:
         #: them); ``record_training=False`` leaves them out (what recording costs, benchmarks).
         together = self.plan.together and not self.plan.whole_state
         self.reports_training = record_training and algorithm.reports_training and together
+        #: The DP-SGD chain's clients' adaptive clip bounds after the last computation (clients, roles).
+        self.clip_bounds_after: Optional[Tensor] = None
         self.step: Callable[[Params, LocalBatches], Trained] = self._step_of(self.plan)
         if compile_local_update and self.batched:
             # The round is thousands of tiny kernels: on a GPU, CUDA graphs ("reduce-overhead")
@@ -118,7 +121,10 @@ class BatchedSimulation:
             clients = batches.mask.shape[0]
             start = {k: v.unsqueeze(0).expand(clients, *v.shape) for k, v in params.items()}
             config = dataclasses.replace(local, local_steps=batches.mask.shape[2])
-            return run_steps(PrivateChainSteps(chain, batches, local.step, privacy), start, config)
+            steps = PrivateChainSteps(chain, batches, local.step, privacy)
+            trained = run_steps(steps, start, config)
+            self.clip_bounds_after = steps.bounds
+            return trained
 
         return step
 
@@ -158,6 +164,10 @@ class BatchedSimulation:
             else:
                 stacked, figures = self.step({k: v.detach() for k, v in params.items()}, batches)
         updates = self.client_updates(round_idx, clients, stacked, buffers)
+        if self.clip_bounds_after is not None:  # each client keeps its adaptive bounds (core/adaptive_clipping.py)
+            for position, client in enumerate(clients):
+                self.algorithm.client_states.put(client, {STATE_KEY: self.clip_bounds_after[position]})
+            self.clip_bounds_after = None
         if figures is not None:
             self.algorithm.training.add(round_idx, clients, figures)
         return updates

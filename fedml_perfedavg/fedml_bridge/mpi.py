@@ -24,7 +24,8 @@ simulation/mpi/fedavg/FedAvgAPI.py, and:
   the next model, but a run of one round never sends one (FedAvgServerManager.py finishes when the
   round count is reached): the job hangs. A worker finishes after its last round here, FedML's own
   FedAvg included (:func:`install_one_round_fix`).
-- Per-client state (an algorithm that ``keeps_client_state``): a client is trained by whichever
+- Per-client state (an algorithm that ``keeps_client_state``, or DP-SGD's adaptive clip bounds:
+  ``holds_client_states``): a client is trained by whichever
   worker its round assigns it to, so the server keeps every client's state, sends a client's with
   its assignment and takes it back with its update (:data:`CLIENT_STATES`, beside FedML's own
   message arguments); FedML's messages carry none.

@@ -528,7 +528,7 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
             share_trainer = BatchedSimulation(
                 parts.algorithm, parts.users, on_device, driver, config.compile_local_update
             ).train_clients
-        own_states = parts.algorithm.client_states if parts.algorithm.keeps_client_state else None
+        own_states = parts.algorithm.client_states if parts.algorithm.holds_client_states else None
         simulation = MPISimulation(
             args,
             parts.device,

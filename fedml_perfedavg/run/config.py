@@ -832,6 +832,13 @@ def _rule_secagg_counts(c: Config) -> None:
 def _rule_client_state(c: Config) -> None:
     """A client's own state stays with whoever holds the client: across silos, only a data
     owner's silo always holds the same client (algorithms/client_states.py)."""
+    privacy = c.privacy
+    if privacy is not None and privacy.adaptive and c.training_type == "cross_silo" and not c.own_data:
+        raise ConfigError(
+            f"dp_args.clip='adaptive' with comm_args.silo_data={c.silo_data!r}: each user's clip bound is a "
+            f"state of its own, which stays with the silo that holds the user; across silos that is data-owner "
+            f"mode (comm_args.silo_data: own), where each silo holds one user for the whole run"
+        )
     if algorithm_class(c.federated_optimizer).keeps_client_state and c.training_type == "cross_silo" and not c.own_data:
         raise ConfigError(
             f"comm_args.silo_data={c.silo_data!r}: train_args.federated_optimizer={c.federated_optimizer!r} keeps "

@@ -216,13 +216,13 @@ def privacy_metrics(privacy: Optional[PrivacyRecord], round_idx: int) -> Dict[st
     epsilon, user = privacy.largest()
     dp = privacy.dp
     logger.info(
-        "round %d: epsilon %.4g at delta %g (the largest of any user: user %s; DP-SGD, sigma %g, C %g)",
+        "round %d: epsilon %.4g at delta %g (the largest of any user: user %s; DP-SGD, sigma %g, %s)",
         round_idx,
         epsilon,
         dp.delta,
         user,
         dp.noise_multiplier,
-        dp.max_grad_norm,
+        dp.clip_label,
     )
     return {"epsilon": epsilon}
 

@@ -498,7 +498,11 @@ class PluginRun:
         summary = self.recorder.finish(
             status=status,
             error=error,
-            aggregation={"aggregate_calls": self.algorithm.aggregate_calls, **self.algorithm.screen.record()},
+            aggregation={
+                "aggregate_calls": self.algorithm.aggregate_calls,
+                **self.algorithm.screen.record(),
+                **self.algorithm.clip_bounds_record(),
+            },
         )
         if lost is not None:
             raise lost

@@ -7,7 +7,8 @@ run's): ``silo-rank-R/`` in the silo's run directory, holding
 - ``personalized.pt``: that model after its personalization step on its own training data (the
   model whose accuracy it reported);
 - ``client_state.pt``: its user's own state, where the algorithm keeps one for each client
-  (``keeps_client_state``): it never left the silo;
+  (``keeps_client_state``) or DP-SGD's clip bound adapts (``dp_args.clip: adaptive``): it never
+  left the silo;
 - ``progress.pt``: what the silo process has done so far (its evaluations, its user's own state,
   its DP-SGD account of its user, the last round it trained and its answer to it, the survivor
   list it last unmasked for), kept after every round it trains and every evaluation
@@ -191,8 +192,8 @@ class SiloProgress:
             raise TypeError(f"its trained_round is {trained!r}")
         state, privacy = saved.get("client_state"), saved.get("privacy")
         if state is not None:
-            if not self.algorithm.keeps_client_state:
-                raise ValueError(f"it holds a client state; {self.algorithm.label} keeps none")
+            if not self.algorithm.holds_client_states:
+                raise ValueError(f"it holds a client state; {self.algorithm.label} keeps none in this run")
             self.algorithm.client_states.update({self.identity["user"]: state})
         if privacy is not None:
             if self.ledger is None:
@@ -209,7 +210,7 @@ class SiloProgress:
 
     def save(self, outcome: SiloOutcome) -> None:
         """Keep what the silo has done so far (called as it trains and evaluates)."""
-        state = self.algorithm.client_states.get(self.identity["user"]) if self.algorithm.keeps_client_state else None
+        state = self.algorithm.client_states.get(self.identity["user"]) if self.algorithm.holds_client_states else None
         answer = outcome.answer
         make_dir(self.folder)
         write_torch(

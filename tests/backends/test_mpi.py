@@ -169,13 +169,15 @@ SAFEGUARDS = {
         "defense_args.enable_defense": True,
         "defense_args.defense_type": "wise_median",
     },
-    "the plugin's DP-SGD, 4 clients on 2 workers": {
+    # adaptive clipping: each user's bounds go out with its assignment and come back with its update
+    "the plugin's DP-SGD with adaptive clipping, 4 clients on 2 workers": {
         "client_num_per_round": 4,
         "dp_args.enable_dp": True,
         "dp_args.dp_solution_type": "dpsgd",
         "dp_args.noise_multiplier": 1.0,
         "dp_args.max_grad_norm": 1.0,
         "dp_args.delta": 1e-5,
+        "dp_args.clip": "adaptive",
     },
 }
 
@@ -199,6 +201,11 @@ def test_fedmls_dp_attacks_and_defenses_give_the_single_process_model_under_mpi(
     assert max(float((mpi_model[k] - plain.final_state[k]).abs().max()) for k in mpi_model) > 1e-3
     assert summary.get("privacy") == batched.summary.get("privacy")  # DP-SGD: every user's epsilon too
     assert ("privacy" in summary) == (sets["dp_args.dp_solution_type"] == "dpsgd")
+    bounds = batched.summary.get("dp_clip_bounds", {})
+    assert (len(bounds) > 4) == (sets.get("dp_args.clip") == "adaptive")  # users trained in more than one round
+    assert summary.get("dp_clip_bounds", {}).keys() == bounds.keys()
+    for user, own in bounds.items():
+        assert summary["dp_clip_bounds"][user] == pytest.approx(own, rel=1e-6)
 
 
 @needs_mnist

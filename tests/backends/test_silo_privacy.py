@@ -22,6 +22,9 @@ DP = {
 }
 
 
+ADAPTIVE = {"dp_args.clip": "adaptive"}
+
+
 def _summary(tmp_path):
     return json.loads((tmp_path / "run" / "summary.json").read_text())
 
@@ -55,16 +58,21 @@ def test_shared_mode_gives_the_single_process_model_and_epsilons(mnist_root, tmp
 
 @needs_mnist
 def test_data_owner_silos_account_for_their_own_users_under_secure_aggregation_as_sp_does(mnist_root, tmp_path, capsys):
-    """Each silo's noise is its own; the server only sums (secagg_args.enable_secagg)."""
+    """Each silo's noise is its own; the server only sums (secagg_args.enable_secagg). With
+    adaptive clipping each user's bounds are its silo's state: in its own record, never the server's."""
     folders = _export(mnist_root, tmp_path, 4)
     settings = {**OWN, "client_num_in_total": 4, "client_num_per_round": 3, "comm_round": 3, "enable_secagg": True}
-    outs = finish_all(start_by_hand(tmp_path, {**settings, **DP}, 4, folders), timeout=300)
+    outs = finish_all(start_by_hand(tmp_path, {**settings, **DP, **ADAPTIVE}, 4, folders), timeout=300)
     summary = _summary(tmp_path)
     assert summary["status"] == "finished" and summary["rounds"] == 3, outs[0][-4000:]
     privacy = summary["privacy"]
     assert privacy["reported_by"].startswith("silos")
-    sp = _sp(mnist_root, tmp_path, 4, 3, client_num_per_round=3, **DP)
+    sp = _sp(mnist_root, tmp_path, 4, 3, client_num_per_round=3, **DP, **ADAPTIVE)
     model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert "dp_clip_bounds" not in summary and len(sp.summary["dp_clip_bounds"]) == 4
+    for rank in range(1, 5):
+        own = torch.load(tmp_path / "run" / f"silo-rank-{rank}" / "client_state.pt", weights_only=True)
+        assert own["dp_clip_bounds"].shape == (3,) and bool((own["dp_clip_bounds"] != 1.0).all()), own
     # Each data owner keys its noise with a secret of its own (silo-rank-R/noise.key): the server,
     # which knows the seed, cannot draw it; so the model is not sp's, whose noise the seed gives.
     assert max(float((model[k] - v).abs().max()) for k, v in sp.final_state.items()) > 1e-4

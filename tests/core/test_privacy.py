@@ -233,7 +233,7 @@ def test_the_accountant_is_a_setting_and_a_wrong_one_is_refused_naming_the_choic
         ({"dp_solution_type": ["dpsgd", "ldp"]}, r"one solution per run"),
         ({"enable_dp": False}, r"dp_args.enable_dp=False: dp_solution_type 'dpsgd' is set"),
         ({"noise_multiplier": "1"}, r"dp_args.noise_multiplier='1': must be a finite number"),
-        ({"clip": 1.0}, r"dp_args.clip=1.0: unknown key"),
+        ({"clipping": 1.0}, r"dp_args.clipping=1.0: unknown key"),
     ],
 )
 def test_bad_dp_settings_are_refused_naming_the_key(change, message):

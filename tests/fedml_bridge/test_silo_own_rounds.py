@@ -52,7 +52,7 @@ def test_training_past_the_silos_own_budget_is_refused():
 
 
 def test_the_stored_answer_and_the_unmasked_list_survive_a_restart_and_the_end_of_the_run(tmp_path):
-    algorithm = SimpleNamespace(keeps_client_state=False, client_states={})
+    algorithm = SimpleNamespace(keeps_client_state=False, holds_client_states=False, client_states={})
     identity = {"run_id": "7", "fingerprint": "f", "user": 1}
     progress = SiloProgress(str(tmp_path), 2, identity, algorithm, None)
     outcome = SiloOutcome(1)

@@ -78,9 +78,10 @@ def test_the_noise_and_the_clipping_change_the_model(tmp_path):
     assert not all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_per_client_path_gives_the_batched_engines_model_and_epsilons(tmp_path, monkeypatch):
+@pytest.mark.parametrize("clip", ["fixed", "adaptive"])
+def test_the_per_client_path_gives_the_batched_engines_model_and_epsilons(tmp_path, monkeypatch, clip):
     data = tiny_data()
-    batched = run(_config(), str(tmp_path / "batched"), data=data)
+    batched = run(_config(**{"dp_args.clip": clip}), str(tmp_path / "batched"), data=data)
     monkeypatch.setattr(BatchedSimulation, "clients_per_computation", 1)
     original = BatchedSimulation.__init__
 
@@ -89,10 +90,70 @@ def test_the_per_client_path_gives_the_batched_engines_model_and_epsilons(tmp_pa
         self.batched = False  # every client through algorithm.client_update, as FedML's loops call it
 
     monkeypatch.setattr(BatchedSimulation, "__init__", one_by_one)
-    alone = run(_config(), str(tmp_path / "alone"), data=data)
+    alone = run(_config(**{"dp_args.clip": clip}), str(tmp_path / "alone"), data=data)
     for k in batched.final_state:
         assert torch.allclose(batched.final_state[k], alone.final_state[k], atol=1e-6, rtol=0)
     assert batched.summary["privacy"] == alone.summary["privacy"]
+    if clip == "adaptive":  # each client's bounds, kept by the engine (clients together) or by client_update
+        bounds = batched.summary["dp_clip_bounds"]
+        assert len(bounds) == 6 and bounds.keys() == alone.summary["dp_clip_bounds"].keys()
+        for user, own in bounds.items():
+            assert own == pytest.approx(alone.summary["dp_clip_bounds"][user], rel=1e-6)
+
+
+def test_adaptive_clipping_counts_the_same_uses_and_each_user_keeps_its_own_bounds(tmp_path, caplog):
+    """The noised count rides on the same use at sigma (core/adaptive_clipping.py): the same
+    uses and epsilons as a fixed C; each trained user's three bounds (D, D', D'') moved from C
+    by its own norms, in summary.json; the gradient's noise raised to sigma_grad."""
+    data = tiny_data()
+    fixed = run(_config(comm_round=3), str(tmp_path / "fixed"), data=data)
+    adaptive = run(_config(comm_round=3, **{"dp_args.clip": "adaptive"}), str(tmp_path / "adaptive"), data=data)
+    assert adaptive.summary["privacy"]["per_user"] == fixed.summary["privacy"]["per_user"]
+    assert adaptive.summary["privacy"]["epsilon"] == fixed.summary["privacy"]["epsilon"]
+    settings = adaptive.summary["privacy"]
+    assert settings["clip"] == "adaptive" and settings["target_quantile"] == 0.5
+    assert settings["gradient_noise_multiplier"] == pytest.approx(1.1 * (16 / 15) ** 0.5)
+    trained = {c for r in range(3) for c in sample_clients(0, r, 6, 3)}
+    bounds = adaptive.summary["dp_clip_bounds"]
+    assert set(bounds) == {str(c) for c in trained} and "dp_clip_bounds" not in fixed.summary
+    assert all(len(own) == 3 and all(b > 0 and b != 1.0 for b in own) for own in bounds.values())
+    assert len({tuple(own) for own in bounds.values()}) == len(bounds)  # each user's own
+    assert not all(torch.equal(fixed.final_state[k], adaptive.final_state[k]) for k in fixed.final_state)
+    log = (tmp_path / "adaptive" / "run.log").read_text()
+    assert "C adaptive from 1 toward quantile 0.5 of each user's norms" in log
+
+
+def test_the_personalization_step_clips_at_the_users_own_d_bound():
+    from fedml_perfedavg.core.evaluation import personalization_dp
+
+    from fedml_perfedavg.algorithms.base import AlgorithmSettings
+
+    settings = AlgorithmSettings.from_config(_config(**{"dp_args.clip": "adaptive"}))
+    own = personalization_dp(settings.evaluation, 4, {4: 0.25})
+    assert own.max_grad_norm == 0.25 and not own.adaptive and own.noise_multiplier == 1.1
+    assert own.noise_std == pytest.approx(1.1 * 0.25)  # no count is released: the noise is sigma's
+    assert personalization_dp(settings.evaluation, 5, {4: 0.25}).max_grad_norm == 1.0  # not trained yet: C
+
+
+def test_an_evaluation_personalizes_each_user_at_its_own_bound():
+    """The algorithm's evaluation reads each user's D bound from its state: a user whose bound is
+    tiny adapts (almost) nowhere, the others as with C; a user without a state at C."""
+    from fedml_perfedavg.algorithms.base import AlgorithmSettings
+    from fedml_perfedavg.algorithms.perfedavg import PerFedAvg
+    from fedml_perfedavg.core.adaptive_clipping import STATE_KEY
+    from fedml_perfedavg.models import create_model
+
+    config = _config(**{"dp_args.clip": "adaptive"})
+    model = create_model("mlp", (1, 4, 4), 3, [5])
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    users = tiny_data().users
+    algorithm = PerFedAvg(model, AlgorithmSettings.from_config(config))
+    before = algorithm.evaluate(0, state, users, batched=False)
+    algorithm.client_states.put(2, {STATE_KEY: torch.tensor([1e-9, 5.0, 5.0], dtype=torch.float64)})
+    assert algorithm.evaluation_clip_bounds(range(6)) == {0: 1.0, 1: 1.0, 2: 1e-9, 3: 1.0, 4: 1.0, 5: 1.0}
+    after = algorithm.evaluate(0, state, users, batched=False)
+    assert after.per_user_loss[2] != before.per_user_loss[2]
+    assert [after.per_user_loss[u] for u in (0, 1, 3, 4, 5)] == [before.per_user_loss[u] for u in (0, 1, 3, 4, 5)]
 
 
 def test_a_budget_the_plan_would_pass_is_refused_at_start_naming_the_epsilon(tmp_path):
@@ -124,15 +185,18 @@ def test_a_budget_that_no_round_fits_says_so_and_what_to_change(tmp_path):
     assert "comm_round <= 0" not in text
 
 
-def test_a_resumed_run_keeps_its_privacy_record(tmp_path, monkeypatch):
+@pytest.mark.parametrize("clip", ["fixed", "adaptive"])
+def test_a_resumed_run_keeps_its_privacy_record(tmp_path, monkeypatch, clip):
     data = tiny_data()
-    full = run(_config(checkpoint_every=2), str(tmp_path / "full"), data=data)
+    config = _config(checkpoint_every=2, **{"dp_args.clip": clip})
+    full = run(config, str(tmp_path / "full"), data=data)
     restore = killed_at_round(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
-        run(_config(checkpoint_every=2), str(tmp_path / "resumed"), data=data)
+        run(config, str(tmp_path / "resumed"), data=data)
     restore()
-    resumed = run(_config(checkpoint_every=2), str(tmp_path / "resumed"), data=data, resume=True)
+    resumed = run(config, str(tmp_path / "resumed"), data=data, resume=True)
     assert resumed.summary["privacy"] == full.summary["privacy"]
+    assert resumed.summary.get("dp_clip_bounds") == full.summary.get("dp_clip_bounds")  # the users' bounds too
     assert all(torch.equal(full.final_state[k], resumed.final_state[k]) for k in full.final_state)
 
 
@@ -143,6 +207,10 @@ def test_a_resumed_run_keeps_its_privacy_record(tmp_path, monkeypatch):
         ({"random_iterate": True}, r"validation_args.random_iterate=True with dp_args.dp_solution_type='dpsgd'"),
         ({"federated_optimizer": "FedAvgARUBA"}, r"train_args.federated_optimizer='FedAvgARUBA' with dp_args"),
         ({"dp_args.sensitivity": 1.0}, r"dp_args.sensitivity=1.0: a key of FedML's ldp/cdp"),
+        (
+            {"dp_args.clip": "adaptive", "training_type": "cross_silo", "backend": "GRPC", "insecure": True},
+            r"dp_args.clip='adaptive' with comm_args.silo_data='shared': each user's clip bound is a state of its own",
+        ),
     ],
 )
 def test_what_would_read_data_outside_the_mechanism_is_refused(overrides, message):
