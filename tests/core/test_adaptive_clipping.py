@@ -190,3 +190,22 @@ def test_the_settings_state_the_mode_and_what_it_adds():
     }
     assert adaptive.settings()["gradient_noise_multiplier"] == pytest.approx(math.sqrt(16 / 15))
     assert "adaptive from 1 toward quantile 0.7" in adaptive.clip_label and fixed.clip_label == "C 1"
+
+
+def test_the_docs_adaptive_block_runs_as_it_says():
+    """docs/security.md's ``clip: adaptive`` YAML, on top of its DP-SGD example: accepted, with
+    the defaults it states (sigma_b = 2 sigma, eta 0.2, the median)."""
+    import re
+
+    import yaml
+
+    from tests.helpers import REPO
+
+    text = (REPO / "docs" / "security.md").read_text()
+    blocks = [yaml.safe_load(b)["dp_args"] for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "dp_args" in b]
+    [example] = [b for b in blocks if b.get("dp_solution_type") == "dpsgd"]
+    [adaptive] = [b for b in blocks if b.get("clip") == "adaptive"]
+    dp = DPSGD.from_section({**example, **{k: v for k, v in adaptive.items() if v is not None}})
+    assert dp.adaptive and dp.target_quantile == 0.5 and dp.clip_learning_rate == 0.2
+    assert dp.clip_count_stddev == 2 * dp.noise_multiplier
+    assert dp.gradient_noise_multiplier == pytest.approx(dp.noise_multiplier * 1.0328, rel=1e-4)  # "+3.3%"
