@@ -12,6 +12,7 @@ from fedml_perfedavg.engine.batched import BatchedSimulation
 from fedml_perfedavg.run.runner import run
 
 from tests.helpers_tiny import killed_at_round, tiny_config, tiny_data
+from tests.helpers import needs_mnist
 
 DP = {
     "dp_args.enable_dp": True,
@@ -359,3 +360,35 @@ def test_the_accountants_benchmark_runs_and_its_tight_figures_sit_below_the_boun
     rows = json.loads((tmp_path / "accountants.json").read_text())
     assert len(rows) == len(module.HISTORIES) and all(0 < r["prv"] < r["rdp"] for r in rows)
     assert (tmp_path / "accountants.md").read_text().count("\n") == len(rows) + 2
+
+
+@needs_mnist
+def test_the_tradeoff_benchmark_keeps_each_run_and_reports_fixed_and_adaptive_clipping(
+    mnist_root, tmp_path, monkeypatch
+):
+    """benchmarks/dp_tradeoff.py on a 2-round grid: every run kept as it ends (a second call runs
+    none again), the table with each clip setting, its epsilon and the adaptive bounds."""
+    import importlib.util
+    import json
+    import sys
+
+    from tests.helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("dp_tradeoff", REPO / "benchmarks" / "dp_tradeoff.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "dp_tradeoff", module)  # its workers' function is pickled by name
+    spec.loader.exec_module(module)
+    results = tmp_path / "cells.json"
+    grid = ["--mnist-root", mnist_root, "--rounds", "2", "--every", "1", "--sigmas", "8", "--clips", "1", "adaptive"]
+    module.main([*grid, "--seeds", "0", "--workers", "1", "--results", str(results)])
+    cells = json.loads(results.read_text())
+    assert len(cells) == 3 and {c["clip"] for c in cells.values()} == {"1", "adaptive", None}
+    fixed, adaptive = (cells[f"rounds=2 sigma=8.0 clip={c} seed=0"] for c in ("1", "adaptive"))
+    assert fixed["epsilon"] == adaptive["epsilon"] > 0  # the same uses at sigma
+    assert len(adaptive["bounds_median"]) == 3 and "bounds_median" not in fixed
+    stamp = results.stat().st_mtime_ns
+    module.main([*grid, "--seeds", "0", "--workers", "1", "--results", str(results)])  # nothing left to run
+    assert results.stat().st_mtime_ns == stamp
+    table = (tmp_path / "dp_tradeoff_2.md").read_text()
+    assert "| 8.0 | 1 | 1 |" in table and "| 8.0 | adaptive | 1 |" in table and "| no DP |" in table
+    assert (tmp_path / "dp_tradeoff_2.png").stat().st_size > 0
