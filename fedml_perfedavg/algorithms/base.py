@@ -55,7 +55,8 @@ from ..core.evaluation import EvaluationConfig, EvaluationResult, check_metric_n
 from ..core.functional import functional_network, make_loss_fn
 from ..core.errors import ConfigError
 from ..core.guards import apply_divergence_policy, is_finite
-from ..core.privacy import DPSGD, PrivateBatches, draw_private_batches
+from ..core.private_draws import PrivateBatches, draw_private_batches
+from ..core.privacy import DPSGD
 from ..core.settings import check_settings, settings_of
 from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
 from ..core.types import Params, StateDict, UserSplit

@@ -2,7 +2,7 @@
 :mod:`fedml_perfedavg.core.client_maths`: Per-FedAvg's meta-steps (FO, HF, exact) and FedAvg's
 plain SGD. Declaring that maths (:meth:`GradientSteps.standard_maths`) lets an engine compute it
 its own way: hand-batched over a round's clients (core/hand_batched.py), or with DP-SGD's
-per-sample clipping and noise (core/privacy.py)."""
+per-sample clipping and noise (core/private_steps.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from torch import Tensor
 
 from ..core import client_maths
 from ..core.client_maths import LocalBatches, LocalUpdateConfig, StepFigures
-from ..core.privacy import PrivateBatches, private_update
+from ..core.private_draws import PrivateBatches
+from ..core.private_steps import private_update
 from ..core.types import Params
 from .base import FederatedAlgorithm
 
@@ -37,7 +38,7 @@ class GradientSteps(FederatedAlgorithm):
 
     def local_update(self, params: Params, batches: LocalBatches) -> Params:
         """``standard_update``'s local update from ``params`` (with DP-SGD's per-sample clipping
-        and noise when ``batches`` are :class:`~fedml_perfedavg.core.privacy.PrivateBatches`)."""
+        and noise when ``batches`` are :class:`~fedml_perfedavg.core.private_draws.PrivateBatches`)."""
         standard = self.standard_update
         if standard is None:  # a subclass that said its maths is its own must define this method
             return super().local_update(params, batches)
@@ -63,7 +64,7 @@ class GradientSteps(FederatedAlgorithm):
 
     def private_update(self, params: Params, batches: PrivateBatches) -> Tuple[Params, Optional[Tensor]]:
         """The local update with DP-SGD: by a Linear chain's outer products where the model is
-        one, else per-sample gradients by torch.func (core/privacy.py); and the client's adaptive
+        one, else per-sample gradients by torch.func (core/private_steps.py); and the client's adaptive
         clip bounds after it (None for a fixed C)."""
         privacy, paths, standard = self.settings.privacy, self.paths, self.standard_update
         assert privacy is not None and standard is not None

@@ -16,7 +16,7 @@ from ..core import client_maths
 from ..core.client_maths import LocalBatches, LocalUpdateConfig, Step
 from ..core.errors import ConfigError
 from ..core.hand_batched import HandBatchedGradients, hand_batched_gradients
-from ..core.privacy import per_sample_problem
+from ..core.private_steps import per_sample_problem
 from ..core.types import LossFn, Params, StateDict
 
 

@@ -5,7 +5,9 @@
 - :mod:`.evaluation`: the personalized evaluation protocol;
 - :mod:`.sampling`: client sampling and minibatches keyed by (seed, round, client, purpose);
 - :mod:`.guards`: checks of local training and of received client updates;
-- :mod:`.privacy`: DP-SGD (Poisson minibatches, per-sample clipping and noise, the accountant);
+- :mod:`.privacy`, :mod:`.private_draws`, :mod:`.private_steps`, :mod:`.adaptive_clipping`,
+  :mod:`.ledger`, :mod:`.accounting`: DP-SGD (its settings; Poisson minibatches and noise; per-sample
+  clipping in the local step; the adaptive clip bound; each user's uses; the accountants);
 - :mod:`.stationarity`: the paper's ``||grad F(w)||^2``, exactly;
 - :mod:`.functional`: how any ``nn.Module`` is run as a pure function of its parameters;
 - :mod:`.errors`, :mod:`.types`: the errors every layer raises and the shared types.

@@ -242,7 +242,8 @@ def _adapted_one_by_one(
     gradients clipped and noised (``chain``: a Linear chain's form, which clips without forming them);
     with adaptive clipping at the user's own D bound (``clip_bounds``, by user id; the starting
     bound for a user not trained yet), releasing no count."""
-    from .privacy import draw_private_batches, private_sgd_steps
+    from .private_draws import draw_private_batches
+    from .private_steps import private_sgd_steps
 
     for user_id, user in zip(user_ids, users):
         if config.privacy is None:

@@ -5,8 +5,8 @@
 its own user in a data owner's silo); :class:`ReportedPrivacy` keeps what data-owner silos report
 of their own users (the server of such a run holds no data). Both are a :class:`PrivacyRecord`:
 what the run's reporting reads. The accountants that turn uses into epsilon are
-core/accounting.py's; the mechanism itself (draws, clipping, noise) is core/privacy.py's.
-FedML-free.
+core/accounting.py's; the mechanism itself is core/private_draws.py's (draws) and
+core/private_steps.py's (clipping, noise). FedML-free.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class Purpose(IntEnum):
     CENTRAL_PRIVACY = 7
     ATTACK = 8
     DEFENSE = 9
-    # DP-SGD's Poisson minibatches and noise (fedml_perfedavg.core.privacy): training, evaluation.
+    # DP-SGD's Poisson minibatches and noise (fedml_perfedavg.core.private_draws): training, evaluation.
     PRIVATE_TRAINING = 10
     PRIVATE_EVALUATION = 11
 

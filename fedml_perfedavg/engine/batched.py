@@ -24,7 +24,8 @@ from torch.func import vmap
 from ..algorithms.base import FederatedAlgorithm
 from ..core.adaptive_clipping import STATE_KEY
 from ..core.client_maths import LocalBatches, StepFigures, mean_figures, run_steps
-from ..core.privacy import PrivateBatches, PrivateChainSteps
+from ..core.private_draws import PrivateBatches
+from ..core.private_steps import PrivateChainSteps
 from ..core.hand_batched import IndexedInputs, HandBatchedGradients
 from .minibatches import Minibatches
 from .plan import ClientPlan, Path, resolve_plan

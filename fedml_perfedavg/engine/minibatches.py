@@ -16,7 +16,7 @@ from torch import Tensor
 from ..algorithms.base import FederatedAlgorithm
 from ..core.client_maths import LocalBatches
 from ..core.hand_batched import IndexedInputs
-from ..core.privacy import PrivateBatches, stack_private
+from ..core.private_draws import PrivateBatches, stack_private
 from ..core.types import UserSplit
 from .plan import ClientPlan
 

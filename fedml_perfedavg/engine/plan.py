@@ -7,7 +7,7 @@ It is read from what the algorithm declares (its ``standard_update``, ``returns_
 - ``hand-batched``: the standard maths on a chain of Linear layers and activations, every client
   of a computation at once by matrix products (:mod:`~fedml_perfedavg.core.hand_batched`);
 - ``DP-SGD chain``: the same chain under DP-SGD, each sample's gradient clipped by its
-  outer-product norm (:mod:`~fedml_perfedavg.core.privacy`);
+  outer-product norm (:mod:`~fedml_perfedavg.core.private_steps`);
 - ``vmap``: the algorithm's own ``local_update`` (or ``local_training``) vmapped over the clients;
 - ``per client``: ``client_update``, one client at a time, as FedML's loops call it.
 
@@ -123,7 +123,7 @@ def resolve_plan(
             return plan(Path.PER_CLIENT, why)
         why = (
             f"DP-SGD: {type(algorithm.network).__name__} is a chain of Linear layers; each sample's gradient is "
-            f"clipped by its outer-product norm, every client of a round at once (fedml_perfedavg.core.privacy)"
+            f"clipped by its outer-product norm, every client of a round at once (fedml_perfedavg.core.private_steps)"
         )
         return plan(Path.PRIVATE_CHAIN, why, hand_batched=chain)
     gradients, no_hand = _hand_batched(algorithm, input_shape, compile_local_update, try_hand_batched)

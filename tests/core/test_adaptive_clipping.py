@@ -15,13 +15,9 @@ from fedml_perfedavg.core.client_maths import LocalUpdateConfig, Step
 from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.core.functional import functional_network, make_loss_fn
 from fedml_perfedavg.core.hand_batched import hand_batched_gradients
-from fedml_perfedavg.core.privacy import (
-    DPSGD,
-    PrivateSteps,
-    draw_private_batches,
-    private_update,
-    single_sample_loss,
-)
+from fedml_perfedavg.core.private_draws import draw_private_batches
+from fedml_perfedavg.core.private_steps import PrivateSteps, private_update, single_sample_loss
+from fedml_perfedavg.core.privacy import DPSGD
 
 ADAPTIVE = {"clip": "adaptive"}
 

@@ -1,5 +1,6 @@
-"""DP-SGD's mechanism (fedml_perfedavg.core.privacy): clipping, noise, Poisson draws, the chain's
-outer-product clipping against per-sample gradients, and the accountant against Opacus'."""
+"""DP-SGD's settings, draws and mechanism (fedml_perfedavg.core.privacy, private_draws,
+private_steps): clipping, noise, Poisson draws, the chain's outer-product clipping against
+per-sample gradients, and the accountant against Opacus'."""
 
 import pytest
 import torch
@@ -12,18 +13,15 @@ from fedml_perfedavg.core.functional import functional_network, make_loss_fn
 from fedml_perfedavg.core.hand_batched import hand_batched_gradients
 from fedml_perfedavg.core.accounting import rdp_epsilon as epsilon_of
 from fedml_perfedavg.core.ledger import PrivacyLedger, UseRules
-from fedml_perfedavg.core.privacy import (
-    DPSGD,
-    PrivateBatches,
+from fedml_perfedavg.core.private_draws import PrivateBatches, draw_private_batches, one_client, poisson_draw
+from fedml_perfedavg.core.private_steps import (
     PrivateChainSteps,
     PrivateSteps,
     clip_and_sum,
-    draw_private_batches,
-    one_client,
     per_sample_problem,
-    poisson_draw,
     private_local_update,
 )
+from fedml_perfedavg.core.privacy import DPSGD
 
 
 def _mlp(dtype=torch.float64):

@@ -210,7 +210,7 @@ class SiloSetup:
     model: Optional[nn.Module] = None  # the server's, to probe a silo's announced data
     secure_threshold: Optional[int] = None  # secure aggregation's threshold (None: updates in the clear)
     sample_weighted: bool = False  # train_args.aggregation: sample_weighted (secure weights by announced counts)
-    privacy: Optional[Any] = None  # a data owner's silo: DP-SGD's accountant of its own user (core/privacy.py)
+    privacy: Optional[Any] = None  # a data owner's silo: DP-SGD's accountant of its own user (core/ledger.py)
     # DP-SGD, shared mode: the rounds whose model the server evaluates; a silo reports figures only
     # of such a model, keyed as the server's evaluation of it, so they release nothing more
     figures_after: Optional[Callable[[int], bool]] = None

@@ -1,0 +1,120 @@
+"""DP-SGD's draws for one client's round, outside the maths: its Poisson minibatches (each
+sample in a use's minibatch with probability ``batch_size / n``, independently) and the noise of
+every use, from one generator keyed by (seed, round, user) (and a data owner's secret), so every
+backend computes the same numbers (core/privacy.py has the policy; core/private_steps.py the
+mechanism that reads these). FedML-free."""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .privacy import sample_rate
+from .types import Params
+
+
+class PrivateBatches(NamedTuple):
+    """One client's Poisson minibatches (roles, steps, cap): D, D', D'' padded to a common size
+    ``cap`` with samples whose ``mask`` is 0, the noise of every use (each parameter's shape with
+    (roles, steps) first, standard normal) and the expected size of each role's minibatch."""
+
+    x: Tensor
+    y: Tensor
+    mask: Tensor
+    noise: Dict[str, Tensor]
+    expected: Tensor
+    #: With adaptive clipping: the noise of each use's count (roles, steps), standard normal, and
+    #: the client's bounds at the start (roles,) (core/adaptive_clipping.py); else None.
+    count_noise: Optional[Tensor] = None
+    clip_bounds: Optional[Tensor] = None
+
+    @property
+    def steps(self) -> int:
+        return int(self.mask.shape[1])
+
+
+def poisson_draw(
+    num_samples: int, batch_sizes: Sequence[int], steps: int, generator: torch.Generator
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(index, mask, expected): for each role and step, each of ``num_samples`` samples is in
+    the minibatch with probability ``sample_rate(batch_size, num_samples)``, independently; the
+    chosen indices come first in a row of ``cap`` (the largest minibatch drawn), the rest padding."""
+    rates = torch.tensor([sample_rate(b, num_samples) for b in batch_sizes], dtype=torch.float64)
+    uniform = torch.rand(len(batch_sizes), steps, num_samples, generator=generator, dtype=torch.float64)
+    chosen = uniform < rates.view(-1, 1, 1)
+    counts = chosen.sum(-1)
+    cap = max(1, int(counts.max()))
+    # A stable sort of "not chosen" puts the chosen indices first, in increasing order.
+    index = torch.sort((~chosen).to(torch.int8), dim=-1, stable=True).indices[..., :cap]
+    mask = (torch.arange(cap).view(1, 1, -1) < counts.unsqueeze(-1)).to(torch.get_default_dtype())
+    expected = (rates * num_samples).to(torch.get_default_dtype())
+    return index, mask, expected
+
+
+def draw_private_batches(
+    x: Tensor,
+    y: Tensor,
+    batch_sizes: Sequence[int],
+    steps: int,
+    params: Params,
+    generator: torch.Generator,
+    clip_bounds: Optional[Tensor] = None,
+) -> PrivateBatches:
+    """A client's :class:`PrivateBatches` from its training data, every number from ``generator``
+    (the Poisson draws first, then the noise, parameter by parameter in ``params``' order; only
+    their shapes and dtypes are read; with adaptive clipping, the client's ``clip_bounds``, then
+    the counts' noise last)."""
+    index, mask, expected = poisson_draw(len(y), batch_sizes, steps, generator)
+    noise = {
+        k: torch.randn(len(batch_sizes), steps, *p.shape, generator=generator, dtype=p.dtype).to(x.device)
+        for k, p in params.items()
+    }
+    count_noise = None
+    if clip_bounds is not None:
+        count_noise = torch.randn(len(batch_sizes), steps, generator=generator, dtype=torch.float64).to(x.device)
+        clip_bounds = clip_bounds.to(device=x.device, dtype=torch.float64)
+    device_index = index.to(x.device)
+    return PrivateBatches(
+        x[device_index],
+        y[device_index.to(y.device)],
+        mask.to(x.device),
+        noise,
+        expected.to(x.device),
+        count_noise,
+        clip_bounds,
+    )
+
+
+def stack_private(batches: Sequence[PrivateBatches]) -> PrivateBatches:
+    """Several clients' draws stacked along a new leading client dimension, padded to one cap."""
+    cap = max(b.mask.shape[-1] for b in batches)
+
+    def pad(t: Tensor) -> Tensor:  # with copies of a sample, whose mask is 0
+        extra = cap - t.shape[2]
+        return t if extra == 0 else torch.cat([t, t[:, :, :1].expand(-1, -1, extra, *t.shape[3:])], dim=2)
+
+    adaptive = batches[0].clip_bounds is not None
+    return PrivateBatches(
+        torch.stack([pad(b.x) for b in batches]),
+        torch.stack([pad(b.y) for b in batches]),
+        torch.stack([torch.nn.functional.pad(b.mask, (0, cap - b.mask.shape[-1])) for b in batches]),
+        {k: torch.stack([b.noise[k] for b in batches]) for k in batches[0].noise},
+        torch.stack([b.expected for b in batches]),
+        torch.stack([b.count_noise for b in batches]) if adaptive else None,  # type: ignore[misc]
+        torch.stack([b.clip_bounds for b in batches]) if adaptive else None,  # type: ignore[misc]
+    )
+
+
+def one_client(batches: PrivateBatches) -> PrivateBatches:
+    """One client's draws with a client dimension of one in front (for :class:`PrivateChainSteps`)."""
+    return PrivateBatches(
+        batches.x.unsqueeze(0),
+        batches.y.unsqueeze(0),
+        batches.mask.unsqueeze(0),
+        {k: v.unsqueeze(0) for k, v in batches.noise.items()},
+        batches.expected.unsqueeze(0),
+        None if batches.count_noise is None else batches.count_noise.unsqueeze(0),
+        None if batches.clip_bounds is None else batches.clip_bounds.unsqueeze(0),
+    )

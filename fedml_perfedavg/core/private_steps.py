@@ -1,0 +1,360 @@
+"""DP-SGD's mechanism inside the local steps: every gradient on a user's private data is one use
+of the subsampled Gaussian mechanism, each sample's part clipped (to C, or the user's adaptive bound:
+core/adaptive_clipping.py), summed, noised and divided by the expected minibatch size, as the local
+step's arithmetic (:class:`~fedml_perfedavg.core.client_maths.StepArithmetic`): per-sample gradients
+by ``torch.func`` (:class:`PrivateSteps`), or a Linear chain's outer products for a round's clients at
+once (:class:`PrivateChainSteps`). The draws it reads are core/private_draws.py's; the policy
+core/privacy.py's. FedML-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+from torch.func import grad, jvp, vjp, vmap
+
+from . import adaptive_clipping
+from .client_maths import Step, axpy
+from .private_draws import PrivateBatches, one_client
+from .privacy import DPSGD
+from .types import LossFn, Params
+
+_NORM_FLOOR = 1e-6  # a per-sample norm below this is scaled as if it were this (Opacus' choice)
+
+
+def sample_norms(per_sample: Params) -> Tensor:
+    """Each sample's norm, all parameters together."""
+    squares = sum(v.reshape(v.shape[0], -1).pow(2).sum(1) for v in per_sample.values())
+    return torch.sqrt(squares)  # type: ignore[arg-type]
+
+
+def clip_and_sum(per_sample: Params, mask: Tensor, max_grad_norm: Union[float, Tensor]) -> Params:
+    """Each sample's vector (all parameters together) scaled to norm at most ``max_grad_norm``,
+    the samples with ``mask`` 1 summed."""
+    norms = sample_norms(per_sample)
+    scale = torch.clamp(max_grad_norm / torch.clamp(norms, min=_NORM_FLOOR), max=1.0) * mask
+    return {k: torch.tensordot(scale, v, dims=1) for k, v in per_sample.items()}
+
+
+def privatize(per_sample: Params, mask: Tensor, noise: Params, expected: Tensor, dp: DPSGD) -> Params:
+    """One use of the subsampled Gaussian mechanism: (clipped sum + sigma C noise) / expected size."""
+    summed = clip_and_sum(per_sample, mask, dp.max_grad_norm)
+    return {k: (v + dp.noise_std * noise[k]) / expected for k, v in summed.items()}
+
+
+class _Bounds:
+    """A use's clip bound, and with adaptive clipping each role's bound moved after each use
+    (core/adaptive_clipping.py); ``bounds``: (roles,) or (clients, roles), or None for fixed C."""
+
+    def __init__(self, dp: DPSGD, batches: PrivateBatches) -> None:
+        self.dp = dp
+        self.adaptive = batches.clip_bounds is not None
+        if self.adaptive != dp.adaptive:
+            raise ValueError(f"dp_args.clip={dp.clip!r}, but the minibatches were drawn for the other mode")
+        self.bounds = None if batches.clip_bounds is None else batches.clip_bounds.clone()
+        self.count_noise, self.expected = batches.count_noise, batches.expected
+
+    def of(self, role: int, dtype: torch.dtype) -> Union[float, Tensor]:
+        """The bound of ``role``'s use now: C, or the client's (each client's: (clients,))."""
+        return self.dp.max_grad_norm if self.bounds is None else self.bounds[..., role].to(dtype)
+
+    def noise_std(self, bound: Union[float, Tensor]) -> Union[float, Tensor]:
+        """The noise's standard deviation of a use clipped at ``bound``."""
+        return self.dp.noise_std if self.bounds is None else self.dp.gradient_noise_multiplier * bound
+
+    def after_use(self, norms: Tensor, mask: Tensor, role: int, t: int) -> None:
+        """Move ``role``'s bound by the use's noised count of the samples at most at it."""
+        if self.bounds is None:
+            return
+        assert self.count_noise is not None and self.dp.clip_count_stddev is not None
+        self.bounds[..., role] = adaptive_clipping.updated_bounds(
+            self.bounds[..., role],
+            norms,
+            mask,
+            self.count_noise[..., role, t],
+            self.expected[..., role],
+            self.dp.clip_count_stddev,
+            self.dp.target_quantile,
+            self.dp.clip_learning_rate,
+        )
+
+
+def single_sample_loss(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` on one sample (its input and label without a batch dimension)."""
+    return lambda params, x, y: loss_fn(params, x.unsqueeze(0), y.unsqueeze(0))
+
+
+class PrivateSteps:
+    """The local step's arithmetic (:class:`~fedml_perfedavg.core.client_maths.StepArithmetic`)
+    with every gradient on private data a use of the mechanism: per-sample gradients vectorized
+    by ``torch.func.vmap`` over the Poisson minibatch, clipped, summed and noised."""
+
+    def __init__(self, loss_fn: LossFn, batches: PrivateBatches, kind: Step, dp: DPSGD, forward_ad: bool = True):
+        self.kind, self.batches, self.dp, self.forward_ad = kind, batches, dp, forward_ad
+        self.sample_grad = grad(single_sample_loss(loss_fn))
+        self.per_sample = vmap(self.sample_grad, in_dims=(None, 0, 0))
+        self.clip = _Bounds(dp, batches)
+
+    @property
+    def bounds(self) -> Optional[Tensor]:
+        """The client's adaptive bounds now (roles,), or None for a fixed C."""
+        return self.clip.bounds
+
+    def _use(self, per_sample: Params, role: int, t: int) -> Params:
+        b = self.batches
+        noise = {k: v[role, t] for k, v in b.noise.items()}
+        mask = b.mask[role, t]
+        if not self.clip.adaptive:
+            return privatize(per_sample, mask, noise, b.expected[role], self.dp)
+        norms = sample_norms(per_sample)
+        bound = self.clip.of(role, norms.dtype)
+        summed = clip_and_sum(per_sample, mask, bound)
+        std = self.clip.noise_std(bound)
+        self.clip.after_use(norms, mask, role, t)
+        return {k: (v + std * noise[k]) / b.expected[role] for k, v in summed.items()}
+
+    def start(self, params: Params) -> Params:
+        return params
+
+    def gradient(self, point: Params, role: int, t: int) -> Params:
+        return self._use(self.per_sample(point, self.batches.x[role, t], self.batches.y[role, t]), role, t)
+
+    def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
+        return axpy(-alpha, gradient, w)
+
+    def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
+        """D'''s per-sample second-order term, clipped and noised as one vector: HF's central
+        difference of per-sample gradients at w +- delta g, or exact's Hessian-vector product."""
+        x, y = self.batches.x[2, t], self.batches.y[2, t]
+        if self.kind is Step.HF:
+            plus = self.per_sample(axpy(delta, g, w), x, y)
+            minus = self.per_sample(axpy(-delta, g, w), x, y)
+            per_sample = {k: (plus[k] - minus[k]) / (2.0 * delta) for k in plus}
+        else:
+            sample_grad = self.sample_grad
+            if self.forward_ad:
+
+                def hvp(xi: Tensor, yi: Tensor) -> Params:
+                    return jvp(lambda p: sample_grad(p, xi, yi), (w,), (g,))[1]
+
+            else:  # reverse over reverse, for operators without a forward-mode derivative
+
+                def hvp(xi: Tensor, yi: Tensor) -> Params:
+                    with torch.enable_grad():
+                        return vjp(lambda p: sample_grad(p, xi, yi), w)[1](g)[0]
+
+            per_sample = vmap(hvp)(x, y)
+        return self._use(per_sample, 2, t)
+
+    def correct(self, g: Params, hessian_g: Params, alpha: float) -> Params:
+        return axpy(-alpha, hessian_g, g)
+
+    def move(self, w: Params, direction: Params, beta: float) -> Params:
+        return axpy(-beta, direction, w)
+
+
+class PrivateChainSteps:
+    """:class:`PrivateSteps`' mechanism for a chain of Linear layers and activations
+    (:class:`~fedml_perfedavg.core.hand_batched.HandBatchedGradients`), for every client of a round
+    at once (parameters, and every tensor of ``batches``, client first). A sample's gradient of a
+    Linear layer is the outer product of the signal at its output and its input, so its norm is
+    the product of theirs and the clipped sum is one matrix product: per-sample gradients are
+    never formed (the "ghost clipping" of Goodfellow 2015; Li et al. 2022). HF's finite
+    difference of two such outer products, u+ a+^T - u- a-^T = (u+ - u-) a+^T + u- (a+ - a-)^T,
+    has its norm from differences that stay small, never from two large numbers' difference."""
+
+    def __init__(self, chain: Any, batches: PrivateBatches, kind: Step, dp: DPSGD) -> None:
+        if kind is Step.EXACT:
+            raise ValueError("the chain's private steps have no per-sample Hessian-vector product: use PrivateSteps")
+        self.kind: Step = kind
+        self.chain, self.batches, self.dp = chain, batches, dp
+        self.layers = chain.layers
+
+        # (roles, steps, clients, ...): each use reads contiguous (clients, ...) blocks, not strided ones
+        def step_major(t: Tensor) -> Tensor:
+            return t.movedim(0, 2).contiguous()
+
+        self.x, self.y, self.mask = step_major(batches.x), step_major(batches.y), step_major(batches.mask)
+        self.noise = {k: step_major(v) for k, v in batches.noise.items()}
+        self.clip = _Bounds(dp, batches)
+        self._noise_std: Union[float, Tensor] = dp.noise_std  # of the use being computed
+
+    @property
+    def bounds(self) -> Optional[Tensor]:
+        """Each client's adaptive bounds now (clients, roles), or None for a fixed C."""
+        return self.clip.bounds
+
+    def _signals(self, params: Params, x: Tensor, y: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
+        """Each Linear layer's inputs (C, B, in) and each sample's own loss gradient at its output
+        (C, B, out): the backward pass of the summed, not the mean, loss."""
+        inputs, pre, logits = self.chain._forward(params, x.reshape(x.shape[0], x.shape[1], -1))
+        signal = torch.softmax(logits, dim=-1) - torch.nn.functional.one_hot(y, logits.shape[-1]).to(logits.dtype)
+        signals: List[Tensor] = [signal] * len(self.layers)
+        for position in range(len(self.layers) - 1, -1, -1):
+            layer = self.layers[position]
+            if layer.activation is not None:
+                output = inputs[position + 1] if position + 1 < len(inputs) else logits
+                signal = layer.activation.backward(signal, pre[position], output)
+            signals[position] = signal
+            if position > 0:
+                signal = torch.bmm(signal, params[layer.weight])
+        return inputs, signals
+
+    def _scale(self, squared_norms: Tensor, role: int, t: int, divide: float = 1.0) -> Tensor:
+        """Each sample's clip factor (clients, B, 1) of a use (the samples' squared norms); with
+        adaptive clipping, each client's bound moved after it."""
+        norms = torch.sqrt(torch.clamp(squared_norms, min=0.0))
+        bound = self.clip.of(role, norms.dtype)
+        per_client = bound.unsqueeze(-1) if isinstance(bound, Tensor) else bound
+        clip = torch.clamp(per_client / torch.clamp(norms, min=_NORM_FLOOR), max=1.0)
+        self._noise_std = self.clip.noise_std(bound)
+        self.clip.after_use(norms, self.mask[role, t], role, t)
+        return (clip * self.mask[role, t] / divide).unsqueeze(-1)
+
+    def _noised(self, summed: Params, role: int, t: int) -> Params:
+        expected = self.batches.expected[:, role]
+        std = self._noise_std
+        out = {}
+        for k, v in summed.items():  # (sum + sigma C noise) / expected size, in the sum's own tensor
+            shape = (-1, *([1] * (v.dim() - 1)))
+            if isinstance(std, Tensor):  # each client's own bound
+                v.addcmul_(self.noise[k][role, t], std.view(shape))
+            else:
+                v.add_(self.noise[k][role, t], alpha=std)
+            out[k] = v.div_(expected.view(shape))
+        return out
+
+    def start(self, params: Params) -> Params:
+        return params
+
+    def gradient(self, point: Params, role: int, t: int) -> Params:
+        inputs, signals = self._signals(point, self.x[role, t], self.y[role, t])
+        squares = [s.pow(2).sum(-1) for s in signals]
+        total = sum(
+            sq * (a.pow(2).sum(-1) + (1.0 if layer.bias is not None else 0.0))
+            for layer, a, sq in zip(self.layers, inputs, squares)
+        )
+        scale = self._scale(total, role, t)  # type: ignore[arg-type]
+        summed: Params = {}
+        for layer, a, s in zip(self.layers, inputs, signals):
+            weighted = s * scale
+            summed[layer.weight] = torch.bmm(weighted.transpose(1, 2), a)
+            if layer.bias is not None:
+                summed[layer.bias] = weighted.sum(1)
+        return self._noised(summed, role, t)
+
+    def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
+        return axpy(-alpha, gradient, w)
+
+    def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
+        x, y = self.x[2, t], self.y[2, t]
+        plus_inputs, plus = self._signals(axpy(delta, g, w), x, y)
+        minus_inputs, minus = self._signals(axpy(-delta, g, w), x, y)
+        total: Any = 0.0
+        parts = []
+        for position, layer in enumerate(self.layers):
+            d_signal = plus[position] - minus[position]
+            a = plus_inputs[position]
+            d_input = None if position == 0 else a - minus_inputs[position]  # the data itself does not move
+            squared = d_signal.pow(2).sum(-1) * (a.pow(2).sum(-1) + (1.0 if layer.bias is not None else 0.0))
+            if d_input is not None:
+                squared = (
+                    squared
+                    + minus[position].pow(2).sum(-1) * d_input.pow(2).sum(-1)
+                    + 2.0 * (d_signal * minus[position]).sum(-1) * (a * d_input).sum(-1)
+                )
+            total = total + squared
+            parts.append((layer, d_signal, a, minus[position], d_input))
+        scale = self._scale(total / (4.0 * delta * delta), 2, t, divide=2.0 * delta)
+        summed: Params = {}
+        for layer, d_signal, a, minus_signal, d_input in parts:
+            weighted = d_signal * scale
+            summed[layer.weight] = torch.bmm(weighted.transpose(1, 2), a)
+            if d_input is not None:
+                summed[layer.weight].baddbmm_((minus_signal * scale).transpose(1, 2), d_input)
+            if layer.bias is not None:
+                summed[layer.bias] = weighted.sum(1)
+        return self._noised(summed, 2, t)
+
+    def correct(self, g: Params, hessian_g: Params, alpha: float) -> Params:
+        return axpy(-alpha, hessian_g, g)
+
+    def move(self, w: Params, direction: Params, beta: float) -> Params:
+        return axpy(-beta, direction, w)
+
+
+def private_local_update(
+    loss_fn: LossFn,
+    params: Params,
+    batches: PrivateBatches,
+    config: Any,
+    dp: DPSGD,
+    chain: Any = None,
+    forward_ad: bool = True,
+) -> Params:
+    """One client's DP-SGD local update (``config``: a LocalUpdateConfig): by the chain's outer
+    products where ``chain`` is given and the step is not exact, else per-sample by torch.func."""
+    return private_update(loss_fn, params, batches, config, dp, chain, forward_ad)[0]
+
+
+def private_update(
+    loss_fn: LossFn,
+    params: Params,
+    batches: PrivateBatches,
+    config: Any,
+    dp: DPSGD,
+    chain: Any = None,
+    forward_ad: bool = True,
+) -> Tuple[Params, Optional[Tensor]]:
+    """:func:`private_local_update`, and the client's adaptive clip bounds after it (roles,), or
+    None for a fixed C."""
+    from .client_maths import run_steps
+
+    if chain is not None and config.step is not Step.EXACT:
+        start = {k: v.unsqueeze(0) for k, v in params.items()}
+        steps = PrivateChainSteps(chain, one_client(batches), config.step, dp)
+        out = run_steps(steps, start, config)
+        return {k: v[0] for k, v in out.items()}, None if steps.bounds is None else steps.bounds[0]
+    generic = PrivateSteps(loss_fn, batches, config.step, dp, forward_ad)
+    return run_steps(generic, params, config), generic.bounds
+
+
+def private_sgd_steps(
+    loss_fn: LossFn, params: Params, batches: PrivateBatches, alpha: float, dp: DPSGD, chain: Any = None
+) -> Params:
+    """SGD steps of size ``alpha`` whose gradients are uses of the mechanism (role 0 of
+    ``batches``, one step per step): the personalization step of a private evaluation."""
+    config = _SGDSteps(batches.steps, alpha)
+    return private_local_update(loss_fn, params, batches, config, dp, chain)
+
+
+@dataclass(frozen=True)
+class _SGDSteps:
+    """What run_steps reads of a LocalUpdateConfig, for plain SGD steps of size ``beta``."""
+
+    local_steps: int
+    beta: float
+    alpha: float = 0.0
+    delta: float = 0.0
+    step: Step = Step.SGD
+
+
+def per_sample_problem(
+    network: torch.nn.Module, loss_fn: LossFn, params: Params, x: Tensor, y: Tensor
+) -> Optional[str]:
+    """Why per-sample gradients of the model cannot be computed (BatchNorm, which mixes a
+    minibatch's samples; a model vmap cannot batch over samples), or None."""
+    norms = [type(m).__name__ for m in network.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if norms:
+        return (
+            f"the model has {norms[0]}, which normalizes each sample with its minibatch's statistics: a "
+            f"sample's gradient depends on the others, so it cannot be clipped alone (use GroupNorm or "
+            f"LayerNorm)"
+        )
+    try:
+        vmap(grad(single_sample_loss(loss_fn)), in_dims=(None, 0, 0))(params, x[:2], y[:2])
+    except Exception as err:  # noqa: BLE001 - whatever vmap raises is the reason
+        return f"torch.func.vmap cannot compute its per-sample gradients: {type(err).__name__}: {err}"
+    return None
