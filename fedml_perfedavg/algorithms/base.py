@@ -699,8 +699,11 @@ class FederatedAlgorithm:
         """summary.json's ``dp_clip_bounds``: with adaptive clipping, the bounds of each user whose
         state this process holds (every trained user on sp and MPI; none on a data owners' server),
         one per minibatch role; else nothing."""
-        kept = {c: s[adaptive_clipping.STATE_KEY] for c, s in self.client_states.state_dict().items()}
-        bounds = {str(c): [float(b) for b in v] for c, v in kept.items() if self.clip_bounds_of(c) is not None}
+        privacy = self.settings.privacy
+        if privacy is None or not privacy.adaptive:
+            return {}
+        states = self.client_states.state_dict().items()
+        bounds = {str(c): [float(b) for b in s[adaptive_clipping.STATE_KEY]] for c, s in states}
         return {"dp_clip_bounds": bounds} if bounds else {}
 
     def user_metrics(self, round_idx: int, global_state: StateDict, user: UserSplit, user_id: int) -> Dict[str, float]:
