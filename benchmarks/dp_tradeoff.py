@@ -11,10 +11,11 @@ of epsilon), delta 1e-5, PRV's epsilon. A clip of ``adaptive`` starts every user
 follows the median of its norms (``dp_args.clip: adaptive``, the defaults). Without DP the same
 config is run for each seed too (the accuracy each epsilon is measured against).
 
-Every finished run is kept in ``benchmarks/results/dp_tradeoff.json`` (``--results``) at once (keyed by rounds,
-sigma, clip and seed, with the date and commit), so the grid can be run in pieces: a cell already
-there is not run again. The table (``dp_tradeoff_<rounds>.md``: mean over seeds, 95% t-interval) and
-the plot (``dp_tradeoff_<rounds>.png``), beside it, are written from every cell of that length.
+Every finished run is kept in ``benchmarks/results/dp_tradeoff.json`` (``--results``) at once
+(keyed by rounds, sigma, clip and seed, with the date and commit), so the grid can be run in
+pieces: a cell already there is not run again, and several instances (other parts of the grid) can
+share the file. The table (``dp_tradeoff_<rounds>.md``: mean over seeds, 95% t-interval) and the
+plot (``dp_tradeoff_<rounds>.png``), beside it, are written from every cell of that length.
 """
 
 from __future__ import annotations
@@ -218,12 +219,27 @@ def main(argv: Optional[List[str]] = None) -> None:
             sigma, clip, seed = futures[future]
             cell = future.result()
             cell.update({"date": datetime.date.today().isoformat(), "commit": commit.strip()})
-            cells[_key(args.rounds, sigma, clip, seed)] = cell
-            with open(args.results + ".tmp", "w") as f:
-                json.dump(cells, f, indent=1, sort_keys=True)
-            os.replace(args.results + ".tmp", args.results)
+            cells = keep(args.results, _key(args.rounds, sigma, clip, seed), cell)
             print(json.dumps(cell), flush=True)
     print(write_report(cells, args.rounds, os.path.dirname(os.path.abspath(args.results))))
+
+
+def keep(path: str, key: str, cell: dict) -> Dict[str, dict]:
+    """Add one finished run to the results file, under a lock and onto what the file holds now:
+    several instances (other parts of the grid) can share it. Returns every cell recorded."""
+    import fcntl
+
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cells: Dict[str, dict] = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                cells = json.load(f)
+        cells[key] = cell
+        with open(path + ".tmp", "w") as f:
+            json.dump(cells, f, indent=1, sort_keys=True)
+        os.replace(path + ".tmp", path)
+    return cells
 
 
 if __name__ == "__main__":

@@ -392,3 +392,6 @@ def test_the_tradeoff_benchmark_keeps_each_run_and_reports_fixed_and_adaptive_cl
     table = (tmp_path / "dp_tradeoff_2.md").read_text()
     assert "| 8.0 | 1 | 1 |" in table and "| 8.0 | adaptive | 1 |" in table and "| no DP |" in table
     assert (tmp_path / "dp_tradeoff_2.png").stat().st_size > 0
+    # another instance's run lands beside these (onto what the file holds, under a lock)
+    module.keep(str(results), "another instance's cell", {"rounds": 2})
+    assert set(json.loads(results.read_text())) == {*cells, "another instance's cell"}
