@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import (
@@ -717,8 +718,15 @@ class FederatedAlgorithm:
         return None
 
     def describe(self, global_state: StateDict) -> Dict[str, float]:
-        """Extra scalars about the algorithm's state, logged with each evaluation (none here)."""
-        return {}
+        """Extra scalars about the algorithm's state, logged with each evaluation: here, with
+        adaptive clipping, each role's bound (D, D', D''), its median over the users trained so far
+        (where this process holds their states: sp, MPI's server)."""
+        bounds = self.clip_bounds_record().get("dp_clip_bounds")
+        if not bounds:
+            return {}
+        roles = len(next(iter(bounds.values())))
+        names = ("dp_clip_bound_d", "dp_clip_bound_d_prime", "dp_clip_bound_d_second")[:roles]
+        return {name: statistics.median(own[i] for own in bounds.values()) for i, name in enumerate(names)}
 
     # -- checkpoint state -----------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

@@ -2,6 +2,8 @@
 computes it, reported each evaluation and in summary.json, the budget enforced at start, and
 what would read a user's data outside the mechanism refused."""
 
+import statistics
+
 import pytest
 import torch
 
@@ -122,6 +124,11 @@ def test_adaptive_clipping_counts_the_same_uses_and_each_user_keeps_its_own_boun
     assert not all(torch.equal(fixed.final_state[k], adaptive.final_state[k]) for k in fixed.final_state)
     log = (tmp_path / "adaptive" / "run.log").read_text()
     assert "C adaptive from 1 toward quantile 0.5 of each user's norms" in log
+    # each evaluation records the median user's bounds (run.log, history, wandb)
+    last = adaptive.summary["history"][-1]
+    for role, name in enumerate(("dp_clip_bound_d", "dp_clip_bound_d_prime", "dp_clip_bound_d_second")):
+        assert last[name] == pytest.approx(statistics.median(own[role] for own in bounds.values()))
+    assert "dp_clip_bound_d" not in fixed.summary["history"][-1]
 
 
 def test_the_personalization_step_clips_at_the_users_own_d_bound():
