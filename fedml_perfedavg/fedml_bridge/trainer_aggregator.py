@@ -175,6 +175,7 @@ class AlgorithmClientTrainer(CarriesGlobalState, ClientTrainer):
             self.algorithm.loss_fn,
             self.algorithm.refinement_step_sizes(global_state),
             self.algorithm.paths.hand_batched_form(tuple(x.shape[1:])),
+            self.algorithm.evaluation_clip_bounds([int(self.id)]),  # adaptive clipping: the user's bound, as evaluated
         )
         return {**global_state, **{k: v.detach() for k, v in adapted.items()}}
 
