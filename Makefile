@@ -43,9 +43,10 @@ test: $(STAMP) data/MNIST
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxschedchunk 1 --durations=30 tests
 
 # Unit and property checks only (no FedML loops, MPI, gRPC, subprocesses or real datasets; tests/conftest.py
-# makes a fast test that does one of those fail): about 30 s.
+# makes a fast test that does one of those fail), on FAST_WORKERS xdist workers of one torch thread each.
+FAST_WORKERS ?= 2
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m fast tests
+	$(PY) -m pytest -q -n $(FAST_WORKERS) -m fast tests
 
 # ruff (lint and format) and mypy, pinned in requirements-lint.txt, in a venv of their own; mypy
 # reads the test venv's packages (torch's types). Configured in ruff.toml and mypy.ini.
