@@ -88,19 +88,25 @@ def draw_private_batches(
 
 
 def stack_private(batches: Sequence[PrivateBatches]) -> PrivateBatches:
-    """Several clients' draws stacked along a new leading client dimension, padded to one cap."""
+    """Several clients' draws stacked along a new leading client dimension, padded to one cap.
+    The inputs and the noise (most of the bytes) are laid out step-major in memory, (roles, steps,
+    clients, ...), and seen client-first: the chain's mechanism reads each use's clients as one
+    contiguous block without copying them again (core/private_steps.py)."""
     cap = max(b.mask.shape[-1] for b in batches)
 
     def pad(t: Tensor) -> Tensor:  # with copies of a sample, whose mask is 0
         extra = cap - t.shape[2]
         return t if extra == 0 else torch.cat([t, t[:, :, :1].expand(-1, -1, extra, *t.shape[3:])], dim=2)
 
+    def step_major(tensors: Sequence[Tensor]) -> Tensor:
+        return torch.stack(list(tensors), dim=2).movedim(2, 0)
+
     adaptive = batches[0].clip_bounds is not None
     return PrivateBatches(
-        torch.stack([pad(b.x) for b in batches]),
+        step_major([pad(b.x) for b in batches]),
         torch.stack([pad(b.y) for b in batches]),
         torch.stack([torch.nn.functional.pad(b.mask, (0, cap - b.mask.shape[-1])) for b in batches]),
-        {k: torch.stack([b.noise[k] for b in batches]) for k in batches[0].noise},
+        {k: step_major([b.noise[k] for b in batches]) for k in batches[0].noise},
         torch.stack([b.expected for b in batches]),
         torch.stack([b.count_noise for b in batches]) if adaptive else None,  # type: ignore[misc]
         torch.stack([b.clip_bounds for b in batches]) if adaptive else None,  # type: ignore[misc]

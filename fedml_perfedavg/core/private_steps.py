@@ -173,6 +173,7 @@ class PrivateChainSteps:
         self.layers = chain.layers
 
         # (roles, steps, clients, ...): each use reads contiguous (clients, ...) blocks, not strided ones
+        # (no copy where the draws were stacked so: private_draws.stack_private)
         def step_major(t: Tensor) -> Tensor:
             return t.movedim(0, 2).contiguous()
 

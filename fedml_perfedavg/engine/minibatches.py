@@ -8,7 +8,8 @@ indices; else each client's own draws are stacked.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -62,14 +63,13 @@ class Minibatches:
         the hand-batched path) their inputs as :class:`IndexedInputs` where they are gathered."""
         hooks = self.algorithm.hooks
         if not self.gathers:
-            return stack_batches(
-                [
-                    self.algorithm.client_batches(
-                        round_idx, c, self.users[c].train_x, hooks.client_labels(round_idx, c, self.users[c].train_y)
-                    )
-                    for c in clients
-                ]
-            )
+            labels = [hooks.client_labels(round_idx, c, self.users[c].train_y) for c in clients]
+
+            def draw(position: int) -> LocalBatches:
+                c = clients[position]
+                return self.algorithm.client_batches(round_idx, c, self.users[c].train_x, labels[position])
+
+            return stack_batches(self._each(draw, len(clients)))
         batches = self.gather(self.batch_index(round_idx, clients), lazy_inputs=lazy_inputs)
         if hooks.poisons_labels:  # a label map commutes with the gather: flip each client's gathered rows
             batches = batches.with_labels(
@@ -78,6 +78,18 @@ class Minibatches:
                 )
             )
         return batches
+
+    def _each(self, draw: Callable[[int], LocalBatches], count: int) -> List[LocalBatches]:
+        """``draw`` of each client position, in order. DP-SGD's draws (a normal per parameter per
+        use, most of a private round's time) are each client's own generator's, so they run on
+        torch's threads side by side, the same numbers as one after the other; an algorithm's own
+        ``client_batches`` runs one client at a time."""
+        threads = min(torch.get_num_threads(), count)
+        keyed = type(self.algorithm).client_batches is FederatedAlgorithm.client_batches
+        if self.algorithm.settings.privacy is None or not keyed or threads < 2:
+            return [draw(position) for position in range(count)]
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            return list(pool.map(draw, range(count)))
 
     def batch_index(self, round_idx: int, clients: List[int]) -> List[Tensor]:
         """Per minibatch of LocalBatches (three), the round's sample indices into all users' data concatenated,

@@ -402,3 +402,36 @@ def test_the_tradeoff_benchmark_keeps_each_run_and_reports_fixed_and_adaptive_cl
     # another instance's run lands beside these (onto what the file holds, under a lock)
     module.keep(str(results), "another instance's cell", {"rounds": 2})
     assert set(json.loads(results.read_text())) == {*cells, "another instance's cell"}
+
+
+@pytest.mark.parametrize("clip", ["fixed", "adaptive"])
+def test_a_rounds_private_draws_on_two_threads_are_one_threads_bit_for_bit(clip):
+    """The engine draws each client's Poisson minibatches and noise on torch's threads side by
+    side (engine/minibatches.py): each client's own keyed generator, so the same numbers, stacked
+    in the same order, as one after the other."""
+    from fedml_perfedavg.algorithms.base import AlgorithmSettings
+    from fedml_perfedavg.algorithms.perfedavg import PerFedAvg
+    from fedml_perfedavg.engine.minibatches import Minibatches
+    from fedml_perfedavg.engine.plan import resolve_plan
+    from fedml_perfedavg.models import create_model
+
+    algorithm = PerFedAvg(
+        create_model("mlp", (1, 4, 4), 3, [5]), AlgorithmSettings.from_config(_config(**{"dp_args.clip": clip}))
+    )
+    users = tiny_data().users
+    minibatches = Minibatches(algorithm, users, resolve_plan(algorithm, (1, 4, 4)))
+    before = torch.get_num_threads()
+    try:
+        drawn = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            drawn.append(minibatches.round_batches(3, [5, 0, 2, 4]))
+    finally:
+        torch.set_num_threads(before)
+    one, two = drawn
+    for field in one._fields:
+        a, b = getattr(one, field), getattr(two, field)
+        if isinstance(a, dict):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), field
+        else:
+            assert (a is None and b is None) or torch.equal(a, b), field
