@@ -128,18 +128,23 @@ def describe_run(path: str, summary: Dict[str, Any]) -> str:
     before = summary.get("per_user_accuracy_before_adaptation") or [None] * len(after)
     new = set(summary.get("new_users") or [])
     dp = (summary.get("privacy") or {}).get("per_user") or {}
+    bounds: Dict[str, List[float]] = summary.get("dp_clip_bounds") or {}  # adaptive clipping: each user's bounds
     if after:
         widths = [max(len(name), 8) for name in own]
         lines.append(
             "  user  after%  before%"
             + "".join(f"  {name:>{w}}" for name, w in zip(own, widths))
             + ("   epsilon  uses" if dp else "")
+            + ("  clip bounds D/D'/D''" if bounds else "")
         )
         for user, (a, b) in enumerate(zip(after, before)):
             figures = "".join(f"  {_figure(_at(values, user)):>{w}}" for values, w in zip(own.values(), widths))
             if dp:
                 entry = dp.get(str(user)) or {}
                 figures += f"  {_figure(entry.get('epsilon')):>8}  {entry.get('uses', '-'):>4}"
+            if bounds:
+                own_bounds = bounds.get(str(user))
+                figures += "  " + ("/".join(f"{b:.3g}" for b in own_bounds) if own_bounds else "- (not trained)")
             lines.append(
                 f"  {user:4d}  {_percent(a):>6}  {_percent(b):>7}{figures}{'  (new user)' if user in new else ''}"
                 f"{'  (missing from the last evaluation)' if a is None else ''}"

@@ -104,7 +104,7 @@ def test_the_per_client_path_gives_the_batched_engines_model_and_epsilons(tmp_pa
             assert own == pytest.approx(alone.summary["dp_clip_bounds"][user], rel=1e-6)
 
 
-def test_adaptive_clipping_counts_the_same_uses_and_each_user_keeps_its_own_bounds(tmp_path, caplog):
+def test_adaptive_clipping_counts_the_same_uses_and_each_user_keeps_its_own_bounds(tmp_path, capsys):
     """The noised count rides on the same use at sigma (core/adaptive_clipping.py): the same
     uses and epsilons as a fixed C; each trained user's three bounds (D, D', D'') moved from C
     by its own norms, in summary.json; the gradient's noise raised to sigma_grad."""
@@ -129,6 +129,17 @@ def test_adaptive_clipping_counts_the_same_uses_and_each_user_keeps_its_own_boun
     for role, name in enumerate(("dp_clip_bound_d", "dp_clip_bound_d_prime", "dp_clip_bound_d_second")):
         assert last[name] == pytest.approx(statistics.median(own[role] for own in bounds.values()))
     assert "dp_clip_bound_d" not in fixed.summary["history"][-1]
+    # `fedml-perfedavg show` gives each user's bounds beside its epsilon
+    from fedml_perfedavg.run.show import main as show
+
+    capsys.readouterr()
+    assert show([str(tmp_path / "adaptive")]) == 0
+    shown = capsys.readouterr().out
+    some = sorted(trained)[0]
+    assert "epsilon  uses  clip bounds D/D'/D''" in shown
+    assert "/".join(f"{b:.3g}" for b in bounds[str(some)]) in shown, shown
+    untrained = set(range(6)) - trained
+    assert shown.count("- (not trained)") == len(untrained)
 
 
 def test_the_personalization_step_clips_at_the_users_own_d_bound():
