@@ -82,7 +82,7 @@ def example_yaml(tmp_path, name: str, mnist_root: str, run_name: str, output_dir
     config["common_args"]["run_name"] = run_name
     if config["common_args"].get("training_type") == "cross_silo" and "tls_dir" not in edits:
         edits["tls_dir"] = make_tls(tmp_path / "tls", 2)
-    from fedml_perfedavg.run.config import BY_NAME
+    from fedml_perfedavg.run.schema import BY_NAME
 
     for key, value in {**EXAMPLE_SETTINGS, **edits}.items():
         home = BY_NAME[key].metadata["section"] if key in BY_NAME else "train_args"

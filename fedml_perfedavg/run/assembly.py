@@ -26,7 +26,8 @@ from ..core.types import StateDict, UserSplit
 from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
 from ..fedml_bridge import safeguards as fedml_safeguards
 from . import checkpoint
-from .config import Config, check_batch_sizes
+from .rules import check_batch_sizes
+from .schema import Config
 from .driver import RunDriver
 from .measures import Measurements
 from .reporting import RunRecorder, recorder_for

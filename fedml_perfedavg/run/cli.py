@@ -21,7 +21,8 @@ import sys
 from typing import List, Optional, Tuple
 
 from ..core.errors import ConfigError, DivergenceError, OutputError, RunStopped
-from .config import Config, load
+from .config import load
+from .schema import Config
 from .options import add_config_options
 from .. import logs
 from ..stopping import exit_code_of, stop_exit_code

@@ -13,7 +13,9 @@ from ..algorithms.registry import FEDML_OWN, algorithm_names, canonical_name
 from ..core.errors import ConfigError
 from ..fedml_bridge.cross_silo.credentials import check_security
 from ..fedml_bridge.install import YAML_SECTIONS
-from .config import BY_NAME, SAFEGUARD_SECTIONS, Config, check_value, field_default, load_yaml, resolve, suggest
+from ..core.settings import check_value, field_default, suggest
+from .config import load_yaml, resolve
+from .schema import BY_NAME, SAFEGUARD_SECTIONS, Config
 
 logger = logging.getLogger(__name__)
 

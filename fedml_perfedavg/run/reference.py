@@ -1,8 +1,9 @@
-"""docs/configuration.md's table, generated from the config's schema (:mod:`.config`)."""
+"""docs/configuration.md's table, generated from the config's schema (:mod:`.schema`)."""
 
 from __future__ import annotations
 
-from .config import field_default, settings
+from ..core.settings import field_default
+from .schema import settings
 
 
 def markdown_table(builtin_only: bool = False) -> str:

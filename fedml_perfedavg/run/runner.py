@@ -43,7 +43,10 @@ from ..stopping import (
 )
 from . import checkpoint
 from .files import hold_run_dir, make_dir, record_of, refuse_if_held, release_run_dir, write_torch
-from .config import BY_NAME, Config, check_scenario, field_default, load_yaml
+from ..core.settings import field_default
+from .config import load_yaml
+from .rules import check_scenario
+from .schema import BY_NAME, Config
 from .fedml_args import check_algorithm_name, from_fedml_args, to_fedml_args, transport_values
 from .assembly import assemble, backend_for, check_layout, driver_for, resume_problem
 

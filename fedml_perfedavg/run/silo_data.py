@@ -22,7 +22,8 @@ from ..data.loading import DATASETS, FederatedData
 from ..data.partition import PARTITIONS
 from ..data.silo_folder import SPLIT_KEYS, check_split, export_users, is_export, is_silo_folder, read_silo_folder
 from .options import add_config_options
-from .config import Config, load
+from .config import load
+from .schema import Config
 
 logger = logging.getLogger(__name__)
 

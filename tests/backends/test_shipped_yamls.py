@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedml_perfedavg.run.config import BY_NAME
+from fedml_perfedavg.run.schema import BY_NAME
 
 from tests.helpers import EXAMPLE, REPO
 

@@ -258,8 +258,9 @@ def test_keys_of_fedmls_secure_aggregation_are_refused_not_passed_on_in_the_clea
 
 
 @pytest.mark.backend  # a subprocess: a fresh interpreter shows what importing the config imports
-def test_the_config_module_imports_no_fedml_and_fedmls_own_checks_still_run():
-    """Issue 42: config owns its schema; FedML's rehearsal of its sections is added from its domain."""
+def test_the_config_modules_import_no_fedml_and_fedmls_own_checks_still_run():
+    """Issue 42: the config owns its schema, and imports no FedML; issue 56 item 6: its rules are
+    one list in run/rules.py, FedML's rehearsal of its sections among them, registered by no import."""
     import ast
     import subprocess
     import sys
@@ -267,12 +268,14 @@ def test_the_config_module_imports_no_fedml_and_fedmls_own_checks_still_run():
 
     import fedml_perfedavg.run.config as config_module
 
-    tree = ast.parse(Path(config_module.__file__).read_text())
-    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    bridge = sorted(m for m in imported if "fedml_bridge" in m or m.split(".")[0] == "fedml")
-    assert bridge == ["fedml_bridge", "fedml_bridge.cross_silo.credentials"], bridge
-    assert "from ..fedml_bridge import safeguard_keys" in Path(config_module.__file__).read_text()
+    folder = Path(config_module.__file__).parent
+    for name in ("config", "schema", "rules", "fedml_keys"):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert not [m for m in imported if m.split(".")[0] == "fedml"], (name, imported)
+    assert not (folder / "safeguard_rules.py").exists()
+    assert "import" not in (folder / "__init__.py").read_text().split('"""')[-1]  # the run layer registers nothing
     code = (
         "import sys; import fedml_perfedavg.run.config as c; c.resolve({}, {}); print('fedml' in sys.modules)\n"
         "try:\n"
@@ -362,7 +365,7 @@ def test_an_algorithm_that_gives_a_taken_key_another_meaning_is_refused_naming_b
         registry, "entry_points", lambda group: [FakeEntryPoint()] if group == registry.ENTRY_POINT_GROUP else []
     )
     registry._entry_points.cache_clear()
-    from fedml_perfedavg.run.config import algorithm_fields
+    from fedml_perfedavg.run.schema import algorithm_fields
 
     with pytest.raises(TypeError, match="algorithm 'Installed' declares the setting 'delta'"):
         algorithm_fields()

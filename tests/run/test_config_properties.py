@@ -3,8 +3,9 @@
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fedml_perfedavg.run.config import BY_NAME, ConfigError, algorithm_fields, resolve
-from fedml_perfedavg.run.config import settings as config_settings
+from fedml_perfedavg.run.config import ConfigError, resolve
+from fedml_perfedavg.run.schema import BY_NAME, algorithm_fields
+from fedml_perfedavg.run.schema import settings as config_settings
 
 
 NUMERIC_OR_CHOICE = [f for f in config_settings() if f.metadata["kind"] in (int, float, bool) or f.metadata["choices"]]
@@ -75,7 +76,8 @@ def test_whole_configs_are_valid_run_setups_or_one_clean_error(values):
         # section.key=value of a key the config knows, first thing in the message
         import re
 
-        from fedml_perfedavg.run.config import BY_NAME, FEDML_KEYS
+        from fedml_perfedavg.run.fedml_keys import FEDML_KEYS
+        from fedml_perfedavg.run.schema import BY_NAME
 
         named = re.match(r"^(\w+_args)\.(\w+)=", str(err))
         assert named and (named.group(2) in BY_NAME or named.group(2) in FEDML_KEYS), str(err)
