@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -32,8 +31,6 @@ from ..core.settings import POSITIVE as _positive
 from ..core.settings import in_section
 from ..core.settings import setting as _setting
 from ..fedml_bridge import safeguard_keys as fedml_safeguards
-
-logger = logging.getLogger(__name__)
 
 SECTIONS = (
     "common_args",
