@@ -54,7 +54,6 @@ from ..core import adaptive_clipping
 from ..core.client_maths import LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, check_metric_names, evaluate, finite_figure
 from ..core.functional import functional_network, make_loss_fn
-from ..core.errors import ConfigError
 from ..core.guards import apply_divergence_policy, is_finite
 from ..core.private_draws import PrivateBatches, draw_private_batches
 from ..core.privacy import DPSGD
@@ -371,13 +370,10 @@ def dp_refusal(cls: Type["FederatedAlgorithm"]) -> Optional[str]:
 def refuse_own_maths_under_dp(algorithm: "FederatedAlgorithm") -> None:
     """DP-SGD reaches only the standard local update: :class:`ConfigError` for an algorithm
     whose client maths is its own (:func:`dp_refusal`, or no standard update on this model)."""
-    if algorithm.settings.privacy is None:
-        return
-    why = dp_refusal(type(algorithm)) or (_OWN_MATHS if algorithm.standard_update is None else None)
-    if why is not None:
-        raise ConfigError(
-            f"dp_args.dp_solution_type='dpsgd' with train_args.federated_optimizer={algorithm.name!r}: {why}"
-        )
+    privacy = algorithm.settings.privacy
+    if privacy is not None:
+        why = dp_refusal(type(algorithm)) or (_OWN_MATHS if algorithm.standard_update is None else None)
+        privacy.check_algorithm(algorithm.name, why)
 
 
 class FederatedAlgorithm:

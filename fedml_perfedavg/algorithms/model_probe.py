@@ -14,7 +14,6 @@ from torch.func import vmap
 
 from ..core import client_maths
 from ..core.client_maths import LocalBatches, LocalUpdateConfig, Step
-from ..core.errors import ConfigError
 from ..core.hand_batched import HandBatchedGradients, hand_batched_gradients
 from ..core.private_steps import per_sample_problem
 from ..core.types import LossFn, Params, StateDict
@@ -108,12 +107,11 @@ def probe(algorithm: Probed, global_state: StateDict, x: Tensor, y: Tensor) -> L
                 f"it cannot compute a loss and its gradient on a batch of {len(y)} samples of "
                 f"shape {tuple(x.shape[1:])} ({x.dtype}): {why}"
             )
-        if algorithm.settings.privacy is not None:
-            why = per_sample_problem(algorithm.network, loss_fn, params, x, y)
-            if why is not None:
-                raise ConfigError(
-                    f"dp_args.dp_solution_type='dpsgd': {type(algorithm.network).__name__} cannot run DP-SGD: {why}"
-                )
+        privacy = algorithm.settings.privacy
+        if privacy is not None:
+            privacy.check_model(
+                type(algorithm.network).__name__, per_sample_problem(algorithm.network, loss_fn, params, x, y)
+            )
         standard = algorithm.standard_update
         if standard is not None and standard.step is Step.EXACT:
             why = client_maths.forward_ad_problem(loss_fn, params, x, y)

@@ -31,6 +31,7 @@ from .client_maths import Step
 from .errors import ConfigError
 
 SOLUTION = "dpsgd"
+NAMED = f"dp_args.dp_solution_type={SOLUTION!r}"  # how a refusal names the setting it comes from
 # dp_args keys that belong to FedML's own local/central DP, never to DP-SGD.
 FEDML_ONLY_KEYS = ("epsilon", "sensitivity", "mechanism_type", "enable_rdp_accountant", "rdp_alpha")
 KEYS = (
@@ -174,6 +175,39 @@ class DPSGD:
     def noise_std(self) -> float:
         """The standard deviation of the Gaussian noise added to a clipped sum."""
         return self.noise_multiplier * self.max_grad_norm
+
+    # -- what DP-SGD allows: every refusal it causes is asked of it here -----------------------
+    def check_run(self, *, stationarity_every: int, random_iterate: bool, cross_silo: bool, own_data: bool) -> None:
+        """:class:`ConfigError` for a run setting that would read a user's data outside the mechanism
+        (the config's rules ask this), or keep a user's adaptive bound away from the user's silo."""
+        if stationarity_every:
+            raise ConfigError(
+                f"validation_args.stationarity_every={stationarity_every!r} with {NAMED}: the measure reads every "
+                f"user's gradients without clipping or noise; set it to 0"
+            )
+        if random_iterate:
+            raise ConfigError(
+                f"validation_args.random_iterate=True with {NAMED}: evaluating a second model each round is a "
+                f"second personalization on every user's data, which the accountant does not count; set it false"
+            )
+        if self.adaptive and cross_silo and not own_data:
+            raise ConfigError(
+                "dp_args.clip='adaptive' with comm_args.silo_data='shared': each user's clip bound is a state of "
+                "its own, which stays with the silo that holds the user; across silos that is data-owner mode "
+                "(comm_args.silo_data: own), where each silo holds one user for the whole run"
+            )
+
+    def check_algorithm(self, name: str, refusal: Optional[str]) -> None:
+        """:class:`ConfigError` where DP-SGD cannot reach algorithm ``name``'s client maths;
+        ``refusal`` is the algorithm's own answer (algorithms/base.py's ``dp_refusal``), or None."""
+        if refusal is not None:
+            raise ConfigError(f"train_args.federated_optimizer={name!r} with {NAMED}: {refusal}")
+
+    def check_model(self, model: str, problem: Optional[str]) -> None:
+        """:class:`ConfigError` where each sample's gradient of ``model`` cannot be computed alone;
+        ``problem`` is the model probe's finding (core/private_steps.py's ``per_sample_problem``)."""
+        if problem is not None:
+            raise ConfigError(f"{NAMED}: {model} cannot run DP-SGD: {problem}")
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any]) -> Optional["DPSGD"]:

@@ -210,13 +210,6 @@ def _rule_secagg_counts(c: Config) -> None:
 def _rule_client_state(c: Config) -> None:
     """A client's own state stays with whoever holds the client: across silos, only a data
     owner's silo always holds the same client (algorithms/client_states.py)."""
-    privacy = c.privacy
-    if privacy is not None and privacy.adaptive and c.training_type == "cross_silo" and not c.own_data:
-        raise ConfigError(
-            f"dp_args.clip='adaptive' with comm_args.silo_data={c.silo_data!r}: each user's clip bound is a "
-            f"state of its own, which stays with the silo that holds the user; across silos that is data-owner "
-            f"mode (comm_args.silo_data: own), where each silo holds one user for the whole run"
-        )
     if algorithm_class(c.federated_optimizer).keeps_client_state and c.training_type == "cross_silo" and not c.own_data:
         raise ConfigError(
             f"comm_args.silo_data={c.silo_data!r}: train_args.federated_optimizer={c.federated_optimizer!r} keeps "
@@ -226,23 +219,18 @@ def _rule_client_state(c: Config) -> None:
 
 
 def _rule_privacy(c: Config) -> None:
-    """DP-SGD's keys (core/privacy.py), and what would read a user's data outside the mechanism."""
-    if c.privacy is None:
+    """What DP-SGD allows of the run and of its algorithm: asked of the policy (core/privacy.py's
+    :class:`~fedml_perfedavg.core.privacy.DPSGD`), the algorithm's answer its own."""
+    privacy = c.privacy
+    if privacy is None:
         return
-    need = "dp_args.dp_solution_type='dpsgd'"
-    if c.stationarity_every:
-        raise ConfigError(
-            f"validation_args.stationarity_every={c.stationarity_every!r} with {need}: the measure reads every "
-            f"user's gradients without clipping or noise; set it to 0"
-        )
-    if c.random_iterate:
-        raise ConfigError(
-            f"validation_args.random_iterate=True with {need}: evaluating a second model each round is a "
-            f"second personalization on every user's data, which the accountant does not count; set it false"
-        )
-    why = dp_refusal(algorithm_class(c.federated_optimizer))  # the algorithm's own answer (algorithms/base.py)
-    if why is not None:
-        raise ConfigError(f"train_args.federated_optimizer={c.federated_optimizer!r} with {need}: {why}")
+    privacy.check_run(
+        stationarity_every=c.stationarity_every,
+        random_iterate=c.random_iterate,
+        cross_silo=c.training_type == "cross_silo",
+        own_data=c.own_data,
+    )
+    privacy.check_algorithm(c.federated_optimizer, dp_refusal(algorithm_class(c.federated_optimizer)))
 
 
 def _rule_safeguards(c: Config) -> None:

@@ -273,3 +273,28 @@ def test_the_tight_epsilon_is_the_same_bits_whatever_the_processs_blas_threads()
         with threadpool_limits(threads, user_api="blas"):
             said.add(accounting.prv_epsilon(uses, 1.0, 1e-5))
     assert len(said) == 1, said
+
+
+def test_every_refusal_dp_sgd_causes_is_the_policys_and_names_its_setting():
+    """Issue 56 item 3: the config's rules, the algorithm's construction and the model probe ask
+    the policy (DPSGD), so each refusal is worded once, naming the key and dp_args."""
+    dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5)
+    adaptive = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, clip="adaptive")
+    plain_run = dict(stationarity_every=0, random_iterate=False, cross_silo=False, own_data=False)
+    for policy in (dp, adaptive):
+        policy.check_run(**plain_run)
+        policy.check_run(**{**plain_run, "cross_silo": True, "own_data": True})
+        policy.check_algorithm("PerFedAvg", None)
+        policy.check_model("Sequential", None)
+    dp.check_run(**{**plain_run, "cross_silo": True})  # a fixed bound is no user's state
+    refused = [
+        (lambda: dp.check_run(**{**plain_run, "stationarity_every": 5}), "validation_args.stationarity_every=5 with"),
+        (lambda: dp.check_run(**{**plain_run, "random_iterate": True}), "validation_args.random_iterate=True with"),
+        (lambda: adaptive.check_run(**{**plain_run, "cross_silo": True}), "dp_args.clip='adaptive' with comm_args."),
+        (lambda: dp.check_algorithm("Mine", "its maths"), "train_args.federated_optimizer='Mine' with dp_args."),
+        (lambda: dp.check_model("Net", "it has BatchNorm1d"), "dp_args.dp_solution_type='dpsgd': Net cannot run"),
+    ]
+    for refuse, words in refused:
+        with pytest.raises(ConfigError) as err:
+            refuse()
+        assert str(err.value).startswith(words), str(err.value)
