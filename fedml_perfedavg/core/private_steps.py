@@ -286,20 +286,6 @@ class PrivateChainSteps:
         return axpy(-beta, direction, w)
 
 
-def private_local_update(
-    loss_fn: LossFn,
-    params: Params,
-    batches: PrivateBatches,
-    config: Any,
-    dp: DPSGD,
-    chain: Any = None,
-    forward_ad: bool = True,
-) -> Params:
-    """One client's DP-SGD local update (``config``: a LocalUpdateConfig): by the chain's outer
-    products where ``chain`` is given and the step is not exact, else per-sample by torch.func."""
-    return private_update(loss_fn, params, batches, config, dp, chain, forward_ad)[0]
-
-
 def private_update(
     loss_fn: LossFn,
     params: Params,
@@ -309,8 +295,9 @@ def private_update(
     chain: Any = None,
     forward_ad: bool = True,
 ) -> Tuple[Params, Optional[Tensor]]:
-    """:func:`private_local_update`, and the client's adaptive clip bounds after it (roles,), or
-    None for a fixed C."""
+    """One client's DP-SGD local update (``config``: a LocalUpdateConfig), by the chain's outer
+    products where ``chain`` is given and the step is not exact, else per-sample by torch.func; and
+    the client's adaptive clip bounds after it (roles,), or None for a fixed C."""
     from .client_maths import run_steps
 
     if chain is not None and config.step is not Step.EXACT:
@@ -328,7 +315,7 @@ def private_sgd_steps(
     """SGD steps of size ``alpha`` whose gradients are uses of the mechanism (role 0 of
     ``batches``, one step per step): the personalization step of a private evaluation."""
     config = _SGDSteps(batches.steps, alpha)
-    return private_local_update(loss_fn, params, batches, config, dp, chain)
+    return private_update(loss_fn, params, batches, config, dp, chain)[0]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from fedml_perfedavg.core.private_steps import (
     PrivateSteps,
     clip_and_sum,
     per_sample_problem,
-    private_local_update,
+    private_update,
 )
 from fedml_perfedavg.core.privacy import DPSGD
 
@@ -86,8 +86,8 @@ def test_the_chain_clips_by_outer_products_as_per_sample_gradients_do(variant, c
     config = LocalUpdateConfig(variant, alpha=0.05, beta=0.1, delta=0.001, local_steps=3)
     roles = Step(variant).batch_roles
     batches = draw_private_batches(x, y, [8] * roles, 3, params, torch.Generator().manual_seed(3))
-    generic = private_local_update(loss, params, batches, config, dp, chain=None)
-    by_chain = private_local_update(loss, params, batches, config, dp, chain=chain)
+    generic = private_update(loss, params, batches, config, dp, chain=None)[0]
+    by_chain = private_update(loss, params, batches, config, dp, chain=chain)[0]
     moved = max(float((generic[k] - params[k]).abs().max()) for k in params)
     assert moved > 1e-3
     for k in params:
@@ -131,7 +131,7 @@ def test_the_noise_is_really_there():
         batches = draw_private_batches(x, y, [50, 50, 50], 2, params, torch.Generator().manual_seed(seed))
         batches = batches._replace(mask=torch.ones_like(batches.mask))  # same samples: only the noise differs
         batches = batches._replace(x=x.expand(3, 2, *x.shape), y=y.expand(3, 2, 50))
-        outs.append(private_local_update(loss, params, batches, config, dp))
+        outs.append(private_update(loss, params, batches, config, dp)[0])
     assert max(float((outs[0][k] - outs[1][k]).abs().max()) for k in params) > 1e-3
 
 
