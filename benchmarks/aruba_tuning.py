@@ -22,8 +22,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-from benchmarks.table1 import run_one  # noqa: E402
+sys.path.insert(0, str(REPO / "benchmarks"))
+# not `benchmarks.table1`: opacus 1.6.0 installs a top-level package named benchmarks, which shadows this folder
+from table1 import run_one  # noqa: E402
 
 
 def main(argv=None) -> int:

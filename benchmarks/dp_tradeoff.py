@@ -33,6 +33,11 @@ from typing import Any, Dict, List, Optional
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, REPO)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# not `benchmarks.table1`: opacus 1.6.0 installs a top-level package named benchmarks, which shadows this folder
+from table1 import mean_ci95  # noqa: E402  (the 95% t interval every table states)
+
 CONFIG = os.path.join(REPO, "yaml_configs", "mnist_tau10_alpha0.01_hf.yaml")
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 ADAPTIVE = "adaptive"
@@ -93,14 +98,6 @@ def run_cell(root: str, rounds: int, every: int, sigma: Optional[float], clip: O
     return cell
 
 
-def _interval(values: List[float]) -> float:
-    if len(values) < 2:
-        return float("nan")
-    from scipy import stats
-
-    return float(stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5)
-
-
 def _rows(cells: Dict[str, dict], rounds: int) -> List[dict]:
     groups: Dict[tuple, List[dict]] = {}
     for cell in cells.values():
@@ -115,7 +112,7 @@ def _rows(cells: Dict[str, dict], rounds: int) -> List[dict]:
             "clip": clip,
             "seeds": sorted(c["seed"] for c in group),
             "accuracy": statistics.mean(accuracies),
-            "ci95": _interval(accuracies),
+            "ci95": mean_ci95(accuracies)[1],
             "cost": (statistics.mean(plain) - statistics.mean(accuracies)) if plain and sigma is not None else None,
         }
         if sigma is not None:
