@@ -555,9 +555,11 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
 
 
 def silo_setup(parts: RunParts) -> Any:
-    """What this cross-silo process knows beyond FedML's args (see ``SiloSetup``)."""
+    """What this cross-silo process knows beyond FedML's args: the server's
+    :class:`~fedml_perfedavg.fedml_bridge.cross_silo.agreement.ServerSetup`, or a silo's
+    :class:`~fedml_perfedavg.fedml_bridge.cross_silo.agreement.SiloSetup`."""
     from ..fedml_bridge.cross_silo.addresses import read_ipconfig
-    from ..fedml_bridge.cross_silo.agreement import ADDRESSES, SiloSetup, address_table, addresses_seen
+    from ..fedml_bridge.cross_silo.agreement import ADDRESSES, ServerSetup, SiloSetup, address_table, addresses_seen
     from ..fedml_bridge.cross_silo.agreement import fingerprint, hello
 
     config, rank, users = parts.config, parts.rank, parts.users
@@ -565,36 +567,42 @@ def silo_setup(parts: RunParts) -> Any:
     # compared at each announcement, not part of the run's identity (a silo whose file was
     # corrected carries on with its record and DP account)
     table = read_ipconfig(config.grpc_ipconfig_path) if config.grpc_ipconfig_path else {}
-    agreed = {**values, ADDRESSES: address_table(table) if parts.is_server else addresses_seen(table, rank)}
-    counts = {}
-    if parts.is_server and not config.own_data:
-        counts = {user: (len(u.train_y), len(u.test_y)) for user, u in enumerate(users)}
-    elif not parts.is_server and config.own_data:
-        counts = {rank - 1: (len(users[0].train_y), len(users[0].test_y))}
-    announce = None
-    if not parts.is_server:
-        announce = hello(
-            agreed,
-            rank - 1 if config.own_data else None,
-            users[0] if config.own_data else None,
-            parts.data_problem,
+    own, threshold, weighted = config.own_data, secure_threshold(config), config.aggregation == "sample_weighted"
+    if parts.is_server:
+        # shared mode: the server holds every user's data and vouches for the counts itself
+        counts = {} if own else {user: (len(u.train_y), len(u.test_y)) for user, u in enumerate(users)}
+        return ServerSetup(
+            own_data=own,
+            secure_threshold=threshold,
+            sample_weighted=weighted,
+            silos=list(range(1, config.silo_count + 1)),
+            fingerprint={**values, ADDRESSES: address_table(table)},
+            user_counts=counts,
+            model=parts.model,
+            metric_names=parts.algorithm.metric_names,
+            run_id=str(getattr(parts.args, "run_id", "0")),
         )
+    agreed = {**values, ADDRESSES: addresses_seen(table, rank)}
+    if not own:
+        dp_evaluates = RoundSchedule.from_config(config).evaluates if config.privacy is not None else None
+        return SiloSetup(
+            own_data=own,
+            secure_threshold=threshold,
+            sample_weighted=weighted,
+            hello=hello(agreed, None, None, parts.data_problem),
+            figures_after=dp_evaluates,
+        )
+    user = rank - 1
     return SiloSetup(
-        config.own_data,
-        list(range(1, config.silo_count + 1)),
-        agreed,
-        counts,
-        announce,
-        parts.model if parts.is_server else None,
-        secure_threshold(config),
-        config.aggregation == "sample_weighted",
-        parts.silo_privacy,
-        RoundSchedule.from_config(config).evaluates if config.privacy is not None and not config.own_data else None,
-        parts.algorithm.metric_names,
-        silo_outcome(parts, values) if config.own_data and not parts.is_server else None,
-        str(getattr(parts.args, "run_id", "0")),
-        silo_rules(config, rank),
-        silo_schedule(parts),
+        own_data=own,
+        secure_threshold=threshold,
+        sample_weighted=weighted,
+        hello=hello(agreed, user, users[0], parts.data_problem),
+        user_counts={user: (len(users[0].train_y), len(users[0].test_y))},
+        privacy=parts.silo_privacy,
+        outcome=silo_outcome(parts, values),
+        secure_rules=silo_rules(config, rank),
+        scheduled=silo_schedule(parts),
     )
 
 

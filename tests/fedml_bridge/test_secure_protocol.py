@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fedml_perfedavg.fedml_bridge.cross_silo import wire
-from fedml_perfedavg.fedml_bridge.cross_silo.agreement import SiloSetup
+from fedml_perfedavg.fedml_bridge.cross_silo.agreement import ServerSetup
 from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
 from fedml_perfedavg.fedml_bridge.cross_silo.events import ROUND, Hello, Listening, Record, Refuse, SecAggMessage, Send
 from fedml_perfedavg.fedml_bridge.cross_silo.events import Tick, Update
@@ -69,7 +69,7 @@ def deltas():
 
 
 def start(tls, threshold=2):
-    setup = SiloSetup(
+    setup = ServerSetup(
         own_data=True,
         silos=[1, 2, 3],
         fingerprint={"train_args.learning_rate": 0.001},

@@ -8,7 +8,7 @@ from torch import nn
 
 from fedml_perfedavg.core.errors import ConfigError, SiloFailure
 from fedml_perfedavg.fedml_bridge.cross_silo import wire
-from fedml_perfedavg.fedml_bridge.cross_silo.agreement import SiloSetup
+from fedml_perfedavg.fedml_bridge.cross_silo.agreement import ServerSetup
 from fedml_perfedavg.fedml_bridge.cross_silo.events import (
     EVALUATION,
     FINAL,
@@ -94,7 +94,7 @@ def counts(rank, round_idx, correct=5):
 
 
 def protocol(silos=(1, 2), own=True, rounds=2, min_clients=1, users=None, timeout=30.0, metric_names=()):
-    setup = SiloSetup(
+    setup = ServerSetup(
         own_data=own,
         silos=list(silos),
         fingerprint=dict(FINGERPRINT),
@@ -302,7 +302,7 @@ def test_shared_mode_ends_with_the_final_model_and_the_silos_goodbyes():
 
 def test_shared_mode_needs_a_silo_for_each_sampled_user():
     with pytest.raises(ConfigError, match="client_num_per_round=.*must equal the number of silos"):
-        setup = SiloSetup(own_data=False, silos=[1, 2], fingerprint={})
+        setup = ServerSetup(own_data=False, silos=[1, 2], fingerprint={})
         SiloServerProtocol(setup, SiloPolicy(1.0, 1.0, 1), Plan([0]), Model(), 1, 3)
 
 
@@ -376,7 +376,7 @@ class RoundPlan(Plan):
 
 def _three_silos(plan):
     """A data-owner server of three silos, four rounds, sampling by ``plan``."""
-    setup = SiloSetup(
+    setup = ServerSetup(
         own_data=True,
         silos=[1, 2, 3],
         fingerprint=dict(FINGERPRINT),

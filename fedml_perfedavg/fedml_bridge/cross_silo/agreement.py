@@ -196,27 +196,40 @@ def data_problem(model: nn.Module, announced: Dict[str, Any], rank: int) -> Opti
     return None
 
 
-@dataclass
-class SiloSetup:
-    """What a cross-silo process knows of the run beyond FedML's args: the mode, the silos, the
-    fingerprint, and the counts it can vouch for (user -> (train, test); the server in shared
-    mode holds every user's, a silo in data-owner mode its own)."""
+@dataclass(kw_only=True)
+class ServerSetup:
+    """What the server of a cross-silo run knows beyond FedML's args: the mode, the silos, the
+    fingerprint every silo must agree with, and the counts it can vouch for (user -> (train, test):
+    every user's in shared mode; none in data-owner mode, where each silo announces its own)."""
 
     own_data: bool
     silos: List[int]
     fingerprint: Dict[str, Any]
     user_counts: Dict[int, Tuple[int, int]] = field(default_factory=dict)
-    hello: Optional[Dict[str, Any]] = None  # a silo's announcement
-    model: Optional[nn.Module] = None  # the server's, to probe a silo's announced data
+    model: Optional[nn.Module] = None  # to probe a data-owner silo's announced data
     secure_threshold: Optional[int] = None  # secure aggregation's threshold (None: updates in the clear)
     sample_weighted: bool = False  # train_args.aggregation: sample_weighted (secure weights by announced counts)
+    metric_names: Tuple[str, ...] = ()  # the algorithm's own per-user figures, which a silo's evaluation carries
+    run_id: str = "0"  # FedML's --run_id: what secure aggregation's signatures are bound to
+
+
+@dataclass(kw_only=True)
+class SiloSetup:
+    """What a silo process knows of the run beyond FedML's args: its announcement, the counts it
+    vouches for (its own user's in data-owner mode), and in data-owner mode what it keeps and
+    enforces itself: its user's DP account and record, the secure rounds' rules and the keyed
+    schedule it checks the server against."""
+
+    own_data: bool
+    hello: Dict[str, Any]  # its announcement (the fingerprint it agrees with, its addresses, its data)
+    user_counts: Dict[int, Tuple[int, int]] = field(default_factory=dict)
+    secure_threshold: Optional[int] = None  # secure aggregation's threshold (None: updates in the clear)
+    sample_weighted: bool = False  # train_args.aggregation: sample_weighted (its weight is its announced count)
     privacy: Optional[Any] = None  # a data owner's silo: DP-SGD's accountant of its own user (core/ledger.py)
     # DP-SGD, shared mode: the rounds whose model the server evaluates; a silo reports figures only
     # of such a model, keyed as the server's evaluation of it, so they release nothing more
     figures_after: Optional[Callable[[int], bool]] = None
-    metric_names: Tuple[str, ...] = ()  # the algorithm's own per-user figures, which a silo's evaluation carries
     outcome: Optional[Any] = None  # a data owner's silo: its SiloOutcome, as the run layer restored and keeps it
-    run_id: str = "0"  # FedML's --run_id: what secure aggregation's signatures are bound to
     secure_rules: Optional[Any] = None  # a data owner's silo: secagg/rounds.py SiloRules, its own config's
     # a data owner's silo: the keyed schedule (round -> the silo ranks sampled), which it checks the server against
     scheduled: Optional[Callable[[int], List[int]]] = None

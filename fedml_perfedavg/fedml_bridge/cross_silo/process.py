@@ -11,12 +11,12 @@ every cross-silo run by :func:`fedml_perfedavg.fedml_bridge.install.install`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ...algorithms.base import SiloServerDriver
 from ...core.errors import ConfigError
 from ..bootstrap import import_fedml, replaced
-from .agreement import SiloSetup
+from .agreement import ServerSetup, SiloSetup
 from .client import PluginClientMasterManager, PluginTrainerDistAdapter, tell_leaving
 from .outcome import SiloOutcome
 from .policy import SiloPolicy
@@ -40,7 +40,7 @@ class CrossSiloProcess:
         aggregator: Any,
         policy: SiloPolicy,
         driver: SiloServerDriver,
-        setup: SiloSetup,
+        setup: Union[ServerSetup, SiloSetup],
     ) -> None:
         self.args, self.device, self.dataset, self.model = args, device, dataset, model
         self.trainer, self.aggregator, self.policy, self.driver = trainer, aggregator, policy, driver

@@ -54,7 +54,7 @@ from typing import Callable, List, Optional, Set, Tuple
 
 from ...core.errors import ConfigError
 from . import TRAINING_STARTED, wire
-from .agreement import SiloSetup
+from .agreement import ServerSetup
 from .events import (
     EVALUATION,
     FINAL,
@@ -94,7 +94,7 @@ class SiloServerProtocol:
 
     def __init__(
         self,
-        setup: SiloSetup,
+        setup: ServerSetup,
         policy: SiloPolicy,
         plan: RoundPlan,
         model: GlobalModel,

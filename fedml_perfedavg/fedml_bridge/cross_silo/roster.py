@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from .agreement import SiloSetup, disagreement
+from .agreement import ServerSetup, disagreement
 from .modes import Assignment, data_mode
 
 
 class SiloRoster:
     """The silos of a run (``setup.silos``) and what is known of each."""
 
-    def __init__(self, setup: SiloSetup) -> None:
+    def __init__(self, setup: ServerSetup) -> None:
         self.setup = setup
         self.mode = data_mode(setup.own_data)
         self.live: List[int] = list(setup.silos)  # not given up on, in rank order

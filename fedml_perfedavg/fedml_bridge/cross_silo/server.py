@@ -11,7 +11,7 @@ from ...secagg import vectors
 from ..bootstrap import import_fedml
 from ..trainer_aggregator import aggregate_with_hooks
 from . import readiness
-from .agreement import SiloSetup
+from .agreement import ServerSetup
 from .events import NOTICE, Action, EndRun, Fail, Finish, Goodbye, Hello, Listening, Record, Refuse, Send
 from .events import Evaluation, SecAggMessage, SiloDeclined, SiloFailed, Stopped, Tick, Undelivered, Update
 from .server_sends import ServerSends
@@ -123,7 +123,7 @@ class PluginServerManager(FedMLServerManager):
         *,
         policy: SiloPolicy,
         driver: SiloServerDriver,
-        setup: SiloSetup,
+        setup: ServerSetup,
         start_round: int = 0,
         resumes: str = "",
     ) -> None:
