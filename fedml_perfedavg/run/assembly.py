@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -20,17 +20,16 @@ from ..algorithms.model_probe import ModelMismatch
 from ..algorithms.registry import create_algorithm
 from ..core.errors import ConfigError
 from ..core.guards import update_bound
-from ..core.accounting import ACCOUNTANTS
-from ..core.ledger import PrivacyLedger, PrivacyRecord, ReportedPrivacy, UseRules, planned_epsilon, planned_ledger
+from ..core.ledger import PrivacyLedger
 from ..core.types import StateDict, UserSplit
-from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
 from ..fedml_bridge import safeguards as fedml_safeguards
 from . import checkpoint
-from .rules import check_batch_sizes
 from .schema import Config
 from .driver import RunDriver
 from .measures import Measurements
 from .reporting import RunRecorder, recorder_for
+from .data_modes import data_mode
+from .privacy_plan import keep_noise_secret
 from .schedule import RoundSchedule
 from .silo_roles import check_silo_role
 
@@ -212,8 +211,9 @@ def assemble(
         from ..fedml_bridge.mpi import rank_device
 
         device = rank_device(args, device)
-    users, dataset = users_of(config, dataset, rank, device)
-    check_data(config, users, rank)
+    mode = data_mode(config)
+    users, dataset = mode.users_of(config, dataset, rank, device)
+    mode.check_data(config, users, rank)
     if (trainer, aggregator) != (None, None):
         if not (
             isinstance(trainer, AlgorithmClientTrainer)
@@ -244,7 +244,7 @@ def assemble(
     )  # fmt: skip
     if users:  # the server of a data-owner run trains nothing and holds no sample to probe with
         parts.data_problem = probe(parts)
-    parts.silo_privacy, over_budget = silo_privacy(config, algorithm, rank, users)
+    parts.silo_privacy, over_budget = mode.silo_privacy(config, algorithm, rank, users)
     if parts.silo_privacy is not None:
         keep_noise_secret(algorithm, run_dir, rank)
     if over_budget is not None and parts.data_problem is None:
@@ -254,168 +254,8 @@ def assemble(
         checkpoint.save_config(run_dir, config.sections())
         parts.recorder = recorder_for(config, run_dir, deferred_wandb=grid)
         parts.recorder.process["device"] = str(device)  # the one used, whatever the config asked
-        parts.recorder.privacy = privacy_ledger(config, algorithm, users)
+        parts.recorder.privacy = None if config.privacy is None else mode.server_privacy(config, algorithm, users)
     return parts
-
-
-def use_rules(config: Config, algorithm: FederatedAlgorithm) -> UseRules:
-    """How DP-SGD uses each user's data in a round and an evaluation (the standard maths' step)."""
-    assert algorithm.standard_update is not None  # DP-SGD runs only the standard maths
-    step = algorithm.standard_update.step
-    return UseRules.of(step, config.batch_sizes, config.local_steps, config.batch_size, config.adapt_steps)
-
-
-def privacy_ledger(config: Config, algorithm: FederatedAlgorithm, users: List[UserSplit]) -> Optional[PrivacyRecord]:
-    """The server's accountant of DP-SGD's uses (None without DP-SGD), after checking that the
-    run's keyed plan stays within ``dp_args.max_epsilon``: every round's clients and every
-    evaluation are known before the first round."""
-    dp = config.privacy
-    if dp is None:
-        return None
-    if config.own_data:  # each data owner's silo accounts for its own user (silo_privacy) and reports it
-        return ReportedPrivacy(dp)
-    rules = use_rules(config, algorithm)
-    ledger = PrivacyLedger(dp, rules, {user: len(u.train_y) for user, u in enumerate(users)})
-    check_budget(config, algorithm, ledger, range(len(users)), range(len(users)))
-    return ledger
-
-
-NOISE_KEY = "noise.key"
-
-
-def keep_noise_secret(algorithm: FederatedAlgorithm, run_dir: str, rank: int) -> None:
-    """A data owner's DP-SGD draws its noise and minibatches keyed by a secret of its own beside
-    (seed, round, user), so that the server, which knows the seed, cannot recompute the noise and
-    take it out: ``silo-rank-R/noise.key`` in its run directory, made once (32 random bytes,
-    readable by its owner alone) and read back by a later process of the silo, so a round computed
-    again releases the same numbers."""
-    import dataclasses
-
-    from .files import make_dir, write_atomic
-
-    folder = os.path.join(run_dir, f"silo-rank-{rank}")
-    path = os.path.join(folder, NOISE_KEY)
-    if os.path.exists(path):
-        with open(path, "rb") as stream:
-            secret = stream.read()
-        if len(secret) != 32:
-            raise ConfigError(f"{path}: {len(secret)} bytes, not a silo's 32-byte noise key; it was changed")
-    else:
-        secret = os.urandom(32)
-        make_dir(folder)
-
-        def write(stream: Any) -> None:
-            os.fchmod(stream.fileno(), 0o600)  # before the secret is in it
-            stream.write(secret)
-
-        write_atomic(path, write)
-    settings = algorithm.settings
-    assert settings.privacy is not None
-    dp = dataclasses.replace(settings.privacy, secret=secret)
-    evaluation = dataclasses.replace(settings.evaluation, privacy=dp)
-    algorithm.settings = dataclasses.replace(settings, privacy=dp, evaluation=evaluation)
-
-
-def silo_privacy(
-    config: Config, algorithm: FederatedAlgorithm, rank: int, users: List[UserSplit]
-) -> Tuple[Optional[PrivacyLedger], Optional[str]]:
-    """A data owner's silo's accountant of its own user (None without DP-SGD), and why the silo
-    cannot take part (its user would pass ``dp_args.max_epsilon``: the silo announces it, and the
-    server goes on without it by the rule for any silo it refuses), or None."""
-    dp = config.privacy
-    if dp is None or not config.own_data or rank == 0 or not users:
-        return None, None
-    user = rank - 1
-    rules = use_rules(config, algorithm)
-    ledger = PrivacyLedger(dp, rules, {user: len(users[0].train_y)})
-    try:
-        check_budget(config, algorithm, ledger, [user], [user])
-    except ConfigError as err:
-        return ledger, f"user {user} cannot take part: {err}"
-    return ledger, None
-
-
-def check_budget(
-    config: Config, algorithm: FederatedAlgorithm, ledger: PrivacyLedger, users: Sequence[int], evaluated: Sequence[int]
-) -> None:
-    """:class:`ConfigError` where the run's keyed plan takes ``users``' epsilon past
-    ``dp_args.max_epsilon``, naming the epsilon and the round; logs the plan's epsilon otherwise."""
-    dp = ledger.dp
-    if dp.max_epsilon is not None:
-        budget = dp.max_epsilon
-        schedule = RoundSchedule.from_config(config)
-        mine = set(users)
-
-        def sample(round_idx: int) -> List[int]:
-            return [c for c in algorithm.sample_clients(round_idx) if c in mine]
-
-        def past(rounds: int) -> Optional[Tuple[float, int]]:  # (epsilon, user) past the budget, or None
-            plan = planned_ledger(ledger, range(rounds), sample, schedule.evaluates, evaluated)
-            return plan.first_past(budget)
-
-        over = past(config.comm_round)
-        if over is not None:
-            epsilon, user = over
-            low, high = 0, config.comm_round  # the first number of rounds that passes the budget
-            while high - low > 1:
-                middle = (low + high) // 2
-                low, high = (middle, high) if past(middle) is None else (low, middle)
-            fewer_uses = (
-                "a larger dp_args.noise_multiplier, or fewer uses (train_args.local_steps, client_num_per_round, "
-                "validation_args.frequency_of_the_test)"
-            )
-            if low == 0:  # not even one round fits: fewer rounds cannot help
-                first, first_user = planned_epsilon(ledger, range(1), sample, schedule.evaluates, evaluated)
-                raise ConfigError(
-                    f"dp_args.max_epsilon={dp.max_epsilon!r}: no round fits in the budget; round 0 alone reaches "
-                    f"epsilon {first:.4g} (user {first_user}) at delta {dp.delta:g}. Allowed: a max_epsilon of "
-                    f"at least {first:.4g}, or {fewer_uses}"
-                )
-            raise ConfigError(
-                f"dp_args.max_epsilon={dp.max_epsilon!r}: this run would reach epsilon {epsilon:.4g} (user {user}) "
-                f"at delta {dp.delta:g} after train_args.comm_round={config.comm_round} rounds; the budget is "
-                f"passed in round {high - 1}. Allowed: comm_round <= {low}, or {fewer_uses}"
-            )
-        planned, planned_user = planned_epsilon(ledger, range(config.comm_round), sample, schedule.evaluates, evaluated)
-        logger.info(
-            "DP-SGD: the run's plan reaches epsilon %.4g (user %s; %s) at delta %g, within dp_args.max_epsilon=%g",
-            planned,
-            planned_user,
-            ACCOUNTANTS[dp.accountant],
-            dp.delta,
-            dp.max_epsilon,
-        )
-
-
-def users_of(config: Config, dataset: list, rank: int, device: Any) -> Tuple[List[UserSplit], list]:
-    """The users this process holds, and FedML's dataset as this process keeps it: every user
-    (FedML's dataset, keyed 0..n-1), or in data-owner mode the silo's own (the dataset keyed by
-    its id alone) or none (the server, whatever the dataset it was handed: it reads no data)."""
-    if not config.own_data:
-        return users_from_fedml_dataset(dataset, device), dataset
-    if rank == 0:
-        if dataset and isinstance(dataset[5], dict) and dataset[5]:
-            logger.info(
-                "comm_args.silo_data='own': the server does not read the %d clients of the dataset it "
-                "was handed; the silos evaluate on their own data",
-                len(dataset[5]),
-            )
-        return [], dataset
-    user, dataset = own_user_from_fedml_dataset(dataset, rank - 1, device)
-    return [user], dataset
-
-
-def check_data(config: Config, users: List[UserSplit], rank: int) -> None:
-    """The users' data fits the config (their number, the batch sizes)."""
-    if config.own_data:
-        if users:
-            check_batch_sizes(config, len(users[0].train_y), f"silo rank {rank}'s training data")
-        return
-    if len(users) != config.client_num_in_total:
-        raise ConfigError(
-            f"train_args.client_num_in_total={config.client_num_in_total!r}: the dataset has {len(users)} clients"
-        )
-    check_batch_sizes(config, min(len(u.train_y) for u in users), "the smallest client's training data")
 
 
 def probe(parts: RunParts) -> Optional[str]:
@@ -430,7 +270,7 @@ def probe(parts: RunParts) -> Optional[str]:
         origin = f"model_args.model={config.model!r}" if built else "your own module, not model_args.model"
         name = type(parts.model).__name__
         problem = f"the model ({name}; {origin}) does not fit data_args.dataset={config.dataset!r}: {err}"
-        if not (config.own_data and not parts.is_server):
+        if not data_mode(config).announces_problems(parts.is_server):
             raise ConfigError(problem) from None
         # A data owner's silo announces it: the server refuses it at once, naming it, and the run
         # goes on without it (or stops) by the same rule as for any silo it refuses.
@@ -470,7 +310,7 @@ def driver_for(parts: RunParts) -> RunDriver:
     config = parts.config
     measurements = (
         None
-        if parts.recorder is None or config.own_data
+        if parts.recorder is None or not data_mode(config).server_measures
         else Measurements(
             parts.algorithm, parts.users, config, parts.recorder.new_users, parts.recorder.headline, parts.device
         )
@@ -494,7 +334,7 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
         from ..fedml_bridge.cross_silo.policy import SiloPolicy
         from ..fedml_bridge.cross_silo.process import CrossSiloProcess
 
-        where = f"cross-silo rank {parts.rank} ({args.role}{', data-owner mode' if config.own_data else ''})"
+        where = f"cross-silo rank {parts.rank} ({args.role}{data_mode(config).label})"
         policy = SiloPolicy(
             config.connect_timeout,
             config.round_timeout,
@@ -569,15 +409,13 @@ def silo_setup(parts: RunParts) -> Any:
     table = read_ipconfig(config.grpc_ipconfig_path) if config.grpc_ipconfig_path else {}
     own, threshold, weighted = config.own_data, secure_threshold(config), config.aggregation == "sample_weighted"
     if parts.is_server:
-        # shared mode: the server holds every user's data and vouches for the counts itself
-        counts = {} if own else {user: (len(u.train_y), len(u.test_y)) for user, u in enumerate(users)}
         return ServerSetup(
             own_data=own,
             secure_threshold=threshold,
             sample_weighted=weighted,
             silos=list(range(1, config.silo_count + 1)),
             fingerprint={**values, ADDRESSES: address_table(table)},
-            user_counts=counts,
+            user_counts=data_mode(config).vouched_counts(users, rank),
             model=parts.model,
             metric_names=parts.algorithm.metric_names,
             run_id=str(getattr(parts.args, "run_id", "0")),
@@ -598,7 +436,7 @@ def silo_setup(parts: RunParts) -> Any:
         secure_threshold=threshold,
         sample_weighted=weighted,
         hello=hello(agreed, user, users[0], parts.data_problem),
-        user_counts={user: (len(users[0].train_y), len(users[0].test_y))},
+        user_counts=data_mode(config).vouched_counts(users, rank),
         privacy=parts.silo_privacy,
         outcome=silo_outcome(parts, values),
         secure_rules=silo_rules(config, rank),

@@ -287,7 +287,7 @@ def test_a_data_owners_noise_is_keyed_by_a_secret_of_its_own_which_it_keeps(tmp_
     from fedml_perfedavg.algorithms.base import private_batches
     from fedml_perfedavg.algorithms.registry import create_algorithm
     from fedml_perfedavg.models import create_model
-    from fedml_perfedavg.run.assembly import NOISE_KEY, keep_noise_secret
+    from fedml_perfedavg.run.privacy_plan import NOISE_KEY, keep_noise_secret
 
     config, user = _config(), tiny_data().users[2]
 
@@ -336,7 +336,7 @@ def test_the_docs_dp_example_fits_the_deployment_the_docs_describe(mnist_root, s
     from fedml_perfedavg.algorithms import create_algorithm
     from fedml_perfedavg.core.ledger import planned_epsilon
     from fedml_perfedavg.models import create_model
-    from fedml_perfedavg.run.assembly import privacy_ledger  # (FedML's import, hence here)
+    from fedml_perfedavg.run.privacy_plan import central_ledger  # (FedML's import, hence here)
     from fedml_perfedavg.run.config import load_yaml, resolve
     from fedml_perfedavg.run.runner import load_split
     from fedml_perfedavg.run.schedule import RoundSchedule
@@ -354,9 +354,9 @@ def test_the_docs_dp_example_fits_the_deployment_the_docs_describe(mnist_root, s
     users = load_split(config).users
     if sigma is not None:
         with pytest.raises(ConfigError, match=r"this run would reach epsilon 138\.2 \(user 3\)"):
-            privacy_ledger(config, algorithm, users)
+            central_ledger(config, algorithm, users)
         return
-    ledger = privacy_ledger(config, algorithm, users)
+    ledger = central_ledger(config, algorithm, users)
     epsilon, user = planned_epsilon(
         ledger, range(1000), algorithm.sample_clients, RoundSchedule.from_config(config).evaluates, range(4)
     )

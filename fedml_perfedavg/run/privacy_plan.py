@@ -1,0 +1,146 @@
+"""DP-SGD's plan for a run, as the run layer sets it up: how a round and an evaluation use each
+user's data (:func:`use_rules`), the budget checked against the run's keyed plan before the first
+round (:func:`check_budget`), the server's ledger where it holds the users (:func:`central_ledger`),
+and a data owner's noise key (:func:`keep_noise_secret`). Which process keeps which account is the
+data mode's (:mod:`.data_modes`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, List, Optional, Sequence, Tuple
+
+from ..algorithms.base import FederatedAlgorithm
+from ..core.accounting import ACCOUNTANTS
+from ..core.errors import ConfigError
+from ..core.ledger import PrivacyLedger, UseRules, planned_epsilon, planned_ledger
+from ..core.types import UserSplit
+from .schedule import RoundSchedule
+from .schema import Config
+
+logger = logging.getLogger(__name__)
+
+
+def use_rules(config: Config, algorithm: FederatedAlgorithm) -> UseRules:
+    """How DP-SGD uses each user's data in a round and an evaluation (the standard maths' step)."""
+    assert algorithm.standard_update is not None  # DP-SGD runs only the standard maths
+    step = algorithm.standard_update.step
+    return UseRules.of(step, config.batch_sizes, config.local_steps, config.batch_size, config.adapt_steps)
+
+
+def central_ledger(config: Config, algorithm: FederatedAlgorithm, users: List[UserSplit]) -> PrivacyLedger:
+    """The accountant of every user's DP-SGD uses, kept by the process that holds the users (the
+    simulation's, a shared-mode server), after checking that the run's keyed plan stays within
+    ``dp_args.max_epsilon``: every round's clients and every evaluation are known before the first
+    round."""
+    dp = config.privacy
+    assert dp is not None
+    rules = use_rules(config, algorithm)
+    ledger = PrivacyLedger(dp, rules, {user: len(u.train_y) for user, u in enumerate(users)})
+    check_budget(config, algorithm, ledger, range(len(users)), range(len(users)))
+    return ledger
+
+
+def own_ledger(
+    config: Config, algorithm: FederatedAlgorithm, user: int, data: UserSplit
+) -> Tuple[PrivacyLedger, Optional[str]]:
+    """A data owner's silo's accountant of its own ``user``, and why the silo cannot take part (its
+    user would pass ``dp_args.max_epsilon``: the silo announces it, and the server goes on without
+    it by the rule for any silo it refuses), or None."""
+    dp = config.privacy
+    assert dp is not None
+    rules = use_rules(config, algorithm)
+    ledger = PrivacyLedger(dp, rules, {user: len(data.train_y)})
+    try:
+        check_budget(config, algorithm, ledger, [user], [user])
+    except ConfigError as err:
+        return ledger, f"user {user} cannot take part: {err}"
+    return ledger, None
+
+
+def check_budget(
+    config: Config, algorithm: FederatedAlgorithm, ledger: PrivacyLedger, users: Sequence[int], evaluated: Sequence[int]
+) -> None:
+    """:class:`ConfigError` where the run's keyed plan takes ``users``' epsilon past
+    ``dp_args.max_epsilon``, naming the epsilon and the round; logs the plan's epsilon otherwise."""
+    dp = ledger.dp
+    if dp.max_epsilon is not None:
+        budget = dp.max_epsilon
+        schedule = RoundSchedule.from_config(config)
+        mine = set(users)
+
+        def sample(round_idx: int) -> List[int]:
+            return [c for c in algorithm.sample_clients(round_idx) if c in mine]
+
+        def past(rounds: int) -> Optional[Tuple[float, int]]:  # (epsilon, user) past the budget, or None
+            plan = planned_ledger(ledger, range(rounds), sample, schedule.evaluates, evaluated)
+            return plan.first_past(budget)
+
+        over = past(config.comm_round)
+        if over is not None:
+            epsilon, user = over
+            low, high = 0, config.comm_round  # the first number of rounds that passes the budget
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if past(middle) is None else (low, middle)
+            fewer_uses = (
+                "a larger dp_args.noise_multiplier, or fewer uses (train_args.local_steps, client_num_per_round, "
+                "validation_args.frequency_of_the_test)"
+            )
+            if low == 0:  # not even one round fits: fewer rounds cannot help
+                first, first_user = planned_epsilon(ledger, range(1), sample, schedule.evaluates, evaluated)
+                raise ConfigError(
+                    f"dp_args.max_epsilon={dp.max_epsilon!r}: no round fits in the budget; round 0 alone reaches "
+                    f"epsilon {first:.4g} (user {first_user}) at delta {dp.delta:g}. Allowed: a max_epsilon of "
+                    f"at least {first:.4g}, or {fewer_uses}"
+                )
+            raise ConfigError(
+                f"dp_args.max_epsilon={dp.max_epsilon!r}: this run would reach epsilon {epsilon:.4g} (user {user}) "
+                f"at delta {dp.delta:g} after train_args.comm_round={config.comm_round} rounds; the budget is "
+                f"passed in round {high - 1}. Allowed: comm_round <= {low}, or {fewer_uses}"
+            )
+        planned, planned_user = planned_epsilon(ledger, range(config.comm_round), sample, schedule.evaluates, evaluated)
+        logger.info(
+            "DP-SGD: the run's plan reaches epsilon %.4g (user %s; %s) at delta %g, within dp_args.max_epsilon=%g",
+            planned,
+            planned_user,
+            ACCOUNTANTS[dp.accountant],
+            dp.delta,
+            dp.max_epsilon,
+        )
+
+
+NOISE_KEY = "noise.key"
+
+
+def keep_noise_secret(algorithm: FederatedAlgorithm, run_dir: str, rank: int) -> None:
+    """A data owner's DP-SGD draws its noise and minibatches keyed by a secret of its own beside
+    (seed, round, user), so that the server, which knows the seed, cannot recompute the noise and
+    take it out: ``silo-rank-R/noise.key`` in its run directory, made once (32 random bytes,
+    readable by its owner alone) and read back by a later process of the silo, so a round computed
+    again releases the same numbers."""
+    import dataclasses
+
+    from .files import make_dir, write_atomic
+
+    folder = os.path.join(run_dir, f"silo-rank-{rank}")
+    path = os.path.join(folder, NOISE_KEY)
+    if os.path.exists(path):
+        with open(path, "rb") as stream:
+            secret = stream.read()
+        if len(secret) != 32:
+            raise ConfigError(f"{path}: {len(secret)} bytes, not a silo's 32-byte noise key; it was changed")
+    else:
+        secret = os.urandom(32)
+        make_dir(folder)
+
+        def write(stream: Any) -> None:
+            os.fchmod(stream.fileno(), 0o600)  # before the secret is in it
+            stream.write(secret)
+
+        write_atomic(path, write)
+    settings = algorithm.settings
+    assert settings.privacy is not None
+    dp = dataclasses.replace(settings.privacy, secret=secret)
+    evaluation = dataclasses.replace(settings.evaluation, privacy=dp)
+    algorithm.settings = dataclasses.replace(settings, privacy=dp, evaluation=evaluation)
