@@ -1,6 +1,7 @@
 """Issue 42: an algorithm is one file. ``tests/algorithms/clipped_fedsgd.py`` declares its maths
 and a setting of its own, and registers itself; a FedML user's one-line entry points, with that
-file imported, run it on sp, MPI and cross-silo, with no other module touched."""
+file imported, run it on sp, MPI and cross-silo (under secure aggregation), with no other module
+touched; DP-SGD, which cannot reach its own maths, refuses it at start in its words (issue 56)."""
 
 import json
 import sys
@@ -16,7 +17,7 @@ from tests.helpers_tiny import tiny_config
 
 CLIP = 0.02  # far below an MNIST gradient's norm: every step's gradient is clipped
 BETA = 0.05
-USERS = 4  # 2 a round for 3 rounds: some user trains twice, with the momentum it kept
+USERS = 4  # 3 a round for 3 rounds: users train again, with the momentum they kept
 EDITS = dict(
     federated_optimizer="ClippedFedSGD",
     clip_norm=CLIP,
@@ -24,6 +25,7 @@ EDITS = dict(
     learning_rate=BETA,
     local_steps=2,
     client_num_in_total=USERS,
+    client_num_per_round=3,  # secure aggregation sums 3 silos at least
 )
 
 
@@ -35,8 +37,9 @@ def _one_line(call):
 @needs_mnist
 def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_path):
     """FedML's one-line entry points with the algorithm's file imported; across silos each data
-    owner (one YAML each, its own folder) keeps its user's momentum, so the same model comes out
-    only if every backend carried each client's state from one of its rounds to its next."""
+    owner (one YAML each, its own folder) keeps its user's momentum and masks its update (secure
+    aggregation), so the same model comes out only if every backend carried each client's state
+    from one of its rounds to its next."""
     from tests.backends.test_silo_own import _export
     from tests.helpers import make_tls
 
@@ -68,6 +71,7 @@ def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_
             grpc_ipconfig_path=address_file,
             tls_dir=tls,
             silo_data="own",
+            enable_secagg=True,
             **{**EDITS, "data_cache_dir": folders[rank]["data_cache_dir"]},
         )
         role = "server" if rank == 0 else "client"
@@ -77,7 +81,7 @@ def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_
 
     # Each data owner's record holds its user's momentum (once that user trained), and nothing else does.
     kept = [r for r in range(1, USERS + 1) if (runs["silo"] / f"silo-rank-{r}" / "client_state.pt").exists()]
-    assert len(kept) >= 2, kept  # 6 trainings of 4 users
+    assert len(kept) >= 3, kept  # 9 trainings of 4 users
     for rank in kept:
         momentum = torch.load(runs["silo"] / f"silo-rank-{rank}" / "client_state.pt")
         assert set(momentum) == set(torch.load(runs["sp"] / "model.pt")) and any(
@@ -103,11 +107,16 @@ def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_
         shown = _show(run_dir)
         assert "momentum_norm" in shown and f"{norms[kept[0] - 1]:.4g}" in shown, backend
         assert summary["status"] == "finished" and summary["aggregate_calls"] == 3, backend
+        if backend == "silo":  # every round summed under secure aggregation: the server saw no update alone
+            secure = summary["secure_aggregation"]
+            assert secure["rounds"] == 3 and secure["failed_rounds"] == 0, secure
         train_args = summary["config"]["train_args"]
         assert train_args["federated_optimizer"] == "ClippedFedSGD" and train_args["clip_norm"] == CLIP, backend
         model = torch.load(run_dir / "model.pt")
+        # secure aggregation sums the updates in 32-bit fixed point: within 1e-5 of the plain sum
+        atol = 1e-5 if backend == "silo" else 1e-6
         for k in reference:
-            torch.testing.assert_close(model[k], reference[k], rtol=1e-5, atol=1e-6, msg=backend)
+            torch.testing.assert_close(model[k], reference[k], rtol=1e-5, atol=atol, msg=backend)
 
 
 def _show(run_dir):
@@ -223,3 +232,8 @@ def test_across_silos_its_clients_states_stay_with_data_owners():
         resolve(load_yaml(SILO_YAML), {"federated_optimizer": "ClippedFedSGD", "tls_dir": "/nonexistent"})
     own = resolve(load_yaml(SILO_YAML), {"federated_optimizer": "ClippedFedSGD", "tls_dir": "/x", "silo_data": "own"})
     assert own.own_data
+    # DP-SGD's clipping and noise would not reach its own maths (its momentum steps): refused in those words
+    dp = {"dp_args.enable_dp": True, "dp_args.dp_solution_type": "dpsgd", "dp_args.noise_multiplier": 1.0}
+    dp.update({"dp_args.max_grad_norm": 1.0, "dp_args.delta": 1e-5, "federated_optimizer": "ClippedFedSGD"})
+    with pytest.raises(ConfigError, match=r"^train_args.federated_optimizer='ClippedFedSGD' with dp_args.*its own"):
+        resolve(load_yaml(SILO_YAML), {**dp, "tls_dir": "/x", "silo_data": "own"})
