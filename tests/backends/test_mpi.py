@@ -403,10 +403,10 @@ def test_a_slow_rank_joins_the_run_directory_rank_0_has_started_writing(mnist_ro
 def test_a_rank_that_cannot_start_stops_every_rank_with_its_error(mnist_root, tmp_path):
     """One rank's failure before FedML's loop used to leave the other ranks waiting for it forever."""
     fail_start = (
-        "import fedml_perfedavg.run.assembly as a\n"
+        "import fedml_perfedavg.run.data_modes as modes\n"
         "from fedml_perfedavg.core.errors import ConfigError\n"
         "def refuse(*_): raise ConfigError('data_args.data_cache_dir: rank 1 cannot read it')\n"
-        "a.check_data = refuse"
+        "modes.SharedData.check_data = refuse"
     )
     out = _mpi_cli_with_one_rank_changed(mnist_root, tmp_path / "run", 1, fail_start, timeout=90)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-4000:]
