@@ -54,7 +54,7 @@ from ..core import adaptive_clipping
 from ..core.client_maths import LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, check_metric_names, evaluate, finite_figure
 from ..core.functional import functional_network, make_loss_fn
-from ..core.guards import apply_divergence_policy, is_finite
+from ..core.guards import apply_divergence_policy, is_finite, nonfinite_clients
 from ..core.private_draws import PrivateBatches, draw_private_batches
 from ..core.privacy import DPSGD
 from ..core.settings import check_settings, settings_of
@@ -558,15 +558,19 @@ class FederatedAlgorithm:
         if not is_finite(params):
             apply_divergence_policy(self.settings.on_divergence, round_idx, client_id, self.label)
 
+    def client_minibatches(self, round_idx: int, client_id: int, x: Tensor, y: Tensor) -> LocalBatches:
+        """The client's minibatches of round ``round_idx`` (:meth:`client_batches`) on its labels
+        as the round's hooks give them (a label-flipping attack)."""
+        return self.client_batches(round_idx, client_id, x, self.hooks.client_labels(round_idx, client_id, y))
+
     def client_update(
         self, round_idx: int, client_id: int, global_state: StateDict, x: Tensor, y: Tensor
     ) -> ClientUpdate:
-        """One client's local training from ``global_state`` on its data (x, y), then what the
-        round's hooks do to what it sends (local DP)."""
-        y = self.hooks.client_labels(round_idx, client_id, y)
-        batches = self.client_batches(round_idx, client_id, x, y)
+        """One client's local training from ``global_state`` on its data (x, y), then what follows
+        any client's (:meth:`finish_clients`)."""
+        batches = self.client_minibatches(round_idx, client_id, x, y)
         start = {k: v.detach() for k, v in global_state.items()}
-        figures = None
+        figures, own = None, None
         with torch.no_grad():  # torch.func computes the gradients; no autograd graph is kept
             if self.keeps_client_state:
                 kept = self.client_states.get(client_id)
@@ -583,13 +587,51 @@ class FederatedAlgorithm:
                 new_state = {**buffers, **trained}
             else:
                 new_state = self.local_training(start, batches)
-        self.check_client_result(round_idx, client_id, {k: new_state[k] for k in self.parameter_names})
+        (update,) = self.finish_clients(
+            round_idx,
+            [client_id],
+            [len(y)],
+            {k: v.unsqueeze(0) for k, v in new_state.items()},
+            global_state,
+            None if figures is None else figures.unsqueeze(0),
+            None if own is None else [own],
+        )
+        return update
+
+    def finish_clients(
+        self,
+        round_idx: int,
+        clients: Sequence[int],
+        samples: Sequence[int],
+        trained: StateDict,
+        global_state: StateDict,
+        figures: Optional[Tensor] = None,
+        own_states: Optional[Sequence[Dict[str, Any]]] = None,
+    ) -> List[ClientUpdate]:
+        """What follows the local training of ``clients``, however it was computed (one client by
+        :meth:`client_update`, a round's clients at once by the batched engine): the divergence
+        guard, the clients' training figures ((clients, 2), where recorded) and their own states
+        kept, and the round's result hook on what each sends. ``trained``: each key stacked client
+        first (the parameters, or whole states); a key of ``global_state`` it lacks (a buffer) is
+        sent as the global model has it."""
+        for position in nonfinite_clients({k: trained[k] for k in self.parameter_names}):
+            self.check_client_result(round_idx, clients[position], {k: v[position] for k, v in trained.items()})
         if figures is not None:
-            self.training.add(round_idx, [client_id], figures.unsqueeze(0))
-        if self.holds_client_states:  # a dropped update (skip_client) leaves the client's state as it was
-            self.client_states.put(client_id, own)
-        state = OrderedDict((k, new_state[k]) for k in global_state)
-        return ClientUpdate(len(y), self.hooks.client_result(round_idx, client_id, state))
+            self.training.add(round_idx, list(clients), figures)
+        if own_states is not None:  # a dropped update (skip_client) keeps its state too: the client trained
+            for client, own in zip(clients, own_states):
+                self.client_states.put(client, own)
+        return [
+            ClientUpdate(
+                count,
+                self.hooks.client_result(
+                    round_idx,
+                    client,
+                    OrderedDict((k, trained[k][i] if k in trained else global_state[k]) for k in global_state),
+                ),
+            )
+            for i, (client, count) in enumerate(zip(clients, samples))
+        ]
 
     # -- aggregate ------------------------------------------------------------------------
     def aggregate(

@@ -47,6 +47,16 @@ class ModelPaths:
     def hand_batched_form(self, input_shape: Optional[Tuple[int, ...]]) -> Optional[HandBatchedGradients]:
         return None if input_shape is None else self.hand_batched(input_shape)[0]
 
+    def private_chain(self, input_shape: Optional[Tuple[int, ...]], step: Step) -> Optional[HandBatchedGradients]:
+        """The Linear chain's form by which DP-SGD clips each sample's gradient of ``step`` (by its
+        outer-product norm, no per-sample gradient formed: core/private_steps.py), or None: the
+        per-sample gradients are torch.func's (a model that is no such chain, or the exact step,
+        whose per-sample Hessian-vector products the chain does not give). The one owner of that
+        choice: the engine's plan and a client's own update ask it."""
+        if not self.vmappable or step is Step.EXACT:
+            return None
+        return self.hand_batched_form(input_shape)
+
     def batches_evaluation(self, input_shape: Optional[Tuple[int, ...]]) -> bool:
         """Whether users with samples of ``input_shape`` may be evaluated together (vmapped, or
         by the hand-batched form)."""

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 
-from ..algorithms.base import FederatedAlgorithm
+from ..algorithms.base import ClientUpdate, FederatedAlgorithm
 from ..core.adaptive_clipping import STATE_KEY
 from ..core.client_maths import LocalBatches, StepFigures, mean_figures, run_steps
 from ..core.private_draws import PrivateBatches
@@ -29,7 +29,6 @@ from ..core.private_steps import PrivateChainSteps
 from ..core.hand_batched import IndexedInputs, HandBatchedGradients
 from .minibatches import Minibatches
 from .plan import ClientPlan, Path, resolve_plan
-from ..core.guards import nonfinite_clients
 from ..core.types import Params, StateDict, UserSplit
 from ..algorithms.base import RoundDriver
 
@@ -154,43 +153,20 @@ class BatchedSimulation:
         assert self.hand_batched is not None and standard is not None  # taken only for the standard maths
         return self.hand_batched.local_update(start, by_step, standard, figures)
 
-    def _batched_updates(self, round_idx: int, clients: List[int]) -> List[tuple]:
-        params, buffers = self.algorithm.split_state(self.state)
+    def _batched_updates(self, round_idx: int, clients: List[int]) -> List[ClientUpdate]:
         lazy_inputs = self.batched and self.hand_batched is not None
         batches = self.minibatches.round_batches(round_idx, clients, lazy_inputs)
+        # an algorithm whose clients send back whole states trains from the whole state
+        start = self.state if self.whole_state else self.algorithm.split_state(self.state)[0]
         with torch.no_grad():
-            if self.whole_state:
-                stacked, figures = self.step({k: v.detach() for k, v in self.state.items()}, batches)
-                buffers, stacked = {}, {k: v for k, v in stacked.items()}
-            else:
-                stacked, figures = self.step({k: v.detach() for k, v in params.items()}, batches)
-        updates = self.client_updates(round_idx, clients, stacked, buffers)
-        if self.clip_bounds_after is not None:  # each client keeps its adaptive bounds (core/adaptive_clipping.py)
-            for position, client in enumerate(clients):
-                self.algorithm.client_states.put(client, {STATE_KEY: self.clip_bounds_after[position]})
-            self.clip_bounds_after = None
-        if figures is not None:
-            self.algorithm.training.add(round_idx, clients, figures)
-        return updates
+            stacked, figures = self.step({k: v.detach() for k, v in start.items()}, batches)
+        bounds, self.clip_bounds_after = self.clip_bounds_after, None
+        # each client keeps its adaptive bounds (core/adaptive_clipping.py)
+        own = None if bounds is None else [{STATE_KEY: bounds[position]} for position in range(len(clients))]
+        samples = [self.sample_counts[c] for c in clients]
+        return self.algorithm.finish_clients(round_idx, clients, samples, stacked, self.state, figures, own)
 
-    def client_updates(self, round_idx: int, clients: List[int], stacked: StateDict, buffers: StateDict) -> List[tuple]:
-        """(samples, state) per client from the stacked results (the divergence guard applied)."""
-        for position in nonfinite_clients({k: stacked[k] for k in self.algorithm.parameter_names}):
-            self.algorithm.check_client_result(
-                round_idx, clients[position], {k: v[position] for k, v in stacked.items()}
-            )
-        hooks = self.algorithm.hooks
-        return [
-            (
-                self.sample_counts[c],
-                hooks.client_result(
-                    round_idx, c, OrderedDict((k, stacked[k][i] if k in stacked else buffers[k]) for k in self.state)
-                ),
-            )
-            for i, c in enumerate(clients)
-        ]
-
-    def finish_round(self, round_idx: int, updates: List[tuple], clients: Optional[List[int]] = None) -> None:
+    def finish_round(self, round_idx: int, updates: Sequence[tuple], clients: Optional[List[int]] = None) -> None:
         """Aggregate the round's updates (of ``clients``, for the record) and hand the new global
         model to the driver."""
         labels = None if clients is None else [f"user {c}" for c in clients]
@@ -209,7 +185,7 @@ class BatchedSimulation:
         self.state = OrderedDict(global_state)
         if not self.batched:
             return self._per_client_updates(round_idx, clients)
-        updates = []
+        updates: List[tuple] = []
         for start in range(0, len(clients), self.clients_per_computation):
             updates += self._batched_updates(round_idx, clients[start : start + self.clients_per_computation])
         return updates

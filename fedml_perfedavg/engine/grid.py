@@ -96,10 +96,9 @@ class GridSimulation:
         offset = 0
         for engine, clients in zip(self.engines, chosen):
             mine = {k: v[offset : offset + len(clients)] for k, v in trained.items()}
-            _, buffers = engine.algorithm.split_state(engine.state)
-            updates = engine.client_updates(round_idx, clients, mine, buffers)
-            if every is not None:
-                engine.algorithm.training.add(round_idx, clients, every[offset : offset + len(clients)])
+            samples = [engine.sample_counts[c] for c in clients]
+            figures_of_mine = None if every is None else every[offset : offset + len(clients)]
+            updates = engine.algorithm.finish_clients(round_idx, clients, samples, mine, engine.state, figures_of_mine)
             offset += len(clients)
             engine.finish_round(round_idx, updates, clients)
 

@@ -24,7 +24,7 @@ from enum import Enum
 from typing import FrozenSet, Optional, Tuple
 
 from ..algorithms.base import FederatedAlgorithm
-from ..core.client_maths import LocalUpdateConfig, Step
+from ..core.client_maths import LocalUpdateConfig
 from ..core.hand_batched import HandBatchedGradients
 
 
@@ -67,9 +67,10 @@ class ClientPlan:
         return self.path is not Path.PER_CLIENT
 
 
-def standard_maths(algorithm: FederatedAlgorithm) -> Optional[LocalUpdateConfig]:
-    """The algorithm's client maths when an engine may compute it its own way: core.client_maths'
-    update on the parameters alone, no state of the client's own, no DP-SGD; else None."""
+def batchable_maths(algorithm: FederatedAlgorithm) -> Optional[LocalUpdateConfig]:
+    """The algorithm's standard update (``algorithm.standard_update``) where this engine may also
+    batch it its own way (hand-batched, vmapped on the parameters alone): no state of the client's
+    own, no DP-SGD (whose chain is its own path); else None."""
     if algorithm.returns_whole_state or algorithm.keeps_client_state or algorithm.settings.privacy is not None:
         return None
     return algorithm.standard_update
@@ -79,7 +80,7 @@ def roles_read(algorithm: FederatedAlgorithm) -> FrozenSet[int]:
     """The minibatches the client maths reads: D alone for FedAvg's update, D and D' for FO, all
     three for HF and exact; an algorithm with maths of its own what it declares (all three unless
     it says otherwise)."""
-    standard = standard_maths(algorithm)
+    standard = batchable_maths(algorithm)
     if standard is None:
         return frozenset(type(algorithm).batch_roles)
     return frozenset(range(standard.step.batch_roles))
@@ -113,11 +114,7 @@ def resolve_plan(
     if algorithm.settings.privacy is not None:
         standard = algorithm.standard_update
         assert standard is not None  # DP-SGD runs only the standard maths (checked when the algorithm is built)
-        chain = (
-            paths.hand_batched_form(input_shape)
-            if paths.vmappable and input_shape is not None and standard.step is not Step.EXACT
-            else None
-        )
+        chain = paths.private_chain(input_shape, standard.step)
         if chain is None:
             why = "DP-SGD: clients one by one, per-sample gradients by torch.func"
             return plan(Path.PER_CLIENT, why)
@@ -154,7 +151,7 @@ def _hand_batched(
         return None, "device_args.compile_local_update compiles the generic path"
     if not allowed:
         return None, "turned off"
-    if standard_maths(algorithm) is None:
+    if batchable_maths(algorithm) is None:
         return None, f"{type(algorithm).__name__}'s client maths is its own (not core.client_maths')"
     if input_shape is None:
         return None, "no users"

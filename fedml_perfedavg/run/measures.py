@@ -93,7 +93,7 @@ def client_iterate(
     minibatches as ``algorithm.client_update``; 0 is the global state itself)."""
     if steps == 0:
         return OrderedDict((k, v.clone()) for k, v in global_state.items())
-    batches = algorithm.client_batches(round_idx, client_id, x, algorithm.hooks.client_labels(round_idx, client_id, y))
+    batches = algorithm.client_minibatches(round_idx, client_id, x, y)
     with torch.no_grad():
         new_state = algorithm.local_training(
             {k: v.detach() for k, v in global_state.items()}, LocalBatches(*(t[:steps] for t in batches))

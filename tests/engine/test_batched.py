@@ -10,7 +10,7 @@ from fedml_perfedavg.algorithms.base import initial_global_state
 from fedml_perfedavg.algorithms.registry import create_algorithm
 from fedml_perfedavg.core.types import UserSplit
 from fedml_perfedavg.engine.batched import BatchedSimulation
-from fedml_perfedavg.engine.plan import roles_read, standard_maths
+from fedml_perfedavg.engine.plan import batchable_maths, roles_read
 from fedml_perfedavg.models import MLP
 from fedml_perfedavg.run.config import ConfigError, resolve
 
@@ -274,7 +274,7 @@ def test_an_algorithm_with_its_own_maths_gets_every_role_unless_it_says_otherwis
 
     config, _, model = _setup("PerFedAvg", "fo")
     algorithm = create_algorithm("SignSGD", model, resolve({}, dict(SMALL, federated_optimizer="SignSGD")))
-    assert standard_maths(algorithm) is None and roles_read(algorithm) == {0, 1, 2}
+    assert batchable_maths(algorithm) is None and roles_read(algorithm) == {0, 1, 2}
 
 
 def test_a_round_larger_than_one_computation_trains_in_pieces_with_the_same_result(monkeypatch):
