@@ -614,13 +614,15 @@ class FederatedAlgorithm:
         kept, and the round's result hook on what each sends. ``trained``: each key stacked client
         first (the parameters, or whole states); a key of ``global_state`` it lacks (a buffer) is
         sent as the global model has it."""
-        for position in nonfinite_clients({k: trained[k] for k in self.parameter_names}):
+        diverged = nonfinite_clients({k: trained[k] for k in self.parameter_names})
+        for position in diverged:  # stops the run, or (skip_client) the aggregation drops the update
             self.check_client_result(round_idx, clients[position], {k: v[position] for k, v in trained.items()})
         if figures is not None:
             self.training.add(round_idx, list(clients), figures)
-        if own_states is not None:  # a dropped update (skip_client) keeps its state too: the client trained
-            for client, own in zip(clients, own_states):
-                self.client_states.put(client, own)
+        if own_states is not None:  # a dropped update leaves the client's own state as it was
+            for position, (client, own) in enumerate(zip(clients, own_states)):
+                if position not in diverged:
+                    self.client_states.put(client, own)
         return [
             ClientUpdate(
                 count,

@@ -205,6 +205,30 @@ def test_each_client_keeps_its_own_state_between_its_rounds_and_in_checkpoints()
     )
 
 
+def test_a_client_whose_update_is_dropped_keeps_its_state_as_it_was():
+    """on_divergence skip_client: the aggregation drops a non-finite update, and the client's own
+    state (its momentum) stays what its last finite round left, not what the diverged one did."""
+    import tests.algorithms.clipped_fedsgd  # noqa: F401  registers ClippedFedSGD
+
+    from fedml_perfedavg.algorithms.registry import create_algorithm
+    from fedml_perfedavg.models import create_model
+
+    from tests.helpers_tiny import tiny_data
+
+    settings = dict(clip_norm=10.0, client_momentum=0.9, on_divergence="skip_client")
+    config = tiny_config(federated_optimizer="ClippedFedSGD", **settings)
+    model = create_model("mlp", (1, 4, 4), 3, [5])
+    user, state = tiny_data().users[0], model.state_dict()
+    algorithm = create_algorithm("ClippedFedSGD", model, config)
+    algorithm.client_update(0, 0, state, user.train_x, user.train_y)
+    kept = {k: v.clone() for k, v in algorithm.client_states.get(0).items()}
+    assert all(torch.isfinite(v).all() for v in kept.values()) and any(v.abs().sum() > 0 for v in kept.values())
+    diverged = algorithm.client_update(1, 0, state, torch.full_like(user.train_x, float("nan")), user.train_y)
+    assert not all(torch.isfinite(v).all() for v in diverged.state.values())  # the update the screen drops
+    now = algorithm.client_states.get(0)
+    assert all(torch.equal(now[k], kept[k]) for k in kept)
+
+
 def test_a_run_whose_clients_forgot_their_states_gives_another_model(tmp_path, monkeypatch):
     """What the three backends' agreement rests on: a client's kept state changes the model."""
     import tests.algorithms.clipped_fedsgd  # noqa: F401  registers ClippedFedSGD
