@@ -439,7 +439,7 @@ def silo_setup(parts: RunParts) -> Any:
         user_counts=data_mode(config).vouched_counts(users, rank),
         privacy=parts.silo_privacy,
         outcome=silo_outcome(parts, values),
-        secure_rules=silo_rules(config, rank),
+        secure_rules=silo_rules(config),
         scheduled=silo_schedule(parts),
     )
 
@@ -473,23 +473,19 @@ def secure_threshold(config: Any) -> Optional[int]:
     )
 
 
-def silo_rules(config: Any, rank: int) -> Optional[Any]:
-    """What a data owner's silo enforces of each secure round itself (None: no secure aggregation,
-    or the server)."""
+def silo_rules(config: Any) -> Optional[Any]:
+    """What a data owner's silo enforces of each secure round itself (None: no secure aggregation)."""
     threshold = secure_threshold(config)
-    if threshold is None or rank == 0:
+    if threshold is None:
         return None
     from ..secagg.rounds import SiloRules
 
     return SiloRules(threshold, config.max_colluding_silos, config.min_summed_silos)
 
 
-def silo_schedule(parts: RunParts) -> Optional[Callable[[int], List[int]]]:
+def silo_schedule(parts: RunParts) -> Callable[[int], List[int]]:
     """A data owner's silo's copy of the keyed schedule (the algorithm's own sampling, keyed by
-    (seed, round) as the server's): round -> the silo ranks it samples (user u is silo u + 1);
-    None for the server and in shared mode."""
-    if parts.is_server or not parts.config.own_data:
-        return None
+    (seed, round) as the server's): round -> the silo ranks it samples (user u is silo u + 1)."""
     algorithm = parts.algorithm
 
     def scheduled(round_idx: int) -> List[int]:
