@@ -8,7 +8,9 @@ from concurrent import futures
 import grpc
 import pytest
 
+from fedml_perfedavg.fedml_bridge.cross_silo import wire
 from fedml_perfedavg.fedml_bridge.cross_silo.addresses import free_ports
+from fedml_perfedavg.fedml_bridge.cross_silo.conversations import Conversations
 from fedml_perfedavg.fedml_bridge.cross_silo.credentials import load_credentials, make_certificates
 from fedml_perfedavg.fedml_bridge.cross_silo.delivery import (
     Delivery,
@@ -21,10 +23,12 @@ from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc
 
 
 class _Taker:
-    def __init__(self):
-        self.taken = []
+    def __init__(self, slow=b""):
+        self.taken, self.slow = [], slow
 
     def sendMessage(self, request, context):  # noqa: N802 - FedML's service method name
+        if request.message == self.slow:  # a big model: the receiver takes it in a while
+            time.sleep(0.5)
         self.taken.append(request.message)
         return pb2.CommResponse(client_id=0, message=b"")
 
@@ -32,8 +36,8 @@ class _Taker:
         raise NotImplementedError
 
 
-def _listen(port, credentials=None):
-    taker, server = _Taker(), grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+def _listen(port, credentials=None, slow=b""):
+    taker, server = _Taker(slow), grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     pb2_grpc.add_gRPCCommManagerServicer_to_server(taker, server)
     if credentials is None:
         assert server.add_insecure_port(f"127.0.0.1:{port}")
@@ -45,9 +49,43 @@ def _listen(port, credentials=None):
     return taker, server
 
 
-def _delivery(port, credentials=None):
+def _delivery(port, credentials=None, line=None):
     options = channel_options(1 << 20, handshake_timeout=5.0)
-    return Delivery(0, {1: ("127.0.0.1", port)}, "ip.csv", credentials, options, run_over=lambda: False)
+    return Delivery(0, {1: ("127.0.0.1", port)}, "ip.csv", credentials, options, run_over=lambda: False, line=line)
+
+
+def test_messages_to_one_peer_arrive_in_the_order_they_were_stamped():
+    """The server sends a round's model in the background and then, at once, the end of the run:
+    the end must not overtake the model, for the receiver refuses a sequence number below one it
+    took as a replay (CI run of 067e7bb: a silo never saw the round it was to refuse)."""
+    [port] = free_ports(1)
+    taker, server = _listen(port, slow=b"model")
+    line = Conversations(0)
+    delivery = _delivery(port, line=line)
+    try:
+        model, finish = line.next_seq(wire.SYNC_MODEL, 1), line.next_seq(wire.FINISH, 1)
+        deadline = time.monotonic() + 10
+        delivery.send(1, b"warm", deadline)  # the channel is up: the two sends race only each other
+        background = threading.Thread(target=delivery.send, args=(1, b"model", deadline), kwargs={"seq": model})
+        background.start()
+        time.sleep(0.1)
+        assert delivery.send(1, b"finish", deadline, seq=finish) is None
+        background.join()
+        assert taker.taken == [b"warm", b"model", b"finish"]
+
+        # An earlier message still on its way at a later one's deadline: the later one is not
+        # delivered (it would be refused), and says why; the one after it waits for neither.
+        stuck, late, after = (line.next_seq(wire.SYNC_MODEL, 1) for _ in range(3))
+        started = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="had not taken an earlier message from rank 0"):
+            delivery.send(1, b"late", started + 0.3, seq=late)
+        assert 0.3 <= time.monotonic() - started < 2
+        line.left(1, stuck)
+        assert delivery.send(1, b"after", time.monotonic() + 1, seq=after) is None
+        assert taker.taken[-1] == b"after" and b"late" not in taker.taken
+    finally:
+        delivery.close()
+        server.stop(None)
 
 
 def test_a_peer_listening_again_takes_a_send_that_ends_on_refusal():

@@ -192,8 +192,11 @@ def test_messages_over_the_size_cap_are_refused(world, caplog):
 
 def test_replays_other_runs_and_second_uploads_are_dropped(world, caplog):
     sent = []
-    original = world.silo.send_bytes
-    world.silo.send_bytes = lambda receiver, data, deadline: (sent.append(data), original(receiver, data, deadline))
+    original = world.silo.delivery.send
+    world.silo.delivery.send = lambda receiver, data, *args, **kwargs: (
+        sent.append(data),
+        original(receiver, data, *args, **kwargs),
+    )[1]
     _model_to_silo(world)
     _upload_from_silo(world)
     assert len(_drain(world.server)) == 1

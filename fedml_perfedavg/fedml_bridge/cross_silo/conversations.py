@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Dict, Set, Tuple
 
 from . import wire
@@ -24,7 +25,11 @@ class Conversations:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._lock = threading.Lock()
+        self._turn = threading.Condition(self._lock)  # a message stamped earlier to its receiver left
         self._sent_seq: Dict[int, int] = {}  # receiver -> last seq sent
+        # receiver -> seqs stamped and not yet delivered or given up on: a receiver takes a sequence
+        # in order, so a message waits for the ones stamped before it (see wait_turn)
+        self._on_the_way: Dict[int, Set[int]] = {}
         self._seen_seq: Dict[int, int] = {}  # sender -> last seq accepted (in its current session)
         self._sessions: Dict[int, str] = {}  # sender -> its current session
         self._retired: Dict[int, Set[str]] = {}  # sender -> its earlier sessions (their messages are replays now)
@@ -41,9 +46,30 @@ class Conversations:
         with self._lock:
             seq = self._sent_seq.get(receiver, -1) + 1
             self._sent_seq[receiver] = seq
+            self._on_the_way.setdefault(receiver, set()).add(seq)
             if kind in wire.MODEL_MESSAGES:
                 self._open_models.setdefault(receiver, set()).add(seq)
         return seq
+
+    def wait_turn(self, receiver: int, seq: int, deadline: float) -> bool:
+        """Wait until every message stamped before ``seq`` for ``receiver`` was delivered or given
+        up on (:meth:`left`); False at ``deadline`` (``time.monotonic()``). The receiver refuses a
+        sequence number below one it took as a replay, so a message sent in the background (a
+        round's model) overtaken by a later one (the end of the run) would be lost (CI run of
+        067e7bb: a silo never saw the round it had to refuse)."""
+        with self._turn:
+            while any(earlier < seq for earlier in self._on_the_way.get(receiver, ())):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._turn.wait(left)
+            return True
+
+    def left(self, receiver: int, seq: int) -> None:
+        """Message ``seq`` to ``receiver`` was delivered, refused or given up on: the next may go."""
+        with self._turn:
+            self._on_the_way.get(receiver, set()).discard(seq)
+            self._turn.notify_all()
 
     def hold_seats(self, silos: Set[int]) -> None:
         """The server: ``silos``' current processes keep their seats (they take part in training and

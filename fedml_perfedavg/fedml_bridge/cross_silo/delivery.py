@@ -1,6 +1,7 @@
 """How a cross-silo message reaches its peer: one gRPC channel per peer (under mutual TLS the
 peer's certificate must name the rank meant), every send with a deadline, an unreachable peer
-retried with backoff until then, several peers at once without one holding up the others.
+retried with backoff until then, several peers at once without one holding up the others, and
+the messages to one peer in the order they were stamped.
 
 FedML's transport (core/distributed/communication/grpc/grpc_comm_manager.py) opens a channel per
 message, sends with no timeout and gives up at the first ``UNAVAILABLE``.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, NamedTuple, Optional, Protocol, Tuple
 
 from ...core.errors import ConfigError, SiloFailure
 from ..bootstrap import import_fedml
@@ -25,6 +26,23 @@ from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc
 logger = logging.getLogger(__name__)
 
 _PROTOBUF_SLACK = 4096  # gRPC's own cap sits this far above ours, so our log sees what is a little over
+
+
+class Outgoing(NamedTuple):
+    """An encoded message: its receiver, its bytes, and its place in the sequence to that receiver
+    (None: unordered)."""
+
+    receiver: int
+    data: bytes
+    seq: Optional[int] = None
+
+
+class SendLine(Protocol):
+    """The order of the messages to each receiver (:class:`.conversations.Conversations`)."""
+
+    def wait_turn(self, receiver: int, seq: int, deadline: float) -> bool: ...
+
+    def left(self, receiver: int, seq: int) -> None: ...
 
 
 class PeerUnreachable(SiloFailure):
@@ -71,7 +89,8 @@ def channel_options(size_cap: int, handshake_timeout: float) -> List[Tuple[str, 
 class Delivery:
     """Sends encoded messages from ``rank`` to the ranks of ``addresses`` (rank -> (ip, port), read
     at each new channel). ``run_over()`` says a silo has its FINISH: the server stopped listening,
-    so nothing more is sent."""
+    so nothing more is sent. ``line``: a message with a sequence number waits for the ones stamped
+    before it to the same receiver, so sends from several threads arrive in order."""
 
     SEND_GRACE_SECONDS = 2.0  # past a send's deadline, before it is counted as not delivered
     # gRPC keeps a channel's last connection error while it waits out its reconnect backoff (at
@@ -92,9 +111,11 @@ class Delivery:
         credentials: Optional[Credentials],
         options: List[Tuple[str, int]],
         run_over: Callable[[], bool],
+        line: Optional[SendLine] = None,
     ) -> None:
         self.rank, self.addresses, self.ipconfig_path = rank, addresses, ipconfig_path
         self.credentials, self.options, self.run_over = credentials, options, run_over
+        self.line = line
         self._channels: Dict[int, Any] = {}
         self._lock = threading.Lock()  # the channels
 
@@ -116,7 +137,15 @@ class Delivery:
             self._channels[receiver] = channel
         return channel
 
-    def send(self, receiver: int, data: bytes, deadline: float, *, gone_if_refused: bool = False) -> Optional[str]:
+    def send(
+        self,
+        receiver: int,
+        data: bytes,
+        deadline: float,
+        *,
+        gone_if_refused: bool = False,
+        seq: Optional[int] = None,
+    ) -> Optional[str]:
         """Deliver encoded bytes to ``receiver`` before ``deadline`` (``time.monotonic()``),
         retrying an unreachable receiver with backoff until then; :class:`PeerUnreachable` when it
         did not take them in time. A receiver that refuses the message is logged, not raised: it
@@ -125,7 +154,22 @@ class Delivery:
         refuses the connection (nothing listens on its port) for REFUSAL_STANDS_SECONDS is
         :class:`PeerUnreachable` then, before the deadline; only for a receiver known to have
         listened (it was heard from), since one still starting up refuses connections too and must
-        be retried to the deadline."""
+        be retried to the deadline. ``seq``: the message's place in the sequence to ``receiver``;
+        it leaves once the ones before it have (see ``line``)."""
+        if seq is None or self.line is None:
+            return self._send(receiver, data, deadline, gone_if_refused)
+        try:
+            if not self.line.wait_turn(receiver, seq, deadline):
+                ip, port = self.addresses[receiver]
+                raise PeerUnreachable(
+                    f"rank {receiver} at {ip}:{port} had not taken an earlier message from rank {self.rank} "
+                    f"by this one's deadline; is it gone?"
+                )
+            return self._send(receiver, data, deadline, gone_if_refused)
+        finally:
+            self.line.left(receiver, seq)
+
+    def _send(self, receiver: int, data: bytes, deadline: float, gone_if_refused: bool) -> Optional[str]:
         with self._lock:
             stub = pb2_grpc.gRPCCommManagerStub(self._channel(receiver))
         request = pb2.CommRequest(client_id=self.rank, message=data)
@@ -194,23 +238,23 @@ class Delivery:
 
     def send_all(
         self,
-        encoded: Iterable[Tuple[int, bytes]],
+        encoded: Iterable[Outgoing],
         deadline: float,
         *,
         gone_if_refused: Collection[int] = (),
     ) -> Dict[int, PeerUnreachable]:
-        """Send (receiver, bytes) pairs at once, each before ``deadline``: one that does not answer
+        """Send messages to several receivers at once, each before ``deadline``: one that does not answer
         costs the others nothing. Returns the receivers that were unreachable. The deadline is
         held by this clock too: a send still running just after it (a gRPC call over a link that
         drops every packet did not always return at its own deadline) counts as not delivered,
         and :meth:`close` cancels it. ``gone_if_refused``: the receivers that have listened (were
         heard from), for whom a refused connection means they ended (see :meth:`send`)."""
-        items = list(encoded)
+        items = [Outgoing(*item) for item in encoded]
         outcome: Dict[int, Optional[BaseException]] = {}
 
-        def deliver(receiver: int, data: bytes) -> None:
+        def deliver(receiver: int, data: bytes, seq: Optional[int]) -> None:
             try:
-                self.send(receiver, data, deadline, gone_if_refused=receiver in gone_if_refused)
+                self.send(receiver, data, deadline, gone_if_refused=receiver in gone_if_refused, seq=seq)
                 outcome[receiver] = None
             except grpc.RpcError as err:  # e.g. CANCELLED while the peer shuts down: not delivered
                 outcome[receiver] = PeerUnreachable(f"rank {receiver}: {err.code().name}: {err.details()}")
@@ -225,7 +269,7 @@ class Delivery:
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()) + self.SEND_GRACE_SECONDS)
         failed: Dict[int, PeerUnreachable] = {}
-        for receiver, _ in items:
+        for receiver, *_ in items:
             if receiver not in outcome:
                 ip, port = self.addresses[receiver]
                 failed[receiver] = PeerUnreachable(

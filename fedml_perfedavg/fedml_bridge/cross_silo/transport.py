@@ -44,7 +44,7 @@ from ..bootstrap import import_fedml, plugin_entry
 from . import READY_MESSAGE, wire
 from .addresses import read_ipconfig
 from .conversations import Conversations
-from .delivery import Delivery, PeerUnreachable, channel_options
+from .delivery import Delivery, Outgoing, PeerUnreachable, channel_options
 from .credentials import (
     Credentials,
     load_credentials,
@@ -342,6 +342,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             self.settings.credentials,
             channel_options(self.settings.size_cap, self.settings.handshake_timeout),
             lambda: self.conversations.finish_received,
+            line=self.conversations,
         )
         self._server, self.gate = listen(self, self.addresses[self.rank], len(self.addresses))
         self.is_running = True
@@ -491,11 +492,11 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         :class:`PeerUnreachable` when it did not take it in time. A receiver that refuses the
         message is logged, not raised: it logged why, and the protocol's deadlines go on; its
         words are returned (None: taken)."""
-        envelope = self._envelope(message)
-        return self.send_bytes(
-            envelope.receiver,
-            wire.encode(envelope),
+        [outgoing] = self.encode_all([message])
+        return self.delivery.send(
+            *outgoing[:2],
             time.monotonic() + self.retry_seconds if deadline is None else deadline,
+            seq=outgoing.seq,
         )
 
     def send_all(
@@ -505,13 +506,22 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         (:meth:`.Delivery.send_all`); returns the receivers that were unreachable."""
         return self.delivery.send_all(self.encode_all(messages), deadline, gone_if_refused=gone_if_refused)
 
-    def encode_all(self, messages: Iterable[Any]) -> List[Tuple[int, bytes]]:
-        """FedML ``Message`` s as (receiver, bytes), stamped now (the round the sender is in)."""
-        return [(e.receiver, wire.encode(e)) for e in map(self._envelope, messages)]
-
-    def send_bytes(self, receiver: int, data: bytes, deadline: float) -> Optional[str]:
-        """Deliver encoded bytes to ``receiver`` before ``deadline`` (:meth:`.Delivery.send`)."""
-        return self.delivery.send(receiver, data, deadline)
+    def encode_all(self, messages: Iterable[Any]) -> List[Outgoing]:
+        """FedML ``Message`` s encoded and stamped now (the round the sender is in, the next
+        sequence number to each receiver); every one must then go to :class:`.Delivery`, which
+        sends each after those stamped before it to its receiver."""
+        stamped: List[Tuple[int, int]] = []
+        encoded: List[Outgoing] = []
+        try:
+            for message in messages:
+                envelope = self._envelope(message)
+                stamped.append((envelope.receiver, envelope.seq))
+                encoded.append(Outgoing(envelope.receiver, wire.encode(envelope), envelope.seq))
+        except BaseException:
+            for receiver, seq in stamped:  # none of them goes: the ones stamped after must not wait for them
+                self.conversations.left(receiver, seq)
+            raise
+        return encoded
 
     # -- FedML's BaseCommunicationManager, the rest ---------------------------------------------------
     def add_observer(self, observer) -> None:
