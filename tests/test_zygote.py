@@ -269,7 +269,18 @@ def test_a_forked_rank_ends_with_its_stand_in_and_mpirun_ends_the_job(tmp_path):
     def command_line(pid: int) -> list:
         return open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
 
-    stand_ins = [pid for pid in processes_naming(str(zygote.RANK)) if command_line(pid)[1:3] == ["-I", "-S"]]
+    def working_directory(pid: int) -> str:
+        try:
+            return os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            return ""
+
+    # This job's stand-ins only: another test's MPI job may have its own running (CI run of 067e7bb).
+    stand_ins = [
+        pid
+        for pid in processes_naming(str(zygote.RANK))
+        if command_line(pid)[1:3] == ["-I", "-S"] and working_directory(pid) == str(tmp_path)
+    ]
     assert len(stand_ins) == 2
     os.kill(stand_ins[0], signal.SIGKILL)
     process.communicate(timeout=60)
