@@ -26,6 +26,7 @@ maths is :mod:`fedml_perfedavg.core.client_maths`, which engines may compute the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import statistics
 from collections import OrderedDict
@@ -61,6 +62,7 @@ from ..core.settings import check_settings, settings_of
 from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
 from ..core.types import Params, StateDict, UserSplit
 from .client_states import ClientStates
+from .client_step import ClientStep, choose_client_step
 from .model_probe import ModelPaths, probe
 from ..core.training_record import TrainingRecord
 from .update_screen import screen_for
@@ -569,34 +571,25 @@ class FederatedAlgorithm:
         """One client's local training from ``global_state`` on its data (x, y), then what follows
         any client's (:meth:`finish_clients`)."""
         batches = self.client_minibatches(round_idx, client_id, x, y)
-        start = {k: v.detach() for k, v in global_state.items()}
-        figures, own = None, None
+        kept = self.client_states.get(client_id) if self.keeps_client_state else None
         with torch.no_grad():  # torch.func computes the gradients; no autograd graph is kept
-            if self.keeps_client_state:
-                kept = self.client_states.get(client_id)
-                own = self.initial_client_state(client_id, start) if kept is None else kept
-                new_state, own = self.local_training_with_state(start, batches, own)
-            elif isinstance(batches, PrivateBatches) and batches.clip_bounds is not None:
-                params, buffers = self.split_state(start)
-                trained, bounds = self.private_update(params, batches)
-                assert bounds is not None
-                new_state, own = {**buffers, **trained}, {adaptive_clipping.STATE_KEY: bounds}
-            elif self.reports_training:
-                params, buffers = self.split_state(start)
-                trained, figures = self.local_update_and_figures(params, batches)
-                new_state = {**buffers, **trained}
-            else:
-                new_state = self.local_training(start, batches)
+            result = self.client_step(client_id, global_state, batches, kept)
         (update,) = self.finish_clients(
             round_idx,
             [client_id],
             [len(y)],
-            {k: v.unsqueeze(0) for k, v in new_state.items()},
+            {k: v.unsqueeze(0) for k, v in result.state.items()},
             global_state,
-            None if figures is None else figures.unsqueeze(0),
-            None if own is None else [own],
+            None if result.figures is None else result.figures.unsqueeze(0),
+            None if result.own is None else [result.own],
         )
         return update
+
+    @functools.cached_property
+    def client_step(self) -> ClientStep:
+        """How this algorithm's clients train (client_step.py), chosen once: what
+        :meth:`client_update` runs for a client, and what the batched engine vmaps."""
+        return choose_client_step(self)
 
     def finish_clients(
         self,

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.func import vmap
 
 from ..algorithms.base import ClientUpdate, FederatedAlgorithm
+from ..algorithms.client_step import choose_client_step
 from ..core.adaptive_clipping import STATE_KEY
 from ..core.client_maths import LocalBatches, StepFigures, mean_figures, run_steps
 from ..core.private_draws import PrivateBatches
@@ -102,13 +103,12 @@ class BatchedSimulation:
             return self._hand_batched_step()
         if plan.path is Path.PRIVATE_CHAIN:
             return _without_figures(self._private_chain_step(plan))
-        if self.reports_training:
-            return vmap(algorithm.local_update_and_figures, in_dims=(None, 0))
-        # An algorithm whose clients send back more than parameters (its own local_training)
-        # is vmapped over whole states: parameters and buffers per client.
-        return _without_figures(
-            vmap(algorithm.local_training if plan.whole_state else algorithm.local_update, in_dims=(None, 0))
-        )
+        # The one client's step that client_update runs, vmapped; an algorithm whose clients send
+        # back more than parameters (its own local_training) is vmapped over whole states.
+        step = choose_client_step(algorithm, record_figures=self.reports_training)
+        assert step.whole_state == plan.whole_state
+        together = vmap(step.pure, in_dims=(None, 0))
+        return together if step.records_figures else _without_figures(together)
 
     def _private_chain_step(self, plan: ClientPlan) -> Callable[[Params, LocalBatches], Params]:
         """DP-SGD on a Linear chain: every client of the computation at once (:class:`PrivateChainSteps`,

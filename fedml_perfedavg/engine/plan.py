@@ -8,8 +8,10 @@ It is read from what the algorithm declares (its ``standard_update``, ``returns_
   of a computation at once by matrix products (:mod:`~fedml_perfedavg.core.hand_batched`);
 - ``DP-SGD chain``: the same chain under DP-SGD, each sample's gradient clipped by its
   outer-product norm (:mod:`~fedml_perfedavg.core.private_steps`);
-- ``vmap``: the algorithm's own ``local_update`` (or ``local_training``) vmapped over the clients;
-- ``per client``: ``client_update``, one client at a time, as FedML's loops call it.
+- ``vmap``: the algorithm's client step (:mod:`~fedml_perfedavg.algorithms.client_step`: its
+  ``local_update``, with figures or not, or ``local_training``) vmapped over the clients;
+- ``per client``: ``client_update``, one client at a time, as FedML's loops call it: the same
+  client step, run for one client.
 
 The batched engine (:mod:`.batched`) builds its step from the plan and calls nothing else to
 decide; the minibatches (:mod:`.minibatches`) gather the roles the plan reads. The plan's log
