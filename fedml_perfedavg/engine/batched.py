@@ -22,7 +22,6 @@ from torch import Tensor
 from torch.func import vmap
 
 from ..algorithms.base import ClientUpdate, FederatedAlgorithm
-from ..algorithms.client_step import choose_client_step
 from ..core.adaptive_clipping import STATE_KEY
 from ..core.client_maths import LocalBatches, StepFigures, mean_figures, run_steps
 from ..core.private_draws import PrivateBatches
@@ -72,17 +71,16 @@ class BatchedSimulation:
         self.driver = driver
         input_shape = tuple(users[0].train_x.shape[1:]) if users else None
         #: How the clients are computed, resolved once (engine/plan.py), not by a round's error.
-        self.plan = resolve_plan(algorithm, input_shape, compile_local_update, try_hand_batched)
+        self.plan = resolve_plan(algorithm, input_shape, compile_local_update, try_hand_batched, record_training)
         logger.info("batched engine: %s", self.plan.describe())
         self.batched = self.plan.together
         self.whole_state = self.plan.whole_state
         self.hand_batched: Optional[HandBatchedGradients] = (
             self.plan.hand_batched if self.plan.path is Path.HAND_BATCHED else None
         )
-        #: Whether the clients' training figures come with their updates (the algorithm's record keeps
-        #: them); ``record_training=False`` leaves them out (what recording costs, benchmarks).
-        together = self.plan.together and not self.plan.whole_state
-        self.reports_training = record_training and algorithm.reports_training and together
+        #: Whether the clients' training figures come with a computation's results (the algorithm's
+        #: record keeps them); ``record_training=False`` leaves them out (what recording costs, benchmarks).
+        self.reports_training = self.plan.records_figures
         #: The DP-SGD chain's clients' adaptive clip bounds after the last computation (clients, roles).
         self.clip_bounds_after: Optional[Tensor] = None
         self.step: Callable[[Params, LocalBatches], Trained] = self._step_of(self.plan)
@@ -98,15 +96,14 @@ class BatchedSimulation:
         """The function that trains a computation's clients together, as ``plan`` says (the
         per-client path has none: it calls ``client_update``): their stacked results, and their
         training figures (C, 2) where the engine records them."""
-        algorithm = self.algorithm
         if plan.path is Path.HAND_BATCHED:
             return self._hand_batched_step()
         if plan.path is Path.PRIVATE_CHAIN:
             return _without_figures(self._private_chain_step(plan))
-        # The one client's step that client_update runs, vmapped; an algorithm whose clients send
-        # back more than parameters (its own local_training) is vmapped over whole states.
-        step = choose_client_step(algorithm, record_figures=self.reports_training)
-        assert step.whole_state == plan.whole_state
+        # The plan's client step (the one client_update runs, figures or not), vmapped; an algorithm
+        # whose clients send back more than parameters (its own local_training) over whole states.
+        step = plan.step
+        assert step is not None and step.whole_state == plan.whole_state
         together = vmap(step.pure, in_dims=(None, 0))
         return together if step.records_figures else _without_figures(together)
 

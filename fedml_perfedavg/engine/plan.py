@@ -26,6 +26,7 @@ from enum import Enum
 from typing import FrozenSet, Optional, Tuple
 
 from ..algorithms.base import FederatedAlgorithm
+from ..algorithms.client_step import ClientStep, choose_client_step
 from ..core.client_maths import LocalUpdateConfig
 from ..core.hand_batched import HandBatchedGradients
 
@@ -54,6 +55,13 @@ class ClientPlan:
     #: The minibatches are the algorithm's keyed draws, which an engine may gather for every client at once.
     gathers_keyed_batches: bool
     hand_batched: Optional[HandBatchedGradients] = field(default=None, compare=False, repr=False)
+    #: The client step the engine runs, vmapped (``vmap``) or for one client at a time through
+    #: ``client_update`` (``per client``: the algorithm's own); None where a kernel of the engine's
+    #: computes the standard maths (``hand-batched``, ``DP-SGD chain``).
+    step: Optional[ClientStep] = field(default=None, compare=False)
+    #: The clients' training figures come with a computation's results (the engine's kernels and
+    #: the vmapped step; the per-client path records them in ``client_update``, by its step).
+    records_figures: bool = False
     #: How the evaluation computes users, and the client maths' gradient oracle: the model probe's
     #: decisions (ModelPaths), which every backend reads; here so the one logged line says them all.
     evaluation: str = ""
@@ -61,7 +69,8 @@ class ClientPlan:
 
     def describe(self) -> str:
         """The plan as the engine logs it."""
-        return f"{self.why}; evaluation: {self.evaluation}; client maths: {self.gradients}"
+        step = "" if self.step is None else f"; client step: {self.step.kind}"
+        return f"{self.why}{step}; evaluation: {self.evaluation}; client maths: {self.gradients}"
 
     @property
     def together(self) -> bool:
@@ -99,8 +108,11 @@ def resolve_plan(
     input_shape: Optional[Tuple[int, ...]],
     compile_local_update: bool = False,
     try_hand_batched: bool = True,
+    record_training: bool = True,
 ) -> ClientPlan:
-    """The plan for ``algorithm``'s clients on samples of ``input_shape`` (after the model's probe)."""
+    """The plan for ``algorithm``'s clients on samples of ``input_shape`` (after the model's
+    probe); ``record_training=False`` leaves the training figures out of a computation's results
+    (what recording them costs, benchmarks)."""
     paths = algorithm.paths
     reads, gathers = roles_read(algorithm), gathers_keyed_batches(algorithm)
 
@@ -109,7 +121,17 @@ def resolve_plan(
 
     def plan(path: Path, why: str, hand_batched: Optional[HandBatchedGradients] = None) -> ClientPlan:
         whole = algorithm.returns_whole_state
-        return ClientPlan(path, why, whole, reads, gathers, hand_batched, evaluation, oracle)
+        together = path is not Path.PER_CLIENT
+        figures = together and record_training and algorithm.reports_training and not whole
+        if path is Path.PER_CLIENT:
+            step: Optional[ClientStep] = algorithm.client_step
+        elif path is Path.VMAP:
+            step = choose_client_step(algorithm, record_figures=figures)
+        else:
+            step = None
+        return ClientPlan(
+            path, why, whole, reads, gathers, hand_batched, step, figures, evaluation=evaluation, gradients=oracle
+        )
 
     if algorithm.keeps_client_state:
         return plan(Path.PER_CLIENT, "clients one by one (each keeps a state of its own)")

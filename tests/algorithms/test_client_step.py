@@ -62,7 +62,8 @@ def test_a_client_alone_and_vmapped_among_a_rounds_clients_get_the_same_bits():
         algorithm, state = _algorithm()
         if try_vmap:
             engine = BatchedSimulation(algorithm, data.users, state, driver=None, try_hand_batched=False)
-            assert engine.plan.path is Path.VMAP
+            assert engine.plan.path is Path.VMAP and engine.plan.step.kind is StepKind.FIGURES
+            assert "client step: its training figures recorded" in engine.plan.describe()
             updates = engine.train_clients(0, [0, 3], state)
         else:
             users = data.users
