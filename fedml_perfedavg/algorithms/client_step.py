@@ -52,7 +52,7 @@ class Trains(Protocol):
 
 class StepKind(str, Enum):
     OWN_STATE = "with a state of the client's own (local_training_with_state)"
-    PRIVATE = "DP-SGD (private_update; the client keeps its adaptive clip bounds)"
+    PRIVATE = "DP-SGD (private_update; with adaptive clipping the client keeps its clip bounds)"
     FIGURES = "its training figures recorded (local_update_and_figures)"
     PLAIN = "plain (local_update, or local_training on the whole state)"
 

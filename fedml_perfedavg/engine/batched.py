@@ -83,8 +83,9 @@ class BatchedSimulation:
         self.reports_training = self.plan.records_figures
         #: The DP-SGD chain's clients' adaptive clip bounds after the last computation (clients, roles).
         self.clip_bounds_after: Optional[Tensor] = None
-        self.step: Callable[[Params, LocalBatches], Trained] = self._step_of(self.plan)
-        if compile_local_update and self.batched:
+        #: What trains a computation's clients together; None on the per-client path (client_update).
+        self.step: Optional[Callable[[Params, LocalBatches], Trained]] = self._step_of(self.plan)
+        if compile_local_update and self.step is not None:
             # The round is thousands of tiny kernels: on a GPU, CUDA graphs ("reduce-overhead")
             # replay them without per-kernel launch cost. Shapes are the same every round.
             on_cuda = next(iter(global_state.values())).is_cuda
@@ -92,10 +93,13 @@ class BatchedSimulation:
         self.minibatches = Minibatches(algorithm, users, self.plan)
         self.sample_counts = self.minibatches.sample_counts
 
-    def _step_of(self, plan: ClientPlan) -> Callable[[Params, LocalBatches], Trained]:
+    def _step_of(self, plan: ClientPlan) -> Optional[Callable[[Params, LocalBatches], Trained]]:
         """The function that trains a computation's clients together, as ``plan`` says (the
-        per-client path has none: it calls ``client_update``): their stacked results, and their
-        training figures (C, 2) where the engine records them."""
+        per-client path has none: it calls ``client_update``, whose step may keep a state of the
+        client's own or run DP-SGD per sample): their stacked results, and their training figures
+        (C, 2) where the engine records them."""
+        if plan.path is Path.PER_CLIENT:
+            return None
         if plan.path is Path.HAND_BATCHED:
             return self._hand_batched_step()
         if plan.path is Path.PRIVATE_CHAIN:
@@ -155,6 +159,7 @@ class BatchedSimulation:
         batches = self.minibatches.round_batches(round_idx, clients, lazy_inputs)
         # an algorithm whose clients send back whole states trains from the whole state
         start = self.state if self.whole_state else self.algorithm.split_state(self.state)[0]
+        assert self.step is not None  # a computation of several clients (plan.together)
         with torch.no_grad():
             stacked, figures = self.step({k: v.detach() for k, v in start.items()}, batches)
         bounds, self.clip_bounds_after = self.clip_bounds_after, None

@@ -74,3 +74,26 @@ def test_a_client_alone_and_vmapped_among_a_rounds_clients_get_the_same_bits():
         assert alone.keys() == together.keys()
         for key in alone:
             torch.testing.assert_close(alone[key], together[key], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name, model, overrides, kind",
+    [
+        ("ClippedFedSGD", "mlp", {"clip_norm": 10.0, "client_momentum": 0.9}, StepKind.OWN_STATE),
+        ("PerFedAvg", "small_cnn", DP, StepKind.PRIVATE),
+    ],
+)
+def test_the_engine_runs_a_step_that_is_no_pure_function_client_by_client(name, model, overrides, kind):
+    """A step with a state of the client's own, or DP-SGD per sample (a model that is no Linear
+    chain), runs through client_update on the engine's per-client path (the CI run of d6a066a:
+    the engine built a vmapped step for every path, and these raised before the first round)."""
+    data = tiny_data()
+    torch.manual_seed(0)
+    network = create_model(model, (1, 4, 4), 3, [5])
+    algorithm = create_algorithm(name, network, tiny_config(federated_optimizer=name, model=model, **overrides))
+    state = network.state_dict()
+    engine = BatchedSimulation(algorithm, data.users, state, driver=None)
+    assert engine.plan.path is Path.PER_CLIENT and engine.plan.step.kind is kind and engine.step is None
+    updates = engine.train_clients(0, [1, 4], state)
+    assert [samples for samples, _ in updates] == [24, 24]
+    assert all(not torch.equal(update[k], state[k]) for _, update in updates for k in algorithm.parameter_names)
