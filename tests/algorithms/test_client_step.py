@@ -13,16 +13,9 @@ from fedml_perfedavg.models import create_model
 
 import tests.algorithms.clipped_fedsgd  # noqa: F401  registers ClippedFedSGD
 from tests.helpers_tiny import tiny_config, tiny_data
+from tests.run.test_privacy_run import DP
 
 pytestmark = pytest.mark.fast
-
-DP = {
-    "dp_args.enable_dp": True,
-    "dp_args.dp_solution_type": "dpsgd",
-    "dp_args.noise_multiplier": 1.1,
-    "dp_args.max_grad_norm": 1.0,
-    "dp_args.delta": 1e-5,
-}
 
 
 def _algorithm(name="PerFedAvg", **overrides):
