@@ -289,3 +289,34 @@ def test_a_forked_rank_ends_with_its_stand_in_and_mpirun_ends_the_job(tmp_path):
     while any(os.path.exists(f"/proc/{r['pid']}") for r in ranks) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(os.path.exists(f"/proc/{r['pid']}") for r in ranks)
+
+
+RUN_SCRIPT = "import runpy, sys; sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+@pytest.mark.parametrize("form", ["script", "-c --script"])
+def test_a_users_script_is_forked_with_neither_the_plugin_nor_fedml_loaded_as_a_fresh_one_starts(tmp_path, form):
+    """A user's script (FedML's examples, the one-file scripts, the network guard's ``--script``)
+    is forked from the libraries' server: it sees what a fresh interpreter sees, and imports the
+    plugin and FedML itself, in its own order."""
+    script = tmp_path / "users" / "main_of_the_user.py"
+    script.parent.mkdir()
+    script.write_text(zygote.PROBE.read_text())
+    command = [sys.executable, str(script), "imports"]
+    if form != "script":
+        command = [sys.executable, "-c", RUN_SCRIPT, "--script", str(script), "imports"]
+    results = []
+    for popen in (zygote.FreshPopen, zygote.ForkedPopen):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PROBE_VARIABLE": "v"}
+        process = popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+        said, loaded = [json.loads(line) for line in out.splitlines()]
+        said.pop("random")
+        results.append((getattr(process, "_forked", False), said, loaded))
+    (fresh_forked, fresh, fresh_loaded), (forked_forked, forked, forked_loaded) = results
+    assert (fresh_forked, forked_forked) == (False, True)
+    assert forked == fresh and fresh["argv"] == ["imports"]
+    assert fresh["path0"] == (str(script.parent) if form == "script" else "")  # as `python -c` and runpy set it
+    assert forked_loaded == fresh_loaded == []
+    assert zygote.forkable(command, None, False, None, (), env, None)[2].path == zygote._Server.get("libraries").path

@@ -22,13 +22,22 @@ wraps it, ``unshare -n`` included) starts a small stand-in for each rank instead
 its PMI socket (MPICH's ``PMI_FD``, at the same number) and its network namespace, forwards the
 signals mpirun sends, ends with the rank's status, and takes the rank with it if it is killed.
 
-What keeps a fresh interpreter (:func:`forkable` says no): any other program or script (FedML's
-example scripts and the user's one-file scripts, which are what those tests check, under mpirun
-too), commands under ``unshare`` or ``prlimit``, python flags, ``preexec_fn``,
-``pass_fds``, and an environment that differs in what is read while importing (thread counts,
-``PYTHON*`` variables, coverage). ``TESTS_FRESH_PROCESSES=1`` turns the server off; without
-pytest-xdist it is off too. The launcher's own children (``launch-silo``) are fresh interpreters:
-they are started by the product's code, in another process.
+Scripts (FedML's example scripts, the user's one-file scripts, ``python -c GUARD --script
+SCRIPT``, under mpirun too) are what their tests check: that the one import works in whichever
+order a user writes it. They are forked from a second server per worker, the *libraries* one,
+which imported torch alone (1.4 s of each such process's 1.8 s of CPU before its first line):
+neither the plugin nor FedML is loaded when the script starts, so the script imports them in its
+own order as a fresh interpreter would (tests/test_zygote.py checks it). matplotlib, which FedML
+imports at first use through the plugin's deferral and which writes its caches under HOME, is not
+preloaded there.
+
+What keeps a fresh interpreter (:func:`forkable` says no): any other program, ``python -c CODE``
+without a script (the import-cost and layout tests, which read what a fresh interpreter loads),
+commands under ``unshare`` or ``prlimit``, python flags, ``preexec_fn``, ``pass_fds``, and an
+environment that differs in what is read while importing (thread counts, ``TORCH_*`` and
+``PYTHON*`` variables, coverage). ``TESTS_FRESH_PROCESSES=1`` turns the servers off; without
+pytest-xdist they are off too. The launcher's own children (``launch-silo``) are fresh
+interpreters: they are started by the product's code, in another process.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ import threading
 import traceback
 import types
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 LIAR = REPO / "tests" / "backends" / "lying_silo.py"
@@ -61,19 +70,24 @@ SWITCH = "TESTS_FRESH_PROCESSES"
 FreshPopen = subprocess.Popen  # before conftest.py puts ForkedPopen in its place
 
 # What a silo, a server or a single-process run imports before its first round: imported once,
-# in the server, in this order (a user's `import fedml_perfedavg` first, then FedML, as the
-# command line does).
-PRELOAD = (
-    "torch",
-    "fedml_perfedavg",
-    "fedml_perfedavg.run.cli",
-    "fedml_perfedavg.run.runner",
-    "fedml",
-    "grpc",
-    "fedml_perfedavg.fedml_bridge.cross_silo.transport",
-    "matplotlib.figure",  # accuracy.png at every run's end (run/plot.py)
-    "matplotlib.backends.backend_agg",
-)
+# in the plugin's server, in this order (a user's `import fedml_perfedavg` first, then FedML, as
+# the command line does).
+PLUGIN = "plugin"
+LIBRARIES = "libraries"  # scripts: what they import before the plugin or FedML, and nothing of those
+PRELOAD = {
+    PLUGIN: (
+        "torch",
+        "fedml_perfedavg",
+        "fedml_perfedavg.run.cli",
+        "fedml_perfedavg.run.runner",
+        "fedml",
+        "grpc",
+        "fedml_perfedavg.fedml_bridge.cross_silo.transport",
+        "matplotlib.figure",  # accuracy.png at every run's end (run/plot.py)
+        "matplotlib.backends.backend_agg",
+    ),
+    LIBRARIES: ("torch",),
+}
 
 # Read while the preloaded modules are imported (OpenMP's thread count when torch loads it, the
 # interpreter's own PYTHON* settings, coverage's start-up hook): a command whose value differs
@@ -88,17 +102,17 @@ def _import_time_environment(env) -> dict:
     return {
         key: value
         for key, value in env.items()
-        if key in _IMPORT_TIME or (key.startswith("PYTHON") and key not in _PYTHON_RUNTIME)
+        if key in _IMPORT_TIME or key.startswith("TORCH_") or (key.startswith("PYTHON") and key not in _PYTHON_RUNTIME)
     }
 
 
 # ----------------------------------------------------------------------------------- the server
 
 
-def serve(path: str) -> None:
-    """Import PRELOAD, listen on ``path`` and fork a child for each request until stdin closes
-    (the pytest worker that started this process has ended)."""
-    for name in PRELOAD:
+def serve(path: str, kind: str) -> None:
+    """Import ``PRELOAD[kind]``, listen on ``path`` and fork a child for each request until stdin
+    closes (the pytest worker that started this process has ended)."""
+    for name in PRELOAD[kind]:
         importlib.import_module(name)
     threads = os.listdir("/proc/self/task")
     if len(threads) != 1:  # a fork would leave those threads behind, holding whatever they held
@@ -316,21 +330,22 @@ def _end(code: int, killed_by: Optional[int] = None) -> None:
 
 
 class _Server:
-    """This worker's fork server, started on first use; ``None`` where it cannot start."""
+    """One of this worker's fork servers (``kind``: PRELOAD's key), started on first use; ``None``
+    where it cannot start."""
 
-    started: Optional["_Server"] = None
-    failed = False
+    started: Dict[str, "_Server"] = {}
+    failed: Set[str] = set()
     _starting = threading.Lock()  # tests may start processes from several threads at once
 
-    def __init__(self) -> None:
-        folder = tempfile.mkdtemp(prefix="zygote-")
+    def __init__(self, kind: str) -> None:
+        folder = tempfile.mkdtemp(prefix=f"zygote-{kind}-")
         self.path = os.path.join(folder, "socket")
         # one OpenMP/BLAS thread unless the worker says otherwise (conftest.py gives each worker
         # one): with more, importing torch starts a BLAS thread, and the server refuses to fork
         threads = os.environ.get("OMP_NUM_THREADS", "1")
         self.environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": threads}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.zygote", self.path],
+            [sys.executable, "-m", "tests.zygote", self.path, kind],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=str(REPO),
@@ -340,7 +355,7 @@ class _Server:
         said = self.process.stdout.readline().strip() if self.process.stdout else ""
         if said != "ready":
             self.process.kill()
-            raise RuntimeError(f"the tests' fork server did not start: {said or 'it ended'}")
+            raise RuntimeError(f"the tests' {kind} fork server did not start: {said or 'it ended'}")
         self.import_time = _import_time_environment(self.environment)
         atexit.register(self.close)
 
@@ -354,22 +369,25 @@ class _Server:
             self.process.kill()
 
     @classmethod
-    def get(cls) -> Optional["_Server"]:
+    def get(cls, kind: str) -> Optional["_Server"]:
         with cls._starting:
-            return cls._get()
+            return cls._get(kind)
 
     @classmethod
-    def _get(cls) -> Optional["_Server"]:
-        if cls.started is None and not cls.failed:
+    def _get(cls, kind: str) -> Optional["_Server"]:
+        if kind not in cls.started and kind not in cls.failed:
             try:
-                cls.started = cls()
+                cls.started[kind] = cls(kind)
             except (OSError, RuntimeError) as failure:
-                cls.failed = True  # said once; every command then gets a fresh interpreter
+                cls.failed.add(kind)  # said once; every such command then gets a fresh interpreter
                 print(f"tests/zygote.py: {failure}; processes start fresh", file=sys.stderr)
-        if cls.started is not None and cls.started.process.poll() is not None:
-            print("tests/zygote.py: the fork server ended; processes start fresh", file=sys.stderr)
-            cls.started, cls.failed = None, True
-        return cls.started
+        server = cls.started.get(kind)
+        if server is not None and server.process.poll() is not None:
+            print(f"tests/zygote.py: the {kind} fork server ended; processes start fresh", file=sys.stderr)
+            del cls.started[kind]
+            cls.failed.add(kind)
+            return None
+        return server
 
 
 def enabled() -> bool:
@@ -384,10 +402,30 @@ def enabled() -> bool:
 NETNS_EXEC = ["ip", "netns", "exec"]
 
 
-def forkable(args, executable, shell, preexec_fn, pass_fds, env, cwd, **rest) -> Optional[Tuple[List[str], str]]:
-    """The command's arguments after the interpreter (``["-m", "fedml_perfedavg", ...]`` or the
-    lying-silo script's) and the network namespace it runs in ("" for this one), or None when it
-    must start as a fresh interpreter."""
+def _kind(argv: List[str], rank: bool) -> Optional[str]:
+    """Which server forks ``python ARGV`` (None: a fresh interpreter): the plugin's for
+    ``-m fedml_perfedavg``, the lying silo and the probe, and (an MPI rank's) ``-c CODE`` that runs
+    no script; the libraries' for a script (``python SCRIPT`` or ``-c CODE --script SCRIPT``)."""
+    if argv[:2] == ["-m", "fedml_perfedavg"]:
+        return PLUGIN
+    if argv[0] == "-c":
+        if "--script" in argv[2:]:
+            return LIBRARIES
+        return PLUGIN if rank else None
+    if argv[0].startswith("-"):
+        return None
+    path = Path(argv[0]).resolve()
+    if path in (LIAR, PROBE):
+        return PLUGIN
+    return LIBRARIES if path.suffix == ".py" and path.is_file() else None
+
+
+def forkable(
+    args, executable, shell, preexec_fn, pass_fds, env, cwd, **rest
+) -> Optional[Tuple[List[str], str, "_Server"]]:
+    """The command's arguments after the interpreter (``["-m", "fedml_perfedavg", ...]``, a
+    script's), the network namespace it runs in ("" for this one) and the server that forks it, or
+    None when it must start as a fresh interpreter."""
     if shell or preexec_fn is not None or pass_fds or executable not in (None, sys.executable):
         return None
     if any(value not in (None, -1, False, True) for value in rest.values()):  # uid, gid, umask, group
@@ -400,20 +438,22 @@ def forkable(args, executable, shell, preexec_fn, pass_fds, env, cwd, **rest) ->
     if len(args) < 2 or args[0] != sys.executable:
         return None
     argv = args[1:]
-    module = argv[:2] == ["-m", "fedml_perfedavg"]
-    if not module and Path(argv[0]).resolve() not in (LIAR, PROBE):
+    kind = _kind(argv, rank=False)
+    if kind is None:
         return None
     if cwd is not None and not os.path.isdir(cwd):
         return None  # Popen's own start says what is wrong with it
-    if _server_for(env) is None:
+    server = _server_for(kind, env)
+    if server is None:
         return None
-    return argv, netns
+    return argv, netns, server
 
 
-def _server_for(env) -> Optional["_Server"]:
-    """This worker's fork server, where a command with environment ``env`` (None: this process's)
-    may be forked from it: it has started, and the command reads at import what the server read."""
-    server = _Server.get()
+def _server_for(kind: str, env) -> Optional["_Server"]:
+    """This worker's ``kind`` fork server, where a command with environment ``env`` (None: this
+    process's) may be forked from it: it has started, and the command reads at import what the
+    server read."""
+    server = _Server.get(kind)
     environment = os.environ if env is None else env
     if server is None or _import_time_environment(environment) != server.import_time:
         return None
@@ -424,9 +464,8 @@ MPIRUN_NAMES = ("mpirun", "mpiexec", "mpiexec.hydra")
 
 
 def forkable_ranks(args, executable, shell, env) -> Optional[List[str]]:
-    """``mpirun -n N python ...`` (whatever wraps mpirun) with each rank started by the fork server
-    through tests/zygote_rank.py, or None: the rank's command must be ``-m fedml_perfedavg`` or the
-    lying-silo or probe script, or ``-c CODE`` that runs no script of the user's (``--script``)."""
+    """``mpirun -n N python ...`` (whatever wraps mpirun) with each rank started by a fork server
+    through tests/zygote_rank.py (the server :func:`_kind` names), or None."""
     if shell or executable is not None or isinstance(args, (str, bytes)):
         return None
     args = [str(a) for a in args]
@@ -437,17 +476,15 @@ def forkable_ranks(args, executable, shell, env) -> Optional[List[str]]:
     if len(rank) < 2 or rank[0] != sys.executable:
         return None
     argv = rank[1:]
-    script = not argv[0].startswith("-") and Path(argv[0]).resolve() in (LIAR, PROBE)
-    if not (argv[:2] == ["-m", "fedml_perfedavg"] or script or (argv[0] == "-c" and "--script" not in argv)):
-        return None
-    server = _server_for(env)
+    kind = _kind(argv, rank=True)
+    server = None if kind is None else _server_for(kind, env)
     if server is None:
         return None
     return [*args[: at + 3], sys.executable, "-I", "-S", str(RANK), server.path, *argv]
 
 
 class ForkedPopen(subprocess.Popen):
-    """``subprocess.Popen`` that asks this worker's fork server for the commands
+    """``subprocess.Popen`` that asks one of this worker's fork servers for the commands
     :func:`forkable` accepts; every other command starts as Popen starts it."""
 
     _link: Optional[socket.socket] = None  # the server's connection, until it sends the exit status
@@ -500,13 +537,11 @@ class ForkedPopen(subprocess.Popen):
                 p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
                 start_new_session, process_group,
             )  # fmt: skip
-        server = _Server.get()
-        assert server is not None
         environment = {
             (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in (os.environ if env is None else env).items()
         }
-        argv, netns = forked
+        argv, netns, server = forked
         request = {
             "argv": argv,
             "netns": netns,
@@ -570,4 +605,4 @@ class ForkedPopen(subprocess.Popen):
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2])

@@ -2,21 +2,25 @@
 prints one JSON line (its argv, working directory, a variable of its environment, session, the
 line it read from stdin, whether it shares the random sequence, its network namespace and the
 interfaces it sees there) and then does ACTION:
-``exit:N``, ``raise``, ``interrupt`` (an uncaught KeyboardInterrupt), ``sleep`` (until killed), or
-``thread`` (a non-daemon thread prints after the main thread returns, then atexit prints); under
-mpirun, ``mpi`` (a second line: its rank, the world's size, an allreduce, its pid and parent)
+``exit:N``, ``raise``, ``interrupt`` (an uncaught KeyboardInterrupt), ``sleep`` (until killed),
+``thread`` (a non-daemon thread prints after the main thread returns, then atexit prints), or
+``imports`` (a second line: which of the plugin, FedML, gRPC and matplotlib were loaded when it
+started); under mpirun, ``mpi`` (a second line: its rank, the world's size, an allreduce, its pid and parent)
 and ``mpi-sleep`` (the same, then sleep until killed)."""
 
-import atexit
-import json
-import os
-import random
-import socket
 import sys
-import threading
-import time
 
-import numpy
+LOADED_AT_START = sorted(m for m in ("fedml", "fedml_perfedavg", "grpc", "matplotlib") if m in sys.modules)
+
+import atexit  # noqa: E402  (after what was loaded before this script's first import)
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import numpy  # noqa: E402
 
 
 def main() -> None:
@@ -60,6 +64,8 @@ def main() -> None:
         if action == "mpi-sleep":
             time.sleep(600)
         return
+    if action == "imports":
+        print(json.dumps(LOADED_AT_START), flush=True)
     if action.startswith("exit:"):
         sys.exit(int(action[5:]))
     if action == "raise":
