@@ -1,10 +1,10 @@
-"""A fork server for the processes the tests start as ``python -m fedml_perfedavg ...``.
+"""Fork servers for the processes the tests start as ``python -m fedml_perfedavg ...`` or ``python SCRIPT``.
 
 Why: a test's cross-silo run is several processes, and each fresh interpreter spends about 2 s of
 CPU importing torch, FedML and gRPC before it does anything (2026-11-28: 213 such processes in a
-suite, about a third of its CPU). Under pytest-xdist each worker starts one server process
-(``python -m tests.zygote``) that imports them once and then forks a child for each such command
-a test starts: the child takes the command's stdin/stdout/stderr, working directory, environment
+suite, about a third of its CPU). Under pytest-xdist each worker starts a server process
+(``python -m tests.zygote PATH plugin``) that imports them once and then forks a child for each
+such command a test starts: the child takes the command's stdin/stdout/stderr, working directory, environment
 and session, runs ``fedml_perfedavg``'s ``__main__`` (or the lying-silo script) as ``python -m``
 would, and ends as the interpreter would (non-daemon threads joined, atexit run, streams flushed).
 It is a real process with its own pid, signals, process group and exit status, which the test
@@ -25,7 +25,7 @@ signals mpirun sends, ends with the rank's status, and takes the rank with it if
 Scripts (FedML's example scripts, the user's one-file scripts, ``python -c GUARD --script
 SCRIPT``, under mpirun too) are what their tests check: that the one import works in whichever
 order a user writes it. They are forked from a second server per worker, the *libraries* one,
-which imported torch alone (1.4 s of each such process's 1.8 s of CPU before its first line):
+which imported torch alone (1.5 s of CPU, nearly all that such a process spends importing):
 neither the plugin nor FedML is loaded when the script starts, so the script imports them in its
 own order as a fresh interpreter would (tests/test_zygote.py checks it). matplotlib, which FedML
 imports at first use through the plugin's deferral and which writes its caches under HOME, is not
@@ -85,6 +85,11 @@ PRELOAD = {
         "fedml_perfedavg.fedml_bridge.cross_silo.transport",
         "matplotlib.figure",  # accuracy.png at every run's end (run/plot.py)
         "matplotlib.backends.backend_agg",
+        # a DP-SGD run's accountants (core/accounting.py imports them before its first round):
+        # Opacus and SciPy, 1.1 s of CPU in each such process
+        "opacus.accountants",
+        "opacus.accountants.analysis.rdp",
+        "threadpoolctl",
     ),
     LIBRARIES: ("torch",),
 }
@@ -277,7 +282,9 @@ def _become(request: dict, fds: List[int], connection: socket.socket) -> None:
     except SystemExit as stop:
         code = _exit_code(stop.code)
     except KeyboardInterrupt:
-        traceback.print_exc()
+        # through sys.excepthook, as the interpreter does (the plugin's, in a user's script, prints
+        # where the stopped run's record is and ends the process by the signal that stopped it)
+        sys.excepthook(*sys.exc_info())
         _end(1, killed_by=signal.SIGINT)  # as the interpreter ends on an uncaught Ctrl-C
     except BaseException:  # noqa: BLE001
         sys.excepthook(*sys.exc_info())
