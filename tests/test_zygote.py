@@ -320,3 +320,42 @@ def test_a_users_script_is_forked_with_neither_the_plugin_nor_fedml_loaded_as_a_
     assert fresh["path0"] == (str(script.parent) if form == "script" else "")  # as `python -c` and runpy set it
     assert forked_loaded == fresh_loaded == []
     assert zygote.forkable(command, None, False, None, (), env, None)[2].path == zygote._Server.get("libraries").path
+
+
+def _gone(pid: int, within: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stream:
+                if stream.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_launchers_silo_is_forked_in_its_namespace_and_ends_when_the_launcher_is_killed(tmp_path):
+    """The silo launcher's processes (started with PR_SET_PDEATHSIG) are forked by the server too,
+    in the launcher's network namespace; when the launcher dies, even by SIGKILL, each gets SIGTERM,
+    as the kernel sends it to a fresh one."""
+    name = _network_namespace()
+    prefix = ("ip", "netns", "exec", name) if name else ()
+    try:
+        for forked in (False, True):
+            launcher = _start(forked, "launch", tmp_path, prefix=prefix)
+            first = json.loads(launcher.stdout.readline())
+            silo = json.loads(launcher.stdout.readline())
+            assert silo["forked"] is forked and silo["argv"] == ["sleep"] and silo["leader"] is True
+            assert silo["netns"] == first["netns"]
+            if name:
+                assert silo["netns"] != os.readlink("/proc/self/ns/net")
+            assert not _gone(silo["pid"], 0.5)
+            launcher.kill()
+            launcher.communicate(timeout=60)
+            assert _gone(silo["pid"], 20.0), f"the silo outlived its launcher (forked: {forked})"
+    finally:
+        if name:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)

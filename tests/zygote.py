@@ -104,11 +104,14 @@ _PYTHONPATH_AT_START = [p for p in os.environ.get("PYTHONPATH", "").split(os.pat
 
 
 def _import_time_environment(env) -> dict:
-    return {
+    found = {
         key: value
         for key, value in env.items()
         if key in _IMPORT_TIME or key.startswith("TORCH_") or (key.startswith("PYTHON") and key not in _PYTHON_RUNTIME)
     }
+    if found.get("MKL_NUM_THREADS") == found.get("OMP_NUM_THREADS"):
+        found.pop("MKL_NUM_THREADS", None)  # unset, MKL follows OMP_NUM_THREADS (the launcher sets both)
+    return found
 
 
 # ----------------------------------------------------------------------------------- the server
@@ -137,16 +140,18 @@ def serve(path: str, kind: str) -> None:
     # exit statuses); each child gets what a fresh interpreter would have (_become)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     waiting = {}  # pid -> the connection its exit status goes back on
-    tied = {}  # a rank's stand-in's connection -> its rank's pid: the rank ends if the stand-in does
+    # a connection whose end ends its child -> (the child's pid, the signal): a rank's stand-in's
+    # (SIGKILL: the rank ends with it) and a launcher's for its silos (SIGTERM: PR_SET_PDEATHSIG's)
+    tied = {}
     print("ready", flush=True)
     while True:
         readable = select.select([listener, wake_read, sys.stdin, *tied], [], [])[0]
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
             return
         for connection in [c for c in readable if c in tied]:
-            pid = tied.pop(connection)  # the stand-in sends nothing more: it has ended (SIGKILL from mpirun)
+            pid, ending = tied.pop(connection)  # the other side sends nothing more: it has ended
             if waiting.get(pid) is connection:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, ending)
         if wake_read in readable:
             while True:
                 try:
@@ -204,7 +209,7 @@ def _fork_one(connection: socket.socket, waiting: dict, tied: dict, closing: lis
         os.close(fd)
     waiting[pid] = connection
     if request.get("tied"):
-        tied[connection] = pid
+        tied[connection] = (pid, int(request["tied"]))
     connection.send(json.dumps({"pid": pid}).encode())
 
 
@@ -231,8 +236,8 @@ def _become(request: dict, fds: List[int], connection: socket.socket) -> None:
     """In the child: take the command's streams, place, environment and session, run it, end."""
     if request.get("netns"):
         _enter_network_namespace(request["netns"])
-    if request.get("netns_fd") is not None:  # a rank's stand-in's namespace (mpirun under unshare -n)
-        _join_network_namespace(fds[request["netns_fd"]], "of the rank's stand-in")
+    elif request.get("netns_fd") is not None:  # the asker's: a rank's stand-in under unshare -n, a launcher's
+        _join_network_namespace(fds[request["netns_fd"]], "of the process that asked")
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
@@ -256,6 +261,9 @@ def _become(request: dict, fds: List[int], connection: socket.socket) -> None:
     # reseeds itself in a forked child (os.register_at_fork), numpy's global generator does not
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+    # the processes this one starts (a launcher's silos) are forked by the same servers
+    _Server.known(request.get("servers", {}))
+    subprocess.Popen = ForkedPopen  # type: ignore[misc]
     if request["env"].get("PYTHONUNBUFFERED"):
         sys.stdout.reconfigure(write_through=True)
         sys.stderr.reconfigure(write_through=True)
@@ -344,6 +352,8 @@ class _Server:
     failed: Set[str] = set()
     _starting = threading.Lock()  # tests may start processes from several threads at once
 
+    process: Optional[subprocess.Popen]  # None in a forked child, which only asks
+
     def __init__(self, kind: str) -> None:
         folder = tempfile.mkdtemp(prefix=f"zygote-{kind}-")
         self.path = os.path.join(folder, "socket")
@@ -376,6 +386,21 @@ class _Server:
             self.process.kill()
 
     @classmethod
+    def known(cls, servers: Dict[str, List]) -> None:
+        """In a forked child: the servers its parent's worker started (kind -> [path, import-time
+        environment]), and no other: a child starts none of its own."""
+        cls.started, cls.failed = {}, set(PRELOAD) - set(servers)
+        for kind, (path, import_time) in servers.items():
+            server = cls.__new__(cls)
+            server.path, server.import_time, server.process = path, import_time, None
+            cls.started[kind] = server
+
+    @classmethod
+    def addresses(cls) -> Dict[str, List]:
+        """What :meth:`known` takes in a child: the servers started."""
+        return {kind: [server.path, server.import_time] for kind, server in cls.started.items()}
+
+    @classmethod
     def get(cls, kind: str) -> Optional["_Server"]:
         with cls._starting:
             return cls._get(kind)
@@ -389,7 +414,7 @@ class _Server:
                 cls.failed.add(kind)  # said once; every such command then gets a fresh interpreter
                 print(f"tests/zygote.py: {failure}; processes start fresh", file=sys.stderr)
         server = cls.started.get(kind)
-        if server is not None and server.process.poll() is not None:
+        if server is not None and server.process is not None and server.process.poll() is not None:
             print(f"tests/zygote.py: the {kind} fork server ended; processes start fresh", file=sys.stderr)
             del cls.started[kind]
             cls.failed.add(kind)
@@ -490,6 +515,15 @@ def forkable_ranks(args, executable, shell, env) -> Optional[List[str]]:
     return [*args[: at + 3], sys.executable, "-I", "-S", str(RANK), server.path, *argv]
 
 
+def _ends_with_parent(preexec_fn) -> bool:
+    """The launcher's ``preexec_fn`` (run/launch_silo.py: PR_SET_PDEATHSIG, SIGTERM when the launcher
+    ends), which a forked child gets as the server's SIGTERM when the launcher's connection closes."""
+    return (
+        getattr(preexec_fn, "__module__", None) == "fedml_perfedavg.run.launch_silo"
+        and getattr(preexec_fn, "__name__", None) == "_end_with_parent"
+    )
+
+
 class ForkedPopen(subprocess.Popen):
     """``subprocess.Popen`` that asks one of this worker's fork servers for the commands
     :func:`forkable` accepts; every other command starts as Popen starts it."""
@@ -523,11 +557,12 @@ class ForkedPopen(subprocess.Popen):
         start_new_session,
         process_group,
     ):
+        ends_with_parent = _ends_with_parent(preexec_fn)
         forked = forkable(
             args,
             executable,
             shell,
-            preexec_fn,
+            None if ends_with_parent else preexec_fn,
             pass_fds,
             env,
             cwd,
@@ -558,11 +593,16 @@ class ForkedPopen(subprocess.Popen):
             # an exec'd interpreter keeps an ignored SIGINT (pytest-xdist's workers ignore it) and
             # otherwise installs its own handler
             "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+            "netns_fd": 3,  # this process's network namespace, where no named one is given
+            "servers": _Server.addresses(),
+            "tied": int(signal.SIGTERM) if ends_with_parent else 0,
         }
+        namespace = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         streams = [
             p2cread if p2cread != -1 else 0,
             c2pwrite if c2pwrite != -1 else 1,
             errwrite if errwrite != -1 else 2,
+            namespace,
         ]
         link = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -573,6 +613,7 @@ class ForkedPopen(subprocess.Popen):
             link.close()
             raise
         finally:
+            os.close(namespace)
             self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
         if not answer:
             link.close()

@@ -3,10 +3,12 @@ prints one JSON line (its argv, working directory, a variable of its environment
 line it read from stdin, whether it shares the random sequence, its network namespace and the
 interfaces it sees there) and then does ACTION:
 ``exit:N``, ``raise``, ``interrupt`` (an uncaught KeyboardInterrupt), ``sleep`` (until killed),
-``thread`` (a non-daemon thread prints after the main thread returns, then atexit prints), or
+``thread`` (a non-daemon thread prints after the main thread returns, then atexit prints),
 ``imports`` (a second line: which of the plugin, FedML, gRPC and matplotlib were loaded when it
-started); under mpirun, ``mpi`` (a second line: its rank, the world's size, an allreduce, its pid and parent)
-and ``mpi-sleep`` (the same, then sleep until killed)."""
+started), or ``launch`` (starts ``probe sleep`` as the silo launcher starts a silo, prints that
+child's first line and whether it was forked, then sleeps until killed); under mpirun, ``mpi``
+(a second line: its rank, the world's size, an allreduce, its pid and parent) and ``mpi-sleep``
+(the same, then sleep until killed)."""
 
 import sys
 
@@ -66,6 +68,21 @@ def main() -> None:
         return
     if action == "imports":
         print(json.dumps(LOADED_AT_START), flush=True)
+    if action == "launch":
+        import subprocess
+
+        from fedml_perfedavg.run.launch_silo import _end_with_parent
+
+        child = subprocess.Popen(
+            [sys.executable, __file__, "sleep"],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_end_with_parent,
+        )
+        said = json.loads(child.stdout.readline())
+        print(json.dumps({**said, "pid": child.pid, "forked": getattr(child, "_forked", False)}), flush=True)
+        time.sleep(600)
     if action.startswith("exit:"):
         sys.exit(int(action[5:]))
     if action == "raise":

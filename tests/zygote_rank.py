@@ -34,7 +34,7 @@ def main() -> None:
         "env": dict(os.environ),
         "new_session": os.getsid(0) == os.getpid(),  # hydra starts each rank in a session of its own
         "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
-        "tied": True,
+        "tied": int(signal.SIGKILL),  # the rank ends with this stand-in
     }
     link = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
