@@ -327,6 +327,18 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
 
     def receive_message(self, msg_type, msg_params) -> None:
         if msg_params.get_sender_id() != self.rank:  # a word from the server (not the local "ready")
+            if self.announce_again_at is not None and msg_type != MyMessage.MSG_TYPE_S2C_FINISH:
+                # Refused as a twin and not yet taken back: the server still seats this silo's
+                # earlier process, so what it sends is that process's (a model sent before the kill
+                # reaches this address on a retry). Answering it would spend the user's data (and
+                # its DP budget) on an update the server refuses, and would stop the announcements.
+                logger.info(
+                    "silo rank %d: message type %s from the server is for this silo's earlier process "
+                    "(the server has not taken this one back yet): not answered",
+                    self.rank,
+                    msg_type,
+                )
+                return
             now = self.last_heard = time.monotonic()
             if self.state is not State.LISTENING:
                 if self.state is State.REJOINING:
