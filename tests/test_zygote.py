@@ -69,6 +69,7 @@ def test_a_forked_process_sees_what_a_fresh_one_sees_and_ends_alike(tmp_path):
             "path0": str(REPO / "tests"),
             "netns": os.readlink("/proc/self/ns/net"),
             "interfaces": sorted(name for _, name in __import__("socket").if_nameindex()),
+            "cmdline": [sys.executable, str(zygote.PROBE), "exit:3"],  # what ps and /proc show
         }
     )
     # without a session of its own, a process stays in its parent's

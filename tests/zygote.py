@@ -7,8 +7,9 @@ suite, about a third of its CPU). Under pytest-xdist each worker starts a server
 such command a test starts: the child takes the command's stdin/stdout/stderr, working directory, environment
 and session, runs ``fedml_perfedavg``'s ``__main__`` (or the lying-silo script) as ``python -m``
 would, and ends as the interpreter would (non-daemon threads joined, atexit run, streams flushed).
-It is a real process with its own pid, signals, process group and exit status, which the test
-reads through an ordinary ``subprocess.Popen`` (:class:`ForkedPopen`, installed by conftest.py).
+It is a real process with its own pid, signals, process group, exit status and command line
+(/proc/PID/cmdline, written over the server's), which the test reads through an ordinary
+``subprocess.Popen`` (:class:`ForkedPopen`, installed by conftest.py).
 
 A command under ``ip netns exec NAME`` is forked too: the child enters the network namespace
 itself (``setns`` on ``/run/netns/NAME``, as ``ip`` does before it execs), so its sockets live
@@ -232,8 +233,25 @@ def _join_network_namespace(fd: int, name: str) -> None:
         raise OSError(error, f"setns into network namespace {name}: {os.strerror(error)}")
 
 
+# The server's command line ends in this many spaces: room where each child writes its own
+# (/proc/PID/cmdline, which tests read to find a process or its --run_id), as setproctitle does.
+COMMAND_ROOM = 8192
+
+
+def _show_command(argv: List[str]) -> None:
+    """This process's /proc/PID/cmdline becomes ``python ARGV``, as a fresh interpreter's is (NULs
+    after it, to the end of the server's command line)."""
+    import ctypes
+
+    fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end (proc(5), fields 48-49)
+    shown = b"\0".join(os.fsencode(a) for a in [sys.executable, *argv])[: end - start - 1]
+    ctypes.memmove(start, shown.ljust(end - start, b"\0"), end - start)
+
+
 def _become(request: dict, fds: List[int], connection: socket.socket) -> None:
     """In the child: take the command's streams, place, environment and session, run it, end."""
+    _show_command(request["argv"])
     if request.get("netns"):
         _enter_network_namespace(request["netns"])
     elif request.get("netns_fd") is not None:  # the asker's: a rank's stand-in under unshare -n, a launcher's
@@ -362,7 +380,7 @@ class _Server:
         threads = os.environ.get("OMP_NUM_THREADS", "1")
         self.environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": threads}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.zygote", self.path, kind],
+            [sys.executable, "-m", "tests.zygote", self.path, kind, " " * COMMAND_ROOM],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=str(REPO),
@@ -625,7 +643,9 @@ class ForkedPopen(subprocess.Popen):
     def _try_wait(self, wait_flags):
         if not self._forked:
             return super()._try_wait(wait_flags)
-        if self._link is None:  # only under the wait lock, after the status was read
+        if self._link is None or self._link.fileno() < 0:  # the status was read (under the wait lock),
+            # or the link was closed with this object in a collected cycle (Popen.__del__ then keeps
+            # it for subprocess._cleanup): the server reaps the child either way
             return (self.pid, 255 << 8)
         self._link.setblocking(not wait_flags & os.WNOHANG)
         try:

@@ -1,7 +1,7 @@
 """What a process sees of itself, for tests/test_zygote.py: ``python zygote_probe.py ACTION``
 prints one JSON line (its argv, working directory, a variable of its environment, session, the
 line it read from stdin, whether it shares the random sequence, its network namespace and the
-interfaces it sees there) and then does ACTION:
+interfaces it sees there, its /proc/self/cmdline) and then does ACTION:
 ``exit:N``, ``raise``, ``interrupt`` (an uncaught KeyboardInterrupt), ``sleep`` (until killed),
 ``thread`` (a non-daemon thread prints after the main thread returns, then atexit prints),
 ``imports`` (a second line: which of the plugin, FedML, gRPC and matplotlib were loaded when it
@@ -41,6 +41,7 @@ def main() -> None:
                 "path0": sys.path[0],
                 "netns": os.readlink("/proc/self/ns/net"),
                 "interfaces": sorted(name for _, name in socket.if_nameindex()),
+                "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(b"\0").decode().split("\0"),
             }
         ),
         flush=True,
