@@ -16,6 +16,7 @@ time, the stationarity measure where logged, per-user accuracy at the end) and w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -25,7 +26,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -109,19 +110,31 @@ def cell_order(rows: List[Dict]) -> List[str]:
     return [c for c in PAPER if c in present] + sorted(present - set(PAPER))
 
 
+@contextlib.contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """torch on ``threads`` threads, and back to the caller's count after: with ``--jobs 1`` the
+    runs are in the caller's process, whose later work must not inherit this count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_one(path: str, run_dir: str, seed: int, rounds: int, overrides: Sequence[str], threads: int) -> Dict:
     """One run through the plugin's runner (in a worker process)."""
     import logging
 
-    import torch
-
-    torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING)
     from fedml_perfedavg.run.config import load
     from fedml_perfedavg.run.runner import run
 
     config = load(path, [f"random_seed={seed}", f"comm_round={rounds}", "show_progress=false", *overrides])
-    result = run(config, run_dir)
+    with _torch_threads(threads):
+        result = run(config, run_dir)
     return result.summary
 
 
@@ -132,9 +145,6 @@ def run_group(
     computation per round (``fedml_perfedavg.run.runner.run_grid``)."""
     import logging
 
-    import torch
-
-    torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING)
     from fedml_perfedavg.run.config import load
     from fedml_perfedavg.run.runner import run_grid
@@ -142,7 +152,8 @@ def run_group(
     configs = [
         load(path, [f"random_seed={seed}", f"comm_round={rounds}", "show_progress=false", *overrides]) for seed in seeds
     ]
-    return [result.summary for result in run_grid(configs, list(run_dirs))]
+    with _torch_threads(threads):
+        return [result.summary for result in run_grid(configs, list(run_dirs))]
 
 
 def finished(run_dir: Path) -> bool:

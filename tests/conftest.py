@@ -202,6 +202,20 @@ def fake_cifar_root(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def torch_threads_put_back():
+    """A test that changes torch's thread count puts it back: the next tests in the worker would
+    otherwise compute on more threads than the worker's share of the cores (resnet56's test took
+    49 s of CPU instead of 7 after the Table 1 script, run in-process, left 2 on 2026-11-29)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    left = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    assert left == threads, f"the test left torch on {left} threads (it had {threads})"
+
+
+@pytest.fixture(autouse=True)
 def restore_logging_root():
     """FedML's ``fedml.init()`` (mlops_runtime_log.py) replaces ``logging.root``; a test that
     runs FedML's stock main in this process must not leave that to the next test's caplog."""
