@@ -4,8 +4,8 @@ Why: a test's cross-silo run is several processes, and each fresh interpreter sp
 CPU importing torch, FedML and gRPC before it does anything (2026-11-28: 213 such processes in a
 suite, about a third of its CPU). Under pytest-xdist each worker starts a server process
 (``python -m tests.zygote PATH plugin``) that imports them once and then forks a child for each
-such command a test starts: the child takes the command's stdin/stdout/stderr, working directory, environment
-and session, runs ``fedml_perfedavg``'s ``__main__`` (or the lying-silo script) as ``python -m``
+such command a test starts: the child takes the command's stdin/stdout/stderr, working directory,
+environment and session, runs ``fedml_perfedavg``'s ``__main__`` (or the lying-silo script) as ``python -m``
 would, and ends as the interpreter would (non-daemon threads joined, atexit run, streams flushed).
 It is a real process with its own pid, signals, process group, exit status and command line
 (/proc/PID/cmdline, written over the server's), which the test reads through an ordinary
@@ -37,8 +37,10 @@ without a script (the import-cost and layout tests, which read what a fresh inte
 commands under ``unshare`` or ``prlimit``, python flags, ``preexec_fn``, ``pass_fds``, and an
 environment that differs in what is read while importing (thread counts, ``TORCH_*`` and
 ``PYTHON*`` variables, coverage). ``TESTS_FRESH_PROCESSES=1`` turns the servers off; without
-pytest-xdist they are off too. The launcher's own children (``launch-silo``) are fresh
-interpreters: they are started by the product's code, in another process.
+pytest-xdist they are off too. A forked child asks the same servers for the processes it starts:
+``launch-silo``'s silos, whose ``preexec_fn`` (PR_SET_PDEATHSIG) the server keeps as a SIGTERM when
+the launcher's connection closes (:func:`_ends_with_parent`); a launcher that started fresh (under
+``unshare`` or ``prlimit``) starts fresh ones.
 """
 
 from __future__ import annotations
@@ -536,10 +538,8 @@ def forkable_ranks(args, executable, shell, env) -> Optional[List[str]]:
 def _ends_with_parent(preexec_fn) -> bool:
     """The launcher's ``preexec_fn`` (run/launch_silo.py: PR_SET_PDEATHSIG, SIGTERM when the launcher
     ends), which a forked child gets as the server's SIGTERM when the launcher's connection closes."""
-    return (
-        getattr(preexec_fn, "__module__", None) == "fedml_perfedavg.run.launch_silo"
-        and getattr(preexec_fn, "__name__", None) == "_end_with_parent"
-    )
+    launcher = sys.modules.get("fedml_perfedavg.run.launch_silo")
+    return launcher is not None and preexec_fn is getattr(launcher, "_end_with_parent", None)
 
 
 class ForkedPopen(subprocess.Popen):
