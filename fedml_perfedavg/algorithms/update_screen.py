@@ -17,7 +17,7 @@ from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..core.errors import RunStopped
-from ..core.guards import update_bound, update_distance, update_problem
+from ..core.guards import UpdateCheck, update_bound
 from ..core.types import StateDict
 
 logger = logging.getLogger(__name__)
@@ -92,14 +92,10 @@ class UpdateScreen:
         if clients is not None and len(clients) != len(updates):  # a hook before the screen dropped some
             clients = None
         labels = list(clients) if clients is not None else [f"client update {p}" for p in range(len(updates))]
-        problems = [
-            update_problem(update, global_state, self.max_update_norm, self.parameter_names, self.max_update_ratio)
-            for _, update in updates
-        ]
-        norms = [
-            update_distance(update, global_state, self.parameter_names) if problem is None else None
-            for (_, update), problem in zip(updates, problems)
-        ]
+        check = UpdateCheck(global_state, self.max_update_norm, self.parameter_names, self.max_update_ratio)
+        examined = [check.examine(update) for _, update in updates]
+        problems = [problem for problem, _ in examined]
+        norms = [norm if problem is None else None for problem, norm in examined]
         candidates = [n for n in norms if n is not None]
         relative = self.relative_bound(candidates)
         if relative is not None and len(candidates) >= 2 and all(n > relative for n in candidates):

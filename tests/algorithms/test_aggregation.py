@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from fedml_perfedavg.core.errors import RunStopped
-from fedml_perfedavg.core.guards import nonfinite_clients, tensor_is_finite, update_problem
+from fedml_perfedavg.core.guards import (
+    UpdateCheck,
+    nonfinite_clients,
+    tensor_is_finite,
+    update_distance,
+    update_problem,
+)
 
 from tests.helpers_tiny import tiny_config
 
@@ -36,6 +42,36 @@ def test_aggregation_rejects_bad_updates_and_averages_the_rest():
     assert "shape" in update_problem(wrong_shape, good)
     assert "max_update_norm=5.0" in update_problem(far, good, 5.0)
     assert "missing ['net.3.bias']" in update_problem(missing, good)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_one_check_of_many_updates_names_what_the_per_tensor_checks_name(bad):
+    """UpdateCheck (the reference flattened once, an update's distance in one pass) gives the
+    distance the per-tensor sum gives, and names the first non-finite tensor: a parameter, a
+    floating-point buffer outside the norm's keys, or none where only the reference is broken."""
+    torch.manual_seed(0)
+    reference = OrderedDict(w=torch.randn(7, 5), b=torch.randn(7), stat=torch.ones(3), count=torch.tensor(4))
+    keys = ["w", "b"]
+    check = UpdateCheck(reference, None, keys, 1.0)
+    moved = OrderedDict(
+        (k, v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v) for k, v in reference.items()
+    )
+    problem, norm = check.examine(moved)
+    assert problem is None and norm == pytest.approx(update_distance(moved, reference, keys), rel=1e-12)
+    assert check.bound == pytest.approx(float(torch.cat([reference[k].double().flatten() for k in keys]).norm()))
+    for name in ("b", "stat"):
+        broken = OrderedDict((k, v.clone()) for k, v in moved.items())
+        broken[name][2] = bad
+        assert check.examine(broken) == (f"{name}: non-finite values", None)
+        assert update_problem(broken, reference, norm_keys=keys) == f"{name}: non-finite values"
+    far = OrderedDict((k, v * 3) for k, v in moved.items())  # moved by about 2 x ||w||
+    problem, norm = check.examine(far)
+    assert "exceeds train_args.max_update_ratio=1.0" in problem and norm > check.bound
+    broken_reference = OrderedDict((k, v.clone()) for k, v in reference.items())
+    broken_reference["w"][0, 0] = bad
+    problem, norm = UpdateCheck(broken_reference, 5.0, keys).examine(moved)
+    per_tensor = update_distance(moved, broken_reference, keys)  # NaN or inf, as the per-tensor sum gives
+    assert str(norm) == str(per_tensor) and (problem is None) == (not per_tensor > 5.0)
 
 
 def test_rounds_without_acceptable_updates_are_skipped_then_the_run_stops():
