@@ -310,3 +310,40 @@ def test_a_first_layer_kept_transposed_moves_no_bit_and_is_used_where_exact(vari
         assert all(same)
     else:  # another CPU's kernels: the probe keeps the plain layout there; the numbers still agree
         assert all(torch.allclose(results[True][k], results[False][k], atol=1e-6) for k in start)
+
+
+@pytest.mark.parametrize("variant", ["sgd", "fo", "hf"])
+def test_a_direction_folded_into_the_move_moves_no_bit(variant, monkeypatch):
+    """SGD's and FO's move takes the first-layer weight part of its direction as one product into
+    w (WeightProduct.add_to, once a step) where this CPU's epilogue gives the separate passes'
+    bits; HF never folds (its g is the Hessian's direction). Same bits either way, where exact."""
+    import fedml_perfedavg.core.hand_batched as hand_batched
+
+    exact_here = hand_batched.folded_update_is_exact(3, 40, 784, 80, torch.float32, (-0.05,), True)
+    torch.manual_seed(5)
+    model = MLP(784, 10, (80, 60))
+    clients, steps, batch = 3, 3, 40
+    start = {k: v.expand(clients, *v.shape) for k, v in parameters_of(model).items()}
+    batches = LocalBatches(
+        *(
+            t
+            for _ in range(3)
+            for t in (torch.rand(steps, clients, batch, 784), torch.randint(0, 10, (steps, clients, batch)))
+        )
+    )
+    config = LocalUpdateConfig(variant=variant, alpha=0.01, beta=0.05, delta=1e-3, local_steps=steps)
+    calls = []
+    add_to = hand_batched.WeightProduct.add_to
+    monkeypatch.setattr(hand_batched.WeightProduct, "add_to", lambda self, *a: calls.append(1) or add_to(self, *a))
+    results = {}
+    for folds in (True, False):
+        monkeypatch.setattr(hand_batched, "folded_update_is_exact", lambda *shape, answer=folds: answer)
+        stacked, _ = hand_batched_gradients(functional_network(model), (1, 28, 28))
+        calls.clear()
+        results[folds] = stacked.local_update(start, batches, config)
+        assert len(calls) == (steps if folds and variant != "hf" else 0)
+    if exact_here:
+        assert all(torch.equal(results[True][k], results[False][k]) for k in start)
+    else:
+        assert all(torch.allclose(results[True][k], results[False][k], atol=1e-6) for k in start)
+    assert not torch.equal(results[True]["net.1.weight"], start["net.1.weight"])  # it did train
