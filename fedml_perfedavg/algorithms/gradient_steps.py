@@ -68,6 +68,6 @@ class GradientSteps(FederatedAlgorithm):
         clip bounds after it (None for a fixed C)."""
         privacy, paths, standard = self.settings.privacy, self.paths, self.standard_update
         assert privacy is not None and standard is not None
-        chain = paths.private_chain(tuple(batches.x.shape[3:]), standard.step)
+        chain = paths.private_chain(tuple(batches.x.shape[3:]))
         config = dataclasses.replace(standard, local_steps=batches.steps)
         return private_update(self.loss_fn, params, batches, config, privacy, chain, paths.forward_ad)

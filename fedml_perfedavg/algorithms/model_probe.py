@@ -47,13 +47,13 @@ class ModelPaths:
     def hand_batched_form(self, input_shape: Optional[Tuple[int, ...]]) -> Optional[HandBatchedGradients]:
         return None if input_shape is None else self.hand_batched(input_shape)[0]
 
-    def private_chain(self, input_shape: Optional[Tuple[int, ...]], step: Step) -> Optional[HandBatchedGradients]:
-        """The Linear chain's form by which DP-SGD clips each sample's gradient of ``step`` (by its
-        outer-product norm, no per-sample gradient formed: core/private_steps.py), or None: the
-        per-sample gradients are torch.func's (a model that is no such chain, or the exact step,
-        whose per-sample Hessian-vector products the chain does not give). The one owner of that
-        choice: the engine's plan and a client's own update ask it."""
-        if not self.vmappable or step is Step.EXACT:
+    def private_chain(self, input_shape: Optional[Tuple[int, ...]]) -> Optional[HandBatchedGradients]:
+        """The Linear chain's form by which DP-SGD clips each sample's gradient (by its
+        outer-product norm, no per-sample gradient formed; the exact step's per-sample
+        Hessian-vector products too: core/private_steps.py), or None: the per-sample gradients are
+        torch.func's (a model that is no such chain). The one owner of that choice: the engine's
+        plan and a client's own update ask it."""
+        if not self.vmappable:
             return None
         return self.hand_batched_form(input_shape)
 

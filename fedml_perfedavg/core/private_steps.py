@@ -17,6 +17,7 @@ from torch.func import grad, jvp, vjp, vmap
 
 from . import adaptive_clipping
 from .client_maths import Step, axpy
+from .hand_batched import _LayerDerivative, _through
 from .private_draws import PrivateBatches, one_client
 from .privacy import DPSGD
 from .types import LossFn, Params
@@ -163,11 +164,12 @@ class PrivateChainSteps:
     the product of theirs and the clipped sum is one matrix product: per-sample gradients are
     never formed (the "ghost clipping" of Goodfellow 2015; Li et al. 2022). HF's finite
     difference of two such outer products, u+ a+^T - u- a-^T = (u+ - u-) a+^T + u- (a+ - a-)^T,
-    has its norm from differences that stay small, never from two large numbers' difference."""
+    has its norm from differences that stay small, never from two large numbers' difference.
+    Exact's per-sample Hessian-vector product has the same form: Pearlmutter's R-operator through
+    the chain gives each layer's R(dW) = R(delta) a^T + delta R(a)^T, two outer products a sample
+    (:meth:`_hessian_signals`), clipped by the same norm."""
 
     def __init__(self, chain: Any, batches: PrivateBatches, kind: Step, dp: DPSGD) -> None:
-        if kind is Step.EXACT:
-            raise ValueError("the chain's private steps have no per-sample Hessian-vector product: use PrivateSteps")
         self.kind: Step = kind
         self.chain, self.batches, self.dp = chain, batches, dp
         self.layers = chain.layers
@@ -249,7 +251,57 @@ class PrivateChainSteps:
     def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
         return axpy(-alpha, gradient, w)
 
+    def _hessian_signals(
+        self, params: Params, direction: Params, x: Tensor, y: Tensor
+    ) -> Tuple[List[Tensor], List[Tensor], List[Tensor], List[Optional[Tensor]]]:
+        """Each sample's own Hessian-vector product H_i v of the chain (v = ``direction``), per
+        Linear layer as its pieces: the layer's inputs a (C, B, in), the signal delta and its
+        directional derivative R(delta) at its output (C, B, out), and R(a) (None for the first
+        layer: the data does not move); R(dW) = R(delta) a^T + delta R(a)^T and R(db) = R(delta).
+        The R-operator of HandBatchedGradients.hessian_vector_product, of the summed loss and
+        with nothing summed over the samples."""
+        inputs, pre, logits = self.chain._forward(params, x.reshape(x.shape[0], x.shape[1], -1))
+        outputs = inputs[1:] + [logits]
+        derivative = [
+            None if layer.activation is None else _LayerDerivative(layer.activation, z, output)
+            for layer, z, output in zip(self.layers, pre, outputs)
+        ]
+        r_inputs: List[Optional[Tensor]] = [None]
+        r_pre: List[Tensor] = []
+        for position, layer in enumerate(self.layers):
+            r_z = torch.bmm(inputs[position], direction[layer.weight].transpose(1, 2))
+            r_input = r_inputs[position]
+            if r_input is not None:
+                r_z.baddbmm_(r_input, params[layer.weight].transpose(1, 2))
+            if layer.bias is not None:
+                r_z.add_(direction[layer.bias].unsqueeze(1))
+            r_pre.append(r_z)
+            if position + 1 < len(self.layers):
+                r_inputs.append(_through(derivative[position], r_z))
+        r_logits = _through(derivative[-1], r_pre[-1])
+        probs = torch.softmax(logits, dim=-1)
+        delta = probs - torch.nn.functional.one_hot(y, logits.shape[-1]).to(logits.dtype)
+        weighted = probs * r_logits
+        r_delta = weighted - probs * weighted.sum(dim=-1, keepdim=True)
+        deltas: List[Tensor] = [delta] * len(self.layers)
+        r_deltas: List[Tensor] = [r_delta] * len(self.layers)
+        for position in range(len(self.layers) - 1, -1, -1):
+            layer = self.layers[position]
+            if layer.activation is not None:
+                # R(s'(z) d) = s'(z) R(d) + s''(z) Rz d
+                curvature = layer.activation.curvature(r_pre[position] * delta, pre[position], outputs[position])
+                r_delta = _through(derivative[position], r_delta) + curvature
+                delta = _through(derivative[position], delta)
+            deltas[position], r_deltas[position] = delta, r_delta
+            if position > 0:
+                # R(delta_{l-1}) = R(delta_l) W_l + delta_l V_l;  delta_{l-1} = delta_l W_l
+                r_delta = torch.bmm(r_delta, params[layer.weight]).baddbmm_(delta, direction[layer.weight])
+                delta = torch.bmm(delta, params[layer.weight])
+        return inputs, deltas, r_deltas, r_inputs
+
     def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
+        if self.kind is Step.EXACT:
+            return self._exact_hessian_times(w, g, t)
         x, y = self.x[2, t], self.y[2, t]
         plus_inputs, plus = self._signals(axpy(delta, g, w), x, y)
         minus_inputs, minus = self._signals(axpy(-delta, g, w), x, y)
@@ -279,6 +331,28 @@ class PrivateChainSteps:
                 summed[layer.bias] = weighted.sum(1)
         return self._noised(summed, 2, t)
 
+    def _exact_hessian_times(self, w: Params, g: Params, t: int) -> Params:
+        """D'''s per-sample Hessian-vector products H_i g, each clipped by its norm over all
+        parameters, summed and noised: the norm of R(delta) a^T + delta R(a)^T (and R(delta)
+        for a bias) from the four vectors' norms and two inner products, never formed."""
+        inputs, deltas, r_deltas, r_inputs = self._hessian_signals(w, g, self.x[2, t], self.y[2, t])
+        total: Any = 0.0
+        for layer, a, d, r_d, r_a in zip(self.layers, inputs, deltas, r_deltas, r_inputs):
+            squared = r_d.pow(2).sum(-1) * (a.pow(2).sum(-1) + (1.0 if layer.bias is not None else 0.0))
+            if r_a is not None:
+                squared = squared + d.pow(2).sum(-1) * r_a.pow(2).sum(-1) + 2.0 * (r_d * d).sum(-1) * (a * r_a).sum(-1)
+            total = total + squared
+        scale = self._scale(total, 2, t)
+        summed: Params = {}
+        for layer, a, d, r_d, r_a in zip(self.layers, inputs, deltas, r_deltas, r_inputs):
+            weighted = r_d * scale
+            summed[layer.weight] = torch.bmm(weighted.transpose(1, 2), a)
+            if r_a is not None:
+                summed[layer.weight].baddbmm_((d * scale).transpose(1, 2), r_a)
+            if layer.bias is not None:
+                summed[layer.bias] = weighted.sum(1)
+        return self._noised(summed, 2, t)
+
     def correct(self, g: Params, hessian_g: Params, alpha: float) -> Params:
         return axpy(-alpha, hessian_g, g)
 
@@ -296,11 +370,11 @@ def private_update(
     forward_ad: bool = True,
 ) -> Tuple[Params, Optional[Tensor]]:
     """One client's DP-SGD local update (``config``: a LocalUpdateConfig), by the chain's outer
-    products where ``chain`` is given and the step is not exact, else per-sample by torch.func; and
-    the client's adaptive clip bounds after it (roles,), or None for a fixed C."""
+    products where ``chain`` is given, else per-sample by torch.func; and the client's adaptive
+    clip bounds after it (roles,), or None for a fixed C."""
     from .client_maths import run_steps
 
-    if chain is not None and config.step is not Step.EXACT:
+    if chain is not None:
         start = {k: v.unsqueeze(0) for k, v in params.items()}
         steps = PrivateChainSteps(chain, one_client(batches), config.step, dp)
         out = run_steps(steps, start, config)

@@ -138,7 +138,7 @@ def resolve_plan(
     if algorithm.settings.privacy is not None:
         standard = algorithm.standard_update
         assert standard is not None  # DP-SGD runs only the standard maths (checked when the algorithm is built)
-        chain = paths.private_chain(input_shape, standard.step)
+        chain = paths.private_chain(input_shape)
         if chain is None:
             why = "DP-SGD: clients one by one, per-sample gradients by torch.func"
             return plan(Path.PER_CLIENT, why)

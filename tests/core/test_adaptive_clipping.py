@@ -134,7 +134,7 @@ def test_through_the_mechanism_the_bound_finds_the_quantile_of_the_users_own_nor
     assert torch.allclose(generic, by_chain, rtol=1e-12, atol=0) and float(generic[0]) < 50.0
 
 
-@pytest.mark.parametrize("variant", ["sgd", "fo", "hf"])
+@pytest.mark.parametrize("variant", ["sgd", "fo", "hf", "exact"])
 def test_the_chain_moves_each_roles_bound_as_per_sample_gradients_do(variant):
     net, loss, params, x, y = _setup()
     chain = hand_batched_gradients(net, (1, 3, 4))[0]

@@ -77,7 +77,7 @@ def test_a_sample_whose_gradient_is_above_the_bound_is_clipped_to_it_and_one_bel
     assert torch.allclose(masked["w"], torch.tensor([0.3, 0.4]))
 
 
-@pytest.mark.parametrize("variant", ["sgd", "fo", "hf"])
+@pytest.mark.parametrize("variant", ["sgd", "fo", "hf", "exact"])
 @pytest.mark.parametrize("clip", [1e9, 0.05])
 def test_the_chain_clips_by_outer_products_as_per_sample_gradients_do(variant, clip):
     net, loss, params, x, y = _setup()
