@@ -56,7 +56,7 @@ from ..core.client_maths import LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, check_metric_names, evaluate, finite_figure
 from ..core.functional import functional_network, make_loss_fn
 from ..core.guards import apply_divergence_policy, is_finite, nonfinite_clients
-from ..core.private_draws import PrivateBatches, draw_private_batches
+from ..core.private_draws import PrivateBatches, draw_private_batches, draw_private_round
 from ..core.privacy import DPSGD
 from ..core.settings import check_settings, settings_of
 from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
@@ -284,18 +284,48 @@ def average(updates: Sequence[Tuple[float, StateDict]], weighting: str) -> "Orde
     return averaged
 
 
+def _private_generator(algorithm: "FederatedAlgorithm", round_idx: int, client_id: int) -> torch.Generator:
+    """The generator of a client's DP-SGD draws in a round, keyed by (seed, round, client) and the
+    party's secret."""
+    settings = algorithm.settings
+    secret = None if settings.privacy is None else settings.privacy.secret
+    return generator_for(settings.seed, round_idx, client_id, Purpose.PRIVATE_TRAINING, secret)
+
+
 def private_batches(
     algorithm: "FederatedAlgorithm", round_idx: int, client_id: int, x: Tensor, y: Tensor
 ) -> PrivateBatches:
     """DP-SGD's Poisson minibatches and noise for a client's round, keyed by (seed, round, client)."""
     settings, standard = algorithm.settings, algorithm.standard_update
     assert standard is not None  # DP-SGD runs only the standard maths (checked when it is built)
-    secret = None if settings.privacy is None else settings.privacy.secret
-    generator = generator_for(settings.seed, round_idx, client_id, Purpose.PRIVATE_TRAINING, secret)
+    generator = _private_generator(algorithm, round_idx, client_id)
     roles = standard.step.batch_roles
     bounds = algorithm.clip_bounds_of(client_id)
     return draw_private_batches(
         x, y, settings.batch_sizes[:roles], settings.local_steps, algorithm._shapes, generator, bounds
+    )
+
+
+def private_round_batches(
+    algorithm: "FederatedAlgorithm",
+    round_idx: int,
+    clients: Sequence[int],
+    data: Sequence[Tuple[Tensor, Tensor]],
+    each: Callable[[Callable[[int], Any], int], List[Any]],
+) -> PrivateBatches:
+    """:func:`private_batches` of each of ``clients`` (their training ``data``), stacked client
+    first, the same numbers, drawn into the stacked tensors (:func:`draw_private_round`)."""
+    settings, standard = algorithm.settings, algorithm.standard_update
+    assert standard is not None
+    roles = standard.step.batch_roles
+    return draw_private_round(
+        data,
+        settings.batch_sizes[:roles],
+        settings.local_steps,
+        algorithm._shapes,
+        [_private_generator(algorithm, round_idx, c) for c in clients],
+        [algorithm.clip_bounds_of(c) for c in clients],
+        each,
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..algorithms.base import FederatedAlgorithm
+from ..algorithms.base import FederatedAlgorithm, private_round_batches
 from ..core.client_maths import LocalBatches
 from ..core.hand_batched import IndexedInputs
 from ..core.private_draws import PrivateBatches, stack_private
@@ -64,6 +64,9 @@ class Minibatches:
         hooks = self.algorithm.hooks
         if not self.gathers:
             labels = [hooks.client_labels(round_idx, c, self.users[c].train_y) for c in clients]
+            if self._draws_private_round():
+                data = [(self.users[c].train_x, labels[position]) for position, c in enumerate(clients)]
+                return private_round_batches(self.algorithm, round_idx, clients, data, self._each)  # type: ignore[return-value]
 
             def draw(position: int) -> LocalBatches:
                 c = clients[position]
@@ -79,14 +82,19 @@ class Minibatches:
             )
         return batches
 
-    def _each(self, draw: Callable[[int], LocalBatches], count: int) -> List[LocalBatches]:
+    def _draws_private_round(self) -> bool:
+        """Whether the round's DP-SGD draws are the keyed ones (:func:`private_round_batches`): the
+        algorithm draws its minibatches the standard way."""
+        keyed = type(self.algorithm).client_batches is FederatedAlgorithm.client_batches
+        return self.algorithm.settings.privacy is not None and keyed
+
+    def _each(self, draw: Callable[[int], Any], count: int) -> List[Any]:
         """``draw`` of each client position, in order. DP-SGD's draws (a normal per parameter per
         use, most of a private round's time) are each client's own generator's, so they run on
         torch's threads side by side, the same numbers as one after the other; an algorithm's own
         ``client_batches`` runs one client at a time."""
         threads = min(torch.get_num_threads(), count)
-        keyed = type(self.algorithm).client_batches is FederatedAlgorithm.client_batches
-        if self.algorithm.settings.privacy is None or not keyed or threads < 2:
+        if not self._draws_private_round() or threads < 2:
             return [draw(position) for position in range(count)]
         with ThreadPoolExecutor(max_workers=threads) as pool:
             return list(pool.map(draw, range(count)))

@@ -298,3 +298,37 @@ def test_every_refusal_dp_sgd_causes_is_the_policys_and_names_its_setting():
         with pytest.raises(ConfigError) as err:
             refuse()
         assert str(err.value).startswith(words), str(err.value)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_rounds_draws_into_the_stacked_tensors_are_each_clients_draws_stacked(adaptive):
+    """draw_private_round (noise written in place, use by use where a parameter's size is a
+    multiple of 16; inputs gathered into the round's tensors) gives stack_private of every
+    client's own draw_private_batches bit for bit: the per-client path's numbers."""
+    from fedml_perfedavg.core.private_draws import draw_private_round, stack_private
+
+    torch.manual_seed(0)
+    params = {"w": torch.zeros(8, 12), "b": torch.zeros(8), "odd": torch.zeros(3, 5), "tiny": torch.zeros(10)}
+    data = [(torch.randn(n, 1, 3, 4), torch.randint(0, 3, (n,))) for n in (40, 25, 60)]
+    bounds = [torch.tensor([0.5, 1.0, 2.0]) * (c + 1) if adaptive else None for c in range(3)]
+
+    def generators():
+        return [torch.Generator().manual_seed(10 + c) for c in range(3)]
+
+    one_by_one = stack_private(
+        [
+            draw_private_batches(x, y, [8, 9, 10], 4, params, generator, bound)
+            for (x, y), generator, bound in zip(data, generators(), bounds)
+        ]
+    )
+    together = draw_private_round(
+        data, [8, 9, 10], 4, params, generators(), bounds, lambda fn, count: [fn(c) for c in range(count)]
+    )
+    for name, expected, got in zip(PrivateBatches._fields, one_by_one, together):
+        if isinstance(expected, dict):
+            assert all(torch.equal(expected[k], got[k]) for k in params), name
+        elif expected is None:
+            assert got is None, name
+        else:
+            assert torch.equal(expected, got), name
+    assert float(together.noise["w"].std()) == pytest.approx(1.0, abs=0.05)
