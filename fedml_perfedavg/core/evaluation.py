@@ -371,6 +371,47 @@ def _evaluate_together(
     return EvaluationResult.of(after, before, losses)
 
 
+def _evaluate_global_together(
+    hand_batched: HandBatchedGradients,
+    network: nn.Module,
+    loss_fn: LossFn,
+    params: Params,
+    users: Sequence[UserSplit],
+    user_ids: Sequence[int],
+    config: EvaluationConfig,
+    round_idx: int,
+    step_size: Union[float, Params],
+    test_stacks: Optional[dict],
+) -> EvaluationResult:
+    """The numbers of adapting in chunks and :func:`_score`, where only the global model's batched
+    pass gives every user's logits bit for bit (:func:`_scores_together_exactly`; the adapted
+    models' per-user products are another kernel there, e.g. MKL splitting one small product's sum
+    over its threads): each chunk adapted, then its users' global logits in one pass per test-split
+    size and its adapted models scored user by user. Half the per-user passes become one."""
+    after, before, losses = [0.0] * len(users), [0.0] * len(users), [0.0] * len(users)
+    for start in range(0, len(users), USERS_PER_CHUNK):
+        chunk = list(range(start, min(start + USERS_PER_CHUNK, len(users))))
+        adapted = _adapt_together(
+            loss_fn, params, [users[i] for i in chunk], [user_ids[i] for i in chunk], config, round_idx, step_size
+        )
+        # the chunk's adaptation has ended before its test data is read
+        by_size: dict = {}
+        for i in chunk:
+            by_size.setdefault(len(users[i].test_y), []).append(i)
+        with torch.no_grad():
+            for members in by_size.values():
+                x, y = _stacked_test_splits([users[i] for i in members], test_stacks)
+                logits_before = _global_logits(hand_batched, params, x)
+                for row, i in enumerate(members):  # _accuracy_and_loss's accuracy, on the same logits
+                    before[i] = float((logits_before[row].argmax(dim=1) == y[row]).float().mean())
+        for position, i in enumerate(chunk):
+            user = users[i]
+            after[i], losses[i] = _accuracy_and_loss(
+                network, {k: v[position] for k, v in adapted.items()}, user.test_x, user.test_y
+            )
+    return EvaluationResult.of(after, before, losses)
+
+
 def _global_logits(hand_batched: HandBatchedGradients, params: Params, x: Tensor) -> Tensor:
     """The global model's logits of stacked test splits ``x`` (U, n, ...): one pass over all rows."""
     rows = hand_batched.logits({k: v.unsqueeze(0) for k, v in params.items()}, x.reshape(1, -1, *x.shape[2:]))
@@ -397,8 +438,9 @@ def _stacked_test_splits(users: Sequence[UserSplit], test_stacks: Optional[dict]
 def _scores_together_exactly(
     hand_batched: HandBatchedGradients, network: nn.Module, params: Params, users: Sequence[UserSplit]
 ) -> bool:
-    """Whether the batched pass of :func:`_evaluate_together` gives the per-user pass's logits bit
-    for bit here (it depends on the matrix kernels: decided once per hand_batched, by a probe)."""
+    """Whether the batched passes of :func:`_evaluate_together` give the per-user passes' logits bit
+    for bit here (it depends on the matrix kernels: decided once per hand_batched, by a probe);
+    :attr:`HandBatchedGradients.scores_global_exactly` says the same of the global model's pass alone."""
     if hand_batched.scores_exactly is None:
         # random inputs of the test splits' shape: the probe reads no test data
         sample = users[0].test_x
@@ -407,10 +449,11 @@ def _scores_together_exactly(
         with torch.no_grad():
             together = hand_batched.logits({k: torch.stack([p[k] for p in shifted]) for k in params}, x)
             before = _global_logits(hand_batched, params, x)
-            hand_batched.scores_exactly = all(
-                torch.equal(together[j], logits_of(network, shifted[j], x[j]))
-                and torch.equal(before[j], logits_of(network, params, x[j]))
-                for j in range(len(x))
+            hand_batched.scores_global_exactly = all(
+                torch.equal(before[j], logits_of(network, params, x[j])) for j in range(len(x))
+            )
+            hand_batched.scores_exactly = hand_batched.scores_global_exactly and all(
+                torch.equal(together[j], logits_of(network, shifted[j], x[j])) for j in range(len(x))
             )
     return hand_batched.scores_exactly
 
@@ -470,12 +513,14 @@ def evaluate(
         )
         return _score(network, params, adapted, users)
     stackable = len(users) > 1 and all(len(u.train_y) >= config.batch_size for u in users)
-    if (
-        config.batched
-        and stackable
-        and hand_batched is not None
-        and _scores_together_exactly(hand_batched, network, params, users)
-    ):
-        return _evaluate_together(hand_batched, loss_fn, params, users, user_ids, config, round_idx, step, test_stacks)
+    if config.batched and stackable and hand_batched is not None:
+        if _scores_together_exactly(hand_batched, network, params, users):
+            return _evaluate_together(
+                hand_batched, loss_fn, params, users, user_ids, config, round_idx, step, test_stacks
+            )
+        if hand_batched.scores_global_exactly:
+            return _evaluate_global_together(
+                hand_batched, network, loss_fn, params, users, user_ids, config, round_idx, step, test_stacks
+            )
     adapt = _adapted_in_chunks if config.batched and stackable else _adapted_one_by_one
     return _score(network, params, adapt(loss_fn, params, users, user_ids, config, round_idx, step), users)

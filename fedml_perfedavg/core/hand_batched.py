@@ -359,8 +359,10 @@ class HandBatchedGradients:
         self.classes = classes
         self._work: Dict[tuple, Dict[str, Tuple[Tensor, Params]]] = {}  # local_update's buffers, by shape
         self._input_buffers: Dict[tuple, Tensor] = {}  # a step's gathered inputs, by role and shape
-        #: Whether batched scoring gives per-user logits bit for bit here (core.evaluation's probe).
+        #: Whether batched scoring gives per-user logits bit for bit here (core.evaluation's probe):
+        #: the adapted models' and the global model's passes, and the global model's alone.
         self.scores_exactly: Optional[bool] = None
+        self.scores_global_exactly: Optional[bool] = None
         # transposed_storage_is_exact's and folded_update_is_exact's answers, by their arguments
         self._transposed_exact: Dict[tuple, bool] = {}
         self._fold_exact: Dict[tuple, bool] = {}

@@ -193,6 +193,39 @@ def test_users_are_scored_one_by_one_where_the_batched_pass_differs():
     assert result.per_user_loss == evaluate(model, params, users, config, 2).per_user_loss
 
 
+def test_where_only_the_global_models_pass_is_exact_it_alone_is_batched(monkeypatch):
+    """A CPU whose per-user products split their sums (MKL over 2 threads, on the Intel Xeon of
+    2026-11-29) differs from the batched pass of the adapted models but not from the global
+    model's one pass: that pass is taken, one per test-split size, after the chunk's adaptation,
+    and every per-user number is the per-user path's."""
+    from fedml_perfedavg.core import evaluation
+
+    torch.manual_seed(8)
+    model, chain = _paper_mlp()
+    users, params = _users_of_two_test_sizes(4), parameters_of(model)
+    config = EvaluationConfig(0.3, 1, 8, 1, batched=True)
+    exact_logits = chain.logits
+
+    def adapted_models_differ(p, x):  # several models: a kernel whose last bits differ; one model: exact
+        logits = exact_logits(p, x)
+        return logits * (1 + 1e-6) if next(iter(p.values())).shape[0] > 1 else logits
+
+    chain.logits = adapted_models_differ
+    passes = []
+    global_logits = evaluation._global_logits
+    monkeypatch.setattr(
+        evaluation, "_global_logits", lambda c, p, x: passes.append(x.shape[0]) or global_logits(c, p, x)
+    )
+    result = evaluate(model, params, users, config, 2, hand_batched=chain)
+    assert chain.scores_exactly is False and chain.scores_global_exactly is True
+    assert sorted(passes[1:]) == [2, 3]  # after the probe's: the users of each test-split size, stacked
+    reference = evaluate(model, params, users, config, 2)
+    assert result.per_user_accuracy_before == reference.per_user_accuracy_before
+    assert result.per_user_accuracy == reference.per_user_accuracy
+    assert result.per_user_loss == reference.per_user_loss
+    assert len(set(reference.per_user_accuracy_before)) > 1  # distinct numbers, not a vacuous match
+
+
 class WatchedValues(torch.Tensor):
     """Records every torch operation that reads its values (its shape, size and device are not)."""
 
