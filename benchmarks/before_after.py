@@ -1,0 +1,140 @@
+"""One method's round on two checkouts (before and after a change), their rounds alternated.
+
+    python benchmarks/before_after.py --before ../before-checkout [--after .] --method hf [--dp] [--rounds 30]
+
+Each checkout runs in a process of its own (its own code, imported from its own tree, on this
+venv), building the batched engine as ``speed.py`` does (``--dp``: as ``dp_round_parts.py`` does,
+sigma 1, C 1); the parent asks each for one ``train_round`` in turn and reads back its
+milliseconds. A pair of rounds meets the same machine state, so the median of the pairs' ratios
+holds on a machine whose pace moves by a third within minutes, which two separate runs do not.
+The two processes evict each other's data from the caches between rounds, so the rounds are
+slower than a run's; only the ratio is the measure. ``--before`` is any checkout, e.g. ``git
+worktree add ../before <commit>``. Prints one line and writes before_after_<method>.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MNIST_ROOT = os.environ.get("PERFEDAVG_MNIST_ROOT", str(REPO.parent / "shared" / "datasets"))
+
+
+def serve(repo: str, method: str, dp: bool) -> None:
+    """Worker: ``repo``'s engine for ``method``; one round per line read, its ms printed."""
+    sys.path[:0] = [repo, os.path.join(repo, "benchmarks")]
+    import torch
+
+    if dp:
+        from dp_round_parts import DP, _Driver
+
+        from fedml_perfedavg.algorithms import create_algorithm
+        from fedml_perfedavg.engine.batched import BatchedSimulation
+        from fedml_perfedavg.models import create_model
+        from fedml_perfedavg.run.config import load_yaml, resolve
+        from fedml_perfedavg.run.runner import load_split
+
+        overrides = {"data_cache_dir": MNIST_ROOT, "show_progress": False, "perfedavg_variant": method, **DP}
+        config = resolve(load_yaml(os.path.join(repo, "yaml_configs", "quickstart_mnist_hf.yaml")), overrides)
+        users = load_split(config).users
+        torch.manual_seed(0)
+        model = create_model("mlp", (1, 28, 28), 10, [80, 60])
+        algorithm = create_algorithm(config.federated_optimizer, model, config)
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        algorithm.probe_model(state, users[0].train_x[:40], users[0].train_y[:40])
+        engine = BatchedSimulation(algorithm, users, state, _Driver(algorithm))
+    else:
+        from speed import load_users, method_engine
+
+        engine, _ = method_engine(method, load_users(50, "cpu")[0])
+    print("ready", flush=True)
+    for round_idx, _ in enumerate(sys.stdin):
+        start = time.perf_counter()
+        engine.train_round(round_idx)
+        print((time.perf_counter() - start) * 1000, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", help="the checkout before the change (required)")
+    parser.add_argument("--after", default=str(REPO), help="the checkout after it (default: this one)")
+    parser.add_argument("--method", choices=["fedavg", "fo", "hf", "exact"], default="hf")
+    parser.add_argument("--dp", action="store_true", help="with DP-SGD (sigma 1, C 1)")
+    parser.add_argument("--rounds", type=int, default=30, help="timed pairs, after 3 untimed")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--serve", nargs=2, metavar=("REPO", "METHOD"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve[0], args.serve[1], args.dp)
+        return
+    if args.before is None:
+        parser.error("--before is required")
+    sides = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
+    workers = {}
+    for name, repo in sides.items():
+        command = [sys.executable, __file__, "--serve", repo, args.method] + (["--dp"] if args.dp else [])
+        workers[name] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=repo)
+    for name, worker in workers.items():  # the data loads and logs first; then "ready"
+        assert worker.stdout is not None
+        line = "?"
+        while line and line.strip() != "ready":
+            line = worker.stdout.readline()
+        if not line:
+            raise SystemExit(f"the {name} checkout's worker ended before it was ready (exit {worker.wait()})")
+    times: dict = {name: [] for name in workers}
+    for pair in range(args.rounds + 3):
+        for name, worker in workers.items():
+            assert worker.stdin is not None and worker.stdout is not None
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
+            reply = worker.stdout.readline()
+            if not reply:
+                raise SystemExit(f"the {name} checkout's worker ended in round {pair} (exit {worker.wait()})")
+            ms = float(reply)
+            if pair >= 3:
+                times[name].append(ms)
+    for worker in workers.values():
+        assert worker.stdin is not None
+        worker.stdin.close()
+        worker.wait()
+
+    def commit(repo: str) -> str:
+        done = subprocess.run(
+            ["git", "log", "--oneline", "-1", "--format=%h"], cwd=repo, capture_output=True, text=True
+        )
+        return done.stdout.strip() or "?"
+
+    ratios = [after / before for before, after in zip(times["before"], times["after"])]
+    result = {
+        "method": args.method + (" DP-SGD" if args.dp else ""),
+        "before": commit(sides["before"]),
+        "after": commit(sides["after"]),
+        "pairs": args.rounds,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": "python benchmarks/before_after.py " + " ".join(sys.argv[1:]),
+        "before_ms": statistics.median(times["before"]),
+        "after_ms": statistics.median(times["after"]),
+        "after_over_before_median": statistics.median(ratios),
+        "after_over_before_min": min(ratios),
+        "after_over_before_max": max(ratios),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = args.method + ("_dp" if args.dp else "")
+    (out / f"before_after_{suffix}.json").write_text(json.dumps(result, indent=2))
+    print(
+        f"{result['method']}: {result['before']} {result['before_ms']:.1f} ms, {result['after']} "
+        f"{result['after_ms']:.1f} ms; after/before {result['after_over_before_median']:.3f} (pairs' median; "
+        f"{result['after_over_before_min']:.3f}-{result['after_over_before_max']:.3f}), {args.rounds} pairs"
+    )
+
+
+if __name__ == "__main__":
+    main()
