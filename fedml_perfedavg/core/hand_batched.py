@@ -150,20 +150,14 @@ class WeightProduct(NamedTuple):
     delta: Tensor  # (C, B, out)
     inputs: Tensor  # (C, B, in)
 
-    def add_to(self, base: Tensor, scale: float, out: Tensor) -> Tensor:
-        """``out`` = ``base`` + ``scale`` (delta^T x) in ``out``'s layout (``out`` may be ``base``:
-        in place); the bits of the product, then a multiplication, then a sum."""
-        in_place = base is out
-        if _stored_transposed(out):  # a contiguous (C, in, out) block: x^T delta there
-            stored, left, right = out.transpose(1, 2), self.inputs.transpose(1, 2), self.delta
-            start = base.transpose(1, 2)
+    def add_to(self, target: Tensor, scale: float) -> Tensor:
+        """``target`` + ``scale`` (delta^T x), in place and in ``target``'s layout; the bits of the
+        product, then a multiplication, then a sum, where :func:`folded_update_is_exact` says so."""
+        if _stored_transposed(target):  # a contiguous (C, in, out) block: x^T delta there
+            target.transpose(1, 2).baddbmm_(self.inputs.transpose(1, 2), self.delta, alpha=scale)
         else:
-            stored, left, right, start = out, self.delta.transpose(1, 2), self.inputs, base
-        if in_place:
-            stored.baddbmm_(left, right, alpha=scale)
-        else:
-            torch.baddbmm(start, left, right, alpha=scale, out=stored)
-        return out
+            target.baddbmm_(self.delta.transpose(1, 2), self.inputs, alpha=scale)
+        return target
 
 
 def folded_update_is_exact(
@@ -183,14 +177,10 @@ def folded_update_is_exact(
     def fresh(values: Tensor) -> Tensor:  # a tensor of the layout the step keeps the weight in
         return values.transpose(1, 2).contiguous().transpose(1, 2) if transposed else values.clone()
 
-    for scale in scales:
-        expected = torch.bmm(delta.transpose(1, 2), x).mul_(scale).add_(base)
-        start, target = fresh(base), fresh(torch.zeros_like(base))
-        if not torch.equal(product.add_to(start, scale, target), expected):
-            return False
-        if not torch.equal(product.add_to(start, scale, start), expected):  # in place
-            return False
-    return True
+    return all(
+        torch.equal(product.add_to(fresh(base), scale), torch.bmm(delta.transpose(1, 2), x).mul_(scale).add_(base))
+        for scale in scales
+    )
 
 
 class _StepInputs:
@@ -655,7 +645,7 @@ class _BufferedSteps:
     gradient (SGD's grad f(w; D), FO's g) has its first-layer weight part (nine tenths of the
     paper's MLP) not written to a buffer and then scaled and added in two passes: the move takes
     it as one matrix product into w in place, w + (-beta) (delta^T x) (:class:`WeightProduct`),
-    with the same bits; FedAvg's and FO's rounds about 1.3 ms (a tenth) faster. The adaptation and
+    with the same bits: FedAvg's local update 12.9 -> 11.6 ms, FO's 37.3 -> 34.6. The adaptation and
     the correction write into a buffer of their own, where the product's epilogue would first copy
     its other operand there: measured, no faster, so they keep the separate passes.
     """
@@ -748,5 +738,5 @@ class _BufferedSteps:
             self.w_flat.add_(flat.mul_(-beta))
         else:
             self.w_flat[self.tail :].add_(flat[self.tail :].mul_(-beta))
-            product.add_to(self.w[self.first], -beta, self.w[self.first])  # in place
+            product.add_to(self.w[self.first], -beta)
         return self.w
