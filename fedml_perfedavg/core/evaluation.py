@@ -334,6 +334,7 @@ def _score(
 
 def _evaluate_together(
     hand_batched: HandBatchedGradients,
+    network: nn.Module,
     loss_fn: LossFn,
     params: Params,
     users: Sequence[UserSplit],
@@ -342,12 +343,14 @@ def _evaluate_together(
     round_idx: int,
     step_size: Union[float, Params],
     test_stacks: Optional[dict],
+    adapted_together: bool,
 ) -> EvaluationResult:
-    """The numbers of adapting in chunks and :func:`_score`, for users of a Linear hand_batched: the users
-    of each test-split size adapted together, then scored together, by one batched pass of the
-    adapted models and one of the global model (used only where :func:`_scores_together_exactly`
-    found that gives every user's logits bit for bit). ``test_stacks`` keeps the stacked test
-    splits from one evaluation to the next."""
+    """The numbers of adapting in chunks and :func:`_score`, for users of a Linear chain: the users
+    of each test-split size adapted together, then the global model scored by one batched pass,
+    and the adapted models by one too where that gives every user's logits bit for bit
+    (``adapted_together``, :func:`_scores_together_exactly`), else user by user (a CPU whose
+    per-user products split their sums over its threads: MKL's on 2 threads of an Intel Xeon).
+    ``test_stacks`` keeps the stacked test splits from one evaluation to the next."""
     after, before, losses = [0.0] * len(users), [0.0] * len(users), [0.0] * len(users)
     by_size: dict = {}
     for position, user in enumerate(users):
@@ -362,53 +365,19 @@ def _evaluate_together(
             # each user's adaptation has ended before its test data is read
             x, y = _stacked_test_splits(group, test_stacks)
             with torch.no_grad():
-                logits, logits_before = hand_batched.logits(adapted, x), _global_logits(hand_batched, params, x)
-                accuracy = (logits.argmax(dim=-1) == y).float().mean(dim=1).tolist()
-                accuracy_before = (logits_before.argmax(dim=-1) == y).float().mean(dim=1).tolist()
-                for row, i in enumerate(chunk):
-                    after[i], before[i] = accuracy[row], accuracy_before[row]
-                    losses[i] = float(torch.nn.functional.cross_entropy(logits[row], y[row]))
-    return EvaluationResult.of(after, before, losses)
-
-
-def _evaluate_global_together(
-    hand_batched: HandBatchedGradients,
-    network: nn.Module,
-    loss_fn: LossFn,
-    params: Params,
-    users: Sequence[UserSplit],
-    user_ids: Sequence[int],
-    config: EvaluationConfig,
-    round_idx: int,
-    step_size: Union[float, Params],
-    test_stacks: Optional[dict],
-) -> EvaluationResult:
-    """The numbers of adapting in chunks and :func:`_score`, where only the global model's batched
-    pass gives every user's logits bit for bit (:func:`_scores_together_exactly`; the adapted
-    models' per-user products are another kernel there, e.g. MKL splitting one small product's sum
-    over its threads): each chunk adapted, then its users' global logits in one pass per test-split
-    size and its adapted models scored user by user. Half the per-user passes become one."""
-    after, before, losses = [0.0] * len(users), [0.0] * len(users), [0.0] * len(users)
-    for start in range(0, len(users), USERS_PER_CHUNK):
-        chunk = list(range(start, min(start + USERS_PER_CHUNK, len(users))))
-        adapted = _adapt_together(
-            loss_fn, params, [users[i] for i in chunk], [user_ids[i] for i in chunk], config, round_idx, step_size
-        )
-        # the chunk's adaptation has ended before its test data is read
-        by_size: dict = {}
-        for i in chunk:
-            by_size.setdefault(len(users[i].test_y), []).append(i)
-        with torch.no_grad():
-            for members in by_size.values():
-                x, y = _stacked_test_splits([users[i] for i in members], test_stacks)
                 logits_before = _global_logits(hand_batched, params, x)
-                for row, i in enumerate(members):  # _accuracy_and_loss's accuracy, on the same logits
-                    before[i] = float((logits_before[row].argmax(dim=1) == y[row]).float().mean())
-        for position, i in enumerate(chunk):
-            user = users[i]
-            after[i], losses[i] = _accuracy_and_loss(
-                network, {k: v[position] for k, v in adapted.items()}, user.test_x, user.test_y
-            )
+                accuracy_before = (logits_before.argmax(dim=-1) == y).float().mean(dim=1).tolist()
+                if adapted_together:
+                    logits = hand_batched.logits(adapted, x)
+                    accuracy = (logits.argmax(dim=-1) == y).float().mean(dim=1).tolist()
+                for row, i in enumerate(chunk):
+                    before[i] = accuracy_before[row]
+                    if adapted_together:
+                        after[i] = accuracy[row]
+                        losses[i] = float(torch.nn.functional.cross_entropy(logits[row], y[row]))
+                    else:
+                        own = {k: v[row] for k, v in adapted.items()}
+                        after[i], losses[i] = _accuracy_and_loss(network, own, group[row].test_x, group[row].test_y)
     return EvaluationResult.of(after, before, losses)
 
 
@@ -514,13 +483,20 @@ def evaluate(
         return _score(network, params, adapted, users)
     stackable = len(users) > 1 and all(len(u.train_y) >= config.batch_size for u in users)
     if config.batched and stackable and hand_batched is not None:
-        if _scores_together_exactly(hand_batched, network, params, users):
+        adapted_together = _scores_together_exactly(hand_batched, network, params, users)
+        if adapted_together or hand_batched.scores_global_exactly:
             return _evaluate_together(
-                hand_batched, loss_fn, params, users, user_ids, config, round_idx, step, test_stacks
-            )
-        if hand_batched.scores_global_exactly:
-            return _evaluate_global_together(
-                hand_batched, network, loss_fn, params, users, user_ids, config, round_idx, step, test_stacks
+                hand_batched,
+                network,
+                loss_fn,
+                params,
+                users,
+                user_ids,
+                config,
+                round_idx,
+                step,
+                test_stacks,
+                adapted_together,
             )
     adapt = _adapted_in_chunks if config.batched and stackable else _adapted_one_by_one
     return _score(network, params, adapt(loss_fn, params, users, user_ids, config, round_idx, step), users)

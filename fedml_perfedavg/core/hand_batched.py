@@ -460,15 +460,11 @@ class HandBatchedGradients:
         self.layers[0].add_gradients(grads, delta, h, out, deferred)
         return {k: grads[k] for k in params if k in grads}, StepFigures(None, logits, y)
 
-    def hessian_vector_product(
-        self, params: Params, direction: Params, x: Tensor, y: Tensor, out: Optional[Params] = None
-    ) -> Params:
-        """H(w) v exactly, by hand (Pearlmutter's R-operator through this chain): a forward pass
-        with its directional derivative, then the backward pass with its own; the gradient itself
-        is never formed. Equal to forward-over-reverse autodiff, with fewer and fused products.
-        Written into ``out``'s tensors where given."""
-        h = x.reshape(x.shape[0], x.shape[1], -1)
-        inputs, pre, logits = self._forward(params, h)
+    def _r_forward(self, params: Params, direction: Params, x: Tensor) -> tuple:
+        """The forward pass at ``params`` and its directional derivative along ``direction``:
+        (inputs, pre-activations, logits, each layer's output, each layer's s' (None without an
+        activation), R of each layer's input (None for the first), R of each pre-activation)."""
+        inputs, pre, logits = self._forward(params, x.reshape(x.shape[0], x.shape[1], -1))
         outputs = inputs[1:] + [logits]
         derivative = [
             None if layer.activation is None else _LayerDerivative(layer.activation, z, output)
@@ -487,6 +483,16 @@ class HandBatchedGradients:
             r_pre.append(r_z)
             if position + 1 < len(self.layers):
                 r_inputs.append(_through(derivative[position], r_z))
+        return inputs, pre, logits, outputs, derivative, r_inputs, r_pre
+
+    def hessian_vector_product(
+        self, params: Params, direction: Params, x: Tensor, y: Tensor, out: Optional[Params] = None
+    ) -> Params:
+        """H(w) v exactly, by hand (Pearlmutter's R-operator through this chain): a forward pass
+        with its directional derivative, then the backward pass with its own; the gradient itself
+        is never formed. Equal to forward-over-reverse autodiff, with fewer and fused products.
+        Written into ``out``'s tensors where given."""
+        inputs, pre, logits, outputs, derivative, r_inputs, r_pre = self._r_forward(params, direction, x)
         # the last layer's output: logits, or its activation's (as in the gradient)
         r_logits = _through(derivative[-1], r_pre[-1])
         probs = torch.softmax(logits, dim=-1)
@@ -517,6 +523,38 @@ class HandBatchedGradients:
                 r_delta = torch.bmm(r_delta, params[layer.weight]).baddbmm_(delta, direction[layer.weight])
                 delta = torch.bmm(delta, params[layer.weight])
         return {k: hvp[k] for k in params}
+
+    def per_sample_hessian_terms(
+        self, params: Params, direction: Params, x: Tensor, y: Tensor
+    ) -> Tuple[List[Tensor], List[Tensor], List[Tensor], List[Optional[Tensor]]]:
+        """Each sample's own Hessian-vector product H_i v of the chain (v = ``direction``), per
+        Linear layer as its pieces: the layer's inputs a (C, B, in), the signal delta and its
+        directional derivative R(delta) at its output (C, B, out), and R(a) (None for the first
+        layer: the data does not move); R(dW) = R(delta) a^T + delta R(a)^T and R(db) = R(delta).
+        The R-operator of :meth:`hessian_vector_product`, of each sample's own loss and with
+        nothing summed over the samples (``y``: labels): DP-SGD clips each sample's product by its
+        norm (core/private_steps.py); summed over the samples and divided by B it is that product."""
+        inputs, pre, logits, outputs, derivative, r_inputs, r_pre = self._r_forward(params, direction, x)
+        r_logits = _through(derivative[-1], r_pre[-1])
+        probs = torch.softmax(logits, dim=-1)
+        delta = probs - torch.nn.functional.one_hot(y, logits.shape[-1]).to(logits.dtype)
+        weighted = probs * r_logits
+        r_delta = weighted - probs * weighted.sum(dim=-1, keepdim=True)
+        deltas: List[Tensor] = [delta] * len(self.layers)
+        r_deltas: List[Tensor] = [r_delta] * len(self.layers)
+        for position in range(len(self.layers) - 1, -1, -1):
+            layer = self.layers[position]
+            if layer.activation is not None:
+                # R(s'(z) d) = s'(z) R(d) + s''(z) Rz d
+                curvature = layer.activation.curvature(r_pre[position] * delta, pre[position], outputs[position])
+                r_delta = _through(derivative[position], r_delta) + curvature
+                delta = _through(derivative[position], delta)
+            deltas[position], r_deltas[position] = delta, r_delta
+            if position > 0:
+                # R(delta_{l-1}) = R(delta_l) W_l + delta_l V_l;  delta_{l-1} = delta_l W_l
+                r_delta = torch.bmm(r_delta, params[layer.weight]).baddbmm_(delta, direction[layer.weight])
+                delta = torch.bmm(delta, params[layer.weight])
+        return inputs, deltas, r_deltas, r_inputs
 
     def local_update(
         self,

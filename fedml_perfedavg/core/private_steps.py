@@ -17,7 +17,6 @@ from torch.func import grad, jvp, vjp, vmap
 
 from . import adaptive_clipping
 from .client_maths import Step, axpy
-from .hand_batched import _LayerDerivative, _through
 from .private_draws import PrivateBatches, one_client
 from .privacy import DPSGD
 from .types import LossFn, Params
@@ -202,7 +201,8 @@ class PrivateChainSteps:
     has its norm from differences that stay small, never from two large numbers' difference.
     Exact's per-sample Hessian-vector product has the same form: Pearlmutter's R-operator through
     the chain gives each layer's R(dW) = R(delta) a^T + delta R(a)^T, two outer products a sample
-    (:meth:`_hessian_signals`), clipped by the same norm."""
+    (:meth:`~fedml_perfedavg.core.hand_batched.HandBatchedGradients.per_sample_hessian_terms`),
+    clipped by the same norm."""
 
     def __init__(self, chain: Any, batches: PrivateBatches, kind: Step, dp: DPSGD) -> None:
         self.kind: Step = kind
@@ -289,54 +289,6 @@ class PrivateChainSteps:
     def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
         return _in_place_axpy(-alpha, gradient, w, gradient)
 
-    def _hessian_signals(
-        self, params: Params, direction: Params, x: Tensor, y: Tensor
-    ) -> Tuple[List[Tensor], List[Tensor], List[Tensor], List[Optional[Tensor]]]:
-        """Each sample's own Hessian-vector product H_i v of the chain (v = ``direction``), per
-        Linear layer as its pieces: the layer's inputs a (C, B, in), the signal delta and its
-        directional derivative R(delta) at its output (C, B, out), and R(a) (None for the first
-        layer: the data does not move); R(dW) = R(delta) a^T + delta R(a)^T and R(db) = R(delta).
-        The R-operator of HandBatchedGradients.hessian_vector_product, of the summed loss and
-        with nothing summed over the samples."""
-        inputs, pre, logits = self.chain._forward(params, x.reshape(x.shape[0], x.shape[1], -1))
-        outputs = inputs[1:] + [logits]
-        derivative = [
-            None if layer.activation is None else _LayerDerivative(layer.activation, z, output)
-            for layer, z, output in zip(self.layers, pre, outputs)
-        ]
-        r_inputs: List[Optional[Tensor]] = [None]
-        r_pre: List[Tensor] = []
-        for position, layer in enumerate(self.layers):
-            r_z = torch.bmm(inputs[position], direction[layer.weight].transpose(1, 2))
-            r_input = r_inputs[position]
-            if r_input is not None:
-                r_z.baddbmm_(r_input, params[layer.weight].transpose(1, 2))
-            if layer.bias is not None:
-                r_z.add_(direction[layer.bias].unsqueeze(1))
-            r_pre.append(r_z)
-            if position + 1 < len(self.layers):
-                r_inputs.append(_through(derivative[position], r_z))
-        r_logits = _through(derivative[-1], r_pre[-1])
-        probs = torch.softmax(logits, dim=-1)
-        delta = probs - torch.nn.functional.one_hot(y, logits.shape[-1]).to(logits.dtype)
-        weighted = probs * r_logits
-        r_delta = weighted - probs * weighted.sum(dim=-1, keepdim=True)
-        deltas: List[Tensor] = [delta] * len(self.layers)
-        r_deltas: List[Tensor] = [r_delta] * len(self.layers)
-        for position in range(len(self.layers) - 1, -1, -1):
-            layer = self.layers[position]
-            if layer.activation is not None:
-                # R(s'(z) d) = s'(z) R(d) + s''(z) Rz d
-                curvature = layer.activation.curvature(r_pre[position] * delta, pre[position], outputs[position])
-                r_delta = _through(derivative[position], r_delta) + curvature
-                delta = _through(derivative[position], delta)
-            deltas[position], r_deltas[position] = delta, r_delta
-            if position > 0:
-                # R(delta_{l-1}) = R(delta_l) W_l + delta_l V_l;  delta_{l-1} = delta_l W_l
-                r_delta = torch.bmm(r_delta, params[layer.weight]).baddbmm_(delta, direction[layer.weight])
-                delta = torch.bmm(delta, params[layer.weight])
-        return inputs, deltas, r_deltas, r_inputs
-
     def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
         if self.kind is Step.EXACT:
             return self._exact_hessian_times(w, g, t)
@@ -376,7 +328,7 @@ class PrivateChainSteps:
         """D'''s per-sample Hessian-vector products H_i g, each clipped by its norm over all
         parameters, summed and noised: the norm of R(delta) a^T + delta R(a)^T (and R(delta)
         for a bias) from the four vectors' norms and two inner products, never formed."""
-        inputs, deltas, r_deltas, r_inputs = self._hessian_signals(w, g, self.x[2, t], self.y[2, t])
+        inputs, deltas, r_deltas, r_inputs = self.chain.per_sample_hessian_terms(w, g, self.x[2, t], self.y[2, t])
         total: Any = 0.0
         for layer, a, d, r_d, r_a in zip(self.layers, inputs, deltas, r_deltas, r_inputs):
             squared = r_d.pow(2).sum(-1) * (a.pow(2).sum(-1) + (1.0 if layer.bias is not None else 0.0))

@@ -284,17 +284,8 @@ def test_a_first_layer_kept_transposed_moves_no_bit_and_is_used_where_exact(vari
 
     exact_here = hand_batched.transposed_storage_is_exact(3, 40, 784, 80, torch.float32)
     torch.manual_seed(4)
-    model = MLP(784, 10, (80, 60))
-    clients, steps, batch = 3, 2, 40
-    start = {k: v.expand(clients, *v.shape) for k, v in parameters_of(model).items()}
-    batches = LocalBatches(
-        *(
-            t
-            for _ in range(3)
-            for t in (torch.rand(steps, clients, batch, 784), torch.randint(0, 10, (steps, clients, batch)))
-        )
-    )
-    config = LocalUpdateConfig(variant=variant, alpha=0.01, beta=0.05, delta=1e-3, local_steps=steps)
+    clients = 3
+    model, start, batches, config = _paper_mlp_update(variant, clients=clients, steps=2)
     results = {}
     for transposed in (True, False):
         monkeypatch.setattr(hand_batched, "transposed_storage_is_exact", lambda *shape, answer=transposed: answer)
@@ -321,17 +312,8 @@ def test_a_direction_folded_into_the_move_moves_no_bit(variant, monkeypatch):
 
     exact_here = hand_batched.folded_update_is_exact(3, 40, 784, 80, torch.float32, (-0.05,), True)
     torch.manual_seed(5)
-    model = MLP(784, 10, (80, 60))
-    clients, steps, batch = 3, 3, 40
-    start = {k: v.expand(clients, *v.shape) for k, v in parameters_of(model).items()}
-    batches = LocalBatches(
-        *(
-            t
-            for _ in range(3)
-            for t in (torch.rand(steps, clients, batch, 784), torch.randint(0, 10, (steps, clients, batch)))
-        )
-    )
-    config = LocalUpdateConfig(variant=variant, alpha=0.01, beta=0.05, delta=1e-3, local_steps=steps)
+    steps = 3
+    model, start, batches, config = _paper_mlp_update(variant, clients=3, steps=steps)
     calls = []
     add_to = hand_batched.WeightProduct.add_to
     monkeypatch.setattr(hand_batched.WeightProduct, "add_to", lambda self, *a: calls.append(1) or add_to(self, *a))
@@ -347,3 +329,19 @@ def test_a_direction_folded_into_the_move_moves_no_bit(variant, monkeypatch):
     else:
         assert all(torch.allclose(results[True][k], results[False][k], atol=1e-6) for k in start)
     assert not torch.equal(results[True]["net.1.weight"], start["net.1.weight"])  # it did train
+
+
+def _paper_mlp_update(variant, clients, steps, batch=40):
+    """The paper's MLP (784-80-60-10), its parameters for ``clients`` clients, random minibatches
+    of ``batch`` for ``steps`` steps, and a local update's config of ``variant``."""
+    model = MLP(784, 10, (80, 60))
+    start = {k: v.expand(clients, *v.shape) for k, v in parameters_of(model).items()}
+    batches = LocalBatches(
+        *(
+            t
+            for _ in range(3)
+            for t in (torch.rand(steps, clients, batch, 784), torch.randint(0, 10, (steps, clients, batch)))
+        )
+    )
+    config = LocalUpdateConfig(variant=variant, alpha=0.01, beta=0.05, delta=1e-3, local_steps=steps)
+    return model, start, batches, config
