@@ -345,3 +345,16 @@ def _paper_mlp_update(variant, clients, steps, batch=40):
     )
     config = LocalUpdateConfig(variant=variant, alpha=0.01, beta=0.05, delta=1e-3, local_steps=steps)
     return model, start, batches, config
+
+
+def test_off_the_cpu_the_local_update_keeps_the_plain_layout_and_passes():
+    """The transposed layout and the folded move are probed on the CPU's kernels; on any other
+    device (cuBLAS reads either layout at full speed, and its epilogue may fuse) both stay off,
+    so the CUDA path is the one measured on the H100 and H200."""
+    model = MLP(784, 10, (80, 60))
+    stacked, _ = hand_batched_gradients(functional_network(model), (1, 28, 28))
+    on_meta = {k: torch.empty(3, *v.shape, device="meta") for k, v in parameters_of(model).items()}
+    assert stacked.transposed_weights(on_meta, [40]) == frozenset()
+    assert stacked.folds_updates(on_meta, [40], (-0.001,), False) is False
+    on_cpu = {k: v.expand(3, *v.shape) for k, v in parameters_of(model).items()}
+    assert stacked.folds_updates(on_cpu, [40], (0.0,), False) is False  # a zero step: MKL may skip the product
