@@ -308,7 +308,13 @@ def test_a_rounds_draws_into_the_stacked_tensors_are_each_clients_draws_stacked(
     from fedml_perfedavg.core.private_draws import draw_private_round, stack_private
 
     torch.manual_seed(0)
-    params = {"w": torch.zeros(8, 12), "b": torch.zeros(8), "odd": torch.zeros(3, 5), "tiny": torch.zeros(10)}
+    params = {
+        "w": torch.zeros(8, 12),
+        "b": torch.zeros(8),
+        "odd": torch.zeros(3, 5),
+        "tiny": torch.zeros(10),
+        "double": torch.zeros(4, 8, dtype=torch.float64),
+    }
     data = [(torch.randn(n, 1, 3, 4), torch.randint(0, 3, (n,))) for n in (40, 25, 60)]
     bounds = [torch.tensor([0.5, 1.0, 2.0]) * (c + 1) if adaptive else None for c in range(3)]
 
