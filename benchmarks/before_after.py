@@ -28,7 +28,9 @@ MNIST_ROOT = os.environ.get("PERFEDAVG_MNIST_ROOT", str(REPO.parent / "shared" /
 
 
 def serve(repo: str, method: str, dp: bool) -> None:
-    """Worker: ``repo``'s engine for ``method``; one round per line read, its ms printed."""
+    """Worker: ``repo``'s engine for ``method``; one round per line read, its ms printed. The
+    engine is built here from the checkout's public API (as dp_round_parts.py and speed.py build
+    theirs), not by a helper of this checkout's: the other checkout may predate any such helper."""
     sys.path[:0] = [repo, os.path.join(repo, "benchmarks")]
     import torch
 

@@ -217,9 +217,14 @@ def vmap_problem(loss_fn: LossFn, params: Params, x: Tensor, y: Tensor, reverse_
     return None
 
 
-def axpy(scale: float, x: Params, y: Params) -> Params:
-    """``y + scale * x`` for parameter dicts."""
-    return {k: y[k] + scale * x[k] for k in y}
+def axpy(scale: float, x: Params, y: Params, out: Optional[Params] = None) -> Params:
+    """``y + scale * x`` for parameter dicts; written into ``out``'s tensors where given (which may
+    be ``x``'s), as the product and then the sum: the same two roundings, so the same bits."""
+    if out is None:
+        return {k: y[k] + scale * x[k] for k in y}
+    for k in y:
+        torch.mul(x[k], scale, out=out[k]).add_(y[k])
+    return out
 
 
 class StepArithmetic(Protocol):

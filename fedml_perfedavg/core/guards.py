@@ -92,14 +92,18 @@ class UpdateCheck:
         covered = set(self.keys)
         self._unchecked = [k for k, v in reference.items() if k not in covered and v.is_floating_point()]
         self._flat_reference = self._flat(reference) if self.keys else None
+        # each update's flat copy, written in turn into one buffer
+        self._scratch = None if self._flat_reference is None else torch.empty_like(self._flat_reference)
         self.bound = None if max_update_ratio is None else update_bound(reference, max_update_ratio, self.keys)
 
-    def _flat(self, tensors: Dict[str, Tensor]) -> Tensor:
-        """The tensors of :attr:`keys`, one after another, in float64 on the reference's device."""
-        first = self.reference[self.keys[0]]
-        total = sum(self.reference[k].numel() for k in self.keys)
-        flat = torch.empty(total, dtype=torch.float64, device=first.device)
-        offset = 0
+    def _flat(self, tensors: Dict[str, Tensor], out: Optional[Tensor] = None) -> Tensor:
+        """The tensors of :attr:`keys`, one after another, in float64 on the reference's device
+        (written into ``out`` where given)."""
+        if out is None:
+            first = self.reference[self.keys[0]]
+            total = sum(self.reference[k].numel() for k in self.keys)
+            out = torch.empty(total, dtype=torch.float64, device=first.device)
+        flat, offset = out, 0
         for k in self.keys:
             count = tensors[k].numel()
             flat[offset : offset + count].copy_(tensors[k].reshape(-1))
@@ -114,7 +118,7 @@ class UpdateCheck:
             return problem, None
         norm = 0.0
         if self._flat_reference is not None:
-            difference = self._flat(update).sub_(self._flat_reference)
+            difference = self._flat(update, self._scratch).sub_(self._flat_reference)
             norm = float(torch.sqrt(torch.dot(difference, difference)))
         suspects = self._unchecked if math.isfinite(norm) else list(self.reference)
         for name in suspects:

@@ -9,7 +9,7 @@ core/privacy.py's. FedML-free."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Set, Tuple, Union
+from typing import Any, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -182,14 +182,6 @@ class _Buffers:
             self.free.append(buffers)
 
 
-def _in_place_axpy(scale: float, x: Params, y: Params, out: Params) -> Params:
-    """:func:`~fedml_perfedavg.core.client_maths.axpy`'s ``y + scale x`` written into ``out``
-    (which may be ``x``): the same two roundings, so the same bits."""
-    for k in y:
-        torch.mul(x[k], scale, out=out[k]).add_(y[k])
-    return out
-
-
 class PrivateChainSteps:
     """:class:`PrivateSteps`' mechanism for a chain of Linear layers and activations
     (:class:`~fedml_perfedavg.core.hand_batched.HandBatchedGradients`), for every client of a round
@@ -265,6 +257,37 @@ class PrivateChainSteps:
             out[k] = v.div_(expected.view(shape))
         return out
 
+    def _clipped_sum(
+        self,
+        terms: Sequence[Tuple[Any, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]],
+        role: int,
+        t: int,
+        like: Params,
+        squared_divisor: Optional[float] = None,
+        divide: float = 1.0,
+    ) -> Params:
+        """One use of the mechanism on each sample's vector, given per Linear layer as (layer, s1,
+        a1, s2, a2): its weight part s1 a1^T + s2 a2^T (one outer product where a2 is None) and
+        its bias part s1. Each sample's squared norm from the vectors' norms and two inner
+        products (divided by ``squared_divisor``: HF's (2 delta)^2), never the vector itself;
+        clipped (:meth:`_scale`, ``divide``), summed into a reused buffer shaped as ``like``, noised."""
+        total: Any = 0.0
+        for layer, s1, a1, s2, a2 in terms:
+            squared = s1.pow(2).sum(-1) * (a1.pow(2).sum(-1) + (1.0 if layer.bias is not None else 0.0))
+            if s2 is not None and a2 is not None:
+                squared = squared + s2.pow(2).sum(-1) * a2.pow(2).sum(-1) + 2.0 * (s1 * s2).sum(-1) * (a1 * a2).sum(-1)
+            total = total + squared
+        scale = self._scale(total if squared_divisor is None else total / squared_divisor, role, t, divide=divide)
+        summed = self._buffers.take(like)
+        for layer, s1, a1, s2, a2 in terms:
+            weighted = s1 * scale
+            torch.bmm(weighted.transpose(1, 2), a1, out=summed[layer.weight])
+            if s2 is not None and a2 is not None:
+                summed[layer.weight].baddbmm_((s2 * scale).transpose(1, 2), a2)
+            if layer.bias is not None:
+                torch.sum(weighted, 1, out=summed[layer.bias])
+        return self._noised(summed, role, t)
+
     def start(self, params: Params) -> Params:
         return params
 
@@ -272,87 +295,43 @@ class PrivateChainSteps:
         inputs, signals = self._signals(point, self.x[role, t], self.y[role, t])
         if role == 1:  # the adapted point: read for the last time
             self._buffers.give(point)
-        squares = [s.pow(2).sum(-1) for s in signals]
-        total = sum(
-            sq * (a.pow(2).sum(-1) + (1.0 if layer.bias is not None else 0.0))
-            for layer, a, sq in zip(self.layers, inputs, squares)
-        )
-        scale = self._scale(total, role, t)  # type: ignore[arg-type]
-        summed = self._buffers.take(point)
-        for layer, a, s in zip(self.layers, inputs, signals):
-            weighted = s * scale
-            torch.bmm(weighted.transpose(1, 2), a, out=summed[layer.weight])
-            if layer.bias is not None:
-                torch.sum(weighted, 1, out=summed[layer.bias])
-        return self._noised(summed, role, t)
+        terms = [(layer, s, a, None, None) for layer, s, a in zip(self.layers, signals, inputs)]
+        return self._clipped_sum(terms, role, t, point)
 
     def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
-        return _in_place_axpy(-alpha, gradient, w, gradient)
+        return axpy(-alpha, gradient, w, out=gradient)
 
     def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
         if self.kind is Step.EXACT:
             return self._exact_hessian_times(w, g, t)
         x, y = self.x[2, t], self.y[2, t]
         points = self._buffers.take(w), self._buffers.take(w)
-        plus_inputs, plus = self._signals(_in_place_axpy(delta, g, w, points[0]), x, y)
-        minus_inputs, minus = self._signals(_in_place_axpy(-delta, g, w, points[1]), x, y)
+        plus_inputs, plus = self._signals(axpy(delta, g, w, out=points[0]), x, y)
+        minus_inputs, minus = self._signals(axpy(-delta, g, w, out=points[1]), x, y)
         for point in points:  # the signals hold what the rest reads of them
             self._buffers.give(point)
-        total: Any = 0.0
-        parts = []
+        terms = []
         for position, layer in enumerate(self.layers):
-            d_signal = plus[position] - minus[position]
             a = plus_inputs[position]
             d_input = None if position == 0 else a - minus_inputs[position]  # the data itself does not move
-            squared = d_signal.pow(2).sum(-1) * (a.pow(2).sum(-1) + (1.0 if layer.bias is not None else 0.0))
-            if d_input is not None:
-                squared = (
-                    squared
-                    + minus[position].pow(2).sum(-1) * d_input.pow(2).sum(-1)
-                    + 2.0 * (d_signal * minus[position]).sum(-1) * (a * d_input).sum(-1)
-                )
-            total = total + squared
-            parts.append((layer, d_signal, a, minus[position], d_input))
-        scale = self._scale(total / (4.0 * delta * delta), 2, t, divide=2.0 * delta)
-        summed = self._buffers.take(w)
-        for layer, d_signal, a, minus_signal, d_input in parts:
-            weighted = d_signal * scale
-            torch.bmm(weighted.transpose(1, 2), a, out=summed[layer.weight])
-            if d_input is not None:
-                summed[layer.weight].baddbmm_((minus_signal * scale).transpose(1, 2), d_input)
-            if layer.bias is not None:
-                torch.sum(weighted, 1, out=summed[layer.bias])
-        return self._noised(summed, 2, t)
+            terms.append((layer, plus[position] - minus[position], a, minus[position], d_input))
+        return self._clipped_sum(terms, 2, t, w, squared_divisor=4.0 * delta * delta, divide=2.0 * delta)
 
     def _exact_hessian_times(self, w: Params, g: Params, t: int) -> Params:
         """D'''s per-sample Hessian-vector products H_i g, each clipped by its norm over all
         parameters, summed and noised: the norm of R(delta) a^T + delta R(a)^T (and R(delta)
         for a bias) from the four vectors' norms and two inner products, never formed."""
         inputs, deltas, r_deltas, r_inputs = self.chain.per_sample_hessian_terms(w, g, self.x[2, t], self.y[2, t])
-        total: Any = 0.0
-        for layer, a, d, r_d, r_a in zip(self.layers, inputs, deltas, r_deltas, r_inputs):
-            squared = r_d.pow(2).sum(-1) * (a.pow(2).sum(-1) + (1.0 if layer.bias is not None else 0.0))
-            if r_a is not None:
-                squared = squared + d.pow(2).sum(-1) * r_a.pow(2).sum(-1) + 2.0 * (r_d * d).sum(-1) * (a * r_a).sum(-1)
-            total = total + squared
-        scale = self._scale(total, 2, t)
-        summed = self._buffers.take(w)
-        for layer, a, d, r_d, r_a in zip(self.layers, inputs, deltas, r_deltas, r_inputs):
-            weighted = r_d * scale
-            torch.bmm(weighted.transpose(1, 2), a, out=summed[layer.weight])
-            if r_a is not None:
-                summed[layer.weight].baddbmm_((d * scale).transpose(1, 2), r_a)
-            if layer.bias is not None:
-                torch.sum(weighted, 1, out=summed[layer.bias])
-        return self._noised(summed, 2, t)
+        terms = list(zip(self.layers, r_deltas, inputs, deltas, r_inputs))
+        return self._clipped_sum(terms, 2, t, w)
 
     def correct(self, g: Params, hessian_g: Params, alpha: float) -> Params:
-        corrected = _in_place_axpy(-alpha, hessian_g, g, hessian_g)
+        corrected = axpy(-alpha, hessian_g, g, out=hessian_g)
         self._buffers.give(g)
         return corrected
 
     def move(self, w: Params, direction: Params, beta: float) -> Params:
-        moved = _in_place_axpy(-beta, direction, w, direction)
+        moved = axpy(-beta, direction, w, out=direction)
         self._buffers.give(w)
         return moved
 
