@@ -81,10 +81,11 @@ def test_the_noise_and_the_clipping_change_the_model(tmp_path):
     assert not all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("clip", ["fixed", "adaptive"])
-def test_the_per_client_path_gives_the_batched_engines_model_and_epsilons(tmp_path, monkeypatch, clip):
+@pytest.mark.parametrize("variant, clip", [("hf", "fixed"), ("hf", "adaptive"), ("exact", "fixed")])
+def test_the_per_client_path_gives_the_batched_engines_model_and_epsilons(tmp_path, monkeypatch, variant, clip):
     data = tiny_data()
-    batched = run(_config(**{"dp_args.clip": clip}), str(tmp_path / "batched"), data=data)
+    config = lambda: _config(**{"dp_args.clip": clip, "perfedavg_variant": variant})  # noqa: E731
+    batched = run(config(), str(tmp_path / "batched"), data=data)
     monkeypatch.setattr(BatchedSimulation, "clients_per_computation", 1)
     original = BatchedSimulation.__init__
 
@@ -93,7 +94,7 @@ def test_the_per_client_path_gives_the_batched_engines_model_and_epsilons(tmp_pa
         self.batched = False  # every client through algorithm.client_update, as FedML's loops call it
 
     monkeypatch.setattr(BatchedSimulation, "__init__", one_by_one)
-    alone = run(_config(**{"dp_args.clip": clip}), str(tmp_path / "alone"), data=data)
+    alone = run(config(), str(tmp_path / "alone"), data=data)
     for k in batched.final_state:
         assert torch.allclose(batched.final_state[k], alone.final_state[k], atol=1e-6, rtol=0)
     assert batched.summary["privacy"] == alone.summary["privacy"]
