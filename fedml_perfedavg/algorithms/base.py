@@ -56,7 +56,7 @@ from ..core.client_maths import LocalBatches, LocalUpdateConfig
 from ..core.evaluation import EvaluationConfig, EvaluationResult, check_metric_names, evaluate, finite_figure
 from ..core.functional import functional_network, make_loss_fn
 from ..core.guards import apply_divergence_policy, is_finite, nonfinite_clients
-from ..core.private_draws import PrivateBatches, draw_private_batches, draw_private_round
+from ..core.private_draws import PrivateBatches, RoundBuffers, draw_private_batches, draw_private_round
 from ..core.privacy import DPSGD
 from ..core.settings import check_settings, settings_of
 from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
@@ -312,9 +312,11 @@ def private_round_batches(
     clients: Sequence[int],
     data: Sequence[Tuple[Tensor, Tensor]],
     each: Callable[[Callable[[int], Any], int], List[Any]],
+    buffers: Optional[RoundBuffers] = None,
 ) -> PrivateBatches:
     """:func:`private_batches` of each of ``clients`` (their training ``data``), stacked client
-    first, the same numbers, drawn into the stacked tensors (:func:`draw_private_round`)."""
+    first, the same numbers, drawn into the stacked tensors (:func:`draw_private_round`; in
+    ``buffers`` where given)."""
     settings, standard = algorithm.settings, algorithm.standard_update
     assert standard is not None
     roles = standard.step.batch_roles
@@ -326,6 +328,7 @@ def private_round_batches(
         [_private_generator(algorithm, round_idx, c) for c in clients],
         [algorithm.clip_bounds_of(c) for c in clients],
         each,
+        buffers,
     )
 
 

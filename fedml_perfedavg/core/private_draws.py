@@ -6,6 +6,7 @@ mechanism that reads these). FedML-free."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -113,6 +114,43 @@ def stack_private(batches: Sequence[PrivateBatches]) -> PrivateBatches:
     )
 
 
+class RoundBuffers:
+    """The memory a private round's draws are written into, kept from one round for the next: a
+    round's noise and inputs are 130 MB for the paper's round, and fresh memory of that size is
+    pages the system must hand over and zero (20-30 ms a round here) before a number is drawn.
+    Each name keeps one flat buffer, a little larger than asked (the inputs' size follows the
+    round's largest Poisson minibatch), and hands out its beginning, contiguous, in the shape
+    asked. It is handed out again only while nothing else holds it: a caller that kept a round's
+    draws keeps them intact, and the next round gets new memory."""
+
+    HEADROOM = 1.125
+
+    def __init__(self) -> None:
+        self._kept: Dict[str, Tuple[Tensor, int]] = {}
+
+    def empty(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        """An uninitialised CPU tensor of ``shape`` and ``dtype`` in ``name``'s buffer where it
+        fits and is free, else in a new one (kept in its place)."""
+        size = math.prod(shape)
+        kept = self._kept.get(name)
+        if kept is not None:
+            flat, alone = kept
+            if flat.dtype == dtype and flat.numel() >= size and _holders(flat) == alone:
+                return flat[:size].view(tuple(shape))
+        flat = torch.empty(int(size * self.HEADROOM) + 1, dtype=dtype)
+        alone = _holders(flat)
+        if alone > 0:  # 0: this torch does not say, so nothing is kept
+            self._kept[name] = (flat, alone)
+        return flat[:size].view(tuple(shape))
+
+
+def _holders(tensor: Tensor) -> int:
+    """How many references its storage has (tensors and views of it), or 0 where torch's private
+    counter is missing."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return 0 if count is None else int(count(tensor.untyped_storage()._cdata))
+
+
 def draw_private_round(
     data: Sequence[Tuple[Tensor, Tensor]],
     batch_sizes: Sequence[int],
@@ -121,6 +159,7 @@ def draw_private_round(
     generators: Sequence[torch.Generator],
     clip_bounds: Sequence[Optional[Tensor]],
     each: Callable[[Callable[[int], Any], int], List[Any]],
+    buffers: Optional[RoundBuffers] = None,
 ) -> PrivateBatches:
     """:func:`stack_private` of each client's :func:`draw_private_batches` (its training ``data``,
     ``generators`` and ``clip_bounds``), the same numbers, drawn into the stacked tensors: no
@@ -129,15 +168,22 @@ def draw_private_round(
     drawn use by use into its place (torch's normal fill takes 16 numbers at a time from one
     stream, so the blocks are the numbers of one draw); any other's is drawn whole and copied.
     ``each(fn, count)`` runs ``fn`` for every client position (on threads: each client's draws
-    are its own generator's and land in its own slices)."""
+    are its own generator's and land in its own slices). ``buffers``: where the noise and inputs
+    are written (kept for the next round), else new memory."""
     clients, roles = len(data), len(batch_sizes)
+    x0, y0 = data[0]
+    pool = buffers if buffers is not None and x0.device.type == "cpu" else None
+
+    def empty(name: str, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        return pool.empty(name, shape, dtype) if pool is not None else torch.empty(tuple(shape), dtype=dtype)
+
     draws = each(lambda c: poisson_draw(len(data[c][1]), batch_sizes, steps, generators[c]), clients)
     cap = max(index.shape[-1] for index, _, _ in draws)
-    x0, y0 = data[0]
-    x = x0.new_empty((roles, steps, clients, cap, *x0.shape[1:]))
+    shape = (roles, steps, clients, cap, *x0.shape[1:])
+    x = empty("x", shape, x0.dtype) if pool is not None else x0.new_empty(shape)
     y = y0.new_empty((clients, roles, steps, cap))
     mask = torch.zeros((clients, roles, steps, cap), dtype=torch.get_default_dtype())
-    noise = {k: torch.empty((roles, steps, clients, *p.shape), dtype=p.dtype) for k, p in params.items()}
+    noise = {k: empty(f"noise {k}", (roles, steps, clients, *p.shape), p.dtype) for k, p in params.items()}
 
     def fill(c: int) -> Optional[Tensor]:
         index, client_mask, _ = draws[c]

@@ -17,7 +17,7 @@ from torch import Tensor
 from ..algorithms.base import FederatedAlgorithm, private_round_batches
 from ..core.client_maths import LocalBatches
 from ..core.hand_batched import IndexedInputs
-from ..core.private_draws import PrivateBatches, stack_private
+from ..core.private_draws import PrivateBatches, RoundBuffers, stack_private
 from ..core.types import UserSplit
 from .plan import ClientPlan
 
@@ -39,6 +39,7 @@ class Minibatches:
         # Minibatches the client maths never reads are not gathered (the plan says which).
         self._roles_read = plan.roles_read
         self.gathers = plan.gathers_keyed_batches
+        self._private_buffers = RoundBuffers()  # DP-SGD's draws, kept from round to round
         if self.gathers:
             # Users that share their tensors (replicas of one user's data) share one copy here too.
             first: dict = {}
@@ -66,7 +67,9 @@ class Minibatches:
             labels = [hooks.client_labels(round_idx, c, self.users[c].train_y) for c in clients]
             if self._draws_private_round():
                 data = [(self.users[c].train_x, labels[position]) for position, c in enumerate(clients)]
-                return private_round_batches(self.algorithm, round_idx, clients, data, self._each)  # type: ignore[return-value]
+                return private_round_batches(
+                    self.algorithm, round_idx, clients, data, self._each, self._private_buffers
+                )  # type: ignore[return-value]
 
             def draw(position: int) -> LocalBatches:
                 c = clients[position]

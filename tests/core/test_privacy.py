@@ -338,3 +338,38 @@ def test_a_rounds_draws_into_the_stacked_tensors_are_each_clients_draws_stacked(
         else:
             assert torch.equal(expected, got), name
     assert float(together.noise["w"].std()) == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_rounds_draws_reuse_the_last_rounds_memory_only_where_nobody_holds_it():
+    """RoundBuffers: a round drawn into kept memory has the numbers of one drawn into new memory;
+    the next round writes into the same memory once the first round's draws are let go, and into
+    new memory while a caller still holds them (which stay as they were)."""
+    from fedml_perfedavg.core.private_draws import RoundBuffers, draw_private_round
+
+    params = {"w": torch.zeros(8, 12), "b": torch.zeros(8), "odd": torch.zeros(3, 5)}
+    data = [
+        (torch.randn(n, 1, 3, 4, generator=torch.Generator().manual_seed(n)), torch.arange(n) % 3) for n in (40, 25)
+    ]
+
+    def draw(round_seed, buffers):
+        generators = [torch.Generator().manual_seed(round_seed + c) for c in range(2)]
+        each = lambda fn, count: [fn(c) for c in range(count)]  # noqa: E731
+        return draw_private_round(data, [8, 9, 10], 4, params, generators, [None, None], each, buffers)
+
+    def same(a, b):
+        return all(torch.equal(a.noise[k], b.noise[k]) for k in params) and torch.equal(a.x, b.x)
+
+    buffers = RoundBuffers()
+    first = draw(1, buffers)
+    assert same(first, draw(1, None))
+    held = {k: v.clone() for k, v in first.noise.items()}, first.x.clone()
+    kept_address = first.noise["w"].data_ptr()
+    second = draw(2, buffers)  # the first is still held: new memory, the first untouched
+    assert second.noise["w"].data_ptr() != kept_address
+    assert all(torch.equal(held[0][k], first.noise[k]) for k in params) and torch.equal(held[1], first.x)
+    assert same(second, draw(2, None))
+    second_address, x_address = second.noise["w"].data_ptr(), second.x.data_ptr()
+    del first, second
+    third = draw(2, buffers)  # nothing holds the last round's: its memory again (the same cap: it fits)
+    assert third.noise["w"].data_ptr() == second_address and third.x.data_ptr() == x_address
+    assert same(third, draw(2, None))
