@@ -252,9 +252,12 @@ def assemble(
         parts.data_problem = over_budget
     if is_server:
         checkpoint.save_config(run_dir, config.sections())
+        # the ledger first: its accountants' import (2 s of Opacus and SciPy) is not training time,
+        # which the recorder's clock starts counting
+        privacy = None if config.privacy is None else mode.server_privacy(config, algorithm, users)
         parts.recorder = recorder_for(config, run_dir, deferred_wandb=grid)
         parts.recorder.process["device"] = str(device)  # the one used, whatever the config asked
-        parts.recorder.privacy = None if config.privacy is None else mode.server_privacy(config, algorithm, users)
+        parts.recorder.privacy = privacy
     return parts
 
 

@@ -3,6 +3,7 @@ computes it, reported each evaluation and in summary.json, the budget enforced a
 what would read a user's data outside the mechanism refused."""
 
 import statistics
+import time
 
 import pytest
 import torch
@@ -68,6 +69,22 @@ def test_every_use_is_counted_and_epsilon_is_opacus_on_those_uses(tmp_path, vari
     assert epsilons == sorted(epsilons) and epsilons[-1] == pytest.approx(largest_bound, rel=1e-12)
     log = (tmp_path / "run" / "run.log").read_text()
     assert f"round 5: epsilon {largest_bound:.4g} at delta 1e-05" in log
+
+
+def test_training_time_leaves_out_the_accountants_preparation(tmp_path, monkeypatch):
+    """The ledger's preparation (importing Opacus and SciPy: seconds) happens before the run's
+    clock starts, so train_seconds, the per-round cost benchmarks read, holds training alone."""
+    from fedml_perfedavg.core import accounting
+
+    prepare = accounting.prepare
+
+    def slow_prepare(*args, **kwargs):
+        time.sleep(1.5)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(accounting, "prepare", slow_prepare)
+    history = run(_config(comm_round=2), str(tmp_path / "run"), data=tiny_data()).summary["history"]
+    assert 0 < history[0]["train_seconds"] < 1.0 and history[-1]["wall_seconds"] < 1.5, history
 
 
 def test_the_noise_and_the_clipping_change_the_model(tmp_path):
