@@ -1,6 +1,8 @@
-"""One method's round on two checkouts (before and after a change), their rounds alternated.
+"""One method's round on two checkouts (before and after a change), their rounds alternated; or
+one checkout's round without and with DP-SGD (what DP-SGD costs a round).
 
     python benchmarks/before_after.py --before ../before-checkout [--after .] --method hf [--dp] [--rounds 30]
+    python benchmarks/before_after.py --dp-cost [--after .] --method hf [--rounds 30]
 
 Each checkout runs in a process of its own (its own code, imported from its own tree, on this
 venv), building the batched engine as ``speed.py`` does (``--dp``: as ``dp_round_parts.py`` does,
@@ -8,8 +10,15 @@ sigma 1, C 1); the parent asks each for one ``train_round`` in turn and reads ba
 milliseconds. A pair of rounds meets the same machine state, so the median of the pairs' ratios
 holds on a machine whose pace moves by a third within minutes, which two separate runs do not.
 The two processes evict each other's data from the caches between rounds, so the rounds are
-slower than a run's; only the ratio is the measure. ``--before`` is any checkout, e.g. ``git
+slower than a run's; only the ratio is the measure. With ``--block K`` each side runs K rounds in
+turn and its figure is the median of the last K - 1: rounds that follow rounds of their own, as in
+a run (where one side's round is much longer than the other's, the eviction would otherwise weigh
+on the shorter one more). ``--before`` is any checkout, e.g. ``git
 worktree add ../before <commit>``. Prints one line and writes before_after_<method>.json under --out.
+
+``--dp-cost``: both processes run ``--after``'s code on the quickstart config (the paper's MLP and
+split, 10 clients, tau 10, batches of 40), one without DP-SGD and one with it (sigma 1, C 1); the
+ratio is the private round's time over the plain one's (written as dp_cost_<method>.json).
 """
 
 from __future__ import annotations
@@ -27,14 +36,15 @@ REPO = Path(__file__).resolve().parents[1]
 MNIST_ROOT = os.environ.get("PERFEDAVG_MNIST_ROOT", str(REPO.parent / "shared" / "datasets"))
 
 
-def serve(repo: str, method: str, dp: bool) -> None:
-    """Worker: ``repo``'s engine for ``method``; one round per line read, its ms printed. The
-    engine is built here from the checkout's public API (as dp_round_parts.py and speed.py build
-    theirs), not by a helper of this checkout's: the other checkout may predate any such helper."""
+def serve(repo: str, method: str, dp: bool, quickstart: bool = False) -> None:
+    """Worker: ``repo``'s engine for ``method`` (``quickstart``: built on the quickstart config
+    even without ``dp``); one round per line read, its ms printed. The engine is built here from
+    the checkout's public API (as dp_round_parts.py and speed.py build theirs), not by a helper
+    of this checkout's: the other checkout may predate any such helper."""
     sys.path[:0] = [repo, os.path.join(repo, "benchmarks")]
     import torch
 
-    if dp:
+    if dp or quickstart:
         from dp_round_parts import DP, _Driver
 
         from fedml_perfedavg.algorithms import create_algorithm
@@ -43,7 +53,12 @@ def serve(repo: str, method: str, dp: bool) -> None:
         from fedml_perfedavg.run.config import load_yaml, resolve
         from fedml_perfedavg.run.runner import load_split
 
-        overrides = {"data_cache_dir": MNIST_ROOT, "show_progress": False, "perfedavg_variant": method, **DP}
+        overrides = {
+            "data_cache_dir": MNIST_ROOT,
+            "show_progress": False,
+            "perfedavg_variant": method,
+            **(DP if dp else {}),
+        }
         config = resolve(load_yaml(os.path.join(repo, "yaml_configs", "quickstart_mnist_hf.yaml")), overrides)
         users = load_split(config).users
         torch.manual_seed(0)
@@ -57,10 +72,15 @@ def serve(repo: str, method: str, dp: bool) -> None:
 
         engine, _ = method_engine(method, load_users(50, "cpu")[0])
     print("ready", flush=True)
-    for round_idx, _ in enumerate(sys.stdin):
-        start = time.perf_counter()
-        engine.train_round(round_idx)
-        print((time.perf_counter() - start) * 1000, flush=True)
+    round_idx = 0
+    for line in sys.stdin:  # "go K": K rounds; the reply is the median of all but the first
+        times = []
+        for _ in range(int(line.split()[1])):
+            start = time.perf_counter()
+            engine.train_round(round_idx)
+            times.append((time.perf_counter() - start) * 1000)
+            round_idx += 1
+        print(statistics.median(times[1:] or times), flush=True)
 
 
 def main() -> None:
@@ -69,19 +89,37 @@ def main() -> None:
     parser.add_argument("--after", default=str(REPO), help="the checkout after it (default: this one)")
     parser.add_argument("--method", choices=["fedavg", "fo", "hf", "exact"], default="hf")
     parser.add_argument("--dp", action="store_true", help="with DP-SGD (sigma 1, C 1)")
+    parser.add_argument(
+        "--dp-cost", action="store_true", help="--after's round without DP-SGD (before) and with it (after)"
+    )
     parser.add_argument("--rounds", type=int, default=30, help="timed pairs, after 3 untimed")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=1,
+        help="rounds each side runs in turn; a side's figure is the median of its block's rounds "
+        "but the first (which meets the caches as the other process left them)",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    parser.add_argument("--serve", nargs=2, metavar=("REPO", "METHOD"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=3, metavar=("REPO", "METHOD", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve[0], args.serve[1], args.dp)
+        serve(args.serve[0], args.serve[1], args.dp, quickstart=args.serve[2] == "quickstart")
         return
-    if args.before is None:
-        parser.error("--before is required")
-    sides = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
+    if args.dp_cost:
+        if args.before is not None or args.dp:
+            parser.error("--dp-cost compares --after's round without and with DP-SGD: no --before, no --dp")
+        sides = {"before": os.path.abspath(args.after), "after": os.path.abspath(args.after)}
+        private = {"before": False, "after": True}
+    elif args.before is None:
+        parser.error("--before is required (or --dp-cost)")
+    else:
+        sides = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
+        private = {"before": args.dp, "after": args.dp}
     workers = {}
     for name, repo in sides.items():
-        command = [sys.executable, __file__, "--serve", repo, args.method] + (["--dp"] if args.dp else [])
+        config = "quickstart" if args.dp_cost else "speed"
+        command = [sys.executable, __file__, "--serve", repo, args.method, config] + (["--dp"] if private[name] else [])
         workers[name] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=repo)
     for name, worker in workers.items():  # the data loads and logs first; then "ready"
         assert worker.stdout is not None
@@ -94,7 +132,7 @@ def main() -> None:
     for pair in range(args.rounds + 3):
         for name, worker in workers.items():
             assert worker.stdin is not None and worker.stdout is not None
-            worker.stdin.write("go\n")
+            worker.stdin.write(f"go {args.block}\n")
             worker.stdin.flush()
             reply = worker.stdout.readline()
             if not reply:
@@ -115,10 +153,13 @@ def main() -> None:
 
     ratios = [after / before for before, after in zip(times["before"], times["after"])]
     result = {
-        "method": args.method + (" DP-SGD" if args.dp else ""),
+        "method": args.method
+        + (" DP-SGD" if args.dp else "")
+        + (" without (before) and with DP-SGD" if args.dp_cost else ""),
         "before": commit(sides["before"]),
         "after": commit(sides["after"]),
         "pairs": args.rounds,
+        "block": args.block,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": "python benchmarks/before_after.py " + " ".join(sys.argv[1:]),
         "before_ms": statistics.median(times["before"]),
@@ -129,8 +170,8 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    suffix = args.method + ("_dp" if args.dp else "")
-    (out / f"before_after_{suffix}.json").write_text(json.dumps(result, indent=2))
+    name = f"dp_cost_{args.method}" if args.dp_cost else "before_after_" + args.method + ("_dp" if args.dp else "")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     print(
         f"{result['method']}: {result['before']} {result['before_ms']:.1f} ms, {result['after']} "
         f"{result['after_ms']:.1f} ms; after/before {result['after_over_before_median']:.3f} (pairs' median; "
