@@ -306,8 +306,14 @@ class PrivateChainSteps:
             return self._exact_hessian_times(w, g, t)
         x, y = self.x[2, t], self.y[2, t]
         points = self._buffers.take(w), self._buffers.take(w)
-        plus_inputs, plus = self._signals(axpy(delta, g, w, out=points[0]), x, y)
-        minus_inputs, minus = self._signals(axpy(-delta, g, w, out=points[1]), x, y)
+        # w + delta g and w - delta g with axpy's two roundings, from one product: delta g and
+        # -delta g round to the same magnitude, so w - (delta g) is w + (-delta g), bit for bit
+        for k in w:
+            shift = torch.mul(g[k], delta, out=points[1][k])
+            torch.add(w[k], shift, out=points[0][k])
+            torch.sub(w[k], shift, out=points[1][k])
+        plus_inputs, plus = self._signals(points[0], x, y)
+        minus_inputs, minus = self._signals(points[1], x, y)
         for point in points:  # the signals hold what the rest reads of them
             self._buffers.give(point)
         terms = []
