@@ -65,7 +65,7 @@ def main() -> None:
     for round_idx in range(6):
         clients = algorithm.sample_clients(round_idx)
         start = time.perf_counter()
-        batches = engine.minibatches.round_batches(round_idx, clients)
+        batches = engine.minibatches.round_batches(round_idx, clients, engine.gathers_lazily)
         drawn = time.perf_counter()
         with torch.no_grad():
             trained, _ = engine.step(params, batches)

@@ -313,10 +313,11 @@ def private_round_batches(
     data: Sequence[Tuple[Tensor, Tensor]],
     each: Callable[[Callable[[int], Any], int], List[Any]],
     buffers: Optional[RoundBuffers] = None,
+    lazy_inputs: bool = False,
 ) -> PrivateBatches:
     """:func:`private_batches` of each of ``clients`` (their training ``data``), stacked client
     first, the same numbers, drawn into the stacked tensors (:func:`draw_private_round`; in
-    ``buffers`` where given)."""
+    ``buffers`` where given; the inputs left to gather with ``lazy_inputs``)."""
     settings, standard = algorithm.settings, algorithm.standard_update
     assert standard is not None
     roles = standard.step.batch_roles
@@ -329,6 +330,7 @@ def private_round_batches(
         [algorithm.clip_bounds_of(c) for c in clients],
         each,
         buffers,
+        lazy_inputs,
     )
 
 

@@ -7,7 +7,7 @@ mechanism that reads these). FedML-free."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -21,7 +21,8 @@ class PrivateBatches(NamedTuple):
     ``cap`` with samples whose ``mask`` is 0, the noise of every use (each parameter's shape with
     (roles, steps) first, standard normal) and the expected size of each role's minibatch."""
 
-    x: Tensor
+    #: The inputs; a round's for the chain's mechanism may be :class:`PrivateInputs`, not gathered.
+    x: Union[Tensor, "PrivateInputs"]
     y: Tensor
     mask: Tensor
     noise: Dict[str, Tensor]
@@ -34,6 +35,38 @@ class PrivateBatches(NamedTuple):
     @property
     def steps(self) -> int:
         return int(self.mask.shape[1])
+
+    def gathered_x(self) -> Tensor:
+        """The inputs as a tensor, gathered now where they were not."""
+        return self.x.gathered() if isinstance(self.x, PrivateInputs) else self.x
+
+
+class PrivateInputs(NamedTuple):
+    """A round's DP-SGD inputs not yet gathered: client c's minibatch of use (role, t) is
+    ``data[c][rows[c, role, t]]`` (padded as :class:`PrivateBatches`' are). The chain's mechanism
+    gathers each use's just before it computes it, into one buffer, so a round's 50 MB of inputs
+    are read from cache rather than written to memory and read back."""
+
+    data: Sequence[Tensor]
+    rows: Tensor  # (clients, roles, steps, cap)
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """That of the gathered tensor, (clients, roles, steps, cap, ...)."""
+        return (*self.rows.shape, *self.data[0].shape[1:])
+
+    def use(self, role: int, t: int, buffer: Optional[Tensor] = None) -> Tensor:
+        """Use (role, t)'s inputs of every client, (clients, cap, ...), into ``buffer`` where given."""
+        rows = self.rows[:, role, t]
+        out = buffer if buffer is not None else self.data[0].new_empty((*rows.shape, *self.data[0].shape[1:]))
+        for c, x in enumerate(self.data):
+            torch.index_select(x, 0, rows[c], out=out[c])
+        return out
+
+    def gathered(self) -> Tensor:
+        """Every use's inputs, as :class:`PrivateBatches` holds them gathered."""
+        roles, steps = self.rows.shape[1:3]
+        return torch.stack([torch.stack([self.use(r, t) for t in range(steps)]) for r in range(roles)]).movedim(2, 0)
 
 
 def poisson_draw(
@@ -104,7 +137,7 @@ def stack_private(batches: Sequence[PrivateBatches]) -> PrivateBatches:
 
     adaptive = batches[0].clip_bounds is not None
     return PrivateBatches(
-        step_major([pad(b.x) for b in batches]),
+        step_major([pad(b.gathered_x()) for b in batches]),
         torch.stack([pad(b.y) for b in batches]),
         torch.stack([torch.nn.functional.pad(b.mask, (0, cap - b.mask.shape[-1])) for b in batches]),
         {k: step_major([b.noise[k] for b in batches]) for k in batches[0].noise},
@@ -160,6 +193,7 @@ def draw_private_round(
     clip_bounds: Sequence[Optional[Tensor]],
     each: Callable[[Callable[[int], Any], int], List[Any]],
     buffers: Optional[RoundBuffers] = None,
+    lazy_inputs: bool = False,
 ) -> PrivateBatches:
     """:func:`stack_private` of each client's :func:`draw_private_batches` (its training ``data``,
     ``generators`` and ``clip_bounds``), the same numbers, drawn into the stacked tensors: no
@@ -169,7 +203,8 @@ def draw_private_round(
     stream, so the blocks are the numbers of one draw); any other's is drawn whole and copied.
     ``each(fn, count)`` runs ``fn`` for every client position (on threads: each client's draws
     are its own generator's and land in its own slices). ``buffers``: where the noise and inputs
-    are written (kept for the next round), else new memory."""
+    are written (kept for the next round), else new memory. With ``lazy_inputs`` the inputs are
+    :class:`PrivateInputs`, gathered where they are used."""
     clients, roles = len(data), len(batch_sizes)
     x0, y0 = data[0]
     pool = buffers if buffers is not None and x0.device.type == "cpu" else None
@@ -180,7 +215,12 @@ def draw_private_round(
     draws = each(lambda c: poisson_draw(len(data[c][1]), batch_sizes, steps, generators[c]), clients)
     cap = max(index.shape[-1] for index, _, _ in draws)
     shape = (roles, steps, clients, cap, *x0.shape[1:])
-    x = empty("x", shape, x0.dtype) if pool is not None else x0.new_empty(shape)
+    x: Optional[Tensor] = None
+    rows: Optional[Tensor] = None
+    if lazy_inputs:
+        rows = torch.empty((clients, roles, steps, cap), dtype=torch.long, device=x0.device)
+    else:
+        x = empty("x", shape, x0.dtype) if pool is not None else x0.new_empty(shape)
     y = y0.new_empty((clients, roles, steps, cap))
     mask = torch.zeros((clients, roles, steps, cap), dtype=torch.get_default_dtype())
     noise = {k: empty(f"noise {k}", (roles, steps, clients, *p.shape), p.dtype) for k, p in params.items()}
@@ -199,19 +239,29 @@ def draw_private_round(
         # the rows of the client's draw, padded to the round's cap with copies of each use's first
         padded = torch.cat([index, index[..., :1].expand(-1, -1, cap - index.shape[-1])], dim=-1)
         xc, yc = data[c]
-        rows = padded.to(xc.device)
-        for role in range(roles):
-            for t in range(steps):
-                torch.index_select(xc, 0, rows[role, t], out=x[role, t, c])
-        y[c] = yc[rows.to(yc.device)]
+        client_rows = padded.to(xc.device)
+        if rows is not None:
+            rows[c] = client_rows
+        else:
+            assert x is not None
+            for role in range(roles):
+                for t in range(steps):
+                    torch.index_select(xc, 0, client_rows[role, t], out=x[role, t, c])
+        y[c] = yc[client_rows.to(yc.device)]
         mask[c, :, :, : client_mask.shape[-1]] = client_mask
         return count
 
     counts = each(fill, clients)
     adaptive = clip_bounds[0] is not None
     device = x0.device
+    inputs: Union[Tensor, PrivateInputs]
+    if rows is not None:
+        inputs = PrivateInputs([xc for xc, _ in data], rows)
+    else:
+        assert x is not None
+        inputs = x.movedim(2, 0)
     return PrivateBatches(
-        x.movedim(2, 0),
+        inputs,
         y,
         mask.to(device),
         {k: v.to(device).movedim(2, 0) for k, v in noise.items()},
@@ -224,7 +274,7 @@ def draw_private_round(
 def one_client(batches: PrivateBatches) -> PrivateBatches:
     """One client's draws with a client dimension of one in front (for :class:`PrivateChainSteps`)."""
     return PrivateBatches(
-        batches.x.unsqueeze(0),
+        batches.gathered_x().unsqueeze(0),
         batches.y.unsqueeze(0),
         batches.mask.unsqueeze(0),
         {k: v.unsqueeze(0) for k, v in batches.noise.items()},

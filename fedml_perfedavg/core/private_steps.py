@@ -17,7 +17,7 @@ from torch.func import grad, jvp, vjp, vmap
 
 from . import adaptive_clipping
 from .client_maths import Step, axpy
-from .private_draws import PrivateBatches, one_client
+from .private_draws import PrivateBatches, PrivateInputs, one_client
 from .privacy import DPSGD
 from .types import LossFn, Params
 
@@ -93,6 +93,7 @@ class PrivateSteps:
 
     def __init__(self, loss_fn: LossFn, batches: PrivateBatches, kind: Step, dp: DPSGD, forward_ad: bool = True):
         self.kind, self.batches, self.dp, self.forward_ad = kind, batches, dp, forward_ad
+        self.x = batches.gathered_x()
         self.sample_grad = grad(single_sample_loss(loss_fn))
         self.per_sample = vmap(self.sample_grad, in_dims=(None, 0, 0))
         self.clip = _Bounds(dp, batches)
@@ -119,7 +120,7 @@ class PrivateSteps:
         return params
 
     def gradient(self, point: Params, role: int, t: int) -> Params:
-        return self._use(self.per_sample(point, self.batches.x[role, t], self.batches.y[role, t]), role, t)
+        return self._use(self.per_sample(point, self.x[role, t], self.batches.y[role, t]), role, t)
 
     def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
         return axpy(-alpha, gradient, w)
@@ -127,7 +128,7 @@ class PrivateSteps:
     def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
         """D'''s per-sample second-order term, clipped and noised as one vector: HF's central
         difference of per-sample gradients at w +- delta g, or exact's Hessian-vector product."""
-        x, y = self.batches.x[2, t], self.batches.y[2, t]
+        x, y = self.x[2, t], self.batches.y[2, t]
         if self.kind is Step.HF:
             plus = self.per_sample(axpy(delta, g, w), x, y)
             minus = self.per_sample(axpy(-delta, g, w), x, y)
@@ -206,7 +207,13 @@ class PrivateChainSteps:
         def step_major(t: Tensor) -> Tensor:
             return t.movedim(0, 2).contiguous()
 
-        self.x, self.y, self.mask = step_major(batches.x), step_major(batches.y), step_major(batches.mask)
+        self.y, self.mask = step_major(batches.y), step_major(batches.mask)
+        self._lazy: Optional[PrivateInputs] = None
+        self._x_buffer: Optional[Tensor] = None
+        if isinstance(batches.x, PrivateInputs):  # gathered use by use, into one buffer (inputs)
+            self._lazy = batches.x
+        else:
+            self.x = step_major(batches.x)
         self.noise = {k: step_major(v) for k, v in batches.noise.items()}
         self.clip = _Bounds(dp, batches)
         self._noise_std: Union[float, Tensor] = dp.noise_std  # of the use being computed
@@ -216,6 +223,13 @@ class PrivateChainSteps:
     def bounds(self) -> Optional[Tensor]:
         """Each client's adaptive bounds now (clients, roles), or None for a fixed C."""
         return self.clip.bounds
+
+    def _inputs(self, role: int, t: int) -> Tensor:
+        """Use (role, t)'s inputs (clients, cap, ...); valid until the next use's are asked for."""
+        if self._lazy is None:
+            return self.x[role, t]
+        self._x_buffer = self._lazy.use(role, t, self._x_buffer)
+        return self._x_buffer
 
     def _signals(self, params: Params, x: Tensor, y: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
         """Each Linear layer's inputs (C, B, in) and each sample's own loss gradient at its output
@@ -292,7 +306,7 @@ class PrivateChainSteps:
         return params
 
     def gradient(self, point: Params, role: int, t: int) -> Params:
-        inputs, signals = self._signals(point, self.x[role, t], self.y[role, t])
+        inputs, signals = self._signals(point, self._inputs(role, t), self.y[role, t])
         if role == 1:  # the adapted point: read for the last time
             self._buffers.give(point)
         terms = [(layer, s, a, None, None) for layer, s, a in zip(self.layers, signals, inputs)]
@@ -304,7 +318,7 @@ class PrivateChainSteps:
     def hessian_times(self, w: Params, g: Params, t: int, delta: float) -> Params:
         if self.kind is Step.EXACT:
             return self._exact_hessian_times(w, g, t)
-        x, y = self.x[2, t], self.y[2, t]
+        x, y = self._inputs(2, t), self.y[2, t]
         points = self._buffers.take(w), self._buffers.take(w)
         # w + delta g and w - delta g with axpy's two roundings, from one product: delta g and
         # -delta g round to the same magnitude, so w - (delta g) is w + (-delta g), bit for bit
@@ -327,7 +341,7 @@ class PrivateChainSteps:
         """D'''s per-sample Hessian-vector products H_i g, each clipped by its norm over all
         parameters, summed and noised: the norm of R(delta) a^T + delta R(a)^T (and R(delta)
         for a bias) from the four vectors' norms and two inner products, never formed."""
-        inputs, deltas, r_deltas, r_inputs = self.chain.per_sample_hessian_terms(w, g, self.x[2, t], self.y[2, t])
+        inputs, deltas, r_deltas, r_inputs = self.chain.per_sample_hessian_terms(w, g, self._inputs(2, t), self.y[2, t])
         terms = list(zip(self.layers, r_deltas, inputs, deltas, r_inputs))
         return self._clipped_sum(terms, 2, t, w)
 

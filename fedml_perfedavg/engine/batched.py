@@ -85,6 +85,11 @@ class BatchedSimulation:
         self.clip_bounds_after: Optional[Tensor] = None
         #: What trains a computation's clients together; None on the per-client path (client_update).
         self.step: Optional[Callable[[Params, LocalBatches], Trained]] = self._step_of(self.plan)
+        #: Whether the step gathers its inputs as it reaches them (the hand-batched local update and
+        #: DP-SGD's chain do; a compiled step is handed tensors).
+        self.gathers_lazily = self.hand_batched is not None or (
+            self.plan.path is Path.PRIVATE_CHAIN and not compile_local_update
+        )
         if compile_local_update and self.step is not None:
             # The round is thousands of tiny kernels: on a GPU, CUDA graphs ("reduce-overhead")
             # replay them without per-kernel launch cost. Shapes are the same every round.
@@ -155,7 +160,7 @@ class BatchedSimulation:
         return self.hand_batched.local_update(start, by_step, standard, figures)
 
     def _batched_updates(self, round_idx: int, clients: List[int]) -> List[ClientUpdate]:
-        lazy_inputs = self.batched and self.hand_batched is not None
+        lazy_inputs = self.batched and self.gathers_lazily
         batches = self.minibatches.round_batches(round_idx, clients, lazy_inputs)
         # an algorithm whose clients send back whole states trains from the whole state
         start = self.state if self.whole_state else self.algorithm.split_state(self.state)[0]

@@ -61,14 +61,15 @@ class Minibatches:
 
     def round_batches(self, round_idx: int, clients: List[int], lazy_inputs: bool = False) -> LocalBatches:
         """The round's minibatches, stacked (clients, steps, batch, ...); with ``lazy_inputs`` (for
-        the hand-batched path) their inputs as :class:`IndexedInputs` where they are gathered."""
+        the hand-batched path and DP-SGD's chain) their inputs as :class:`IndexedInputs` where they
+        are gathered, DP-SGD's as :class:`~fedml_perfedavg.core.private_draws.PrivateInputs`."""
         hooks = self.algorithm.hooks
         if not self.gathers:
             labels = [hooks.client_labels(round_idx, c, self.users[c].train_y) for c in clients]
             if self._draws_private_round():
                 data = [(self.users[c].train_x, labels[position]) for position, c in enumerate(clients)]
                 return private_round_batches(
-                    self.algorithm, round_idx, clients, data, self._each, self._private_buffers
+                    self.algorithm, round_idx, clients, data, self._each, self._private_buffers, lazy_inputs
                 )  # type: ignore[return-value]
 
             def draw(position: int) -> LocalBatches:

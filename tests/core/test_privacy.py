@@ -373,3 +373,40 @@ def test_a_rounds_draws_reuse_the_last_rounds_memory_only_where_nobody_holds_it(
     third = draw(2, buffers)  # nothing holds the last round's: its memory again (the same cap: it fits)
     assert third.noise["w"].data_ptr() == second_address and third.x.data_ptr() == x_address
     assert same(third, draw(2, None))
+
+
+@pytest.mark.parametrize("variant", ["sgd", "fo", "hf", "exact"])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_the_chain_on_inputs_gathered_use_by_use_gives_the_gathered_rounds_bits(variant, adaptive):
+    """draw_private_round's lazy_inputs (the engine's: each use's inputs gathered just before the
+    chain computes it, into one buffer) gives the same inputs and the same trained clients, bit
+    for bit, as the round's inputs gathered up front."""
+    from fedml_perfedavg.core.client_maths import run_steps
+    from fedml_perfedavg.core.private_draws import PrivateInputs, draw_private_round
+
+    net, _, params, _, _ = _setup()
+    g = torch.Generator().manual_seed(5)
+    data = [
+        (torch.randn(n, 1, 3, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g))
+        for n in (30, 50, 41)
+    ]
+    roles = Step(variant).batch_roles
+    dp = DPSGD(noise_multiplier=0.7, max_grad_norm=0.5, delta=1e-5, **({"clip": "adaptive"} if adaptive else {}))
+    bounds = [torch.tensor([0.4, 0.6, 0.8][:roles], dtype=torch.float64) if adaptive else None for _ in data]
+    config = LocalUpdateConfig(variant, alpha=0.05, beta=0.1, delta=0.001, local_steps=3)
+    chain = hand_batched_gradients(net, (1, 3, 4))[0]
+
+    def train(lazy):
+        generators = [torch.Generator().manual_seed(20 + c) for c in range(len(data))]
+        each = lambda fn, count: [fn(c) for c in range(count)]  # noqa: E731
+        batches = draw_private_round(data, [8] * roles, 3, params, generators, bounds, each, lazy_inputs=lazy)
+        start = {k: v.unsqueeze(0).expand(len(data), *v.shape) for k, v in params.items()}
+        steps = PrivateChainSteps(chain, batches, config.step, dp)
+        return batches, run_steps(steps, start, config), steps.bounds
+
+    (eager, trained, eager_bounds), (lazy, lazily_trained, lazy_bounds) = train(False), train(True)
+    assert isinstance(lazy.x, PrivateInputs) and not isinstance(eager.x, PrivateInputs)
+    assert torch.equal(lazy.gathered_x(), eager.x) and lazy.x.shape == tuple(eager.x.shape)
+    assert all(torch.equal(trained[k], lazily_trained[k]) for k in params)
+    assert max(float((trained[k][0] - params[k]).abs().max()) for k in params) > 1e-3
+    assert (eager_bounds is None and lazy_bounds is None) or torch.equal(eager_bounds, lazy_bounds)
