@@ -314,10 +314,12 @@ def private_round_batches(
     each: Callable[[Callable[[int], Any], int], List[Any]],
     buffers: Optional[RoundBuffers] = None,
     lazy_inputs: bool = False,
+    input_norms: Optional[Sequence[Tensor]] = None,
 ) -> PrivateBatches:
     """:func:`private_batches` of each of ``clients`` (their training ``data``), stacked client
     first, the same numbers, drawn into the stacked tensors (:func:`draw_private_round`; in
-    ``buffers`` where given; the inputs left to gather with ``lazy_inputs``)."""
+    ``buffers`` where given; the inputs left to gather with ``lazy_inputs``, with the clients'
+    ``input_norms`` where given)."""
     settings, standard = algorithm.settings, algorithm.standard_update
     assert standard is not None
     roles = standard.step.batch_roles
@@ -331,6 +333,7 @@ def private_round_batches(
         each,
         buffers,
         lazy_inputs,
+        input_norms,
     )
 
 

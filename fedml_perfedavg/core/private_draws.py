@@ -49,6 +49,9 @@ class PrivateInputs(NamedTuple):
 
     data: Sequence[Tensor]
     rows: Tensor  # (clients, roles, steps, cap)
+    #: Each client's samples' squared input norms (:func:`squared_norms`), where they are known
+    #: to be the bits the chain would compute on a use's inputs; else None.
+    squared_norms: Optional[Sequence[Tensor]] = None
 
     @property
     def shape(self) -> Tuple[int, ...]:
@@ -63,10 +66,37 @@ class PrivateInputs(NamedTuple):
             torch.index_select(x, 0, rows[c], out=out[c])
         return out
 
+    def use_norms(self, role: int, t: int) -> Optional[Tensor]:
+        """Use (role, t)'s samples' squared input norms (clients, cap), or None where not known."""
+        if self.squared_norms is None:
+            return None
+        rows = self.rows[:, role, t]
+        out = self.squared_norms[0].new_empty(rows.shape)
+        for c, norms in enumerate(self.squared_norms):
+            torch.index_select(norms, 0, rows[c], out=out[c])
+        return out
+
     def gathered(self) -> Tensor:
         """Every use's inputs, as :class:`PrivateBatches` holds them gathered."""
         roles, steps = self.rows.shape[1:3]
         return torch.stack([torch.stack([self.use(r, t) for t in range(steps)]) for r in range(roles)]).movedim(2, 0)
+
+
+def squared_norms(x: Tensor) -> Tensor:
+    """Each sample's squared norm over all its features, (samples,)."""
+    return x.reshape(len(x), -1).pow(2).sum(-1)
+
+
+def gathered_norms_are_exact(x: Tensor) -> bool:
+    """Whether :func:`squared_norms` of all of ``x`` are, row for row, the bits of the same sum
+    over a (clients, batch, features) block of gathered samples (the chain's, a use at a time):
+    so a user's norms can be computed once and gathered with its minibatches. Checked on ``x``."""
+    count = min(len(x), 64) // 2 * 2
+    if x.device.type != "cpu" or count == 0:
+        return False
+    rows = torch.arange(len(x) - 1, len(x) - 1 - count, -1)
+    block = x[rows].reshape(2, count // 2, -1)
+    return torch.equal(block.pow(2).sum(-1).reshape(-1), squared_norms(x)[rows])
 
 
 def poisson_draw(
@@ -194,6 +224,7 @@ def draw_private_round(
     each: Callable[[Callable[[int], Any], int], List[Any]],
     buffers: Optional[RoundBuffers] = None,
     lazy_inputs: bool = False,
+    input_norms: Optional[Sequence[Tensor]] = None,
 ) -> PrivateBatches:
     """:func:`stack_private` of each client's :func:`draw_private_batches` (its training ``data``,
     ``generators`` and ``clip_bounds``), the same numbers, drawn into the stacked tensors: no
@@ -204,7 +235,8 @@ def draw_private_round(
     ``each(fn, count)`` runs ``fn`` for every client position (on threads: each client's draws
     are its own generator's and land in its own slices). ``buffers``: where the noise and inputs
     are written (kept for the next round), else new memory. With ``lazy_inputs`` the inputs are
-    :class:`PrivateInputs`, gathered where they are used."""
+    :class:`PrivateInputs`, gathered where they are used, with the clients' ``input_norms`` where
+    given (:func:`squared_norms`, where :func:`gathered_norms_are_exact`)."""
     clients, roles = len(data), len(batch_sizes)
     x0, y0 = data[0]
     pool = buffers if buffers is not None and x0.device.type == "cpu" else None
@@ -256,7 +288,7 @@ def draw_private_round(
     device = x0.device
     inputs: Union[Tensor, PrivateInputs]
     if rows is not None:
-        inputs = PrivateInputs([xc for xc, _ in data], rows)
+        inputs = PrivateInputs([xc for xc, _ in data], rows, input_norms)
     else:
         assert x is not None
         inputs = x.movedim(2, 0)

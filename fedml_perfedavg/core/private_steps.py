@@ -231,6 +231,10 @@ class PrivateChainSteps:
         self._x_buffer = self._lazy.use(role, t, self._x_buffer)
         return self._x_buffer
 
+    def _input_norms(self, role: int, t: int) -> Optional[Tensor]:
+        """Use (role, t)'s samples' squared input norms (clients, cap), where the draws know them."""
+        return None if self._lazy is None else self._lazy.use_norms(role, t)
+
     def _signals(self, params: Params, x: Tensor, y: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
         """Each Linear layer's inputs (C, B, in) and each sample's own loss gradient at its output
         (C, B, out): the backward pass of the summed, not the mean, loss."""
@@ -279,15 +283,18 @@ class PrivateChainSteps:
         like: Params,
         squared_divisor: Optional[float] = None,
         divide: float = 1.0,
+        input_norms: Optional[Tensor] = None,
     ) -> Params:
         """One use of the mechanism on each sample's vector, given per Linear layer as (layer, s1,
         a1, s2, a2): its weight part s1 a1^T + s2 a2^T (one outer product where a2 is None) and
         its bias part s1. Each sample's squared norm from the vectors' norms and two inner
         products (divided by ``squared_divisor``: HF's (2 delta)^2), never the vector itself;
-        clipped (:meth:`_scale`, ``divide``), summed into a reused buffer shaped as ``like``, noised."""
+        clipped (:meth:`_scale`, ``divide``), summed into a reused buffer shaped as ``like``, noised.
+        ``input_norms``: the first term's a1 squared norms (the use's inputs'), where known."""
         total: Any = 0.0
-        for layer, s1, a1, s2, a2 in terms:
-            squared = s1.pow(2).sum(-1) * (a1.pow(2).sum(-1) + (1.0 if layer.bias is not None else 0.0))
+        for position, (layer, s1, a1, s2, a2) in enumerate(terms):
+            a1_squared = input_norms if position == 0 and input_norms is not None else a1.pow(2).sum(-1)
+            squared = s1.pow(2).sum(-1) * (a1_squared + (1.0 if layer.bias is not None else 0.0))
             if s2 is not None and a2 is not None:
                 squared = squared + s2.pow(2).sum(-1) * a2.pow(2).sum(-1) + 2.0 * (s1 * s2).sum(-1) * (a1 * a2).sum(-1)
             total = total + squared
@@ -310,7 +317,7 @@ class PrivateChainSteps:
         if role == 1:  # the adapted point: read for the last time
             self._buffers.give(point)
         terms = [(layer, s, a, None, None) for layer, s, a in zip(self.layers, signals, inputs)]
-        return self._clipped_sum(terms, role, t, point)
+        return self._clipped_sum(terms, role, t, point, input_norms=self._input_norms(role, t))
 
     def adapt(self, w: Params, gradient: Params, alpha: float) -> Params:
         return axpy(-alpha, gradient, w, out=gradient)
@@ -335,7 +342,9 @@ class PrivateChainSteps:
             a = plus_inputs[position]
             d_input = None if position == 0 else a - minus_inputs[position]  # the data itself does not move
             terms.append((layer, plus[position] - minus[position], a, minus[position], d_input))
-        return self._clipped_sum(terms, 2, t, w, squared_divisor=4.0 * delta * delta, divide=2.0 * delta)
+        return self._clipped_sum(
+            terms, 2, t, w, squared_divisor=4.0 * delta * delta, divide=2.0 * delta, input_norms=self._input_norms(2, t)
+        )
 
     def _exact_hessian_times(self, w: Params, g: Params, t: int) -> Params:
         """D'''s per-sample Hessian-vector products H_i g, each clipped by its norm over all
@@ -343,7 +352,7 @@ class PrivateChainSteps:
         for a bias) from the four vectors' norms and two inner products, never formed."""
         inputs, deltas, r_deltas, r_inputs = self.chain.per_sample_hessian_terms(w, g, self._inputs(2, t), self.y[2, t])
         terms = list(zip(self.layers, r_deltas, inputs, deltas, r_inputs))
-        return self._clipped_sum(terms, 2, t, w)
+        return self._clipped_sum(terms, 2, t, w, input_norms=self._input_norms(2, t))
 
     def correct(self, g: Params, hessian_g: Params, alpha: float) -> Params:
         corrected = axpy(-alpha, hessian_g, g, out=hessian_g)

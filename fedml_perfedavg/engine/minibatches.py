@@ -9,7 +9,7 @@ indices; else each client's own draws are stacked.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -17,7 +17,13 @@ from torch import Tensor
 from ..algorithms.base import FederatedAlgorithm, private_round_batches
 from ..core.client_maths import LocalBatches
 from ..core.hand_batched import IndexedInputs
-from ..core.private_draws import PrivateBatches, RoundBuffers, stack_private
+from ..core.private_draws import (
+    PrivateBatches,
+    RoundBuffers,
+    gathered_norms_are_exact,
+    squared_norms,
+    stack_private,
+)
 from ..core.types import UserSplit
 from .plan import ClientPlan
 
@@ -40,6 +46,7 @@ class Minibatches:
         self._roles_read = plan.roles_read
         self.gathers = plan.gathers_keyed_batches
         self._private_buffers = RoundBuffers()  # DP-SGD's draws, kept from round to round
+        self._private_norms: Dict[int, Optional[Tensor]] = {}  # each user's inputs' squared norms
         if self.gathers:
             # Users that share their tensors (replicas of one user's data) share one copy here too.
             first: dict = {}
@@ -68,9 +75,18 @@ class Minibatches:
             labels = [hooks.client_labels(round_idx, c, self.users[c].train_y) for c in clients]
             if self._draws_private_round():
                 data = [(self.users[c].train_x, labels[position]) for position, c in enumerate(clients)]
-                return private_round_batches(
-                    self.algorithm, round_idx, clients, data, self._each, self._private_buffers, lazy_inputs
-                )  # type: ignore[return-value]
+                norms = [self._input_norms(c) for c in clients] if lazy_inputs else []
+                known = [n for n in norms if n is not None]
+                return private_round_batches(  # type: ignore[return-value]
+                    self.algorithm,
+                    round_idx,
+                    clients,
+                    data,
+                    self._each,
+                    self._private_buffers,
+                    lazy_inputs,
+                    known if known and len(known) == len(clients) else None,
+                )
 
             def draw(position: int) -> LocalBatches:
                 c = clients[position]
@@ -85,6 +101,14 @@ class Minibatches:
                 )
             )
         return batches
+
+    def _input_norms(self, user: int) -> Optional[Tensor]:
+        """The user's samples' squared input norms, computed once, where they are the chain's bits
+        (:func:`~fedml_perfedavg.core.private_draws.gathered_norms_are_exact`); else None."""
+        if user not in self._private_norms:
+            x = self.users[user].train_x
+            self._private_norms[user] = squared_norms(x) if gathered_norms_are_exact(x) else None
+        return self._private_norms[user]
 
     def _draws_private_round(self) -> bool:
         """Whether the round's DP-SGD draws are the keyed ones (:func:`private_round_batches`): the

@@ -382,7 +382,12 @@ def test_the_chain_on_inputs_gathered_use_by_use_gives_the_gathered_rounds_bits(
     chain computes it, into one buffer) gives the same inputs and the same trained clients, bit
     for bit, as the round's inputs gathered up front."""
     from fedml_perfedavg.core.client_maths import run_steps
-    from fedml_perfedavg.core.private_draws import PrivateInputs, draw_private_round
+    from fedml_perfedavg.core.private_draws import (
+        PrivateInputs,
+        draw_private_round,
+        gathered_norms_are_exact,
+        squared_norms,
+    )
 
     net, _, params, _, _ = _setup()
     g = torch.Generator().manual_seed(5)
@@ -396,10 +401,12 @@ def test_the_chain_on_inputs_gathered_use_by_use_gives_the_gathered_rounds_bits(
     config = LocalUpdateConfig(variant, alpha=0.05, beta=0.1, delta=0.001, local_steps=3)
     chain = hand_batched_gradients(net, (1, 3, 4))[0]
 
-    def train(lazy):
+    def train(lazy, norms=None):
         generators = [torch.Generator().manual_seed(20 + c) for c in range(len(data))]
         each = lambda fn, count: [fn(c) for c in range(count)]  # noqa: E731
-        batches = draw_private_round(data, [8] * roles, 3, params, generators, bounds, each, lazy_inputs=lazy)
+        batches = draw_private_round(
+            data, [8] * roles, 3, params, generators, bounds, each, lazy_inputs=lazy, input_norms=norms
+        )
         start = {k: v.unsqueeze(0).expand(len(data), *v.shape) for k, v in params.items()}
         steps = PrivateChainSteps(chain, batches, config.step, dp)
         return batches, run_steps(steps, start, config), steps.bounds
@@ -408,5 +415,13 @@ def test_the_chain_on_inputs_gathered_use_by_use_gives_the_gathered_rounds_bits(
     assert isinstance(lazy.x, PrivateInputs) and not isinstance(eager.x, PrivateInputs)
     assert torch.equal(lazy.gathered_x(), eager.x) and lazy.x.shape == tuple(eager.x.shape)
     assert all(torch.equal(trained[k], lazily_trained[k]) for k in params)
+    # each user's squared input norms computed once and gathered with its minibatches: the same bits
+    assert all(gathered_norms_are_exact(x) for x, _ in data)
+    with_norms, trained_with_norms, _ = train(True, [squared_norms(x) for x, _ in data])
+    assert torch.equal(
+        with_norms.x.use_norms(roles - 1, 2),
+        eager.x[:, roles - 1, 2].reshape(len(data), eager.x.shape[3], -1).pow(2).sum(-1),
+    )
+    assert all(torch.equal(trained[k], trained_with_norms[k]) for k in params)
     assert max(float((trained[k][0] - params[k]).abs().max()) for k in params) > 1e-3
     assert (eager_bounds is None and lazy_bounds is None) or torch.equal(eager_bounds, lazy_bounds)
