@@ -214,6 +214,11 @@ def _holders(tensor: Tensor) -> int:
     return 0 if count is None else int(count(tensor.untyped_storage()._cdata))
 
 
+# A parameter at least this large has its noise drawn use by use in its place; a smaller one's is
+# drawn whole and copied (one call instead of one a use: the calls, not the copy, cost there).
+_DRAWN_IN_PLACE = 16384
+
+
 def draw_private_round(
     data: Sequence[Tuple[Tensor, Tensor]],
     batch_sizes: Sequence[int],
@@ -229,9 +234,10 @@ def draw_private_round(
     """:func:`stack_private` of each client's :func:`draw_private_batches` (its training ``data``,
     ``generators`` and ``clip_bounds``), the same numbers, drawn into the stacked tensors: no
     client's noise (most of a private round's bytes: 20 million numbers for the paper's round) or
-    inputs are copied a second time. A parameter whose size is a multiple of 16 has its noise
+    inputs are copied a second time. A large parameter whose size is a multiple of 16 has its noise
     drawn use by use into its place (torch's normal fill takes 16 numbers at a time from one
-    stream, so the blocks are the numbers of one draw); any other's is drawn whole and copied.
+    stream, so the blocks are the numbers of one draw); a small one's, or one of another size, is
+    drawn whole and copied.
     ``each(fn, count)`` runs ``fn`` for every client position (on threads: each client's draws
     are its own generator's and land in its own slices). ``buffers``: where the noise and inputs
     are written (kept for the next round), else new memory. With ``lazy_inputs`` the inputs are
@@ -261,7 +267,7 @@ def draw_private_round(
         index, client_mask, _ = draws[c]
         generator = generators[c]
         for k, p in params.items():
-            if p.numel() >= 16 and p.numel() % 16 == 0:
+            if p.numel() >= _DRAWN_IN_PLACE and p.numel() % 16 == 0:
                 for role in range(roles):
                     for t in range(steps):
                         noise[k][role, t, c].normal_(generator=generator)

@@ -303,12 +303,13 @@ def test_every_refusal_dp_sgd_causes_is_the_policys_and_names_its_setting():
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_a_rounds_draws_into_the_stacked_tensors_are_each_clients_draws_stacked(adaptive):
     """draw_private_round (noise written in place, use by use where a parameter's size is a
-    multiple of 16; inputs gathered into the round's tensors) gives stack_private of every
+    multiple of 16 and large; inputs gathered into the round's tensors) gives stack_private of every
     client's own draw_private_batches bit for bit: the per-client path's numbers."""
     from fedml_perfedavg.core.private_draws import draw_private_round, stack_private
 
     torch.manual_seed(0)
     params = {
+        "large": torch.zeros(128, 128),  # drawn in place use by use (private_draws._DRAWN_IN_PLACE)
         "w": torch.zeros(8, 12),
         "b": torch.zeros(8),
         "odd": torch.zeros(3, 5),
