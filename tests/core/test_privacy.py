@@ -426,3 +426,32 @@ def test_the_chain_on_inputs_gathered_use_by_use_gives_the_gathered_rounds_bits(
     assert all(torch.equal(trained[k], trained_with_norms[k]) for k in params)
     assert max(float((trained[k][0] - params[k]).abs().max()) for k in params) > 1e-3
     assert (eager_bounds is None and lazy_bounds is None) or torch.equal(eager_bounds, lazy_bounds)
+
+
+@pytest.mark.parametrize(
+    "uses, sigma", [({0.05: 100}, 1.0), ({0.0544: 300, 0.08: 40}, 1.1), ({0.04: 1000, 1.0: 10}, 2.0)]
+)
+def test_the_tight_epsilon_reusing_one_uses_rdp_is_opacus_prv_accountant_bit_for_bit(uses, sigma):
+    """prv_epsilon lets Opacus' PRV accountant size its domain from each rate's RDP computed once
+    (accounting._reused_rdp): the very figure of Opacus' own accountant, and Opacus' compute_rdp
+    is its own again afterwards."""
+    import warnings
+
+    from opacus.accountants import PRVAccountant
+    from opacus.accountants.analysis import rdp as opacus_rdp
+    from threadpoolctl import threadpool_limits
+
+    from fedml_perfedavg.core import accounting
+
+    own = opacus_rdp.compute_rdp
+    delta = 1e-5
+    bound = accounting.rdp_epsilon(uses, sigma, delta)
+    accountant = PRVAccountant()
+    accountant.history = [(sigma, rate, count) for rate, count in sorted(uses.items())]
+    with warnings.catch_warnings(), threadpool_limits(1, user_api="blas"):
+        warnings.simplefilter("ignore")
+        error = max(accounting.PRV_RELATIVE_ERROR * bound, 1e-6)
+        expected = min(float(accountant.get_epsilon(delta, eps_error=error)), bound)
+    accounting._prv.cache_clear()
+    assert accounting.prv_epsilon(uses, sigma, delta) == expected
+    assert opacus_rdp.compute_rdp is own
