@@ -220,8 +220,13 @@ def sgd_steps(
 
 
 @torch.no_grad()
-def _accuracy_and_loss(network: nn.Module, params: Params, x: Tensor, y: Tensor) -> tuple:
-    logits = logits_of(network, params, x)
+def _accuracy_and_loss(
+    network: nn.Module, params: Params, x: Tensor, y: Tensor, chain: Optional[HandBatchedGradients] = None
+) -> tuple:
+    """(accuracy, loss) of the model at ``params`` on ``x``, ``y``; by the ``chain``'s own pass
+    where its probe found the network's bits there (:func:`_scores_together_exactly`)."""
+    exact = chain is not None and chain.scores_one_exactly
+    logits = chain.model_logits(params, x) if exact else logits_of(network, params, x)  # type: ignore[union-attr]
     loss = torch.nn.functional.cross_entropy(logits, y)
     return float((logits.argmax(dim=1) == y).float().mean()), float(loss)
 
@@ -377,7 +382,9 @@ def _evaluate_together(
                         losses[i] = float(torch.nn.functional.cross_entropy(logits[row], y[row]))
                     else:
                         own = {k: v[row] for k, v in adapted.items()}
-                        after[i], losses[i] = _accuracy_and_loss(network, own, group[row].test_x, group[row].test_y)
+                        after[i], losses[i] = _accuracy_and_loss(
+                            network, own, group[row].test_x, group[row].test_y, hand_batched
+                        )
     return EvaluationResult.of(after, before, losses)
 
 
@@ -423,6 +430,10 @@ def _scores_together_exactly(
             )
             hand_batched.scores_exactly = hand_batched.scores_global_exactly and all(
                 torch.equal(together[j], logits_of(network, shifted[j], x[j])) for j in range(len(x))
+            )
+            hand_batched.scores_one_exactly = all(
+                torch.equal(hand_batched.model_logits(shifted[j], x[j]), logits_of(network, shifted[j], x[j]))
+                for j in range(len(x))
             )
     return hand_batched.scores_exactly
 

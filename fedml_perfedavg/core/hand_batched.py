@@ -353,6 +353,8 @@ class HandBatchedGradients:
         #: the adapted models' and the global model's passes, and the global model's alone.
         self.scores_exactly: Optional[bool] = None
         self.scores_global_exactly: Optional[bool] = None
+        #: Whether :meth:`model_logits` gives the network's own outputs bit for bit (the same probe).
+        self.scores_one_exactly: Optional[bool] = None
         # transposed_storage_is_exact's and folded_update_is_exact's answers, by their arguments
         self._transposed_exact: Dict[tuple, bool] = {}
         self._fold_exact: Dict[tuple, bool] = {}
@@ -438,6 +440,17 @@ class HandBatchedGradients:
     def logits(self, params: Params, x: Tensor) -> Tensor:
         """The network's outputs, (C, B, classes)."""
         return self._forward(params, x.reshape(x.shape[0], x.shape[1], -1))[2]
+
+    def model_logits(self, params: Params, x: Tensor) -> Tensor:
+        """One model's outputs (B, classes), by the operations its modules run (F.linear and the
+        activation's function), without ``functional_call``'s swap of the module's parameters
+        (about 0.1 ms a call)."""
+        h = x.reshape(x.shape[0], -1)
+        for layer in self.layers:
+            h = F.linear(h, params[layer.weight], None if layer.bias is None else params[layer.bias])
+            if layer.activation is not None:
+                h = layer.activation.forward(h)
+        return h
 
     def grad(self, params: Params, x: Tensor, y: Tensor, out: Optional[Params] = None) -> Params:
         """Gradients of the mean cross-entropy (written into ``out``'s tensors where given)."""

@@ -282,3 +282,31 @@ def test_users_adapted_together_get_the_models_of_the_vmapped_sgd_steps_bit_for_
     )
     got = _adapt_together(loss, params, users, ids, config, 2, step)
     assert all(torch.equal(got[k], expected[k]) for k in params)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_users_scored_one_by_one_by_the_chains_own_pass_get_the_networks_numbers(monkeypatch, exact):
+    """Where the adapted models are scored user by user, each by the chain's model_logits (the
+    modules' own operations, without functional_call) where the probe finds the network's bits, by
+    functional_call where it does not; the per-user numbers are the network's either way."""
+    from fedml_perfedavg.core import evaluation
+
+    torch.manual_seed(9)
+    model, chain = _paper_mlp()
+    users, params = _users_of_two_test_sizes(3), parameters_of(model)
+    config = EvaluationConfig(0.3, 1, 8, 1, batched=True)
+    exact_logits, own_pass = chain.logits, chain.model_logits
+    chain.logits = lambda p, x: exact_logits(p, x) * (1 + 1e-6 if next(iter(p.values())).shape[0] > 1 else 1)
+    chain.model_logits = lambda p, x: own_pass(p, x) * (1 if exact else 1 + 1e-6)
+    called = []
+    logits_of = evaluation.logits_of
+    monkeypatch.setattr(evaluation, "logits_of", lambda n, p, x: called.append(len(x)) or logits_of(n, p, x))
+    evaluate(model, params, users, config, 2, hand_batched=chain)  # the probe answers once
+    assert chain.scores_exactly is False and chain.scores_one_exactly is exact
+    called.clear()
+    result = evaluate(model, params, users, config, 2, hand_batched=chain)
+    assert len(called) == (0 if exact else len(users))
+    reference = evaluate(model, params, users, config, 2)
+    assert result.per_user_accuracy == reference.per_user_accuracy
+    assert result.per_user_loss == reference.per_user_loss
+    assert len(set(reference.per_user_loss)) > 1
