@@ -206,6 +206,9 @@ class BatchedSimulation:
 
     def run(self, start_round: int, rounds: int) -> StateDict:
         """Rounds ``start_round`` .. ``rounds - 1``; returns the final global state."""
-        for round_idx in range(start_round, rounds):
-            self.train_round(round_idx)
+        try:
+            for round_idx in range(start_round, rounds):
+                self.train_round(round_idx)
+        finally:  # what is kept from round to round is not kept past the run (a grid holds many)
+            self.minibatches.release_buffers()
         return self.state

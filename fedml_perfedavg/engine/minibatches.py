@@ -102,6 +102,11 @@ class Minibatches:
             )
         return batches
 
+    def release_buffers(self) -> None:
+        """Let go of the memory kept from round to round (DP-SGD's draws: 80 MB for the paper's
+        round); a later round allocates it again."""
+        self._private_buffers = RoundBuffers()
+
     def _input_norms(self, user: int) -> Optional[Tensor]:
         """The user's samples' squared input norms, computed once, where they are the chain's bits
         (:func:`~fedml_perfedavg.core.private_draws.gathered_norms_are_exact`); else None."""

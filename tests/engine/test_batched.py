@@ -317,3 +317,26 @@ def test_the_logged_plan_says_how_clients_users_and_gradients_are_computed(caplo
         )
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("batched engine:"))
     assert "vmapped with torch.func" in line and line.endswith("Hessian-vector products reverse-over-reverse")
+
+
+def test_dp_sgds_draws_are_kept_from_round_to_round_and_let_go_when_the_run_ends():
+    """The private chain's rounds reuse one round's draw memory for the next (RoundBuffers), and
+    the engine lets it go when its run ends: a grid prepares all its runs before the first starts."""
+    dp = {
+        "dp_args.enable_dp": True,
+        "dp_args.dp_solution_type": "dpsgd",
+        "dp_args.noise_multiplier": 1.0,
+        "dp_args.max_grad_norm": 1.0,
+        "dp_args.delta": 1e-5,
+    }
+    config, users, model = _setup("PerFedAvg", "hf", **dp)
+    algorithm = create_algorithm("PerFedAvg", model, config)
+    engine = BatchedSimulation(algorithm, users, initial_global_state(algorithm, model), Driver(algorithm))
+    assert engine.gathers_lazily  # the private chain, its inputs gathered use by use
+    engine.train_round(0)
+    kept = dict(engine.minibatches._private_buffers._kept)
+    assert kept and all(name.startswith("noise ") for name in kept)  # no inputs kept: they are gathered
+    engine.train_round(1)
+    assert all(engine.minibatches._private_buffers._kept[name][0] is kept[name][0] for name in kept)
+    engine.run(2, 3)
+    assert engine.minibatches._private_buffers._kept == {}
