@@ -2,6 +2,8 @@
 ephemeral range, so no outgoing connection on the machine can take one before its rank binds it
 (an outsider's hundreds of connections once took a silo's port: "in use")."""
 
+import os
+import random
 import socket
 
 import pytest
@@ -9,6 +11,8 @@ import pytest
 from fedml_perfedavg.core.errors import ConfigError
 from fedml_perfedavg.fedml_bridge.cross_silo.addresses import (
     PORTS_VARIABLE,
+    _bindable,
+    allowed_ports,
     ephemeral_range,
     free_ports,
     read_ipconfig,
@@ -42,11 +46,28 @@ def test_a_port_in_use_is_not_chosen_and_a_full_range_falls_back_to_the_kernels_
     assert ephemeral_range("/nonexistent") is None
 
 
+def _taken_port_with_three_free_after_it() -> "tuple[socket.socket, int]":
+    """A bound socket on a port p whose next three ports are free, p from this test worker's own
+    range (or one below the kernel's ephemeral range): no outgoing connection of the machine can
+    take p + 1 .. p + 3 meanwhile (a port next to a kernel-chosen one once was, in a full suite)."""
+    low, high = allowed_ports(os.environ.get(PORTS_VARIABLE)) or (20000, 29999)
+    for port in random.sample(range(low, high - 2), min(200, high - 2 - low)):
+        taken = socket.socket()
+        try:
+            taken.bind(("127.0.0.1", port))
+        except OSError:
+            taken.close()
+            continue
+        if _bindable(list(range(port + 1, port + 4)), 3, "127.0.0.1") is not None:
+            return taken, port
+        taken.close()
+    raise AssertionError(f"no four free ports in {low}-{high}")
+
+
 def test_the_ports_variable_keeps_every_choice_in_its_range(monkeypatch):
     """A firewall's open range, or a test worker's own: nothing outside it, a taken port never."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        port = taken.getsockname()[1]
+    taken, port = _taken_port_with_three_free_after_it()
+    with taken:
         monkeypatch.setenv(PORTS_VARIABLE, f"{port}-{port + 3}")
         for _ in range(10):
             ports = free_ports(3)
