@@ -25,6 +25,16 @@ def tiny_data(num_users=6, seed=0, nan_user=None):
     return FederatedData(users, 3, (1, 4, 4))
 
 
+#: DP-SGD at sigma 1, C 1 (the ``dp_args`` overrides of a run's config).
+DP_SGD = {
+    "dp_args.enable_dp": True,
+    "dp_args.dp_solution_type": "dpsgd",
+    "dp_args.noise_multiplier": 1.0,
+    "dp_args.max_grad_norm": 1.0,
+    "dp_args.delta": 1e-5,
+}
+
+
 def tiny_config(**overrides):
     base = dict(
         client_num_in_total=6,

@@ -60,26 +60,25 @@ class PrivateInputs(NamedTuple):
 
     def use(self, role: int, t: int, buffer: Optional[Tensor] = None) -> Tensor:
         """Use (role, t)'s inputs of every client, (clients, cap, ...), into ``buffer`` where given."""
-        rows = self.rows[:, role, t]
-        out = buffer if buffer is not None else self.data[0].new_empty((*rows.shape, *self.data[0].shape[1:]))
-        for c, x in enumerate(self.data):
-            torch.index_select(x, 0, rows[c], out=out[c])
-        return out
+        return _rows_of(self.data, self.rows[:, role, t], buffer)
 
     def use_norms(self, role: int, t: int) -> Optional[Tensor]:
         """Use (role, t)'s samples' squared input norms (clients, cap), or None where not known."""
-        if self.squared_norms is None:
-            return None
-        rows = self.rows[:, role, t]
-        out = self.squared_norms[0].new_empty(rows.shape)
-        for c, norms in enumerate(self.squared_norms):
-            torch.index_select(norms, 0, rows[c], out=out[c])
-        return out
+        return None if self.squared_norms is None else _rows_of(self.squared_norms, self.rows[:, role, t])
 
     def gathered(self) -> Tensor:
         """Every use's inputs, as :class:`PrivateBatches` holds them gathered."""
         roles, steps = self.rows.shape[1:3]
         return torch.stack([torch.stack([self.use(r, t) for t in range(steps)]) for r in range(roles)]).movedim(2, 0)
+
+
+def _rows_of(per_client: Sequence[Tensor], rows: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """Client c's ``per_client[c][rows[c]]`` for every client, stacked (into ``out`` where given)."""
+    if out is None:
+        out = per_client[0].new_empty((*rows.shape, *per_client[0].shape[1:]))
+    for c, source in enumerate(per_client):
+        torch.index_select(source, 0, rows[c], out=out[c])
+    return out
 
 
 def squared_norms(x: Tensor) -> Tensor:

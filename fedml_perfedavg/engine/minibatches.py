@@ -75,17 +75,9 @@ class Minibatches:
             labels = [hooks.client_labels(round_idx, c, self.users[c].train_y) for c in clients]
             if self._draws_private_round():
                 data = [(self.users[c].train_x, labels[position]) for position, c in enumerate(clients)]
-                norms = [self._input_norms(c) for c in clients] if lazy_inputs else []
-                known = [n for n in norms if n is not None]
+                norms = self._input_norms(clients) if lazy_inputs else None
                 return private_round_batches(  # type: ignore[return-value]
-                    self.algorithm,
-                    round_idx,
-                    clients,
-                    data,
-                    self._each,
-                    self._private_buffers,
-                    lazy_inputs,
-                    known if known and len(known) == len(clients) else None,
+                    self.algorithm, round_idx, clients, data, self._each, self._private_buffers, lazy_inputs, norms
                 )
 
             def draw(position: int) -> LocalBatches:
@@ -107,13 +99,16 @@ class Minibatches:
         round); a later round allocates it again."""
         self._private_buffers = RoundBuffers()
 
-    def _input_norms(self, user: int) -> Optional[Tensor]:
-        """The user's samples' squared input norms, computed once, where they are the chain's bits
+    def _input_norms(self, clients: Sequence[int]) -> Optional[List[Tensor]]:
+        """Each client's samples' squared input norms, each user's computed once, where they are the
+        chain's bits for every one of them
         (:func:`~fedml_perfedavg.core.private_draws.gathered_norms_are_exact`); else None."""
-        if user not in self._private_norms:
-            x = self.users[user].train_x
-            self._private_norms[user] = squared_norms(x) if gathered_norms_are_exact(x) else None
-        return self._private_norms[user]
+        for user in clients:
+            if user not in self._private_norms:
+                x = self.users[user].train_x
+                self._private_norms[user] = squared_norms(x) if gathered_norms_are_exact(x) else None
+        norms = [self._private_norms[user] for user in clients]
+        return None if any(n is None for n in norms) else norms  # type: ignore[return-value]
 
     def _draws_private_round(self) -> bool:
         """Whether the round's DP-SGD draws are the keyed ones (:func:`private_round_batches`): the

@@ -14,6 +14,8 @@ from fedml_perfedavg.engine.plan import batchable_maths, roles_read
 from fedml_perfedavg.models import MLP
 from fedml_perfedavg.run.config import ConfigError, resolve
 
+from tests.helpers_tiny import DP_SGD
+
 CASES = [("FedAvgUpdate", "hf"), ("PerFedAvg", "fo"), ("PerFedAvg", "hf"), ("PerFedAvg", "exact")]
 SMALL = dict(
     client_num_in_total=6,
@@ -322,14 +324,7 @@ def test_the_logged_plan_says_how_clients_users_and_gradients_are_computed(caplo
 def test_dp_sgds_draws_are_kept_from_round_to_round_and_let_go_when_the_run_ends():
     """The private chain's rounds reuse one round's draw memory for the next (RoundBuffers), and
     the engine lets it go when its run ends: a grid prepares all its runs before the first starts."""
-    dp = {
-        "dp_args.enable_dp": True,
-        "dp_args.dp_solution_type": "dpsgd",
-        "dp_args.noise_multiplier": 1.0,
-        "dp_args.max_grad_norm": 1.0,
-        "dp_args.delta": 1e-5,
-    }
-    config, users, model = _setup("PerFedAvg", "hf", **dp)
+    config, users, model = _setup("PerFedAvg", "hf", **DP_SGD)
     algorithm = create_algorithm("PerFedAvg", model, config)
     engine = BatchedSimulation(algorithm, users, initial_global_state(algorithm, model), Driver(algorithm))
     assert engine.gathers_lazily  # the private chain, its inputs gathered use by use

@@ -8,7 +8,7 @@ import pytest
 
 from fedml_perfedavg.run.runner import run
 
-from tests.helpers_tiny import tiny_config, tiny_data
+from tests.helpers_tiny import DP_SGD, tiny_config, tiny_data
 
 
 def _records(path):
@@ -112,14 +112,7 @@ def test_the_wandb_group_defaults_to_the_run_name(tmp_path, monkeypatch):
 @pytest.mark.backend
 def test_a_dp_sgd_run_logs_its_epsilon_at_every_evaluation(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    dp = {
-        "dp_args.enable_dp": True,
-        "dp_args.dp_solution_type": "dpsgd",
-        "dp_args.noise_multiplier": 1.0,
-        "dp_args.max_grad_norm": 1.0,
-        "dp_args.delta": 1e-5,
-    }
-    result = run(tiny_config(enable_wandb=True, checkpoint_every=0, **dp), str(tmp_path / "run"), data=tiny_data())
+    result = run(tiny_config(enable_wandb=True, checkpoint_every=0, **DP_SGD), str(tmp_path / "run"), data=tiny_data())
     (log,) = (tmp_path / "run" / "wandb").glob("offline-run-*/*.wandb")
     rows = [
         {i.key: i.value_json for i in r.history.item} for r in _records(log) if r.WhichOneof("record_type") == "history"
