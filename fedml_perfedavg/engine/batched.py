@@ -24,6 +24,7 @@ from torch.func import vmap
 from ..algorithms.base import ClientUpdate, FederatedAlgorithm
 from ..core.adaptive_clipping import STATE_KEY
 from ..core.client_maths import LocalBatches, StepFigures, mean_figures, run_steps
+from ..core.compiled_update import CompiledLocalUpdate
 from ..core.private_draws import PrivateBatches
 from ..core.private_steps import PrivateChainSteps
 from ..core.hand_batched import IndexedInputs, HandBatchedGradients
@@ -90,11 +91,18 @@ class BatchedSimulation:
         self.gathers_lazily = self.hand_batched is not None or (
             self.plan.path is Path.PRIVATE_CHAIN and not compile_local_update
         )
+        #: The hand-batched path's local update compiled one step at a time, or None (eager).
+        self.compiled_update: Optional[CompiledLocalUpdate] = None
         if compile_local_update and self.step is not None:
             # The round is thousands of tiny kernels: on a GPU, CUDA graphs ("reduce-overhead")
             # replay them without per-kernel launch cost. Shapes are the same every round.
             on_cuda = next(iter(global_state.values())).is_cuda
-            self.step = torch.compile(self.step, mode="reduce-overhead" if on_cuda else "default", dynamic=False)
+            mode = "reduce-overhead" if on_cuda else "default"
+            if self.hand_batched is not None:  # a Linear chain: its own step, compiled (core/compiled_update.py)
+                assert algorithm.standard_update is not None  # the hand-batched path computes the standard maths
+                self.compiled_update = CompiledLocalUpdate(self.hand_batched, algorithm.standard_update, mode)
+            else:
+                self.step = torch.compile(self.step, mode=mode, dynamic=False)
         self.minibatches = Minibatches(algorithm, users, self.plan)
         self.sample_counts = self.minibatches.sample_counts
 
@@ -155,6 +163,8 @@ class BatchedSimulation:
                 for t in batches
             )
         )
+        if self.compiled_update is not None:
+            return self.compiled_update(start, by_step, figures)
         standard = self.algorithm.standard_update
         assert self.hand_batched is not None and standard is not None  # taken only for the standard maths
         return self.hand_batched.local_update(start, by_step, standard, figures)

@@ -147,7 +147,7 @@ def resolve_plan(
             f"clipped by its outer-product norm, every client of a round at once (fedml_perfedavg.core.private_steps)"
         )
         return plan(Path.PRIVATE_CHAIN, why, hand_batched=chain)
-    gradients, no_hand = _hand_batched(algorithm, input_shape, compile_local_update, try_hand_batched)
+    gradients, no_hand = _hand_batched(algorithm, input_shape, try_hand_batched)
     if paths.vmappable and gradients is None and not paths.groups_exactly:
         why = (
             "clients one by one (vmapped, a client's result would depend on which clients share its "
@@ -160,19 +160,19 @@ def resolve_plan(
         why = (
             f"{type(algorithm.network).__name__} is a chain of Linear layers and activations; its clients' "
             f"gradients are hand-batched matrix products (fedml_perfedavg.core.hand_batched)"
+            + ("; each local step compiled (fedml_perfedavg.core.compiled_update)" if compile_local_update else "")
         )
         return plan(Path.HAND_BATCHED, why, hand_batched=gradients)
     why = f"the clients' updates vmapped with torch.func (hand-batched gradients do not apply: {no_hand})"
-    return plan(Path.VMAP, why)
+    return plan(Path.VMAP, why + ("; compiled whole (torch.compile)" if compile_local_update else ""))
 
 
 def _hand_batched(
-    algorithm: FederatedAlgorithm, input_shape: Optional[Tuple[int, ...]], compile_local_update: bool, allowed: bool
+    algorithm: FederatedAlgorithm, input_shape: Optional[Tuple[int, ...]], allowed: bool
 ) -> Tuple[Optional[HandBatchedGradients], str]:
     """Hand-batched gradients where they compute exactly what the algorithm's own update would
-    (Per-FedAvg's or FedAvg's update on a Linear chain), else why not."""
-    if compile_local_update:
-        return None, "device_args.compile_local_update compiles the generic path"
+    (Per-FedAvg's or FedAvg's update on a Linear chain), else why not. Compiled or not: the
+    engine compiles the chain's own step where it compiles (core/compiled_update.py)."""
     if not allowed:
         return None, "turned off"
     if batchable_maths(algorithm) is None:

@@ -265,9 +265,11 @@ class DeviceArgs:
     compile_local_update: bool = _setting(
         bool,
         False,
-        "batched engine: torch.compile the vmapped "
-        "local update (CUDA graphs on GPU, ~8x faster rounds after about a "
-        "minute of compiling; rarely pays on CPU)",
+        "batched engine: torch.compile the local update (a Linear chain's hand-batched step, "
+        "compiled once for every step: HF rounds ~0.84 of the eager path's on a 2-core CPU, after "
+        "6 s of compiling, 35 s with an empty compiler cache; any other model's vmapped update whole, "
+        "about a minute; CUDA graphs on GPU). "
+        "Fused kernels round differently: results within float rounding of the eager path's, not its bits",
     )
 
 

@@ -97,19 +97,30 @@ def test_batched_engine_equals_per_client_path_float64(optimizer, variant, try_h
 
 
 @pytest.mark.backend  # torch.compile: 60 s alone with a cold inductor cache (a fresh machine), 13 s warm
-def test_compiled_local_update_gives_the_eager_result(monkeypatch):
+@pytest.mark.parametrize("hand_batched", [True, False], ids=["chain-step", "vmapped"])
+def test_compiled_local_update_gives_the_eager_result(monkeypatch, caplog, hand_batched):
     calls = []
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or real_compile(fn, **kw))
-    # two local steps: the second starts from the moved w, and the graph torch.compile unrolls
-    # (its compile time grows with tau: 56 s at three steps, 42 at two, on the 2-core machine)
+    # two local steps: the second starts from the moved w (the vmapped path's graph unrolls them:
+    # its compile time grows with tau, 56 s at three steps, 42 at two, on the 2-core machine)
     config, users, model = _setup("PerFedAvg", "hf", compile_local_update=True, local_steps=2)
     model = MLP(6, 3, (5,)).double()  # one hidden Linear/ELU: a third fewer kernels for the C++ compiler
     algorithm, one_by_one = (create_algorithm("PerFedAvg", model, config) for _ in range(2))
     start = copy.deepcopy(model.state_dict())
     reference = per_client_rounds(one_by_one, users, start, config.comm_round)
-    engine = BatchedSimulation(algorithm, users, start, Driver(algorithm), compile_local_update=True)
-    assert calls == [{"mode": "default", "dynamic": False}]  # on the CPU; "reduce-overhead" on CUDA
+    with caplog.at_level("INFO"):
+        engine = BatchedSimulation(
+            algorithm, users, start, Driver(algorithm), compile_local_update=True, try_hand_batched=hand_batched
+        )
+    # on the CPU; "reduce-overhead" on CUDA. A Linear chain compiles its own step, once for every
+    # step and round (core/compiled_update.py), any other model its vmapped update whole.
+    if hand_batched:
+        assert calls == [{"mode": "default", "dynamic": False, "fullgraph": True}]
+        assert engine.compiled_update is not None and "each local step compiled" in caplog.text
+    else:
+        assert calls == [{"mode": "default", "dynamic": False}]
+        assert engine.compiled_update is None and "compiled whole" in caplog.text
     got = engine.run(0, config.comm_round)
     for k in got:
         torch.testing.assert_close(got[k], reference[k], rtol=1e-9, atol=1e-11)
