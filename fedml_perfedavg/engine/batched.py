@@ -103,6 +103,8 @@ class BatchedSimulation:
                 self.compiled_update = CompiledLocalUpdate(self.hand_batched, algorithm.standard_update, mode)
             else:
                 self.step = torch.compile(self.step, mode=mode, dynamic=False)
+        elif compile_local_update:  # said, not silently ignored: nothing of these clients' maths is compiled
+            logger.warning("device_args.compile_local_update=True compiles nothing here: %s", self.plan.why)
         self.minibatches = Minibatches(algorithm, users, self.plan)
         self.sample_counts = self.minibatches.sample_counts
 

@@ -145,6 +145,7 @@ def resolve_plan(
         why = (
             f"DP-SGD: {type(algorithm.network).__name__} is a chain of Linear layers; each sample's gradient is "
             f"clipped by its outer-product norm, every client of a round at once (fedml_perfedavg.core.private_steps)"
+            + ("; compiled (torch.compile)" if compile_local_update else "")
         )
         return plan(Path.PRIVATE_CHAIN, why, hand_batched=chain)
     gradients, no_hand = _hand_batched(algorithm, input_shape, try_hand_batched)

@@ -215,6 +215,19 @@ def test_a_model_vmap_cannot_batch_falls_back_to_the_per_client_path(caplog):
         torch.testing.assert_close(got[k], reference[k], rtol=1e-12, atol=1e-14)
 
 
+def test_compiling_clients_computed_one_by_one_is_said_not_silently_ignored(monkeypatch, caplog):
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("nothing here is compiled"))
+    config, users, _ = _setup("PerFedAvg", "fo")
+    model = DataDependent().double()
+    algorithm = create_algorithm("PerFedAvg", model, config)
+    start = copy.deepcopy(model.state_dict())
+    algorithm.probe_model(start, users[0].train_x[:1], users[0].train_y[:1])
+    with caplog.at_level("WARNING"):
+        engine = BatchedSimulation(algorithm, users, start, Driver(algorithm), compile_local_update=True)
+    assert not engine.batched and engine.compiled_update is None
+    assert "device_args.compile_local_update=True compiles nothing here: clients one by one" in caplog.text
+
+
 def test_engine_makes_no_dataloader_or_deep_copy_per_step(monkeypatch):
     calls = {"DataLoader": 0, "deepcopy": 0}
 
