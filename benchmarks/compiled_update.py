@@ -38,18 +38,7 @@ from fedml_perfedavg.engine.batched import BatchedSimulation  # noqa: E402
 
 
 def engine_for(method: str, users, compiled: bool) -> BatchedSimulation:
-    torch.manual_seed(0)
-    model = speed.create_model("mlp", (1, 28, 28), 10)
-    algorithm = speed.create_algorithm(speed.METHODS[method][0], model, speed.config_for(method))
-
-    class Driver:
-        def sample_clients(self, round_idx):
-            return algorithm.sample_clients(round_idx)
-
-        def round_finished(self, round_idx, global_state):
-            pass
-
-    return BatchedSimulation(algorithm, users, model.state_dict(), Driver(), compile_local_update=compiled)
+    return speed.method_engine(method, users, compile_local_update=compiled)[0]
 
 
 def largest_difference(a: dict, b: dict) -> float:

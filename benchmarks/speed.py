@@ -119,7 +119,9 @@ def load_users(users: int, device: str):
     return [base[i % len(base)] for i in range(users)], source  # larger n: users replicated
 
 
-def bare_engine(algorithm, users, model: torch.nn.Module, try_hand_batched: bool = True) -> BatchedSimulation:
+def bare_engine(
+    algorithm, users, model: torch.nn.Module, try_hand_batched: bool = True, compile_local_update: bool = False
+) -> BatchedSimulation:
     """The batched engine over ``algorithm`` from ``model``'s state, with a driver that samples
     with the algorithm and records nothing."""
 
@@ -130,16 +132,25 @@ def bare_engine(algorithm, users, model: torch.nn.Module, try_hand_batched: bool
         def round_finished(self, round_idx, global_state):
             pass
 
-    return BatchedSimulation(algorithm, users, model.state_dict(), Driver(), try_hand_batched=try_hand_batched)
+    return BatchedSimulation(
+        algorithm,
+        users,
+        model.state_dict(),
+        Driver(),
+        try_hand_batched=try_hand_batched,
+        compile_local_update=compile_local_update,
+    )
 
 
-def method_engine(method: str, users, device: str = "cpu", clients: int = 10, n: int = 50):
+def method_engine(
+    method: str, users, device: str = "cpu", clients: int = 10, n: int = 50, compile_local_update: bool = False
+):
     """(engine, algorithm): ``method``'s batched engine on the paper's MLP over ``users``' data,
     built as every benchmark builds it (seed 0, a bare driver)."""
     torch.manual_seed(0)
     model = create_model("mlp", (1, 28, 28), 10).to(torch.device(device))
     algorithm = create_algorithm(METHODS[method][0], model, config_for(method, clients, n, device))
-    return bare_engine(algorithm, users, model), algorithm
+    return bare_engine(algorithm, users, model, compile_local_update=compile_local_update), algorithm
 
 
 def flops_per_round(model: torch.nn.Module, method: str, clients: int, steps: int = 10, batch: int = 40) -> float:
