@@ -7,8 +7,8 @@ cannot follow; here the step is the allocating arithmetic over the same oracle
 bit), which torch.compile traces whole: inductor fuses the elementwise kernels between the
 matrix products (activations and their derivatives, the softmax, the updates), and on CUDA
 the step is replayed as a graph. One step is compiled, not the loop: the graph is tau times
-smaller (the paper's MLP: 17 s of compiling instead of 89 s on 2 cores) and serves every step
-and every round. Fused kernels sum in other orders, so the results differ from the eager path's
+smaller and serves every step and every round (compile times and speed: benchmarks/RESULTS.md,
+"The compiled local update"). Fused kernels sum in other orders, so the results differ from the eager path's
 in the last bits (benchmarks/RESULTS.md); the eager path stays the default.
 """
 
