@@ -14,7 +14,7 @@ in the last bits (benchmarks/RESULTS.md); the eager path stays the default.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -25,11 +25,14 @@ from .types import Params
 
 class CompiledLocalUpdate:
     """``config``'s local update by ``oracle`` (clients first, as the hand-batched oracle computes
-    them), each step one call of a compiled function (``mode``: torch.compile's)."""
+    them), each step one call of a compiled function (``mode``: torch.compile's; under CUDA graphs,
+    "reduce-overhead", what a step returns is copied out of the graph's memory)."""
 
     def __init__(self, oracle: Gradients, config: LocalUpdateConfig, mode: str = "default") -> None:
         self.oracle, self.config = oracle, config
         self._step = torch.compile(self._one_step, mode=mode, dynamic=False, fullgraph=True)
+        # CUDA graphs' outputs are the graph's memory, written again by its next replay
+        self._copy_out: Callable[[Optional[torch.Tensor]], Any] = _copy if mode == "reduce-overhead" else _same
 
     def _one_step(self, w: Params, batch: LocalBatches, record: bool) -> Tuple[Params, Optional[StepFigures]]:
         steps = FunctionalSteps(self.oracle, batch, self.config.step)
@@ -58,11 +61,13 @@ class CompiledLocalUpdate:
             w, step_figures = self._step(w, self._batch_at(batches, t), figures is not None)
             if figures is not None:
                 assert step_figures is not None
-                # a CUDA graph's outputs are its memory, written again by the next replay
-                loss, logits, y = step_figures
-                figures.append(StepFigures(_copy(loss), _copy(logits), y.clone()))
-        return {k: v.clone() for k, v in w.items()}
+                figures.append(StepFigures(*(self._copy_out(value) for value in step_figures)))
+        return {k: self._copy_out(v) for k, v in w.items()}
 
 
 def _copy(value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if value is None else value.clone()
+
+
+def _same(value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return value

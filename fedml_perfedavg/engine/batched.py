@@ -86,8 +86,8 @@ class BatchedSimulation:
         self.clip_bounds_after: Optional[Tensor] = None
         #: What trains a computation's clients together; None on the per-client path (client_update).
         self.step: Optional[Callable[[Params, LocalBatches], Trained]] = self._step_of(self.plan)
-        #: Whether the step gathers its inputs as it reaches them (the hand-batched local update and
-        #: DP-SGD's chain do; a compiled step is handed tensors).
+        #: Whether the step gathers its inputs as it reaches them (the hand-batched local update,
+        #: compiled a step at a time or not, and DP-SGD's chain do; a step compiled whole is handed tensors).
         self.gathers_lazily = self.hand_batched is not None or (
             self.plan.path is Path.PRIVATE_CHAIN and not compile_local_update
         )
