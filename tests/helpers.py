@@ -3,6 +3,7 @@
 import os
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -174,13 +175,49 @@ def lost_round_cost(summary: dict):
     return lost, waited, wall[lost["round"]] - wall[lost["round"] - 1]
 
 
-def failure_tail(out: str, chars: int = 6000) -> str:
-    """The end of a launch's output for an assertion's message, without asyncio's "Task was destroyed
-    but it is pending" pairs: a process stopped while the outsider held hundreds of connections
-    prints one per connection, and they once hid the line that said why a silo failed."""
+def failure_tail(out: str, lines: int = 25) -> str:
+    """What a failed launch's output says of each of its processes, for an assertion's message: the
+    last ``lines`` lines of the server (``[server]``), of each silo (``[silo R]``) and of the
+    launcher itself (which names every process's exit code), each under its own heading, without
+    asyncio's "Task was destroyed but it is pending" pairs (a process stopped while the outsider
+    held hundreds of connections prints one per connection). The whole output's tail alone once
+    showed only the silos' retries, never why the server had ended."""
     noise = ("Task was destroyed but it is pending", "task: <Task pending")
-    kept = [line for line in out.splitlines() if not any(n in line for n in noise)]
-    return "\n".join(kept)[-chars:]
+    by_process: dict = {}
+    for line in out.splitlines():
+        if any(n in line for n in noise):
+            continue
+        prefix = line.split("] ", 1)[0] + "]" if line.startswith("[") and "] " in line else "[launcher]"
+        by_process.setdefault(prefix, []).append(line)
+    order = sorted(by_process, key=lambda name: (name != "[server]", name == "[launcher]", name))
+    return "\n".join(
+        f"--- {name}, its last {min(lines, len(by_process[name]))} of {len(by_process[name])} lines:\n"
+        + "\n".join(by_process[name][-lines:])
+        for name in order
+    )
+
+
+def drained(process) -> "Callable[[], str]":
+    """Read ``process``'s output (stdout=PIPE, text) from now on in a thread, so that it never
+    blocks on a full pipe while the test does something else; returns what was read so far, and
+    all of it once the process has ended (``process.wait()`` first)."""
+    import threading
+
+    chunks: list = []
+
+    def pump() -> None:
+        for line in process.stdout:
+            chunks.append(line)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+
+    def text() -> str:
+        if process.poll() is not None:
+            thread.join(timeout=30)
+        return "".join(chunks)
+
+    return text
 
 
 def launch_silo(run_dir, settings: dict, extra=(), loopback_only: bool = False, open_files=None):

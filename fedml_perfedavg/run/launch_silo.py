@@ -381,6 +381,8 @@ def _exit_code(processes: Dict[int, subprocess.Popen], return_code: int, run_dir
         return EXIT_STOPPED
     for rank, code in failed.items():
         logger.error("%s exited with code %s", _name(rank), code)
+    if failed:  # the whole picture, for whoever reads why the run failed
+        logger.info("exit codes: %s", ", ".join(f"{_name(r)} {p.returncode}" for r, p in sorted(processes.items())))
     if return_code == 0 and not failed:
         logger.info("all %d processes finished; results in %s", len(processes), run_dir)
     return return_code or (1 if failed else 0)

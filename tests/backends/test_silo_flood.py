@@ -24,6 +24,7 @@ from fedml_perfedavg.run.config import load_yaml, resolve
 from tests.helpers import (
     HF_YAML,
     assert_same_bits,
+    drained,
     failure_tail,
     launch_silo,
     launched_threads,
@@ -194,9 +195,10 @@ def test_an_outsider_on_the_silos_own_address_holding_connections_from_the_start
     rounds = 10
     settings = {**SETTINGS, "comm_round": rounds, "data_cache_dir": mnist_root}
     process = launch_silo(run_dir, settings, open_files=1024)
+    output = drained(process)  # read as it comes: the test does not wait on the launcher's output
     deadline = time.monotonic() + 120
     while not ((run_dir / "grpc_ipconfig.csv").exists() and _listening(_server_address(run_dir))):
-        assert time.monotonic() < deadline and process.poll() is None
+        assert time.monotonic() < deadline and process.poll() is None, failure_tail(output())
         time.sleep(0.01)
     stop, tallies = threading.Event(), []
 
@@ -213,9 +215,10 @@ def test_an_outsider_on_the_silos_own_address_holding_connections_from_the_start
         time.sleep(0.05)
     silos_in = time.monotonic() - listening
     try:
-        out, _ = process.communicate(timeout=400)
+        process.wait(timeout=400)
     finally:
         stop.set()
+    out = output()
     assert process.returncode == 0, failure_tail(out)
     # a heavy flood: 17,038 connections in a fresh-clone run on 5 workers (7dce9b9), 20,000 and more
     # before the processes started faster (the run, and so the flood, is shorter now)

@@ -19,7 +19,7 @@ from fedml_perfedavg.run.config import load_yaml, resolve
 from fedml_perfedavg.run.runner import load_split, run
 from fedml_perfedavg.run.silo_data import export_split, main as export_main, split_keys
 
-from tests.helpers import HF_YAML, finish_all, launch_silo, needs_mnist, start_by_hand
+from tests.helpers import HF_YAML, failure_tail, finish_all, launch_silo, needs_mnist, start_by_hand
 
 OWN = {"silo_data": "own", "client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
 
@@ -132,7 +132,7 @@ def test_launch_silo_hands_each_silo_its_own_folder(mnist_root, tmp_path):
         ["--clients", "4"],
     )
     out, _ = process.communicate(timeout=300)
-    assert process.returncode == 0, out[-4000:]
+    assert process.returncode == 0, failure_tail(out)
     run_dir = tmp_path / "run"
     for rank in range(1, 5):
         assert f"user {rank - 1}'s data from {run_dir / 'silo-data' / f'rank-{rank}'}" in out

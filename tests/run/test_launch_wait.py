@@ -89,3 +89,19 @@ def test_stopping_waits_for_a_process_still_busy_writing_and_kills_one_that_is_s
     assert 4.0 <= took < 10, took
     assert "silo rank 1 did not stop after SIGTERM (no CPU used for 1.5 s): killed" in caplog.text
     assert "the server did not stop" not in caplog.text
+
+
+@pytest.mark.fast
+def test_a_failed_launch_names_every_process_exit_code(caplog, tmp_path):
+    """Issue 79: a failed launch says how each process ended, the server's included, so that a
+    test's message (tests/helpers.py failure_tail) and an operator see which one failed first."""
+    import logging
+    from types import SimpleNamespace
+
+    from fedml_perfedavg.run.launch_silo import _exit_code
+
+    processes = {0: SimpleNamespace(returncode=1), 1: SimpleNamespace(returncode=143), 2: SimpleNamespace(returncode=0)}
+    with caplog.at_level(logging.INFO, logger="fedml_perfedavg.run.launch_silo"):
+        assert _exit_code(processes, 0, str(tmp_path)) == 1
+    assert "the server exited with code 1" in caplog.text
+    assert "exit codes: the server 1, silo rank 1 143, silo rank 2 0" in caplog.text
