@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fedml_perfedavg"
-FEDML_FREE = ("core", "secagg", "data", "algorithms", "engine", "models", "logs", "stopping")
+FEDML_FREE = ("core", "secagg", "data", "algorithms", "silo", "engine", "models", "logs", "stopping")
 LAYERS = {
     "core": 0,
     "secagg": 0,
@@ -17,6 +17,7 @@ LAYERS = {
     "stopping": 0,
     "data": 1,
     "algorithms": 2,
+    "silo": 2,
     "engine": 3,
     "fedml_bridge": 3,
     "run": 4,

@@ -107,22 +107,26 @@ class PrivacyLedger:
             for rate, count in rule(self.sample_counts[int(user)]):
                 by_rate[rate] = by_rate.get(rate, 0) + count
 
-    def _uses_after_training(self, round_idx: int, user: int) -> Dict[float, int]:
+    def _uses_after(self, what: str, round_idx: int, user: int) -> Dict[float, int]:
+        """``user``'s uses were ``what`` ("training" or "evaluation") of round ``round_idx`` counted too."""
         uses = dict(self.uses.get(int(user), {}))
-        if ("training", int(round_idx), int(user)) not in self._seen:
-            for rate, count in self.rules.training(self.sample_counts[int(user)]):
+        if (what, int(round_idx), int(user)) not in self._seen:
+            rule = self.rules.training if what == "training" else self.rules.evaluation
+            for rate, count in rule(self.sample_counts[int(user)]):
                 uses[rate] = uses.get(rate, 0) + count
         return uses
 
-    def after_training(self, round_idx: int, user: int) -> float:
-        """``user``'s epsilon (the accountant's) were it to train in round ``round_idx`` too."""
-        uses = self._uses_after_training(round_idx, user)
+    def after_training(self, round_idx: int, user: int, what: str = "training") -> float:
+        """``user``'s epsilon (the accountant's) were it to train in round ``round_idx`` too
+        (``what="evaluation"``: were the evaluation after that round to personalize on its data)."""
+        uses = self._uses_after(what, round_idx, user)
         return accounting.epsilon(self.dp.accountant, uses, self.dp.noise_multiplier, self.dp.delta)
 
-    def would_pass(self, round_idx: int, user: int, budget: float) -> bool:
-        """Whether training in round ``round_idx`` would take ``user``'s epsilon past ``budget``
-        (the accountant's figure; the RDP bound answers where it is within)."""
-        uses = self._uses_after_training(round_idx, user)
+    def would_pass(self, round_idx: int, user: int, budget: float, what: str = "training") -> bool:
+        """Whether training in round ``round_idx`` (``what="evaluation"``: the evaluation after it)
+        would take ``user``'s epsilon past ``budget`` (the accountant's figure; the RDP bound
+        answers where it is within)."""
+        uses = self._uses_after(what, round_idx, user)
         return not accounting.within(self.dp.accountant, uses, self.dp.noise_multiplier, self.dp.delta, budget)
 
     def first_past(self, budget: float) -> Optional[Tuple[float, int]]:

@@ -444,13 +444,14 @@ def silo_setup(parts: RunParts) -> Any:
         outcome=silo_outcome(parts, values),
         secure_rules=silo_rules(config),
         scheduled=silo_schedule(parts),
+        evaluates=RoundSchedule.from_config(config).evaluates,
     )
 
 
 def silo_outcome(parts: RunParts, values: Dict[str, Any]) -> Any:
     """A data owner's silo's record of the run as it goes, carried on from an earlier process of
     this silo in the same run directory (its progress.pt), and kept after every change."""
-    from ..fedml_bridge.cross_silo.outcome import SiloOutcome
+    from ..silo.outcome import SiloOutcome
     from .silo_record import SiloProgress, run_identity
 
     user = parts.rank - 1

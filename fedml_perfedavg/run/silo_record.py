@@ -30,7 +30,7 @@ import torch
 from ..core.errors import ConfigError
 from ..core.evaluation import accuracy_of
 from ..core.types import StateDict
-from ..fedml_bridge.cross_silo.outcome import SiloOutcome, StoredAnswer
+from ..silo.outcome import SiloOutcome, StoredAnswer
 from .files import make_dir, write_json, write_torch
 
 logger = logging.getLogger(__name__)

@@ -213,6 +213,22 @@ def test_a_silo_that_declines_its_round_is_given_up_on_at_once_told_and_named():
     assert records(p.handle(SiloDeclined(3.5, 2, "again")), "record_lost_silos") == []
 
 
+def test_a_silo_that_declines_an_evaluation_is_missing_from_it_at_once_and_stays_in_the_run():
+    """A data owner's own rules may refuse an evaluation (not of the schedule, done already, its
+    budget spent: silo/rules.py); the evaluation closes without its user now, not at the deadline."""
+    p, model = protocol(timeout=30.0)
+    online(p)
+    p.handle(update(1, 0, 1.0))
+    p.handle(update(2, 0, 3.0))
+    assert p.phase is Phase.EVALUATING
+    assert p.handle(Evaluation(3.0, 1, counts(1, 0))) == []
+    actions = p.handle(SiloDeclined(3.5, 2, "silo rank 2: the evaluation would pass its max_epsilon"))
+    ((round_idx, by_user, missing, _),) = records(actions, "record_federated_evaluation")
+    assert (round_idx, sorted(by_user), missing) == (0, [0], [1])
+    assert records(actions, "record_lost_silos") == []  # it stays: round 1 goes to both silos
+    assert [(m.silo, m.round) for m in sends(actions, ROUND)] == [(1, 1), (2, 1)]
+
+
 def test_a_declining_silo_the_round_cannot_do_without_ends_the_run_with_its_reason():
     p, _ = protocol(min_clients=2)
     online(p)

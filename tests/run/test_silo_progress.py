@@ -9,7 +9,7 @@ import torch
 
 from fedml_perfedavg.algorithms.registry import create_algorithm
 from fedml_perfedavg.core.errors import ConfigError
-from fedml_perfedavg.fedml_bridge.cross_silo.outcome import SiloOutcome
+from fedml_perfedavg.silo.outcome import SiloOutcome
 from fedml_perfedavg.models import create_model
 from fedml_perfedavg.run.silo_record import PROGRESS, SiloProgress, run_identity
 

@@ -42,6 +42,8 @@ AGREED = (
     ("train_args", "comm_round"),
     ("train_args", "on_divergence"),
     ("validation_args", "adapt_steps"),
+    # which rounds are evaluated: a data owner's silo answers an evaluation only on its own copy of this
+    ("validation_args", "frequency_of_the_test"),
     ("common_args", "random_seed"),
     ("data_args", "dataset"),
     ("data_args", "partition_method"),
@@ -233,3 +235,5 @@ class SiloSetup:
     secure_rules: Optional[Any] = None  # a data owner's silo: secagg/rounds.py SiloRules, its own config's
     # a data owner's silo: the keyed schedule (round -> the silo ranks sampled), which it checks the server against
     scheduled: Optional[Callable[[int], List[int]]] = None
+    # a data owner's silo: the run's evaluation schedule (round -> evaluated after it), likewise
+    evaluates: Optional[Callable[[int], bool]] = None

@@ -44,10 +44,11 @@ from ...core.ledger import silo_report
 from ..bootstrap import import_fedml
 from .agreement import SiloSetup
 from .modes import data_mode
-from .outcome import SiloOutcome, StoredAnswer, state_digest
+from ...silo.outcome import SiloOutcome, StoredAnswer, state_digest
 from ...secagg.primitives import SecAggError
 from .policy import SiloPolicy
 from .secure_rounds import advert_to_wire
+from ...silo.rules import STORED, DataOwnerRules
 from .secure_silo import SecureSiloRound
 from .conversations import TWIN
 from .transport import IDENTITY, OTHER_RUN, ROUND_KEY, SESSION_KEY, PeerUnreachable
@@ -247,10 +248,12 @@ class SecureSiloMessages:
                 "silo rank %d: a secure-aggregation message for round %d, which it is not in", self.rank, round_idx
             )
             return
+        survivors = None
         try:
             params = dict(msg_params.get_params())
             if kind in (wire.SECAGG_SURVIVORS, wire.SECAGG_UNMASK) and self.outcome.user is not None:
-                problem = self.outcome.unmasking(round_idx, [int(r) for r in params["survivors"]])
+                survivors = [int(r) for r in params["survivors"]]
+                problem = self.outcome.unmasking_problem(round_idx, survivors)
                 if problem is not None:
                     raise SecAggError(problem)
             answer, params, tensors = self.secure.answer(kind, params)
@@ -261,6 +264,10 @@ class SecureSiloMessages:
             self.secure = None
             self._decline(round_idx, str(err))
             return
+        if kind == wire.SECAGG_UNMASK and survivors is not None:
+            # kept only now, as the shares leave: a round declined before this (too few survivors,
+            # a list it would not sign) revealed nothing, and a resumed server may run it again (issue 76)
+            self.outcome.unmasked_for(round_idx, survivors)
         self._send_secagg(answer, params, round_idx, tensors)
 
     def _send_secagg(self, kind: int, params: Dict[str, Any], round_idx: int, tensors: Any = None) -> None:
@@ -303,6 +310,14 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         self.slowest_gap: Optional[float] = None  # between two models from the server
         self.gaps_measured = 0
         self.outcome = setup.outcome or SiloOutcome(self.own_user)  # what a data owner keeps (run layer's)
+        # a data owner's own rules (silo/rules.py): what it trains, evaluates and unmasks, whatever is asked
+        self.rules = (
+            None
+            if self.own_user is None
+            else DataOwnerRules(
+                rank, self.own_user, self.outcome, self.num_rounds, setup.scheduled, setup.evaluates, setup.privacy
+            )
+        )
         self.announce_again_at: Optional[float] = None  # refused as a twin: when to announce again
 
     def _become(self, state: State) -> None:
@@ -421,6 +436,9 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         self.round_idx = round_idx
         self.trainer_dist_adapter.update_dataset(user)
         self.trainer_dist_adapter.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
+        if round_idx >= self.num_rounds and self.rules is not None:  # data-owner mode has no final model
+            self._refuse(round_idx, self.rules.final_model(round_idx).reason, msg_params)
+            return
         if round_idx >= self.num_rounds:  # shared mode: the final model, evaluated and said goodbye to
             self._goodbye(self.trainer.evaluate(round_idx, received=True))
             self.finish()
@@ -429,17 +447,11 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
         figures = self.mode.figures_with_updates and (after is None or (round_idx >= 1 and after(round_idx - 1)))
         counts = self.trainer.evaluate(round_idx, received=True) if figures else None
         received = msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)
-        refusal, stored = self._own_round(round_idx, received) if self.own_user is not None else (None, None)
-        if refusal is not None:
-            logger.error(
-                "silo rank %d: refuses round %d from the server (session %s): %s",
-                self.rank,
-                round_idx,
-                msg_params.get(SESSION_KEY),
-                refusal,
-            )
-            self._decline(round_idx, refusal)
+        decision = self.rules.training(round_idx, received) if self.rules is not None else None
+        if decision is not None and decision.refused:
+            self._refuse(round_idx, decision.reason, msg_params)
             return
+        stored = decision.stored if decision is not None and decision.action == STORED else None
         if stored is not None:
             logger.warning(
                 "silo rank %d: round %d again, on the model it trained it on (a resumed server): the stored answer "
@@ -471,40 +483,41 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
             message.add_params(wire.TRAINING, training)
         self._send_or_rejoin(message, f"its update for round {round_idx}")
 
-    def _own_round(self, round_idx: int, received: Any) -> Any:
-        """A data owner's checks of a round's model: (why it refuses to train it, None) or (None,
-        its stored answer to it) or (None, None): train it. It trains only in a round the keyed
-        schedule samples it, each round once and in order, within its own DP budget."""
-        scheduled = self.setup.scheduled
-        if scheduled is not None and self.rank not in scheduled(round_idx):
-            return (
-                f"the keyed schedule (train_args.random_seed, round) does not sample this silo in round "
-                f"{round_idx}; it samples silo rank(s) {scheduled(round_idx)}"
-            ), None
-        last, answer = self.outcome.trained_round, self.outcome.answer
-        if last is not None and round_idx < last:
-            return f"it has trained round {last}; rounds go forwards, each trained once", None
-        if last is not None and round_idx == last:
-            if answer is not None and answer.round_idx == round_idx and answer.model_digest == state_digest(received):
-                return None, answer
-            return f"it trained round {round_idx} already, on another model; a round is trained once", None
-        ledger = self.setup.privacy
-        budget = None if ledger is None else ledger.dp.max_epsilon
-        if ledger is not None and budget is not None and ledger.would_pass(round_idx, self.own_user, budget):
-            after = ledger.after_training(round_idx, self.own_user)
-            if after > budget:
-                return (
-                    f"training would take user {self.own_user}'s epsilon from {ledger.epsilon(self.own_user):.4g} "
-                    f"to {after:.4g}, past this silo's dp_args.max_epsilon={budget:g}"
-                ), None
-        return None, None
+    def _refuse(self, round_idx: int, reason: Optional[str], msg_params: Message) -> None:
+        """This silo's own rules refuse what the server asked of round ``round_idx``: logged, and the
+        server told why (a decline), so it goes on without this silo now, not at its deadline."""
+        logger.error(
+            "silo rank %d: refuses round %d from the server (session %s): %s",
+            self.rank,
+            round_idx,
+            msg_params.get(SESSION_KEY),
+            reason,
+        )
+        self._decline(round_idx, str(reason))
 
     def _on_evaluate(self, msg_params: Message) -> None:
         round_idx = int(msg_params.get(ROUND_KEY))
-        self.trainer_dist_adapter.update_dataset(self.own_user)
-        self.trainer_dist_adapter.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
-        counts = with_privacy(self.trainer.evaluate(round_idx), self.setup.privacy)
-        self.outcome.evaluated(counts, msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
+        model = msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)
+        if self.rules is None:  # an evaluation request exists in data-owner mode only
+            raise SiloFailure(f"silo rank {self.rank}: an evaluation request in shared mode (comm_args.silo_data)")
+        decision = self.rules.evaluation(round_idx, model)
+        if decision.refused:
+            self._refuse(round_idx, decision.reason, msg_params)
+            return
+        if decision.action == STORED:  # the same round's model again (a resumed server): the same counts
+            logger.warning(
+                "silo rank %d: the evaluation after round %d again, on the model it evaluated: the stored counts go, "
+                "no new personalization",
+                self.rank,
+                round_idx,
+            )
+            counts = decision.stored
+        else:
+            self.trainer_dist_adapter.update_dataset(self.own_user)
+            self.trainer_dist_adapter.update_model(model)
+            # the use is in the ledger and the record before the counts leave
+            counts = with_privacy(self.trainer.evaluate(round_idx), self.setup.privacy)
+            self.outcome.evaluated(counts, model)
         message = Message(wire.EVALUATION, self.client_real_id, 0)
         message.add_params(wire.SILO_METRICS, counts)
         message.add_params(ROUND_KEY, round_idx)

@@ -18,7 +18,7 @@ from ...core.errors import ConfigError
 from ..bootstrap import import_fedml, replaced
 from .agreement import ServerSetup, SiloSetup
 from .client import PluginClientMasterManager, PluginTrainerDistAdapter, tell_leaving
-from .outcome import SiloOutcome
+from ...silo.outcome import SiloOutcome
 from .policy import SiloPolicy
 from .server import PluginFedMLAggregator, PluginServerManager
 

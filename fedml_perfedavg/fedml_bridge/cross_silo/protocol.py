@@ -160,8 +160,8 @@ class SiloServerProtocol:
             self._on_undelivered(now, Undelivered(now, FINAL, {event.silo: f"silo rank {event.silo} failed"}))
         elif isinstance(event, SiloFailed) and self.phase is not Phase.DONE:  # the run goes on without it now
             self._after(now, silo_failed(self.rounds, now, event.silo, event.reason, stopped=event.stopped))
-        elif isinstance(event, SiloDeclined):  # the round goes on without it now; outside a round, noted
-            if self.phase is Phase.TRAINING:
+        elif isinstance(event, SiloDeclined):  # the round (or evaluation) goes on without it now; else noted
+            if self.phase in (Phase.TRAINING, Phase.EVALUATING):
                 self._after(now, silo_declined(self.rounds, now, event.silo, event.reason))
             else:
                 phase, reason = self.phase.value, event.reason

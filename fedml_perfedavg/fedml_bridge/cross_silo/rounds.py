@@ -360,7 +360,16 @@ def silo_declined(rounds: SiloRounds, now: float, silo: int, reason: str) -> boo
     run's, a spent DP budget; ``reason`` is its words): the round goes on without it now, by the
     rule for a silo that misses a deadline, rather than at the deadline; the silo is told it was
     left out, announces itself again and takes part from a later round. A decline of a round the
-    silo is not awaited in (late, or sent twice) changes nothing. True once the last round closed."""
+    silo is not awaited in (late, or sent twice) changes nothing. A declined evaluation leaves the
+    silo's user out of that evaluation at once; the silo stays. True once the last round closed."""
+    if rounds.clock.phase is Phase.EVALUATING and silo in rounds.evaluation.awaiting:
+        # its own rules refused the evaluation (not scheduled, done already, its budget spent): its
+        # user is missing from this evaluation, now rather than at the deadline; it stays in the run
+        logger.error(
+            "silo rank %d declined the evaluation after round %d: %s", silo, rounds.evaluation.round_idx, reason
+        )
+        rounds.evaluation.awaiting.discard(silo)
+        return rounds.close_if_complete(now)
     if rounds.clock.phase is not Phase.TRAINING or silo not in rounds.round.assigned:
         return rounds.ignore(now, "a refusal", silo, rounds.round_idx, f"; it said: {reason}"[:300])
     why = f"declined round {rounds.round_idx}: {reason}"

@@ -23,7 +23,7 @@ from ...secagg.primitives import SecAggError, sign
 from ...secagg.rounds import Advert, SiloRound
 from . import wire
 from .credentials import certificate_rank_problem
-from .outcome import state_digest
+from ...silo.outcome import state_digest
 from .secure_rounds import advert_from_wire
 
 

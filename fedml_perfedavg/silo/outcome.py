@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...core.types import StateDict
+from ..core.types import StateDict
 
 
 def state_digest(state: Dict[str, torch.Tensor]) -> str:
@@ -62,19 +62,23 @@ class SiloOutcome:
         self.trained_round, self.answer = int(round_idx), answer
         self._kept()
 
-    def unmasking(self, round_idx: int, survivors: Sequence[int]) -> Optional[str]:
-        """Note that the silo reveals its shares of round ``round_idx`` for ``survivors``; why it
-        must not (it did so for another list that round: two sums of one round over two lists
-        give a silo's update by subtraction), or None."""
+    def unmasking_problem(self, round_idx: int, survivors: Sequence[int]) -> Optional[str]:
+        """Why the silo must not reveal its shares of round ``round_idx`` for ``survivors`` (it did so
+        for another list that round: two sums of one round over two lists give a silo's update by
+        subtraction), or None. Changes nothing."""
         listed = tuple(sorted(int(s) for s in survivors))
         if self.unmasked is not None and self.unmasked[0] == int(round_idx) and self.unmasked[1] != listed:
             return (
                 f"round {round_idx} was already unmasked for the survivors {list(self.unmasked[1])}; a second sum "
                 f"over {list(listed)} would give the missing silos' updates by subtraction"
             )
-        self.unmasked = (int(round_idx), listed)
-        self._kept()
         return None
+
+    def unmasked_for(self, round_idx: int, survivors: Sequence[int]) -> None:
+        """The silo's shares of round ``round_idx`` for ``survivors`` are about to leave: kept before
+        they do (a round declined before this point is not recorded, so a resumed server may run it again)."""
+        self.unmasked = (int(round_idx), tuple(sorted(int(s) for s in survivors)))
+        self._kept()
 
     def _kept(self) -> None:
         if self.keep is not None:
