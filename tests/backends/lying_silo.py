@@ -36,6 +36,9 @@ Run as rank 0, a lie is the server's (its certificate is the run's, its code pat
   2 (two sums of one round over two silo lists give silo 2's update by subtraction);
 - ``server-other-model``: once round 1 is summed, it sends every silo round 1 again with another
   model (with DP-SGD, training it would reuse the round's noise on a second model).
+- ``server-evaluate-more``: with the evaluation after round 0 it also asks every silo to evaluate
+  round 0 again on a model moved by 1e-6, rounds 1, 5 and 7, and sends it a model stamped
+  round = comm_round (a final model mid-run); it ignores every silo's refusal.
 
 Lies join with ``+`` (``server-sample-all+server-skew-weights``).
 """
@@ -139,6 +142,27 @@ def lie(kind: str) -> None:
 
         rounds.SiloRounds.open_round = remembering_open
         rounds.SiloRounds.round_closed = replaying_close
+    elif kind == "server-evaluate-more":
+        from fedml_perfedavg.fedml_bridge.cross_silo import protocol, rounds, wire
+        from fedml_perfedavg.fedml_bridge.cross_silo.events import EVALUATION, ToSilo
+
+        honest_evaluation = rounds.SiloRounds.open_evaluation
+
+        def evaluate_more(self, now, round_idx):
+            closed = honest_evaluation(self, now, round_idx)
+            if round_idx == 0:
+                params = self.model.params()
+                moved = {k: v + 1e-6 if v.is_floating_point() else v for k, v in params.items()}
+                lies = []
+                for silo in self.roster.live:
+                    lies.append(ToSilo(wire.EVALUATE, silo, 0, moved, silo - 1))
+                    lies += [ToSilo(wire.EVALUATE, silo, r, params, silo - 1) for r in (1, 5, 7)]
+                    lies.append(ToSilo(wire.SYNC_MODEL, silo, self.round_num, params, silo - 1))
+                self.outbox.send(lies, self.clock.deadline or now, EVALUATION)
+            return closed
+
+        rounds.SiloRounds.open_evaluation = evaluate_more
+        protocol.silo_declined = lambda rounds_, now, silo, reason: False
     elif kind == "huge-once":
         honest = AlgorithmClientTrainer.get_model_params
 

@@ -167,3 +167,31 @@ def test_a_server_that_sends_every_silo_every_round_spends_no_budget_past_the_ke
         scheduled = [r for r in range(3) if rank - 1 in sample_clients(0, r, 4, 2)]
         assert set(trained_rounds) <= set(scheduled), (trained_rounds, scheduled, record["history"])
         assert (0 in trained_rounds) == (rank == trained), (trained_rounds, record["history"])
+
+
+@needs_mnist
+def test_a_server_that_asks_for_more_evaluations_gets_only_the_scheduled_ones_each_once(mnist_root, tmp_path):
+    """Issue 75, rule 1, as processes: with the evaluation after round 0 the server also asks every
+    silo for round 0 again on a model moved by 1e-6, for rounds 1, 5 and 7, and sends a final model
+    mid-run. Before, each silo answered all (fresh DP noise per round index, the same noise on two
+    models) and left on the final model. Now each refuses them, says why, and evaluates only after
+    rounds 0 and 2 (frequency_of_the_test 2 over 3 rounds), each once: its own record's uses are
+    those of the honest run."""
+    folders = _export(mnist_root, tmp_path, 2)
+    settings = {**OWN, "client_num_in_total": 2, "comm_round": 3, "frequency_of_the_test": 2, **DP}
+    settings.update({"min_clients_per_round": 1, "round_timeout": 5})
+    outs = finish_all(start_by_hand(tmp_path, settings, 2, folders, liars={0: "server-evaluate-more"}), timeout=300)
+    honest = tmp_path / "honest"
+    honest.mkdir()
+    honest_outs = finish_all(start_by_hand(honest, settings, 2, _export(mnist_root, honest, 2)), timeout=300)
+    for rank in (1, 2):
+        out = outs[rank]
+        assert "does not evaluate after round 1" in out, out[-3000:]
+        assert "never used on two models" in out or "the same personalization noise" in out, out[-3000:]
+        assert "there is no final model" in out and "the server ended the run early" not in out
+        record = json.loads((tmp_path / "run" / f"silo-rank-{rank}" / "summary.json").read_text())
+        again = json.loads((honest / "run" / f"silo-rank-{rank}" / "summary.json").read_text())
+        assert record["status"] == "finished", (record["status"], out[-3000:])
+        assert [e["round"] for e in record["history"]] == [0, 2], record["history"]
+        assert record["privacy"]["uses"] == again["privacy"]["uses"], (record["privacy"], again["privacy"])
+    assert honest_outs[0] and _summary(tmp_path)["status"] == "finished"

@@ -433,12 +433,12 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
                 f"silo rank {self.rank}: the server asked it to train user {user}; it holds user "
                 f"{self.own_user}'s data only (comm_args.silo_data own)"
             )
-        self.round_idx = round_idx
-        self.trainer_dist_adapter.update_dataset(user)
-        self.trainer_dist_adapter.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
         if round_idx >= self.num_rounds and self.rules is not None:  # data-owner mode has no final model
             self._refuse(round_idx, self.rules.final_model(round_idx).reason, msg_params)
             return
+        self.round_idx = round_idx
+        self.trainer_dist_adapter.update_dataset(user)
+        self.trainer_dist_adapter.update_model(msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS))
         if round_idx >= self.num_rounds:  # shared mode: the final model, evaluated and said goodbye to
             self._goodbye(self.trainer.evaluate(round_idx, received=True))
             self.finish()
