@@ -422,6 +422,7 @@ def silo_setup(parts: RunParts) -> Any:
             model=parts.model,
             metric_names=parts.algorithm.metric_names,
             run_id=str(getattr(parts.args, "run_id", "0")),
+            privacy=_privacy_words(config.privacy),
         )
     agreed = {**values, ADDRESSES: addresses_seen(table, rank)}
     if not own:
@@ -445,6 +446,16 @@ def silo_setup(parts: RunParts) -> Any:
         secure_rules=silo_rules(config),
         scheduled=silo_schedule(parts),
         evaluates=RoundSchedule.from_config(config).evaluates,
+    )
+
+
+def _privacy_words(dp: Any) -> Optional[str]:
+    """DP-SGD's settings as the server's log says them (None: the run has no DP-SGD)."""
+    if dp is None:
+        return None
+    return (
+        f"DP-SGD: noise multiplier {dp.noise_multiplier:g}, clip {dp.max_grad_norm:g} ({dp.clip}), "
+        f"epsilon by {dp.accountant} at delta {dp.delta:g}"
     )
 
 

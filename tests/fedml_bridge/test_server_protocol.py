@@ -160,6 +160,33 @@ def test_a_data_owner_run_from_announcements_to_the_end_with_no_process():
     assert p.handle(Tick(1000.0)) == []  # nothing is left to time out
 
 
+def test_the_log_says_which_round_starts_after_a_resume_and_how_each_round_closed(caplog):
+    """Issue 76: a resumed server said "round 0 starts" right after "resuming at round 6", and
+    nothing between evaluations; now the start names its round, and each round's close its silos,
+    its time and how their updates were combined."""
+    import logging
+
+    setup = ServerSetup(
+        own_data=True,
+        silos=[1, 2],
+        fingerprint=dict(FINGERPRINT),
+        model=nn.Sequential(nn.Linear(4, 3)),
+        privacy="DP-SGD: noise multiplier 1, clip 1 (fixed), epsilon by prv at delta 1e-05",
+    )
+    policy = SiloPolicy(connect_timeout=60.0, round_timeout=30.0, min_clients=1)
+    p = SiloServerProtocol(setup, policy, Plan([0, 1]), Model(), 8, 2, start_round=6)
+    with caplog.at_level(logging.INFO, logger="fedml_perfedavg.fedml_bridge.cross_silo"):
+        online(p)
+        p.handle(update(1, 6, 1.0, now=2.0))
+        p.handle(update(2, 6, 3.0, now=3.5))
+    assert "silos [1, 2] online; round 6 starts (DP-SGD: noise multiplier 1" in caplog.text
+    assert "round 0 starts" not in caplog.text
+    assert (
+        "round 6 closed after 2.50 s: the updates of silo rank(s) [1, 2] averaged in the clear (of [1, 2] sampled); "
+        "each update under DP-SGD" in caplog.text
+    )
+
+
 def test_a_silo_that_misses_the_round_deadline_is_given_up_on_and_the_round_goes_on():
     p, model = protocol(timeout=30.0)
     online(p)

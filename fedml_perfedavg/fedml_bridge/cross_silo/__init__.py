@@ -16,4 +16,4 @@ Nothing here imports FedML at package import; the modules that adapt FedML class
 
 # Log lines other processes wait for (``launch-silo``, tests): here, so reading them imports no FedML.
 READY_MESSAGE = "gRPC rank %d listening on %s:%d"  # a rank's port is bound
-TRAINING_STARTED = "online; round 0 starts"  # the server saw every silo come online
+TRAINING_STARTED = "online; round"  # the server saw every silo come online ("... round R starts")

@@ -213,6 +213,7 @@ class ServerSetup:
     sample_weighted: bool = False  # train_args.aggregation: sample_weighted (secure weights by announced counts)
     metric_names: Tuple[str, ...] = ()  # the algorithm's own per-user figures, which a silo's evaluation carries
     run_id: str = "0"  # FedML's --run_id: what secure aggregation's signatures are bound to
+    privacy: Optional[str] = None  # DP-SGD's settings in words, for the round's log line (None: no DP-SGD)
 
 
 @dataclass(kw_only=True)

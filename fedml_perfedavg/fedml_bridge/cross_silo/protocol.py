@@ -259,7 +259,15 @@ class SiloServerProtocol:
     # -- the start and the end --------------------------------------------------------------------------
     def _start_training(self, now: float) -> None:
         self._refuse_a_plan_that_cannot_run()
-        logger.info("silos %s %s", self.roster.live, TRAINING_STARTED)
+        how = f"secure aggregation (threshold {self.setup.secure_threshold})" if self.setup.secure_threshold else ""
+        how += ("; " if how else "") + self.setup.privacy if self.setup.privacy else ""
+        logger.info(
+            "silos %s %s %d starts%s",
+            self.roster.live,
+            TRAINING_STARTED,
+            self.rounds.round_idx,
+            f" ({how})" if how else "",
+        )
         self._after(now, self.rounds.open_round(now, wire.INIT_CONFIG))
 
     def _refuse_a_plan_that_cannot_run(self) -> None:

@@ -287,6 +287,17 @@ class SiloRounds:
 
     def round_closed(self, now: float, round_idx: int, params: Any) -> bool:
         """Round ``round_idx`` gave the global model ``params``: record it, evaluate, go on."""
+        setup = self.roster.setup
+        how = "securely summed" if setup.secure_threshold else "averaged in the clear"
+        logger.info(
+            "round %d closed after %.2f s: the updates of silo rank(s) %s %s (of %s sampled)%s",
+            round_idx,
+            now - self.clock.opened,
+            self.averaged_from,
+            how,
+            self.round.expected,
+            "; each update under DP-SGD" if setup.privacy else "",
+        )
         self.outbox.record("round_finished", round_idx, params)
         self.figures.log(f"round {round_idx}")
         self.outbox.record("record_refusals")

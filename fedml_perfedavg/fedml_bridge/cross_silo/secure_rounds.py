@@ -443,6 +443,7 @@ class SecureAggregation:
                 failed = str(err)
             self.found_out(now, list(secure.server.survivors), average is None)
         params = r.model.keep(round_idx) if average is None else r.model.secure_average(round_idx, average)
+        r.averaged_from = sorted(secure.server.survivors) if average is not None else []
         r.outbox.record("record_secure_round", round_idx, secure.record(failed))
         return r.round_closed(now, round_idx, params)
 
