@@ -330,6 +330,7 @@ class OpenRounds(Protocol):
     members: SiloMembership
     outbox: Outbox
     unclipped: "UnclippedInputs"
+    averaged_from: List[int]  # the silos whose updates the last round's new model was given
 
     def give_up_on(self, silos: List[int], why: str, go_on: bool) -> None: ...
 
