@@ -307,7 +307,7 @@ class CommArgs:
         float,
         10.0,
         "cross-silo: after two rounds the deadline is "
-        "this many times the slowest round so far (at least 5 s, at most "
+        "this many times the median of the last 5 measured rounds (at least 5 s, at most "
         "round_timeout), so a dead silo costs seconds; 0: always round_timeout",
         rule=(lambda v: v == 0 or v >= 1, "0 or >= 1"),
     )

@@ -418,7 +418,7 @@ def test_a_killed_silo_started_again_carries_on_with_its_record_and_dp_account(m
     dp = {"dp_args.enable_dp": True, "dp_args.dp_solution_type": "dpsgd", "dp_args.noise_multiplier": 1.1}
     dp.update({"dp_args.max_grad_norm": 1.0, "dp_args.delta": 1e-5})
     # round_timeout short: the server gives up on the killed process's seat after at most 10 s
-    # (the adaptive deadline, 3 x the slowest round but 5 s at least, usually less), and the new
+    # (the adaptive deadline, 3 x the median of the recent rounds but 5 s at least, usually less), and the new
     # process, refused while the seat is held, announces itself again every 5 s. 2 s, then 4 s,
     # were too short on a loaded machine: both silos missed a round's deadline. Organization 1
     # takes 0.25 s a round at least, so the 160 rounds after the kill last 40 s or more, whatever
@@ -465,7 +465,7 @@ def test_a_silo_given_up_on_that_sends_a_late_update_is_told_and_comes_back_at_o
     itself at once rather than after the server's silence. Organization 1 takes 0.2 s a round at
     least: the 96 rounds after silo 2's stall last 19 s or more, whatever the load (300 unpaced
     rounds were this test's time budget: 108 s of a fresh-clone run). A fixed 5 s deadline, which
-    the 12 s stall passes whatever the load (the adaptive one, 10 x the slowest round, grew to
+    the 12 s stall passes whatever the load (the adaptive one, then 10 x the slowest round, grew to
     10.5 s in a fresh-clone run and nobody was given up on)."""
     folders = _export(mnist_root, tmp_path, 2)
     settings = {**OWN, "client_num_in_total": 2, "comm_round": 100, "frequency_of_the_test": 50}

@@ -182,12 +182,18 @@ def test_the_sender_cannot_put_objects_in_a_message():
 
 def test_policy_deadlines_follow_the_measured_rounds():
     policy = SiloPolicy(connect_timeout=60, round_timeout=600, min_clients=2, round_timeout_factor=10)
-    assert policy.round_deadline(None, 0) == 600
-    assert policy.round_deadline(0.2, 1) == 600  # fewer than two rounds measured
-    assert policy.round_deadline(0.2, 2) == 5.0  # at least MIN_ADAPTIVE_SECONDS
-    assert policy.round_deadline(3.0, 5) == 30.0
-    assert policy.round_deadline(100.0, 5) == 600  # at most round_timeout
-    assert SiloPolicy(60, 600, 2, 0).round_deadline(0.2, 9) == 600  # factor 0: always round_timeout
+    assert policy.round_deadline([]) == 600
+    assert policy.round_deadline([0.2]) == 600  # fewer than two rounds measured
+    assert policy.round_deadline([0.2, 0.1]) == 5.0  # at least MIN_ADAPTIVE_SECONDS
+    assert policy.round_deadline([3.0, 2.0, 3.0, 4.0, 3.0]) == 30.0
+    assert policy.round_deadline([100.0] * 5) == 600  # at most round_timeout
+    assert SiloPolicy(60, 600, 2, 0).round_deadline([0.2] * 9) == 600  # factor 0: always round_timeout
+    # Issue 76: the first round after a resume took 34.8 s, the others 3 s; the slowest-ever rule
+    # held a lost organization's seat 348 s. The median of the last five: 30 s at once, and the
+    # slow round ages out.
+    assert policy.round_deadline([34.8, 3.0, 3.1]) == pytest.approx(31.0)
+    assert policy.round_deadline([34.8, 3.0, 3.1, 2.9, 3.0, 3.2, 3.0]) == pytest.approx(30.0)
+    assert policy.round_deadline([3.0, 3.0, 3.0, 3.0, 3.0, 40.0, 41.0, 42.0]) == pytest.approx(400.0)  # slower for good
     assert policy.client_idle_limit == 2 * 600 + 60
     assert policy.client_idle_deadline(3.0, 2) == 35.0 and policy.client_idle_deadline(3.0, 1) == 1260
 

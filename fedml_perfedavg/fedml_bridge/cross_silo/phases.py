@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Optional
+from typing import List, Optional
 
-from .policy import SiloPolicy
+from .policy import SiloPolicy, recent_median
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ TRANSITIONS = {
 
 class PhaseClock:
     """The open phase, when it opened and its deadline (on the events' clock; None: none), and
-    the slowest of the rounds measured so far, from which ``policy`` adapts the round deadline.
+    the durations of the rounds measured so far, from which ``policy`` adapts the round deadline.
     It reads no clock: every call says what time it is."""
 
     def __init__(self, policy: SiloPolicy) -> None:
@@ -43,9 +43,8 @@ class PhaseClock:
         self.phase = Phase.STARTING
         self.opened = 0.0
         self.deadline: Optional[float] = None
-        self.slowest_round: Optional[float] = None  # of the rounds every silo answered in time
-        self.rounds_measured = 0
-        self._adaptive_logged = False
+        self.measured: List[float] = []  # the durations of the rounds every silo answered in time
+        self._logged_deadline: Optional[float] = None
 
     def enter(self, phase: Phase, now: float, seconds: Optional[float] = None) -> None:
         """Open ``phase`` at ``now``, with a deadline ``seconds`` away (None: none)."""
@@ -65,20 +64,27 @@ class PhaseClock:
 
     def measure_round(self, now: float) -> None:
         """The open round was answered by every silo in time: it counts toward the adaptive deadline."""
-        self.slowest_round = max(now - self.opened, self.slowest_round or 0.0)
-        self.rounds_measured += 1
+        self.measured.append(now - self.opened)
+
+    @property
+    def rounds_measured(self) -> int:
+        return len(self.measured)
 
     def round_seconds(self) -> float:
-        """The round deadline as of the rounds measured so far; logged the first time it adapts."""
-        wait = self.policy.round_deadline(self.slowest_round, self.rounds_measured)
-        if wait < self.policy.round_timeout and not self._adaptive_logged:
-            self._adaptive_logged = True
+        """The round deadline as of the rounds measured so far; logged when it adapts first, and
+        whenever it moves by more than a fifth since it was last logged."""
+        wait = self.policy.round_deadline(self.measured)
+        logged = self._logged_deadline
+        if wait < self.policy.round_timeout and (logged is None or abs(wait - logged) > 0.2 * logged):
+            self._logged_deadline = wait
             logger.info(
-                "round deadline now %.1f s: %g x the slowest round so far (%.2f s; comm_args."
-                "round_timeout_factor), at most comm_args.round_timeout=%g s",
+                "round deadline now %.1f s: %g x the median of the last %d measured rounds (%.2f s; comm_args."
+                "round_timeout_factor), at least %g s, at most comm_args.round_timeout=%g s",
                 wait,
                 self.policy.round_timeout_factor,
-                self.slowest_round,
+                min(self.policy.RECENT_ROUNDS, len(self.measured)),
+                recent_median(self.measured, self.policy.RECENT_ROUNDS),
+                self.policy.MIN_ADAPTIVE_SECONDS,
                 self.policy.round_timeout,
             )
         return wait

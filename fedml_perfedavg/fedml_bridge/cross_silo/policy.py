@@ -10,9 +10,11 @@ from typing import Optional, Sequence, Tuple
 @dataclass(frozen=True)
 class SiloPolicy:
     """Deadlines follow the run: once ``ADAPT_AFTER_ROUNDS`` rounds were measured, the server
-    waits ``round_timeout_factor`` times the slowest round so far (at least
-    ``MIN_ADAPTIVE_SECONDS``, at most ``round_timeout``), and a silo gives up on a server it has
-    not heard from for the factor times the slowest gap between the server's models."""
+    waits ``round_timeout_factor`` times the median of the last ``RECENT_ROUNDS`` measured rounds
+    (at least ``MIN_ADAPTIVE_SECONDS``, at most ``round_timeout``), and a silo gives up on a server
+    it has not heard from for the factor times the slowest gap between the server's models. The
+    median of recent rounds, not the slowest ever: one slow round (the first after a resume took
+    34.8 s where the others took 3) would otherwise make every later lost silo cost ten times it."""
 
     connect_timeout: float  # keep retrying a peer that is not listening this long
     round_timeout: float  # the server waits this long for silos in any phase (the ceiling)
@@ -21,12 +23,15 @@ class SiloPolicy:
 
     ADAPT_AFTER_ROUNDS = 2
     MIN_ADAPTIVE_SECONDS = 5.0
+    RECENT_ROUNDS = 5
 
-    def round_deadline(self, slowest_round: Optional[float], rounds_measured: int) -> float:
-        """Seconds the server gives a round (sending its models and waiting for the updates)."""
-        if not self.round_timeout_factor or slowest_round is None or rounds_measured < self.ADAPT_AFTER_ROUNDS:
+    def round_deadline(self, measured: Sequence[float]) -> float:
+        """Seconds the server gives a round (sending its models and waiting for the updates), from
+        the durations of the rounds measured so far (every silo answered in time), oldest first."""
+        if not self.round_timeout_factor or len(measured) < self.ADAPT_AFTER_ROUNDS:
             return self.round_timeout
-        return min(self.round_timeout, max(self.MIN_ADAPTIVE_SECONDS, self.round_timeout_factor * slowest_round))
+        typical = recent_median(measured, self.RECENT_ROUNDS)
+        return min(self.round_timeout, max(self.MIN_ADAPTIVE_SECONDS, self.round_timeout_factor * typical))
 
     @property
     def client_idle_limit(self) -> float:
@@ -49,6 +54,13 @@ class SiloPolicy:
         did not answer if at least ``min_clients`` did."""
         missing = [s for s in expected if s not in set(answered)]
         return len(expected) - len(missing) >= self.min_clients, missing
+
+
+def recent_median(measured: Sequence[float], last: int) -> float:
+    """The median of the last ``last`` of ``measured``."""
+    recent = sorted(measured[-last:])
+    middle = len(recent) // 2
+    return recent[middle] if len(recent) % 2 else (recent[middle - 1] + recent[middle]) / 2
 
 
 NOTICE_SECONDS = 2.0  # a notice to a silo (a refusal, an acknowledgement) is not waited on longer
