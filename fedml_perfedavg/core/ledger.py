@@ -259,8 +259,12 @@ def silo_report(ledger: PrivacyLedger, user: int, final: bool = False) -> Dict[s
     sample rate (the per-user entry of :meth:`PrivacyLedger.report`): the RDP bound with each
     evaluation it sends (inside the round's deadline), the accountant's figure in its own ``final``
     record."""
-    entry = ledger.report(final=final)["per_user"].get(str(user), {"epsilon": 0.0, "uses": 0, "sample_rate": 0.0})
-    return {"user": int(user), **{k: entry[k] for k in ("epsilon", "uses", "sample_rate")}}
+    report = ledger.report(final=final)
+    entry = report["per_user"].get(str(user), {"epsilon": 0.0, "uses": 0, "sample_rate": 0.0})
+    figures = {"user": int(user), **{k: entry[k] for k in ("epsilon", "uses", "sample_rate")}}
+    if final:  # its own record says which accountant and delta the epsilon is (the wire's report is the RDP bound)
+        figures.update(epsilon_from=report["epsilon_from"], delta=ledger.dp.delta, max_epsilon=ledger.dp.max_epsilon)
+    return figures
 
 
 class ReportedPrivacy:

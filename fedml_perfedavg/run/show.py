@@ -61,7 +61,22 @@ def status_of(summary: Dict[str, Any]) -> str:
 
 
 def _privacy_line(privacy: Dict[str, Any]) -> str:
-    return f"epsilon {_figure(privacy.get('epsilon'))} over {privacy.get('uses')} uses of its data (DP-SGD)"
+    return (
+        f"epsilon {_figure(privacy.get('epsilon'))} over {privacy.get('uses')} uses of its data (DP-SGD"
+        f"{_stated(privacy)})"
+    )
+
+
+def _stated(privacy: Dict[str, Any]) -> str:
+    """Which accountant an epsilon is, at which delta, as the record says (", by A at delta D"; ""
+    for a record of an earlier version that did not say)."""
+    accountant = privacy.get("epsilon_from")
+    if accountant is None:
+        return ""
+    bound = " (an RDP bound: each organization's own record has the accountant's figure)"
+    reported = privacy.get("reported_by") and accountant.endswith(".rdp")
+    delta = privacy.get("delta")
+    return f", by {accountant}" + (f" at delta {delta:g}" if delta is not None else "") + (bound if reported else "")
 
 
 def describe_silo(path: str, summary: Dict[str, Any]) -> str:
@@ -129,6 +144,8 @@ def describe_run(path: str, summary: Dict[str, Any]) -> str:
     new = set(summary.get("new_users") or [])
     dp = (summary.get("privacy") or {}).get("per_user") or {}
     bounds: Dict[str, List[float]] = summary.get("dp_clip_bounds") or {}  # adaptive clipping: each user's bounds
+    if dp:
+        lines.append("  epsilon" + _stated(summary["privacy"]).replace(",", "", 1))
     if after:
         widths = [max(len(name), 8) for name in own]
         lines.append(

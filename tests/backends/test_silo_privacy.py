@@ -194,4 +194,6 @@ def test_a_server_that_asks_for_more_evaluations_gets_only_the_scheduled_ones_ea
         assert record["status"] == "finished", (record["status"], out[-3000:])
         assert [e["round"] for e in record["history"]] == [0, 2], record["history"]
         assert record["privacy"]["uses"] == again["privacy"]["uses"], (record["privacy"], again["privacy"])
+        # the organization's record says which accountant and delta its epsilon is (issue 76)
+        assert (record["privacy"]["epsilon_from"], record["privacy"]["delta"]) == ("opacus.prv", 1e-5)
     assert honest_outs[0] and _summary(tmp_path)["status"] == "finished"

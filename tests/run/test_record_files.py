@@ -82,3 +82,27 @@ def test_an_interrupt_during_a_write_is_raised_once_the_file_is_whole(tmp_path):
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, inherited)
+
+
+@pytest.mark.fast
+def test_show_says_which_accountant_and_delta_every_epsilon_is():
+    """Issue 76: the server's `show` listed RDP bounds where the organization's record said PRV,
+    with no label; each epsilon shown now says its accountant and delta."""
+    from fedml_perfedavg.run.show import describe_run, describe_silo
+
+    server = {
+        "status": "finished",
+        "rounds": 3,
+        "per_user_accuracy": [0.5, 0.6],
+        "privacy": {
+            "epsilon_from": "opacus.rdp",
+            "delta": 1e-5,
+            "reported_by": "silos (each accounts for its own user)",
+            "per_user": {"0": {"epsilon": 4.54, "uses": 30}, "1": {"epsilon": 4.2, "uses": 30}},
+        },
+    }
+    shown = describe_run("run", server)
+    assert "epsilon by opacus.rdp at delta 1e-05 (an RDP bound: each organization's own record" in shown
+    silo = {"rank": 4, "user": 3, "status": "finished", "privacy": {"epsilon": 4.213, "uses": 30}}
+    silo["privacy"].update(epsilon_from="opacus.prv", delta=1e-5)
+    assert "epsilon 4.213 over 30 uses of its data (DP-SGD, by opacus.prv at delta 1e-05)" in describe_silo("r", silo)
