@@ -423,6 +423,7 @@ def silo_setup(parts: RunParts) -> Any:
             metric_names=parts.algorithm.metric_names,
             run_id=str(getattr(parts.args, "run_id", "0")),
             privacy=_privacy_words(config.privacy),
+            ca=_run_ca(config) if threshold else None,
         )
     agreed = {**values, ADDRESSES: addresses_seen(table, rank)}
     if not own:
@@ -447,6 +448,17 @@ def silo_setup(parts: RunParts) -> Any:
         scheduled=silo_schedule(parts),
         evaluates=RoundSchedule.from_config(config).evaluates,
     )
+
+
+def _run_ca(config: Any) -> Optional[bytes]:
+    """The run CA's certificate (comm_args.tls_dir), which the server checks secure aggregation's
+    advertisements against before relaying them (None: an insecure run, whose silos check none)."""
+    from ..fedml_bridge.cross_silo.credentials import CA_CERT
+
+    if not config.tls_dir:
+        return None
+    with open(os.path.join(config.tls_dir, CA_CERT), "rb") as stream:
+        return stream.read()
 
 
 def _privacy_words(dp: Any) -> Optional[str]:

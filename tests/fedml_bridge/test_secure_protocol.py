@@ -15,7 +15,7 @@ from fedml_perfedavg.fedml_bridge.cross_silo.events import ROUND, Hello, Listeni
 from fedml_perfedavg.fedml_bridge.cross_silo.events import Tick, Update
 from fedml_perfedavg.fedml_bridge.cross_silo.policy import SiloPolicy
 from fedml_perfedavg.fedml_bridge.cross_silo.protocol import SiloServerProtocol
-from fedml_perfedavg.fedml_bridge.cross_silo.secure_rounds import advert_to_wire
+from fedml_perfedavg.fedml_bridge.cross_silo.secure_rounds import advert_to_wire, terms_digest
 from fedml_perfedavg.fedml_bridge.cross_silo.secure_silo import SecureSiloRound
 from fedml_perfedavg.secagg import fixed_point
 from fedml_perfedavg.secagg.primitives import sign
@@ -68,7 +68,10 @@ def deltas():
     return {s: fixed_point.clip(generator.normal(0, 0.1, LENGTH), 1.0) for s in (1, 2, 3)}
 
 
-def start(tls, threshold=2):
+def start(tls, threshold=2, checked=False, false_digest=()):
+    """The protocol through round 0's models, and each silo's party. ``checked``: the server checks
+    each advertisement against the run CA and the terms it sent (ServerSetup.ca), and the parties
+    sign the terms they were given (``false_digest``: those silos sign other terms)."""
     setup = ServerSetup(
         own_data=True,
         silos=[1, 2, 3],
@@ -76,6 +79,7 @@ def start(tls, threshold=2):
         model=nn.Sequential(nn.Linear(4, 3)),
         secure_threshold=threshold,
         run_id="run-1",
+        ca=tls["ca"] if checked else None,
     )
     model = SecureModel()
     p = SiloServerProtocol(setup, SiloPolicy(60.0, 30.0, 1), Plan([0, 1, 2]), model, 1, 3)
@@ -89,7 +93,8 @@ def start(tls, threshold=2):
         terms = m.params[wire.SECAGG]
         encoded = fixed_point.encode(deltas()[m.silo], terms["weight"], terms["bits"])
         cert, key = tls[m.silo]
-        party = SiloRound("run-1", 0, m.silo, threshold, lambda data, k=key: sign(k, data), cert)
+        digest = os.urandom(32) if m.silo in false_digest else terms_digest(terms, model.params())
+        party = SiloRound("run-1", 0, m.silo, threshold, lambda data, k=key: sign(k, data), cert, digest)
         parties[m.silo] = SecureSiloRound(0, party, encoded, tls["ca"])
     return p, model, parties, models
 
@@ -130,6 +135,48 @@ def test_every_silo_to_the_end_gives_the_plaintext_average(tls):
     plain = np.mean(list(deltas().values()), axis=0)
     assert np.max(np.abs(model.averages[0] - plain)) <= fixed_point.worst_error(30, 3)
     assert records(actions, "round_finished")[0][0] == 0
+
+
+@pytest.mark.parametrize("lie", ["signature", "terms", "certificate"])
+def test_an_advertisement_the_honest_silos_would_refuse_costs_its_sender_alone(tls, lie):
+    """Issue 75, rule 5: a silo that advertises a random signature, signs other terms than it was
+    sent, or shows another rank's certificate made the honest silos decline the round it was
+    relayed in (each checks every advertisement), the server dropped them and the run stopped at
+    round 0, the liar named nowhere. The server now checks each advertisement as its receivers
+    will, before relaying: the liar alone is out of the round, named, and the round ends as usual."""
+    import dataclasses
+
+    p, model, parties, _ = start(tls, checked=True, false_digest=(3,) if lie == "terms" else ())
+    out = []
+    for s, party in parties.items():
+        advert = party.advertise()
+        if s == 3 and lie == "signature":
+            advert = dataclasses.replace(advert, signature=os.urandom(len(advert.signature)))
+        if s == 3 and lie == "certificate":
+            advert = dataclasses.replace(advert, certificate=tls[1][0])
+        out += p.handle(SecAggMessage(1.5, s, wire.SECAGG_ADVERT, 0, {"advert": advert_to_wire(advert)}))
+    ((_, lost, why),) = records(out, "record_lost_silos")
+    assert lost == [3], out
+    expected = {
+        "signature": "its advertisement is not signed by its certificate's key",
+        "terms": "signs other terms (model, silos, weights' basis) than those the server sent it",
+        "certificate": "its advertisement's certificate",
+    }[lie]
+    assert expected in why
+    (keys,) = [a for a in out if isinstance(a, Send) and a.messages[0].kind == wire.SECAGG_KEYS]
+    assert [m.silo for m in keys.messages] == [1, 2] and all(r != 3 for r, _ in keys.messages[0].params["adverts"])
+    actions = answer(p, parties, answer(p, parties, answer(p, parties, out)))
+    ((_, record),) = records(actions, "record_secure_round")
+    assert record["summed"] == [1, 2] and record["failed"] is None
+    plain = np.mean([deltas()[1], deltas()[2]], axis=0)  # the survivors' weights, renormalized
+    assert np.max(np.abs(model.averages[0] - plain)) <= fixed_point.worst_error(30, 2, 2 / 3)
+
+
+def test_honest_advertisements_pass_the_servers_checks(tls):
+    p, model, parties, _ = start(tls, checked=True)
+    actions = answer(p, parties, answer(p, parties, answer(p, parties, advertise(p, parties))))
+    ((_, record),) = records(actions, "record_secure_round")
+    assert record["summed"] == [1, 2, 3] and record["failed"] is None and records(actions, "record_lost_silos") == []
 
 
 def test_a_silo_gone_after_sharing_is_given_up_on_at_the_deadline_and_its_masks_taken_out(tls):

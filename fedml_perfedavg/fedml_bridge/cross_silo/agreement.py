@@ -214,6 +214,7 @@ class ServerSetup:
     metric_names: Tuple[str, ...] = ()  # the algorithm's own per-user figures, which a silo's evaluation carries
     run_id: str = "0"  # FedML's --run_id: what secure aggregation's signatures are bound to
     privacy: Optional[str] = None  # DP-SGD's settings in words, for the round's log line (None: no DP-SGD)
+    ca: Optional[bytes] = None  # the run CA's certificate: secure aggregation's advertisements checked before relaying
 
 
 @dataclass(kw_only=True)

@@ -21,14 +21,18 @@ from __future__ import annotations
 
 import base64
 import enum
+import hashlib
+import json
 import logging
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set
 
 import numpy as np
 
 from ...secagg import fixed_point
-from ...secagg.primitives import SecAggError
+from ...secagg.primitives import SecAggError, verify
 from ...secagg.rounds import Advert, RoundFailed, ServerRound
+from ...silo.outcome import state_digest
+from .credentials import certificate_rank_problem
 from . import wire
 from .events import ROUND, Outbox, ToSilo
 from .awaited import OpenRound
@@ -110,6 +114,30 @@ def protocol_weights(silos: List[int], counts: Optional[Dict[int, int]]) -> Dict
     return {s: int(counts[s]) / total for s in silos}
 
 
+def terms_digest(terms: Dict[str, Any], received: Dict[str, Any]) -> bytes:
+    """What every silo of a round must have been given alike: the terms but the silo's own weight
+    (the threshold, bits, bound, length, silos, counts) and the model itself. Each silo signs it
+    into its advertisement; the server, which sent both, checks it before relaying."""
+    shared = {k: v for k, v in terms.items() if k != "weight"}
+    text = json.dumps({"terms": shared, "model": state_digest(received)}, sort_keys=True)
+    return hashlib.sha256(b"pfa-secagg-terms" + text.encode()).digest()
+
+
+def advert_problem(advert: Advert, run_id: str, round_idx: int, ca: bytes, digest: bytes) -> Optional[str]:
+    """Why the server must not relay ``advert`` (None: it may): a certificate that is not the run
+    CA's for that rank, a signature its certificate's key did not make, or terms other than those
+    the server sent. Checked before relaying, so that one lying silo costs its own seat only, not
+    the honest silos' (each of them would otherwise refuse the round it relays)."""
+    problem = certificate_rank_problem(advert.certificate, ca, advert.rank)
+    if problem is not None:
+        return f"its advertisement's certificate: {problem}"
+    if not verify(advert.certificate, advert.payload(run_id, round_idx), advert.signature):
+        return "its advertisement is not signed by its certificate's key"
+    if advert.terms_digest != digest:
+        return "its advertisement signs other terms (model, silos, weights' basis) than those the server sent it"
+    return None
+
+
 def advert_to_wire(advert: Advert) -> List[Any]:
     return [
         _text(advert.cipher_public),
@@ -149,6 +177,7 @@ class SecureRound:
         bits: int,
         bound: float,
         run_id: str = "",
+        check_advert: Optional[Callable[[Advert], Optional[str]]] = None,
     ) -> None:
         self.round_idx, self.counts, self.threshold = round_idx, counts, threshold
         self.weights = protocol_weights(silos, counts)
@@ -160,6 +189,7 @@ class SecureRound:
         self.bytes: Dict[int, int] = {s: 0 for s in silos}
         self.lost: Dict[int, str] = {}  # silo -> the stage it was lost in
         self.false_shares: Dict[int, str] = {}  # silo -> what false share it sent (found while unmasking)
+        self.check_advert = check_advert  # why an advertisement must not be relayed (None: no checks here)
 
     def terms(self, silo: int) -> Dict[str, Any]:
         """What ``silo`` needs with the round's model (:data:`wire.SECAGG`): the same for every
@@ -195,7 +225,11 @@ class SecureRound:
     def _take(self, silo: int, kind: int, params: Dict[str, Any], model: Any) -> None:
         server = self.server
         if kind == wire.SECAGG_ADVERT:
-            server.take_advert(silo, advert_from_wire(silo, params["advert"]))
+            advert = advert_from_wire(silo, params["advert"])
+            problem = self.check_advert(advert) if self.check_advert is not None and advert.rank == silo else None
+            if problem is not None:
+                raise SecAggError(problem)
+            server.take_advert(silo, advert)
         elif kind == wire.SECAGG_SHARES_OUT:
             server.take_shares(silo, {int(r): _bytes(c) for r, c in params["shares"]})
         elif kind == wire.SECAGG_MASKED:
@@ -368,7 +402,12 @@ class SecureAggregation:
             )
         threshold = int(setup.secure_threshold or 2)
         length = rounds.model.vector_length()
-        return cls(rounds, SecureRound(round_idx, silos, counts, threshold, length, bits, bound, setup.run_id))
+        secure = SecureRound(round_idx, silos, counts, threshold, length, bits, bound, setup.run_id)
+        if setup.ca is not None:  # each advertisement checked as its receivers will check it, before relaying
+            digest = terms_digest(secure.terms(silos[0]), rounds.model.params()) if silos else b""
+            ca, run_id = setup.ca, setup.run_id
+            secure.check_advert = lambda advert: advert_problem(advert, run_id, round_idx, ca, digest)
+        return cls(rounds, secure)
 
     def terms(self, silo: int) -> Optional[Dict[str, Any]]:
         return {wire.SECAGG: self.secure.terms(silo)}

@@ -11,8 +11,6 @@ weights unseen, nor show silos different rounds, nor pass its own keys off as a 
 from __future__ import annotations
 
 import base64
-import hashlib
-import json
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -23,20 +21,11 @@ from ...secagg.primitives import SecAggError, sign
 from ...secagg.rounds import Advert, SiloRound
 from . import wire
 from .credentials import certificate_rank_problem
-from ...silo.outcome import state_digest
-from .secure_rounds import advert_from_wire
+from .secure_rounds import advert_from_wire, terms_digest
 
 
 def _text(data: bytes) -> str:
     return base64.b64encode(data).decode()
-
-
-def terms_digest(terms: Dict[str, Any], received: Dict[str, torch.Tensor]) -> bytes:
-    """What every silo of a round must have been given alike: the terms but the silo's own weight
-    (the threshold, bits, bound, length, silos, counts) and the model itself."""
-    shared = {k: v for k, v in terms.items() if k != "weight"}
-    text = json.dumps({"terms": shared, "model": state_digest(received)}, sort_keys=True)
-    return hashlib.sha256(b"pfa-secagg-terms" + text.encode()).digest()
 
 
 def weight_problem(rank: int, terms: Dict[str, Any], setup: Any) -> Optional[str]:
