@@ -75,7 +75,15 @@ def load(run_dir: str) -> Optional[Dict[str, Any]]:
 # What ``--resume RUN_DIR --set KEY=VALUE`` may change: how many rounds, how often a checkpoint is
 # written, and the reporting (wandb, the progress bar). Anything else would make the resumed rounds
 # another run's (a model whose tensors the checkpoint does not hold, another step size or privacy).
-RESUME_MAY_CHANGE = ("comm_round", "checkpoint_every", "enable_wandb", "wandb_project", "wandb_group", "show_progress")
+RESUME_MAY_CHANGE = (
+    "comm_round",
+    "checkpoint_every",
+    "enable_wandb",
+    "wandb_project",
+    "wandb_group",
+    "wandb_name",
+    "show_progress",
+)
 
 
 def resume_changes_problem(saved: Dict[str, Dict[str, Any]], asked: Dict[str, Dict[str, Any]]) -> Optional[str]:

@@ -521,7 +521,7 @@ def recorder_for(config: Any, run_dir: str, deferred_wandb: bool = False) -> Run
         wandb_settings = {
             "project": config.wandb_project,
             "group": config.wandb_group or name,
-            "name": name,
+            "name": config.wandb_name or name,
             "tags": wandb_tags(config),
             "deferred": deferred_wandb,
         }

@@ -431,6 +431,9 @@ class TrackingArgs:
     enable_wandb: bool = _setting(bool, False, "log to wandb (offline unless WANDB_MODE says otherwise)")
     wandb_project: str = _setting(str, "fedml-perfedavg", "wandb project")
     wandb_group: Optional[str] = _setting(str, None, "wandb group (default: run name)", optional=True)
+    wandb_name: Optional[str] = _setting(
+        str, None, "wandb run name, FedML's key (default: the run directory's name)", optional=True
+    )
     show_progress: bool = _setting(bool, True, "tqdm progress bar over rounds (on a terminal)")
 
 

@@ -106,7 +106,18 @@ def test_the_wandb_group_defaults_to_the_run_name(tmp_path, monkeypatch):
     (folder,) = (tmp_path / "my-run" / "wandb").glob("offline-run-*")
     (log,) = folder.glob("*.wandb")
     (header,) = [r.run for r in _records(log) if r.WhichOneof("record_type") == "run"]
-    assert header.run_group == "my-run"
+    assert header.run_group == "my-run" and header.display_name == "my-run"
+
+
+@pytest.mark.backend
+def test_fedmls_wandb_name_names_the_wandb_run(tmp_path, monkeypatch):
+    """Issue 76: FedML's ``wandb_name`` was "passed to FedML unchecked" and named nothing."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = tiny_config(enable_wandb=True, checkpoint_every=0, comm_round=1, wandb_name="hf-seed0")
+    run(config, str(tmp_path / "my-run"), data=tiny_data())
+    (log,) = (tmp_path / "my-run" / "wandb").glob("offline-run-*/*.wandb")
+    (header,) = [r.run for r in _records(log) if r.WhichOneof("record_type") == "run"]
+    assert (header.display_name, header.run_group) == ("hf-seed0", "my-run")
 
 
 @pytest.mark.backend
