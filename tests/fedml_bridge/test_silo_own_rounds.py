@@ -56,3 +56,24 @@ def test_a_restarted_silo_answers_nothing_meant_for_its_earlier_process_until_it
     manager.announce_again_at = None  # taken back
     manager.receive_message(model, Message(model, 0, 2))
     assert handled[-1] == model and manager.state is State.LISTENING
+
+
+def test_an_organization_that_comes_back_after_the_run_finished_ends_as_finished_not_stopped():
+    """Issue 76: an organization that came back after the run finished exited 3 ("stopped early");
+    told the run finished, it ends as the run did. Told the run ended early, it keeps the reason."""
+    import types
+
+    from fedml_perfedavg.fedml_bridge.cross_silo import wire
+    from fedml_perfedavg.fedml_bridge.cross_silo.client import PluginClientMasterManager, State
+
+    for told, ended_early in ((wire.RUN_FINISHED, None), ("the server stopped: too few silos", "too few")):
+        manager = object.__new__(PluginClientMasterManager)
+        manager.rank, manager.client_real_id, manager.state = 2, 2, State.ANNOUNCING
+        manager.setup = types.SimpleNamespace(hello={})
+        manager.outcome = SiloOutcome(1)
+        refusal = wire.Rejected(told, wire.RUN_OVER, counted=False).words()
+        manager.com_manager = types.SimpleNamespace(send_message=lambda message, deadline=None, r=refusal: r)
+        manager.finish = lambda: None
+        manager._announce(10.0)
+        assert manager.state is State.DONE
+        assert (manager.outcome.ended_early or None) == (None if ended_early is None else told), told

@@ -398,6 +398,9 @@ class PluginClientMasterManager(SecureSiloMessages, ClientMasterManager):
             words = wire.refusal_text(str(refused))
             self._become(State.DONE)
             self.finish()
+            if words == wire.RUN_FINISHED:  # every round ran: the run finished, and so does this process
+                logger.info("silo rank %d: the run had finished when this silo announced itself", self.rank)
+                return
             self.outcome.ended_early = words
             logger.warning("silo rank %d: the server ended the run before this silo took part: %s", self.rank, words)
             return

@@ -404,7 +404,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
             return None
         if self.ended is not None:
             self.told_run_over.add(envelope.sender)
-            return wire.Rejected(self.ended or "the run is over (it finished)", wire.RUN_OVER, counted=False)
+            return wire.Rejected(self.ended or wire.RUN_FINISHED, wire.RUN_OVER, counted=False)
         screen = self.screen_announcement
         problem = screen(envelope.sender, envelope.params.get(wire.HELLO)) if screen else None
         return None if problem is None else wire.Rejected(problem, wire.DISAGREEMENT, counted=False)

@@ -77,6 +77,7 @@ MALFORMED, PICKLE, OVERSIZE = "malformed", "pickle", "oversize"
 
 DISAGREEMENT = "disagreement"  # an announcement the server refuses (its fingerprint, its data)
 RUN_OVER = "run-over"  # an announcement that comes after the server ended the run
+RUN_FINISHED = "the run is over (it finished)"  # RUN_OVER's words when every round ran
 
 
 class Rejected(ValueError):
