@@ -158,3 +158,22 @@ def test_a_declined_unmasking_is_not_recorded_so_a_resumed_server_can_run_the_ro
     decision = rules.unmasking(10, [1, 4])
     assert decision.refused and "already unmasked for the survivors [1, 3, 4]" in decision.reason
     assert not rules.unmasking(11, [1, 4]).refused  # another round: another list
+
+
+def test_a_short_secure_round_is_declined_naming_the_organizations_it_is_without():
+    """Issue 76: the healthy organizations were told "the round has 2 silo(s)", not which one was
+    missing; a silo's decline now names the ranks the keyed schedule samples and the server left out."""
+    from types import SimpleNamespace
+
+    from fedml_perfedavg.fedml_bridge.cross_silo.secure_silo import SecureSiloRound
+    from fedml_perfedavg.secagg.primitives import SecAggError
+    from fedml_perfedavg.secagg.rounds import SiloRules
+
+    setup = SimpleNamespace(
+        secure_rules=SiloRules(threshold=2, max_colluding=0, min_summed=3), scheduled=lambda r: [1, 3, 4]
+    )
+    terms = {"threshold": 2, "silos": [1, 4], "weight": 0.5, "counts": None}
+    with pytest.raises(SecAggError) as refused:
+        SecureSiloRound.start(4, 10, terms, setup, model(), model(), None, None)
+    assert "the round has 2 silo(s)" in str(refused.value)
+    assert "the keyed schedule samples silo rank(s) [1, 3, 4], and rank(s) [3] are not in it" in str(refused.value)

@@ -87,6 +87,11 @@ class SecureSiloRound:
                 f"{scheduled}"
             )
         problem = rules.problem_with(len(scheduled), len(silos)) or weight_problem(rank, terms, setup)
+        missing = sorted(set(scheduled) - set(silos))
+        if problem is not None and missing:  # name the organizations the round is without, as this silo sees it
+            problem += (
+                f"; the keyed schedule samples silo rank(s) {sorted(scheduled)}, and rank(s) {missing} are not in it"
+            )
         if problem is not None:
             raise SecAggError(problem)
         algorithm = getattr(client_trainer, "algorithm", None)
