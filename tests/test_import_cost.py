@@ -162,3 +162,37 @@ def test_torch_func_gradients_do_not_load_torchdynamo_and_torchdynamo_still_work
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split("\n")
     assert lines[:3] == ["False True (2, 5, 6)", "ConfigModuleInstance True True", "True True"], out.stdout
+
+
+@pytest.mark.fast
+def test_another_fedml_release_is_refused_at_install_in_one_line():
+    """Issue 77: install checks FedML's version and refuses any other, naming the supported one,
+    before it changes anything in FedML."""
+    from fedml_perfedavg.fedml_bridge.install import SUPPORTED_FEDML, UnsupportedFedML, check_fedml_version
+
+    check_fedml_version(SUPPORTED_FEDML)
+    with pytest.raises(UnsupportedFedML) as refused:
+        check_fedml_version("0.8.7")
+    (line,) = str(refused.value).splitlines()
+    assert line.startswith("fedml-perfedavg supports FedML 0.9.6 only; this process imports FedML 0.8.7")
+
+
+@pytest.mark.backend  # a fresh process: the plugin installs itself when FedML comes
+def test_a_process_with_another_fedml_release_stops_at_import_naming_both():
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.metadata as m\n"
+        "real = m.version\n"
+        "m.version = lambda name: '0.8.7' if name == 'fedml' else real(name)\n"
+        "import fedml_perfedavg\n"
+        "import fedml\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.endswith(
+        "UnsupportedFedML: fedml-perfedavg supports FedML 0.9.6 only; this process imports FedML 0.8.7 "
+        "(pip install fedml==0.9.6); nothing in FedML was changed"
+    ), done.stderr[-2000:]

@@ -167,13 +167,46 @@ def _refusing_insecure_backends(original_init_manager):
     return init_manager
 
 
+#: The FedML release every change this plugin makes to FedML was written and tested against
+#: (setup.py pins it); another one is refused at install rather than patched blind.
+SUPPORTED_FEDML = "0.9.6"
+
+
+class UnsupportedFedML(ImportError):
+    """The process imports a FedML release the plugin was not written for."""
+
+
+def check_fedml_version(version: Any) -> None:
+    """:class:`UnsupportedFedML`, in one line naming both releases, unless ``version`` is
+    :data:`SUPPORTED_FEDML`."""
+    if str(version) != SUPPORTED_FEDML:
+        raise UnsupportedFedML(
+            f"fedml-perfedavg supports FedML {SUPPORTED_FEDML} only; this process imports FedML {version} "
+            f"(pip install fedml=={SUPPORTED_FEDML}); nothing in FedML was changed"
+        )
+
+
+def installed_fedml_version() -> str:
+    """The installed FedML distribution's version (its metadata: nothing of FedML is imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("fedml")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def install(entry: PluginEntry) -> None:
-    """Install the plugin into FedML (idempotent; see the module doc)."""
+    """Install the plugin into FedML (idempotent; see the module doc); :class:`UnsupportedFedML`
+    for another FedML release, before any change to it."""
     if is_installed():
         return
+    check_fedml_version(installed_fedml_version())  # before FedML is imported through the plugin's bootstrap
     cancel_install_at_first_use()
     import_fedml()
     import fedml
+
+    check_fedml_version(getattr(fedml, "__version__", "(unknown)"))  # the module this process has
     import fedml.data
     import fedml.model
     from fedml.runner import FedMLRunner
