@@ -26,12 +26,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .outcome import SiloOutcome, StoredAnswer, state_digest
 
-TRAIN, EVALUATE, STORED, REFUSE = "train", "evaluate", "stored", "refuse"
+TRAIN, EVALUATE, UNMASK, STORED, REFUSE = "train", "evaluate", "unmask", "stored", "refuse"
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What the silo does with the server's request: ``action`` is TRAIN or EVALUATE (do it now),
+    """What the silo does with the server's request: ``action`` is TRAIN, EVALUATE or UNMASK (do it now),
     STORED (send ``stored`` again: a stored answer, or stored counts) or REFUSE (``reason``)."""
 
     action: str
@@ -122,7 +122,7 @@ class DataOwnerRules:
         the survivors' signature and at the unmasking; recorded by :meth:`SiloOutcome.unmasked_for`
         only when the shares leave)."""
         problem = self.outcome.unmasking_problem(round_idx, survivors)
-        return Decision(REFUSE, problem) if problem else Decision("unmask")
+        return Decision(REFUSE, problem) if problem else Decision(UNMASK)
 
     # -- helpers --------------------------------------------------------------------------------------
     def _past_the_run(self, round_idx: int, what: str) -> str:
@@ -144,4 +144,4 @@ class DataOwnerRules:
         )
 
 
-__all__ = ["DataOwnerRules", "Decision", "StoredAnswer", "TRAIN", "EVALUATE", "STORED", "REFUSE"]
+__all__ = ["DataOwnerRules", "Decision", "StoredAnswer", "TRAIN", "EVALUATE", "UNMASK", "STORED", "REFUSE"]

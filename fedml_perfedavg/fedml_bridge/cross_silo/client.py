@@ -205,6 +205,7 @@ class SecureSiloMessages:
     setup: SiloSetup
     com_manager: Any
     outcome: SiloOutcome
+    rules: Optional[DataOwnerRules]  # a data owner's (None in shared mode)
 
     @property
     def trainer(self) -> PluginFedMLTrainer:
@@ -251,11 +252,11 @@ class SecureSiloMessages:
         survivors = None
         try:
             params = dict(msg_params.get_params())
-            if kind in (wire.SECAGG_SURVIVORS, wire.SECAGG_UNMASK) and self.outcome.user is not None:
+            if kind in (wire.SECAGG_SURVIVORS, wire.SECAGG_UNMASK) and self.rules is not None:
                 survivors = [int(r) for r in params["survivors"]]
-                problem = self.outcome.unmasking_problem(round_idx, survivors)
-                if problem is not None:
-                    raise SecAggError(problem)
+                decision = self.rules.unmasking(round_idx, survivors)
+                if decision.refused:
+                    raise SecAggError(str(decision.reason))
             answer, params, tensors = self.secure.answer(kind, params)
         except SecAggError as err:
             logger.error(

@@ -3,6 +3,7 @@ functions of the measured rounds, with no clock, socket or FedML in them."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -58,9 +59,7 @@ class SiloPolicy:
 
 def recent_median(measured: Sequence[float], last: int) -> float:
     """The median of the last ``last`` of ``measured``."""
-    recent = sorted(measured[-last:])
-    middle = len(recent) // 2
-    return recent[middle] if len(recent) % 2 else (recent[middle - 1] + recent[middle]) / 2
+    return statistics.median(measured[-last:])
 
 
 NOTICE_SECONDS = 2.0  # a notice to a silo (a refusal, an acknowledgement) is not waited on longer

@@ -259,8 +259,10 @@ class SiloServerProtocol:
     # -- the start and the end --------------------------------------------------------------------------
     def _start_training(self, now: float) -> None:
         self._refuse_a_plan_that_cannot_run()
-        how = f"secure aggregation (threshold {self.setup.secure_threshold})" if self.setup.secure_threshold else ""
-        how += ("; " if how else "") + self.setup.privacy if self.setup.privacy else ""
+        threshold, privacy = self.setup.secure_threshold, self.setup.privacy
+        how = "; ".join(
+            ([f"secure aggregation (threshold {threshold})"] if threshold else []) + ([privacy] if privacy else [])
+        )
         logger.info(
             "silos %s %s %d starts%s",
             self.roster.live,

@@ -226,7 +226,7 @@ class SecureRound:
         server = self.server
         if kind == wire.SECAGG_ADVERT:
             advert = advert_from_wire(silo, params["advert"])
-            problem = self.check_advert(advert) if self.check_advert is not None and advert.rank == silo else None
+            problem = self.check_advert(advert) if self.check_advert is not None else None
             if problem is not None:
                 raise SecAggError(problem)
             server.take_advert(silo, advert)
