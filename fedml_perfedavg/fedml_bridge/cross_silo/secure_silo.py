@@ -21,7 +21,7 @@ from ...secagg.primitives import SecAggError, sign
 from ...secagg.rounds import Advert, SiloRound
 from . import wire
 from .credentials import certificate_rank_problem
-from .secure_rounds import advert_from_wire, terms_digest
+from .secure_rounds import advert_from_wire, advert_to_wire, terms_digest
 
 
 def _text(data: bytes) -> str:
@@ -126,6 +126,10 @@ class SecureSiloRound:
 
     def advertise(self) -> Advert:
         return self.party.advertise()
+
+    def opening(self) -> Tuple[int, Dict[str, Any]]:
+        """The round's first message from this silo: its signed advertisement."""
+        return wire.SECAGG_ADVERT, {"advert": advert_to_wire(self.advertise())}
 
     def check_peer(self, advert: Advert) -> Optional[str]:
         return certificate_rank_problem(advert.certificate, self.ca, advert.rank)
