@@ -457,3 +457,70 @@ def test_an_organization_stopped_with_ctrl_c_and_started_again_is_back_and_ends_
     record = json.loads((run_dir / "silo-rank-2" / "summary.json").read_text())
     assert (record["status"], record["user"], record["evaluated_round"]) == ("finished", 1, 119), record
     assert record["personalized_accuracy"] is not None and record["history"][-1]["round"] == 119
+
+
+@needs_mnist
+@needs_netns
+def test_an_organization_killed_mid_round_in_a_secure_dp_run_the_server_resumed_and_the_run_finishes(
+    tmp_path, mnist_root
+):
+    """Issue 76, item 1: four organizations, three a round, secure aggregation and DP-SGD across
+    hosts. Organization 2 is SIGKILLed in round R right after sending its shares: round R is short
+    of silos, the others decline it before unmasking anything, and the server stops. Every
+    organization starts again with the same command and the server resumes: round R runs again and
+    the run finishes, every organization's epsilon the one its own record says (on 085d686's parent
+    the survivors had recorded an unmasking they never sent, and declined round R for ever)."""
+    from fedml_perfedavg.core.sampling import sample_clients
+    from fedml_perfedavg.run.silo_data import export_split
+
+    from tests.backends.test_silo_privacy import DP
+
+    silos, rounds = 4, 5
+    settings = {
+        **SETTINGS,
+        "silo_data": "own",
+        "client_num_in_total": silos,
+        "client_num_per_round": 3,
+        "min_clients_per_round": 2,
+        "comm_round": rounds,
+        "checkpoint_every": 1,
+        "enable_secagg": True,
+        "round_timeout": 60,
+        "round_timeout_factor": 3,
+        **DP,
+    }
+    exported = {**settings, "data_cache_dir": mnist_root, "silo_data": "shared", "enable_secagg": False}
+    config = resolve(load_yaml(HF_YAML), exported)
+    killed_in = next(r for r in range(1, rounds) if 1 in sample_clients(config.random_seed, r, silos, 3))
+    export_split(config, str(tmp_path / "export"), load_split)
+    (tmp_path / "server-data").mkdir()
+    tls = _own_tls(tmp_path, silos)
+    names, _ = _make_hosts(silos)
+    run_dir = tmp_path / "run"
+    try:
+        calm = finish_all(_owners(names, tmp_path, tmp_path / "calm", settings, silos, tls))
+        processes = _owners(names, tmp_path, run_dir, settings, silos, tls, liars={2: f"vanish:{killed_in}:shares"})
+        first = finish_all(processes)
+        codes = {rank: p.returncode for rank, p in processes.items()}
+        again = _owners(names, tmp_path, run_dir, settings, silos, tls, resume=True)
+        resumed = finish_all(again)
+        resumed_codes = {rank: p.returncode for rank, p in again.items()}
+    finally:
+        _remove_hosts(names)
+    assert codes[2] == -9 and codes[0] != 0, (codes, first[0][-4000:])
+    assert f"round {killed_in}: going on without silo rank(s) [2]" in first[0], first[0][-4000:]
+    assert f"run stopped: round {killed_in}: silo rank(s)" in first[0] and "survivor(s)" in first[0], first[0][-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    told = (resumed_codes, resumed[0][-4000:], {r: resumed[r][-1500:] for r in range(1, silos + 1)})
+    assert summary["status"] == "finished" and summary["rounds"] == rounds, told
+    assert "already unmasked" not in "".join(resumed.values())
+    assert summary["secure_aggregation"]["rounds"] >= rounds - 1, summary["secure_aggregation"]
+    assert json.loads((tmp_path / "calm" / "summary.json").read_text())["status"] == "finished", calm[0][-3000:]
+    for rank in range(1, silos + 1):  # each organization's account: an uninterrupted run's, as its record says
+        record = json.loads((run_dir / f"silo-rank-{rank}" / "summary.json").read_text())
+        uninterrupted = json.loads((tmp_path / "calm" / f"silo-rank-{rank}" / "summary.json").read_text())
+        assert record["status"] == "finished", (rank, record, resumed[rank][-3000:])
+        mine, calm_one = record["privacy"], uninterrupted["privacy"]
+        assert mine["uses"] == calm_one["uses"] == summary["privacy"]["per_user"][str(rank - 1)]["uses"], rank
+        assert mine["epsilon"] == pytest.approx(calm_one["epsilon"], rel=1e-12), (rank, mine, calm_one)
+        assert mine["epsilon_from"] == calm_one["epsilon_from"] and mine["delta"] == 1e-5, mine
