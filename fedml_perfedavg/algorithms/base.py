@@ -59,7 +59,14 @@ from ..core.guards import apply_divergence_policy, is_finite, nonfinite_clients
 from ..core.private_draws import PrivateBatches, RoundBuffers, draw_private_batches, draw_private_round
 from ..core.privacy import DPSGD
 from ..core.settings import check_settings, settings_of
-from ..core.sampling import Purpose, batch_indices_of_many, generator_for, sample_clients, sample_local_batches
+from ..core.sampling import (
+    Purpose,
+    batch_indices_of_many,
+    generator_for,
+    keyed_order,
+    sample_clients,
+    sample_local_batches,
+)
 from ..core.types import Params, StateDict, UserSplit
 from .client_states import ClientStates
 from .client_step import ClientStep, choose_client_step
@@ -536,6 +543,11 @@ class FederatedAlgorithm:
         """The round's clients, uniformly without replacement, keyed by (seed, round)."""
         s = self.settings
         return sample_clients(s.seed, round_idx, s.client_num_in_total, s.client_num_per_round, s.new_user_fraction)
+
+    def keyed_order(self, round_idx: int) -> List[int]:
+        """Every training user in the round's keyed order, :meth:`sample_clients`'s first."""
+        s = self.settings
+        return keyed_order(s.seed, round_idx, s.client_num_in_total, s.client_num_per_round, s.new_user_fraction)
 
     # -- client update --------------------------------------------------------------------
     def client_batches(self, round_idx: int, client_id: int, x: Tensor, y: Tensor) -> LocalBatches:

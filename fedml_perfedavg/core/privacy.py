@@ -48,6 +48,39 @@ KEYS = (
     "clip_count_stddev",
 )
 ADAPTIVE_KEYS = ("target_quantile", "clip_learning_rate", "clip_count_stddev")
+#: each of :data:`KEYS`: (what is allowed, what it means), for docs/configuration.md's table (run/reference.py;
+#: the defaults are :class:`DPSGD`'s); the checks themselves are DPSGD's and :meth:`DPSGD.from_section`'s
+KEY_DOCS = {
+    "enable_dp": ("bool", "FedML's switch of its DP section: true with dp_solution_type dpsgd"),
+    "dp_solution_type": (
+        f"{SOLUTION}, or FedML's ldp, cdp",
+        f"{SOLUTION}: DP-SGD in every local step (each sample's gradient clipped, Gaussian noise added, each "
+        "user's epsilon accounted); ldp, cdp: FedML's own DP, run by FedML's classes",
+    ),
+    "noise_multiplier": ("> 0, required", "sigma: the noise's standard deviation over the clip bound"),
+    "max_grad_norm": ("> 0, required", "C: each sample's gradient is clipped to this norm (clip adaptive: the start)"),
+    "delta": ("in (0, 1), required", "the delta every epsilon is stated at"),
+    "max_epsilon": (
+        "> 0 or null",
+        "a budget no user's epsilon may pass: a use that would is refused (a data owner's silo enforces its own)",
+    ),
+    "accountant": (
+        ", ".join(sorted(accounting.ACCOUNTANTS)),
+        "what states epsilon: Opacus' PRV accountant (prv: tight) or its RDP bound (rdp); summary.json names it",
+    ),
+    "clip": (
+        ", ".join(adaptive_clipping.MODES),
+        "fixed: every sample clipped to max_grad_norm; adaptive: each user's bound follows target_quantile of "
+        "its per-sample norms (its bounds are its own state)",
+    ),
+    "target_quantile": ("in (0, 1)", "clip adaptive: the fraction of samples left unclipped"),
+    "clip_learning_rate": ("> 0", "clip adaptive: eta, the geometric step of the bound"),
+    "clip_count_stddev": (
+        "above noise_multiplier / 2, or null",
+        f"clip adaptive: sigma_b, the noise on each use's count (null: "
+        f"{adaptive_clipping.DEFAULT_COUNT_STDDEV_PER_SIGMA:g} x noise_multiplier)",
+    ),
+}
 
 
 @dataclass(frozen=True)

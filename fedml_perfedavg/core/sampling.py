@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import random
 from enum import IntEnum
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -94,6 +94,40 @@ def sample_clients(
     generator = generator_for(seed, round_idx, -1, Purpose.CLIENT_SAMPLING)
     chosen = torch.randperm(len(pool), generator=generator)[:client_num_per_round]
     return sorted(pool[i] for i in chosen.tolist())
+
+
+def keyed_order(
+    seed: int, round_idx: int, client_num_in_total: int, client_num_per_round: int, new_user_fraction: float = 0.0
+) -> List[int]:
+    """Every training user in the round's keyed order: its first ``client_num_per_round`` are
+    :func:`sample_clients`'s (same key, same permutation), the rest follow in the order that takes a
+    lost one's place (cross-silo secure rounds: ``secagg_args.reserve_silos``)."""
+    excluded = set(held_out_users(seed, client_num_in_total, new_user_fraction))
+    pool = [c for c in range(client_num_in_total) if c not in excluded]
+    if client_num_per_round >= len(pool):
+        return pool
+    generator = generator_for(seed, round_idx, -1, Purpose.CLIENT_SAMPLING)
+    return [pool[i] for i in torch.randperm(len(pool), generator=generator).tolist()]
+
+
+def with_reserves(order: Sequence[int], count: int, lost: Iterable[int], reserves: int) -> List[int]:
+    """The round's users (sorted) when ``lost`` users cannot take part: the keyed ``order``'s first
+    ``count``, each lost one's place taken by the next user of the order that is not lost, within
+    the first ``count + reserves``."""
+    gone = set(lost)
+    return sorted([u for u in order[: count + reserves] if u not in gone][:count])
+
+
+def reserve_problem(order: Sequence[int], count: int, reserves: int, users: Sequence[int]) -> Optional[str]:
+    """Why ``users`` cannot be a round's users under :func:`with_reserves` (None: they can): at most
+    ``count`` distinct users, all among the keyed order's first ``count + reserves``."""
+    allowed = list(order[: count + reserves])
+    if len(set(users)) != len(users) or len(users) > count or not set(users) <= set(allowed):
+        return (
+            f"{sorted(users)} is not the keyed sample with lost users replaced: at most {count} of the round's "
+            f"keyed order's first {count} + secagg_args.reserve_silos={reserves} ({sorted(allowed)})"
+        )
+    return None
 
 
 def random_iterate_step(seed: int, round_idx: int, local_steps: int) -> int:

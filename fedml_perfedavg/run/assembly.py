@@ -341,7 +341,7 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
         policy = SiloPolicy(
             config.connect_timeout,
             config.round_timeout,
-            config.min_clients_per_round or config.client_num_per_round,
+            config.min_clients_per_round or _fewest_silos(config),
             config.round_timeout_factor,
         )
         process = CrossSiloProcess(
@@ -424,6 +424,9 @@ def silo_setup(parts: RunParts) -> Any:
             run_id=str(getattr(parts.args, "run_id", "0")),
             privacy=_privacy_words(config.privacy),
             ca=_run_ca(config) if threshold else None,
+            min_summed=config.min_summed_silos if threshold else 0,
+            reserve_silos=config.reserve_silos if threshold else 0,
+            keyed_order=parts.algorithm.keyed_order if threshold else None,
         )
     agreed = {**values, ADDRESSES: addresses_seen(table, rank)}
     if not own:
@@ -447,6 +450,8 @@ def silo_setup(parts: RunParts) -> Any:
         secure_rules=silo_rules(config),
         scheduled=silo_schedule(parts),
         evaluates=RoundSchedule.from_config(config).evaluates,
+        keyed_order=silo_schedule(parts, keyed_order=True) if threshold else None,
+        reserve_silos=config.reserve_silos if threshold else 0,
     )
 
 
@@ -488,6 +493,15 @@ def silo_outcome(parts: RunParts, values: Dict[str, Any]) -> Any:
     return outcome
 
 
+def _fewest_silos(config: Any) -> int:
+    """comm_args.min_clients_per_round's default: every silo of a round in the clear; what a secure
+    round needs (its threshold, min_summed_silos), whose shorter rounds fail without stopping the run."""
+    threshold = secure_threshold(config)
+    if threshold is None:
+        return int(config.client_num_per_round)
+    return max(threshold, int(config.min_summed_silos))
+
+
 def secure_threshold(config: Any) -> Optional[int]:
     """Secure aggregation's threshold (None: updates travel in the clear): the config's, or a
     majority of a round's silos."""
@@ -510,12 +524,13 @@ def silo_rules(config: Any) -> Optional[Any]:
     return SiloRules(threshold, config.max_colluding_silos, config.min_summed_silos)
 
 
-def silo_schedule(parts: RunParts) -> Callable[[int], List[int]]:
+def silo_schedule(parts: RunParts, keyed_order: bool = False) -> Callable[[int], List[int]]:
     """A data owner's silo's copy of the keyed schedule (the algorithm's own sampling, keyed by
-    (seed, round) as the server's): round -> the silo ranks it samples (user u is silo u + 1)."""
-    algorithm = parts.algorithm
+    (seed, round) as the server's): round -> the silo ranks it samples (user u is silo u + 1); with
+    ``keyed_order``, every silo rank in the round's keyed order (the sample first)."""
+    users = parts.algorithm.keyed_order if keyed_order else parts.algorithm.sample_clients
 
     def scheduled(round_idx: int) -> List[int]:
-        return [user + 1 for user in algorithm.sample_clients(round_idx)]
+        return [user + 1 for user in users(round_idx)]
 
     return scheduled

@@ -1,7 +1,12 @@
-"""docs/configuration.md's table, generated from the config's schema (:mod:`.schema`)."""
+"""docs/configuration.md's table, generated from the config's schema (:mod:`.schema`) and, for
+``dp_args`` (FedML's section, read as DP-SGD's where ``dp_solution_type`` is dpsgd), from
+core/privacy.py's :class:`~fedml_perfedavg.core.privacy.DPSGD` and its ``KEY_DOCS``."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from ..core.privacy import DPSGD, KEY_DOCS, KEYS
 from ..core.settings import field_default
 from .schema import settings
 
@@ -20,4 +25,10 @@ def markdown_table(builtin_only: bool = False) -> str:
         else:
             allowed = meta["kind"].__name__ + (" or null" if meta["optional"] else "")
         rows.append(f"| {meta['section']} | `{f.name}` | `{default}` | {allowed} | {meta['help']} |")
+    defaults = {f.name: f.default for f in dataclasses.fields(DPSGD)}
+    for key in KEYS:
+        allowed, meaning = KEY_DOCS[key]
+        default = defaults.get(key, dataclasses.MISSING)
+        shown = "(none)" if default is dataclasses.MISSING else f"`{default}`"
+        rows.append(f"| dp_args | `{key}` | {shown} | {allowed} | {meaning} |")
     return "\n".join(rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -422,6 +423,9 @@ class RunRecorder:
             "elapsed": time.perf_counter() - self.started,
             "evaluation_seconds": self.evaluation_seconds,
             "privacy": None if self.privacy is None else self.privacy.state_dict(),
+            # cross-silo: what the server saw of its silos (lost, back, secure rounds): a resumed run's summary
+            # keeps the rounds before its resume (the transport's refusals are each process's own)
+            "silos": {k: v for k, v in dataclasses.asdict(self.silos).items() if k != "refusals"},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -433,6 +437,7 @@ class RunRecorder:
         self.evaluation_seconds = float(state.get("evaluation_seconds", 0.0))
         if self.privacy is not None and state.get("privacy") is not None:
             self.privacy.load_state_dict(state["privacy"])
+        self.silos = SiloRecord(**state.get("silos", {}))  # absent from checkpoints before it
         if self._bar is not None:
             self._bar.update(self.rounds_done - self._bar.n)
 

@@ -205,6 +205,31 @@ def _rule_secagg_counts(c: Config) -> None:
             f"secagg_args.max_colluding_silos={colluding!r}: a threshold above (client_num_per_round {k} + "
             f"{colluding}) / 2 would need more silos than a round has. Allowed: max_colluding_silos <= {k - 1}"
         )
+    _rule_secagg_spare(c, threshold if threshold is not None else (k + colluding) // 2 + 1)
+
+
+def _rule_secagg_spare(c: Config, threshold: int) -> None:
+    """A secure round short of what it needs is not summed (the model is kept): refused at start, unless
+    accepted, is a configuration where one lost organization fails every later round that samples it,
+    because the round cannot spare it and no organization can take its place (issue 76)."""
+    k, n, reserves = c.client_num_per_round, c.client_num_in_total, c.reserve_silos
+    need = max(threshold, c.min_summed_silos, c.min_clients_per_round or 0)
+    if k - 1 >= need or (reserves >= 1 and n - 1 >= k) or c.accept_rounds_without_spare:
+        return
+    why = (
+        f"no organization can take its place (client_num_in_total={n}, client_num_per_round={k})"
+        if reserves >= 1
+        else "secagg_args.reserve_silos=0 lets no organization take its place"
+    )
+    raise ConfigError(
+        f"secagg_args: one lost organization would fail every later round that samples it: a round of {k} "
+        f"silos short of one has {k - 1}, fewer than the {need} it needs (max of the threshold {threshold}, "
+        f"secagg_args.min_summed_silos={c.min_summed_silos}"
+        + (f", comm_args.min_clients_per_round={c.min_clients_per_round}" if c.min_clients_per_round else "")
+        + f"), and {why}. Allowed: more organizations than a round samples (client_num_in_total > "
+        f"client_num_per_round, with secagg_args.reserve_silos >= 1), a round that can spare one "
+        f"(client_num_per_round >= {need + 1}), or secagg_args.accept_rounds_without_spare: true"
+    )
 
 
 def _rule_client_state(c: Config) -> None:

@@ -421,6 +421,22 @@ class SecAggArgs:
         "(with 2, each would learn the other's update from the new model)",
         rule=(lambda v: v >= 3, ">= 3 (two silos summed learn each other's update)"),
     )
+    reserve_silos: int = _setting(
+        int,
+        1,
+        "secure aggregation: how many organizations after a round's keyed sample, in the round's keyed "
+        "order, may take the places of organizations the server has lost; a silo trains in a round only "
+        "if it is among the sample and these. 0: a lost organization's rounds run short (and fail when "
+        "too short to be summed)",
+        rule=(lambda v: v >= 0, ">= 0"),
+    )
+    accept_rounds_without_spare: bool = _setting(
+        bool,
+        False,
+        "secure aggregation: accept a configuration in which one lost organization fails every later "
+        "round that samples it (no organization can take its place, and a round short of one cannot be "
+        "summed); refused at start otherwise, naming the numbers",
+    )
 
 
 @dataclass(frozen=True)

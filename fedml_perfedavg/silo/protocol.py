@@ -133,7 +133,15 @@ class SiloProtocol:
             None
             if own_user is None
             else DataOwnerRules(
-                rank, own_user, self.outcome, self.num_rounds, setup.scheduled, setup.evaluates, setup.privacy
+                rank,
+                own_user,
+                self.outcome,
+                self.num_rounds,
+                setup.scheduled,
+                setup.evaluates,
+                setup.privacy,
+                getattr(setup, "keyed_order", None),
+                getattr(setup, "reserve_silos", 0),
             )
         )
         self.announce_again_at: Optional[float] = None  # refused as a twin: when to announce again
@@ -232,7 +240,8 @@ class SiloProtocol:
                 return
             self._ask(Evaluate(round_idx, user, event.model, final=True), "final", None)
             return
-        decision = self.rules.training(round_idx, event.model) if self.rules is not None else None
+        listed = event.terms.get("silos") if isinstance(event.terms, dict) else None
+        decision = self.rules.training(round_idx, event.model, listed) if self.rules is not None else None
         if decision is not None and decision.refused:
             self._refuse(round_idx, decision.reason, event.session)
             return

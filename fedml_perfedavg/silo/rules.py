@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ..core.sampling import reserve_problem
 from .outcome import SiloOutcome, StoredAnswer, state_digest
 
 TRAIN, EVALUATE, UNMASK, STORED, REFUSE = "train", "evaluate", "unmask", "stored", "refuse"
@@ -57,22 +58,28 @@ class DataOwnerRules:
         scheduled: Optional[Callable[[int], List[int]]] = None,
         evaluates: Optional[Callable[[int], bool]] = None,
         ledger: Any = None,
+        keyed_order: Optional[Callable[[int], List[int]]] = None,
+        reserves: int = 0,
     ) -> None:
         self.rank, self.user, self.outcome, self.round_num = rank, user, outcome, int(round_num)
         self.scheduled, self.evaluates, self.ledger = scheduled, evaluates, ledger
+        self.keyed_order, self.reserves = keyed_order, int(reserves)
 
     # -- training -------------------------------------------------------------------------------------
-    def training(self, round_idx: int, received: Dict[str, Any]) -> Decision:
-        """Whether to train round ``round_idx`` on the model ``received``."""
+    def training(self, round_idx: int, received: Dict[str, Any], silos: Optional[Sequence[int]] = None) -> Decision:
+        """Whether to train round ``round_idx`` on the model ``received``; ``silos``: the round's silos
+        as a secure round's terms list them (a silo past the keyed sample takes a lost one's place)."""
         if not 0 <= round_idx < self.round_num:
             return Decision(REFUSE, self._past_the_run(round_idx, "a model to train"))
         scheduled = self.scheduled
         if scheduled is not None and self.rank not in scheduled(round_idx):
-            return Decision(
-                REFUSE,
-                f"the keyed schedule (train_args.random_seed, round) does not sample this silo in round "
-                f"{round_idx}; it samples silo rank(s) {scheduled(round_idx)}",
-            )
+            replacing = self.replacement_problem(round_idx, silos)
+            if replacing is not None:
+                return Decision(
+                    REFUSE,
+                    f"the keyed schedule (train_args.random_seed, round) does not sample this silo in round "
+                    f"{round_idx}; it samples silo rank(s) {scheduled(round_idx)}" + replacing,
+                )
         last, answer = self.outcome.trained_round, self.outcome.answer
         if last is not None and round_idx < last:
             return Decision(REFUSE, f"it has trained round {last}; rounds go forwards, each trained once")
@@ -82,6 +89,17 @@ class DataOwnerRules:
             return Decision(REFUSE, f"it trained round {round_idx} already, on another model; a round is trained once")
         over = self._over_budget(round_idx, "training")
         return Decision(REFUSE, over) if over else Decision(TRAIN)
+
+    def replacement_problem(self, round_idx: int, silos: Optional[Sequence[int]]) -> Optional[str]:
+        """Why this silo, not in round ``round_idx``'s keyed sample, cannot take a lost silo's place in
+        it (None: it can): the round's ``silos`` must be at most the sample's size, all within the round's
+        keyed order's first sample + ``reserves`` (core/sampling.py ``reserve_problem``), this one among them."""
+        if not self.reserves or self.keyed_order is None or self.scheduled is None:
+            return ""
+        if silos is None or self.rank not in silos:
+            return f", and no secure round lists it in a lost silo's place (secagg_args.reserve_silos={self.reserves})"
+        problem = reserve_problem(self.keyed_order(round_idx), len(self.scheduled(round_idx)), self.reserves, silos)
+        return None if problem is None else f"; the round's silos {problem}"
 
     # -- evaluation -----------------------------------------------------------------------------------
     def evaluation(self, round_idx: int, model: Dict[str, Any]) -> Decision:

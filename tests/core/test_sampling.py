@@ -98,3 +98,22 @@ def test_topk_picks_ties_in_a_stack_of_rows_as_in_each_row_alone():
     together = rows.topk(40, dim=-1, largest=False).indices
     for i in range(len(rows)):
         assert torch.equal(together[i], rows[i].topk(40, dim=-1, largest=False).indices)
+
+
+def test_the_keyed_order_begins_with_the_keyed_sample_and_lost_users_places_go_to_the_next():
+    from fedml_perfedavg.core.sampling import keyed_order, reserve_problem, sample_clients, with_reserves
+
+    for round_idx in range(20):
+        order = keyed_order(3, round_idx, 10, 4)
+        assert sorted(order) == list(range(10)) and sorted(order[:4]) == sample_clients(3, round_idx, 10, 4)
+    order = keyed_order(3, 5, 10, 4)
+    assert with_reserves(order, 4, [], 1) == sorted(order[:4])  # nobody lost: the sample itself
+    assert with_reserves(order, 4, [order[1]], 1) == sorted(order[:1] + order[2:5])
+    assert with_reserves(order, 4, [order[1], order[2]], 1) == sorted([order[0], order[3], order[4]])  # one reserve
+    assert reserve_problem(order, 4, 1, sorted(order[:1] + order[2:5])) is None
+    assert reserve_problem(order, 4, 1, [order[0], order[3]]) is None  # a short round is the server's to explain
+    assert "at most 4 of the round's keyed order's first 4 + secagg_args.reserve_silos=1" in reserve_problem(
+        order, 4, 1, [order[0], order[5]]
+    )
+    assert reserve_problem(order, 4, 1, order[:5]) is not None  # five in a round of four
+    assert keyed_order(3, 5, 4, 4) == [0, 1, 2, 3]  # every user sampled: no order to draw

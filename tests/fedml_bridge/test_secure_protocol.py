@@ -197,7 +197,8 @@ def test_fewer_than_the_threshold_keeps_the_global_model_and_says_who_dropped(tl
     advertise(p, parties, skip=(3,))
     actions = p.handle(Tick(100.0))
     ((_, record),) = records(actions, "record_secure_round")
-    assert "fewer than secagg_args.reconstruction_threshold=3" in record["failed"] and record["summed"] == []
+    assert "fewer than the 3 a secure round needs (secagg_args.reconstruction_threshold=3" in record["failed"]
+    assert record["summed"] == []
     assert model.kept == [0] and model.averages == []
 
 
@@ -247,3 +248,45 @@ def test_the_silo_found_in_every_round_over_the_bound_and_no_good_one_is_named_a
     assert [pair.note([2, 6, k], True) for k in (3, 4, 5)] == [[], [], []]  # 2 and 6 always together: nobody
     same = UnclippedInputs()
     assert [same.note([1, 2, 3], True) for _ in range(4)] == [[], [], [], []]  # the same silos every round: nobody
+
+
+class OrderedPlan(Plan):
+    """Every round samples users [0, 1, 2] of the keyed order [0, 1, 2, 3]."""
+
+    def keyed_order(self, round_idx):
+        return [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("reserves", [1, 0])
+def test_a_lost_silos_place_goes_to_the_next_of_the_keyed_order_or_the_short_round_keeps_the_model(reserves):
+    """Issue 76, item 2: four organizations, three a round, silo 2 never online. With a reserve, round
+    0 goes to silos [1, 3, 4] (silo 4 next in the keyed order); with none, the round cannot be summed
+    (2 silos, 3 needed): no model goes out, the global model is kept, and the run goes on."""
+    plan = OrderedPlan([0, 1, 2])
+    setup = ServerSetup(
+        own_data=True,
+        silos=[1, 2, 3, 4],
+        fingerprint={"train_args.learning_rate": 0.001},
+        model=nn.Sequential(nn.Linear(4, 3)),
+        secure_threshold=2,
+        run_id="run-1",
+        min_summed=3,
+        reserve_silos=reserves,
+        keyed_order=plan.keyed_order,
+    )
+    model = SecureModel()
+    p = SiloServerProtocol(setup, SiloPolicy(60.0, 30.0, 3), plan, model, 2, 3)
+    p.handle(Listening(0.0))
+    for rank in (1, 3, 4):
+        p.handle(Hello(1.0, rank, hello(1) | {"user": rank - 1, "train": 30, "test": 10}, f"s{rank}"))
+    actions = p.handle(Tick(61.0))  # silo 2 did not come online within connect_timeout
+    sent = [m for a in actions if isinstance(a, Send) and a.purpose == ROUND for m in a.messages]
+    if reserves:
+        assert sorted(m.silo for m in sent) == [1, 3, 4] and {m.params[wire.SECAGG]["weight"] for m in sent} == {1 / 3}
+        assert all(m.params[wire.SECAGG]["silos"] == [1, 3, 4] for m in sent)
+        assert sorted(m.user for m in sent) == [0, 2, 3]
+    else:
+        assert sent == [] and model.kept == [0]  # the round short: kept, and the run goes on to its evaluation
+        [(_, record)] = records(actions, "record_secure_round")
+        assert "2 silo(s) [1, 3] can take part, fewer than the 3 a secure round needs" in record["failed"]
+        assert "silo rank(s) [2] are lost" in record["failed"] and p.phase.value == "evaluating"

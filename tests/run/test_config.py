@@ -369,3 +369,23 @@ def test_an_algorithm_that_gives_a_taken_key_another_meaning_is_refused_naming_b
 
     with pytest.raises(TypeError, match="algorithm 'Installed' declares the setting 'delta'"):
         algorithm_fields()
+
+
+def test_a_secure_configuration_where_one_lost_organization_fails_every_later_round_is_refused_naming_the_numbers():
+    """Issue 76, item 2: three organizations a round of four stopped at any loss. Now a round that
+    cannot spare one needs an organization to take a lost one's place (secagg_args.reserve_silos),
+    or the operator's explicit acceptance."""
+    silo_yaml = load_yaml(str(REPO / "yaml_configs" / "mnist_tau10_alpha0.01_hf_silo.yaml"))
+    secure = {"silo_data": "own", "enable_secagg": True, "tls_dir": "/tmp", "client_num_in_total": 4}
+    assert resolve(silo_yaml, {**secure, "client_num_per_round": 3}).reserve_silos == 1  # a reserve: accepted
+    assert resolve(silo_yaml, {**secure, "client_num_per_round": 4}).client_num_per_round == 4  # spares one
+    with pytest.raises(ConfigError) as refused:
+        resolve(silo_yaml, {**secure, "client_num_per_round": 3, "reserve_silos": 0})
+    words = str(refused.value)
+    assert "a round of 3 silos short of one has 2, fewer than the 3 it needs (max of the threshold 2" in words
+    assert "secagg_args.reserve_silos=0 lets no organization take its place" in words
+    assert "client_num_per_round >= 4" in words and "secagg_args.accept_rounds_without_spare: true" in words
+    accepted = {**secure, "client_num_per_round": 3, "reserve_silos": 0, "accept_rounds_without_spare": True}
+    assert resolve(silo_yaml, accepted).accept_rounds_without_spare is True
+    with pytest.raises(ConfigError, match="no organization can take its place"):
+        resolve(silo_yaml, {**secure, "client_num_per_round": 4, "min_clients_per_round": 4})

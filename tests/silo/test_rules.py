@@ -177,3 +177,59 @@ def test_a_short_secure_round_is_declined_naming_the_organizations_it_is_without
         SecureSiloRound.start(4, 10, terms, setup, model(), model(), None, None)
     assert "the round has 2 silo(s)" in str(refused.value)
     assert "the keyed schedule samples silo rank(s) [1, 3, 4], and rank(s) [3] are not in it" in str(refused.value)
+
+
+# -- a lost organization's place (issue 76, item 2) ---------------------------------------------------
+
+
+def test_a_silo_past_the_sample_trains_only_in_a_lost_ones_place_within_the_reserves():
+    """The keyed order of the round is [3, 1, 4, 2, 5] (ranks), three a round: the sample is [1, 3, 4].
+    With one reserve, rank 2 trains in a secure round that lists it in a lost silo's place; rank 5,
+    further in the order, never; and no silo past the sample trains in a round that names none."""
+    order = lambda r: [3, 1, 4, 2, 5]  # noqa: E731
+
+    def reserve(rank, reserves=1):
+        return DataOwnerRules(
+            rank, rank - 1, SiloOutcome(rank - 1), ROUNDS, lambda r: [1, 3, 4], None, None, order, reserves
+        )
+
+    assert reserve(2).training(0, model(), [1, 2, 3]).action == TRAIN  # rank 4 lost: rank 2 takes its place
+    refused = reserve(2).training(0, model(), None)
+    assert refused.refused and "no secure round lists it in a lost silo's place (secagg_args.reserve_silos=1)" in (
+        refused.reason
+    )
+    too_far = reserve(5).training(0, model(), [1, 3, 5])
+    assert too_far.refused and "keyed order's first 3 + secagg_args.reserve_silos=1" in too_far.reason
+    assert reserve(5, reserves=2).training(0, model(), [1, 3, 5]).action == TRAIN
+    assert reserve(2).training(0, model(), [1, 2, 3, 4]).refused  # four in a round of three
+    assert reserve(2, reserves=0).training(0, model(), [1, 2, 3]).refused  # no reserves: the sample only
+
+
+def test_a_secure_round_with_a_lost_silos_place_taken_within_the_reserves_passes_the_silos_schedule_check():
+    """The keyed order [3, 1, 4, 2] (ranks), three a round: silo 2 (the reserve) in rank 4's place
+    passes the schedule check and reaches the next one (here: no trainer); [1, 3, 5] does not."""
+    from types import SimpleNamespace
+
+    from fedml_perfedavg.fedml_bridge.cross_silo.secure_silo import SecureSiloRound
+    from fedml_perfedavg.secagg.primitives import SecAggError
+    from fedml_perfedavg.secagg.rounds import SiloRules
+
+    def setup(reserves):
+        rules = SiloRules(threshold=2, max_colluding=0, min_summed=3)
+        order = lambda r: [3, 1, 4, 2, 5]  # noqa: E731
+        return SimpleNamespace(
+            secure_rules=rules,
+            scheduled=lambda r: [1, 3, 4],
+            keyed_order=order,
+            reserve_silos=reserves,
+            sample_weighted=False,
+            user_counts={},
+        )
+
+    terms = {"threshold": 2, "silos": [1, 2, 3], "weight": 1 / 3, "counts": None}
+    with pytest.raises(SecAggError, match="needs the plugin's ClientTrainer"):  # past the schedule's check
+        SecureSiloRound.start(2, 0, terms, setup(1), model(), model(), None, None)
+    with pytest.raises(SecAggError, match=r"are not of the keyed schedule, which samples \[1, 3, 4\]"):
+        SecureSiloRound.start(2, 0, terms, setup(0), model(), model(), None, None)
+    with pytest.raises(SecAggError, match=r"up to secagg_args.reserve_silos=1 of \[3, 1, 4, 2\]"):
+        SecureSiloRound.start(1, 0, {**terms, "silos": [1, 3, 5]}, setup(1), model(), model(), None, None)

@@ -53,6 +53,7 @@ AGREED = (
     ("comm_args", "silo_data"),
     ("secagg_args", "enable_secagg"),
     ("secagg_args", "reconstruction_threshold"),
+    ("secagg_args", "reserve_silos"),
 )
 ARCHITECTURE = "model_args.architecture"  # the model's tensor names, shapes and dtypes, hashed
 SAFEGUARDS = "dp_args/attack_args/defense_args"  # FedML's DP, attack and defense sections, hashed
@@ -215,6 +216,10 @@ class ServerSetup:
     run_id: str = "0"  # FedML's --run_id: what secure aggregation's signatures are bound to
     privacy: Optional[str] = None  # DP-SGD's settings in words, for the round's log line (None: no DP-SGD)
     ca: Optional[bytes] = None  # the run CA's certificate: secure aggregation's advertisements checked before relaying
+    min_summed: int = 0  # secure rounds: the fewest silos summed (secagg_args.min_summed_silos, as silos enforce it)
+    reserve_silos: int = 0  # secure rounds: how far past the keyed sample a lost silo's place may go
+    # secure rounds with reserves: round -> every user in the round's keyed order (core/sampling.py keyed_order)
+    keyed_order: Optional[Callable[[int], List[int]]] = None
 
 
 @dataclass(kw_only=True)
@@ -239,3 +244,7 @@ class SiloSetup:
     scheduled: Optional[Callable[[int], List[int]]] = None
     # a data owner's silo: the run's evaluation schedule (round -> evaluated after it), likewise
     evaluates: Optional[Callable[[int], bool]] = None
+    # a data owner's silo, secure rounds: round -> the silo ranks in the round's keyed order, and how far past
+    # the sample a lost silo's place may go (secagg_args.reserve_silos)
+    keyed_order: Optional[Callable[[int], List[int]]] = None
+    reserve_silos: int = 0

@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
+from ...core.sampling import with_reserves
 from .events import EVALUATION, ROUND, Outbox, ToSilo
-from .membership import SiloMembership
+from .membership import SiloMembership, TooFewSilos
 from .awaited import OpenEvaluation, OpenRound
 from .phases import Phase, PhaseClock
 from .roster import SiloRoster
@@ -86,10 +87,19 @@ class RoundAggregation(Protocol):
     def deadline(self, now: float, why: str) -> bool:
         """The round's (or its stage's) deadline passed: give up on the silos awaited (``why``)."""
 
+    def go_on(self, leaving: Sequence[int]) -> bool:
+        """Whether the run goes on once the open round's ``leaving`` silos are given up on."""
+
 
 class ClearAggregation:
     """Updates in the clear: each checked as it comes (:mod:`.awaited`), averaged by the global
     model's owner once every silo answered or the deadline passed."""
+
+    def go_on(self, leaving: Sequence[int]) -> bool:
+        """Round in the clear: if at least comm_args.min_clients_per_round of its silos are left."""
+        r = self.rounds
+        left = [s for s in r.round.assigned if s not in set(leaving)]
+        return r.members.policy.after_deadline(r.round.expected, left)[0]
 
     def __init__(self, rounds: "SiloRounds") -> None:
         self.rounds = rounds
@@ -219,26 +229,60 @@ class SiloRounds:
                 self.round.offline(),
             )
         self.clock.enter(Phase.TRAINING, now, self.clock.round_seconds())
-        secure = self.roster.setup.secure_threshold
-        self.aggregation = SecureAggregation.open(self) if secure else ClearAggregation(self)
+        if not self.roster.setup.secure_threshold:
+            self.aggregation = ClearAggregation(self)
+        else:
+            aggregation = self.aggregation = SecureAggregation.open(self)
+            short = aggregation.short_at_start()
+            if short is not None:  # honest silos would decline it: no model goes out, the global model is kept
+                if len(self.roster.live) < aggregation.secure.need:  # and so would every later round
+                    left = len(self.roster.live)
+                    raise TooFewSilos(f"{short}; {left} silo(s) are left in the run: no round can be summed")
+                logger.error("%s; the global model is kept", short)
+                return aggregation.close(now, None, short)
         self.outbox.send(self.models_for(self.round, kind), self.clock.deadline or now, ROUND)
         return self.close_if_complete(now)
 
     def first_round_short_of(self, out: Set[int], needed: int) -> Optional[Tuple[int, List[int], List[int]]]:
-        """The first round left to run whose keyed sample, ``out`` silos taken away, leaves fewer
-        than ``needed`` silos, as (round, its silos, those that can take part); None if every
-        round has enough."""
+        """The first round left to run whose silos, ``out`` silos taken away (and their places taken
+        as :meth:`sampled` takes them), are fewer than ``needed``, as (round, its keyed sample's
+        silos, those that can take part); None if every round has enough."""
         silos = self.roster.setup.silos
         for round_idx in range(self.round_idx, self.round_num):
             expected, _ = self.mode.assignment(silos, silos, self.plan.sample_clients(round_idx))
-            able = [s for s in expected if s not in out]
+            users = self.round_users(round_idx, [s - 1 for s in out])
+            able = [s for s in self.mode.assignment(silos, silos, users)[0] if s not in out]
             if len(able) < needed:
                 return round_idx, sorted(expected), sorted(able)
         return None
 
+    def round_users(self, round_idx: int, lost: Sequence[int]) -> List[int]:
+        """Round ``round_idx``'s users: the algorithm's keyed sample, as in sp; in a secure data-owner
+        round, the places of ``lost`` users go to the next users of the round's keyed order
+        (secagg_args.reserve_silos), which every silo checks."""
+        users = self.plan.sample_clients(round_idx)
+        setup = self.roster.setup
+        if setup.secure_threshold and setup.reserve_silos and setup.keyed_order is not None and setup.own_data:
+            return with_reserves(setup.keyed_order(round_idx), len(users), lost, setup.reserve_silos)
+        return users
+
     def sampled(self, round_idx: int) -> OpenRound:
-        """Round ``round_idx``'s silos and users: the algorithm's keyed sample, as in sp."""
-        return OpenRound(round_idx, *self.roster.assignment(self.plan.sample_clients(round_idx)))
+        """Round ``round_idx``'s silos and users (:meth:`round_users`, the silos the server has lost
+        replaced where the run allows)."""
+        users = self.plan.sample_clients(round_idx)
+        setup = self.roster.setup
+        order = setup.keyed_order(round_idx) if setup.keyed_order is not None else users
+        replaced = self.round_users(round_idx, [u for u in order if u + 1 not in self.roster.live])
+        if sorted(replaced) != sorted(users):
+            logger.warning(
+                "round %d: silo rank(s) %s are lost; their places go to silo rank(s) %s, next in the round's keyed "
+                "order (secagg_args.reserve_silos=%d)",
+                round_idx,
+                sorted(u + 1 for u in users if u not in replaced),
+                sorted(u + 1 for u in replaced if u not in users),
+                setup.reserve_silos,
+            )
+        return OpenRound(round_idx, *self.roster.assignment(replaced))
 
     def models_for(self, round_: OpenRound, kind: int) -> List[ToSilo]:
         """The global model, to each silo of ``round_`` with the user it trains."""
@@ -255,9 +299,8 @@ class SiloRounds:
             logger.warning("%s", why)
         words = f"unreachable for {self.clock.deadline_words(now)}"
         if purpose == ROUND and self.clock.phase is Phase.TRAINING:
-            reachable = [s for s in self.round.assigned if s not in silos]
-            go_on, _ = self.members.policy.after_deadline(self.round.expected, reachable)
-            self.give_up_on(sorted(s for s in silos if s in self.round.assigned), words, go_on)
+            leaving = sorted(s for s in silos if s in self.round.assigned)
+            self.give_up_on(leaving, words, self.aggregation.go_on(leaving))
         elif purpose == EVALUATION and self.clock.phase is Phase.EVALUATING:
             self.give_up_on(sorted(s for s in silos if s in self.evaluation.awaiting), words, True)
         return self.close_if_complete(now)
@@ -360,8 +403,7 @@ def _without(rounds: SiloRounds, now: float, silo: int, why: str) -> bool:
     """Give up on ``silo`` now (``why``); the run stops if the open round cannot do without it."""
     go_on = True
     if rounds.clock.phase is Phase.TRAINING and silo in rounds.round.assigned:
-        others = [s for s in rounds.round.assigned if s != silo]
-        go_on = rounds.members.policy.after_deadline(rounds.round.expected, others)[0]
+        go_on = rounds.aggregation.go_on([silo])
     rounds.give_up_on([silo], why, go_on)
     return rounds.close_if_complete(now)
 

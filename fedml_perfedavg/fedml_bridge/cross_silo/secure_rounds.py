@@ -178,8 +178,12 @@ class SecureRound:
         bound: float,
         run_id: str = "",
         check_advert: Optional[Callable[[Advert], Optional[str]]] = None,
+        min_summed: int = 0,
     ) -> None:
         self.round_idx, self.counts, self.threshold = round_idx, counts, threshold
+        # the silos a stage needs to go on: the threshold, and the fewest an honest silo lets its input be
+        # summed with (it would refuse a shorter survivor list: the round fails here, naming who is lost)
+        self.need = max(threshold, min_summed)
         self.weights = protocol_weights(silos, counts)
         self.bits, self.bound, self.length = bits, bound, length
         self.server = ServerRound(round_idx, list(silos), threshold, length, run_id=run_id)
@@ -281,6 +285,7 @@ class SecureRound:
             outbox.send(messages, deadline, ROUND)
         elif self.stage is Stage.MASKED:
             survivors = server.close_masked()
+            self._enough(survivors)
             if server.needs_consistency():  # mask-key shares will be revealed: the list is signed first
                 stage, kind, params = Stage.CONSISTENCY, wire.SECAGG_SURVIVORS, {"survivors": survivors}
             else:  # every silo that shared is summed: seed shares only, no list to sign
@@ -309,10 +314,11 @@ class SecureRound:
         return None
 
     def _enough(self, silos: List[int]) -> None:
-        if len(silos) < self.threshold:
+        if len(silos) < self.need:
             raise RoundFailed(
-                f"round {self.round_idx}: {len(silos)} silo(s) {silos} finished {self.stage.value}, fewer than "
-                f"secagg_args.reconstruction_threshold={self.threshold}; lost: {self.lost}"
+                f"round {self.round_idx}: {len(silos)} silo(s) {silos} finished {self.stage.value}, fewer than the "
+                f"{self.need} a secure round needs (secagg_args.reconstruction_threshold={self.threshold}, "
+                f"min_summed_silos); lost: {self.lost or 'none'}"
             )
 
     def _next(self, stage: Stage, silos: List[int]) -> None:
@@ -402,7 +408,9 @@ class SecureAggregation:
             )
         threshold = int(setup.secure_threshold or 2)
         length = rounds.model.vector_length()
-        secure = SecureRound(round_idx, silos, counts, threshold, length, bits, bound, setup.run_id)
+        secure = SecureRound(
+            round_idx, silos, counts, threshold, length, bits, bound, setup.run_id, min_summed=setup.min_summed
+        )
         if setup.ca is not None:  # each advertisement checked as its receivers will check it, before relaying
             digest = terms_digest(secure.terms(silos[0]), rounds.model.params()) if silos else b""
             ca, run_id = setup.ca, setup.run_id
@@ -429,10 +437,30 @@ class SecureAggregation:
         problem = secure.take(silo, kind, params, model, size)
         if problem is not None:
             r.outbox.refuse(silo, REFUSED_SECAGG, problem)
-            standing = [s for s in secure.stage_silos if s not in secure.lost]
-            go_on, _ = r.members.policy.after_deadline(r.round.expected, standing)
-            r.give_up_on([silo], problem, go_on)  # one bad silo fails only itself, named in lost_silos
+            r.give_up_on([silo], problem, self.go_on([silo]))  # one bad silo fails only itself, named in lost_silos
         return r.close_if_complete(now)
+
+    def short_at_start(self) -> Optional[str]:
+        """Why the open round cannot be summed before it starts (None: it can): fewer silos can take
+        part than it needs (lost ones with no silo left in the keyed order to take their places)."""
+        r, silos = self.rounds, sorted(self.rounds.round.assigned)
+        if len(silos) >= self.secure.need:
+            return None
+        missing = [s for s in r.round.expected if s not in silos]
+        return (
+            f"round {r.round_idx}: {len(silos)} silo(s) {silos} can take part, fewer than the {self.secure.need} a "
+            f"secure round needs; silo rank(s) {missing} are lost and no silo of the round's keyed order within "
+            f"secagg_args.reserve_silos={r.roster.setup.reserve_silos} is left to take their places"
+        )
+
+    def go_on(self, leaving: Sequence[int]) -> bool:
+        """Whether the run goes on once ``leaving`` are given up on: a secure round short of silos
+        fails by itself (the global model is kept) and later rounds fill lost places from the keyed
+        order (secagg_args.reserve_silos), so the run stops only when fewer silos than
+        comm_args.min_clients_per_round (by default what a round needs) are left in it."""
+        r = self.rounds
+        left = [s for s in r.roster.live if s not in set(leaving)]
+        return len(left) >= r.members.policy.min_clients
 
     def drop(self, silos: Sequence[int], why: str) -> None:
         self.secure.drop(list(silos), why)
@@ -462,8 +490,7 @@ class SecureAggregation:
         """The stage's deadline passed: the silos it still awaits are given up on."""
         r, secure = self.rounds, self.secure
         missing = sorted(secure.awaiting)
-        go_on, _ = r.members.policy.after_deadline(r.round.expected, secure.answered())
-        r.give_up_on(missing, f"{why} ({secure.stage.value})", go_on)
+        r.give_up_on(missing, f"{why} ({secure.stage.value})", self.go_on(missing))
         secure.drop(missing, why)
         return self.advance(now)
 

@@ -20,6 +20,7 @@ from ...secagg import fixed_point, vectors
 from ...secagg.primitives import SecAggError, sign
 from ...secagg.rounds import Advert, SiloRound
 from . import wire
+from ...core.sampling import reserve_problem
 from .credentials import certificate_rank_problem
 from .secure_rounds import advert_from_wire, advert_to_wire, terms_digest
 
@@ -81,10 +82,15 @@ class SecureSiloRound:
             raise SecAggError(f"the server's threshold {terms['threshold']} is not this run's ({threshold})")
         silos = [int(s) for s in terms["silos"]]
         scheduled = setup.scheduled(round_idx) if setup.scheduled is not None else silos
-        if rank not in silos or not set(silos) <= set(scheduled) or len(set(silos)) != len(silos):
+        reserves, order = getattr(setup, "reserve_silos", 0), getattr(setup, "keyed_order", None)
+        allowed = order(round_idx)[: len(scheduled) + reserves] if reserves and order is not None else None
+        # lost silos' places taken by the next of the round's keyed order (secagg_args.reserve_silos)
+        replaced = allowed is not None and reserve_problem(allowed, len(scheduled), reserves, silos) is None
+        if rank not in silos or not (set(silos) <= set(scheduled) or replaced) or len(set(silos)) != len(silos):
+            within = f" (or, in lost ones' places, up to secagg_args.reserve_silos={reserves} of {allowed})"
             raise SecAggError(
                 f"the server's silos {silos} for round {round_idx} are not of the keyed schedule, which samples "
-                f"{scheduled}"
+                f"{scheduled}" + (within if allowed else "")
             )
         problem = rules.problem_with(len(scheduled), len(silos)) or weight_problem(rank, terms, setup)
         missing = sorted(set(scheduled) - set(silos))
