@@ -126,8 +126,8 @@ def figures(runs: List[Dict[str, Any]]) -> str:
         lci = loaded["ci"]
         text += (
             f"; {lci['pytest']['passed']} in **{_minutes(lci['pytest']['seconds'])} of pytest "
-            f"({_minutes(lci['wall_seconds'])} in all) beside {loaded['busy_loops']} busy loops** at {loaded['commit']} "
-            f"on {loaded['date']}"
+            f"({_minutes(lci['wall_seconds'])} in all) beside {loaded['busy_loops']} busy loops** at "
+            f"{loaded['commit']} on {loaded['date']}"
         )
     fast = quiet["fast"]["pytest"]
     if fast:
