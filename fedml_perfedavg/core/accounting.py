@@ -11,17 +11,15 @@ Two, as Opacus keeps its accountants apart from the mechanism:
   of the RDP figure above the true epsilon (Google dp-accounting's PLD accountant agrees, tests),
   and never above the RDP bound (both are upper bounds, so the smaller holds). Hundredths of a
   second a call once each rate's RDP is known (Opacus' own call takes a tenth to a second:
-  :func:`_reused_rdp`), so a run still computes it where it is asked for: a budget check that the
+  :func:`_safe_domain_size`), so a run still computes it where it is asked for: a budget check that the
   RDP bound already passes needs no PRV call (:func:`within`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 import warnings
-from typing import Any, Iterable, Iterator, List, Mapping, Tuple
+from typing import Any, Iterable, List, Mapping, Tuple
 
 from .errors import ConfigError
 
@@ -46,46 +44,12 @@ def _orders() -> List[float]:
     return list(_opacus("RDPAccountant").DEFAULT_ALPHAS)  # the orders Opacus' own accountant uses
 
 
-_UNPATCHED: dict = {}  # Opacus' own compute_rdp, taken before _reused_rdp ever stands in for it
-
-
-def _compute_rdp() -> Any:
-    return _UNPATCHED.setdefault("compute_rdp", _opacus("rdp").compute_rdp)
-
-
 @functools.lru_cache(maxsize=4096)
 def _rdp_of_one_use(rate: float, noise_multiplier: float) -> Tuple[float, ...]:
     """The RDP of one use at every order (Opacus' compute_rdp is ``steps`` times this): computed
     once per sample rate, which a run has a handful of."""
-    return tuple(_compute_rdp()(q=rate, noise_multiplier=noise_multiplier, steps=1, orders=_orders()))
-
-
-_PATCH_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _reused_rdp() -> Iterator[None]:
-    """Opacus' PRV accountant sizes its domain with RDP accountants (compute_safe_domain_size)
-    that compute one use's RDP at its 60 orders afresh for every rate, several times an epsilon:
-    nine tenths of a PRV call, a third of a second each. Meanwhile its ``compute_rdp`` at the
-    default orders is :func:`_rdp_of_one_use` (cached) times ``steps``, as compute_rdp itself
-    computes it: the same numbers. Other orders go to Opacus' own."""
-    module = _opacus("rdp")
-    original, default_orders = _compute_rdp(), tuple(_orders())
-
-    def compute_rdp(*, q: float, noise_multiplier: float, steps: int, orders: Any) -> Any:
-        if not isinstance(orders, (int, float)) and tuple(orders) == default_orders:
-            import numpy as np
-
-            return np.asarray(_rdp_of_one_use(float(q), float(noise_multiplier))) * steps
-        return original(q=q, noise_multiplier=noise_multiplier, steps=steps, orders=orders)
-
-    with _PATCH_LOCK:
-        module.compute_rdp = compute_rdp
-        try:
-            yield
-        finally:
-            module.compute_rdp = original
+    compute_rdp = _opacus("rdp").compute_rdp
+    return tuple(compute_rdp(q=rate, noise_multiplier=noise_multiplier, steps=1, orders=_orders()))
 
 
 def prepare(rates: Iterable[float], noise_multiplier: float) -> None:
@@ -113,19 +77,48 @@ def rdp_epsilon(uses: Mapping[float, int], noise_multiplier: float, delta: float
     return float(epsilon)
 
 
+def _safe_domain_size(
+    uses: Tuple[Tuple[float, int], ...], noise_multiplier: float, eps_error: float, delta_error: float
+) -> float:
+    """Opacus' ``compute_safe_domain_size`` (analysis/prv/domain.py, remark 5.6 of Gopi et al.), from
+    the cached RDP of one use: Opacus' own builds RDP accountants that compute it afresh at every call,
+    nine tenths of a PRV call. The same numbers in the same order (tests/core/test_privacy.py)."""
+    total = sum(count for _, count in uses)
+    largest = rdp_epsilon(dict(uses), noise_multiplier, delta_error / 4)
+    for rate, _ in uses:
+        largest = max(largest, rdp_epsilon({rate: 1}, noise_multiplier, delta_error / (8 * total)))
+    return max(largest, eps_error) + 3
+
+
 @functools.lru_cache(maxsize=4096)
 def _prv(uses: Tuple[Tuple[float, int], ...], noise_multiplier: float, delta: float) -> float:
-    bound = rdp_epsilon(dict(uses), noise_multiplier, delta)
-    accountant = _opacus("PRVAccountant")()
-    accountant.history = [(noise_multiplier, rate, count) for rate, count in uses if count]
+    """Opacus' ``PRVAccountant.get_epsilon`` (accountants/prv.py) of ``uses``, through its public
+    analysis (the PRVs, the domain, discretization and composition) with the domain's size from
+    :func:`_safe_domain_size`; at most the RDP bound."""
+    import numpy as np
+
+    _opacus("PRVAccountant")  # (the dp extra's check)
+    from opacus.accountants.analysis import prv as analysis
     from threadpoolctl import threadpool_limits
 
+    bound = rdp_epsilon(dict(uses), noise_multiplier, delta)
+    eps_error, delta_error = max(PRV_RELATIVE_ERROR * bound, 1e-6), delta / 1000
+    uses = tuple((rate, count) for rate, count in uses if count)
+    counts = [count for _, count in uses]
     # one BLAS thread: its dot product's sum order (and the last bit of epsilon) would follow the
     # process's thread count, and a silo, an MPI worker and the single process must agree
-    with warnings.catch_warnings(), threadpool_limits(1, user_api="blas"), _reused_rdp():
+    with warnings.catch_warnings(), threadpool_limits(1, user_api="blas"):
         warnings.simplefilter("ignore")  # its notes on the domain it chose: nothing a user acts on
-        tight = float(accountant.get_epsilon(delta, eps_error=max(PRV_RELATIVE_ERROR * bound, 1e-6)))
-    return min(tight, bound)
+        size = _safe_domain_size(uses, noise_multiplier, eps_error, delta_error)
+        mesh = eps_error / np.sqrt(sum(counts) * np.log(12 / delta_error) / 2)
+        domain = analysis.Domain.create_aligned(-size, size, mesh)
+        prvs = [analysis.PoissonSubsampledGaussianPRV(rate, noise_multiplier) for rate, _ in uses]
+        truncated = [analysis.TruncatedPrivacyRandomVariable(p, domain.t_min, domain.t_max) for p in prvs]
+        composed = analysis.compose_heterogeneous(
+            dprvs=[analysis.discretize(t, domain) for t in truncated], num_self_compositions=counts
+        )
+        _, _, tight = composed.compute_epsilon(delta, delta_error, eps_error)
+    return min(float(tight), bound)
 
 
 def prv_epsilon(uses: Mapping[float, int], noise_multiplier: float, delta: float) -> float:

@@ -432,9 +432,9 @@ def test_the_chain_on_inputs_gathered_use_by_use_gives_the_gathered_rounds_bits(
     "uses, sigma", [({0.05: 100}, 1.0), ({0.0544: 300, 0.08: 40}, 1.1), ({0.04: 1000, 1.0: 10}, 2.0)]
 )
 def test_the_tight_epsilon_reusing_one_uses_rdp_is_opacus_prv_accountant_bit_for_bit(uses, sigma):
-    """prv_epsilon lets Opacus' PRV accountant size its domain from each rate's RDP computed once
-    (accounting._reused_rdp): the very figure of Opacus' own accountant, and Opacus' compute_rdp
-    is its own again afterwards."""
+    """prv_epsilon composes Opacus' public PRV analysis with the domain sized from each rate's RDP
+    computed once (accounting._safe_domain_size): the very figure of Opacus' own accountant, and
+    nothing of Opacus is replaced (issue 77: its compute_rdp was patched during each call)."""
     import warnings
 
     from opacus.accountants import PRVAccountant
