@@ -49,3 +49,13 @@ def test_pytests_summary_line_is_read_and_the_figures_name_commit_date_and_load(
     assert "in **7:00 of pytest, 8:20 for `.ci/run`" in text and "fresh clone of aaa on 2026-12-04" in text
     assert "**13:43 of pytest (15:03 in all) beside 2 busy loops** at bbb" in text
     assert "718 tests in 24.6 s (27.7 s wall)" in text and "ccc" not in text  # a failed run is no figure
+
+
+def test_the_readmes_table_1_is_the_recorded_runs():
+    spec = importlib.util.spec_from_file_location("table1_figures", REPO / "benchmarks" / "table1.py")
+    table1 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table1)
+    readme = (REPO / "README.md").read_text()
+    results = REPO / "benchmarks" / "results" / "table1"
+    assert table1.readme_with_table(readme, results) == readme, "run: python benchmarks/table1.py --readme"
+    assert "| tau=10, alpha=0.01 | 88.66 ± 1.77 (75.96) |" in readme  # the CSV's five seeds, as RESULTS.md has them
