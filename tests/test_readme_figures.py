@@ -1,5 +1,6 @@
-"""README's suite figures are generated (benchmarks/suite.py) from benchmarks/results/suite.json,
-never typed: the README says what the newest recorded fresh-clone runs measured."""
+"""README's figures are generated (benchmarks/readme.py) from benchmarks/results, never typed: Table 1
+from the recorded runs, the at-a-glance costs from their result files, the suite's fresh-clone runs
+from results/suite.json. A stale figure fails here."""
 
 import importlib.util
 
@@ -10,22 +11,22 @@ from tests.helpers import REPO
 pytestmark = pytest.mark.fast
 
 
-def _suite():
-    spec = importlib.util.spec_from_file_location("suite_figures", REPO / "benchmarks" / "suite.py")
+def _script(name):
+    spec = importlib.util.spec_from_file_location(f"test_{name}", REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # by path: opacus installs a top-level package named benchmarks
     return module
 
 
-def test_the_readmes_suite_figures_are_the_recorded_runs():
-    suite = _suite()
+def test_the_readmes_generated_figures_are_the_recorded_results():
     readme = (REPO / "README.md").read_text()
-    assert readme.count(suite.BEGIN) == 1 and readme.count(suite.END) == 1
-    assert suite.readme_with_figures(readme, suite.load()) == readme, "run: python benchmarks/suite.py --readme"
+    assert _script("readme").generated(readme) == readme, "run: python benchmarks/readme.py"
+    assert "| tau=10, alpha=0.01 | 88.66 ± 1.77 (75.96) |" in readme  # the CSV's five seeds, as RESULTS.md has them
+    assert "49.7 ms against 722 ms: 14.5x faster" in readme  # results/flbench_hf.json
 
 
-def test_pytests_summary_line_is_read_and_the_figures_name_commit_date_and_load():
-    suite = _suite()
+def test_pytests_summary_line_is_read_and_the_suite_figures_name_commit_date_and_load():
+    suite = _script("suite")
     out = "....\n= 1009 passed, 4 skipped, 5 warnings in 419.51s (0:06:59) =\n"
     assert suite.pytest_counts(out) == {"passed": 1009, "skipped": 4, "warnings": 5, "seconds": 419.51}
     assert suite.pytest_counts("nothing ran") is None
@@ -34,28 +35,13 @@ def test_pytests_summary_line_is_read_and_the_figures_name_commit_date_and_load(
         counts = {"passed": 1009, "skipped": 4, "seconds": seconds}
         fast = {"exit_code": 0, "wall_seconds": 27.7, "pytest": {"passed": 718, "seconds": 24.6}}
         ci = {"exit_code": code, "wall_seconds": seconds + 80, "pytest": counts}
-        return {
-            "commit": commit,
-            "date": "2026-12-04",
-            "cpu": "AMD EPYC",
-            "cores": 2,
-            "busy_loops": loops,
+        return {"commit": commit, "date": "2026-12-04", "cpu": "AMD EPYC", "cores": 2, "busy_loops": loops} | {
             "ci": ci,
             "fast": fast,
         }
 
     text = suite.figures([ran("aaa", 0, 419.5), ran("bbb", 2, 823.0), ran("ccc", 0, 500.0, code=2)])
-    assert "1009 pass (4 skip) in **6:60" not in text and "**6:60" not in text
-    assert "in **7:00 of pytest, 8:20 for `.ci/run`" in text and "fresh clone of aaa on 2026-12-04" in text
+    assert "**6:60" not in text and "in **7:00 of pytest, 8:20 for `.ci/run`" in text
+    assert "fresh clone of aaa on 2026-12-04" in text
     assert "**13:43 of pytest (15:03 in all) beside 2 busy loops** at bbb" in text
     assert "718 tests in 24.6 s (27.7 s wall)" in text and "ccc" not in text  # a failed run is no figure
-
-
-def test_the_readmes_table_1_is_the_recorded_runs():
-    spec = importlib.util.spec_from_file_location("table1_figures", REPO / "benchmarks" / "table1.py")
-    table1 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table1)
-    readme = (REPO / "README.md").read_text()
-    results = REPO / "benchmarks" / "results" / "table1"
-    assert table1.readme_with_table(readme, results) == readme, "run: python benchmarks/table1.py --readme"
-    assert "| tau=10, alpha=0.01 | 88.66 ± 1.77 (75.96) |" in readme  # the CSV's five seeds, as RESULTS.md has them

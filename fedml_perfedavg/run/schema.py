@@ -316,7 +316,9 @@ class CommArgs:
         None,
         "cross-silo: after round_timeout, go "
         "on without the silos that did not answer if at least this "
-        "many did; else stop naming them (default: all)",
+        "many did; else stop naming them (default: all). In a secure run: go on while at least this many "
+        "silos are left in the run (a short round fails, the model kept; default: what a round needs, "
+        "its threshold and min_summed_silos)",
         rule=_at_least_one,
         optional=True,
     )
