@@ -325,7 +325,7 @@ class SiloProtocol:
 
     def _answer(self, round_idx: int, received: Any, terms: Any, weights: Any, samples: int, counts: Any) -> None:
         """The round's answer: in the clear, or the first message of its secure aggregation."""
-        if terms is None and not self.setup.secure_threshold:
+        if terms is None and self.setup.secure_threshold is None:
             self._do(SendUpdate(round_idx, weights, int(samples), counts))
             return
         try:

@@ -221,6 +221,11 @@ class ServerSetup:
     # secure rounds with reserves: round -> every user in the round's keyed order (core/sampling.py keyed_order)
     keyed_order: Optional[Callable[[int], List[int]]] = None
 
+    @property
+    def secure(self) -> bool:
+        """Whether rounds are securely aggregated (the threshold is set), not a threshold's value."""
+        return self.secure_threshold is not None
+
 
 @dataclass(kw_only=True)
 class SiloSetup:
@@ -248,3 +253,8 @@ class SiloSetup:
     # the sample a lost silo's place may go (secagg_args.reserve_silos)
     keyed_order: Optional[Callable[[int], List[int]]] = None
     reserve_silos: int = 0
+
+    @property
+    def secure(self) -> bool:
+        """Whether rounds are securely aggregated (the threshold is set), not a threshold's value."""
+        return self.secure_threshold is not None

@@ -229,7 +229,7 @@ class SiloRounds:
                 self.round.offline(),
             )
         self.clock.enter(Phase.TRAINING, now, self.clock.round_seconds())
-        if not self.roster.setup.secure_threshold:
+        if not self.roster.setup.secure:
             self.aggregation = ClearAggregation(self)
         else:
             aggregation = self.aggregation = SecureAggregation.open(self)
@@ -262,7 +262,7 @@ class SiloRounds:
         (secagg_args.reserve_silos), which every silo checks."""
         users = self.plan.sample_clients(round_idx)
         setup = self.roster.setup
-        if setup.secure_threshold and setup.reserve_silos and setup.keyed_order is not None and setup.own_data:
+        if setup.secure and setup.reserve_silos and setup.keyed_order is not None and setup.own_data:
             return with_reserves(setup.keyed_order(round_idx), len(users), lost, setup.reserve_silos)
         return users
 
@@ -331,7 +331,7 @@ class SiloRounds:
     def round_closed(self, now: float, round_idx: int, params: Any) -> bool:
         """Round ``round_idx`` gave the global model ``params``: record it, evaluate, go on."""
         setup = self.roster.setup
-        how = "securely summed" if setup.secure_threshold else "averaged in the clear"
+        how = "securely summed" if setup.secure else "averaged in the clear"
         logger.info(
             "round %d closed after %.2f s: the updates of silo rank(s) %s %s (of %s sampled)%s",
             round_idx,

@@ -406,7 +406,8 @@ class SecureAggregation:
                 f"or max_update_norm) leaves {bits} fraction bits in 32-bit fixed point, fewer than "
                 f"{fixed_point.MIN_FRACTION_BITS}; lower train_args.max_update_ratio or set max_update_norm"
             )
-        threshold = int(setup.secure_threshold or 2)
+        assert setup.secure_threshold is not None  # (opened for secure runs alone)
+        threshold = int(setup.secure_threshold)
         length = rounds.model.vector_length()
         secure = SecureRound(
             round_idx, silos, counts, threshold, length, bits, bound, setup.run_id, min_summed=setup.min_summed
