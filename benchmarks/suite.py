@@ -69,14 +69,15 @@ def _timed(command: List[str], cwd: Path, log: Path, env: Dict[str, str]) -> Dic
 def run(busy_loops: int) -> Dict[str, Any]:
     """A fresh clone of HEAD beside this checkout: ``.ci/run`` then ``make test-fast``, measured."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    # beside this checkout, as CI's clone is: ../shared (the datasets) is the same folder for both
     clone = Path(tempfile.mkdtemp(prefix="suite-", dir=REPO.parent))
-    subprocess.run(["git", "clone", "-q", str(REPO), str(clone / "repo")], check=True)
-    repo = clone / "repo"
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(clone / "inductor")}  # an empty compiler cache, as CI's
+    repo, logs = clone, Path(tempfile.mkdtemp(prefix="suite-logs-"))
+    subprocess.run(["git", "clone", "-q", str(REPO), str(repo)], check=True)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(logs / "inductor")}  # an empty compiler cache, as CI's
     loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(busy_loops)]
     try:
-        ci = _timed([str(repo / ".ci" / "run")], repo, clone / "ci.log", env)
-        fast = _timed(["make", "test-fast"], repo, clone / "fast.log", env)
+        ci = _timed([str(repo / ".ci" / "run")], repo, logs / "ci.log", env)
+        fast = _timed(["make", "test-fast"], repo, logs / "fast.log", env)
     finally:
         for loop in loops:
             loop.kill()
@@ -92,8 +93,9 @@ def run(busy_loops: int) -> Dict[str, Any]:
     }
     if ci["exit_code"] == 0 and fast["exit_code"] == 0:
         shutil.rmtree(clone, ignore_errors=True)
+        shutil.rmtree(logs, ignore_errors=True)
     else:
-        record["kept"] = str(clone)
+        record["kept"] = f"{clone} (its output: {logs})"
     return record
 
 
