@@ -9,9 +9,12 @@ own module that names the FedML file and why:
 - ``fedml.init``: no cloud calls and FedML's files where the user says (:mod:`.bootstrap`);
 - ``FedMLRunner.__init__``: plugin algorithms, and trainer/aggregator pairs really used
   (:mod:`.dispatch`, then :mod:`.sp`, :mod:`.mpi`, :mod:`.cross_silo`);
-- ``fedml.data.load`` / ``fedml.model.create``: the paper's split and MLP (:mod:`.data_and_models`);
-- FedML's gRPC communication manager, for every cross-silo run in the process, FedML's own
-  optimizers included: it unpickles what any peer sends (:mod:`.cross_silo.transport`).
+- ``fedml.data.load`` / ``fedml.model.create``: the paper's split and MLP (:mod:`.data_and_models`).
+
+A plugin run's cross-silo managers build the plugin's transport themselves (:mod:`.cross_silo.transport`:
+FedML's unpickles what any peer sends) and its MPI managers carry their own fixes (:mod:`.mpi`);
+FedML's own algorithms keep FedML's transport and MPI loop unless the FedML user asks for the
+plugin's (``common_args.plugin_fixes: true``, :func:`apply_to_fedml_algorithms`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import types
 from typing import Any, Dict, Optional, Protocol
 
 from .. import logs
+from .cross_silo.backends import check_cross_silo_backend
 from .bootstrap import (
     cancel_install_at_first_use,
     import_fedml,
@@ -84,7 +88,11 @@ def offline_init(original_init, entry: PluginEntry):
                 args = load_arguments(fedml._global_training_type, fedml._global_comm_backend)
             if sections is not None:
                 setattr(args, YAML_SECTIONS, sections)
-        check_cross_silo_backend(args)
+        plugin_run = entry.is_plugin_algorithm(getattr(args, "federated_optimizer", None))
+        if asks_for_fixes(args):
+            apply_to_fedml_algorithms()
+        if plugin_run or asks_for_fixes(args):
+            check_cross_silo_backend(args)
         if getattr(args, "using_mlops", False):
             args = original_init(args, check_env=check_env, should_init_logs=should_init_logs)
             logs.keep_plugin_lines_visible()
@@ -123,37 +131,9 @@ def reading_once(load_yaml_config, yaml_path: Optional[str], sections: Optional[
     return load
 
 
-INSECURE_BACKENDS = {
-    "TRPC": "FedML's TRPC transport (core/distributed/communication/trpc) sends pickles in plaintext and listens on "
-    "every interface",
-    "MQTT_S3": "FedML's MQTT_S3 transport (core/distributed/communication/mqtt_s3) passes pickled models through a "
-    "broker and a bucket outside the run, with no authentication of the sender",
-    "MQTT_S3_MNN": "FedML's MQTT_S3_MNN transport passes models through a broker and a bucket outside the run, with "
-    "no authentication of the sender",
-    "MQTT_WEB3": "FedML's MQTT_WEB3 transport passes pickled models through services outside the run",
-    "MQTT_THETASTORE": "FedML's MQTT_THETASTORE transport passes pickled models through services outside the run",
-}
-
-
-def check_cross_silo_backend(args: Any) -> None:
-    """With the plugin installed, a cross-silo process talks over the plugin's secured gRPC transport
-    or not at all: every other FedML backend is refused, saying why."""
-    if getattr(args, "training_type", None) != "cross_silo":
-        return
-    backend = getattr(args, "backend", None)
-    if backend in INSECURE_BACKENDS:
-        from ..core.errors import ConfigError
-
-        raise ConfigError(
-            f"comm_args.backend={backend!r}: refused for cross-silo with fedml_perfedavg imported: "
-            f"{INSECURE_BACKENDS[backend]}. Use backend: GRPC, which the plugin secures (mutual TLS "
-            f"with comm_args.tls_dir, messages never unpickled, connections capped)"
-        )
-
-
 def _refusing_insecure_backends(original_init_manager):
     """``FedMLCommManager._init_manager`` (core/distributed/fedml_comm_manager.py) refusing, for a
-    cross-silo process, the backends of :data:`INSECURE_BACKENDS` (args changed after
+    cross-silo process, the backends of ``cross_silo/backends.py`` (args changed after
     ``fedml.init`` included)."""
 
     @functools.wraps(original_init_manager)
@@ -218,13 +198,42 @@ def install(entry: PluginEntry) -> None:
     FedMLRunner.__init__ = dispatching_init(FedMLRunner.__init__, entry.is_plugin_algorithm, entry.build_runner)
     fedml.data.load = loading_with_paper_split(fedml.data.load, entry.load_split)
     fedml.model.create = creating_paper_models(fedml.model.create)
-    _install_transport()
-    _install_mpi_fix()
-    from fedml.core.distributed.fedml_comm_manager import FedMLCommManager
-
-    FedMLCommManager._init_manager = _refusing_insecure_backends(FedMLCommManager._init_manager)
+    try:  # its FedML modules with the rest of FedML's (it changes nothing in them unless asked)
+        from . import mpi  # noqa: F401
+    except ImportError:  # no mpi4py: FedML's MPI simulation cannot run either
+        pass
     register_entry(entry)
     logger.debug("fedml-perfedavg installed into FedML %s", getattr(fedml, "__version__", "?"))
+
+
+#: FedML's args (``common_args.plugin_fixes`` in its YAML): FedML's own algorithms in this process get
+#: the plugin's fixes too (:func:`apply_to_fedml_algorithms`)
+FIXES_KEY = "plugin_fixes"
+
+
+def asks_for_fixes(args: Any) -> bool:
+    """Whether FedML's ``args`` ask for :func:`apply_to_fedml_algorithms`; a value other than a
+    boolean is a :class:`ConfigError` naming the key."""
+    value = getattr(args, FIXES_KEY, False)
+    if not isinstance(value, bool):
+        from ..core.errors import ConfigError
+
+        raise ConfigError(f"common_args.{FIXES_KEY}={value!r}: must be true or false")
+    return value
+
+
+def apply_to_fedml_algorithms() -> None:
+    """``common_args.plugin_fixes: true``: FedML's own algorithms in this process use the plugin's
+    secure gRPC transport (and FedML's pickling transports are refused for cross-silo), and FedML's
+    MPI FedAvg ends after a one-round run and waits for its messages without polling. Without it
+    they run as FedML has them; a plugin run has these always, in its own managers."""
+    from fedml.core.distributed.fedml_comm_manager import FedMLCommManager
+
+    _install_transport()
+    _install_mpi_fix()
+    if not hasattr(FedMLCommManager._init_manager, "__wrapped__"):
+        FedMLCommManager._init_manager = _refusing_insecure_backends(FedMLCommManager._init_manager)
+    logger.info("common_args.%s: FedML's own algorithms use the plugin's transport and MPI fixes", FIXES_KEY)
 
 
 def _install_transport() -> None:
@@ -256,12 +265,14 @@ def _install_transport() -> None:
 
 
 def _install_mpi_fix() -> None:
-    """FedML's MPI FedAvg worker hangs after a one-round run (:mod:`.mpi`); the fix reaches FedML's
-    own FedAvg too. Without mpi4py FedML's MPI simulation cannot run anyway."""
+    """FedML's MPI FedAvg worker hangs after a one-round run, and its ranks poll their queue
+    (:mod:`.mpi`). Without mpi4py FedML's MPI simulation cannot run anyway."""
     try:
-        from . import mpi  # noqa: F401  (installs the fix on import)
+        from . import mpi
     except ImportError:
         return
+    mpi.install_one_round_fix()
+    mpi.install_waiting_receive_loop()
 
 
 def is_installed() -> bool:

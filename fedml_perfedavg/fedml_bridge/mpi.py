@@ -62,6 +62,7 @@ from .trainer_aggregator import aggregate_with_hooks
 
 import_fedml()
 import fedml.simulation.mpi.fedavg.FedAvgAPI as mpi_api  # noqa: E402
+from fedml.core.distributed.communication.mpi.com_manager import MpiCommunicationManager  # noqa: E402
 from fedml.simulation.mpi.fedavg.message_define import MyMessage  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -174,13 +175,12 @@ def finishing_after_one_round(handle_message_init: Callable) -> Callable:
 
 
 def install_one_round_fix() -> None:
-    """Every MPI FedAvg worker in the process (FedML's own FedAvg too) ends after a one-round run."""
+    """Every MPI FedAvg worker in the process, FedML's own FedAvg's too, ends after a one-round run:
+    only where a FedML user asks for it (``common_args.plugin_fixes``; the plugin's own worker has
+    it always, :class:`PluginFedAVGClientManager`)."""
     manager = mpi_api.FedAVGClientManager
     if not hasattr(manager.handle_message_init, "__wrapped__"):
         manager.handle_message_init = finishing_after_one_round(manager.handle_message_init)
-
-
-install_one_round_fix()
 
 
 WAKE_SECONDS = 0.05  # how soon a waiting rank sees a stop set from another thread
@@ -209,13 +209,19 @@ def waiting_receive_loop(comm_manager: Any) -> None:
 
 
 def install_waiting_receive_loop() -> None:
-    """Every MPI rank in the process (FedML's own FedAvg too) waits for its messages without polling."""
-    from fedml.core.distributed.communication.mpi.com_manager import MpiCommunicationManager
+    """Every MPI rank in the process, FedML's own FedAvg's too, waits for its messages without
+    polling: only where a FedML user asks for it (``common_args.plugin_fixes``; the plugin's own
+    managers wait so always, :func:`waiting`)."""
+    if MpiCommunicationManager.handle_receive_message is not waiting_receive_loop:
+        MpiCommunicationManager.handle_receive_message = waiting_receive_loop
 
-    MpiCommunicationManager.handle_receive_message = waiting_receive_loop
 
-
-install_waiting_receive_loop()
+def waiting(manager: Any) -> None:
+    """``manager``'s MPI receive loop is :func:`waiting_receive_loop` (this object's alone: FedML's
+    class keeps its own)."""
+    com = manager.com_manager
+    if com is not None and hasattr(com, "q_receiver"):
+        com.handle_receive_message = functools.partial(waiting_receive_loop, com)
 
 
 CLIENT_STATES = "plugin_client_states"  # a message argument: {client: its own state}
@@ -241,6 +247,7 @@ class PluginFedAVGServerManager(mpi_api.FedAVGServerManager):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        waiting(self)
         self.client_states = client_states
         self.driver = driver
 
@@ -272,6 +279,7 @@ class PluginFedAVGClientManager(mpi_api.FedAVGClientManager):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        waiting(self)
         self.client_states = client_states
         self.training = training  # this rank's algorithm's record of its clients' training figures
         self.assigned: List[int] = []

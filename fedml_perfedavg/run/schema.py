@@ -86,6 +86,13 @@ class CommonArgs:
         "the same folder for every process of the run)",
         optional=True,
     )
+    plugin_fixes: bool = _setting(
+        bool,
+        False,
+        "FedML's own algorithms in this process (FedAvg and the rest) get the plugin's fixes: its secure gRPC "
+        "transport (FedML's pickling transports refused for cross-silo), MPI's one-round fix and waiting "
+        "receive loop. Without it they run as FedML has them; a plugin run has these always",
+    )
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from ...silo.protocol import SiloProtocol, SiloState
 from .policy import SiloPolicy
 from .secure_silo import SecureSiloRound
 from .conversations import TWIN
-from .transport import IDENTITY, OTHER_RUN, ROUND_KEY, SESSION_KEY, PeerUnreachable
+from .transport import IDENTITY, OTHER_RUN, ROUND_KEY, SESSION_KEY, OwnTransport, PeerUnreachable
 from . import wire
 
 import_fedml()
@@ -192,7 +192,7 @@ def answer_of(refused: Optional[str]) -> events.Answered:
     return events.Answered(time.monotonic(), answer, words, str(refused or ""))
 
 
-class PluginClientMasterManager(ClientMasterManager):
+class PluginClientMasterManager(OwnTransport, ClientMasterManager):
     """FedML's client manager as the thin adapter of the silo's protocol (silo/protocol.py): each
     message from the server becomes an event, each action the protocol returns is carried out here
     (the trainer, the transport), and each piece of work's result goes back as an event."""

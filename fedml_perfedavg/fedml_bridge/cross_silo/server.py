@@ -18,7 +18,7 @@ from .server_sends import ServerSends
 from .phases import Phase
 from .policy import SiloPolicy
 from .protocol import SiloServerProtocol
-from .transport import ARRIVED_KEY, ROUND_KEY, SESSION_KEY, SIZE_KEY
+from .transport import ARRIVED_KEY, ROUND_KEY, SESSION_KEY, SIZE_KEY, OwnTransport
 from . import wire
 
 import_fedml()
@@ -106,7 +106,7 @@ class _FedMLGlobalModel:
         return vectors.length(self.params(), self.algorithm.parameter_names)
 
 
-class PluginServerManager(FedMLServerManager):
+class PluginServerManager(OwnTransport, FedMLServerManager):
     """FedML's face of :class:`~.protocol.SiloServerProtocol`. ``policy`` decides deadlines and
     when to stop; ``driver`` samples each round's users and takes each new global model and
     evaluation; ``setup`` says the mode, the silos and what they must agree on; a resumed server

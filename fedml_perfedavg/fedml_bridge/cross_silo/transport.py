@@ -43,6 +43,7 @@ from ...stopping import interrupt_if_stopping
 from ..bootstrap import import_fedml, plugin_entry
 from . import READY_MESSAGE, wire
 from .addresses import read_ipconfig
+from .backends import check_cross_silo_backend
 from .conversations import Conversations
 from .delivery import Delivery, Outgoing, PeerUnreachable, channel_options
 from .credentials import (
@@ -544,3 +545,27 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self._server.stop(STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 1.0)
         self.gate.stop()
         self.delivery.close()
+
+
+class OwnTransport:
+    """Mixed into the plugin's cross-silo managers (server.py, client.py) before FedML's: their gRPC
+    transport is :class:`SecureGRPCCommManager`, built here, where FedML's ``_init_manager``
+    (core/distributed/fedml_comm_manager.py) would look FedML's up by its module's name; so FedML's
+    own algorithms in the same process keep FedML's transport unless their user asks for the
+    plugin's (install.py ``apply_to_fedml_algorithms``). FedML's pickling transports are refused."""
+
+    backend: str
+    args: Any
+    rank: int
+    size: int
+    com_manager: Any
+
+    def _init_manager(self) -> None:
+        check_cross_silo_backend(self.args)
+        if self.backend != "GRPC":
+            super()._init_manager()  # type: ignore[misc]
+            return
+        self.com_manager = SecureGRPCCommManager(
+            grpc_ipconfig_path=self.args.grpc_ipconfig_path, client_rank=self.rank, client_num=self.size, args=self.args
+        )
+        self.com_manager.add_observer(self)
