@@ -45,3 +45,21 @@ def test_pytests_summary_line_is_read_and_the_suite_figures_name_commit_date_and
     assert "fresh clone of aaa on 2026-12-04" in text
     assert "**13:43 of pytest (15:03 in all) beside 2 busy loops** at bbb" in text
     assert "718 tests in 24.6 s (27.7 s wall)" in text and "ccc" not in text  # a failed run is no figure
+
+
+def test_what_make_run_prints_comes_from_the_newest_run_that_measured_it():
+    suite = _script("suite")
+    assert "no fresh-clone run of it is recorded yet" in suite.quick_start([{"commit": "a", "busy_loops": 0}])
+    runs = [
+        {"commit": "a", "date": "d1", "busy_loops": 0, "make_run": {"personalized_accuracy": 0.5, "wall_seconds": 30}},
+        {
+            "commit": "b",
+            "date": "d2",
+            "busy_loops": 2,
+            "make_run": {"personalized_accuracy": 0.5491, "wall_seconds": 41},
+        },
+        {"commit": "c", "date": "d3", "busy_loops": 0, "make_run": {"personalized_accuracy": None}},
+    ]
+    text = suite.quick_start(runs)
+    assert "`personalized_accuracy=0.5491`" in text and "fresh clone of b on d2, 41 s" in text
+    assert "beside 2 busy loops" in text
