@@ -53,7 +53,8 @@ def glance(results: Path = RESULTS) -> str:
             f"{f['rounds']} rounds, {f['threads']} threads) | {f['date']}, `{f['command']}` |"
         )
     dp = json.loads((results / "dp_cost.json").read_text())
-    ratios = ", ".join(f"{s['variant'].upper()} {s['ratio']:.1f}x" for s in dp["speed"])
+    names = {"hf": "HF", "fo": "FO", "exact": "exact"}
+    ratios = ", ".join(f"{names.get(s['variant'], s['variant'])} {s['ratio']:.1f}x" for s in dp["speed"])
     measured = dp["speed_measured"]
     rows.append(f"| a DP-SGD round against a plain one | {ratios} | {measured['date']}, `{measured['command']}` |")
     sa = json.loads((results / "secagg_cost.json").read_text())
