@@ -249,18 +249,18 @@ class SiloRounds:
         silos, those that can take part); None if every round has enough."""
         silos = self.roster.setup.silos
         for round_idx in range(self.round_idx, self.round_num):
-            expected, _ = self.mode.assignment(silos, silos, self.plan.sample_clients(round_idx))
-            users = self.round_users(round_idx, [s - 1 for s in out])
+            sample = self.plan.sample_clients(round_idx)
+            expected, _ = self.mode.assignment(silos, silos, sample)
+            users = self.round_users(round_idx, sample, [s - 1 for s in out])
             able = [s for s in self.mode.assignment(silos, silos, users)[0] if s not in out]
             if len(able) < needed:
                 return round_idx, sorted(expected), sorted(able)
         return None
 
-    def round_users(self, round_idx: int, lost: Sequence[int]) -> List[int]:
-        """Round ``round_idx``'s users: the algorithm's keyed sample, as in sp; in a secure data-owner
-        round, the places of ``lost`` users go to the next users of the round's keyed order
+    def round_users(self, round_idx: int, users: List[int], lost: Sequence[int]) -> List[int]:
+        """Round ``round_idx``'s users from its keyed sample ``users`` (as in sp); in a secure
+        data-owner round, the places of ``lost`` users go to the next users of the round's keyed order
         (secagg_args.reserve_silos), which every silo checks."""
-        users = self.plan.sample_clients(round_idx)
         setup = self.roster.setup
         if setup.secure and setup.reserve_silos and setup.keyed_order is not None and setup.own_data:
             return with_reserves(setup.keyed_order(round_idx), len(users), lost, setup.reserve_silos)
@@ -272,7 +272,7 @@ class SiloRounds:
         users = self.plan.sample_clients(round_idx)
         setup = self.roster.setup
         order = setup.keyed_order(round_idx) if setup.keyed_order is not None else users
-        replaced = self.round_users(round_idx, [u for u in order if u + 1 not in self.roster.live])
+        replaced = self.round_users(round_idx, users, [u for u in order if u + 1 not in self.roster.live])
         if sorted(replaced) != sorted(users):
             logger.warning(
                 "round %d: silo rank(s) %s are lost; their places go to silo rank(s) %s, next in the round's keyed "
