@@ -275,7 +275,7 @@ def rank_command(entry, yaml, run_dir, sets: dict, rank: int, run_id: str) -> li
     ]
 
 
-def start_by_hand(tmp_path, settings: dict, ranks: int, per_rank=None, liars=None, yaml=None):
+def start_by_hand(tmp_path, settings: dict, ranks: int, per_rank=None, liars=None, yaml=None, run_id="by-hand"):
     """A cross-silo run started as a user starts one on each host (``--rank R --role``), on
     loopback with mutual TLS: ``settings`` for every process (key -> value, as --set),
     ``per_rank`` {rank: {key: value}} for some, ``liars`` {rank: what it lies about} (run through
@@ -297,7 +297,7 @@ def start_by_hand(tmp_path, settings: dict, ranks: int, per_rank=None, liars=Non
             **(per_rank or {}).get(rank, {}),
         }
         entry = [str(LIAR), (liars or {})[rank]] if rank in (liars or {}) else ["-m", "fedml_perfedavg"]
-        command = rank_command([sys.executable, *entry], yaml or SILO_YAML, tmp_path / "run", sets, rank, "by-hand")
+        command = rank_command([sys.executable, *entry], yaml or SILO_YAML, tmp_path / "run", sets, rank, run_id)
         processes[rank] = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )

@@ -77,21 +77,35 @@ class PrivacyLedger:
     the accounting does not allow: every caller keys by the round that made the model. Its state
     is in checkpoints; :meth:`report` is ``summary.json``'s ``privacy``.
 
+    ``earlier`` (user -> sample rate -> count) are uses of a user's data by earlier runs (a data
+    owner's account, run/silo_account.py): every epsilon and budget counts them; the state and
+    :meth:`this_run` are this run's alone.
+
     Two figures per user: :meth:`bound`, the RDP accountant's (milliseconds; what a running
     record shows), and :meth:`epsilon`, ``dp_args.accountant``'s (PRV by default: tight, a tenth
     of a second or more, so computed for a final record, a silo's own user and a budget check the
     bound does not already pass)."""
 
-    def __init__(self, dp: DPSGD, rules: UseRules, sample_counts: Mapping[int, int]) -> None:
+    def __init__(
+        self,
+        dp: DPSGD,
+        rules: UseRules,
+        sample_counts: Mapping[int, int],
+        earlier: Optional[Mapping[int, Mapping[float, int]]] = None,
+    ) -> None:
         self.dp, self.rules = dp, rules
         self.sample_counts = {int(u): int(n) for u, n in sample_counts.items()}
-        self.uses: Dict[int, Dict[float, int]] = {}
+        self.earlier = {
+            int(u): kept for u, e in (earlier or {}).items() if (kept := {float(r): int(c) for r, c in e.items() if c})
+        }
+        self.uses: Dict[int, Dict[float, int]] = {u: dict(e) for u, e in self.earlier.items()}
         # (round, user) pairs, flat, by what used the data: a round's training, the evaluation after it
         self.counted: Dict[str, List[int]] = {"training": [], "evaluation": []}
         self._seen: set = set()
         self._cache: Dict[Tuple[int, str], Tuple[Tuple[Tuple[float, int], ...], float]] = {}
         accounting.prepare(
-            (rate for n in self.sample_counts.values() for rate, _ in rules.training(n) + rules.evaluation(n)),
+            [rate for n in self.sample_counts.values() for rate, _ in rules.training(n) + rules.evaluation(n)]
+            + [rate for e in self.earlier.values() for rate in e],
             dp.noise_multiplier,
         )
 
@@ -153,8 +167,19 @@ class PrivacyLedger:
         """The evaluation after round ``round_idx`` personalized the model on ``users``' data."""
         self._account("evaluation", round_idx, users)
 
+    def this_run(self, user: int) -> Dict[float, int]:
+        """``user``'s uses in this run alone (sample rate -> count): what its account records."""
+        uses: Dict[float, int] = {}
+        for what, rule in (("training", self.rules.training), ("evaluation", self.rules.evaluation)):
+            flat = self.counted[what]
+            for i in range(0, len(flat), 2):
+                if flat[i + 1] == int(user):
+                    for rate, count in rule(self.sample_counts[int(user)]):
+                        uses[rate] = uses.get(rate, 0) + count
+        return uses
+
     def copy(self) -> "PrivacyLedger":
-        other = PrivacyLedger(self.dp, self.rules, self.sample_counts)
+        other = PrivacyLedger(self.dp, self.rules, self.sample_counts, self.earlier)
         other.load_state_dict(self.state_dict())
         return other
 
@@ -192,6 +217,8 @@ class PrivacyLedger:
                 "epsilon_rdp": self.bound(user),
                 "uses": sum(self.uses[user].values()),
                 "sample_rate": max(self.uses[user]) if self.uses[user] else 0.0,
+                # where earlier runs used its data too (its account): how many of the uses were theirs
+                **({"earlier_uses": sum(self.earlier[user].values())} if user in self.earlier else {}),
             }
             for user in sorted(self.uses)
         }
@@ -212,7 +239,7 @@ class PrivacyLedger:
         return {"counted": {k: list(v) for k, v in self.counted.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.uses, self._seen, self._cache = {}, set(), {}
+        self.uses, self._seen, self._cache = {u: dict(e) for u, e in self.earlier.items()}, set(), {}
         self.counted = {"training": [], "evaluation": []}
         for what, flat in state["counted"].items():
             if what == "left_out":
@@ -262,6 +289,8 @@ def silo_report(ledger: PrivacyLedger, user: int, final: bool = False) -> Dict[s
     report = ledger.report(final=final)
     entry = report["per_user"].get(str(user), {"epsilon": 0.0, "uses": 0, "sample_rate": 0.0})
     figures = {"user": int(user), **{k: entry[k] for k in ("epsilon", "uses", "sample_rate")}}
+    if final and "earlier_uses" in entry:  # its own record: how many of the uses were earlier runs' (its account)
+        figures["earlier_uses"] = entry["earlier_uses"]
     if final:  # its own record says which accountant and delta the epsilon is (the wire's report is the RDP bound)
         figures.update(epsilon_from=report["epsilon_from"], delta=ledger.dp.delta, max_epsilon=ledger.dp.max_epsilon)
     return figures

@@ -28,8 +28,8 @@ from .schema import Config
 from .driver import RunDriver
 from .measures import Measurements
 from .reporting import RunRecorder, recorder_for
-from .data_modes import data_mode
-from .privacy_plan import keep_noise_secret
+from .data_modes import SiloRun, data_mode
+from .silo_account import RunAccount
 from .schedule import RoundSchedule
 from .silo_roles import check_silo_role
 
@@ -56,6 +56,7 @@ class RunParts:
     recorder: Optional[RunRecorder] = None  # the server's
     data_problem: Optional[str] = None  # a data owner's silo whose model cannot train on its data
     silo_privacy: Optional[PrivacyLedger] = None  # a data owner's silo: DP-SGD's accountant of its user
+    silo_account: Optional[RunAccount] = None  # ... and this run's entry in its organization's account
     silo_progress: Optional[Any] = None  # a data owner's silo: its progress.pt (run/silo_record.py)
 
     @property
@@ -244,9 +245,8 @@ def assemble(
     )  # fmt: skip
     if users:  # the server of a data-owner run trains nothing and holds no sample to probe with
         parts.data_problem = probe(parts)
-    parts.silo_privacy, over_budget = mode.silo_privacy(config, algorithm, rank, users)
-    if parts.silo_privacy is not None:
-        keep_noise_secret(algorithm, run_dir, rank)
+    own = mode.silo_privacy(config, algorithm, rank, users, SiloRun(run_dir, lambda: _silo_identity(parts)))
+    parts.silo_privacy, over_budget, parts.silo_account = own.ledger, own.problem, own.account
     if over_budget is not None and parts.data_problem is None:
         logger.error("silo rank %d: %s; announcing it to the server", rank, over_budget)
         parts.data_problem = over_budget
@@ -484,13 +484,24 @@ def silo_outcome(parts: RunParts, values: Dict[str, Any]) -> Any:
 
     user = parts.rank - 1
     identity = run_identity(getattr(parts.args, "run_id", "0"), values, user)
-    progress = SiloProgress(parts.run_dir, parts.rank, identity, parts.algorithm, parts.silo_privacy)
+    progress = SiloProgress(
+        parts.run_dir, parts.rank, identity, parts.algorithm, parts.silo_privacy, parts.silo_account
+    )
     progress.refuse_a_finished_record(parts.config.overwrite)
     outcome = SiloOutcome(user)
     progress.restore(outcome)
     outcome.keep = progress.save
     parts.silo_progress = progress
     return outcome
+
+
+def _silo_identity(parts: RunParts) -> Dict[str, Any]:
+    """A silo's run identity (what its progress.pt is kept under; :func:`silo_outcome`'s)."""
+    from ..fedml_bridge.cross_silo.agreement import fingerprint
+    from .silo_record import run_identity
+
+    values = fingerprint(parts.config, parts.global_state)
+    return run_identity(getattr(parts.args, "run_id", "0"), values, parts.rank - 1)
 
 
 def _fewest_silos(config: Any) -> int:

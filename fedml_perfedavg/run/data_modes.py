@@ -9,18 +9,39 @@ the server measures, and what a silo knows of its own user."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Protocol, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from ..algorithms.base import FederatedAlgorithm
 from ..core.errors import ConfigError
 from ..core.ledger import PrivacyLedger, PrivacyRecord, ReportedPrivacy
 from ..core.types import UserSplit
 from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
-from .privacy_plan import central_ledger, own_ledger
+from .privacy_plan import central_ledger, own_account
+from .silo_account import RunAccount
 from .rules import check_batch_sizes
 from .schema import Config
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SiloRun:
+    """What a silo's DP-SGD set-up needs of its run: the run directory, and its identity (run id,
+    agreed config, user; computed when asked: only a data owner's silo with DP-SGD asks)."""
+
+    run_dir: str
+    identity: Callable[[], Dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class SiloPrivacy:
+    """A silo's DP-SGD: its ledger of its own user, why it cannot take part (or None), and this
+    run's entry in its organization's account (all None where the server accounts)."""
+
+    ledger: Optional[PrivacyLedger] = None
+    problem: Optional[str] = None
+    account: Optional[RunAccount] = None
 
 
 class DataMode(Protocol):
@@ -37,8 +58,8 @@ class DataMode(Protocol):
         self, config: Config, algorithm: FederatedAlgorithm, users: List[UserSplit]
     ) -> PrivacyRecord: ...
     def silo_privacy(
-        self, config: Config, algorithm: FederatedAlgorithm, rank: int, users: List[UserSplit]
-    ) -> Tuple[Optional[PrivacyLedger], Optional[str]]: ...
+        self, config: Config, algorithm: FederatedAlgorithm, rank: int, users: List[UserSplit], run: SiloRun
+    ) -> SiloPrivacy: ...
     def vouched_counts(self, users: List[UserSplit], rank: int) -> Dict[int, Tuple[int, int]]: ...
 
 
@@ -71,10 +92,10 @@ class SharedData:
         return central_ledger(config, algorithm, users)
 
     def silo_privacy(
-        self, config: Config, algorithm: FederatedAlgorithm, rank: int, users: List[UserSplit]
-    ) -> Tuple[Optional[PrivacyLedger], Optional[str]]:
+        self, config: Config, algorithm: FederatedAlgorithm, rank: int, users: List[UserSplit], run: SiloRun
+    ) -> SiloPrivacy:
         """A silo's own account: none here (the server accounts for every user)."""
-        return None, None
+        return SiloPrivacy()
 
     def vouched_counts(self, users: List[UserSplit], rank: int) -> Dict[int, Tuple[int, int]]:
         """The (train, test) counts this process vouches for, by user: the server, every user's."""
@@ -119,12 +140,13 @@ class OwnData:
         return ReportedPrivacy(config.privacy)
 
     def silo_privacy(
-        self, config: Config, algorithm: FederatedAlgorithm, rank: int, users: List[UserSplit]
-    ) -> Tuple[Optional[PrivacyLedger], Optional[str]]:
-        """A silo's accountant of its own user, and why it cannot take part (the budget), or None."""
+        self, config: Config, algorithm: FederatedAlgorithm, rank: int, users: List[UserSplit], run: SiloRun
+    ) -> SiloPrivacy:
+        """A silo's accountant of its own user (its organization's account of the data, which spans
+        runs), and why it cannot take part (the budget), or None."""
         if config.privacy is None or rank == 0 or not users:
-            return None, None
-        return own_ledger(config, algorithm, rank - 1, users[0])
+            return SiloPrivacy()
+        return SiloPrivacy(*own_account(config, algorithm, run.run_dir, rank, users[0], run.identity()))
 
     def vouched_counts(self, users: List[UserSplit], rank: int) -> Dict[int, Tuple[int, int]]:
         """The (train, test) counts this process vouches for, by user: a silo, its own user's."""

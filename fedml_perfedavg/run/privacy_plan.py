@@ -1,14 +1,14 @@
 """DP-SGD's plan for a run, as the run layer sets it up: how a round and an evaluation use each
 user's data (:func:`use_rules`), the budget checked against the run's keyed plan before the first
 round (:func:`check_budget`), the server's ledger where it holds the users (:func:`central_ledger`),
-and a data owner's noise key (:func:`keep_noise_secret`). Which process keeps which account is the
-data mode's (:mod:`.data_modes`)."""
+and a data owner's account of its data across runs, with its noise key (:func:`own_account`). Which
+process keeps which account is the data mode's (:mod:`.data_modes`)."""
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..algorithms.base import FederatedAlgorithm
 from ..core.accounting import ACCOUNTANTS
@@ -17,6 +17,7 @@ from ..core.ledger import PrivacyLedger, UseRules, planned_epsilon, planned_ledg
 from ..core.types import UserSplit
 from .schedule import RoundSchedule
 from .schema import Config
+from .silo_account import KEY_BYTES, RunAccount, SiloAccount, accounts_root, noise_secret, run_key
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +43,19 @@ def central_ledger(config: Config, algorithm: FederatedAlgorithm, users: List[Us
 
 
 def own_ledger(
-    config: Config, algorithm: FederatedAlgorithm, user: int, data: UserSplit
+    config: Config,
+    algorithm: FederatedAlgorithm,
+    user: int,
+    data: UserSplit,
+    earlier: Optional[Dict[float, int]] = None,
 ) -> Tuple[PrivacyLedger, Optional[str]]:
-    """A data owner's silo's accountant of its own ``user``, and why the silo cannot take part (its
-    user would pass ``dp_args.max_epsilon``: the silo announces it, and the server goes on without
-    it by the rule for any silo it refuses), or None."""
+    """A data owner's silo's accountant of its own ``user`` (counting ``earlier`` runs' uses of its
+    data), and why the silo cannot take part (its user would pass ``dp_args.max_epsilon``: the silo
+    announces it, and the server goes on without it by the rule for any silo it refuses), or None."""
     dp = config.privacy
     assert dp is not None
     rules = use_rules(config, algorithm)
-    ledger = PrivacyLedger(dp, rules, {user: len(data.train_y)})
+    ledger = PrivacyLedger(dp, rules, {user: len(data.train_y)}, {user: earlier} if earlier else None)
     try:
         check_budget(config, algorithm, ledger, [user], [user])
     except ConfigError as err:
@@ -77,6 +82,8 @@ def check_budget(
             return plan.first_past(budget)
 
         over = past(config.comm_round)
+        earlier = sum(sum(e.values()) for e in ledger.earlier.values())
+        since = f" (counting {earlier} uses of its data by earlier runs: its account)" if earlier else ""
         if over is not None:
             epsilon, user = over
             low, high = 0, config.comm_round  # the first number of rounds that passes the budget
@@ -91,12 +98,12 @@ def check_budget(
                 first, first_user = planned_epsilon(ledger, range(1), sample, schedule.evaluates, evaluated)
                 raise ConfigError(
                     f"dp_args.max_epsilon={dp.max_epsilon!r}: no round fits in the budget; round 0 alone reaches "
-                    f"epsilon {first:.4g} (user {first_user}) at delta {dp.delta:g}. Allowed: a max_epsilon of "
+                    f"epsilon {first:.4g} (user {first_user}) at delta {dp.delta:g}{since}. Allowed: a max_epsilon of "
                     f"at least {first:.4g}, or {fewer_uses}"
                 )
             raise ConfigError(
                 f"dp_args.max_epsilon={dp.max_epsilon!r}: this run would reach epsilon {epsilon:.4g} (user {user}) "
-                f"at delta {dp.delta:g} after train_args.comm_round={config.comm_round} rounds; the budget is "
+                f"at delta {dp.delta:g}{since} after train_args.comm_round={config.comm_round} rounds; the budget is "
                 f"passed in round {high - 1}. Allowed: comm_round <= {low}, or {fewer_uses}"
             )
         planned, planned_user = planned_epsilon(ledger, range(config.comm_round), sample, schedule.evaluates, evaluated)
@@ -110,37 +117,40 @@ def check_budget(
         )
 
 
-NOISE_KEY = "noise.key"
-
-
-def keep_noise_secret(algorithm: FederatedAlgorithm, run_dir: str, rank: int) -> None:
-    """A data owner's DP-SGD draws its noise and minibatches keyed by a secret of its own beside
-    (seed, round, user), so that the server, which knows the seed, cannot recompute the noise and
-    take it out: ``silo-rank-R/noise.key`` in its run directory, made once (32 random bytes,
-    readable by its owner alone) and read back by a later process of the silo, so a round computed
-    again releases the same numbers."""
+def own_account(
+    config: Config,
+    algorithm: FederatedAlgorithm,
+    run_dir: str,
+    rank: int,
+    data: UserSplit,
+    identity: Dict[str, Any],
+) -> Tuple[PrivacyLedger, Optional[str], RunAccount]:
+    """A data owner's silo's DP-SGD set-up from its organization's account of its data
+    (:mod:`.silo_account`): its ledger counting every earlier run's uses, why it cannot take part
+    (the budget) or None, and this run's entry in the account. Its noise and minibatches are keyed,
+    beside (seed, round, user), by the data's noise key and this run's secret: the server, which
+    knows the seed, cannot draw them, and no two runs share them. The secret is the one this run's
+    ``progress.pt`` keeps (a process of the same run started again draws the same numbers), else new."""
     import dataclasses
 
-    from .files import make_dir, write_atomic
+    from .silo_record import SiloProgress
 
-    folder = os.path.join(run_dir, f"silo-rank-{rank}")
-    path = os.path.join(folder, NOISE_KEY)
-    if os.path.exists(path):
-        with open(path, "rb") as stream:
-            secret = stream.read()
-        if len(secret) != 32:
-            raise ConfigError(f"{path}: {len(secret)} bytes, not a silo's 32-byte noise key; it was changed")
-    else:
-        secret = os.urandom(32)
-        make_dir(folder)
-
-        def write(stream: Any) -> None:
-            os.fchmod(stream.fileno(), 0o600)  # before the secret is in it
-            stream.write(secret)
-
-        write_atomic(path, write)
+    dp = config.privacy
+    assert dp is not None
+    account = SiloAccount.open(accounts_root(config.account_dir), data)
+    secret = SiloProgress.run_secret_in(run_dir, rank, identity) or os.urandom(KEY_BYTES)
+    run = RunAccount(account, run_key(identity, secret), dict(identity), secret, rank - 1)
+    earlier = account.earlier_uses(run.key, dp.noise_multiplier)
+    keyed = dataclasses.replace(dp, secret=noise_secret(account.noise_key(), secret))
     settings = algorithm.settings
-    assert settings.privacy is not None
-    dp = dataclasses.replace(settings.privacy, secret=secret)
-    evaluation = dataclasses.replace(settings.evaluation, privacy=dp)
-    algorithm.settings = dataclasses.replace(settings, privacy=dp, evaluation=evaluation)
+    evaluation = dataclasses.replace(settings.evaluation, privacy=keyed)
+    algorithm.settings = dataclasses.replace(settings, privacy=keyed, evaluation=evaluation)
+    logger.info(
+        "silo rank %d: its data's DP-SGD account is %s (%d earlier use(s) of the data by %d other run(s))",
+        rank,
+        account.folder,
+        sum(earlier.values()),
+        account.runs() - (1 if account.holds(run.key) else 0),
+    )
+    ledger, problem = own_ledger(config, algorithm, rank - 1, data, earlier)
+    return ledger, problem, run

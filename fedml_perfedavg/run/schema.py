@@ -359,6 +359,14 @@ class CommArgs:
         "reproduced over a network)",
         SILO_DATA,
     )
+    account_dir: Optional[str] = _setting(
+        str,
+        None,
+        "cross-silo, a data owner's silo with DP-SGD: its organization's accounts, one folder per data set "
+        "(every run's uses of the data and its noise key: the budget spans runs); null: "
+        "$FEDML_PERFEDAVG_ACCOUNTS, else ~/.fedml_perfedavg/accounts",
+        optional=True,
+    )
     max_connections: Optional[int] = _setting(
         int,
         None,

@@ -10,12 +10,15 @@ run's): ``silo-rank-R/`` in the silo's run directory, holding
   (``keeps_client_state``) or DP-SGD's clip bound adapts (``dp_args.clip: adaptive``): it never
   left the silo;
 - ``progress.pt``: what the silo process has done so far (its evaluations, its user's own state,
-  its DP-SGD account of its user, the last round it trained and its answer to it, the survivor
-  list it last unmasked for), kept after every round it trains and every evaluation
+  its DP-SGD account of its user in this run and the run's secret, the last round it trained and
+  its answer to it, the survivor list it last unmasked for), kept after every round it trains and
+  every evaluation
   (:class:`SiloProgress`). A silo process started again in the same run directory (a crash, a
   reboot, the server's stop and resume: the same ``run_name`` or ``--run-dir``, ``--run_id`` and
   config) carries on from it. The end of a run leaves it: it is the organization's account of
-  what its data has been used for, which no later process of the same run starts again from zero."""
+  what its data has been used for, which no later process of the same run starts again from zero.
+  The account that spans runs is the organization's own, beside its data's other runs
+  (:mod:`.silo_account`): written first, each time."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from ..core.evaluation import accuracy_of
 from ..core.types import StateDict
 from ..silo.outcome import SiloOutcome, StoredAnswer
 from .files import make_dir, write_json, write_torch
+from .silo_account import KEY_BYTES, RunAccount
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +131,31 @@ class SiloProgress:
     """A data owner's silo's ``progress.pt`` (see the module doc): kept as the silo goes, read
     back by a process of the same silo started again in the same run."""
 
-    def __init__(self, run_dir: str, rank: int, identity: Dict[str, Any], algorithm: Any, ledger: Any) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        rank: int,
+        identity: Dict[str, Any],
+        algorithm: Any,
+        ledger: Any,
+        account: Optional[RunAccount] = None,
+    ) -> None:
         self.folder = os.path.join(run_dir, f"silo-rank-{rank}")
         self.path = os.path.join(self.folder, PROGRESS)
         self.rank, self.identity, self.algorithm, self.ledger = rank, identity, algorithm, ledger
+        self.account = account
+
+    @staticmethod
+    def run_secret_in(run_dir: str, rank: int, identity: Dict[str, Any]) -> Optional[bytes]:
+        """The run secret an earlier process of this run (``identity``) kept, or None (a new run,
+        or a file that cannot be read: :meth:`restore` names it)."""
+        path = os.path.join(run_dir, f"silo-rank-{rank}", PROGRESS)
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            secret = saved.get("run_secret") if saved.get("identity") == identity else None
+            return bytes.fromhex(secret) if isinstance(secret, str) and len(secret) == 2 * KEY_BYTES else None
+        except Exception:  # noqa: BLE001  missing or damaged: a new secret, and restore says why
+            return None
 
     def refuse_a_finished_record(self, overwrite: bool) -> None:
         """:class:`ConfigError` (refused at start) where this silo's folder holds the record of a
@@ -212,6 +237,8 @@ class SiloProgress:
         """Keep what the silo has done so far (called as it trains and evaluates)."""
         state = self.algorithm.client_states.get(self.identity["user"]) if self.algorithm.holds_client_states else None
         answer = outcome.answer
+        if self.account is not None and self.ledger is not None:
+            self.account.record(self.ledger)  # the organization's account first: it is what spans runs
         make_dir(self.folder)
         write_torch(
             self.path,
@@ -230,5 +257,6 @@ class SiloProgress:
                     "samples": answer.samples,
                 },
                 "unmasked": None if outcome.unmasked is None else [outcome.unmasked[0], list(outcome.unmasked[1])],
+                "run_secret": None if self.account is None else self.account.run_secret.hex(),
             },
         )

@@ -73,10 +73,11 @@ def test_data_owner_silos_account_for_their_own_users_under_secure_aggregation_a
     for rank in range(1, 5):
         own = torch.load(tmp_path / "run" / f"silo-rank-{rank}" / "client_state.pt", weights_only=True)
         assert own["dp_clip_bounds"].shape == (3,) and bool((own["dp_clip_bounds"] != 1.0).all()), own
-    # Each data owner keys its noise with a secret of its own (silo-rank-R/noise.key): the server,
-    # which knows the seed, cannot draw it; so the model is not sp's, whose noise the seed gives.
+    # Each data owner keys its noise with a secret of its own (its data's noise key, in its account,
+    # and the run's): the server, which knows the seed, cannot draw it; so the model is not sp's.
     assert max(float((model[k] - v).abs().max()) for k, v in sp.final_state.items()) > 1e-4
-    assert all((tmp_path / "run" / f"silo-rank-{r}" / "noise.key").stat().st_size == 32 for r in range(1, 5))
+    keys = list((tmp_path / "home" / ".fedml_perfedavg" / "accounts").glob("*/noise.key"))
+    assert len(keys) == 4 and all(key.stat().st_size == 32 for key in keys)  # one per organization's data
     assert summary["secure_aggregation"]["rounds"] == 3 and summary["secure_aggregation"]["failed_rounds"] == 0
     expected = sp.summary["privacy"]["per_user"]
     assert privacy["per_user"].keys() == expected.keys()
@@ -197,3 +198,31 @@ def test_a_server_that_asks_for_more_evaluations_gets_only_the_scheduled_ones_ea
         # the organization's record says which accountant and delta its epsilon is (issue 76)
         assert (record["privacy"]["epsilon_from"], record["privacy"]["delta"]) == ("opacus.prv", 1e-5)
     assert honest_outs[0] and _summary(tmp_path)["status"] == "finished"
+
+
+@needs_mnist
+def test_a_second_run_of_the_same_data_counts_the_first_and_draws_fresh_noise(mnist_root, tmp_path):
+    """Issue 75, rule 4, as the dishonest server did it: the same --run-dir with another --run_id
+    (and --overwrite). On 6001daa each silo's account restarted at zero uses and its noise key
+    stayed, so both runs released bit-identical models. Now each organization's account of its
+    data spans both runs and each run draws its own secret: other noise, every use counted."""
+    folders = _export(mnist_root, tmp_path, 4)
+    settings = {**OWN, "client_num_in_total": 4, "comm_round": 2, "min_clients_per_round": 1, **DP}
+    runs = {}
+    for run_id in ("first", "second"):
+        extra = {"overwrite": True} if run_id == "second" else {}
+        outs = finish_all(start_by_hand(tmp_path, {**settings, **extra}, 4, folders, run_id=run_id), timeout=300)
+        summary = _summary(tmp_path)
+        assert summary["status"] == "finished" and summary["rounds"] == 2, outs[0][-4000:]
+        records = {
+            r: json.loads((tmp_path / "run" / f"silo-rank-{r}" / "summary.json").read_text())["privacy"]
+            for r in range(1, 5)
+        }
+        runs[run_id] = (torch.load(tmp_path / "run" / "model.pt", weights_only=True), records, outs)
+    (first, before, _), (second, after, outs) = runs["first"], runs["second"]
+    assert max(float((first[k] - v).abs().max()) for k, v in second.items()) > 1e-4  # fresh noise
+    for rank in range(1, 5):
+        assert before[rank]["uses"] > 0 and "earlier_uses" not in before[rank]
+        assert after[rank]["earlier_uses"] == before[rank]["uses"], (before, after)
+        assert after[rank]["uses"] > before[rank]["uses"] and after[rank]["epsilon"] > before[rank]["epsilon"]
+        assert "earlier use(s) of the data by 1 other run(s)" in outs[rank], outs[rank][-3000:]

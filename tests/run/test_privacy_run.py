@@ -296,42 +296,6 @@ def test_a_model_with_batchnorm_is_refused_at_start_naming_dp_args(tmp_path):
     assert not (tmp_path / "bn" / "summary.json").exists()  # refused before any round
 
 
-def test_a_data_owners_noise_is_keyed_by_a_secret_of_its_own_which_it_keeps(tmp_path):
-    """The server knows the seed: without the silo's own secret in the key it could draw the silo's
-    noise itself and take it out of the update. The secret is made once, readable by its owner
-    alone, and read back by a later process of the silo (so a round computed again is the same)."""
-    import os
-    import stat
-
-    from fedml_perfedavg.algorithms.base import private_batches
-    from fedml_perfedavg.algorithms.registry import create_algorithm
-    from fedml_perfedavg.models import create_model
-    from fedml_perfedavg.run.privacy_plan import NOISE_KEY, keep_noise_secret
-
-    config, user = _config(), tiny_data().users[2]
-
-    def algorithm():
-        return create_algorithm(config.federated_optimizer, create_model("mlp", (1, 4, 4), 3, [5]), config)
-
-    plain, silo, again = algorithm(), algorithm(), algorithm()
-    keep_noise_secret(silo, str(tmp_path), 3)
-    key = tmp_path / "silo-rank-3" / NOISE_KEY
-    assert len(key.read_bytes()) == 32 and stat.S_IMODE(os.stat(key).st_mode) == 0o600
-    keep_noise_secret(again, str(tmp_path), 3)  # a restarted silo process reads the same secret
-    assert silo.settings.privacy.secret == again.settings.privacy.secret == key.read_bytes()
-    assert silo.settings.evaluation.privacy.secret == key.read_bytes()
-    draws = {
-        name: private_batches(a, 4, 2, user.train_x, user.train_y)
-        for name, a in (("plain", plain), ("silo", silo), ("again", again))
-    }
-    noise = {name: torch.cat([n.reshape(-1) for n in b.noise.values()]) for name, b in draws.items()}
-    assert torch.equal(draws["silo"].mask, draws["again"].mask) and torch.equal(noise["silo"], noise["again"])
-    assert not torch.equal(noise["silo"], noise["plain"])  # the seed alone does not give the silo's noise
-    key.write_bytes(b"short")
-    with pytest.raises(ConfigError, match="not a silo's 32-byte noise key"):
-        keep_noise_secret(algorithm(), str(tmp_path), 3)
-
-
 def _docs_dp_example():
     """The ``dp_args`` YAML block of docs/security.md's DP-SGD section."""
     import re

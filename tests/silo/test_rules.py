@@ -50,10 +50,10 @@ def play(rules, events):
     return actions
 
 
-def ledger(max_epsilon=None, noise=1.0):
+def ledger(max_epsilon=None, noise=1.0, earlier=None):
     dp = DPSGD(noise_multiplier=noise, max_grad_norm=1.0, delta=1e-5, max_epsilon=max_epsilon)
     rules = UseRules.of(Step.HF, (8, 8, 4), local_steps=3, eval_batch=8, adapt_steps=1)
-    return PrivacyLedger(dp, rules, {1: 40})
+    return PrivacyLedger(dp, rules, {1: 40}, earlier)
 
 
 # -- training ----------------------------------------------------------------------------------------
@@ -91,6 +91,20 @@ def test_training_past_the_silos_own_budget_is_refused():
     assert actions == [TRAIN] * first_refused + [REFUSE] * (ROUNDS - first_refused) and 0 < first_refused < ROUNDS
     assert first_refused == 3 and rules.ledger.epsilon(1) <= 7.0  # the refused rounds used nothing
     assert "past this silo's dp_args.max_epsilon=7" in rules.training(first_refused, model()).reason
+
+
+def test_an_earlier_run_of_the_same_data_counts_against_the_budget():
+    """Issue 75, rule 4: a second run (another --run_id, --overwrite) restarted the account at 0
+    uses. Its data's account now hands the silo the earlier runs' uses: two rounds of an earlier
+    run leave one round of this run's budget where a fresh account left three."""
+    first = silo(ledger())
+    play(first, [("train", 0, model()), ("train", 1, model())])
+    earlier = {1: first.ledger.this_run(1)}
+    rules = silo(ledger(max_epsilon=7.0, earlier=earlier))
+    actions = play(rules, [("train", r, model()) for r in range(ROUNDS)])
+    assert actions == [TRAIN] + [REFUSE] * (ROUNDS - 1)
+    assert rules.ledger.this_run(1) == {0.2: 6, 0.1: 3} and rules.ledger.epsilon(1) <= 7.0  # (8, 8, 4) of 40
+    assert rules.ledger.report()["per_user"]["1"]["earlier_uses"] == 18
 
 
 # -- evaluation is a use like training (issue 75, rule 1) -------------------------------------------
