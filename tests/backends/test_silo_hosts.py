@@ -379,8 +379,12 @@ def test_a_server_stopped_with_ctrl_c_and_resumed_leaves_every_organizations_dp_
     tls = _own_tls(tmp_path, silos)
     names, _ = _make_hosts(silos)
     try:
-        calm = finish_all(_owners(names, tmp_path, tmp_path / "calm", settings, silos, tls))
+        # each run with accounts of its own: an organization's account spans its runs (issue 75), and
+        # the figures compared are one run's
+        calm_settings = {**settings, "account_dir": str(tmp_path / "accounts-calm")}
+        calm = finish_all(_owners(names, tmp_path, tmp_path / "calm", calm_settings, silos, tls))
         stopped_dir = tmp_path / "stopped"
+        settings["account_dir"] = str(tmp_path / "accounts-stopped")
         processes = _owners(names, tmp_path, stopped_dir, settings, silos, tls)
         wait_for_text(stopped_dir / "run.log", "round 2: personalized accuracy", lambda: processes[0].poll() is None)
         processes[0].send_signal(signal.SIGINT)
@@ -400,6 +404,9 @@ def test_a_server_stopped_with_ctrl_c_and_resumed_leaves_every_organizations_dp_
         again = summary["privacy"]["per_user"][user]
         assert again["uses"] == entry["uses"] and again["epsilon"] == pytest.approx(entry["epsilon"], rel=1e-12)
     assert summary["privacy"]["epsilon"] == pytest.approx(uninterrupted["privacy"]["epsilon"], rel=1e-12)
+    # the resumed processes carried on the run's entry in each organization's account: one run each
+    accounts = sorted((tmp_path / "accounts-stopped").glob("*/account.json"))
+    assert len(accounts) == silos and all(len(json.loads(a.read_text())["runs"]) == 1 for a in accounts)
 
 
 @needs_mnist
