@@ -402,7 +402,8 @@ def silo_setup(parts: RunParts) -> Any:
     :class:`~fedml_perfedavg.fedml_bridge.cross_silo.agreement.ServerSetup`, or a silo's
     :class:`~fedml_perfedavg.fedml_bridge.cross_silo.agreement.SiloSetup`."""
     from ..fedml_bridge.cross_silo.addresses import read_ipconfig
-    from ..fedml_bridge.cross_silo.agreement import ADDRESSES, ServerSetup, SiloSetup, address_table, addresses_seen
+    from ..fedml_bridge.cross_silo.agreement import ADDRESSES, ROSTER_DIGEST, ServerSetup, SiloSetup
+    from ..fedml_bridge.cross_silo.agreement import address_table, addresses_seen
     from ..fedml_bridge.cross_silo.agreement import fingerprint, hello
 
     config, rank, users = parts.config, parts.rank, parts.users
@@ -411,24 +412,27 @@ def silo_setup(parts: RunParts) -> Any:
     # corrected carries on with its record and DP account)
     table = read_ipconfig(config.grpc_ipconfig_path) if config.grpc_ipconfig_path else {}
     own, threshold, weighted = config.own_data, secure_threshold(config), config.aggregation == "sample_weighted"
+    roster = _run_roster(config, threshold is not None)
+    values_agreed = {ROSTER_DIGEST: "none" if roster is None else roster.digest}
     if parts.is_server:
         return ServerSetup(
             own_data=own,
             secure_threshold=threshold,
             sample_weighted=weighted,
             silos=list(range(1, config.silo_count + 1)),
-            fingerprint={**values, ADDRESSES: address_table(table)},
+            fingerprint={**values, ADDRESSES: address_table(table), **values_agreed},
             user_counts=data_mode(config).vouched_counts(users, rank),
             model=parts.model,
             metric_names=parts.algorithm.metric_names,
             run_id=str(getattr(parts.args, "run_id", "0")),
             privacy=_privacy_words(config.privacy),
             ca=_run_ca(config) if threshold else None,
+            roster=roster if threshold else None,
             min_summed=config.min_summed_silos if threshold else 0,
             reserve_silos=config.reserve_silos if threshold else 0,
             keyed_order=parts.algorithm.keyed_order if threshold else None,
         )
-    agreed = {**values, ADDRESSES: addresses_seen(table, rank)}
+    agreed = {**values, ADDRESSES: addresses_seen(table, rank), **values_agreed}
     if not own:
         dp_evaluates = RoundSchedule.from_config(config).evaluates if config.privacy is not None else None
         return SiloSetup(
@@ -453,6 +457,24 @@ def silo_setup(parts: RunParts) -> Any:
         keyed_order=silo_schedule(parts, keyed_order=True) if threshold else None,
         reserve_silos=config.reserve_silos if threshold else 0,
     )
+
+
+def _run_roster(config: Any, secure: bool) -> Any:
+    """The run's key roster this process pins (comm_args.roster_path, else tls_dir's roster.json), or
+    None; secure aggregation refuses to start without one: its guarantees rest on who the silos are."""
+    from ..fedml_bridge.cross_silo.key_roster import ROSTER, read_roster, roster_path_of
+
+    path = roster_path_of(config.roster_path, config.tls_dir)
+    if path is None:
+        if secure:
+            raise ConfigError(
+                f"secagg_args.enable_secagg=True: needs the run's key roster (comm_args.roster_path, or {ROSTER} in "
+                f"comm_args.tls_dir={config.tls_dir!r}): without it a certificate the run's CA signs for any key "
+                f"joins a round. Make it with: fedml-perfedavg certs roster --tls-dir DIR --clients N "
+                f"(docs/deployment.md)"
+            )
+        return None
+    return read_roster(path, config.silo_count + 1)
 
 
 def _run_ca(config: Any) -> Optional[bytes]:

@@ -113,6 +113,7 @@ def check_algorithm_name(args: Any) -> None:
 
 TRANSPORT_KEYS = (
     "tls_dir",
+    "roster_path",
     "insecure",
     "max_message_bytes",
     "connect_timeout",

@@ -337,6 +337,14 @@ class CommArgs:
         "TLS, each rank bound to its certificate",
         optional=True,
     )
+    roster_path: Optional[str] = _setting(
+        str,
+        None,
+        "cross-silo: the run's key roster (every rank's public key; fedml-perfedavg certs roster), which this "
+        "rank pins: a peer whose certificate the CA signed for another key is refused; null: tls_dir's "
+        "roster.json where there is one. Secure aggregation needs one",
+        optional=True,
+    )
     insecure: bool = _setting(
         bool,
         False,

@@ -47,7 +47,13 @@ def _plugin(command: str, **replace) -> list:
 
 def test_the_guide_names_the_silo_yaml_the_ports_the_even_rule_and_what_each_party_keeps():
     commands, csv = guide_blocks()
-    assert set(commands) == {"trusted machine", "server", "organization R"}
+    assert set(commands) == {
+        "trusted machine",
+        "each party",
+        "trusted machine, with the requests",
+        "server",
+        "organization R",
+    }
     assert csv.splitlines()[0] == "eid,rank,grpc_server_ip,grpc_server_port" and len(csv.splitlines()) == 6
     text = GUIDE.read_text()
     for needed in (
@@ -70,17 +76,42 @@ def test_four_organizations_follow_the_guide_and_each_keeps_its_record(tmp_path,
     trusted.mkdir()
     (trusted / "data").symlink_to(mnist_root)
     (trusted / "yaml_configs").symlink_to(REPO / "yaml_configs")
-    for command in commands["trusted machine"]:
-        out = subprocess.run(_plugin(command), cwd=trusted, env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    homes = {}
-    for rank in range(ORGANIZATIONS + 1):  # step 3: each machine gets its files and nothing else
+
+    def step(host, cwd, **replace):
+        outs = []
+        for command in commands[host]:
+            out = subprocess.run(
+                _plugin(command, **replace), cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+            )
+            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+            outs.append(out.stdout)
+        return outs
+
+    step("trusted machine", trusted)
+    homes, published = {}, {}
+    (trusted / "requests").mkdir()
+    for rank in range(ORGANIZATIONS + 1):  # each party makes its own key; its request goes to the CA
         home = homes[rank] = tmp_path / f"host-{rank}"
-        (home / "tls").mkdir(parents=True)
+        home.mkdir()
+        (printed,) = step("each party", home, **{"--rank R": f"--rank {rank}"})
+        published[rank] = printed.split()[-1]
+        shutil.copy2(home / "tls" / f"rank-{rank}.csr", trusted / "requests")
+    sign, make_roster = commands["trusted machine, with the requests"]
+    for rank in range(ORGANIZATIONS + 1):  # the CA signs each request, then writes the roster
+        out = subprocess.run(_plugin(sign, **{"rank-R": f"rank-{rank}"}), cwd=trusted, env=env, capture_output=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+    out = subprocess.run(_plugin(make_roster), cwd=trusted, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    roster = json.loads((trusted / "signed" / "roster.json").read_text())
+    assert roster["ranks"] == {str(r): f for r, f in published.items()}  # what each party checks
+    assert sorted(os.listdir(trusted / "ca")) == ["ca.key", "ca.pem"]  # the CA never held a party's key
+    for rank in range(ORGANIZATIONS + 1):  # step 3: each machine gets its files and nothing else
+        home = homes[rank]
         shutil.copy2(SILO_YAML, home)
         (home / "ipconfig.csv").write_text(csv)
-        for name in ("ca.pem", f"rank-{rank}.pem", f"rank-{rank}.key"):
-            shutil.copy2(trusted / "tls" / name, home / "tls" / name)
+        shutil.copy2(trusted / "ca" / "ca.pem", home / "tls")
+        for name in ("roster.json", f"rank-{rank}.pem"):
+            shutil.copy2(trusted / "signed" / name, home / "tls" / name)
         if rank:
             shutil.copytree(trusted / "export" / f"rank-{rank}", home / f"rank-{rank}")
     names, _ = _make_hosts(ORGANIZATIONS)

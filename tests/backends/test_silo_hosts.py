@@ -207,14 +207,14 @@ def test_a_silo_whose_packets_are_dropped_costs_one_round_its_deadline(hosts, tm
 
 
 def _own_tls(tmp_path, silos):
-    """Each host's tls_dir holds the CA certificate and its own rank's certificate and key only."""
+    """Each host's tls_dir holds the CA certificate, the run's key roster and its own rank's certificate and key only."""
     everything = tmp_path / "all-tls"
     make_certificates(str(everything), silos)
     dirs = {}
     for rank in range(silos + 1):
         mine = tmp_path / f"tls-{rank}"
         mine.mkdir()
-        for name in ("ca.pem", f"rank-{rank}.pem", f"rank-{rank}.key"):
+        for name in ("ca.pem", "roster.json", f"rank-{rank}.pem", f"rank-{rank}.key"):
             shutil.copy2(everything / name, mine / name)
         dirs[rank] = str(mine)
     shutil.rmtree(everything)

@@ -63,3 +63,108 @@ def test_extended_key_usage_is_checked(tmp_path):
     with pytest.raises(ConfigError, match=r"does not allow \['serverAuth'\]"):
         load_credentials(str(tmp_path / "b"), 1)  # but a rank also listens
     assert peer_certificate_problem(_certificate(tmp_path / "c", None)) is None  # no extension: any use
+
+
+def test_each_organization_makes_its_own_key_and_the_roster_pins_it(tmp_path, capsys):
+    """Issue 75, rule 3: the CA signs requests and never sees a private key; the roster lists the
+    keys the organizations made, and a rank whose certificate the CA signed for another key (what
+    the holder of ca.key can make) does not start."""
+    import json
+    import os
+    import shutil
+
+    from fedml_perfedavg.fedml_bridge.cross_silo.key_roster import key_fingerprint
+
+    assert certs(["ca", "--out", str(tmp_path / "ca")]) == 0
+    published = {}
+    for rank in (0, 1, 2):
+        org = tmp_path / f"org{rank}"
+        assert certs(["request", "--out", str(org), "--rank", str(rank)]) == 0
+        published[rank] = capsys.readouterr().out.rsplit(" ", 1)[-1].strip()  # the fingerprint it publishes
+        assert (
+            certs(["sign", "--ca", str(tmp_path / "ca"), "--request", str(org / f"rank-{rank}.csr"), "--out", str(org)])
+            == 0
+        )
+        shutil.copy(tmp_path / "ca" / "ca.pem", org)
+    assert sorted(os.listdir(tmp_path / "ca")) == ["ca.key", "ca.pem"]  # no organization's key ever was there
+    collected = tmp_path / "collected"
+    collected.mkdir()
+    for rank in (0, 1, 2):
+        shutil.copy(tmp_path / f"org{rank}" / f"rank-{rank}.pem", collected)
+    assert certs(["roster", "--tls-dir", str(collected), "--clients", "2"]) == 0
+    roster = json.loads((collected / "roster.json").read_text())
+    assert roster["ranks"] == {str(r): f for r, f in published.items()}  # what each organization checks
+    for rank in (0, 1, 2):
+        shutil.copy(collected / "roster.json", tmp_path / f"org{rank}")
+        credentials = load_credentials(str(tmp_path / f"org{rank}"), rank)
+        assert credentials.roster is not None and credentials.peer_problem(rank, credentials.cert) is None
+    # the holder of ca.key signs a request of its own for rank 2: a valid certificate, not on the roster
+    assert certs(["request", "--out", str(tmp_path / "minted"), "--rank", "2"]) == 0
+    assert (
+        certs(
+            [
+                "sign",
+                "--ca",
+                str(tmp_path / "ca"),
+                "--request",
+                str(tmp_path / "minted" / "rank-2.csr"),
+                "--out",
+                str(tmp_path / "minted"),
+            ]
+        )
+        == 0
+    )
+    minted = (tmp_path / "minted" / "rank-2.pem").read_bytes()
+    honest = load_credentials(str(tmp_path / "org1"), 1)
+    assert "not rank 2's on the run's key roster" in honest.peer_problem(2, minted)
+    assert key_fingerprint(minted) != published[2]
+    shutil.copy(tmp_path / "minted" / "rank-2.pem", tmp_path / "org2")
+    shutil.copy(tmp_path / "minted" / "rank-2.key", tmp_path / "org2")
+    with pytest.raises(ConfigError, match=r"this rank's own certificate \(rank-2.pem\): .*outside the roster"):
+        load_credentials(str(tmp_path / "org2"), 2)
+    # a request that names two ranks, or none, is not signed
+    capsys.readouterr()
+    assert (
+        certs(
+            [
+                "sign",
+                "--ca",
+                str(tmp_path / "ca"),
+                "--request",
+                str(tmp_path / "org1" / "rank-1.key"),
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
+    assert "not a readable PEM signing request" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ('{"format": "other", "ranks": {}}', "its format"),
+        (
+            '{"format": "fedml-perfedavg key roster, version 1", "ranks": {"01": "' + "a" * 64 + '"}}',
+            "'01' is not a rank",
+        ),
+        ('{"format": "fedml-perfedavg key roster, version 1", "ranks": {"0": "xyz"}}', "not a SHA-256 fingerprint"),
+        (
+            '{"format": "fedml-perfedavg key roster, version 1", "ranks": {"0": "'
+            + "a" * 64
+            + '", "1": "'
+            + "a" * 64
+            + '"}}',
+            "one key is listed for two ranks",
+        ),
+        ("NaN", "not a number JSON allows"),
+    ],
+)
+def test_a_damaged_roster_is_refused_naming_the_file_and_the_fault(tmp_path, text, words):
+    from fedml_perfedavg.fedml_bridge.cross_silo.key_roster import read_roster
+
+    path = tmp_path / "roster.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"comm_args.roster_path='{path}': not the run's key roster \(.*{words}"):
+        read_roster(str(path))

@@ -60,7 +60,29 @@ def tls(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tls")
     make_certificates(str(folder), 3)
     read = lambda name: open(os.path.join(folder, name), "rb").read()  # noqa: E731
-    return {"ca": read("ca.pem"), **{r: (read(f"rank-{r}.pem"), read(f"rank-{r}.key")) for r in (1, 2, 3)}}
+    return {
+        "dir": str(folder),
+        "ca": read("ca.pem"),
+        **{r: (read(f"rank-{r}.pem"), read(f"rank-{r}.key")) for r in (1, 2, 3)},
+    }
+
+
+def minted(tls, rank):
+    """What whoever holds ca.key can make: a certificate for ``rank`` on a key of its own (PEMs)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import _pem_key, _rank_certificate
+
+    ca_key = serialization.load_pem_private_key(open(os.path.join(tls["dir"], "ca.key"), "rb").read(), None)
+    ca = x509.load_pem_x509_certificate(tls["ca"])
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = _rank_certificate(rank, key.public_key(), ca_key, ca.subject, now, now + datetime.timedelta(days=1))
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
 
 def deltas():
@@ -68,10 +90,15 @@ def deltas():
     return {s: fixed_point.clip(generator.normal(0, 0.1, LENGTH), 1.0) for s in (1, 2, 3)}
 
 
-def start(tls, threshold=2, checked=False, false_digest=()):
+def start(tls, threshold=2, checked=False, false_digest=(), roster=True, impostors=None):
     """The protocol through round 0's models, and each silo's party. ``checked``: the server checks
-    each advertisement against the run CA and the terms it sent (ServerSetup.ca), and the parties
-    sign the terms they were given (``false_digest``: those silos sign other terms)."""
+    each advertisement against the run CA (and with ``roster`` the run's key roster) and the terms
+    it sent (ServerSetup.ca), and the parties sign the terms they were given (``false_digest``:
+    those silos sign other terms). ``impostors``: rank -> (certificate, key) a party uses instead of
+    the rank's own."""
+    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import load_credentials
+    from fedml_perfedavg.fedml_bridge.cross_silo.key_roster import read_roster
+
     setup = ServerSetup(
         own_data=True,
         silos=[1, 2, 3],
@@ -80,6 +107,7 @@ def start(tls, threshold=2, checked=False, false_digest=()):
         secure_threshold=threshold,
         run_id="run-1",
         ca=tls["ca"] if checked else None,
+        roster=read_roster(os.path.join(tls["dir"], "roster.json")) if checked and roster else None,
     )
     model = SecureModel()
     p = SiloServerProtocol(setup, SiloPolicy(60.0, 30.0, 1), Plan([0, 1, 2]), model, 1, 3)
@@ -92,10 +120,10 @@ def start(tls, threshold=2, checked=False, false_digest=()):
     for m in models:
         terms = m.params[wire.SECAGG]
         encoded = fixed_point.encode(deltas()[m.silo], terms["weight"], terms["bits"])
-        cert, key = tls[m.silo]
+        cert, key = (impostors or {}).get(m.silo, tls[m.silo])
         digest = os.urandom(32) if m.silo in false_digest else terms_digest(terms, model.params())
         party = SiloRound("run-1", 0, m.silo, threshold, lambda data, k=key: sign(k, data), cert, digest)
-        parties[m.silo] = SecureSiloRound(0, party, encoded, tls["ca"])
+        parties[m.silo] = SecureSiloRound(0, party, encoded, load_credentials(tls["dir"], m.silo))
     return p, model, parties, models
 
 
@@ -170,6 +198,25 @@ def test_an_advertisement_the_honest_silos_would_refuse_costs_its_sender_alone(t
     assert record["summed"] == [1, 2] and record["failed"] is None
     plain = np.mean([deltas()[1], deltas()[2]], axis=0)  # the survivors' weights, renormalized
     assert np.max(np.abs(model.averages[0] - plain)) <= fixed_point.worst_error(30, 2, 2 / 3)
+
+
+def test_a_certificate_the_ca_signed_outside_the_roster_joins_no_round(tls):
+    """Issue 75, rule 3: whoever holds ca.key (the coordinator, when certs made every key on its
+    machine) minted certificates for silo ranks and rebuilt silo 4's update. A key the run's roster
+    does not list is now refused by the server before relaying (it costs the impostor's seat), and,
+    where the server relays it anyway (it is the CA holder), by every honest silo, naming it."""
+    from fedml_perfedavg.secagg.primitives import SecAggError
+
+    impostor = {3: minted(tls, 3)}
+    p, model, parties, _ = start(tls, checked=True, impostors=impostor)
+    ((_, lost, why),) = records(advertise(p, parties), "record_lost_silos")
+    assert lost == [3] and "not rank 3's on the run's key roster" in why and "outside the roster" in why, why
+
+    p, model, parties, _ = start(tls, checked=True, roster=False, impostors=impostor)  # relays it: a lying server
+    keys = [a for a in advertise(p, parties) if isinstance(a, Send) and a.messages[0].kind == wire.SECAGG_KEYS]
+    (message,) = [m for m in keys[0].messages if m.silo == 1]
+    with pytest.raises(SecAggError, match=r"rank 3.*not rank 3's on the run's key roster"):
+        parties[1].answer(message.kind, message.params)
 
 
 def test_honest_advertisements_pass_the_servers_checks(tls):

@@ -25,6 +25,7 @@ from torch import nn
 
 from ...core.types import StateDict, UserSplit
 from ...data.silo_folder import INPUT_DTYPES
+from .key_roster import KeyRoster
 from .wire import short
 
 # (section, key) of the config values every process of a cross-silo run must share.
@@ -60,6 +61,9 @@ SAFEGUARDS = "dp_args/attack_args/defense_args"  # FedML's DP, attack and defens
 # Every party reads the same address file (docs/deployment.md): a silo whose rows differ listens
 # where the server never sends (a port that disagreed was "nothing listens there" and a hang).
 ADDRESSES = "comm_args.grpc_ipconfig_path"
+# Every party pins the same key roster (its digest; "none" without one): a silo whose roster differs
+# would refuse honest peers, or take the server's.
+ROSTER_DIGEST = "comm_args.roster_path"
 _PROBE_ELEMENTS = 10_000_000  # a sample larger than this is not probed (a lie meant to exhaust memory)
 
 
@@ -216,6 +220,7 @@ class ServerSetup:
     run_id: str = "0"  # FedML's --run_id: what secure aggregation's signatures are bound to
     privacy: Optional[str] = None  # DP-SGD's settings in words, for the round's log line (None: no DP-SGD)
     ca: Optional[bytes] = None  # the run CA's certificate: secure aggregation's advertisements checked before relaying
+    roster: Optional[KeyRoster] = None  # the run's key roster: the same advertisements' keys checked against it
     min_summed: int = 0  # secure rounds: the fewest silos summed (secagg_args.min_summed_silos, as silos enforce it)
     reserve_silos: int = 0  # secure rounds: how far past the keyed sample a lost silo's place may go
     # secure rounds with reserves: round -> every user in the round's keyed order (core/sampling.py keyed_order)

@@ -7,6 +7,13 @@ Files in ``comm_args.tls_dir`` (what ``fedml-perfedavg certs --out DIR --clients
     ca.key            the CA's private key: keep it off the training hosts (it issues certificates)
     rank-R.pem        rank R's certificate (0 = the server, 1..N = silos)
     rank-R.key        rank R's private key: only the host of rank R needs it
+    roster.json       every rank's public key, which each rank pins (:mod:`.key_roster`): a
+                      certificate the CA signs for a key not on it is refused
+
+In a deployment each organization makes its own key and a signing request (``certs request``), the
+CA signs the request (``certs sign``: it never sees a private key), and the roster lists the keys
+the organizations published (``certs roster``); ``certs --out DIR --clients N`` makes everything on
+one machine, for tests and a single operator.
 
 A rank's certificate names the rank in a DNS subject alternative name ``rank-R.fedml-perfedavg``
 (:func:`rank_name`); an organization's own CA works the same way when it issues certificates with
@@ -20,9 +27,10 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ...core.errors import ConfigError
+from .key_roster import ROSTER, KeyRoster, key_fingerprint, read_roster, roster_path_of, write_roster
 
 DOMAIN = "fedml-perfedavg"
 # Canonical decimal only: "rank-01" or "rank-+1" name no rank (one rank, one spelling).
@@ -52,12 +60,18 @@ def key_file(rank: int) -> str:
 
 @dataclass(frozen=True)
 class Credentials:
-    """PEM bytes for one rank: the CA certificate, its own certificate and private key."""
+    """PEM bytes for one rank: the CA certificate, its own certificate and private key; the run's
+    key roster it pins (None: it trusts every certificate the CA signed for a rank)."""
 
     rank: int
     ca: bytes
     cert: bytes
     key: bytes
+    roster: Optional[KeyRoster] = None
+
+    def peer_problem(self, rank: int, certificate: bytes) -> Optional[str]:
+        """Why a peer's ``certificate`` is not rank ``rank``'s on the roster (None: it is, or no roster)."""
+        return None if self.roster is None else self.roster.problem(rank, certificate)
 
 
 def _write(path: str, data: bytes, private: bool) -> None:
@@ -123,7 +137,7 @@ def _ca_certificate(ca_key: Any, ca_name: Any, start: datetime.datetime, end: da
 
 
 def _rank_certificate(
-    rank: int, key: Any, ca_key: Any, ca_name: Any, start: datetime.datetime, end: datetime.datetime
+    rank: int, public_key: Any, ca_key: Any, ca_name: Any, start: datetime.datetime, end: datetime.datetime
 ) -> Any:
     """Rank ``rank``'s certificate: its name as the subject and the only DNS name, for a server
     and a client of mutual TLS alike, signed by the run CA."""
@@ -135,7 +149,7 @@ def _rank_certificate(
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, rank_name(rank))]))
         .issuer_name(ca_name)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
         .not_valid_after(end)
@@ -160,9 +174,11 @@ def make_certificates(
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    names = [CA_CERT, *([CA_KEY] if keep_ca_key else [])] + [
-        f for r in range(clients + 1) for f in (cert_file(r), key_file(r))
-    ]
+    names = (
+        [CA_CERT, *([CA_KEY] if keep_ca_key else [])]
+        + [f for r in range(clients + 1) for f in (cert_file(r), key_file(r))]
+        + [ROSTER]
+    )
     _check_certificate_request(out_dir, clients, days, overwrite, names)
     os.makedirs(out_dir, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -173,12 +189,122 @@ def make_certificates(
     _write(os.path.join(out_dir, CA_CERT), ca.public_bytes(serialization.Encoding.PEM), private=False)
     if keep_ca_key:
         _write(os.path.join(out_dir, CA_KEY), _pem_key(ca_key), private=True)
+    keys = {}
     for rank in range(clients + 1):
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = _rank_certificate(rank, key, ca_key, ca_name, start, end)
-        _write(os.path.join(out_dir, cert_file(rank)), cert.public_bytes(serialization.Encoding.PEM), private=False)
+        cert = _rank_certificate(rank, key.public_key(), ca_key, ca_name, start, end)
+        pem = cert.public_bytes(serialization.Encoding.PEM)
+        _write(os.path.join(out_dir, cert_file(rank)), pem, private=False)
         _write(os.path.join(out_dir, key_file(rank)), _pem_key(key), private=True)
+        keys[rank] = key_fingerprint(pem)
+    write_roster(os.path.join(out_dir, ROSTER), keys)
     return [os.path.join(out_dir, n) for n in names]
+
+
+def make_ca(out_dir: str, days: int = 30, overwrite: bool = False) -> List[str]:
+    """The run CA alone (``ca.pem``, ``ca.key``): it signs the organizations' requests (:func:`sign_request`)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    _check_certificate_request(out_dir, 1, days, overwrite, [CA_CERT, CA_KEY])
+    os.makedirs(out_dir, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{DOMAIN} run CA")])
+    ca = _ca_certificate(ca_key, ca_name, now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days))
+    _write(os.path.join(out_dir, CA_CERT), ca.public_bytes(serialization.Encoding.PEM), private=False)
+    _write(os.path.join(out_dir, CA_KEY), _pem_key(ca_key), private=True)
+    return [os.path.join(out_dir, CA_CERT), os.path.join(out_dir, CA_KEY)]
+
+
+def request_file(rank: int) -> str:
+    return f"rank-{rank}.csr"
+
+
+def make_request(out_dir: str, rank: int, overwrite: bool = False) -> Tuple[List[str], str]:
+    """An organization's own key for rank ``rank`` and a signing request for it (``rank-R.key``,
+    mode 0600, never sent; ``rank-R.csr``, for the CA); returns the files and the key's fingerprint."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    if rank < 0:
+        raise ConfigError(f"--rank {rank}: must be >= 0 (0 is the server)")
+    names = [key_file(rank), request_file(rank)]
+    _check_certificate_request(out_dir, 1, 1, overwrite, names)
+    os.makedirs(out_dir, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    request = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, rank_name(rank))]))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(rank_name(rank))]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    _write(os.path.join(out_dir, key_file(rank)), _pem_key(key), private=True)
+    pem = request.public_bytes(serialization.Encoding.PEM)
+    _write(os.path.join(out_dir, request_file(rank)), pem, private=False)
+    return [os.path.join(out_dir, n) for n in names], key_fingerprint(pem)
+
+
+def sign_request(
+    ca_dir: str, request_path: str, out_dir: str, days: int = 30, overwrite: bool = False
+) -> Tuple[str, int]:
+    """The CA's certificate (``rank-R.pem`` in ``out_dir``) for a signing request: its signature
+    checked, exactly one rank named, that name alone in the certificate. Returns (file, rank)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        with open(request_path, "rb") as stream:
+            request = x509.load_pem_x509_csr(stream.read(1 << 16))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--request {request_path!r}: not a readable PEM signing request ({err})") from None
+    if not request.is_signature_valid:
+        raise ConfigError(f"--request {request_path!r}: its signature is not its key's")
+    try:
+        names = list(
+            request.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+                x509.DNSName
+            )
+        )
+    except x509.ExtensionNotFound:
+        names = []
+    rank = rank_of_names(names)
+    if rank is None or len(names) != 1:
+        raise ConfigError(
+            f"--request {request_path!r}: names {names}; a rank's request names one rank, rank-R.{DOMAIN} "
+            f"(fedml-perfedavg certs request makes one)"
+        )
+    ca_pem = _read(ca_dir, CA_CERT, "the CA certificate")
+    ca_key = serialization.load_pem_private_key(_read(ca_dir, CA_KEY, "the CA's private key"), password=None)
+    ca = x509.load_pem_x509_certificate(ca_pem)
+    if not 1 <= days <= MAX_DAYS:
+        raise ConfigError(f"--days {days}: must be 1..{MAX_DAYS}")
+    _check_certificate_request(out_dir, 1, days, overwrite, [cert_file(rank)])
+    os.makedirs(out_dir, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    end = min(now + datetime.timedelta(days=days), ca.not_valid_after_utc)
+    cert = _rank_certificate(rank, request.public_key(), ca_key, ca.subject, now - datetime.timedelta(minutes=5), end)
+    path = os.path.join(out_dir, cert_file(rank))
+    _write(path, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    return path, rank
+
+
+def roster_from_certificates(tls_dir: str, ranks: int, out: Optional[str] = None) -> Tuple[str, Dict[int, str]]:
+    """The run's key roster from ``tls_dir``'s rank-0..rank-(ranks-1) certificates, written to ``out``
+    (default ``tls_dir``/roster.json). Returns the file and rank -> fingerprint."""
+    keys = {}
+    for rank in range(ranks):
+        try:
+            keys[rank] = key_fingerprint(_read(tls_dir, cert_file(rank), f"rank {rank}'s certificate"))
+        except ValueError as err:
+            raise ConfigError(f"{os.path.join(tls_dir, cert_file(rank))}: {err}") from None
+    path = out or os.path.join(tls_dir, ROSTER)
+    write_roster(path, keys)
+    return path, keys
 
 
 def _read(tls_dir: str, name: str, what: str) -> bytes:
@@ -193,9 +319,10 @@ def _read(tls_dir: str, name: str, what: str) -> bytes:
         ) from None
 
 
-def load_credentials(tls_dir: str, rank: int) -> Credentials:
+def load_credentials(tls_dir: str, rank: int, roster_path: Optional[str] = None) -> Credentials:
     """Rank ``rank``'s credentials from ``tls_dir``, checked: its certificate names that rank, is
-    signed by the CA in the folder, is valid now, and its key is readable by its owner alone."""
+    signed by the CA in the folder, is valid now, and its key is readable by its owner alone; with
+    the run's key roster (``roster_path``, else ``tls_dir``'s roster.json), its own key is its row."""
     from cryptography import x509
 
     ca_pem = _read(tls_dir, CA_CERT, "the CA certificate")
@@ -242,7 +369,15 @@ def load_credentials(tls_dir: str, rank: int) -> Credentials:
             f"comm_args.tls_dir={tls_dir!r}: {cert_file(rank)} is not signed by {CA_CERT}; the "
             f"folder must hold the run's CA certificate and this rank's certificate from it"
         ) from None
-    return Credentials(rank=rank, ca=ca_pem, cert=cert_pem, key=key_pem)
+    path = roster_path_of(roster_path, tls_dir)
+    roster = None if path is None else read_roster(path)
+    problem = None if roster is None else roster.problem(rank, cert_pem)
+    if problem is not None:
+        raise ConfigError(
+            f"comm_args.tls_dir={tls_dir!r}: this rank's own certificate ({cert_file(rank)}): {problem}; the "
+            f"roster must list the key this organization made (fedml-perfedavg certs fingerprint {cert_file(rank)})"
+        )
+    return Credentials(rank=rank, ca=ca_pem, cert=cert_pem, key=key_pem, roster=roster)
 
 
 def _usage_problem(cert, need_server: bool) -> Optional[str]:

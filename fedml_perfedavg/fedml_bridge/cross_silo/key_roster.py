@@ -18,6 +18,7 @@ each other silo's advertisement itself (:mod:`.secure_silo`), whatever the serve
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -34,6 +35,7 @@ _FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
 _RANK = re.compile(r"^(0|[1-9]\d{0,5})$")
 
 
+@functools.lru_cache(maxsize=1024)  # a peer's certificate is checked at each of its messages
 def key_fingerprint(pem: bytes) -> str:
     """The SHA-256 (hex) of the public key in ``pem``: a certificate, a signing request or a private
     key (its public half). :class:`ValueError` where it holds none of them."""
@@ -101,7 +103,7 @@ def read_roster(path: str, ranks: Optional[int] = None) -> KeyRoster:
         with open(path, "rb") as stream:
             raw = stream.read(MAX_ROSTER_BYTES + 1)
     except OSError as err:
-        raise ConfigError(f"comm_args.roster_path={path!r}: cannot read the run's key roster ({err.strerror})") from None
+        raise ConfigError(f"comm_args.roster_path={path!r}: cannot read the key roster ({err.strerror})") from None
     try:
         if len(raw) > MAX_ROSTER_BYTES:
             raise ValueError(f"larger than {MAX_ROSTER_BYTES} bytes")

@@ -33,6 +33,7 @@ from ...secagg.primitives import SecAggError, verify
 from ...secagg.rounds import Advert, RoundFailed, ServerRound
 from ...silo.outcome import state_digest
 from .credentials import certificate_rank_problem
+from .key_roster import KeyRoster
 from . import wire
 from .events import ROUND, Outbox, ToSilo
 from .awaited import OpenRound
@@ -123,12 +124,17 @@ def terms_digest(terms: Dict[str, Any], received: Dict[str, Any]) -> bytes:
     return hashlib.sha256(b"pfa-secagg-terms" + text.encode()).digest()
 
 
-def advert_problem(advert: Advert, run_id: str, round_idx: int, ca: bytes, digest: bytes) -> Optional[str]:
+def advert_problem(
+    advert: Advert, run_id: str, round_idx: int, ca: bytes, digest: bytes, roster: Optional[KeyRoster] = None
+) -> Optional[str]:
     """Why the server must not relay ``advert`` (None: it may): a certificate that is not the run
-    CA's for that rank, a signature its certificate's key did not make, or terms other than those
-    the server sent. Checked before relaying, so that one lying silo costs its own seat only, not
-    the honest silos' (each of them would otherwise refuse the round it relays)."""
-    problem = certificate_rank_problem(advert.certificate, ca, advert.rank)
+    CA's for that rank or not the key the run's roster pins for it, a signature its certificate's
+    key did not make, or terms other than those the server sent. Checked before relaying, so that
+    one lying silo costs its own seat only, not the honest silos' (each of them would otherwise
+    refuse the round it relays)."""
+    problem = certificate_rank_problem(advert.certificate, ca, advert.rank) or (
+        None if roster is None else roster.problem(advert.rank, advert.certificate)
+    )
     if problem is not None:
         return f"its advertisement's certificate: {problem}"
     if not verify(advert.certificate, advert.payload(run_id, round_idx), advert.signature):
@@ -414,8 +420,8 @@ class SecureAggregation:
         )
         if setup.ca is not None:  # each advertisement checked as its receivers will check it, before relaying
             digest = terms_digest(secure.terms(silos[0]), rounds.model.params()) if silos else b""
-            ca, run_id = setup.ca, setup.run_id
-            secure.check_advert = lambda advert: advert_problem(advert, run_id, round_idx, ca, digest)
+            ca, run_id, roster = setup.ca, setup.run_id, setup.roster
+            secure.check_advert = lambda advert: advert_problem(advert, run_id, round_idx, ca, digest, roster)
         return cls(rounds, secure)
 
     def terms(self, silo: int) -> Optional[Dict[str, Any]]:

@@ -21,7 +21,7 @@ from ...secagg.primitives import SecAggError, sign
 from ...secagg.rounds import Advert, SiloRound
 from . import wire
 from ...core.sampling import reserve_problem
-from .credentials import certificate_rank_problem
+from .credentials import Credentials, certificate_rank_problem
 from .secure_rounds import advert_from_wire, advert_to_wire, terms_digest
 
 
@@ -51,10 +51,11 @@ def weight_problem(rank: int, terms: Dict[str, Any], setup: Any) -> Optional[str
 
 
 class SecureSiloRound:
-    """Silo ``party.rank``'s part of round ``round_idx``, its input ``encoded``; ``ca``: the run's CA."""
+    """Silo ``party.rank``'s part of round ``round_idx``, its input ``encoded``; ``credentials``: its
+    own, with the run's CA and the key roster it pins."""
 
-    def __init__(self, round_idx: int, party: SiloRound, encoded: np.ndarray, ca: bytes) -> None:
-        self.round_idx, self.party, self.encoded, self.ca = round_idx, party, encoded, ca
+    def __init__(self, round_idx: int, party: SiloRound, encoded: np.ndarray, credentials: Credentials) -> None:
+        self.round_idx, self.party, self.encoded, self.credentials = round_idx, party, encoded, credentials
 
     @classmethod
     def start(
@@ -128,7 +129,7 @@ class SecureSiloRound:
             terms_digest(terms, received),
             rules.min_summed,
         )
-        return cls(round_idx, party, encoded, credentials.ca)
+        return cls(round_idx, party, encoded, credentials)
 
     def advertise(self) -> Advert:
         return self.party.advertise()
@@ -138,7 +139,11 @@ class SecureSiloRound:
         return wire.SECAGG_ADVERT, {"advert": advert_to_wire(self.advertise())}
 
     def check_peer(self, advert: Advert) -> Optional[str]:
-        return certificate_rank_problem(advert.certificate, self.ca, advert.rank)
+        """Why another silo's advertisement is not that rank's (whatever the server relays), or None:
+        its certificate must be the run CA's for the rank and, whoever holds the CA's key, carry the
+        key the run's roster pins for it."""
+        pem, rank = advert.certificate, advert.rank
+        return certificate_rank_problem(pem, self.credentials.ca, rank) or self.credentials.peer_problem(rank, pem)
 
     def answer(self, kind: int, params: Dict[str, Any]) -> Tuple[int, Dict[str, Any], Any]:
         """This silo's answer (type, parameters, tensors) to the server's stage message ``kind``."""

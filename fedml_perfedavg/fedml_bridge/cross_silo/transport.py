@@ -109,7 +109,7 @@ class TransportSettings:
             logger.info("comm_args.max_message_bytes not set and no model known: messages are capped at %d bytes", cap)
         return cls(
             run_id,
-            load_credentials(str(values["tls_dir"]), rank) if values["tls_dir"] else None,
+            load_credentials(str(values["tls_dir"]), rank, values["roster_path"]) if values["tls_dir"] else None,
             int(cap),
             values["connect_timeout"],
             values["max_connections"],
@@ -362,6 +362,9 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         problem = peer_certificate_problem(pem)
         if problem is not None:
             raise wire.Rejected(f"the peer's certificate (rank {rank}) {problem}", IDENTITY)
+        problem = self.settings.credentials.peer_problem(rank, pem)
+        if problem is not None:  # signed by the run's CA, but not the key the roster pins for the rank
+            raise wire.Rejected(f"the peer naming rank {rank}: {problem}", IDENTITY)
         return rank
 
     def sightings(self, ranks: Iterable[int]) -> str:
