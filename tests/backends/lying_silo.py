@@ -39,6 +39,9 @@ Run as rank 0, a lie is the server's (its certificate is the run's, its code pat
 - ``server-evaluate-more``: with the evaluation after round 0 it also asks every silo to evaluate
   round 0 again on a model moved by 1e-6, rounds 1, 5 and 7, and sends it a model stamped
   round = comm_round (a final model mid-run); it ignores every silo's refusal.
+- ``server-ignore-roster``: the coordinator holds ca.key: it takes any certificate the run's CA
+  signed, on the wire and in secure-aggregation advertisements, whatever the key roster lists, and
+  any silo's roster.
 
 Lies join with ``+`` (``server-sample-all+server-skew-weights``).
 """
@@ -297,6 +300,19 @@ def lie(kind: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         client.PluginClientMasterManager._send_secagg = send_then_vanish
+    elif kind == "server-ignore-roster":
+        from fedml_perfedavg.fedml_bridge.cross_silo import agreement, key_roster, roster
+
+        key_roster.KeyRoster.problem = lambda self, rank, certificate: None
+        honest_disagreement = agreement.disagreement
+
+        def blind(server, silo, rank):
+            drop = agreement.ROSTER_DIGEST
+            if isinstance(silo, dict):
+                silo = {k: v for k, v in silo.items() if k != drop}
+            return honest_disagreement({k: v for k, v in server.items() if k != drop}, silo, rank)
+
+        roster.disagreement = blind
     else:
         raise SystemExit(f"lying_silo.py: unknown lie {kind!r}")
 

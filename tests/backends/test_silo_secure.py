@@ -451,3 +451,45 @@ def test_a_silo_started_with_terms_that_expose_one_update_refuses_at_start_sayin
     assert "Traceback" not in out.stderr
     if "client_num_per_round" in change:
         assert "each would learn the other's update" in out.stderr
+
+
+@needs_mnist
+def test_a_server_holding_ca_key_that_mints_an_organizations_certificate_gets_no_masked_input(mnist_root, tmp_path):
+    """Issue 75, rule 3, as the coordinator did it on 6001daa: it holds ca.key, signs a certificate
+    for organization 3's rank on a key of its own and runs a process with it (with a roster that
+    names that key), and its server takes it (its roster checks patched out). There the impostor's
+    advertisement was taken and the round summed with it (the server rebuilt silo 4's clipped
+    update with three such certificates). Every honest silo pins the run's roster: each refuses the
+    round, naming rank 3's key, and the round sums nothing."""
+    import shutil
+
+    from fedml_perfedavg.fedml_bridge.cross_silo.key_roster import key_fingerprint
+    from fedml_perfedavg.run.certs import main as certs
+
+    from tests.helpers import make_tls
+
+    tls = tmp_path / "tls"
+    make_tls(tls, 4)  # the run's files (start_by_hand hands them to every honest rank)
+    minted = tmp_path / "minted"
+    assert certs(["request", "--out", str(minted), "--rank", "3"]) == 0
+    assert certs(["sign", "--ca", str(tls), "--request", str(minted / "rank-3.csr"), "--out", str(minted)]) == 0
+    shutil.copy(tls / "ca.pem", minted)
+    forged = json.loads((tls / "roster.json").read_text())
+    forged["ranks"]["3"] = key_fingerprint((minted / "rank-3.pem").read_bytes())
+    (minted / "roster.json").write_text(json.dumps(forged))
+    folders = _export(mnist_root, tmp_path, 4)
+    folders[3] = {**folders[3], "tls_dir": str(minted)}
+    settings = {
+        **SECURE,
+        "client_num_in_total": 4,
+        "client_num_per_round": 4,
+        "comm_round": 1,
+        "round_timeout": 3,
+        "min_clients_per_round": 1,
+    }
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={0: "server-ignore-roster"}), timeout=200)
+    summary = _summary(tmp_path)
+    assert all(not r["summed"] for r in summary.get("secure_aggregation", {}).get("per_round", [])), outs[0][-3000:]
+    for rank in (1, 2, 4):
+        assert "not rank 3's on the run's key roster" in outs[rank], outs[rank][-3000:]
+        assert "a certificate the run's CA signed outside the roster" in outs[rank]
