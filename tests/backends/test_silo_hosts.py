@@ -207,7 +207,7 @@ def test_a_silo_whose_packets_are_dropped_costs_one_round_its_deadline(hosts, tm
 
 
 def _own_tls(tmp_path, silos):
-    """Each host's tls_dir holds the CA certificate, the run's key roster and its own rank's certificate and key only."""
+    """Each host's tls_dir holds the CA certificate, the run's key roster and its own certificate and key only."""
     everything = tmp_path / "all-tls"
     make_certificates(str(everything), silos)
     dirs = {}
