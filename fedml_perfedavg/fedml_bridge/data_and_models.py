@@ -15,6 +15,8 @@ import glob
 import logging
 import os
 import socket
+import sys
+import threading
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
@@ -124,7 +126,6 @@ def offline_fedml_loader(args: Any) -> Iterator[None]:
                 f"torchvision's MNIST files)"
             )
         stack.enter_context(replaced(fedml_loader, "download_mnist", lambda data_cache_dir: None))
-    original_connect, original_getaddrinfo = socket.socket.connect, socket.getaddrinfo
 
     def refused(address: Any) -> ConfigError:
         return ConfigError(
@@ -133,18 +134,45 @@ def offline_fedml_loader(args: Any) -> Iterator[None]:
             f"data_args.download: true"
         )
 
-    def refuse(sock, address):
+    with stack, _offline_in_this_thread(refused):
+        yield
+
+
+_OFFLINE = threading.local()  # .refused: what a connection or name lookup from this thread raises now
+_AUDITING = False
+
+
+def _refuse_network(event: str, args: Tuple[Any, ...]) -> None:
+    """An audit hook (sys.addaudithook): inert but on a thread inside :func:`_offline_in_this_thread`,
+    where an outside connection or a name lookup raises its error before anything leaves."""
+    refused = getattr(_OFFLINE, "refused", None)
+    if refused is None:
+        return
+    if event == "socket.connect":
+        sock, address = args[0], args[1]
         if getattr(sock, "family", None) in (socket.AF_INET, socket.AF_INET6):
             raise refused(address)
-        return original_connect(sock, address)
-
-    def refuse_lookup(host, port, *rest, **kwargs):  # offline, the name lookup fails first (a bare URLError)
-        if host not in (None, "localhost") and not _is_address(host):
+    elif event == "socket.getaddrinfo":  # offline, the name lookup fails first (a bare URLError)
+        host, port = args[0], args[1]
+        if host not in (None, "localhost", b"localhost") and not _is_address(host):
             raise refused(f"{host}:{port}")
-        return original_getaddrinfo(host, port, *rest, **kwargs)
 
-    with stack, replaced(socket.socket, "connect", refuse), replaced(socket, "getaddrinfo", refuse_lookup):
+
+@contextlib.contextmanager
+def _offline_in_this_thread(refused: Callable[[Any], ConfigError]) -> Iterator[None]:
+    """No connection leaves this thread meanwhile. Scoped by an audit hook, not by replacing
+    ``socket``'s functions: every other thread, and this one afterwards, is left as it was (an
+    audit hook cannot be removed; this one does nothing outside the block)."""
+    global _AUDITING
+    if not _AUDITING:
+        sys.addaudithook(_refuse_network)
+        _AUDITING = True
+    previous = getattr(_OFFLINE, "refused", None)
+    _OFFLINE.refused = refused
+    try:
         yield
+    finally:
+        _OFFLINE.refused = previous
 
 
 def _is_address(host: Any) -> bool:

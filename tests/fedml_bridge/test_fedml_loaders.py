@@ -53,3 +53,35 @@ def test_shakespeare_reads_data_cache_dir_and_names_it_when_its_files_are_missin
     dataset, classes = _load(dataset="shakespeare", data_cache_dir=str(tmp_path))
     train_num, test_num = dataset[0], dataset[1]
     assert (train_num, test_num, classes) == (18, 6, 90)  # its 3 users, from data_cache_dir
+
+
+def test_the_offline_guard_is_this_threads_alone_and_replaces_nothing_in_socket():
+    """Issue 77: the guard once replaced socket.socket.connect and socket.getaddrinfo process-wide
+    while FedML's loaders ran. Now it is an audit hook that acts on the loading thread alone."""
+    import socket
+    import threading
+
+    from fedml_perfedavg.fedml_bridge.data_and_models import _offline_in_this_thread
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+    functions = (socket.socket.connect, socket.getaddrinfo, socket.create_connection)
+    reached = []
+
+    def elsewhere():
+        with socket.create_connection(address, timeout=5):
+            reached.append(True)
+
+    with _offline_in_this_thread(lambda where: ConfigError(f"refused {where}")):
+        assert (socket.socket.connect, socket.getaddrinfo, socket.create_connection) == functions
+        other = threading.Thread(target=elsewhere)
+        other.start()
+        other.join(10)
+        with pytest.raises(ConfigError, match=r"refused \('127.0.0.1'"):
+            socket.create_connection(address, timeout=5)
+        with pytest.raises(ConfigError, match="refused example.org:80"):
+            socket.getaddrinfo("example.org", 80)
+    assert reached == [True]  # another thread connected meanwhile
+    with socket.create_connection(address, timeout=5):  # and this one does again afterwards
+        pass
+    listener.close()
