@@ -28,6 +28,7 @@ def state():
         "init_manager": hasattr(FedMLCommManager._init_manager, "__wrapped__"),
         "one_round": hasattr(mpi_api.FedAVGClientManager.handle_message_init, "__wrapped__"),
         "receive_loop": MpiCommunicationManager.handle_receive_message.__module__,
+        "excepthook": sys.excepthook is sys.__excepthook__,
     }
 
 before = state()
@@ -46,10 +47,12 @@ def test_fedmls_own_transport_and_mpi_loop_stay_fedmls_unless_the_user_asks_for_
         "init_manager": False,
         "one_round": False,
         "receive_loop": "fedml.core.distributed.communication.mpi.com_manager",
+        "excepthook": True,  # only a plugin run wraps it (a run stopped by a signal ends by it)
     }, seen
     assert seen["after"] == {
         "grpc": "fedml_perfedavg.fedml_bridge.cross_silo.transport",
         "init_manager": True,
         "one_round": True,
         "receive_loop": "fedml_perfedavg.fedml_bridge.mpi",
+        "excepthook": True,
     }, seen

@@ -588,8 +588,7 @@ def install() -> None:
     fedml_perfedavg`` does)."""
     from ..fedml_bridge import install as install_bridge
 
-    install_bridge(Entry())
-    exit_as_signalled()
+    install_bridge(Entry())  # sys.excepthook stays as it is: a plugin run wraps it when it starts (run)
 
 
 # -- FedML's main-script steps, for the command line and library calls --------------------------------
