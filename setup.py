@@ -54,5 +54,5 @@ setup(
         "dp": ["opacus>=1.4", "threadpoolctl>=3"],
         "test": ["pytest", "hypothesis", "pytest-xdist"],  # make test runs the suite on several workers
     },
-    entry_points={"console_scripts": ["fedml-perfedavg = fedml_perfedavg.run.cli:main"]},
+    entry_points={"console_scripts": ["fedml-perfedavg = fedml_perfedavg.command:main"]},
 )

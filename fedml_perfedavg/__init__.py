@@ -14,12 +14,11 @@ command line). docs/architecture.md follows one round through them.
 
 from typing import Any
 
-from .import_cost import collector_paused, dynamo_on_first_use
+from .import_cost import collector_paused
 
 with collector_paused():  # torch's import, without the collector walking it (import_cost.py)
-    import torch
+    import torch  # noqa: F401
 
-    dynamo_on_first_use(torch)  # torch.func's first gradient without importing TorchDynamo
     from .algorithms import FederatedAlgorithm, algorithm_names, create_algorithm, register
     from .core.errors import ConfigError, DivergenceError, OutputError, RunStopped, SiloFailure
     from .core.client_maths import LocalBatches, LocalUpdateConfig, local_update, meta_gradient

@@ -1,5 +1,5 @@
 import sys
 
-from .run.cli import main
+from .command import main
 
 sys.exit(main())

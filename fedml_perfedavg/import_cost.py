@@ -13,8 +13,11 @@
   process imported all of it (1.0 s of CPU) to switch off compiled autograd, which is off unless
   TorchDynamo is loaded; a one-round quick-start run took 2.1 s of CPU instead of 3.4.
 
-Every process of a run (each cross-silo rank, each MPI rank) pays these at start. Nothing here
-imports anything beyond the standard library, so it can come first.
+Every process of a run (each cross-silo rank, each MPI rank) pays these at start. They change
+what the process imports, so they apply only where the plugin owns the process: its own command
+line (:mod:`fedml_perfedavg.command` calls :func:`take_process`), never a FedML user's program
+that imports the plugin (issue 77). Nothing here imports anything beyond the standard library, so
+it can come first.
 """
 
 from __future__ import annotations
@@ -49,6 +52,24 @@ def collector_paused(freeze: bool = False) -> Iterator[None]:
             if freeze:
                 gc.freeze()
             gc.enable()
+
+
+_OWN_PROCESS = False
+
+
+def take_process() -> None:
+    """The plugin's own command line owns this process: FedML's import is made cheaper here
+    (:func:`owns_process`), and torch.func's gradients do not load TorchDynamo until it is used."""
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        dynamo_on_first_use(torch)
+
+
+def owns_process() -> bool:
+    """Whether the plugin's own command line started this process (:func:`take_process`)."""
+    return _OWN_PROCESS
 
 
 _IMPORT_MACHINERY = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")

@@ -56,3 +56,93 @@ def test_fedmls_own_transport_and_mpi_loop_stay_fedmls_unless_the_user_asks_for_
         "receive_loop": "fedml_perfedavg.fedml_bridge.mpi",
         "excepthook": True,
     }, seen
+
+
+FEDAVG_YAML = """
+common_args: {training_type: simulation, random_seed: 0, using_mlops: false}
+data_args: {dataset: synthetic, data_cache_dir: ./data, partition_method: hetero, partition_alpha: 0.5}
+model_args: {model: lr}
+train_args: {federated_optimizer: FedAvg, client_num_in_total: 4, client_num_per_round: 2, comm_round: 3,
+             epochs: 1, batch_size: 8, client_optimizer: sgd, learning_rate: 0.05, weight_decay: 0.0}
+validation_args: {frequency_of_the_test: 1}
+device_args: {using_gpu: false}
+comm_args: {backend: sp}
+tracking_args: {enable_wandb: false}
+"""
+
+FEDAVG_MAIN = """
+import hashlib, json, os, sys, types
+import torch
+OUT, YAML = sys.argv[2], sys.argv[3]
+if sys.argv[1] == "with":
+    import fedml_perfedavg  # noqa: F401  the one import
+import fedml
+sys.argv = [sys.argv[0], "--cf", YAML]
+args = fedml.init()
+torch.manual_seed(0)
+def batches(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, 20, generator=g), torch.randint(0, 3, (n,), generator=g)
+    return [(x[i:i + 8], y[i:i + 8]) for i in range(0, n, 8)]
+train = {c: batches(32, c) for c in range(4)}
+test = {c: batches(16, 100 + c) for c in range(4)}
+dataset = [128, 64, sum(train.values(), []), sum(test.values(), []), {c: 32 for c in range(4)}, train, test, 3]
+model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+fedml.FedMLRunner(args, fedml.device.get_device(args), dataset, model).run()
+
+def describe(value):
+    code = getattr(value, "__code__", None)
+    if isinstance(value, (types.FunctionType, types.MethodType)) and code is not None:
+        folder, file = os.path.split(code.co_filename)
+        return os.path.basename(folder) + "/" + file + ":" + code.co_name
+    if isinstance(value, type) or callable(value):
+        return str(getattr(value, "__module__", "?")) + "." + str(getattr(value, "__qualname__", type(value).__name__))
+    return type(value).__module__ + "." + type(value).__name__
+
+objects = {}
+for name, module in sorted(sys.modules.items()):
+    if module is None or name.split(".")[0] != "fedml":
+        continue
+    for attribute, value in list(vars(module).items()):
+        objects[name + ":" + attribute] = describe(value)
+        if isinstance(value, type) and value.__module__ == name:
+            for member, inner in list(vars(value).items()):
+                objects[name + ":" + attribute + "." + member] = describe(inner)
+state = model.state_dict()
+digest = hashlib.sha256(b"".join(v.detach().numpy().tobytes() for v in state.values())).hexdigest()
+with open(OUT, "w") as stream:
+    json.dump({"model": digest, "objects": objects}, stream)
+"""
+
+# The plugin's one install point (fedml_bridge/install.py; docs/fedml.md lists each): FedML's entry
+# points learn the plugin's algorithms; each passes FedML's own algorithms through unchanged.
+INSTALL_POINTS = {"fedml:init", "fedml.data:load", "fedml.model:create", "fedml.runner:FedMLRunner.__init__"}
+
+
+def test_fedmls_own_fedavg_gives_the_same_model_and_meets_the_same_fedml_with_the_plugin_imported(tmp_path):
+    """Issue 77: FedML's own FedAvg (sp) in a user's program, with ``import fedml_perfedavg`` and
+    without: the same model bit for bit, and every attribute of FedML's modules (and of their
+    classes) the same object, but for the install points. Offline: no network here either way."""
+    (tmp_path / "fedavg.yaml").write_text(FEDAVG_YAML)
+    (tmp_path / "main.py").write_text(FEDAVG_MAIN)
+    seen = {}
+    for way in ("with", "without"):
+        out = tmp_path / f"{way}.json"
+        done = subprocess.run(
+            [sys.executable, str(tmp_path / "main.py"), way, str(out), str(tmp_path / "fedavg.yaml")],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**__import__("os").environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / f"home-{way}")},
+            timeout=300,
+        )
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        seen[way] = json.loads(out.read_text())
+    assert seen["with"]["model"] == seen["without"]["model"]
+    a, b = seen["with"]["objects"], seen["without"]["objects"]
+    both = {k.split(":")[0] for k in a} & {k.split(":")[0] for k in b}
+    changed = {k for k in set(a) | set(b) if k.split(":")[0] in both and a.get(k) != b.get(k)}
+    # a submodule loaded on one side only (the plugin imports some of FedML's MPI modules) is an
+    # attribute of its package there: not a change to FedML
+    changed = {k for k in changed if {a.get(k), b.get(k)} - {None} != {"builtins.module"}}
+    assert changed == INSTALL_POINTS, sorted(changed)

@@ -104,13 +104,14 @@ def test_after_the_import_the_stand_ins_leave_sys_modules(packages):
 
 @pytest.mark.backend
 def test_import_fedml_loads_none_of_what_it_defers_and_fedml_still_reaches_it():
-    """``import fedml_perfedavg, fedml`` in a fresh interpreter: none of the deferred packages is
-    loaded (torchvision would bring torch._dynamo), and FedML's names for them reach the real
-    objects: torchvision's transforms (the DLG attack), scipy (FedML's RDP accountant), wandb."""
+    """The plugin's command line (``fedml_perfedavg.command``, which takes the process), then
+    ``import fedml``, in a fresh interpreter: none of the deferred packages is loaded
+    (torchvision would bring torch._dynamo), and FedML's names for them reach the real objects:
+    torchvision's transforms (the DLG attack), scipy (FedML's RDP accountant), wandb."""
     code = textwrap.dedent(
         """
         import sys
-        import fedml_perfedavg, fedml
+        import fedml_perfedavg.command, fedml
         from fedml_perfedavg.fedml_bridge.bootstrap import _FEDML_DEFERS
         tops = {name.split(".")[0] for name in _FEDML_DEFERS if not name.startswith("fedml.")}
         print(sorted(tops & {name.split(".")[0] for name in sys.modules}), "torch._dynamo" in sys.modules)
@@ -130,7 +131,7 @@ def test_import_fedml_loads_none_of_what_it_defers_and_fedml_still_reaches_it():
 @pytest.mark.backend
 def test_torch_func_gradients_do_not_load_torchdynamo_and_torchdynamo_still_works():
     """torch.func's every gradient reads torch._dynamo.compiled_autograd (1.0 s of CPU to import
-    TorchDynamo at the first one, in every process that trains). With the plugin imported, the
+    TorchDynamo at the first one, in every process that trains). In the plugin's own process, the
     gradients (plain and under vmap) are autograd's and TorchDynamo stays unloaded; ``import
     torch._dynamo``, any other name of it and torch.compile get the real package, after which the
     gradients go through its own switch."""
@@ -138,7 +139,7 @@ def test_torch_func_gradients_do_not_load_torchdynamo_and_torchdynamo_still_work
         """
         import sys
         import torch
-        import fedml_perfedavg
+        import fedml_perfedavg.command  # the plugin's own command line: it owns the process
         from torch.func import functional_call, grad, vmap
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ELU(), torch.nn.Linear(5, 3))
@@ -162,6 +163,29 @@ def test_torch_func_gradients_do_not_load_torchdynamo_and_torchdynamo_still_work
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split("\n")
     assert lines[:3] == ["False True (2, 5, 6)", "ConfigModuleInstance True True", "True True"], out.stdout
+
+
+@pytest.mark.backend
+def test_a_fedml_users_program_that_imports_the_plugin_gets_fedml_and_torch_as_they_are():
+    """Issue 77: ``import fedml_perfedavg, fedml`` in a user's program defers nothing, freezes no
+    heap and leaves torch._dynamo alone: what FedML imports is loaded as without the plugin."""
+    code = textwrap.dedent(
+        """
+        import gc, sys, types
+        import fedml_perfedavg, fedml
+        import torch
+        from fedml_perfedavg.fedml_bridge.bootstrap import _FEDML_DEFERS
+        from fedml_perfedavg.import_cost import owns_process
+        tops = {name.split(".")[0] for name in _FEDML_DEFERS if not name.startswith("fedml.")}
+        stand_ins = [n for n, m in list(sys.modules.items()) if n.split(".")[0] == "fedml" and m is not None
+                     and any(type(v).__module__ == "fedml_perfedavg.import_cost" for v in vars(m).values())]
+        print(owns_process(), gc.get_freeze_count() == 0, stand_ins, "torchvision" in sys.modules,
+              type(torch.__dict__.get("_dynamo")).__module__ != "fedml_perfedavg.import_cost")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[0] == "False True [] True True", out.stdout
 
 
 @pytest.mark.fast

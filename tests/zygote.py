@@ -81,7 +81,7 @@ PRELOAD = {
     PLUGIN: (
         "torch",
         "fedml_perfedavg",
-        "fedml_perfedavg.run.cli",
+        "fedml_perfedavg.command",  # the command line: takes the process (import_cost.take_process)
         "fedml_perfedavg.run.runner",
         "fedml",
         "grpc",

@@ -18,7 +18,7 @@ import warnings
 from typing import Any, Callable, Iterator, Optional
 
 from ..data.torchvision_ops import make_torchvision_importable
-from ..import_cost import collector_paused, imports_deferred
+from ..import_cost import collector_paused, imports_deferred, owns_process
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,15 @@ def _fedml_import_context() -> Iterator[None]:
     torchvision wheels are CUDA builds; FedML imports torchvision through
     core/alg_frame/client_trainer.py -> core/security/...), gRPC's connection chatter off (GOAWAY
     at a run's end, printed at INFO on stderr; a user's own setting wins) and the deprecation
-    warning of computing/scheduler/comm_utils/sys_utils.py's ``import pkg_resources`` silenced."""
+    warning of computing/scheduler/comm_utils/sys_utils.py's ``import pkg_resources`` silenced.
+    Where the plugin's command line owns the process, also FedML's heavy imports deferred and the
+    imported heap frozen (import_cost.py); in a FedML user's program, FedML's import is FedML's."""
     make_torchvision_importable()
+    if not owns_process():  # a FedML user's program: FedML imported as it is, nothing deferred (issue 77)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="pkg_resources is deprecated", category=UserWarning)
+            yield
+        return
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     deferral = imports_deferred(_FEDML_DEFERS, "fedml")
     with warnings.catch_warnings(), collector_paused(freeze=True), deferral.deferring():

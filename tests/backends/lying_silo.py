@@ -319,7 +319,7 @@ def lie(kind: str) -> None:
 
 if __name__ == "__main__":
     import fedml_perfedavg  # noqa: F401  (installs the plugin, as a user's script would)
-    from fedml_perfedavg.run.cli import main
+    from fedml_perfedavg.command import main  # the command line: the plugin takes the process
 
     lie(sys.argv[1])
     sys.exit(main(sys.argv[2:]))
