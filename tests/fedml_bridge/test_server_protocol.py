@@ -25,6 +25,7 @@ from fedml_perfedavg.fedml_bridge.cross_silo.events import (
     Refuse,
     Send,
     SiloDeclined,
+    SiloFailed,
     Stopped,
     Tick,
     Undelivered,
@@ -454,3 +455,17 @@ def test_a_plan_whose_every_round_keeps_enough_silos_runs_without_the_refused_on
     actions = p.handle(Hello(1.0, 3, hello(3, problem="user 2 cannot take part"), "s3"))
     assert not [a for a in actions if isinstance(a, Fail)]
     assert [m.silo for m in sends(actions, ROUND)] == [1]  # round 0: silo 1 (silo 3 is out)
+
+
+def test_a_silo_stopped_after_it_answered_its_round_leaves_its_update_in_the_round():
+    """A data owner's operator stops its silo (Ctrl-C) after it sent its update, before the round
+    closed: the server gives it up at once, and the round closes with both updates. It ended the
+    run with a KeyError (the update's sender no longer known) in a suite run of 2026-12-04."""
+    p, model = protocol(min_clients=1)
+    online(p)
+    assert p.handle(update(2, 0, 3.0)) == []
+    p.handle(SiloFailed(2.5, 2, "silo rank 2's process was stopped (SIGINT or SIGTERM)", stopped=True))
+    actions = p.handle(update(1, 0, 1.0, now=3.0))
+    (finished,) = records(actions, "round_finished")
+    assert finished[0] == 0 and torch.equal(finished[1]["w"], torch.full((2,), 2.0))
+    assert model.aggregated == [(0, [0, 1])] and not [a for a in actions if isinstance(a, Fail)]

@@ -62,7 +62,8 @@ class OpenRound:
         return self.complete() and set(self.expected) <= self.answered
 
     def forget(self, silo: int) -> bool:
-        """``silo`` restarted: its update will not come. True if one was still awaited."""
+        """``silo`` restarted or left: an update it still owed will not come (one it sent stays).
+        True if one was still awaited."""
         if silo in self.assigned and silo not in self.answered:
             self.assigned.pop(silo)
             return True

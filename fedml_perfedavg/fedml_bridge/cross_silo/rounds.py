@@ -205,7 +205,10 @@ class SiloRounds:
         """What ``silos``, no longer taking part, owed the open round or evaluation will not come
         (the roster calls this whenever silos leave)."""
         for silo in silos:
-            self.round.assigned.pop(silo, None)
+            # an update it sent before it left stays in the round (trained on the round's model); only
+            # what it still owed is dropped (its assignment popped after its answer, the round's close
+            # could not name the update's sender: a KeyError that ended the run)
+            self.round.forget(silo)
             self.evaluation.awaiting.discard(silo)
         self.aggregation.drop(list(silos), "left the run")
 
