@@ -57,9 +57,11 @@ def _run(tree: str, args: argparse.Namespace, work: str, label: str) -> dict:
     yaml = os.path.join(tree, "yaml_configs", "mnist_tau10_alpha0.01_hf_silo.yaml")
     command = [sys.executable, "-m", "fedml_perfedavg", "launch-silo", "--cf", yaml, "--clients", str(args.silos)]
     env = {**os.environ, "PYTHONPATH": tree, "HOME": os.path.join(work, "home-" + label)}
+    env.pop("FEDML_PERFEDAVG_ACCOUNTS", None)
     started = time.perf_counter()
+    # run from the worktree: ``python -m`` puts the working folder first on sys.path, ahead of PYTHONPATH
     done = subprocess.run(
-        [*command, "--run-dir", run_dir, *sets], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env
+        [*command, "--run-dir", run_dir, *sets], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env, cwd=tree
     )
     if done.returncode != 0:
         raise SystemExit(f"launch-silo in {tree} failed with {done.returncode}; see {run_dir}/run.log")
@@ -115,6 +117,7 @@ def main() -> None:
         "cpu": _cpu(),
         "runs": runs,
         "median_ms_per_round": medians,
+        "code_ran": "each commit's own, run from its worktree",
         "time_ratio": medians["after"] / medians["before"],
         "bytes_ratio": statistics.mean(r["bytes_per_silo"] for r in runs["after"])
         / statistics.mean(r["bytes_per_silo"] for r in runs["before"]),

@@ -26,11 +26,12 @@ signals mpirun sends, ends with the rank's status, and takes the rank with it if
 Scripts (FedML's example scripts, the user's one-file scripts, ``python -c GUARD --script
 SCRIPT``, under mpirun too) are what their tests check: that the one import works in whichever
 order a user writes it. They are forked from a second server per worker, the *libraries* one,
-which imported torch alone (1.5 s of CPU, nearly all that such a process spends importing):
-neither the plugin nor FedML is loaded when the script starts, so the script imports them in its
-own order as a fresh interpreter would (tests/test_zygote.py checks it). matplotlib, which FedML
-imports at first use through the plugin's deferral and which writes its caches under HOME, is not
-preloaded there.
+which imported torch and the third-party packages FedML's modules import (torchvision, wandb,
+scipy, pandas, ...: 6 s of CPU that every user's program spends at ``import fedml``, the plugin
+deferring them in its own command line alone): neither the plugin nor FedML is loaded when the
+script starts, so the script imports them in its own order as a fresh interpreter would
+(tests/test_zygote.py checks it). matplotlib, which writes its caches under HOME, is not preloaded
+there.
 
 What keeps a fresh interpreter (:func:`forkable` says no): any other program, ``python -c CODE``
 without a script (the import-cost and layout tests, which read what a fresh interpreter loads),
@@ -94,7 +95,26 @@ PRELOAD = {
         "opacus.accountants.analysis.rdp",
         "threadpoolctl",
     ),
-    LIBRARIES: ("torch",),
+    # torch, and the packages FedML's modules import (fedml_bridge/bootstrap.py's list, which a
+    # user's program imports in full: the plugin defers them in its own command line alone), but
+    # for matplotlib (its caches go under HOME); nothing of FedML, the plugin or gRPC
+    LIBRARIES: (
+        "torch",
+        "torchvision",
+        "wandb",
+        "scipy",
+        "pandas",
+        "sqlalchemy",
+        "docker",
+        "boto3",
+        "fastapi",
+        "gevent",
+        "git",
+        "h5py",
+        "httpx",
+        "redis",
+        "sentry_sdk",
+    ),
 }
 
 # Read while the preloaded modules are imported (OpenMP's thread count when torch loads it, the
