@@ -34,6 +34,7 @@ from typing import Any, Dict, Iterator, Mapping, Optional
 from ..core.errors import ConfigError
 from ..core.ledger import PrivacyLedger
 from ..core.types import UserSplit
+from ..documents import read_document
 from .files import make_dir, write_atomic
 
 ACCOUNTS_VARIABLE = "FEDML_PERFEDAVG_ACCOUNTS"
@@ -160,30 +161,19 @@ class SiloAccount:
     def _runs(self) -> Dict[str, Dict[str, Any]]:
         """The account's runs, checked: :class:`ConfigError` naming the file where it is not an account."""
         try:
-            with open(self.path, "rb") as stream:
-                raw = stream.read(MAX_ACCOUNT_BYTES + 1)
+            data = read_document(self.path, MAX_ACCOUNT_BYTES, FORMAT)
+            if data.get("data_sha256") != self.digest:
+                raise ValueError(f"it is the account of data {data.get('data_sha256')!r}, not of {self.digest}")
+            return {_text(k, "a run key"): _entry(e) for k, e in _mapping(data.get("runs"), "runs").items()}
         except FileNotFoundError:
             return {}
         except OSError as err:
             raise ConfigError(f"{self.path}: cannot read this organization's DP-SGD account ({err.strerror})") from None
-        try:
-            if len(raw) > MAX_ACCOUNT_BYTES:
-                raise ValueError(f"larger than {MAX_ACCOUNT_BYTES} bytes")
-            data = json.loads(raw, parse_constant=_refuse_constant)
-            if not isinstance(data, dict) or data.get("format") != FORMAT:
-                raise ValueError(f"its format is not {FORMAT!r}")
-            if data.get("data_sha256") != self.digest:
-                raise ValueError(f"it is the account of data {data.get('data_sha256')!r}, not of {self.digest}")
-            return {_text(k, "a run key"): _entry(e) for k, e in _mapping(data.get("runs"), "runs").items()}
         except ValueError as err:
             raise ConfigError(
-                f"{self.path}: not a readable DP-SGD account ({err}); it holds what this organization's data has been "
-                f"used for: restore it from a backup rather than removing it"
+                f"{self.path}: not a readable DP-SGD account ({err}); it holds what this organization's data has "
+                f"been used for: restore it from a backup rather than removing it"
             ) from None
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _mapping(value: Any, what: str) -> Dict[str, Any]:

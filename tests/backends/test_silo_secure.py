@@ -245,9 +245,12 @@ def test_a_silo_that_lies_inside_its_clip_bound_moves_the_model_no_further_than_
     assert 0.01 * record["bound"] < moved <= 0.25 * 2 * record["bound"] + 1e-5, (moved, record["bound"])
 
 
-def _lying_server_run(mnist_root, tmp_path, lie, per_round):
-    """Four data-owner silos, one secure round, a server that lies (tests/backends/lying_silo.py)."""
+def _lying_server_run(mnist_root, tmp_path, lie, per_round, per_rank=None):
+    """Four data-owner silos, one secure round, a server that lies (tests/backends/lying_silo.py);
+    ``per_rank``: settings of some ranks' own (rank -> key -> value)."""
     folders = _export(mnist_root, tmp_path, 4)
+    for rank, own in (per_rank or {}).items():
+        folders[rank] = {**folders[rank], **own}
     settings = {
         **SECURE,
         "client_num_in_total": 4,
@@ -477,19 +480,7 @@ def test_a_server_holding_ca_key_that_mints_an_organizations_certificate_gets_no
     forged = json.loads((tls / "roster.json").read_text())
     forged["ranks"]["3"] = key_fingerprint((minted / "rank-3.pem").read_bytes())
     (minted / "roster.json").write_text(json.dumps(forged))
-    folders = _export(mnist_root, tmp_path, 4)
-    folders[3] = {**folders[3], "tls_dir": str(minted)}
-    settings = {
-        **SECURE,
-        "client_num_in_total": 4,
-        "client_num_per_round": 4,
-        "comm_round": 1,
-        "round_timeout": 3,
-        "min_clients_per_round": 1,
-    }
-    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={0: "server-ignore-roster"}), timeout=200)
-    summary = _summary(tmp_path)
-    assert all(not r["summed"] for r in summary.get("secure_aggregation", {}).get("per_round", [])), outs[0][-3000:]
+    outs = _lying_server_run(mnist_root, tmp_path, "server-ignore-roster", 4, per_rank={3: {"tls_dir": str(minted)}})
     for rank in (1, 2, 4):
         assert "not rank 3's on the run's key roster" in outs[rank], outs[rank][-3000:]
         assert "a certificate the run's CA signed outside the roster" in outs[rank]

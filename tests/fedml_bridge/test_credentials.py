@@ -65,6 +65,11 @@ def test_extended_key_usage_is_checked(tmp_path):
     assert peer_certificate_problem(_certificate(tmp_path / "c", None)) is None  # no extension: any use
 
 
+def _sign(ca, request, out):
+    """``fedml-perfedavg certs sign``: the CA's certificate for ``request``, written to ``out``."""
+    return certs(["sign", "--ca", str(ca), "--request", str(request), "--out", str(out)])
+
+
 def test_each_organization_makes_its_own_key_and_the_roster_pins_it(tmp_path, capsys):
     """Issue 75, rule 3: the CA signs requests and never sees a private key; the roster lists the
     keys the organizations made, and a rank whose certificate the CA signed for another key (what
@@ -81,10 +86,7 @@ def test_each_organization_makes_its_own_key_and_the_roster_pins_it(tmp_path, ca
         org = tmp_path / f"org{rank}"
         assert certs(["request", "--out", str(org), "--rank", str(rank)]) == 0
         published[rank] = capsys.readouterr().out.rsplit(" ", 1)[-1].strip()  # the fingerprint it publishes
-        assert (
-            certs(["sign", "--ca", str(tmp_path / "ca"), "--request", str(org / f"rank-{rank}.csr"), "--out", str(org)])
-            == 0
-        )
+        assert _sign(tmp_path / "ca", org / f"rank-{rank}.csr", org) == 0
         shutil.copy(tmp_path / "ca" / "ca.pem", org)
     assert sorted(os.listdir(tmp_path / "ca")) == ["ca.key", "ca.pem"]  # no organization's key ever was there
     collected = tmp_path / "collected"
@@ -100,20 +102,7 @@ def test_each_organization_makes_its_own_key_and_the_roster_pins_it(tmp_path, ca
         assert credentials.roster is not None and credentials.peer_problem(rank, credentials.cert) is None
     # the holder of ca.key signs a request of its own for rank 2: a valid certificate, not on the roster
     assert certs(["request", "--out", str(tmp_path / "minted"), "--rank", "2"]) == 0
-    assert (
-        certs(
-            [
-                "sign",
-                "--ca",
-                str(tmp_path / "ca"),
-                "--request",
-                str(tmp_path / "minted" / "rank-2.csr"),
-                "--out",
-                str(tmp_path / "minted"),
-            ]
-        )
-        == 0
-    )
+    assert _sign(tmp_path / "ca", tmp_path / "minted" / "rank-2.csr", tmp_path / "minted") == 0
     minted = (tmp_path / "minted" / "rank-2.pem").read_bytes()
     honest = load_credentials(str(tmp_path / "org1"), 1)
     assert "not rank 2's on the run's key roster" in honest.peer_problem(2, minted)
@@ -122,22 +111,9 @@ def test_each_organization_makes_its_own_key_and_the_roster_pins_it(tmp_path, ca
     shutil.copy(tmp_path / "minted" / "rank-2.key", tmp_path / "org2")
     with pytest.raises(ConfigError, match=r"this rank's own certificate \(rank-2.pem\): .*outside the roster"):
         load_credentials(str(tmp_path / "org2"), 2)
-    # a request that names two ranks, or none, is not signed
+    # a file that is not a signing request is not signed
     capsys.readouterr()
-    assert (
-        certs(
-            [
-                "sign",
-                "--ca",
-                str(tmp_path / "ca"),
-                "--request",
-                str(tmp_path / "org1" / "rank-1.key"),
-                "--out",
-                str(tmp_path / "x"),
-            ]
-        )
-        == 2
-    )
+    assert _sign(tmp_path / "ca", tmp_path / "org1" / "rank-1.key", tmp_path / "x") == 2
     assert "not a readable PEM signing request" in capsys.readouterr().err
 
 
@@ -159,6 +135,7 @@ def test_each_organization_makes_its_own_key_and_the_roster_pins_it(tmp_path, ca
             "one key is listed for two ranks",
         ),
         ("NaN", "not a number JSON allows"),
+        ("[" * 100000 + "]" * 100000, "nested deeper than the parser goes"),
     ],
 )
 def test_a_damaged_roster_is_refused_naming_the_file_and_the_fault(tmp_path, text, words):

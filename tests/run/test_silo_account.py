@@ -20,14 +20,8 @@ from fedml_perfedavg.run.silo_record import SiloProgress
 from fedml_perfedavg.silo.outcome import SiloOutcome
 
 from tests.helpers_tiny import tiny_config, tiny_data
+from tests.run.test_privacy_run import DP
 
-DP = {
-    "dp_args.enable_dp": True,
-    "dp_args.dp_solution_type": "dpsgd",
-    "dp_args.noise_multiplier": 1.1,
-    "dp_args.max_grad_norm": 1.0,
-    "dp_args.delta": 1e-5,
-}
 RANK, USER = 3, 2
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
 from ...core.errors import ConfigError
+from ...documents import read_document
 
 ROSTER = "roster.json"
 FORMAT = "fedml-perfedavg key roster, version 1"
@@ -100,17 +101,7 @@ def read_roster(path: str, ranks: Optional[int] = None) -> KeyRoster:
     """The roster at ``path``, checked (with ``ranks``: it must list ranks 0..ranks-1 exactly);
     :class:`ConfigError` naming the file and what is wrong."""
     try:
-        with open(path, "rb") as stream:
-            raw = stream.read(MAX_ROSTER_BYTES + 1)
-    except OSError as err:
-        raise ConfigError(f"comm_args.roster_path={path!r}: cannot read the key roster ({err.strerror})") from None
-    try:
-        if len(raw) > MAX_ROSTER_BYTES:
-            raise ValueError(f"larger than {MAX_ROSTER_BYTES} bytes")
-        data = json.loads(raw, parse_constant=_refuse_constant)
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"its format is not {FORMAT!r}")
-        rows = data.get("ranks")
+        rows = read_document(path, MAX_ROSTER_BYTES, FORMAT).get("ranks")
         if not isinstance(rows, dict) or not rows:
             raise ValueError("its ranks are not a non-empty object")
         keys: Dict[int, str] = {}
@@ -124,6 +115,8 @@ def read_roster(path: str, ranks: Optional[int] = None) -> KeyRoster:
             raise ValueError("one key is listed for two ranks")
         if ranks is not None and sorted(keys) != list(range(ranks)):
             raise ValueError(f"it lists ranks {sorted(keys)}; this run has ranks 0..{ranks - 1}")
+    except OSError as err:
+        raise ConfigError(f"comm_args.roster_path={path!r}: cannot read the key roster ({err.strerror})") from None
     except ValueError as err:
         raise ConfigError(f"comm_args.roster_path={path!r}: not the run's key roster ({err})") from None
     return KeyRoster(keys, path)
@@ -136,7 +129,3 @@ def roster_path_of(roster_path: Optional[str], tls_dir: Optional[str]) -> Option
     if tls_dir and os.path.isfile(os.path.join(tls_dir, ROSTER)):
         return os.path.join(tls_dir, ROSTER)
     return None
-
-
-def _refuse_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a number JSON allows")
