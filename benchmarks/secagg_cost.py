@@ -112,7 +112,10 @@ def ours_in_process(silos: int, length: int) -> dict:
         make_certificates(tls, silos)
         read = lambda name: open(os.path.join(tls, name), "rb").read()  # noqa: E731
         keys = {r: (read(f"rank-{r}.pem"), read(f"rank-{r}.key")) for r in ranks}
-    parties = {r: SiloRound("run", 0, r, t, lambda data, k=keys[r][1]: sign(k, data), keys[r][0]) for r in ranks}
+    parties = {
+        r: SiloRound("run", 0, r, t, lambda data, k=keys[r][1]: sign(k, data), keys[r][0], peers=tuple(ranks))
+        for r in ranks
+    }
     server = ServerRound(0, ranks, t, length, run_id="run")
     seconds = {"advertise": 0.0, "share_keys": 0.0, "masked": 0.0, "consistency": 0.0, "unmask": 0.0}
     generator = np.random.default_rng(0)

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import struct
 from dataclasses import dataclass
@@ -112,22 +114,38 @@ def combine_secret(shares: Sequence[Share]) -> bytes:
     return bytes(low) + bytes(high)
 
 
-def sign(private_key_pem: bytes, payload: bytes) -> bytes:
-    """ECDSA-SHA256 signature of ``payload`` with a rank's certificate key (PEM)."""
+@functools.lru_cache(maxsize=4)
+def _signing_key(private_key_pem: bytes) -> ec.EllipticCurvePrivateKey:
+    # a silo signs every share it sends (one per peer a round): its key is parsed once
     key = serialization.load_pem_private_key(private_key_pem, password=None)
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ValueError("secure aggregation signs with an elliptic-curve certificate key")
-    return key.sign(payload, ec.ECDSA(hashes.SHA256()))
+    return key
 
 
-def verify(certificate_pem: bytes, payload: bytes, signature: bytes) -> bool:
-    """Whether ``signature`` is the certificate's key's over ``payload``."""
+def sign(private_key_pem: bytes, payload: bytes) -> bytes:
+    """ECDSA-SHA256 signature of ``payload`` with a rank's certificate key (PEM)."""
+    return _signing_key(private_key_pem).sign(payload, ec.ECDSA(hashes.SHA256()))
+
+
+@functools.lru_cache(maxsize=256)
+def _verifying_key(certificate_pem: bytes) -> ec.EllipticCurvePublicKey | None:
+    # the server checks every relayed share's signature (n(n-1) a round): each certificate is parsed once
     from cryptography import x509
 
     try:
         key = x509.load_pem_x509_certificate(certificate_pem).public_key()
-        if not isinstance(key, ec.EllipticCurvePublicKey):
-            return False
+    except ValueError:
+        return None
+    return key if isinstance(key, ec.EllipticCurvePublicKey) else None
+
+
+def verify(certificate_pem: bytes, payload: bytes, signature: bytes) -> bool:
+    """Whether ``signature`` is the certificate's key's over ``payload``."""
+    key = _verifying_key(bytes(certificate_pem))
+    if key is None:
+        return False
+    try:
         key.verify(signature, payload, ec.ECDSA(hashes.SHA256()))
         return True
     except (InvalidSignature, ValueError):
@@ -137,6 +155,21 @@ def verify(certificate_pem: bytes, payload: bytes, signature: bytes) -> bool:
 def advert_payload(run_id: str, round_idx: int, rank: int, cipher_public: bytes, mask_public: bytes) -> bytes:
     """What a silo signs of its round keys: the run, the round, its rank and both public keys."""
     return b"|".join([b"pfa-secagg-keys", run_id.encode(), b"%d" % round_idx, b"%d" % rank, cipher_public, mask_public])
+
+
+def shares_payload(run_id: str, round_idx: int, sender: int, receiver: int, ciphertext: bytes) -> bytes:
+    """What a silo signs of each share ciphertext it sends: the run, the round, both ranks and the
+    ciphertext's digest. A receiver whose shares do not decrypt proves it only against a ciphertext
+    its sender signed, so neither a server nor the wire can get an honest sender accused."""
+    digest = hashlib.sha256(ciphertext).digest()
+    return b"|".join(
+        [b"pfa-secagg-share", run_id.encode(), b"%d" % round_idx, b"%d" % sender, b"%d" % receiver, digest]
+    )
+
+
+def pair_keys_bytes(keys: Sequence[Tuple[int, bytes]]) -> bytes:
+    """A silo's per-pair encryption keys (peer rank, public key), as its advertisement signs them."""
+    return b"".join(struct.pack(">I", rank) + public for rank, public in sorted(keys))
 
 
 def survivors_payload(run_id: str, round_idx: int, survivors: Sequence[int]) -> bytes:

@@ -21,6 +21,8 @@
 - ``zero-key``: under secure aggregation it advertises the all-zero (low-order) mask key;
 - ``share-index``: under secure aggregation its unmasking shares carry Shamir index 1 (another
   silo's) instead of its own.
+- ``false-ciphertext``: under secure aggregation its shares for the lowest other rank of each round
+  are random bytes, which it signs as it signs its honest shares.
 - ``unclipped``: under secure aggregation its input is its update scaled to 6 times the bound it
   should clip to (inside its fixed point's range, so the sum does not wrap).
 
@@ -100,8 +102,8 @@ def lie(kind: str) -> None:
 
         honest_unmask = SiloRound.unmask
 
-        def other_index(self, survivors, signatures):
-            answer = honest_unmask(self, survivors, signatures)
+        def other_index(self, survivors, signatures, liars=()):
+            answer = honest_unmask(self, survivors, signatures, liars)
             return {owner: (which, (1, share)) for owner, (which, (_, share)) in answer.items()}
 
         SiloRound.unmask = other_index
@@ -300,6 +302,20 @@ def lie(kind: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         client.PluginClientMasterManager._send_secagg = send_then_vanish
+    elif kind == "false-ciphertext":
+        from fedml_perfedavg.secagg import rounds
+        from fedml_perfedavg.secagg.primitives import shares_payload
+
+        honest_share = rounds.SiloRound.share
+
+        def false_share(self, adverts, check_peer):
+            out = honest_share(self, adverts, check_peer)
+            victim = min(out)
+            garbage = os.urandom(len(out[victim][0]))
+            out[victim] = (garbage, self.sign(shares_payload(self.run_id, self.round_idx, self.rank, victim, garbage)))
+            return out
+
+        rounds.SiloRound.share = false_share
     elif kind == "server-ignore-roster":
         from fedml_perfedavg.fedml_bridge.cross_silo import agreement, key_roster, roster
 

@@ -341,6 +341,31 @@ def test_a_silo_with_a_low_order_key_or_a_share_under_another_index_fails_only_i
 
 
 @needs_mnist
+def test_a_silo_whose_signed_shares_do_not_decrypt_is_proven_false_and_costs_only_itself(mnist_root, tmp_path):
+    """Issue 75, rule 5: silo 4 sends the lowest other silo random bytes as its shares, signed. With
+    6001daa's protocol that silo declined the round, the server dropped it and, with default
+    settings, the run stopped at round 0, the liar named nowhere. Now the receiver proves it (it
+    discloses its key for that pair alone), the server names silo 4, and with default settings (four
+    silos, threshold 3, min_clients_per_round what a round needs) every round sums the three others."""
+    folders = _export(mnist_root, tmp_path, 4)
+    settings = {**SECURE, "client_num_in_total": 4, "comm_round": 2}
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={4: "false-ciphertext"}), timeout=300)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["rounds"] == 2, outs[0][-4000:]
+    secure = summary["secure_aggregation"]
+    assert secure["failed_rounds"] == 0, secure
+    first = secure["per_round"][0]
+    assert first["summed"] == [1, 2, 3] and list(first["false_ciphertexts"]) == ["4"], first
+    assert all(record["summed"] == [1, 2, 3] for record in secure["per_round"]), secure["per_round"]
+    (lost,) = [entry for entry in summary["lost_silos"] if entry["rank"] == 4][:1]
+    assert "its shares for rank 1 do not decrypt (proven: rank 1 disclosed its key" in lost["why"], lost
+    assert {entry["rank"] for entry in summary["lost_silos"]} == {4}, summary["lost_silos"]
+    assert "the shares rank(s) [4] signed for this silo do not decrypt" in outs[1], outs[1][-3000:]
+    for rank in (1, 2, 3):
+        assert "leaves this round's secure aggregation" not in outs[rank], outs[rank][-3000:]
+
+
+@needs_mnist
 def test_a_silo_that_keeps_sending_unclipped_inputs_is_named_and_refused(mnist_root, tmp_path):
     """Silo 2 scales its input to 6 times the bound it should clip to, every round. The server sees
     only the sums: each round with silo 2 is over the bound and dropped. Once three or more such

@@ -8,9 +8,21 @@ import pytest
 
 from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
 from fedml_perfedavg.secagg import fixed_point
-from fedml_perfedavg.secagg.primitives import SecAggError, combine_secret, sign, split_secret, usable_public_key
+from fedml_perfedavg.secagg.primitives import (
+    SHARE_LABEL,
+    SecAggError,
+    agree,
+    combine_secret,
+    decrypt,
+    pair_context,
+    shares_payload,
+    sign,
+    split_secret,
+    usable_public_key,
+)
 from fedml_perfedavg.secagg.rounds import (
     KEY,
+    PAIR,
     SEED,
     Advert,
     RoundFailed,
@@ -40,7 +52,14 @@ def certificates(tmp_path_factory):
 def silos(certificates, ranks, threshold, round_idx=3, digest=bytes(32)):
     return {
         r: SiloRound(
-            RUN, round_idx, r, threshold, lambda data, k=certificates[r][1]: sign(k, data), certificates[r][0], digest
+            RUN,
+            round_idx,
+            r,
+            threshold,
+            lambda data, k=certificates[r][1]: sign(k, data),
+            certificates[r][0],
+            digest,
+            peers=tuple(ranks),
         )
         for r in ranks
     }
@@ -197,11 +216,11 @@ def test_keys_the_server_swapped_are_refused(certificates):
     ranks = [1, 2, 3]
     parties = silos(certificates, ranks, 2)
     adverts = {r: parties[r].advertise() for r in ranks}
-    impostor = SiloRound(RUN, 3, 2, 2, lambda data: sign(certificates[0][1], data), certificates[2][0])
+    impostor = SiloRound(RUN, 3, 2, 2, lambda data: sign(certificates[0][1], data), certificates[2][0], peers=ranks)
     fake = impostor.advertise()  # the server's own keys, in rank 2's name, over rank 2's certificate
     with pytest.raises(SecAggError, match="rank 2's keys are not signed by its certificate's key"):
         parties[1].share({**adverts, 2: fake}, trusting)
-    other_round = silos(certificates, [2], 2, round_idx=4)[2].advertise()
+    other_round = silos(certificates, ranks, 2, round_idx=4)[2].advertise()
     with pytest.raises(SecAggError, match="not signed"):
         parties[3].share(
             {**adverts, 2: Advert(2, *[getattr(other_round, f) for f in Advert.__dataclass_fields__][1:])}, trusting
@@ -217,9 +236,11 @@ def test_a_changed_share_is_refused_and_a_false_share_does_not_rebuild_a_wrong_s
     for r in ranks:
         server.take_shares(r, parties[r].share(dict(server.adverts), trusting))
     tampered = dict(server.shares_for(1))
-    tampered[2] = tampered[2][:-1] + bytes([tampered[2][-1] ^ 1])
-    with pytest.raises(SecAggError, match="does not decrypt"):
+    ciphertext, signature = tampered[2]
+    tampered[2] = (ciphertext[:-1] + bytes([ciphertext[-1] ^ 1]), signature)  # the server (or wire) changed it
+    with pytest.raises(SecAggError, match="relayed as rank 2's are not signed by its certificate's key"):
         parties[1].masked_input(np.zeros(LENGTH, np.uint32), tampered)
+    assert not parties[1].accused  # nothing disclosed: rank 2 did not sign what came
     inputs = updates(ranks, seed=3)
     for r in ranks:
         server.take_masked(r, parties[r].masked_input(fixed_point.encode(inputs[r], 0.25, 24), server.shares_for(r)))
@@ -270,13 +291,15 @@ def test_a_share_under_another_silos_index_puts_its_sender_out_not_the_round(cer
 def test_silos_given_other_terms_or_a_low_order_key_refuse_before_sharing_anything(certificates):
     ranks = [1, 2, 3]
     honest = silos(certificates, ranks, 2, digest=bytes([1]) * 32)
-    skewed = silos(certificates, [2], 2, digest=bytes([2]) * 32)[2]  # the server gave silo 2 other terms
+    skewed = silos(certificates, ranks, 2, digest=bytes([2]) * 32)[2]  # the server gave silo 2 other terms
     adverts = {1: honest[1].advertise(), 2: skewed.advertise(), 3: honest[3].advertise()}
     with pytest.raises(SecAggError, match="rank 2 was given other terms for this round than this silo"):
         honest[1].share(adverts, trusting)
     assert not honest[1].received  # nothing shared
     assert not usable_public_key(bytes(32)) and usable_public_key(honest[1].masks.public)
-    zero = SiloRound(RUN, 3, 2, 2, lambda d: sign(certificates[2][1], d), certificates[2][0], bytes([1]) * 32)
+    zero = SiloRound(
+        RUN, 3, 2, 2, lambda d: sign(certificates[2][1], d), certificates[2][0], bytes([1]) * 32, peers=ranks
+    )
     zero.masks = type(zero.masks)(zero.masks.private, bytes(32))  # a silo advertising the all-zero mask key
     server = server_round(ranks, 2)
     with pytest.raises(SecAggError, match="rank 2 advertised a low-order key"):
@@ -360,3 +383,77 @@ def test_a_round_that_sums_every_silo_that_shared_needs_no_signatures_and_reveal
     others, _ = prepared(certificates, ranks, 3, inputs)
     with pytest.raises(SecAggError, match=r"this silo signed None"):
         others[1].unmask([1, 2, 3], {})  # silo 4 "dropped": its mask key's shares only with t signatures
+
+
+def lying_shares(certificates, parties, server, liar, victims):
+    """Every silo's shares to the server, ``liar``'s to ``victims`` random bytes it signed itself."""
+    for r in sorted(parties):
+        out = parties[r].share(dict(server.adverts), trusting)
+        if r == liar:
+            for victim in victims:
+                garbage = os.urandom(len(out[victim][0]))
+                out[victim] = (garbage, sign(certificates[r][1], shares_payload(RUN, 3, r, victim, garbage)))
+        server.take_shares(r, out)
+
+
+def test_shares_that_do_not_decrypt_are_proven_by_their_receiver_and_cost_their_sender_only(certificates):
+    """Rule 5 of issue 75, as pure objects: silo 4 sends silo 1 signed random bytes for its shares.
+    Silo 1 still masks its input and discloses its key for the pair (4, 1) alone; the server decrypts
+    with it, names 4, and the round sums 1, 2 and 3 exactly (threshold 3 of 4: silo 1 holds no share
+    of 4's, so every survivor reveals its pair mask with 4 instead)."""
+    ranks = [1, 2, 3, 4]
+    inputs = updates(ranks, seed=9)
+    parties = silos(certificates, ranks, 3)
+    server = server_round(ranks, 3)
+    for r in ranks:
+        server.take_advert(r, parties[r].advertise())
+    lying_shares(certificates, parties, server, 4, [1])
+    proven = {}
+    for r in (4, 1, 2, 3):  # the liar's own masked input first: it is taken out once proven
+        masked = parties[r].masked_input(fixed_point.encode(inputs[r], 0.25, 24), server.shares_for(r))
+        proven[r] = server.take_masked(r, masked, dict(parties[r].accused))
+    assert set(parties[1].accused) == {4} and proven == {4: [], 1: [4], 2: [], 3: []}
+    assert "rank 1 disclosed its key for the pair" in server.liars[4]
+    disclosed = parties[1].accused[4]
+    other, _ = server.shares[2][1]  # the disclosed key opens the pair (1, 4) only: silo 2's shares stay sealed
+    with pytest.raises(SecAggError, match="does not decrypt"):
+        decrypt(agree(disclosed, server.adverts[2].cipher_key_for(1), SHARE_LABEL), other, pair_context(RUN, 3, 2, 1))
+    survivors = server.close_masked()
+    assert survivors == [1, 2, 3] and server.needs_consistency()
+    sign_survivors(server, parties, survivors)
+    liars = sorted(server.liars)
+    for r in survivors:
+        answer = parties[r].unmask(survivors, server.signatures, liars)
+        assert answer[4][0] == PAIR and {answer[o][0] for o in survivors} == {SEED}
+        server.take_unmasking(r, answer)
+    expected = sum(fixed_point.encode(inputs[r], 0.25, 24).astype(np.uint64) for r in survivors) % 2**32
+    assert np.array_equal(server.total().astype(np.uint64), expected)
+
+
+def test_a_false_accusation_names_the_accuser_and_a_kept_liar_gets_no_answer(certificates):
+    ranks = [1, 2, 3, 4]
+    parties, _ = prepared(certificates, ranks, 3, updates(ranks, seed=10))
+    honest = parties[1].ciphers[2].private  # another round's key for the pair (2, 1)
+    fresh = silos(certificates, ranks, 3)
+    server = server_round(ranks, 3)
+    for r in ranks:
+        server.take_advert(r, fresh[r].advertise())
+    for r in ranks:
+        server.take_shares(r, fresh[r].share(dict(server.adverts), trusting))
+    masked = fresh[1].masked_input(np.zeros(LENGTH, np.uint32), server.shares_for(1))
+    with pytest.raises(SecAggError, match="rank 1 accuses rank 2 of shares that do not decrypt; they decrypt"):
+        server.take_masked(1, masked, {2: fresh[1].ciphers[2].private})
+    with pytest.raises(SecAggError, match="not the one it advertised for their pair"):
+        server.take_masked(1, masked, {2: honest})  # a key of another round's pair
+    assert not server.liars and 1 not in server.masked
+    # a server that keeps in the survivors a silo this silo proved false gets no answer from it
+    lying = silos(certificates, ranks, 3)
+    server = server_round(ranks, 3)
+    for r in ranks:
+        server.take_advert(r, lying[r].advertise())
+    lying_shares(certificates, lying, server, 4, [1])
+    for r in ranks:
+        lying[r].masked_input(np.zeros(LENGTH, np.uint32), server.shares_for(r))
+    signatures = {r: lying[r].sign_survivors(ranks) for r in (2, 3, 4)}
+    with pytest.raises(SecAggError, match=r"keep rank\(s\) \[4\] whose shares do not decrypt"):
+        lying[1].unmask(ranks, signatures)

@@ -122,7 +122,9 @@ def start(tls, threshold=2, checked=False, false_digest=(), roster=True, imposto
         encoded = fixed_point.encode(deltas()[m.silo], terms["weight"], terms["bits"])
         cert, key = (impostors or {}).get(m.silo, tls[m.silo])
         digest = os.urandom(32) if m.silo in false_digest else terms_digest(terms, model.params())
-        party = SiloRound("run-1", 0, m.silo, threshold, lambda data, k=key: sign(k, data), cert, digest)
+        party = SiloRound(
+            "run-1", 0, m.silo, threshold, lambda data, k=key: sign(k, data), cert, digest, peers=tuple(terms["silos"])
+        )
         parties[m.silo] = SecureSiloRound(0, party, encoded, load_credentials(tls["dir"], m.silo))
     return p, model, parties, models
 
@@ -337,3 +339,36 @@ def test_a_lost_silos_place_goes_to_the_next_of_the_keyed_order_or_the_short_rou
         [(_, record)] = records(actions, "record_secure_round")
         assert "2 silo(s) [1, 3] can take part, fewer than the 3 a secure round needs" in record["failed"]
         assert "silo rank(s) [2] are lost" in record["failed"] and p.phase.value == "evaluating"
+
+
+def test_a_silo_whose_signed_shares_do_not_decrypt_is_proven_named_and_the_round_summed_without_it(tls):
+    """Issue 75, rule 5's second half: silo 3 sends silo 1 signed random bytes for its shares. Silo
+    1 had to decline (the run stopped, the liar named nowhere). Now silo 1 masks its input anyway and
+    discloses its key for the pair (3, 1), the server decrypts with it and names silo 3, and the round
+    sums silos 1 and 2, each revealing its pair mask with 3 at unmasking."""
+    import base64
+
+    from fedml_perfedavg.secagg.primitives import shares_payload
+
+    p, model, parties, _ = start(tls, checked=True)
+    keys = advertise(p, parties)
+    out = []
+    for m in [m for a in keys if isinstance(a, Send) for m in a.messages]:
+        kind, params, tensors = parties[m.silo].answer(m.kind, m.params)
+        if m.silo == 3:
+            garbage = os.urandom(120)
+            signature = sign(tls[3][1], shares_payload("run-1", 0, 3, 1, garbage))
+            params = {"shares": [[r, v] for r, v in params["shares"] if r != 1]}
+            params["shares"].append([1, [base64.b64encode(g).decode() for g in (garbage, signature)]])
+        out += p.handle(SecAggMessage(2.0, m.silo, kind, 0, params, tensors, 100))
+    masked = answer(p, parties, out)
+    assert parties[1].party.accused.keys() == {3}
+    ((_, lost, why),) = records(masked, "record_lost_silos")
+    assert lost == [3] and "its shares for rank 1 do not decrypt (proven: rank 1 disclosed its key" in why, why
+    (refused,) = [a for a in masked if isinstance(a, Refuse)]
+    assert refused.silo == 3
+    actions = answer(p, parties, answer(p, parties, masked, skip=(3,)))  # the survivors sign [1, 2], then unmask
+    ((_, record),) = records(actions, "record_secure_round")
+    assert record["summed"] == [1, 2] and record["failed"] is None and list(record["false_ciphertexts"]) == ["3"]
+    plain = np.mean([deltas()[1], deltas()[2]], axis=0)
+    assert np.max(np.abs(model.averages[0] - plain)) <= fixed_point.worst_error(30, 3, 2 / 3)

@@ -146,7 +146,7 @@ def advert_problem(
 
 def advert_to_wire(advert: Advert) -> List[Any]:
     return [
-        _text(advert.cipher_public),
+        [[peer, _text(public)] for peer, public in advert.cipher_keys],
         _text(advert.mask_public),
         _text(advert.seed_commitment),
         _text(advert.signature),
@@ -155,10 +155,19 @@ def advert_to_wire(advert: Advert) -> List[Any]:
     ]
 
 
+def signed_shares_to_wire(shares: Dict[int, Any]) -> List[Any]:
+    """Shares (rank -> (ciphertext, signature)) as the wire carries them: [rank, [ciphertext, signature]]."""
+    return [[r, [_text(c), _text(s)]] for r, (c, s) in sorted(shares.items())]
+
+
+def signed_shares_from_wire(rows: List[Any]) -> Dict[int, Any]:
+    return {int(r): (_bytes(c), _bytes(s)) for r, (c, s) in rows}
+
+
 def advert_from_wire(rank: int, value: List[Any]) -> Advert:
     return Advert(
         rank,
-        _bytes(value[0]),
+        tuple((int(peer), _bytes(public)) for peer, public in value[0]),
         _bytes(value[1]),
         _bytes(value[2]),
         _bytes(value[3]),
@@ -199,6 +208,7 @@ class SecureRound:
         self.bytes: Dict[int, int] = {s: 0 for s in silos}
         self.lost: Dict[int, str] = {}  # silo -> the stage it was lost in
         self.false_shares: Dict[int, str] = {}  # silo -> what false share it sent (found while unmasking)
+        self.proven: List[int] = []  # silos newly proven to have sent shares that do not decrypt, to be named
         self.check_advert = check_advert  # why an advertisement must not be relayed (None: no checks here)
 
     def terms(self, silo: int) -> Dict[str, Any]:
@@ -241,16 +251,20 @@ class SecureRound:
                 raise SecAggError(problem)
             server.take_advert(silo, advert)
         elif kind == wire.SECAGG_SHARES_OUT:
-            server.take_shares(silo, {int(r): _bytes(c) for r, c in params["shares"]})
+            server.take_shares(silo, signed_shares_from_wire(params["shares"]))
         elif kind == wire.SECAGG_MASKED:
             tensor = (model or {}).get(wire.MASKED_KEY)
             if tensor is None or len(model) != 1 or str(tensor.dtype) != "torch.int32":
                 raise SecAggError(f"a masked input must be one int32 tensor named {wire.MASKED_KEY!r}")
-            server.take_masked(silo, tensor.numpy().reshape(-1).view(np.uint32))
+            accusations = {int(r): _bytes(k) for r, k in params.get("accusations", [])}
+            for liar in server.take_masked(silo, tensor.numpy().reshape(-1).view(np.uint32), accusations):
+                self.proven.append(liar)
+                self.awaiting.discard(liar)
+                self.lost[liar] = self.stage.name.lower()
         elif kind == wire.SECAGG_SIGNED:
             server.take_signature(silo, _bytes(params["signature"]))
         else:
-            shares = {int(o): (k, (int(i), _bytes(b))) for o, k, i, b in params["shares"]}
+            shares = {int(o): (k, (int(i), _bytes(b))) for o, k, i, b in params["shares"]}  # k: seed, key or pair
             server.take_unmasking(silo, shares)
 
     def drop(self, silos: List[int], why: str) -> None:
@@ -284,7 +298,7 @@ class SecureRound:
                     wire.SECAGG_SHARES,
                     s,
                     round_idx,
-                    params={"shares": [[r, _text(c)] for r, c in sorted(server.shares_for(s).items())]},
+                    params={"shares": signed_shares_to_wire(server.shares_for(s))},
                 )
                 for s in server.u2()
             ]
@@ -295,29 +309,27 @@ class SecureRound:
             if server.needs_consistency():  # mask-key shares will be revealed: the list is signed first
                 stage, kind, params = Stage.CONSISTENCY, wire.SECAGG_SURVIVORS, {"survivors": survivors}
             else:  # every silo that shared is summed: seed shares only, no list to sign
-                stage, kind, params = Stage.UNMASK, wire.SECAGG_UNMASK, {"survivors": survivors, "signatures": []}
+                stage, kind, params = Stage.UNMASK, wire.SECAGG_UNMASK, self._unmask_params([])
             self._next(stage, survivors)
             outbox.send([ToSilo(kind, s, round_idx, params=params) for s in survivors], deadline, ROUND)
         elif self.stage is Stage.CONSISTENCY:
             signers = server.close_signatures()
             self._next(Stage.UNMASK, signers)
             signed = [[r, _text(server.signatures[r])] for r in signers]
-            outbox.send(
-                [
-                    ToSilo(
-                        wire.SECAGG_UNMASK, s, round_idx, params={"survivors": server.survivors, "signatures": signed}
-                    )
-                    for s in signers
-                ],
-                deadline,
-                ROUND,
-            )
+            params = self._unmask_params(signed)
+            outbox.send([ToSilo(wire.SECAGG_UNMASK, s, round_idx, params=params) for s in signers], deadline, ROUND)
             return None
         else:
             total = server.total()
             self.false_shares.update(server.false_shares)
             return total
         return None
+
+    def _unmask_params(self, signed: List[Any]) -> Dict[str, Any]:
+        params: Dict[str, Any] = {"survivors": self.server.survivors, "signatures": signed}
+        if self.server.liars:  # each survivor reveals its pair mask with them (secagg/rounds.py)
+            params["liars"] = sorted(self.server.liars)
+        return params
 
     def _enough(self, silos: List[int]) -> None:
         if len(silos) < self.need:
@@ -358,6 +370,7 @@ class SecureRound:
             "recovered": [s for s in self.server.u2() if s not in self.server.masked] if failed is None else [],
             "threshold": self.threshold,
             "false_shares": {str(s): why for s, why in sorted(self.false_shares.items())},
+            "false_ciphertexts": {str(s): why for s, why in sorted(self.server.liars.items())},
             "fraction_bits": self.bits,
             "bound": self.bound,  # each silo's input clipped to it: how far one silo can move the model
             "bytes_per_silo": {str(s): b for s, b in sorted(self.bytes.items())},
@@ -445,6 +458,11 @@ class SecureAggregation:
         if problem is not None:
             r.outbox.refuse(silo, REFUSED_SECAGG, problem)
             r.give_up_on([silo], problem, self.go_on([silo]))  # one bad silo fails only itself, named in lost_silos
+        while secure.proven:  # a receiver proved this one's shares false: named, out of the round
+            liar = secure.proven.pop(0)
+            why = f"round {r.round_idx}: silo rank {liar}'s secure aggregation: {secure.server.liars[liar]}"
+            r.outbox.refuse(liar, REFUSED_SECAGG, why)
+            r.give_up_on([liar], why, self.go_on([liar]))
         return r.close_if_complete(now)
 
     def short_at_start(self) -> Optional[str]:

@@ -11,6 +11,7 @@ weights unseen, nor show silos different rounds, nor pass its own keys off as a 
 from __future__ import annotations
 
 import base64
+import logging
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -22,7 +23,15 @@ from ...secagg.rounds import Advert, SiloRound
 from . import wire
 from ...core.sampling import reserve_problem
 from .credentials import Credentials, certificate_rank_problem
-from .secure_rounds import advert_from_wire, advert_to_wire, terms_digest
+from .secure_rounds import (
+    advert_from_wire,
+    advert_to_wire,
+    signed_shares_from_wire,
+    signed_shares_to_wire,
+    terms_digest,
+)
+
+logger = logging.getLogger(__name__)
 
 
 def _text(data: bytes) -> str:
@@ -128,6 +137,7 @@ class SecureSiloRound:
             credentials.cert,
             terms_digest(terms, received),
             rules.min_summed,
+            peers=tuple(silos),
         )
         return cls(round_idx, party, encoded, credentials)
 
@@ -151,17 +161,27 @@ class SecureSiloRound:
         if kind == wire.SECAGG_KEYS:
             adverts = {int(r): advert_from_wire(int(r), v) for r, v in params["adverts"]}
             out = party.share(adverts, self.check_peer)
-            return wire.SECAGG_SHARES_OUT, {"shares": [[r, _text(c)] for r, c in sorted(out.items())]}, None
+            return wire.SECAGG_SHARES_OUT, {"shares": signed_shares_to_wire(out)}, None
         if kind == wire.SECAGG_SHARES:
-            ciphertexts = {int(r): base64.b64decode(c, validate=True) for r, c in params["shares"]}
-            masked = party.masked_input(self.encoded, ciphertexts)
-            return wire.SECAGG_MASKED, {}, {wire.MASKED_KEY: torch.from_numpy(masked.view(np.int32).copy())}
+            masked = party.masked_input(self.encoded, signed_shares_from_wire(params["shares"]))
+            answer: Dict[str, Any] = {}
+            if party.accused:
+                logger.warning(
+                    "silo rank %d: round %d: the shares rank(s) %s signed for this silo do not decrypt; it discloses "
+                    "its key for each such pair (what that silo could read already) to prove it",
+                    party.rank,
+                    self.round_idx,
+                    sorted(party.accused),
+                )
+                answer["accusations"] = [[r, _text(k)] for r, k in sorted(party.accused.items())]
+            return wire.SECAGG_MASKED, answer, {wire.MASKED_KEY: torch.from_numpy(masked.view(np.int32).copy())}
         if kind == wire.SECAGG_SURVIVORS:
             signature = party.sign_survivors([int(r) for r in params["survivors"]])
             return wire.SECAGG_SIGNED, {"signature": _text(signature)}, None
         if kind == wire.SECAGG_UNMASK:
             signatures = {int(r): base64.b64decode(s, validate=True) for r, s in params["signatures"]}
-            shares = party.unmask([int(r) for r in params["survivors"]], signatures)
+            liars = [int(r) for r in params.get("liars", [])]
+            shares = party.unmask([int(r) for r in params["survivors"]], signatures, liars)
             rows = [[owner, which, index, _text(share)] for owner, (which, (index, share)) in sorted(shares.items())]
             return wire.SECAGG_UNMASKING, {"shares": rows}, None
         raise SecAggError(f"message type {kind} is not a stage of secure aggregation")

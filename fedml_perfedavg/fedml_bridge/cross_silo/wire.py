@@ -270,12 +270,13 @@ def _pairs(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 
 def _advert(value: Any) -> bool:
-    """A silo's round keys: two public keys, a seed commitment, a signature, its certificate (PEM),
-    the digest of the round's terms as it was given them."""
+    """A silo's round keys: its public key for each pair ([rank, key]), its mask key, a seed
+    commitment, a signature, its certificate (PEM), the digest of the round's terms as it was given them."""
     return (
         isinstance(value, list)
         and len(value) == 6
-        and all(_b64(v, 32) for v in value[:3])
+        and _pairs(lambda v: _b64(v, 32))(value[0])
+        and all(_b64(v, 32) for v in value[1:3])
         and _b64(value[3], 160)
         and _text(value[4], 8192)
         and _b64(value[5], 32)
@@ -291,11 +292,13 @@ def _adverts(value: Any) -> bool:
 
 
 def _ciphertext(value: Any) -> bool:
-    return _b64(value, 512)
+    """[ciphertext, its sender's signature over it]."""
+    return isinstance(value, list) and len(value) == 2 and _b64(value[0], 512) and _signature(value[1])
 
 
 def _unmasking(value: Any) -> bool:
-    """[owner, "seed" or "key", Shamir index, share] for each silo that shared."""
+    """[owner, "seed" or "key", Shamir index, share] for each silo that shared (["pair", 0, its
+    pair-mask seed] for one proven to have sent shares that do not decrypt)."""
     return (
         isinstance(value, list)
         and len(value) <= MAX_SILOS
@@ -303,8 +306,8 @@ def _unmasking(value: Any) -> bool:
             isinstance(p, list)
             and len(p) == 4
             and _whole(p[0], 1)
-            and p[1] in ("seed", "key")
-            and _whole(p[2], 1, 65536)
+            and p[1] in ("seed", "key", "pair")
+            and _whole(p[2], 0 if p[1] == "pair" else 1, 65536)
             and _b64(p[3], 32)
             for p in value
         )
@@ -374,10 +377,11 @@ SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
         "client_idx": (_digits, True),
         "survivors": (_ranks, True),
         "signatures": (_pairs(_signature), True),
+        "liars": (_ranks, False),
     },
     SECAGG_ADVERT: {"advert": (_advert, True)},
     SECAGG_SHARES_OUT: {"shares": (_pairs(_ciphertext), True)},
-    SECAGG_MASKED: {},
+    SECAGG_MASKED: {"accusations": (_pairs(lambda v: _b64(v, 32)), False)},
     SECAGG_UNMASKING: {"shares": (_unmasking, True)},
     SECAGG_SIGNED: {"signature": (_signature, True)},
 }
