@@ -97,3 +97,33 @@ def test_a_silo_that_never_takes_its_model_does_not_hold_up_the_protocol():
         time.sleep(0.05)
     ((round_idx, ranks, why),) = server.driver.lost
     assert (round_idx, ranks) == (0, [2])
+
+
+class SlowTransport(StuckTransport):
+    """Takes ``seconds[rank]`` to deliver to a rank (0.05 s to the others), in the order delivered."""
+
+    def __init__(self, seconds):
+        super().__init__(stuck=None)
+        self.seconds, self.told_run_over, self.order = seconds, (), []
+
+    def send_all(self, messages, deadline, gone_if_refused=()):
+        time.sleep(max(self.seconds.get(m.get_receiver_id(), 0.05) for m in messages))
+        self.order += [m.get_receiver_id() for m in messages]
+        return {}
+
+
+def test_a_run_that_ends_right_after_a_refusal_delivers_the_refusal_before_its_own_end():
+    """Seen once in a suite run: the server refused silo 4 at start and stopped the run; the
+    refusal, a notice sent in the background, was cancelled by the server's own end, and silo 4,
+    told nothing, waited past the test's 240 s. The end of a run now waits for the notices under way
+    (each within its deadline), then tells the live silos."""
+    from fedml_perfedavg.fedml_bridge.cross_silo import wire
+    from fedml_perfedavg.fedml_bridge.cross_silo.events import EndRun
+
+    transport = SlowTransport({4: 0.6})
+    sends = ServerSends(transport)
+    refusal = ToSilo(wire.FINISH, 4, 0, reason="refused by the server: its data does not fit", refused=True)
+    sends.notify([refusal], time.monotonic() + 2.0)
+    sends.end_run(EndRun("round 2 cannot be run", (1, 2), (), (1, 2, 4), 1.0, 1.0, True), 0)
+    assert transport.order == [4, 1, 2], transport.order  # the refusal reached silo 4 before the run's end
+    assert sends.notices == []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import AbstractSet, Any, Callable, Dict, Optional, Sequence, Union
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..bootstrap import import_fedml
 from .events import EndRun, ToSilo
@@ -70,8 +70,11 @@ def fedml_message(message: ToSilo) -> Message:
 class ServerSends:
     """The server's sends through ``transport`` (the plugin's gRPC manager)."""
 
+    NOTICE_GRACE_SECONDS = 2.0  # past a notice's deadline, as a send's (delivery.py)
+
     def __init__(self, transport: Any) -> None:
         self.transport = transport
+        self.notices: List[Tuple[threading.Thread, float]] = []  # (its delivery, its deadline) still under way
 
     def send(
         self,
@@ -110,7 +113,17 @@ class ServerSends:
             for silo, why in sorted(failed.items()):
                 logger.info("a notice to silo rank %d was not delivered: %s", silo, why)
 
-        threading.Thread(target=deliver, daemon=True, name="server-notices").start()
+        thread = threading.Thread(target=deliver, daemon=True, name="server-notices")
+        thread.start()
+        self.notices = [(t, d) for t, d in self.notices if t.is_alive()] + [(thread, deadline)]
+
+    def wait_for_notices(self) -> None:
+        """Wait until each notice under way was delivered or its deadline passed: a run that ends
+        right after refusing a silo would otherwise stop the transport under the refusal (CANCELLED),
+        and that silo, told nothing, would wait out its idle limit."""
+        for thread, deadline in self.notices:
+            thread.join(max(0.0, deadline - time.monotonic()) + self.NOTICE_GRACE_SECONDS)
+        self.notices = [(t, d) for t, d in self.notices if t.is_alive()]
 
     def count_refusal(self, silo: int, reason: str, text: str) -> None:
         """Count and log (rate-limited) a refused message of ``silo``'s."""
@@ -122,7 +135,8 @@ class ServerSends:
     def end_run(self, end: EndRun, round_idx: int) -> None:
         """Tell ``end.live`` that the run is over within ``end.seconds``, then ``end.given_up``
         (they may still be waiting, or be gone for good) within ``end.given_up_seconds``, without
-        waiting on any that do not answer."""
+        waiting on any that do not answer; the notices under way (a refusal) first reach their silos."""
+        self.wait_for_notices()
         self.finish(end.live, end, end.seconds, round_idx)
         self.finish(end.given_up, end, end.given_up_seconds, round_idx)
 
