@@ -182,6 +182,19 @@ class SiloRecords(Protocol):
     ) -> None:
         """Data-owner cross-silo: each user's counts from its own silo; the users that sent none."""
 
+    def record_secure_evaluation(
+        self,
+        round_idx: int,
+        metrics: Optional[Dict[str, Any]],
+        summed: List[int],
+        missing: List[int],
+        started: Optional[float],
+        record: Dict[str, Any],
+        privacy: Dict[int, Dict[str, Any]],
+    ) -> None:
+        """Data-owner cross-silo with secure aggregation: the evaluation's means over the ``summed``
+        users (None: the sum failed, ``record`` says why), its stages' record, each user's account."""
+
     def record_rejected_update(self, round_idx: int) -> None:
         """Cross-silo: the server refused a silo's upload before aggregation (a false sample count)."""
 

@@ -429,6 +429,7 @@ def silo_setup(parts: RunParts) -> Any:
             ca=_run_ca(config) if threshold else None,
             roster=roster if threshold else None,
             min_summed=config.min_summed_silos if threshold else 0,
+            max_colluding=config.max_colluding_silos if threshold else 0,
             reserve_silos=config.reserve_silos if threshold else 0,
             keyed_order=parts.algorithm.keyed_order if threshold else None,
         )

@@ -173,6 +173,24 @@ class RunDriver:
         if self.recorder is not None:
             self.recorder.silos.secure_round(record)
 
+    def record_secure_evaluation(
+        self,
+        round_idx: int,
+        metrics: Optional[Dict[str, Any]],
+        summed: List[int],
+        missing: List[int],
+        started: Optional[float],
+        record: Dict[str, Any],
+        privacy: Dict[int, Dict[str, Any]],
+    ) -> None:
+        if self.recorder is not None:
+            reported = self.recorder.privacy
+            if isinstance(reported, ReportedPrivacy):  # data-owner silos account for their own users
+                for account in privacy.values():
+                    reported.note(account)
+            self.recorder.silos.secure_round(record)
+            self.recorder.record_summed_evaluation(round_idx, metrics, summed, missing, started)
+
     def record_failure(self, why: str) -> None:
         """Another rank ends the run (a failing MPI client): summary.json says so. Never raises:
         the caller is on its way to aborting the job (a rank on another machine may not see the

@@ -97,7 +97,10 @@ class WandbSink:
         fedml_keys = {"Test/Acc": metrics.get("personalized_accuracy"), "Test/Loss": metrics.get("personalized_loss")}
         scalars.update({k: v for k, v in fedml_keys.items() if isinstance(v, (int, float))})
         scalars["round"] = round_idx
-        self.run.log({**scalars, "eval/per_user_accuracy": wandb.Histogram(per_user)}, step=round_idx)
+        logged: Dict[str, Any] = dict(scalars)
+        if per_user:  # a secure evaluation has none: the server holds means only
+            logged["eval/per_user_accuracy"] = wandb.Histogram(per_user)
+        self.run.log(logged, step=round_idx)
 
     def log_silo_evaluation(self, round_idx: int, mean: float) -> None:
         if self.run is not None:
@@ -228,6 +231,10 @@ def privacy_metrics(privacy: Optional[PrivacyRecord], round_idx: int) -> Dict[st
     return {"epsilon": epsilon}
 
 
+#: An evaluation record's ``evaluation`` under secure aggregation: means from a secure sum, no per-user figure.
+SUMMED = "secure sum"
+
+
 def federated_result(counts: Dict[int, Dict[str, Any]]) -> EvaluationResult:
     """Data-owner cross-silo: the evaluation made of each user's counts from its own silo (the
     protocol's accuracies from whole counts, an algorithm's own figures as its silo sent them)."""
@@ -255,10 +262,17 @@ class SiloRecord:
     secure_aggregation: Dict[str, Any] = field(default_factory=dict)
 
     def secure_round(self, record: Dict[str, Any]) -> None:
-        """A securely aggregated round (or one that could not be: ``record["failed"]`` says why)."""
+        """A securely aggregated round, or evaluation (``record["evaluation"]``), or one that could
+        not be (``record["failed"]`` says why)."""
         summary = self.secure_aggregation or {"rounds": 0, "failed_rounds": 0, "per_round": []}
-        summary["failed_rounds" if record["failed"] else "rounds"] += 1
-        summary["per_round"].append(record)
+        if record.get("evaluation"):
+            for key, empty in (("evaluations", 0), ("failed_evaluations", 0), ("per_evaluation", [])):
+                summary.setdefault(key, empty)
+            summary["failed_evaluations" if record["failed"] else "evaluations"] += 1
+            summary["per_evaluation"].append(record)
+        else:
+            summary["failed_rounds" if record["failed"] else "rounds"] += 1
+            summary["per_round"].append(record)
         self.secure_aggregation = summary
 
     def evaluated(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
@@ -365,6 +379,52 @@ class RunRecorder:
             return
         self.record_evaluation(round_idx, federated_result(counts), extra, evaluation_started)
 
+    def record_summed_evaluation(
+        self,
+        round_idx: int,
+        metrics: Optional[Dict[str, Any]],
+        summed: Sequence[int],
+        missing: Sequence[int],
+        evaluation_started: Optional[float] = None,
+    ) -> None:
+        """Data-owner cross-silo with secure aggregation: the means over the ``summed`` users that
+        the evaluation's secure sum gave (None: it failed), the users left out listed as missing.
+        No per-user figure reaches the server: each silo's record keeps its own."""
+        extra = {"evaluated_users": len(summed), "missing_users": sorted(missing), "evaluation": SUMMED}
+        if missing:
+            logger.warning(
+                "round %d: %d user(s) are not in the evaluation's secure sum: %s",
+                round_idx,
+                len(missing),
+                sorted(missing),
+            )
+        now = time.perf_counter()
+        evaluation_started = now if evaluation_started is None else evaluation_started
+        entry = {
+            "round": round_idx,
+            **(metrics or {"personalized_accuracy": None}),
+            **extra,
+            **privacy_metrics(self.privacy, round_idx),
+            "train_seconds": evaluation_started - self.started - self.evaluation_seconds,
+            "wall_seconds": now - self.started,
+        }
+        self.evaluation_seconds += now - evaluation_started
+        self.history.append(entry)
+        if metrics is not None:
+            logger.info(
+                "round %d: personalized accuracy %.4f (before adaptation %.4f, std %.4f; the secure sum of %d users)",
+                round_idx,
+                entry["personalized_accuracy"],
+                entry["accuracy_before_adaptation"],
+                entry["personalized_accuracy_std"],
+                len(summed),
+            )
+        if self._bar is not None:
+            self._bar.set_postfix(self._postfix())
+        write_json(os.path.join(self.run_dir, "summary.json"), self.summary(status="running"))
+        if self._wandb is not None and metrics is not None:
+            self._wandb.log_evaluation(round_idx, entry, [])
+
     def record_evaluation(
         self,
         round_idx: int,
@@ -466,6 +526,18 @@ class RunRecorder:
             **self.silos.summary(),
             **({"privacy": self.privacy.report(final=status != "running")} if self.privacy is not None else {}),
         }
+        summed = [
+            e for e in self.history if e.get("evaluation") == SUMMED and e.get("personalized_accuracy") is not None
+        ]
+        if self.last is None and summed:  # a secure run: its last evaluation's means, no per-user figure
+            keys = ("personalized_accuracy", "personalized_accuracy_std", "accuracy_before_adaptation")
+            return {
+                **{k: summed[-1][k] for k in keys},
+                "evaluated_users": summed[-1]["evaluated_users"],
+                "per_user_accuracy": [],
+                **common,
+                "headline_round": summed[-1]["round"],
+            }
         if self.last is None:
             return {
                 "personalized_accuracy": None,

@@ -232,6 +232,9 @@ class SiloProgress:
             )
         if unmasked is not None:
             outcome.unmasked = (int(unmasked[0]), tuple(int(r) for r in unmasked[1]))
+        evaluated = saved.get("unmasked_evaluation")
+        if evaluated is not None:
+            outcome.unmasked_evaluation = (int(evaluated[0]), tuple(int(r) for r in evaluated[1]))
 
     def save(self, outcome: SiloOutcome) -> None:
         """Keep what the silo has done so far (called as it trains and evaluates)."""
@@ -257,6 +260,9 @@ class SiloProgress:
                     "samples": answer.samples,
                 },
                 "unmasked": None if outcome.unmasked is None else [outcome.unmasked[0], list(outcome.unmasked[1])],
+                "unmasked_evaluation": None
+                if outcome.unmasked_evaluation is None
+                else [outcome.unmasked_evaluation[0], list(outcome.unmasked_evaluation[1])],
                 "run_secret": None if self.account is None else self.account.run_secret.hex(),
             },
         )

@@ -115,12 +115,14 @@ class ModelArrived:
 
 @dataclass(frozen=True)
 class EvaluationAsked:
-    """The server asks the silo's counts of ``model``, the global model after round ``round_idx``."""
+    """The server asks the silo's counts of ``model``, the global model after round ``round_idx``
+    (``terms``: secure aggregation's, where the run sums evaluations securely)."""
 
     now: float
     round_idx: int
     model: Any
     session: Optional[str] = None
+    terms: Optional[Dict[str, Any]] = None
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ class SiloOutcome:
     trained_round: Optional[int] = None  # the last round the silo trained its user in
     answer: Optional[StoredAnswer] = None  # its answer to that round
     unmasked: Optional[Tuple[int, Tuple[int, ...]]] = None  # (round, survivors) it last revealed shares for
+    # (round, survivors) it last revealed its evaluation's shares for (secure aggregation sums evaluations too)
+    unmasked_evaluation: Optional[Tuple[int, Tuple[int, ...]]] = None
     keep: Optional[Callable[["SiloOutcome"], None]] = field(default=None, repr=False, compare=False)
 
     def evaluated(self, counts: Dict[str, Any], model: StateDict) -> None:
@@ -62,22 +64,30 @@ class SiloOutcome:
         self.trained_round, self.answer = int(round_idx), answer
         self._kept()
 
-    def unmasking_problem(self, round_idx: int, survivors: Sequence[int]) -> Optional[str]:
-        """Why the silo must not reveal its shares of round ``round_idx`` for ``survivors`` (it did so
-        for another list that round: two sums of one round over two lists give a silo's update by
-        subtraction), or None. Changes nothing."""
+    def unmasking_problem(self, round_idx: int, survivors: Sequence[int], evaluation: bool = False) -> Optional[str]:
+        """Why the silo must not reveal its shares of round ``round_idx`` (``evaluation``: of the
+        evaluation after it) for ``survivors`` (it did so for another list: two sums over two lists
+        give the missing silos' inputs by subtraction), or None. Changes nothing."""
         listed = tuple(sorted(int(s) for s in survivors))
-        if self.unmasked is not None and self.unmasked[0] == int(round_idx) and self.unmasked[1] != listed:
+        done = self.unmasked_evaluation if evaluation else self.unmasked
+        if done is not None and done[0] == int(round_idx) and done[1] != listed:
+            what = f"the evaluation after round {round_idx}" if evaluation else f"round {round_idx}"
+            inputs = "figures" if evaluation else "updates"
             return (
-                f"round {round_idx} was already unmasked for the survivors {list(self.unmasked[1])}; a second sum "
-                f"over {list(listed)} would give the missing silos' updates by subtraction"
+                f"{what} was already unmasked for the survivors {list(done[1])}; a second sum over {list(listed)} "
+                f"would give the missing silos' {inputs} by subtraction"
             )
         return None
 
-    def unmasked_for(self, round_idx: int, survivors: Sequence[int]) -> None:
-        """The silo's shares of round ``round_idx`` for ``survivors`` are about to leave: kept before
-        they do (a round declined before this point is not recorded, so a resumed server may run it again)."""
-        self.unmasked = (int(round_idx), tuple(sorted(int(s) for s in survivors)))
+    def unmasked_for(self, round_idx: int, survivors: Sequence[int], evaluation: bool = False) -> None:
+        """The silo's shares of round ``round_idx`` (``evaluation``: of its evaluation) for
+        ``survivors`` are about to leave: kept before they do (a round declined before this point
+        is not recorded, so a resumed server may run it again)."""
+        listed = (int(round_idx), tuple(sorted(int(s) for s in survivors)))
+        if evaluation:
+            self.unmasked_evaluation = listed
+        else:
+            self.unmasked = listed
         self._kept()
 
     def _kept(self) -> None:

@@ -96,6 +96,9 @@ class SiloState(enum.Enum):
 #: ``start_secure(round, terms, received, trained)``: the round's party (``opening()`` -> the advert
 #: message (kind, params); ``answer(kind, params)`` -> (kind, params, tensors)), or SecAggError.
 SecureStart = Callable[[int, Optional[Dict[str, Any]], Any, Any], Any]
+#: ``start_secure_evaluation(round, terms, model, counts)``: the party that sums the silo's evaluation
+#: figures of ``model`` (the same interface), or SecAggError.
+SecureEvaluationStart = Callable[[int, Dict[str, Any], Any, Dict[str, Any]], Any]
 
 
 class SiloProtocol:
@@ -119,9 +122,11 @@ class SiloProtocol:
         figures_with_updates: bool,
         start_secure: SecureStart,
         now: float,
+        start_secure_evaluation: Optional[SecureEvaluationStart] = None,
     ) -> None:
         self.rank, self.num_rounds, self.policy, self.setup = rank, int(num_rounds), policy, setup
         self.own_user, self.figures_with_updates, self.start_secure = own_user, figures_with_updates, start_secure
+        self.start_secure_evaluation = start_secure_evaluation
         self.state = SiloState.ANNOUNCING
         self.state_since = self.last_heard = self.last_awake = now
         self.last_model: Optional[float] = None  # when the last model came
@@ -264,6 +269,17 @@ class SiloProtocol:
         if self.rules is None:  # an evaluation request exists in data-owner mode only
             self._do(Fail(f"silo rank {self.rank}: an evaluation request in shared mode (comm_args.silo_data)"))
             return
+        secure = self.setup.secure_threshold is not None
+        if secure != (event.terms is not None):
+            why = (
+                "this run sums evaluations securely (secagg_args.enable_secagg); the server's evaluation request "
+                "came without terms: its figures would leave this silo alone"
+                if secure
+                else "the server's evaluation request came with secure-aggregation terms; this silo's "
+                "secagg_args.enable_secagg is false: the two disagree"
+            )
+            self._refuse(round_idx, why, event.session)
+            return
         decision = self.rules.evaluation(round_idx, event.model)
         if decision.refused:
             self._refuse(round_idx, decision.reason, event.session)
@@ -274,9 +290,9 @@ class SiloProtocol:
                 self.rank,
                 round_idx,
             )
-            self._do(SendEvaluation(round_idx, decision.stored))
+            self._send_evaluation(round_idx, decision.stored, event.model, event.terms)
         else:
-            self._ask(Evaluate(round_idx, self.rules.user, event.model), "evaluate", None)
+            self._ask(Evaluate(round_idx, self.rules.user, event.model), "evaluate", event.terms)
 
     def _on_finish(self, event: FinishArrived) -> None:
         self._become(SiloState.DONE, event.now)
@@ -319,9 +335,28 @@ class SiloProtocol:
             self._do(SendGoodbye(event.counts))
             self._do(Finish())
             return
-        _, model, _ = self._done("evaluate", event.round_idx)
+        _, model, terms = self._done("evaluate", event.round_idx)
         self.outcome.evaluated(event.counts, model)  # in the record (and the ledger) before the counts leave
-        self._do(SendEvaluation(event.round_idx, event.counts))
+        self._send_evaluation(event.round_idx, event.counts, model, terms)
+
+    def _send_evaluation(self, round_idx: int, counts: Dict[str, Any], model: Any, terms: Any) -> None:
+        """The evaluation's figures: in the clear, or (secure aggregation) as the first message of the
+        secure sum they leave this silo in; the per-user counts stay in its own record."""
+        if terms is None:
+            self._do(SendEvaluation(round_idx, counts))
+            return
+        try:
+            if self.start_secure_evaluation is None:
+                raise SecAggError("this silo sums no evaluation securely (no secure evaluation was set up)")
+            self.secure = self.start_secure_evaluation(round_idx, terms, model, counts)
+        except SecAggError as err:
+            logger.error(
+                "silo rank %d: the evaluation after round %d: %s; its figures stay here", self.rank, round_idx, err
+            )
+            self._decline(round_idx, str(err))
+            return
+        kind, params = self.secure.opening()
+        self._do(SendSecure(kind, round_idx, params))
 
     def _answer(self, round_idx: int, received: Any, terms: Any, weights: Any, samples: int, counts: Any) -> None:
         """The round's answer: in the clear, or the first message of its secure aggregation."""
@@ -346,10 +381,11 @@ class SiloProtocol:
             )
             return
         survivors = None
+        evaluation = bool(getattr(secure, "evaluation", False))
         try:
             if event.stage in (SURVIVORS, UNMASK) and self.rules is not None:
                 survivors = [int(r) for r in event.params["survivors"]]
-                decision = self.rules.unmasking(round_idx, survivors)
+                decision = self.rules.unmasking(round_idx, survivors, evaluation)
                 if decision.refused:
                     raise SecAggError(str(decision.reason))
             kind, params, tensors = secure.answer(event.kind, dict(event.params))
@@ -363,7 +399,7 @@ class SiloProtocol:
         if event.stage == UNMASK and survivors is not None:
             # kept only now, as the shares leave: a round declined before this (too few survivors,
             # a list it would not sign) revealed nothing, and a resumed server may run it again (issue 76)
-            self.outcome.unmasked_for(round_idx, survivors)
+            self.outcome.unmasked_for(round_idx, survivors, evaluation)
         self._do(SendSecure(kind, round_idx, params, tensors))
 
     # -- refusals --------------------------------------------------------------------------------------------

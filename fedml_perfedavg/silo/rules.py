@@ -135,11 +135,11 @@ class DataOwnerRules:
         return Decision(REFUSE, self._past_the_run(round_idx, "a final model"))
 
     # -- secure aggregation ---------------------------------------------------------------------------
-    def unmasking(self, round_idx: int, survivors: Sequence[int]) -> Decision:
-        """Whether the silo may reveal its shares of round ``round_idx`` for ``survivors`` (checked at
-        the survivors' signature and at the unmasking; recorded by :meth:`SiloOutcome.unmasked_for`
-        only when the shares leave)."""
-        problem = self.outcome.unmasking_problem(round_idx, survivors)
+    def unmasking(self, round_idx: int, survivors: Sequence[int], evaluation: bool = False) -> Decision:
+        """Whether the silo may reveal its shares of round ``round_idx`` (``evaluation``: of the
+        evaluation after it) for ``survivors`` (checked at the survivors' signature and at the
+        unmasking; recorded by :meth:`SiloOutcome.unmasked_for` only when the shares leave)."""
+        problem = self.outcome.unmasking_problem(round_idx, survivors, evaluation)
         return Decision(REFUSE, problem) if problem else Decision(UNMASK)
 
     # -- helpers --------------------------------------------------------------------------------------

@@ -372,3 +372,59 @@ def test_a_silo_whose_signed_shares_do_not_decrypt_is_proven_named_and_the_round
     assert record["summed"] == [1, 2] and record["failed"] is None and list(record["false_ciphertexts"]) == ["3"]
     plain = np.mean([deltas()[1], deltas()[2]], axis=0)
     assert np.max(np.abs(model.averages[0] - plain)) <= fixed_point.worst_error(30, 3, 2 / 3)
+
+
+def test_the_evaluation_after_a_secure_round_is_a_secure_sum_and_figures_in_the_clear_are_refused(tls):
+    """Issue 75, rule 2: a data owner's evaluation counts went to the server one silo at a time (a
+    server with crafted models read each silo's test split through them). Under secure aggregation
+    the evaluation after a round is a secure sum of each silo's figures: the server records the
+    means over the summed users (and the accuracy's spread), no user's own, and refuses figures
+    sent in the clear."""
+    from types import SimpleNamespace
+
+    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import load_credentials
+    from fedml_perfedavg.fedml_bridge.cross_silo.events import Evaluation
+    from fedml_perfedavg.secagg import figures
+    from fedml_perfedavg.secagg.rounds import SiloRules
+
+    p, model, parties, _ = start(tls, checked=True)
+    actions = answer(p, parties, answer(p, parties, answer(p, parties, advertise(p, parties))))
+    asked = [m for a in actions if isinstance(a, Send) for m in a.messages if m.kind == wire.EVALUATE]
+    assert [m.silo for m in asked] == [1, 2, 3] and all(wire.SECAGG in m.params for m in asked)
+    terms = asked[0].params[wire.SECAGG]
+    assert (terms["threshold"], terms["length"], terms["counts"]) == (2, len(figures.FIGURES), None)
+    counts = {
+        s: {"round": 0, "user": s - 1, "correct": c, "correct_before": b, "total": 40, "loss": loss}
+        for s, c, b, loss in ((1, 30, 20, 0.5), (2, 36, 10, 0.25), (3, 12, 12, 2.0))
+    }
+    setup = SimpleNamespace(secure_rules=SiloRules(2, 0, 3), keyed_order=lambda round_idx: [1, 2, 3])
+    evaluating = {
+        m.silo: SecureSiloRound.start_evaluation(
+            m.silo,
+            0,
+            m.params[wire.SECAGG],
+            setup,
+            model.params(),
+            counts[m.silo],
+            SimpleNamespace(credentials=load_credentials(tls["dir"], m.silo), run_id="run-1"),
+        )
+        for m in asked
+    }
+    refused = p.handle(Evaluation(3.0, 1, counts[1]))  # figures in the clear: refused, not recorded
+    assert [a.text for a in refused if isinstance(a, Refuse)] == [
+        "the evaluation after round 0: silo rank 1 sent its figures in the clear; this run sums evaluations securely"
+    ]
+    out = []
+    for s, party in evaluating.items():
+        kind, params = party.opening()
+        out += p.handle(SecAggMessage(4.0, s, kind, 0, params))
+    actions = answer(p, evaluating, answer(p, evaluating, answer(p, evaluating, out, now=5.0), now=5.0), now=5.0)
+    ((round_idx, metrics, summed, missing, _, record, _),) = records(actions, "record_secure_evaluation")
+    accuracies = np.array([30 / 40, 36 / 40, 12 / 40])
+    assert (round_idx, summed, missing, record["summed"], record["evaluation"]) == (0, [0, 1, 2], [], [1, 2, 3], True)
+    error = figures.worst_error(3)
+    assert abs(metrics["personalized_accuracy"] - accuracies.mean()) <= error
+    assert abs(metrics["personalized_accuracy_std"] - accuracies.std()) <= 1e-5
+    assert abs(metrics["accuracy_before_adaptation"] - 42 / 120) <= error
+    assert abs(metrics["personalized_loss"] - 2.75 / 3) <= error and metrics["evaluated_users"] == 3
+    assert not records(actions, "record_federated_evaluation")  # no user's own counts reach the record

@@ -57,6 +57,11 @@ def silo(own_user=None, secure=False, scheduled=None, evaluates=None, start_secu
         parties.append(Party(round_idx))
         return parties[-1]
 
+    def start_evaluation(round_idx, terms, evaluated, counts):
+        parties.append(Party(round_idx))
+        parties[-1].evaluation, parties[-1].figures = True, dict(counts)
+        return parties[-1]
+
     protocol = SiloProtocol(
         2,
         ROUNDS,
@@ -66,6 +71,7 @@ def silo(own_user=None, secure=False, scheduled=None, evaluates=None, start_secu
         figures_with_updates=own_user is None,
         start_secure=start_secure or start,
         now=0.0,
+        start_secure_evaluation=start_evaluation,
     )
     protocol.parties = parties
     return protocol
@@ -208,6 +214,39 @@ def test_a_stage_the_party_refuses_or_of_another_round_or_a_round_that_cannot_st
     refusing = online(silo(own_user=1, secure=True, start_secure=refuse))
     assert secure_round(refusing) == [ev.SendDecline(0, "silo rank 2: the server's threshold 3 is not this run's (2)")]
     assert refusing.outcome.trained_round == 0  # the training happened (and is counted) before the terms failed
+
+
+def test_a_secure_evaluation_sends_its_figures_only_inside_the_sum_and_keeps_its_own_survivor_list():
+    """Issue 75, rule 2: under secure aggregation a data owner's evaluation figures leave it only in
+    the evaluation's secure sum (its counts stay in its own record), the survivor list it unmasks
+    for is the evaluation's own (a round's list does not stand in for it, nor the other way), and a
+    request without terms, which would have the counts sent alone, is declined."""
+    outcome = SiloOutcome(1)
+    outcome.unmasked_for(1, [1, 2], evaluation=False)  # round 1's own sum, over other silos
+    protocol = online(silo(own_user=1, secure=True, evaluates=lambda r: True, outcome=outcome))
+    sent = model()
+    [_, evaluate] = protocol.handle(ev.EvaluationAsked(1.0, 1, sent, "s", {"threshold": 3}))
+    assert isinstance(evaluate, ev.Evaluate) and evaluate.round_idx == 1
+    counts = {"round": 1, "user": 1, "correct": 7, "correct_before": 5, "total": 10, "loss": 0.5}
+    assert protocol.handle(ev.Evaluated(2.0, 1, counts)) == [ev.SendSecure(ADVERT, 1, {"advert": "signed"})]
+    party = protocol.parties[-1]
+    assert party.evaluation and party.figures == counts and protocol.outcome.evaluations == [counts]
+    stages = [(ev.KEYS, 103, {}), (ev.SHARES, 104, {}), (ev.SURVIVORS, 110, {"survivors": [1, 2, 4]})]
+    for stage, kind, params in stages:
+        [answer] = protocol.handle(ev.SecureStage(3.0, stage, kind, 1, params))
+        assert isinstance(answer, ev.SendSecure) and answer.round_idx == 1
+    [answer] = protocol.handle(ev.SecureStage(4.0, ev.UNMASK, 105, 1, {"survivors": [4, 2, 1]}))
+    assert answer.kind == UNMASKING
+    assert protocol.outcome.unmasked_evaluation == (1, (1, 2, 4)) and protocol.outcome.unmasked == (1, (1, 2))
+    # a resumed server asks again (the same model: the stored counts) and shows another list: declined
+    protocol.handle(ev.EvaluationAsked(5.0, 1, sent, "s", {"threshold": 3}))
+    [decline] = protocol.handle(ev.SecureStage(6.0, ev.SURVIVORS, 110, 1, {"survivors": [1, 2]}))
+    assert isinstance(decline, ev.SendDecline)
+    assert "the evaluation after round 1 was already unmasked for the survivors [1, 2, 4]" in decline.reason
+    assert "figures by subtraction" in decline.reason
+    [_, declined] = protocol.handle(ev.EvaluationAsked(7.0, 2, sent, "s"))  # no terms: the counts would go alone
+    assert isinstance(declined, ev.SendDecline) and "sums evaluations securely" in declined.reason
+    assert not [a for a in protocol.handle(ev.EvaluationAsked(8.0, 3, sent)) if isinstance(a, ev.SendEvaluation)]
 
 
 # -- losing and finding the server ---------------------------------------------------------------------

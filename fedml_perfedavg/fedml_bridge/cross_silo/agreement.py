@@ -222,6 +222,7 @@ class ServerSetup:
     ca: Optional[bytes] = None  # the run CA's certificate: secure aggregation's advertisements checked before relaying
     roster: Optional[KeyRoster] = None  # the run's key roster: the same advertisements' keys checked against it
     min_summed: int = 0  # secure rounds: the fewest silos summed (secagg_args.min_summed_silos, as silos enforce it)
+    max_colluding: int = 0  # secure rounds: secagg_args.max_colluding_silos (a secure evaluation's threshold)
     reserve_silos: int = 0  # secure rounds: how far past the keyed sample a lost silo's place may go
     # secure rounds with reserves: round -> every user in the round's keyed order (core/sampling.py keyed_order)
     keyed_order: Optional[Callable[[int], List[int]]] = None

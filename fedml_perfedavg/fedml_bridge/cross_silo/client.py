@@ -223,6 +223,7 @@ class PluginClientMasterManager(OwnTransport, ClientMasterManager):
             figures_with_updates=self.mode.figures_with_updates,
             start_secure=self._start_secure,
             now=time.monotonic(),
+            start_secure_evaluation=self._start_secure_evaluation,
         )
 
     @property
@@ -275,7 +276,8 @@ class PluginClientMasterManager(OwnTransport, ClientMasterManager):
 
     def _on_evaluate(self, msg_params: Message) -> None:
         round_idx, model = int(msg_params.get(ROUND_KEY)), msg_params.get(MyMessage.MSG_ARG_KEY_MODEL_PARAMS)
-        self._handle(events.EvaluationAsked(time.monotonic(), round_idx, model, msg_params.get(SESSION_KEY)))
+        terms = msg_params.get(wire.SECAGG)
+        self._handle(events.EvaluationAsked(time.monotonic(), round_idx, model, msg_params.get(SESSION_KEY), terms))
 
     def _on_secagg(self, msg_params: Message) -> None:
         kind = int(msg_params.get_type())
@@ -373,6 +375,7 @@ class PluginClientMasterManager(OwnTransport, ClientMasterManager):
             message.add_params(key, value)
         if tensors is not None:
             message.add_params(MyMessage.MSG_ARG_KEY_MODEL_PARAMS, tensors)
+        message.add_params(ROUND_KEY, round_idx)  # an evaluation's sum is stamped with its round, not the last model's
         return self._send(message, f"its secure-aggregation message (type {kind}) of round {round_idx}")
 
     def _send(self, message: Message, what: str) -> Any:
@@ -387,4 +390,11 @@ class PluginClientMasterManager(OwnTransport, ClientMasterManager):
         (secure_silo.py); SecAggError where the server's terms are not this run's."""
         return SecureSiloRound.start(
             self.rank, round_idx, terms, self.setup, received, trained, self.trainer.trainer, self.com_manager.settings
+        )
+
+    def _start_secure_evaluation(self, round_idx: int, terms: Any, model: Any, counts: Any) -> SecureSiloRound:
+        """This silo's part of the secure sum of the evaluation after ``round_idx`` (its figures
+        leave it only in that sum); SecAggError where the server's terms are not this run's."""
+        return SecureSiloRound.start_evaluation(
+            self.rank, round_idx, terms, self.setup, model, counts, self.com_manager.settings
         )

@@ -23,7 +23,8 @@ from .membership import SiloMembership, TooFewSilos
 from .awaited import OpenEvaluation, OpenRound
 from .phases import Phase, PhaseClock
 from .roster import SiloRoster
-from .secure_rounds import SecureAggregation, UnclippedInputs
+from .secure_evaluation import SecureEvaluation
+from .secure_rounds import REFUSED_SECAGG, SecureAggregation, UnclippedInputs
 from . import wire
 
 logger = logging.getLogger(__name__)
@@ -178,6 +179,7 @@ class SiloRounds:
         self.round_idx = 0
         self.round = OpenRound(-1, [], {})
         self.evaluation = OpenEvaluation(-1, [])
+        self.evaluation_sum: Optional[SecureEvaluation] = None  # the open evaluation's secure sum (secure runs)
         self.aggregation: RoundAggregation = ClearAggregation(self)  # the open round's
         self.unclipped = UnclippedInputs()  # secure rounds: which silo's inputs keep breaking the bound
         self.averaged_from: List[int] = []  # the silos whose updates the last round's average was given
@@ -211,6 +213,8 @@ class SiloRounds:
             self.round.forget(silo)
             self.evaluation.awaiting.discard(silo)
         self.aggregation.drop(list(silos), "left the run")
+        if self.evaluation_sum is not None:
+            self.evaluation_sum.drop(list(silos), "left the run")
 
     def restarted(self, silo: int) -> None:
         """``silo`` restarted: what its earlier process owed will not come."""
@@ -220,6 +224,8 @@ class SiloRounds:
             )
         self.evaluation.awaiting.discard(silo)
         self.aggregation.drop([silo], "restarted")
+        if self.evaluation_sum is not None:
+            self.evaluation_sum.drop([silo], "restarted")
 
     # -- training ------------------------------------------------------------------------------------
     def open_round(self, now: float, kind: int) -> bool:
@@ -312,6 +318,8 @@ class SiloRounds:
         """Close the open round or evaluation once nothing more is awaited."""
         if self.clock.phase is Phase.TRAINING:
             return self.aggregation.advance(now) if self.aggregation.ready() else False
+        if self.clock.phase is Phase.EVALUATING and self.evaluation_sum is not None:
+            return self.evaluation_sum.advance(now) if self.evaluation_sum.ready() else False
         if self.clock.phase is Phase.EVALUATING and not self.evaluation.awaiting:
             return self.close_evaluation(now, None)
         return False
@@ -324,7 +332,10 @@ class SiloRounds:
         return self.aggregation.on_update(now, silo, stamped, declared, model, counts, training)
 
     def on_secagg(self, now: float, silo: int, kind: int, stamped: Any, params: Any, model: Any, size: int) -> bool:
-        """``silo``'s message of a secure-aggregation stage for round ``stamped``."""
+        """``silo``'s message of a secure-aggregation stage for round ``stamped`` (or, evaluating, of
+        the evaluation's secure sum)."""
+        if self.clock.phase is Phase.EVALUATING and self.evaluation_sum is not None:
+            return self.evaluation_sum.on_secagg(now, silo, kind, stamped, params, model, size)
         return self.aggregation.on_secagg(now, silo, kind, stamped, params, model, size)
 
     def close_round(self, now: float, why_missing: Optional[str]) -> bool:
@@ -363,21 +374,42 @@ class SiloRounds:
         self.evaluation = OpenEvaluation(round_idx, self.roster.live, now)
         self.clock.enter(Phase.EVALUATING, now, self.clock.round_seconds())
         params = self.model.params()
-        messages = [ToSilo(wire.EVALUATE, s, round_idx, params, s - 1) for s in sorted(self.evaluation.awaiting)]
+        silos = sorted(self.evaluation.awaiting)
+        self.evaluation_sum = None
+        terms: Any = lambda silo: None  # noqa: E731
+        if self.roster.setup.secure:  # the figures leave each silo only inside a secure sum
+            self.evaluation_sum = SecureEvaluation.open(self, round_idx, silos, now)
+            terms = self.evaluation_sum.terms
+        messages = [ToSilo(wire.EVALUATE, s, round_idx, params, s - 1, params=terms(s)) for s in silos]
         self.outbox.send(messages, self.clock.deadline or now, EVALUATION)
         return self.close_if_complete(now)
 
     def on_evaluation(self, now: float, silo: int, counts: Any) -> bool:
         if self.clock.phase is not Phase.EVALUATING or silo not in self.evaluation.awaiting:
             return self.ignore(now, "an evaluation", silo, self.evaluation.round_idx)
+        if self.evaluation_sum is not None:
+            why = (
+                f"the evaluation after round {self.evaluation.round_idx}: silo rank {silo} sent its figures in the "
+                f"clear; this run sums evaluations securely"
+            )
+            self.outbox.refuse(silo, REFUSED_SECAGG, why)
+            return False
         self.evaluation.take(silo, counts, self.roster, self.outbox.refuse)
         return self.close_if_complete(now)
 
     def close_evaluation(self, now: float, why_missing: Optional[str]) -> bool:
-        self.clock.disarm()
+        """The evaluation's deadline passed (or nothing more is awaited): record it, go on. A secure
+        evaluation's deadline is its stage's: the sum goes on without the silos that missed it."""
+        if self.evaluation_sum is not None and not self.evaluation_sum.closed:
+            return self.evaluation_sum.deadline(now, why_missing or "sent nothing")
         if self.evaluation.awaiting:
             self.give_up_on(sorted(self.evaluation.awaiting), why_missing or "sent no evaluation", True)
         self.evaluation.record(self.outbox, self.roster.setup.silos)
+        return self.finish_evaluation(now)
+
+    def finish_evaluation(self, now: float) -> bool:
+        """The evaluation is recorded: the next round."""
+        self.clock.disarm()
         self.outbox.record("record_refusals")
         return self.next_round(now)
 
@@ -425,6 +457,8 @@ def silo_declined(rounds: SiloRounds, now: float, silo: int, reason: str) -> boo
             "silo rank %d declined the evaluation after round %d: %s", silo, rounds.evaluation.round_idx, reason
         )
         rounds.evaluation.awaiting.discard(silo)
+        if rounds.evaluation_sum is not None:
+            rounds.evaluation_sum.drop([silo], "declined")
         return rounds.close_if_complete(now)
     if rounds.clock.phase is not Phase.TRAINING or silo not in rounds.round.assigned:
         return rounds.ignore(now, "a refusal", silo, rounds.round_idx, f"; it said: {reason}"[:300])

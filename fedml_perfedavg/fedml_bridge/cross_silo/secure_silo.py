@@ -17,9 +17,9 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ...secagg import fixed_point, vectors
+from ...secagg import figures, fixed_point, vectors
 from ...secagg.primitives import SecAggError, sign
-from ...secagg.rounds import Advert, SiloRound
+from ...secagg.rounds import Advert, SiloRound, SiloRules
 from . import wire
 from ...core.sampling import reserve_problem
 from .credentials import Credentials, certificate_rank_problem
@@ -63,8 +63,73 @@ class SecureSiloRound:
     """Silo ``party.rank``'s part of round ``round_idx``, its input ``encoded``; ``credentials``: its
     own, with the run's CA and the key roster it pins."""
 
-    def __init__(self, round_idx: int, party: SiloRound, encoded: np.ndarray, credentials: Credentials) -> None:
+    def __init__(
+        self,
+        round_idx: int,
+        party: SiloRound,
+        encoded: np.ndarray,
+        credentials: Credentials,
+        evaluation: bool = False,
+        privacy: Optional[Dict[str, Any]] = None,
+    ) -> None:
         self.round_idx, self.party, self.encoded, self.credentials = round_idx, party, encoded, credentials
+        self.evaluation = evaluation  # it sums the evaluation after the round, not the round's updates
+        self.privacy = privacy  # its user's DP-SGD account, sent with its advertisement (no data figure)
+
+    @classmethod
+    def start_evaluation(
+        cls,
+        rank: int,
+        round_idx: int,
+        terms: Dict[str, Any],
+        setup: Any,
+        model: Dict[str, torch.Tensor],
+        counts: Dict[str, Any],
+        settings: Any,
+    ) -> "SecureSiloRound":
+        """The silo's part of the secure sum of the evaluation after ``round_idx`` (issue 75, rule 2):
+        its user's figures (:mod:`fedml_perfedavg.secagg.figures`) of ``model``, from ``counts``, in a
+        sum the server's ``terms`` describe, checked against this silo's own rules: every silo of the
+        evaluation is one of the run's, at least ``min_summed_silos`` are summed, the threshold is
+        above half of them plus the colluders allowed for, equal weights, the figures' bound."""
+        rules, credentials = setup.secure_rules, getattr(settings, "credentials", None)
+        if rules is None or credentials is None:
+            raise SecAggError("a secure evaluation needs secagg_args.enable_secagg and comm_args.tls_dir on the silo")
+        silos = [int(s) for s in terms["silos"]]
+        everyone = setup.keyed_order(round_idx) if setup.keyed_order is not None else silos
+        if rank not in silos or len(set(silos)) != len(silos) or not set(silos) <= set(everyone):
+            raise SecAggError(
+                f"the server's silos {silos} for the evaluation after round {round_idx} are not the run's"
+            )
+        threshold = int(terms["threshold"])
+        own = SiloRules(threshold, rules.max_colluding, rules.min_summed)
+        problem = own.problem_with(len(silos), len(silos))
+        if problem is None and threshold > len(silos):
+            problem = f"the threshold {threshold} is more than the evaluation's {len(silos)} silos"
+        if problem is None and terms["counts"] is not None:
+            problem = "an evaluation's figures are summed with equal weights; the server sent sample counts"
+        if problem is None and abs(float(terms["weight"]) - 1.0 / len(silos)) > 1e-12:
+            problem = f"the server's weight {terms['weight']!r} is not 1/{len(silos)}"
+        if problem is None and (float(terms["bound"]) != figures.BOUND or int(terms["length"]) != len(figures.FIGURES)):
+            problem = "the server's bound or length is not the evaluation figures'"
+        if problem is None and not fixed_point.MIN_FRACTION_BITS <= int(terms["bits"]) <= figures.fraction_bits():
+            problem = f"{terms['bits']} fraction bits: the sum could wrap, or lose more than the stated error"
+        if problem is not None:
+            raise SecAggError(f"the evaluation after round {round_idx}: {problem}")
+        vector = fixed_point.clip(figures.figures_vector(counts), figures.BOUND)
+        encoded = fixed_point.encode(vector, float(terms["weight"]), int(terms["bits"]))
+        party = SiloRound(
+            f"{settings.run_id}|{figures.PURPOSE}",
+            round_idx,
+            rank,
+            threshold,
+            lambda data: sign(credentials.key, data),
+            credentials.cert,
+            terms_digest(terms, model),
+            rules.min_summed,
+            peers=tuple(silos),
+        )
+        return cls(round_idx, party, encoded, credentials, evaluation=True, privacy=counts.get("privacy"))
 
     @classmethod
     def start(
@@ -145,8 +210,12 @@ class SecureSiloRound:
         return self.party.advertise()
 
     def opening(self) -> Tuple[int, Dict[str, Any]]:
-        """The round's first message from this silo: its signed advertisement."""
-        return wire.SECAGG_ADVERT, {"advert": advert_to_wire(self.advertise())}
+        """The round's first message from this silo: its signed advertisement (and, summing an
+        evaluation under DP-SGD, its user's account, which no data figure is part of)."""
+        params: Dict[str, Any] = {"advert": advert_to_wire(self.advertise())}
+        if self.privacy is not None:
+            params["privacy"] = dict(self.privacy)
+        return wire.SECAGG_ADVERT, params
 
     def check_peer(self, advert: Advert) -> Optional[str]:
         """Why another silo's advertisement is not that rank's (whatever the server relays), or None:

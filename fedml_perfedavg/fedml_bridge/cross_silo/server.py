@@ -37,6 +37,7 @@ RECORDS = frozenset(
         "record_rejoined_silo",
         "record_silo_evaluation",
         "record_federated_evaluation",
+        "record_secure_evaluation",
         "record_rejected_update",
         "record_refusals",
         "record_secure_round",
@@ -312,4 +313,6 @@ class PluginServerManager(OwnTransport, FedMLServerManager):
             args = (self.sends.refusal_totals(),)
         elif record.method == "record_federated_evaluation":  # its start, on the clock the record reads
             args = (*args[:3], time.perf_counter() - (time.monotonic() - args[3]))
+        elif record.method == "record_secure_evaluation":
+            args = (*args[:4], time.perf_counter() - (time.monotonic() - args[4]), *args[5:])
         getattr(self.driver, record.method)(*args)

@@ -360,7 +360,7 @@ SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
         REASON: (lambda v: _text(v, 2000), False),
         REFUSED: (_flag, False),
     },
-    EVALUATE: {"client_idx": (_digits, True)},
+    EVALUATE: {"client_idx": (_digits, True), SECAGG: (_secagg_terms, False)},
     UPLOAD: {"num_samples": (_count, True), SILO_METRICS: (_counts, False), TRAINING: (valid_figures, False)},
     CLIENT_STATUS: {
         "client_status": (_status, True),
@@ -379,7 +379,10 @@ SCHEMA: Dict[int, Dict[str, Tuple[Callable[[Any], bool], bool]]] = {
         "signatures": (_pairs(_signature), True),
         "liars": (_ranks, False),
     },
-    SECAGG_ADVERT: {"advert": (_advert, True)},
+    SECAGG_ADVERT: {
+        "advert": (_advert, True),
+        "privacy": (lambda v: isinstance(v, dict) and _privacy(v, v.get("user")), False),
+    },
     SECAGG_SHARES_OUT: {"shares": (_pairs(_ciphertext), True)},
     SECAGG_MASKED: {"accusations": (_pairs(lambda v: _b64(v, 32)), False)},
     SECAGG_UNMASKING: {"shares": (_unmasking, True)},
