@@ -47,6 +47,8 @@ def test_identical_configs_agree_and_1_equals_1_0():
         ({"random_seed": 3}, "common_args.random_seed", "0", "3"),
         ({"meta_batch_size": 20}, "train_args.meta_batch_size", "40", "20"),
         ({"silo_data": "own"}, "comm_args.silo_data", "'shared'", "'own'"),
+        ({"min_summed_silos": 4}, "secagg_args.min_summed_silos", "3", "4"),
+        ({"max_colluding_silos": 1}, "secagg_args.max_colluding_silos", "0", "1"),
     ],
 )
 def test_a_disagreement_names_the_key_and_both_values(changes, key, mine, theirs):

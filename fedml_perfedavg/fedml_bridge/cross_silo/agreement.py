@@ -54,6 +54,10 @@ AGREED = (
     ("comm_args", "silo_data"),
     ("secagg_args", "enable_secagg"),
     ("secagg_args", "reconstruction_threshold"),
+    # the rules each silo enforces on every secure sum, fixed for the whole run before its first round
+    # (issue 75, rule 3): an organization started with other ones is refused at its announcement
+    ("secagg_args", "min_summed_silos"),
+    ("secagg_args", "max_colluding_silos"),
     ("secagg_args", "reserve_silos"),
 )
 ARCHITECTURE = "model_args.architecture"  # the model's tensor names, shapes and dtypes, hashed
