@@ -88,6 +88,9 @@ train = {c: batches(32, c) for c in range(4)}
 test = {c: batches(16, 100 + c) for c in range(4)}
 dataset = [128, 64, sum(train.values(), []), sum(test.values(), []), {c: 32 for c in range(4)}, train, test, 3]
 model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+def digest_of(model):
+    return hashlib.sha256(b"".join(v.detach().numpy().tobytes() for v in model.state_dict().values())).hexdigest()
+initial = digest_of(model)
 fedml.FedMLRunner(args, fedml.device.get_device(args), dataset, model).run()
 
 def describe(value):
@@ -108,10 +111,10 @@ for name, module in sorted(sys.modules.items()):
         if isinstance(value, type) and value.__module__ == name:
             for member, inner in list(vars(value).items()):
                 objects[name + ":" + attribute + "." + member] = describe(inner)
-state = model.state_dict()
-digest = hashlib.sha256(b"".join(v.detach().numpy().tobytes() for v in state.values())).hexdigest()
-with open(OUT, "w") as stream:
-    json.dump({"model": digest, "objects": objects}, stream)
+digest = digest_of(model)
+rank = int(getattr(args, "process_id", 0) or 0)  # MPI: each rank writes its own (rank 0 holds the global model)
+with open(OUT if rank == 0 else f"{OUT}.{rank}", "w") as stream:
+    json.dump({"model": digest, "initial": initial, "objects": objects}, stream)
 """
 
 # The plugin's one install point (fedml_bridge/install.py; docs/fedml.md lists each): FedML's entry
@@ -119,17 +122,31 @@ with open(OUT, "w") as stream:
 INSTALL_POINTS = {"fedml:init", "fedml.data:load", "fedml.model:create", "fedml.runner:FedMLRunner.__init__"}
 
 
-def test_fedmls_own_fedavg_gives_the_same_model_and_meets_the_same_fedml_with_the_plugin_imported(tmp_path):
-    """Issue 77: FedML's own FedAvg (sp) in a user's program, with ``import fedml_perfedavg`` and
-    without: the same model bit for bit, and every attribute of FedML's modules (and of their
-    classes) the same object, but for the install points. Offline: no network here either way."""
-    (tmp_path / "fedavg.yaml").write_text(FEDAVG_YAML)
+@pytest.mark.parametrize("backend", ["sp", "MPI"])
+def test_fedmls_own_fedavg_gives_the_same_model_and_meets_the_same_fedml_with_the_plugin_imported(tmp_path, backend):
+    """Issue 77: FedML's own FedAvg (sp, and MPI with a server and two clients under ``mpirun``) in a
+    user's program, with ``import fedml_perfedavg`` and without: the same trained model bit for bit,
+    and every attribute of FedML's modules (and of their classes) the same object in every process,
+    but for the install points. Offline: no network here either way."""
+    yaml = FEDAVG_YAML
+    command = [sys.executable]
+    if backend == "MPI":
+        from tests.backends.test_fedml_entry_points import MPIRUN
+
+        if MPIRUN is None:
+            pytest.skip("no mpirun")
+        yaml = yaml.replace("comm_args: {backend: sp}", "comm_args: {backend: MPI}").replace(
+            "device_args: {using_gpu: false}",
+            "device_args: {using_gpu: false, gpu_mapping_file: null, gpu_mapping_key: null}",
+        )
+        command = [MPIRUN, "-n", "3", sys.executable]
+    (tmp_path / "fedavg.yaml").write_text(yaml)
     (tmp_path / "main.py").write_text(FEDAVG_MAIN)
     seen = {}
     for way in ("with", "without"):
         out = tmp_path / f"{way}.json"
         done = subprocess.run(
-            [sys.executable, str(tmp_path / "main.py"), way, str(out), str(tmp_path / "fedavg.yaml")],
+            [*command, str(tmp_path / "main.py"), way, str(out), str(tmp_path / "fedavg.yaml")],
             capture_output=True,
             text=True,
             cwd=tmp_path,
@@ -137,12 +154,15 @@ def test_fedmls_own_fedavg_gives_the_same_model_and_meets_the_same_fedml_with_th
             timeout=300,
         )
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-        seen[way] = json.loads(out.read_text())
-    assert seen["with"]["model"] == seen["without"]["model"]
-    a, b = seen["with"]["objects"], seen["without"]["objects"]
-    both = {k.split(":")[0] for k in a} & {k.split(":")[0] for k in b}
-    changed = {k for k in set(a) | set(b) if k.split(":")[0] in both and a.get(k) != b.get(k)}
-    # a submodule loaded on one side only (the plugin imports some of FedML's MPI modules) is an
-    # attribute of its package there: not a change to FedML
-    changed = {k for k in changed if {a.get(k), b.get(k)} - {None} != {"builtins.module"}}
-    assert changed == INSTALL_POINTS, sorted(changed)
+        ranks = ["", ".1", ".2"] if backend == "MPI" else [""]
+        seen[way] = [json.loads((tmp_path / f"{way}.json{rank}").read_text()) for rank in ranks]
+    server_with, server_without = seen["with"][0], seen["without"][0]
+    assert server_with["model"] == server_without["model"] != server_with["initial"]  # trained, the same bits
+    for with_, without in zip(seen["with"], seen["without"]):
+        a, b = with_["objects"], without["objects"]
+        both = {k.split(":")[0] for k in a} & {k.split(":")[0] for k in b}
+        changed = {k for k in set(a) | set(b) if k.split(":")[0] in both and a.get(k) != b.get(k)}
+        # a submodule loaded on one side only (the plugin imports some of FedML's MPI modules) is an
+        # attribute of its package there: not a change to FedML
+        changed = {k for k in changed if {a.get(k), b.get(k)} - {None} != {"builtins.module"}}
+        assert changed == INSTALL_POINTS, sorted(changed)

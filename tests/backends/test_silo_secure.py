@@ -343,28 +343,34 @@ def test_a_silo_with_a_low_order_key_or_a_share_under_another_index_fails_only_i
 
 
 @needs_mnist
-def test_a_silo_whose_signed_shares_do_not_decrypt_is_proven_false_and_costs_only_itself(mnist_root, tmp_path):
-    """Issue 75, rule 5: silo 4 sends the lowest other silo random bytes as its shares, signed. With
-    6001daa's protocol that silo declined the round, the server dropped it and, with default
-    settings, the run stopped at round 0, the liar named nowhere. Now the receiver proves it (it
-    discloses its key for that pair alone), the server names silo 4, and with default settings (four
-    silos, threshold 3, min_clients_per_round what a round needs) every round sums the three others."""
+@pytest.mark.parametrize("lie", ["false-ciphertext", "share-index"])
+def test_one_lying_silo_among_four_with_default_settings_costs_only_itself(mnist_root, tmp_path, lie):
+    """Issue 75, rule 5, with default settings (four silos, threshold 3, min_clients_per_round what a
+    round needs). ``false-ciphertext``: silo 4 sends the lowest other silo random bytes as its shares,
+    signed; on 6001daa that silo declined the round, the server dropped it and the run stopped at
+    round 0, the liar named nowhere. Now the receiver proves it (it discloses its key for that pair
+    alone) and the server names silo 4. ``share-index``: its unmasking shares carry silo 1's Shamir
+    index; on 6001daa it was named but the run stopped at round 0 (min_clients_per_round defaulted
+    to every silo). Either way the run now finishes, every round summed without silo 4 once named."""
     folders = _export(mnist_root, tmp_path, 4)
     settings = {**SECURE, "client_num_in_total": 4, "comm_round": 2}
-    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={4: "false-ciphertext"}), timeout=300)
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={4: lie}), timeout=300)
     summary = _summary(tmp_path)
     assert summary["status"] == "finished" and summary["rounds"] == 2, outs[0][-4000:]
     secure = summary["secure_aggregation"]
     assert secure["failed_rounds"] == 0, secure
-    first = secure["per_round"][0]
-    assert first["summed"] == [1, 2, 3] and list(first["false_ciphertexts"]) == ["4"], first
-    assert all(record["summed"] == [1, 2, 3] for record in secure["per_round"]), secure["per_round"]
-    (lost,) = [entry for entry in summary["lost_silos"] if entry["rank"] == 4][:1]
-    assert "its shares for rank 1 do not decrypt (proven: rank 1 disclosed its key" in lost["why"], lost
+    first, second = secure["per_round"]
+    assert second["summed"] == [1, 2, 3], secure["per_round"]
     assert {entry["rank"] for entry in summary["lost_silos"]} == {4}, summary["lost_silos"]
-    assert "the shares rank(s) [4] signed for this silo do not decrypt" in outs[1], outs[1][-3000:]
+    (lost,) = [entry for entry in summary["lost_silos"] if entry["rank"] == 4][:1]
     for rank in (1, 2, 3):
         assert "leaves this round's secure aggregation" not in outs[rank], outs[rank][-3000:]
+    if lie == "share-index":  # its input was in round 0's sum, its seed rebuilt from the honest shares
+        assert first["summed"] == [1, 2, 3, 4] and "sent a share with Shamir index 1; its own is 4" in lost["why"]
+        return
+    assert first["summed"] == [1, 2, 3] and list(first["false_ciphertexts"]) == ["4"], first
+    assert "its shares for rank 1 do not decrypt (proven: rank 1 disclosed its key" in lost["why"], lost
+    assert "the shares rank(s) [4] signed for this silo do not decrypt" in outs[1], outs[1][-3000:]
 
 
 @needs_mnist
