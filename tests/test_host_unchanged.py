@@ -77,7 +77,7 @@ OUT, YAML = sys.argv[2], sys.argv[3]
 if sys.argv[1] == "with":
     import fedml_perfedavg  # noqa: F401  the one import
 import fedml
-sys.argv = [sys.argv[0], "--cf", YAML]
+sys.argv = [sys.argv[0], "--cf", YAML, *sys.argv[4:]]  # cross-silo: --rank R --role ROLE --run_id ID
 args = fedml.init()
 torch.manual_seed(0)
 def batches(n, seed):
@@ -122,10 +122,46 @@ with open(OUT if rank == 0 else f"{OUT}.{rank}", "w") as stream:
 INSTALL_POINTS = {"fedml:init", "fedml.data:load", "fedml.model:create", "fedml.runner:FedMLRunner.__init__"}
 
 
-@pytest.mark.parametrize("backend", ["sp", "MPI"])
+def _cross_silo(tmp_path, way, yaml, env):
+    """FedML's own cross-silo FedAvg over its own gRPC transport: its server, then its two clients
+    once the server listens (FedML's client dies on a server not yet listening)."""
+    import socket
+    import time
+
+    from fedml_perfedavg.fedml_bridge.cross_silo.addresses import read_ipconfig
+
+    port = read_ipconfig(str(tmp_path / "ip.csv"))[0][1]
+    main, out = str(tmp_path / "main.py"), str(tmp_path / f"{way}.json")
+
+    def start(rank):
+        role = "server" if rank == 0 else "client"
+        command = [sys.executable, main, way, out, yaml, "--rank", str(rank), "--role", role, "--run_id", way]
+        log = open(tmp_path / f"{way}-{rank}.log", "w")
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
+
+    processes = [start(0)]
+    deadline = time.monotonic() + 120
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert processes[0].poll() is None and time.monotonic() < deadline, (tmp_path / f"{way}-0.log").read_text()
+        time.sleep(0.2)
+    processes += [start(1), start(2)]
+    try:
+        codes = [p.wait(timeout=240) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    logs = "".join((tmp_path / f"{way}-{r}.log").read_text()[-1500:] for r in range(3))
+    assert codes == [0, 0, 0], logs
+
+
+@pytest.mark.parametrize("backend", ["sp", "MPI", "cross-silo"])
 def test_fedmls_own_fedavg_gives_the_same_model_and_meets_the_same_fedml_with_the_plugin_imported(tmp_path, backend):
-    """Issue 77: FedML's own FedAvg (sp, and MPI with a server and two clients under ``mpirun``) in a
-    user's program, with ``import fedml_perfedavg`` and without: the same trained model bit for bit,
+    """Issue 77: FedML's own FedAvg (sp; MPI with a server and two clients under ``mpirun``; cross-silo,
+    a server and two clients over FedML's own gRPC transport) in a user's program, with ``import
+    fedml_perfedavg`` and without: the same trained model bit for bit,
     and every attribute of FedML's modules (and of their classes) the same object in every process,
     but for the install points. Offline: no network here either way."""
     yaml = FEDAVG_YAML
@@ -140,21 +176,36 @@ def test_fedmls_own_fedavg_gives_the_same_model_and_meets_the_same_fedml_with_th
             "device_args: {using_gpu: false, gpu_mapping_file: null, gpu_mapping_key: null}",
         )
         command = [MPIRUN, "-n", "3", sys.executable]
+    if backend == "cross-silo":  # FedML's own gRPC transport: the plugin's is only for its runs (or plugin_fixes)
+        from fedml_perfedavg.fedml_bridge.cross_silo.addresses import free_ports, write_ipconfig
+
+        write_ipconfig(str(tmp_path / "ip.csv"), 3, ports=free_ports(3))
+        yaml = (
+            yaml.replace("training_type: simulation", "training_type: cross_silo")
+            .replace(
+                "client_num_in_total: 4, client_num_per_round: 2", "client_num_in_total: 2, client_num_per_round: 2"
+            )
+            .replace("comm_args: {backend: sp}", "comm_args: {backend: GRPC, grpc_ipconfig_path: ./ip.csv}")
+        )
     (tmp_path / "fedavg.yaml").write_text(yaml)
     (tmp_path / "main.py").write_text(FEDAVG_MAIN)
     seen = {}
     for way in ("with", "without"):
         out = tmp_path / f"{way}.json"
-        done = subprocess.run(
-            [*command, str(tmp_path / "main.py"), way, str(out), str(tmp_path / "fedavg.yaml")],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            env={**__import__("os").environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / f"home-{way}")},
-            timeout=300,
-        )
-        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-        ranks = ["", ".1", ".2"] if backend == "MPI" else [""]
+        env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / f"home-{way}")}
+        if backend == "cross-silo":
+            _cross_silo(tmp_path, way, str(tmp_path / "fedavg.yaml"), env)
+        else:
+            done = subprocess.run(
+                [*command, str(tmp_path / "main.py"), way, str(out), str(tmp_path / "fedavg.yaml")],
+                capture_output=True,
+                text=True,
+                cwd=tmp_path,
+                env=env,
+                timeout=300,
+            )
+            assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        ranks = ["", ".1", ".2"] if backend != "sp" else [""]
         seen[way] = [json.loads((tmp_path / f"{way}.json{rank}").read_text()) for rank in ranks]
     server_with, server_without = seen["with"][0], seen["without"][0]
     assert server_with["model"] == server_without["model"] != server_with["initial"]  # trained, the same bits

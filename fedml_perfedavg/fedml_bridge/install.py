@@ -268,11 +268,16 @@ def _install_mpi_fix() -> None:
     """FedML's MPI FedAvg worker hangs after a one-round run, and its ranks poll their queue
     (:mod:`.mpi`). Without mpi4py FedML's MPI simulation cannot run anyway."""
     try:
+        from fedml.core.distributed.communication.mpi.com_manager import MpiCommunicationManager
+
         from . import mpi
     except ImportError:
         return
-    mpi.install_one_round_fix()
-    mpi.install_waiting_receive_loop()
+    worker = mpi.mpi_api.FedAVGClientManager  # every worker of the process ends after a one-round run
+    if not hasattr(worker.handle_message_init, "__wrapped__"):
+        mpi.mpi_api.FedAVGClientManager.handle_message_init = mpi.finishing_after_one_round(worker.handle_message_init)
+    if MpiCommunicationManager.handle_receive_message is not mpi.waiting_receive_loop:  # and waits, not polls
+        MpiCommunicationManager.handle_receive_message = mpi.waiting_receive_loop
 
 
 def is_installed() -> bool:

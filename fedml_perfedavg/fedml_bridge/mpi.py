@@ -23,7 +23,8 @@ simulation/mpi/fedavg/FedAvgAPI.py, and:
 - ``FedAVGClientManager.handle_message_init`` (FedAvgClientManager.py) trains round 0 and waits for
   the next model, but a run of one round never sends one (FedAvgServerManager.py finishes when the
   round count is reached): the job hangs. A worker finishes after its last round here, FedML's own
-  FedAvg included (:func:`install_one_round_fix`).
+  FedAvg included where its user asks (``common_args.plugin_fixes``: ``install.py``, the one place
+  FedML's own classes are changed).
 - Per-client state (an algorithm that ``keeps_client_state``, or DP-SGD's adaptive clip bounds:
   ``holds_client_states``): a client is trained by whichever
   worker its round assigns it to, so the server keeps every client's state, sends a client's with
@@ -62,7 +63,6 @@ from .trainer_aggregator import aggregate_with_hooks
 
 import_fedml()
 import fedml.simulation.mpi.fedavg.FedAvgAPI as mpi_api  # noqa: E402
-from fedml.core.distributed.communication.mpi.com_manager import MpiCommunicationManager  # noqa: E402
 from fedml.simulation.mpi.fedavg.message_define import MyMessage  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -174,15 +174,6 @@ def finishing_after_one_round(handle_message_init: Callable) -> Callable:
     return handler
 
 
-def install_one_round_fix() -> None:
-    """Every MPI FedAvg worker in the process, FedML's own FedAvg's too, ends after a one-round run:
-    only where a FedML user asks for it (``common_args.plugin_fixes``; the plugin's own worker has
-    it always, :class:`PluginFedAVGClientManager`)."""
-    manager = mpi_api.FedAVGClientManager
-    if not hasattr(manager.handle_message_init, "__wrapped__"):
-        manager.handle_message_init = finishing_after_one_round(manager.handle_message_init)
-
-
 WAKE_SECONDS = 0.05  # how soon a waiting rank sees a stop set from another thread
 
 
@@ -206,14 +197,6 @@ def waiting_receive_loop(comm_manager: Any) -> None:
         MLOpsProfilerEvent.log_to_wandb({"BusyTime": time.time() - handling})
     MLOpsProfilerEvent.log_to_wandb({"TotalTime": time.time() - start})
     logging.info("Handle receive message stopped!")
-
-
-def install_waiting_receive_loop() -> None:
-    """Every MPI rank in the process, FedML's own FedAvg's too, waits for its messages without
-    polling: only where a FedML user asks for it (``common_args.plugin_fixes``; the plugin's own
-    managers wait so always, :func:`waiting`)."""
-    if MpiCommunicationManager.handle_receive_message is not waiting_receive_loop:
-        MpiCommunicationManager.handle_receive_message = waiting_receive_loop
 
 
 def waiting(manager: Any) -> None:
