@@ -8,6 +8,7 @@ checksums) and fetches either dataset when ``data_args.download`` asks for it.""
 from __future__ import annotations
 
 import difflib
+import itertools
 import logging
 import math
 import os
@@ -261,9 +262,16 @@ def split_over_users(
     test_idx = partition_indices(
         test[1].numpy(), test_plans, seed + 1, f"data_args.test_images_per_class={test_images_per_class}"
     )
+    # each user's tensors are consecutive views of one gather per split: the batched engine reads all
+    # users' training data as one tensor, which is then this block itself, not a second copy of it
+    train_rows, test_rows = [torch.as_tensor(i) for i in train_idx], [torch.as_tensor(i) for i in test_idx]
+    train_x, train_y = (t[torch.cat(train_rows)] for t in train)
+    test_x, test_y = (t[torch.cat(test_rows)] for t in test)
+    train_at = [0, *itertools.accumulate(len(r) for r in train_rows)]
+    test_at = [0, *itertools.accumulate(len(r) for r in test_rows)]
     return [
-        UserSplit(train[0][tr], train[1][tr], test[0][te], test[1][te])
-        for tr, te in zip(map(torch.as_tensor, train_idx), map(torch.as_tensor, test_idx))
+        UserSplit(train_x[a:b], train_y[a:b], test_x[c:d], test_y[c:d])
+        for a, b, c, d in zip(train_at, train_at[1:], test_at, test_at[1:])
     ]
 
 

@@ -36,6 +36,21 @@ def stack_batches(batches: Sequence[LocalBatches]) -> LocalBatches:
     return LocalBatches(*(torch.stack(tensors) for tensors in zip(*batches)))
 
 
+def one_block(tensors: Sequence[Tensor]) -> Tensor:
+    """``torch.cat(tensors)``, without a copy where they lie one after another in one storage
+    (the same values either way: the view covers exactly their elements, in order)."""
+    first = tensors[0]
+    start, expected = first.storage_offset(), first.storage_offset()
+    storage = first.untyped_storage()
+    for t in tensors:
+        same = t.untyped_storage().data_ptr() == storage.data_ptr() and t.dtype == first.dtype
+        if not same or not t.is_contiguous() or t.storage_offset() != expected or t.shape[1:] != first.shape[1:]:
+            return torch.cat(list(tensors))
+        expected += t.numel()
+    rows = sum(len(t) for t in tensors)
+    return first.new_empty(0).set_(storage, int(start), (rows, *first.shape[1:]))  # type: ignore[call-overload]
+
+
 class Minibatches:
     """The minibatches of ``algorithm``'s clients over ``users``' training data."""
 
@@ -59,7 +74,9 @@ class Minibatches:
                     ys.append(u.train_y)
                     total += len(u.train_y)
                 self._offsets.append(first[key])
-            self._all_x, self._all_y = torch.cat(xs), torch.cat(ys)
+            # the users' tensors as one: where they are consecutive views of one block (the paper's
+            # split, data/loading.py), that block itself; else a copy
+            self._all_x, self._all_y = one_block(xs), one_block(ys)
 
     @property
     def training_data(self) -> Tuple[Tensor, Tensor]:

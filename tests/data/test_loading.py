@@ -47,3 +47,36 @@ def test_an_idx_file_whose_header_or_size_is_wrong_is_refused(tmp_path):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
             loading.read_idx(str(tmp_path / name), 1)
+
+
+@pytest.mark.fast
+def test_the_paper_split_is_held_once_and_the_batched_engine_reads_it_without_a_second_copy():
+    """Issue 80 item 3, a part: each user's tensors are views of one gather per split, and the
+    engine's all-users tensor is that block itself (it was ``torch.cat`` of them: every user's data
+    twice), the same values as the copy; users that are not one block are still copied."""
+    from fedml_perfedavg.engine.minibatches import one_block
+
+    generator = torch.Generator().manual_seed(0)
+    train = (torch.rand(600, 1, 4, 4, generator=generator), torch.arange(600) % 10)
+    test = (torch.rand(300, 1, 4, 4, generator=generator), torch.arange(300) % 10)
+    users = loading.split_over_users(train, test, 4, 10, 4, "paper", 0)
+    for u, expected in zip(users, loading.split_over_users(train, test, 4, 10, 4, "paper", 0)):
+        assert all(torch.equal(a, b) for a, b in zip(u, expected))
+    xs = [u.train_x for u in users]
+    whole = one_block(xs)
+    assert (
+        torch.equal(whole, torch.cat(xs)) and whole.untyped_storage().data_ptr() == xs[0].untyped_storage().data_ptr()
+    )
+    assert (
+        one_block([u.train_y for u in users]).untyped_storage().data_ptr()
+        == users[0].train_y.untyped_storage().data_ptr()
+    )
+    picked = [xs[0], xs[2]]  # not one after another: a copy, the same values
+    copied = one_block(picked)
+    assert (
+        torch.equal(copied, torch.cat(picked))
+        and copied.untyped_storage().data_ptr() != xs[0].untyped_storage().data_ptr()
+    )
+    # each user's rows are the rows its indices pick from the split (the old per-user gather)
+    rows = loading.partition_indices(train[1].numpy(), loading.plan_users(4, 10, "paper", 0), 0, "a")
+    assert all(torch.equal(u.train_x, train[0][torch.as_tensor(r)]) for u, r in zip(users, rows))
