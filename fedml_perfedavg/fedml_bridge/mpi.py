@@ -1,7 +1,8 @@
 """FedML's MPI simulation (simulation/mpi/fedavg) with the trainer/aggregator really used.
 
 FedML builds its MPI server and clients from module-level names of
-simulation/mpi/fedavg/FedAvgAPI.py, and:
+simulation/mpi/fedavg/FedAvgAPI.py; a plugin run builds the plugin's subclasses of them itself, as
+that module's ``FedML_FedAvg_distributed`` would (:meth:`MPISimulation._fedavg_distributed`), and:
 - ``FedAVGAggregator.aggregate`` (FedAVGAggregator.py) does its own sample-weighted average
   and never calls the ``ServerAggregator``'s aggregation hooks: replaced by the three hooks.
 - ``FedAVGAggregator.client_sampling`` seeds numpy with the round alone, and
@@ -50,7 +51,7 @@ import queue
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .bootstrap import import_fedml, replaced
+from .bootstrap import import_fedml
 import torch
 
 from ..algorithms.base import RoundDriver
@@ -63,6 +64,11 @@ from .trainer_aggregator import aggregate_with_hooks
 
 import_fedml()
 import fedml.simulation.mpi.fedavg.FedAvgAPI as mpi_api  # noqa: E402
+from fedml.core.dp.fedml_differential_privacy import FedMLDifferentialPrivacy  # noqa: E402
+from fedml.core.security.fedml_attacker import FedMLAttacker  # noqa: E402
+from fedml.core.security.fedml_defender import FedMLDefender  # noqa: E402
+from fedml.ml.aggregator.aggregator_creator import create_server_aggregator  # noqa: E402
+from fedml.ml.trainer.trainer_creator import create_model_trainer  # noqa: E402
 from fedml.simulation.mpi.fedavg.message_define import MyMessage  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -373,54 +379,79 @@ class MPISimulation:
         self.args.comm.Abort(code)
 
     def run(self) -> None:
+        """This rank's part of the job; a failing worker aborts it, saying why in the run's record."""
         args = self.args
-        trainer = functools.partial(PluginFedAVGTrainer, share_trainer=self.share_trainer, progress=self.progress)
-        with (
-            replaced(mpi_api, "FedAVGAggregator", functools.partial(PluginFedAVGAggregator, driver=self.driver)),
-            replaced(mpi_api, "FedAVGTrainer", trainer),
-            replaced(
-                mpi_api,
-                "FedAVGClientManager",
-                functools.partial(PluginFedAVGClientManager, client_states=self.client_states, training=self.training),
-            ),
-            replaced(
-                mpi_api,
-                "FedAVGServerManager",
-                functools.partial(PluginFedAVGServerManager, client_states=self.client_states, driver=self.driver),
-            ),
-        ):
-            try:
-                with plugin_dp_hidden(args):  # FedML's DP singleton knows no dpsgd: the algorithm applies it
-                    mpi_api.FedML_FedAvg_distributed(
-                        args,
-                        args.process_id,
-                        args.worker_num,
-                        args.comm,
-                        self.device,
-                        self.dataset,
-                        self.model,
-                        client_trainer=self.trainer,
-                        server_aggregator=self.aggregator,
-                    )
-            except KeyboardInterrupt:  # the job is being stopped (SIGINT/SIGTERM to every rank): not a failure
-                if args.process_id != 0:
-                    # Rank 0 records the interrupted run, then ends the job (:meth:`end_job`); this rank
-                    # ends it only if rank 0 has not within the grace period.
-                    time.sleep(self.INTERRUPT_GRACE_SECONDS)
-                    self.end_job(130)
-                raise
-            except BaseException as err:
-                if args.process_id != 0:
-                    where = (
-                        f" in round {self.progress['round']} training clients {self.progress['clients']}"
-                        if "clients" in self.progress
-                        else ""
-                    )
-                    logger.error("rank %d failed%s, aborting the MPI job: %s", args.process_id, where, err)
-                    if self.driver is not None:  # MPI_Abort kills the server: the run's record says why
-                        self.driver.record_failure(
-                            f"MPI rank {args.process_id} failed{where}, the job was aborted: {err}"
-                        )
-                    logging.shutdown()
-                    args.comm.Abort(1)
-                raise
+        try:
+            with plugin_dp_hidden(args):  # FedML's DP singleton knows no dpsgd: the algorithm applies it
+                self._fedavg_distributed()
+        except KeyboardInterrupt:  # the job is being stopped (SIGINT/SIGTERM to every rank): not a failure
+            if args.process_id != 0:
+                # Rank 0 records the interrupted run, then ends the job (:meth:`end_job`); this rank
+                # ends it only if rank 0 has not within the grace period.
+                time.sleep(self.INTERRUPT_GRACE_SECONDS)
+                self.end_job(130)
+            raise
+        except BaseException as err:
+            if args.process_id != 0:
+                where = (
+                    f" in round {self.progress['round']} training clients {self.progress['clients']}"
+                    if "clients" in self.progress
+                    else ""
+                )
+                logger.error("rank %d failed%s, aborting the MPI job: %s", args.process_id, where, err)
+                if self.driver is not None:  # MPI_Abort kills the server: the run's record says why
+                    self.driver.record_failure(f"MPI rank {args.process_id} failed{where}, the job was aborted: {err}")
+                logging.shutdown()
+                args.comm.Abort(1)
+            raise
+
+    def _fedavg_distributed(self) -> None:
+        """simulation/mpi/fedavg/FedAvgAPI.py ``FedML_FedAvg_distributed``, with the plugin's classes
+        constructed here (FedML's function looks its own up by module name): FedML's attack, defense
+        and DP singletons set up from ``args`` as there, then this rank's server or worker."""
+        args, model, device = self.args, self.model, self.device
+        train_num, _, train_global, test_global, local_num, local_train, local_test, _ = self.dataset
+        FedMLAttacker.get_instance().init(args)
+        FedMLDefender.get_instance().init(args)
+        FedMLDifferentialPrivacy.get_instance().init(args)
+        rank, size, comm, backend = args.process_id, args.worker_num, args.comm, args.backend
+        if rank == 0:
+            aggregator = self.aggregator if self.aggregator is not None else create_server_aggregator(model, args)
+            aggregator.set_id(-1)
+            around = PluginFedAVGAggregator(
+                train_global,
+                test_global,
+                train_num,
+                local_train,
+                local_test,
+                local_num,
+                size - 1,
+                device,
+                args,
+                aggregator,
+                driver=self.driver,
+            )
+            server = PluginFedAVGServerManager(
+                args, around, comm, rank, size, backend, client_states=self.client_states, driver=self.driver
+            )
+            server.send_init_msg()
+            server.run()
+            return
+        model_trainer = self.trainer if self.trainer is not None else create_model_trainer(model, args)
+        model_trainer.set_id(rank - 1)
+        trainer = PluginFedAVGTrainer(
+            rank - 1,
+            local_train,
+            local_num,
+            local_test,
+            train_num,
+            device,
+            args,
+            model_trainer,
+            share_trainer=self.share_trainer,
+            progress=self.progress,
+        )
+        worker = PluginFedAVGClientManager(
+            args, trainer, comm, rank, size, backend, client_states=self.client_states, training=self.training
+        )
+        worker.run()

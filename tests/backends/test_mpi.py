@@ -255,8 +255,7 @@ def test_shares_are_balanced_contiguous_and_in_the_rounds_order():
         parse_assignment('"__import__(os)"')
 
 
-@pytest.mark.fast
-def test_a_waiting_rank_hands_on_every_message_in_order_and_spends_no_cpu_polling():
+def test_a_waiting_rank_hands_on_every_message_in_order_and_spends_no_cpu_polling():  # imports FedML's MPI manager
     """FedML's loop polled its queue every 0.1 ms: 16% of a core for an idle rank."""
     import queue
     import threading

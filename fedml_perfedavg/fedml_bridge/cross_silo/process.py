@@ -1,21 +1,21 @@
-"""One process's part of a cross-silo run, through FedML's own initializers.
+"""One process's part of a cross-silo run, built as FedML's own initializers build it.
 
 FedML's cross_silo/fedml_server.py and fedml_client.py accept only their own optimizer names
-(``FedAvg``, ``LSA``, ``SA``) and raise a bare ``Exception`` for any other; this calls the
-initializers their ``FedAvg`` branch calls (server_initializer.py, client_initializer.py), with
-the plugin's classes, given this run's policy and driver, in place of the module-level names
-those initializers use. The transport beneath is the plugin's (:mod:`.transport`, installed for
-every cross-silo run by :func:`fedml_perfedavg.fedml_bridge.install.install`).
+(``FedAvg``, ``LSA``, ``SA``) and raise a bare ``Exception`` for any other; this builds what the
+initializers their ``FedAvg`` branch calls build (server_initializer.py ``init_server``,
+client_initializer.py ``init_client``: a few constructors each), with the plugin's classes given
+this run's policy and driver, constructed here rather than by swapping the names those
+initializers look up. The transport beneath is the plugin's (:mod:`.transport`: its managers
+build it themselves).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Union
 
 from ...algorithms.base import SiloServerDriver
 from ...core.errors import ConfigError
-from ..bootstrap import import_fedml, replaced
+from ..bootstrap import import_fedml
 from .agreement import ServerSetup, SiloSetup
 from .client import PluginClientMasterManager, PluginTrainerDistAdapter, tell_leaving
 from ...silo.outcome import SiloOutcome
@@ -23,8 +23,7 @@ from .policy import SiloPolicy
 from .server import PluginFedMLAggregator, PluginServerManager
 
 import_fedml()
-import fedml.cross_silo.client.client_initializer as client_init  # noqa: E402
-import fedml.cross_silo.server.server_initializer as server_init  # noqa: E402
+from fedml.ml.aggregator.aggregator_creator import create_server_aggregator  # noqa: E402
 
 
 class CrossSiloProcess:
@@ -75,86 +74,65 @@ class CrossSiloProcess:
         return self._client.outcome if self._client is not None else None
 
     def run(self) -> None:
-        """FedML's own initializer for this process's role, with the plugin's pieces in its names."""
-        managers: List[Any] = []
+        """This process's role, built as FedML's ``FedAvg`` branch builds it, with the plugin's
+        classes constructed here (no FedML name is swapped to reach them); returns when it is over."""
+        try:
+            if self.args.role == "server":
+                self._run_server()
+            else:
+                self._run_client()
+        except KeyboardInterrupt:  # SIGINT or SIGTERM (stopping.py): a silo says it leaves
+            if self._client is not None:
+                tell_leaving(self._client)
+            raise
+        finally:
+            for manager in (self._server, self._client):  # no gRPC server threads left behind on an error
+                if manager is not None and manager.com_manager is not None and manager.com_manager.is_running:
+                    manager.com_manager.stop_receive_message()
 
-        def remembered(cls: type, **bound: Any):
-            def build(*a: Any, **kw: Any) -> Any:
-                manager = cls(*a, **kw, **bound)
-                managers.append(manager)
-                if cls is PluginServerManager:
-                    self._server = manager
-                else:
-                    self._client = manager
-                return manager
-
-            return build
-
-        with contextlib.ExitStack() as patches:
-            try:
-                if self.args.role == "server":
-                    self._init_server(patches, remembered)
-                else:
-                    self._init_client(patches, remembered)
-            except KeyboardInterrupt:  # SIGINT or SIGTERM (stopping.py): a silo says it leaves
-                if self._client is not None:
-                    tell_leaving(self._client)
-                raise
-            finally:
-                for manager in managers:  # no gRPC server threads left behind on an error
-                    if manager.com_manager is not None and manager.com_manager.is_running:
-                        manager.com_manager.stop_receive_message()
-
-    def _initializer_args(self) -> Tuple[Any, ...]:
-        """The arguments FedML's ``init_server`` and ``init_client`` both start with."""
-        args = self.args
-        return (args, self.device, args.comm, args.rank, args.worker_num, self.model)
-
-    def _init_server(self, patches: contextlib.ExitStack, remembered: Callable[..., Any]) -> None:
-        """FedML's ``init_server`` with the plugin's aggregator and server manager in its names."""
-        dataset = self.dataset
-        patches.enter_context(replaced(server_init, "FedMLAggregator", PluginFedMLAggregator))
-        patches.enter_context(
-            replaced(
-                server_init,
-                "FedMLServerManager",
-                remembered(
-                    PluginServerManager,
-                    policy=self.policy,
-                    driver=self.driver,
-                    setup=self.setup,
-                    start_round=self.start_round,
-                    resumes=self.resumes,
-                ),
-            )
-        )
-        server_init.init_server(
-            *self._initializer_args(),
-            dataset[0],
+    def _run_server(self) -> None:
+        """server_initializer.py ``init_server``: the algorithm's server aggregator (FedML's default
+        where none was handed), FedML's aggregator around it, the server manager; the plugin's each."""
+        args, dataset, setup = self.args, self.dataset, self.setup
+        assert isinstance(setup, ServerSetup)  # (the run layer builds a server's setup for the server)
+        aggregator = self.aggregator if self.aggregator is not None else create_server_aggregator(self.model, args)
+        aggregator.set_id(0)
+        around = PluginFedMLAggregator(
             dataset[2],
             dataset[3],
-            dataset[5],
-            dataset[6],
-            dataset[4],
-            self.aggregator,
-        )
-
-    def _init_client(self, patches: contextlib.ExitStack, remembered: Callable[..., Any]) -> None:
-        """FedML's ``init_client`` with the plugin's trainer adapter and client manager in its names."""
-        dataset = self.dataset
-        patches.enter_context(replaced(client_init, "TrainerDistAdapter", PluginTrainerDistAdapter))
-        patches.enter_context(
-            replaced(
-                client_init,
-                "ClientMasterManager",
-                remembered(PluginClientMasterManager, policy=self.policy, setup=self.setup),
-            )
-        )
-        client_init.init_client(
-            *self._initializer_args(),
             dataset[0],
-            dataset[4],
             dataset[5],
             dataset[6],
-            self.trainer,
+            dataset[4],
+            args.worker_num,
+            self.device,
+            args,
+            aggregator,
         )
+        self._server = PluginServerManager(
+            args,
+            around,
+            args.comm,
+            args.rank,
+            args.worker_num,
+            args.backend,
+            policy=self.policy,
+            driver=self.driver,
+            setup=setup,
+            start_round=self.start_round,
+            resumes=self.resumes,
+        )
+        self._server.run()
+
+    def _run_client(self) -> None:
+        """client_initializer.py ``init_client``, FedML's horizontal scenario (the only one the
+        plugin runs, run/rules.py): the trainer's adapter and the silo's manager, the plugin's each."""
+        args, dataset, setup = self.args, self.dataset, self.setup
+        assert isinstance(setup, SiloSetup)  # (and a silo's for a silo)
+        adapter = PluginTrainerDistAdapter(
+            args, self.device, args.rank, self.model, dataset[0], dataset[4], dataset[5], dataset[6], self.trainer
+        )
+        self._client = PluginClientMasterManager(
+            args, adapter, args.comm, args.rank, args.worker_num, args.backend, policy=self.policy, setup=setup
+        )
+        self._client.run()
