@@ -379,6 +379,15 @@ class RunRecorder:
             return
         self.record_evaluation(round_idx, federated_result(counts), extra, evaluation_started)
 
+    def _evaluation_times(self, evaluation_started: Optional[float]) -> Dict[str, float]:
+        """An evaluation's ``train_seconds`` (wall time less every evaluation's, this one from
+        ``evaluation_started`` on) and ``wall_seconds``; this one's time counted as evaluating."""
+        now = time.perf_counter()
+        started = now if evaluation_started is None else evaluation_started
+        times = {"train_seconds": started - self.started - self.evaluation_seconds, "wall_seconds": now - self.started}
+        self.evaluation_seconds += now - started
+        return times
+
     def record_summed_evaluation(
         self,
         round_idx: int,
@@ -398,17 +407,13 @@ class RunRecorder:
                 len(missing),
                 sorted(missing),
             )
-        now = time.perf_counter()
-        evaluation_started = now if evaluation_started is None else evaluation_started
         entry = {
             "round": round_idx,
             **(metrics or {"personalized_accuracy": None}),
             **extra,
             **privacy_metrics(self.privacy, round_idx),
-            "train_seconds": evaluation_started - self.started - self.evaluation_seconds,
-            "wall_seconds": now - self.started,
+            **self._evaluation_times(evaluation_started),
         }
-        self.evaluation_seconds += now - evaluation_started
         self.history.append(entry)
         if metrics is not None:
             logger.info(
@@ -435,18 +440,13 @@ class RunRecorder:
         """One evaluation: its metrics, ``extra`` scalars (stationarity, ...), the wall time and
         the training time so far (wall time less every evaluation's, this one from
         ``evaluation_started`` on: what the accuracy-against-time plots use)."""
-        now = time.perf_counter()
-        evaluation_started = now if evaluation_started is None else evaluation_started
-        privacy = privacy_metrics(self.privacy, round_idx)
         metrics = {
             "round": round_idx,
             **split_new_users(result, self.new_users),
             **(extra or {}),
-            **privacy,
-            "train_seconds": evaluation_started - self.started - self.evaluation_seconds,
-            "wall_seconds": now - self.started,
+            **privacy_metrics(self.privacy, round_idx),
+            **self._evaluation_times(evaluation_started),
         }
-        self.evaluation_seconds += now - evaluation_started
         self.history.append(metrics)
         self.last = result
         logger.info(

@@ -385,8 +385,12 @@ def test_a_round_that_sums_every_silo_that_shared_needs_no_signatures_and_reveal
         others[1].unmask([1, 2, 3], {})  # silo 4 "dropped": its mask key's shares only with t signatures
 
 
-def lying_shares(certificates, parties, server, liar, victims):
-    """Every silo's shares to the server, ``liar``'s to ``victims`` random bytes it signed itself."""
+def shared_round(certificates, ranks, threshold, liar=None, victims=()):
+    """A round up to its shares (the server holds them), ``liar``'s to ``victims`` random bytes it
+    signed itself; (parties, server)."""
+    parties, server = silos(certificates, ranks, threshold), server_round(ranks, threshold)
+    for r in ranks:
+        server.take_advert(r, parties[r].advertise())
     for r in sorted(parties):
         out = parties[r].share(dict(server.adverts), trusting)
         if r == liar:
@@ -394,6 +398,7 @@ def lying_shares(certificates, parties, server, liar, victims):
                 garbage = os.urandom(len(out[victim][0]))
                 out[victim] = (garbage, sign(certificates[r][1], shares_payload(RUN, 3, r, victim, garbage)))
         server.take_shares(r, out)
+    return parties, server
 
 
 def test_shares_that_do_not_decrypt_are_proven_by_their_receiver_and_cost_their_sender_only(certificates):
@@ -403,11 +408,7 @@ def test_shares_that_do_not_decrypt_are_proven_by_their_receiver_and_cost_their_
     of 4's, so every survivor reveals its pair mask with 4 instead)."""
     ranks = [1, 2, 3, 4]
     inputs = updates(ranks, seed=9)
-    parties = silos(certificates, ranks, 3)
-    server = server_round(ranks, 3)
-    for r in ranks:
-        server.take_advert(r, parties[r].advertise())
-    lying_shares(certificates, parties, server, 4, [1])
+    parties, server = shared_round(certificates, ranks, 3, liar=4, victims=[1])
     proven = {}
     for r in (4, 1, 2, 3):  # the liar's own masked input first: it is taken out once proven
         masked = parties[r].masked_input(fixed_point.encode(inputs[r], 0.25, 24), server.shares_for(r))
@@ -434,12 +435,7 @@ def test_a_false_accusation_names_the_accuser_and_a_kept_liar_gets_no_answer(cer
     ranks = [1, 2, 3, 4]
     parties, _ = prepared(certificates, ranks, 3, updates(ranks, seed=10))
     honest = parties[1].ciphers[2].private  # another round's key for the pair (2, 1)
-    fresh = silos(certificates, ranks, 3)
-    server = server_round(ranks, 3)
-    for r in ranks:
-        server.take_advert(r, fresh[r].advertise())
-    for r in ranks:
-        server.take_shares(r, fresh[r].share(dict(server.adverts), trusting))
+    fresh, server = shared_round(certificates, ranks, 3)
     masked = fresh[1].masked_input(np.zeros(LENGTH, np.uint32), server.shares_for(1))
     with pytest.raises(SecAggError, match="rank 1 accuses rank 2 of shares that do not decrypt; they decrypt"):
         server.take_masked(1, masked, {2: fresh[1].ciphers[2].private})
@@ -447,11 +443,7 @@ def test_a_false_accusation_names_the_accuser_and_a_kept_liar_gets_no_answer(cer
         server.take_masked(1, masked, {2: honest})  # a key of another round's pair
     assert not server.liars and 1 not in server.masked
     # a server that keeps in the survivors a silo this silo proved false gets no answer from it
-    lying = silos(certificates, ranks, 3)
-    server = server_round(ranks, 3)
-    for r in ranks:
-        server.take_advert(r, lying[r].advertise())
-    lying_shares(certificates, lying, server, 4, [1])
+    lying, server = shared_round(certificates, ranks, 3, liar=4, victims=[1])
     for r in ranks:
         lying[r].masked_input(np.zeros(LENGTH, np.uint32), server.shares_for(r))
     signatures = {r: lying[r].sign_survivors(ranks) for r in (2, 3, 4)}

@@ -66,15 +66,9 @@ class SecureEvaluation:
             account = params["privacy"]
             if account.get("user") == silo - 1:
                 self.privacy[silo - 1] = dict(account)
-        problem = secure.take(silo, kind, params, model, size)
-        if problem is not None:
-            r.outbox.refuse(silo, REFUSED_SECAGG, problem)
-            self._leave([silo], problem)
-        while secure.proven:
-            liar = secure.proven.pop(0)
-            why = f"the evaluation after round {secure.round_idx}: silo rank {liar}: {secure.server.liars[liar]}"
-            r.outbox.refuse(liar, REFUSED_SECAGG, why)
-            self._leave([liar], why)
+        for out, why in secure.take(silo, kind, params, model, size):
+            r.outbox.refuse(out, REFUSED_SECAGG, f"the evaluation after {why}")
+            self._leave([out], f"the evaluation after {why}")
         return r.close_if_complete(now)
 
     def _leave(self, silos: List[int], why: str) -> None:

@@ -24,7 +24,7 @@ import enum
 import hashlib
 import json
 import logging
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -208,7 +208,7 @@ class SecureRound:
         self.bytes: Dict[int, int] = {s: 0 for s in silos}
         self.lost: Dict[int, str] = {}  # silo -> the stage it was lost in
         self.false_shares: Dict[int, str] = {}  # silo -> what false share it sent (found while unmasking)
-        self.proven: List[int] = []  # silos newly proven to have sent shares that do not decrypt, to be named
+        self.proven: List[int] = []  # silos the message being taken proved to have sent shares that do not decrypt
         self.check_advert = check_advert  # why an advertisement must not be relayed (None: no checks here)
 
     def terms(self, silo: int) -> Dict[str, Any]:
@@ -224,9 +224,9 @@ class SecureRound:
             "counts": None if self.counts is None else [[s, int(self.counts[s])] for s in self.server.sampled],
         }
 
-    def take(self, silo: int, kind: int, params: Dict[str, Any], model: Any, size: int) -> Optional[str]:
-        """Take ``silo``'s message of ``kind``; why it is refused (the silo is then out of the
-        round), or None."""
+    def take(self, silo: int, kind: int, params: Dict[str, Any], model: Any, size: int) -> List[Tuple[int, str]]:
+        """Take ``silo``'s message of ``kind``: the silos it puts out of the round, each with why
+        (``silo`` itself where it is refused; the senders a masked input's accusations prove false)."""
         if kind != EXPECTS[self.stage]:
             problem = f"a message of type {kind} while the round is {self.stage.value}"
         else:
@@ -237,10 +237,12 @@ class SecureRound:
                 problem = str(err)
         self.awaiting.discard(silo)
         self.bytes[silo] = self.bytes.get(silo, 0) + int(size)
+        out = [(liar, self.server.liars[liar]) for liar in self.proven]
+        self.proven = []
         if problem is not None:
             self.lost[silo] = self.stage.name.lower()
-            return f"round {self.round_idx}: silo rank {silo}'s secure aggregation: {problem}; it is out of the round"
-        return None
+            out.insert(0, (silo, f"{problem}; it is out of the round"))
+        return [(s, f"round {self.round_idx}: silo rank {s}'s secure aggregation: {why}") for s, why in out]
 
     def _take(self, silo: int, kind: int, params: Dict[str, Any], model: Any) -> None:
         server = self.server
@@ -454,15 +456,9 @@ class SecureAggregation:
         r, secure = self.rounds, self.secure
         if r.clock.phase is not Phase.TRAINING or self.closed or stamped != r.round_idx or silo not in secure.awaiting:
             return r.ignore(now, f"a secure-aggregation message (type {kind})", silo, stamped)
-        problem = secure.take(silo, kind, params, model, size)
-        if problem is not None:
-            r.outbox.refuse(silo, REFUSED_SECAGG, problem)
-            r.give_up_on([silo], problem, self.go_on([silo]))  # one bad silo fails only itself, named in lost_silos
-        while secure.proven:  # a receiver proved this one's shares false: named, out of the round
-            liar = secure.proven.pop(0)
-            why = f"round {r.round_idx}: silo rank {liar}'s secure aggregation: {secure.server.liars[liar]}"
-            r.outbox.refuse(liar, REFUSED_SECAGG, why)
-            r.give_up_on([liar], why, self.go_on([liar]))
+        for out, why in secure.take(silo, kind, params, model, size):  # one bad silo fails only itself, named
+            r.outbox.refuse(out, REFUSED_SECAGG, why)
+            r.give_up_on([out], why, self.go_on([out]))
         return r.close_if_complete(now)
 
     def short_at_start(self) -> Optional[str]:
