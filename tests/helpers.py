@@ -417,3 +417,42 @@ def assert_same_bits(model: dict, reference: dict) -> None:
     assert model.keys() >= reference.keys(), sorted(reference.keys() - model.keys())
     gaps = {k: float((model[k] - v).abs().max()) for k, v in reference.items() if not torch.equal(model[k], v)}
     assert not gaps, gaps
+
+
+def silo_draw_secrets(run_dir, silos: int) -> dict:
+    """Each data owner's silo's run secret (kept in its progress.pt), by user: the key beside
+    (seed, round, user) of the minibatches it drew under secure aggregation or DP-SGD."""
+    import torch
+
+    secrets = {}
+    for rank in range(1, silos + 1):
+        saved = torch.load(Path(run_dir) / f"silo-rank-{rank}" / "progress.pt", weights_only=True)
+        secrets[rank - 1] = bytes.fromhex(saved["run_secret"])
+    return secrets
+
+
+class drawing_with:
+    """Within it, every algorithm built in this process draws each user's minibatches with that
+    user's secret of ``secrets`` (:func:`silo_draw_secrets`), as the silos did: an sp run then
+    trains on the same batches as the secure run it is compared with."""
+
+    def __init__(self, secrets: dict) -> None:
+        self.secrets = dict(secrets)
+
+    def __enter__(self) -> None:
+        import dataclasses
+
+        from fedml_perfedavg.algorithms.base import AlgorithmSettings
+
+        self.original = AlgorithmSettings.__dict__["from_config"]
+        original, secrets = self.original.__func__, self.secrets
+
+        def keyed(cls, config, own_settings=None):
+            return dataclasses.replace(original(cls, config, own_settings), draw_secrets=secrets)
+
+        AlgorithmSettings.from_config = classmethod(keyed)
+
+    def __exit__(self, *exc) -> None:
+        from fedml_perfedavg.algorithms.base import AlgorithmSettings
+
+        AlgorithmSettings.from_config = self.original

@@ -39,6 +39,7 @@ from typing import (
     FrozenSet,
     Iterable,
     List,
+    Mapping,
     NamedTuple,
     Optional,
     Protocol,
@@ -104,6 +105,9 @@ class AlgorithmSettings:
     max_weight_ratio: Optional[float] = None
     privacy: Optional[DPSGD] = None  # DP-SGD in the local steps and the evaluation's (core/privacy.py)
     own: Any = None  # the algorithm's own settings (an instance of its ``Settings``), or None
+    # A data owner's silo's per-run secret, by client id, in the key of that client's minibatch
+    # draws beside (seed, round, client): two runs never send identical inputs (docs/security.md).
+    draw_secrets: Mapping[int, bytes] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, config: Any, own_settings: Optional[type] = None) -> "AlgorithmSettings":
@@ -568,14 +572,20 @@ class FederatedAlgorithm:
         (seed, round, client) (with DP-SGD, Poisson minibatches and the noise of each use: :class:`PrivateBatches`)."""
         if self.settings.privacy is not None:
             return private_batches(self, round_idx, client_id, x, y)  # type: ignore[return-value]
-        generator = generator_for(self.settings.seed, round_idx, client_id, Purpose.LOCAL_TRAINING)
+        generator = self._training_generator(round_idx, client_id)
         return sample_local_batches(x, y, self.settings.local_steps, self.settings.batch_sizes, generator)
+
+    def _training_generator(self, round_idx: int, client_id: int) -> torch.Generator:
+        """The generator of a client's minibatches in a round: keyed by (seed, round, client) and,
+        in a data owner's silo, its run secret."""
+        s = self.settings
+        return generator_for(s.seed, round_idx, client_id, Purpose.LOCAL_TRAINING, s.draw_secrets.get(client_id))
 
     def batch_indices(self, round_idx: int, clients: Sequence[int], num_samples: Sequence[int]) -> List[List[Tensor]]:
         """Per client of ``clients`` (with ``num_samples`` training samples each), the sample
         indices of :meth:`client_batches` (three, each ``(steps, size)``), the same numbers,
         drawn together, so an engine can gather every client's batches at once."""
-        generators = [generator_for(self.settings.seed, round_idx, c, Purpose.LOCAL_TRAINING) for c in clients]
+        generators = [self._training_generator(round_idx, c) for c in clients]
         return batch_indices_of_many(num_samples, self.settings.local_steps, self.settings.batch_sizes, generators)
 
     def local_update(self, params: Params, batches: LocalBatches) -> Params:

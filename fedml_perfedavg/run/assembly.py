@@ -57,6 +57,7 @@ class RunParts:
     data_problem: Optional[str] = None  # a data owner's silo whose model cannot train on its data
     silo_privacy: Optional[PrivacyLedger] = None  # a data owner's silo: DP-SGD's accountant of its user
     silo_account: Optional[RunAccount] = None  # ... and this run's entry in its organization's account
+    silo_run_secret: Optional[bytes] = None  # ... and the secret of its draws in this run (with DP-SGD or secagg)
     silo_progress: Optional[Any] = None  # a data owner's silo: its progress.pt (run/silo_record.py)
 
     @property
@@ -247,6 +248,7 @@ def assemble(
         parts.data_problem = probe(parts)
     own = mode.silo_privacy(config, algorithm, rank, users, SiloRun(run_dir, lambda: _silo_identity(parts)))
     parts.silo_privacy, over_budget, parts.silo_account = own.ledger, own.problem, own.account
+    parts.silo_run_secret = own.run_secret
     if over_budget is not None and parts.data_problem is None:
         logger.error("silo rank %d: %s; announcing it to the server", rank, over_budget)
         parts.data_problem = over_budget
@@ -508,8 +510,9 @@ def silo_outcome(parts: RunParts, values: Dict[str, Any]) -> Any:
     user = parts.rank - 1
     identity = run_identity(getattr(parts.args, "run_id", "0"), values, user)
     progress = SiloProgress(
-        parts.run_dir, parts.rank, identity, parts.algorithm, parts.silo_privacy, parts.silo_account
-    )
+        parts.run_dir, parts.rank, identity, parts.algorithm, parts.silo_privacy, parts.silo_account,
+        parts.silo_run_secret,
+    )  # fmt: skip
     progress.refuse_a_finished_record(parts.config.overwrite)
     outcome = SiloOutcome(user)
     progress.restore(outcome)

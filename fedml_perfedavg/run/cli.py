@@ -18,7 +18,7 @@ import importlib
 import os
 import shutil
 import sys
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..core.errors import ConfigError, DivergenceError, OutputError, RunStopped
 from .config import load
@@ -156,6 +156,13 @@ def _run_dir_of(config: Config, args: argparse.Namespace) -> Tuple[str, bool]:
     return resolve_run_dir(config, planned, resume=resume, owner=owner, run_id=run_id), existed
 
 
+def _figure(summary: Dict[str, Any], key: str) -> str:
+    """``key=value`` of a run's last figure, or ``key=none`` where no user was evaluated (every
+    silo declined the evaluation: the server's log names each one and why)."""
+    value = summary.get(key)
+    return f"{key}=none" if value is None else f"{key}={value:.4f}"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """The console script and ``python -m fedml_perfedavg``: a run, or a subcommand (exit code)."""
     with logs.as_found_afterwards():
@@ -205,11 +212,8 @@ def _main(argv: List[str]) -> int:
             )
         if result.summary.get("role") == "client":  # an MPI client rank or a silo: the server reports
             return exit_code_of(result.summary["status"])  # a run the server stopped is no success here either
-        print(
-            f"personalized_accuracy={result.summary['personalized_accuracy']:.4f} "
-            f"accuracy_before_adaptation={result.summary['accuracy_before_adaptation']:.4f} "
-            f"run_dir={result.run_dir}"
-        )
+        figures = (_figure(result.summary, key) for key in ("personalized_accuracy", "accuracy_before_adaptation"))
+        print(" ".join(figures) + f" run_dir={result.run_dir}")
         return 0
     except (ConfigError, FileNotFoundError) as err:
         _remove_failed_start(run_dir, existed)

@@ -17,7 +17,7 @@ from ..core.errors import ConfigError
 from ..core.ledger import PrivacyLedger, PrivacyRecord, ReportedPrivacy
 from ..core.types import UserSplit
 from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
-from .privacy_plan import central_ledger, own_account
+from .privacy_plan import central_ledger, key_training_draws, own_account, this_runs_secret
 from .silo_account import RunAccount
 from .rules import check_batch_sizes
 from .schema import Config
@@ -42,6 +42,7 @@ class SiloPrivacy:
     ledger: Optional[PrivacyLedger] = None
     problem: Optional[str] = None
     account: Optional[RunAccount] = None
+    run_secret: Optional[bytes] = None  # in the key of its draws (kept in its progress.pt)
 
 
 class DataMode(Protocol):
@@ -143,10 +144,18 @@ class OwnData:
         self, config: Config, algorithm: FederatedAlgorithm, rank: int, users: List[UserSplit], run: SiloRun
     ) -> SiloPrivacy:
         """A silo's accountant of its own user (its organization's account of the data, which spans
-        runs), and why it cannot take part (the budget), or None."""
-        if config.privacy is None or rank == 0 or not users:
+        runs), and why it cannot take part (the budget), or None. With DP-SGD or secure aggregation
+        its minibatches are keyed by a secret of this run's (:func:`key_training_draws`)."""
+        if rank == 0 or not users:
             return SiloPrivacy()
-        return SiloPrivacy(*own_account(config, algorithm, run.run_dir, rank, users[0], run.identity()))
+        if config.privacy is None:
+            if not config.enable_secagg:
+                return SiloPrivacy()
+            secret = this_runs_secret(run.run_dir, rank, run.identity())
+            key_training_draws(algorithm, rank - 1, secret)
+            return SiloPrivacy(run_secret=secret)
+        ledger, problem, account = own_account(config, algorithm, run.run_dir, rank, users[0], run.identity())
+        return SiloPrivacy(ledger, problem, account, account.run_secret)
 
     def vouched_counts(self, users: List[UserSplit], rank: int) -> Dict[int, Tuple[int, int]]:
         """The (train, test) counts this process vouches for, by user: a silo, its own user's."""

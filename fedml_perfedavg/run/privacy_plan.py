@@ -117,6 +117,25 @@ def check_budget(
         )
 
 
+def this_runs_secret(run_dir: str, rank: int, identity: Dict[str, Any]) -> bytes:
+    """A data owner's silo's secret for this run (``identity``): the one its ``progress.pt`` keeps
+    (a process of the same run started again draws the same numbers), else new. A new run id, run
+    folder or agreed config is another identity, so another secret."""
+    from .silo_record import SiloProgress
+
+    return SiloProgress.run_secret_in(run_dir, rank, identity) or os.urandom(KEY_BYTES)
+
+
+def key_training_draws(algorithm: FederatedAlgorithm, user: int, secret: bytes) -> None:
+    """Key ``user``'s minibatch draws by this run's ``secret`` beside (seed, round, user): the
+    server, which knows the seed, cannot predict them, and two runs of the same data never send
+    identical inputs, so one run's sum taken from another's is noise, not an update."""
+    import dataclasses
+
+    settings = algorithm.settings
+    algorithm.settings = dataclasses.replace(settings, draw_secrets={**settings.draw_secrets, int(user): secret})
+
+
 def own_account(
     config: Config,
     algorithm: FederatedAlgorithm,
@@ -133,18 +152,17 @@ def own_account(
     ``progress.pt`` keeps (a process of the same run started again draws the same numbers), else new."""
     import dataclasses
 
-    from .silo_record import SiloProgress
-
     dp = config.privacy
     assert dp is not None
     account = SiloAccount.open(accounts_root(config.account_dir), data)
-    secret = SiloProgress.run_secret_in(run_dir, rank, identity) or os.urandom(KEY_BYTES)
+    secret = this_runs_secret(run_dir, rank, identity)
     run = RunAccount(account, run_key(identity, secret), dict(identity), secret, rank - 1)
     earlier = account.earlier_uses(run.key, dp.noise_multiplier)
     keyed = dataclasses.replace(dp, secret=noise_secret(account.noise_key(), secret))
     settings = algorithm.settings
     evaluation = dataclasses.replace(settings.evaluation, privacy=keyed)
     algorithm.settings = dataclasses.replace(settings, privacy=keyed, evaluation=evaluation)
+    key_training_draws(algorithm, rank - 1, secret)
     logger.info(
         "silo rank %d: its data's DP-SGD account is %s (%d earlier use(s) of the data by %d other run(s))",
         rank,

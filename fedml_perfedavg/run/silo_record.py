@@ -139,11 +139,13 @@ class SiloProgress:
         algorithm: Any,
         ledger: Any,
         account: Optional[RunAccount] = None,
+        run_secret: Optional[bytes] = None,
     ) -> None:
         self.folder = os.path.join(run_dir, f"silo-rank-{rank}")
         self.path = os.path.join(self.folder, PROGRESS)
         self.rank, self.identity, self.algorithm, self.ledger = rank, identity, algorithm, ledger
         self.account = account
+        self.run_secret = run_secret if account is None else account.run_secret
 
     @staticmethod
     def run_secret_in(run_dir: str, rank: int, identity: Dict[str, Any]) -> Optional[bytes]:
@@ -263,6 +265,6 @@ class SiloProgress:
                 "unmasked_evaluation": None
                 if outcome.unmasked_evaluation is None
                 else [outcome.unmasked_evaluation[0], list(outcome.unmasked_evaluation[1])],
-                "run_secret": None if self.account is None else self.account.run_secret.hex(),
+                "run_secret": None if self.run_secret is None else self.run_secret.hex(),
             },
         )

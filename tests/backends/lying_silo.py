@@ -45,6 +45,9 @@ Run as rank 0, a lie is the server's (its certificate is the run's, its code pat
   signed, on the wire and in secure-aggregation advertisements, whatever the key roster lists, and
   any silo's roster.
 
+- ``server-evaluate-plain``: under secure aggregation, it asks for each evaluation without the
+  secure sum's terms and takes the figures in the clear (as before rule 2 of issue 75).
+
 Lies join with ``+`` (``server-sample-all+server-skew-weights``).
 """
 
@@ -333,6 +336,22 @@ def lie(kind: str) -> None:
             return honest_disagreement({k: v for k, v in server.items() if k != drop}, silo, rank)
 
         roster.disagreement = blind
+    elif kind == "server-evaluate-plain":
+        import dataclasses
+
+        from fedml_perfedavg.fedml_bridge.cross_silo import rounds as server_rounds
+
+        honest_open = server_rounds.SiloRounds.open_evaluation
+
+        def in_the_clear(self, now, round_idx):
+            setup = self.roster.setup
+            self.roster.setup = dataclasses.replace(setup, secure_threshold=None)
+            try:
+                return honest_open(self, now, round_idx)
+            finally:
+                self.roster.setup = setup
+
+        server_rounds.SiloRounds.open_evaluation = in_the_clear
     else:
         raise SystemExit(f"lying_silo.py: unknown lie {kind!r}")
 

@@ -40,11 +40,15 @@ def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_
     owner (one YAML each, its own folder) keeps its user's momentum and masks its update (secure
     aggregation), so the same model comes out only if every backend carried each client's state
     from one of its rounds to its next."""
+    import tests.algorithms.clipped_fedsgd  # noqa: F401  (registers it, as the one-line entry points' import does)
+    from fedml_perfedavg.run.config import load_yaml, resolve
+    from fedml_perfedavg.run.runner import run
+
     from tests.backends.test_silo_own import _export
-    from tests.helpers import make_tls
+    from tests.helpers import drawing_with, make_tls, silo_draw_secrets
 
     runs = {}
-    path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "sp", tmp_path / "sp", **EDITS)
+    sp_yaml = path = example_yaml(tmp_path, "fedml_config.yaml", mnist_root, "sp", tmp_path / "sp", **EDITS)
     out = _run(["sh", "-c", f"{sys.executable} {_one_line('sp')} --cf {path}"], tmp_path)
     # FedML's example YAML still gives Per-FedAvg's estimator: named, not used, not an error.
     assert "train_args.perfedavg_variant='hf' is PerFedAvg's; train_args.federated_optimizer='ClippedFedSGD'" in (
@@ -96,9 +100,15 @@ def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_
     norms = sp_summary["per_user_metrics"]["momentum_norm"]
     assert len(norms) == USERS and [r for r in range(1, USERS + 1) if norms[r - 1] > 0] == kept
     assert sp_summary["own_metrics"]["momentum_norm"] == pytest.approx(sum(norms) / USERS)
+    # Under secure aggregation each data owner draws its minibatches with a secret of the run's own
+    # (docs/security.md): sp given the silos' secrets is the reference the silos are held to.
+    with drawing_with(silo_draw_secrets(runs["silo"], USERS)):
+        keyed = run(resolve(load_yaml(sp_yaml), {}), str(tmp_path / "sp-keyed"))
+    keyed_norms = keyed.summary["per_user_metrics"]["momentum_norm"]
+    assert [r for r in range(1, USERS + 1) if keyed_norms[r - 1] > 0] == kept
     for rank in range(1, USERS + 1):  # each data owner's record: its own user's figure
         own = json.loads((runs["silo"] / f"silo-rank-{rank}" / "summary.json").read_text())["own_metrics"]
-        assert own["momentum_norm"] == pytest.approx(norms[rank - 1], rel=1e-5, abs=1e-7), rank
+        assert own["momentum_norm"] == pytest.approx(keyed_norms[rank - 1], rel=1e-5, abs=1e-7), rank
 
     reference = torch.load(runs["sp"] / "model.pt")
     for backend, run_dir in runs.items():
@@ -117,9 +127,9 @@ def test_an_algorithm_in_one_file_runs_on_sp_mpi_and_cross_silo(mnist_root, tmp_
         assert train_args["federated_optimizer"] == "ClippedFedSGD" and train_args["clip_norm"] == CLIP, backend
         model = torch.load(run_dir / "model.pt")
         # secure aggregation sums the updates in 32-bit fixed point: within 1e-5 of the plain sum
-        atol = 1e-5 if backend == "silo" else 1e-6
+        atol, expected = (1e-5, keyed.final_state) if backend == "silo" else (1e-6, reference)
         for k in reference:
-            torch.testing.assert_close(model[k], reference[k], rtol=1e-5, atol=atol, msg=backend)
+            torch.testing.assert_close(model[k], expected[k], rtol=1e-5, atol=atol, msg=backend)
 
 
 def _show(run_dir):

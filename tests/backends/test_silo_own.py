@@ -19,13 +19,22 @@ from fedml_perfedavg.run.config import load_yaml, resolve
 from fedml_perfedavg.run.runner import load_split, run
 from fedml_perfedavg.run.silo_data import export_split, main as export_main, split_keys
 
-from tests.helpers import HF_YAML, failure_tail, finish_all, launch_silo, needs_mnist, start_by_hand
+from tests.helpers import (
+    HF_YAML,
+    drawing_with,
+    failure_tail,
+    finish_all,
+    launch_silo,
+    needs_mnist,
+    start_by_hand,
+)
 
 OWN = {"silo_data": "own", "client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False, "beta": 0.05}
 
 
-def _sp(mnist_root, tmp_path, users, rounds, **extra):
-    """The single-process run (FedML's sp loop: client by client, so a test can change one client)."""
+def _sp(mnist_root, tmp_path, users, rounds, secrets=None, **extra):
+    """The single-process run (FedML's sp loop: client by client, so a test can change one client);
+    with ``secrets`` (:func:`silo_draw_secrets`), drawing each user's minibatches as its silo did."""
     config = resolve(
         load_yaml(HF_YAML),
         {
@@ -38,7 +47,10 @@ def _sp(mnist_root, tmp_path, users, rounds, **extra):
             **extra,
         },
     )
-    return run(config, str(tmp_path / "sp"))
+    if secrets is None:
+        return run(config, str(tmp_path / "sp"))
+    with drawing_with(secrets):
+        return run(config, str(tmp_path / "sp"))
 
 
 def _export(mnist_root, tmp_path, users):

@@ -13,7 +13,7 @@ from fedml_perfedavg.run.config import ConfigError, load_yaml, resolve
 from fedml_perfedavg.secagg import figures
 
 from tests.backends.test_silo_own import OWN, _export, _sp
-from tests.helpers import HF_YAML, SILO_YAML, finish_all, needs_mnist, start_by_hand
+from tests.helpers import HF_YAML, SILO_YAML, finish_all, needs_mnist, silo_draw_secrets, start_by_hand
 
 SECURE = {**OWN, "enable_secagg": True, "comm_round": 4, "client_num_per_round": 4}
 
@@ -34,7 +34,7 @@ def test_four_silos_every_one_sampled_give_the_plaintext_model_within_1e_5(mnist
     for record in secure["per_round"]:
         assert record["summed"] == [1, 2, 3, 4] and record["dropped"] == {} and record["threshold"] == 3
         assert all(size > 4 * 68_270 for size in record["bytes_per_silo"].values())  # the masked words and more
-    sp = _sp(mnist_root, tmp_path, 4, 4, client_num_per_round=4)
+    sp = _sp(mnist_root, tmp_path, 4, 4, silo_draw_secrets(tmp_path / "run", 4), client_num_per_round=4)
     model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     worst = max(float((model[k] - v).abs().max()) for k, v in sp.final_state.items())
     assert worst <= 1e-5
@@ -81,7 +81,8 @@ def test_a_silo_killed_after_sharing_its_keys_is_recovered_and_the_run_finishes_
     assert [entry["rank"] for entry in summary["lost_silos"]] == [silos]
     accuracy = [h["personalized_accuracy"] for h in summary["history"]]
     assert accuracy[-1] > accuracy[1], accuracy  # the model went on learning after the loss
-    sp = _sp(mnist_root, tmp_path, silos, 1, client_num_per_round=silos)  # round 0 had every silo: sp's model
+    secrets = silo_draw_secrets(tmp_path / "run", silos)  # each silo drew its minibatches with its own secret
+    sp = _sp(mnist_root, tmp_path, silos, 1, secrets, client_num_per_round=silos)  # round 0 had every silo: sp's model
     # the evaluation is a secure sum too: sp's figure within its fixed point's stated error
     assert abs(accuracy[0] - sp.summary["personalized_accuracy"]) <= figures.worst_error(silos)
 
@@ -227,6 +228,44 @@ def test_an_algorithm_with_its_own_combine_is_refused_under_secure_aggregation(t
 
 
 @needs_mnist
+def test_two_runs_of_the_same_silos_never_send_the_same_inputs(mnist_root, tmp_path):
+    """Issue 75, rule 4: each silo keys its minibatches with a secret of this run's beside (seed,
+    round, user), so a second run (a new --run_id: the server's to ask for) trains on other batches
+    and one run's sum taken from another's is noise, not an update. On 6001daa both runs sent the
+    same inputs (the models equal bit for bit), so a second run leaving silo 2 out gave its update
+    as 4 avg(A) - 3 avg(B) to 7.8e-8."""
+    folders = _export(mnist_root, tmp_path, 4)
+    settings = {**SECURE, "client_num_in_total": 4, "comm_round": 1}
+    models, secrets = {}, {}
+    for run_id in ("first", "second"):
+        (tmp_path / run_id).mkdir()
+        outs = finish_all(start_by_hand(tmp_path / run_id, settings, 4, folders, run_id=run_id), timeout=300)
+        summary = _summary(tmp_path / run_id)
+        assert summary["status"] == "finished" and summary["rounds"] == 1, outs[0][-4000:]
+        models[run_id] = torch.load(tmp_path / run_id / "run" / "model.pt", weights_only=True)
+        secrets[run_id] = silo_draw_secrets(tmp_path / run_id / "run", 4)
+    assert all(secrets["first"][user] != secrets["second"][user] for user in range(4)), secrets
+    keyed = _sp(mnist_root, tmp_path, 4, 1, secrets["second"], client_num_per_round=4)
+    gap = lambda a, b: float(torch.sqrt(sum(((a[k] - b[k]).double() ** 2).sum() for k in b)))  # noqa: E731
+    assert gap(models["second"], keyed.final_state) <= 1e-4  # sp given the silos' secrets draws their batches
+    # The issue's attack, from each silo's own record of what it sent: silo 2's input estimated as
+    # 4 avg(first) - (the second run's inputs of silos 1, 3, 4). Measured: off by 0.12-0.16 where silo 2
+    # lies 0.40 from the mean (1 round, no DP: the minibatch noise of an update, no more; with
+    # DP-SGD the Gaussian noise too); on 6001daa off by the fixed point's error alone (1e-7).
+    sent = {
+        run_id: {rank: torch.load(tmp_path / run_id / "run" / f"silo-rank-{rank}" / "progress.pt")["answer"]["weights"]
+                 for rank in range(1, 5)}
+        for run_id in models
+    }  # fmt: skip
+    first = models["first"]
+    estimate = {k: 4 * first[k] - sum(sent["second"][rank][k] for rank in (1, 3, 4)) for k in sent["first"][2]}
+    mean = {k: sum(sent["first"][rank][k] for rank in range(1, 5)) / 4 for k in sent["first"][2]}
+    assert gap(mean, first) <= 1e-5  # what each silo recorded is what was summed
+    error, spread = gap(estimate, sent["first"][2]), gap(sent["first"][2], mean)
+    assert error > 0.1 * spread and error > 1e-2, (error, spread)
+
+
+@needs_mnist
 def test_a_silo_that_lies_inside_its_clip_bound_moves_the_model_no_further_than_its_weight_times_the_bound(
     mnist_root, tmp_path
 ):
@@ -241,7 +280,9 @@ def test_a_silo_that_lies_inside_its_clip_bound_moves_the_model_no_further_than_
     assert summary["status"] == "finished", outs[0][-4000:]
     (record,) = summary["secure_aggregation"]["per_round"]
     assert record["summed"] == [1, 2, 3, 4] and record["failed"] is None, record
-    sp = _sp(mnist_root, tmp_path, 4, 1, client_num_per_round=4, max_update_ratio=0.5)
+    sp = _sp(
+        mnist_root, tmp_path, 4, 1, silo_draw_secrets(tmp_path / "run", 4), client_num_per_round=4, max_update_ratio=0.5
+    )
     model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     moved = float(torch.sqrt(sum(((model[k] - v).double() ** 2).sum() for k, v in sp.final_state.items())))
     assert 0.01 * record["bound"] < moved <= 0.25 * 2 * record["bound"] + 1e-5, (moved, record["bound"])
@@ -405,6 +446,26 @@ def test_under_secure_aggregation_the_server_learns_each_evaluation_only_as_mean
     ] == 2
     log = (tmp_path / "run" / "run.log").read_text()
     assert "per-user accuracy" not in log and "the secure sum of 4 users" in log
+
+
+@needs_mnist
+def test_a_server_that_asks_for_an_evaluation_in_the_clear_gets_no_organizations_figures(mnist_root, tmp_path):
+    """Rule 2 against a lying server: it trains securely, then asks each silo for its evaluation
+    without the secure sum's terms (as every server did on 6001daa, which each silo answered with its
+    counts). Each silo declines, saying why; the server's record of the evaluation has no figure."""
+    folders = _export(mnist_root, tmp_path, 4)
+    settings = {**SECURE, "client_num_in_total": 4, "comm_round": 1}
+    outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={0: "server-evaluate-plain"}), timeout=200)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["secure_aggregation"]["rounds"] == 1, outs[0][-3000:]
+    for rank in range(1, 5):
+        assert "the server's evaluation request came without terms" in outs[rank], outs[rank][-3000:]
+        assert f"silo rank {rank} declined the evaluation after round 0" in outs[0], outs[0][-3000:]
+        own = json.loads((tmp_path / "run" / f"silo-rank-{rank}" / "summary.json").read_text())
+        assert own["history"] == [], own["history"]  # nothing evaluated: no use of its data either
+    assert summary["per_user_accuracy"] == [] and summary["personalized_accuracy"] is None, summary
+    assert summary["history"] and all(e["evaluated_users"] == 0 for e in summary["history"]), summary["history"]
+    assert "personalized_accuracy=none accuracy_before_adaptation=none" in outs[0], outs[0][-2000:]
 
 
 @needs_mnist

@@ -139,3 +139,40 @@ def test_an_account_with_another_noise_multiplier_or_damaged_is_refused_naming_i
     path.write_text(json.dumps(record))
     with pytest.raises(ConfigError, match="not a 32-byte noise key"):
         _start(config, tmp_path / "b", "run-b", accounts)
+
+
+def test_under_secure_aggregation_without_dp_a_silo_keys_its_minibatches_by_a_secret_of_its_run(tmp_path):
+    """Rule 4 without DP-SGD: a data owner's silo in a secure run draws its minibatches keyed by a
+    secret of this run's (kept in its progress.pt: a process of the same run started again draws
+    the same batches; another run id, other batches), so two runs never send identical inputs."""
+    from types import SimpleNamespace
+
+    from fedml_perfedavg.run.data_modes import OWN, SiloRun
+
+    config = tiny_config(client_num_per_round=6, checkpoint_every=0)
+    user = tiny_data().users[USER]
+
+    def start(run_id, secure=True):
+        algorithm = _algorithm(config)
+        asked = SimpleNamespace(privacy=None, enable_secagg=secure)
+        own = OWN.silo_privacy(asked, algorithm, RANK, [user], SiloRun(str(tmp_path), lambda: _identity(run_id)))
+        batches = algorithm.client_batches(4, USER, user.train_x, user.train_y)
+        return (
+            algorithm,
+            own,
+            torch.cat([b.reshape(-1) for b in batches.x]),
+            algorithm.batch_indices(4, [USER], [len(user.train_y)]),
+        )
+
+    plain, unkeyed, plain_x, plain_indices = start("run-a", secure=False)
+    assert unkeyed.run_secret is None and dict(plain.settings.draw_secrets) == {}
+    algorithm, own, first_x, first_indices = start("run-a")
+    assert own.ledger is None and own.account is None and len(own.run_secret) == 32
+    assert dict(algorithm.settings.draw_secrets) == {USER: own.run_secret}
+    assert not torch.equal(first_x, plain_x)  # other batches than (seed, round, user) alone gives
+    assert not torch.equal(first_indices[0][0], plain_indices[0][0])  # the batched engines' draws too
+    SiloProgress(str(tmp_path), RANK, _identity("run-a"), algorithm, None, None, own.run_secret).save(SiloOutcome(USER))
+    _, again, again_x, _ = start("run-a")  # the same run's process started again: its progress.pt's secret
+    assert again.run_secret == own.run_secret and torch.equal(again_x, first_x)
+    _, other, other_x, _ = start("run-b")  # another run: another secret, other batches
+    assert other.run_secret != own.run_secret and not torch.equal(other_x, first_x)
