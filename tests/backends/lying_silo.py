@@ -21,6 +21,8 @@
 - ``zero-key``: under secure aggregation it advertises the all-zero (low-order) mask key;
 - ``share-index``: under secure aggregation its unmasking shares carry Shamir index 1 (another
   silo's) instead of its own.
+- ``false-signature``: under secure aggregation its advertisement's signature is random bytes;
+- ``false-terms``: under secure aggregation its advertisement signs other terms than the server sent;
 - ``false-ciphertext``: under secure aggregation its shares for the lowest other rank of each round
   are random bytes, which it signs as it signs its honest shares.
 - ``unclipped``: under secure aggregation its input is its update scaled to 6 times the bound it
@@ -100,6 +102,26 @@ def lie(kind: str) -> None:
             return honest_advertise(self)
 
         SiloRound.advertise = zero_key
+    elif kind in ("false-signature", "false-terms"):
+        import dataclasses
+        import hashlib
+
+        from fedml_perfedavg.secagg.rounds import SiloRound
+
+        honest_advertise = SiloRound.advertise
+
+        def false_advert(self):
+            if kind == "false-signature":  # random bytes where its key's signature should be
+                advert = honest_advertise(self)
+                return dataclasses.replace(advert, signature=os.urandom(len(advert.signature)))
+            own = self.terms_digest  # other terms than the server sent, signed as its own
+            self.terms_digest = hashlib.sha256(b"other terms" + own).digest()
+            try:
+                return honest_advertise(self)
+            finally:
+                self.terms_digest = own
+
+        SiloRound.advertise = false_advert
     elif kind == "share-index":
         from fedml_perfedavg.secagg.rounds import SiloRound
 

@@ -384,7 +384,7 @@ def test_a_silo_with_a_low_order_key_or_a_share_under_another_index_fails_only_i
 
 
 @needs_mnist
-@pytest.mark.parametrize("lie", ["false-ciphertext", "share-index"])
+@pytest.mark.parametrize("lie", ["false-ciphertext", "share-index", "false-signature", "false-terms"])
 def test_one_lying_silo_among_four_with_default_settings_costs_only_itself(mnist_root, tmp_path, lie):
     """Issue 75, rule 5, with default settings (four silos, threshold 3, min_clients_per_round what a
     round needs). ``false-ciphertext``: silo 4 sends the lowest other silo random bytes as its shares,
@@ -392,7 +392,10 @@ def test_one_lying_silo_among_four_with_default_settings_costs_only_itself(mnist
     round 0, the liar named nowhere. Now the receiver proves it (it discloses its key for that pair
     alone) and the server names silo 4. ``share-index``: its unmasking shares carry silo 1's Shamir
     index; on 6001daa it was named but the run stopped at round 0 (min_clients_per_round defaulted
-    to every silo). Either way the run now finishes, every round summed without silo 4 once named."""
+    to every silo). ``false-signature`` and ``false-terms``: its advertisement's signature is random
+    bytes, or signs other terms; on 6001daa each honest silo declined ("not signed") and the run
+    stopped at round 0. Now the server checks each advertisement before relaying it and names silo 4.
+    Each way the run now finishes, every round summed without silo 4 once named."""
     folders = _export(mnist_root, tmp_path, 4)
     settings = {**SECURE, "client_num_in_total": 4, "comm_round": 2}
     outs = finish_all(start_by_hand(tmp_path, settings, 4, folders, liars={4: lie}), timeout=300)
@@ -406,6 +409,11 @@ def test_one_lying_silo_among_four_with_default_settings_costs_only_itself(mnist
     (lost,) = [entry for entry in summary["lost_silos"] if entry["rank"] == 4][:1]
     for rank in (1, 2, 3):
         assert "leaves this round's secure aggregation" not in outs[rank], outs[rank][-3000:]
+    if lie in ("false-signature", "false-terms"):  # out before any share: round 0 sums the honest three
+        assert first["summed"] == [1, 2, 3], first
+        expected = {"false-signature": "not signed by its certificate's key", "false-terms": "signs other terms"}[lie]
+        assert expected in lost["why"], lost
+        return
     if lie == "share-index":  # its input was in round 0's sum, its seed rebuilt from the honest shares
         assert first["summed"] == [1, 2, 3, 4] and "sent a share with Shamir index 1; its own is 4" in lost["why"]
         return
