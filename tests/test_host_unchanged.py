@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, offline
 
 pytestmark = pytest.mark.backend  # a fresh interpreter
 
@@ -122,39 +122,43 @@ with open(OUT if rank == 0 else f"{OUT}.{rank}", "w") as stream:
 INSTALL_POINTS = {"fedml:init", "fedml.data:load", "fedml.model:create", "fedml.runner:FedMLRunner.__init__"}
 
 
+CROSS_SILO_DRIVER = """
+import socket, subprocess, sys, time
+main, way, out, yaml, port, logs = sys.argv[1:7]
+def start(rank):
+    role = "server" if rank == 0 else "client"
+    command = [sys.executable, main, way, out, yaml, "--rank", str(rank), "--role", role, "--run_id", way]
+    return subprocess.Popen(command, stdout=open(f"{logs}-{rank}.log", "w"), stderr=subprocess.STDOUT)
+processes = [start(0)]
+deadline = time.monotonic() + 120
+while True:  # FedML's client dies on a server not yet listening
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", int(port))) == 0:
+            break
+    if processes[0].poll() is not None or time.monotonic() > deadline:
+        sys.exit(f"the server did not listen (exit {processes[0].poll()})")
+    time.sleep(0.2)
+processes += [start(1), start(2)]
+codes = [p.wait(timeout=240) for p in processes]
+sys.exit(0 if codes == [0, 0, 0] else f"exit codes {codes}")
+"""
+
+
 def _cross_silo(tmp_path, way, yaml, env):
     """FedML's own cross-silo FedAvg over its own gRPC transport: its server, then its two clients
-    once the server listens (FedML's client dies on a server not yet listening)."""
-    import socket
-    import time
-
+    once the server listens, all in one network namespace with only loopback (FedML's own
+    ``fedml.init`` posts to its cloud: here it meets no network)."""
     from fedml_perfedavg.fedml_bridge.cross_silo.addresses import read_ipconfig
 
     port = read_ipconfig(str(tmp_path / "ip.csv"))[0][1]
-    main, out = str(tmp_path / "main.py"), str(tmp_path / f"{way}.json")
-
-    def start(rank):
-        role = "server" if rank == 0 else "client"
-        command = [sys.executable, main, way, out, yaml, "--rank", str(rank), "--role", role, "--run_id", way]
-        log = open(tmp_path / f"{way}-{rank}.log", "w")
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
-
-    processes = [start(0)]
-    deadline = time.monotonic() + 120
-    while True:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        assert processes[0].poll() is None and time.monotonic() < deadline, (tmp_path / f"{way}-0.log").read_text()
-        time.sleep(0.2)
-    processes += [start(1), start(2)]
-    try:
-        codes = [p.wait(timeout=240) for p in processes]
-    finally:
-        for p in processes:
-            p.kill()
-    logs = "".join((tmp_path / f"{way}-{r}.log").read_text()[-1500:] for r in range(3))
-    assert codes == [0, 0, 0], logs
+    (tmp_path / "driver.py").write_text(CROSS_SILO_DRIVER)
+    main, out, logs = str(tmp_path / "main.py"), str(tmp_path / f"{way}.json"), str(tmp_path / way)
+    command = [sys.executable, str(tmp_path / "driver.py"), main, way, out, yaml, str(port), logs]
+    done = subprocess.run(offline(command), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=400)
+    tails = "".join(
+        (tmp_path / f"{way}-{r}.log").read_text()[-1500:] for r in range(3) if (tmp_path / f"{way}-{r}.log").exists()
+    )
+    assert done.returncode == 0, done.stderr[-2000:] + tails
 
 
 @pytest.mark.parametrize("backend", ["sp", "MPI", "cross-silo"])
@@ -196,8 +200,8 @@ def test_fedmls_own_fedavg_gives_the_same_model_and_meets_the_same_fedml_with_th
         if backend == "cross-silo":
             _cross_silo(tmp_path, way, str(tmp_path / "fedavg.yaml"), env)
         else:
-            done = subprocess.run(
-                [*command, str(tmp_path / "main.py"), way, str(out), str(tmp_path / "fedavg.yaml")],
+            done = subprocess.run(  # offline: FedML's own init posts to its cloud
+                offline([*command, str(tmp_path / "main.py"), way, str(out), str(tmp_path / "fedavg.yaml")]),
                 capture_output=True,
                 text=True,
                 cwd=tmp_path,

@@ -185,14 +185,22 @@ def _is_address(host: Any) -> bool:
     return True
 
 
-def loading_with_paper_split(original_load: Callable, load_split: Callable[[Any], Optional[FederatedData]]) -> Callable:
+def loading_with_paper_split(
+    original_load: Callable,
+    load_split: Callable[[Any], Optional[FederatedData]],
+    asks_for_plugin: Callable[[Any], bool],
+) -> Callable:
     """A replacement for ``fedml.data.load``: the split ``load_split`` gives where it gives one
-    (the paper's; a silo's own folder; no users at all for the server of a data-owner run)."""
+    (the paper's; a silo's own folder; no users at all for the server of a data-owner run). FedML's
+    own loaders run offline (unless ``data_args.download``) for runs that ``asks_for_plugin`` (a
+    plugin algorithm, or ``common_args.plugin_fixes``); for any other run they are FedML's, as is."""
 
     @functools.wraps(original_load)
     def load(args):
         data = load_split(args)
         if data is None:
+            if not asks_for_plugin(args):
+                return original_load(args)
             with fedml_loader_arguments(args), offline_fedml_loader(args):
                 return original_load(args)
         if data.users:
@@ -203,9 +211,11 @@ def loading_with_paper_split(original_load: Callable, load_split: Callable[[Any]
     return load
 
 
-def creating_paper_models(original_create: Callable) -> Callable:
-    """A replacement for ``fedml.model.create``: the plugin's models by name, else FedML's,
-    with FedML's bare ``Exception`` for an unknown name turned into a clear error."""
+def creating_paper_models(original_create: Callable, asks_for_plugin: Callable[[Any], bool]) -> Callable:
+    """A replacement for ``fedml.model.create``: the plugin's models by name, else FedML's. For
+    runs that ``asks_for_plugin`` (a plugin algorithm, or ``common_args.plugin_fixes``) every model
+    starts from ``random_seed`` whatever the data loading drew, and FedML's bare ``Exception`` for
+    an unknown name is a clear error; any other run's FedML model is FedML's call, as is."""
 
     def _create(name: Any, args: Any, output_dim: int) -> nn.Module:
         if name in MODELS:
@@ -230,6 +240,8 @@ def creating_paper_models(original_create: Callable) -> Callable:
     @functools.wraps(original_create)
     def create(args, output_dim) -> nn.Module:
         name = getattr(args, "model", None)
+        if name not in MODELS and not asks_for_plugin(args):
+            return original_create(args, output_dim)
         # The same initial model in every process of a run (sp, MPI ranks, silos), without
         # reseeding the caller's global RNG as a side effect.
         with torch.random.fork_rng(devices=[]):

@@ -5,10 +5,11 @@ FedML dispatches on ``federated_optimizer`` with a hard-coded if/elif per backen
 ``Exception`` for other names, and its sp simulator ignores a trainer/aggregator handed to
 ``FedMLRunner`` (its MPI simulator skips the aggregation hooks). With the plugin installed:
 - a plugin algorithm's name goes to the plugin's runner (every backend);
-- a trainer/aggregator pair with FedML's ``FedAvg`` is really used: on sp by FedML's loop
-  calling them (:mod:`.sp`), on MPI with the aggregation hooks called (:mod:`.mpi`); FedML's
-  cross-silo already calls every hook;
-- a pair with another FedML algorithm, which FedML's simulators would drop, is an error;
+- where the run asks for the plugin's fixes (``common_args.plugin_fixes: true``) or hands the
+  plugin's own pair (``create_fedml_pair``): a trainer/aggregator pair with FedML's ``FedAvg`` is
+  really used, on sp by FedML's loop calling them (:mod:`.sp`), on MPI with the aggregation hooks
+  called (:mod:`.mpi`) (FedML's cross-silo already calls every hook); a pair with another FedML
+  algorithm, which FedML's simulators would drop, is an error;
 - everything else is FedML's own path, unchanged.
 """
 
@@ -27,14 +28,16 @@ def dispatching_init(
     original_init: Callable,
     is_plugin_algorithm: Callable[[Optional[str]], bool],
     build_plugin_runner: Callable[..., Any],
+    asks_for_fixes: Callable[[Any], bool],
 ) -> Callable:
     """A replacement for ``FedMLRunner.__init__`` (see the module doc)."""
 
     @functools.wraps(original_init)
     def __init__(self, args, device, dataset, model, client_trainer=None, server_aggregator=None, algorithm_flow=None):
-        if algorithm_flow is not None:
-            return original_init(self, args, device, dataset, model, client_trainer, server_aggregator, algorithm_flow)
         optimizer = getattr(args, "federated_optimizer", None)
+        own_pair = _is_plugin_pair(client_trainer) or _is_plugin_pair(server_aggregator)
+        if algorithm_flow is not None or not (is_plugin_algorithm(optimizer) or asks_for_fixes(args) or own_pair):
+            return original_init(self, args, device, dataset, model, client_trainer, server_aggregator, algorithm_flow)
         if getattr(args, "training_type", None) == "cross_silo" and hasattr(model, "state_dict"):
             from .cross_silo.transport import MODEL_SIZE_CAP
             from .cross_silo.wire import default_size_cap  # comm_args.max_message_bytes' documented default
@@ -75,3 +78,10 @@ def dispatching_init(
 
     __init__.__wrapped__ = original_init
     return __init__
+
+
+def _is_plugin_pair(part: Any) -> bool:
+    """Whether ``part`` is the plugin's trainer or aggregator (``create_fedml_pair``'s)."""
+    from .trainer_aggregator import AlgorithmClientTrainer, AlgorithmServerAggregator
+
+    return isinstance(part, (AlgorithmClientTrainer, AlgorithmServerAggregator))

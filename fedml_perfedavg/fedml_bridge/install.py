@@ -11,6 +11,9 @@ own module that names the FedML file and why:
   (:mod:`.dispatch`, then :mod:`.sp`, :mod:`.mpi`, :mod:`.cross_silo`);
 - ``fedml.data.load`` / ``fedml.model.create``: the paper's split and MLP (:mod:`.data_and_models`).
 
+Each acts only for a run that selects a plugin algorithm or asks for the plugin's fixes
+(:func:`asks_for_plugin`); any other run is handed to FedML's own function as it was called.
+
 A plugin run's cross-silo managers build the plugin's transport themselves (:mod:`.cross_silo.transport`:
 FedML's unpickles what any peer sends) and its MPI managers carry their own fixes (:mod:`.mpi`);
 FedML's own algorithms keep FedML's transport and MPI loop unless the FedML user asks for the
@@ -24,7 +27,7 @@ import functools
 import logging
 import os
 import types
-from typing import Any, Dict, Optional, Protocol
+from typing import Any, Callable, Dict, Optional, Protocol
 
 from .. import logs
 from .cross_silo.backends import check_cross_silo_backend
@@ -51,6 +54,11 @@ class PluginEntry(Protocol):
         """Called with FedML's ``--cf`` file before FedML reads it (FedML's reader fails on its own
         for some settings the plugin refuses with a clearer message); returns its sections as read,
         which FedML is then handed instead of reading the file again (None: FedML reads it)."""
+
+    def check_algorithm_name(self, args: Any) -> None:
+        """A ``ConfigError`` for a ``federated_optimizer`` that neither the plugin nor FedML runs
+        (FedML would raise only after loading the data); a plugin name in another case made the
+        registry's."""
 
     def before_fedml_init(self, args: Any) -> Optional[str]:
         """Called before FedML's ``init``; returns where FedML's ``~/.fedml`` files go (None:
@@ -84,15 +92,20 @@ def offline_init(original_init, entry: PluginEntry):
 
             yaml_path = getattr(add_args(), "yaml_config_file", None)
             sections = entry.before_fedml_arguments(yaml_path)
+            if sections is not None and not asks_for_plugin(entry, _flat(sections).get):
+                entry.check_algorithm_name(types.SimpleNamespace(**_flat(sections)))
+                return original_init(None, check_env=check_env, should_init_logs=should_init_logs)
             with replaced(Arguments, "load_yaml_config", reading_once(Arguments.load_yaml_config, yaml_path, sections)):
                 args = load_arguments(fedml._global_training_type, fedml._global_comm_backend)
             if sections is not None:
                 setattr(args, YAML_SECTIONS, sections)
-        plugin_run = entry.is_plugin_algorithm(getattr(args, "federated_optimizer", None))
+        if not asks_for_plugin(entry, functools.partial(getattr, args)):
+            # FedML's own algorithm, not opted in: FedML's init as FedML has it (its cloud calls included)
+            entry.check_algorithm_name(args)
+            return original_init(args, check_env=check_env, should_init_logs=should_init_logs)
         if asks_for_fixes(args):
             apply_to_fedml_algorithms()
-        if plugin_run or asks_for_fixes(args):
-            check_cross_silo_backend(args)
+        check_cross_silo_backend(args)
         if getattr(args, "using_mlops", False):
             args = original_init(args, check_env=check_env, should_init_logs=should_init_logs)
             logs.keep_plugin_lines_visible()
@@ -195,9 +208,15 @@ def install(entry: PluginEntry) -> None:
     from .data_and_models import creating_paper_models, loading_with_paper_split
 
     fedml.init = offline_init(fedml.init, entry)
-    FedMLRunner.__init__ = dispatching_init(FedMLRunner.__init__, entry.is_plugin_algorithm, entry.build_runner)
-    fedml.data.load = loading_with_paper_split(fedml.data.load, entry.load_split)
-    fedml.model.create = creating_paper_models(fedml.model.create)
+    FedMLRunner.__init__ = dispatching_init(
+        FedMLRunner.__init__, entry.is_plugin_algorithm, entry.build_runner, asks_for_fixes
+    )
+
+    def asked(args: Any) -> bool:
+        return asks_for_plugin(entry, functools.partial(getattr, args))
+
+    fedml.data.load = loading_with_paper_split(fedml.data.load, entry.load_split, asked)
+    fedml.model.create = creating_paper_models(fedml.model.create, asked)
     try:  # its FedML modules with the rest of FedML's (it changes nothing in them unless asked)
         from . import mpi  # noqa: F401
     except ImportError:  # no mpi4py: FedML's MPI simulation cannot run either
@@ -211,10 +230,24 @@ def install(entry: PluginEntry) -> None:
 FIXES_KEY = "plugin_fixes"
 
 
+def _flat(sections: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    return {key: value for values in sections.values() if isinstance(values, dict) for key, value in values.items()}
+
+
+def asks_for_plugin(entry: "PluginEntry", setting: Callable[..., Any]) -> bool:
+    """Whether a run (``setting(key, default)``: FedML's args or its YAML's keys) selects a plugin
+    algorithm or asks for the plugin's fixes (``common_args.plugin_fixes: true``): every change the
+    plugin makes to FedML's behaviour applies to those runs alone."""
+    return entry.is_plugin_algorithm(setting("federated_optimizer", None)) or _fixes_asked(setting(FIXES_KEY, False))
+
+
 def asks_for_fixes(args: Any) -> bool:
     """Whether FedML's ``args`` ask for :func:`apply_to_fedml_algorithms`; a value other than a
     boolean is a :class:`ConfigError` naming the key."""
-    value = getattr(args, FIXES_KEY, False)
+    return _fixes_asked(getattr(args, FIXES_KEY, False))
+
+
+def _fixes_asked(value: Any) -> bool:
     if not isinstance(value, bool):
         from ..core.errors import ConfigError
 

@@ -85,8 +85,10 @@ FEDML_SECURE_AGGREGATION = {"LSA": "LightSecAgg (LSA)", "SA": "SecAgg (SA)"}
 
 def check_algorithm_name(args: Any) -> None:
     """``args.federated_optimizer`` made the registry's spelling when it names a plugin algorithm
-    in another case; left alone when it is one of FedML's own; else an error listing the names
-    (FedML itself would raise a bare ``Exception`` only after the data has loaded)."""
+    in another case; left alone when it is one of FedML's own (but FedML's SA and LSA where the
+    run asks for the plugin's transport, ``common_args.plugin_fixes``, which carries no pickles);
+    else an error listing the names (FedML itself would raise a bare ``Exception`` only after the
+    data has loaded)."""
     name = getattr(args, "federated_optimizer", None)
     canonical = canonical_name(name)
     if canonical is not None:
@@ -94,10 +96,10 @@ def check_algorithm_name(args: Any) -> None:
             logger.info("train_args.federated_optimizer=%r read as %r", name, canonical)
             args.federated_optimizer = canonical
         return
-    if name in FEDML_SECURE_AGGREGATION:
+    if name in FEDML_SECURE_AGGREGATION and getattr(args, "plugin_fixes", False) is True:
         raise ConfigError(
             f"train_args.federated_optimizer={name!r}: FedML's {FEDML_SECURE_AGGREGATION[name]} does not run with "
-            f"fedml_perfedavg imported (the plugin's cross-silo transport carries its own protocol's messages "
+            f"common_args.plugin_fixes: true (the plugin's cross-silo transport carries its own protocol's messages "
             f"only, never pickles{'; and FedML 0.9.6 lacks the module SA needs' if name == 'SA' else ''}). For "
             f"secure aggregation use the plugin's: federated_optimizer: PerFedAvg (or FedAvgUpdate) with "
             f"secagg_args: {{enable_secagg: true}} (docs/security.md: Secure aggregation)"

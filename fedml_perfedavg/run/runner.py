@@ -309,6 +309,9 @@ class Entry:
             check_scenario(flat.get("training_type"), flat.get("scenario"))
         return sections
 
+    def check_algorithm_name(self, args: Any) -> None:
+        check_algorithm_name(args)
+
     def before_fedml_init(self, args: Any) -> Optional[str]:
         """Validates a plugin run's config before FedML starts (a plugin name in any case is made
         the registry's; a name neither the plugin nor FedML runs is an error here, before data

@@ -91,7 +91,8 @@ class CommonArgs:
         False,
         "FedML's own algorithms in this process (FedAvg and the rest) get the plugin's fixes: its secure gRPC "
         "transport (FedML's pickling transports refused for cross-silo), MPI's one-round fix and waiting "
-        "receive loop. Without it they run as FedML has them; a plugin run has these always",
+        "receive loop, fedml.init and FedML's loaders offline, a trainer/aggregator pair handed to FedMLRunner "
+        "really used on sp and MPI. Without it they run as FedML has them; a plugin run has these always",
     )
 
 

@@ -126,9 +126,10 @@ def test_fedml_stock_main_runs_perfedavg_on_every_backend_with_one_model(mnist_r
 
 
 @needs_mnist
-def test_a_trainer_handed_to_fedmlrunner_is_really_used(mnist_root, tmp_path):
-    """FedML's sp simulator would silently run its own trainer; with the plugin imported the
-    user's pair runs, hooks included."""
+def test_a_trainer_handed_to_fedmlrunner_is_really_used(mnist_root, tmp_path, monkeypatch):
+    """FedML's sp simulator would silently run its own trainer; with the plugin's fixes asked for
+    (``common_args.plugin_fixes: true``) the user's pair runs, hooks included. Without the switch
+    FedML's own FedAvg is FedML's: the plugin imported changes nothing (issue 77)."""
     import fedml_perfedavg  # noqa: F401
     import fedml
     from fedml import FedMLRunner
@@ -136,6 +137,10 @@ def test_a_trainer_handed_to_fedmlrunner_is_really_used(mnist_root, tmp_path):
     from tests.backends.own_pair_main import CALLS, CountingAggregator, PlusOneTrainer
 
     CALLS.update({k: 0 for k in CALLS})
+    # plugin_fixes would also move FedML's own classes onto the plugin's transport and MPI loop for the
+    # rest of this process (this test's worker): the dispatch alone is under test here
+    install = __import__("importlib").import_module("fedml_perfedavg.fedml_bridge.install")
+    monkeypatch.setattr(install, "apply_to_fedml_algorithms", lambda: None)
     path = example_yaml(
         tmp_path,
         "fedml_config.yaml",
@@ -145,6 +150,7 @@ def test_a_trainer_handed_to_fedmlrunner_is_really_used(mnist_root, tmp_path):
         federated_optimizer="FedAvg",
         epochs=1,
         client_optimizer="sgd",
+        plugin_fixes=True,
     )
     args = fedml.init(
         yaml.safe_load(open(path))
@@ -166,10 +172,15 @@ def test_a_trainer_handed_to_fedmlrunner_is_really_used(mnist_root, tmp_path):
     dataset, output_dim = fedml.data.load(args)
     model = fedml.model.create(args, output_dim)
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    FedMLRunner(args, device, dataset, model, PlusOneTrainer(model, args), CountingAggregator(model, args)).run()
+    runner = FedMLRunner(args, device, dataset, model, PlusOneTrainer(model, args), CountingAggregator(model, args))
+    runner.run()
     calls = {k: CALLS[k] for k in ("train", "aggregate", "test_all")}
     assert calls == {"train": 3 * 2, "aggregate": 3, "test_all": 3}
     assert all(torch.allclose(model.state_dict()[k], start[k] + 3.0) for k in start)  # +1 per round, averaged
+    assert type(runner.runner).__name__ == "SPSimulation"
+    args.plugin_fixes = False  # the same pair, not asked for: FedML's own simulator (which drops the pair)
+    plain = FedMLRunner(args, device, dataset, model, PlusOneTrainer(model, args), CountingAggregator(model, args))
+    assert type(plain.runner).__module__.startswith("fedml."), type(plain.runner)
 
 
 @needs_mnist

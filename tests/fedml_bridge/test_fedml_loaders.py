@@ -18,7 +18,24 @@ pytestmark = pytest.mark.fast
 
 def _load(**given):
     args = SimpleNamespace(client_num_in_total=2, batch_size=4, download=False, training_type="simulation", **given)
-    return loading_with_paper_split(getattr(fedml_loader.load, "__wrapped__", fedml_loader.load), lambda a: None)(args)
+    original = getattr(fedml_loader.load, "__wrapped__", fedml_loader.load)
+    return loading_with_paper_split(original, lambda a: None, lambda a: True)(args)  # a plugin run
+
+
+def test_a_run_that_does_not_ask_for_the_plugin_gets_fedmls_loader_as_is():
+    """Issue 77: FedML's own algorithm, no plugin_fixes: FedML's loader, called with the args
+    untouched and no offline guard (what it does without the plugin)."""
+    seen = []
+
+    def fedmls(args):
+        seen.append(dict(vars(args)))
+        return "FedML's"
+
+    args = SimpleNamespace(dataset="cifar100", partition_method="homo", download=False)
+    assert loading_with_paper_split(fedmls, lambda a: None, lambda a: False)(args) == "FedML's"
+    assert seen == [{"dataset": "cifar100", "partition_method": "homo", "download": False}]
+    loading_with_paper_split(fedmls, lambda a: None, lambda a: True)(args)  # a plugin run: FedML's args completed
+    assert seen[1] == {**seen[0], "partition_alpha": None}
 
 
 def test_cifar100_without_partition_alpha_names_the_key_and_offline_names_the_download(tmp_path):
@@ -85,3 +102,25 @@ def test_the_offline_guard_is_this_threads_alone_and_replaces_nothing_in_socket(
     with socket.create_connection(address, timeout=5):  # and this one does again afterwards
         pass
     listener.close()
+
+
+def test_a_run_that_does_not_ask_for_the_plugin_gets_fedmls_model_as_is():
+    """Issue 77: FedML's own algorithm, no plugin_fixes: ``fedml.model.create`` is FedML's call,
+    drawing from the global generator where FedML left it (a plugin run reseeds from random_seed)."""
+    import torch
+
+    from fedml_perfedavg.fedml_bridge.data_and_models import creating_paper_models
+
+    def fedmls(args, output_dim):
+        return torch.nn.Linear(4, output_dim)
+
+    args = SimpleNamespace(model="lr", dataset="mnist", random_seed=0)
+    torch.manual_seed(5)
+    torch.rand(3)  # the data loading drew from it
+    expected = fedmls(args, 2).weight
+    torch.manual_seed(5)
+    torch.rand(3)
+    assert torch.equal(creating_paper_models(fedmls, lambda a: False)(args, 2).weight, expected)
+    torch.manual_seed(5)
+    torch.rand(3)
+    assert not torch.equal(creating_paper_models(fedmls, lambda a: True)(args, 2).weight, expected)

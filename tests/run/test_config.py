@@ -251,10 +251,12 @@ def test_keys_of_fedmls_secure_aggregation_are_refused_not_passed_on_in_the_clea
 
     with pytest.raises(ConfigError, match=r"train_args\.prime_number=32749: a key of FedML's secure aggregation"):
         resolve({"train_args": {"prime_number": 32749}}, {})
+    # FedML's LSA and SA on the plugin's transport (common_args.plugin_fixes): refused, pointing to the plugin's
     with pytest.raises(ConfigError, match=r"secagg_args: \{enable_secagg: true\}"):
-        check_algorithm_name(Namespace(federated_optimizer="LSA"))
+        check_algorithm_name(Namespace(federated_optimizer="LSA", plugin_fixes=True))
     with pytest.raises(ConfigError, match="lacks the module SA needs"):
-        check_algorithm_name(Namespace(federated_optimizer="SA"))
+        check_algorithm_name(Namespace(federated_optimizer="SA", plugin_fixes=True))
+    check_algorithm_name(Namespace(federated_optimizer="LSA"))  # on FedML's own transport: FedML's to run (issue 77)
 
 
 @pytest.mark.backend  # a subprocess: a fresh interpreter shows what importing the config imports
