@@ -109,6 +109,12 @@ class AlgorithmSettings:
     # draws beside (seed, round, client): two runs never send identical inputs (docs/security.md).
     draw_secrets: Mapping[int, bytes] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        # One DP-SGD policy: the evaluation's personalization step is a use of the run's own mechanism,
+        # so ``evaluation.privacy`` always is ``privacy`` (a silo's keyed policy, set once, reaches both).
+        if self.evaluation.privacy is not self.privacy:
+            object.__setattr__(self, "evaluation", dataclasses.replace(self.evaluation, privacy=self.privacy))
+
     @classmethod
     def from_config(cls, config: Any, own_settings: Optional[type] = None) -> "AlgorithmSettings":
         """The settings a run config (:class:`fedml_perfedavg.run.config.Config`) asks for, with
@@ -130,8 +136,7 @@ class AlgorithmSettings:
                 adapt_steps=config.adapt_steps,
                 batch_size=config.batch_size,
                 seed=config.random_seed,
-                privacy=privacy,
-            ),
+            ),  # its privacy is the run's (__post_init__)
             new_user_fraction=config.new_user_fraction,
             aggregation=config.aggregation,
             on_divergence=config.on_divergence,

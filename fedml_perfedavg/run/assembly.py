@@ -413,17 +413,17 @@ def silo_setup(parts: RunParts) -> Any:
     # compared at each announcement, not part of the run's identity (a silo whose file was
     # corrected carries on with its record and DP account)
     table = read_ipconfig(config.grpc_ipconfig_path) if config.grpc_ipconfig_path else {}
-    own, threshold, weighted = config.own_data, secure_threshold(config), config.aggregation == "sample_weighted"
+    mode, threshold, weighted = data_mode(config), secure_threshold(config), config.aggregation == "sample_weighted"
     roster = _run_roster(config, threshold is not None)
     values_agreed = {ROSTER_DIGEST: "none" if roster is None else roster.digest}
     if parts.is_server:
         return ServerSetup(
-            own_data=own,
+            mode=mode,
             secure_threshold=threshold,
             sample_weighted=weighted,
             silos=list(range(1, config.silo_count + 1)),
             fingerprint={**values, ADDRESSES: address_table(table), **values_agreed},
-            user_counts=data_mode(config).vouched_counts(users, rank),
+            user_counts=mode.vouched_counts(users, rank),
             model=parts.model,
             metric_names=parts.algorithm.metric_names,
             run_id=str(getattr(parts.args, "run_id", "0")),
@@ -436,10 +436,10 @@ def silo_setup(parts: RunParts) -> Any:
             keyed_order=parts.algorithm.keyed_order if threshold else None,
         )
     agreed = {**values, ADDRESSES: addresses_seen(table, rank), **values_agreed}
-    if not own:
+    if not mode.own_data:
         dp_evaluates = RoundSchedule.from_config(config).evaluates if config.privacy is not None else None
         return SiloSetup(
-            own_data=own,
+            mode=mode,
             secure_threshold=threshold,
             sample_weighted=weighted,
             hello=hello(agreed, None, None, parts.data_problem),
@@ -447,11 +447,11 @@ def silo_setup(parts: RunParts) -> Any:
         )
     user = rank - 1
     return SiloSetup(
-        own_data=own,
+        mode=mode,
         secure_threshold=threshold,
         sample_weighted=weighted,
         hello=hello(agreed, user, users[0], parts.data_problem),
-        user_counts=data_mode(config).vouched_counts(users, rank),
+        user_counts=mode.vouched_counts(users, rank),
         privacy=parts.silo_privacy,
         outcome=silo_outcome(parts, values),
         secure_rules=silo_rules(config),

@@ -17,6 +17,7 @@ from ..core.errors import ConfigError
 from ..core.ledger import PrivacyLedger, PrivacyRecord, ReportedPrivacy
 from ..core.types import UserSplit
 from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
+from ..fedml_bridge.cross_silo.modes import OwnDataRounds, SharedDataRounds
 from .privacy_plan import central_ledger, key_training_draws, own_account, this_runs_secret
 from .silo_account import RunAccount
 from .rules import check_batch_sizes
@@ -51,6 +52,7 @@ class DataMode(Protocol):
 
     label: str
     server_measures: bool
+    own_data: bool  # and the cross-silo protocol's half (fedml_bridge/cross_silo/modes.py), which each extends
 
     def users_of(self, config: Config, dataset: list, rank: int, device: Any) -> Tuple[List[UserSplit], list]: ...
     def check_data(self, config: Config, users: List[UserSplit], rank: int) -> None: ...
@@ -64,7 +66,7 @@ class DataMode(Protocol):
     def vouched_counts(self, users: List[UserSplit], rank: int) -> Dict[int, Tuple[int, int]]: ...
 
 
-class SharedData:
+class SharedData(SharedDataRounds):
     """Every user's data in the process that trains them: the simulation's, or the cross-silo
     server's, which sends each silo its round's clients and vouches for their counts."""
 
@@ -103,7 +105,7 @@ class SharedData:
         return {user: (len(u.train_y), len(u.test_y)) for user, u in enumerate(users)} if rank == 0 else {}
 
 
-class OwnData:
+class OwnData(OwnDataRounds):
     """Each user's data with its own silo alone (data-owner mode): silo rank r holds user r - 1;
     the server holds none, and each silo announces its counts, keeps its user's DP-SGD account
     and reports it."""

@@ -159,9 +159,7 @@ def own_account(
     run = RunAccount(account, run_key(identity, secret), dict(identity), secret, rank - 1)
     earlier = account.earlier_uses(run.key, dp.noise_multiplier)
     keyed = dataclasses.replace(dp, secret=noise_secret(account.noise_key(), secret))
-    settings = algorithm.settings
-    evaluation = dataclasses.replace(settings.evaluation, privacy=keyed)
-    algorithm.settings = dataclasses.replace(settings, privacy=keyed, evaluation=evaluation)
+    algorithm.settings = dataclasses.replace(algorithm.settings, privacy=keyed)  # the evaluation's too
     key_training_draws(algorithm, rank - 1, secret)
     logger.info(
         "silo rank %d: its data's DP-SGD account is %s (%d earlier use(s) of the data by %d other run(s))",

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedml_perfedavg.fedml_bridge.cross_silo.modes import OwnDataRounds
 from fedml_perfedavg.fedml_bridge.cross_silo import wire
 from fedml_perfedavg.fedml_bridge.cross_silo.agreement import ServerSetup
 from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
@@ -100,7 +101,7 @@ def start(tls, threshold=2, checked=False, false_digest=(), roster=True, imposto
     from fedml_perfedavg.fedml_bridge.cross_silo.key_roster import read_roster
 
     setup = ServerSetup(
-        own_data=True,
+        mode=OwnDataRounds(),
         silos=[1, 2, 3],
         fingerprint={"train_args.learning_rate": 0.001},
         model=nn.Sequential(nn.Linear(4, 3)),
@@ -313,7 +314,7 @@ def test_a_lost_silos_place_goes_to_the_next_of_the_keyed_order_or_the_short_rou
     (2 silos, 3 needed): no model goes out, the global model is kept, and the run goes on."""
     plan = OrderedPlan([0, 1, 2])
     setup = ServerSetup(
-        own_data=True,
+        mode=OwnDataRounds(),
         silos=[1, 2, 3, 4],
         fingerprint={"train_args.learning_rate": 0.001},
         model=nn.Sequential(nn.Linear(4, 3)),

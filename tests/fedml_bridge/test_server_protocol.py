@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedml_perfedavg.fedml_bridge.cross_silo.modes import OwnDataRounds, SharedDataRounds
 from fedml_perfedavg.core.errors import ConfigError, SiloFailure
 from fedml_perfedavg.fedml_bridge.cross_silo import wire
 from fedml_perfedavg.fedml_bridge.cross_silo.agreement import ServerSetup
@@ -96,7 +97,7 @@ def counts(rank, round_idx, correct=5):
 
 def protocol(silos=(1, 2), own=True, rounds=2, min_clients=1, users=None, timeout=30.0, metric_names=()):
     setup = ServerSetup(
-        own_data=own,
+        mode=OwnDataRounds() if own else SharedDataRounds(),
         silos=list(silos),
         fingerprint=dict(FINGERPRINT),
         user_counts={r - 1: (TRAIN[r], TEST[r]) for r in silos},
@@ -168,7 +169,7 @@ def test_the_log_says_which_round_starts_after_a_resume_and_how_each_round_close
     import logging
 
     setup = ServerSetup(
-        own_data=True,
+        mode=OwnDataRounds(),
         silos=[1, 2],
         fingerprint=dict(FINGERPRINT),
         model=nn.Sequential(nn.Linear(4, 3)),
@@ -346,7 +347,7 @@ def test_shared_mode_ends_with_the_final_model_and_the_silos_goodbyes():
 
 def test_shared_mode_needs_a_silo_for_each_sampled_user():
     with pytest.raises(ConfigError, match="client_num_per_round=.*must equal the number of silos"):
-        setup = ServerSetup(own_data=False, silos=[1, 2], fingerprint={})
+        setup = ServerSetup(mode=SharedDataRounds(), silos=[1, 2], fingerprint={})
         SiloServerProtocol(setup, SiloPolicy(1.0, 1.0, 1), Plan([0]), Model(), 1, 3)
 
 
@@ -421,7 +422,7 @@ class RoundPlan(Plan):
 def _three_silos(plan):
     """A data-owner server of three silos, four rounds, sampling by ``plan``."""
     setup = ServerSetup(
-        own_data=True,
+        mode=OwnDataRounds(),
         silos=[1, 2, 3],
         fingerprint=dict(FINGERPRINT),
         user_counts={r - 1: (TRAIN[r], TEST[r]) for r in (1, 2, 3)},

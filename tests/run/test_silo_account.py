@@ -67,6 +67,9 @@ def test_a_new_run_counts_the_earlier_runs_uses_and_draws_other_noise(tmp_path, 
     config = _config()
     algorithm, ledger, problem, run, first_noise = _start(config, tmp_path / "a", "run-a", accounts)
     assert problem is None and ledger.earlier == {}
+    # one DP-SGD policy: the keyed one reaches the evaluation's personalization step too
+    keyed = algorithm.settings.privacy
+    assert keyed.secret is not None and algorithm.settings.evaluation.privacy is keyed
     folder = accounts / data_digest(tiny_data().users[USER])
     key = folder / NOISE_KEY
     assert len(key.read_bytes()) == 32 and stat.S_IMODE(os.stat(key).st_mode) == 0o600

@@ -213,7 +213,7 @@ class ServerSetup:
     fingerprint every silo must agree with, and the counts it can vouch for (user -> (train, test):
     every user's in shared mode; none in data-owner mode, where each silo announces its own)."""
 
-    own_data: bool
+    mode: Any  # the run's data mode (cross_silo/modes.py: SharedDataRounds or OwnDataRounds, as the run extends them)
     silos: List[int]
     fingerprint: Dict[str, Any]
     user_counts: Dict[int, Tuple[int, int]] = field(default_factory=dict)
@@ -236,6 +236,11 @@ class ServerSetup:
         """Whether rounds are securely aggregated (the threshold is set), not a threshold's value."""
         return self.secure_threshold is not None
 
+    @property
+    def own_data(self) -> bool:
+        """Data-owner mode (each silo holds its own user's data), by the run's data mode."""
+        return bool(self.mode.own_data)
+
 
 @dataclass(kw_only=True)
 class SiloSetup:
@@ -244,7 +249,7 @@ class SiloSetup:
     enforces itself: its user's DP account and record, the secure rounds' rules and the keyed
     schedule it checks the server against."""
 
-    own_data: bool
+    mode: Any  # the run's data mode, as for the server
     hello: Dict[str, Any]  # its announcement (the fingerprint it agrees with, its addresses, its data)
     user_counts: Dict[int, Tuple[int, int]] = field(default_factory=dict)
     secure_threshold: Optional[int] = None  # secure aggregation's threshold (None: updates in the clear)
@@ -268,3 +273,8 @@ class SiloSetup:
     def secure(self) -> bool:
         """Whether rounds are securely aggregated (the threshold is set), not a threshold's value."""
         return self.secure_threshold is not None
+
+    @property
+    def own_data(self) -> bool:
+        """Data-owner mode (each silo holds its own user's data), by the run's data mode."""
+        return bool(self.mode.own_data)

@@ -21,7 +21,6 @@ from ...core.errors import SiloFailure
 from ...core.ledger import silo_report
 from ..bootstrap import import_fedml
 from .agreement import SiloSetup
-from .modes import data_mode
 from ...silo import events
 from ...silo.outcome import SiloOutcome
 from ...silo.protocol import SiloProtocol, SiloState
@@ -212,7 +211,7 @@ class PluginClientMasterManager(OwnTransport, ClientMasterManager):
         setup: SiloSetup,
     ) -> None:
         super().__init__(args, trainer_dist_adapter, comm, rank, size, backend)
-        self.policy, self.setup, self.mode = policy, setup, data_mode(setup.own_data)
+        self.policy, self.setup, self.mode = policy, setup, setup.mode
         self.own_user = self.mode.own_user(rank)
         self.protocol = SiloProtocol(
             rank,

@@ -1,12 +1,15 @@
 """Where a cross-silo run's data lives, as a strategy of the server's protocol rather than a flag
 branched on: which silo trains which sampled user, whose counts the server checks an upload
-against, who evaluates, and how the last round ends.
+against, who evaluates, and how the last round ends. These are the protocol's half of the run's
+one data-mode strategy: the run layer's (``run/data_modes.py``) extends each with how a process
+loads and accounts for its data, and hands its instance to the bridge in the run's setup
+(``agreement.ServerSetup.mode``, ``SiloSetup.mode``); the bridge never builds one of its own.
 
-- :class:`SharedData` (``comm_args.silo_data: shared``): every silo reads the whole split; the
+- :class:`SharedDataRounds` (``comm_args.silo_data: shared``): every silo reads the whole split; the
   k-th silo trains the round's k-th sampled user, the server knows every user's counts, each silo
   evaluates the model it received with its update, and the run ends with the final model sent to
   every silo, which evaluates it and says goodbye.
-- :class:`OwnData` (``silo_data: own``): silo rank R holds user R-1's data and nothing else; the
+- :class:`OwnDataRounds` (``silo_data: own``): silo rank R holds user R-1's data and nothing else; the
   sampled users' own silos train, the counts are those the silo announced (checked against its
   data's fit to the model), every live silo evaluates each evaluation round's model, and the run
   ends when the last round is recorded.
@@ -19,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 Assignment = Dict[int, Tuple[int, int]]  # silo -> (position in the round's sample, user)
 
 
-class SharedData:
+class SharedDataRounds:
     """Every silo reads the whole split (the server holds every user's counts)."""
 
     name = "shared"
@@ -56,7 +59,7 @@ class SharedData:
         return None  # a shared-mode silo trains whichever user the server names
 
 
-class OwnData:
+class OwnDataRounds:
     """Silo rank R holds user R-1's data only; the server holds none."""
 
     name = "own"
@@ -100,8 +103,4 @@ class OwnData:
         return rank - 1  # and no other
 
 
-DataMode = Any  # SharedData | OwnData
-
-
-def data_mode(own_data: bool) -> DataMode:
-    return OwnData() if own_data else SharedData()
+DataMode = Any  # SharedDataRounds | OwnDataRounds (or the run layer's, which extend them)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .agreement import ServerSetup, disagreement
-from .modes import Assignment, data_mode
+from .modes import Assignment
 
 
 class SiloRoster:
@@ -16,7 +16,7 @@ class SiloRoster:
 
     def __init__(self, setup: ServerSetup) -> None:
         self.setup = setup
-        self.mode = data_mode(setup.own_data)
+        self.mode = setup.mode
         self.live: List[int] = list(setup.silos)  # not given up on, in rank order
         self.online: Set[int] = set()  # announced themselves before training started
         self.hellos: Dict[int, Dict[str, Any]] = {}  # silo -> what it announced
