@@ -81,7 +81,7 @@ def upload_bytes(run_dir: str) -> dict:
     wire encodes them."""
     import torch
 
-    from fedml_perfedavg.fedml_bridge.cross_silo import wire
+    from fedml_perfedavg.net import wire
 
     state = torch.load(os.path.join(run_dir, "model.pt"), weights_only=True)
     length = sum(v.numel() for v in state.values() if v.is_floating_point())
@@ -101,7 +101,7 @@ def ours_in_process(silos: int, length: int) -> dict:
     """One round of this plugin's parties, every silo sampled, each stage timed per silo."""
     import numpy as np
 
-    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
+    from fedml_perfedavg.net.credentials import make_certificates
     from fedml_perfedavg.secagg import fixed_point
     from fedml_perfedavg.secagg.primitives import sign
     from fedml_perfedavg.secagg.rounds import ServerRound, SiloRound, default_threshold

@@ -43,7 +43,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, REPO)
 SILO_YAML = os.path.join(REPO, "yaml_configs", "mnist_tau10_alpha0.01_hf_silo.yaml")
 
-from fedml_perfedavg.fedml_bridge.cross_silo.gate import CONNECTION_REASONS  # noqa: E402
+from fedml_perfedavg.net.gate import CONNECTION_REASONS  # noqa: E402
 from fedml_perfedavg.fedml_bridge.cross_silo import TRAINING_STARTED  # noqa: E402
 from tests.backends.test_silo_flood import _addresses, _handshakes, _hold, _listening, _server_address  # noqa: E402
 
@@ -53,8 +53,8 @@ def _insider(address, tls, stop, tally):
     from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as pb2
     from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc
 
-    from fedml_perfedavg.fedml_bridge.cross_silo import wire
-    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import rank_name
+    from fedml_perfedavg.net import wire
+    from fedml_perfedavg.net.credentials import rank_name
 
     junk = wire.encode(
         wire.Envelope(
@@ -211,7 +211,7 @@ def _twin_announces(run_dir: str, stop: threading.Event, tally: dict) -> None:
     """A second process with silo 4's key announces itself once, as soon as training has started."""
     import grpc
 
-    from fedml_perfedavg.fedml_bridge.cross_silo import wire
+    from fedml_perfedavg.net import wire
     from tests.helpers import raw_send
 
     log = os.path.join(run_dir, "run", "run.log")

@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fedml_perfedavg.fedml_bridge.cross_silo import wire  # noqa: E402  (installs the plugin)
-from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig  # noqa: E402
-from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates  # noqa: E402
+from fedml_perfedavg.net import wire  # noqa: E402  (installs the plugin)
+from fedml_perfedavg.net.addresses import write_ipconfig  # noqa: E402
+from fedml_perfedavg.net.credentials import make_certificates  # noqa: E402
 from fedml_perfedavg.fedml_bridge.cross_silo.transport import SecureGRPCCommManager, to_message  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 

@@ -18,7 +18,7 @@ def _worker_ports() -> None:
     """Under pytest-xdist, each worker's launches choose ports from a range of their own (2,000
     ports from 12000 up, below the kernel's ephemeral range), inherited by every process a test
     starts: two tests side by side can never pick the same port."""
-    from fedml_perfedavg.fedml_bridge.cross_silo.addresses import PORTS_VARIABLE
+    from fedml_perfedavg.net.addresses import PORTS_VARIABLE
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and worker[2:].isdigit():

@@ -96,7 +96,7 @@ def example_yaml(tmp_path, name: str, mnist_root: str, run_name: str, output_dir
 
 def make_tls(out_dir, clients: int) -> str:
     """A run CA and certificates for ranks 0..clients, as ``fedml-perfedavg certs`` makes them."""
-    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
+    from fedml_perfedavg.net.credentials import make_certificates
 
     if not (Path(out_dir) / "ca.pem").exists():
         make_certificates(str(out_dir), clients)
@@ -141,7 +141,7 @@ def raw_send(address, data: bytes, tls_dir=None, as_rank=None, ca_dir=None, to_r
     from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as pb2
     from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc
 
-    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import rank_name
+    from fedml_perfedavg.net.credentials import rank_name
 
     target = "%s:%d" % tuple(address)
     if ca_dir is None:
@@ -284,7 +284,7 @@ def start_by_hand(tmp_path, settings: dict, ranks: int, per_rank=None, liars=Non
 
     ipconfig = tmp_path / "ip.csv"
     if not ipconfig.exists():
-        from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
+        from fedml_perfedavg.net.addresses import write_ipconfig
 
         write_ipconfig(str(ipconfig), ranks + 1)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
@@ -341,7 +341,7 @@ def reencode(data: bytes, edit) -> bytes:
     import json
     import struct
 
-    from fedml_perfedavg.fedml_bridge.cross_silo import wire
+    from fedml_perfedavg.net import wire
 
     (length,) = struct.unpack_from(">I", data, len(wire.MAGIC))
     start = len(wire.MAGIC) + 4

@@ -148,7 +148,7 @@ def _cross_silo(tmp_path, way, yaml, env):
     """FedML's own cross-silo FedAvg over its own gRPC transport: its server, then its two clients
     once the server listens, all in one network namespace with only loopback (FedML's own
     ``fedml.init`` posts to its cloud: here it meets no network)."""
-    from fedml_perfedavg.fedml_bridge.cross_silo.addresses import read_ipconfig
+    from fedml_perfedavg.net.addresses import read_ipconfig
 
     port = read_ipconfig(str(tmp_path / "ip.csv"))[0][1]
     (tmp_path / "driver.py").write_text(CROSS_SILO_DRIVER)
@@ -181,7 +181,7 @@ def test_fedmls_own_fedavg_gives_the_same_model_and_meets_the_same_fedml_with_th
         )
         command = [MPIRUN, "-n", "3", sys.executable]
     if backend == "cross-silo":  # FedML's own gRPC transport: the plugin's is only for its runs (or plugin_fixes)
-        from fedml_perfedavg.fedml_bridge.cross_silo.addresses import free_ports, write_ipconfig
+        from fedml_perfedavg.net.addresses import free_ports, write_ipconfig
 
         write_ipconfig(str(tmp_path / "ip.csv"), 3, ports=free_ports(3))
         yaml = (

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fedml_perfedavg"
-FEDML_FREE = ("core", "secagg", "data", "algorithms", "silo", "engine", "models", "logs", "stopping")
+FEDML_FREE = ("core", "secagg", "net", "data", "algorithms", "silo", "engine", "models", "logs", "stopping")
 LAYERS = {
     "core": 0,
     "secagg": 0,
@@ -16,6 +16,7 @@ LAYERS = {
     "logs": 0,
     "stopping": 0,
     "data": 1,
+    "net": 1,
     "algorithms": 2,
     "silo": 2,
     "engine": 3,

@@ -40,7 +40,7 @@ def dispatching_init(
             return original_init(self, args, device, dataset, model, client_trainer, server_aggregator, algorithm_flow)
         if getattr(args, "training_type", None) == "cross_silo" and hasattr(model, "state_dict"):
             from .cross_silo.transport import MODEL_SIZE_CAP
-            from .cross_silo.wire import default_size_cap  # comm_args.max_message_bytes' documented default
+            from ..net.wire import default_size_cap
 
             setattr(args, MODEL_SIZE_CAP, default_size_cap(model.state_dict()))
         if is_plugin_algorithm(optimizer):

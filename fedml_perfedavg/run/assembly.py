@@ -403,7 +403,7 @@ def silo_setup(parts: RunParts) -> Any:
     """What this cross-silo process knows beyond FedML's args: the server's
     :class:`~fedml_perfedavg.fedml_bridge.cross_silo.agreement.ServerSetup`, or a silo's
     :class:`~fedml_perfedavg.fedml_bridge.cross_silo.agreement.SiloSetup`."""
-    from ..fedml_bridge.cross_silo.addresses import read_ipconfig
+    from ..net.addresses import read_ipconfig
     from ..fedml_bridge.cross_silo.agreement import ADDRESSES, ROSTER_DIGEST, ServerSetup, SiloSetup
     from ..fedml_bridge.cross_silo.agreement import address_table, addresses_seen
     from ..fedml_bridge.cross_silo.agreement import fingerprint, hello
@@ -465,7 +465,7 @@ def silo_setup(parts: RunParts) -> Any:
 def _run_roster(config: Any, secure: bool) -> Any:
     """The run's key roster this process pins (comm_args.roster_path, else tls_dir's roster.json), or
     None; secure aggregation refuses to start without one: its guarantees rest on who the silos are."""
-    from ..fedml_bridge.cross_silo.key_roster import ROSTER, read_roster, roster_path_of
+    from ..net.key_roster import ROSTER, read_roster, roster_path_of
 
     path = roster_path_of(config.roster_path, config.tls_dir)
     if path is None:
@@ -483,7 +483,7 @@ def _run_roster(config: Any, secure: bool) -> Any:
 def _run_ca(config: Any) -> Optional[bytes]:
     """The run CA's certificate (comm_args.tls_dir), which the server checks secure aggregation's
     advertisements against before relaying them (None: an insecure run, whose silos check none)."""
-    from ..fedml_bridge.cross_silo.credentials import CA_CERT
+    from ..net.credentials import CA_CERT
 
     if not config.tls_dir:
         return None

@@ -18,7 +18,7 @@ import sys
 from typing import Callable, Dict, Sequence
 
 from ..core.errors import ConfigError
-from ..fedml_bridge.cross_silo.credentials import (
+from ..net.credentials import (
     CA_CERT,
     CA_KEY,
     MAX_DAYS,
@@ -30,7 +30,7 @@ from ..fedml_bridge.cross_silo.credentials import (
     roster_from_certificates,
     sign_request,
 )
-from ..fedml_bridge.cross_silo.key_roster import ROSTER, key_fingerprint
+from ..net.key_roster import ROSTER, key_fingerprint
 
 PROG = "fedml-perfedavg certs"
 

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 
 from ..algorithms.registry import FEDML_OWN, algorithm_names, canonical_name
 from ..core.errors import ConfigError
-from ..fedml_bridge.cross_silo.credentials import check_security
+from ..net.credentials import check_security
 from ..fedml_bridge.install import YAML_SECTIONS
 from ..core.settings import check_value, field_default, suggest
 from .config import load_yaml, resolve

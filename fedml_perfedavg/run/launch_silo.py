@@ -31,14 +31,14 @@ import uuid
 from typing import Dict, List, Optional, Sequence
 
 from ..core.errors import ConfigError, OutputError
-from ..fedml_bridge.cross_silo.credentials import make_certificates
+from ..net.credentials import make_certificates
 from .. import logs
 from ..stopping import EXIT_STOPPED, StopRequested, StopSignals
 from .options import add_config_options
 from .config import load, load_yaml, parse_overrides
 from .files import write_json
 from .runner import remove_if_never_started, resolve_run_dir
-from ..fedml_bridge.cross_silo.addresses import read_ipconfig, write_ipconfig
+from ..net.addresses import read_ipconfig, write_ipconfig
 from ..fedml_bridge.cross_silo import readiness
 
 logger = logging.getLogger(__name__)

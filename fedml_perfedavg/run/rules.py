@@ -21,7 +21,7 @@ from ..core.settings import suggest
 from ..data.loading import check_paper_split
 from ..data.partition import PARTITIONS
 from ..fedml_bridge import safeguards
-from ..fedml_bridge.cross_silo.credentials import check_security
+from ..net.credentials import check_security
 from .schema import BACKENDS, Config
 
 

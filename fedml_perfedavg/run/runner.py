@@ -366,7 +366,7 @@ def cap_messages_by_global_state(args: Any, global_state: StateDict) -> None:
     """Cross-silo: the default message cap from the whole global state (an algorithm's own tensors
     beside the model included), not from the model FedMLRunner was handed (fedml_bridge/dispatch.py)."""
     from ..fedml_bridge.cross_silo.transport import MODEL_SIZE_CAP
-    from ..fedml_bridge.cross_silo.wire import default_size_cap
+    from ..net.wire import default_size_cap
 
     setattr(args, MODEL_SIZE_CAP, default_size_cap(global_state))
 

@@ -1,13 +1,13 @@
 """A cross-silo process's identity: the ``--rank/--role`` each process is started with, checked
 against the config and FedML's gRPC address file (read by
-:mod:`fedml_perfedavg.fedml_bridge.cross_silo.addresses`, the one module that knows that file)."""
+:mod:`fedml_perfedavg.net.addresses`, the one module that knows that file)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from ..core.errors import ConfigError
-from ..fedml_bridge.cross_silo.addresses import read_ipconfig
+from ..net.addresses import read_ipconfig
 from .config import Config
 
 

@@ -152,7 +152,7 @@ def test_rates_travel_in_the_global_state_and_the_callers_model_is_left_alone():
     with pytest.raises(ValueError, match="carries \\['aruba_b__"):
         trainer.set_model_params(dict(model.state_dict()))  # the rates missing: refused, not dropped
     # Cross-silo messages carry the whole global state: the default cap counts the rates too.
-    from fedml_perfedavg.fedml_bridge.cross_silo.wire import model_bytes
+    from fedml_perfedavg.net.wire import model_bytes
     from fedml_perfedavg.run.runner import cap_messages_by_global_state
 
     args = argparse.Namespace()

@@ -146,7 +146,8 @@ def lie(kind: str) -> None:
 
         fixed_point.clip = unclipped
     elif kind in ("server-replay", "server-other-model"):
-        from fedml_perfedavg.fedml_bridge.cross_silo import rounds, wire
+        from fedml_perfedavg.fedml_bridge.cross_silo import rounds
+        from fedml_perfedavg.net import wire
 
         honest_open, honest_closed = rounds.SiloRounds.open_round, rounds.SiloRounds.round_closed
         kept = {}
@@ -177,7 +178,8 @@ def lie(kind: str) -> None:
         rounds.SiloRounds.open_round = remembering_open
         rounds.SiloRounds.round_closed = replaying_close
     elif kind == "server-evaluate-more":
-        from fedml_perfedavg.fedml_bridge.cross_silo import protocol, rounds, wire
+        from fedml_perfedavg.fedml_bridge.cross_silo import protocol, rounds
+        from fedml_perfedavg.net import wire
         from fedml_perfedavg.fedml_bridge.cross_silo.events import EVALUATION, ToSilo
 
         honest_evaluation = rounds.SiloRounds.open_evaluation
@@ -319,7 +321,7 @@ def lie(kind: str) -> None:
 
         client.PluginClientMasterManager._on_model = flooding
     elif kind.startswith("vanish:"):
-        from fedml_perfedavg.fedml_bridge.cross_silo import wire
+        from fedml_perfedavg.net import wire
 
         _, vanish_round, stage = kind.split(":")
         last = {"shares": wire.SECAGG_SHARES_OUT, "masked": wire.SECAGG_MASKED}[stage]
@@ -346,7 +348,8 @@ def lie(kind: str) -> None:
 
         rounds.SiloRound.share = false_share
     elif kind == "server-ignore-roster":
-        from fedml_perfedavg.fedml_bridge.cross_silo import agreement, key_roster, roster
+        from fedml_perfedavg.fedml_bridge.cross_silo import agreement, roster
+        from fedml_perfedavg.net import key_roster
 
         key_roster.KeyRoster.problem = lambda self, rank, certificate: None
         honest_disagreement = agreement.disagreement

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
+from fedml_perfedavg.net.addresses import write_ipconfig
 
 from tests.helpers import REPO, example_yaml, needs_mnist, offline
 

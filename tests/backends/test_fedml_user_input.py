@@ -93,7 +93,7 @@ def test_fedml_main_script_stopped_by_a_signal_keeps_its_record(mnist_root, tmp_
 
 @needs_mnist
 def test_fedml_cross_silo_server_stopped_by_sigterm_keeps_its_record_and_stops_its_silos(mnist_root, tmp_path):
-    from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
+    from fedml_perfedavg.net.addresses import write_ipconfig
 
     address_file = write_ipconfig(str(tmp_path / "ip.csv"), 3)
     path = example_yaml(

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
+from fedml_perfedavg.net.addresses import write_ipconfig
 
 from tests.backends.test_fedml_entry_points import MPIRUN, ONE_LINE, _run
 from tests.helpers import example_yaml, needs_mnist

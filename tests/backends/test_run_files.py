@@ -177,7 +177,7 @@ def test_a_server_that_fails_at_start_leaves_nothing_its_corrected_retry_trips_o
     start that failed before round 0 is replaced, saying so; one with rounds stays refused."""
     import socket
 
-    from fedml_perfedavg.fedml_bridge.cross_silo.addresses import free_ports, write_ipconfig
+    from fedml_perfedavg.net.addresses import free_ports, write_ipconfig
     from tests.helpers import SILO_YAML, make_tls, rank_command
 
     run_dir = tmp_path / "run"

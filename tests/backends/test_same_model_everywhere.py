@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
+from fedml_perfedavg.net.addresses import write_ipconfig
 
 from tests.helpers import EXAMPLE, REPO, make_tls, needs_mnist
 

@@ -15,7 +15,7 @@ import torch
 
 from fedml_perfedavg.core.sampling import sample_clients
 from fedml_perfedavg.run.config import ConfigError, load_yaml, resolve
-from fedml_perfedavg.fedml_bridge.cross_silo.addresses import read_ipconfig, write_ipconfig
+from fedml_perfedavg.net.addresses import read_ipconfig, write_ipconfig
 from fedml_perfedavg.run.silo_roles import check_silo_role
 from fedml_perfedavg.run.runner import load_split, run
 

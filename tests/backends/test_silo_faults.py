@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
+from fedml_perfedavg.net.addresses import write_ipconfig
 
 from tests.helpers import HF_YAML, REPO, SILO_YAML, launch_silo, launched_alive, make_tls, needs_mnist, rank_command
 

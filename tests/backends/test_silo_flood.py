@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fedml_perfedavg.fedml_bridge.cross_silo import TRAINING_STARTED
-from fedml_perfedavg.fedml_bridge.cross_silo.gate import CONNECTION_REASONS
+from fedml_perfedavg.net.gate import CONNECTION_REASONS
 from fedml_perfedavg.run.config import load_yaml, resolve
 
 from tests.helpers import (
@@ -238,7 +238,7 @@ def test_an_outsider_on_the_silos_own_address_holding_connections_from_the_start
 def test_a_second_process_with_a_silos_key_announcing_mid_run_takes_nothing_from_it(mnist_root, tmp_path):
     """Issue 44: a twin (another process holding silo 2's key) announced once, and 21 s later the
     original silo was locked out and recorded as lost. Now the original keeps its seat."""
-    from fedml_perfedavg.fedml_bridge.cross_silo import wire
+    from fedml_perfedavg.net import wire
 
     from tests.helpers import raw_send
 

@@ -15,8 +15,8 @@ import uuid
 import pytest
 import torch
 
-from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
-from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
+from fedml_perfedavg.net.addresses import write_ipconfig
+from fedml_perfedavg.net.credentials import make_certificates
 from fedml_perfedavg.run.config import load_yaml, resolve
 from fedml_perfedavg.run.runner import load_split, run
 

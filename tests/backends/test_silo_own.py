@@ -172,7 +172,7 @@ def test_an_organization_whose_address_file_gives_another_port_is_refused_at_onc
     cannot reach it there, so the refusal comes in the answer to its announcement: it stops at
     once naming both rows, and the server names the same (on 6b34a60 the server said "nothing
     listens there: it has ended" and the organization hung)."""
-    from fedml_perfedavg.fedml_bridge.cross_silo.addresses import free_ports, read_ipconfig, write_ipconfig
+    from fedml_perfedavg.net.addresses import free_ports, read_ipconfig, write_ipconfig
 
     folders = _export(mnist_root, tmp_path, 2)
     ports = free_ports(4)

@@ -602,7 +602,7 @@ def test_a_server_holding_ca_key_that_mints_an_organizations_certificate_gets_no
     round, naming rank 3's key, and the round sums nothing."""
     import shutil
 
-    from fedml_perfedavg.fedml_bridge.cross_silo.key_roster import key_fingerprint
+    from fedml_perfedavg.net.key_roster import key_fingerprint
     from fedml_perfedavg.run.certs import main as certs
 
     from tests.helpers import make_tls

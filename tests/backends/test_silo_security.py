@@ -13,8 +13,8 @@ import time
 import grpc
 import torch
 
-from fedml_perfedavg.fedml_bridge.cross_silo import wire
-from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
+from fedml_perfedavg.net import wire
+from fedml_perfedavg.net.credentials import make_certificates
 from fedml_perfedavg.run.config import load_yaml, resolve
 
 from tests.helpers import (

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
+from fedml_perfedavg.net.credentials import make_certificates
 from fedml_perfedavg.secagg import fixed_point
 from fedml_perfedavg.secagg.primitives import (
     SHARE_LABEL,

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from fedml_perfedavg.core.errors import ConfigError
-from fedml_perfedavg.fedml_bridge.cross_silo.addresses import (
+from fedml_perfedavg.net.addresses import (
     PORTS_VARIABLE,
     _bindable,
     allowed_ports,
@@ -89,7 +89,7 @@ def test_the_address_file_is_never_seen_half_written(tmp_path, monkeypatch):
     silo's test once read a file with no row for rank 0 yet."""
     import csv
 
-    from fedml_perfedavg.fedml_bridge.cross_silo import addresses
+    from fedml_perfedavg.net import addresses
 
     path = str(tmp_path / "grpc_ipconfig.csv")
     write_ipconfig(path, 3, ports=[12001, 12002, 12003])

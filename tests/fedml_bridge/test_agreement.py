@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from fedml_perfedavg.core.types import UserSplit
-from fedml_perfedavg.fedml_bridge.cross_silo import wire
+from fedml_perfedavg.net import wire
 from fedml_perfedavg.fedml_bridge.cross_silo.agreement import (
     ADDRESSES,
     ARCHITECTURE,

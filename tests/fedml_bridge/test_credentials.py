@@ -4,7 +4,7 @@ launch-silo's CA key never written."""
 import pytest
 
 from fedml_perfedavg.core.errors import ConfigError
-from fedml_perfedavg.fedml_bridge.cross_silo.credentials import (
+from fedml_perfedavg.net.credentials import (
     MAX_DAYS,
     load_credentials,
     make_certificates,
@@ -78,7 +78,7 @@ def test_each_organization_makes_its_own_key_and_the_roster_pins_it(tmp_path, ca
     import os
     import shutil
 
-    from fedml_perfedavg.fedml_bridge.cross_silo.key_roster import key_fingerprint
+    from fedml_perfedavg.net.key_roster import key_fingerprint
 
     assert certs(["ca", "--out", str(tmp_path / "ca")]) == 0
     published = {}
@@ -139,7 +139,7 @@ def test_each_organization_makes_its_own_key_and_the_roster_pins_it(tmp_path, ca
     ],
 )
 def test_a_damaged_roster_is_refused_naming_the_file_and_the_fault(tmp_path, text, words):
-    from fedml_perfedavg.fedml_bridge.cross_silo.key_roster import read_roster
+    from fedml_perfedavg.net.key_roster import read_roster
 
     path = tmp_path / "roster.json"
     path.write_text(text)

@@ -8,10 +8,10 @@ from concurrent import futures
 import grpc
 import pytest
 
-from fedml_perfedavg.fedml_bridge.cross_silo import wire
-from fedml_perfedavg.fedml_bridge.cross_silo.addresses import free_ports
+from fedml_perfedavg.net import wire
+from fedml_perfedavg.net.addresses import free_ports
 from fedml_perfedavg.fedml_bridge.cross_silo.conversations import Conversations
-from fedml_perfedavg.fedml_bridge.cross_silo.credentials import load_credentials, make_certificates
+from fedml_perfedavg.net.credentials import load_credentials, make_certificates
 from fedml_perfedavg.fedml_bridge.cross_silo.delivery import (
     Delivery,
     HandshakeFailed,

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from fedml_perfedavg.fedml_bridge.cross_silo.gate import Backend, Gate, GateLimits, PortTaken
-from fedml_perfedavg.fedml_bridge.cross_silo.refusals import BURST, REPORT_SECONDS, WINDOW_SECONDS, RefusalLog
+from fedml_perfedavg.net.gate import Backend, Gate, GateLimits, PortTaken
+from fedml_perfedavg.net.refusals import BURST, REPORT_SECONDS, WINDOW_SECONDS, RefusalLog
 
 
 class Echo:
@@ -235,7 +235,7 @@ def test_refusals_are_counted_all_but_logged_a_few_per_peer_and_reason(caplog):
 
 def test_refusals_from_rotating_addresses_share_one_log_budget(caplog):
     """Issue 44: 20,000 source addresses wrote 5.2 MB of refusal lines; now at most GLOBAL_LINES a window."""
-    from fedml_perfedavg.fedml_bridge.cross_silo.refusals import GLOBAL_LINES
+    from fedml_perfedavg.net.refusals import GLOBAL_LINES
 
     clock = Clock()
     log = RefusalLog(0, logging.getLogger("test.refusals"), clock)

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from fedml_perfedavg.fedml_bridge.cross_silo.modes import OwnDataRounds
-from fedml_perfedavg.fedml_bridge.cross_silo import wire
+from fedml_perfedavg.net import wire
 from fedml_perfedavg.fedml_bridge.cross_silo.agreement import ServerSetup
-from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
+from fedml_perfedavg.net.credentials import make_certificates
 from fedml_perfedavg.fedml_bridge.cross_silo.events import ROUND, Hello, Listening, Record, Refuse, SecAggMessage, Send
 from fedml_perfedavg.fedml_bridge.cross_silo.events import Tick, Update
 from fedml_perfedavg.fedml_bridge.cross_silo.policy import SiloPolicy
@@ -76,7 +76,7 @@ def minted(tls, rank):
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import _pem_key, _rank_certificate
+    from fedml_perfedavg.net.credentials import _pem_key, _rank_certificate
 
     ca_key = serialization.load_pem_private_key(open(os.path.join(tls["dir"], "ca.key"), "rb").read(), None)
     ca = x509.load_pem_x509_certificate(tls["ca"])
@@ -97,8 +97,8 @@ def start(tls, threshold=2, checked=False, false_digest=(), roster=True, imposto
     it sent (ServerSetup.ca), and the parties sign the terms they were given (``false_digest``:
     those silos sign other terms). ``impostors``: rank -> (certificate, key) a party uses instead of
     the rank's own."""
-    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import load_credentials
-    from fedml_perfedavg.fedml_bridge.cross_silo.key_roster import read_roster
+    from fedml_perfedavg.net.credentials import load_credentials
+    from fedml_perfedavg.net.key_roster import read_roster
 
     setup = ServerSetup(
         mode=OwnDataRounds(),
@@ -383,7 +383,7 @@ def test_the_evaluation_after_a_secure_round_is_a_secure_sum_and_figures_in_the_
     sent in the clear."""
     from types import SimpleNamespace
 
-    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import load_credentials
+    from fedml_perfedavg.net.credentials import load_credentials
     from fedml_perfedavg.fedml_bridge.cross_silo.events import Evaluation
     from fedml_perfedavg.secagg import figures
     from fedml_perfedavg.secagg.rounds import SiloRules

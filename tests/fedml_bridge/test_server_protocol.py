@@ -8,7 +8,7 @@ from torch import nn
 
 from fedml_perfedavg.fedml_bridge.cross_silo.modes import OwnDataRounds, SharedDataRounds
 from fedml_perfedavg.core.errors import ConfigError, SiloFailure
-from fedml_perfedavg.fedml_bridge.cross_silo import wire
+from fedml_perfedavg.net import wire
 from fedml_perfedavg.fedml_bridge.cross_silo.agreement import ServerSetup
 from fedml_perfedavg.fedml_bridge.cross_silo.events import (
     EVALUATION,

@@ -117,7 +117,7 @@ def test_a_run_that_ends_right_after_a_refusal_delivers_the_refusal_before_its_o
     refusal, a notice sent in the background, was cancelled by the server's own end, and silo 4,
     told nothing, waited past the test's 240 s. The end of a run now waits for the notices under way
     (each within its deadline), then tells the live silos."""
-    from fedml_perfedavg.fedml_bridge.cross_silo import wire
+    from fedml_perfedavg.net import wire
     from fedml_perfedavg.fedml_bridge.cross_silo.events import EndRun
 
     transport = SlowTransport({4: 0.6})

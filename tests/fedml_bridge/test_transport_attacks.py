@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-from fedml_perfedavg.fedml_bridge.cross_silo import wire
-from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
-from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
+from fedml_perfedavg.net import wire
+from fedml_perfedavg.net.addresses import write_ipconfig
+from fedml_perfedavg.net.credentials import make_certificates
 from fedml_perfedavg.fedml_bridge.cross_silo.transport import SecureGRPCCommManager
 from fedml_perfedavg.core.errors import ConfigError
 
@@ -367,7 +367,7 @@ def _with_session(data: bytes, session: str) -> bytes:
 
 
 def _insider_stub(world, rank):
-    from fedml_perfedavg.fedml_bridge.cross_silo.credentials import rank_name
+    from fedml_perfedavg.net.credentials import rank_name
 
     read = lambda name: (world.tls / name).read_bytes()  # noqa: E731
     channel = grpc.secure_channel(

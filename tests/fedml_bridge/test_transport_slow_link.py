@@ -11,9 +11,9 @@ from argparse import Namespace
 import pytest
 import torch
 
-from fedml_perfedavg.fedml_bridge.cross_silo import wire
-from fedml_perfedavg.fedml_bridge.cross_silo.addresses import write_ipconfig
-from fedml_perfedavg.fedml_bridge.cross_silo.credentials import make_certificates
+from fedml_perfedavg.net import wire
+from fedml_perfedavg.net.addresses import write_ipconfig
+from fedml_perfedavg.net.credentials import make_certificates
 from fedml_perfedavg.fedml_bridge.cross_silo.transport import PeerUnreachable, SecureGRPCCommManager
 
 from fedml.core.distributed.communication.message import Message

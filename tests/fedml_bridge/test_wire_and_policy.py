@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from fedml_perfedavg.fedml_bridge.cross_silo import wire
+from fedml_perfedavg.net import wire
 from fedml_perfedavg.fedml_bridge.cross_silo.policy import SiloPolicy
 
 from tests.helpers import reencode

@@ -1,8 +1,7 @@
 """FedML's cross-silo deployment with a transport that lets no one in.
 
-- :mod:`.wire`: messages as data (JSON header + safetensors), never a pickle; the size cap.
-- :mod:`.credentials`: the run CA, each rank's certificate, the rank a peer's certificate names.
-- :mod:`.addresses`: FedML's gRPC address file, read strictly.
+- ``fedml_perfedavg.net``: what crosses the boundary (the wire format, certificates, the key
+  roster, the address file, the connection gate), with no FedML.
 - :mod:`.transport`: FedML's gRPC communication manager replaced (mutual TLS, sender bound to
   the peer's certificate, replays dropped, every send with a deadline).
 - :mod:`.policy`: deadlines and the minimum of silos, as pure functions.

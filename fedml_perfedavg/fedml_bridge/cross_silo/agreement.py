@@ -25,8 +25,8 @@ from torch import nn
 
 from ...core.types import StateDict, UserSplit
 from ...data.silo_folder import INPUT_DTYPES
-from .key_roster import KeyRoster
-from .wire import short
+from ...net.key_roster import KeyRoster
+from ...net.wire import short
 
 # (section, key) of the config values every process of a cross-silo run must share.
 AGREED = (

@@ -28,7 +28,7 @@ from .policy import SiloPolicy
 from .secure_silo import SecureSiloRound
 from .conversations import TWIN
 from .transport import IDENTITY, OTHER_RUN, ROUND_KEY, SESSION_KEY, OwnTransport, PeerUnreachable
-from . import wire
+from ...net import wire
 
 import_fedml()
 from fedml.core.distributed.communication.message import Message  # noqa: E402

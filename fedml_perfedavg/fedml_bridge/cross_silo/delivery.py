@@ -16,7 +16,7 @@ from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Nam
 
 from ...core.errors import ConfigError, SiloFailure
 from ..bootstrap import import_fedml
-from .credentials import Credentials, rank_name
+from ...net.credentials import Credentials, rank_name
 
 import_fedml()
 import grpc  # noqa: E402

@@ -10,7 +10,7 @@ import logging
 from typing import Any, Dict, List, Optional
 
 from ...core.errors import SiloFailure
-from . import wire
+from ...net import wire
 from .events import NOTICE, Outbox, ToSilo
 from .policy import ANNOUNCE_INTERVAL_SECONDS, NOTICE_SECONDS, SiloPolicy
 from .roster import SiloRoster

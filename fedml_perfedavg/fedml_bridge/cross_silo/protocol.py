@@ -53,7 +53,8 @@ import logging
 from typing import Callable, List, Optional, Set, Tuple
 
 from ...core.errors import ConfigError
-from . import TRAINING_STARTED, wire
+from . import TRAINING_STARTED
+from ...net import wire
 from .agreement import ServerSetup
 from .events import (
     EVALUATION,

@@ -25,7 +25,7 @@ from .phases import Phase, PhaseClock
 from .roster import SiloRoster
 from .secure_evaluation import SecureEvaluation
 from .secure_rounds import REFUSED_SECAGG, SecureAggregation, UnclippedInputs
-from . import wire
+from ...net import wire
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from ...secagg.primitives import SecAggError
 from ...secagg.rounds import RoundFailed, default_threshold
 from .events import Outbox
 from .secure_rounds import REFUSED_SECAGG, SecureRound, advert_problem, terms_digest
-from . import wire
+from ...net import wire
 
 logger = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ from ...secagg import fixed_point
 from ...secagg.primitives import SecAggError, verify
 from ...secagg.rounds import Advert, RoundFailed, ServerRound
 from ...silo.outcome import state_digest
-from .credentials import certificate_rank_problem
-from .key_roster import KeyRoster
-from . import wire
+from ...net.credentials import certificate_rank_problem
+from ...net.key_roster import KeyRoster
+from ...net import wire
 from .events import ROUND, Outbox, ToSilo
 from .awaited import OpenRound
 from .membership import SiloMembership

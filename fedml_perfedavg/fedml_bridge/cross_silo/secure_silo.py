@@ -20,9 +20,9 @@ import torch
 from ...secagg import figures, fixed_point, vectors
 from ...secagg.primitives import SecAggError, sign
 from ...secagg.rounds import Advert, SiloRound, SiloRules
-from . import wire
+from ...net import wire
 from ...core.sampling import reserve_problem
-from .credentials import Credentials, certificate_rank_problem
+from ...net.credentials import Credentials, certificate_rank_problem
 from .secure_rounds import (
     advert_from_wire,
     advert_to_wire,

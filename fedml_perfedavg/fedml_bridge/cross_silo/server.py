@@ -19,7 +19,7 @@ from .phases import Phase
 from .policy import SiloPolicy
 from .protocol import SiloServerProtocol
 from .transport import ARRIVED_KEY, ROUND_KEY, SESSION_KEY, SIZE_KEY, OwnTransport
-from . import wire
+from ...net import wire
 
 import_fedml()
 from fedml.core.distributed.communication.message import Message  # noqa: E402

@@ -14,7 +14,7 @@ from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, T
 from ..bootstrap import import_fedml
 from .events import EndRun, ToSilo
 from .transport import ROUND_KEY
-from . import wire
+from ...net import wire
 
 import_fedml()
 from fedml.core.distributed.communication.message import Message  # noqa: E402

@@ -41,19 +41,15 @@ from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Opt
 from ...core.errors import ConfigError, SiloFailure
 from ...stopping import interrupt_if_stopping
 from ..bootstrap import import_fedml, plugin_entry
-from . import READY_MESSAGE, wire
-from .addresses import read_ipconfig
+from . import READY_MESSAGE
+from ...net import wire
+from ...net.addresses import read_ipconfig
 from .backends import check_cross_silo_backend
 from .conversations import Conversations
 from .delivery import Delivery, Outgoing, PeerUnreachable, channel_options
-from .credentials import (
-    Credentials,
-    load_credentials,
-    peer_certificate_problem,
-    rank_of_names,
-)
-from .gate import Backend, Gate, GateLimits, PortTaken
-from .refusals import RefusalLog
+from ...net.credentials import Credentials, load_credentials, peer_certificate_problem, rank_of_names
+from ...net.gate import Backend, Gate, GateLimits, PortTaken
+from ...net.refusals import RefusalLog
 
 import_fedml()
 import grpc  # noqa: E402

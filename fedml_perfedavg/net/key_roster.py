@@ -26,8 +26,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
-from ...core.errors import ConfigError
-from ...documents import read_document
+from ..core.errors import ConfigError
+from ..documents import read_document
 
 ROSTER = "roster.json"
 FORMAT = "fedml-perfedavg key roster, version 1"

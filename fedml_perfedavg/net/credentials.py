@@ -29,7 +29,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from ...core.errors import ConfigError
+from ..core.errors import ConfigError
 from .key_roster import ROSTER, KeyRoster, key_fingerprint, read_roster, roster_path_of, write_roster
 
 DOMAIN = "fedml-perfedavg"

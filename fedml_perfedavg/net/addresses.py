@@ -11,7 +11,7 @@ import random
 import socket
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ...core.errors import ConfigError
+from ..core.errors import ConfigError
 
 IPCONFIG_FIELDS = ("eid", "rank", "grpc_server_ip", "grpc_server_port")
 

@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from ...core.evaluation import MAX_OWN_METRICS
-from ...core.training_record import valid_figures
+from ..core.evaluation import MAX_OWN_METRICS
+from ..core.training_record import valid_figures
 
 MAGIC = b"PFAWIRE2"
 _LENGTH = struct.Struct(">I")
