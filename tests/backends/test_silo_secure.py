@@ -39,7 +39,11 @@ def test_four_silos_every_one_sampled_give_the_plaintext_model_within_1e_5(mnist
     worst = max(float((model[k] - v).abs().max()) for k, v in sp.final_state.items())
     assert worst <= 1e-5
     plain = sp.summary["personalized_accuracy"]
-    assert abs(summary["personalized_accuracy"] - plain) < 1e-9, (summary["personalized_accuracy"], plain)
+    # the evaluation is a secure sum too: sp's figure within its fixed point's stated error
+    assert abs(summary["personalized_accuracy"] - plain) <= figures.worst_error(4), (
+        summary["personalized_accuracy"],
+        plain,
+    )
     for rank in range(1, 5):
         assert "sends no update" not in outs[rank] and "leaves this round" not in outs[rank]
 
