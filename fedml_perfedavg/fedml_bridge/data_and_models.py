@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from ..core.errors import ConfigError
-from .bootstrap import replaced
 from ..core.types import UserSplit
 from ..data.fedml_format import to_fedml_dataset
 from ..data.loading import FederatedData
@@ -62,15 +61,10 @@ def leaf_folders(root: str, name: str) -> Tuple[List[str], bool]:
     return folders, all(glob.glob(os.path.join(folder, "*.json")) for folder in folders)
 
 
-@contextlib.contextmanager
-def fedml_loader_arguments(args: Any) -> Iterator[None]:
-    """What FedML's loaders read and the plugin's YAML may not say.
-
-    - fedml/data/data_loader.py reads ``args.partition_alpha`` for every CIFAR-style partition
-      (an AttributeError when the YAML has none), though only ``hetero`` uses it.
-    - fedml/data/shakespeare/data_loader.py reads LEAF's files from "../../../data/shakespeare",
-      relative to wherever the process was started, ignoring ``data_cache_dir``: here it reads
-      ``data_cache_dir``/shakespeare/{train,test}, and says so when they are missing."""
+def complete_fedml_loader_arguments(args: Any) -> None:
+    """What FedML's loaders read and the plugin's YAML may not say: fedml/data/data_loader.py reads
+    ``args.partition_alpha`` for every CIFAR-style partition (an AttributeError when the YAML has
+    none), though only ``hetero`` uses it."""
     if not hasattr(args, "partition_alpha"):
         if getattr(args, "partition_method", None) == "hetero":
             raise ConfigError(
@@ -79,53 +73,97 @@ def fedml_loader_arguments(args: Any) -> Iterator[None]:
                 f"(FedML's examples use 0.5)"
             )
         args.partition_alpha = None  # read by FedML for every partition; unused but by 'hetero'
-    if getattr(args, "dataset", None) != "shakespeare":
-        yield
-        return
-    import fedml.data.shakespeare.data_loader as shakespeare
 
+
+def leaf_loaded(args: Any) -> Optional[Tuple[list, int]]:
+    """FedML's LEAF loaders for MNIST and Shakespeare (``fedml.data.load``'s result), with their
+    folders under ``data_cache_dir`` given as arguments, or None for any other dataset.
+
+    FedML's ``load_synthetic_data`` (fedml/data/data_loader.py) calls ``download_mnist`` before
+    MNIST's loader, which fetches MNIST.zip from FedML's server whenever the zip is missing, even
+    beside the extracted files it then reads; and Shakespeare's loader reads
+    "../../../data/shakespeare", relative to wherever the process was started. Here FedML's own
+    functions read the folders the YAML names (``load_partition_data_mnist``, Shakespeare's
+    ``read_data`` and ``batch_data``), and the ending is ``load_synthetic_data``'s own (a
+    centralized or full-batch run's clients merged): the same dataset, nothing of FedML replaced."""
+    dataset = getattr(args, "dataset", None)
+    if dataset not in ("mnist", "shakespeare") or (dataset == "mnist" and bool(getattr(args, "download", False))):
+        return None  # (MNIST with download: true is FedML's own path, which fetches the zip where it is missing)
     root = os.path.abspath(str(getattr(args, "data_cache_dir", ".")))
-    folders, present = leaf_folders(root, "shakespeare")
+    folders, present = leaf_folders(root, "MNIST" if dataset == "mnist" else "shakespeare")
     if not present:
+        if dataset == "mnist":
+            raise ConfigError(
+                f"data_args.dataset='mnist' with data_args.partition_method="
+                f"{getattr(args, 'partition_method', None)!r} is FedML's MNIST loader, which reads LEAF's "
+                f"JSON files from {folders[0]}/*.json and {folders[1]}/*.json (FedML's MNIST.zip, extracted "
+                f"into {root}) and would download them: put them there, set data_args.download: true to "
+                f"let FedML download them, or use partition_method: paper (the paper's split, from "
+                f"torchvision's MNIST files)"
+            )
         raise ConfigError(
             f"data_args.dataset='shakespeare' is FedML's LEAF Shakespeare, read from {folders[0]}/*.json and "
             f"{folders[1]}/*.json (data_args.data_cache_dir={root!r}), which are not there: put LEAF's "
             f"Shakespeare files there"
         )
-    read_data = shakespeare.read_data
-    with replaced(shakespeare, "read_data", lambda train, test: read_data(*folders)):
-        yield
+    # load_synthetic_data's start: both decided before loading, from the YAML's values
+    centralized = args.client_num_in_total == 1 and args.training_type != "cross_silo"
+    asked_batch_size = args.batch_size
+    full_batch = args.batch_size <= 0
+    if full_batch:
+        args.batch_size = 128  # FedML's temporary batch size
+    if dataset == "mnist":
+        from fedml.data.MNIST.data_loader import load_partition_data_mnist
+
+        loaded = load_partition_data_mnist(args, args.batch_size, train_path=folders[0], test_path=folders[1])
+    else:
+        loaded = _shakespeare(args.batch_size, *folders)
+    (client_num, train_num, test_num, train_global, test_global, local_num, train_local, test_local, classes) = loaded
+    args.client_num_in_total = client_num
+    if centralized:
+        local_num = {0: sum(local_num.values())}
+        train_local = {0: [batch for c in sorted(train_local) for batch in train_local[c]]}
+        test_local = {0: [batch for c in sorted(test_local) for batch in test_local[c]]}
+        args.client_num_in_total = 1
+    if full_batch:
+        from fedml.data.data_loader import combine_batches
+
+        train_global, test_global = combine_batches(train_global), combine_batches(test_global)
+        train_local = {c: combine_batches(train_local[c]) for c in train_local}
+        test_local = {c: combine_batches(test_local[c]) for c in test_local}
+        args.batch_size = asked_batch_size
+    return [train_num, test_num, train_global, test_global, local_num, train_local, test_local, classes], classes
+
+
+def _shakespeare(batch_size: int, train_folder: str, test_folder: str) -> tuple:
+    """fedml/data/shakespeare/data_loader.py ``load_partition_data_shakespeare`` with its two
+    folders as arguments (FedML's has them fixed, relative to the working directory)."""
+    from fedml.data.shakespeare.data_loader import batch_data, read_data
+    from fedml.data.shakespeare.language_utils import VOCAB_SIZE
+
+    users, _, train_data, test_data = read_data(train_folder, test_folder)
+    train_num = test_num = 0
+    local_num, train_local, test_local, train_global, test_global = {}, {}, {}, [], []
+    for client, user in enumerate(users):
+        train_num += len(train_data[user]["x"])
+        test_num += len(test_data[user]["x"])
+        local_num[client] = len(train_data[user]["x"])
+        train_local[client] = batch_data(train_data[user], batch_size)
+        test_local[client] = batch_data(test_data[user], batch_size)
+        train_global += train_local[client]
+        test_global += test_local[client]
+    return len(users), train_num, test_num, train_global, test_global, local_num, train_local, test_local, VOCAB_SIZE
 
 
 @contextlib.contextmanager
 def offline_fedml_loader(args: Any) -> Iterator[None]:
-    """FedML's own loaders (fedml/data/data_loader.py), offline unless ``data_args.download``.
-
-    FedML's MNIST loader calls ``download_mnist`` (MNIST/data_loader.py), which wgets MNIST.zip
-    from FedML's server whenever that zip is missing, even beside the extracted LEAF files it
-    then reads: with those files present the download is skipped; without them, and without
-    ``download: true``, the run stops here naming the files. Any other loader that opens a
-    connection without ``download: true`` is stopped before it connects."""
+    """FedML's own loaders (fedml/data/data_loader.py), offline unless ``data_args.download``: a
+    loader that opens a connection without ``download: true`` is stopped before it connects."""
     if bool(getattr(args, "download", False)):
         yield
         return
-    import fedml.data.data_loader as fedml_loader
-
     root = os.path.abspath(str(getattr(args, "data_cache_dir", ".")))
     dataset = getattr(args, "dataset", None)
-    stack = contextlib.ExitStack()
-    if dataset == "mnist":
-        leaf, present = leaf_folders(root, "MNIST")
-        if not present:
-            raise ConfigError(
-                f"data_args.dataset='mnist' with data_args.partition_method="
-                f"{getattr(args, 'partition_method', None)!r} is FedML's MNIST loader, which reads LEAF's "
-                f"JSON files from {leaf[0]}/*.json and {leaf[1]}/*.json (FedML's MNIST.zip, extracted "
-                f"into {root}) and would download them: put them there, set data_args.download: true to "
-                f"let FedML download them, or use partition_method: paper (the paper's split, from "
-                f"torchvision's MNIST files)"
-            )
-        stack.enter_context(replaced(fedml_loader, "download_mnist", lambda data_cache_dir: None))
 
     def refused(address: Any) -> ConfigError:
         return ConfigError(
@@ -134,7 +172,7 @@ def offline_fedml_loader(args: Any) -> Iterator[None]:
             f"data_args.download: true"
         )
 
-    with stack, _offline_in_this_thread(refused):
+    with _offline_in_this_thread(refused):
         yield
 
 
@@ -201,8 +239,10 @@ def loading_with_paper_split(
         if data is None:
             if not asks_for_plugin(args):
                 return original_load(args)
-            with fedml_loader_arguments(args), offline_fedml_loader(args):
-                return original_load(args)
+            complete_fedml_loader_arguments(args)
+            with offline_fedml_loader(args):
+                leaf = leaf_loaded(args)
+                return leaf if leaf is not None else original_load(args)
         if data.users:
             data = reshaped(data, input_layout(getattr(args, "model", ""), args.dataset, data.input_shape))
         return to_fedml_dataset(data.users, data.num_classes, int(args.batch_size), data.user_ids), data.num_classes
