@@ -124,3 +124,45 @@ def test_a_run_that_does_not_ask_for_the_plugin_gets_fedmls_model_as_is():
     torch.manual_seed(5)
     torch.rand(3)
     assert not torch.equal(creating_paper_models(fedmls, lambda a: True)(args, 2).weight, expected)
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.parametrize("dataset", ["shakespeare", "mnist"])
+@pytest.mark.parametrize("clients, batch_size", [(4, 4), (1, 4), (4, 0)])  # centralized, full batch too
+def test_leaf_loaders_give_fedmls_dataset_with_their_folders_as_arguments(
+    tmp_path, monkeypatch, dataset, clients, batch_size
+):
+    """Issue 77: FedML's LEAF loaders are called with data_cache_dir's folders instead of FedML's
+    names being swapped while they run: the same dataset and args as FedML's own path (given the
+    folders by a swap here, in the test, and no download)."""
+    import fedml.data.shakespeare.data_loader as shakespeare
+
+    from fedml_perfedavg.fedml_bridge.data_and_models import leaf_loaded
+
+    from tests.backends.test_fedml_user_input import _leaf_mnist
+
+    _leaf_shakespeare(tmp_path / "shakespeare", ["alice", "bob", "carol"])
+    _leaf_mnist(tmp_path)
+    given = dict(
+        client_num_in_total=clients, batch_size=batch_size, download=False, training_type="simulation", model="lr"
+    )
+    given.update(dataset=dataset, data_cache_dir=str(tmp_path), partition_method="hetero", partition_alpha=0.5)
+    ours, theirs = SimpleNamespace(**given), SimpleNamespace(**given)
+    loaded = leaf_loaded(ours)
+    read = shakespeare.read_data
+    folders = [str(tmp_path / "shakespeare" / split) for split in ("train", "test")]
+    monkeypatch.setattr(shakespeare, "read_data", lambda train, test: read(*folders))
+    monkeypatch.setattr(fedml_loader, "download_mnist", lambda data_cache_dir: None)
+    expected = getattr(fedml_loader.load, "__wrapped__", fedml_loader.load)(theirs)
+    assert _same(list(loaded), list(expected)) and vars(ours) == vars(theirs)
