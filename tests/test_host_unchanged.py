@@ -221,3 +221,26 @@ def test_fedmls_own_fedavg_gives_the_same_model_and_meets_the_same_fedml_with_th
         # attribute of its package there: not a change to FedML
         changed = {k for k in changed if {a.get(k), b.get(k)} - {None} != {"builtins.module"}}
         assert changed == INSTALL_POINTS, sorted(changed)
+
+
+def test_every_algorithm_name_fedml_dispatches_on_is_one_of_fedmls_own_to_the_plugin():
+    """A name FedML runs must never meet the plugin's "neither a plugin algorithm nor FedML's"
+    error (turbo_aggregate and base_framework did, spelled otherwise in the list): every
+    ``federated_optimizer`` FedML 0.9.6 compares against, read from its source."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    from fedml_perfedavg.algorithms.registry import FEDML_OWN
+
+    root = Path(importlib.util.find_spec("fedml").origin).parent
+    sources = [path.read_text(errors="replace") for path in root.rglob("*.py")]
+    constants = dict(re.findall(r'(FedML_FEDERATED_OPTIMIZER_\w+) = "(\w+)"', "".join(sources)))
+    compared = set()
+    for text in sources:
+        for line in text.splitlines():
+            if re.search(r"federated_optimizer\s*(==|!=|in)\s", line):
+                compared |= set(re.findall(r'"(\w+)"', line))
+                compared |= {constants[name] for name in re.findall(r"FedML_FEDERATED_OPTIMIZER_\w+", line)}
+    assert {"FedAvg", "turbo_aggregate", "base_framework"} <= compared  # the reading finds them
+    assert sorted(compared - set(FEDML_OWN)) == []

@@ -29,7 +29,8 @@ from .base import FederatedAlgorithm
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "fedml_perfedavg.algorithms"
-# simulation/simulator.py, cross_silo/fedml_server.py: the names FedML 0.9.6 dispatches on itself.
+# simulation/simulator.py, cross_silo/fedml_server.py and the rest: the names FedML 0.9.6 dispatches on
+# itself (tests/test_host_unchanged.py reads them from FedML's source).
 FEDML_OWN = (
     "FedAvg",
     "FedOpt",
@@ -39,11 +40,11 @@ FEDML_OWN = (
     "SCAFFOLD",
     "Mime",
     "HierarchicalFL",
-    "TurboAggregate",
+    "turbo_aggregate",
     "classical_vertical",
     "FedAvg_seq",
     "FedOpt_seq",
-    "base",
+    "base_framework",
     "FedGKT",
     "FedNAS",
     "FedGAN",
