@@ -13,7 +13,7 @@ rows against the fingerprints the others published before its first run. Every r
 roster as untrusted (size-capped strict JSON, checked row by row) and the run's processes agree on
 its digest when a silo announces itself. A peer whose certificate's key is not its rank's row is
 refused and named: on the wire (:mod:`.transport`), and in secure aggregation, where a silo checks
-each other silo's advertisement itself (:mod:`.secure_silo`), whatever the server relays.
+each other silo's advertisement itself (:mod:`fedml_perfedavg.silo.secure`), whatever the server relays.
 """
 
 from __future__ import annotations

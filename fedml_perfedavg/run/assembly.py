@@ -336,7 +336,7 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
     """The adapter that runs the rounds, and how logs name it."""
     config, args = parts.config, parts.args
     if config.training_type == "cross_silo":
-        from ..fedml_bridge.cross_silo.policy import SiloPolicy
+        from ..silo.server.policy import SiloPolicy
         from ..fedml_bridge.cross_silo.process import CrossSiloProcess
 
         where = f"cross-silo rank {parts.rank} ({args.role}{data_mode(config).label})"
@@ -401,12 +401,12 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
 
 def silo_setup(parts: RunParts) -> Any:
     """What this cross-silo process knows beyond FedML's args: the server's
-    :class:`~fedml_perfedavg.fedml_bridge.cross_silo.agreement.ServerSetup`, or a silo's
-    :class:`~fedml_perfedavg.fedml_bridge.cross_silo.agreement.SiloSetup`."""
+    :class:`~fedml_perfedavg.silo.server.agreement.ServerSetup`, or a silo's
+    :class:`~fedml_perfedavg.silo.server.agreement.SiloSetup`."""
     from ..net.addresses import read_ipconfig
-    from ..fedml_bridge.cross_silo.agreement import ADDRESSES, ROSTER_DIGEST, ServerSetup, SiloSetup
-    from ..fedml_bridge.cross_silo.agreement import address_table, addresses_seen
-    from ..fedml_bridge.cross_silo.agreement import fingerprint, hello
+    from ..silo.server.agreement import ADDRESSES, ROSTER_DIGEST, ServerSetup, SiloSetup
+    from ..silo.server.agreement import address_table, addresses_seen
+    from ..silo.server.agreement import fingerprint, hello
 
     config, rank, users = parts.config, parts.rank, parts.users
     values = fingerprint(config, parts.global_state)
@@ -523,7 +523,7 @@ def silo_outcome(parts: RunParts, values: Dict[str, Any]) -> Any:
 
 def _silo_identity(parts: RunParts) -> Dict[str, Any]:
     """A silo's run identity (what its progress.pt is kept under; :func:`silo_outcome`'s)."""
-    from ..fedml_bridge.cross_silo.agreement import fingerprint
+    from ..silo.server.agreement import fingerprint
     from .silo_record import run_identity
 
     values = fingerprint(parts.config, parts.global_state)

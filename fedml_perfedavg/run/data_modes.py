@@ -17,7 +17,7 @@ from ..core.errors import ConfigError
 from ..core.ledger import PrivacyLedger, PrivacyRecord, ReportedPrivacy
 from ..core.types import UserSplit
 from ..data.fedml_format import own_user_from_fedml_dataset, users_from_fedml_dataset
-from ..fedml_bridge.cross_silo.modes import OwnDataRounds, SharedDataRounds
+from ..silo.server.modes import OwnDataRounds, SharedDataRounds
 from .privacy_plan import central_ledger, key_training_draws, own_account, this_runs_secret
 from .silo_account import RunAccount
 from .rules import check_batch_sizes
@@ -52,7 +52,7 @@ class DataMode(Protocol):
 
     label: str
     server_measures: bool
-    own_data: bool  # and the cross-silo protocol's half (fedml_bridge/cross_silo/modes.py), which each extends
+    own_data: bool  # and the cross-silo protocol's half (silo/server/modes.py), which each extends
 
     def users_of(self, config: Config, dataset: list, rank: int, device: Any) -> Tuple[List[UserSplit], list]: ...
     def check_data(self, config: Config, users: List[UserSplit], rank: int) -> None: ...

@@ -4,7 +4,7 @@
 
 starts one server and N silo processes (``fedml-perfedavg --rank R --role server|client``) on
 127.0.0.1, waits until the server says it listens (in its state file, RUN_DIR/server_state.json:
-see fedml_bridge/cross_silo/readiness.py) before starting the silos, prefixes each
+see silo/server/readiness.py) before starting the silos, prefixes each
 line of their output with its rank, and exits non-zero if any process failed. A silo that
 fails is reported at once; SIGINT and SIGTERM are forwarded to every process, which write what
 they measured before they end.
@@ -39,7 +39,7 @@ from .config import load, load_yaml, parse_overrides
 from .files import write_json
 from .runner import remove_if_never_started, resolve_run_dir
 from ..net.addresses import read_ipconfig, write_ipconfig
-from ..fedml_bridge.cross_silo import readiness
+from ..silo.server import readiness
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def _name(rank: int) -> str:
 
 
 class ServerState:
-    """What the server's state file says (:mod:`~fedml_perfedavg.fedml_bridge.cross_silo.readiness`)."""
+    """What the server's state file says (:mod:`~fedml_perfedavg.silo.server.readiness`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path

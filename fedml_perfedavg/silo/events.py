@@ -5,7 +5,7 @@ silo (fedml_bridge/cross_silo/client.py) turns FedML's messages into these event
 actions in order, and hands the result of each piece of work (a training, an evaluation, an
 announcement's answer, a send that failed) back as an event.
 
-The server's side has the same shape (fedml_bridge/cross_silo/events.py); so do h11 and h2.
+The server's side has the same shape (silo/server/events.py); so do h11 and h2.
 """
 
 from __future__ import annotations

@@ -77,14 +77,14 @@ def lie(kind: str) -> None:
 
         FederatedAlgorithm.sample_clients = every_user
     elif kind == "server-skew-weights":
-        from fedml_perfedavg.fedml_bridge.cross_silo import secure_rounds
+        from fedml_perfedavg.silo.server import secure_rounds
 
         def skewed(silos, counts):
             return {s: 1.0 if s == 2 else 1e-300 for s in silos}
 
         secure_rounds.protocol_weights = skewed
     elif kind == "server-threshold-2":
-        from fedml_perfedavg.fedml_bridge.cross_silo import secure_rounds
+        from fedml_perfedavg.silo.server import secure_rounds
 
         honest_init = secure_rounds.SecureRound.__init__
 
@@ -146,7 +146,7 @@ def lie(kind: str) -> None:
 
         fixed_point.clip = unclipped
     elif kind in ("server-replay", "server-other-model"):
-        from fedml_perfedavg.fedml_bridge.cross_silo import rounds
+        from fedml_perfedavg.silo.server import rounds
         from fedml_perfedavg.net import wire
 
         honest_open, honest_closed = rounds.SiloRounds.open_round, rounds.SiloRounds.round_closed
@@ -178,9 +178,9 @@ def lie(kind: str) -> None:
         rounds.SiloRounds.open_round = remembering_open
         rounds.SiloRounds.round_closed = replaying_close
     elif kind == "server-evaluate-more":
-        from fedml_perfedavg.fedml_bridge.cross_silo import protocol, rounds
+        from fedml_perfedavg.silo.server import protocol, rounds
         from fedml_perfedavg.net import wire
-        from fedml_perfedavg.fedml_bridge.cross_silo.events import EVALUATION, ToSilo
+        from fedml_perfedavg.silo.server.events import EVALUATION, ToSilo
 
         honest_evaluation = rounds.SiloRounds.open_evaluation
 
@@ -291,7 +291,7 @@ def lie(kind: str) -> None:
         client.PluginTrainerDistAdapter.update_model = remember
         client.PluginTrainerDistAdapter.train = lying_train
     elif kind == "weight":
-        from fedml_perfedavg.fedml_bridge.cross_silo import agreement
+        from fedml_perfedavg.silo.server import agreement
 
         honest_hello, honest_train = agreement.hello, client.PluginTrainerDistAdapter.train
         claimed = 2**31 - 1
@@ -348,7 +348,7 @@ def lie(kind: str) -> None:
 
         rounds.SiloRound.share = false_share
     elif kind == "server-ignore-roster":
-        from fedml_perfedavg.fedml_bridge.cross_silo import agreement, roster
+        from fedml_perfedavg.silo.server import agreement, roster
         from fedml_perfedavg.net import key_roster
 
         key_roster.KeyRoster.problem = lambda self, rank, certificate: None
@@ -364,7 +364,7 @@ def lie(kind: str) -> None:
     elif kind == "server-evaluate-plain":
         import dataclasses
 
-        from fedml_perfedavg.fedml_bridge.cross_silo import rounds as server_rounds
+        from fedml_perfedavg.silo.server import rounds as server_rounds
 
         honest_open = server_rounds.SiloRounds.open_evaluation
 

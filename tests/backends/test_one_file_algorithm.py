@@ -146,7 +146,7 @@ def _show(run_dir):
 def test_its_setting_joins_the_config_the_docs_table_and_the_fingerprint():
     import tests.algorithms.clipped_fedsgd  # noqa: F401  registers ClippedFedSGD
 
-    from fedml_perfedavg.fedml_bridge.cross_silo.agreement import disagreement, fingerprint
+    from fedml_perfedavg.silo.server.agreement import disagreement, fingerprint
     from fedml_perfedavg.run.config import ConfigError, resolve
     from fedml_perfedavg.run.reference import markdown_table
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from fedml_perfedavg.core.types import UserSplit
 from fedml_perfedavg.net import wire
-from fedml_perfedavg.fedml_bridge.cross_silo.agreement import (
+from fedml_perfedavg.silo.server.agreement import (
     ADDRESSES,
     ARCHITECTURE,
     address_table,

@@ -10,7 +10,7 @@ import pytest
 
 from fedml_perfedavg.net import wire
 from fedml_perfedavg.net.addresses import free_ports
-from fedml_perfedavg.fedml_bridge.cross_silo.conversations import Conversations
+from fedml_perfedavg.net.conversations import Conversations
 from fedml_perfedavg.net.credentials import load_credentials, make_certificates
 from fedml_perfedavg.fedml_bridge.cross_silo.delivery import (
     Delivery,

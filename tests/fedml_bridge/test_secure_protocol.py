@@ -1,5 +1,5 @@
 """Secure aggregation as states of the server's protocol, with no process or port: the silos are
-in-process parties answering the protocol's actions as the real silos do (secure_silo.py)."""
+in-process parties answering the protocol's actions as the real silos do (silo/secure.py)."""
 
 import os
 
@@ -8,16 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from fedml_perfedavg.fedml_bridge.cross_silo.modes import OwnDataRounds
+from fedml_perfedavg.silo.server.modes import OwnDataRounds
 from fedml_perfedavg.net import wire
-from fedml_perfedavg.fedml_bridge.cross_silo.agreement import ServerSetup
+from fedml_perfedavg.silo.server.agreement import ServerSetup
 from fedml_perfedavg.net.credentials import make_certificates
-from fedml_perfedavg.fedml_bridge.cross_silo.events import ROUND, Hello, Listening, Record, Refuse, SecAggMessage, Send
-from fedml_perfedavg.fedml_bridge.cross_silo.events import Tick, Update
-from fedml_perfedavg.fedml_bridge.cross_silo.policy import SiloPolicy
-from fedml_perfedavg.fedml_bridge.cross_silo.protocol import SiloServerProtocol
-from fedml_perfedavg.fedml_bridge.cross_silo.secure_rounds import advert_to_wire, terms_digest
-from fedml_perfedavg.fedml_bridge.cross_silo.secure_silo import SecureSiloRound
+from fedml_perfedavg.silo.server.events import ROUND, Hello, Listening, Record, Refuse, SecAggMessage, Send
+from fedml_perfedavg.silo.server.events import Tick, Update
+from fedml_perfedavg.silo.server.policy import SiloPolicy
+from fedml_perfedavg.silo.server.protocol import SiloServerProtocol
+from fedml_perfedavg.silo.server.secure_rounds import advert_to_wire, terms_digest
+from fedml_perfedavg.silo.secure import SecureSiloRound
 from fedml_perfedavg.secagg import fixed_point
 from fedml_perfedavg.secagg.primitives import sign
 from fedml_perfedavg.secagg.rounds import SiloRound
@@ -287,7 +287,7 @@ def test_a_silo_that_does_not_clip_makes_its_round_dropped_not_averaged(tls):
 
 
 def test_the_silo_found_in_every_round_over_the_bound_and_no_good_one_is_named_after_three():
-    from fedml_perfedavg.fedml_bridge.cross_silo.secure_rounds import UnclippedInputs
+    from fedml_perfedavg.silo.server.secure_rounds import UnclippedInputs
 
     tracker = UnclippedInputs()
     assert tracker.note([1, 2, 3], True) == [] and tracker.note([2, 3, 4], True) == []
@@ -384,7 +384,7 @@ def test_the_evaluation_after_a_secure_round_is_a_secure_sum_and_figures_in_the_
     from types import SimpleNamespace
 
     from fedml_perfedavg.net.credentials import load_credentials
-    from fedml_perfedavg.fedml_bridge.cross_silo.events import Evaluation
+    from fedml_perfedavg.silo.server.events import Evaluation
     from fedml_perfedavg.secagg import figures
     from fedml_perfedavg.secagg.rounds import SiloRules
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from fedml_perfedavg.fedml_bridge.cross_silo.modes import OwnDataRounds, SharedDataRounds
+from fedml_perfedavg.silo.server.modes import OwnDataRounds, SharedDataRounds
 from fedml_perfedavg.core.errors import ConfigError, SiloFailure
 from fedml_perfedavg.net import wire
-from fedml_perfedavg.fedml_bridge.cross_silo.agreement import ServerSetup
-from fedml_perfedavg.fedml_bridge.cross_silo.events import (
+from fedml_perfedavg.silo.server.agreement import ServerSetup
+from fedml_perfedavg.silo.server.events import (
     EVALUATION,
     FINAL,
     NOTICE,
@@ -32,9 +32,9 @@ from fedml_perfedavg.fedml_bridge.cross_silo.events import (
     Undelivered,
     Update,
 )
-from fedml_perfedavg.fedml_bridge.cross_silo.phases import Phase
-from fedml_perfedavg.fedml_bridge.cross_silo.policy import SiloPolicy
-from fedml_perfedavg.fedml_bridge.cross_silo.protocol import SiloServerProtocol
+from fedml_perfedavg.silo.server.phases import Phase
+from fedml_perfedavg.silo.server.policy import SiloPolicy
+from fedml_perfedavg.silo.server.protocol import SiloServerProtocol
 
 FINGERPRINT = {"train_args.learning_rate": 0.001}
 TRAIN, TEST = {1: 30, 2: 50, 3: 70}, {1: 10, 2: 20, 3: 30}
@@ -177,7 +177,7 @@ def test_the_log_says_which_round_starts_after_a_resume_and_how_each_round_close
     )
     policy = SiloPolicy(connect_timeout=60.0, round_timeout=30.0, min_clients=1)
     p = SiloServerProtocol(setup, policy, Plan([0, 1]), Model(), 8, 2, start_round=6)
-    with caplog.at_level(logging.INFO, logger="fedml_perfedavg.fedml_bridge.cross_silo"):
+    with caplog.at_level(logging.INFO, logger="fedml_perfedavg.silo.server"):
         online(p)
         p.handle(update(1, 6, 1.0, now=2.0))
         p.handle(update(2, 6, 3.0, now=3.5))
@@ -366,12 +366,9 @@ def test_an_error_while_aggregating_ends_the_run_and_tells_the_silos():
 
 
 def test_the_protocol_imports_no_fedml_grpc_or_socket_and_reads_no_clock():
-    import fedml_perfedavg.fedml_bridge.cross_silo.protocol as module
+    import fedml_perfedavg.silo.server.protocol as module
 
-    source = (
-        open(module.__file__).read()
-        + open(sys.modules["fedml_perfedavg.fedml_bridge.cross_silo.rounds"].__file__).read()
-    )
+    source = open(module.__file__).read() + open(sys.modules["fedml_perfedavg.silo.server.rounds"].__file__).read()
     for word in ("import time", "import socket", "import grpc", "import fedml", "threading"):
         assert word not in source
 

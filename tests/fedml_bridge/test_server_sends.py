@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from fedml_perfedavg.fedml_bridge.cross_silo.delivery import PeerUnreachable
-from fedml_perfedavg.fedml_bridge.cross_silo.events import Hello, Listening, ToSilo
+from fedml_perfedavg.silo.server.events import Hello, Listening, ToSilo
 from fedml_perfedavg.fedml_bridge.cross_silo.server_sends import ServerSends
-from fedml_perfedavg.fedml_bridge.cross_silo.phases import Phase
+from fedml_perfedavg.silo.server.phases import Phase
 from fedml_perfedavg.fedml_bridge.cross_silo.server import PluginServerManager
 
 from .test_server_protocol import hello, protocol, update
@@ -118,7 +118,7 @@ def test_a_run_that_ends_right_after_a_refusal_delivers_the_refusal_before_its_o
     told nothing, waited past the test's 240 s. The end of a run now waits for the notices under way
     (each within its deadline), then tells the live silos."""
     from fedml_perfedavg.net import wire
-    from fedml_perfedavg.fedml_bridge.cross_silo.events import EndRun
+    from fedml_perfedavg.silo.server.events import EndRun
 
     transport = SlowTransport({4: 0.6})
     sends = ServerSends(transport)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedml_perfedavg.net import wire
-from fedml_perfedavg.fedml_bridge.cross_silo.policy import SiloPolicy
+from fedml_perfedavg.silo.server.policy import SiloPolicy
 
 from tests.helpers import reencode
 

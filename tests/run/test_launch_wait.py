@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from fedml_perfedavg.fedml_bridge.cross_silo import readiness
+from fedml_perfedavg.silo.server import readiness
 from fedml_perfedavg.run.launch_silo import ServerState, _wait_ready
 from fedml_perfedavg.stopping import StopSignals
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fedml_perfedavg.fedml_bridge.cross_silo.policy import SiloPolicy
+from fedml_perfedavg.silo.server.policy import SiloPolicy
 from fedml_perfedavg.secagg.primitives import SecAggError
 from fedml_perfedavg.silo import events as ev
 from fedml_perfedavg.silo.outcome import SiloOutcome

@@ -179,7 +179,7 @@ def test_a_short_secure_round_is_declined_naming_the_organizations_it_is_without
     missing; a silo's decline now names the ranks the keyed schedule samples and the server left out."""
     from types import SimpleNamespace
 
-    from fedml_perfedavg.fedml_bridge.cross_silo.secure_silo import SecureSiloRound
+    from fedml_perfedavg.silo.secure import SecureSiloRound
     from fedml_perfedavg.secagg.primitives import SecAggError
     from fedml_perfedavg.secagg.rounds import SiloRules
 
@@ -224,7 +224,7 @@ def test_a_secure_round_with_a_lost_silos_place_taken_within_the_reserves_passes
     passes the schedule check and reaches the next one (here: no trainer); [1, 3, 5] does not."""
     from types import SimpleNamespace
 
-    from fedml_perfedavg.fedml_bridge.cross_silo.secure_silo import SecureSiloRound
+    from fedml_perfedavg.silo.secure import SecureSiloRound
     from fedml_perfedavg.secagg.primitives import SecAggError
     from fedml_perfedavg.secagg.rounds import SiloRules
 

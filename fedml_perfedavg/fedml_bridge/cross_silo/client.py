@@ -20,13 +20,13 @@ from typing import Any, Dict, List, Optional
 from ...core.errors import SiloFailure
 from ...core.ledger import silo_report
 from ..bootstrap import import_fedml
-from .agreement import SiloSetup
+from ...silo.server.agreement import SiloSetup
 from ...silo import events
 from ...silo.outcome import SiloOutcome
 from ...silo.protocol import SiloProtocol, SiloState
-from .policy import SiloPolicy
-from .secure_silo import SecureSiloRound
-from .conversations import TWIN
+from ...silo.server.policy import SiloPolicy
+from ...silo.secure import SecureSiloRound
+from ...net.conversations import TWIN
 from .transport import IDENTITY, OTHER_RUN, ROUND_KEY, SESSION_KEY, OwnTransport, PeerUnreachable
 from ...net import wire
 
@@ -386,7 +386,7 @@ class PluginClientMasterManager(OwnTransport, ClientMasterManager):
 
     def _start_secure(self, round_idx: int, terms: Any, received: Any, trained: Any) -> SecureSiloRound:
         """This silo's part of the round's secure aggregation, its update clipped and encoded
-        (secure_silo.py); SecAggError where the server's terms are not this run's."""
+        (silo/secure.py); SecAggError where the server's terms are not this run's."""
         return SecureSiloRound.start(
             self.rank, round_idx, terms, self.setup, received, trained, self.trainer.trainer, self.com_manager.settings
         )

@@ -16,10 +16,10 @@ from typing import Any, Dict, Optional, Union
 from ...algorithms.base import SiloServerDriver
 from ...core.errors import ConfigError
 from ..bootstrap import import_fedml
-from .agreement import ServerSetup, SiloSetup
+from ...silo.server.agreement import ServerSetup, SiloSetup
 from .client import PluginClientMasterManager, PluginTrainerDistAdapter, tell_leaving
 from ...silo.outcome import SiloOutcome
-from .policy import SiloPolicy
+from ...silo.server.policy import SiloPolicy
 from .server import PluginFedMLAggregator, PluginServerManager
 
 import_fedml()

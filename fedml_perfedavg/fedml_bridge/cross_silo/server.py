@@ -10,14 +10,23 @@ from ...core.errors import ConfigError
 from ...secagg import vectors
 from ..bootstrap import import_fedml
 from ..trainer_aggregator import aggregate_with_hooks
-from . import readiness
-from .agreement import ServerSetup
-from .events import NOTICE, Action, EndRun, Fail, Finish, Goodbye, Hello, Listening, Record, Refuse, Send
-from .events import Evaluation, SecAggMessage, SiloDeclined, SiloFailed, Stopped, Tick, Undelivered, Update
+from ...silo.server import readiness
+from ...silo.server.agreement import ServerSetup
+from ...silo.server.events import NOTICE, Action, EndRun, Fail, Finish, Goodbye, Hello, Listening, Record, Refuse, Send
+from ...silo.server.events import (
+    Evaluation,
+    SecAggMessage,
+    SiloDeclined,
+    SiloFailed,
+    Stopped,
+    Tick,
+    Undelivered,
+    Update,
+)
 from .server_sends import ServerSends
-from .phases import Phase
-from .policy import SiloPolicy
-from .protocol import SiloServerProtocol
+from ...silo.server.phases import Phase
+from ...silo.server.policy import SiloPolicy
+from ...silo.server.protocol import SiloServerProtocol
 from .transport import ARRIVED_KEY, ROUND_KEY, SESSION_KEY, SIZE_KEY, OwnTransport
 from ...net import wire
 

@@ -12,7 +12,7 @@ import time
 from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..bootstrap import import_fedml
-from .events import EndRun, ToSilo
+from ...silo.server.events import EndRun, ToSilo
 from .transport import ROUND_KEY
 from ...net import wire
 

@@ -45,7 +45,7 @@ from . import READY_MESSAGE
 from ...net import wire
 from ...net.addresses import read_ipconfig
 from .backends import check_cross_silo_backend
-from .conversations import Conversations
+from ...net.conversations import Conversations
 from .delivery import Delivery, Outgoing, PeerUnreachable, channel_options
 from ...net.credentials import Credentials, load_credentials, peer_certificate_problem, rank_of_names
 from ...net.gate import Backend, Gate, GateLimits, PortTaken

@@ -213,7 +213,7 @@ class ServerSetup:
     fingerprint every silo must agree with, and the counts it can vouch for (user -> (train, test):
     every user's in shared mode; none in data-owner mode, where each silo announces its own)."""
 
-    mode: Any  # the run's data mode (cross_silo/modes.py: SharedDataRounds or OwnDataRounds, as the run extends them)
+    mode: Any  # the run's data mode (silo/server/modes.py: SharedDataRounds or OwnDataRounds, as the run extends them)
     silos: List[int]
     fingerprint: Dict[str, Any]
     user_counts: Dict[int, Tuple[int, int]] = field(default_factory=dict)

@@ -17,13 +17,13 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ...secagg import figures, fixed_point, vectors
-from ...secagg.primitives import SecAggError, sign
-from ...secagg.rounds import Advert, SiloRound, SiloRules
-from ...net import wire
-from ...core.sampling import reserve_problem
-from ...net.credentials import Credentials, certificate_rank_problem
-from .secure_rounds import (
+from ..secagg import figures, fixed_point, vectors
+from ..secagg.primitives import SecAggError, sign
+from ..secagg.rounds import Advert, SiloRound, SiloRules
+from ..net import wire
+from ..core.sampling import reserve_problem
+from ..net.credentials import Credentials, certificate_rank_problem
+from .secure_messages import (
     advert_from_wire,
     advert_to_wire,
     signed_shares_from_wire,

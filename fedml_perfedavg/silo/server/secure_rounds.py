@@ -19,10 +19,7 @@ hands the unmasked mean to the algorithm.
 
 from __future__ import annotations
 
-import base64
 import enum
-import hashlib
-import json
 import logging
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
@@ -31,10 +28,18 @@ import numpy as np
 from ...secagg import fixed_point
 from ...secagg.primitives import SecAggError, verify
 from ...secagg.rounds import Advert, RoundFailed, ServerRound
-from ...silo.outcome import state_digest
 from ...net.credentials import certificate_rank_problem
 from ...net.key_roster import KeyRoster
 from ...net import wire
+from ..secure_messages import (
+    _bytes,
+    _text,
+    advert_from_wire,
+    advert_to_wire,
+    signed_shares_from_wire,
+    signed_shares_to_wire,
+    terms_digest,
+)
 from .events import ROUND, Outbox, ToSilo
 from .awaited import OpenRound
 from .membership import SiloMembership
@@ -98,14 +103,6 @@ EXPECTS = {
 }
 
 
-def _bytes(text: str) -> bytes:
-    return base64.b64decode(text, validate=True)
-
-
-def _text(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
 def protocol_weights(silos: List[int], counts: Optional[Dict[int, int]]) -> Dict[int, float]:
     """Each silo's weight as the protocol fixes it, which the server sends and each silo checks:
     equal, or its announced training samples over the round's silos' total."""
@@ -113,15 +110,6 @@ def protocol_weights(silos: List[int], counts: Optional[Dict[int, int]]) -> Dict
         return {s: 1.0 / len(silos) for s in silos}
     total = sum(int(counts[s]) for s in silos)
     return {s: int(counts[s]) / total for s in silos}
-
-
-def terms_digest(terms: Dict[str, Any], received: Dict[str, Any]) -> bytes:
-    """What every silo of a round must have been given alike: the terms but the silo's own weight
-    (the threshold, bits, bound, length, silos, counts) and the model itself. Each silo signs it
-    into its advertisement; the server, which sent both, checks it before relaying."""
-    shared = {k: v for k, v in terms.items() if k != "weight"}
-    text = json.dumps({"terms": shared, "model": state_digest(received)}, sort_keys=True)
-    return hashlib.sha256(b"pfa-secagg-terms" + text.encode()).digest()
 
 
 def advert_problem(
@@ -142,38 +130,6 @@ def advert_problem(
     if advert.terms_digest != digest:
         return "its advertisement signs other terms (model, silos, weights' basis) than those the server sent it"
     return None
-
-
-def advert_to_wire(advert: Advert) -> List[Any]:
-    return [
-        [[peer, _text(public)] for peer, public in advert.cipher_keys],
-        _text(advert.mask_public),
-        _text(advert.seed_commitment),
-        _text(advert.signature),
-        advert.certificate.decode(),
-        _text(advert.terms_digest),
-    ]
-
-
-def signed_shares_to_wire(shares: Dict[int, Any]) -> List[Any]:
-    """Shares (rank -> (ciphertext, signature)) as the wire carries them: [rank, [ciphertext, signature]]."""
-    return [[r, [_text(c), _text(s)]] for r, (c, s) in sorted(shares.items())]
-
-
-def signed_shares_from_wire(rows: List[Any]) -> Dict[int, Any]:
-    return {int(r): (_bytes(c), _bytes(s)) for r, (c, s) in rows}
-
-
-def advert_from_wire(rank: int, value: List[Any]) -> Advert:
-    return Advert(
-        rank,
-        tuple((int(peer), _bytes(public)) for peer, public in value[0]),
-        _bytes(value[1]),
-        _bytes(value[2]),
-        _bytes(value[3]),
-        value[4].encode(),
-        _bytes(value[5]),
-    )
 
 
 class SecureRound:

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Dict, Set, Tuple
 
-from ...net import wire
+from . import wire
 
 logger = logging.getLogger(__name__)
 
