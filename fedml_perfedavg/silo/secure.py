@@ -24,6 +24,7 @@ from ..net import wire
 from ..core.sampling import reserve_problem
 from ..net.credentials import Credentials, certificate_rank_problem
 from .secure_messages import (
+    to_base64,
     advert_from_wire,
     advert_to_wire,
     signed_shares_from_wire,
@@ -32,10 +33,6 @@ from .secure_messages import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def _text(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 def weight_problem(rank: int, terms: Dict[str, Any], setup: Any) -> Optional[str]:
@@ -242,15 +239,17 @@ class SecureSiloRound:
                     self.round_idx,
                     sorted(party.accused),
                 )
-                answer["accusations"] = [[r, _text(k)] for r, k in sorted(party.accused.items())]
+                answer["accusations"] = [[r, to_base64(k)] for r, k in sorted(party.accused.items())]
             return wire.SECAGG_MASKED, answer, {wire.MASKED_KEY: torch.from_numpy(masked.view(np.int32).copy())}
         if kind == wire.SECAGG_SURVIVORS:
             signature = party.sign_survivors([int(r) for r in params["survivors"]])
-            return wire.SECAGG_SIGNED, {"signature": _text(signature)}, None
+            return wire.SECAGG_SIGNED, {"signature": to_base64(signature)}, None
         if kind == wire.SECAGG_UNMASK:
             signatures = {int(r): base64.b64decode(s, validate=True) for r, s in params["signatures"]}
             liars = [int(r) for r in params.get("liars", [])]
             shares = party.unmask([int(r) for r in params["survivors"]], signatures, liars)
-            rows = [[owner, which, index, _text(share)] for owner, (which, (index, share)) in sorted(shares.items())]
+            rows = [
+                [owner, which, index, to_base64(share)] for owner, (which, (index, share)) in sorted(shares.items())
+            ]
             return wire.SECAGG_UNMASKING, {"shares": rows}, None
         raise SecAggError(f"message type {kind} is not a stage of secure aggregation")

@@ -13,11 +13,13 @@ from ..secagg.rounds import Advert
 from .outcome import state_digest
 
 
-def _bytes(text: str) -> bytes:
+def from_base64(text: str) -> bytes:
+    """Bytes the wire carries as base64 text (strict: other characters are an error)."""
     return base64.b64decode(text, validate=True)
 
 
-def _text(data: bytes) -> str:
+def to_base64(data: bytes) -> str:
+    """Bytes as the wire carries them."""
     return base64.b64encode(data).decode()
 
 
@@ -32,31 +34,31 @@ def terms_digest(terms: Dict[str, Any], received: Dict[str, Any]) -> bytes:
 
 def advert_to_wire(advert: Advert) -> List[Any]:
     return [
-        [[peer, _text(public)] for peer, public in advert.cipher_keys],
-        _text(advert.mask_public),
-        _text(advert.seed_commitment),
-        _text(advert.signature),
+        [[peer, to_base64(public)] for peer, public in advert.cipher_keys],
+        to_base64(advert.mask_public),
+        to_base64(advert.seed_commitment),
+        to_base64(advert.signature),
         advert.certificate.decode(),
-        _text(advert.terms_digest),
+        to_base64(advert.terms_digest),
     ]
 
 
 def signed_shares_to_wire(shares: Dict[int, Any]) -> List[Any]:
     """Shares (rank -> (ciphertext, signature)) as the wire carries them: [rank, [ciphertext, signature]]."""
-    return [[r, [_text(c), _text(s)]] for r, (c, s) in sorted(shares.items())]
+    return [[r, [to_base64(c), to_base64(s)]] for r, (c, s) in sorted(shares.items())]
 
 
 def signed_shares_from_wire(rows: List[Any]) -> Dict[int, Any]:
-    return {int(r): (_bytes(c), _bytes(s)) for r, (c, s) in rows}
+    return {int(r): (from_base64(c), from_base64(s)) for r, (c, s) in rows}
 
 
 def advert_from_wire(rank: int, value: List[Any]) -> Advert:
     return Advert(
         rank,
-        tuple((int(peer), _bytes(public)) for peer, public in value[0]),
-        _bytes(value[1]),
-        _bytes(value[2]),
-        _bytes(value[3]),
+        tuple((int(peer), from_base64(public)) for peer, public in value[0]),
+        from_base64(value[1]),
+        from_base64(value[2]),
+        from_base64(value[3]),
         value[4].encode(),
-        _bytes(value[5]),
+        from_base64(value[5]),
     )

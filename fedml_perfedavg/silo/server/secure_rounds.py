@@ -32,8 +32,8 @@ from ...net.credentials import certificate_rank_problem
 from ...net.key_roster import KeyRoster
 from ...net import wire
 from ..secure_messages import (
-    _bytes,
-    _text,
+    from_base64,
+    to_base64,
     advert_from_wire,
     advert_to_wire,
     signed_shares_from_wire,
@@ -214,15 +214,15 @@ class SecureRound:
             tensor = (model or {}).get(wire.MASKED_KEY)
             if tensor is None or len(model) != 1 or str(tensor.dtype) != "torch.int32":
                 raise SecAggError(f"a masked input must be one int32 tensor named {wire.MASKED_KEY!r}")
-            accusations = {int(r): _bytes(k) for r, k in params.get("accusations", [])}
+            accusations = {int(r): from_base64(k) for r, k in params.get("accusations", [])}
             for liar in server.take_masked(silo, tensor.numpy().reshape(-1).view(np.uint32), accusations):
                 self.proven.append(liar)
                 self.awaiting.discard(liar)
                 self.lost[liar] = self.stage.name.lower()
         elif kind == wire.SECAGG_SIGNED:
-            server.take_signature(silo, _bytes(params["signature"]))
+            server.take_signature(silo, from_base64(params["signature"]))
         else:
-            shares = {int(o): (k, (int(i), _bytes(b))) for o, k, i, b in params["shares"]}  # k: seed, key or pair
+            shares = {int(o): (k, (int(i), from_base64(b))) for o, k, i, b in params["shares"]}  # k: seed, key or pair
             server.take_unmasking(silo, shares)
 
     def drop(self, silos: List[int], why: str) -> None:
@@ -273,7 +273,7 @@ class SecureRound:
         elif self.stage is Stage.CONSISTENCY:
             signers = server.close_signatures()
             self._next(Stage.UNMASK, signers)
-            signed = [[r, _text(server.signatures[r])] for r in signers]
+            signed = [[r, to_base64(server.signatures[r])] for r in signers]
             params = self._unmask_params(signed)
             outbox.send([ToSilo(wire.SECAGG_UNMASK, s, round_idx, params=params) for s in signers], deadline, ROUND)
             return None
