@@ -208,28 +208,12 @@ def data_problem(model: nn.Module, announced: Dict[str, Any], rank: int) -> Opti
 
 
 @dataclass(kw_only=True)
-class ServerSetup:
-    """What the server of a cross-silo run knows beyond FedML's args: the mode, the silos, the
-    fingerprint every silo must agree with, and the counts it can vouch for (user -> (train, test):
-    every user's in shared mode; none in data-owner mode, where each silo announces its own)."""
+class RunSetup:
+    """What both sides' setups hold alike: the run's data mode and whether rounds are secure."""
 
     mode: Any  # the run's data mode (silo/server/modes.py: SharedDataRounds or OwnDataRounds, as the run extends them)
-    silos: List[int]
-    fingerprint: Dict[str, Any]
-    user_counts: Dict[int, Tuple[int, int]] = field(default_factory=dict)
-    model: Optional[nn.Module] = None  # to probe a data-owner silo's announced data
     secure_threshold: Optional[int] = None  # secure aggregation's threshold (None: updates in the clear)
-    sample_weighted: bool = False  # train_args.aggregation: sample_weighted (secure weights by announced counts)
-    metric_names: Tuple[str, ...] = ()  # the algorithm's own per-user figures, which a silo's evaluation carries
-    run_id: str = "0"  # FedML's --run_id: what secure aggregation's signatures are bound to
-    privacy: Optional[str] = None  # DP-SGD's settings in words, for the round's log line (None: no DP-SGD)
-    ca: Optional[bytes] = None  # the run CA's certificate: secure aggregation's advertisements checked before relaying
-    roster: Optional[KeyRoster] = None  # the run's key roster: the same advertisements' keys checked against it
-    min_summed: int = 0  # secure rounds: the fewest silos summed (secagg_args.min_summed_silos, as silos enforce it)
-    max_colluding: int = 0  # secure rounds: secagg_args.max_colluding_silos (a secure evaluation's threshold)
-    reserve_silos: int = 0  # secure rounds: how far past the keyed sample a lost silo's place may go
-    # secure rounds with reserves: round -> every user in the round's keyed order (core/sampling.py keyed_order)
-    keyed_order: Optional[Callable[[int], List[int]]] = None
+    sample_weighted: bool = False  # train_args.aggregation: sample_weighted (each silo's weight is its announced count)
 
     @property
     def secure(self) -> bool:
@@ -243,17 +227,36 @@ class ServerSetup:
 
 
 @dataclass(kw_only=True)
-class SiloSetup:
+class ServerSetup(RunSetup):
+    """What the server of a cross-silo run knows beyond FedML's args: the mode, the silos, the
+    fingerprint every silo must agree with, and the counts it can vouch for (user -> (train, test):
+    every user's in shared mode; none in data-owner mode, where each silo announces its own)."""
+
+    silos: List[int]
+    fingerprint: Dict[str, Any]
+    user_counts: Dict[int, Tuple[int, int]] = field(default_factory=dict)
+    model: Optional[nn.Module] = None  # to probe a data-owner silo's announced data
+    metric_names: Tuple[str, ...] = ()  # the algorithm's own per-user figures, which a silo's evaluation carries
+    run_id: str = "0"  # FedML's --run_id: what secure aggregation's signatures are bound to
+    privacy: Optional[str] = None  # DP-SGD's settings in words, for the round's log line (None: no DP-SGD)
+    ca: Optional[bytes] = None  # the run CA's certificate: secure aggregation's advertisements checked before relaying
+    roster: Optional[KeyRoster] = None  # the run's key roster: the same advertisements' keys checked against it
+    min_summed: int = 0  # secure rounds: the fewest silos summed (secagg_args.min_summed_silos, as silos enforce it)
+    max_colluding: int = 0  # secure rounds: secagg_args.max_colluding_silos (a secure evaluation's threshold)
+    reserve_silos: int = 0  # secure rounds: how far past the keyed sample a lost silo's place may go
+    # secure rounds with reserves: round -> every user in the round's keyed order (core/sampling.py keyed_order)
+    keyed_order: Optional[Callable[[int], List[int]]] = None
+
+
+@dataclass(kw_only=True)
+class SiloSetup(RunSetup):
     """What a silo process knows of the run beyond FedML's args: its announcement, the counts it
     vouches for (its own user's in data-owner mode), and in data-owner mode what it keeps and
     enforces itself: its user's DP account and record, the secure rounds' rules and the keyed
     schedule it checks the server against."""
 
-    mode: Any  # the run's data mode, as for the server
     hello: Dict[str, Any]  # its announcement (the fingerprint it agrees with, its addresses, its data)
     user_counts: Dict[int, Tuple[int, int]] = field(default_factory=dict)
-    secure_threshold: Optional[int] = None  # secure aggregation's threshold (None: updates in the clear)
-    sample_weighted: bool = False  # train_args.aggregation: sample_weighted (its weight is its announced count)
     privacy: Optional[Any] = None  # a data owner's silo: DP-SGD's accountant of its own user (core/ledger.py)
     # DP-SGD, shared mode: the rounds whose model the server evaluates; a silo reports figures only
     # of such a model, keyed as the server's evaluation of it, so they release nothing more
@@ -268,13 +271,3 @@ class SiloSetup:
     # the sample a lost silo's place may go (secagg_args.reserve_silos)
     keyed_order: Optional[Callable[[int], List[int]]] = None
     reserve_silos: int = 0
-
-    @property
-    def secure(self) -> bool:
-        """Whether rounds are securely aggregated (the threshold is set), not a threshold's value."""
-        return self.secure_threshold is not None
-
-    @property
-    def own_data(self) -> bool:
-        """Data-owner mode (each silo holds its own user's data), by the run's data mode."""
-        return bool(self.mode.own_data)
