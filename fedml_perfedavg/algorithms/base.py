@@ -68,7 +68,7 @@ from ..core.sampling import (
     sample_clients,
     sample_local_batches,
 )
-from ..core.types import Params, StateDict, UserSplit
+from ..core.types import Params, StateDict, UserSplit, model_inputs
 from .client_states import ClientStates
 from .client_step import ClientStep, choose_client_step
 from .model_probe import ModelPaths, probe
@@ -396,7 +396,8 @@ def own_metrics(
     names = algorithm.metric_names
     own: Dict[str, List[float]] = {name: [] for name in names}
     for user_id, user in zip(user_ids, users):
-        figures = algorithm.user_metrics(round_idx, global_state, user, int(user_id))
+        as_model_takes = UserSplit(model_inputs(user.train_x), user.train_y, model_inputs(user.test_x), user.test_y)
+        figures = algorithm.user_metrics(round_idx, global_state, as_model_takes, int(user_id))
         if not isinstance(figures, dict) or set(figures) != set(names):
             given = sorted(figures) if isinstance(figures, dict) else type(figures).__name__
             raise ValueError(
@@ -558,7 +559,7 @@ class FederatedAlgorithm:
     def probe_model(self, global_state: StateDict, x: Tensor, y: Tensor) -> List[str]:
         """Probe once, on a batch ``x, y`` of the run's size, what the model allows and set ``paths``
         by it (model_probe.py): a line for each fallback, saying why, or ModelMismatch."""
-        return probe(self, global_state, x, y)
+        return probe(self, global_state, model_inputs(x), y)
 
     # -- sample ---------------------------------------------------------------------------
     def sample_clients(self, round_idx: int) -> List[int]:
@@ -641,7 +642,19 @@ class FederatedAlgorithm:
     def client_minibatches(self, round_idx: int, client_id: int, x: Tensor, y: Tensor) -> LocalBatches:
         """The client's minibatches of round ``round_idx`` (:meth:`client_batches`) on its labels
         as the round's hooks give them (a label-flipping attack)."""
-        return self.client_batches(round_idx, client_id, x, self.hooks.client_labels(round_idx, client_id, y))
+        return self.client_batches(
+            round_idx, client_id, self.inputs_for_draws(x), self.hooks.client_labels(round_idx, client_id, y)
+        )
+
+    def draws_keyed_batches(self) -> bool:
+        """Whether the minibatches are :meth:`client_batches`' own keyed draws (not an algorithm's)."""
+        return type(self).client_batches is FederatedAlgorithm.client_batches
+
+    def inputs_for_draws(self, x: Tensor) -> Tensor:
+        """A client's training inputs as :meth:`client_batches` takes them: the keyed draws scale
+        stored uint8 images row by row as they gather them; an algorithm's own draws get
+        :func:`~fedml_perfedavg.core.types.model_inputs` of all of them."""
+        return x if self.draws_keyed_batches() else model_inputs(x)
 
     def client_update(
         self, round_idx: int, client_id: int, global_state: StateDict, x: Tensor, y: Tensor

@@ -21,7 +21,7 @@ from .client_maths import axpy
 from .functional import logits_of, make_loss_fn
 from .sampling import Purpose, batch_indices, batch_indices_of_many, generator_for
 from .hand_batched import HandBatchedGradients
-from .types import LossFn, Params, UserSplit
+from .types import LossFn, Params, UserSplit, gather_inputs, input_dtype, model_inputs
 
 if TYPE_CHECKING:
     from .privacy import DPSGD
@@ -201,7 +201,7 @@ def adaptation_batches(
     """The (steps, batch) minibatches of the user's training data that adaptation uses."""
     (indices,) = batch_indices(len(train_y), steps, [min(batch_size, len(train_y))], generator)
     indices = indices.to(train_x.device)
-    return train_x[indices], train_y[indices]
+    return model_inputs(train_x[indices]), train_y[indices]
 
 
 def sgd_steps(
@@ -226,6 +226,7 @@ def _accuracy_and_loss(
     """(accuracy, loss) of the model at ``params`` on ``x``, ``y``; by the ``chain``'s own pass
     where its probe found the network's bits there (:func:`_scores_together_exactly`)."""
     exact = chain is not None and chain.scores_one_exactly
+    x = model_inputs(x)
     logits = chain.model_logits(params, x) if exact else logits_of(network, params, x)  # type: ignore[union-attr]
     loss = torch.nn.functional.cross_entropy(logits, y)
     return float((logits.argmax(dim=1) == y).float().mean()), float(loss)
@@ -294,11 +295,15 @@ def _adapt_together(
     )
     first = users[0]
     steps_and_size = (config.adapt_steps, config.batch_size)
-    batches_x = first.train_x.new_empty((len(users), *steps_and_size, *first.train_x.shape[1:]))
+    batches_x = torch.empty(
+        (len(users), *steps_and_size, *first.train_x.shape[1:]),
+        dtype=input_dtype(first.train_x),
+        device=first.train_x.device,
+    )
     batches_y = first.train_y.new_empty((len(users), *steps_and_size))
     for position, (user, (index,)) in enumerate(zip(users, indices)):  # each user's rows written in place
         rows = index.to(user.train_x.device).reshape(-1)
-        torch.index_select(user.train_x, 0, rows, out=batches_x[position].view(len(rows), *user.train_x.shape[1:]))
+        gather_inputs(user.train_x, rows, batches_x[position].view(len(rows), *user.train_x.shape[1:]))
         torch.index_select(user.train_y, 0, rows, out=batches_y[position].view(len(rows)))
     if config.adapt_steps == 1 and not isinstance(step_size, dict):
         # One step of size alpha: sgd_steps' numbers, its axpy (-alpha g, then + w) done outside
@@ -369,6 +374,7 @@ def _evaluate_together(
             )
             # each user's adaptation has ended before its test data is read
             x, y = _stacked_test_splits(group, test_stacks)
+            x = model_inputs(x)  # the stacks are kept as stored (uint8 images: a quarter of the bytes)
             with torch.no_grad():
                 logits_before = _global_logits(hand_batched, params, x)
                 accuracy_before = (logits_before.argmax(dim=-1) == y).float().mean(dim=1).tolist()
@@ -420,7 +426,8 @@ def _scores_together_exactly(
     if hand_batched.scores_exactly is None:
         # random inputs of the test splits' shape: the probe reads no test data
         sample = users[0].test_x
-        x = torch.randn(3, *sample.shape, generator=torch.Generator().manual_seed(0)).to(sample.device, sample.dtype)
+        x = torch.randn(3, *sample.shape, generator=torch.Generator().manual_seed(0))
+        x = x.to(sample.device, input_dtype(sample))
         shifted = [{k: v + 0.01 * (j + 1) for k, v in params.items()} for j in range(len(x))]
         with torch.no_grad():
             together = hand_batched.logits({k: torch.stack([p[k] for p in shifted]) for k in params}, x)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from .client_maths import LocalBatches, LocalUpdateConfig, Step, StepFigures, run_steps
 from .functional import logits_of, parameters_of
-from .types import Params
+from .types import Params, gather_inputs, input_dtype
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ class _StepInputs:
         data = inputs.data
         key = (role, inputs.index[t].numel(), tuple(data.shape[1:]), data.dtype, data.device)
         if key not in self.buffers:
-            self.buffers[key] = data.new_empty((key[1], *data.shape[1:]))
+            self.buffers[key] = torch.empty((key[1], *data.shape[1:]), dtype=input_dtype(data), device=data.device)
         return inputs.step(t, self.buffers[key])
 
 
@@ -297,7 +297,7 @@ class IndexedInputs(NamedTuple):
     def step(self, t: int, buffer: Optional[Tensor] = None) -> Tensor:
         """Step ``t``'s inputs, (clients, batch, ...), written into ``buffer`` where given."""
         rows = self.index[t]
-        flat = torch.index_select(self.data, 0, rows.reshape(-1), out=buffer)
+        flat = gather_inputs(self.data, rows.reshape(-1), buffer)
         return flat.view(*rows.shape, *self.data.shape[1:])
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .privacy import sample_rate
-from .types import Params
+from .types import Params, gather_inputs, input_dtype, model_inputs
 
 
 class PrivateBatches(NamedTuple):
@@ -74,16 +74,17 @@ class PrivateInputs(NamedTuple):
 
 def _rows_of(per_client: Sequence[Tensor], rows: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """Client c's ``per_client[c][rows[c]]`` for every client, stacked (into ``out`` where given)."""
+    first = per_client[0]
     if out is None:
-        out = per_client[0].new_empty((*rows.shape, *per_client[0].shape[1:]))
+        out = torch.empty((*rows.shape, *first.shape[1:]), dtype=input_dtype(first), device=first.device)
     for c, source in enumerate(per_client):
-        torch.index_select(source, 0, rows[c], out=out[c])
+        gather_inputs(source, rows[c], out[c])
     return out
 
 
 def squared_norms(x: Tensor) -> Tensor:
     """Each sample's squared norm over all its features, (samples,)."""
-    return x.reshape(len(x), -1).pow(2).sum(-1)
+    return model_inputs(x).reshape(len(x), -1).pow(2).sum(-1)
 
 
 def gathered_norms_are_exact(x: Tensor) -> bool:
@@ -94,7 +95,7 @@ def gathered_norms_are_exact(x: Tensor) -> bool:
     if x.device.type != "cpu" or count == 0:
         return False
     rows = torch.arange(len(x) - 1, len(x) - 1 - count, -1)
-    block = x[rows].reshape(2, count // 2, -1)
+    block = model_inputs(x[rows]).reshape(2, count // 2, -1)
     return torch.equal(block.pow(2).sum(-1).reshape(-1), squared_norms(x)[rows])
 
 
@@ -140,7 +141,7 @@ def draw_private_batches(
         clip_bounds = clip_bounds.to(device=x.device, dtype=torch.float64)
     device_index = index.to(x.device)
     return PrivateBatches(
-        x[device_index],
+        model_inputs(x[device_index]),
         y[device_index.to(y.device)],
         mask.to(x.device),
         noise,
@@ -257,7 +258,7 @@ def draw_private_round(
     if lazy_inputs:
         rows = torch.empty((clients, roles, steps, cap), dtype=torch.long, device=x0.device)
     else:
-        x = empty("x", shape, x0.dtype) if pool is not None else x0.new_empty(shape)
+        x = empty("x", shape, input_dtype(x0)) if pool is not None else x0.new_empty(shape, dtype=input_dtype(x0))
     y = y0.new_empty((clients, roles, steps, cap))
     mask = torch.zeros((clients, roles, steps, cap), dtype=torch.get_default_dtype())
     noise = {k: empty(f"noise {k}", (roles, steps, clients, *p.shape), p.dtype) for k, p in params.items()}
@@ -283,7 +284,7 @@ def draw_private_round(
             assert x is not None
             for role in range(roles):
                 for t in range(steps):
-                    torch.index_select(xc, 0, client_rows[role, t], out=x[role, t, c])
+                    gather_inputs(xc, client_rows[role, t], x[role, t, c])
         y[c] = yc[client_rows.to(yc.device)]
         mask[c, :, :, : client_mask.shape[-1]] = client_mask
         return count

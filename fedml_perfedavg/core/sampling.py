@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .client_maths import LocalBatches
+from .types import model_inputs
 
 
 class Purpose(IntEnum):
@@ -176,5 +177,5 @@ def sample_local_batches(
 ) -> LocalBatches:
     """Three independent minibatches (:class:`LocalBatches`) for each of ``steps`` local steps."""
     adapt, meta, hessian = batch_indices(len(y), steps, batch_sizes, generator)
-    index = lambda idx: (x[idx.to(x.device)], y[idx.to(y.device)])  # noqa: E731
+    index = lambda idx: (model_inputs(x[idx.to(x.device)]), y[idx.to(y.device)])  # noqa: E731
     return LocalBatches(*index(adapt), *index(meta), *index(hessian))

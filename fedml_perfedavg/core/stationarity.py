@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.func import grad, jvp
 
 from .client_maths import axpy
-from .types import LossFn, Params, UserSplit
+from .types import LossFn, Params, UserSplit, model_inputs
 
 
 def full_meta_gradient(loss_fn: LossFn, params: Params, x: Tensor, y: Tensor, alpha: float) -> Params:
@@ -39,5 +39,5 @@ def stationarity(
     total = {k: torch.zeros_like(v) for k, v in params.items()}
     for i in chosen:
         user = users[i]
-        total = axpy(1.0, full_meta_gradient(loss_fn, params, user.train_x, user.train_y, alpha), total)
+        total = axpy(1.0, full_meta_gradient(loss_fn, params, model_inputs(user.train_x), user.train_y, alpha), total)
     return float(sum((v / len(chosen)).pow(2).sum() for v in total.values()))

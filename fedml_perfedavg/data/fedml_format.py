@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..core.errors import ConfigError
-from ..core.types import UserSplit
+from ..core.types import UserSplit, model_inputs, one_block
 
 
 def client_tensors(data: Any) -> Tuple[Tensor, Tensor]:
@@ -57,11 +57,10 @@ def _concatenate(batches: Sequence[Any], what: str) -> Tuple[Tensor, Tensor]:
 
 
 def as_images(x: Tensor, where: str) -> Tensor:
-    """Inputs the model can take: uint8 images scaled to [0, 1] as torchvision's ``ToTensor`` does;
-    other dtypes as given (floating point inputs; integer token ids for embedding models such as
-    FedML's ``rnn``); booleans and complex numbers refused."""
-    if x.dtype == torch.uint8:
-        return x.float().div(255)
+    """Inputs the model can take, as stored: uint8 images kept as they are (scaled to [0, 1], as
+    torchvision's ``ToTensor`` does, where they are used: core/types.py's ``model_inputs``); other
+    dtypes as given (floating point inputs; integer token ids for embedding models such as FedML's
+    ``rnn``); booleans and complex numbers refused."""
     if x.dtype == torch.bool or x.is_complex():
         raise ConfigError(
             f"{where}: inputs of dtype {x.dtype}; give floating point inputs, integer token ids, or "
@@ -137,6 +136,16 @@ def users_from_fedml_dataset(dataset: Sequence[Any], device: Optional[torch.devi
     return users
 
 
+class StoredSamples(TensorDataset):
+    """A ``TensorDataset`` of samples as stored (uint8 images) whose items are as the model takes
+    them (scaled to [0, 1]): FedML's own trainers iterate its loaders; the plugin reads
+    ``tensors`` (:func:`client_tensors`) and scales rows where it uses them."""
+
+    def __getitem__(self, index: Any) -> Tuple[Tensor, Tensor]:
+        x, y = self.tensors
+        return model_inputs(x[index]), y[index]
+
+
 def to_fedml_dataset(
     users: Sequence[UserSplit], num_classes: int, batch_size: int, ids: Optional[Sequence[int]] = None
 ) -> list:
@@ -145,7 +154,7 @@ def to_fedml_dataset(
     global loaders."""
 
     def loader(x: Tensor, y: Tensor, shuffle: bool) -> DataLoader:
-        return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
+        return DataLoader(StoredSamples(x, y), batch_size=batch_size, shuffle=shuffle)
 
     keys = list(range(len(users))) if ids is None else [int(i) for i in ids]
     train_local = {k: loader(u.train_x, u.train_y, True) for k, u in zip(keys, users)}
@@ -153,8 +162,9 @@ def to_fedml_dataset(
     train_num = {k: len(u.train_y) for k, u in zip(keys, users)}
     train_global = test_global = None
     if users:
-        train_global = loader(torch.cat([u.train_x for u in users]), torch.cat([u.train_y for u in users]), True)
-        test_global = loader(torch.cat([u.test_x for u in users]), torch.cat([u.test_y for u in users]), False)
+        # the users' tensors as one, without a copy where they are views of one block (the paper's split)
+        train_global = loader(one_block([u.train_x for u in users]), one_block([u.train_y for u in users]), True)
+        test_global = loader(one_block([u.test_x for u in users]), one_block([u.test_y for u in users]), False)
     return [
         sum(train_num.values()),
         sum(len(u.test_y) for u in users),

@@ -174,7 +174,8 @@ def _mnist_raw(root: str, train: bool) -> Optional[Tuple[np.ndarray, np.ndarray]
 
 
 def load_torchvision(dataset: str, root: str, download: bool) -> Tuple[Tuple[Tensor, Tensor], Tuple[Tensor, Tensor]]:
-    """((train_x, train_y), (test_x, test_y)) as float tensors in [0, 1], shape (N, C, H, W)."""
+    """((train_x, train_y), (test_x, test_y)): the images as stored, uint8 (N, C, H, W), scaled to
+    [0, 1] where they are used (core/types.py: ``model_inputs``); class labels int64."""
     if dataset not in DATASETS:
         raise ConfigError(f"data_args.dataset={dataset!r} is not one of {sorted(DATASETS)}")
     splits = []
@@ -221,7 +222,7 @@ def load_torchvision(dataset: str, root: str, download: bool) -> Tuple[Tuple[Ten
             data = data.unsqueeze(1)
         else:  # CIFAR: (N, H, W, C)
             data = data.permute(0, 3, 1, 2)
-        splits.append((data.float().div_(255.0).contiguous(), labels))
+        splits.append((data.contiguous(), labels))
     return splits[0], splits[1]
 
 

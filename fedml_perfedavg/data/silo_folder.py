@@ -37,6 +37,7 @@ SPLIT_KEYS = (
     "test_images_per_class",
 )
 INPUT_DTYPES = {  # the sample dtypes a folder or a silo's announcement may name
+    "uint8": torch.uint8,  # images, scaled to [0, 1] where they are used (core/types.py: model_inputs)
     "float32": torch.float32,
     "float64": torch.float64,
     "float16": torch.float16,

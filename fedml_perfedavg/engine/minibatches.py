@@ -24,7 +24,7 @@ from ..core.private_draws import (
     squared_norms,
     stack_private,
 )
-from ..core.types import UserSplit
+from ..core.types import UserSplit, gather_inputs, one_block
 from .plan import ClientPlan
 
 
@@ -34,21 +34,6 @@ def stack_batches(batches: Sequence[LocalBatches]) -> LocalBatches:
     if isinstance(batches[0], PrivateBatches):
         return stack_private(batches)
     return LocalBatches(*(torch.stack(tensors) for tensors in zip(*batches)))
-
-
-def one_block(tensors: Sequence[Tensor]) -> Tensor:
-    """``torch.cat(tensors)``, without a copy where they lie one after another in one storage
-    (the same values either way: the view covers exactly their elements, in order)."""
-    first = tensors[0]
-    start, expected = first.storage_offset(), first.storage_offset()
-    storage = first.untyped_storage()
-    for t in tensors:
-        same = t.untyped_storage().data_ptr() == storage.data_ptr() and t.dtype == first.dtype
-        if not same or not t.is_contiguous() or t.storage_offset() != expected or t.shape[1:] != first.shape[1:]:
-            return torch.cat(list(tensors))
-        expected += t.numel()
-    rows = sum(len(t) for t in tensors)
-    return first.new_empty(0).set_(storage, int(start), (rows, *first.shape[1:]))  # type: ignore[call-overload]
 
 
 class Minibatches:
@@ -99,7 +84,8 @@ class Minibatches:
 
             def draw(position: int) -> LocalBatches:
                 c = clients[position]
-                return self.algorithm.client_batches(round_idx, c, self.users[c].train_x, labels[position])
+                inputs = self.algorithm.inputs_for_draws(self.users[c].train_x)
+                return self.algorithm.client_batches(round_idx, c, inputs, labels[position])
 
             return stack_batches(self._each(draw, len(clients)))
         batches = self.gather(self.batch_index(round_idx, clients), lazy_inputs=lazy_inputs)
@@ -130,8 +116,7 @@ class Minibatches:
     def _draws_private_round(self) -> bool:
         """Whether the round's DP-SGD draws are the keyed ones (:func:`private_round_batches`): the
         algorithm draws its minibatches the standard way."""
-        keyed = type(self.algorithm).client_batches is FederatedAlgorithm.client_batches
-        return self.algorithm.settings.privacy is not None and keyed
+        return self.algorithm.settings.privacy is not None and self.algorithm.draws_keyed_batches()
 
     def _each(self, draw: Callable[[int], Any], count: int) -> List[Any]:
         """``draw`` of each client position, in order. DP-SGD's draws (a normal per parameter per
@@ -168,7 +153,7 @@ class Minibatches:
             inputs = (
                 IndexedInputs(x, role_index.transpose(0, 1).contiguous())
                 if lazy_inputs
-                else x.index_select(0, flat).view(*role_index.shape, *x.shape[1:])
+                else gather_inputs(x, flat).view(*role_index.shape, *x.shape[1:])
             )
             tensors += [inputs, y.index_select(0, flat).view(role_index.shape)]
         return LocalBatches(*tensors)

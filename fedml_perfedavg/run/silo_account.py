@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterator, Mapping, Optional
 
 from ..core.errors import ConfigError
 from ..core.ledger import PrivacyLedger
-from ..core.types import UserSplit
+from ..core.types import UserSplit, model_inputs
 from ..documents import read_document
 from .files import make_dir, write_atomic
 
@@ -51,10 +51,13 @@ def accounts_root(configured: Optional[str]) -> str:
 
 
 def data_digest(user: UserSplit) -> str:
-    """The SHA-256 of a user's data: each tensor's role, dtype, shape and bytes."""
+    """The SHA-256 of a user's data: each tensor's role, dtype, shape and bytes, inputs as the model
+    takes them (so stored uint8 images digest as the float32 ones earlier versions held: an account
+    counts the same data's runs whatever the storage)."""
     digest = hashlib.sha256()
     for role in ("train_x", "train_y", "test_x", "test_y"):
-        tensor = getattr(user, role).detach().cpu().contiguous()
+        tensor = getattr(user, role).detach().cpu()
+        tensor = (model_inputs(tensor) if role.endswith("_x") else tensor).contiguous()
         digest.update(f"{role}:{tensor.dtype}:{list(tensor.shape)}\n".encode())
         digest.update(tensor.numpy().tobytes())
     return digest.hexdigest()

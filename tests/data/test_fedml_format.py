@@ -72,14 +72,16 @@ FORMATS = ["loader", "list", "pair"]
 def test_labels_and_images_are_converted_the_same_way_in_every_format(kind):
     import torch
 
+    from fedml_perfedavg.core.types import model_inputs
     from fedml_perfedavg.data.fedml_format import users_from_fedml_dataset
 
     images = torch.arange(5 * 4, dtype=torch.uint8).reshape(5, 4)
     labels = torch.tensor([0.0, 1.0, 2.0, 1.0, 0.0])
     [user] = users_from_fedml_dataset(_dataset([_as_format(images, labels, kind)], [_as_format(images, labels, kind)]))
     assert user.train_y.dtype == torch.int64 and user.train_y.tolist() == [0, 1, 2, 1, 0]
-    assert user.train_x.dtype == torch.float32
-    torch.testing.assert_close(user.train_x, images.float() / 255)
+    # uint8 images are kept as stored, a quarter of float32's bytes; the model takes them scaled
+    assert user.train_x.dtype == torch.uint8 and torch.equal(user.train_x, images)
+    assert torch.equal(model_inputs(user.train_x), images.float() / 255)
     tokens = torch.randint(0, 80, (5, 7))  # an embedding model's inputs stay integer ids
     [user] = users_from_fedml_dataset(_dataset([_as_format(tokens, labels, kind)], [_as_format(tokens, labels, kind)]))
     assert torch.equal(user.train_x, tokens)

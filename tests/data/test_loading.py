@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+from fedml_perfedavg.core.types import model_inputs
 from fedml_perfedavg.data import loading
 
 from tests.helpers import MNIST_ROOT, needs_mnist
@@ -17,7 +18,9 @@ def test_mnist_read_here_gives_torchvision_s_tensors_bit_for_bit():
     ours = loading.load_torchvision("mnist", MNIST_ROOT, False)
     for train, (x, y) in zip((True, False), ours):
         reference = loading._torchvision_dataset("mnist", MNIST_ROOT, train, False)
-        assert torch.equal(x, reference.data.unsqueeze(1).float().div_(255.0)) and x.is_contiguous()
+        # stored as read (uint8), the model's inputs torchvision's ToTensor numbers bit for bit
+        assert x.dtype == torch.uint8 and torch.equal(x, reference.data.unsqueeze(1)) and x.is_contiguous()
+        assert torch.equal(model_inputs(x), reference.data.unsqueeze(1).float().div_(255.0))
         assert torch.equal(y, reference.targets) and y.dtype == torch.long
     assert [len(y) for _, y in ours] == [60000, 10000]
 
@@ -54,7 +57,7 @@ def test_the_paper_split_is_held_once_and_the_batched_engine_reads_it_without_a_
     """Issue 80 item 3, a part: each user's tensors are views of one gather per split, and the
     engine's all-users tensor is that block itself (it was ``torch.cat`` of them: every user's data
     twice), the same values as the copy; users that are not one block are still copied."""
-    from fedml_perfedavg.engine.minibatches import one_block
+    from fedml_perfedavg.core.types import one_block
 
     generator = torch.Generator().manual_seed(0)
     train = (torch.rand(600, 1, 4, 4, generator=generator), torch.arange(600) % 10)

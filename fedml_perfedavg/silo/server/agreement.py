@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ...core.types import StateDict, UserSplit
+from ...core.types import StateDict, UserSplit, model_inputs
 from ...data.silo_folder import INPUT_DTYPES
 from ...net.key_roster import KeyRoster
 from ...net.wire import short
@@ -194,7 +194,7 @@ def data_problem(model: nn.Module, announced: Dict[str, Any], rank: int) -> Opti
     probe = copy.deepcopy(model).cpu().eval()
     try:
         with torch.no_grad():
-            out = probe(torch.zeros((2, *shape), dtype=dtype))
+            out = probe(model_inputs(torch.zeros((2, *shape), dtype=dtype)))
     except Exception as err:  # noqa: BLE001 - any failure of the model on these inputs is the answer
         return f"{what} does not fit the model: {type(err).__name__}: {str(err)[:200]}"
     if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != 2:
