@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..core.errors import ConfigError
 from ..core.types import UserSplit
-from .partition import UserPlan, partition_indices, plan_users
+from .partition import RESAMPLED, UserPlan, partition_indices, plan_users, resampled_indices
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,13 @@ def check_paper_split(
     ):
         plans = plan_users(num_users, count, partition, seed)
         for cls, have in enumerate(available):
-            need = sum(p.class_counts.get(cls, 0) for p in plans)
+            counts = [p.class_counts.get(cls, 0) for p in plans]
+            need = max(counts) if partition in RESAMPLED else sum(counts)  # one user's, or all users'
+            if need > have and partition in RESAMPLED:
+                raise ConfigError(
+                    f"data_args.{key}={count!r}: a user would need {need} images of class {cls}, but "
+                    f"{dataset}'s {'training' if key == 'images_per_class' else 'test'} set has {have}; lower it"
+                )
             if need > have:
                 raise ConfigError(
                     f"data_args.{key}={count!r}: {num_users} users would need {need} images of class {cls}, "
@@ -259,10 +265,9 @@ def split_over_users(
     """Apply the paper's partition to a train and a test set (same classes per user)."""
     train_plans: List[UserPlan] = plan_users(num_users, images_per_class, partition, seed)
     test_plans = plan_users(num_users, test_images_per_class, partition, seed)
-    train_idx = partition_indices(train[1].numpy(), train_plans, seed, f"data_args.images_per_class={images_per_class}")
-    test_idx = partition_indices(
-        test[1].numpy(), test_plans, seed + 1, f"data_args.test_images_per_class={test_images_per_class}"
-    )
+    draw = resampled_indices if partition in RESAMPLED else partition_indices
+    train_idx = draw(train[1].numpy(), train_plans, seed, f"data_args.images_per_class={images_per_class}")
+    test_idx = draw(test[1].numpy(), test_plans, seed + 1, f"data_args.test_images_per_class={test_images_per_class}")
     # each user's tensors are consecutive views of one gather per split: the batched engine reads all
     # users' training data as one tensor, which is then this block itself, not a second copy of it
     train_rows, test_rows = [torch.as_tensor(i) for i in train_idx], [torch.as_tensor(i) for i in test_idx]

@@ -6,6 +6,11 @@ in 5-9. In the "diff. hetero" variant the second-half users lose their a/2 image
 class of 0-4 and of 5-9 is given to the same number of second-half users (a balanced
 assignment, shuffled by the seed), so the split never asks for more images of one class
 than the dataset has.
+
+``paper_resampled`` keeps the paper's per-user class counts but draws each user's images on its
+own, from all of its classes' images (none twice within a user; users may share images): a
+population larger than the dataset (tens of thousands of users of the paper's size), for
+measuring scale rather than for the paper's figures.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import numpy as np
 
 from ..core.errors import ConfigError
 
-PARTITIONS = ("paper", "paper_diff_hetero")
+PARTITIONS = ("paper", "paper_diff_hetero", "paper_resampled")
+#: Partitions whose users draw their images independently of each other (users may share images).
+RESAMPLED = ("paper_resampled",)
 LOW_CLASSES = (0, 1, 2, 3, 4)
 HIGH_CLASSES = (5, 6, 7, 8, 9)
 
@@ -48,7 +55,7 @@ def plan_users(num_users: int, images_per_class: int, partition: str, seed: int)
     plans = [UserPlan({c: a for c in LOW_CLASSES}) for _ in range(half)]
     for i in range(half):
         counts = {int(high[i]): 2 * a}
-        if partition == "paper":
+        if partition != "paper_diff_hetero":
             counts = {int(low[i]): a // 2, **counts}
         plans.append(UserPlan(counts))
     return plans
@@ -75,4 +82,24 @@ def partition_indices(
             chosen.extend(pool[:count])
             del pool[:count]
         users.append(np.sort(np.asarray(chosen, dtype=np.int64)))
+    return users
+
+
+def resampled_indices(labels: np.ndarray, plans: List[UserPlan], seed: int, key: str) -> List[np.ndarray]:
+    """Each user's sample indices for its plan, drawn on its own (keyed by seed and user) from all
+    the images of each of its classes: none twice within a user, any number of users."""
+    pools = {c: np.flatnonzero(labels == c) for c in range(int(labels.max()) + 1)}
+    users = []
+    for user_id, plan in enumerate(plans):
+        rng = np.random.default_rng([seed, 13, user_id])
+        chosen = []
+        for cls, count in plan.class_counts.items():
+            pool = pools.get(cls, np.empty(0, dtype=np.int64))
+            if len(pool) < count:
+                raise ConfigError(
+                    f"{key}: user {user_id} needs {count} images of class {cls} but the data holds "
+                    f"{len(pool)}; lower it"
+                )
+            chosen.append(pool[rng.choice(len(pool), count, replace=False)])
+        users.append(np.sort(np.concatenate(chosen)))
     return users

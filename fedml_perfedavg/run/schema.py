@@ -109,7 +109,10 @@ class DataArgs:
     data_cache_dir: str = _setting(str, "./data", "torchvision root holding MNIST/ or cifar-10-batches-py/")
     download: bool = _setting(bool, False, "download the dataset through torchvision if missing")
     partition_method: str = _setting(
-        str, "paper", "user split: paper, paper_diff_hetero (the paper's), or one of FedML's (e.g. hetero)"
+        str,
+        "paper",
+        "user split: paper, paper_diff_hetero (the paper's), paper_resampled (the paper's class counts, each "
+        "user's images drawn on its own: any number of users), or one of FedML's (e.g. hetero)",
     )
     images_per_class: Optional[int] = _setting(
         int, None, "the paper's a (default 196 MNIST, 68 CIFAR-10)", rule=_even, optional=True

@@ -5,8 +5,13 @@ import pytest
 import torch
 
 from fedml_perfedavg.core.errors import ConfigError
-from fedml_perfedavg.data.loading import default_test_images_per_class, load_federated
-from fedml_perfedavg.data.partition import partition_indices, plan_users
+from fedml_perfedavg.data.loading import (
+    check_paper_split,
+    default_test_images_per_class,
+    load_federated,
+    split_over_users,
+)
+from fedml_perfedavg.data.partition import partition_indices, plan_users, resampled_indices
 
 from tests.helpers import needs_mnist
 
@@ -51,6 +56,41 @@ def test_partition_is_disjoint_deterministic_and_seed_dependent():
     assert all(np.array_equal(x, y) for x, y in zip(users, again))
     other = partition_indices(labels, plan_users(50, 68, "paper", 1), 1)
     assert not all(np.array_equal(x, y) for x, y in zip(users, other))
+
+
+def test_a_resampled_population_outgrows_the_dataset_with_the_papers_counts_per_user():
+    """paper_resampled: the paper's class counts per user, each user's images drawn on its own
+    (none twice within a user), for more users than the disjoint split has images for."""
+    labels = np.repeat(np.arange(10), 500)
+    plans = plan_users(400, 40, "paper_resampled", 0)
+    assert plans == plan_users(400, 40, "paper", 0)  # the paper's plan
+    users = resampled_indices(labels, plans, 0, "data_args.images_per_class=40")
+    for u, p in zip(users, plans):
+        assert len(set(u.tolist())) == len(u) == p.total
+        assert {c: int((labels[u] == c).sum()) for c in p.class_counts} == p.class_counts
+    assert sum(map(len, users)) > len(labels)  # more than the data holds: users share images
+    again = resampled_indices(labels, plan_users(400, 40, "paper_resampled", 0), 0, "k")
+    assert all(np.array_equal(x, y) for x, y in zip(users, again))
+    assert not np.array_equal(users[0], resampled_indices(labels, plans, 1, "k")[0])
+    with pytest.raises(ConfigError, match="data_args.images_per_class=40"):
+        partition_indices(labels, plans, 0, "data_args.images_per_class=40")  # the disjoint split cannot
+    # the split's tensors: the users are views of one stored block, as the paper split's are
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (5000, 1, 2, 2), generator=g, dtype=torch.uint8)
+    test = (images[:1000], torch.as_tensor(np.repeat(np.arange(10), 100)))
+    split = split_over_users((images, torch.as_tensor(labels)), test, 400, 40, 8, "paper_resampled", 0)
+    assert [len(u.train_y) for u in split] == [p.total for p in plans]
+    starts = [u.train_x.data_ptr() for u in split]
+    assert all(b - a == len(u.train_y) * 4 for a, b, u in zip(starts, starts[1:], split))
+
+
+def test_a_resampled_split_is_refused_only_where_one_user_needs_more_than_a_class_holds():
+    smallest, a = check_paper_split("mnist", 20_000, 196, None, "paper_resampled", 0)
+    assert (smallest, a) == (98 + 392, 196)
+    with pytest.raises(ConfigError, match="client_num_in_total"):
+        check_paper_split("mnist", 20_000, 196, None, "paper", 0)
+    with pytest.raises(ConfigError, match=r"images_per_class=3000: a user would need 6000 images of class \d"):
+        check_paper_split("mnist", 50, 3000, None, "paper_resampled", 0)
 
 
 def test_bad_partition_arguments_name_the_key():
