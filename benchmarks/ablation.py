@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_check import REPO, config_for, engine_for  # noqa: E402
 
-from fedml_perfedavg.core.types import UserSplit  # noqa: E402
+from fedml_perfedavg.core.types import UserSplit, model_inputs  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 
 VARIANTS = ("ours", "normalized_inputs", "xavier_init")
@@ -49,7 +49,12 @@ def one_run(job) -> Dict:
     users = load_federated("mnist", mnist_root, 50, "paper", seed).to(device).users
     if variant == "normalized_inputs":
         users = [
-            UserSplit((u.train_x - MNIST_MEAN) / MNIST_STD, u.train_y, (u.test_x - MNIST_MEAN) / MNIST_STD, u.test_y)
+            UserSplit(
+                (model_inputs(u.train_x) - MNIST_MEAN) / MNIST_STD,
+                u.train_y,
+                (model_inputs(u.test_x) - MNIST_MEAN) / MNIST_STD,
+                u.test_y,
+            )
             for u in users
         ]
     torch.manual_seed(seed)

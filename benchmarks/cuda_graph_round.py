@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cuda_check  # noqa: E402  (its config, data and engine)
 
+from fedml_perfedavg.core.types import input_dtype  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 
 
@@ -93,7 +94,7 @@ class CapturedRounds:
 def fresh_engine(users, device):
     config = cuda_check.config_for("hf")
     torch.manual_seed(0)
-    model = create_model("mlp", tuple(users[0].train_x.shape[1:]), 10, [80, 60]).to(users[0].train_x.dtype)
+    model = create_model("mlp", tuple(users[0].train_x.shape[1:]), 10, [80, 60]).to(input_dtype(users[0].train_x))
     return cuda_check.engine_for(config, users, model, device)[1]
 
 

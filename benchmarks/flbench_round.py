@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from speed import config_for, load_users, method_engine  # noqa: E402
 
+from fedml_perfedavg.core.types import model_inputs  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 
 
@@ -146,7 +147,7 @@ def main() -> None:
     model = create_model("mlp", (1, 28, 28), 10)
     client = FLBenchPerFedAvgClient(model, args.variant, alpha, beta, delta)
     # one dataset tensor of every user's samples, each user's a Subset of it (values: only time is compared)
-    dataset = FLBenchDataset(torch.cat([u.train_x for u in users]), torch.cat([u.train_y for u in users]))
+    dataset = FLBenchDataset(model_inputs(torch.cat([u.train_x for u in users])), torch.cat([u.train_y for u in users]))
     offsets = [0]
     for u in users:
         offsets.append(offsets[-1] + len(u.train_y))

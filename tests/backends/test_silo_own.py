@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedml_perfedavg.algorithms.base import FederatedAlgorithm
-from fedml_perfedavg.core.types import UserSplit
+from fedml_perfedavg.core.types import UserSplit, model_inputs
 from fedml_perfedavg.data.silo_folder import write_silo_folder
 from fedml_perfedavg.run.config import load_yaml, resolve
 from fedml_perfedavg.run.runner import load_split, run
@@ -132,7 +132,9 @@ def _assert_silo_record(own, rank, folder, sp, rounds=3):
     assert any(not torch.equal(personalized[k], final[k]) for k in final)  # adapted
     user = read_silo_folder(folder).user
     with torch.no_grad():
-        correct = (logits_of(sp.algorithm.network, personalized, user.test_x).argmax(1) == user.test_y).sum()
+        correct = (
+            logits_of(sp.algorithm.network, personalized, model_inputs(user.test_x)).argmax(1) == user.test_y
+        ).sum()
     assert abs(int(correct) / len(user.test_y) - record["personalized_accuracy"]) < 1e-6
 
 

@@ -97,12 +97,15 @@ def test_data_owner_silos_account_for_their_own_users_under_secure_aggregation_a
     assert record["privacy"]["epsilon"] == expected["1"]["epsilon"] and spent in outs[2], outs[2][-2000:]
     # its personalized model is the one whose accuracy it reported: adapted at the user's own bound
     from fedml_perfedavg.core.functional import logits_of
+    from fedml_perfedavg.core.types import model_inputs
     from fedml_perfedavg.data.silo_folder import read_silo_folder
 
     personalized = torch.load(tmp_path / "run" / "silo-rank-2" / "personalized.pt", weights_only=True)
     user = read_silo_folder(folders[2]["data_cache_dir"]).user
     with torch.no_grad():
-        correct = (logits_of(sp.algorithm.network, personalized, user.test_x).argmax(1) == user.test_y).sum()
+        correct = (
+            logits_of(sp.algorithm.network, personalized, model_inputs(user.test_x)).argmax(1) == user.test_y
+        ).sum()
     assert abs(int(correct) / len(user.test_y) - record["personalized_accuracy"]) < 1e-6
     capsys.readouterr()
     assert show([str(tmp_path / "run" / "silo-rank-2")]) == 0
