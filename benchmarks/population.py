@@ -142,7 +142,7 @@ def write_report(results: dict, out: Path) -> None:
         "in a fresh process. Peak RSS over data: the process's VmHWM against its "
         "users' tensors (the constant is the interpreter, torch and MNIST itself).",
         "",
-        "| users n | a | clients/round | data MB | peak RSS MB | peak - data MB | round ms (min-max) | "
+        "| users n | a | clients/round | data MiB | peak RSS MiB | peak - data MiB | round ms (min-max) | "
         "ms per client | evaluation s | ms per user evaluated |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]

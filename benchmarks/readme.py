@@ -4,8 +4,9 @@
     python benchmarks/readme.py --check   # exit 1 when README.md is not what the results say
 
 - Table 1 (``results/table1/table1.csv``, and the date its ``table1.md`` was written): benchmarks/table1.py;
-- at a glance (``results/flbench_*.json``, ``results/dp_cost.json``, ``results/secagg_cost.json``):
-  speed against FL-bench's Per-FedAvg, DP-SGD's and secure aggregation's cost, each with its date;
+- at a glance (``results/flbench_*.json``, ``results/dp_cost.json``, ``results/secagg_cost.json``,
+  ``results/population.json``): speed against FL-bench's Per-FedAvg, DP-SGD's and secure aggregation's
+  cost, the users one process holds, each with its date;
 - the suite's fresh-clone runs (``results/suite.json``): benchmarks/suite.py.
 
 A fast test (tests/test_readme_figures.py) runs the check, so a stale figure fails CI.
@@ -65,6 +66,16 @@ def glance(results: Path = RESULTS) -> str:
         f"{mlp['secure']['bytes_per_silo'] / 1000:.0f} kB a silo against {mlp['sizes']['plain'] / 1000:.0f} kB; "
         f"the same accuracy ({mlp['secure']['personalized_accuracy']:.4f}) | "
         f"{sa['when'].split()[0]}, `{sa['command']}` |"
+    )
+    population = json.loads((results / "population.json").read_text())
+    points = {(p["users"], p["a"]): p for p in population["points"] if "error" not in p}
+    paper, small = points[(20000, 196)], points[(50000, 54)]
+    rows.append(
+        f"| users one process holds (distinct users, `partition_method: paper_resampled`) | "
+        f"{paper['users']:,} of the paper's size: {paper['data_mb'] / 1024:.1f} GiB of data, "
+        f"{paper['peak_mb'] / 1024:.1f} GiB at its peak, {paper['ms_per_client']:.1f} ms a sampled client; "
+        f"{small['users']:,} small users evaluated in {small['evaluation_s']:.1f} s | "
+        f"{population['date'].split()[0]}, `{population['command']}` |"
     )
     return "\n".join(rows)
 
