@@ -456,3 +456,16 @@ class drawing_with:
         from fedml_perfedavg.algorithms.base import AlgorithmSettings
 
         AlgorithmSettings.from_config = self.original
+
+
+def transport_args(**values):
+    """FedML's args of a cross-silo process as the plugin's ``fedml.init`` leaves them: ``values``,
+    and the transport's comm_args values checked from them by the run's rules."""
+    from argparse import Namespace
+
+    from fedml_perfedavg.fedml_bridge.bootstrap import TRANSPORT_VALUES
+    from fedml_perfedavg.run.fedml_args import transport_values
+
+    args = Namespace(**values)
+    setattr(args, TRANSPORT_VALUES, transport_values(args))
+    return args

@@ -185,6 +185,13 @@ def cancel_install_at_first_use() -> None:
         _cancel_first_use()
 
 
+#: On FedML's args: the cross-silo transport's comm_args values (``run/fedml_args.py: TRANSPORT_KEYS``),
+#: typed and checked by the run's rules, set by the plugin's ``fedml.init`` (install.py) for a
+#: cross-silo run that asks for the plugin. The transport FedML builds reads them there: the bridge
+#: never reaches for the run layer.
+TRANSPORT_VALUES = "perfedavg_transport_values"
+
+
 def register_entry(entry: Any) -> None:
     """Called by the install with the run layer's entry (``install.PluginEntry``)."""
     global _entry
@@ -193,19 +200,6 @@ def register_entry(entry: Any) -> None:
 
 def installed_entry() -> Any:
     """The run layer's entry, or None before the install."""
-    return _entry
-
-
-def plugin_entry() -> Any:
-    """The run layer's entry the plugin was installed with; a deferred install is run now (a
-    piece of FedML the plugin replaces is being built before ``fedml.init`` or ``FedMLRunner``:
-    a test's communication manager)."""
-    if _entry is None and _deferred_install is not None:
-        callback = _deferred_install
-        cancel_install_at_first_use()
-        callback()
-    if _entry is None:
-        raise RuntimeError("fedml_perfedavg is not installed into FedML: import fedml_perfedavg first")
     return _entry
 
 

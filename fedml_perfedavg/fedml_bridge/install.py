@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Optional, Protocol
 from .. import logs
 from .cross_silo.backends import check_cross_silo_backend
 from .bootstrap import (
+    TRANSPORT_VALUES,
     cancel_install_at_first_use,
     import_fedml,
     installed_entry,
@@ -70,8 +71,9 @@ class PluginEntry(Protocol):
     def build_runner(self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any):
         """The object ``FedMLRunner.run()`` runs for a plugin algorithm."""
 
-    def transport_settings(self, args: Any, rank: int) -> Any:
-        """The cross-silo transport's settings (a ``TransportSettings``) for this run and rank."""
+    def transport_values(self, args: Any) -> Dict[str, Any]:
+        """The cross-silo transport's comm_args values for this run, typed and checked (set on
+        FedML's args as :data:`~.bootstrap.TRANSPORT_VALUES` by ``fedml.init``)."""
 
 
 def offline_init(original_init, entry: PluginEntry):
@@ -109,7 +111,7 @@ def offline_init(original_init, entry: PluginEntry):
         if getattr(args, "using_mlops", False):
             args = original_init(args, check_env=check_env, should_init_logs=should_init_logs)
             logs.keep_plugin_lines_visible()
-            return args
+            return with_transport_values(entry, args)
         files_dir = entry.before_fedml_init(args)
         redirect_fedml_home(files_dir)
         fedml_dir = os.path.join(files_dir or os.path.expanduser("~"), ".fedml")
@@ -121,10 +123,19 @@ def offline_init(original_init, entry: PluginEntry):
         with replaced(mlops_module, "fetch_config", offline_fetch_config(fedml_dir)):
             args = original_init(args, check_env=False, should_init_logs=should_init_logs)
         logs.keep_plugin_lines_visible()
-        return args
+        return with_transport_values(entry, args)
 
     init.__wrapped__ = original_init
     return init
+
+
+def with_transport_values(entry: PluginEntry, args: Any) -> Any:
+    """``args`` of a cross-silo run with the transport's values on it (:data:`TRANSPORT_VALUES`):
+    checked here, at ``fedml.init``, so a bad one (no TLS, say) stops the process before it builds
+    anything."""
+    if getattr(args, "training_type", None) == "cross_silo":
+        setattr(args, TRANSPORT_VALUES, entry.transport_values(args))
+    return args
 
 
 YAML_SECTIONS = "perfedavg_yaml_sections"  # on FedML's args: the --cf file's sections, as read once

@@ -345,16 +345,11 @@ class Entry:
             return load_split(context_of(args).config)
         return _split_of(lambda name: getattr(args, name, default_of(name)))  # FedML's own algorithm on this split
 
-    def transport_settings(self, args: Any, rank: int) -> Any:
-        """The transport's settings from the run's typed config (for FedML's own algorithms, from
+    def transport_values(self, args: Any) -> Dict[str, Any]:
+        """The transport's values from the run's typed config (for FedML's own algorithms, from
         FedML's ``args`` by the config's rules)."""
-        from ..fedml_bridge.cross_silo.transport import MODEL_SIZE_CAP, TransportSettings
-
         plugin = self.is_plugin_algorithm(getattr(args, "federated_optimizer", None))
-        values = transport_values(args, context_of(args).config if plugin else None)
-        return TransportSettings.from_values(
-            values, str(getattr(args, "run_id", "0")), rank, getattr(args, MODEL_SIZE_CAP, None)
-        )
+        return transport_values(args, context_of(args).config if plugin else None)
 
     def build_runner(
         self, args: Any, device: Any, dataset: list, model: Any, trainer: Any, aggregator: Any

@@ -17,7 +17,17 @@ import pytest
 
 from fedml_perfedavg.net.addresses import write_ipconfig
 
-from tests.helpers import HF_YAML, REPO, SILO_YAML, launch_silo, launched_alive, make_tls, needs_mnist, rank_command
+from tests.helpers import (
+    HF_YAML,
+    REPO,
+    SILO_YAML,
+    launch_silo,
+    launched_alive,
+    make_tls,
+    needs_mnist,
+    rank_command,
+    transport_args,
+)
 
 SETTINGS = {"client_num_per_round": 2, "frequency_of_the_test": 1, "show_progress": False}
 
@@ -40,13 +50,12 @@ def _occupy(port):
 
 
 def test_a_second_server_on_one_address_file_and_a_busy_port_are_refused(tmp_path):
-    from argparse import Namespace
 
     from fedml_perfedavg.fedml_bridge.cross_silo.transport import PortUnavailable, SecureGRPCCommManager
 
     path = write_ipconfig(str(tmp_path / "ip.csv"), 2)
     ports = _ports(path)
-    args = Namespace(insecure=True, run_id="r", max_message_bytes=1 << 20)
+    args = transport_args(insecure=True, run_id="r", max_message_bytes=1 << 20)
     first = SecureGRPCCommManager(path, client_rank=0, client_num=1, args=args)
     try:  # gRPC's default SO_REUSEPORT would let this one share the port and half the messages
         with pytest.raises(
@@ -236,13 +245,12 @@ def test_a_silo_process_that_swallowed_its_interrupt_still_stops_at_the_next_rec
     """The stop signal's KeyboardInterrupt landed in code that ate it (a finaliser, a library's
     ``except BaseException``): the receive loop raises it again within one idle tick instead of
     serving on until the launcher kills the process."""
-    from argparse import Namespace
 
     from fedml_perfedavg.fedml_bridge.cross_silo.transport import IDLE_TICK_SECONDS, SecureGRPCCommManager
     from fedml_perfedavg.stopping import STOP_SIGNALLED, sigterm_as_interrupt
 
     path = write_ipconfig(str(tmp_path / "ip.csv"), 2)
-    args = Namespace(insecure=True, run_id="r", max_message_bytes=1 << 20)
+    args = transport_args(insecure=True, run_id="r", max_message_bytes=1 << 20)
     manager = SecureGRPCCommManager(path, client_rank=0, client_num=1, args=args)
     try:
         with sigterm_as_interrupt():

@@ -21,7 +21,7 @@ from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2 as p
 from fedml.core.distributed.communication.grpc import grpc_comm_manager_pb2_grpc as pb2_grpc
 from fedml.core.distributed.communication.message import Message
 
-from tests.helpers import certificate_from, reencode
+from tests.helpers import certificate_from, reencode, transport_args
 from tests.helpers import raw_send as send_raw
 
 CAP = 64 * 1024
@@ -44,7 +44,7 @@ def world(tmp_path):
     make_certificates(str(tls), 2)
     make_certificates(str(other), 2)
     path = write_ipconfig(str(tmp_path / "ip.csv"), 3)
-    args = Namespace(tls_dir=str(tls), run_id="run-A", max_message_bytes=CAP, connect_timeout=5.0, round_idx=0)
+    args = transport_args(tls_dir=str(tls), run_id="run-A", max_message_bytes=CAP, connect_timeout=5.0, round_idx=0)
     server = SecureGRPCCommManager(path, client_rank=0, client_num=2, args=args)
     silo = SecureGRPCCommManager(path, client_rank=1, client_num=2, args=args)
     yield Namespace(tls=tls, other=other, server=server, silo=silo, marker=tmp_path / "owned", path=path)
@@ -127,7 +127,7 @@ def test_a_pickle_sent_to_every_port_runs_nothing(world, caplog):
 def test_an_insecure_transport_still_never_unpickles(tmp_path, caplog):
     path = write_ipconfig(str(tmp_path / "ip.csv"), 2)
     server = SecureGRPCCommManager(
-        path, client_rank=0, client_num=1, args=Namespace(insecure=True, run_id="r", max_message_bytes=CAP)
+        path, client_rank=0, client_num=1, args=transport_args(insecure=True, run_id="r", max_message_bytes=CAP)
     )
     try:
         with caplog.at_level(logging.WARNING):
@@ -139,9 +139,18 @@ def test_an_insecure_transport_still_never_unpickles(tmp_path, caplog):
 
 
 def test_no_tls_and_no_insecure_flag_refuses_to_start(tmp_path):
+    from fedml_perfedavg.fedml_bridge.bootstrap import TRANSPORT_VALUES
+
     path = write_ipconfig(str(tmp_path / "ip.csv"), 2)
     with pytest.raises(ConfigError, match="does not start without TLS.*fedml-perfedavg certs --out DIR"):
-        SecureGRPCCommManager(path, client_rank=0, client_num=1, args=Namespace(run_id="r"))
+        transport_args(run_id="r")  # fedml.init's check
+    # the transport's own, whatever values it is handed
+    plain = vars(transport_args(run_id="r", insecure=True))[TRANSPORT_VALUES]
+    args = Namespace(run_id="r", **{TRANSPORT_VALUES: {**plain, "insecure": False}})
+    with pytest.raises(ConfigError, match="does not start without TLS"):
+        SecureGRPCCommManager(path, client_rank=0, client_num=1, args=args)
+    with pytest.raises(ConfigError, match=r"reads its comm_args from FedML's args .*call fedml.init\(args\) first"):
+        SecureGRPCCommManager(path, client_rank=0, client_num=1, args=Namespace(run_id="r", insecure=True))
 
 
 def test_silo_two_cannot_speak_for_silo_one_or_the_server(world, caplog):

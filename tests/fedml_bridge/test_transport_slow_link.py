@@ -6,7 +6,6 @@ receiver's handshake allowance (comm_args.handshake_timeout)."""
 import socket
 import threading
 import time
-from argparse import Namespace
 
 import pytest
 import torch
@@ -17,6 +16,8 @@ from fedml_perfedavg.net.credentials import make_certificates
 from fedml_perfedavg.fedml_bridge.cross_silo.transport import PeerUnreachable, SecureGRPCCommManager
 
 from fedml.core.distributed.communication.message import Message
+
+from tests.helpers import transport_args
 
 
 class SlowLink:
@@ -70,7 +71,7 @@ class SlowLink:
 def pair(tmp_path):
     make_certificates(str(tmp_path / "tls"), 1)
     path = write_ipconfig(str(tmp_path / "ip.csv"), 2)
-    args = Namespace(
+    args = transport_args(
         tls_dir=str(tmp_path / "tls"), run_id="run-A", max_message_bytes=1 << 20, connect_timeout=5.0, round_idx=0
     )
     server = SecureGRPCCommManager(path, client_rank=0, client_num=1, args=args)

@@ -40,14 +40,14 @@ from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Opt
 
 from ...core.errors import ConfigError, SiloFailure
 from ...stopping import interrupt_if_stopping
-from ..bootstrap import import_fedml, plugin_entry
+from ..bootstrap import TRANSPORT_VALUES, import_fedml
 from . import READY_MESSAGE
 from ...net import wire
 from ...net.addresses import read_ipconfig
 from .backends import check_cross_silo_backend
 from ...net.conversations import Conversations
 from .delivery import Delivery, Outgoing, PeerUnreachable, channel_options
-from ...net.credentials import Credentials, load_credentials, peer_certificate_problem, rank_of_names
+from ...net.credentials import Credentials, check_security, load_credentials, peer_certificate_problem, rank_of_names
 from ...net.gate import Backend, Gate, GateLimits, PortTaken
 from ...net.refusals import RefusalLog
 
@@ -93,12 +93,26 @@ class TransportSettings:
     idle_timeout: float = 300.0
 
     @classmethod
+    def of(cls, args: Any, rank: int) -> "TransportSettings":
+        """The settings for ``rank`` from FedML's ``args`` as the plugin's ``fedml.init`` left them
+        (:data:`~fedml_perfedavg.fedml_bridge.bootstrap.TRANSPORT_VALUES`)."""
+        values = getattr(args, TRANSPORT_VALUES, None)
+        if values is None:
+            raise ConfigError(
+                "the plugin's cross-silo transport reads its comm_args from FedML's args as the plugin's "
+                "fedml.init sets them (a cross-silo run that selects a plugin algorithm or sets "
+                "common_args.plugin_fixes: true); call fedml.init(args) first"
+            )
+        return cls.from_values(values, str(getattr(args, "run_id", "0")), rank, getattr(args, MODEL_SIZE_CAP, None))
+
+    @classmethod
     def from_values(
         cls, values: Mapping[str, Any], run_id: str, rank: int, model_size_cap: Optional[int]
     ) -> "TransportSettings":
         """The settings from comm_args' typed, checked ``values`` (``fedml_args.TRANSPORT_KEYS`` of the run
         config), this rank's credentials loaded; without ``max_message_bytes``, the cap the
         model's size gives (:data:`MODEL_SIZE_CAP`), else :data:`FALLBACK_SIZE_CAP`."""
+        check_security(values["tls_dir"], values["insecure"])  # this process's own rule, whoever set the values
         cap = values["max_message_bytes"] or model_size_cap
         if cap is None:
             cap = FALLBACK_SIZE_CAP
@@ -308,7 +322,7 @@ class SecureGRPCCommManager(BaseCommunicationManager):
         self.rank = int(client_rank)
         self.client_num = int(client_num)
         self.args = args
-        self.settings = plugin_entry().transport_settings(args, self.rank)
+        self.settings = TransportSettings.of(args, self.rank)
         self.retry_seconds = self.settings.connect_timeout
         self.session = secrets.token_hex(8)  # this process: a silo that restarts is a new session
         self.resumes = ""  # the server: the session of the server process it resumes (its checkpoint's)
