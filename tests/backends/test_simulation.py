@@ -303,3 +303,31 @@ def test_ctrl_c_keeps_the_round_it_lands_in_and_resume_gives_the_uninterrupted_m
     again = torch.load(run_dir / "model.pt", weights_only=True)
     assert all(torch.equal(whole[k], again[k]) for k in whole)
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 30
+
+
+@needs_mnist
+def test_a_population_larger_than_mnist_runs_on_the_resampled_split(mnist_root, tmp_path):
+    """``partition_method: paper_resampled``: 400 users of the paper's size, which the disjoint split
+    refuses (MNIST holds too few images of each class), train and are all evaluated; their images
+    are held as read, uint8, each user's tensors views of one block."""
+    from fedml_perfedavg.core.errors import ConfigError
+
+    sets = dict(
+        partition_method="paper_resampled",
+        client_num_in_total=400,
+        client_num_per_round=20,
+        comm_round=2,
+        frequency_of_the_test=2,
+        data_cache_dir=mnist_root,
+        show_progress=False,
+        checkpoint_every=0,
+    )
+    with pytest.raises(ConfigError, match="400 users would need .* images of class"):
+        resolve({}, {**sets, "partition_method": "paper"})
+    config = resolve({}, sets)
+    result = run(config, str(tmp_path / "run"))
+    assert result.summary["status"] == "finished" and len(result.summary["per_user_accuracy"]) == 400
+    assert 0.0 < result.summary["personalized_accuracy"] < 1.0
+    users = load_split(config).users
+    assert users[0].train_x.dtype == torch.uint8
+    assert users[1].train_x.data_ptr() == users[0].train_x.data_ptr() + users[0].train_x.numel()
