@@ -42,7 +42,6 @@ from typing import (
     Mapping,
     NamedTuple,
     Optional,
-    Protocol,
     Sequence,
     Tuple,
     Type,
@@ -148,74 +147,6 @@ class AlgorithmSettings:
             privacy=privacy,
             own=own,
         )
-
-
-class RoundDriver(Protocol):
-    """The run's side of a round, called by every backend adapter (FedML's sp loop, its MPI
-    server, its cross-silo server, the batched engine): which clients train (the algorithm's
-    keyed sampling), and what happens once the new global model exists (evaluation on the run's
-    schedule, progress, checkpoints). The cross-silo server also records what only it sees
-    (:class:`SiloRecords`)."""
-
-    def sample_clients(self, round_idx: int) -> List[int]: ...
-
-    def round_finished(self, round_idx: int, global_state: StateDict) -> None: ...
-
-    def evaluates(self, round_idx: int) -> bool:
-        """Whether the model after this round is evaluated (the run's schedule)."""
-
-    def record_training(self, round_idx: int, client: int, figures: List[Any]) -> None:
-        """A client's training figures [loss, accuracy] of ``round_idx`` from the process that
-        trained it (an MPI worker, a silo)."""
-
-    def record_failure(self, why: str) -> None:
-        """Another process ends the run (a failing MPI rank): the run's record says so."""
-
-
-class SiloRecords(Protocol):
-    """What the cross-silo server records beside every backend's round (:class:`RoundDriver`):
-    the silos it lost and took back, their own evaluations, the updates and messages it refused,
-    each secure round. The protocol asks for these by name (``server.RECORDS``)."""
-
-    def record_lost_silos(self, round_idx: int, ranks: List[int], why: str) -> None:
-        """Cross-silo: the server went on without these silos from this round."""
-
-    def record_silo_evaluation(self, label: str, mean: float, silos: Dict[int, Dict[str, Any]]) -> None:
-        """Cross-silo: the silos' own personalized evaluations of the model they received."""
-
-    def record_rejoined_silo(self, round_idx: int, rank: int, why: str) -> None:
-        """Cross-silo: a silo the server had gone on without came back."""
-
-    def record_federated_evaluation(
-        self, round_idx: int, counts: Dict[int, Dict[str, Any]], missing: List[int], started: Optional[float] = None
-    ) -> None:
-        """Data-owner cross-silo: each user's counts from its own silo; the users that sent none."""
-
-    def record_secure_evaluation(
-        self,
-        round_idx: int,
-        metrics: Optional[Dict[str, Any]],
-        summed: List[int],
-        missing: List[int],
-        started: Optional[float],
-        record: Dict[str, Any],
-        privacy: Dict[int, Dict[str, Any]],
-    ) -> None:
-        """Data-owner cross-silo with secure aggregation: the evaluation's means over the ``summed``
-        users (None: the sum failed, ``record`` says why), its stages' record, each user's account."""
-
-    def record_rejected_update(self, round_idx: int) -> None:
-        """Cross-silo: the server refused a silo's upload before aggregation (a false sample count)."""
-
-    def record_refusals(self, totals: Dict[str, int]) -> None:
-        """Cross-silo: what the server's transport refused so far, by reason."""
-
-    def record_secure_round(self, round_idx: int, record: Dict[str, Any]) -> None:
-        """Cross-silo with secure aggregation: who was summed, dropped and recovered, the bytes."""
-
-
-class SiloServerDriver(RoundDriver, SiloRecords, Protocol):
-    """The cross-silo server's driver: every backend's round and the silos' records."""
 
 
 class RoundHooks:

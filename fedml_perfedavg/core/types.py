@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -67,3 +67,25 @@ def one_block(tensors: Sequence[Tensor]) -> Tensor:
         expected += t.numel()
     rows = sum(len(t) for t in tensors)
     return first.new_empty(0).set_(storage, int(start), (rows, *first.shape[1:]))  # type: ignore[call-overload]
+
+
+class RoundDriver(Protocol):
+    """The run's side of a round, called by every backend adapter (FedML's sp loop, its MPI
+    server, its cross-silo server, the batched engine): which clients train (the algorithm's
+    keyed sampling), and what happens once the new global model exists (evaluation on the run's
+    schedule, progress, checkpoints). The cross-silo server also records what only it sees
+    (:class:`~fedml_perfedavg.silo.server.records.SiloRecords`)."""
+
+    def sample_clients(self, round_idx: int) -> List[int]: ...
+
+    def round_finished(self, round_idx: int, global_state: StateDict) -> None: ...
+
+    def evaluates(self, round_idx: int) -> bool:
+        """Whether the model after this round is evaluated (the run's schedule)."""
+
+    def record_training(self, round_idx: int, client: int, figures: List[Any]) -> None:
+        """A client's training figures [loss, accuracy] of ``round_idx`` from the process that
+        trained it (an MPI worker, a silo)."""
+
+    def record_failure(self, why: str) -> None:
+        """Another process ends the run (a failing MPI rank): the run's record says so."""

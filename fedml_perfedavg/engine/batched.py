@@ -31,7 +31,7 @@ from ..core.hand_batched import IndexedInputs, HandBatchedGradients
 from .minibatches import Minibatches
 from .plan import ClientPlan, Path, resolve_plan
 from ..core.types import Params, StateDict, UserSplit
-from ..algorithms.base import RoundDriver
+from ..core.types import RoundDriver
 
 logger = logging.getLogger(__name__)
 

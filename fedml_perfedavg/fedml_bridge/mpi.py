@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .bootstrap import import_fedml
 import torch
 
-from ..algorithms.base import RoundDriver
+from ..core.types import RoundDriver
 from ..algorithms.client_states import ClientStates
 from ..core.training_record import TrainingRecord
 from ..core.errors import ConfigError

@@ -5,7 +5,7 @@ fedml/simulation/simulator.py ``SimulatorSingleProcess`` ignores ``client_traine
 own trainer and sample-weighted ``_aggregate``. :class:`PluginFedAvgAPI` keeps FedML's round
 loop (``FedAvgAPI.train``) and redirects what it calls: the trainer, aggregation (through the
 aggregator's three hooks), and, for a plugin algorithm, client sampling and evaluation (the
-run's :class:`~fedml_perfedavg.algorithms.base.RoundDriver`). FedML also leaves ``args.round_idx`` unset in sp; it is
+run's :class:`~fedml_perfedavg.core.types.RoundDriver`). FedML also leaves ``args.round_idx`` unset in sp; it is
 set here, where the round is known.
 """
 
@@ -15,7 +15,7 @@ import logging
 from typing import Any, List, Optional
 
 from .bootstrap import import_fedml
-from ..algorithms.base import RoundDriver
+from ..core.types import RoundDriver
 from .safeguards import plugin_dp_hidden
 from .trainer_aggregator import aggregate_with_hooks
 

@@ -1,4 +1,4 @@
-"""What happens each round of a run: the :class:`~fedml_perfedavg.algorithms.base.RoundDriver`
+"""What happens each round of a run: the :class:`~fedml_perfedavg.core.types.RoundDriver`
 every backend adapter calls (the batched engine, FedML's sp loop, its MPI server, the cross-silo
 server). It samples with the algorithm's keyed sampling and, once a round's global model
 exists, evaluates it on the run's schedule, records it and checkpoints it; the figures silos

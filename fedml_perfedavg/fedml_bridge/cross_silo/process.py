@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Union
 
-from ...algorithms.base import SiloServerDriver
+from ...silo.server.records import SiloServerDriver
 from ...core.errors import ConfigError
 from ..bootstrap import import_fedml
 from ...silo.server.agreement import ServerSetup, SiloSetup

@@ -5,7 +5,7 @@ import queue
 import time
 from typing import Any, Dict, List, Tuple
 
-from ...algorithms.base import SiloServerDriver
+from ...silo.server.records import SiloServerDriver
 from ...core.errors import ConfigError
 from ...secagg import vectors
 from ..bootstrap import import_fedml

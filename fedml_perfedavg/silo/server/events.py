@@ -170,7 +170,7 @@ class Send:
 @dataclass(frozen=True)
 class Record:
     """Hand the run's record one fact: ``method`` of the run's
-    :class:`~fedml_perfedavg.algorithms.base.SiloServerDriver` (``round_finished``, ``record_lost_silos``,
+    :class:`~fedml_perfedavg.silo.server.records.SiloServerDriver` (``round_finished``, ``record_lost_silos``,
     ...) with ``args``. ``record_refusals`` takes the transport's totals at that point."""
 
     method: str
