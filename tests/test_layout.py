@@ -1,6 +1,6 @@
 """The folders tell the architecture: the core, data, algorithms and engine never import FedML
 or the run layer; the FedML bridge never imports the run layer; no import cycles, including
-imports inside functions."""
+imports inside functions; the layers are the ones docs/architecture.md lists."""
 
 import ast
 from pathlib import Path
@@ -70,6 +70,20 @@ def test_fedml_free_folders_never_import_fedml_or_the_layers_above():
         for target in graph[module]:
             if _area(target) in LAYERS and target.split(".")[1] != "__init__":
                 assert LAYERS[_area(target)] <= LAYERS[area] or _area(target) == area, f"{module} imports {target}"
+
+
+def test_the_architecture_page_lists_the_layers_this_test_checks():
+    """docs/architecture.md's numbered layers name each area (``core/``, ``models.py``) at the layer
+    LAYERS gives it, and every area of LAYERS once."""
+    import re
+
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    listed = {}
+    for number, names in re.findall(r"^(\d)\. \*\*[^*]+\*\* \(([^)]*)\)", page, flags=re.MULTILINE):
+        for name in re.findall(r"`([a-z_]+)(?:/|\.py)`", names):
+            assert name not in listed, f"{name} listed twice"
+            listed[name] = int(number)
+    assert listed == LAYERS
 
 
 def test_no_import_cycles_between_modules():
