@@ -105,7 +105,7 @@ class SiloProtocol:
     """Silo ``rank`` of a run of ``num_rounds`` rounds, as the module doc says. ``policy``: its
     deadlines (``connect_timeout``, ``round_timeout``, ``client_idle_deadline``); ``setup``: what the
     run agreed (its keyed schedule ``scheduled``, evaluation rounds ``evaluates``, DP ledger
-    ``privacy``, ``figures_after``, ``secure_threshold``, the run layer's ``outcome``); ``own_user``:
+    ``privacy``, ``figures_after``, ``secure`` and ``secure_threshold``, the run layer's ``outcome``); ``own_user``:
     the data owner's user (None in shared mode); ``figures_with_updates``: shared mode's counts."""
 
     FROZEN_SECONDS = 5.0  # a gap this long between ticks: the silo was not running (frozen, suspended)
@@ -269,7 +269,7 @@ class SiloProtocol:
         if self.rules is None:  # an evaluation request exists in data-owner mode only
             self._do(Fail(f"silo rank {self.rank}: an evaluation request in shared mode (comm_args.silo_data)"))
             return
-        secure = self.setup.secure_threshold is not None
+        secure = self.setup.secure
         if secure != (event.terms is not None):
             why = (
                 "this run sums evaluations securely (secagg_args.enable_secagg); the server's evaluation request "
@@ -360,7 +360,7 @@ class SiloProtocol:
 
     def _answer(self, round_idx: int, received: Any, terms: Any, weights: Any, samples: int, counts: Any) -> None:
         """The round's answer: in the clear, or the first message of its secure aggregation."""
-        if terms is None and self.setup.secure_threshold is None:
+        if terms is None and not self.setup.secure:
             self._do(SendUpdate(round_idx, weights, int(samples), counts))
             return
         try:

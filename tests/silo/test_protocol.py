@@ -48,6 +48,7 @@ def silo(own_user=None, secure=False, scheduled=None, evaluates=None, start_secu
         evaluates=evaluates,
         privacy=None,
         figures_after=None,
+        secure=secure,
         secure_threshold=2 if secure else None,
         outcome=outcome,
     )

@@ -260,10 +260,9 @@ class SiloServerProtocol:
     # -- the start and the end --------------------------------------------------------------------------
     def _start_training(self, now: float) -> None:
         self._refuse_a_plan_that_cannot_run()
-        threshold, privacy = self.setup.secure_threshold, self.setup.privacy
-        how = "; ".join(
-            ([f"secure aggregation (threshold {threshold})"] if threshold else []) + ([privacy] if privacy else [])
-        )
+        privacy = self.setup.privacy
+        secure = [f"secure aggregation (threshold {self.setup.secure_threshold})"] if self.setup.secure else []
+        how = "; ".join(secure + ([privacy] if privacy else []))
         logger.info(
             "silos %s %s %d starts%s",
             self.roster.live,
@@ -284,7 +283,7 @@ class SiloServerProtocol:
             return
         needed, why = self.policy.min_clients, f"comm_args.min_clients_per_round={self.policy.min_clients}"
         threshold = self.setup.secure_threshold
-        if threshold is not None and threshold > needed:
+        if self.setup.secure and threshold is not None and threshold > needed:
             needed, why = threshold, f"secure aggregation's threshold of {threshold} silos to unmask a round"
         short = self.rounds.first_round_short_of(out, needed)
         if short is not None:
