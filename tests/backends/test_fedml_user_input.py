@@ -135,7 +135,22 @@ def test_fedml_cross_silo_server_stopped_by_sigterm_keeps_its_record_and_stops_i
         _wait_for(run_dir / "run.log", "round 3: personalized accuracy", processes[0])
         processes[0].send_signal(signal.SIGTERM)
         stopped = time.monotonic()
-        outs = [p.communicate(timeout=60)[0] for p in processes]
+        outs = []
+        for rank, process in enumerate(processes):
+            try:
+                outs.append(process.communicate(timeout=max(1.0, stopped + 60 - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:  # say why: each process's last lines and the server's log
+                for p in processes:
+                    p.kill()
+                tails = [
+                    f"--- rank {r}:\n" + "\n".join(p.communicate()[0].splitlines()[-15:])
+                    for r, p in enumerate(processes)
+                ]
+                log = (run_dir / "run.log").read_text().splitlines()[-30:] if (run_dir / "run.log").exists() else []
+                pytest.fail(
+                    f"rank {rank} still ran 60 s after the server's SIGTERM\n"
+                    + "\n".join(tails + ["--- the server's run.log:", *log])
+                )
         took = time.monotonic() - stopped
     finally:
         for p in processes:
