@@ -60,35 +60,16 @@ def _data_bytes(users) -> int:
 
 def measure(users: int, clients: int, a: int, rounds: int) -> dict:
     """One point in this process."""
-    from fedml_perfedavg.algorithms.registry import create_algorithm
     from fedml_perfedavg.data.loading import load_federated
-    from fedml_perfedavg.models import create_model
-    from fedml_perfedavg.run.config import resolve
-    from speed import bare_engine, samples_ms
+    from speed import method_engine, samples_ms
 
     torch.set_num_threads(2)
     baseline_mb = _vm_hwm_mb()
     start = time.perf_counter()
     data = load_federated("mnist", MNIST_ROOT, users, "paper_resampled", 0, images_per_class=a)
     load_s = time.perf_counter() - start
-    config = resolve(
-        {},
-        dict(
-            federated_optimizer="PerFedAvg",
-            perfedavg_variant="hf",
-            partition_method="paper_resampled",
-            images_per_class=a,
-            client_num_in_total=users,
-            client_num_per_round=clients,
-            local_steps=10,
-            show_progress=False,
-            data_cache_dir=MNIST_ROOT,
-        ),
-    )
-    torch.manual_seed(0)
-    model = create_model("mlp", (1, 28, 28), 10)
-    algorithm = create_algorithm("PerFedAvg", model, config)
-    engine = bare_engine(algorithm, data.users, model)
+    # the benchmarks' HF engine (speed.method_engine: seed 0, the paper's MLP, tau 10, batches of 40)
+    engine, algorithm = method_engine("hf", data.users, clients=clients, n=users)
     counter = iter(range(10**6))
     samples = samples_ms(lambda: engine.train_round(next(counter)), rounds, warmup=1)
     start = time.perf_counter()

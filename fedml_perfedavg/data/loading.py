@@ -116,19 +116,16 @@ def check_paper_split(
         ("test_images_per_class", a_test, spec.test_class_counts),
     ):
         plans = plan_users(num_users, count, partition, seed)
+        resampled = partition in RESAMPLED  # each user draws on its own: one user's need, not all users'
+        who, or_users = ("a user", "") if resampled else (f"{num_users} users", " or train_args.client_num_in_total")
         for cls, have in enumerate(available):
             counts = [p.class_counts.get(cls, 0) for p in plans]
-            need = max(counts) if partition in RESAMPLED else sum(counts)  # one user's, or all users'
-            if need > have and partition in RESAMPLED:
-                raise ConfigError(
-                    f"data_args.{key}={count!r}: a user would need {need} images of class {cls}, but "
-                    f"{dataset}'s {'training' if key == 'images_per_class' else 'test'} set has {have}; lower it"
-                )
+            need = max(counts) if resampled else sum(counts)
             if need > have:
                 raise ConfigError(
-                    f"data_args.{key}={count!r}: {num_users} users would need {need} images of class {cls}, "
-                    f"but {dataset}'s {'training' if key == 'images_per_class' else 'test'} set has {have}; "
-                    f"lower it or train_args.client_num_in_total"
+                    f"data_args.{key}={count!r}: {who} would need {need} images of class {cls}, but "
+                    f"{dataset}'s {'training' if key == 'images_per_class' else 'test'} set has {have}; "
+                    f"lower it{or_users}"
                 )
     return min(p.total for p in plan_users(num_users, a, partition, seed)), a
 
