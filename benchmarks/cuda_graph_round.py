@@ -1,18 +1,27 @@
-"""An HF round on a GPU with its local update captured as one CUDA graph (issue 57 item 2): how far
-the launch-bound eager round comes down when a round's clients' whole local update and their plain
-average replay as one graph, against the batched engine's eager round on the same machine.
+"""The batched engine's captured rounds on a GPU (``device_args.capture_rounds``, issue 80 item 5):
+their bits against the eager engine's, their speed, and the Table 1 MNIST grid on them.
 
-    python benchmarks/cuda_graph_round.py --mnist-root DIR [--rounds 30] [--out DIR]
-    python benchmarks/cuda_graph_round.py --device cpu --synthetic --rounds 3   # the same steps, not captured
+    python benchmarks/cuda_graph_round.py --mnist-root DIR [--out DIR]
+    python benchmarks/cuda_graph_round.py --device cpu --synthetic --rounds 2 --block-rounds 1 \\
+        --grid-rounds 1 --full-rounds 2      # the same steps, not captured (tests)
 
-A prototype measurement, not the plugin's engine: the graph holds the label gathers, the
-hand-batched local update of every client (the paper's MLP, HF, tau 10, batches of 40) and the
-uniform average written back into the global model; each round the host draws the keyed minibatch
-indices (the algorithm's own) and copies them in. What the engine's round does besides (the update
-screen, the divergence guard, per-client state dicts, the driver) is not in it. Writes
-``cuda_graph_round.json`` under --out: ms a round of the eager engine and of the graph (timed over
-a block of rounds, one synchronisation at its end, and synchronised every round), the host's
-share (drawing the indices), and the largest difference of the global model after --rounds rounds.
+Uses the plugin's algorithm objects and engines directly (FedML is not needed where the GPU is);
+each run's data is its seed's paper split of MNIST (float32 on the device), each model
+``torch.manual_seed(seed)`` then the paper's MLP. Every round is the engine's whole round: the
+host's keyed sampling and minibatch indices, the local training (eager, or one graph replayed),
+the divergence guard, the update screen, the average and the round's training figures.
+
+1. ``methods``: for FedAvg, FO, HF and exact, one run eager and one captured for --rounds rounds
+   from the same start: the largest difference of their models and whether every round's training
+   figures are equal; the first captured round's seconds (warm-up and capture); ms a round of
+   each, alternating timed blocks (synchronised at each block's end).
+2. ``grid``: the seeds of the MNIST tau=10 cell as one computation (engine/grid.py), eager and
+   captured: the largest difference of their models after --rounds rounds, then ms a round of
+   all runs, alternating blocks.
+3. ``full``: the Table 1 MNIST cells of --full-methods, all seeds, --full-rounds rounds, captured,
+   each run evaluated every ``frequency_of_the_test`` rounds and at the end (the personalized
+   evaluation, on the device): wall seconds of each cell and its runs' final accuracies.
+Writes ``cuda_graph_round.json`` and ``cuda_graph_round.md`` under --out.
 """
 
 from __future__ import annotations
@@ -23,152 +32,295 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict
+from typing import Callable, Dict, List
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cuda_check  # noqa: E402  (its config, data and engine)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-from fedml_perfedavg.core.types import input_dtype  # noqa: E402
+from fedml_perfedavg.algorithms.registry import create_algorithm  # noqa: E402
+from fedml_perfedavg.core.types import UserSplit  # noqa: E402
+from fedml_perfedavg.data.loading import load_federated  # noqa: E402
+from fedml_perfedavg.engine.batched import BatchedSimulation  # noqa: E402
+from fedml_perfedavg.engine.grid import GridSimulation  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
+from fedml_perfedavg.run.config import Config, load  # noqa: E402
+
+METHODS = ("fedavg", "fo", "hf", "exact")
 
 
-class CapturedRounds:
-    """The rounds of ``engine`` (hand-batched, plain average) as one graph replayed per round."""
+class Driver:
+    """The engine's round driver: the algorithm's sampling; each round's training figures taken
+    at its end, as a run's driver takes them."""
 
-    def __init__(self, engine, capture: bool) -> None:
-        self.engine, self.algorithm = engine, engine.algorithm
-        assert engine.hand_batched is not None, engine.plan.describe()
-        params, _ = self.algorithm.split_state(engine.state)
-        self.w = {k: v.detach().clone() for k, v in params.items()}  # the global model, updated in place
-        index = self.index_of(0)
-        self.clients = index.shape[1]
-        device = engine.minibatches.training_data[0].device
-        self.index = index.to(device)  # (roles, clients, steps, batch): the graph's one input
-        # two pinned host buffers in turn, each reused only once its last copy to the device ran
-        on_cuda = device.type == "cuda"
-        self.hosts = [torch.empty_like(index).pin_memory() if on_cuda else torch.empty_like(index) for _ in range(2)]
-        self.copied: list = [None, None]
-        self.graph = None
-        if capture:
-            start = {k: v.clone() for k, v in self.w.items()}
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up outside the graph (cuBLAS handles, the oracle's buffers)
-                for _ in range(3):
-                    self.step()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.step()
-            for k, v in self.w.items():  # the warm-up trained it: back to the start
-                v.copy_(start[k])
+    def __init__(self, algorithm) -> None:
+        self.algorithm = algorithm
+        self.training: Dict[int, dict] = {}
 
-    def index_of(self, round_idx: int) -> torch.Tensor:
-        clients = self.algorithm.sample_clients(round_idx)
-        return torch.stack(self.engine.minibatches.batch_index(round_idx, clients))
+    def sample_clients(self, round_idx: int) -> List[int]:
+        return self.algorithm.sample_clients(round_idx)
 
-    def step(self) -> None:
-        batches = self.engine.minibatches.gather(list(self.index), lazy_inputs=True)  # the engine's own gathers
-        start = {k: v.unsqueeze(0).expand(self.clients, *v.shape) for k, v in self.w.items()}
-        trained = self.engine.train_from(start, batches)
-        for k, v in trained.items():
-            self.w[k].copy_(v.mean(0))
-
-    def round(self, round_idx: int) -> None:
-        turn = round_idx % 2
-        if self.copied[turn] is not None:
-            self.copied[turn].synchronize()
-        self.hosts[turn].copy_(self.index_of(round_idx))
-        self.index.copy_(self.hosts[turn], non_blocking=True)
-        if self.index.is_cuda:
-            self.copied[turn] = torch.cuda.Event()
-            self.copied[turn].record()
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.step()
+    def round_finished(self, round_idx: int, state) -> None:
+        self.training[round_idx] = self.algorithm.training.take(round_idx)
 
 
-def fresh_engine(users, device):
-    config = cuda_check.config_for("hf")
-    torch.manual_seed(0)
-    model = create_model("mlp", tuple(users[0].train_x.shape[1:]), 10, [80, 60]).to(input_dtype(users[0].train_x))
-    return cuda_check.engine_for(config, users, model, device)[1]
+def config_of(cell: str, method: str, seed: int, root: str, rounds: int = 1000) -> Config:
+    path = REPO / "yaml_configs" / f"{cell}_{method}.yaml"
+    return load(str(path), [f"random_seed={seed}", f"data_cache_dir={root}", f"comm_round={rounds}"])
 
 
-def block_ms(fn, rounds: range, device) -> float:
+def synthetic_users(n: int, samples: int, seed: int) -> List[UserSplit]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        UserSplit(
+            torch.randint(0, 256, (samples, 1, 28, 28), generator=g, dtype=torch.uint8),
+            torch.randint(0, 10, (samples,), generator=g),
+            torch.randint(0, 256, (samples // 4, 1, 28, 28), generator=g, dtype=torch.uint8),
+            torch.randint(0, 10, (samples // 4,), generator=g),
+        )
+        for _ in range(n)
+    ]
+
+
+class Runs:
+    """Each seed's users on the device, loaded once."""
+
+    def __init__(self, root: str, device: torch.device, synthetic: bool) -> None:
+        self.root, self.device, self.synthetic = root, device, synthetic
+        self._users: Dict[tuple, List[UserSplit]] = {}
+
+    def users(self, config: Config) -> List[UserSplit]:
+        key = (config.random_seed, config.images_per_class)
+        if key not in self._users:
+            if self.synthetic:
+                users = synthetic_users(config.client_num_in_total, 200, config.random_seed)
+            else:
+                users = load_federated(
+                    config.dataset,
+                    self.root,
+                    config.client_num_in_total,
+                    config.partition_method,
+                    config.random_seed,
+                    images_per_class=config.images_per_class,
+                    test_images_per_class=config.test_images_per_class,
+                ).users
+            self._users[key] = [UserSplit(*(t.to(self.device) for t in u)) for u in users]
+        return self._users[key]
+
+    def engine(self, config: Config, capture: bool) -> BatchedSimulation:
+        torch.manual_seed(config.random_seed)
+        model = create_model("mlp", (1, 28, 28), 10, list(config.hidden_sizes))
+        algorithm = create_algorithm(config.federated_optimizer, model, config)
+        state = {k: v.to(self.device) for k, v in model.state_dict().items()}
+        return BatchedSimulation(algorithm, self.users(config), state, Driver(algorithm), capture_rounds=capture)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def block_ms(step: Callable[[int], object], rounds: List[int], device: torch.device) -> float:
     """ms a round over a block of rounds, one synchronisation at its end."""
-    cuda_check.synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     for r in rounds:
-        fn(r)
-    cuda_check.synchronize(device)
+        step(r)
+    synchronize(device)
     return (time.perf_counter() - start) * 1000 / len(rounds)
+
+
+def alternated(steps: Dict[str, Callable[[int], object]], first: int, blocks: int, size: int, device) -> Dict:
+    """Median ms a round of each step over ``blocks`` alternating blocks of ``size`` rounds."""
+    samples: Dict[str, List[float]] = {name: [] for name in steps}
+    counter = iter(range(first, 10**6))
+    for _ in range(blocks):
+        for name, step in steps.items():
+            samples[name].append(block_ms(step, [next(counter) for _ in range(size)], device))
+    return {name: {"median_ms": statistics.median(v), "blocks_ms": v} for name, v in samples.items()}
+
+
+def max_difference(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def methods(runs: Runs, args, device) -> Dict[str, dict]:
+    out = {}
+    for method in METHODS:
+        config = config_of("mnist_tau10_alpha0.01", method, 0, args.mnist_root)
+        eager, captured = runs.engine(config, False), runs.engine(config, True)
+        for r in range(args.rounds):
+            eager.train_round(r)
+        synchronize(device)
+        started = time.perf_counter()
+        captured.train_round(0)
+        synchronize(device)
+        first_round_s = time.perf_counter() - started
+        for r in range(1, args.rounds):
+            captured.train_round(r)
+        row = {
+            "captured": captured.captured is not None and captured.captured.graphs > 0,
+            "first_captured_round_s": first_round_s,
+            "max_abs_diff_after_rounds": max_difference(eager.state, captured.state),
+            "training_figures_equal": eager.driver.training == captured.driver.training,
+            "rounds_compared": args.rounds,
+        }
+        timed = alternated(
+            {"eager": eager.train_round, "captured": captured.train_round},
+            args.rounds,
+            args.blocks,
+            args.block_rounds,
+            device,
+        )
+        row.update({f"{name}_ms": t["median_ms"] for name, t in timed.items()})
+        row["blocks"] = {name: t["blocks_ms"] for name, t in timed.items()}
+        out[method] = row
+        print(method, json.dumps({k: v for k, v in row.items() if k != "blocks"}), flush=True)
+    return out
+
+
+def grid(runs: Runs, args, device) -> Dict[str, dict]:
+    out = {}
+    for method in METHODS:
+        configs = [config_of("mnist_tau10_alpha0.01", method, s, args.mnist_root) for s in range(args.seeds)]
+        eager = GridSimulation([runs.engine(c, False) for c in configs])
+        captured = GridSimulation([runs.engine(c, True) for c in configs])
+        for r in range(args.rounds):  # the same rounds first (the graph captured in the first)
+            eager.train_round(r)
+            captured.train_round(r)
+        difference = max(max_difference(e.state, c.state) for e, c in zip(eager.engines, captured.engines))
+        timed = alternated(
+            {"eager": eager.train_round, "captured": captured.train_round},
+            args.rounds,
+            args.blocks,
+            args.grid_rounds,
+            device,
+        )
+        row = {f"{name}_ms": t["median_ms"] for name, t in timed.items()}
+        row["captured"] = captured.captured is not None and captured.captured.graphs > 0
+        row["max_abs_diff_after_rounds"] = difference
+        row["blocks"] = {name: t["blocks_ms"] for name, t in timed.items()}
+        out[method] = row
+        print("grid", method, json.dumps({k: v for k, v in row.items() if k != "blocks"}), flush=True)
+    return out
+
+
+def full(runs: Runs, args, device) -> Dict[str, dict]:
+    out = {}
+    for cell in args.full_cells:
+        for method in args.full_methods:
+            configs = [config_of(cell, method, s, args.mnist_root, args.full_rounds) for s in range(args.seeds)]
+            engines = [runs.engine(c, True) for c in configs]
+            together = GridSimulation(engines)
+            every = configs[0].frequency_of_the_test
+            synchronize(device)
+            started = time.perf_counter()
+            evaluations = 0
+            for r in range(args.full_rounds):
+                together.train_round(r)
+                if r % every == 0 or r == args.full_rounds - 1:
+                    results = [e.algorithm.evaluate(r, e.state, e.users) for e in engines]
+                    evaluations += 1
+            synchronize(device)
+            accuracies = [100 * result.personalized_accuracy for result in results]
+            row = {
+                "rounds": args.full_rounds,
+                "seeds": args.seeds,
+                "captured": together.captured is not None and together.captured.graphs > 0,
+                "evaluations": evaluations,
+                "wall_s": time.perf_counter() - started,
+                "personalized_accuracy_percent": accuracies,
+                "mean_percent": statistics.mean(accuracies),
+                "before_adaptation_percent": [100 * r.accuracy_before_adaptation for r in results],
+            }
+            out[f"{cell}_{method}"] = row
+            print("full", cell, method, json.dumps(row), flush=True)
+    return out
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        f"# Captured rounds on {results['device']} ({results['date']}, torch {results['torch']})",
+        "",
+        f"Command: `{results['command']}`",
+        "",
+        "| method | captured | first captured round s | max abs diff | figures equal | eager ms | captured ms "
+        "| eager / captured |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for method, r in results["methods"].items():
+        lines.append(
+            f"| {method} | {r['captured']} | {r['first_captured_round_s']:.2f} | {r['max_abs_diff_after_rounds']:.3g} "
+            f"| {r['training_figures_equal']} | {r['eager_ms']:.2f} | {r['captured_ms']:.2f} "
+            f"| {r['eager_ms'] / r['captured_ms']:.2f} |"
+        )
+    lines += ["", f"Grid mode, {results['seeds']} seeds of the MNIST tau=10 cell, ms a round of all runs:", ""]
+    lines += [
+        "| method | captured | eager ms | captured ms | eager / captured | max abs diff |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for method, r in results["grid"].items():
+        lines.append(
+            f"| {method} | {r['captured']} | {r['eager_ms']:.2f} | {r['captured_ms']:.2f} "
+            f"| {r['eager_ms'] / r['captured_ms']:.2f} "
+            f"| {r['max_abs_diff_after_rounds']:.3g} |"
+        )
+    if results["full"]:
+        lines += ["", "Table 1 MNIST cells captured, every seed, evaluated as a run is:", ""]
+        lines += [
+            "| cell and method | captured | seeds | rounds | wall s | personalized accuracy % (mean) |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for name, r in results["full"].items():
+            lines.append(
+                f"| {name} | {r['captured']} | {r['seeds']} | {r['rounds']} | {r['wall_s']:.1f} "
+                f"| {r['mean_percent']:.2f} "
+                f"({', '.join(f'{a:.2f}' for a in r['personalized_accuracy_percent'])}) |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mnist-root", default=str(cuda_check.REPO.parent / "shared" / "datasets"))
+    parser.add_argument("--mnist-root", default=str(REPO.parent / "shared" / "datasets"))
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--synthetic", action="store_true")
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--synthetic", action="store_true", help="random uint8 users of 200 images (tests)")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds compared, eager against captured")
     parser.add_argument("--blocks", type=int, default=5, help="alternating timed blocks of each kind")
     parser.add_argument("--block-rounds", type=int, default=20, help="rounds in a timed block")
-    parser.add_argument("--out", default=str(cuda_check.REPO / "benchmarks" / "results"))
+    parser.add_argument("--grid-rounds", type=int, default=10, help="rounds in a timed block of the grid")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--full-rounds", type=int, default=1000, help="0: no full cells")
+    parser.add_argument("--full-cells", nargs="*", default=["mnist_tau10_alpha0.01"])
+    parser.add_argument("--full-methods", nargs="*", default=["hf"])
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    users = (
-        cuda_check.on(cuda_check.synthetic_users(50, 200, torch.float32), device)
-        if args.synthetic
-        else cuda_check.mnist_users(args.mnist_root, device)
-    )
-    capture = device.type == "cuda"
+    runs = Runs(args.mnist_root, device, args.synthetic)
     results: Dict[str, object] = {
-        "device": torch.cuda.get_device_name(device) if capture else "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join(["python", "benchmarks/cuda_graph_round.py", *(argv or sys.argv[1:])]),
-        "captured": capture,
+        "command": " ".join(
+            ["python", "benchmarks/cuda_graph_round.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "seeds": args.seeds,
     }
-    # the same rounds, eager engine against the graph, from the same start
-    eager = fresh_engine(users, device)
-    for r in range(args.rounds):
-        eager.train_round(r)
-    started = time.perf_counter()
-    try:
-        graph = CapturedRounds(fresh_engine(users, device), capture)
-    except Exception as err:  # noqa: BLE001 - a step the graph cannot hold: say which, time the steps uncaptured
-        results["capture_error"] = f"{type(err).__name__}: {err}"[:2000]
-        print(results["capture_error"], flush=True)
-        results["captured"] = False
-        graph = CapturedRounds(fresh_engine(users, device), False)
-    results["capture_s"] = time.perf_counter() - started
-    for r in range(args.rounds):
-        graph.round(r)
-    reference, _ = eager.algorithm.split_state(eager.state)
-    results["max_abs_diff_after_rounds"] = max(float((graph.w[k] - reference[k]).abs().max()) for k in reference)
-    results["rounds_compared"] = args.rounds
-    print(json.dumps(results, indent=1), flush=True)
-    # speed, alternating blocks of rounds (the host behind a lent GPU drifts)
-    blocks: Dict[str, list] = {"eager_ms": [], "graph_block_ms": [], "graph_synchronised_ms": [], "host_index_ms": []}
-    counter = iter(range(args.rounds, 10**6))
-    size = args.block_rounds
-    for _ in range(args.blocks):
-        blocks["eager_ms"].append(block_ms(eager.train_round, [next(counter) for _ in range(size)], device))
-        blocks["graph_block_ms"].append(block_ms(graph.round, [next(counter) for _ in range(size)], device))
-        per_round = [block_ms(graph.round, [next(counter)], device) for _ in range(size)]
-        blocks["graph_synchronised_ms"].append(statistics.median(per_round))
-        start = time.perf_counter()
-        for _ in range(size):
-            graph.index_of(next(counter))
-        blocks["host_index_ms"].append((time.perf_counter() - start) * 1000 / size)
-    results.update({k: statistics.median(v) for k, v in blocks.items()})
-    results["blocks"] = blocks
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    Path(args.out, "cuda_graph_round.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in results.items() if k != "blocks"}, indent=1))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sections = {"methods": methods, "grid": grid, "full": full if args.full_rounds else lambda *_: {}}
+    for name, section in sections.items():
+        try:
+            results[name] = section(runs, args, device)
+        except Exception as err:  # noqa: BLE001 - a lease is short: keep what the other sections measure
+            results[name] = {}
+            results[f"{name}_error"] = f"{type(err).__name__}: {err}"[:4000]
+            print(f"{name}: {results[f'{name}_error']}", flush=True)
+        (out / "cuda_graph_round.json").write_text(json.dumps(results, indent=1) + "\n")  # each section kept
+    table = markdown(results)
+    (out / "cuda_graph_round.md").write_text(table)
+    print(table)
     return 0
 
 

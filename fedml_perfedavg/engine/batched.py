@@ -27,6 +27,7 @@ from ..core.client_maths import LocalBatches, StepFigures, mean_figures, run_ste
 from ..core.compiled_update import CompiledLocalUpdate
 from ..core.private_draws import PrivateBatches
 from ..core.private_steps import PrivateChainSteps
+from .captured import CapturedTraining
 from ..core.hand_batched import IndexedInputs, HandBatchedGradients
 from .minibatches import Minibatches
 from .plan import ClientPlan, Path, resolve_plan
@@ -65,6 +66,7 @@ class BatchedSimulation:
         compile_local_update: bool = False,
         try_hand_batched: bool = True,
         record_training: bool = True,
+        capture_rounds: bool = False,
     ) -> None:
         self.algorithm = algorithm
         self.users = users
@@ -107,6 +109,39 @@ class BatchedSimulation:
             logger.warning("device_args.compile_local_update=True compiles nothing here: %s", self.plan.why)
         self.minibatches = Minibatches(algorithm, users, self.plan)
         self.sample_counts = self.minibatches.sample_counts
+        #: The round's local training as one CUDA graph (uncaptured off CUDA), or None (eager).
+        self.captured: Optional[CapturedTraining] = None
+        if capture_rounds:
+            why_not = self._why_not_captured()
+            device = next(iter(global_state.values())).device
+            if why_not is not None:  # said, not silently ignored
+                logger.warning("device_args.capture_rounds=True captures nothing here: %s", why_not)
+            else:
+                self.captured = CapturedTraining(self._indexed_step, device)
+                if device.type != "cuda":
+                    logger.warning(
+                        "device_args.capture_rounds=True: CUDA graphs need a CUDA device; on %s the "
+                        "same steps run uncaptured",
+                        device,
+                    )
+
+    def _why_not_captured(self) -> Optional[str]:
+        """Why this run's rounds cannot be captured as one graph, or None: the graph holds the
+        hand-batched local update over the keyed draws' gathers, nothing that decides on the host."""
+        if self.hand_batched is None:
+            return f"only the hand-batched path is captured ({self.plan.why})"
+        if self.compiled_update is not None:
+            return "the local update is compiled (device_args.compile_local_update)"
+        if not self.minibatches.gathers:
+            return "the minibatches are not the keyed draws gathered for every client at once"
+        if self.algorithm.hooks.poisons_labels:
+            return "a label-flipping attack maps each client's labels on the host"
+        return None
+
+    def _indexed_step(self, params: Params, index: List[Tensor]) -> Trained:
+        """The hand-batched step on the minibatches at ``index`` (the captured function)."""
+        assert self.step is not None
+        return self.step(params, self.minibatches.gather(index, lazy_inputs=True))
 
     def _step_of(self, plan: ClientPlan) -> Optional[Callable[[Params, LocalBatches], Trained]]:
         """The function that trains a computation's clients together, as ``plan`` says (the
@@ -172,13 +207,16 @@ class BatchedSimulation:
         return self.hand_batched.local_update(start, by_step, standard, figures)
 
     def _batched_updates(self, round_idx: int, clients: List[int]) -> List[ClientUpdate]:
-        lazy_inputs = self.batched and self.gathers_lazily
-        batches = self.minibatches.round_batches(round_idx, clients, lazy_inputs)
         # an algorithm whose clients send back whole states trains from the whole state
         start = self.state if self.whole_state else self.algorithm.split_state(self.state)[0]
         assert self.step is not None  # a computation of several clients (plan.together)
         with torch.no_grad():
-            stacked, figures = self.step({k: v.detach() for k, v in start.items()}, batches)
+            params = {k: v.detach() for k, v in start.items()}
+            if self.captured is not None:
+                stacked, figures = self.captured(params, self.minibatches.batch_index(round_idx, clients))
+            else:
+                lazy_inputs = self.batched and self.gathers_lazily
+                stacked, figures = self.step(params, self.minibatches.round_batches(round_idx, clients, lazy_inputs))
         bounds, self.clip_bounds_after = self.clip_bounds_after, None
         # each client keeps its adaptive bounds (core/adaptive_clipping.py)
         own = None if bounds is None else [{STATE_KEY: bounds[position]} for position in range(len(clients))]

@@ -13,7 +13,7 @@ of one cell and method.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -21,6 +21,7 @@ from torch import Tensor
 from ..core.client_maths import LocalBatches, StepFigures, mean_figures
 from ..algorithms.base import NO_HOOKS
 from .batched import BatchedSimulation
+from .captured import CapturedTraining
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ def why_not_together(engines: Sequence[BatchedSimulation]) -> Optional[str]:
             return f"run {position} has other batch sizes"
         if repr(engine.algorithm.network) != repr(first.algorithm.network):
             return f"run {position} has another network"
+        if (engine.captured is None) != (first.captured is None):
+            return f"run {position} and run 0 differ in device_args.capture_rounds"
         if any(engine.state[k].shape != first.state[k].shape for k in first.algorithm.parameter_names):
             return f"run {position} has other parameter shapes"
     return None
@@ -64,6 +67,22 @@ class GridSimulation:
             for y in ys:
                 self._run_offsets.append(offset)
                 offset += len(y)
+        #: Every run's clients' training as one CUDA graph where the runs ask for their rounds captured.
+        first = self.engines[0]
+        self.captured: Optional[CapturedTraining] = None
+        if first.captured is not None and self._data is not None:
+            self.captured = CapturedTraining(self._indexed_training, first.captured.device)
+
+    def _indexed_training(
+        self, start: Dict[str, Tensor], index: List[Tensor]
+    ) -> Tuple[Dict[str, Tensor], Optional[Tensor]]:
+        """Every run's clients' local update from ``start`` on their minibatches at ``index``
+        (into all runs' data), and their training figures where recorded."""
+        first = self.engines[0]
+        batches = first.minibatches.gather(index, self._data, lazy_inputs=True)
+        figures: Optional[List[StepFigures]] = [] if first.reports_training else None
+        trained = first.train_from(start, batches, figures)
+        return trained, None if figures is None else mean_figures(figures)
 
     def train_round(self, round_idx: int) -> None:
         """One round of every run: each samples its clients and draws its batches; all clients
@@ -83,16 +102,16 @@ class GridSimulation:
             else:
                 batches.append(engine.minibatches.round_batches(round_idx, clients))
         start = {k: torch.cat([s[k] for s in starts]) for k in starts[0]}
-        if self._data is not None:
-            together = self.engines[0].minibatches.gather(
-                [torch.cat(role) for role in zip(*batches)], self._data, lazy_inputs=True
-            )
-        else:
-            together = LocalBatches(*(torch.cat(tensors) for tensors in zip(*batches)))
-        figures: Optional[List[StepFigures]] = [] if self.engines[0].reports_training else None
         with torch.no_grad():
-            trained = self.engines[0].train_from(start, together, figures)
-        every = None if figures is None else mean_figures(figures)
+            if self._data is not None:
+                index = [torch.cat(role) for role in zip(*batches)]
+                train = self.captured if self.captured is not None else self._indexed_training
+                trained, every = train(start, index)
+            else:
+                together = LocalBatches(*(torch.cat(tensors) for tensors in zip(*batches)))
+                figures: Optional[List[StepFigures]] = [] if self.engines[0].reports_training else None
+                trained = self.engines[0].train_from(start, together, figures)
+                every = None if figures is None else mean_figures(figures)
         offset = 0
         for engine, clients in zip(self.engines, chosen):
             mine = {k: v[offset : offset + len(clients)] for k, v in trained.items()}

@@ -395,8 +395,15 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
         return loop, "FedML's sp loop"
     from ..engine.batched import BatchedSimulation
 
-    engine = BatchedSimulation(parts.algorithm, parts.users, parts.global_state, driver, config.compile_local_update)
-    return engine, "the batched engine"
+    engine = BatchedSimulation(
+        parts.algorithm,
+        parts.users,
+        parts.global_state,
+        driver,
+        config.compile_local_update,
+        capture_rounds=config.capture_rounds,
+    )
+    return engine, "the batched engine" + ("" if engine.captured is None else " (device_args.capture_rounds)")
 
 
 def silo_setup(parts: RunParts) -> Any:

@@ -68,6 +68,16 @@ def _rule_platform(c: Config) -> None:
             "device_args.compile_local_update=True: only the batched engine compiles (comm_args."
             "backend sp, train_args.simulation_engine batched)"
         )
+    if c.capture_rounds and (c.training_type != "simulation" or c.backend != "sp" or c.simulation_engine != "batched"):
+        raise ConfigError(
+            "device_args.capture_rounds=True: only the batched engine captures its rounds (comm_args."
+            "backend sp, train_args.simulation_engine batched)"
+        )
+    if c.capture_rounds and c.compile_local_update:
+        raise ConfigError(
+            "device_args.capture_rounds=True: not with device_args.compile_local_update=True (a compiled "
+            "step replays CUDA graphs of its own); choose one"
+        )
     if c.stationarity_every % c.frequency_of_the_test:
         raise ConfigError(
             f"validation_args.stationarity_every={c.stationarity_every!r}: must be a multiple of "

@@ -282,6 +282,14 @@ class DeviceArgs:
         "about a minute; CUDA graphs on GPU). "
         "Fused kernels round differently: results within float rounding of the eager path's, not its bits",
     )
+    capture_rounds: bool = _setting(
+        bool,
+        False,
+        "batched engine on a Linear chain: each round's local training (the minibatches' gathers "
+        "and every client's update) replayed as one CUDA graph, the eager path's kernels and bits; "
+        "the sampling, divergence guard, update screen and average run after it as eagerly. "
+        "Off CUDA the same steps run uncaptured",
+    )
 
 
 @dataclass(frozen=True)

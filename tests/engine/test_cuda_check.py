@@ -29,14 +29,21 @@ def test_cuda_check_runs_on_the_cpu_and_finds_the_paths_equal(tmp_path):
     assert (tmp_path / "cpu_check.md").exists()
 
 
-@pytest.mark.backend  # a benchmark's smoke run
-def test_the_captured_round_prototype_runs_its_steps_on_the_cpu_and_matches_the_engine(tmp_path):
+@pytest.mark.backend  # a benchmark's smoke run: about 15 s
+def test_the_captured_rounds_benchmark_runs_its_steps_on_the_cpu_and_matches_the_eager_engine(tmp_path):
     spec = importlib.util.spec_from_file_location("cuda_graph_round", REPO / "benchmarks" / "cuda_graph_round.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     argv = ["--device", "cpu", "--synthetic", "--rounds", "2", "--blocks", "1", "--block-rounds", "1"]
-    assert module.main([*argv, "--out", str(tmp_path)]) == 0
+    argv += ["--grid-rounds", "1", "--seeds", "2", "--full-rounds", "11", "--out", str(tmp_path)]
+    assert module.main(argv) == 0
     results = json.loads((tmp_path / "cuda_graph_round.json").read_text())
-    assert results["captured"] is False and results["rounds_compared"] == 2
-    assert 0 < results["max_abs_diff_after_rounds"] < 1e-6  # the average's order of sums, no more
-    assert results["eager_ms"] > 0 and results["graph_block_ms"] > 0
+    assert not [k for k in results if k.endswith("_error")]
+    for method in module.METHODS:
+        row = results["methods"][method]
+        assert row["captured"] is False and row["rounds_compared"] == 2  # no CUDA: the same steps uncaptured
+        assert row["max_abs_diff_after_rounds"] == 0 and row["training_figures_equal"] is True
+        assert results["grid"][method]["max_abs_diff_after_rounds"] == 0
+    full = results["full"]["mnist_tau10_alpha0.01_hf"]
+    assert full["rounds"] == 11 and full["evaluations"] == 2 and len(full["personalized_accuracy_percent"]) == 2
+    assert "| hf | False |" in (tmp_path / "cuda_graph_round.md").read_text()
