@@ -18,9 +18,10 @@ the divergence guard, the update screen, the average and the round's training fi
 2. ``grid``: the seeds of the MNIST tau=10 cell as one computation (engine/grid.py), eager and
    captured: the largest difference of their models after --rounds rounds, then ms a round of
    all runs, alternating blocks.
-3. ``full``: the Table 1 MNIST cells of --full-methods, all seeds, --full-rounds rounds, captured,
-   each run evaluated every ``frequency_of_the_test`` rounds and at the end (the personalized
-   evaluation, on the device): wall seconds of each cell and its runs' final accuracies.
+3. ``full``: the Table 1 MNIST cells' --full-methods, all seeds, --full-rounds rounds, captured
+   (in grid mode where the runs share a computation), each run evaluated every
+   ``frequency_of_the_test`` rounds and at the end (the personalized evaluation, on the device):
+   wall seconds of each group and its runs' final accuracies; --full-jobs groups side by side.
 Writes ``cuda_graph_round.json`` and ``cuda_graph_round.md`` under --out.
 """
 
@@ -28,22 +29,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from fedml_perfedavg.algorithms.base import initial_global_state  # noqa: E402
 from fedml_perfedavg.algorithms.registry import create_algorithm  # noqa: E402
 from fedml_perfedavg.core.types import UserSplit  # noqa: E402
 from fedml_perfedavg.data.loading import load_federated  # noqa: E402
 from fedml_perfedavg.engine.batched import BatchedSimulation  # noqa: E402
-from fedml_perfedavg.engine.grid import GridSimulation  # noqa: E402
+from fedml_perfedavg.engine.grid import GridSimulation, why_not_together  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 from fedml_perfedavg.run.config import Config, load  # noqa: E402
 
@@ -112,7 +116,7 @@ class Runs:
         torch.manual_seed(config.random_seed)
         model = create_model("mlp", (1, 28, 28), 10, list(config.hidden_sizes))
         algorithm = create_algorithm(config.federated_optimizer, model, config)
-        state = {k: v.to(self.device) for k, v in model.state_dict().items()}
+        state = {k: v.to(self.device) for k, v in initial_global_state(algorithm, model).items()}
         return BatchedSimulation(algorithm, self.users(config), state, Driver(algorithm), capture_rounds=capture)
 
 
@@ -206,36 +210,69 @@ def grid(runs: Runs, args, device) -> Dict[str, dict]:
     return out
 
 
+def full_group(cell: str, method: str, args, runs: Optional[Runs] = None) -> dict:
+    """One Table 1 group (a cell's method, every seed), captured, in grid mode where the runs can
+    share a computation (else one after the other), evaluated as a run is; its row."""
+    device = torch.device(args.device)
+    runs = runs or Runs(args.mnist_root, device, args.synthetic)
+    configs = [config_of(cell, method, s, args.mnist_root, args.full_rounds) for s in range(args.seeds)]
+    engines = [runs.engine(c, True) for c in configs]
+    together = GridSimulation(engines) if why_not_together(engines) is None else None
+    every = configs[0].frequency_of_the_test
+    synchronize(device)
+    started = time.perf_counter()
+    evaluations = 0
+    for r in range(args.full_rounds):
+        if together is not None:
+            together.train_round(r)
+        else:
+            for engine in engines:
+                engine.train_round(r)
+        if r % every == 0 or r == args.full_rounds - 1:
+            results = [e.algorithm.evaluate(r, e.state, e.users) for e in engines]
+            evaluations += 1
+    synchronize(device)
+    accuracies = [100 * result.personalized_accuracy for result in results]
+    if together is not None:
+        captured = together.captured is not None and together.captured.graphs > 0
+    else:
+        captured = all(e.captured is not None and e.captured.graphs > 0 for e in engines)
+    return {
+        "rounds": args.full_rounds,
+        "seeds": args.seeds,
+        "captured": captured,
+        "grid_mode": together is not None,
+        "evaluations": evaluations,
+        "wall_s": time.perf_counter() - started,
+        "personalized_accuracy_percent": accuracies,
+        "mean_percent": statistics.mean(accuracies),
+        "before_adaptation_percent": [100 * r.accuracy_before_adaptation for r in results],
+    }
+
+
 def full(runs: Runs, args, device) -> Dict[str, dict]:
-    out = {}
-    for cell in args.full_cells:
-        for method in args.full_methods:
-            configs = [config_of(cell, method, s, args.mnist_root, args.full_rounds) for s in range(args.seeds)]
-            engines = [runs.engine(c, True) for c in configs]
-            together = GridSimulation(engines)
-            every = configs[0].frequency_of_the_test
-            synchronize(device)
-            started = time.perf_counter()
-            evaluations = 0
-            for r in range(args.full_rounds):
-                together.train_round(r)
-                if r % every == 0 or r == args.full_rounds - 1:
-                    results = [e.algorithm.evaluate(r, e.state, e.users) for e in engines]
-                    evaluations += 1
-            synchronize(device)
-            accuracies = [100 * result.personalized_accuracy for result in results]
-            row = {
-                "rounds": args.full_rounds,
-                "seeds": args.seeds,
-                "captured": together.captured is not None and together.captured.graphs > 0,
-                "evaluations": evaluations,
-                "wall_s": time.perf_counter() - started,
-                "personalized_accuracy_percent": accuracies,
-                "mean_percent": statistics.mean(accuracies),
-                "before_adaptation_percent": [100 * r.accuracy_before_adaptation for r in results],
-            }
-            out[f"{cell}_{method}"] = row
-            print("full", cell, method, json.dumps(row), flush=True)
+    groups = [
+        (cell, method)
+        for cell in args.full_cells
+        for method in args.full_methods
+        if (REPO / "yaml_configs" / f"{cell}_{method}.yaml").exists()
+    ]
+    out: Dict[str, dict] = {}
+    started = time.perf_counter()
+    if args.full_jobs <= 1:
+        for cell, method in groups:
+            out[f"{cell}_{method}"] = full_group(cell, method, args, runs)
+            print("full", cell, method, json.dumps(out[f"{cell}_{method}"]), flush=True)
+    else:  # groups side by side, a process each (a captured round is the host's: one core each)
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=args.full_jobs, mp_context=context) as pool:
+            futures = {pool.submit(full_group, cell, method, args): f"{cell}_{method}" for cell, method in groups}
+            for future in as_completed(futures):
+                out[futures[future]] = future.result()
+                print("full", futures[future], json.dumps(out[futures[future]]), flush=True)
+                Path(args.out, "cuda_graph_round_full_so_far.json").write_text(json.dumps(out, indent=1) + "\n")
+    if out:
+        out["all_groups"] = {"groups": len(groups), "jobs": args.full_jobs, "wall_s": time.perf_counter() - started}
     return out
 
 
@@ -273,6 +310,9 @@ def markdown(results: dict) -> str:
             "| --- | --- | --- | --- | --- | --- |",
         ]
         for name, r in results["full"].items():
+            if name == "all_groups":
+                lines.append(f"| all {r['groups']} groups, {r['jobs']} at a time | | | | {r['wall_s']:.1f} | |")
+                continue
             lines.append(
                 f"| {name} | {r['captured']} | {r['seeds']} | {r['rounds']} | {r['wall_s']:.1f} "
                 f"| {r['mean_percent']:.2f} "
@@ -293,7 +333,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--full-rounds", type=int, default=1000, help="0: no full cells")
     parser.add_argument("--full-cells", nargs="*", default=["mnist_tau10_alpha0.01"])
-    parser.add_argument("--full-methods", nargs="*", default=["hf"])
+    parser.add_argument("--full-methods", nargs="*", default=["hf"], help="those with a YAML in the cell")
+    parser.add_argument("--full-jobs", type=int, default=1, help="groups run side by side, a process each")
+    parser.add_argument("--sections", nargs="*", default=["methods", "grid", "full"])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -311,6 +353,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     sections = {"methods": methods, "grid": grid, "full": full if args.full_rounds else lambda *_: {}}
     for name, section in sections.items():
+        if name not in args.sections:
+            results[name] = {}
+            continue
         try:
             results[name] = section(runs, args, device)
         except Exception as err:  # noqa: BLE001 - a lease is short: keep what the other sections measure
