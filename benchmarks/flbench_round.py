@@ -141,7 +141,7 @@ def main() -> None:
     users, source = load_users(50, "cpu")
     engine, algorithm = method_engine(args.variant, users)
     config = config_for(args.variant)
-    alpha, beta, delta, steps = config.alpha, config.beta, config.delta, config.local_steps
+    alpha, beta, delta, steps = config.alpha, config.beta, config.setting("delta"), config.local_steps
     batch = config.batch_size
     torch.manual_seed(0)
     model = create_model("mlp", (1, 28, 28), 10)

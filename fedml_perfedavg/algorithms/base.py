@@ -121,7 +121,7 @@ class AlgorithmSettings:
         privacy = config.privacy
         own = None
         if own_settings is not None:
-            own = own_settings(**{f.name: getattr(config, f.name) for f in settings_of(own_settings)})
+            own = own_settings(**{f.name: config.setting(f.name) for f in settings_of(own_settings)})
         return cls(
             seed=config.random_seed,
             client_num_in_total=config.client_num_in_total,

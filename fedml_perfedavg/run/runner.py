@@ -99,11 +99,11 @@ def context_of(args: Any) -> RunContext:
     changed = sorted(
         f.name  # its algorithm's keys alone: another's, in FedML's args from the YAML, it never held
         for f in config.own_settings()
-        if f.name != "enable_wandb" and hasattr(args, f.name) and getattr(args, f.name) != getattr(config, f.name)
+        if f.name != "enable_wandb" and hasattr(args, f.name) and getattr(args, f.name) != config.setting(f.name)
     )
     if changed:
         context.config = from_fedml_args(args, enable_wandb=config.enable_wandb, sections=config.sections())
-        changed = [n for n in changed if getattr(context.config, n) != getattr(config, n)]
+        changed = [n for n in changed if context.config.setting(n) != config.setting(n)]
         if changed:
             logger.info("FedML's args changed after fedml.init (%s): the run uses the new values", ", ".join(changed))
     return context

@@ -503,15 +503,19 @@ class Config(
     extra: Dict[str, Tuple[str, Any]] = field(default_factory=dict, compare=False, metadata={"internal": True})
     # dp_args, attack_args, defense_args as given: FedML's keys for its own DP/attack/defense classes.
     safeguards: Dict[str, Dict[str, Any]] = field(default_factory=dict, metadata={"internal": True})
-    # The algorithms' own settings (each algorithm's ``Settings``), by key: read as attributes.
+    # The chosen algorithm's own settings (its ``Settings``), by key: read with :meth:`setting`.
     algorithm_values: Dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
 
-    def __getattr__(self, name: str) -> Any:
-        # Only for names that are no field: an algorithm's own key (config.perfedavg_variant).
-        values = self.__dict__.get("algorithm_values")
-        if values is not None and name in values:
-            return values[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    def setting(self, name: str) -> Any:
+        """The value of the setting ``name``: a section's key, or one of the chosen algorithm's own
+        (``setting("perfedavg_variant")``); KeyError for a name that is neither."""
+        if name in self.algorithm_values:
+            return self.algorithm_values[name]
+        if name in _SECTION_KEYS:
+            return getattr(self, name)
+        raise KeyError(
+            f"{name!r}: not a setting of this config (train_args.federated_optimizer={self.federated_optimizer!r})"
+        )
 
     def algorithm_settings(self, algorithm: str) -> Dict[str, Any]:
         """``algorithm``'s own keys and their values in this config."""
@@ -540,7 +544,7 @@ class Config(
 
     @property
     def values(self) -> Dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in self.own_settings()}
+        return {f.name: self.setting(f.name) for f in self.own_settings()}
 
     def own_settings(self) -> List[dataclasses.Field]:
         """The settings this config holds: every section's, and its algorithm's own alone."""
@@ -553,11 +557,15 @@ class Config(
         for section, values in self.safeguards.items():
             out[section] = copy.deepcopy(values)
         for f in self.own_settings():
-            value = getattr(self, f.name)  # a Step is recorded as its name, as YAML and FedML spell it
+            value = self.setting(f.name)  # a Step is recorded as its name, as YAML and FedML spell it
             out[f.metadata["section"]][f.name] = value.value if isinstance(value, Enum) else copy.deepcopy(value)
         for name, (section, value) in self.extra.items():
             out.setdefault(section, {})[name] = value
         return out
+
+
+#: The sections' keys (Config's own fields, not the algorithms').
+_SECTION_KEYS = frozenset(f.name for f in dataclasses.fields(Config) if not f.metadata.get("internal"))
 
 
 def settings(builtin_only: bool = False) -> List[dataclasses.Field]:

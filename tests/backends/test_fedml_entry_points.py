@@ -158,7 +158,7 @@ config = context_of(args).config
 from fedml_perfedavg.algorithms.base import AlgorithmSettings
 from fedml_perfedavg.algorithms.perfedavg import PerFedAvgSettings
 own = AlgorithmSettings.from_config(config, PerFedAvgSettings).own
-typed = config.perfedavg_variant is Step.EXACT and own.perfedavg_variant is Step.EXACT
+typed = config.setting("perfedavg_variant") is Step.EXACT and own.perfedavg_variant is Step.EXACT
 sys.__stdout__.write(f"READS {{len(opened)}} {{args.perfedavg_variant}} {{typed}}\\n")
 """
     out = _run([sys.executable, "-c", code, "--cf", path], tmp_path)

@@ -310,7 +310,7 @@ def test_switched_off_sections_are_kept_and_change_nothing(tmp_path):
 # -- the keys' sections, and delta ---------------------------------------------------------------
 def test_dp_delta_and_per_fedavgs_delta_stay_apart(tmp_path):
     config = resolve({"train_args": {"delta": 0.002}, "dp_args": LDP}, dict(BASE))
-    assert config.delta == 0.002 and config.safeguards["dp_args"]["delta"] == 1e-5
+    assert config.setting("delta") == 0.002 and config.safeguards["dp_args"]["delta"] == 1e-5
     assert to_fedml_args(config).delta == 0.002  # FedML's flat args: the plugin's reading
     assert config.sections()["dp_args"]["delta"] == 1e-5
 
@@ -333,7 +333,7 @@ def test_fedmls_entry_path_reads_a_shared_name_section_by_section(tmp_path):
         sensitivity=0.01,
     )
     config = from_fedml_args(args)
-    assert config.delta == 0.002 and config.safeguards["dp_args"]["delta"] == 1e-5
+    assert config.setting("delta") == 0.002 and config.safeguards["dp_args"]["delta"] == 1e-5
 
 
 def test_fedml_keys_in_other_sections_go_to_their_own_and_set_takes_sections():
@@ -350,12 +350,12 @@ def test_fedml_keys_in_other_sections_go_to_their_own_and_set_takes_sections():
         },
         dict(BASE),
     )
-    assert config.safeguards["dp_args"]["enable_dp"] is True and config.delta == 0.001
+    assert config.safeguards["dp_args"]["enable_dp"] is True and config.setting("delta") == 0.001
     overrides = parse_overrides(["dp_args.epsilon=0.25", "defense_type=krum", "delta=0.003"])
     assert overrides == {"dp_args.epsilon": 0.25, "defense_args.defense_type": "krum", "delta": 0.003}
     config = resolve({"dp_args": LDP}, {**BASE, **parse_overrides(["dp_args.epsilon=0.25", "dp_args.delta=1e-6"])})
     assert config.safeguards["dp_args"]["epsilon"] == 0.25 and config.safeguards["dp_args"]["delta"] == 1e-6
-    assert config.delta == 0.001
+    assert config.setting("delta") == 0.001
 
 
 def test_a_run_records_and_reloads_its_fedml_sections(tmp_path):

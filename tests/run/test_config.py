@@ -37,9 +37,9 @@ def test_shipped_configs_validate_and_say_what_they_run(path):
     expected = {"fedavg": "FedAvgUpdate", "aruba": "FedAvgARUBA"}.get(method, "PerFedAvg")
     assert config.federated_optimizer == expected
     if expected == "FedAvgARUBA":
-        assert (config.aruba_epsilon, config.aruba_zeta, config.aruba_p) == (0.03, 0.1, 1.0)
+        assert tuple(config.setting(k) for k in ("aruba_epsilon", "aruba_zeta", "aruba_p")) == (0.03, 0.1, 1.0)
     elif method != "fedavg":
-        assert config.perfedavg_variant == method
+        assert config.setting("perfedavg_variant") == method
     assert (config.client_num_in_total, config.client_num_per_round, config.comm_round, config.beta) == (
         50,
         10,
@@ -135,7 +135,7 @@ def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train_args:\n  beta: 5e-4\n  delta: 1e-5\n")
     config = load(str(path))
-    assert (config.beta, config.delta) == (0.0005, 1e-5)
+    assert (config.beta, config.setting("delta")) == (0.0005, 1e-5)
     with pytest.raises(ConfigError, match="train_args.beta='fast': must be of type float"):
         load(str(path), ["beta=fast"])
 
@@ -316,9 +316,10 @@ def test_a_config_holds_and_records_its_own_algorithms_keys_alone():
     per_fedavg = resolve({}, {}).sections()["train_args"]
     assert per_fedavg["perfedavg_variant"] == "hf" and per_fedavg["delta"] == 0.001 and "aruba_p" not in per_fedavg
     aruba = resolve({}, {"federated_optimizer": "FedAvgARUBA", "aruba_p": 2.0})
-    assert aruba.aruba_p == 2.0 and aruba.sections()["train_args"]["aruba_p"] == 2.0
-    with pytest.raises(AttributeError):
-        aruba.perfedavg_variant  # noqa: B018  not its key
+    assert aruba.setting("aruba_p") == 2.0 and aruba.sections()["train_args"]["aruba_p"] == 2.0
+    with pytest.raises(KeyError, match="'perfedavg_variant': not a setting of this config"):
+        aruba.setting("perfedavg_variant")  # not its algorithm's key
+    assert not hasattr(aruba, "aruba_p")  # an algorithm's key is no attribute: no name resolves by magic
 
 
 def test_an_algorithm_that_gives_a_taken_key_another_meaning_is_refused_naming_both(monkeypatch, fresh_entry_points):
