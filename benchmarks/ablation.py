@@ -67,7 +67,7 @@ def one_run(job) -> Dict:
     engine = engine_for(config, method, users, model)
     accuracy = {}
     start = time.perf_counter()
-    for round_idx in range(config.comm_round):
+    for round_idx in range(config.train.comm_round):
         engine.train_round(round_idx)
         if round_idx in checkpoints(rounds):
             result = engine.evaluate(round_idx)

@@ -63,7 +63,7 @@ def serve(repo: str, method: str, dp: bool, quickstart: bool = False) -> None:
         users = load_split(config).users
         torch.manual_seed(0)
         model = create_model("mlp", (1, 28, 28), 10, [80, 60])
-        algorithm = create_algorithm(config.federated_optimizer, model, config)
+        algorithm = create_algorithm(config.train.federated_optimizer, model, config)
         state = {k: v.detach() for k, v in model.state_dict().items()}
         algorithm.probe_model(state, users[0].train_x[:40], users[0].train_y[:40])
         engine = BatchedSimulation(algorithm, users, state, _Driver(algorithm))

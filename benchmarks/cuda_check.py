@@ -86,7 +86,7 @@ def engine_for(
     compile_local_update: bool = False,
     record_training: bool = True,
 ):
-    algorithm = create_algorithm(config.federated_optimizer, model, config)
+    algorithm = create_algorithm(config.train.federated_optimizer, model, config)
     state = {k: v.to(device) for k, v in model.state_dict().items()}
     engine = BatchedSimulation(
         algorithm, users, state, Driver(algorithm), compile_local_update, try_hand_batched, record_training
@@ -128,7 +128,7 @@ def equivalence(device: torch.device) -> Dict[str, float]:
         )
         torch.manual_seed(0)
         model = create_model("mlp", (1, 28, 28), 10, [80, 60]).double()
-        algorithm = create_algorithm(config.federated_optimizer, model, config)
+        algorithm = create_algorithm(config.train.federated_optimizer, model, config)
         reference = {k: v.clone() for k, v in model.state_dict().items()}
         reference_training = {}
         for r in range(3):
@@ -236,7 +236,7 @@ def compiled_speed(users: List[UserSplit], device: torch.device, repeats: int = 
 def full_run(users: List[UserSplit], device: torch.device, rounds: int) -> Dict[str, float]:
     """Per-FedAvg (HF), tau=10: K rounds with the evaluation every 10 rounds, wall time and accuracy."""
     config = config_for("hf", comm_round=rounds)
-    torch.manual_seed(config.random_seed)
+    torch.manual_seed(config.common.random_seed)
     model = create_model("mlp", (1, 28, 28), 10, [80, 60])
     algorithm, engine = engine_for(config, users, model, device)
     start = time.perf_counter()

@@ -93,27 +93,27 @@ class Runs:
         self._users: Dict[tuple, List[UserSplit]] = {}
 
     def users(self, config: Config) -> List[UserSplit]:
-        key = (config.random_seed, config.images_per_class)
+        key = (config.common.random_seed, config.data.images_per_class)
         if key not in self._users:
             if self.synthetic:
-                users = synthetic_users(config.client_num_in_total, 200, config.random_seed)
+                users = synthetic_users(config.train.client_num_in_total, 200, config.common.random_seed)
             else:
                 users = load_federated(
-                    config.dataset,
+                    config.data.dataset,
                     self.root,
-                    config.client_num_in_total,
-                    config.partition_method,
-                    config.random_seed,
-                    images_per_class=config.images_per_class,
-                    test_images_per_class=config.test_images_per_class,
+                    config.train.client_num_in_total,
+                    config.data.partition_method,
+                    config.common.random_seed,
+                    images_per_class=config.data.images_per_class,
+                    test_images_per_class=config.data.test_images_per_class,
                 ).users
             self._users[key] = [UserSplit(*(t.to(self.device) for t in u)) for u in users]
         return self._users[key]
 
     def engine(self, config: Config, capture: bool) -> BatchedSimulation:
-        torch.manual_seed(config.random_seed)
-        model = create_model("mlp", (1, 28, 28), 10, list(config.hidden_sizes))
-        algorithm = create_algorithm(config.federated_optimizer, model, config)
+        torch.manual_seed(config.common.random_seed)
+        model = create_model("mlp", (1, 28, 28), 10, list(config.model.hidden_sizes))
+        algorithm = create_algorithm(config.train.federated_optimizer, model, config)
         state = {k: v.to(self.device) for k, v in initial_global_state(algorithm, model).items()}
         return BatchedSimulation(algorithm, self.users(config), state, Driver(algorithm), capture_rounds=capture)
 
@@ -216,7 +216,7 @@ def full_group(cell: str, method: str, args, runs: Optional[Runs] = None) -> dic
     configs = [config_of(cell, method, s, args.mnist_root, args.full_rounds) for s in range(args.seeds)]
     engines = [runs.engine(c, True) for c in configs]
     together = GridSimulation(engines) if why_not_together(engines) is None else None
-    every = configs[0].frequency_of_the_test
+    every = configs[0].validation.frequency_of_the_test
     synchronize(device)
     started = time.perf_counter()
     evaluations = 0

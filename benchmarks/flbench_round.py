@@ -141,8 +141,8 @@ def main() -> None:
     users, source = load_users(50, "cpu")
     engine, algorithm = method_engine(args.variant, users)
     config = config_for(args.variant)
-    alpha, beta, delta, steps = config.alpha, config.beta, config.setting("delta"), config.local_steps
-    batch = config.batch_size
+    alpha, beta, delta, steps = config.train.alpha, config.train.beta, config.setting("delta"), config.train.local_steps
+    batch = config.train.batch_size
     torch.manual_seed(0)
     model = create_model("mlp", (1, 28, 28), 10)
     client = FLBenchPerFedAvgClient(model, args.variant, alpha, beta, delta)

@@ -49,7 +49,7 @@ def engines(method: str, seeds: int, data_root: str):
         )
         torch.manual_seed(seed)
         model = create_model("mlp", (1, 28, 28), 10, [80, 60])
-        algorithm = create_algorithm(config.federated_optimizer, model, config)
+        algorithm = create_algorithm(config.train.federated_optimizer, model, config)
         out.append(BatchedSimulation(algorithm, load_split(config).users, model.state_dict(), Driver(algorithm)))
     return out
 

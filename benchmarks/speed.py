@@ -169,7 +169,7 @@ def measure_one(method: str, path: str, repeats: int, device: str, clients: int 
     from fedml_perfedavg.fedml_bridge.trainer_aggregator import create_fedml_pair
 
     args = to_fedml_args(config)
-    algorithm = create_algorithm(config.federated_optimizer, model, config)
+    algorithm = create_algorithm(config.train.federated_optimizer, model, config)
     trainer, aggregator = create_fedml_pair(algorithm, model, args)
 
     # "batched": the default engine (hand-batched gradients where the model is a Linear chain);

@@ -42,7 +42,7 @@ class WholeLoop(CompiledLocalUpdate):
         self._loop = torch.compile(self._all_steps, dynamic=False, fullgraph=True)
 
     def _all_steps(self, w, roles):
-        for t in range(self.config.local_steps):
+        for t in range(self.config.train.local_steps):
             tensors = []
             for x, y in roles:
                 if isinstance(x, tuple):  # (stored data, index): step t's rows gathered in the graph
@@ -53,8 +53,8 @@ class WholeLoop(CompiledLocalUpdate):
                     x_t = x[t : t + 1]
                 tensors += [x_t, y[t : t + 1]]
             steps = FunctionalSteps(self.oracle, LocalBatches(*tensors), self.config.step)
-            direction = step_direction(steps, w, 0, self.config.alpha, self.config.delta, None)
-            w = steps.move(w, direction, self.config.beta)
+            direction = step_direction(steps, w, 0, self.config.train.alpha, self.config.delta, None)
+            w = steps.move(w, direction, self.config.train.beta)
         return w
 
     def __call__(self, params, batches, figures=None):

@@ -533,14 +533,14 @@ def run_facts(config: Any) -> Dict[str, Any]:
     """The run's values FedML's DP, attack and defense classes read (a view, not FedML's args),
     and the aggregation they are combined by."""
     return {
-        "random_seed": config.random_seed,
-        "comm_round": config.comm_round,
-        "client_num_per_round": config.client_num_per_round,
-        "client_num_in_total": config.client_num_in_total,
-        "batch_size": config.batch_size,
-        "dataset": config.dataset,
+        "random_seed": config.common.random_seed,
+        "comm_round": config.train.comm_round,
+        "client_num_per_round": config.train.client_num_per_round,
+        "client_num_in_total": config.train.client_num_in_total,
+        "batch_size": config.train.batch_size,
+        "dataset": config.data.dataset,
         "train_data_num_in_total": None,
-        "aggregation": config.aggregation,
+        "aggregation": config.train.aggregation,
     }
 
 

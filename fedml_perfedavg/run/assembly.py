@@ -68,25 +68,25 @@ class RunParts:
 def check_layout(config: Config, args: Any) -> None:
     """The processes FedML started fit the config (before any rank opens a file in a run
     directory a failed start removes)."""
-    if config.backend == "MPI" and args.worker_num < 2:
+    if config.comm.backend == "MPI" and args.worker_num < 2:
         raise ConfigError(
             f"comm_args.backend='MPI' with {args.worker_num} process: an MPI run needs a server rank "
             f"and at least one worker; start it under mpirun -n 2 to "
-            f"{config.client_num_per_round + 1} (or set comm_args.backend: sp to run in one "
+            f"{config.train.client_num_per_round + 1} (or set comm_args.backend: sp to run in one "
             f"process)"
         )
-    if config.backend == "MPI" and args.worker_num - 1 > config.client_num_per_round:
+    if config.comm.backend == "MPI" and args.worker_num - 1 > config.train.client_num_per_round:
         raise ConfigError(
-            f"train_args.client_num_per_round={config.client_num_per_round!r}: under MPI each of the "
+            f"train_args.client_num_per_round={config.train.client_num_per_round!r}: under MPI each of the "
             f"ranks but the server trains a share of a round's clients, so it must be at least the "
             f"number of ranks - 1 (this is mpirun -n {args.worker_num}: at least "
             f"{max(1, args.worker_num - 1)}; or run mpirun -n 2 to "
-            f"{config.client_num_per_round + 1})"
+            f"{config.train.client_num_per_round + 1})"
         )
     check_one_process(config)
     check_extras(config)
     check_device(config)
-    if config.training_type == "cross_silo":
+    if config.common.training_type == "cross_silo":
         check_silo_role(config, int(args.rank), str(args.role))
 
 
@@ -105,10 +105,10 @@ def check_extras(config: Config) -> None:
     import importlib.util
 
     needs = []
-    if config.training_type == "cross_silo":
-        needs.append(("silo", f"common_args.training_type={config.training_type!r}"))
-    if config.backend == "MPI":
-        needs.append(("mpi", f"comm_args.backend={config.backend!r}"))
+    if config.common.training_type == "cross_silo":
+        needs.append(("silo", f"common_args.training_type={config.common.training_type!r}"))
+    if config.comm.backend == "MPI":
+        needs.append(("mpi", f"comm_args.backend={config.comm.backend!r}"))
     if config.privacy is not None:
         needs.append(("dp", "dp_args.dp_solution_type='dpsgd'"))
     for extra, because in needs:
@@ -125,7 +125,7 @@ def check_extras(config: Config) -> None:
 def check_device(config: Config) -> None:
     """:class:`ConfigError` for ``device_args.using_gpu`` where torch has no CUDA device: FedML
     would train on the CPU and say only "ML engine install was not built with GPU enabled"."""
-    if not config.using_gpu or torch.cuda.is_available():
+    if not config.device.using_gpu or torch.cuda.is_available():
         return
     why = (
         f"this torch ({torch.__version__}) is a CPU build"
@@ -152,12 +152,14 @@ def check_bound_holds_local_noise(config: Config, safeguards: Any, model: nn.Mod
     if noise is None:
         return
     bounds = []
-    if config.max_update_ratio is not None:
+    if config.train.max_update_ratio is not None:
         state = {k: v.detach() for k, v in parameters.items()}
-        limit = update_bound(state, config.max_update_ratio, list(parameters))
-        bounds.append((f"train_args.max_update_ratio={config.max_update_ratio:g} x max(||w||, 1) = {limit:.3g}", limit))
-    if config.max_update_norm is not None:
-        bounds.append((f"train_args.max_update_norm={config.max_update_norm:g}", config.max_update_norm))
+        limit = update_bound(state, config.train.max_update_ratio, list(parameters))
+        bounds.append(
+            (f"train_args.max_update_ratio={config.train.max_update_ratio:g} x max(||w||, 1) = {limit:.3g}", limit)
+        )
+    if config.train.max_update_norm is not None:
+        bounds.append((f"train_args.max_update_norm={config.train.max_update_norm:g}", config.train.max_update_norm))
     over = [words for words, limit in bounds if noise > limit]
     if over:
         dp = config.safeguards["dp_args"]
@@ -174,9 +176,9 @@ def check_one_process(config: Config) -> None:
     """:class:`ConfigError` for a single-process simulation started as one of several processes by
     mpirun: each would run the whole job into one run directory (issue 45)."""
     ranks = mpi_job_size()
-    if config.training_type == "simulation" and config.backend != "MPI" and ranks > 1:
+    if config.common.training_type == "simulation" and config.comm.backend != "MPI" and ranks > 1:
         raise ConfigError(
-            f"comm_args.backend={config.backend!r}, but this process is one of {ranks} that mpirun started: "
+            f"comm_args.backend={config.comm.backend!r}, but this process is one of {ranks} that mpirun started: "
             f"each would run the whole single-process job into one run directory; set comm_args.backend: MPI "
             f"(as the *_mpi.yaml configs do), or start it without mpirun"
         )
@@ -209,7 +211,7 @@ def assemble(
 
     is_server = rank == 0
     log_handler = logs.add_run_file(os.path.join(run_dir, "run.log" if is_server else f"run-rank{rank}.log"))
-    if config.backend == "MPI":
+    if config.comm.backend == "MPI":
         from ..fedml_bridge.mpi import rank_device
 
         device = rank_device(args, device)
@@ -223,14 +225,14 @@ def assemble(
             and trainer.algorithm is aggregator.algorithm
         ):
             raise ConfigError(
-                f"train_args.federated_optimizer={config.federated_optimizer!r} builds its own "
+                f"train_args.federated_optimizer={config.train.federated_optimizer!r} builds its own "
                 f"trainer and aggregator; FedMLRunner was handed {type(trainer).__name__} / "
                 f"{type(aggregator).__name__}. Hand your own pair with federated_optimizer FedAvg, "
                 f"or the pair from fedml_perfedavg.create_fedml_pair"
             )
         algorithm = trainer.algorithm
     else:
-        algorithm = create_algorithm(config.federated_optimizer, model, config)
+        algorithm = create_algorithm(config.train.federated_optimizer, model, config)
         trainer, aggregator = create_fedml_pair(algorithm, model, args)
     safeguards = fedml_safeguards.for_config(config)
     if safeguards is not None:
@@ -267,14 +269,14 @@ def probe(parts: RunParts) -> Optional[str]:
     """What the model allows, probed on a batch like the run's (see ``probe_model``). A model
     that cannot train on the data at all stops the run here, with its own reason; a data owner's
     silo returns the reason instead, to announce it."""
-    config, sample, size = parts.config, parts.users[0], parts.config.batch_size
+    config, sample, size = parts.config, parts.users[0], parts.config.train.batch_size
     try:
         notes = parts.algorithm.probe_model(parts.global_state, sample.train_x[:size], sample.train_y[:size])
     except ModelMismatch as err:
         built = type(parts.model).__module__.split(".")[0] in ("fedml", "fedml_perfedavg")
-        origin = f"model_args.model={config.model!r}" if built else "your own module, not model_args.model"
+        origin = f"model_args.model={config.model.model!r}" if built else "your own module, not model_args.model"
         name = type(parts.model).__name__
-        problem = f"the model ({name}; {origin}) does not fit data_args.dataset={config.dataset!r}: {err}"
+        problem = f"the model ({name}; {origin}) does not fit data_args.dataset={config.data.dataset!r}: {err}"
         if not data_mode(config).announces_problems(parts.is_server):
             raise ConfigError(problem) from None
         # A data owner's silo announces it: the server refuses it at once, naming it, and the run
@@ -289,20 +291,25 @@ def probe(parts: RunParts) -> Optional[str]:
 def resumable(config: Config) -> bool:
     """Whether runs of ``config`` checkpoint and resume: the batched engine and the cross-silo
     server (FedML's sp and MPI loops always start at round 0)."""
-    if config.training_type == "cross_silo":
+    if config.common.training_type == "cross_silo":
         return True
-    return config.training_type == "simulation" and config.backend == "sp" and config.simulation_engine == "batched"
+    return (
+        config.common.training_type == "simulation"
+        and config.comm.backend == "sp"
+        and config.train.simulation_engine == "batched"
+    )
 
 
 def resume_problem(config: Config, is_server: bool) -> Optional[str]:
     """Why a process of ``config`` cannot ``--resume`` (checked before anything is written), or None."""
     if not resumable(config):
         return (
-            f"train_args.simulation_engine={config.simulation_engine!r}, comm_args.backend={config.backend!r}: "
+            f"train_args.simulation_engine={config.train.simulation_engine!r}, "
+            f"comm_args.backend={config.comm.backend!r}: "
             f"resuming needs the batched engine on sp or a cross-silo server (FedML's sp and MPI loops always "
             f"start at round 0)"
         )
-    if config.training_type == "cross_silo" and not is_server:
+    if config.common.training_type == "cross_silo" and not is_server:
         return (
             "--resume is the cross-silo server's (--role server): a silo that stopped is started again as it was, "
             "without --resume, and announces itself to the server"
@@ -335,16 +342,16 @@ def driver_for(parts: RunParts) -> RunDriver:
 def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
     """The adapter that runs the rounds, and how logs name it."""
     config, args = parts.config, parts.args
-    if config.training_type == "cross_silo":
+    if config.common.training_type == "cross_silo":
         from ..silo.server.policy import SiloPolicy
         from ..fedml_bridge.cross_silo.process import CrossSiloProcess
 
         where = f"cross-silo rank {parts.rank} ({args.role}{data_mode(config).label})"
         policy = SiloPolicy(
-            config.connect_timeout,
-            config.round_timeout,
-            config.min_clients_per_round or _fewest_silos(config),
-            config.round_timeout_factor,
+            config.comm.connect_timeout,
+            config.comm.round_timeout,
+            config.comm.min_clients_per_round or _fewest_silos(config),
+            config.comm.round_timeout_factor,
         )
         process = CrossSiloProcess(
             args,
@@ -358,21 +365,21 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
             silo_setup(parts),
         )
         return process, where
-    if config.backend == "MPI":
+    if config.comm.backend == "MPI":
         from ..engine.batched import BatchedSimulation
         from ..fedml_bridge.mpi import MPISimulation
 
         workers = args.worker_num - 1
         where = f"FedML's MPI simulation, {workers} worker ranks" + (
-            f", each training a share of the round's {config.client_num_per_round} clients as one computation"
-            if config.client_num_per_round > workers
+            f", each training a share of the round's {config.train.client_num_per_round} clients as one computation"
+            if config.train.client_num_per_round > workers
             else ", one client each"
         )
         share_trainer = None
-        if not parts.is_server and config.client_num_per_round > workers:  # a worker's share: the batched engine
+        if not parts.is_server and config.train.client_num_per_round > workers:  # a worker's share: the batched engine
             on_device = {k: v.to(parts.device) for k, v in parts.global_state.items()}
             share_trainer = BatchedSimulation(
-                parts.algorithm, parts.users, on_device, driver, config.compile_local_update
+                parts.algorithm, parts.users, on_device, driver, config.device.compile_local_update
             ).train_clients
         own_states = parts.algorithm.client_states if parts.algorithm.holds_client_states else None
         simulation = MPISimulation(
@@ -388,7 +395,7 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
             parts.algorithm.training if parts.algorithm.reports_training else None,
         )
         return simulation, where
-    if config.simulation_engine == "fedml":
+    if config.train.simulation_engine == "fedml":
         from ..fedml_bridge.sp import SPSimulation
 
         loop = SPSimulation(args, parts.device, parts.dataset, parts.model, parts.trainer, parts.aggregator, driver)
@@ -400,8 +407,8 @@ def backend_for(parts: RunParts, driver: RunDriver) -> Tuple[Any, str]:
         parts.users,
         parts.global_state,
         driver,
-        config.compile_local_update,
-        capture_rounds=config.capture_rounds,
+        config.device.compile_local_update,
+        capture_rounds=config.device.capture_rounds,
     )
     return engine, "the batched engine" + ("" if engine.captured is None else " (device_args.capture_rounds)")
 
@@ -419,8 +426,12 @@ def silo_setup(parts: RunParts) -> Any:
     values = fingerprint(config, parts.global_state)
     # compared at each announcement, not part of the run's identity (a silo whose file was
     # corrected carries on with its record and DP account)
-    table = read_ipconfig(config.grpc_ipconfig_path) if config.grpc_ipconfig_path else {}
-    mode, threshold, weighted = data_mode(config), secure_threshold(config), config.aggregation == "sample_weighted"
+    table = read_ipconfig(config.comm.grpc_ipconfig_path) if config.comm.grpc_ipconfig_path else {}
+    mode, threshold, weighted = (
+        data_mode(config),
+        secure_threshold(config),
+        config.train.aggregation == "sample_weighted",
+    )
     roster = _run_roster(config, threshold is not None)
     values_agreed = {ROSTER_DIGEST: "none" if roster is None else roster.digest}
     if parts.is_server:
@@ -437,9 +448,9 @@ def silo_setup(parts: RunParts) -> Any:
             privacy=_privacy_words(config.privacy),
             ca=_run_ca(config) if threshold else None,
             roster=roster if threshold else None,
-            min_summed=config.min_summed_silos if threshold else 0,
-            max_colluding=config.max_colluding_silos if threshold else 0,
-            reserve_silos=config.reserve_silos if threshold else 0,
+            min_summed=config.secagg.min_summed_silos if threshold else 0,
+            max_colluding=config.secagg.max_colluding_silos if threshold else 0,
+            reserve_silos=config.secagg.reserve_silos if threshold else 0,
             keyed_order=parts.algorithm.keyed_order if threshold else None,
         )
     agreed = {**values, ADDRESSES: addresses_seen(table, rank), **values_agreed}
@@ -465,7 +476,7 @@ def silo_setup(parts: RunParts) -> Any:
         scheduled=silo_schedule(parts),
         evaluates=RoundSchedule.from_config(config).evaluates,
         keyed_order=silo_schedule(parts, keyed_order=True) if threshold else None,
-        reserve_silos=config.reserve_silos if threshold else 0,
+        reserve_silos=config.secagg.reserve_silos if threshold else 0,
     )
 
 
@@ -474,12 +485,12 @@ def _run_roster(config: Any, secure: bool) -> Any:
     None; secure aggregation refuses to start without one: its guarantees rest on who the silos are."""
     from ..net.key_roster import ROSTER, read_roster, roster_path_of
 
-    path = roster_path_of(config.roster_path, config.tls_dir)
+    path = roster_path_of(config.comm.roster_path, config.comm.tls_dir)
     if path is None:
         if secure:
             raise ConfigError(
                 f"secagg_args.enable_secagg=True: needs the run's key roster (comm_args.roster_path, or {ROSTER} in "
-                f"comm_args.tls_dir={config.tls_dir!r}): without it a certificate the run's CA signs for any key "
+                f"comm_args.tls_dir={config.comm.tls_dir!r}): without it a certificate the run's CA signs for any key "
                 f"joins a round. Make it with: fedml-perfedavg certs roster --tls-dir DIR --clients N "
                 f"(docs/deployment.md)"
             )
@@ -492,9 +503,9 @@ def _run_ca(config: Any) -> Optional[bytes]:
     advertisements against before relaying them (None: an insecure run, whose silos check none)."""
     from ..net.credentials import CA_CERT
 
-    if not config.tls_dir:
+    if not config.comm.tls_dir:
         return None
-    with open(os.path.join(config.tls_dir, CA_CERT), "rb") as stream:
+    with open(os.path.join(config.comm.tls_dir, CA_CERT), "rb") as stream:
         return stream.read()
 
 
@@ -520,7 +531,7 @@ def silo_outcome(parts: RunParts, values: Dict[str, Any]) -> Any:
         parts.run_dir, parts.rank, identity, parts.algorithm, parts.silo_privacy, parts.silo_account,
         parts.silo_run_secret,
     )  # fmt: skip
-    progress.refuse_a_finished_record(parts.config.overwrite)
+    progress.refuse_a_finished_record(parts.config.common.overwrite)
     outcome = SiloOutcome(user)
     progress.restore(outcome)
     outcome.keep = progress.save
@@ -542,19 +553,20 @@ def _fewest_silos(config: Any) -> int:
     round needs (its threshold, min_summed_silos), whose shorter rounds fail without stopping the run."""
     threshold = secure_threshold(config)
     if threshold is None:
-        return int(config.client_num_per_round)
-    return max(threshold, int(config.min_summed_silos))
+        return int(config.train.client_num_per_round)
+    return max(threshold, int(config.secagg.min_summed_silos))
 
 
 def secure_threshold(config: Any) -> Optional[int]:
     """Secure aggregation's threshold (None: updates travel in the clear): the config's, or a
     majority of a round's silos."""
-    if not config.enable_secagg:
+    if not config.secagg.enable_secagg:
         return None
     from ..secagg.rounds import default_threshold
 
     return int(
-        config.reconstruction_threshold or default_threshold(config.client_num_per_round, config.max_colluding_silos)
+        config.secagg.reconstruction_threshold
+        or default_threshold(config.train.client_num_per_round, config.secagg.max_colluding_silos)
     )
 
 
@@ -565,7 +577,7 @@ def silo_rules(config: Any) -> Optional[Any]:
         return None
     from ..secagg.rounds import SiloRules
 
-    return SiloRules(threshold, config.max_colluding_silos, config.min_summed_silos)
+    return SiloRules(threshold, config.secagg.max_colluding_silos, config.secagg.min_summed_silos)
 
 
 def silo_schedule(parts: RunParts, keyed_order: bool = False) -> Callable[[int], List[int]]:

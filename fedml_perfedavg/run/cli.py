@@ -61,7 +61,8 @@ def describe_data(config) -> str:
 
     data = load_split(config)
     lines = [
-        f"{config.dataset}, {config.partition_method}, n={config.client_num_in_total}, seed={config.random_seed}",
+        f"{config.data.dataset}, {config.data.partition_method}, n={config.train.client_num_in_total}, "
+        f"seed={config.common.random_seed}",
         "user  train  test  classes (class: train/test)",
     ]
     for user_id, counts in enumerate(data.describe()):
@@ -144,14 +145,14 @@ def _run_dir_of(config: Config, args: argparse.Namespace) -> Tuple[str, bool]:
     only the owner removes a failed start's (so to any other process it "existed")."""
     from .runner import mpi_world_rank, resolve_run_dir, shared_run_dir
 
-    owner = args.role != "client" and (config.backend != "MPI" or mpi_world_rank() == 0)
+    owner = args.role != "client" and (config.comm.backend != "MPI" or mpi_world_rank() == 0)
     resume = bool(args.resume)
     run_id = str(args.run_id)
     planned = args.run_dir
     if owner:
         planned = resolve_run_dir(config, args.run_dir, create=False, resume=resume, run_id=run_id)
     existed = not owner or os.path.isdir(planned)
-    if config.backend == "MPI":
+    if config.comm.backend == "MPI":
         return shared_run_dir(config, planned, resume), existed
     return resolve_run_dir(config, planned, resume=resume, owner=owner, run_id=run_id), existed
 
@@ -179,7 +180,7 @@ def _main(argv: List[str]) -> int:
     existed = True
     try:
         config = _config_of(args, parser)
-        if args.resume and _already_finished(args.resume, config.comm_round):
+        if args.resume and _already_finished(args.resume, config.train.comm_round):
             return 0
         if args.describe_data:
             logs.use_console(args.log_level)
@@ -198,7 +199,7 @@ def _main(argv: List[str]) -> int:
         check_one_process(config)  # before any process resolves or creates the run directory
         check_extras(config)
         check_device(config)
-        if config.training_type == "cross_silo" or args.role is not None:
+        if config.common.training_type == "cross_silo" or args.role is not None:
             from .silo_roles import check_silo_role
 
             check_silo_role(config, args.rank, args.role)

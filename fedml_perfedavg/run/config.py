@@ -119,8 +119,8 @@ def resolve(
     chosen = values["federated_optimizer"]
     chosen_keys = set(algorithm_settings(chosen)) if chosen in algorithm_names() else set()
     _name_other_algorithms_keys(given, own_keys, chosen_keys, chosen)
-    config = Config(
-        **{k: v for k, v in values.items() if k not in own_keys},
+    config = Config.of_values(
+        values,
         source=source,
         extra=extra,
         safeguards=safeguards,

@@ -79,9 +79,10 @@ class SharedData(SharedDataRounds):
 
     def check_data(self, config: Config, users: List[UserSplit], rank: int) -> None:
         """The dataset has the config's number of users, and each batch fits the smallest."""
-        if len(users) != config.client_num_in_total:
+        if len(users) != config.train.client_num_in_total:
             raise ConfigError(
-                f"train_args.client_num_in_total={config.client_num_in_total!r}: the dataset has {len(users)} clients"
+                f"train_args.client_num_in_total={config.train.client_num_in_total!r}: "
+                f"the dataset has {len(users)} clients"
             )
         check_batch_sizes(config, min(len(u.train_y) for u in users), "the smallest client's training data")
 
@@ -151,7 +152,7 @@ class OwnData(OwnDataRounds):
         if rank == 0 or not users:
             return SiloPrivacy()
         if config.privacy is None:
-            if not config.enable_secagg:
+            if not config.secagg.enable_secagg:
                 return SiloPrivacy()
             secret = this_runs_secret(run.run_dir, rank, run.identity())
             key_training_draws(algorithm, rank - 1, secret)

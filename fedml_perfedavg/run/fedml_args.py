@@ -130,7 +130,7 @@ def transport_values(args: Any, config: Optional[Config] = None) -> Dict[str, An
     """The cross-silo transport's comm_args values, typed and checked: a plugin run's ``config``'s;
     for FedML's own algorithms (which have no config), FedML's ``args`` by the same fields' rules."""
     if config is not None:
-        return {name: getattr(config, name) for name in TRANSPORT_KEYS}
+        return {name: config.setting(name) for name in TRANSPORT_KEYS}
     values = {}
     for name in TRANSPORT_KEYS:
         value = getattr(args, name, None)

@@ -189,11 +189,11 @@ def launch(
     if clients != config.silo_count:
         if config.own_data:
             raise ConfigError(
-                f"train_args.client_num_in_total={config.client_num_in_total!r}: must equal --clients "
+                f"train_args.client_num_in_total={config.train.client_num_in_total!r}: must equal --clients "
                 f"({clients}): in data-owner mode (comm_args.silo_data own) each silo owns one user"
             )
         raise ConfigError(
-            f"train_args.client_num_per_round={config.client_num_per_round!r}: must equal --clients "
+            f"train_args.client_num_per_round={config.train.client_num_per_round!r}: must equal --clients "
             f"({clients}): each silo trains one sampled user per round"
         )
     run_dir = resolve_run_dir(config, run_dir, create=False)
@@ -228,7 +228,7 @@ def own_folders(config, run_dir: str, clients: int) -> Dict[int, str]:
     from .runner import load_split
     from .silo_data import export_split
 
-    root = config.data_cache_dir
+    root = config.data.data_cache_dir
     if not is_export(root):
         root = os.path.join(run_dir, "silo-data")
         shutil.rmtree(root, ignore_errors=True)
@@ -326,7 +326,7 @@ def _launch(
     grace_seconds: float,
 ) -> int:
     folders = own_folders(config, run_dir, clients) if config.own_data else {}
-    ipconfig = config.grpc_ipconfig_path or write_ipconfig(os.path.join(run_dir, "grpc_ipconfig.csv"), clients + 1)
+    ipconfig = config.comm.grpc_ipconfig_path or write_ipconfig(os.path.join(run_dir, "grpc_ipconfig.csv"), clients + 1)
     addresses = read_ipconfig(ipconfig, clients + 1)
     launched = SiloProcesses(_command(config_path, run_dir, overrides, ipconfig), folders, clients, run_dir)
     processes = launched.processes
@@ -340,7 +340,9 @@ def _launch(
         try:
             if server_delay is None:
                 launched.start(0)
-                _wait_ready(launched.server_state, processes[0], "%s:%d" % addresses[0], config.connect_timeout, stop)
+                _wait_ready(
+                    launched.server_state, processes[0], "%s:%d" % addresses[0], config.comm.connect_timeout, stop
+                )
                 for rank in range(1, clients + 1):
                     launched.start(rank)
             else:  # silos first: they retry until the server listens
@@ -348,7 +350,7 @@ def _launch(
                     launched.start(rank)
                 stop.sleep(server_delay)
                 launched.start(0)
-            _watch(processes, config.min_clients_per_round or clients, launched.server_state, stop)
+            _watch(processes, config.comm.min_clients_per_round or clients, launched.server_state, stop)
             # Silos end on their own after a finished run; after a failed one they may wait in vain.
             deadline = time.monotonic() + (grace_seconds if processes[0].returncode == 0 else 5.0)
             while time.monotonic() < deadline and any(p.poll() is None for p in processes.values()):

@@ -43,7 +43,7 @@ class Measurements:
         state = {k: v.to(self.device) for k, v in state.items()}
         result = self.algorithm.evaluate(round_idx, state, self.users)
         extra = {**self.algorithm.describe(state), **self.stationarity(state, "", measure_stationarity)}
-        if self.config.random_iterate:
+        if self.config.validation.random_iterate:
             start = {k: v.to(self.device) for k, v in previous.items()}
             extra.update(self.random_iterate(round_idx, start, measure_stationarity))
         return result, extra
@@ -55,14 +55,14 @@ class Measurements:
         params, _ = self.algorithm.split_state(state)
         return {
             f"{prefix}stationarity": stationarity(
-                self.algorithm.loss_fn, params, self.users, self.config.alpha, self.trained
+                self.algorithm.loss_fn, params, self.users, self.config.train.alpha, self.trained
             )
         }
 
     def random_iterate(self, round_idx: int, start: StateDict, measure: bool) -> Dict[str, float]:
         """The average of the round's clients' iterates at a uniform step t_k (recomputed from the
         round's start, with the round's own batches), evaluated like the global model."""
-        step = random_iterate_step(self.config.random_seed, round_idx, self.config.local_steps)
+        step = random_iterate_step(self.config.common.random_seed, round_idx, self.config.train.local_steps)
         clients = self.algorithm.sample_clients(round_idx)
         iterates = [
             (

@@ -26,7 +26,9 @@ def use_rules(config: Config, algorithm: FederatedAlgorithm) -> UseRules:
     """How DP-SGD uses each user's data in a round and an evaluation (the standard maths' step)."""
     assert algorithm.standard_update is not None  # DP-SGD runs only the standard maths
     step = algorithm.standard_update.step
-    return UseRules.of(step, config.batch_sizes, config.local_steps, config.batch_size, config.adapt_steps)
+    return UseRules.of(
+        step, config.batch_sizes, config.train.local_steps, config.train.batch_size, config.validation.adapt_steps
+    )
 
 
 def central_ledger(config: Config, algorithm: FederatedAlgorithm, users: List[UserSplit]) -> PrivacyLedger:
@@ -81,12 +83,12 @@ def check_budget(
             plan = planned_ledger(ledger, range(rounds), sample, schedule.evaluates, evaluated)
             return plan.first_past(budget)
 
-        over = past(config.comm_round)
+        over = past(config.train.comm_round)
         earlier = sum(sum(e.values()) for e in ledger.earlier.values())
         since = f" (counting {earlier} uses of its data by earlier runs: its account)" if earlier else ""
         if over is not None:
             epsilon, user = over
-            low, high = 0, config.comm_round  # the first number of rounds that passes the budget
+            low, high = 0, config.train.comm_round  # the first number of rounds that passes the budget
             while high - low > 1:
                 middle = (low + high) // 2
                 low, high = (middle, high) if past(middle) is None else (low, middle)
@@ -103,10 +105,13 @@ def check_budget(
                 )
             raise ConfigError(
                 f"dp_args.max_epsilon={dp.max_epsilon!r}: this run would reach epsilon {epsilon:.4g} (user {user}) "
-                f"at delta {dp.delta:g}{since} after train_args.comm_round={config.comm_round} rounds; the budget is "
+                f"at delta {dp.delta:g}{since} after train_args.comm_round={config.train.comm_round} rounds; "
+                f"the budget is "
                 f"passed in round {high - 1}. Allowed: comm_round <= {low}, or {fewer_uses}"
             )
-        planned, planned_user = planned_epsilon(ledger, range(config.comm_round), sample, schedule.evaluates, evaluated)
+        planned, planned_user = planned_epsilon(
+            ledger, range(config.train.comm_round), sample, schedule.evaluates, evaluated
+        )
         logger.info(
             "DP-SGD: the run's plan reaches epsilon %.4g (user %s; %s) at delta %g, within dp_args.max_epsilon=%g",
             planned,
@@ -154,7 +159,7 @@ def own_account(
 
     dp = config.privacy
     assert dp is not None
-    account = SiloAccount.open(accounts_root(config.account_dir), data)
+    account = SiloAccount.open(accounts_root(config.comm.account_dir), data)
     secret = this_runs_secret(run_dir, rank, identity)
     run = RunAccount(account, run_key(identity, secret), dict(identity), secret, rank - 1)
     earlier = account.earlier_uses(run.key, dp.noise_multiplier)

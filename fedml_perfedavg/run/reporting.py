@@ -584,9 +584,9 @@ class RunRecorder:
 def wandb_tags(config: Any) -> List[str]:
     """A run's wandb tags: its method (with the variant), seed and dataset, so that a grouped
     grid (group = cell) can be filtered and compared per method and seed in wandb's UI."""
-    name = config.federated_optimizer
+    name = config.train.federated_optimizer
     method = "-".join([name, *method_choices(name, config.algorithm_settings(name))])
-    return [method, f"seed{config.random_seed}", config.dataset]
+    return [method, f"seed{config.common.random_seed}", config.data.dataset]
 
 
 def recorder_for(config: Any, run_dir: str, deferred_wandb: bool = False) -> RunRecorder:
@@ -594,21 +594,23 @@ def recorder_for(config: Any, run_dir: str, deferred_wandb: bool = False) -> Run
     the run's name; ``deferred_wandb``: written at the end, for one of several runs in a process)."""
     name = os.path.basename(run_dir)
     wandb_settings = None
-    if config.enable_wandb:
+    if config.tracking.enable_wandb:
         wandb_settings = {
-            "project": config.wandb_project,
-            "group": config.wandb_group or name,
-            "name": config.wandb_name or name,
+            "project": config.tracking.wandb_project,
+            "group": config.tracking.wandb_group or name,
+            "name": config.tracking.wandb_name or name,
             "tags": wandb_tags(config),
             "deferred": deferred_wandb,
         }
-    new_users = held_out_users(config.random_seed, config.client_num_in_total, config.new_user_fraction)
+    new_users = held_out_users(
+        config.common.random_seed, config.train.client_num_in_total, config.train.new_user_fraction
+    )
     return RunRecorder(
         run_dir,
-        config.comm_round,
+        config.train.comm_round,
         config.sections(),
-        config.show_progress,
+        config.tracking.show_progress,
         wandb_settings,
         new_users,
-        config.client_num_in_total,
+        config.train.client_num_in_total,
     )

@@ -27,85 +27,87 @@ from .schema import BACKENDS, Config
 
 def _rule_algorithm(c: Config) -> None:
     names = algorithm_names()
-    if c.federated_optimizer in names:
+    if c.train.federated_optimizer in names:
         return
-    if c.federated_optimizer in FEDML_OWN:
+    if c.train.federated_optimizer in FEDML_OWN:
         raise ConfigError(
-            f"train_args.federated_optimizer={c.federated_optimizer!r}: that is FedML's own algorithm "
+            f"train_args.federated_optimizer={c.train.federated_optimizer!r}: that is FedML's own algorithm "
             f"(run it with FedML's own main script); the plugin runs {names} (the paper's FedAvg "
             f"baseline is FedAvgUpdate)"
         )
     raise ConfigError(
-        f"train_args.federated_optimizer={c.federated_optimizer!r}: must be one of "
-        f"{names}{suggest(c.federated_optimizer, names)}"
+        f"train_args.federated_optimizer={c.train.federated_optimizer!r}: must be one of "
+        f"{names}{suggest(c.train.federated_optimizer, names)}"
     )
 
 
 def _rule_clients(c: Config) -> None:
-    if c.client_num_per_round > c.client_num_in_total:
+    if c.train.client_num_per_round > c.train.client_num_in_total:
         raise ConfigError(
-            f"train_args.client_num_per_round={c.client_num_per_round!r}: must be <= "
-            f"train_args.client_num_in_total ({c.client_num_in_total})"
+            f"train_args.client_num_per_round={c.train.client_num_per_round!r}: must be <= "
+            f"train_args.client_num_in_total ({c.train.client_num_in_total})"
         )
-    trained = c.client_num_in_total - int(round(c.new_user_fraction * c.client_num_in_total))
-    if c.client_num_per_round > trained:
+    trained = c.train.client_num_in_total - int(round(c.train.new_user_fraction * c.train.client_num_in_total))
+    if c.train.client_num_per_round > trained:
         raise ConfigError(
-            f"train_args.new_user_fraction={c.new_user_fraction!r}: leaves {trained} training users, "
-            f"fewer than train_args.client_num_per_round ({c.client_num_per_round})"
+            f"train_args.new_user_fraction={c.train.new_user_fraction!r}: leaves {trained} training users, "
+            f"fewer than train_args.client_num_per_round ({c.train.client_num_per_round})"
         )
 
 
 def _rule_platform(c: Config) -> None:
-    if c.backend not in BACKENDS[c.training_type]:
+    if c.comm.backend not in BACKENDS[c.common.training_type]:
         raise ConfigError(
-            f"comm_args.backend={c.backend!r}: with common_args.training_type={c.training_type!r} "
-            f"it must be one of {list(BACKENDS[c.training_type])}"
+            f"comm_args.backend={c.comm.backend!r}: with common_args.training_type={c.common.training_type!r} "
+            f"it must be one of {list(BACKENDS[c.common.training_type])}"
         )
-    if c.compile_local_update and (
-        c.training_type != "simulation" or c.backend != "sp" or c.simulation_engine != "batched"
+    if c.device.compile_local_update and (
+        c.common.training_type != "simulation" or c.comm.backend != "sp" or c.train.simulation_engine != "batched"
     ):
         raise ConfigError(
             "device_args.compile_local_update=True: only the batched engine compiles (comm_args."
             "backend sp, train_args.simulation_engine batched)"
         )
-    if c.capture_rounds and (c.training_type != "simulation" or c.backend != "sp" or c.simulation_engine != "batched"):
+    if c.device.capture_rounds and (
+        c.common.training_type != "simulation" or c.comm.backend != "sp" or c.train.simulation_engine != "batched"
+    ):
         raise ConfigError(
             "device_args.capture_rounds=True: only the batched engine captures its rounds (comm_args."
             "backend sp, train_args.simulation_engine batched)"
         )
-    if c.capture_rounds and c.compile_local_update:
+    if c.device.capture_rounds and c.device.compile_local_update:
         raise ConfigError(
             "device_args.capture_rounds=True: not with device_args.compile_local_update=True (a compiled "
             "step replays CUDA graphs of its own); choose one"
         )
-    if c.stationarity_every % c.frequency_of_the_test:
+    if c.validation.stationarity_every % c.validation.frequency_of_the_test:
         raise ConfigError(
-            f"validation_args.stationarity_every={c.stationarity_every!r}: must be a multiple of "
-            f"validation_args.frequency_of_the_test ({c.frequency_of_the_test}), so it falls on "
+            f"validation_args.stationarity_every={c.validation.stationarity_every!r}: must be a multiple of "
+            f"validation_args.frequency_of_the_test ({c.validation.frequency_of_the_test}), so it falls on "
             f"evaluations (or 0: never)"
         )
-    if c.random_iterate and c.training_type != "simulation":
+    if c.validation.random_iterate and c.common.training_type != "simulation":
         raise ConfigError(
             "validation_args.random_iterate=True: only in simulation (common_args.training_type "
             "simulation), where the server holds every user's data to recompute the iterates"
         )
-    if c.training_type == "cross_silo":
-        check_security(c.tls_dir, c.insecure)
-    check_scenario(c.training_type, c.extra.get("scenario", (None, None))[1])
-    if c.silo_data == "own" and c.training_type != "cross_silo":
+    if c.common.training_type == "cross_silo":
+        check_security(c.comm.tls_dir, c.comm.insecure)
+    check_scenario(c.common.training_type, c.extra.get("scenario", (None, None))[1])
+    if c.comm.silo_data == "own" and c.common.training_type != "cross_silo":
         raise ConfigError(
             "comm_args.silo_data='own': only across silos (common_args.training_type cross_silo); "
             "a simulation holds every user's data"
         )
-    if c.own_data and c.stationarity_every:
+    if c.own_data and c.validation.stationarity_every:
         raise ConfigError(
-            f"validation_args.stationarity_every={c.stationarity_every!r}: needs every user's data in "
+            f"validation_args.stationarity_every={c.validation.stationarity_every!r}: needs every user's data in "
             f"one process; with comm_args.silo_data='own' the server holds none (set it to 0)"
         )
-    if c.min_clients_per_round is not None and c.min_clients_per_round > c.client_num_per_round:
+    if c.comm.min_clients_per_round is not None and c.comm.min_clients_per_round > c.train.client_num_per_round:
         raise ConfigError(
-            f"comm_args.min_clients_per_round={c.min_clients_per_round!r}: must be <= "
-            f"train_args.client_num_per_round ({c.client_num_per_round})"
+            f"comm_args.min_clients_per_round={c.comm.min_clients_per_round!r}: must be <= "
+            f"train_args.client_num_per_round ({c.train.client_num_per_round})"
         )
 
 
@@ -123,16 +125,21 @@ def check_scenario(training_type: Any, scenario: Any) -> None:
 def _rule_split(c: Config) -> None:
     """The paper's split, planned (:func:`~fedml_perfedavg.data.loading.check_paper_split`);
     batches are drawn without replacement, so they must fit in the smallest user's training data."""
-    if c.partition_method not in PARTITIONS:
+    if c.data.partition_method not in PARTITIONS:
         return  # FedML's own loaders: checked against the data once it is loaded
     smallest, a = check_paper_split(
-        c.dataset, c.client_num_in_total, c.images_per_class, c.test_images_per_class, c.partition_method, c.random_seed
+        c.data.dataset,
+        c.train.client_num_in_total,
+        c.data.images_per_class,
+        c.data.test_images_per_class,
+        c.data.partition_method,
+        c.common.random_seed,
     )
     check_batch_sizes(
         c,
         smallest,
         f"the smallest user's training data under data_args.images_per_class={a} "
-        f"(data_args.partition_method={c.partition_method!r})",
+        f"(data_args.partition_method={c.data.partition_method!r})",
     )
 
 
@@ -148,10 +155,10 @@ def _rule_secagg(c: Config) -> None:
     """Secure aggregation needs what makes it hold (own data, TLS, an update bound to clip to) and
     refuses what needs to see one silo's update (FedML's defenses, model attacks, central DP's
     per-update clipping)."""
-    if not c.enable_secagg:
-        if c.reconstruction_threshold is not None:
+    if not c.secagg.enable_secagg:
+        if c.secagg.reconstruction_threshold is not None:
             raise ConfigError(
-                f"secagg_args.reconstruction_threshold={c.reconstruction_threshold!r}: only with "
+                f"secagg_args.reconstruction_threshold={c.secagg.reconstruction_threshold!r}: only with "
                 f"secagg_args.enable_secagg true"
             )
         return
@@ -159,27 +166,27 @@ def _rule_secagg(c: Config) -> None:
     if not c.own_data:
         raise ConfigError(
             f"{need}: only across data-owner silos (common_args.training_type cross_silo, comm_args.silo_data "
-            f"own); here training_type={c.training_type!r}, silo_data={c.silo_data!r}"
+            f"own); here training_type={c.common.training_type!r}, silo_data={c.comm.silo_data!r}"
         )
-    if not c.tls_dir:
+    if not c.comm.tls_dir:
         raise ConfigError(
             f"{need}: needs comm_args.tls_dir (each silo's keys are bound to its certificate); "
             f"comm_args.insecure cannot carry it"
         )
-    if c.max_update_ratio is None and c.max_update_norm is None:
+    if c.train.max_update_ratio is None and c.train.max_update_norm is None:
         raise ConfigError(
             f"{need}: needs train_args.max_update_ratio or train_args.max_update_norm (each silo clips its "
             f"update to that bound, which makes the sum fit 32-bit fixed point); both are null"
         )
-    if algorithm_class(c.federated_optimizer).returns_whole_state:
+    if algorithm_class(c.train.federated_optimizer).returns_whole_state:
         raise ConfigError(
-            f"{need}: train_args.federated_optimizer={c.federated_optimizer!r} sends back more than its "
+            f"{need}: train_args.federated_optimizer={c.train.federated_optimizer!r} sends back more than its "
             f"parameters (per-client statistics the server reads one by one); use PerFedAvg or FedAvgUpdate"
         )
-    algorithm = algorithm_class(c.federated_optimizer)
+    algorithm = algorithm_class(c.train.federated_optimizer)
     if algorithm.combine is not FederatedAlgorithm.combine:
         raise ConfigError(
-            f"{need}: train_args.federated_optimizer={c.federated_optimizer!r} overrides combine "
+            f"{need}: train_args.federated_optimizer={c.train.federated_optimizer!r} overrides combine "
             f"({algorithm.__module__}.{algorithm.__qualname__}.combine), its own aggregation of the clients' "
             f"updates; under secure aggregation the server holds only their weighted sum, so it could apply "
             f"the plain weighted mean alone. Use an algorithm that aggregates by the mean, or secure "
@@ -191,14 +198,14 @@ def _rule_secagg(c: Config) -> None:
 def _rule_secagg_counts(c: Config) -> None:
     """The numbers each silo enforces of a secure round (secagg/rounds.py ``SiloRules``), refused
     at start rather than by every silo in every round."""
-    k, colluding, fewest = c.client_num_per_round, c.max_colluding_silos, c.min_summed_silos
+    k, colluding, fewest = c.train.client_num_per_round, c.secagg.max_colluding_silos, c.secagg.min_summed_silos
     if k < fewest:
         raise ConfigError(
             f"train_args.client_num_per_round={k!r}: with secagg_args.enable_secagg each round sums at least "
             f"secagg_args.min_summed_silos={fewest} silos (with 2, each would learn the other's update from the "
             f"new model; with 1, the sum is that silo's update). Allowed: client_num_per_round >= {fewest}"
         )
-    threshold = c.reconstruction_threshold
+    threshold = c.secagg.reconstruction_threshold
     if threshold is not None and threshold > k:
         raise ConfigError(
             f"secagg_args.reconstruction_threshold={threshold!r}: must be <= train_args.client_num_per_round "
@@ -222,9 +229,9 @@ def _rule_secagg_spare(c: Config, threshold: int) -> None:
     """A secure round short of what it needs is not summed (the model is kept): refused at start, unless
     accepted, is a configuration where one lost organization fails every later round that samples it,
     because the round cannot spare it and no organization can take its place (issue 76)."""
-    k, n, reserves = c.client_num_per_round, c.client_num_in_total, c.reserve_silos
-    need = max(threshold, c.min_summed_silos, c.min_clients_per_round or 0)
-    if k - 1 >= need or (reserves >= 1 and n - 1 >= k) or c.accept_rounds_without_spare:
+    k, n, reserves = c.train.client_num_per_round, c.train.client_num_in_total, c.secagg.reserve_silos
+    need = max(threshold, c.secagg.min_summed_silos, c.comm.min_clients_per_round or 0)
+    if k - 1 >= need or (reserves >= 1 and n - 1 >= k) or c.secagg.accept_rounds_without_spare:
         return
     why = (
         f"no organization can take its place (client_num_in_total={n}, client_num_per_round={k})"
@@ -234,8 +241,8 @@ def _rule_secagg_spare(c: Config, threshold: int) -> None:
     raise ConfigError(
         f"secagg_args: one lost organization would fail every later round that samples it: a round of {k} "
         f"silos short of one has {k - 1}, fewer than the {need} it needs (max of the threshold {threshold}, "
-        f"secagg_args.min_summed_silos={c.min_summed_silos}"
-        + (f", comm_args.min_clients_per_round={c.min_clients_per_round}" if c.min_clients_per_round else "")
+        f"secagg_args.min_summed_silos={c.secagg.min_summed_silos}"
+        + (f", comm_args.min_clients_per_round={c.comm.min_clients_per_round}" if c.comm.min_clients_per_round else "")
         + f"), and {why}. Allowed: more organizations than a round samples (client_num_in_total > "
         f"client_num_per_round, with secagg_args.reserve_silos >= 1), a round that can spare one "
         f"(client_num_per_round >= {need + 1}), or secagg_args.accept_rounds_without_spare: true"
@@ -245,9 +252,14 @@ def _rule_secagg_spare(c: Config, threshold: int) -> None:
 def _rule_client_state(c: Config) -> None:
     """A client's own state stays with whoever holds the client: across silos, only a data
     owner's silo always holds the same client (algorithms/client_states.py)."""
-    if algorithm_class(c.federated_optimizer).keeps_client_state and c.training_type == "cross_silo" and not c.own_data:
+    if (
+        algorithm_class(c.train.federated_optimizer).keeps_client_state
+        and c.common.training_type == "cross_silo"
+        and not c.own_data
+    ):
         raise ConfigError(
-            f"comm_args.silo_data={c.silo_data!r}: train_args.federated_optimizer={c.federated_optimizer!r} keeps "
+            f"comm_args.silo_data={c.comm.silo_data!r}: "
+            f"train_args.federated_optimizer={c.train.federated_optimizer!r} keeps "
             f"a state of each client's own, which stays with the silo that holds the client; across silos that "
             f"is data-owner mode (comm_args.silo_data: own), where each silo holds one user for the whole run"
         )
@@ -260,18 +272,18 @@ def _rule_privacy(c: Config) -> None:
     if privacy is None:
         return
     privacy.check_run(
-        stationarity_every=c.stationarity_every,
-        random_iterate=c.random_iterate,
-        cross_silo=c.training_type == "cross_silo",
+        stationarity_every=c.validation.stationarity_every,
+        random_iterate=c.validation.random_iterate,
+        cross_silo=c.common.training_type == "cross_silo",
         own_data=c.own_data,
     )
-    privacy.check_algorithm(c.federated_optimizer, dp_refusal(algorithm_class(c.federated_optimizer)))
+    privacy.check_algorithm(c.train.federated_optimizer, dp_refusal(algorithm_class(c.train.federated_optimizer)))
 
 
 def _rule_safeguards(c: Config) -> None:
     """FedML's DP, attack and defense sections as FedML would read them, rehearsed; refused beside
     secure aggregation where they need to see one silo's update."""
-    if c.enable_secagg:
+    if c.secagg.enable_secagg:
         safeguards.check_secure_aggregation(c.safeguards)
     safeguards.check(c.safeguards, safeguards.run_facts(c))
 

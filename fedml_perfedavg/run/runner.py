@@ -102,7 +102,7 @@ def context_of(args: Any) -> RunContext:
         if f.name != "enable_wandb" and hasattr(args, f.name) and getattr(args, f.name) != config.setting(f.name)
     )
     if changed:
-        context.config = from_fedml_args(args, enable_wandb=config.enable_wandb, sections=config.sections())
+        context.config = from_fedml_args(args, enable_wandb=config.tracking.enable_wandb, sections=config.sections())
         changed = [n for n in changed if context.config.setting(n) != config.setting(n)]
         if changed:
             logger.info("FedML's args changed after fedml.init (%s): the run uses the new values", ", ".join(changed))
@@ -117,10 +117,10 @@ def default_run_name(config: Config, run_id: Optional[str] = None) -> str:
     """``common_args.run_name``, else the config file's name and, for a cross-silo run, its
     ``--run_id`` (every process of the run, started apart, names the same folder), for any other
     run the start time."""
-    if config.run_name:
-        return config.run_name
+    if config.common.run_name:
+        return config.common.run_name
     stem = os.path.splitext(os.path.basename(config.source))[0] if config.source else "run"
-    if config.training_type == "cross_silo" and run_id is not None:
+    if config.common.training_type == "cross_silo" and run_id is not None:
         return f"{stem}-run-{run_id}"
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -138,7 +138,7 @@ def resolve_run_dir(
     starts a new run in a directory that holds one: that is an error unless ``resume`` (continue
     it) or ``common_args.overwrite`` (its run files are removed first)."""
     if run_dir is None:
-        run_dir = os.path.join(config.output_dir, default_run_name(config, run_id))
+        run_dir = os.path.join(config.common.output_dir, default_run_name(config, run_id))
     run_dir = os.path.abspath(run_dir)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"run directory {run_dir!r} is a file; give another --run-dir (or common_args.run_name)")
@@ -146,7 +146,7 @@ def resolve_run_dir(
         refuse_if_held(run_dir)  # a live run's folder, whatever is asked of it (a new run, --overwrite, --resume)
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))] if owner and not resume else []
     failed_start = never_started(run_dir) if held else None
-    if held and not config.overwrite and failed_start is None:
+    if held and not config.common.overwrite and failed_start is None:
         raise ConfigError(
             f"run directory {run_dir!r} holds a run ({', '.join(held)}); give another --run-dir (or "
             f"common_args.run_name), --resume {run_dir} to continue it, or --overwrite "
@@ -218,7 +218,7 @@ def run_dir_of(context: RunContext, args: Any) -> str:
             else requested
         )
         new = planned is not None and not os.path.exists(planned)
-        if config.backend == "MPI":
+        if config.comm.backend == "MPI":
             context.run_dir = shared_run_dir(config, planned, context.resume)
         else:
             context.run_dir = resolve_run_dir(config, planned, resume=context.resume, owner=owner, run_id=run_id)
@@ -238,9 +238,9 @@ def remove_if_never_started(run_dir: str) -> None:
 
 def rank_of(config: Config, args: Any) -> int:
     """This process's rank: 0 on sp; FedML's MPI rank; the cross-silo ``--rank``."""
-    if config.training_type == "cross_silo":
+    if config.common.training_type == "cross_silo":
         return int(args.rank)
-    if config.backend == "MPI":  # before fedml.init has set process_id (choosing FedML's home), mpirun's rank
+    if config.comm.backend == "MPI":  # before fedml.init has set process_id (choosing FedML's home), mpirun's rank
         process_id = getattr(args, "process_id", None)
         return mpi_world_rank() if process_id is None else int(process_id)
     return 0
@@ -283,7 +283,7 @@ def _split_of(value: Callable[[str], Any]) -> FederatedData:
 
 def load_split(config: Config) -> FederatedData:
     """The paper's split the config describes (cached: a grid or a test suite loads it once)."""
-    return _split_of(functools.partial(getattr, config))
+    return _split_of(config.setting)
 
 
 # -- what the bridge calls ------------------------------------------------------------------------
@@ -378,12 +378,12 @@ class PluginRun:
         self.args = args
         self.context = context_of(args)
         self.config = config = self.context.config
-        if config.training_type == "cross_silo":
+        if config.common.training_type == "cross_silo":
             # FedML's init counts silos as client_num_per_round; in data-owner mode there is one per user.
             args.worker_num = config.silo_count
             if int(args.rank) == 0:
                 args.client_id_list = str(list(range(1, config.silo_count + 1)))
-        if config.backend != "MPI":
+        if config.comm.backend != "MPI":
             check_layout(config, args)  # before this process opens a file in a run directory a failed start removes
             self.run_dir = run_dir_of(self.context, args)
             self.rank = rank_of(config, args)
@@ -411,22 +411,22 @@ class PluginRun:
             self.args, config, self.run_dir, self.rank, device, dataset, model, trainer, aggregator, self.context.grid
         )
         self.is_server, self.model, self.algorithm = parts.is_server, model, parts.algorithm
-        if config.training_type == "cross_silo":
+        if config.common.training_type == "cross_silo":
             cap_messages_by_global_state(self.args, parts.global_state)
         self.recorder = parts.recorder
         self.driver = driver_for(parts)
         self.backend, self.where = backend_for(parts, self.driver)
         self.start_round = 0
-        if config.training_type == "cross_silo" and self.is_server:
+        if config.common.training_type == "cross_silo" and self.is_server:
             self.driver.backend_states[CROSS_SILO_STATE] = self.backend.checkpoint_state
         logger.info(
             "run %s: %s on %s, %d rounds, %d of %d users per round, %s",
             self.run_dir,
             self.algorithm.label,
-            config.dataset,
-            config.comm_round,
-            config.client_num_per_round,
-            config.client_num_in_total,
+            config.data.dataset,
+            config.train.comm_round,
+            config.train.client_num_per_round,
+            config.train.client_num_in_total,
             self.where,
         )
 
@@ -442,7 +442,7 @@ class PluginRun:
         if problem is not None:
             raise ConfigError(problem)
         self.start_round = self.driver.restore(self.parts.device)
-        if self.config.training_type == "cross_silo":
+        if self.config.common.training_type == "cross_silo":
             with torch.no_grad():  # FedML's aggregator starts from the model (and state beside it) it holds
                 self.parts.aggregator.set_model_params(self.driver.global_state)
             self.backend.resume(self.start_round, self.driver.restored.get(CROSS_SILO_STATE))
@@ -457,7 +457,7 @@ class PluginRun:
             with stop:  # Ctrl-C keeps the round it lands in (a checkpoint)
                 self.driver.stop_at_round_end = stop
                 try:
-                    self.driver.global_state = self.backend.run(self.start_round, self.config.comm_round)
+                    self.driver.global_state = self.backend.run(self.start_round, self.config.train.comm_round)
                 finally:
                     self.driver.stop_at_round_end = None
         else:
@@ -470,7 +470,7 @@ class PluginRun:
             outcome = getattr(self.backend, "outcome", None)
             if status == "finished" and outcome is not None and outcome.ended_early:
                 status, error = "stopped", outcome.ended_early  # the server's reason: the run did not finish
-            if self.config.training_type == "cross_silo" and self.config.own_data and outcome is not None:
+            if self.config.common.training_type == "cross_silo" and self.config.own_data and outcome is not None:
                 from ..core.ledger import silo_report
                 from .silo_record import write_silo_record
 
@@ -515,7 +515,7 @@ class PluginRun:
                 summary["accuracy_before_adaptation"],
                 summary["headline_round"],
                 summary["rounds"],
-                self.config.comm_round,
+                self.config.train.comm_round,
                 status,
                 summary["wall_seconds"],
                 self.run_dir,
@@ -558,7 +558,7 @@ class PluginRun:
         """Close the log; under MPI, rank 0's record is now written, so the whole job ends here
         with ``code``: the workers wait for a model that will never come, and FedML's receive
         threads would keep every process alive (FedML's own finish aborts the job the same way)."""
-        mpi_server = self.config.backend == "MPI" and self.is_server
+        mpi_server = self.config.comm.backend == "MPI" and self.is_server
         if mpi_server:
             logger.error("%s; ending every MPI rank (the record is in %s)", why, self.run_dir)
         self._close()
@@ -601,7 +601,7 @@ def fedml_args(
     """FedML's ``args`` for ``config`` (what ``fedml.init()`` would read from the YAML)."""
     args = to_fedml_args(config)
     setattr(args, CONTEXT, RunContext(config, requested_run_dir=run_dir, resume=resume))
-    if config.training_type == "cross_silo":
+    if config.common.training_type == "cross_silo":
         args.rank, args.role, args.run_id = rank, role, run_id
         args.worker_num, args.scenario = config.silo_count, "horizontal"
     return args
@@ -673,21 +673,25 @@ def run_grid(configs: List[Config], run_dirs: List[str], data: Optional[List[Fed
     splits: List[Optional[FederatedData]] = list(data) if data else [None] * len(configs)
     runs = []
     for config, run_dir, split in zip(configs, run_dirs, splits):
-        if config.backend != "sp" or config.simulation_engine != "batched" or config.training_type != "simulation":
+        if (
+            config.comm.backend != "sp"
+            or config.train.simulation_engine != "batched"
+            or config.common.training_type != "simulation"
+        ):
             raise ConfigError(
-                f"train_args.simulation_engine={config.simulation_engine!r}: grid mode runs the "
+                f"train_args.simulation_engine={config.train.simulation_engine!r}: grid mode runs the "
                 f"batched engine on sp only"
             )
         args = fedml_args(config, run_dir)
         getattr(args, CONTEXT).grid = True  # wandb written at the end (one live wandb run per process)
         runs.append(prepare_fedml_run(args, split).runner)
     why = why_not_together([r.backend for r in runs])
-    if why is not None or len({c.comm_round for c in configs}) != 1:
+    if why is not None or len({c.train.comm_round for c in configs}) != 1:
         logger.warning("grid: runs one after the other (%s)", why or "different comm_round")
         return [r.run() for r in runs]
     # Each run ends as it would alone (round_finished keeps every run's global state current).
     with contextlib.ExitStack() as stack:
         for r in runs:
             stack.enter_context(r.ending())
-        GridSimulation([r.backend for r in runs]).run(0, configs[0].comm_round)
+        GridSimulation([r.backend for r in runs]).run(0, configs[0].train.comm_round)
     return [r.conclude() for r in runs]

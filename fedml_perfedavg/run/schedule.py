@@ -19,10 +19,15 @@ class RoundSchedule:
 
     @classmethod
     def from_config(cls, config: Any) -> "RoundSchedule":
-        every = config.checkpoint_every
-        if config.training_type == "cross_silo" and every:
+        every = config.common.checkpoint_every
+        if config.common.training_type == "cross_silo" and every:
             every = 1  # a crashed server resumes from the round it was in: nothing done by the silos is lost
-        return cls(config.comm_round, config.frequency_of_the_test, config.stationarity_every, every)
+        return cls(
+            config.train.comm_round,
+            config.validation.frequency_of_the_test,
+            config.validation.stationarity_every,
+            every,
+        )
 
     def is_last(self, round_idx: int) -> bool:
         return round_idx == self.comm_round - 1

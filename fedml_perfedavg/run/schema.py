@@ -490,31 +490,69 @@ class TrackingArgs:
     show_progress: bool = _setting(bool, True, "tqdm progress bar over rounds (on a terminal)")
 
 
-# Config inherits every section; dataclasses collect inherited fields from the last base to the
-# first, so the bases are listed in reverse to keep the YAML's (and docs/configuration.md's table's) order.
-@dataclass(frozen=True)
-class Config(
-    TrackingArgs, SecAggArgs, CommArgs, DeviceArgs, ValidationArgs, TrainArgs, ModelArgs, DataArgs, CommonArgs
-):
-    """A validated run configuration (FedML flattens its YAML sections; so does this)."""
+#: Each YAML section's class and the attribute a :class:`Config` holds it under, in the YAML's order
+#: (and docs/configuration.md's table's).
+SECTION_CLASSES: Dict[str, Tuple[str, type]] = {
+    "common_args": ("common", CommonArgs),
+    "data_args": ("data", DataArgs),
+    "model_args": ("model", ModelArgs),
+    "train_args": ("train", TrainArgs),
+    "validation_args": ("validation", ValidationArgs),
+    "device_args": ("device", DeviceArgs),
+    "comm_args": ("comm", CommArgs),
+    "secagg_args": ("secagg", SecAggArgs),
+    "tracking_args": ("tracking", TrackingArgs),
+}
+#: Each section key's :class:`Config` attribute: ``alpha`` -> ``train`` (``config.train.alpha``).
+SECTION_OF_KEY: Dict[str, str] = {
+    f.name: attribute for attribute, cls in SECTION_CLASSES.values() for f in dataclasses.fields(cls)
+}
 
+
+@dataclass(frozen=True)
+class Config:
+    """A validated run configuration, section by section as FedML's YAML is
+    (``config.train.alpha``, ``config.comm.backend``); the chosen algorithm's own keys by
+    :meth:`setting`; FedML's DP, attack and defense sections as given (:attr:`safeguards`, and
+    DP-SGD typed: :attr:`privacy`). FedML's flat ``args`` are made from it and read back by
+    :mod:`.fedml_args`."""
+
+    common: CommonArgs = field(default_factory=CommonArgs, metadata={"section_attribute": True})
+    data: DataArgs = field(default_factory=DataArgs, metadata={"section_attribute": True})
+    model: ModelArgs = field(default_factory=ModelArgs, metadata={"section_attribute": True})
+    train: TrainArgs = field(default_factory=TrainArgs, metadata={"section_attribute": True})
+    validation: ValidationArgs = field(default_factory=ValidationArgs, metadata={"section_attribute": True})
+    device: DeviceArgs = field(default_factory=DeviceArgs, metadata={"section_attribute": True})
+    comm: CommArgs = field(default_factory=CommArgs, metadata={"section_attribute": True})
+    secagg: SecAggArgs = field(default_factory=SecAggArgs, metadata={"section_attribute": True})
+    tracking: TrackingArgs = field(default_factory=TrackingArgs, metadata={"section_attribute": True})
     # Not settings: where the config came from, and FedML keys that ride along unchecked.
-    source: Optional[str] = field(default=None, compare=False, metadata={"internal": True})
-    extra: Dict[str, Tuple[str, Any]] = field(default_factory=dict, compare=False, metadata={"internal": True})
+    source: Optional[str] = field(default=None, compare=False)
+    extra: Dict[str, Tuple[str, Any]] = field(default_factory=dict, compare=False)
     # dp_args, attack_args, defense_args as given: FedML's keys for its own DP/attack/defense classes.
-    safeguards: Dict[str, Dict[str, Any]] = field(default_factory=dict, metadata={"internal": True})
+    safeguards: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     # The chosen algorithm's own settings (its ``Settings``), by key: read with :meth:`setting`.
-    algorithm_values: Dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
+    algorithm_values: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of_values(cls, values: Mapping[str, Any], **rest: Any) -> "Config":
+        """A config of every section key's value in ``values`` (by key), and ``rest``'s fields."""
+        sections = {
+            attribute: section(**{f.name: values[f.name] for f in dataclasses.fields(section)})
+            for attribute, section in SECTION_CLASSES.values()
+        }
+        return cls(**sections, **rest)
 
     def setting(self, name: str) -> Any:
         """The value of the setting ``name``: a section's key, or one of the chosen algorithm's own
         (``setting("perfedavg_variant")``); KeyError for a name that is neither."""
         if name in self.algorithm_values:
             return self.algorithm_values[name]
-        if name in _SECTION_KEYS:
-            return getattr(self, name)
+        if name in SECTION_OF_KEY:
+            return getattr(getattr(self, SECTION_OF_KEY[name]), name)
         raise KeyError(
-            f"{name!r}: not a setting of this config (train_args.federated_optimizer={self.federated_optimizer!r})"
+            f"{name!r}: not a setting of this config "
+            f"(train_args.federated_optimizer={self.train.federated_optimizer!r})"
         )
 
     def algorithm_settings(self, algorithm: str) -> Dict[str, Any]:
@@ -529,18 +567,23 @@ class Config(
     @property
     def own_data(self) -> bool:
         """Cross-silo in data-owner mode: each silo holds its own user's data alone."""
-        return self.training_type == "cross_silo" and self.silo_data == "own"
+        return self.common.training_type == "cross_silo" and self.comm.silo_data == "own"
 
     @property
     def silo_count(self) -> int:
         """Cross-silo: the number of silo processes (ranks 1..this): one per user in data-owner
         mode, one per client of a round in shared mode."""
-        return self.client_num_in_total if self.own_data else self.client_num_per_round
+        return self.train.client_num_in_total if self.own_data else self.train.client_num_per_round
 
     @property
     def batch_sizes(self) -> Tuple[int, int, int]:
         """(|D|, |D'|, |D''|), the two last defaulting to |D|."""
-        return (self.batch_size, self.meta_batch_size or self.batch_size, self.hessian_batch_size or self.batch_size)
+        train = self.train
+        return (
+            train.batch_size,
+            train.meta_batch_size or train.batch_size,
+            train.hessian_batch_size or train.batch_size,
+        )
 
     @property
     def values(self) -> Dict[str, Any]:
@@ -564,15 +607,11 @@ class Config(
         return out
 
 
-#: The sections' keys (Config's own fields, not the algorithms').
-_SECTION_KEYS = frozenset(f.name for f in dataclasses.fields(Config) if not f.metadata.get("internal"))
-
-
 def settings(builtin_only: bool = False) -> List[dataclasses.Field]:
     """Every setting, in table order: :class:`Config`'s fields, and after ``train_args``' own the
     algorithms' (each algorithm's ``Settings``: the built-ins', and unless ``builtin_only`` those
     registered so far)."""
-    own = [f for f in dataclasses.fields(Config) if not f.metadata.get("internal")]
+    own = [f for _, section in SECTION_CLASSES.values() for f in dataclasses.fields(section)]
     last_train = max(i for i, f in enumerate(own) if f.metadata["section"] == "train_args")
     taken = {f.name for f in own}
     algorithms = []

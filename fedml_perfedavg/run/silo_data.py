@@ -43,18 +43,18 @@ FEDML_CLASSES = {
 
 def split_keys(config: Config) -> Dict[str, Any]:
     """The config's values that define its split (recorded in each exported folder)."""
-    return {key: getattr(config, key) for key in SPLIT_KEYS}
+    return {key: config.setting(key) for key in SPLIT_KEYS}
 
 
 def server_data(config: Config) -> FederatedData:
     """The server's dataset in data-owner mode: no users, the dataset's number of classes."""
-    spec = DATASETS.get(config.dataset)
+    spec = DATASETS.get(config.data.dataset)
     if spec is not None:
         return FederatedData([], spec.num_classes, spec.input_shape, [])
-    if config.dataset in FEDML_CLASSES:
-        return FederatedData([], FEDML_CLASSES[config.dataset], (), [])
+    if config.data.dataset in FEDML_CLASSES:
+        return FederatedData([], FEDML_CLASSES[config.data.dataset], (), [])
     raise ConfigError(
-        f"data_args.dataset={config.dataset!r}: with comm_args.silo_data='own' the server reads no data, "
+        f"data_args.dataset={config.data.dataset!r}: with comm_args.silo_data='own' the server reads no data, "
         f"so it must know the dataset's number of classes to build the model; it knows "
         f"{sorted([*DATASETS, *FEDML_CLASSES])}. For another dataset, run your own main script: build the "
         f"model yourself and hand FedMLRunner an empty dataset on the server"
@@ -68,7 +68,7 @@ def own_split(config: Config, rank: int, whole_split) -> Optional[FederatedData]
     which the run keeps the silo's client."""
     if rank == 0:
         return server_data(config)
-    folder = config.data_cache_dir
+    folder = config.data.data_cache_dir
     if is_silo_folder(folder):
         silo = read_silo_folder(folder)
         if silo.rank != rank:
@@ -76,10 +76,10 @@ def own_split(config: Config, rank: int, whole_split) -> Optional[FederatedData]
                 f"data_args.data_cache_dir={folder!r} holds rank {silo.rank}'s data (user {silo.user_id}); "
                 f"this is rank {rank}: give it its own folder, DIR/rank-{rank}"
             )
-        if silo.dataset != config.dataset:
+        if silo.dataset != config.data.dataset:
             raise ConfigError(
                 f"data_args.data_cache_dir={folder!r} holds {silo.dataset!r} data; this run has "
-                f"data_args.dataset={config.dataset!r}"
+                f"data_args.dataset={config.data.dataset!r}"
             )
         check_split(silo, split_keys(config), folder)
         logger.info(
@@ -96,12 +96,12 @@ def own_split(config: Config, rank: int, whole_split) -> Optional[FederatedData]
             f"data_args.data_cache_dir={folder!r} is a whole export (rank-1/, rank-2/, ...); give silo "
             f"rank {rank} its own folder: data_cache_dir={os.path.join(folder, f'rank-{rank}')}"
         )
-    if config.partition_method in PARTITIONS:
+    if config.data.partition_method in PARTITIONS:
         logger.warning(
             "silo rank %d reads the whole %s dataset under %s to take user %d's part of the split; in a "
             "deployment each organization holds its own folder (fedml-perfedavg export-split)",
             rank,
-            config.dataset,
+            config.data.dataset,
             folder,
             rank - 1,
         )
@@ -112,15 +112,15 @@ def own_split(config: Config, rank: int, whole_split) -> Optional[FederatedData]
 
 def export_split(config: Config, out_dir: str, whole_split) -> list:
     """One folder per user of the config's split: ``out_dir/rank-R/`` for R = 1..n."""
-    if config.partition_method not in PARTITIONS:
+    if config.data.partition_method not in PARTITIONS:
         raise ConfigError(
-            f"data_args.partition_method={config.partition_method!r}: export-split cuts the paper's "
+            f"data_args.partition_method={config.data.partition_method!r}: export-split cuts the paper's "
             f"split ({list(PARTITIONS)}); FedML's own loaders read each organization's data where it is"
         )
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"--out {out_dir!r}: not empty; give a new folder")
     data = whole_split(config)
-    return export_users(out_dir, data.users, config.dataset, data.num_classes, split_keys(config))
+    return export_users(out_dir, data.users, config.data.dataset, data.num_classes, split_keys(config))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,14 +140,14 @@ def whole_split(config: Config) -> FederatedData:
     from ..data.loading import load_federated
 
     return load_federated(
-        config.dataset,
-        config.data_cache_dir,
-        config.client_num_in_total,
-        config.partition_method,
-        config.random_seed,
-        download=config.download,
-        images_per_class=config.images_per_class,
-        test_images_per_class=config.test_images_per_class,
+        config.data.dataset,
+        config.data.data_cache_dir,
+        config.train.client_num_in_total,
+        config.data.partition_method,
+        config.common.random_seed,
+        download=config.data.download,
+        images_per_class=config.data.images_per_class,
+        test_images_per_class=config.data.test_images_per_class,
     )
 
 

@@ -31,9 +31,9 @@ def check_silo_role(config: Config, rank: Optional[int], role: Optional[str]) ->
         raise ConfigError(f"--rank {rank} --role {role}: the server is rank 0 and silos are ranks 1..{silos}")
     if not 0 <= rank <= silos:
         raise ConfigError(f"--rank {rank}: silos are ranks 1..{silos} ({why})")
-    if config.grpc_ipconfig_path is None:
+    if config.comm.grpc_ipconfig_path is None:
         raise ConfigError(
             "comm_args.grpc_ipconfig_path=None: cross-silo needs the gRPC address file (CSV "
             "eid,rank,grpc_server_ip,grpc_server_port); launch-silo writes one"
         )
-    read_ipconfig(config.grpc_ipconfig_path, silos + 1)
+    read_ipconfig(config.comm.grpc_ipconfig_path, silos + 1)

@@ -181,7 +181,7 @@ def test_its_setting_is_what_its_clients_read(tmp_path):
         )
         result = run(config, str(tmp_path / str(clip)), data=tiny_data())
         torch.manual_seed(0)  # the run's own initial model (runner: seeded by random_seed)
-        start = create_model("mlp", (1, 4, 4), 3, list(config.hidden_sizes)).state_dict()
+        start = create_model("mlp", (1, 4, 4), 3, list(config.model.hidden_sizes)).state_dict()
         moved[clip] = float(torch.sqrt(sum(((result.final_state[k] - start[k]) ** 2).sum() for k in start)))
     # 3 rounds of 2 steps, each moving a client's model by beta * clip_norm at most (tiny data's
     # gradients are larger than clip_norm): the average of the clients' moves cannot go further.

@@ -72,7 +72,7 @@ def test_launcher_with_silos_started_first_equals_single_process(mnist_root, tmp
     # Each silo evaluated the final model on its own user of that (K-th) selection, as documented.
     final = summary["silo_evaluation"][-1]
     assert final["when"] == "final"
-    users = sample_clients(config.random_seed, 3, config.client_num_in_total, 2)
+    users = sample_clients(config.common.random_seed, 3, config.train.client_num_in_total, 2)
     data = load_split(config)
     for rank, user in zip(("1", "2"), users):
         reported = final["silos"][rank]

@@ -491,7 +491,7 @@ def _secure_dp_owners(tmp_path, mnist_root, change=None):
     }
     exported = {**settings, "data_cache_dir": mnist_root, "silo_data": "shared", "enable_secagg": False}
     config = resolve(load_yaml(HF_YAML), exported)
-    sampled = {r: [u + 1 for u in sample_clients(config.random_seed, r, silos, 3)] for r in range(rounds)}
+    sampled = {r: [u + 1 for u in sample_clients(config.common.random_seed, r, silos, 3)] for r in range(rounds)}
     first = next(r for r in range(1, rounds) if 2 in sampled[r])
     export_split(config, str(tmp_path / "export"), load_split)
     (tmp_path / "server-data").mkdir()

@@ -122,7 +122,7 @@ def test_fedml_defenses_and_model_attacks_are_refused_with_secure_aggregation():
     attacked = {**sections, "attack_args": {"enable_attack": True, "attack_type": "byzantine"}}
     with pytest.raises(ConfigError, match="attack_args.attack_type='byzantine' with secagg_args.enable_secagg"):
         resolve(attacked, values)
-    assert resolve(load_yaml(HF_YAML), {"enable_secagg": False}).enable_secagg is False
+    assert resolve(load_yaml(HF_YAML), {"enable_secagg": False}).secagg.enable_secagg is False
     # An algorithm whose clients send back more than parameters (declared, not named here).
     with pytest.raises(ConfigError, match="'FedAvgARUBA' sends back more than its parameters"):
         resolve(sections, {**values, "federated_optimizer": "FedAvgARUBA"})

@@ -79,7 +79,7 @@ def test_batched_engine_equals_per_client_path_float64(optimizer, variant, try_h
     config, users, model = _setup(optimizer, variant)
     algorithm = create_algorithm(optimizer, model, config)
     start = copy.deepcopy(model.state_dict())
-    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    reference = per_client_rounds(algorithm, users, start, config.train.comm_round)
     with caplog.at_level("INFO"):
         engine = BatchedSimulation(
             create_algorithm(optimizer, model, config),
@@ -89,7 +89,7 @@ def test_batched_engine_equals_per_client_path_float64(optimizer, variant, try_h
             try_hand_batched=try_hand_batched,
         )
     assert ("hand-batched matrix products" in caplog.text) == try_hand_batched  # the MLP is a Linear/ELU chain
-    got = engine.run(0, config.comm_round)
+    got = engine.run(0, config.train.comm_round)
     assert engine.batched
     assert any(not torch.allclose(got[k], start[k]) for k in got)  # it did train
     for k in got:
@@ -108,7 +108,7 @@ def test_compiled_local_update_gives_the_eager_result(monkeypatch, caplog, hand_
     model = MLP(6, 3, (5,)).double()  # one hidden Linear/ELU: a third fewer kernels for the C++ compiler
     algorithm, one_by_one = (create_algorithm("PerFedAvg", model, config) for _ in range(2))
     start = copy.deepcopy(model.state_dict())
-    reference = per_client_rounds(one_by_one, users, start, config.comm_round)
+    reference = per_client_rounds(one_by_one, users, start, config.train.comm_round)
     with caplog.at_level("INFO"):
         engine = BatchedSimulation(
             algorithm, users, start, Driver(algorithm), compile_local_update=True, try_hand_batched=hand_batched
@@ -121,11 +121,14 @@ def test_compiled_local_update_gives_the_eager_result(monkeypatch, caplog, hand_
     else:
         assert calls == [{"mode": "default", "dynamic": False}]
         assert engine.compiled_update is None and "compiled whole" in caplog.text
-    got = engine.run(0, config.comm_round)
+    got = engine.run(0, config.train.comm_round)
     for k in got:
         torch.testing.assert_close(got[k], reference[k], rtol=1e-9, atol=1e-11)
     # the compiled step records the clients' training figures, as each client alone does
-    compiled, alone = algorithm.training.take(config.comm_round - 1), one_by_one.training.take(config.comm_round - 1)
+    compiled, alone = (
+        algorithm.training.take(config.train.comm_round - 1),
+        one_by_one.training.take(config.train.comm_round - 1),
+    )
     assert compiled["train_clients"] == alone["train_clients"] == 3
     assert compiled["train_loss"] == pytest.approx(alone["train_loss"], rel=1e-9)
     assert compiled["train_accuracy"] == pytest.approx(alone["train_accuracy"], abs=1e-12)
@@ -142,17 +145,17 @@ def test_fedavg_aruba_batched_equals_per_client_path_float64(model_kind, caplog)
         model = ConvBatchNorm().double()
     algorithm = create_algorithm("FedAvgARUBA", model, config)
     start = initial_global_state(algorithm, model)
-    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    reference = per_client_rounds(algorithm, users, start, config.train.comm_round)
     with caplog.at_level("INFO"):
         engine = BatchedSimulation(algorithm, users, start, Driver(algorithm))
     assert "client maths is its own" in caplog.text
-    got = engine.run(0, config.comm_round)
+    got = engine.run(0, config.train.comm_round)
     assert engine.batched
     for k in got:
         torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)
     lr = [k for k in got if k.startswith("aruba_lr__")]
     assert lr and all(not torch.allclose(got[k], start[k]) for k in lr)  # the rates were learned
-    assert float(got["aruba_tasks"]) == 3 * config.comm_round
+    assert float(got["aruba_tasks"]) == 3 * config.train.comm_round
 
 
 class ConvBatchNorm(nn.Module):
@@ -174,9 +177,9 @@ def test_batchnorm_model_batched_equals_per_client_and_keeps_its_buffers(optimiz
     model = ConvBatchNorm().double()
     algorithm = create_algorithm(optimizer, model, config)
     start = copy.deepcopy(model.state_dict())
-    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    reference = per_client_rounds(algorithm, users, start, config.train.comm_round)
     engine = BatchedSimulation(create_algorithm(optimizer, model, config), users, start, Driver(algorithm))
-    got = engine.run(0, config.comm_round)
+    got = engine.run(0, config.train.comm_round)
     assert engine.batched
     for k in got:
         torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)
@@ -207,9 +210,9 @@ def test_a_model_vmap_cannot_batch_falls_back_to_the_per_client_path(caplog):
     start = copy.deepcopy(model.state_dict())
     [why] = algorithm.probe_model(start, users[0].train_x[:1], users[0].train_y[:1])
     assert "data-dependent control flow" in why.lower() and not algorithm.paths.vmappable
-    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    reference = per_client_rounds(algorithm, users, start, config.train.comm_round)
     engine = BatchedSimulation(algorithm, users, start, Driver(algorithm))
-    got = engine.run(0, config.comm_round)
+    got = engine.run(0, config.train.comm_round)
     assert not engine.batched
     for k in got:
         torch.testing.assert_close(got[k], reference[k], rtol=1e-12, atol=1e-14)
@@ -254,7 +257,7 @@ def test_engine_makes_no_dataloader_or_deep_copy_per_step(monkeypatch):
         if getattr(module, "DataLoader", None) is real_loader:
             monkeypatch.setattr(module, "DataLoader", CountingLoader)
     monkeypatch.setattr(copy, "deepcopy", counting_deepcopy)
-    engine.run(0, config.comm_round)
+    engine.run(0, config.train.comm_round)
     assert calls == {"DataLoader": 0, "deepcopy": 0}
 
 
@@ -264,12 +267,12 @@ def test_batched_engine_on_cuda_equals_per_client_path_on_cpu(optimizer, variant
     config, users, model = _setup(optimizer, variant)
     algorithm = create_algorithm(optimizer, model, config)
     start = copy.deepcopy(model.state_dict())
-    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    reference = per_client_rounds(algorithm, users, start, config.train.comm_round)
     cuda = torch.device("cuda")
     users = [UserSplit(*(t.to(cuda) for t in u)) for u in users]
     cuda_algorithm = create_algorithm(optimizer, model.to(cuda), config)
     engine = BatchedSimulation(cuda_algorithm, users, {k: v.to(cuda) for k, v in start.items()}, Driver(cuda_algorithm))
-    got = engine.run(0, config.comm_round)
+    got = engine.run(0, config.train.comm_round)
     for k in got:
         torch.testing.assert_close(got[k].cpu(), reference[k], rtol=1e-9, atol=1e-11)
 
@@ -307,7 +310,7 @@ def test_a_round_larger_than_one_computation_trains_in_pieces_with_the_same_resu
     config, users, model = _setup("PerFedAvg", "hf", client_num_per_round=5)
     algorithm = create_algorithm("PerFedAvg", model, config)
     start = copy.deepcopy(model.state_dict())
-    reference = per_client_rounds(algorithm, users, start, config.comm_round)
+    reference = per_client_rounds(algorithm, users, start, config.train.comm_round)
     engine = BatchedSimulation(create_algorithm("PerFedAvg", model, config), users, start, Driver(algorithm))
     calls = []
     original = engine._batched_updates
@@ -315,8 +318,8 @@ def test_a_round_larger_than_one_computation_trains_in_pieces_with_the_same_resu
     monkeypatch.setattr(
         engine, "_batched_updates", lambda r, clients: calls.append(len(clients)) or original(r, clients)
     )
-    got = engine.run(0, config.comm_round)
-    assert calls == [2, 2, 1] * config.comm_round  # 5 clients a round: three computations
+    got = engine.run(0, config.train.comm_round)
+    assert calls == [2, 2, 1] * config.train.comm_round  # 5 clients a round: three computations
     for k in got:
         torch.testing.assert_close(got[k], reference[k], rtol=1e-10, atol=1e-12)
 

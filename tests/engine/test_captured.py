@@ -37,12 +37,12 @@ def test_captured_rounds_run_the_eager_steps_and_give_their_bits(optimizer, vari
     assert captured.captured is not None and captured.captured.captures is False
     assert "CUDA graphs need a CUDA device; on cpu the same steps run uncaptured" in caplog.text
     before = {k: v.clone() for k, v in captured.state.items()}
-    want, got = eager.run(0, config.comm_round), captured.run(0, config.comm_round)
+    want, got = eager.run(0, config.train.comm_round), captured.run(0, config.train.comm_round)
     for k in want:
         assert torch.equal(got[k], want[k]), k
     assert any(not torch.equal(got[k], before[k]) for k in got)  # it trained
     # each round's training figures, from the graph's outputs, as the eager rounds record them
-    assert _figures(captured, config.comm_round) == _figures(eager, config.comm_round)
+    assert _figures(captured, config.train.comm_round) == _figures(eager, config.train.comm_round)
     assert len(captured.captured._replays) == 1  # one input shape: one graph, replayed every round
 
 
@@ -121,7 +121,7 @@ def test_a_run_that_cannot_be_captured_says_why_and_runs_eagerly(overrides, reas
 
 
 def test_the_config_refuses_capture_where_no_batched_engine_runs_or_a_compiled_step_does():
-    assert resolve({}, {"capture_rounds": True}).capture_rounds is True
+    assert resolve({}, {"capture_rounds": True}).device.capture_rounds is True
     with pytest.raises(ConfigError, match="device_args.capture_rounds=True: only the batched engine captures"):
         resolve({}, {"capture_rounds": True, "simulation_engine": "fedml"})
     with pytest.raises(ConfigError, match="not with device_args.compile_local_update=True"):

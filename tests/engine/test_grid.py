@@ -25,11 +25,11 @@ def test_three_seeds_together_equal_three_separate_runs_float64(optimizer, varia
     alone, together = [], []
     for seed in (0, 1, 2):
         engine, config = _engine(optimizer, variant, seed)
-        alone.append(engine.run(0, config.comm_round))
+        alone.append(engine.run(0, config.train.comm_round))
         together.append(_engine(optimizer, variant, seed)[0])
-    GridSimulation(together).run(0, config.comm_round)
+    GridSimulation(together).run(0, config.train.comm_round)
     for separate, joint in zip(alone, together):
-        assert len(joint.driver.states) == config.comm_round  # each run's own driver saw every round
+        assert len(joint.driver.states) == config.train.comm_round  # each run's own driver saw every round
         for k in separate:
             torch.testing.assert_close(joint.state[k], separate[k], rtol=1e-12, atol=1e-13)
     assert not torch.allclose(alone[0]["net.1.weight"], alone[1]["net.1.weight"])  # the seeds differ

@@ -79,7 +79,7 @@ def test_an_algorithms_own_draws_and_metrics_see_the_scaled_numbers():
     def algorithm():
         torch.manual_seed(0)
         model = create_model("mlp", (1, 4, 4), 3, [5])
-        built = create_algorithm(config.federated_optimizer, model, config)
+        built = create_algorithm(config.train.federated_optimizer, model, config)
 
         class OwnDraws(type(built)):  # an algorithm that draws its own minibatches
             def client_batches(self, round_idx, client_id, x, y):

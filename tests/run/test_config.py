@@ -35,19 +35,24 @@ def test_shipped_configs_validate_and_say_what_they_run(path):
     config = load(str(path))
     method = path.stem.rsplit("_", 1)[1]
     expected = {"fedavg": "FedAvgUpdate", "aruba": "FedAvgARUBA"}.get(method, "PerFedAvg")
-    assert config.federated_optimizer == expected
+    assert config.train.federated_optimizer == expected
     if expected == "FedAvgARUBA":
         assert tuple(config.setting(k) for k in ("aruba_epsilon", "aruba_zeta", "aruba_p")) == (0.03, 0.1, 1.0)
     elif method != "fedavg":
         assert config.setting("perfedavg_variant") == method
-    assert (config.client_num_in_total, config.client_num_per_round, config.comm_round, config.beta) == (
+    assert (
+        config.train.client_num_in_total,
+        config.train.client_num_per_round,
+        config.train.comm_round,
+        config.train.beta,
+    ) == (
         50,
         10,
         1000,
         0.001,
     )
-    assert config.local_steps == int(path.stem.split("_tau")[1].split("_")[0])
-    assert config.partition_method == ("paper_diff_hetero" if "diffhetero" in path.stem else "paper")
+    assert config.train.local_steps == int(path.stem.split("_tau")[1].split("_")[0])
+    assert config.data.partition_method == ("paper_diff_hetero" if "diffhetero" in path.stem else "paper")
 
 
 @pytest.mark.parametrize(
@@ -125,8 +130,8 @@ def test_set_overrides_take_yaml_values_and_qualified_names():
     with pytest.raises(ConfigError, match="unknown key 'comm_rounds'; did you mean 'comm_round'"):
         parse_overrides(["comm_rounds=3"])
     config = load(str(CONFIGS[0]), ["comm_round=7", "data_args.data_cache_dir=/d"])
-    assert config.data_cache_dir == "/d"
-    assert config.comm_round == 7 and config.sections()["train_args"]["comm_round"] == 7
+    assert config.data.data_cache_dir == "/d"
+    assert config.train.comm_round == 7 and config.sections()["train_args"]["comm_round"] == 7
 
 
 def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
@@ -135,7 +140,7 @@ def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train_args:\n  beta: 5e-4\n  delta: 1e-5\n")
     config = load(str(path))
-    assert (config.beta, config.setting("delta")) == (0.0005, 1e-5)
+    assert (config.train.beta, config.setting("delta")) == (0.0005, 1e-5)
     with pytest.raises(ConfigError, match="train_args.beta='fast': must be of type float"):
         load(str(path), ["beta=fast"])
 
@@ -162,7 +167,7 @@ def test_fedml_keys_mean_what_they_mean_in_fedml(caplog):
                 }
             }
         )
-    assert config.beta == 0.03 and config.batch_sizes == (20, 20, 20)  # learning_rate is beta; batch_size is |D|
+    assert config.train.beta == 0.03 and config.batch_sizes == (20, 20, 20)  # learning_rate is beta; batch_size is |D|
     for name in (
         "train_args.epochs=5 is not used",
         "train_args.client_optimizer='adam' is not used",
@@ -171,7 +176,10 @@ def test_fedml_keys_mean_what_they_mean_in_fedml(caplog):
         assert name in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
-        assert resolve({"train_args": {"learning_rate": 0.001, "beta": 0.001, "client_optimizer": "sgd"}}).beta == 0.001
+        assert (
+            resolve({"train_args": {"learning_rate": 0.001, "beta": 0.001, "client_optimizer": "sgd"}}).train.beta
+            == 0.001
+        )
     assert "not used" not in caplog.text  # sgd is what Per-FedAvg does; equal values agree
 
 
@@ -207,7 +215,7 @@ def test_entry_point_algorithms_are_listed_and_loaded(monkeypatch, fresh_entry_p
     )
     monkeypatch.setattr(registry, "_REGISTERED", {})  # algorithms other tests registered
     assert registry.algorithm_names() == ["PerFedAvg", "FedAvgUpdate", "FedAvgARUBA", "MyAlg"]
-    assert resolve({}, {"federated_optimizer": "MyAlg"}).federated_optimizer == "MyAlg"
+    assert resolve({}, {"federated_optimizer": "MyAlg"}).train.federated_optimizer == "MyAlg"
     assert registry.algorithm_class("MyAlg") is PerFedAvg
     with pytest.raises(KeyError, match="must be one of"):
         registry.algorithm_class("Nope")
@@ -229,7 +237,7 @@ def test_batch_sizes_must_fit_the_smallest_users_data():
 def test_plugin_algorithm_names_match_in_any_case_and_typos_are_named():
     from fedml_perfedavg.run.config import resolve
 
-    assert resolve({"train_args": {"federated_optimizer": "fedavgupdate"}}).federated_optimizer == "FedAvgUpdate"
+    assert resolve({"train_args": {"federated_optimizer": "fedavgupdate"}}).train.federated_optimizer == "FedAvgUpdate"
     with pytest.raises(ConfigError, match="did you mean 'FedAvgARUBA'"):
         resolve({"train_args": {"federated_optimizer": "FedAvgAruba2"}})
 
@@ -356,7 +364,7 @@ def test_an_algorithm_that_gives_a_taken_key_another_meaning_is_refused_naming_b
         registry.register("Clashing", Clashing)
     assert "Clashing" not in registry.algorithm_names()
     registry.register("Sharing", Sharing)  # one declaration, two algorithms: allowed
-    assert resolve({}, {"federated_optimizer": "Sharing"}).federated_optimizer == "Sharing"
+    assert resolve({}, {"federated_optimizer": "Sharing"}).train.federated_optimizer == "Sharing"
 
     class FakeEntryPoint:  # an installed algorithm is checked when the settings are read
         name = "Installed"
@@ -380,8 +388,8 @@ def test_a_secure_configuration_where_one_lost_organization_fails_every_later_ro
     or the operator's explicit acceptance."""
     silo_yaml = load_yaml(str(REPO / "yaml_configs" / "mnist_tau10_alpha0.01_hf_silo.yaml"))
     secure = {"silo_data": "own", "enable_secagg": True, "tls_dir": "/tmp", "client_num_in_total": 4}
-    assert resolve(silo_yaml, {**secure, "client_num_per_round": 3}).reserve_silos == 1  # a reserve: accepted
-    assert resolve(silo_yaml, {**secure, "client_num_per_round": 4}).client_num_per_round == 4  # spares one
+    assert resolve(silo_yaml, {**secure, "client_num_per_round": 3}).secagg.reserve_silos == 1  # a reserve: accepted
+    assert resolve(silo_yaml, {**secure, "client_num_per_round": 4}).train.client_num_per_round == 4  # spares one
     with pytest.raises(ConfigError) as refused:
         resolve(silo_yaml, {**secure, "client_num_per_round": 3, "reserve_silos": 0})
     words = str(refused.value)
@@ -389,6 +397,6 @@ def test_a_secure_configuration_where_one_lost_organization_fails_every_later_ro
     assert "secagg_args.reserve_silos=0 lets no organization take its place" in words
     assert "client_num_per_round >= 4" in words and "secagg_args.accept_rounds_without_spare: true" in words
     accepted = {**secure, "client_num_per_round": 3, "reserve_silos": 0, "accept_rounds_without_spare": True}
-    assert resolve(silo_yaml, accepted).accept_rounds_without_spare is True
+    assert resolve(silo_yaml, accepted).secagg.accept_rounds_without_spare is True
     with pytest.raises(ConfigError, match="no organization can take its place"):
         resolve(silo_yaml, {**secure, "client_num_per_round": 4, "min_clients_per_round": 4})

@@ -36,9 +36,9 @@ def test_random_config_values_are_accepted_or_rejected_with_a_clear_message(key,
         if key.name in algorithm_fields() and key.name not in config.algorithm_values:
             return  # another algorithm's key: its value checked, then named in a warning, not kept
         assert (
-            getattr(config, key.name) == value
+            config.setting(key.name) == value
             or (value is None and key.default is None)
-            or float(getattr(config, key.name)) == float(value)
+            or float(config.setting(key.name)) == float(value)
         )
 
 
@@ -82,14 +82,14 @@ def test_whole_configs_are_valid_run_setups_or_one_clean_error(values):
         named = re.match(r"^(\w+_args)\.(\w+)=", str(err))
         assert named and (named.group(2) in BY_NAME or named.group(2) in FEDML_KEYS), str(err)
         return
-    assert 1 <= config.client_num_per_round <= config.client_num_in_total
-    if config.partition_method in ("paper", "paper_diff_hetero"):
-        spec = DATASETS[config.dataset]
+    assert 1 <= config.train.client_num_per_round <= config.train.client_num_in_total
+    if config.data.partition_method in ("paper", "paper_diff_hetero"):
+        spec = DATASETS[config.data.dataset]
         plans = plan_users(
-            config.client_num_in_total,
-            config.images_per_class or spec.images_per_class,
-            config.partition_method,
-            config.random_seed,
+            config.train.client_num_in_total,
+            config.data.images_per_class or spec.images_per_class,
+            config.data.partition_method,
+            config.common.random_seed,
         )
         assert max(config.batch_sizes) <= min(p.total for p in plans)
         for cls, have in enumerate(spec.train_class_counts):

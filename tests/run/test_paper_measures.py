@@ -30,10 +30,10 @@ def test_each_evaluation_records_training_time_stationarity_and_the_random_itera
     algorithm = result.algorithm
     params, _ = algorithm.split_state(result.final_state)
     assert history[-1]["stationarity"] == pytest.approx(
-        stationarity(algorithm.loss_fn, params, data.users, config.alpha), rel=1e-6
+        stationarity(algorithm.loss_fn, params, data.users, config.train.alpha), rel=1e-6
     )
     for h in history:
-        assert h["random_iterate_step"] == random_iterate_step(config.random_seed, h["round"], 3)
+        assert h["random_iterate_step"] == random_iterate_step(config.common.random_seed, h["round"], 3)
         assert 0 <= h["random_iterate_personalized_accuracy"] <= 1 and h["random_iterate_stationarity"] > 0
 
 
@@ -41,11 +41,11 @@ def test_the_random_iterate_is_the_average_of_the_clients_truncated_updates(tmp_
     # Round 0 starts from the initial model; recompute its iterates by hand and compare.
     data = tiny_data()
     config = tiny_config(random_iterate=True, local_steps=4, comm_round=1, checkpoint_every=0, stationarity_every=2)
-    step = random_iterate_step(config.random_seed, 0, 4)
+    step = random_iterate_step(config.common.random_seed, 0, 4)
     from fedml_perfedavg.algorithms.registry import create_algorithm
     from fedml_perfedavg.models import create_model
 
-    torch.manual_seed(config.random_seed)
+    torch.manual_seed(config.common.random_seed)
     model = create_model("mlp", (1, 4, 4), 3, (5,))
     start = {k: v.clone() for k, v in model.state_dict().items()}
     result = run(config, str(tmp_path), data=data, model=model)
@@ -61,7 +61,7 @@ def test_the_random_iterate_is_the_average_of_the_clients_truncated_updates(tmp_
     assert recorded["random_iterate_personalized_accuracy"] == pytest.approx(expected)
     params, _ = algorithm.split_state(averaged)
     assert recorded["random_iterate_stationarity"] == pytest.approx(
-        stationarity(algorithm.loss_fn, params, data.users, config.alpha), rel=1e-6
+        stationarity(algorithm.loss_fn, params, data.users, config.train.alpha), rel=1e-6
     )
     # Independent of client_iterate's own code: the iterate after `step` steps, continued with the
     # remaining steps' minibatches, is exactly the client's full update (a wrong start point or

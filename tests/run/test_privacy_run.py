@@ -38,17 +38,17 @@ def test_every_use_is_counted_and_epsilon_is_opacus_on_those_uses(tmp_path, vari
     result = run(config, str(tmp_path / "run"), data=tiny_data())
     privacy = result.summary["privacy"]
     assert result.summary["train_history"] == []  # the local steps' losses are the private data's: not released
-    rounds, tau, evaluations = config.comm_round, config.local_steps, [0, 2, 4, 5]
+    rounds, tau, evaluations = config.train.comm_round, config.train.local_steps, [0, 2, 4, 5]
     assert [e["round"] for e in result.summary["history"]] == evaluations
     sampled = {u: 0 for u in range(6)}
     for r in range(rounds):
-        for c in sample_clients(config.random_seed, r, 6, 3):
+        for c in sample_clients(config.common.random_seed, r, 6, 3):
             sampled[c] += 1
     assert sum(sampled.values()) == rounds * 3
     total = sum(entry["uses"] for entry in privacy["per_user"].values())
-    assert total == rounds * 3 * tau * roles + len(evaluations) * 6 * config.adapt_steps
+    assert total == rounds * 3 * tau * roles + len(evaluations) * 6 * config.validation.adapt_steps
     for user, entry in privacy["per_user"].items():
-        uses = sampled[int(user)] * tau * roles + len(evaluations) * config.adapt_steps
+        uses = sampled[int(user)] * tau * roles + len(evaluations) * config.validation.adapt_steps
         assert entry["uses"] == uses and entry["sample_rate"] == pytest.approx(8 / 24)
         accountant = RDPAccountant()
         accountant.history = [(1.1, 8 / 24, uses)]
@@ -284,7 +284,7 @@ def test_fedavg_takes_one_use_per_step(tmp_path):
     config = _config(federated_optimizer="FedAvgUpdate")
     privacy = run(config, str(tmp_path / "fedavg"), data=tiny_data()).summary["privacy"]
     total = sum(entry["uses"] for entry in privacy["per_user"].values())
-    assert total == config.comm_round * 3 * config.local_steps + 4 * 6
+    assert total == config.train.comm_round * 3 * config.train.local_steps + 4 * 6
 
 
 def test_a_model_with_batchnorm_is_refused_at_start_naming_dp_args(tmp_path):
@@ -331,9 +331,9 @@ def test_the_docs_dp_example_fits_the_deployment_the_docs_describe(mnist_root, s
         dp["dp_args.noise_multiplier"] = sigma
     deployment = {"client_num_in_total": 4, "client_num_per_round": 2, "data_cache_dir": mnist_root}
     config = resolve(load_yaml(SILO_YAML), {**deployment, "training_type": "simulation", "backend": "sp", **dp})
-    assert config.comm_round == 1000 and dp["dp_args.max_epsilon"] == 8.0
+    assert config.train.comm_round == 1000 and dp["dp_args.max_epsilon"] == 8.0
     model = create_model("mlp", (1, 28, 28), 10, [80, 60])
-    algorithm = create_algorithm(config.federated_optimizer, model, config)
+    algorithm = create_algorithm(config.train.federated_optimizer, model, config)
     users = load_split(config).users
     if sigma is not None:
         with pytest.raises(ConfigError, match=r"this run would reach epsilon 138\.2 \(user 3\)"):

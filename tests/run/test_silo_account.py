@@ -30,7 +30,7 @@ def _config(**overrides):
 
 
 def _algorithm(config):
-    return create_algorithm(config.federated_optimizer, create_model("mlp", (1, 4, 4), 3, [5]), config)
+    return create_algorithm(config.train.federated_optimizer, create_model("mlp", (1, 4, 4), 3, [5]), config)
 
 
 def _identity(run_id):
@@ -51,7 +51,7 @@ def _start(config, run_dir, run_id, accounts):
 
 def _train_all_rounds(config, algorithm, ledger, run, run_dir, run_id):
     """Spend the whole run's plan and keep it, as the silo does after each round."""
-    for round_idx in range(config.comm_round):
+    for round_idx in range(config.train.comm_round):
         ledger.trained(round_idx, [USER])
     progress = SiloProgress(str(run_dir), RANK, _identity(run_id), algorithm, ledger, run)
     progress.save(SiloOutcome(USER))
@@ -76,7 +76,7 @@ def test_a_new_run_counts_the_earlier_runs_uses_and_draws_other_noise(tmp_path, 
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     _train_all_rounds(config, algorithm, ledger, run, tmp_path / "a", "run-a")
     one_run = ledger.this_run(USER)
-    assert sum(one_run.values()) == config.comm_round * config.local_steps * 3  # HF: D, D', D''
+    assert sum(one_run.values()) == config.train.comm_round * config.train.local_steps * 3  # HF: D, D', D''
 
     # the same run's process started again (its progress.pt): the same secret, the same noise, no earlier uses
     _, again, _, run_again, noise_again = _start(config, tmp_path / "a", "run-a", accounts)
@@ -88,7 +88,7 @@ def test_a_new_run_counts_the_earlier_runs_uses_and_draws_other_noise(tmp_path, 
         assert other.key != run.key and second.earlier == {USER: one_run}
         assert not torch.equal(noise, first_noise)  # a run's secret of its own: no shared noise
         second.trained(0, [USER])
-        assert sum(second.uses[USER].values()) == sum(one_run.values()) + config.local_steps * 3
+        assert sum(second.uses[USER].values()) == sum(one_run.values()) + config.train.local_steps * 3
         assert second.bound(USER) > rdp_epsilon(one_run, 1.1, 1e-5)
         assert second.report()["per_user"][str(USER)]["earlier_uses"] == sum(one_run.values())
     record = json.loads((folder / ACCOUNT).read_text())
@@ -99,9 +99,9 @@ def test_a_budget_one_run_fits_refuses_the_second_naming_the_earlier_runs(tmp_pa
     probe = _config()
     algorithm, ledger, _, run, _ = _start(probe, tmp_path / "probe", "probe", accounts)
     plan = ledger.copy()
-    for round_idx in range(probe.comm_round):
+    for round_idx in range(probe.train.comm_round):
         plan.trained(round_idx, [USER])
-        if round_idx % 2 == 1 or round_idx == probe.comm_round - 1:
+        if round_idx % 2 == 1 or round_idx == probe.train.comm_round - 1:
             plan.evaluated(round_idx, [USER])
     one_run = plan.epsilon(USER)
     for path in accounts.iterdir():  # start the account afresh: only the budgeted runs below count
@@ -157,7 +157,7 @@ def test_under_secure_aggregation_without_dp_a_silo_keys_its_minibatches_by_a_se
 
     def start(run_id, secure=True):
         algorithm = _algorithm(config)
-        asked = SimpleNamespace(privacy=None, enable_secagg=secure)
+        asked = SimpleNamespace(privacy=None, secagg=SimpleNamespace(enable_secagg=secure))
         own = OWN.silo_privacy(asked, algorithm, RANK, [user], SiloRun(str(tmp_path), lambda: _identity(run_id)))
         batches = algorithm.client_batches(4, USER, user.train_x, user.train_y)
         return (

@@ -16,8 +16,8 @@ def test_every_round_records_its_clients_training_loss_and_accuracy(tmp_path, me
     config = tiny_config(federated_optimizer=optimizer, perfedavg_variant=variant, checkpoint_every=0, beta=0.3)
     result = run(config, str(tmp_path / "run"), data=tiny_data())
     training = result.summary["train_history"]
-    assert [t["round"] for t in training] == list(range(config.comm_round))
-    assert all(t["train_clients"] == config.client_num_per_round for t in training)
+    assert [t["round"] for t in training] == list(range(config.train.comm_round))
+    assert all(t["train_clients"] == config.train.client_num_per_round for t in training)
     assert all(0.0 < t["train_loss"] < 5.0 and 0.0 <= t["train_accuracy"] <= 1.0 for t in training)
     assert training[-1]["train_loss"] < training[0]["train_loss"]  # it trained
 
@@ -31,9 +31,9 @@ def test_the_first_rounds_figures_are_the_clients_losses_at_the_global_model(tmp
     config = tiny_config(checkpoint_every=0, comm_round=1)
     data = tiny_data()
     result = run(config, str(tmp_path / "run"), data=data)
-    torch.manual_seed(config.random_seed)
-    model = create_model(config.model, data.input_shape, data.num_classes, config.hidden_sizes)
-    algorithm = create_algorithm(config.federated_optimizer, model, config)
+    torch.manual_seed(config.common.random_seed)
+    model = create_model(config.model.model, data.input_shape, data.num_classes, config.model.hidden_sizes)
+    algorithm = create_algorithm(config.train.federated_optimizer, model, config)
     state = dict(model.state_dict())
     params, _ = algorithm.split_state(state)
     figures = []

@@ -40,7 +40,7 @@ def test_offline_run_reads_back_with_wandbs_reader(tmp_path, monkeypatch):
     assert header.run_group == "mnist_tau4_alpha0.01" and header.project == "fedml-perfedavg"
     assert list(header.tags) == ["PerFedAvg-hf", "seed3", "mnist"]
     logged_config = {item.key: json.loads(item.value_json) for item in header.config.update}
-    assert logged_config["train_args"]["alpha"] == config.alpha
+    assert logged_config["train_args"]["alpha"] == config.train.alpha
     assert logged_config["common_args"]["random_seed"] == 3
 
     rows = [
@@ -55,7 +55,7 @@ def test_offline_run_reads_back_with_wandbs_reader(tmp_path, monkeypatch):
         assert int(row["round"]) == expected["round"]
         assert float(row["Train/Loss"]) == float(row["train/loss"]) == pytest.approx(expected["train_loss"])
         assert float(row["Train/Acc"]) == float(row["train/accuracy"]) == pytest.approx(expected["train_accuracy"])
-        assert 0.0 < expected["train_loss"] < 10.0 and expected["train_clients"] == config.client_num_per_round
+        assert 0.0 < expected["train_loss"] < 10.0 and expected["train_clients"] == config.train.client_num_per_round
     # the evaluations, in their rounds' rows: FedML's Test/* keys are the personalized figures
     evaluated = [row for row in rows if "eval/personalized_accuracy" in row]
     evaluations = result.summary["history"]

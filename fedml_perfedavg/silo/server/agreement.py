@@ -82,14 +82,14 @@ def architecture(state: StateDict) -> str:
 
 def fingerprint(config: Any, state: StateDict) -> Dict[str, Any]:
     """The values of :data:`AGREED` (batch sizes resolved), the architecture and the safeguards."""
-    values = {f"{section}.{key}": _plain(getattr(config, key, None)) for section, key in AGREED}
+    values = {f"{section}.{key}": _plain(config.setting(key)) for section, key in AGREED}
     # The chosen algorithm's own settings (its Settings dataclass), whatever they are.
-    own = config.algorithm_settings(config.federated_optimizer)
+    own = config.algorithm_settings(config.train.federated_optimizer)
     values.update({f"train_args.{key}": _plain(value) for key, value in own.items()})
     sizes = config.batch_sizes
     values["train_args.meta_batch_size"], values["train_args.hessian_batch_size"] = sizes[1], sizes[2]
     values[ARCHITECTURE] = architecture(state)
-    values[SAFEGUARDS] = _digest(getattr(config, "safeguards", {}))
+    values[SAFEGUARDS] = _digest(config.safeguards)
     return values
 
 
