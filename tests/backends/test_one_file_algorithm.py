@@ -151,7 +151,7 @@ def test_its_setting_joins_the_config_the_docs_table_and_the_fingerprint():
     from fedml_perfedavg.run.reference import markdown_table
 
     config = resolve({"train_args": {"federated_optimizer": "ClippedFedSGD", "clip_norm": 0.5}})
-    assert config.clip_norm == 0.5 and config.sections()["train_args"]["clip_norm"] == 0.5
+    assert config.setting("clip_norm") == 0.5 and config.sections()["train_args"]["clip_norm"] == 0.5
     with pytest.raises(ConfigError, match=r"train_args.clip_norm=0.0: must be > 0"):
         resolve({"train_args": {"federated_optimizer": "ClippedFedSGD", "clip_norm": 0.0}})
     assert "| train_args | `clip_norm` | `1.0` | > 0 | ClippedFedSGD: each local step's" in markdown_table()
