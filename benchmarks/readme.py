@@ -5,8 +5,9 @@
 
 - Table 1 (``results/table1/table1.csv``, and the date its ``table1.md`` was written): benchmarks/table1.py;
 - at a glance (``results/flbench_*.json``, ``results/dp_cost.json``, ``results/secagg_cost.json``,
-  ``results/population.json``): speed against FL-bench's Per-FedAvg, DP-SGD's and secure aggregation's
-  cost, the users one process holds, each with its date;
+  ``results/population.json``, ``results/cuda_graph_round_h200.json``): speed against FL-bench's
+  Per-FedAvg, DP-SGD's and secure aggregation's cost, the users one process holds, the captured
+  round on a GPU, each with its date;
 - the suite's fresh-clone runs (``results/suite.json``): benchmarks/suite.py.
 
 A fast test (tests/test_readme_figures.py) runs the check, so a stale figure fails CI.
@@ -76,6 +77,15 @@ def glance(results: Path = RESULTS) -> str:
         f"{paper['peak_mb'] / 1024:.1f} GiB at its peak, {paper['ms_per_client']:.1f} ms a sampled client; "
         f"{small['users']:,} small users evaluated in {small['evaluation_s']:.1f} s | "
         f"{population['date'].split()[0]}, `{population['command']}` |"
+    )
+    cuda = json.loads((results / "cuda_graph_round_h200.json").read_text())
+    hf, cell = cuda["methods"]["hf"], cuda["full"]["mnist_tau10_alpha0.01_hf"]
+    same = all(m["max_abs_diff_after_rounds"] == 0 and m["training_figures_equal"] for m in cuda["methods"].values())
+    rows.append(
+        f"| a round on a GPU ({cuda['device']}), `device_args.capture_rounds` | HF {hf['captured_ms']:.1f} ms "
+        f"against {hf['eager_ms']:.1f} ms eager{', the eager bits' if same else ''}; Table 1's MNIST HF cell "
+        f"({cell['seeds']} seeds x {cell['rounds']} rounds) in {cell['wall_s']:.0f} s, {cell['mean_percent']:.2f}% | "
+        f"{cuda['date'].split()[0]}, `{cuda['command']}` |"
     )
     return "\n".join(rows)
 
