@@ -39,6 +39,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from fedml_perfedavg.algorithms.base import initial_global_state  # noqa: E402
 from fedml_perfedavg.algorithms.registry import create_algorithm  # noqa: E402
@@ -48,23 +49,9 @@ from fedml_perfedavg.engine.batched import BatchedSimulation  # noqa: E402
 from fedml_perfedavg.engine.grid import GridSimulation, why_not_together  # noqa: E402
 from fedml_perfedavg.models import create_model  # noqa: E402
 from fedml_perfedavg.run.config import Config, load  # noqa: E402
+from cuda_check import Driver, synchronize  # noqa: E402  (the round driver that takes each round's figures)
 
 METHODS = ("fedavg", "fo", "hf", "exact")
-
-
-class Driver:
-    """The engine's round driver: the algorithm's sampling; each round's training figures taken
-    at its end, as a run's driver takes them."""
-
-    def __init__(self, algorithm) -> None:
-        self.algorithm = algorithm
-        self.training: Dict[int, dict] = {}
-
-    def sample_clients(self, round_idx: int) -> List[int]:
-        return self.algorithm.sample_clients(round_idx)
-
-    def round_finished(self, round_idx: int, state) -> None:
-        self.training[round_idx] = self.algorithm.training.take(round_idx)
 
 
 def config_of(cell: str, method: str, seed: int, root: str, rounds: int = 1000) -> Config:
@@ -116,11 +103,6 @@ class Runs:
         algorithm = create_algorithm(config.train.federated_optimizer, model, config)
         state = {k: v.to(self.device) for k, v in initial_global_state(algorithm, model).items()}
         return BatchedSimulation(algorithm, self.users(config), state, Driver(algorithm), capture_rounds=capture)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def block_ms(step: Callable[[int], object], rounds: List[int], device: torch.device) -> float:
