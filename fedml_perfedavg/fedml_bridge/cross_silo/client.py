@@ -18,6 +18,7 @@ from collections import deque
 from typing import Any, Dict, List, Optional
 
 from ...core.errors import SiloFailure
+from ...stopping import STOP_SIGNALLED
 from ...core.ledger import silo_report
 from ..bootstrap import import_fedml
 from ...silo.server.agreement import SiloSetup
@@ -251,8 +252,13 @@ class PluginClientMasterManager(OwnTransport, ClientMasterManager):
     def receive_message(self, msg_type, msg_params) -> None:
         try:
             super().receive_message(msg_type, msg_params)
-        except Exception as err:  # the silo ends: the server hears why now, not at its deadline
-            tell_failure(self, err)
+        except Exception as err:
+            if STOP_SIGNALLED.is_set():
+                # The stop landed in a library's cleanup, which raised its own error in place of the
+                # interrupt (torch's vmap nesting asserts when a KeyboardInterrupt unwinds it): the
+                # silo was stopped, and stops as a stopped silo does, without a traceback.
+                raise KeyboardInterrupt from err
+            tell_failure(self, err)  # the silo ends: the server hears why now, not at its deadline
             raise
 
     def _on_ready(self, msg_params: Message) -> None:
