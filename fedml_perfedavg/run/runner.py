@@ -540,19 +540,27 @@ class PluginRun:
             self._end_every_rank(f"run stopped: {err}", stop_exit_code(err))
             raise
         except KeyboardInterrupt:
-            self.finish(status="interrupted", error="interrupted (SIGINT or SIGTERM)")
-            where = record_of(self.run_dir, "what was measured so far") if self.is_server else ""
-            note_recorded_stop(f"fedml-perfedavg: interrupted{where}")
-            self._end_every_rank("interrupted", stopped_exit_code())
+            self._interrupted()
             raise
         except BaseException as err:  # any other end is recorded too: `running` only while a process lives
-            status = "interrupted" if STOP_SIGNALLED.is_set() else "failed"  # a stop the code around it re-raised
+            if STOP_SIGNALLED.is_set():
+                # The stop landed in code that raised an error of its own in its place (a library's
+                # cleanup: torch's vmap nesting asserts as a KeyboardInterrupt unwinds it): a stop.
+                self._interrupted()
+                raise KeyboardInterrupt from err
             try:
-                self.finish(status=status, error=f"{type(err).__name__}: {err}")
+                self.finish(status="failed", error=f"{type(err).__name__}: {err}")
             except OutputError as again:
                 logger.error("%s", again)
-            self._end_every_rank(f"run {status}: {type(err).__name__}: {err}", 1)
+            self._end_every_rank(f"run failed: {type(err).__name__}: {err}", 1)
             raise
+
+    def _interrupted(self) -> None:
+        """A run stopped by SIGINT or SIGTERM: recorded as interrupted, one line said, every rank ended."""
+        self.finish(status="interrupted", error="interrupted (SIGINT or SIGTERM)")
+        where = record_of(self.run_dir, "what was measured so far") if self.is_server else ""
+        note_recorded_stop(f"fedml-perfedavg: interrupted{where}")
+        self._end_every_rank("interrupted", stopped_exit_code())
 
     def _end_every_rank(self, why: str, code: int) -> None:
         """Close the log; under MPI, rank 0's record is now written, so the whole job ends here

@@ -103,6 +103,39 @@ def test_a_stopped_runs_last_line_says_how_many_of_its_rounds_ran(tmp_path, monk
     assert "evaluated after round 1; 2 of 6 rounds run (interrupted)" in caplog.text, caplog.text[-2000:]
 
 
+def test_an_error_raised_in_place_of_the_stop_signal_ends_the_run_as_stopped(tmp_path, monkeypatch):
+    """The signal's KeyboardInterrupt landed in a library's cleanup, which raised an error of its
+    own (torch's vmap nesting asserts as the interrupt unwinds it): the run is interrupted, with
+    the stop's exit and one line, not failed with a traceback."""
+    from fedml_perfedavg import stopping
+    from fedml_perfedavg.engine.batched import BatchedSimulation
+
+    stopped = [True]
+    original = BatchedSimulation.train_round
+
+    def train_round(self, current):
+        if current == 2:
+            if stopped[0]:
+                stopping.STOP_SIGNALLED.set()  # what the signal's handler did, just before
+            raise RuntimeError("layer.key() == TransformType::Vmap INTERNAL ASSERT FAILED")
+        return original(self, current)
+
+    monkeypatch.setattr(BatchedSimulation, "train_round", train_round)
+    monkeypatch.setattr(stopping, "_RECORDED_STOP", [])
+    monkeypatch.setattr(stopping.STOP_SIGNALLED, "_set", False)  # and cleared after the test, whatever happens
+    with pytest.raises(KeyboardInterrupt) as stop:
+        run(tiny_config(frequency_of_the_test=1), str(tmp_path / "run"), data=tiny_data())
+    assert isinstance(stop.value.__cause__, RuntimeError)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["rounds"] == 2
+    assert stopping._RECORDED_STOP[0].startswith("fedml-perfedavg: interrupted")
+    stopping.STOP_SIGNALLED.clear()
+    stopped[0] = False  # without a stop, the same error fails the run
+    with pytest.raises(RuntimeError, match="INTERNAL ASSERT"):
+        run(tiny_config(frequency_of_the_test=1), str(tmp_path / "failed"), data=tiny_data())
+    assert json.loads((tmp_path / "failed" / "summary.json").read_text())["status"] == "failed"
+
+
 def test_the_record_names_the_device_and_the_torch_threads_the_run_used(tmp_path):
     result = run(tiny_config(comm_round=1), str(tmp_path / "run"), data=tiny_data())
     process = json.loads((tmp_path / "run" / "summary.json").read_text())["process"]
