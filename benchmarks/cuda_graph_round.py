@@ -115,14 +115,23 @@ def block_ms(step: Callable[[int], object], rounds: List[int], device: torch.dev
     return (time.perf_counter() - start) * 1000 / len(rounds)
 
 
-def alternated(steps: Dict[str, Callable[[int], object]], first: int, blocks: int, size: int, device) -> Dict:
-    """Median ms a round of each step over ``blocks`` alternating blocks of ``size`` rounds."""
-    samples: Dict[str, List[float]] = {name: [] for name in steps}
+def alternated(
+    eager: Callable[[int], object], captured: Callable[[int], object], first: int, args, size: int, device
+) -> Dict:
+    """Median ms a round, eager and captured, over ``args.blocks`` alternating blocks of ``size``
+    rounds from round ``first``; each block's figures under ``blocks``."""
+    samples: Dict[str, List[float]] = {"eager": [], "captured": []}
     counter = iter(range(first, 10**6))
-    for _ in range(blocks):
-        for name, step in steps.items():
+    for _ in range(args.blocks):
+        for name, step in (("eager", eager), ("captured", captured)):
             samples[name].append(block_ms(step, [next(counter) for _ in range(size)], device))
-    return {name: {"median_ms": statistics.median(v), "blocks_ms": v} for name, v in samples.items()}
+    return {**{f"{name}_ms": statistics.median(v) for name, v in samples.items()}, "blocks": samples}
+
+
+def is_captured(simulation: object) -> bool:
+    """Whether an engine or a grid replays a captured graph."""
+    captured = getattr(simulation, "captured", None)
+    return captured is not None and captured.graphs > 0
 
 
 def max_difference(a: dict, b: dict) -> float:
@@ -144,21 +153,13 @@ def methods(runs: Runs, args, device) -> Dict[str, dict]:
         for r in range(1, args.rounds):
             captured.train_round(r)
         row = {
-            "captured": captured.captured is not None and captured.captured.graphs > 0,
+            "captured": is_captured(captured),
             "first_captured_round_s": first_round_s,
             "max_abs_diff_after_rounds": max_difference(eager.state, captured.state),
             "training_figures_equal": eager.driver.training == captured.driver.training,
             "rounds_compared": args.rounds,
         }
-        timed = alternated(
-            {"eager": eager.train_round, "captured": captured.train_round},
-            args.rounds,
-            args.blocks,
-            args.block_rounds,
-            device,
-        )
-        row.update({f"{name}_ms": t["median_ms"] for name, t in timed.items()})
-        row["blocks"] = {name: t["blocks_ms"] for name, t in timed.items()}
+        row.update(alternated(eager.train_round, captured.train_round, args.rounds, args, args.block_rounds, device))
         out[method] = row
         print(method, json.dumps({k: v for k, v in row.items() if k != "blocks"}), flush=True)
     return out
@@ -174,17 +175,8 @@ def grid(runs: Runs, args, device) -> Dict[str, dict]:
             eager.train_round(r)
             captured.train_round(r)
         difference = max(max_difference(e.state, c.state) for e, c in zip(eager.engines, captured.engines))
-        timed = alternated(
-            {"eager": eager.train_round, "captured": captured.train_round},
-            args.rounds,
-            args.blocks,
-            args.grid_rounds,
-            device,
-        )
-        row = {f"{name}_ms": t["median_ms"] for name, t in timed.items()}
-        row["captured"] = captured.captured is not None and captured.captured.graphs > 0
-        row["max_abs_diff_after_rounds"] = difference
-        row["blocks"] = {name: t["blocks_ms"] for name, t in timed.items()}
+        row = alternated(eager.train_round, captured.train_round, args.rounds, args, args.grid_rounds, device)
+        row.update(captured=is_captured(captured), max_abs_diff_after_rounds=difference)
         out[method] = row
         print("grid", method, json.dumps({k: v for k, v in row.items() if k != "blocks"}), flush=True)
     return out
@@ -213,10 +205,7 @@ def full_group(cell: str, method: str, args, runs: Optional[Runs] = None) -> dic
             evaluations += 1
     synchronize(device)
     accuracies = [100 * result.personalized_accuracy for result in results]
-    if together is not None:
-        captured = together.captured is not None and together.captured.graphs > 0
-    else:
-        captured = all(e.captured is not None and e.captured.graphs > 0 for e in engines)
+    captured = is_captured(together) if together is not None else all(is_captured(e) for e in engines)
     return {
         "rounds": args.full_rounds,
         "seeds": args.seeds,

@@ -118,6 +118,14 @@ def interrupt_if_stopping() -> None:
         raise KeyboardInterrupt
 
 
+def stop_in_place_of(err: BaseException) -> None:
+    """Raise KeyboardInterrupt (from ``err``) if a stop signal came: ``err`` was raised where the
+    interrupt landed, in its place (torch's vmap nesting asserts as a KeyboardInterrupt unwinds
+    it), so the process stops as a stopped one, not as one that failed."""
+    if STOP_SIGNALLED.is_set():
+        raise KeyboardInterrupt from err
+
+
 _RECORDED_STOP: List[str] = []  # the line that says where a stopped run's record is
 
 

@@ -78,8 +78,11 @@ class GridSimulation:
     ) -> Tuple[Dict[str, Tensor], Optional[Tensor]]:
         """Every run's clients' local update from ``start`` on their minibatches at ``index``
         (into all runs' data), and their training figures where recorded."""
+        return self._training(start, self.engines[0].minibatches.gather(index, self._data, lazy_inputs=True))
+
+    def _training(self, start: Dict[str, Tensor], batches: LocalBatches) -> Tuple[Dict[str, Tensor], Optional[Tensor]]:
+        """Every run's clients' local update from ``start`` on ``batches``, and their training figures."""
         first = self.engines[0]
-        batches = first.minibatches.gather(index, self._data, lazy_inputs=True)
         figures: Optional[List[StepFigures]] = [] if first.reports_training else None
         trained = first.train_from(start, batches, figures)
         return trained, None if figures is None else mean_figures(figures)
@@ -108,10 +111,7 @@ class GridSimulation:
                 train = self.captured if self.captured is not None else self._indexed_training
                 trained, every = train(start, index)
             else:
-                together = LocalBatches(*(torch.cat(tensors) for tensors in zip(*batches)))
-                figures: Optional[List[StepFigures]] = [] if self.engines[0].reports_training else None
-                trained = self.engines[0].train_from(start, together, figures)
-                every = None if figures is None else mean_figures(figures)
+                trained, every = self._training(start, LocalBatches(*(torch.cat(t) for t in zip(*batches))))
         offset = 0
         for engine, clients in zip(self.engines, chosen):
             mine = {k: v[offset : offset + len(clients)] for k, v in trained.items()}

@@ -39,6 +39,7 @@ from ..stopping import (
     note_recorded_stop,
     sigterm_as_interrupt,
     stop_exit_code,
+    stop_in_place_of,
     stopped_exit_code,
 )
 from . import checkpoint
@@ -544,10 +545,8 @@ class PluginRun:
             raise
         except BaseException as err:  # any other end is recorded too: `running` only while a process lives
             if STOP_SIGNALLED.is_set():
-                # The stop landed in code that raised an error of its own in its place (a library's
-                # cleanup: torch's vmap nesting asserts as a KeyboardInterrupt unwinds it): a stop.
                 self._interrupted()
-                raise KeyboardInterrupt from err
+                stop_in_place_of(err)
             try:
                 self.finish(status="failed", error=f"{type(err).__name__}: {err}")
             except OutputError as again:

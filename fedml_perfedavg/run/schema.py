@@ -32,17 +32,6 @@ from ..core.settings import in_section
 from ..core.settings import setting as _setting
 from ..fedml_bridge import safeguard_keys as fedml_safeguards
 
-SECTIONS = (
-    "common_args",
-    "data_args",
-    "model_args",
-    "train_args",
-    "validation_args",
-    "device_args",
-    "comm_args",
-    "secagg_args",
-    "tracking_args",
-)
 # FedML's DP, attack and defense sections: their keys go to FedML's own classes, section by
 # section (fedml_bridge/safeguards.py), so dp_args.delta is not train_args.delta.
 SAFEGUARD_SECTIONS = fedml_safeguards.SECTIONS
@@ -503,6 +492,7 @@ SECTION_CLASSES: Dict[str, Tuple[str, type]] = {
     "secagg_args": ("secagg", SecAggArgs),
     "tracking_args": ("tracking", TrackingArgs),
 }
+SECTIONS = tuple(SECTION_CLASSES)  # FedML's YAML sections, in order
 #: Each section key's :class:`Config` attribute: ``alpha`` -> ``train`` (``config.train.alpha``).
 SECTION_OF_KEY: Dict[str, str] = {
     f.name: attribute for attribute, cls in SECTION_CLASSES.values() for f in dataclasses.fields(cls)
@@ -517,15 +507,15 @@ class Config:
     DP-SGD typed: :attr:`privacy`). FedML's flat ``args`` are made from it and read back by
     :mod:`.fedml_args`."""
 
-    common: CommonArgs = field(default_factory=CommonArgs, metadata={"section_attribute": True})
-    data: DataArgs = field(default_factory=DataArgs, metadata={"section_attribute": True})
-    model: ModelArgs = field(default_factory=ModelArgs, metadata={"section_attribute": True})
-    train: TrainArgs = field(default_factory=TrainArgs, metadata={"section_attribute": True})
-    validation: ValidationArgs = field(default_factory=ValidationArgs, metadata={"section_attribute": True})
-    device: DeviceArgs = field(default_factory=DeviceArgs, metadata={"section_attribute": True})
-    comm: CommArgs = field(default_factory=CommArgs, metadata={"section_attribute": True})
-    secagg: SecAggArgs = field(default_factory=SecAggArgs, metadata={"section_attribute": True})
-    tracking: TrackingArgs = field(default_factory=TrackingArgs, metadata={"section_attribute": True})
+    common: CommonArgs = field(default_factory=CommonArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    model: ModelArgs = field(default_factory=ModelArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    validation: ValidationArgs = field(default_factory=ValidationArgs)
+    device: DeviceArgs = field(default_factory=DeviceArgs)
+    comm: CommArgs = field(default_factory=CommArgs)
+    secagg: SecAggArgs = field(default_factory=SecAggArgs)
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
     # Not settings: where the config came from, and FedML keys that ride along unchecked.
     source: Optional[str] = field(default=None, compare=False)
     extra: Dict[str, Tuple[str, Any]] = field(default_factory=dict, compare=False)

@@ -18,7 +18,7 @@ from collections import deque
 from typing import Any, Dict, List, Optional
 
 from ...core.errors import SiloFailure
-from ...stopping import STOP_SIGNALLED
+from ...stopping import stop_in_place_of
 from ...core.ledger import silo_report
 from ..bootstrap import import_fedml
 from ...silo.server.agreement import SiloSetup
@@ -253,11 +253,7 @@ class PluginClientMasterManager(OwnTransport, ClientMasterManager):
         try:
             super().receive_message(msg_type, msg_params)
         except Exception as err:
-            if STOP_SIGNALLED.is_set():
-                # The stop landed in a library's cleanup, which raised its own error in place of the
-                # interrupt (torch's vmap nesting asserts when a KeyboardInterrupt unwinds it): the
-                # silo was stopped, and stops as a stopped silo does, without a traceback.
-                raise KeyboardInterrupt from err
+            stop_in_place_of(err)  # the silo was stopped: not its failure, no traceback
             tell_failure(self, err)  # the silo ends: the server hears why now, not at its deadline
             raise
 
